@@ -1,0 +1,40 @@
+// The private native module `_embedcore`. The public API is the pure-Python
+// package `embedcore`; nothing here is meant to be imported directly.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "bindings.h"
+#include "embedcore/embedcore.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_embedcore, m) {
+  // InvalidArgument (std::invalid_argument) -> ValueError and OutOfRange
+  // (std::out_of_range) -> IndexError come with nanobind; the rest are ours.
+  nb::exception<embedcore::NotCompiled>(m, "NotCompiledError", PyExc_RuntimeError);
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const embedcore::TypeMismatch& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    }
+  });
+
+  m.def("set_num_threads", &embedcore::SetNumThreads, "n"_a,
+        "Sets the number of threads the kernels use; results never depend on it.");
+  m.def("get_num_threads", &embedcore::GetNumThreads);
+  m.def("build_info", [] {
+    const embedcore::BuildInfo info = embedcore::GetBuildInfo();
+    nb::dict d;
+    d["version"] = info.version;
+    d["cuda"] = info.cuda;
+    d["nccl"] = info.nccl;
+    d["mpi"] = info.mpi;
+    d["simd"] = info.simd;
+    d["compiler"] = info.compiler;
+    return d;
+  });
+  m.attr("__version__") = EMBEDCORE_VERSION_STRING;
+  embedcore::bindings::BindTable(m);
+}

@@ -1,0 +1,275 @@
+// nanobind bindings of embedcore::Table. No engine logic: arrays become
+// pointers without copies (the Python layer already normalised them), the GIL
+// is released around native work, and results are NumPy arrays that own the
+// engine's memory or view the table.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "bindings.h"
+#include "embedcore/embedcore.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace embedcore::bindings {
+namespace {
+
+using IdArray = nb::ndarray<nb::ro, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using OffsetArray = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using WeightArray = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using FloatIn = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
+using FloatOut = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
+using NumpyFloat = nb::ndarray<nb::numpy, float>;
+using NumpyView = nb::ndarray<nb::numpy, nb::ro>;
+
+Batch MakeBatch(const IdArray& ids, const OffsetArray& offsets, const std::optional<WeightArray>& weights) {
+  Batch b;
+  if (ids.dtype() == nb::dtype<int32_t>()) {
+    b.id_type = IdType::kInt32;
+  } else if (ids.dtype() == nb::dtype<int64_t>()) {
+    b.id_type = IdType::kInt64;
+  } else {
+    throw TypeMismatch("ids must be int32 or int64");
+  }
+  b.ids = ids.data();
+  b.nnz = int64_t(ids.shape(0));
+  if (offsets.shape(0) < 1) throw InvalidArgument("offsets must hold at least one element (0)");
+  b.offsets = offsets.data();
+  b.num_bags = int64_t(offsets.shape(0)) - 1;
+  if (weights) {
+    if (int64_t(weights->shape(0)) != b.nnz)
+      throw InvalidArgument("weights must have one value per id: len(weights) = " +
+                            std::to_string(weights->shape(0)) + ", len(ids) = " + std::to_string(b.nnz));
+    b.weights = weights->data();
+  }
+  return b;
+}
+
+Combiner ToCombiner(int c) {
+  if (c < 0 || c > 3) throw InvalidArgument("combiner code must be 0..3, got " + std::to_string(c));
+  return Combiner(c);
+}
+
+std::vector<size_t> OutputDims(const Batch& b, const OutputShape& s, int64_t dim) {
+  if (s.combiner != Combiner::kNone) return {size_t(b.num_bags), size_t(dim)};
+  if (s.max_sequence_length > 0) return {size_t(b.num_bags), size_t(s.max_sequence_length), size_t(dim)};
+  return {size_t(b.nnz), size_t(dim)};
+}
+
+nb::dlpack::dtype StorageDLType(DType d) {
+  switch (d) {
+    case DType::kFloat32:
+      return nb::dtype<float>();
+    case DType::kFloat16:
+      return nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
+    case DType::kBFloat16:  // NumPy has no bfloat16: the raw bits, as uint16
+      return nb::dtype<uint16_t>();
+  }
+  return nb::dtype<float>();
+}
+
+NumpyFloat Lookup(const Table& t, const IdArray& ids, const OffsetArray& offsets,
+                  const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length) {
+  const Batch batch = MakeBatch(ids, offsets, weights);
+  const OutputShape shape{ToCombiner(combiner), max_sequence_length};
+  const std::vector<size_t> dims = OutputDims(batch, shape, t.dim());
+  size_t n = 1;
+  for (size_t d : dims) n *= d;
+  std::unique_ptr<float[]> buf(new float[n == 0 ? 1 : n]);
+  {
+    nb::gil_scoped_release release;
+    t.Lookup(batch, shape, buf.get());
+  }
+  float* data = buf.release();
+  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+  return NumpyFloat(data, dims.size(), dims.data(), owner);
+}
+
+void LookupInto(const Table& t, const IdArray& ids, const OffsetArray& offsets,
+                const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length,
+                const FloatOut& out) {
+  const Batch batch = MakeBatch(ids, offsets, weights);
+  const OutputShape shape{ToCombiner(combiner), max_sequence_length};
+  const std::vector<size_t> dims = OutputDims(batch, shape, t.dim());
+  bool same = out.ndim() == dims.size();
+  for (size_t i = 0; same && i < dims.size(); ++i) same = out.shape(i) == dims[i];
+  if (!same) {
+    std::string want = "[";
+    for (size_t i = 0; i < dims.size(); ++i) want += (i ? ", " : "") + std::to_string(dims[i]);
+    throw InvalidArgument("out must have shape " + want + "]");
+  }
+  nb::gil_scoped_release release;
+  t.Lookup(batch, shape, out.data());
+}
+
+using PartTuple = std::tuple<IdArray, OffsetArray, std::optional<WeightArray>, int, int64_t, FloatIn>;
+
+void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learning_rate) {
+  std::vector<GradientPart> native;
+  native.reserve(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const auto& [ids, offsets, weights, combiner, max_len, grads] = parts[i];
+    GradientPart p;
+    p.batch = MakeBatch(ids, offsets, weights);
+    p.shape = OutputShape{ToCombiner(combiner), max_len};
+    const size_t want = size_t(p.shape.OutputRows(p.batch)) * size_t(t.dim());
+    if (grads.size() != want)
+      throw InvalidArgument("grads must hold " + std::to_string(want) + " float32 values (" +
+                            std::to_string(p.shape.OutputRows(p.batch)) + " x " + std::to_string(t.dim()) +
+                            "), got " + std::to_string(grads.size()));
+    p.grads = grads.data();
+    native.push_back(p);
+  }
+  nb::gil_scoped_release release;
+  t.ApplyGradients(native, learning_rate);
+}
+
+NumpyView ValuesView(Table& t) {
+  const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
+  return NumpyView(t.values(), 2, shape, nb::find(&t), nullptr, StorageDLType(t.spec().dtype));
+}
+
+std::vector<std::pair<std::string, NumpyView>> SlotViews(Table& t) {
+  std::vector<std::pair<std::string, NumpyView>> out;
+  const auto names = t.spec().optimizer.SlotNames();
+  const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
+  for (size_t i = 0; i < names.size(); ++i)
+    out.emplace_back(names[i], NumpyView(t.slot(i), 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
+  return out;
+}
+
+void CheckRows(const Table& t, size_t ndim, const int64_t* shape, const char* what) {
+  if (ndim != 2 || shape[1] != t.dim())
+    throw InvalidArgument(std::string(what) + " must have shape [n, " + std::to_string(t.dim()) + "]");
+}
+
+}  // namespace
+
+void BindTable(nb::module_& m) {
+  nb::class_<InitializerSpec> init(m, "InitializerSpec");
+  nb::enum_<InitializerSpec::Kind>(init, "Kind")
+      .value("Zeros", InitializerSpec::Kind::kZeros)
+      .value("Constant", InitializerSpec::Kind::kConstant)
+      .value("Uniform", InitializerSpec::Kind::kUniform)
+      .value("Normal", InitializerSpec::Kind::kNormal)
+      .value("TruncatedNormal", InitializerSpec::Kind::kTruncatedNormal);
+  init.def(nb::init<>())
+      .def_rw("kind", &InitializerSpec::kind)
+      .def_rw("a", &InitializerSpec::a)
+      .def_rw("b", &InitializerSpec::b)
+      .def_rw("seed", &InitializerSpec::seed);
+
+  nb::class_<OptimizerSpec> opt(m, "OptimizerSpec");
+  nb::enum_<OptimizerSpec::Kind>(opt, "Kind")
+      .value("SGD", OptimizerSpec::Kind::kSGD)
+      .value("Adagrad", OptimizerSpec::Kind::kAdagrad)
+      .value("Adam", OptimizerSpec::Kind::kAdam)
+      .value("FTRL", OptimizerSpec::Kind::kFTRL);
+  opt.def(nb::init<>())
+      .def_rw("kind", &OptimizerSpec::kind)
+      .def_rw("initial_accumulator_value", &OptimizerSpec::initial_accumulator_value)
+      .def_rw("beta_1", &OptimizerSpec::beta_1)
+      .def_rw("beta_2", &OptimizerSpec::beta_2)
+      .def_rw("epsilon", &OptimizerSpec::epsilon)
+      .def_rw("lazy_adam", &OptimizerSpec::lazy_adam)
+      .def_rw("sum_inside_sqrt", &OptimizerSpec::sum_inside_sqrt)
+      .def_rw("bias_correction", &OptimizerSpec::bias_correction)
+      .def_rw("learning_rate_power", &OptimizerSpec::learning_rate_power)
+      .def_rw("l1", &OptimizerSpec::l1)
+      .def_rw("l2", &OptimizerSpec::l2)
+      .def_rw("beta", &OptimizerSpec::beta)
+      .def_rw("multiply_linear_by_learning_rate", &OptimizerSpec::multiply_linear_by_learning_rate)
+      .def_rw("has_clip_weight_min", &OptimizerSpec::has_clip_weight_min)
+      .def_rw("clip_weight_min", &OptimizerSpec::clip_weight_min)
+      .def_rw("has_clip_weight_max", &OptimizerSpec::has_clip_weight_max)
+      .def_rw("clip_weight_max", &OptimizerSpec::clip_weight_max)
+      .def_rw("has_clipvalue", &OptimizerSpec::has_clipvalue)
+      .def_rw("clip_gradient_min", &OptimizerSpec::clip_gradient_min)
+      .def_rw("clip_gradient_max", &OptimizerSpec::clip_gradient_max)
+      .def_rw("weight_decay_factor", &OptimizerSpec::weight_decay_factor)
+      .def_rw("multiply_weight_decay_factor_by_learning_rate",
+              &OptimizerSpec::multiply_weight_decay_factor_by_learning_rate)
+      .def_prop_ro("slot_names", &OptimizerSpec::SlotNames);
+
+  nb::class_<Table>(m, "Table")
+      .def(
+          "__init__",
+          [](Table* self, const std::string& name, int64_t rows, int64_t dim, const std::string& dtype,
+             const InitializerSpec& initializer, const OptimizerSpec& optimizer) {
+            TableSpec spec{name, rows, dim, ParseDType(dtype), initializer, optimizer};
+            nb::gil_scoped_release release;
+            new (self) Table(std::move(spec));
+          },
+          "name"_a, "rows"_a, "dim"_a, "dtype"_a, "initializer"_a, "optimizer"_a)
+      .def_prop_ro("name", [](const Table& t) { return t.spec().name; })
+      .def_prop_ro("rows", &Table::rows)
+      .def_prop_ro("dim", &Table::dim)
+      .def_prop_ro("dtype", [](const Table& t) { return std::string(DTypeName(t.spec().dtype)); })
+      .def_prop_ro("slot_names", [](const Table& t) { return t.spec().optimizer.SlotNames(); })
+      .def_prop_rw("step", &Table::step, &Table::set_step)
+      .def("lookup", &Lookup, "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(),
+           "combiner"_a, "max_sequence_length"_a,
+           "Looks up a CSR batch; returns float32 [bags, dim], [nnz, dim] or [bags, L, dim].")
+      .def("lookup_into", &LookupInto, "ids"_a.noconvert(), "offsets"_a.noconvert(),
+           "weights"_a.noconvert().none(), "combiner"_a, "max_sequence_length"_a, "out"_a.noconvert(),
+           "Like lookup, writing into the caller's C-contiguous float32 `out`.")
+      .def("apply_gradients", &ApplyGradients, "parts"_a, "learning_rate"_a,
+           "One optimizer step from (ids, offsets, weights, combiner, max_sequence_length, grads) parts.")
+      .def("values", &ValuesView, "Read-only view of the stored values (bfloat16 as uint16 bits).")
+      .def("slots", &SlotViews, "Read-only float32 views of the slot variables, by name.")
+      .def(
+          "assign_values",
+          [](Table& t, int64_t start_row, const nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>& v) {
+            CheckRows(t, v.ndim(), v.shape_ptr(), "values");
+            nb::gil_scoped_release release;
+            t.AssignValues(start_row, int64_t(v.shape(0)), v.data());
+          },
+          "start_row"_a, "values"_a.noconvert())
+      .def(
+          "assign_raw",
+          [](Table& t, int64_t start_row, const nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>& v) {
+            CheckRows(t, v.ndim(), v.shape_ptr(), "values");
+            if (v.dtype() != StorageDLType(t.spec().dtype))
+              throw TypeMismatch("raw values must have the table's storage dtype");
+            nb::gil_scoped_release release;
+            t.AssignRaw(start_row, int64_t(v.shape(0)), v.data());
+          },
+          "start_row"_a, "values"_a.noconvert())
+      .def(
+          "assign_slot",
+          [](Table& t, size_t slot, int64_t start_row,
+             const nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>& v) {
+            CheckRows(t, v.ndim(), v.shape_ptr(), "slot values");
+            nb::gil_scoped_release release;
+            t.AssignSlot(slot, start_row, int64_t(v.shape(0)), v.data());
+          },
+          "slot"_a, "start_row"_a, "values"_a.noconvert())
+      .def(
+          "read_values",
+          [](const Table& t, int64_t start_row, int64_t n) {
+            if (n < 0) throw InvalidArgument("n must be >= 0, got " + std::to_string(n));
+            std::unique_ptr<float[]> buf(new float[size_t(n) * size_t(t.dim()) + 1]);
+            {
+              nb::gil_scoped_release release;
+              t.ReadValues(start_row, n, buf.get());
+            }
+            float* data = buf.release();
+            nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+            const size_t shape[2] = {size_t(n), size_t(t.dim())};
+            return NumpyFloat(data, 2, shape, owner);
+          },
+          "start_row"_a, "n"_a, "Rows [start_row, start_row + n) as a new float32 array.");
+}
+
+}  // namespace embedcore::bindings

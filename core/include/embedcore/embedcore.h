@@ -1,0 +1,242 @@
+// embedcore: the public C++ API of the embedding engine.
+//
+// A Table holds `rows x dim` values in one storage dtype (float32, float16 or
+// bfloat16) plus the optimizer's float32 slot variables. Lookups take a batch
+// in CSR form (ids, offsets, optional per-id weights) and write float32 rows;
+// updates take the gradient of a lookup's output and apply the table's
+// optimizer to the touched rows only.
+//
+// Every pointer in this header points to host memory. Arrays are C-contiguous.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <shared_mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "embedcore/version.h"
+
+namespace embedcore {
+
+// ---------------------------------------------------------------- errors
+/// A caller's argument is malformed (maps to Python's ValueError).
+class InvalidArgument : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+/// An id or index is outside its valid range (maps to Python's IndexError).
+class OutOfRange : public std::out_of_range {
+ public:
+  using std::out_of_range::out_of_range;
+};
+/// An argument has the wrong type or dtype (maps to Python's TypeError).
+class TypeMismatch : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+/// The feature was not compiled into this build (e.g. CUDA).
+class NotCompiled : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// ---------------------------------------------------------------- dtypes
+/// Storage dtype of a table's values. Arithmetic is always float32.
+enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+/// Integer type of a lookup's ids.
+enum class IdType : uint8_t { kInt32 = 0, kInt64 = 1 };
+
+/// Size in bytes of one element of `dtype`.
+size_t DTypeSize(DType dtype);
+/// "float32", "float16" or "bfloat16".
+const char* DTypeName(DType dtype);
+/// Parses a dtype name; throws InvalidArgument naming `where` otherwise.
+DType ParseDType(const std::string& name, const char* where = "dtype");
+
+/// How the rows of one bag become one output row.
+/// kNone keeps the rows (sequence features).
+enum class Combiner : uint8_t { kSum = 0, kMean = 1, kSqrtn = 2, kNone = 3 };
+const char* CombinerName(Combiner c);
+
+// ---------------------------------------------------------------- specs
+/// How a table's values are initialised. Every element is a pure function of
+/// (seed, element index), so the same seed gives the same table bit for bit
+/// whatever the thread count.
+struct InitializerSpec {
+  enum class Kind : uint8_t { kZeros, kConstant, kUniform, kNormal, kTruncatedNormal };
+  Kind kind = Kind::kTruncatedNormal;
+  double a = 0.0;   ///< Constant: value; Uniform: low; (Truncated)Normal: mean
+  double b = 0.0;   ///< Uniform: high; (Truncated)Normal: stddev (0 = 1/sqrt(dim))
+  uint64_t seed = 0;
+};
+
+/// The optimizer of a table, with TensorFlow TPU-embedding semantics.
+struct OptimizerSpec {
+  enum class Kind : uint8_t { kSGD = 0, kAdagrad = 1, kAdam = 2, kFTRL = 3 };
+  Kind kind = Kind::kSGD;
+  float initial_accumulator_value = 0.1f;  ///< Adagrad, FTRL
+  float beta_1 = 0.9f;                     ///< Adam
+  float beta_2 = 0.999f;                   ///< Adam
+  float epsilon = 1e-7f;                   ///< Adam
+  bool lazy_adam = true;        ///< Adam: false also decays untouched rows
+  bool sum_inside_sqrt = true;  ///< Adam: m/sqrt(v+eps^2) instead of m/(sqrt(v)+eps)
+  bool bias_correction = false; ///< Adam: PyTorch's bias-corrected step (SparseAdam)
+  float learning_rate_power = -0.5f;       ///< FTRL
+  float l1 = 0.0f;                         ///< FTRL l1 regularization strength
+  float l2 = 0.0f;                         ///< FTRL l2 regularization strength
+  float beta = 0.0f;                       ///< FTRL beta
+  bool multiply_linear_by_learning_rate = false;  ///< FTRL
+  bool has_clip_weight_min = false;
+  float clip_weight_min = 0.0f;  ///< weights clipped after the update
+  bool has_clip_weight_max = false;
+  float clip_weight_max = 0.0f;
+  bool has_clipvalue = false;
+  float clip_gradient_min = 0.0f;  ///< summed gradients clipped before the update
+  float clip_gradient_max = 0.0f;
+  float weight_decay_factor = 0.0f;  ///< decoupled: w -= wd * w before the update
+  bool multiply_weight_decay_factor_by_learning_rate = false;
+
+  /// Names of the slot variables, TensorFlow's: accumulators, momenta,
+  /// velocities, linears.
+  std::vector<std::string> SlotNames() const;
+  /// Throws InvalidArgument naming the field when a value is impossible.
+  void Validate() const;
+};
+
+struct TableSpec {
+  std::string name;
+  int64_t rows = 0;
+  int64_t dim = 0;
+  DType dtype = DType::kFloat32;
+  InitializerSpec initializer;
+  OptimizerSpec optimizer;
+};
+
+// ---------------------------------------------------------------- batches
+/// A batch of bags in CSR form: bag b holds ids[offsets[b] .. offsets[b+1]).
+/// All pointers are host memory; `weights` may be null (all ones).
+struct Batch {
+  IdType id_type = IdType::kInt64;
+  const void* ids = nullptr;       ///< [nnz] int32 or int64
+  int64_t nnz = 0;
+  const int64_t* offsets = nullptr;  ///< [num_bags + 1], offsets[0] == 0, offsets[num_bags] == nnz
+  int64_t num_bags = 0;
+  const float* weights = nullptr;  ///< [nnz] or null
+};
+
+/// Output layout of a lookup, and the matching layout of its gradient.
+struct OutputShape {
+  Combiner combiner = Combiner::kSum;
+  /// Only for kNone: 0 gives [nnz, dim]; L > 0 gives [num_bags, L, dim]
+  /// (bags truncated or zero-padded to L).
+  int64_t max_sequence_length = 0;
+  /// Number of float rows of `dim` the output holds.
+  int64_t OutputRows(const Batch& batch) const;
+};
+
+/// One lookup's worth of gradient: the batch that was looked up, how, and the
+/// gradient of its output ([OutputRows, dim] float32).
+struct GradientPart {
+  Batch batch;
+  OutputShape shape;
+  const float* grads = nullptr;
+};
+
+/// Validates a batch against a table of `rows` rows; throws OutOfRange for an
+/// id outside [0, rows) (naming `table`, the id and its position) and
+/// InvalidArgument for malformed offsets.
+void ValidateBatch(const Batch& batch, int64_t rows, const std::string& table);
+
+// ---------------------------------------------------------------- threads
+/// Sets the number of threads the kernels use (>= 1). Results never depend on it.
+void SetNumThreads(int n);
+int GetNumThreads();
+
+// ---------------------------------------------------------------- table
+/// An embedding table on the host.
+///
+/// Thread safety: any number of concurrent Lookup calls; ApplyGradients and
+/// the Assign* calls take the table exclusively, so a lookup never sees a
+/// half-updated row.
+class Table {
+ public:
+  /// Allocates and initialises the values and slots. Throws InvalidArgument
+  /// for an impossible spec.
+  explicit Table(TableSpec spec);
+  ~Table();
+  Table(const Table&) = delete;
+  Table& operator=(const Table&) = delete;
+
+  const TableSpec& spec() const { return spec_; }
+  int64_t rows() const { return spec_.rows; }
+  int64_t dim() const { return spec_.dim; }
+
+  /// Looks up `batch` and writes [shape.OutputRows(batch), dim] float32 to `out`.
+  void Lookup(const Batch& batch, const OutputShape& shape, float* out) const;
+
+  /// Applies one optimizer step from the gradients of one or more lookups.
+  /// The gradients of every occurrence of an id (across all parts) are summed
+  /// in a fixed order before one update of that row, so the result does not
+  /// depend on the thread count. `learning_rate` is this step's rate.
+  /// Validates everything before changing anything.
+  void ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate);
+
+  /// Raw storage of the values: rows * dim elements of spec().dtype.
+  void* values() { return values_.get(); }
+  const void* values() const { return values_.get(); }
+  size_t value_bytes() const;
+  /// Slot `i` (in OptimizerSpec::SlotNames() order), rows * dim float32.
+  float* slot(size_t i) { return slots_.at(i).get(); }
+  size_t num_slots() const { return slots_.size(); }
+
+  /// Overwrites rows [start_row, start_row + n) from float32 `src` ([n, dim]),
+  /// rounding to the storage dtype.
+  void AssignValues(int64_t start_row, int64_t n, const float* src);
+  /// Overwrites rows from `src` that already holds the storage dtype.
+  void AssignRaw(int64_t start_row, int64_t n, const void* src);
+  /// Overwrites rows of slot `i` from float32 `src` ([n, dim]).
+  void AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src);
+  /// Copies rows [start_row, start_row + n) as float32 into `dst`.
+  void ReadValues(int64_t start_row, int64_t n, float* dst) const;
+
+  /// Number of optimizer steps applied so far (part of the optimizer state).
+  int64_t step() const { return step_; }
+  void set_step(int64_t step) { step_ = step; }
+
+  /// Guards values and slots: shared for readers, exclusive for writers.
+  std::shared_mutex& mutex() const { return mutex_; }
+
+ private:
+  struct BufferDeleter {
+    size_t bytes;
+    void operator()(void* p) const;
+  };
+  using BufferPtr = std::unique_ptr<void, BufferDeleter>;
+  struct FloatDeleter {
+    size_t bytes;
+    void operator()(float* p) const;
+  };
+  using FloatPtr = std::unique_ptr<float, FloatDeleter>;
+
+  TableSpec spec_;
+  BufferPtr values_;
+  std::vector<FloatPtr> slots_;
+  int64_t step_ = 0;
+  mutable std::shared_mutex mutex_;
+};
+
+/// What this build contains: version, format versions, compiled features.
+struct BuildInfo {
+  std::string version;
+  bool cuda = false;
+  bool nccl = false;
+  bool mpi = false;
+  std::string simd;  ///< kernels selected at run time, e.g. "avx2+f16c"
+  std::string compiler;
+};
+BuildInfo GetBuildInfo();
+
+}  // namespace embedcore

@@ -1,0 +1,82 @@
+// Initial values as a pure function of (seed, element index): a counter-based
+// generator (SplitMix64 finaliser over the index), so any thread may fill any
+// row and the table is the same bit for bit whatever the thread count.
+#include <algorithm>
+#include <cmath>
+
+#include "internal.h"
+#include "ops/half.h"
+#include "thread_pool.h"
+
+namespace embedcore::internal {
+namespace {
+
+inline uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Uniform in the open interval (0, 1), 53 random bits.
+inline double Open01(uint64_t bits) { return (double(bits >> 11) + 0.5) * 0x1.0p-53; }
+
+// A standard normal from two independent draws (Box-Muller).
+inline double StandardNormal(uint64_t key, uint64_t draw) {
+  const double u1 = Open01(Mix(key ^ Mix(2 * draw)));
+  const double u2 = Open01(Mix(key ^ Mix(2 * draw + 1)));
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+}
+
+template <typename T>
+void Fill(const InitializerSpec& spec, int64_t rows, int64_t dim, T* data) {
+  ParallelFor(rows, std::max<int64_t>(1, 16384 / dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0 * dim; i < r1 * dim; ++i) data[i] = ops::FromFloat<T>(InitialValue(spec, dim, uint64_t(i)));
+  });
+}
+
+}  // namespace
+
+float InitialValue(const InitializerSpec& spec, int64_t dim, uint64_t index) {
+  using Kind = InitializerSpec::Kind;
+  const uint64_t key = Mix(spec.seed) ^ Mix(index * 0x632be59bd9b4e019ull + 1);
+  switch (spec.kind) {
+    case Kind::kZeros:
+      return 0.0f;
+    case Kind::kConstant:
+      return float(spec.a);
+    case Kind::kUniform:
+      return float(spec.a + (spec.b - spec.a) * Open01(Mix(key)));
+    case Kind::kNormal: {
+      const double stddev = spec.b > 0 ? spec.b : 1.0 / std::sqrt(double(dim));
+      return float(spec.a + stddev * StandardNormal(key, 0));
+    }
+    case Kind::kTruncatedNormal: {
+      // Redraw until within two standard deviations, as TensorFlow does.
+      const double stddev = spec.b > 0 ? spec.b : 1.0 / std::sqrt(double(dim));
+      for (uint64_t draw = 0;; ++draw) {
+        const double z = StandardNormal(key, draw);
+        if (z >= -2.0 && z <= 2.0) return float(spec.a + stddev * z);
+      }
+    }
+  }
+  return 0.0f;
+}
+
+void Initialize(const InitializerSpec& spec, DType dtype, int64_t rows, int64_t dim, void* data) {
+  if (spec.kind == InitializerSpec::Kind::kZeros) return;  // memory is already zero
+  if (spec.kind == InitializerSpec::Kind::kConstant && spec.a == 0.0 && !std::signbit(spec.a)) return;
+  switch (dtype) {
+    case DType::kFloat32:
+      Fill(spec, rows, dim, static_cast<float*>(data));
+      break;
+    case DType::kFloat16:
+      Fill(spec, rows, dim, static_cast<ops::F16*>(data));
+      break;
+    case DType::kBFloat16:
+      Fill(spec, rows, dim, static_cast<ops::BF16*>(data));
+      break;
+  }
+}
+
+}  // namespace embedcore::internal

@@ -1,0 +1,57 @@
+// Row kernels of the CPU lookup: pooled bags, flat and padded sequences, and
+// the row conversions the update uses. Two builds of the same template code
+// (kernels_impl.h): portable (kernels_generic.cc) and AVX2+F16C
+// (kernels_avx2.cc), chosen once at run time. Both compute the same float32
+// operations in the same order (no FMA contraction), so they give the same
+// bits.
+#pragma once
+
+#include <cstdint>
+
+#include "embedcore/embedcore.h"
+#include "ops/combiners.h"
+
+namespace embedcore::kernels {
+
+/// One lookup, as the kernels see it. `table` holds rows x dim elements of
+/// the storage dtype; ids are already validated.
+struct LookupArgs {
+  const void* table = nullptr;
+  int64_t dim = 0;
+  const void* ids = nullptr;
+  int64_t nnz = 0;
+  const int64_t* offsets = nullptr;
+  const float* weights = nullptr;  ///< null: all ones
+  ops::CombinerKind combiner = ops::CombinerKind::kSum;
+  int64_t max_sequence_length = 0;
+  float* out = nullptr;
+};
+
+/// Writes the output rows of bags [b0, b1) (pooled, or padded sequence).
+using BagsFn = void (*)(const LookupArgs& a, int64_t b0, int64_t b1);
+/// Writes out[k] = w_k * row(ids[k]) for k in [k0, k1) (flat sequence).
+using RowsFn = void (*)(const LookupArgs& a, int64_t k0, int64_t k1);
+/// Converts `dim` elements of a stored row to float32 and back.
+using LoadFn = void (*)(const void* row, float* dst, int64_t dim);
+using StoreFn = void (*)(void* row, const float* src, int64_t dim);
+
+/// The kernels for one storage dtype; indexed [id type] where it applies.
+struct DTypeKernels {
+  BagsFn pooled[2];
+  BagsFn padded[2];
+  RowsFn rows[2];
+  LoadFn load;
+  StoreFn store;
+};
+struct KernelSet {
+  const char* name;
+  DTypeKernels dtype[3];  ///< indexed by DType
+};
+
+const KernelSet& GenericKernels();
+/// Null when the build has no AVX2 path.
+const KernelSet* Avx2Kernels();
+/// The best set this CPU runs (EMBEDCORE_KERNELS=generic forces the portable one).
+const KernelSet& ActiveKernels();
+
+}  // namespace embedcore::kernels

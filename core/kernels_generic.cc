@@ -1,0 +1,43 @@
+// The portable build of the lookup kernels: plain loops the compiler may
+// vectorize for the baseline instruction set.
+#include "kernels.h"
+#include "ops/half.h"
+
+namespace embedcore::kernels {
+namespace {
+
+template <typename T>
+struct ScalarRows {
+  static void Axpy(float* acc, const T* row, float w, int64_t dim) {
+    for (int64_t d = 0; d < dim; ++d) acc[d] += w * ops::ToFloat(row[d]);
+  }
+  static void Scale(float* out, const T* row, float w, int64_t dim) {
+    for (int64_t d = 0; d < dim; ++d) out[d] = w * ops::ToFloat(row[d]);
+  }
+  static void Load(const T* row, float* dst, int64_t dim) {
+    for (int64_t d = 0; d < dim; ++d) dst[d] = ops::ToFloat(row[d]);
+  }
+  static void Store(T* row, const float* src, int64_t dim) {
+    for (int64_t d = 0; d < dim; ++d) row[d] = ops::FromFloat<T>(src[d]);
+  }
+};
+
+#include "kernels_impl.h"
+
+KernelSet Make() {
+  KernelSet s;
+  s.name = "generic";
+  s.dtype[int(DType::kFloat32)] = MakeDTypeKernels<ScalarRows<float>, float>();
+  s.dtype[int(DType::kFloat16)] = MakeDTypeKernels<ScalarRows<ops::F16>, ops::F16>();
+  s.dtype[int(DType::kBFloat16)] = MakeDTypeKernels<ScalarRows<ops::BF16>, ops::BF16>();
+  return s;
+}
+
+}  // namespace
+
+const KernelSet& GenericKernels() {
+  static const KernelSet set = Make();
+  return set;
+}
+
+}  // namespace embedcore::kernels

@@ -1,0 +1,99 @@
+// The lookup loops, written once over a row policy `R` that supplies
+//   R::Axpy(acc, row, w, dim)   acc[d] += w * float(row[d])
+//   R::Scale(out, row, w, dim)  out[d]  = w * float(row[d])
+//   R::Load(row, dst, dim), R::Store(row, src, dim)
+// for each storage type. Included by kernels_generic.cc and kernels_avx2.cc
+// only, inside an anonymous namespace, so each gets its own instantiations.
+//
+// Every loop prefetches the rows a few ids ahead: a lookup is a random
+// gather, bound by memory latency, not arithmetic.
+
+constexpr int64_t kPrefetchDistance = 8;
+
+template <typename T>
+inline void PrefetchRow(const T* row, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+template <typename R, typename T, typename I>
+void PooledBags(const LookupArgs& a, int64_t b0, int64_t b1) {
+  const T* table = static_cast<const T*>(a.table);
+  const I* ids = static_cast<const I*>(a.ids);
+  const int64_t dim = a.dim;
+  const int64_t row_bytes = dim * int64_t(sizeof(T));
+  const int64_t k_end = a.offsets[b1];
+  for (int64_t k = a.offsets[b0]; k < a.offsets[b0] + kPrefetchDistance && k < k_end; ++k)
+    PrefetchRow(table + int64_t(ids[k]) * dim, row_bytes);
+  for (int64_t b = b0; b < b1; ++b) {
+    float* acc = a.out + b * dim;
+    for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
+    float sum_w = 0.0f, sum_w2 = 0.0f;
+    for (int64_t k = a.offsets[b]; k < a.offsets[b + 1]; ++k) {
+      if (k + kPrefetchDistance < k_end) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+      const float w = a.weights ? a.weights[k] : 1.0f;
+      R::Axpy(acc, table + int64_t(ids[k]) * dim, w, dim);
+      sum_w += w;
+      sum_w2 += w * w;
+    }
+    ops::FinishBag(a.combiner, ops::CombinerDenominator(a.combiner, sum_w, sum_w2), acc, dim);
+  }
+}
+
+template <typename R, typename T, typename I>
+void PaddedBags(const LookupArgs& a, int64_t b0, int64_t b1) {
+  const T* table = static_cast<const T*>(a.table);
+  const I* ids = static_cast<const I*>(a.ids);
+  const int64_t dim = a.dim, len = a.max_sequence_length;
+  const int64_t row_bytes = dim * int64_t(sizeof(T));
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t begin = a.offsets[b];
+    const int64_t n = a.offsets[b + 1] - begin < len ? a.offsets[b + 1] - begin : len;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t k = begin + j;
+      if (j + kPrefetchDistance < n) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+      R::Scale(a.out + (b * len + j) * dim, table + int64_t(ids[k]) * dim, a.weights ? a.weights[k] : 1.0f, dim);
+    }
+    for (int64_t j = n; j < len; ++j) {
+      float* o = a.out + (b * len + j) * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] = 0.0f;
+    }
+  }
+}
+
+template <typename R, typename T, typename I>
+void FlatRows(const LookupArgs& a, int64_t k0, int64_t k1) {
+  const T* table = static_cast<const T*>(a.table);
+  const I* ids = static_cast<const I*>(a.ids);
+  const int64_t dim = a.dim;
+  const int64_t row_bytes = dim * int64_t(sizeof(T));
+  for (int64_t k = k0; k < k1 && k < k0 + kPrefetchDistance; ++k)
+    PrefetchRow(table + int64_t(ids[k]) * dim, row_bytes);
+  for (int64_t k = k0; k < k1; ++k) {
+    if (k + kPrefetchDistance < k1) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+    R::Scale(a.out + k * dim, table + int64_t(ids[k]) * dim, a.weights ? a.weights[k] : 1.0f, dim);
+  }
+}
+
+template <typename R, typename T>
+void LoadRow(const void* row, float* dst, int64_t dim) {
+  R::Load(static_cast<const T*>(row), dst, dim);
+}
+template <typename R, typename T>
+void StoreRow(void* row, const float* src, int64_t dim) {
+  R::Store(static_cast<T*>(row), src, dim);
+}
+
+template <typename R, typename T>
+DTypeKernels MakeDTypeKernels() {
+  DTypeKernels k;
+  k.pooled[0] = &PooledBags<R, T, int32_t>;
+  k.pooled[1] = &PooledBags<R, T, int64_t>;
+  k.padded[0] = &PaddedBags<R, T, int32_t>;
+  k.padded[1] = &PaddedBags<R, T, int64_t>;
+  k.rows[0] = &FlatRows<R, T, int32_t>;
+  k.rows[1] = &FlatRows<R, T, int64_t>;
+  k.load = &LoadRow<R, T>;
+  k.store = &StoreRow<R, T>;
+  return k;
+}

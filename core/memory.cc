@@ -1,0 +1,70 @@
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <new>
+
+#include "internal.h"
+
+namespace embedcore::internal {
+namespace {
+constexpr size_t kMmapThreshold = size_t(1) << 21;  // 2 MiB: one huge page
+}
+
+void* AllocateZeroed(size_t bytes) {
+  if (bytes == 0) bytes = 1;
+  if (bytes >= kMmapThreshold) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes, MADV_HUGEPAGE);  // a hint; failure is harmless
+#endif
+    return p;
+  }
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (p == nullptr) throw std::bad_alloc();
+  std::memset(p, 0, bytes);
+  return p;
+}
+
+void Free(void* p, size_t bytes) {
+  if (p == nullptr) return;
+  if (bytes == 0) bytes = 1;
+  if (bytes >= kMmapThreshold) {
+    munmap(p, bytes);
+  } else {
+    std::free(p);
+  }
+}
+
+size_t CheckedBytes(int64_t a, int64_t b, size_t c, const std::string& what) {
+  if (a < 0 || b < 0) throw InvalidArgument(what + ": negative size");
+  unsigned __int128 n = (unsigned __int128)uint64_t(a) * uint64_t(b) * c;
+  if (n > (unsigned __int128)(std::numeric_limits<int64_t>::max()))
+    throw InvalidArgument(what + ": " + std::to_string(a) + " x " + std::to_string(b) + " x " +
+                          std::to_string(c) + " bytes overflows");
+  return size_t(n);
+}
+
+void RadixSort(std::vector<KeyValue>& items, int key_bits) {
+  constexpr int kDigitBits = 11;
+  constexpr size_t kBuckets = size_t(1) << kDigitBits;
+  std::vector<KeyValue> tmp(items.size());
+  std::vector<size_t> count(kBuckets);
+  for (int shift = 0; shift < key_bits; shift += kDigitBits) {
+    std::fill(count.begin(), count.end(), 0);
+    for (const KeyValue& kv : items) ++count[(kv.key >> shift) & (kBuckets - 1)];
+    size_t sum = 0;
+    for (size_t& c : count) {
+      const size_t n = c;
+      c = sum;
+      sum += n;
+    }
+    for (const KeyValue& kv : items) tmp[count[(kv.key >> shift) & (kBuckets - 1)]++] = kv;
+    items.swap(tmp);
+  }
+}
+
+}  // namespace embedcore::internal

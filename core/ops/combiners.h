@@ -1,0 +1,47 @@
+// The combiners, written once for host and device, with TensorFlow's
+// formulas (embedding_lookup_sparse): for a bag with ids i_k and weights w_k
+//   sum   = sum_k w_k row(i_k)
+//   mean  = sum / sum_k w_k            (zero when sum_k w_k == 0, as div_no_nan)
+//   sqrtn = sum / sqrt(sum_k w_k^2)    (zero when that is 0)
+// An empty bag gives zeros. The backward coefficient of occurrence k is
+// d out / d row(i_k) = w_k / denominator.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "host_device.h"
+
+namespace embedcore::ops {
+
+enum class CombinerKind : uint8_t { kSum = 0, kMean = 1, kSqrtn = 2, kNone = 3 };
+
+/// The number the weighted sum is divided by; 0 means "output zeros".
+EMBEDCORE_HD float CombinerDenominator(CombinerKind c, float sum_w, float sum_w2) {
+  switch (c) {
+    case CombinerKind::kMean:
+      return sum_w;
+    case CombinerKind::kSqrtn:
+      return std::sqrt(sum_w2);
+    default:
+      return 1.0f;
+  }
+}
+
+/// Turns the weighted sum `acc` of one bag into the combined row, in place.
+EMBEDCORE_HD void FinishBag(CombinerKind c, float denominator, float* acc, int64_t dim) {
+  if (c == CombinerKind::kSum) return;
+  if (denominator == 0.0f) {
+    for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
+    return;
+  }
+  for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] / denominator;
+}
+
+/// Gradient coefficient of an occurrence with weight `w` in a bag.
+EMBEDCORE_HD float BackwardCoefficient(CombinerKind c, float w, float denominator) {
+  if (c == CombinerKind::kSum || c == CombinerKind::kNone) return w;
+  return denominator == 0.0f ? 0.0f : w / denominator;
+}
+
+}  // namespace embedcore::ops

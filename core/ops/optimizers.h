@@ -1,0 +1,114 @@
+// The optimizers' update rules, written once for the host loop and the CUDA
+// kernel. Each functor updates one element: the weight `w` (float32), its
+// summed gradient `g`, and up to two float32 slots. Semantics follow
+// TensorFlow's TPU embedding optimizers (tf.tpu.experimental.embedding.*):
+//
+//   g  <- clip(g, clip_gradient_min, clip_gradient_max)      (clipvalue)
+//   w  <- w - wd * w                                          (decoupled weight decay)
+//   w  <- rule(w, g, slots)                                   (below)
+//   w  <- clip(w, clip_weight_min, clip_weight_max)
+//
+// SGD:     w -= lr * g
+// Adagrad: a += g^2;                 w -= lr * g / sqrt(a)                     slot: accumulators
+// Adam:    m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
+//          w -= lr_t * m / sqrt(v + eps^2)    (sum_inside_sqrt)
+//          w -= lr_t * m / (sqrt(v) + eps)    (otherwise)                      slots: momenta, velocities
+//          lr_t = lr, or lr * sqrt(1-b2^t) / (1-b1^t) with bias_correction (PyTorch's SparseAdam)
+// FTRL:    a' = a + g^2;  sigma = (a'^-p - a^-p) / lr;  l += g - sigma w      slots: accumulators, linears
+//          q = (a'^-p + beta) / lr + 2 l2;  w = |l| > l1 ? (sign(l) l1 - l) / q : 0
+//          (p = -learning_rate_power; with multiply_linear_by_learning_rate, l holds lr times that sum)
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "host_device.h"
+
+namespace embedcore::ops {
+
+/// The per-step constants every rule shares.
+struct StepConstants {
+  float lr = 0.0f;
+  float weight_decay = 0.0f;  ///< already multiplied by lr when asked to
+  bool clip_gradient = false;
+  float clip_gradient_min = 0.0f, clip_gradient_max = 0.0f;
+  bool clip_weight_min = false, clip_weight_max = false;
+  float weight_min = 0.0f, weight_max = 0.0f;
+};
+
+EMBEDCORE_HD float Clamp(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+struct SgdRule {
+  static constexpr int kSlots = 0;
+  float lr;
+  EMBEDCORE_HD void operator()(float& w, float g, float*, float*) const { w = w - lr * g; }
+};
+
+struct AdagradRule {
+  static constexpr int kSlots = 1;
+  float lr;
+  EMBEDCORE_HD void operator()(float& w, float g, float* acc, float*) const {
+    const float a = *acc + g * g;
+    *acc = a;
+    w = w - lr * g / std::sqrt(a);
+  }
+};
+
+struct AdamRule {
+  static constexpr int kSlots = 2;
+  float lr_t;  ///< learning rate, bias-corrected when asked
+  float beta_1, beta_2, epsilon;
+  bool sum_inside_sqrt;
+  EMBEDCORE_HD void operator()(float& w, float g, float* m, float* v) const {
+    const float mn = beta_1 * *m + (1.0f - beta_1) * g;
+    const float vn = beta_2 * *v + (1.0f - beta_2) * (g * g);
+    *m = mn;
+    *v = vn;
+    const float denom = sum_inside_sqrt ? std::sqrt(vn + epsilon * epsilon) : std::sqrt(vn) + epsilon;
+    w = w - lr_t * mn / denom;
+  }
+};
+
+struct FtrlRule {
+  static constexpr int kSlots = 2;
+  float lr;
+  float lr_power;  ///< learning_rate_power, usually -0.5
+  float l1, l2, beta;
+  bool multiply_linear_by_lr;
+  EMBEDCORE_HD float PowNeg(float a) const {  // a^(-lr_power)
+    return lr_power == -0.5f ? std::sqrt(a) : std::pow(a, -lr_power);
+  }
+  EMBEDCORE_HD void operator()(float& w, float g, float* acc, float* lin) const {
+    const float a = *acc;
+    const float an = a + g * g;
+    const float pa = PowNeg(a), pn = PowNeg(an);
+    float l = *lin;
+    float wn;
+    if (multiply_linear_by_lr) {
+      l = l + lr * g - (pn - pa) * w;
+      const float q = pn + beta + 2.0f * l2 * lr;
+      const float l1lr = l1 * lr;
+      wn = (l > l1lr || l < -l1lr) ? ((l > 0.0f ? l1lr : -l1lr) - l) / q : 0.0f;
+    } else {
+      l = l + g - (pn - pa) / lr * w;
+      const float q = (pn + beta) / lr + 2.0f * l2;
+      wn = (l > l1 || l < -l1) ? ((l > 0.0f ? l1 : -l1) - l) / q : 0.0f;
+    }
+    *acc = an;
+    *lin = l;
+    w = wn;
+  }
+};
+
+/// Clip the gradient, decay, apply `rule`, clip the weight: one element.
+template <typename Rule>
+EMBEDCORE_HD void UpdateElement(const Rule& rule, const StepConstants& k, float& w, float g, float* s0,
+                                float* s1) {
+  if (k.clip_gradient) g = Clamp(g, k.clip_gradient_min, k.clip_gradient_max);
+  if (k.weight_decay != 0.0f) w = w - k.weight_decay * w;
+  rule(w, g, s0, s1);
+  if (k.clip_weight_min && w < k.weight_min) w = k.weight_min;
+  if (k.clip_weight_max && w > k.weight_max) w = k.weight_max;
+}
+
+}  // namespace embedcore::ops

@@ -1,0 +1,467 @@
+// The host table: storage, validation, lookup and the sparse optimizer step.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "embedcore/embedcore.h"
+#include "internal.h"
+#include "kernels.h"
+#include "ops/combiners.h"
+#include "ops/optimizers.h"
+#include "thread_pool.h"
+
+namespace embedcore {
+
+// ---------------------------------------------------------------- small helpers
+size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+  }
+  return "?";
+}
+
+DType ParseDType(const std::string& name, const char* where) {
+  if (name == "float32") return DType::kFloat32;
+  if (name == "float16") return DType::kFloat16;
+  if (name == "bfloat16") return DType::kBFloat16;
+  throw InvalidArgument(std::string(where) + " must be 'float32', 'float16' or 'bfloat16', got '" + name + "'");
+}
+
+const char* CombinerName(Combiner c) {
+  switch (c) {
+    case Combiner::kSum:
+      return "sum";
+    case Combiner::kMean:
+      return "mean";
+    case Combiner::kSqrtn:
+      return "sqrtn";
+    case Combiner::kNone:
+      return "none";
+  }
+  return "?";
+}
+
+std::vector<std::string> OptimizerSpec::SlotNames() const {
+  switch (kind) {
+    case Kind::kSGD:
+      return {};
+    case Kind::kAdagrad:
+      return {"accumulators"};
+    case Kind::kAdam:
+      return {"momenta", "velocities"};
+    case Kind::kFTRL:
+      return {"accumulators", "linears"};
+  }
+  return {};
+}
+
+void OptimizerSpec::Validate() const {
+  auto fail = [](const std::string& field, double v, const char* why) {
+    throw InvalidArgument("optimizer " + field + " " + why + ", got " + std::to_string(v));
+  };
+  if ((kind == Kind::kAdagrad || kind == Kind::kFTRL) && !(initial_accumulator_value > 0.0f))
+    fail("initial_accumulator_value", initial_accumulator_value, "must be > 0");
+  if (kind == Kind::kAdam) {
+    if (!(beta_1 >= 0.0f && beta_1 < 1.0f)) fail("beta_1", beta_1, "must be in [0, 1)");
+    if (!(beta_2 >= 0.0f && beta_2 < 1.0f)) fail("beta_2", beta_2, "must be in [0, 1)");
+    if (!(epsilon > 0.0f)) fail("epsilon", epsilon, "must be > 0");
+  }
+  if (kind == Kind::kFTRL) {
+    if (!(learning_rate_power <= 0.0f)) fail("learning_rate_power", learning_rate_power, "must be <= 0");
+    if (!(l1 >= 0.0f)) fail("l1_regularization_strength", l1, "must be >= 0");
+    if (!(l2 >= 0.0f)) fail("l2_regularization_strength", l2, "must be >= 0");
+    if (!(beta >= 0.0f)) fail("beta", beta, "must be >= 0");
+  }
+  if (has_clip_weight_min && has_clip_weight_max && clip_weight_min > clip_weight_max)
+    fail("clip_weight_min", clip_weight_min, "must be <= clip_weight_max");
+  if (has_clipvalue && !(clip_gradient_min <= clip_gradient_max))
+    fail("clipvalue min", clip_gradient_min, "must be <= its max");
+  if (!std::isfinite(weight_decay_factor) || weight_decay_factor < 0.0f)
+    fail("weight_decay_factor", weight_decay_factor, "must be finite and >= 0");
+}
+
+int64_t OutputShape::OutputRows(const Batch& batch) const {
+  if (combiner != Combiner::kNone) return batch.num_bags;
+  return max_sequence_length > 0 ? batch.num_bags * max_sequence_length : batch.nnz;
+}
+
+// ---------------------------------------------------------------- validation
+namespace {
+
+template <typename I>
+void CheckIds(const I* ids, int64_t nnz, int64_t rows, const std::string& table) {
+  const int chunks = NumChunks(nnz, 1 << 16);
+  std::vector<int64_t> first_bad(std::max(chunks, 1), -1);
+  ParallelChunks(nnz, chunks, [&](int c, int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t id = int64_t(ids[k]);
+      if (id < 0 || id >= rows) {
+        first_bad[c] = k;
+        return;
+      }
+    }
+  });
+  for (int64_t k : first_bad) {
+    if (k < 0) continue;
+    const int64_t id = int64_t(ids[k]);
+    throw OutOfRange("table '" + table + "': id " + std::to_string(id) + " at position " + std::to_string(k) +
+                     " of ids is out of range [0, " + std::to_string(rows) + ")");
+  }
+}
+
+}  // namespace
+
+void ValidateBatch(const Batch& batch, int64_t rows, const std::string& table) {
+  if (batch.nnz < 0 || batch.num_bags < 0) throw InvalidArgument("ids: negative length");
+  if (batch.nnz > 0 && batch.ids == nullptr) throw InvalidArgument("ids: null pointer");
+  if (batch.offsets == nullptr) throw InvalidArgument("offsets: null pointer");
+  const int64_t* off = batch.offsets;
+  if (off[0] != 0) throw InvalidArgument("offsets[0] must be 0, got " + std::to_string(off[0]));
+  for (int64_t b = 0; b < batch.num_bags; ++b) {
+    if (off[b + 1] < off[b])
+      throw InvalidArgument("offsets must be non-decreasing: offsets[" + std::to_string(b) + "] = " +
+                            std::to_string(off[b]) + " > offsets[" + std::to_string(b + 1) +
+                            "] = " + std::to_string(off[b + 1]));
+  }
+  if (off[batch.num_bags] != batch.nnz)
+    throw InvalidArgument("offsets must end at len(ids) = " + std::to_string(batch.nnz) + ", got offsets[" +
+                          std::to_string(batch.num_bags) + "] = " + std::to_string(off[batch.num_bags]));
+  if (batch.id_type == IdType::kInt32) {
+    CheckIds(static_cast<const int32_t*>(batch.ids), batch.nnz, rows, table);
+  } else {
+    CheckIds(static_cast<const int64_t*>(batch.ids), batch.nnz, rows, table);
+  }
+}
+
+// ---------------------------------------------------------------- table storage
+void Table::BufferDeleter::operator()(void* p) const { internal::Free(p, bytes); }
+void Table::FloatDeleter::operator()(float* p) const { internal::Free(p, bytes); }
+
+Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDeleter{0}) {
+  if (spec_.rows < 1) throw InvalidArgument("table '" + spec_.name + "': rows must be >= 1, got " + std::to_string(spec_.rows));
+  if (spec_.dim < 1) throw InvalidArgument("table '" + spec_.name + "': dim must be >= 1, got " + std::to_string(spec_.dim));
+  spec_.optimizer.Validate();
+  const size_t bytes = internal::CheckedBytes(spec_.rows, spec_.dim, DTypeSize(spec_.dtype), "table '" + spec_.name + "'");
+  const size_t slot_bytes = internal::CheckedBytes(spec_.rows, spec_.dim, sizeof(float), "table '" + spec_.name + "' slots");
+  values_ = BufferPtr(internal::AllocateZeroed(bytes), BufferDeleter{bytes});
+  internal::Initialize(spec_.initializer, spec_.dtype, spec_.rows, spec_.dim, values_.get());
+  const auto names = spec_.optimizer.SlotNames();
+  for (size_t i = 0; i < names.size(); ++i) {
+    slots_.emplace_back(static_cast<float*>(internal::AllocateZeroed(slot_bytes)), FloatDeleter{slot_bytes});
+    // Adagrad and FTRL start their accumulators at initial_accumulator_value.
+    if (names[i] == "accumulators") {
+      float* s = slots_.back().get();
+      const float v = spec_.optimizer.initial_accumulator_value;
+      const int64_t n = spec_.rows * spec_.dim;
+      ParallelFor(n, 1 << 16, [&](int64_t a, int64_t b) { std::fill(s + a, s + b, v); });
+    }
+  }
+}
+
+Table::~Table() = default;
+
+size_t Table::value_bytes() const { return size_t(spec_.rows) * size_t(spec_.dim) * DTypeSize(spec_.dtype); }
+
+namespace {
+void CheckRowRange(const TableSpec& spec, int64_t start_row, int64_t n, const char* what) {
+  if (start_row < 0 || n < 0 || start_row > spec.rows || n > spec.rows - start_row)
+    throw OutOfRange("table '" + spec.name + "': " + what + " rows [" + std::to_string(start_row) + ", " +
+                     std::to_string(start_row + n) + ") do not fit in [0, " + std::to_string(spec.rows) + ")");
+}
+}  // namespace
+
+void Table::AssignValues(int64_t start_row, int64_t n, const float* src) {
+  CheckRowRange(spec_, start_row, n, "assigned");
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
+  const size_t es = DTypeSize(spec_.dtype);
+  char* base = static_cast<char*>(values_.get());
+  ParallelFor(n, 1024, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r)
+      k.store(base + size_t(start_row + r) * spec_.dim * es, src + r * spec_.dim, spec_.dim);
+  });
+}
+
+void Table::AssignRaw(int64_t start_row, int64_t n, const void* src) {
+  CheckRowRange(spec_, start_row, n, "assigned");
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  const size_t row_bytes = size_t(spec_.dim) * DTypeSize(spec_.dtype);
+  std::memcpy(static_cast<char*>(values_.get()) + size_t(start_row) * row_bytes, src, size_t(n) * row_bytes);
+}
+
+void Table::AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src) {
+  if (i >= slots_.size()) throw OutOfRange("table '" + spec_.name + "' has no slot " + std::to_string(i));
+  CheckRowRange(spec_, start_row, n, "assigned slot");
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  std::memcpy(slots_[i].get() + start_row * spec_.dim, src, size_t(n) * spec_.dim * sizeof(float));
+}
+
+void Table::ReadValues(int64_t start_row, int64_t n, float* dst) const {
+  CheckRowRange(spec_, start_row, n, "read");
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
+  const size_t es = DTypeSize(spec_.dtype);
+  const char* base = static_cast<const char*>(values_.get());
+  ParallelFor(n, 1024, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) k.load(base + size_t(start_row + r) * spec_.dim * es, dst + r * spec_.dim, spec_.dim);
+  });
+}
+
+// ---------------------------------------------------------------- lookup
+void Table::Lookup(const Batch& batch, const OutputShape& shape, float* out) const {
+  ValidateBatch(batch, spec_.rows, spec_.name);
+  if (shape.combiner == Combiner::kNone && shape.max_sequence_length < 0)
+    throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(shape.max_sequence_length));
+  if (shape.OutputRows(batch) > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
+  kernels::LookupArgs a;
+  a.table = values_.get();
+  a.dim = spec_.dim;
+  a.ids = batch.ids;
+  a.nnz = batch.nnz;
+  a.offsets = batch.offsets;
+  a.weights = batch.weights;
+  a.combiner = ops::CombinerKind(shape.combiner);
+  a.max_sequence_length = shape.max_sequence_length;
+  a.out = out;
+  const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
+  const int it = batch.id_type == IdType::kInt32 ? 0 : 1;
+
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  if (shape.combiner == Combiner::kNone && shape.max_sequence_length == 0) {
+    auto fn = k.rows[it];
+    ParallelFor(batch.nnz, 2048, [&](int64_t k0, int64_t k1) { fn(a, k0, k1); });
+    return;
+  }
+  auto fn = shape.combiner == Combiner::kNone ? k.padded[it] : k.pooled[it];
+  // Chunks of about 2048 ids keep the per-chunk overhead small.
+  const int64_t per_bag = batch.num_bags > 0 ? std::max<int64_t>(1, batch.nnz / batch.num_bags) : 1;
+  ParallelFor(batch.num_bags, std::max<int64_t>(1, 2048 / per_bag), [&](int64_t b0, int64_t b1) { fn(a, b0, b1); });
+}
+
+// ---------------------------------------------------------------- update
+namespace {
+
+// One occurrence of an id with a gradient: coefficient * grads row.
+struct Occurrence {
+  float coefficient;
+  const float* grad;
+};
+
+template <typename Rule>
+void UpdateGroups(const Rule& rule, const ops::StepConstants& kc, const TableSpec& spec, void* values,
+                  std::vector<float*>& slots, const std::vector<internal::KeyValue>& sorted,
+                  const std::vector<int64_t>& group_start, const std::vector<Occurrence>& occ,
+                  const kernels::DTypeKernels& k) {
+  const int64_t dim = spec.dim;
+  const size_t es = DTypeSize(spec.dtype);
+  const int64_t groups = int64_t(group_start.size()) - 1;
+  ParallelFor(groups, 256, [&](int64_t g0, int64_t g1) {
+    std::vector<float> gsum(dim), wbuf(spec.dtype == DType::kFloat32 ? 0 : dim);
+    for (int64_t g = g0; g < g1; ++g) {
+      std::fill(gsum.begin(), gsum.end(), 0.0f);
+      for (int64_t i = group_start[g]; i < group_start[g + 1]; ++i) {
+        const Occurrence& o = occ[sorted[i].value];
+        const float c = o.coefficient;
+        for (int64_t d = 0; d < dim; ++d) gsum[d] += c * o.grad[d];
+      }
+      const int64_t row = int64_t(sorted[group_start[g]].key);
+      char* stored = static_cast<char*>(values) + size_t(row) * dim * es;
+      float* w = spec.dtype == DType::kFloat32 ? reinterpret_cast<float*>(stored) : wbuf.data();
+      if (spec.dtype != DType::kFloat32) k.load(stored, w, dim);
+      float* s0 = Rule::kSlots > 0 ? slots[0] + row * dim : nullptr;
+      float* s1 = Rule::kSlots > 1 ? slots[1] + row * dim : nullptr;
+      for (int64_t d = 0; d < dim; ++d)
+        ops::UpdateElement(rule, kc, w[d], gsum[d], Rule::kSlots > 0 ? s0 + d : nullptr, Rule::kSlots > 1 ? s1 + d : nullptr);
+      if (spec.dtype != DType::kFloat32) k.store(stored, w, dim);
+    }
+  });
+}
+
+// Non-lazy Adam: rows absent from the batch take a step with a zero gradient.
+template <typename Rule>
+void UpdateUntouched(const Rule& rule, const ops::StepConstants& kc, const TableSpec& spec, void* values,
+                     std::vector<float*>& slots, const std::vector<uint8_t>& touched,
+                     const kernels::DTypeKernels& k) {
+  const int64_t dim = spec.dim;
+  const size_t es = DTypeSize(spec.dtype);
+  ParallelFor(spec.rows, 1024, [&](int64_t r0, int64_t r1) {
+    std::vector<float> wbuf(dim);
+    for (int64_t row = r0; row < r1; ++row) {
+      if (touched[row]) continue;
+      char* stored = static_cast<char*>(values) + size_t(row) * dim * es;
+      k.load(stored, wbuf.data(), dim);
+      for (int64_t d = 0; d < dim; ++d)
+        ops::UpdateElement(rule, kc, wbuf[d], 0.0f, slots[0] + row * dim + d, slots[1] + row * dim + d);
+      k.store(stored, wbuf.data(), dim);
+    }
+  });
+}
+
+int BitWidth(uint64_t x) {
+  int bits = 0;
+  while (x) {
+    ++bits;
+    x >>= 1;
+  }
+  return bits;
+}
+
+template <typename I>
+void CollectOccurrences(const GradientPart& p, int64_t dim, std::vector<internal::KeyValue>& keys,
+                        std::vector<Occurrence>& occ) {
+  const I* ids = static_cast<const I*>(p.batch.ids);
+  const int64_t* off = p.batch.offsets;
+  const float* wts = p.batch.weights;
+  const Combiner c = p.shape.combiner;
+  const int64_t len = p.shape.max_sequence_length;
+  for (int64_t b = 0; b < p.batch.num_bags; ++b) {
+    float denominator = 1.0f;
+    if (c == Combiner::kMean || c == Combiner::kSqrtn) {
+      float sw = 0.0f, sw2 = 0.0f;
+      for (int64_t i = off[b]; i < off[b + 1]; ++i) {
+        const float w = wts ? wts[i] : 1.0f;
+        sw += w;
+        sw2 += w * w;
+      }
+      denominator = ops::CombinerDenominator(ops::CombinerKind(c), sw, sw2);
+    }
+    for (int64_t i = off[b]; i < off[b + 1]; ++i) {
+      const float w = wts ? wts[i] : 1.0f;
+      const float* grad;
+      if (c != Combiner::kNone) {
+        grad = p.grads + b * dim;
+      } else if (len == 0) {
+        grad = p.grads + i * dim;
+      } else {
+        const int64_t j = i - off[b];
+        if (j >= len) break;  // truncated: this id was not looked up
+        grad = p.grads + (b * len + j) * dim;
+      }
+      const uint64_t index = occ.size();
+      occ.push_back({ops::BackwardCoefficient(ops::CombinerKind(c), w, denominator), grad});
+      keys.push_back({uint64_t(int64_t(ids[i])), index});
+    }
+  }
+}
+
+}  // namespace
+
+void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate) {
+  // Validate everything before touching anything.
+  for (size_t i = 0; i < parts.size(); ++i) {
+    ValidateBatch(parts[i].batch, spec_.rows, spec_.name);
+    if (parts[i].shape.OutputRows(parts[i].batch) > 0 && parts[i].grads == nullptr)
+      throw InvalidArgument("grads: null pointer");
+  }
+  if (!std::isfinite(learning_rate)) throw InvalidArgument("learning_rate must be finite, got " + std::to_string(learning_rate));
+
+  // Every occurrence, keyed by id, in input order; a stable sort groups them.
+  int64_t total = 0;
+  for (const auto& p : parts) total += p.batch.nnz;
+  std::vector<internal::KeyValue> keys;
+  std::vector<Occurrence> occ;
+  keys.reserve(total);
+  occ.reserve(total);
+  for (const auto& p : parts) {
+    if (p.batch.id_type == IdType::kInt32)
+      CollectOccurrences<int32_t>(p, spec_.dim, keys, occ);
+    else
+      CollectOccurrences<int64_t>(p, spec_.dim, keys, occ);
+  }
+  internal::RadixSort(keys, BitWidth(uint64_t(spec_.rows - 1)));
+  std::vector<int64_t> group_start;
+  group_start.reserve(keys.size() / 2 + 2);
+  for (size_t i = 0; i < keys.size(); ++i)
+    if (i == 0 || keys[i].key != keys[i - 1].key) group_start.push_back(int64_t(i));
+  group_start.push_back(int64_t(keys.size()));
+
+  const OptimizerSpec& o = spec_.optimizer;
+  ops::StepConstants kc;
+  kc.lr = learning_rate;
+  kc.weight_decay = o.multiply_weight_decay_factor_by_learning_rate ? o.weight_decay_factor * learning_rate
+                                                                   : o.weight_decay_factor;
+  kc.clip_gradient = o.has_clipvalue;
+  kc.clip_gradient_min = o.clip_gradient_min;
+  kc.clip_gradient_max = o.clip_gradient_max;
+  kc.clip_weight_min = o.has_clip_weight_min;
+  kc.weight_min = o.clip_weight_min;
+  kc.clip_weight_max = o.has_clip_weight_max;
+  kc.weight_max = o.clip_weight_max;
+
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  std::vector<float*> slots;
+  for (auto& s : slots_) slots.push_back(s.get());
+  const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
+  void* values = values_.get();
+  switch (o.kind) {
+    case OptimizerSpec::Kind::kSGD:
+      UpdateGroups(ops::SgdRule{learning_rate}, kc, spec_, values, slots, keys, group_start, occ, k);
+      break;
+    case OptimizerSpec::Kind::kAdagrad:
+      UpdateGroups(ops::AdagradRule{learning_rate}, kc, spec_, values, slots, keys, group_start, occ, k);
+      break;
+    case OptimizerSpec::Kind::kAdam: {
+      float lr_t = learning_rate;
+      if (o.bias_correction) {
+        const double t = double(step_ + 1);
+        lr_t = float(double(learning_rate) * std::sqrt(1.0 - std::pow(double(o.beta_2), t)) /
+                     (1.0 - std::pow(double(o.beta_1), t)));
+      }
+      const ops::AdamRule rule{lr_t, o.beta_1, o.beta_2, o.epsilon, o.sum_inside_sqrt};
+      UpdateGroups(rule, kc, spec_, values, slots, keys, group_start, occ, k);
+      if (!o.lazy_adam) {
+        std::vector<uint8_t> touched(spec_.rows, 0);
+        for (size_t g = 0; g + 1 < group_start.size(); ++g) touched[keys[group_start[g]].key] = 1;
+        UpdateUntouched(rule, kc, spec_, values, slots, touched, k);
+      }
+      break;
+    }
+    case OptimizerSpec::Kind::kFTRL: {
+      const ops::FtrlRule rule{learning_rate, o.learning_rate_power, o.l1, o.l2, o.beta,
+                               o.multiply_linear_by_learning_rate};
+      UpdateGroups(rule, kc, spec_, values, slots, keys, group_start, occ, k);
+      break;
+    }
+  }
+  ++step_;
+}
+
+// ---------------------------------------------------------------- build info
+BuildInfo GetBuildInfo() {
+  BuildInfo info;
+  info.version = EMBEDCORE_VERSION_STRING;
+  info.simd = kernels::ActiveKernels().name;
+#if defined(__clang__)
+  info.compiler = "clang " __clang_version__;
+#elif defined(__GNUC__)
+  info.compiler = "gcc " __VERSION__;
+#endif
+  return info;
+}
+
+namespace kernels {
+const KernelSet& ActiveKernels() {
+  static const KernelSet* active = [] {
+    const char* force = std::getenv("EMBEDCORE_KERNELS");
+    const bool generic = force != nullptr && std::string(force) == "generic";
+#if defined(__x86_64__)
+    if (!generic && Avx2Kernels() != nullptr && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+      return Avx2Kernels();
+#endif
+    return &GenericKernels();
+  }();
+  return *active;
+}
+}  // namespace kernels
+
+}  // namespace embedcore

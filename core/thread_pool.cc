@@ -1,0 +1,177 @@
+#include "thread_pool.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "embedcore/embedcore.h"
+
+namespace embedcore {
+namespace {
+
+int DefaultThreads() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// Workers wait for a job (a function of the chunk index), take chunk indices
+// from an atomic counter, and the caller works alongside them.
+class Pool {
+ public:
+  explicit Pool(int threads) : threads_(threads) {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { Work(); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> l(m_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int threads() const { return threads_; }
+
+  void Run(int chunks, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock() || chunks <= 1 || workers_.empty()) {
+      for (int i = 0; i < chunks; ++i) fn(i);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> l(m_);
+      job_ = &fn;
+      chunks_ = chunks;
+      next_.store(0);
+      remaining_.store(chunks);
+      error_ = nullptr;
+      ++generation_;
+    }
+    wake_.notify_all();
+    Drain(fn, chunks);
+    std::exception_ptr error;
+    {
+      std::unique_lock<std::mutex> l(m_);
+      done_.wait(l, [&] { return remaining_.load() == 0 && active_ == 0; });
+      job_ = nullptr;
+      chunks_ = 0;
+      error = error_;
+    }
+    if (error) std::rethrow_exception(error);
+  }
+
+ private:
+  void Drain(const std::function<void(int)>& fn, int chunks) {
+    for (int i; (i = next_.fetch_add(1)) < chunks;) {
+      try {
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> l(m_);
+        if (!error_) error_ = std::current_exception();
+      }
+      if (remaining_.fetch_sub(1) == 1) {
+        std::lock_guard<std::mutex> l(m_);
+        done_.notify_all();
+      }
+    }
+  }
+  void Work() {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* job;
+      int chunks;
+      {
+        std::unique_lock<std::mutex> l(m_);
+        wake_.wait(l, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        job = job_;
+        chunks = chunks_;
+        if (job == nullptr) continue;
+        ++active_;
+      }
+      Drain(*job, chunks);
+      {
+        std::lock_guard<std::mutex> l(m_);
+        --active_;
+      }
+      done_.notify_all();
+    }
+  }
+
+  const int threads_;
+  std::vector<std::thread> workers_;
+  std::mutex busy_;  // one job at a time; other callers run serially
+  std::mutex m_;
+  std::condition_variable wake_, done_;
+  const std::function<void(int)>* job_ = nullptr;
+  int chunks_ = 0;
+  int active_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+  std::atomic<int> next_{0};
+  std::atomic<int> remaining_{0};
+  std::exception_ptr error_;
+};
+
+std::mutex g_pool_mutex;
+std::shared_ptr<Pool> g_pool;
+
+std::shared_ptr<Pool> GetPool() {
+  std::lock_guard<std::mutex> l(g_pool_mutex);
+  if (!g_pool) g_pool = std::make_shared<Pool>(DefaultThreads());
+  return g_pool;
+}
+
+}  // namespace
+
+void SetNumThreads(int n) {
+  if (n < 1) throw InvalidArgument("num_threads must be >= 1, got " + std::to_string(n));
+  std::shared_ptr<Pool> old;
+  {
+    std::lock_guard<std::mutex> l(g_pool_mutex);
+    if (g_pool && g_pool->threads() == n) return;
+    old = std::move(g_pool);
+    g_pool = std::make_shared<Pool>(n);
+  }
+  // `old` joins its workers here, once running jobs released it.
+}
+
+int GetNumThreads() { return GetPool()->threads(); }
+
+int NumChunks(int64_t n, int64_t grain) {
+  if (n <= 0) return 0;
+  const int64_t by_grain = (n + std::max<int64_t>(grain, 1) - 1) / std::max<int64_t>(grain, 1);
+  return int(std::min<int64_t>(by_grain, GetNumThreads()));
+}
+
+void ParallelChunks(int64_t n, int chunks, const std::function<void(int, int64_t, int64_t)>& fn) {
+  if (chunks <= 0) return;
+  GetPool()->Run(chunks, [&](int c) {
+    const int64_t begin = n * c / chunks, end = n * (c + 1) / chunks;
+    fn(c, begin, end);
+  });
+}
+
+void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  auto pool = GetPool();
+  grain = std::max<int64_t>(grain, 1);
+  // Several chunks per thread balance uneven bags; the split never changes results.
+  const int64_t by_grain = (n + grain - 1) / grain;
+  const int chunks = int(std::min<int64_t>(by_grain, int64_t(pool->threads()) * 4));
+  if (chunks <= 1 || pool->threads() == 1) {
+    fn(0, n);
+    return;
+  }
+  pool->Run(chunks, [&](int c) { fn(n * c / chunks, n * (c + 1) / chunks); });
+}
+
+}  // namespace embedcore

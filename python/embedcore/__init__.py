@@ -1,0 +1,52 @@
+"""embedcore: one native engine for embedding tables.
+
+Tables of float32 / float16 / bfloat16 rows, lookups with sum / mean / sqrtn
+pooling or as sequences, sparse optimizers with TensorFlow TPU-embedding
+semantics, all in a C++ core that releases the GIL and uses every core.
+``import embedcore`` needs only NumPy.
+"""
+from . import _embedcore
+from . import initializers, optimizers
+from ._inputs import Ragged, Sparse
+from .config import FeatureConfig, TableConfig
+from .embedding import Embedding
+from .table import Table
+
+__version__ = _embedcore.__version__
+NotCompiledError = _embedcore.NotCompiledError
+
+
+def set_num_threads(n: int) -> None:
+    """Sets the number of threads the engine's kernels use (results never depend on it)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"set_num_threads: n must be an int, got {n!r}")
+    if n < 1:
+        raise ValueError(f"set_num_threads: n must be >= 1, got {n}")
+    _embedcore.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """The number of threads the engine's kernels use."""
+    return _embedcore.get_num_threads()
+
+
+def build_info() -> dict:
+    """What this build holds: version, compiled features, kernels in use."""
+    return dict(_embedcore.build_info())
+
+
+__all__ = [
+    "Embedding",
+    "FeatureConfig",
+    "NotCompiledError",
+    "Ragged",
+    "Sparse",
+    "Table",
+    "TableConfig",
+    "build_info",
+    "get_num_threads",
+    "initializers",
+    "optimizers",
+    "set_num_threads",
+    "__version__",
+]

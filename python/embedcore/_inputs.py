@@ -1,0 +1,243 @@
+"""Input forms of a lookup and their conversion to the engine's CSR batch.
+
+Arrays are taken through DLPack or the buffer protocol without a copy when
+they are C-contiguous and of a supported dtype (ids int32/int64, weights
+float32); anything else is converted once, here, with the argument named in
+every error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["Ragged", "Sparse"]
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+class Ragged:
+    """Bags in CSR form: bag ``b`` is ``values[offsets[b]:offsets[b + 1]]``.
+
+    ``offsets`` has ``batch + 1`` elements, starts at 0 and ends at
+    ``len(values)`` (TensorFlow's ``row_splits``)."""
+
+    __slots__ = ("values", "offsets")
+
+    def __init__(self, values, offsets):
+        self.values = values
+        self.offsets = offsets
+
+    @classmethod
+    def from_lengths(cls, values, lengths) -> "Ragged":
+        lengths = as_int_array(lengths, "lengths")
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return cls(values, offsets)
+
+    def __repr__(self) -> str:
+        return f"Ragged(values={self.values!r}, offsets={self.offsets!r})"
+
+
+class Sparse:
+    """Bags in COO form, as ``tf.SparseTensor``: ``indices`` is ``[nnz, rank]``
+    (row, position, ...), ``values`` the ``nnz`` ids (or weights), and
+    ``dense_shape`` the ``[batch, max_len, ...]`` shape."""
+
+    __slots__ = ("indices", "values", "dense_shape")
+
+    def __init__(self, indices, values, dense_shape):
+        self.indices = indices
+        self.values = values
+        self.dense_shape = dense_shape
+
+    def __repr__(self) -> str:
+        return f"Sparse(indices={self.indices!r}, values={self.values!r}, dense_shape={self.dense_shape!r})"
+
+
+# ------------------------------------------------------------------ arrays
+def to_numpy(x, where: str) -> np.ndarray:
+    """A NumPy view of `x` (DLPack or buffer protocol), or a converted copy."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__") and not isinstance(x, (list, tuple)):
+        try:
+            return np.from_dlpack(x)
+        except (TypeError, RuntimeError, BufferError, ValueError):
+            pass  # e.g. a device not NumPy's, or a dtype DLPack cannot carry
+    try:
+        return np.asarray(x)
+    except Exception as e:  # noqa: BLE001 - report what could not be read, and where
+        raise TypeError(f"{where} must be an array, got {type(x).__name__}: {e}") from None
+
+
+def as_int_array(x, where: str) -> np.ndarray:
+    """int32 or int64, C-contiguous; other integer dtypes are converted."""
+    a = to_numpy(x, where)
+    if a.dtype == np.int32 or a.dtype == np.int64:
+        pass
+    elif a.dtype.kind in "iu":
+        if a.dtype == np.uint64 and a.size and int(a.max()) > _INT64_MAX:
+            k = int(np.argmax(a > _INT64_MAX))
+            raise IndexError(f"{where}: value {int(a.flat[k])} at position {k} does not fit in int64")
+        a = a.astype(np.int64)
+    elif a.size == 0 and a.dtype.kind == "f" and not isinstance(x, np.ndarray):
+        a = a.astype(np.int64)  # an empty Python list
+    else:
+        raise TypeError(f"{where} must be an integer array (int32 or int64), got dtype {a.dtype}")
+    return np.ascontiguousarray(a)
+
+
+def as_offsets(x, where: str) -> np.ndarray:
+    a = as_int_array(x, where)
+    if a.ndim != 1:
+        raise ValueError(f"{where} must be 1-D, got shape {a.shape}")
+    if a.size == 0:
+        raise ValueError(f"{where} must hold batch + 1 values starting at 0, got an empty array")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def as_weights(x, where: str) -> np.ndarray:
+    a = to_numpy(x, where)
+    if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+        raise TypeError(f"{where} must be a float array, got dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def as_float32(x, where: str) -> np.ndarray:
+    a = to_numpy(x, where)
+    if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+        raise TypeError(f"{where} must be a float array, got dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+# ------------------------------------------------------------------ batches
+@dataclass
+class Batch:
+    """A lookup's input as the engine takes it, plus how to shape the output.
+
+    ``kind`` is "ragged" (CSR), "dense" (a [batch, k] array; ``width`` = k) or
+    "sparse" (COO; ``rows``/``positions`` keep the coordinates)."""
+
+    ids: np.ndarray
+    offsets: np.ndarray
+    weights: Optional[np.ndarray]
+    kind: str
+    width: int = 0
+    positions: Optional[np.ndarray] = None  # sparse: position of each id in its bag
+
+    @property
+    def num_bags(self) -> int:
+        return len(self.offsets) - 1
+
+
+def _dense_offsets(batch: int, k: int) -> np.ndarray:
+    return np.arange(0, batch * k + 1, max(k, 1), dtype=np.int64)[: batch + 1] if k else np.zeros(batch + 1, np.int64)
+
+
+def _sparse_parts(sp: Sparse, where: str):
+    indices = as_int_array(sp.indices, f"{where}.indices")
+    values = sp.values
+    shape = as_int_array(sp.dense_shape, f"{where}.dense_shape")
+    if indices.ndim != 2 or indices.shape[1] < 2:
+        raise ValueError(f"{where}.indices must have shape [nnz, rank >= 2], got {indices.shape}")
+    if shape.ndim != 1 or shape.shape[0] != indices.shape[1]:
+        raise ValueError(f"{where}.dense_shape must have {indices.shape[1]} values, got shape {shape.shape}")
+    if (shape < 0).any():
+        raise ValueError(f"{where}.dense_shape must be non-negative, got {shape.tolist()}")
+    n = indices.shape[0]
+    if n:
+        bad = np.nonzero(((indices < 0) | (indices >= shape)).any(axis=1))[0]
+        if bad.size:
+            k = int(bad[0])
+            raise ValueError(f"{where}.indices[{k}] = {indices[k].tolist()} is outside dense_shape {shape.tolist()}")
+    return indices, values, shape
+
+
+def make_batch(ids, offsets=None, weights=None, where: str = "ids") -> Batch:
+    """Normalises every input form to a CSR `Batch`; validates shapes and dtypes."""
+    wname = "weights" if where == "ids" else f"weights of {where}"
+    if isinstance(ids, Ragged):
+        if offsets is not None:
+            raise ValueError(f"{where} is Ragged: pass its offsets inside it, not as offsets=")
+        values = as_int_array(ids.values, f"{where}.values")
+        if values.ndim != 1:
+            raise ValueError(f"{where}.values must be 1-D, got shape {values.shape}")
+        offs = as_offsets(ids.offsets, f"{where}.offsets")
+        w = None
+        if weights is not None:
+            if isinstance(weights, Ragged):
+                woffs = as_offsets(weights.offsets, f"{wname}.offsets")
+                if not np.array_equal(woffs, offs):
+                    raise ValueError(f"{wname} must have the same offsets as {where}")
+                weights = weights.values
+            w = as_weights(weights, wname)
+            if w.shape != values.shape:
+                raise ValueError(f"{wname} must have shape {values.shape} like {where}, got {w.shape}")
+        return Batch(values, offs, w, "ragged")
+
+    if isinstance(ids, Sparse):
+        if offsets is not None:
+            raise ValueError(f"{where} is Sparse: offsets= does not apply")
+        indices, values, shape = _sparse_parts(ids, where)
+        values = as_int_array(values, f"{where}.values")
+        if values.ndim != 1 or values.shape[0] != indices.shape[0]:
+            raise ValueError(f"{where}.values must be 1-D with one id per index row, got shape {values.shape}")
+        w = None
+        if weights is not None:
+            if isinstance(weights, Sparse):
+                windices = as_int_array(weights.indices, f"{wname}.indices")
+                if not np.array_equal(windices, indices):
+                    raise ValueError(f"{wname} must have the same indices as {where}")
+                weights = weights.values
+            w = as_weights(weights, wname)
+            if w.shape != values.shape:
+                raise ValueError(f"{wname} must have shape {values.shape} like {where}.values, got {w.shape}")
+        batch = int(shape[0])
+        # Bags are rows; within a row, ids keep the order of their positions.
+        if not _row_major_sorted(indices):
+            order = np.lexsort(indices.T[::-1])
+            indices, values = indices[order], values[order]
+            w = None if w is None else w[order]
+        rows = indices[:, 0]
+        offs = np.zeros(batch + 1, dtype=np.int64)
+        np.cumsum(np.bincount(rows, minlength=batch), out=offs[1:])
+        return Batch(np.ascontiguousarray(values), offs, w, "sparse", width=int(shape[1]),
+                     positions=np.ascontiguousarray(indices[:, 1]))
+
+    a = as_int_array(ids, where)
+    if a.ndim == 2:
+        if offsets is not None:
+            raise ValueError(f"{where} is 2-D (one bag per row): offsets= does not apply")
+        batch, k = a.shape
+        w = None
+        if weights is not None:
+            w = as_weights(weights, wname)
+            if w.shape != a.shape:
+                raise ValueError(f"{wname} must have shape {a.shape} like {where}, got {w.shape}")
+            w = w.reshape(-1)
+        return Batch(a.reshape(-1), _dense_offsets(batch, k), w, "dense", width=k)
+    if a.ndim != 1:
+        raise ValueError(f"{where} must be 1-D (with offsets) or 2-D (one bag per row), got shape {a.shape}")
+    if offsets is None:
+        offs = np.arange(a.shape[0] + 1, dtype=np.int64)  # one id per bag
+    else:
+        offs = as_offsets(offsets, "offsets")
+    w = None
+    if weights is not None:
+        w = as_weights(weights, wname)
+        if w.shape != a.shape:
+            raise ValueError(f"{wname} must have shape {a.shape} like {where}, got {w.shape}")
+    return Batch(a, offs, w, "ragged")
+
+
+def _row_major_sorted(indices: np.ndarray) -> bool:
+    if indices.shape[0] < 2:
+        return True
+    d = np.diff(indices, axis=0)
+    # Sorted when, at the first non-zero coordinate difference, it is positive.
+    nz = d != 0
+    first = np.argmax(nz, axis=1)
+    lead = d[np.arange(d.shape[0]), first]
+    return bool((lead >= 0).all())

@@ -1,0 +1,67 @@
+"""Flattening nested dict / list / tuple structures, as ``tf.nest`` does:
+dict keys in sorted order, lists and tuples in order, anything else a leaf."""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Tuple
+
+
+def is_nested(x) -> bool:
+    return isinstance(x, (dict, list, tuple))
+
+
+def _items(x):
+    if isinstance(x, dict):
+        return [(k, x[k]) for k in sorted(x)]
+    return list(enumerate(x))
+
+
+def flatten_with_paths(x, path: str = "", is_leaf: Callable[[Any], bool] = lambda _: False) -> List[Tuple[str, Any]]:
+    if is_nested(x) and not is_leaf(x):
+        out = []
+        for k, v in _items(x):
+            out.extend(flatten_with_paths(v, f"{path}/{k}" if path else str(k), is_leaf))
+        return out
+    return [(path, x)]
+
+
+def flatten_up_to(structure, values, where: str) -> list:
+    """The leaves of `values` at the positions of `structure`'s leaves."""
+    out: list = []
+
+    def walk(s, v, path):
+        if not is_nested(s):
+            out.append(v)
+            return
+        label = path or "the top level"
+        if isinstance(s, dict):
+            if not isinstance(v, dict):
+                raise ValueError(f"{where}: expected a dict at {label}, got {type(v).__name__}")
+            if set(s) != set(v):
+                missing, extra = sorted(map(str, set(s) - set(v))), sorted(map(str, set(v) - set(s)))
+                raise ValueError(f"{where}: keys at {label} do not match the feature config "
+                                 f"(missing {missing}, unknown {extra})")
+        else:
+            if not isinstance(v, (list, tuple)) or len(v) != len(s):
+                got = f"{type(v).__name__} of length {len(v)}" if isinstance(v, (list, tuple)) else type(v).__name__
+                raise ValueError(f"{where}: expected a sequence of length {len(s)} at {label}, got {got}")
+        for k, sub in _items(s):
+            walk(sub, v[k], f"{path}/{k}" if path else str(k))
+
+    walk(structure, values, "")
+    return out
+
+
+def pack_as(structure, flat: list):
+    """Rebuilds `structure` with the leaves taken in order from `flat`."""
+    it = iter(flat)
+
+    def build(s):
+        if isinstance(s, dict):
+            built = {k: build(s[k]) for k in sorted(s)}
+            return type(s)((k, built[k]) for k in s) if type(s) is not dict else {k: built[k] for k in s}
+        if isinstance(s, (list, tuple)):
+            items = [build(v) for v in s]
+            return type(s)(items) if not hasattr(s, "_fields") else type(s)(*items)
+        return next(it)
+
+    return build(structure)

@@ -1,0 +1,121 @@
+"""``embedcore.Embedding``: a collection of tables looked up by named
+features, shaped like TensorFlow's ``TPUEmbedding``."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from . import _nest
+from . import optimizers as _opt
+from ._inputs import Batch, Ragged, Sparse, make_batch
+from .config import FeatureConfig, TableConfig
+from .table import Table
+
+__all__ = ["Embedding"]
+
+
+def _is_input_leaf(x) -> bool:
+    return isinstance(x, (Ragged, Sparse))
+
+
+class Embedding:
+    """Tables and the features that read them.
+
+    feature_config: a nested dict / list / tuple of ``FeatureConfig``; several
+        features may share a ``TableConfig``.
+    optimizer: the optimizer of every table whose config has none.
+
+    ``emb(features, weights=None)`` looks up every feature (the same nested
+    structure of inputs, each in any form ``Table.lookup`` takes) and returns
+    the outputs in that structure: ``[batch, dim]`` for pooled features and
+    ``[batch, max_sequence_length, dim]`` for sequence features.
+    ``emb.apply_gradients(grads)`` takes the gradients of the last outputs, in
+    their structure, and applies one optimizer step per table, the gradients
+    of all features that share a table summed together.
+    """
+
+    def __init__(self, feature_config, optimizer: Optional[_opt.Optimizer] = None):
+        if optimizer is not None and not isinstance(optimizer, _opt.Optimizer):
+            raise TypeError(f"Embedding: optimizer must be an embedcore.optimizers.Optimizer, got {optimizer!r}")
+        flat = _nest.flatten_with_paths(feature_config)
+        if not flat:
+            raise ValueError("Embedding: feature_config holds no FeatureConfig")
+        for path, f in flat:
+            if not isinstance(f, FeatureConfig):
+                raise TypeError(f"Embedding: feature_config at {path or 'the top level'} must be a FeatureConfig, "
+                                f"got {f!r}")
+        self._feature_config = feature_config
+        self._features: List[FeatureConfig] = [f for _, f in flat]
+        self._feature_names = [f.name or path or f"feature_{i}" for i, (path, f) in enumerate(flat)]
+        self._optimizer = optimizer
+
+        # Tables in order of first use; unnamed ones become table_<i>, as TensorFlow names them.
+        configs: List[TableConfig] = []
+        for f in self._features:
+            if not any(f.table is c for c in configs):
+                configs.append(f.table)
+        self._tables: Dict[TableConfig, Table] = {}
+        names = set()
+        for i, cfg in enumerate(configs):
+            name = cfg.name if cfg.name is not None else f"table_{i}"
+            if name in names:
+                raise ValueError(f"Embedding: two tables are named {name!r}; table names must be unique")
+            names.add(name)
+            eff = TableConfig(name, cfg.rows, cfg.dim, cfg.dtype, cfg.initializer,
+                              cfg.optimizer if cfg.optimizer is not None else optimizer, cfg.combiner)
+            self._tables[cfg] = Table(eff)
+        self._last = None  # (batches) of the last lookup, for apply_gradients
+
+    @property
+    def embedding_tables(self) -> Dict[TableConfig, Table]:
+        """Each TableConfig of the feature config, mapped to its Table."""
+        return dict(self._tables)
+
+    @property
+    def feature_config(self):
+        return self._feature_config
+
+    @property
+    def optimizer(self) -> Optional[_opt.Optimizer]:
+        return self._optimizer
+
+    def _table(self, f: FeatureConfig) -> Table:
+        return self._tables[f.table]
+
+    def _combiner(self, f: FeatureConfig) -> Optional[str]:
+        return None if f.max_sequence_length > 0 else f.table.combiner
+
+    def __call__(self, features, weights=None):
+        return self.lookup(features, weights)
+
+    def lookup(self, features, weights=None):
+        flat_inputs = _nest.flatten_up_to(self._feature_config, features, "features")
+        flat_weights = ([None] * len(flat_inputs) if weights is None
+                        else _nest.flatten_up_to(self._feature_config, weights, "weights"))
+        batches: List[Batch] = []
+        for name, x, w in zip(self._feature_names, flat_inputs, flat_weights):
+            batches.append(make_batch(x, None, w, where=f"features[{name!r}]"))
+        outputs = []
+        for f, b in zip(self._features, batches):
+            outputs.append(self._table(f)._lookup_batch(b, self._combiner(f), f.max_sequence_length))
+        self._last = batches
+        return _nest.pack_as(self._feature_config, outputs)
+
+    embedding_lookup = lookup
+
+    def apply_gradients(self, grads) -> None:
+        """One optimizer step per table from the gradients of the last lookup."""
+        if self._last is None:
+            raise ValueError("Embedding.apply_gradients: call the embedding on a batch first")
+        flat_grads = _nest.flatten_up_to(self._feature_config, grads, "grads")
+        parts: Dict[TableConfig, list] = {}
+        for name, f, b, g in zip(self._feature_names, self._features, self._last, flat_grads):
+            table = self._table(f)
+            if table.optimizer is None:
+                raise ValueError(f"Embedding.apply_gradients: table '{table.name}' has no optimizer "
+                                 "(give its TableConfig or the Embedding one)")
+            part = table._gradient_part(b, self._combiner(f), f.max_sequence_length, g, where=f"grads[{name!r}]")
+            parts.setdefault(f.table, []).append(part)
+        # Every check above, and each learning rate, before any table changes.
+        rates = {cfg: self._tables[cfg].learning_rate() for cfg in parts}
+        for cfg, table_parts in parts.items():
+            self._tables[cfg]._apply_parts(table_parts, rates[cfg])

@@ -1,0 +1,199 @@
+"""Sparse optimizers with TensorFlow TPU-embedding semantics.
+
+Each optimizer updates only the rows a batch touched; the gradients of every
+occurrence of an id are summed (in a fixed order) before one update of that
+row, so results are bit-identical whatever the thread count. Slot variables
+carry TensorFlow's names. Common options:
+
+- ``learning_rate``: a float, or a callable ``lr(step)`` of the table's step
+  count (the number of updates applied before this one).
+- ``clipvalue``: clip the summed gradient to ``[-c, c]`` (a float) or
+  ``[lo, hi]`` (a pair) before the update.
+- ``clip_weight_min`` / ``clip_weight_max``: clip the weights after the update.
+- ``weight_decay_factor``: decoupled decay ``w -= wd * w`` of the touched rows
+  before the update (times the learning rate with
+  ``multiply_weight_decay_factor_by_learning_rate=True``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Union
+
+from . import _embedcore
+
+__all__ = ["Optimizer", "SGD", "Adagrad", "Adam", "FTRL"]
+
+LearningRate = Union[float, Callable[[int], float]]
+_Kind = _embedcore.OptimizerSpec.Kind
+
+
+def _number(owner: str, name: str, value, *, minimum=None, strict=False) -> float:
+    if isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be a number, got {value!r}")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{owner}: {name} must be a number, got {value!r}") from None
+    if not math.isfinite(v):
+        raise ValueError(f"{owner}: {name} must be finite, got {value!r}")
+    if minimum is not None and (v < minimum or (strict and v == minimum)):
+        op = ">" if strict else ">="
+        raise ValueError(f"{owner}: {name} must be {op} {minimum}, got {value!r}")
+    return v
+
+
+class Optimizer:
+    """Base class: the options every optimizer shares."""
+
+    slot_names: tuple = ()
+
+    def __init__(self, learning_rate: LearningRate, clip_weight_min=None, clip_weight_max=None,
+                 weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=False,
+                 clipvalue=None):
+        name = type(self).__name__
+        if callable(learning_rate):
+            self.learning_rate = learning_rate
+        else:
+            self.learning_rate = _number(name, "learning_rate", learning_rate)
+        self.clip_weight_min = None if clip_weight_min is None else _number(name, "clip_weight_min", clip_weight_min)
+        self.clip_weight_max = None if clip_weight_max is None else _number(name, "clip_weight_max", clip_weight_max)
+        if (self.clip_weight_min is not None and self.clip_weight_max is not None
+                and self.clip_weight_min > self.clip_weight_max):
+            raise ValueError(f"{name}: clip_weight_min ({clip_weight_min}) > clip_weight_max ({clip_weight_max})")
+        self.weight_decay_factor = (None if weight_decay_factor is None
+                                    else _number(name, "weight_decay_factor", weight_decay_factor, minimum=0))
+        self.multiply_weight_decay_factor_by_learning_rate = bool(multiply_weight_decay_factor_by_learning_rate)
+        if clipvalue is None:
+            self.clipvalue = None
+        elif isinstance(clipvalue, (tuple, list)):
+            if len(clipvalue) != 2:
+                raise ValueError(f"{name}: clipvalue must be a number or a (min, max) pair, got {clipvalue!r}")
+            lo, hi = (_number(name, "clipvalue", v) for v in clipvalue)
+            if lo > hi:
+                raise ValueError(f"{name}: clipvalue min ({lo}) > max ({hi})")
+            self.clipvalue = (lo, hi)
+        else:
+            c = _number(name, "clipvalue", clipvalue, minimum=0)
+            self.clipvalue = (-c, c)
+
+    def learning_rate_at(self, step: int) -> float:
+        """The learning rate of the update that follows `step` earlier ones."""
+        if callable(self.learning_rate):
+            lr = self.learning_rate(step)
+            return _number(type(self).__name__, f"learning_rate({step})", lr)
+        return self.learning_rate
+
+    def _native(self) -> "_embedcore.OptimizerSpec":
+        spec = _embedcore.OptimizerSpec()
+        if self.clip_weight_min is not None:
+            spec.has_clip_weight_min, spec.clip_weight_min = True, self.clip_weight_min
+        if self.clip_weight_max is not None:
+            spec.has_clip_weight_max, spec.clip_weight_max = True, self.clip_weight_max
+        if self.clipvalue is not None:
+            spec.has_clipvalue = True
+            spec.clip_gradient_min, spec.clip_gradient_max = self.clipvalue
+        spec.weight_decay_factor = self.weight_decay_factor or 0.0
+        spec.multiply_weight_decay_factor_by_learning_rate = self.multiply_weight_decay_factor_by_learning_rate
+        return spec
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+class SGD(Optimizer):
+    """``w -= lr * g``."""
+
+    def __init__(self, learning_rate: LearningRate = 0.01, **kwargs):
+        super().__init__(learning_rate, **kwargs)
+
+    def _native(self):
+        spec = super()._native()
+        spec.kind = _Kind.SGD
+        return spec
+
+
+class Adagrad(Optimizer):
+    """``a += g^2; w -= lr * g / sqrt(a)``; slot ``accumulators`` starts at
+    ``initial_accumulator_value``."""
+
+    slot_names = ("accumulators",)
+
+    def __init__(self, learning_rate: LearningRate = 0.001, initial_accumulator_value: float = 0.1, **kwargs):
+        super().__init__(learning_rate, **kwargs)
+        self.initial_accumulator_value = _number("Adagrad", "initial_accumulator_value",
+                                                 initial_accumulator_value, minimum=0, strict=True)
+
+    def _native(self):
+        spec = super()._native()
+        spec.kind = _Kind.Adagrad
+        spec.initial_accumulator_value = self.initial_accumulator_value
+        return spec
+
+
+class Adam(Optimizer):
+    """Adam with slots ``momenta`` and ``velocities``.
+
+    TensorFlow's TPU form by default: no bias correction, ``lazy_adam=True``
+    (only touched rows move) and ``sum_inside_sqrt=True``
+    (``m / sqrt(v + eps^2)``). ``bias_correction=True`` with
+    ``sum_inside_sqrt=False`` and ``epsilon=1e-8`` is PyTorch's ``SparseAdam``.
+    """
+
+    slot_names = ("momenta", "velocities")
+
+    def __init__(self, learning_rate: LearningRate = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
+                 epsilon: float = 1e-7, lazy_adam: bool = True, sum_inside_sqrt: bool = True,
+                 bias_correction: bool = False, **kwargs):
+        super().__init__(learning_rate, **kwargs)
+        self.beta_1 = _number("Adam", "beta_1", beta_1, minimum=0)
+        self.beta_2 = _number("Adam", "beta_2", beta_2, minimum=0)
+        for n, v in (("beta_1", self.beta_1), ("beta_2", self.beta_2)):
+            if v >= 1:
+                raise ValueError(f"Adam: {n} must be in [0, 1), got {v}")
+        self.epsilon = _number("Adam", "epsilon", epsilon, minimum=0, strict=True)
+        self.lazy_adam = bool(lazy_adam)
+        self.sum_inside_sqrt = bool(sum_inside_sqrt)
+        self.bias_correction = bool(bias_correction)
+
+    def _native(self):
+        spec = super()._native()
+        spec.kind = _Kind.Adam
+        spec.beta_1, spec.beta_2, spec.epsilon = self.beta_1, self.beta_2, self.epsilon
+        spec.lazy_adam, spec.sum_inside_sqrt = self.lazy_adam, self.sum_inside_sqrt
+        spec.bias_correction = self.bias_correction
+        return spec
+
+
+class FTRL(Optimizer):
+    """FTRL-proximal with slots ``accumulators`` and ``linears`` (TensorFlow's
+    ``FTRL``, including ``beta`` and ``multiply_linear_by_learning_rate``)."""
+
+    slot_names = ("accumulators", "linears")
+
+    def __init__(self, learning_rate: LearningRate = 0.001, learning_rate_power: float = -0.5,
+                 l1_regularization_strength: float = 0.0, l2_regularization_strength: float = 0.0,
+                 beta: float = 0.0, initial_accumulator_value: float = 0.1,
+                 multiply_linear_by_learning_rate: bool = False, **kwargs):
+        super().__init__(learning_rate, **kwargs)
+        self.learning_rate_power = _number("FTRL", "learning_rate_power", learning_rate_power)
+        if self.learning_rate_power > 0:
+            raise ValueError(f"FTRL: learning_rate_power must be <= 0, got {learning_rate_power}")
+        self.l1_regularization_strength = _number("FTRL", "l1_regularization_strength",
+                                                  l1_regularization_strength, minimum=0)
+        self.l2_regularization_strength = _number("FTRL", "l2_regularization_strength",
+                                                  l2_regularization_strength, minimum=0)
+        self.beta = _number("FTRL", "beta", beta, minimum=0)
+        self.initial_accumulator_value = _number("FTRL", "initial_accumulator_value",
+                                                 initial_accumulator_value, minimum=0, strict=True)
+        self.multiply_linear_by_learning_rate = bool(multiply_linear_by_learning_rate)
+
+    def _native(self):
+        spec = super()._native()
+        spec.kind = _Kind.FTRL
+        spec.learning_rate_power = self.learning_rate_power
+        spec.l1, spec.l2 = self.l1_regularization_strength, self.l2_regularization_strength
+        spec.beta = self.beta
+        spec.initial_accumulator_value = self.initial_accumulator_value
+        spec.multiply_linear_by_learning_rate = self.multiply_linear_by_learning_rate
+        return spec

@@ -1,0 +1,270 @@
+"""``embedcore.Table``: one embedding table held by the native engine."""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import numpy as np
+
+from . import _embedcore
+from . import optimizers as _opt
+from ._inputs import Batch, as_float32, make_batch
+from .config import COMBINERS, TableConfig
+
+__all__ = ["Table"]
+
+_COMBINER_CODE = {"sum": 0, "mean": 1, "sqrtn": 2, None: 3}
+_DEFAULT = object()
+
+
+def _bfloat16_dtype():
+    try:
+        import ml_dtypes  # optional; ships with TensorFlow and JAX
+
+        return np.dtype(ml_dtypes.bfloat16)
+    except ImportError:
+        return None
+
+
+class Table:
+    """An embedding table: ``rows x dim`` values and the optimizer's slots.
+
+    ``Table(config)`` or ``Table(name=..., rows=..., dim=..., dtype=...,
+    initializer=..., optimizer=..., combiner=...)``.
+
+    Lookups and updates release the GIL and may run from many threads: any
+    number of lookups at once, and an update waits for running lookups and
+    holds off new ones, so no lookup sees a half-updated row.
+    """
+
+    def __init__(self, config: Optional[TableConfig] = None, **kwargs):
+        if config is None:
+            config = TableConfig(**kwargs)
+        elif kwargs:
+            raise TypeError(f"Table: pass a TableConfig or keyword arguments, not both (got {sorted(kwargs)})")
+        elif not isinstance(config, TableConfig):
+            raise TypeError(f"Table: config must be a TableConfig, got {config!r}")
+        self._config = config
+        self._name = config.name if config.name is not None else "table"
+        optimizer = config.optimizer
+        native_opt = optimizer._native() if optimizer is not None else _opt.SGD()._native()
+        self._optimizer = optimizer
+        self._native = _embedcore.Table(self._name, config.rows, config.dim, config.dtype,
+                                        config.initializer._native(), native_opt)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def config(self) -> TableConfig:
+        return self._config
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def rows(self) -> int:
+        return self._config.rows
+
+    @property
+    def dim(self) -> int:
+        return self._config.dim
+
+    @property
+    def dtype(self) -> str:
+        return self._config.dtype
+
+    @property
+    def combiner(self) -> str:
+        return self._config.combiner
+
+    @property
+    def optimizer(self) -> Optional[_opt.Optimizer]:
+        return self._optimizer
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps applied so far."""
+        return self._native.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"table '{self._name}': step must be a non-negative int, got {value!r}")
+        self._native.step = int(value)
+
+    def __repr__(self) -> str:
+        return f"Table(name={self._name!r}, rows={self.rows}, dim={self.dim}, dtype={self.dtype!r})"
+
+    # ------------------------------------------------------------ lookup
+    def _combiner(self, combiner) -> Optional[str]:
+        if combiner is _DEFAULT:
+            return self._config.combiner
+        if combiner is not None and combiner not in COMBINERS:
+            raise ValueError(f"table '{self._name}': combiner must be one of {COMBINERS} or None, got {combiner!r}")
+        return combiner
+
+    @staticmethod
+    def _sequence_length(batch: Batch, max_sequence_length) -> int:
+        if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, (int, np.integer)):
+            raise TypeError(f"max_sequence_length must be an int, got {max_sequence_length!r}")
+        if max_sequence_length < 0:
+            raise ValueError(f"max_sequence_length must be >= 0, got {max_sequence_length}")
+        if max_sequence_length == 0 and batch.kind in ("dense", "sparse"):
+            return batch.width  # a dense [batch, k] or sparse [batch, k] input keeps its width
+        return int(max_sequence_length)
+
+    def output_shape(self, batch: Batch, combiner: Optional[str], max_sequence_length: int) -> tuple:
+        if combiner is not None:
+            return (batch.num_bags, self.dim)
+        if max_sequence_length > 0:
+            return (batch.num_bags, max_sequence_length, self.dim)
+        return (len(batch.ids), self.dim)
+
+    def lookup(self, ids, offsets=None, weights=None, combiner=_DEFAULT, max_sequence_length: int = 0,
+               out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Looks up bags of ids.
+
+        ids: ``Ragged(values, offsets)``; a 1-D id array with ``offsets``
+            (``batch + 1`` values, CSR) or without (one id per bag); a 2-D
+            ``[batch, k]`` array (one bag per row); or ``Sparse(indices,
+            values, dense_shape)``. int32 or int64; NumPy, PyTorch, TensorFlow
+            or any DLPack / buffer-protocol array, read without a copy when
+            C-contiguous.
+        weights: per-id float weights in the same form.
+        combiner: "sum", "mean", "sqrtn" (default: the table's), or None for
+            the unpooled rows: ``[nnz, dim]`` for CSR input, or
+            ``[batch, max_sequence_length, dim]`` (truncated or zero-padded;
+            dense and sparse inputs default to their width; sparse inputs
+            place each id at its position index).
+        out: optional C-contiguous float32 array of the output's shape.
+
+        Returns float32 ``[batch, dim]`` (pooled) or the sequence shapes above.
+        """
+        batch = make_batch(ids, offsets, weights)
+        combiner = self._combiner(combiner)
+        return self._lookup_batch(batch, combiner, max_sequence_length, out)
+
+    def _lookup_batch(self, batch: Batch, combiner, max_sequence_length, out=None) -> np.ndarray:
+        length = self._sequence_length(batch, max_sequence_length) if combiner is None else 0
+        shape = self.output_shape(batch, combiner, length)
+        code = _COMBINER_CODE[combiner]
+        if out is not None:
+            if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous:
+                raise TypeError(f"out must be a C-contiguous float32 NumPy array, got {_describe(out)}")
+            if not out.flags.writeable:
+                raise ValueError("out must be writeable")
+            if out.shape != shape:
+                raise ValueError(f"out must have shape {shape}, got {out.shape}")
+        if combiner is None and batch.kind == "sparse" and length > 0:
+            result = self._sparse_sequence(batch, length, shape)
+            if out is None:
+                return result
+            np.copyto(out, result)
+            return out
+        native_length = length if combiner is None else 0
+        if out is not None:
+            self._native.lookup_into(batch.ids, batch.offsets, batch.weights, code, native_length, out)
+            return out
+        return self._native.lookup(batch.ids, batch.offsets, batch.weights, code, native_length)
+
+    def _sparse_sequence(self, batch: Batch, length: int, shape: tuple) -> np.ndarray:
+        # Each id goes to its own position (duplicates add up), as TensorFlow does.
+        rows = np.repeat(np.arange(batch.num_bags), np.diff(batch.offsets))
+        flat = self._native.lookup(batch.ids, np.array([0, len(batch.ids)], np.int64), batch.weights, 3, 0)
+        result = np.zeros(shape, np.float32)
+        keep = batch.positions < length
+        np.add.at(result, (rows[keep], batch.positions[keep]), flat[keep])
+        return result
+
+    __call__ = lookup
+
+    # ------------------------------------------------------------ training
+    def _gradient_part(self, batch: Batch, combiner, max_sequence_length, grads, where: str = "grads") -> tuple:
+        """Checks `grads` against the lookup it belongs to; returns the native part."""
+        length = self._sequence_length(batch, max_sequence_length) if combiner is None else 0
+        shape = self.output_shape(batch, combiner, length)
+        g = as_float32(grads, where)
+        if g.shape != shape:
+            raise ValueError(f"table '{self._name}': {where} must have shape {shape} (the lookup's output), "
+                             f"got {g.shape}")
+        if combiner is None and batch.kind == "sparse" and length > 0:
+            keep = batch.positions < length
+            rows = np.repeat(np.arange(batch.num_bags), np.diff(batch.offsets))
+            ids = np.ascontiguousarray(batch.ids[keep])
+            w = None if batch.weights is None else np.ascontiguousarray(batch.weights[keep])
+            flat = np.ascontiguousarray(g[rows[keep], batch.positions[keep]])
+            return (ids, np.array([0, len(ids)], np.int64), w, 3, 0, flat)
+        return (batch.ids, batch.offsets, batch.weights, _COMBINER_CODE[combiner],
+                length if combiner is None else 0, g)
+
+    def learning_rate(self) -> float:
+        """The learning rate the next update will use."""
+        if self._optimizer is None:
+            raise ValueError(f"table '{self._name}' has no optimizer: give its TableConfig or the Embedding one")
+        return self._optimizer.learning_rate_at(self.step)
+
+    def apply_gradients(self, ids, offsets=None, grads=None, *, weights=None, combiner=_DEFAULT,
+                        max_sequence_length: int = 0) -> None:
+        """One optimizer step from the gradient of ``lookup(ids, offsets,
+        weights, combiner, max_sequence_length)``'s output.
+
+        Only the rows in ``ids`` change; the gradients of repeated ids are
+        summed before one update. Everything is validated before anything
+        changes.
+        """
+        if grads is None:
+            raise TypeError("apply_gradients() missing the gradients: apply_gradients(ids, offsets, grads)")
+        batch = make_batch(ids, offsets, weights)
+        part = self._gradient_part(batch, self._combiner(combiner), max_sequence_length, grads)
+        self._apply_parts([part])
+
+    def _apply_parts(self, parts, learning_rate: Optional[float] = None) -> None:
+        lr = self.learning_rate() if learning_rate is None else learning_rate
+        self._native.apply_gradients(parts, lr)
+
+    # ------------------------------------------------------------ state
+    def values(self) -> np.ndarray:
+        """Read-only zero-copy view ``[rows, dim]`` of the stored values
+        (bfloat16 as ``ml_dtypes.bfloat16`` when installed, else raw uint16
+        bits). It reflects later updates; copy it for a snapshot."""
+        v = self._native.values()
+        if self.dtype == "bfloat16":
+            bf16 = _bfloat16_dtype()
+            if bf16 is not None:
+                v = v.view(bf16)
+        return v
+
+    def to_numpy(self, start_row: int = 0, num_rows: Optional[int] = None) -> np.ndarray:
+        """A float32 copy of rows ``[start_row, start_row + num_rows)``."""
+        n = self.rows - start_row if num_rows is None else num_rows
+        return self._native.read_values(int(start_row), int(n))
+
+    def slots(self) -> Dict[str, np.ndarray]:
+        """Read-only zero-copy float32 views of the slot variables, by name."""
+        return dict(self._native.slots())
+
+    @property
+    def slot_names(self) -> tuple:
+        return tuple(self._native.slot_names)
+
+    def assign(self, values, start_row: int = 0) -> None:
+        """Overwrites rows ``[start_row, start_row + len(values))`` (float
+        values, rounded to the storage dtype)."""
+        v = as_float32(values, "values")
+        if v.ndim != 2 or v.shape[1] != self.dim:
+            raise ValueError(f"table '{self._name}': values must have shape [n, {self.dim}], got {v.shape}")
+        self._native.assign_values(int(start_row), v)
+
+    def assign_slot(self, name: str, values, start_row: int = 0) -> None:
+        names = self.slot_names
+        if name not in names:
+            raise KeyError(f"table '{self._name}' has no slot {name!r}; its slots are {list(names)}")
+        v = as_float32(values, f"slot {name}")
+        if v.ndim != 2 or v.shape[1] != self.dim:
+            raise ValueError(f"table '{self._name}': slot {name} values must have shape [n, {self.dim}], got {v.shape}")
+        self._native.assign_slot(names.index(name), int(start_row), v)
+
+
+def _describe(x) -> str:
+    if isinstance(x, np.ndarray):
+        return f"ndarray of {x.dtype} {x.shape}{'' if x.flags.c_contiguous else ' (not C-contiguous)'}"
+    return type(x).__name__
