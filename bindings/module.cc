@@ -13,11 +13,14 @@ NB_MODULE(_embedcore, m) {
   // InvalidArgument (std::invalid_argument) -> ValueError and OutOfRange
   // (std::out_of_range) -> IndexError come with nanobind; the rest are ours.
   nb::exception<embedcore::NotCompiled>(m, "NotCompiledError", PyExc_RuntimeError);
+  nb::exception<embedcore::CheckpointError>(m, "CheckpointError", PyExc_ValueError);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
     } catch (const embedcore::TypeMismatch& e) {
       PyErr_SetString(PyExc_TypeError, e.what());
+    } catch (const embedcore::IoError& e) {
+      PyErr_SetString(PyExc_OSError, e.what());
     }
   });
 
@@ -37,4 +40,5 @@ NB_MODULE(_embedcore, m) {
   });
   m.attr("__version__") = EMBEDCORE_VERSION_STRING;
   embedcore::bindings::BindTable(m);
+  embedcore::bindings::BindCheckpoint(m);
 }

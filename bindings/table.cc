@@ -25,92 +25,17 @@ using namespace nb::literals;
 namespace embedcore::bindings {
 namespace {
 
-using IdArray = nb::ndarray<nb::ro, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using OffsetArray = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using WeightArray = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using FloatIn = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
-using FloatOut = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
-using NumpyFloat = nb::ndarray<nb::numpy, float>;
-using NumpyView = nb::ndarray<nb::numpy, nb::ro>;
-
-Batch MakeBatch(const IdArray& ids, const OffsetArray& offsets, const std::optional<WeightArray>& weights) {
-  Batch b;
-  if (ids.dtype() == nb::dtype<int32_t>()) {
-    b.id_type = IdType::kInt32;
-  } else if (ids.dtype() == nb::dtype<int64_t>()) {
-    b.id_type = IdType::kInt64;
-  } else {
-    throw TypeMismatch("ids must be int32 or int64");
-  }
-  b.ids = ids.data();
-  b.nnz = int64_t(ids.shape(0));
-  if (offsets.shape(0) < 1) throw InvalidArgument("offsets must hold at least one element (0)");
-  b.offsets = offsets.data();
-  b.num_bags = int64_t(offsets.shape(0)) - 1;
-  if (weights) {
-    if (int64_t(weights->shape(0)) != b.nnz)
-      throw InvalidArgument("weights must have one value per id: len(weights) = " +
-                            std::to_string(weights->shape(0)) + ", len(ids) = " + std::to_string(b.nnz));
-    b.weights = weights->data();
-  }
-  return b;
-}
-
-Combiner ToCombiner(int c) {
-  if (c < 0 || c > 3) throw InvalidArgument("combiner code must be 0..3, got " + std::to_string(c));
-  return Combiner(c);
-}
-
-std::vector<size_t> OutputDims(const Batch& b, const OutputShape& s, int64_t dim) {
-  if (s.combiner != Combiner::kNone) return {size_t(b.num_bags), size_t(dim)};
-  if (s.max_sequence_length > 0) return {size_t(b.num_bags), size_t(s.max_sequence_length), size_t(dim)};
-  return {size_t(b.nnz), size_t(dim)};
-}
-
-nb::dlpack::dtype StorageDLType(DType d) {
-  switch (d) {
-    case DType::kFloat32:
-      return nb::dtype<float>();
-    case DType::kFloat16:
-      return nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
-    case DType::kBFloat16:  // NumPy has no bfloat16: the raw bits, as uint16
-      return nb::dtype<uint16_t>();
-  }
-  return nb::dtype<float>();
-}
-
 NumpyFloat Lookup(const Table& t, const IdArray& ids, const OffsetArray& offsets,
                   const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length) {
-  const Batch batch = MakeBatch(ids, offsets, weights);
-  const OutputShape shape{ToCombiner(combiner), max_sequence_length};
-  const std::vector<size_t> dims = OutputDims(batch, shape, t.dim());
-  size_t n = 1;
-  for (size_t d : dims) n *= d;
-  std::unique_ptr<float[]> buf(new float[n == 0 ? 1 : n]);
-  {
-    nb::gil_scoped_release release;
-    t.Lookup(batch, shape, buf.get());
-  }
-  float* data = buf.release();
-  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
-  return NumpyFloat(data, dims.size(), dims.data(), owner);
+  return LookupNew(t.dim(), ids, offsets, weights, combiner, max_sequence_length,
+                   [&](const Batch& b, const OutputShape& s, float* out) { t.Lookup(b, s, out); });
 }
 
 void LookupInto(const Table& t, const IdArray& ids, const OffsetArray& offsets,
                 const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length,
                 const FloatOut& out) {
-  const Batch batch = MakeBatch(ids, offsets, weights);
-  const OutputShape shape{ToCombiner(combiner), max_sequence_length};
-  const std::vector<size_t> dims = OutputDims(batch, shape, t.dim());
-  bool same = out.ndim() == dims.size();
-  for (size_t i = 0; same && i < dims.size(); ++i) same = out.shape(i) == dims[i];
-  if (!same) {
-    std::string want = "[";
-    for (size_t i = 0; i < dims.size(); ++i) want += (i ? ", " : "") + std::to_string(dims[i]);
-    throw InvalidArgument("out must have shape " + want + "]");
-  }
-  nb::gil_scoped_release release;
-  t.Lookup(batch, shape, out.data());
+  LookupOut(t.dim(), ids, offsets, weights, combiner, max_sequence_length, out,
+            [&](const Batch& b, const OutputShape& s, float* o) { t.Lookup(b, s, o); });
 }
 
 using PartTuple = std::tuple<IdArray, OffsetArray, std::optional<WeightArray>, int, int64_t, FloatIn>;

@@ -24,6 +24,10 @@ void Initialize(const InitializerSpec& spec, DType dtype, int64_t rows, int64_t 
 /// The value of element `index` (row * dim + col); the pure function behind Initialize.
 float InitialValue(const InitializerSpec& spec, int64_t dim, uint64_t index);
 
+/// Runs the lookup kernels over `values` (rows x dim of `dtype`); the batch
+/// is already validated.
+void RunLookup(const void* values, DType dtype, int64_t dim, const Batch& batch, const OutputShape& shape, float* out);
+
 /// Stable LSD radix sort of (key, value) pairs by key, keys < 2^key_bits.
 struct KeyValue {
   uint64_t key;

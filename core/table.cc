@@ -223,9 +223,15 @@ void Table::Lookup(const Batch& batch, const OutputShape& shape, float* out) con
   if (shape.combiner == Combiner::kNone && shape.max_sequence_length < 0)
     throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(shape.max_sequence_length));
   if (shape.OutputRows(batch) > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  internal::RunLookup(values_.get(), spec_.dtype, spec_.dim, batch, shape, out);
+}
+
+namespace internal {
+void RunLookup(const void* values, DType dtype, int64_t dim, const Batch& batch, const OutputShape& shape, float* out) {
   kernels::LookupArgs a;
-  a.table = values_.get();
-  a.dim = spec_.dim;
+  a.table = values;
+  a.dim = dim;
   a.ids = batch.ids;
   a.nnz = batch.nnz;
   a.offsets = batch.offsets;
@@ -233,10 +239,8 @@ void Table::Lookup(const Batch& batch, const OutputShape& shape, float* out) con
   a.combiner = ops::CombinerKind(shape.combiner);
   a.max_sequence_length = shape.max_sequence_length;
   a.out = out;
-  const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
+  const auto& k = kernels::ActiveKernels().dtype[int(dtype)];
   const int it = batch.id_type == IdType::kInt32 ? 0 : 1;
-
-  std::shared_lock<std::shared_mutex> lock(mutex_);
   if (shape.combiner == Combiner::kNone && shape.max_sequence_length == 0) {
     auto fn = k.rows[it];
     ParallelFor(batch.nnz, 2048, [&](int64_t k0, int64_t k1) { fn(a, k0, k1); });
@@ -247,6 +251,7 @@ void Table::Lookup(const Batch& batch, const OutputShape& shape, float* out) con
   const int64_t per_bag = batch.num_bags > 0 ? std::max<int64_t>(1, batch.nnz / batch.num_bags) : 1;
   ParallelFor(batch.num_bags, std::max<int64_t>(1, 2048 / per_bag), [&](int64_t b0, int64_t b1) { fn(a, b0, b1); });
 }
+}  // namespace internal
 
 // ---------------------------------------------------------------- update
 namespace {

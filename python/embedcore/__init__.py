@@ -11,6 +11,8 @@ from ._inputs import Ragged, Sparse
 from .config import FeatureConfig, TableConfig
 from .embedding import Embedding
 from .table import Table
+from .checkpoint import FORMAT_VERSION, CheckpointError, Saver, load, save
+from . import serving, sok
 
 __version__ = _embedcore.__version__
 NotCompiledError = _embedcore.NotCompiledError
@@ -32,21 +34,31 @@ def get_num_threads() -> int:
 
 def build_info() -> dict:
     """What this build holds: version, compiled features, kernels in use."""
-    return dict(_embedcore.build_info())
+    info = dict(_embedcore.build_info())
+    info["checkpoint_format"] = ".".join(map(str, FORMAT_VERSION))
+    info["checkpoint_formats_read"] = [f"{major}.x" for major in range(1, FORMAT_VERSION[0] + 1)]
+    return info
 
 
 __all__ = [
+    "CheckpointError",
     "Embedding",
+    "FORMAT_VERSION",
     "FeatureConfig",
     "NotCompiledError",
     "Ragged",
+    "Saver",
     "Sparse",
     "Table",
     "TableConfig",
     "build_info",
     "get_num_threads",
     "initializers",
+    "load",
     "optimizers",
+    "save",
+    "serving",
     "set_num_threads",
+    "sok",
     "__version__",
 ]

@@ -3,8 +3,104 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
+
+
+def _progress(total: int, desc: str):
+    """A progress bar on a terminal (tqdm), nothing otherwise."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="file", leave=False)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _inspect(path: str, as_json: bool) -> int:
+    from .checkpoint import read_info
+
+    info = read_info(path)
+    manifest = json.loads(info.manifest_json)
+    if as_json:
+        print(json.dumps(manifest, indent=1))
+        return 0
+    major, minor = info.format_version
+    print(f"checkpoint {info.path}")
+    print(f"  format {major}.{minor}, written by embedcore {info.library_version}, generation {info.generation}")
+    meta = manifest.get("metadata", {})
+    if meta.get("features"):
+        print(f"  features: " + ", ".join(f"{f['name']} -> {f['table']}" +
+                                         (f" (sequence {f['max_sequence_length']})" if f["max_sequence_length"] else "")
+                                         for f in meta["features"]))
+    total = 0
+    for t in manifest["tables"]:
+        files = list(t["values"]) + [f for fs in t["slots"].values() for f in fs]
+        size = sum(f["bytes"] for f in files)
+        total += size
+        stored = sorted({f["dtype"] for f in t["values"]})
+        opt = t["optimizer"]
+        print(f"  table {t['name']}: {t['rows']} x {t['dim']} {t['dtype']} (stored {', '.join(stored)}), "
+              f"combiner {t['config'].get('combiner', '?')}, {_human(size)}")
+        if opt is None:
+            print("    optimizer: none saved (values only)")
+        else:
+            print(f"    optimizer: {opt['kind']}, step {t['step']}, slots: {', '.join(t['slots']) or 'none'}")
+        sharding = t.get("sharding", {})
+        print(f"    sharding at save: {sharding.get('plan', '?')} over {sharding.get('world_size', '?')} rank(s); "
+              f"{len(files)} file(s)")
+    print(f"  total {_human(total)}")
+    return 0
+
+
+def _verify(path: str) -> int:
+    from . import _embedcore
+    from .checkpoint import read_info
+
+    info = read_info(path)
+    names = list(info.table_names)
+    bar = _progress(len(names), "verify")
+    for i, name in enumerate(names):
+        _embedcore.verify_table(info, i, True, True)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    manifest = json.loads(info.manifest_json)
+    for t in manifest["tables"]:
+        ranges = [(f["row_start"], f["rows"]) for f in t["values"]]
+        for slot, files in t["slots"].items():
+            if [(f["row_start"], f["rows"]) for f in files] != ranges:
+                print(f"{path}: table {t['name']}: slot {slot} holds other rows than the values", file=sys.stderr)
+                return 1
+    print(f"{path}: OK ({len(names)} table(s); every checksum matches, every value and slot is finite, "
+          "values and slots hold the same rows)")
+    return 0
+
+
+def _convert(args) -> int:
+    if args.source_format != "sok":
+        print(f"embedcore convert: unknown --from {args.source_format!r}", file=sys.stderr)
+        return 2
+    from . import sok
+
+    bar = _progress(1, "convert")
+    names = sok.convert(args.src, args.dst, dim=args.dim, key_dtype=args.key_dtype, rows=args.rows)
+    if bar is not None:
+        bar.update(1)
+        bar.close()
+    print(f"converted {len(names)} SOK variable(s) ({', '.join(names)}) into {args.dst}")
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -12,13 +108,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
 
-    demo = sub.add_parser("demo", help="train a small click-through model on synthetic data")
+    demo = sub.add_parser("demo", help="train a small click-through model on synthetic data, save it and serve it")
     demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    demo.add_argument("--batch-size", type=int, default=512)
+    demo.add_argument("--batch-size", type=int, default=1024)
     demo.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--checkpoint", default=None, help="where to save the model (default: a temporary directory)")
 
     sub.add_parser("info", help="print what this build holds")
+    p = sub.add_parser("inspect", help="describe a checkpoint (reads no values)")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print the whole manifest")
+    p = sub.add_parser("verify", help="check every checksum, that values are finite and slots match")
+    p.add_argument("path")
+    p = sub.add_parser("convert", help="convert another format into an embedcore checkpoint")
+    p.add_argument("--from", dest="source_format", required=True, choices=["sok"])
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--dim", type=int, default=None, help="SOK v1: embedding size, when the file sizes are ambiguous")
+    p.add_argument("--key-dtype", choices=["int64", "uint32"], default=None, help="SOK v1: key type")
+    p.add_argument("--rows", type=int, default=None, help="table rows (default: largest key + 1)")
 
     args = parser.parse_args(argv)
     if args.version:
@@ -26,14 +135,25 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         print(__version__)
         return 0
-    if args.command == "demo":
-        from .demo import run
+    try:
+        if args.command == "demo":
+            from .demo import run
 
-        return run(steps=args.steps, batch_size=args.batch_size, threads=args.threads, seed=args.seed)
-    if args.command == "info":
-        from . import build_info
+            return run(steps=args.steps, batch_size=args.batch_size, threads=args.threads, seed=args.seed,
+                       checkpoint=args.checkpoint)
+        if args.command == "info":
+            from . import build_info
 
-        print(json.dumps(build_info(), indent=2))
-        return 0
+            print(json.dumps(build_info(), indent=2))
+            return 0
+        if args.command == "inspect":
+            return _inspect(args.path, args.json)
+        if args.command == "verify":
+            return _verify(args.path)
+        if args.command == "convert":
+            return _convert(args)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        print(f"embedcore {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     parser.print_help(sys.stderr)
     return 2

@@ -15,7 +15,7 @@ import numpy as np
 
 import embedcore as ec
 
-USERS, ITEMS, DIM, HISTORY = 20_000, 100_000, 16, 8
+USERS, ITEMS, DIM, HISTORY = 2_000, 10_000, 16, 8
 
 
 def _synthetic(rng: np.random.Generator, batch: int, user_score, item_score):
@@ -31,7 +31,7 @@ def _synthetic(rng: np.random.Generator, batch: int, user_score, item_score):
     return features, clicks
 
 
-def run(steps: int = 300, batch_size: int = 512, threads=None, seed: int = 0) -> int:
+def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0) -> int:
     if threads is not None:
         ec.set_num_threads(threads)
     rng = np.random.default_rng(seed)
@@ -47,7 +47,7 @@ def run(steps: int = 300, batch_size: int = 512, threads=None, seed: int = 0) ->
     }
     emb = ec.Embedding(features, optimizer=ec.optimizers.Adagrad(learning_rate=0.5))
     width = 3 * DIM
-    w = np.zeros(width, np.float32)
+    w = rng.normal(0.0, 1.0, width).astype(np.float32)
     b = np.float32(0.0)
     dense_lr = 0.5
 

@@ -17,7 +17,34 @@ def _is_input_leaf(x) -> bool:
     return isinstance(x, (Ragged, Sparse))
 
 
-class Embedding:
+class FeatureLookup:
+    """Looks up a nested structure of features; the base of ``Embedding`` and
+    of a served checkpoint. Subclasses set ``_feature_config``, ``_features``,
+    ``_feature_names`` and implement ``_table(feature)``."""
+
+    def _combiner(self, f: FeatureConfig) -> Optional[str]:
+        return None if f.max_sequence_length > 0 else f.table.combiner
+
+    def __call__(self, features, weights=None):
+        return self.lookup(features, weights)
+
+    def lookup(self, features, weights=None):
+        flat_inputs = _nest.flatten_up_to(self._feature_config, features, "features")
+        flat_weights = ([None] * len(flat_inputs) if weights is None
+                        else _nest.flatten_up_to(self._feature_config, weights, "weights"))
+        batches: List[Batch] = []
+        for name, x, w in zip(self._feature_names, flat_inputs, flat_weights):
+            batches.append(make_batch(x, None, w, where=f"features[{name!r}]"))
+        outputs = []
+        for f, b in zip(self._features, batches):
+            outputs.append(self._table(f)._lookup_batch(b, self._combiner(f), f.max_sequence_length))
+        self._last = batches
+        return _nest.pack_as(self._feature_config, outputs)
+
+    embedding_lookup = lookup
+
+
+class Embedding(FeatureLookup):
     """Tables and the features that read them.
 
     feature_config: a nested dict / list / tuple of ``FeatureConfig``; several
@@ -80,27 +107,6 @@ class Embedding:
 
     def _table(self, f: FeatureConfig) -> Table:
         return self._tables[f.table]
-
-    def _combiner(self, f: FeatureConfig) -> Optional[str]:
-        return None if f.max_sequence_length > 0 else f.table.combiner
-
-    def __call__(self, features, weights=None):
-        return self.lookup(features, weights)
-
-    def lookup(self, features, weights=None):
-        flat_inputs = _nest.flatten_up_to(self._feature_config, features, "features")
-        flat_weights = ([None] * len(flat_inputs) if weights is None
-                        else _nest.flatten_up_to(self._feature_config, weights, "weights"))
-        batches: List[Batch] = []
-        for name, x, w in zip(self._feature_names, flat_inputs, flat_weights):
-            batches.append(make_batch(x, None, w, where=f"features[{name!r}]"))
-        outputs = []
-        for f, b in zip(self._features, batches):
-            outputs.append(self._table(f)._lookup_batch(b, self._combiner(f), f.max_sequence_length))
-        self._last = batches
-        return _nest.pack_as(self._feature_config, outputs)
-
-    embedding_lookup = lookup
 
     def apply_gradients(self, grads) -> None:
         """One optimizer step per table from the gradients of the last lookup."""

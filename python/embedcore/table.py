@@ -25,7 +25,88 @@ def _bfloat16_dtype():
         return None
 
 
-class Table:
+class LookupMixin:
+    """The input forms and output shapes of a lookup, over a native lookup.
+
+    Subclasses provide ``name``, ``dim``, ``_default_combiner`` and
+    ``_native_lookup(ids, offsets, weights, code, length, out)``."""
+
+    def _combiner(self, combiner) -> Optional[str]:
+        if combiner is _DEFAULT:
+            return self._default_combiner
+        if combiner is not None and combiner not in COMBINERS:
+            raise ValueError(f"table '{self.name}': combiner must be one of {COMBINERS} or None, got {combiner!r}")
+        return combiner
+
+    @staticmethod
+    def _sequence_length(batch: Batch, max_sequence_length) -> int:
+        if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, (int, np.integer)):
+            raise TypeError(f"max_sequence_length must be an int, got {max_sequence_length!r}")
+        if max_sequence_length < 0:
+            raise ValueError(f"max_sequence_length must be >= 0, got {max_sequence_length}")
+        if max_sequence_length == 0 and batch.kind in ("dense", "sparse"):
+            return batch.width  # a dense [batch, k] or sparse [batch, k] input keeps its width
+        return int(max_sequence_length)
+
+    def output_shape(self, batch: Batch, combiner: Optional[str], max_sequence_length: int) -> tuple:
+        if combiner is not None:
+            return (batch.num_bags, self.dim)
+        if max_sequence_length > 0:
+            return (batch.num_bags, max_sequence_length, self.dim)
+        return (len(batch.ids), self.dim)
+
+    def lookup(self, ids, offsets=None, weights=None, combiner=_DEFAULT, max_sequence_length: int = 0,
+               out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Looks up bags of ids.
+
+        ids: ``Ragged(values, offsets)``; a 1-D id array with ``offsets``
+            (``batch + 1`` values, CSR) or without (one id per bag); a 2-D
+            ``[batch, k]`` array (one bag per row); or ``Sparse(indices,
+            values, dense_shape)``. int32 or int64; NumPy, PyTorch, TensorFlow
+            or any DLPack / buffer-protocol array, read without a copy when
+            C-contiguous.
+        weights: per-id float weights in the same form.
+        combiner: "sum", "mean", "sqrtn" (default: the table's), or None for
+            the unpooled rows: ``[nnz, dim]`` for CSR input, or
+            ``[batch, max_sequence_length, dim]`` (truncated or zero-padded;
+            dense and sparse inputs default to their width; sparse inputs
+            place each id at its position index).
+        out: optional C-contiguous float32 array of the output's shape.
+
+        Returns float32 ``[batch, dim]`` (pooled) or the sequence shapes above.
+        """
+        batch = make_batch(ids, offsets, weights)
+        combiner = self._combiner(combiner)
+        return self._lookup_batch(batch, combiner, max_sequence_length, out)
+
+    __call__ = lookup
+
+    def _lookup_batch(self, batch: Batch, combiner, max_sequence_length, out=None) -> np.ndarray:
+        length = self._sequence_length(batch, max_sequence_length) if combiner is None else 0
+        shape = self.output_shape(batch, combiner, length)
+        code = _COMBINER_CODE[combiner]
+        if out is not None:
+            if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous:
+                raise TypeError(f"out must be a C-contiguous float32 NumPy array, got {_describe(out)}")
+            if not out.flags.writeable:
+                raise ValueError("out must be writeable")
+            if out.shape != shape:
+                raise ValueError(f"out must have shape {shape}, got {out.shape}")
+        if combiner is None and batch.kind == "sparse" and length > 0:
+            # Each id goes to its own position (duplicates add up), as TensorFlow does.
+            rows = np.repeat(np.arange(batch.num_bags), np.diff(batch.offsets))
+            flat = self._native_lookup(batch.ids, np.array([0, len(batch.ids)], np.int64), batch.weights, 3, 0, None)
+            result = np.zeros(shape, np.float32) if out is None else out
+            if out is not None:
+                out.fill(0)
+            keep = batch.positions < length
+            np.add.at(result, (rows[keep], batch.positions[keep]), flat[keep])
+            return result
+        native_length = length if combiner is None else 0
+        return self._native_lookup(batch.ids, batch.offsets, batch.weights, code, native_length, out)
+
+
+class Table(LookupMixin):
     """An embedding table: ``rows x dim`` values and the optimizer's slots.
 
     ``Table(config)`` or ``Table(name=..., rows=..., dim=..., dtype=...,
@@ -95,87 +176,15 @@ class Table:
         return f"Table(name={self._name!r}, rows={self.rows}, dim={self.dim}, dtype={self.dtype!r})"
 
     # ------------------------------------------------------------ lookup
-    def _combiner(self, combiner) -> Optional[str]:
-        if combiner is _DEFAULT:
-            return self._config.combiner
-        if combiner is not None and combiner not in COMBINERS:
-            raise ValueError(f"table '{self._name}': combiner must be one of {COMBINERS} or None, got {combiner!r}")
-        return combiner
+    @property
+    def _default_combiner(self) -> str:
+        return self._config.combiner
 
-    @staticmethod
-    def _sequence_length(batch: Batch, max_sequence_length) -> int:
-        if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, (int, np.integer)):
-            raise TypeError(f"max_sequence_length must be an int, got {max_sequence_length!r}")
-        if max_sequence_length < 0:
-            raise ValueError(f"max_sequence_length must be >= 0, got {max_sequence_length}")
-        if max_sequence_length == 0 and batch.kind in ("dense", "sparse"):
-            return batch.width  # a dense [batch, k] or sparse [batch, k] input keeps its width
-        return int(max_sequence_length)
-
-    def output_shape(self, batch: Batch, combiner: Optional[str], max_sequence_length: int) -> tuple:
-        if combiner is not None:
-            return (batch.num_bags, self.dim)
-        if max_sequence_length > 0:
-            return (batch.num_bags, max_sequence_length, self.dim)
-        return (len(batch.ids), self.dim)
-
-    def lookup(self, ids, offsets=None, weights=None, combiner=_DEFAULT, max_sequence_length: int = 0,
-               out: Optional[np.ndarray] = None) -> np.ndarray:
-        """Looks up bags of ids.
-
-        ids: ``Ragged(values, offsets)``; a 1-D id array with ``offsets``
-            (``batch + 1`` values, CSR) or without (one id per bag); a 2-D
-            ``[batch, k]`` array (one bag per row); or ``Sparse(indices,
-            values, dense_shape)``. int32 or int64; NumPy, PyTorch, TensorFlow
-            or any DLPack / buffer-protocol array, read without a copy when
-            C-contiguous.
-        weights: per-id float weights in the same form.
-        combiner: "sum", "mean", "sqrtn" (default: the table's), or None for
-            the unpooled rows: ``[nnz, dim]`` for CSR input, or
-            ``[batch, max_sequence_length, dim]`` (truncated or zero-padded;
-            dense and sparse inputs default to their width; sparse inputs
-            place each id at its position index).
-        out: optional C-contiguous float32 array of the output's shape.
-
-        Returns float32 ``[batch, dim]`` (pooled) or the sequence shapes above.
-        """
-        batch = make_batch(ids, offsets, weights)
-        combiner = self._combiner(combiner)
-        return self._lookup_batch(batch, combiner, max_sequence_length, out)
-
-    def _lookup_batch(self, batch: Batch, combiner, max_sequence_length, out=None) -> np.ndarray:
-        length = self._sequence_length(batch, max_sequence_length) if combiner is None else 0
-        shape = self.output_shape(batch, combiner, length)
-        code = _COMBINER_CODE[combiner]
-        if out is not None:
-            if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous:
-                raise TypeError(f"out must be a C-contiguous float32 NumPy array, got {_describe(out)}")
-            if not out.flags.writeable:
-                raise ValueError("out must be writeable")
-            if out.shape != shape:
-                raise ValueError(f"out must have shape {shape}, got {out.shape}")
-        if combiner is None and batch.kind == "sparse" and length > 0:
-            result = self._sparse_sequence(batch, length, shape)
-            if out is None:
-                return result
-            np.copyto(out, result)
-            return out
-        native_length = length if combiner is None else 0
-        if out is not None:
-            self._native.lookup_into(batch.ids, batch.offsets, batch.weights, code, native_length, out)
-            return out
-        return self._native.lookup(batch.ids, batch.offsets, batch.weights, code, native_length)
-
-    def _sparse_sequence(self, batch: Batch, length: int, shape: tuple) -> np.ndarray:
-        # Each id goes to its own position (duplicates add up), as TensorFlow does.
-        rows = np.repeat(np.arange(batch.num_bags), np.diff(batch.offsets))
-        flat = self._native.lookup(batch.ids, np.array([0, len(batch.ids)], np.int64), batch.weights, 3, 0)
-        result = np.zeros(shape, np.float32)
-        keep = batch.positions < length
-        np.add.at(result, (rows[keep], batch.positions[keep]), flat[keep])
-        return result
-
-    __call__ = lookup
+    def _native_lookup(self, ids, offsets, weights, code, length, out):
+        if out is None:
+            return self._native.lookup(ids, offsets, weights, code, length)
+        self._native.lookup_into(ids, offsets, weights, code, length, out)
+        return out
 
     # ------------------------------------------------------------ training
     def _gradient_part(self, batch: Batch, combiner, max_sequence_length, grads, where: str = "grads") -> tuple:

@@ -37,6 +37,19 @@ class TypeMismatch : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+/// A checkpoint is missing, truncated, corrupt or inconsistent; the message
+/// names the file and what is wrong (maps to embedcore.CheckpointError, a
+/// ValueError).
+class CheckpointError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+/// An operating-system call on a file failed (maps to OSError): a full disk,
+/// a missing directory, no permission. The message names the file and call.
+class IoError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 /// The feature was not compiled into this build (e.g. CUDA).
 class NotCompiled : public std::runtime_error {
  public:
@@ -190,6 +203,7 @@ class Table {
   size_t value_bytes() const;
   /// Slot `i` (in OptimizerSpec::SlotNames() order), rows * dim float32.
   float* slot(size_t i) { return slots_.at(i).get(); }
+  const float* slot(size_t i) const { return slots_.at(i).get(); }
   size_t num_slots() const { return slots_.size(); }
 
   /// Overwrites rows [start_row, start_row + n) from float32 `src` ([n, dim]),
@@ -226,6 +240,122 @@ class Table {
   std::vector<FloatPtr> slots_;
   int64_t step_ = 0;
   mutable std::shared_mutex mutex_;
+};
+
+// ---------------------------------------------------------------- checkpoints
+/// The checkpoint format version this library writes; it reads every older
+/// major version and refuses newer ones. See docs/format.md.
+constexpr int kFormatMajor = 1;
+constexpr int kFormatMinor = 0;
+
+struct SaveOptions {
+  bool include_optimizer = true;  ///< slots and step; false: values only (a serving export)
+  bool cast_values = false;       ///< store float32 values as `values_dtype`
+  DType values_dtype = DType::kFloat32;
+  std::string metadata_json = "{}";  ///< a JSON object kept verbatim as "metadata"
+};
+
+/// One table to save, with a JSON object kept verbatim as its "config".
+struct TableToSave {
+  const Table* table = nullptr;
+  std::string config_json = "{}";
+};
+
+/// Saves `tables` into the directory `path`, atomically: data files are
+/// written under new names and fsynced, then the manifest is replaced by a
+/// rename. A save killed at any moment leaves the previous checkpoint at
+/// `path` loadable; files of older generations are removed afterwards.
+/// Each table is read under its shared lock (lookups go on meanwhile).
+void SaveCheckpoint(const std::string& path, const std::vector<TableToSave>& tables, const SaveOptions& options);
+
+/// One data file of a checkpoint: rows [row_start, row_start + rows) of a
+/// table (all of its columns), as listed in the manifest.
+struct FileEntry {
+  std::string path;  ///< a plain file name inside the checkpoint directory
+  uint64_t bytes = 0;
+  DType dtype = DType::kFloat32;
+  int64_t row_start = 0;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  uint32_t block_bytes = 0;
+  std::vector<uint32_t> crc32c;  ///< one per block of the payload
+};
+
+/// A table as a checkpoint's manifest describes it.
+struct TableEntry {
+  std::string name;
+  int64_t rows = 0;
+  int64_t dim = 0;
+  DType dtype = DType::kFloat32;  ///< the table's dtype when saved
+  bool has_optimizer = false;
+  OptimizerSpec optimizer;
+  int64_t step = 0;
+  InitializerSpec initializer;
+  std::vector<FileEntry> values;
+  std::vector<std::string> slot_names;
+  std::vector<std::vector<FileEntry>> slots;  ///< per slot name
+  std::string config_json;  ///< as given to SaveCheckpoint
+  std::string sharding_json;
+};
+
+/// A parsed, validated manifest.
+struct CheckpointInfo {
+  std::string path;
+  int format_major = 0, format_minor = 0;
+  std::string library_version;
+  uint64_t generation = 0;
+  std::vector<TableEntry> tables;
+  std::string metadata_json;
+  std::string manifest_json;  ///< the whole manifest, for inspection
+};
+
+/// Reads and validates the manifest of the checkpoint at `path` and checks
+/// that every data file exists with the size the manifest states. Reads no
+/// values. Throws CheckpointError naming the file and what is wrong.
+CheckpointInfo ReadCheckpointInfo(const std::string& path);
+
+/// Checks that `entry` fits `table` (shape, optimizer slots when
+/// `load_optimizer`); throws CheckpointError otherwise. Reads nothing.
+void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Table& table, bool load_optimizer);
+
+/// Loads `entry` (from `info`) into `table`. With `verify` (the default),
+/// every checksum is verified before the table changes, so a corrupt
+/// checkpoint leaves it untouched; pass false only after VerifyTable.
+/// Values are converted when the dtypes differ. With `load_optimizer`, slots
+/// and step are loaded too (the optimizers must match).
+void LoadTable(const CheckpointInfo& info, const TableEntry& entry, Table& table, bool load_optimizer,
+               bool verify = true);
+
+/// Verifies every checksum of one table's files (values, and slots when
+/// `include_slots`); with `check_finite`, also that every number is finite.
+void VerifyTable(const CheckpointInfo& info, const TableEntry& entry, bool include_slots, bool check_finite);
+
+/// VerifyTable for every table, slots included. Throws CheckpointError.
+void VerifyCheckpoint(const CheckpointInfo& info, bool check_finite);
+
+/// A checkpoint opened read-only for serving: each table's values file is
+/// memory-mapped (opening reads no values; processes share the pages). With
+/// lazy verification each 4 MiB block is checksummed the first time a lookup
+/// touches it, and a block that fails is reported, never served.
+class MappedCheckpoint {
+ public:
+  enum class Verify : uint8_t { kNone = 0, kLazy = 1, kEager = 2 };
+  MappedCheckpoint(const std::string& path, Verify verify);
+  ~MappedCheckpoint();
+  MappedCheckpoint(const MappedCheckpoint&) = delete;
+  MappedCheckpoint& operator=(const MappedCheckpoint&) = delete;
+
+  const CheckpointInfo& info() const { return info_; }
+  size_t num_tables() const { return tables_.size(); }
+  /// Thread-safe; same contract as Table::Lookup.
+  void Lookup(size_t table, const Batch& batch, const OutputShape& shape, float* out) const;
+  /// Pointer to the mapped values of `table` (rows x dim of its stored dtype).
+  const void* values(size_t table) const;
+
+ private:
+  struct Mapped;
+  CheckpointInfo info_;
+  std::vector<std::unique_ptr<Mapped>> tables_;
 };
 
 /// What this build contains: version, format versions, compiled features.

@@ -1,0 +1,142 @@
+// nanobind bindings of checkpoints: save, manifest reading, load, verify and
+// the memory-mapped serving table. No engine logic.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+#include "embedcore/embedcore.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace embedcore::bindings {
+
+void BindCheckpoint(nb::module_& m) {
+  m.attr("FORMAT_VERSION") = nb::make_tuple(kFormatMajor, kFormatMinor);
+
+  m.def(
+      "save",
+      [](const std::string& path, const std::vector<std::pair<const Table*, std::string>>& tables,
+         bool include_optimizer, std::optional<std::string> values_dtype, const std::string& metadata_json) {
+        std::vector<TableToSave> native;
+        for (const auto& [t, config] : tables) native.push_back({t, config});
+        SaveOptions options;
+        options.include_optimizer = include_optimizer;
+        if (values_dtype) {
+          options.cast_values = true;
+          options.values_dtype = ParseDType(*values_dtype, "values_dtype");
+        }
+        options.metadata_json = metadata_json;
+        nb::gil_scoped_release release;
+        SaveCheckpoint(path, native, options);
+      },
+      "path"_a, "tables"_a, "include_optimizer"_a, "values_dtype"_a.none(), "metadata_json"_a,
+      "Saves (table, config JSON) pairs atomically into the directory `path`.");
+
+  nb::class_<CheckpointInfo>(m, "CheckpointInfo")
+      .def_ro("path", &CheckpointInfo::path)
+      .def_prop_ro("format_version", [](const CheckpointInfo& i) { return std::make_pair(i.format_major, i.format_minor); })
+      .def_ro("library_version", &CheckpointInfo::library_version)
+      .def_ro("generation", &CheckpointInfo::generation)
+      .def_ro("metadata_json", &CheckpointInfo::metadata_json)
+      .def_ro("manifest_json", &CheckpointInfo::manifest_json)
+      .def_prop_ro("table_names", [](const CheckpointInfo& i) {
+        std::vector<std::string> names;
+        for (const auto& t : i.tables) names.push_back(t.name);
+        return names;
+      })
+      .def("table_config_json", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).config_json; })
+      .def("table_has_optimizer", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).has_optimizer; });
+
+  m.def(
+      "read_info",
+      [](const std::string& path) {
+        nb::gil_scoped_release release;
+        return ReadCheckpointInfo(path);
+      },
+      "path"_a, "Reads and validates a checkpoint's manifest; reads no values.");
+
+  m.def(
+      "check_loadable",
+      [](const CheckpointInfo& info, size_t index, const Table& table, bool load_optimizer) {
+        if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
+        CheckLoadable(info, info.tables[index], table, load_optimizer);
+      },
+      "info"_a, "index"_a, "table"_a, "load_optimizer"_a);
+  m.def(
+      "verify_table",
+      [](const CheckpointInfo& info, size_t index, bool include_slots, bool check_finite) {
+        if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
+        nb::gil_scoped_release release;
+        VerifyTable(info, info.tables[index], include_slots, check_finite);
+      },
+      "info"_a, "index"_a, "include_slots"_a, "check_finite"_a);
+  m.def(
+      "load_table",
+      [](const CheckpointInfo& info, size_t index, Table& table, bool load_optimizer, bool verify) {
+        if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
+        nb::gil_scoped_release release;
+        LoadTable(info, info.tables[index], table, load_optimizer, verify);
+      },
+      "info"_a, "index"_a, "table"_a, "load_optimizer"_a, "verify"_a = true,
+      "Loads table `index` of the checkpoint into `table` (verifying every checksum first unless told not to).");
+
+  m.def(
+      "verify",
+      [](const CheckpointInfo& info, bool check_finite) {
+        nb::gil_scoped_release release;
+        VerifyCheckpoint(info, check_finite);
+      },
+      "info"_a, "check_finite"_a);
+
+  nb::class_<MappedCheckpoint>(m, "MappedCheckpoint")
+      .def(
+          "__init__",
+          [](MappedCheckpoint* self, const std::string& path, int verify) {
+            if (verify < 0 || verify > 2) throw InvalidArgument("verify must be 0, 1 or 2");
+            nb::gil_scoped_release release;
+            new (self) MappedCheckpoint(path, MappedCheckpoint::Verify(verify));
+          },
+          "path"_a, "verify"_a)
+      .def_prop_ro("info", &MappedCheckpoint::info, nb::rv_policy::reference_internal)
+      .def(
+          "lookup",
+          [](const MappedCheckpoint& c, size_t table, const IdArray& ids, const OffsetArray& offsets,
+             const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length) {
+            if (table >= c.num_tables()) throw OutOfRange("no table " + std::to_string(table));
+            return LookupNew(c.info().tables[table].dim, ids, offsets, weights, combiner, max_sequence_length,
+                             [&](const Batch& b, const OutputShape& s, float* out) { c.Lookup(table, b, s, out); });
+          },
+          "table"_a, "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(), "combiner"_a,
+          "max_sequence_length"_a)
+      .def(
+          "lookup_into",
+          [](const MappedCheckpoint& c, size_t table, const IdArray& ids, const OffsetArray& offsets,
+             const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length, const FloatOut& out) {
+            if (table >= c.num_tables()) throw OutOfRange("no table " + std::to_string(table));
+            LookupOut(c.info().tables[table].dim, ids, offsets, weights, combiner, max_sequence_length, out,
+                      [&](const Batch& b, const OutputShape& s, float* o) { c.Lookup(table, b, s, o); });
+          },
+          "table"_a, "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(), "combiner"_a,
+          "max_sequence_length"_a, "out"_a.noconvert())
+      .def(
+          "values",
+          [](MappedCheckpoint& c, size_t table) {
+            if (table >= c.num_tables()) throw OutOfRange("no table " + std::to_string(table));
+            const TableEntry& t = c.info().tables[table];
+            const size_t shape[2] = {size_t(t.rows), size_t(t.dim)};
+            return NumpyView(const_cast<void*>(c.values(table)), 2, shape, nb::find(&c), nullptr,
+                             StorageDLType(t.values[0].dtype));
+          },
+          "table"_a, "Read-only view of the mapped values (no checksum check: use lookups to serve).");
+}
+
+}  // namespace embedcore::bindings

@@ -1,0 +1,554 @@
+// Checkpoint save, load, verify and memory-mapped serving (format v1).
+#include <dirent.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <set>
+
+#include "checkpoint/crc32c.h"
+#include "checkpoint/file_io.h"
+#include "checkpoint/format.h"
+#include "checkpoint/manifest.h"
+#include "internal.h"
+#include "kernels.h"
+#include "thread_pool.h"
+
+namespace embedcore {
+
+using checkpoint::File;
+using checkpoint::JoinPath;
+using checkpoint::kBlockBytes;
+using checkpoint::kDataOffset;
+using checkpoint::kHeaderBytes;
+
+namespace {
+
+constexpr size_t kChunkBytes = size_t(kBlockBytes) * 8;  // 32 MiB written or read per step
+
+checkpoint::FileHeader MakeHeader(checkpoint::FileKind kind) {
+  checkpoint::FileHeader h;
+  std::memset(&h, 0, sizeof(h));
+  std::memcpy(h.magic, kind == checkpoint::FileKind::kData ? checkpoint::kDataMagic : checkpoint::kManifestMagic, 8);
+  h.format_major = kFormatMajor;
+  h.format_minor = kFormatMinor;
+  h.byte_order = checkpoint::kByteOrderMark;
+  h.header_bytes = kHeaderBytes;
+  h.kind = uint8_t(kind);
+  return h;
+}
+
+void SealHeader(checkpoint::FileHeader& h) { h.header_crc32c = checkpoint::Crc32c(&h, 60); }
+
+// Checks the fixed fields every header shares; returns why it is bad, or "".
+std::string HeaderProblem(const checkpoint::FileHeader& h, checkpoint::FileKind kind) {
+  const char* magic = kind == checkpoint::FileKind::kData ? checkpoint::kDataMagic : checkpoint::kManifestMagic;
+  if (std::memcmp(h.magic, magic, 8) != 0)
+    return std::string("wrong magic (not an embedcore ") + (kind == checkpoint::FileKind::kData ? "data" : "manifest") +
+           " file)";
+  if (h.byte_order != checkpoint::kByteOrderMark) return "unknown byte order mark";
+  if (h.header_crc32c != checkpoint::Crc32c(&h, 60)) return "header checksum mismatch";
+  if (h.format_major > kFormatMajor)
+    return "format version " + std::to_string(h.format_major) + "." + std::to_string(h.format_minor) +
+           " is newer than this library reads (" + std::to_string(kFormatMajor) + ".x); upgrade embedcore";
+  if (h.format_major < 1) return "format version 0 was never released";
+  if (h.header_bytes != kHeaderBytes) return "unexpected header size " + std::to_string(h.header_bytes);
+  if (h.kind != uint8_t(kind)) return "unexpected file kind";
+  return "";
+}
+
+std::string GenerationTag(uint64_t gen) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "g%012llu", static_cast<unsigned long long>(gen));
+  return buf;
+}
+
+// Our own file names: t<index>.<array>.g<generation>.ecd and MANIFEST.tmp.g<generation>.
+bool IsOurFile(const std::string& name, uint64_t* generation) {
+  const std::string tmp = "MANIFEST.tmp.g", suffix = ".ecd";
+  if (name.rfind(tmp, 0) == 0) {
+    *generation = std::strtoull(name.c_str() + tmp.size(), nullptr, 10);
+    return true;
+  }
+  if (name.size() > suffix.size() && name[0] == 't' &&
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    const size_t g = name.rfind(".g");
+    if (g == std::string::npos) return false;
+    *generation = std::strtoull(name.c_str() + g + 2, nullptr, 10);
+    return true;
+  }
+  return false;
+}
+
+std::vector<std::string> ListDirectory(const std::string& dir) {
+  std::vector<std::string> names;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return names;
+  while (dirent* e = ::readdir(d)) names.emplace_back(e->d_name);
+  ::closedir(d);
+  return names;
+}
+
+// Writes rows [row0, row0 + rows) of a [*, cols] array of `src_dtype` at `src`
+// as a data file of `dst_dtype`; returns its manifest entry.
+FileEntry WriteDataFile(const std::string& dir, const std::string& name, const void* src, DType src_dtype,
+                        DType dst_dtype, int64_t row0, int64_t rows, int64_t cols) {
+  FileEntry f;
+  f.path = name;
+  f.dtype = dst_dtype;
+  f.row_start = row0;
+  f.rows = rows;
+  f.cols = cols;
+  f.block_bytes = kBlockBytes;
+  const uint64_t payload = checkpoint::PayloadBytes(f);
+  f.bytes = kDataOffset + payload;
+  const uint64_t blocks = (payload + kBlockBytes - 1) / kBlockBytes;
+  f.crc32c.assign(blocks, 0);
+
+  checkpoint::FileHeader h = MakeHeader(checkpoint::FileKind::kData);
+  h.dtype = uint8_t(dst_dtype);
+  h.rows = rows;
+  h.cols = cols;
+  h.payload_offset = kDataOffset;
+  h.payload_bytes = payload;
+  h.aux = kBlockBytes;
+  SealHeader(h);
+
+  const std::string path = JoinPath(dir, name);
+  File file(path, O_WRONLY | O_CREAT | O_TRUNC);
+  std::vector<char> head(kDataOffset, 0);
+  std::memcpy(head.data(), &h, sizeof(h));
+  file.WriteAll(head.data(), head.size());
+
+  const size_t src_es = DTypeSize(src_dtype), dst_es = DTypeSize(dst_dtype);
+  const char* base = static_cast<const char*>(src) + size_t(row0) * size_t(cols) * src_es;
+  const bool cast = src_dtype != dst_dtype;
+  std::vector<char> buf(cast ? kChunkBytes : 0);
+  std::vector<float> row_f32(cast ? size_t(cols) : 0);
+  const auto& load = kernels::ActiveKernels().dtype[int(src_dtype)].load;
+  const auto& store = kernels::ActiveKernels().dtype[int(dst_dtype)].store;
+  for (uint64_t off = 0; off < payload; off += kChunkBytes) {
+    const size_t n = size_t(std::min<uint64_t>(kChunkBytes, payload - off));
+    const char* chunk;
+    if (!cast) {
+      chunk = base + off;
+    } else {
+      // kChunkBytes is a multiple of every row size only by luck, so convert element-wise ranges.
+      const uint64_t e0 = off / dst_es, e1 = (off + n) / dst_es;
+      ParallelFor(int64_t(e1 - e0), 1 << 16, [&](int64_t a, int64_t b) {
+        std::vector<float> tmp(size_t(b - a));
+        for (int64_t i = a; i < b; ++i) {
+          float v;
+          load(base + (e0 + uint64_t(i)) * src_es, &v, 1);
+          tmp[size_t(i - a)] = v;
+        }
+        store(buf.data() + size_t(a) * dst_es, tmp.data(), b - a);
+      });
+      chunk = buf.data();
+    }
+    const uint64_t b0 = off / kBlockBytes;
+    const int64_t nb = int64_t((n + kBlockBytes - 1) / kBlockBytes);
+    ParallelFor(nb, 1, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) {
+        const size_t start = size_t(i) * kBlockBytes;
+        f.crc32c[b0 + uint64_t(i)] = checkpoint::Crc32c(chunk + start, std::min<size_t>(kBlockBytes, n - start));
+      }
+    });
+    file.WriteAll(chunk, n);
+  }
+  file.Sync();
+  file.Close();
+  return f;
+}
+
+// Reads and checks a data file's header and padding against its entry.
+void CheckDataHeader(const File& file, const FileEntry& f) {
+  checkpoint::FileHeader h;
+  file.ReadAt(&h, sizeof(h), 0);
+  const std::string problem = HeaderProblem(h, checkpoint::FileKind::kData);
+  if (!problem.empty()) throw CheckpointError(file.path() + ": " + problem);
+  if (h.dtype != uint8_t(f.dtype) || h.rows != f.rows || h.cols != f.cols || h.payload_offset != kDataOffset ||
+      h.payload_bytes != checkpoint::PayloadBytes(f) || h.aux != f.block_bytes)
+    throw CheckpointError(file.path() + ": header does not match the manifest (dtype, shape or size)");
+  std::vector<char> pad(kDataOffset - sizeof(h));
+  file.ReadAt(pad.data(), pad.size(), sizeof(h));
+  for (char c : pad)
+    if (c != 0) throw CheckpointError(file.path() + ": header padding is not zero (corrupt)");
+}
+
+// Verifies every block checksum of a data file (parallel over blocks).
+void VerifyDataFile(const std::string& dir, const FileEntry& f) {
+  File file(JoinPath(dir, f.path), O_RDONLY);
+  if (file.Size() != f.bytes)
+    throw CheckpointError(file.path() + ": size " + std::to_string(file.Size()) + " bytes, the manifest says " +
+                          std::to_string(f.bytes) + (file.Size() < f.bytes ? " (truncated)" : ""));
+  CheckDataHeader(file, f);
+  const uint64_t payload = checkpoint::PayloadBytes(f);
+  const int64_t blocks = int64_t(f.crc32c.size());
+  std::mutex m;
+  int64_t bad = -1;
+  ParallelFor(blocks, 1, [&](int64_t a, int64_t b) {
+    std::vector<char> buf(f.block_bytes);
+    for (int64_t i = a; i < b; ++i) {
+      const uint64_t off = uint64_t(i) * f.block_bytes;
+      const size_t n = size_t(std::min<uint64_t>(f.block_bytes, payload - off));
+      file.ReadAt(buf.data(), n, kDataOffset + off);
+      if (checkpoint::Crc32c(buf.data(), n) != f.crc32c[size_t(i)]) {
+        std::lock_guard<std::mutex> l(m);
+        if (bad < 0 || i < bad) bad = i;
+      }
+    }
+  });
+  if (bad >= 0)
+    throw CheckpointError(file.path() + ": checksum mismatch in block " + std::to_string(bad) + " (bytes " +
+                          std::to_string(kDataOffset + uint64_t(bad) * f.block_bytes) + "..): the file is corrupt");
+}
+
+// Copies a verified data file's rows into `dst` ([table rows, cols] of `dst_dtype`).
+void ReadDataFile(const std::string& dir, const FileEntry& f, void* dst, DType dst_dtype) {
+  File file(JoinPath(dir, f.path), O_RDONLY);
+  const size_t src_es = DTypeSize(f.dtype), dst_es = DTypeSize(dst_dtype);
+  char* out = static_cast<char*>(dst) + size_t(f.row_start) * size_t(f.cols) * dst_es;
+  const uint64_t payload = checkpoint::PayloadBytes(f);
+  if (f.dtype == dst_dtype) {
+    const int64_t chunks = int64_t((payload + kChunkBytes - 1) / kChunkBytes);
+    ParallelFor(chunks, 1, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) {
+        const uint64_t off = uint64_t(i) * kChunkBytes;
+        file.ReadAt(out + off, size_t(std::min<uint64_t>(kChunkBytes, payload - off)), kDataOffset + off);
+      }
+    });
+    return;
+  }
+  const auto& load = kernels::ActiveKernels().dtype[int(f.dtype)].load;
+  const auto& store = kernels::ActiveKernels().dtype[int(dst_dtype)].store;
+  const uint64_t elems = uint64_t(f.rows) * uint64_t(f.cols);
+  const uint64_t per_chunk = kChunkBytes / 4;
+  const int64_t chunks = int64_t((elems + per_chunk - 1) / per_chunk);
+  ParallelFor(chunks, 1, [&](int64_t a, int64_t b) {
+    std::vector<char> raw(per_chunk * src_es);
+    std::vector<float> f32(per_chunk);
+    for (int64_t i = a; i < b; ++i) {
+      const uint64_t e0 = uint64_t(i) * per_chunk, n = std::min<uint64_t>(per_chunk, elems - e0);
+      file.ReadAt(raw.data(), size_t(n * src_es), kDataOffset + e0 * src_es);
+      load(raw.data(), f32.data(), int64_t(n));
+      store(out + e0 * dst_es, f32.data(), int64_t(n));
+    }
+  });
+}
+
+// Throws naming the first value of a data file that is inf or NaN.
+void CheckFinite(const std::string& dir, const FileEntry& f) {
+  File file(JoinPath(dir, f.path), O_RDONLY);
+  const size_t es = DTypeSize(f.dtype);
+  const uint64_t elems = uint64_t(f.rows) * uint64_t(f.cols);
+  const uint64_t per_chunk = kChunkBytes / es;
+  std::vector<char> raw(kChunkBytes);
+  for (uint64_t e0 = 0; e0 < elems; e0 += per_chunk) {
+    const uint64_t n = std::min(per_chunk, elems - e0);
+    file.ReadAt(raw.data(), size_t(n * es), kDataOffset + e0 * es);
+    for (uint64_t i = 0; i < n; ++i) {
+      bool finite;
+      if (f.dtype == DType::kFloat32) {
+        uint32_t u;
+        std::memcpy(&u, raw.data() + i * 4, 4);
+        finite = (u & 0x7f800000u) != 0x7f800000u;
+      } else {
+        uint16_t u;
+        std::memcpy(&u, raw.data() + i * 2, 2);
+        finite = f.dtype == DType::kFloat16 ? (u & 0x7c00u) != 0x7c00u : (u & 0x7f80u) != 0x7f80u;
+      }
+      if (!finite) {
+        const uint64_t e = e0 + i;
+        throw CheckpointError(file.path() + ": value at row " +
+                              std::to_string(f.row_start + int64_t(e / uint64_t(f.cols))) + ", column " +
+                              std::to_string(e % uint64_t(f.cols)) + " is not finite");
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- save
+void SaveCheckpoint(const std::string& path, const std::vector<TableToSave>& tables, const SaveOptions& options) {
+  std::set<std::string> names;
+  for (const TableToSave& t : tables) {
+    if (t.table == nullptr) throw InvalidArgument("save: null table");
+    if (!names.insert(t.table->spec().name).second)
+      throw InvalidArgument("save: two tables are named '" + t.table->spec().name + "'; names must be unique");
+    checkpoint::ValidateJsonObject(t.config_json, "table config of '" + t.table->spec().name + "'");
+  }
+  checkpoint::ValidateJsonObject(options.metadata_json, "metadata");
+  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) throw IoError(path + ": mkdir failed: " + checkpoint::ErrnoText(errno));
+  {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw IoError(path + ": not a directory");
+  }
+
+  // A generation above every one present, so no file of the live checkpoint is ever overwritten.
+  uint64_t generation = 0;
+  for (const std::string& name : ListDirectory(path)) {
+    uint64_t g = 0;
+    if (IsOurFile(name, &g)) generation = std::max(generation, g);
+  }
+  try {
+    generation = std::max(generation, ReadCheckpointInfo(path).generation);
+  } catch (const std::exception&) {
+    // No valid checkpoint there yet: nothing to keep.
+  }
+  ++generation;
+  const std::string tag = GenerationTag(generation);
+
+  CheckpointInfo info;
+  info.generation = generation;
+  info.metadata_json = options.metadata_json;
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const Table& table = *tables[i].table;
+    std::shared_lock<std::shared_mutex> lock(table.mutex());
+    const TableSpec& spec = table.spec();
+    TableEntry e;
+    e.name = spec.name;
+    e.rows = spec.rows;
+    e.dim = spec.dim;
+    e.dtype = spec.dtype;
+    e.initializer = spec.initializer;
+    e.config_json = tables[i].config_json;
+    e.sharding_json = "{\"plan\": \"none\", \"world_size\": 1}";
+    char prefix[32];
+    std::snprintf(prefix, sizeof(prefix), "t%05zu.", i);
+    DType stored = spec.dtype;
+    if (options.cast_values) {
+      if (spec.dtype != DType::kFloat32 && options.values_dtype != spec.dtype)
+        throw InvalidArgument("save: only float32 tables can be cast on export; '" + spec.name + "' is " +
+                              DTypeName(spec.dtype));
+      stored = options.values_dtype;
+    }
+    e.values.push_back(WriteDataFile(path, std::string(prefix) + "values." + tag + ".ecd", table.values(), spec.dtype,
+                                     stored, 0, spec.rows, spec.dim));
+    if (options.include_optimizer) {
+      e.has_optimizer = true;
+      e.optimizer = spec.optimizer;
+      e.step = table.step();
+      e.slot_names = spec.optimizer.SlotNames();
+      for (size_t s = 0; s < e.slot_names.size(); ++s) {
+        e.slots.push_back({WriteDataFile(path, std::string(prefix) + e.slot_names[s] + "." + tag + ".ecd",
+                                         table.slot(s), DType::kFloat32, DType::kFloat32, 0, spec.rows,
+                                         spec.dim)});
+      }
+    }
+    info.tables.push_back(std::move(e));
+  }
+
+  // Commit: the manifest appears by an atomic rename, after every data file is durable.
+  const std::string json = checkpoint::BuildManifest(info);
+  checkpoint::FileHeader h = MakeHeader(checkpoint::FileKind::kManifest);
+  h.payload_offset = kHeaderBytes;
+  h.payload_bytes = json.size();
+  h.aux = checkpoint::Crc32c(json.data(), json.size());
+  SealHeader(h);
+  const std::string tmp = JoinPath(path, std::string("MANIFEST.tmp.") + tag);
+  {
+    File file(tmp, O_WRONLY | O_CREAT | O_TRUNC);
+    file.WriteAll(&h, sizeof(h));
+    file.WriteAll(json.data(), json.size());
+    file.Sync();
+    file.Close();
+  }
+  checkpoint::SyncDirectory(path);
+  if (::rename(tmp.c_str(), JoinPath(path, checkpoint::kManifestName).c_str()) != 0)
+    throw IoError(tmp + ": rename to MANIFEST failed: " + checkpoint::ErrnoText(errno));
+  checkpoint::SyncDirectory(path);
+
+  // Only now remove what the new manifest does not name: older generations and leftovers.
+  for (const std::string& name : ListDirectory(path)) {
+    uint64_t g = 0;
+    if (IsOurFile(name, &g) && (g != generation || name.rfind("MANIFEST.tmp.", 0) == 0))
+      ::unlink(JoinPath(path, name).c_str());
+  }
+}
+
+// ---------------------------------------------------------------- read
+CheckpointInfo ReadCheckpointInfo(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) throw CheckpointError(path + ": no such checkpoint directory");
+  if (!S_ISDIR(st.st_mode)) throw CheckpointError(path + ": not a checkpoint directory");
+  const std::string manifest = JoinPath(path, checkpoint::kManifestName);
+  File file(manifest, O_RDONLY);
+  const uint64_t size = file.Size();
+  if (size < kHeaderBytes) throw CheckpointError(manifest + ": truncated (" + std::to_string(size) + " bytes)");
+  checkpoint::FileHeader h;
+  file.ReadAt(&h, sizeof(h), 0);
+  const std::string problem = HeaderProblem(h, checkpoint::FileKind::kManifest);
+  if (!problem.empty()) throw CheckpointError(manifest + ": " + problem);
+  if (h.payload_offset != kHeaderBytes) throw CheckpointError(manifest + ": unexpected payload offset");
+  if (h.payload_bytes > checkpoint::kMaxManifestBytes)
+    throw CheckpointError(manifest + ": claims a " + std::to_string(h.payload_bytes) + "-byte manifest, over the limit");
+  if (h.payload_bytes + kHeaderBytes != size)
+    throw CheckpointError(manifest + ": size " + std::to_string(size) + " does not match its header (" +
+                          std::to_string(h.payload_bytes + kHeaderBytes) + ")" +
+                          (size < h.payload_bytes + kHeaderBytes ? ": truncated" : ""));
+  std::string json(size_t(h.payload_bytes), '\0');
+  file.ReadAt(json.data(), json.size(), kHeaderBytes);
+  if (checkpoint::Crc32c(json.data(), json.size()) != h.aux)
+    throw CheckpointError(manifest + ": checksum mismatch: the manifest is corrupt");
+  CheckpointInfo info = checkpoint::ParseManifest(manifest, json);
+  info.path = path;
+  // Every data file must exist with the stated size (no values are read).
+  auto check = [&](const FileEntry& f) {
+    const std::string p = JoinPath(path, f.path);
+    struct stat fs;
+    if (::stat(p.c_str(), &fs) != 0) throw CheckpointError(p + ": missing file");
+    if (!S_ISREG(fs.st_mode)) throw CheckpointError(p + ": not a regular file");
+    if (uint64_t(fs.st_size) != f.bytes)
+      throw CheckpointError(p + ": size " + std::to_string(fs.st_size) + " bytes, the manifest says " +
+                            std::to_string(f.bytes) + (uint64_t(fs.st_size) < f.bytes ? " (truncated)" : ""));
+  };
+  for (const TableEntry& t : info.tables) {
+    for (const FileEntry& f : t.values) check(f);
+    for (const auto& files : t.slots)
+      for (const FileEntry& f : files) check(f);
+  }
+  return info;
+}
+
+void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Table& table, bool load_optimizer) {
+  const TableSpec& spec = table.spec();
+  const std::string where = info.path + ": table '" + entry.name + "'";
+  if (entry.rows != spec.rows || entry.dim != spec.dim)
+    throw CheckpointError(where + " is " + std::to_string(entry.rows) + " x " + std::to_string(entry.dim) +
+                          ", the target table '" + spec.name + "' is " + std::to_string(spec.rows) + " x " +
+                          std::to_string(spec.dim));
+  if (load_optimizer && entry.has_optimizer && entry.slot_names != spec.optimizer.SlotNames())
+    throw CheckpointError(where + " was saved with optimizer slots that the target table's optimizer lacks; "
+                          "load with include_optimizer=False to take the values only");
+}
+
+void LoadTable(const CheckpointInfo& info, const TableEntry& entry, Table& table, bool load_optimizer, bool verify) {
+  CheckLoadable(info, entry, table, load_optimizer);
+  const bool slots = load_optimizer && entry.has_optimizer;
+  // Verify everything first: a corrupt checkpoint must leave the table as it was.
+  if (verify) VerifyTable(info, entry, slots, false);
+  const TableSpec& spec = table.spec();
+  std::unique_lock<std::shared_mutex> lock(table.mutex());
+  for (const FileEntry& f : entry.values) ReadDataFile(info.path, f, table.values(), spec.dtype);
+  if (slots) {
+    for (size_t s = 0; s < entry.slots.size(); ++s)
+      for (const FileEntry& f : entry.slots[s]) ReadDataFile(info.path, f, table.slot(s), DType::kFloat32);
+    table.set_step(entry.step);
+  }
+}
+
+void VerifyTable(const CheckpointInfo& info, const TableEntry& entry, bool include_slots, bool check_finite) {
+  auto verify = [&](const FileEntry& f) {
+    VerifyDataFile(info.path, f);
+    if (check_finite) CheckFinite(info.path, f);
+  };
+  for (const FileEntry& f : entry.values) verify(f);
+  if (include_slots)
+    for (const auto& files : entry.slots)
+      for (const FileEntry& f : files) verify(f);
+}
+
+void VerifyCheckpoint(const CheckpointInfo& info, bool check_finite) {
+  for (const TableEntry& t : info.tables) VerifyTable(info, t, true, check_finite);
+}
+
+// ---------------------------------------------------------------- serving
+struct MappedCheckpoint::Mapped {
+  std::string path;
+  FileEntry file;
+  void* base = nullptr;
+  size_t length = 0;
+  const char* payload = nullptr;
+  std::unique_ptr<std::atomic<uint8_t>[]> state;  // per block: 0 unchecked, 1 good, 2 corrupt
+  size_t blocks = 0;
+
+  ~Mapped() {
+    if (base) ::munmap(base, length);
+  }
+
+  void EnsureVerified(size_t block) const {
+    const uint8_t s = state[block].load(std::memory_order_acquire);
+    if (s == 1) return;
+    if (s == 0) {
+      const uint64_t payload_bytes = checkpoint::PayloadBytes(file);
+      const uint64_t off = uint64_t(block) * file.block_bytes;
+      const size_t n = size_t(std::min<uint64_t>(file.block_bytes, payload_bytes - off));
+      const bool good = checkpoint::Crc32c(payload + off, n) == file.crc32c[block];
+      state[block].store(good ? 1 : 2, std::memory_order_release);
+      if (good) return;
+    }
+    throw CheckpointError(path + ": checksum mismatch in block " + std::to_string(block) + " (bytes " +
+                          std::to_string(kDataOffset + uint64_t(block) * file.block_bytes) +
+                          "..): refusing to serve corrupt rows");
+  }
+};
+
+MappedCheckpoint::MappedCheckpoint(const std::string& path, Verify verify) : info_(ReadCheckpointInfo(path)) {
+  for (const TableEntry& t : info_.tables) {
+    if (t.values.size() != 1)
+      throw CheckpointError(path + ": table '" + t.name + "' is split over " + std::to_string(t.values.size()) +
+                            " files; serving maps one file per table");
+    auto m = std::make_unique<Mapped>();
+    m->file = t.values[0];
+    m->path = JoinPath(path, m->file.path);
+    File file(m->path, O_RDONLY);
+    m->length = size_t(file.Size());
+    if (m->length != m->file.bytes) throw CheckpointError(m->path + ": size changed since the manifest was read");
+    CheckDataHeader(file, m->file);
+    void* p = ::mmap(nullptr, m->length, PROT_READ, MAP_SHARED, file.fd(), 0);
+    if (p == MAP_FAILED) throw IoError(m->path + ": mmap failed: " + checkpoint::ErrnoText(errno));
+    m->base = p;
+    m->payload = static_cast<const char*>(p) + kDataOffset;
+    m->blocks = m->file.crc32c.size();
+    m->state.reset(new std::atomic<uint8_t>[m->blocks]);
+    for (size_t b = 0; b < m->blocks; ++b) m->state[b].store(verify == Verify::kNone ? 1 : 0);
+    if (verify == Verify::kEager) {
+      Mapped* raw = m.get();
+      ParallelFor(int64_t(m->blocks), 1, [&](int64_t a, int64_t b) {
+        for (int64_t i = a; i < b; ++i) {
+          try {
+            raw->EnsureVerified(size_t(i));
+          } catch (const CheckpointError&) {
+          }
+        }
+      });
+      for (size_t b = 0; b < m->blocks; ++b) m->EnsureVerified(b);  // throws for the first bad block
+    }
+    tables_.push_back(std::move(m));
+  }
+}
+
+MappedCheckpoint::~MappedCheckpoint() = default;
+
+const void* MappedCheckpoint::values(size_t table) const { return tables_.at(table)->payload; }
+
+void MappedCheckpoint::Lookup(size_t table, const Batch& batch, const OutputShape& shape, float* out) const {
+  if (table >= tables_.size()) throw OutOfRange("no table " + std::to_string(table) + " in the checkpoint");
+  const Mapped& m = *tables_[table];
+  const TableEntry& t = info_.tables[table];
+  ValidateBatch(batch, t.rows, t.name);
+  if (shape.OutputRows(batch) > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
+  // Check each touched block once per call (a relaxed load per id afterwards).
+  const uint64_t row_bytes = uint64_t(t.dim) * DTypeSize(m.file.dtype);
+  auto touch = [&](int64_t id) {
+    const uint64_t first = uint64_t(id) * row_bytes / m.file.block_bytes;
+    const uint64_t last = (uint64_t(id) * row_bytes + row_bytes - 1) / m.file.block_bytes;
+    for (uint64_t b = first; b <= last; ++b) m.EnsureVerified(size_t(b));
+  };
+  if (batch.id_type == IdType::kInt32) {
+    const int32_t* ids = static_cast<const int32_t*>(batch.ids);
+    for (int64_t k = 0; k < batch.nnz; ++k) touch(ids[k]);
+  } else {
+    const int64_t* ids = static_cast<const int64_t*>(batch.ids);
+    for (int64_t k = 0; k < batch.nnz; ++k) touch(ids[k]);
+  }
+  internal::RunLookup(m.payload, m.file.dtype, t.dim, batch, shape, out);
+}
+
+}  // namespace embedcore

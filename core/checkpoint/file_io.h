@@ -1,0 +1,102 @@
+// Small POSIX file helpers for the checkpoint code: every failure throws
+// IoError (or CheckpointError for short reads) naming the file and the call.
+#pragma once
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "embedcore/embedcore.h"
+
+namespace embedcore::checkpoint {
+
+inline std::string ErrnoText(int err) { return std::strerror(err); }
+
+/// An owned file descriptor.
+class File {
+ public:
+  File() = default;
+  File(const std::string& path, int flags, mode_t mode = 0644) : path_(path) {
+    do {
+      fd_ = ::open(path.c_str(), flags | O_CLOEXEC, mode);
+    } while (fd_ < 0 && errno == EINTR);
+    if (fd_ < 0) {
+      const int err = errno;
+      if (err == ENOENT && !(flags & O_CREAT)) throw CheckpointError(path + ": missing file");
+      throw IoError(path + ": open failed: " + ErrnoText(err));
+    }
+  }
+  ~File() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  File(File&& o) noexcept : fd_(o.fd_), path_(std::move(o.path_)) { o.fd_ = -1; }
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  int fd() const { return fd_; }
+  const std::string& path() const { return path_; }
+
+  uint64_t Size() const {
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) throw IoError(path_ + ": fstat failed: " + ErrnoText(errno));
+    return uint64_t(st.st_size);
+  }
+  void WriteAll(const void* data, size_t n) {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, p, n > (size_t(1) << 30) ? (size_t(1) << 30) : n);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        throw IoError(path_ + ": write failed: " + ErrnoText(errno));
+      }
+      p += w;
+      n -= size_t(w);
+    }
+  }
+  /// Reads exactly n bytes at `offset`; a short read means the file is truncated.
+  void ReadAt(void* data, size_t n, uint64_t offset) const {
+    char* p = static_cast<char*>(data);
+    while (n > 0) {
+      const ssize_t r = ::pread(fd_, p, n > (size_t(1) << 30) ? (size_t(1) << 30) : n, off_t(offset));
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        throw IoError(path_ + ": read failed: " + ErrnoText(errno));
+      }
+      if (r == 0) throw CheckpointError(path_ + ": truncated (ends before byte " + std::to_string(offset + n) + ")");
+      p += r;
+      n -= size_t(r);
+      offset += uint64_t(r);
+    }
+  }
+  void Sync() {
+    if (::fsync(fd_) != 0) throw IoError(path_ + ": fsync failed: " + ErrnoText(errno));
+  }
+  void Close() {
+    if (fd_ >= 0 && ::close(fd_) != 0) {
+      fd_ = -1;
+      throw IoError(path_ + ": close failed: " + ErrnoText(errno));
+    }
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+  std::string path_;
+};
+
+inline void SyncDirectory(const std::string& dir) {
+  File d(dir, O_RDONLY | O_DIRECTORY);
+  d.Sync();
+}
+
+inline std::string JoinPath(const std::string& dir, const std::string& name) {
+  if (dir.empty() || dir.back() == '/') return dir + name;
+  return dir + "/" + name;
+}
+
+}  // namespace embedcore::checkpoint

@@ -1,0 +1,19 @@
+// The checkpoint manifest: building it, and parsing it as untrusted input.
+#pragma once
+
+#include <string>
+
+#include "embedcore/embedcore.h"
+
+namespace embedcore::checkpoint {
+
+/// Bytes of a data file's payload: rows * cols * dtype size.
+uint64_t PayloadBytes(const FileEntry& f);
+/// The manifest JSON of `info` (its tables, generation and metadata).
+std::string BuildManifest(const CheckpointInfo& info);
+/// Parses and validates manifest JSON read from `file`; throws CheckpointError.
+CheckpointInfo ParseManifest(const std::string& file, const std::string& json);
+/// Throws InvalidArgument unless `text` is a JSON object.
+void ValidateJsonObject(const std::string& text, const std::string& what);
+
+}  // namespace embedcore::checkpoint

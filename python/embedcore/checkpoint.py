@@ -1,0 +1,209 @@
+"""Checkpoints: ``save`` / ``load`` of tables and embeddings, and ``Saver``
+with SOK's calls.
+
+The format is specified in docs/format.md: a directory holding a
+checksummed manifest and one data file per table shard and slot, written
+atomically (a save killed at any moment leaves the previous checkpoint
+loadable) and verified before anything is loaded (a corrupt checkpoint
+leaves the target unchanged).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _embedcore
+from . import initializers as _init
+from . import optimizers as _opt
+from ._inputs import as_float32
+from .config import FeatureConfig, TableConfig
+from .embedding import Embedding
+from .table import Table
+
+__all__ = ["CheckpointError", "save", "load", "Saver", "FORMAT_VERSION"]
+
+CheckpointError = _embedcore.CheckpointError
+FORMAT_VERSION: Tuple[int, int] = tuple(_embedcore.FORMAT_VERSION)
+
+
+# ------------------------------------------------------------------ configs as JSON
+def _initializer_json(init: _init.Initializer) -> dict:
+    return {"class": type(init).__name__, **vars(init)}
+
+
+def _optimizer_json(opt: Optional[_opt.Optimizer]) -> Optional[dict]:
+    if opt is None:
+        return None
+    fields = {}
+    for k, v in vars(opt).items():
+        if k == "learning_rate" and callable(v):
+            fields[k] = None  # a schedule: the step count in the checkpoint is its position
+            fields["learning_rate_schedule"] = getattr(v, "__qualname__", type(v).__name__)
+        else:
+            fields[k] = list(v) if isinstance(v, tuple) else v
+    return {"class": type(opt).__name__, **fields}
+
+
+def _table_config_json(cfg: TableConfig, table: Table) -> dict:
+    return {
+        "name": table.name,
+        "rows": cfg.rows,
+        "dim": cfg.dim,
+        "dtype": cfg.dtype,
+        "combiner": cfg.combiner,
+        "initializer": _initializer_json(cfg.initializer),
+        "optimizer": _optimizer_json(table.optimizer),
+    }
+
+
+def _structure_json(structure, index: Dict[int, int]):
+    """The nest of a feature config, leaves replaced by feature indices."""
+    if isinstance(structure, dict):
+        if not all(isinstance(k, str) for k in structure):
+            return None
+        return {"dict": {k: _structure_json(v, index) for k, v in structure.items()}}
+    if isinstance(structure, (list, tuple)):
+        return {"list" if isinstance(structure, list) else "tuple": [_structure_json(v, index) for v in structure]}
+    return {"feature": index[id(structure)]}
+
+
+def config_from_json(d: dict) -> TableConfig:
+    """A TableConfig rebuilt from a checkpoint's table config (no optimizer
+    when the learning rate was a schedule: that callable is not stored)."""
+    init_d = dict(d.get("initializer") or {"class": "TruncatedNormal"})
+    init_cls = getattr(_init, init_d.pop("class"), None)
+    if init_cls is None or not isinstance(init_cls, type) or not issubclass(init_cls, _init.Initializer):
+        raise CheckpointError(f"unknown initializer in checkpoint: {d.get('initializer')!r}")
+    initializer = init_cls(**init_d)
+    optimizer = None
+    opt_d = d.get("optimizer")
+    if opt_d is not None and opt_d.get("learning_rate") is not None:
+        opt_d = dict(opt_d)
+        opt_cls = getattr(_opt, opt_d.pop("class"), None)
+        if opt_cls is None or not isinstance(opt_cls, type) or not issubclass(opt_cls, _opt.Optimizer):
+            raise CheckpointError(f"unknown optimizer in checkpoint: {d.get('optimizer')!r}")
+        opt_d.pop("learning_rate_schedule", None)
+        optimizer = opt_cls(**opt_d)
+    return TableConfig(d["name"], d["rows"], d["dim"], d.get("dtype", "float32"), initializer, optimizer,
+                       d.get("combiner", "mean"))
+
+
+# ------------------------------------------------------------------ save / load
+def _tables_of(obj) -> List[Table]:
+    if isinstance(obj, Table):
+        return [obj]
+    if isinstance(obj, Embedding):
+        return list(obj.embedding_tables.values())
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, Table) for t in obj):
+        return list(obj)
+    tables = getattr(obj, "_embedcore_tables", None)  # framework adapters expose their tables
+    if callable(tables):
+        return list(tables())
+    raise TypeError(f"expected an embedcore Table, a list of Tables or an Embedding, got {type(obj).__name__}")
+
+
+def _metadata(obj) -> dict:
+    if isinstance(obj, Embedding):
+        features = obj._features
+        index = {id(f): i for i, f in enumerate(features)}
+        return {
+            "kind": "embedding",
+            "features": [{"name": n, "table": obj._tables[f.table].name, "max_sequence_length": f.max_sequence_length}
+                         for n, f in zip(obj._feature_names, features)],
+            "structure": _structure_json(obj.feature_config, index),
+        }
+    return {"kind": "table"}
+
+
+def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] = None) -> None:
+    """Saves a Table or an Embedding into the directory `path`.
+
+    include_optimizer: slots, step count and optimizer hyper-parameters, so
+        that training resumed from the checkpoint continues bit-identically;
+        False writes the values only (a serving export).
+    values_dtype: "float16" or "bfloat16" stores float32 values rounded to
+        that dtype (an export option; slots stay float32).
+
+    The save is atomic: the previous checkpoint at `path` stays loadable until
+    the new one is complete and durable.
+    """
+    path = os.fspath(path)
+    if values_dtype is not None and values_dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"values_dtype must be 'float32', 'float16' or 'bfloat16', got {values_dtype!r}")
+    tables = _tables_of(obj)
+    configs = {id(t): t.config for t in tables}
+    pairs = [(t._native, json.dumps(_table_config_json(configs[id(t)], t))) for t in tables]
+    _embedcore.save(path, pairs, bool(include_optimizer), values_dtype, json.dumps(_metadata(obj)))
+
+
+def read_info(path):
+    """The validated manifest of the checkpoint at `path` (reads no values)."""
+    return _embedcore.read_info(os.fspath(path))
+
+
+def load(path, into, include_optimizer: bool = True) -> None:
+    """Loads the checkpoint at `path` into a Table or Embedding, matching
+    tables by name. Every file the load needs is verified before any table
+    changes, so a missing, truncated or corrupt checkpoint raises
+    ``CheckpointError`` and leaves `into` exactly as it was.
+
+    include_optimizer: also the slots and step count (when the checkpoint has
+        them and the optimizers match); False loads the values only.
+    """
+    info = read_info(path)
+    names = list(info.table_names)
+    tables = _tables_of(into)
+    plan = []
+    for t in tables:
+        if t.name not in names:
+            raise CheckpointError(f"{info.path}: has no table '{t.name}' (it holds {names})")
+        k = names.index(t.name)
+        _embedcore.check_loadable(info, k, t._native, bool(include_optimizer))
+        plan.append((k, t))
+    for k, t in plan:  # everything verified before anything changes
+        _embedcore.verify_table(info, k, bool(include_optimizer), False)
+    for k, t in plan:
+        _embedcore.load_table(info, k, t._native, bool(include_optimizer), False)
+
+
+class Saver:
+    """SOK's ``sok.Saver`` calls over embedcore checkpoints. Each returns
+    ``"OK"`` on success, as SOK's do, and raises on failure."""
+
+    def dump_to_file(self, obj, path) -> str:
+        save(path, obj)
+        return "OK"
+
+    def restore_from_file(self, obj, path) -> str:
+        load(path, into=obj)
+        return "OK"
+
+    def load_embedding_values(self, table, arrays) -> str:
+        """Fills `table` with `arrays` (one ``[n, dim]`` array or a list of
+        them) stacked along rows; their rows must add up to the table's."""
+        if isinstance(table, Embedding):
+            raise TypeError("load_embedding_values takes one Table, not an Embedding")
+        if not isinstance(table, Table):
+            tables = _tables_of(table)
+            if len(tables) != 1:
+                raise TypeError("load_embedding_values takes one table")
+            table = tables[0]
+        parts: Sequence = arrays if isinstance(arrays, (list, tuple)) else [arrays]
+        if not parts:
+            raise ValueError("load_embedding_values: no arrays given")
+        values = []
+        for i, a in enumerate(parts):
+            v = as_float32(a, f"arrays[{i}]")
+            if v.ndim != 2 or v.shape[1] != table.dim:
+                raise ValueError(f"load_embedding_values: arrays[{i}] must have shape [n, {table.dim}], got {v.shape}")
+            values.append(v)
+        total = sum(v.shape[0] for v in values)
+        if total != table.rows:
+            raise ValueError(f"load_embedding_values: the arrays hold {total} rows, table '{table.name}' has "
+                             f"{table.rows}")
+        stacked = values[0] if len(values) == 1 else np.concatenate(values, axis=0)
+        table.assign(stacked, 0)
+        return "OK"

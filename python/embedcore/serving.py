@@ -1,0 +1,137 @@
+"""Serving a checkpoint on CPU: read-only, memory-mapped, thread-safe.
+
+``srv = embedcore.serving.open(path)`` maps each table's values file; opening
+reads no values (it takes milliseconds whatever the size), processes that
+serve the same checkpoint share its pages, and lookups release the GIL and
+may run from many threads. No optimizer state is loaded.
+
+Checksums (``verify``):
+- ``True`` / ``"lazy"`` (default): each 4 MiB block of a values file is
+  checksummed the first time a lookup touches it; a block that fails raises
+  ``CheckpointError`` for every lookup that touches it, and is never served.
+  The manifest, headers and file sizes are checked on open.
+- ``"eager"``: every block is checksummed on open.
+- ``False``: no data checksums (headers and sizes are still checked).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Optional
+
+import numpy as np
+
+from . import _embedcore
+from . import _nest
+from .checkpoint import CheckpointError, config_from_json
+from .config import FeatureConfig
+from .embedding import FeatureLookup
+from .table import LookupMixin, _bfloat16_dtype
+
+__all__ = ["open", "ServedCheckpoint", "ServedTable"]
+
+_VERIFY = {True: 1, "lazy": 1, "eager": 2, False: 0, None: 0}
+
+
+class ServedTable(LookupMixin):
+    """One table of a served checkpoint; ``lookup`` takes every input form
+    ``Table.lookup`` takes."""
+
+    def __init__(self, mapped, index: int, config):
+        self._mapped = mapped
+        self._index = index
+        self.config = config
+        self.name = config.name
+        self.rows = config.rows
+        self.dim = config.dim
+        stored = mapped.values(index).dtype
+        self.dtype = {"float32": "float32", "float16": "float16", "uint16": "bfloat16"}[stored.name]
+
+    @property
+    def _default_combiner(self) -> str:
+        return self.config.combiner
+
+    def _native_lookup(self, ids, offsets, weights, code, length, out):
+        if out is None:
+            return self._mapped.lookup(self._index, ids, offsets, weights, code, length)
+        self._mapped.lookup_into(self._index, ids, offsets, weights, code, length, out)
+        return out
+
+    def values(self) -> np.ndarray:
+        """Read-only view of the mapped values, as stored (no checksum check)."""
+        v = self._mapped.values(self._index)
+        if v.dtype == np.uint16:  # bfloat16 bits
+            bf16 = _bfloat16_dtype()
+            if bf16 is not None:
+                v = v.view(bf16)
+        return v
+
+    def __repr__(self) -> str:
+        return f"ServedTable(name={self.name!r}, rows={self.rows}, dim={self.dim})"
+
+
+class ServedCheckpoint(FeatureLookup):
+    """A checkpoint opened for serving. ``tables`` maps names to
+    ``ServedTable``; a checkpoint saved from an ``Embedding`` is also
+    callable with the same nested features, like ``TPUEmbeddingForServing``."""
+
+    def __init__(self, path, verify=True):
+        if verify not in _VERIFY:
+            raise ValueError(f"verify must be True, 'lazy', 'eager' or False, got {verify!r}")
+        self._mapped = _embedcore.MappedCheckpoint(os.fspath(path), _VERIFY[verify])
+        info = self._mapped.info
+        self.path = info.path
+        self.format_version = tuple(info.format_version)
+        self.tables: Dict[str, ServedTable] = {}
+        configs = {}
+        for i, name in enumerate(info.table_names):
+            cfg_json = json.loads(info.table_config_json(i))
+            cfg_json.setdefault("name", name)
+            cfg_json.update(optimizer=None)
+            cfg = config_from_json({**cfg_json, "dtype": cfg_json.get("dtype", "float32")})
+            configs[name] = cfg
+            self.tables[name] = ServedTable(self._mapped, i, cfg)
+        self._by_config = {id(c): self.tables[n] for n, c in configs.items()}
+        self._feature_config = None
+        meta = json.loads(info.metadata_json)
+        if meta.get("kind") == "embedding" and meta.get("features"):
+            features = [FeatureConfig(configs[f["table"]], f["max_sequence_length"], f["name"]) for f in meta["features"]]
+            self._features = features
+            self._feature_names = [f.name for f in features]
+            structure = meta.get("structure")
+            self._feature_config = _rebuild(structure, features) if structure else features
+
+    @property
+    def feature_config(self):
+        return self._feature_config
+
+    @property
+    def embedding_tables(self) -> Dict[str, ServedTable]:
+        return dict(self.tables)
+
+    def _table(self, f: FeatureConfig) -> ServedTable:
+        return self._by_config[id(f.table)]
+
+    def lookup(self, features, weights=None):
+        if self._feature_config is None:
+            raise ValueError(f"{self.path}: this checkpoint holds tables, not features; use .tables[name].lookup")
+        return super().lookup(features, weights)
+
+    def __repr__(self) -> str:
+        return f"ServedCheckpoint({self.path!r}, tables={list(self.tables)})"
+
+
+def _rebuild(structure, features):
+    if "dict" in structure:
+        return {k: _rebuild(v, features) for k, v in structure["dict"].items()}
+    if "list" in structure:
+        return [_rebuild(v, features) for v in structure["list"]]
+    if "tuple" in structure:
+        return tuple(_rebuild(v, features) for v in structure["tuple"])
+    return features[structure["feature"]]
+
+
+def open(path, verify=True) -> ServedCheckpoint:  # noqa: A001 - the name users expect
+    """Opens the checkpoint at `path` for serving (see the module docstring)."""
+    return ServedCheckpoint(path, verify)
+

@@ -1,0 +1,220 @@
+"""Reading NVIDIA SparseOperationKit (SOK) dumps, so SOK users can move over.
+
+Two layouts are read:
+
+- v1 (``sok.Saver`` of SOK 1.x): ``<var>_keys.file`` holding the keys (int64,
+  or uint32) and ``<var>_values.file`` holding float32 ``[n, dim]`` rows.
+  Raw bytes, no header: the key dtype and ``dim`` are inferred from the two
+  sizes, or given when the sizes fit both.
+- v2 (SOK 2.x): ``<name>-key``, ``<name>-weight`` and
+  ``<name>-<Optimizer>-<slot>``, each with a 296-byte header (a 256-byte
+  name, a 4-byte big-endian kind: 0 key, 1 values, 2 optimizer state; a
+  32-byte slot name; a 4-byte big-endian dtype code: 0 i32, 1 i64, 2 u32,
+  3 u64, 4 f16, 5 f32, 6 f64), then little-endian row-major data.
+
+Keys are row indices: key ``k`` becomes row ``k`` of the table, whose row
+count is ``max(key) + 1`` unless given.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import numpy as np
+
+from .checkpoint import CheckpointError
+
+__all__ = ["SokVariable", "read_dump", "to_tables", "convert"]
+
+_V2_HEADER = 296
+_V2_DTYPES = {0: np.dtype("<i4"), 1: np.dtype("<i8"), 2: np.dtype("<u4"), 3: np.dtype("<u8"),
+              4: np.dtype("<f2"), 5: np.dtype("<f4"), 6: np.dtype("<f8")}
+# SOK's optimizer slot names -> embedcore's (TensorFlow's) slot names.
+_SLOT_NAMES = {
+    "adagrad": {"accum": "accumulators", "accumulator": "accumulators", "accumulators": "accumulators"},
+    "adam": {"m": "momenta", "v": "velocities", "momenta": "momenta", "velocities": "velocities"},
+    "ftrl": {"accum": "accumulators", "accumulator": "accumulators", "linear": "linears", "n": "accumulators",
+             "z": "linears", "accumulators": "accumulators", "linears": "linears"},
+}
+
+
+@dataclass
+class SokVariable:
+    """One dumped variable: keys [n], values [n, dim], and optimizer slots."""
+
+    name: str
+    keys: np.ndarray
+    values: np.ndarray
+    optimizer: Optional[str] = None
+    slots: Dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _read_v2(path: str, want_kind: int):
+    size = os.path.getsize(path)
+    if size < _V2_HEADER:
+        raise CheckpointError(f"{path}: truncated SOK v2 file ({size} bytes, the header alone is {_V2_HEADER})")
+    with open(path, "rb") as f:
+        header = f.read(_V2_HEADER)
+        name = header[:256].split(b"\0", 1)[0].decode("utf-8", "replace")
+        kind = int.from_bytes(header[256:260], "big")
+        slot = header[260:292].split(b"\0", 1)[0].decode("utf-8", "replace")
+        code = int.from_bytes(header[292:296], "big")
+        if kind != want_kind:
+            raise CheckpointError(f"{path}: SOK v2 header says kind {kind}, expected {want_kind}")
+        if code not in _V2_DTYPES:
+            raise CheckpointError(f"{path}: SOK v2 header has unknown dtype code {code}")
+        dtype = _V2_DTYPES[code]
+        body = size - _V2_HEADER
+        if body % dtype.itemsize:
+            raise CheckpointError(f"{path}: {body} data bytes are not a whole number of {dtype.name} values")
+        data = np.fromfile(f, dtype=dtype, count=body // dtype.itemsize)
+    return name, slot, data
+
+
+def _keys_as_rows(keys: np.ndarray, where: str) -> np.ndarray:
+    if keys.dtype.kind == "u" and keys.size and int(keys.max()) > np.iinfo(np.int64).max:
+        raise CheckpointError(f"{where}: key {int(keys.max())} does not fit a row index")
+    k = keys.astype(np.int64)
+    if k.size and k.min() < 0:
+        raise CheckpointError(f"{where}: negative key {int(k.min())}")
+    return k
+
+
+def read_dump(src, dim: Optional[int] = None, key_dtype: Optional[str] = None) -> Dict[str, SokVariable]:
+    """Reads every SOK variable dumped in the directory `src` (v1 and v2)."""
+    src = os.fspath(src)
+    if not os.path.isdir(src):
+        raise CheckpointError(f"{src}: not a directory of SOK dump files")
+    names = sorted(os.listdir(src))
+    out: Dict[str, SokVariable] = {}
+    for n in names:
+        m = re.fullmatch(r"(.+)_keys\.file", n)
+        if m:
+            var = m.group(1)
+            out[var] = _read_v1(src, var, dim, key_dtype)
+    for n in names:
+        m = re.fullmatch(r"(.+)-key", n)
+        if m:
+            var = m.group(1)
+            out[var] = _read_v2_var(src, var, names)
+    if not out:
+        raise CheckpointError(f"{src}: no SOK dump files (<var>_keys.file or <name>-key) found")
+    return out
+
+
+def _read_v1(src: str, var: str, dim: Optional[int], key_dtype: Optional[str]) -> SokVariable:
+    kpath = os.path.join(src, f"{var}_keys.file")
+    vpath = os.path.join(src, f"{var}_values.file")
+    if not os.path.exists(vpath):
+        raise CheckpointError(f"{vpath}: missing (SOK v1 dumps come in _keys.file / _values.file pairs)")
+    kb, vb = os.path.getsize(kpath), os.path.getsize(vpath)
+    if vb % 4:
+        raise CheckpointError(f"{vpath}: {vb} bytes are not whole float32 values")
+    candidates = []
+    for kd in (["int64", "uint32"] if key_dtype is None else [key_dtype]):
+        if kd not in ("int64", "uint32"):
+            raise ValueError(f"key_dtype must be 'int64' or 'uint32', got {key_dtype!r}")
+        size = 8 if kd == "int64" else 4
+        if kb % size:
+            continue
+        n = kb // size
+        if n == 0:
+            if vb == 0:
+                candidates.append((kd, dim or 1))
+            continue
+        if (vb // 4) % n:
+            continue
+        d = (vb // 4) // n
+        if dim is None or d == dim:
+            candidates.append((kd, d))
+    if not candidates:
+        raise CheckpointError(f"{kpath}, {vpath}: sizes {kb} and {vb} bytes do not fit int64 or uint32 keys"
+                              + (f" with dim {dim}" if dim else ""))
+    if len(candidates) > 1:
+        raise CheckpointError(f"{kpath}: the sizes fit both int64 keys (dim {candidates[0][1]}) and uint32 keys "
+                              f"(dim {candidates[1][1]}); give dim= or key_dtype=")
+    kd, d = candidates[0]
+    keys = np.fromfile(kpath, dtype="<i8" if kd == "int64" else "<u4")
+    values = np.fromfile(vpath, dtype="<f4").reshape(len(keys), d) if len(keys) else np.zeros((0, d), np.float32)
+    return SokVariable(var, _keys_as_rows(keys, kpath), values)
+
+
+def _read_v2_var(src: str, var: str, names) -> SokVariable:
+    kpath = os.path.join(src, f"{var}-key")
+    wpath = os.path.join(src, f"{var}-weight")
+    if not os.path.exists(wpath):
+        raise CheckpointError(f"{wpath}: missing (a SOK v2 dump has <name>-key and <name>-weight)")
+    _, _, keys = _read_v2(kpath, 0)
+    if keys.dtype.kind not in "iu":
+        raise CheckpointError(f"{kpath}: keys must be integers, got {keys.dtype}")
+    _, _, w = _read_v2(wpath, 1)
+    n = len(keys)
+    if n == 0 or w.size % n:
+        if not (n == 0 and w.size == 0):
+            raise CheckpointError(f"{wpath}: {w.size} values do not split into {n} rows")
+    d = w.size // n if n else 1
+    values = w.astype(np.float32).reshape(n, d)
+    var_obj = SokVariable(var, _keys_as_rows(keys, kpath), values)
+    for n2 in names:
+        m = re.fullmatch(re.escape(var) + r"-([A-Za-z]+)-(.+)", n2)
+        if not m or m.group(2) in ("key", "weight"):
+            continue
+        opt, slot = m.group(1), m.group(2)
+        _, header_slot, s = _read_v2(os.path.join(src, n2), 2)
+        if s.size != values.size:
+            raise CheckpointError(f"{os.path.join(src, n2)}: {s.size} values, expected {values.size} (one per value)")
+        var_obj.optimizer = opt
+        var_obj.slots[header_slot or slot] = s.astype(np.float32).reshape(values.shape)
+    return var_obj
+
+
+def to_tables(variables: Dict[str, SokVariable], rows: Optional[int] = None):
+    """Builds one embedcore Table per variable, row k holding key k's values
+    (and slots, when the optimizer is one embedcore has)."""
+    from . import optimizers as _opt
+    from .config import TableConfig
+    from .initializers import Zeros
+    from .table import Table
+
+    tables = []
+    for name, v in variables.items():
+        n_rows = rows if rows is not None else (int(v.keys.max()) + 1 if v.keys.size else 1)
+        if v.keys.size and int(v.keys.max()) >= n_rows:
+            raise CheckpointError(f"SOK variable {name!r}: key {int(v.keys.max())} >= rows {n_rows}")
+        uniq = np.unique(v.keys)
+        if uniq.size != v.keys.size:
+            raise CheckpointError(f"SOK variable {name!r}: duplicate keys")
+        optimizer = None
+        mapping = _SLOT_NAMES.get((v.optimizer or "").lower())
+        if v.slots and mapping is not None:
+            optimizer = {"adagrad": _opt.Adagrad, "adam": _opt.Adam, "ftrl": _opt.FTRL}[v.optimizer.lower()]()
+        table = Table(TableConfig(name, n_rows, v.values.shape[1], "float32", Zeros(), optimizer, "sum"))
+        full = np.zeros((n_rows, table.dim), np.float32)
+        full[v.keys] = v.values
+        table.assign(full)
+        if optimizer is not None:
+            for sok_slot, arr in v.slots.items():
+                ours = mapping.get(sok_slot.lower())
+                if ours is None or ours not in table.slot_names:
+                    continue
+                full_slot = np.array(table.slots()[ours])  # untouched rows keep their initial value
+                full_slot[v.keys] = arr
+                table.assign_slot(ours, full_slot)
+        tables.append(table)
+    return tables
+
+
+def convert(src, dst, dim: Optional[int] = None, key_dtype: Optional[str] = None, rows: Optional[int] = None,
+            progress=None) -> list:
+    """Converts the SOK dump in `src` into an embedcore checkpoint at `dst`;
+    returns the table names."""
+    from .checkpoint import save
+
+    variables = read_dump(src, dim=dim, key_dtype=key_dtype)
+    tables = to_tables(variables, rows=rows)
+    if progress is not None:
+        progress(len(tables))
+    save(dst, tables if len(tables) > 1 else tables[0])
+    return [t.name for t in tables]
