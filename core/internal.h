@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -28,11 +29,32 @@ float InitialValue(const InitializerSpec& spec, int64_t dim, uint64_t index);
 /// is already validated.
 void RunLookup(const void* values, DType dtype, int64_t dim, const Batch& batch, const OutputShape& shape, float* out);
 
-/// Stable LSD radix sort of (key, value) pairs by key, keys < 2^key_bits.
+/// Stable LSD radix sort of `items` by their `key` member, keys < 2^key_bits.
+template <typename Item>
+void RadixSort(std::vector<Item>& items, int key_bits) {
+  constexpr int kDigitBits = 11;
+  constexpr size_t kBuckets = size_t(1) << kDigitBits;
+  if (items.size() < 2) return;
+  std::vector<Item> tmp(items.size());
+  std::vector<size_t> count(kBuckets);
+  for (int shift = 0; shift < key_bits; shift += kDigitBits) {
+    std::fill(count.begin(), count.end(), 0);
+    for (const Item& it : items) ++count[(it.key >> shift) & (kBuckets - 1)];
+    size_t sum = 0;
+    for (size_t& c : count) {
+      const size_t n = c;
+      c = sum;
+      sum += n;
+    }
+    for (const Item& it : items) tmp[count[(it.key >> shift) & (kBuckets - 1)]++] = it;
+    items.swap(tmp);
+  }
+}
+
+/// (key, value) pairs, the simplest item RadixSort sorts.
 struct KeyValue {
   uint64_t key;
   uint64_t value;
 };
-void RadixSort(std::vector<KeyValue>& items, int key_bits);
 
 }  // namespace embedcore::internal

@@ -48,23 +48,4 @@ size_t CheckedBytes(int64_t a, int64_t b, size_t c, const std::string& what) {
   return size_t(n);
 }
 
-void RadixSort(std::vector<KeyValue>& items, int key_bits) {
-  constexpr int kDigitBits = 11;
-  constexpr size_t kBuckets = size_t(1) << kDigitBits;
-  std::vector<KeyValue> tmp(items.size());
-  std::vector<size_t> count(kBuckets);
-  for (int shift = 0; shift < key_bits; shift += kDigitBits) {
-    std::fill(count.begin(), count.end(), 0);
-    for (const KeyValue& kv : items) ++count[(kv.key >> shift) & (kBuckets - 1)];
-    size_t sum = 0;
-    for (size_t& c : count) {
-      const size_t n = c;
-      c = sum;
-      sum += n;
-    }
-    for (const KeyValue& kv : items) tmp[count[(kv.key >> shift) & (kBuckets - 1)]++] = kv;
-    items.swap(tmp);
-  }
-}
-
 }  // namespace embedcore::internal

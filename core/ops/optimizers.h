@@ -100,15 +100,25 @@ struct FtrlRule {
   }
 };
 
+// The steps around the rule, each a pure per-element function.
+EMBEDCORE_HD float ClipGradient(const StepConstants& k, float g) {
+  return Clamp(g, k.clip_gradient_min, k.clip_gradient_max);
+}
+EMBEDCORE_HD float DecayWeight(const StepConstants& k, float w) { return w - k.weight_decay * w; }
+EMBEDCORE_HD float ClipWeightMin(const StepConstants& k, float w) { return w < k.weight_min ? k.weight_min : w; }
+EMBEDCORE_HD float ClipWeightMax(const StepConstants& k, float w) { return w > k.weight_max ? k.weight_max : w; }
+
 /// Clip the gradient, decay, apply `rule`, clip the weight: one element.
+/// (The CPU loop applies the same four steps a row at a time, so that each
+/// step vectorizes; every element sees them in this order either way.)
 template <typename Rule>
 EMBEDCORE_HD void UpdateElement(const Rule& rule, const StepConstants& k, float& w, float g, float* s0,
                                 float* s1) {
-  if (k.clip_gradient) g = Clamp(g, k.clip_gradient_min, k.clip_gradient_max);
-  if (k.weight_decay != 0.0f) w = w - k.weight_decay * w;
+  if (k.clip_gradient) g = ClipGradient(k, g);
+  if (k.weight_decay != 0.0f) w = DecayWeight(k, w);
   rule(w, g, s0, s1);
-  if (k.clip_weight_min && w < k.weight_min) w = k.weight_min;
-  if (k.clip_weight_max && w > k.weight_max) w = k.weight_max;
+  if (k.clip_weight_min) w = ClipWeightMin(k, w);
+  if (k.clip_weight_max) w = ClipWeightMax(k, w);
 }
 
 }  // namespace embedcore::ops
