@@ -9,6 +9,8 @@ so the loss can fall well below log(2).
 """
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 
 import numpy as np
@@ -31,7 +33,7 @@ def _synthetic(rng: np.random.Generator, batch: int, user_score, item_score):
     return features, clicks
 
 
-def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0) -> int:
+def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0, checkpoint=None) -> int:
     if threads is not None:
         ec.set_num_threads(threads)
     rng = np.random.default_rng(seed)
@@ -93,4 +95,22 @@ def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0) -
     if not last < first:
         print("error: the loss did not fall")
         return 1
+
+    # Save the model, reopen it for serving (memory-mapped, no optimizer) and
+    # check that serving returns what training returns.
+    with tempfile.TemporaryDirectory() as tmp:
+        path = checkpoint or os.path.join(tmp, "ctr-model")
+        t0 = time.perf_counter()
+        ec.save(path, emb)
+        save_ms = (time.perf_counter() - t0) * 1e3
+        t0 = time.perf_counter()
+        served = ec.serving.open(path)
+        open_ms = (time.perf_counter() - t0) * 1e3
+        feats, _ = _synthetic(rng, 256, user_score, item_score)
+        trained, serving = emb(feats), served(feats)
+        same = all(np.array_equal(trained[k], serving[k]) for k in trained)
+        print(f"saved to {path} in {save_ms:.1f} ms; opened for serving in {open_ms:.2f} ms; "
+              f"serving {'matches' if same else 'DIFFERS FROM'} training on a fresh batch")
+        if not same:
+            return 1
     return 0
