@@ -10,6 +10,9 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_embedcore, m) {
+  // Framework tensors that view a table (DLPack) may outlive it until
+  // interpreter shutdown; that is not a leak worth a warning.
+  nb::set_leak_warnings(false);
   // InvalidArgument (std::invalid_argument) -> ValueError and OutOfRange
   // (std::out_of_range) -> IndexError come with nanobind; the rest are ours.
   nb::exception<embedcore::NotCompiled>(m, "NotCompiledError", PyExc_RuntimeError);

@@ -65,6 +65,22 @@ NumpyView ValuesView(Table& t) {
   return NumpyView(t.values(), 2, shape, nb::find(&t), nullptr, StorageDLType(t.spec().dtype));
 }
 
+// Writable views are for framework adapters that hand the table to an
+// optimizer of their own (PyTorch's sparse optimizers update it in place).
+using NumpyMut = nb::ndarray<nb::numpy>;
+NumpyMut ValuesMut(Table& t) {
+  const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
+  return NumpyMut(t.values(), 2, shape, nb::find(&t), nullptr, StorageDLType(t.spec().dtype));
+}
+std::vector<std::pair<std::string, NumpyMut>> SlotsMut(Table& t) {
+  std::vector<std::pair<std::string, NumpyMut>> out;
+  const auto names = t.spec().optimizer.SlotNames();
+  const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
+  for (size_t i = 0; i < names.size(); ++i)
+    out.emplace_back(names[i], NumpyMut(t.slot(i), 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
+  return out;
+}
+
 std::vector<std::pair<std::string, NumpyView>> SlotViews(Table& t) {
   std::vector<std::pair<std::string, NumpyView>> out;
   const auto names = t.spec().optimizer.SlotNames();
@@ -153,6 +169,9 @@ void BindTable(nb::module_& m) {
            "One optimizer step from (ids, offsets, weights, combiner, max_sequence_length, grads) parts.")
       .def("values", &ValuesView, "Read-only view of the stored values (bfloat16 as uint16 bits).")
       .def("slots", &SlotViews, "Read-only float32 views of the slot variables, by name.")
+      .def("values_mut", &ValuesMut,
+           "Writable view of the stored values, for adapters whose own optimizer updates them in place.")
+      .def("slots_mut", &SlotsMut, "Writable float32 views of the slot variables, by name.")
       .def(
           "assign_values",
           [](Table& t, int64_t start_row, const nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>& v) {

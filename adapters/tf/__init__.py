@@ -1,0 +1,1 @@
+"""embedcore for TensorFlow (installed as embedcore.adapters.tf)."""

@@ -1,0 +1,1 @@
+"""embedcore for PyTorch (installed as embedcore.adapters.torch)."""
