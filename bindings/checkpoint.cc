@@ -53,6 +53,8 @@ void BindCheckpoint(nb::module_& m) {
         for (const auto& t : i.tables) names.push_back(t.name);
         return names;
       })
+      .def("table_shape",
+           [](const CheckpointInfo& i, size_t k) { return std::make_pair(i.tables.at(k).rows, i.tables.at(k).dim); })
       .def("table_config_json", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).config_json; })
       .def("table_has_optimizer", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).has_optimizer; });
 

@@ -67,21 +67,32 @@ std::string GenerationTag(uint64_t gen) {
   return buf;
 }
 
-// Our own file names: t<index>.<array>.g<generation>.ecd and MANIFEST.tmp.g<generation>.
+// Our own file names, exactly: t<5 digits>.<array>.g<12 digits>.ecd (array:
+// lower-case letters and '_') and MANIFEST.tmp.g<12 digits>. Anything else in
+// the directory belongs to the user and is never touched.
+bool IsDigits(const std::string& s, size_t pos, size_t n) {
+  if (pos + n > s.size()) return false;
+  for (size_t i = pos; i < pos + n; ++i)
+    if (s[i] < '0' || s[i] > '9') return false;
+  return true;
+}
+
 bool IsOurFile(const std::string& name, uint64_t* generation) {
-  const std::string tmp = "MANIFEST.tmp.g", suffix = ".ecd";
-  if (name.rfind(tmp, 0) == 0) {
+  const std::string tmp = "MANIFEST.tmp.g";
+  if (name.size() == tmp.size() + 12 && name.compare(0, tmp.size(), tmp) == 0 && IsDigits(name, tmp.size(), 12)) {
     *generation = std::strtoull(name.c_str() + tmp.size(), nullptr, 10);
     return true;
   }
-  if (name.size() > suffix.size() && name[0] == 't' &&
-      name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
-    const size_t g = name.rfind(".g");
-    if (g == std::string::npos) return false;
-    *generation = std::strtoull(name.c_str() + g + 2, nullptr, 10);
-    return true;
-  }
-  return false;
+  // t00000.<array>.g000000000000.ecd
+  const size_t tail = 2 + 12 + 4;  // ".g" digits ".ecd"
+  if (name.size() < 7 + 1 + tail || name[0] != 't' || !IsDigits(name, 1, 5) || name[6] != '.') return false;
+  const size_t g = name.size() - tail;
+  if (name.compare(g, 2, ".g") != 0 || !IsDigits(name, g + 2, 12) || name.compare(name.size() - 4, 4, ".ecd") != 0)
+    return false;
+  for (size_t i = 7; i < g; ++i)
+    if (!((name[i] >= 'a' && name[i] <= 'z') || name[i] == '_')) return false;
+  *generation = std::strtoull(name.c_str() + g + 2, nullptr, 10);
+  return true;
 }
 
 std::vector<std::string> ListDirectory(const std::string& dir) {

@@ -16,6 +16,8 @@ namespace embedcore::checkpoint {
 
 using Json = nlohmann::ordered_json;
 
+constexpr int kMaxJsonDepth = 32;
+
 namespace {
 
 const char* OptimizerKindName(OptimizerSpec::Kind k) {
@@ -315,11 +317,51 @@ std::string BuildManifest(const CheckpointInfo& info) {
   return m.dump(1);
 }
 
+namespace {
+// True when `s` is well-formed UTF-8 (no overlong forms, surrogates or values past U+10FFFF).
+bool IsUtf8(const std::string& s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned char c = p[i];
+    size_t len;
+    uint32_t cp;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xe0) == 0xc0) {
+      len = 2, cp = c & 0x1f;
+    } else if ((c & 0xf0) == 0xe0) {
+      len = 3, cp = c & 0x0f;
+    } else if ((c & 0xf8) == 0xf0) {
+      len = 4, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + len > n) return false;
+    for (size_t k = 1; k < len; ++k) {
+      if ((p[i + k] & 0xc0) != 0x80) return false;
+      cp = (cp << 6) | (p[i + k] & 0x3f);
+    }
+    static const uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[len] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
+    i += len;
+  }
+  return true;
+}
+}  // namespace
+
 CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
   Reader r(file);
+  if (!IsUtf8(text)) throw CheckpointError(file + ": the manifest is not valid UTF-8");
   Json m;
   try {
-    m = Json::parse(text);
+    // A real manifest nests a few levels; refuse deep nesting before it costs stack or time.
+    m = Json::parse(text, [&](int depth, Json::parse_event_t, Json&) {
+      if (depth > kMaxJsonDepth)
+        throw CheckpointError(file + ": the manifest nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+      return true;
+    });
   } catch (const Json::exception& e) {
     throw CheckpointError(file + ": the manifest is not valid JSON (" + e.what() + ")");
   }

@@ -72,7 +72,19 @@ def _structure_json(structure, index: Dict[int, int]):
 
 def config_from_json(d: dict) -> TableConfig:
     """A TableConfig rebuilt from a checkpoint's table config (no optimizer
-    when the learning rate was a schedule: that callable is not stored)."""
+    when the learning rate was a schedule: that callable is not stored).
+    A malformed config raises CheckpointError."""
+    try:
+        return _config_from_json(d)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as e:
+        raise CheckpointError(f"malformed table config in checkpoint: {type(e).__name__}: {e}") from None
+
+
+def _config_from_json(d: dict) -> TableConfig:
+    if not isinstance(d, dict):
+        raise CheckpointError(f"table config must be an object, got {type(d).__name__}")
     init_d = dict(d.get("initializer") or {"class": "TruncatedNormal"})
     init_cls = getattr(_init, init_d.pop("class"), None)
     if init_cls is None or not isinstance(init_cls, type) or not issubclass(init_cls, _init.Initializer):

@@ -24,6 +24,7 @@ from . import _embedcore
 __all__ = ["Optimizer", "SGD", "Adagrad", "Adam", "FTRL"]
 
 LearningRate = Union[float, Callable[[int], float]]
+_FLOAT32_MAX = 3.4028234663852886e38
 _Kind = _embedcore.OptimizerSpec.Kind
 
 
@@ -79,9 +80,12 @@ class Optimizer:
     def learning_rate_at(self, step: int) -> float:
         """The learning rate of the update that follows `step` earlier ones."""
         if callable(self.learning_rate):
-            lr = self.learning_rate(step)
-            return _number(type(self).__name__, f"learning_rate({step})", lr)
-        return self.learning_rate
+            lr = _number(type(self).__name__, f"learning_rate({step})", self.learning_rate(step))
+        else:
+            lr = self.learning_rate
+        if abs(lr) > _FLOAT32_MAX:
+            raise ValueError(f"{type(self).__name__}: learning rate {lr!r} at step {step} overflows float32")
+        return lr
 
     def _native(self) -> "_embedcore.OptimizerSpec":
         spec = _embedcore.OptimizerSpec()

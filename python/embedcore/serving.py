@@ -79,22 +79,35 @@ class ServedCheckpoint(FeatureLookup):
         if verify not in _VERIFY:
             raise ValueError(f"verify must be True, 'lazy', 'eager' or False, got {verify!r}")
         self._mapped = _embedcore.MappedCheckpoint(os.fspath(path), _VERIFY[verify])
-        info = self._mapped.info
+        try:
+            self._describe(self._mapped.info)
+        except CheckpointError:
+            raise
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as e:
+            raise CheckpointError(f"{self._mapped.info.path}: malformed table config or feature metadata in the "
+                                  f"manifest: {type(e).__name__}: {e}") from None
+
+    def _describe(self, info) -> None:
         self.path = info.path
         self.format_version = tuple(info.format_version)
         self.tables: Dict[str, ServedTable] = {}
         configs = {}
         for i, name in enumerate(info.table_names):
             cfg_json = json.loads(info.table_config_json(i))
-            cfg_json.setdefault("name", name)
-            cfg_json.update(optimizer=None)
-            cfg = config_from_json({**cfg_json, "dtype": cfg_json.get("dtype", "float32")})
+            if not isinstance(cfg_json, dict):
+                raise CheckpointError(f"{info.path}: table {name!r} has a malformed config")
+            rows, dim = info.table_shape(i)  # the manifest's shape is authoritative
+            cfg = config_from_json({**cfg_json, "name": name, "rows": rows, "dim": dim, "optimizer": None})
             configs[name] = cfg
             self.tables[name] = ServedTable(self._mapped, i, cfg)
         self._by_config = {id(c): self.tables[n] for n, c in configs.items()}
         self._feature_config = None
         meta = json.loads(info.metadata_json)
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{self.path}: manifest metadata must be an object")
         if meta.get("kind") == "embedding" and meta.get("features"):
+            if not isinstance(meta["features"], list):
+                raise CheckpointError(f"{self.path}: manifest metadata.features must be a list")
             features = [FeatureConfig(configs[f["table"]], f["max_sequence_length"], f["name"]) for f in meta["features"]]
             self._features = features
             self._feature_names = [f.name for f in features]
@@ -121,14 +134,21 @@ class ServedCheckpoint(FeatureLookup):
         return f"ServedCheckpoint({self.path!r}, tables={list(self.tables)})"
 
 
-def _rebuild(structure, features):
+def _rebuild(structure, features, depth: int = 0):
+    if depth > 32 or not isinstance(structure, dict) or len(structure) != 1:
+        raise CheckpointError("manifest metadata.structure is malformed")
     if "dict" in structure:
-        return {k: _rebuild(v, features) for k, v in structure["dict"].items()}
+        return {k: _rebuild(v, features, depth + 1) for k, v in structure["dict"].items()}
     if "list" in structure:
-        return [_rebuild(v, features) for v in structure["list"]]
+        return [_rebuild(v, features, depth + 1) for v in structure["list"]]
     if "tuple" in structure:
-        return tuple(_rebuild(v, features) for v in structure["tuple"])
-    return features[structure["feature"]]
+        return tuple(_rebuild(v, features, depth + 1) for v in structure["tuple"])
+    if "feature" in structure:
+        i = structure["feature"]
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(features):
+            raise CheckpointError(f"manifest metadata.structure names feature {i!r} of {len(features)}")
+        return features[i]
+    raise CheckpointError(f"manifest metadata.structure has an unknown kind {next(iter(structure))!r}")
 
 
 def open(path, verify=True) -> ServedCheckpoint:  # noqa: A001 - the name users expect

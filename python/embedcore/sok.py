@@ -94,11 +94,9 @@ def read_dump(src, dim: Optional[int] = None, key_dtype: Optional[str] = None) -
         if m:
             var = m.group(1)
             out[var] = _read_v1(src, var, dim, key_dtype)
-    for n in names:
-        m = re.fullmatch(r"(.+)-key", n)
-        if m:
-            var = m.group(1)
-            out[var] = _read_v2_var(src, var, names)
+    v2 = [m.group(1) for m in (re.fullmatch(r"(.+)-key", n) for n in names) if m]
+    for var in v2:
+        out[var] = _read_v2_var(src, var, names, v2)
     if not out:
         raise CheckpointError(f"{src}: no SOK dump files (<var>_keys.file or <name>-key) found")
     return out
@@ -141,7 +139,18 @@ def _read_v1(src: str, var: str, dim: Optional[int], key_dtype: Optional[str]) -
     return SokVariable(var, _keys_as_rows(keys, kpath), values)
 
 
-def _read_v2_var(src: str, var: str, names) -> SokVariable:
+def _slot_owner(filename: str, variables) -> Optional[str]:
+    """The variable a `<name>-<Optimizer>-<slot>` file belongs to: the longest
+    variable name it starts with (so "emb-b-Adam-m" is emb-b's, not emb's)."""
+    if any(filename in (f"{v}-key", f"{v}-weight") for v in variables):
+        return None
+    owners = [v for v in variables
+              if filename.startswith(v + "-") and re.fullmatch(r"[A-Za-z]+-.+", filename[len(v) + 1:])
+              and filename[len(v) + 1:] not in ("key", "weight")]
+    return max(owners, key=len) if owners else None
+
+
+def _read_v2_var(src: str, var: str, names, variables) -> SokVariable:
     kpath = os.path.join(src, f"{var}-key")
     wpath = os.path.join(src, f"{var}-weight")
     if not os.path.exists(wpath):
@@ -158,10 +167,9 @@ def _read_v2_var(src: str, var: str, names) -> SokVariable:
     values = w.astype(np.float32).reshape(n, d)
     var_obj = SokVariable(var, _keys_as_rows(keys, kpath), values)
     for n2 in names:
-        m = re.fullmatch(re.escape(var) + r"-([A-Za-z]+)-(.+)", n2)
-        if not m or m.group(2) in ("key", "weight"):
+        if _slot_owner(n2, variables) != var:
             continue
-        opt, slot = m.group(1), m.group(2)
+        opt, slot = n2[len(var) + 1:].split("-", 1)
         _, header_slot, s = _read_v2(os.path.join(src, n2), 2)
         if s.size != values.size:
             raise CheckpointError(f"{os.path.join(src, n2)}: {s.size} values, expected {values.size} (one per value)")

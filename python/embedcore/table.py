@@ -39,20 +39,22 @@ class LookupMixin:
         return combiner
 
     @staticmethod
-    def _sequence_length(batch: Batch, max_sequence_length) -> int:
+    def _sequence_length(batch: Batch, max_sequence_length) -> Optional[int]:
+        """The padded length of a sequence output, or None for the flat [nnz, dim] form."""
         if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, (int, np.integer)):
             raise TypeError(f"max_sequence_length must be an int, got {max_sequence_length!r}")
         if max_sequence_length < 0:
             raise ValueError(f"max_sequence_length must be >= 0, got {max_sequence_length}")
-        if max_sequence_length == 0 and batch.kind in ("dense", "sparse"):
-            return batch.width  # a dense [batch, k] or sparse [batch, k] input keeps its width
+        if max_sequence_length == 0:
+            # A dense [batch, k] or sparse [batch, k] input keeps its width; CSR input stays flat.
+            return batch.width if batch.kind in ("dense", "sparse") else None
         return int(max_sequence_length)
 
-    def output_shape(self, batch: Batch, combiner: Optional[str], max_sequence_length: int) -> tuple:
+    def output_shape(self, batch: Batch, combiner: Optional[str], length: Optional[int]) -> tuple:
         if combiner is not None:
             return (batch.num_bags, self.dim)
-        if max_sequence_length > 0:
-            return (batch.num_bags, max_sequence_length, self.dim)
+        if length is not None:
+            return (batch.num_bags, length, self.dim)
         return (len(batch.ids), self.dim)
 
     def lookup(self, ids, offsets=None, weights=None, combiner=_DEFAULT, max_sequence_length: int = 0,
@@ -82,7 +84,7 @@ class LookupMixin:
     __call__ = lookup
 
     def _lookup_batch(self, batch: Batch, combiner, max_sequence_length, out=None) -> np.ndarray:
-        length = self._sequence_length(batch, max_sequence_length) if combiner is None else 0
+        length = self._sequence_length(batch, max_sequence_length) if combiner is None else None
         shape = self.output_shape(batch, combiner, length)
         code = _COMBINER_CODE[combiner]
         if out is not None:
@@ -92,7 +94,9 @@ class LookupMixin:
                 raise ValueError("out must be writeable")
             if out.shape != shape:
                 raise ValueError(f"out must have shape {shape}, got {out.shape}")
-        if combiner is None and batch.kind == "sparse" and length > 0:
+        if combiner is None and length == 0:  # [batch, 0, dim]: nothing to look up
+            return np.zeros(shape, np.float32) if out is None else out
+        if combiner is None and batch.kind == "sparse":
             # Each id goes to its own position (duplicates add up), as TensorFlow does.
             rows = np.repeat(np.arange(batch.num_bags), np.diff(batch.offsets))
             flat = self._native_lookup(batch.ids, np.array([0, len(batch.ids)], np.int64), batch.weights, 3, 0, None)
@@ -102,7 +106,7 @@ class LookupMixin:
             keep = batch.positions < length
             np.add.at(result, (rows[keep], batch.positions[keep]), flat[keep])
             return result
-        native_length = length if combiner is None else 0
+        native_length = length if combiner is None and length is not None else 0
         return self._native_lookup(batch.ids, batch.offsets, batch.weights, code, native_length, out)
 
 
@@ -189,13 +193,15 @@ class Table(LookupMixin):
     # ------------------------------------------------------------ training
     def _gradient_part(self, batch: Batch, combiner, max_sequence_length, grads, where: str = "grads") -> tuple:
         """Checks `grads` against the lookup it belongs to; returns the native part."""
-        length = self._sequence_length(batch, max_sequence_length) if combiner is None else 0
+        length = self._sequence_length(batch, max_sequence_length) if combiner is None else None
         shape = self.output_shape(batch, combiner, length)
         g = as_float32(grads, where)
         if g.shape != shape:
             raise ValueError(f"table '{self._name}': {where} must have shape {shape} (the lookup's output), "
                              f"got {g.shape}")
-        if combiner is None and batch.kind == "sparse" and length > 0:
+        if combiner is None and length == 0:  # nothing was looked up: an empty part still counts as a step
+            return (np.zeros(0, np.int64), np.zeros(1, np.int64), None, 3, 0, np.zeros((0, self.dim), np.float32))
+        if combiner is None and batch.kind == "sparse":
             keep = batch.positions < length
             rows = np.repeat(np.arange(batch.num_bags), np.diff(batch.offsets))
             ids = np.ascontiguousarray(batch.ids[keep])
@@ -203,7 +209,7 @@ class Table(LookupMixin):
             flat = np.ascontiguousarray(g[rows[keep], batch.positions[keep]])
             return (ids, np.array([0, len(ids)], np.int64), w, 3, 0, flat)
         return (batch.ids, batch.offsets, batch.weights, _COMBINER_CODE[combiner],
-                length if combiner is None else 0, g)
+                length if combiner is None and length is not None else 0, g)
 
     def learning_rate(self) -> float:
         """The learning rate the next update will use."""
