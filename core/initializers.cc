@@ -45,8 +45,12 @@ float InitialValue(const InitializerSpec& spec, int64_t dim, uint64_t index) {
       return 0.0f;
     case Kind::kConstant:
       return float(spec.a);
-    case Kind::kUniform:
-      return float(spec.a + (spec.b - spec.a) * Open01(Mix(key)));
+    case Kind::kUniform: {
+      // [low, high): rounding to float may reach `high`; step back below it.
+      const float v = float(spec.a + (spec.b - spec.a) * Open01(Mix(key)));
+      const float high = float(spec.b);
+      return (v >= high && spec.b > spec.a) ? std::nextafter(high, -INFINITY) : v;
+    }
     case Kind::kNormal: {
       const double stddev = spec.b > 0 ? spec.b : 1.0 / std::sqrt(double(dim));
       return float(spec.a + stddev * StandardNormal(key, 0));

@@ -1,5 +1,6 @@
 // float16 / bfloat16 <-> float32 conversions, bit-exact and branch-light, for
-// host and device. Rounding is to nearest, ties to even; NaN stays NaN.
+// host and device. Rounding is to nearest, ties to even; NaN stays NaN, made
+// quiet with its payload truncated, exactly as the F16C instructions do.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +34,8 @@ EMBEDCORE_HD float HalfToFloat(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   const uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1fu) return BitsFloat(sign | 0x7f800000u | (mant << 13));  // inf / NaN
+  if (exp == 0x1fu)  // inf, or NaN made quiet with its payload kept (as F16C's vcvtph2ps does)
+    return BitsFloat(sign | 0x7f800000u | (mant ? 0x400000u : 0u) | (mant << 13));
   if (exp != 0) return BitsFloat(sign | ((exp + 112u) << 23) | (mant << 13));
   if (mant == 0) return BitsFloat(sign);
   // Subnormal half: mant * 2^-24, exact in float.
@@ -45,7 +47,7 @@ EMBEDCORE_HD uint16_t FloatToHalf(float f) {
   const uint32_t u = FloatBits(f);
   const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);            // NaN
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // quiet NaN, payload kept (as F16C)
   if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);           // overflow -> inf
   if (a >= 0x38800000u) {                                          // normal half
     uint32_t r = a - 0x38000000u;                                  // rebias 127 -> 15

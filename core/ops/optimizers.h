@@ -14,9 +14,10 @@
 //          w -= lr_t * m / sqrt(v + eps^2)    (sum_inside_sqrt)
 //          w -= lr_t * m / (sqrt(v) + eps)    (otherwise)                      slots: momenta, velocities
 //          lr_t = lr, or lr * sqrt(1-b2^t) / (1-b1^t) with bias_correction (PyTorch's SparseAdam)
-// FTRL:    a' = a + g^2;  sigma = (a'^-p - a^-p) / lr;  l += g - sigma w      slots: accumulators, linears
-//          q = (a'^-p + beta) / lr + 2 l2;  w = |l| > l1 ? (sign(l) l1 - l) / q : 0
-//          (p = -learning_rate_power; with multiply_linear_by_learning_rate, l holds lr times that sum)
+// FTRL:    a' = a + g^2;  sigma = (P(a') - P(a)) / lr;  l += g - sigma w     slots: accumulators, linears
+//          q = (P(a') + beta) / lr + 2 l2;  w = |l| > l1 ? (sign(l) l1 - l) / q : 0
+//          P(x) = x^(-learning_rate_power), sqrt(x) for the usual -0.5; with
+//          multiply_linear_by_learning_rate, l holds lr times that sum)
 #pragma once
 
 #include <cmath>

@@ -10,8 +10,8 @@ carry TensorFlow's names. Common options:
 - ``clipvalue``: clip the summed gradient to ``[-c, c]`` (a float) or
   ``[lo, hi]`` (a pair) before the update.
 - ``clip_weight_min`` / ``clip_weight_max``: clip the weights after the update.
-- ``weight_decay_factor``: decoupled decay ``w -= wd * w`` of the touched rows
-  before the update (times the learning rate with
+- ``weight_decay_factor``: decoupled decay ``w -= wd * w`` of the rows that
+  are updated, before the update (times the learning rate with
   ``multiply_weight_decay_factor_by_learning_rate=True``).
 """
 from __future__ import annotations
@@ -139,7 +139,9 @@ class Adam(Optimizer):
     """Adam with slots ``momenta`` and ``velocities``.
 
     TensorFlow's TPU form by default: no bias correction, ``lazy_adam=True``
-    (only touched rows move) and ``sum_inside_sqrt=True``
+    (only touched rows move; with ``lazy_adam=False`` every row takes the
+    full step each update, untouched rows with a zero gradient, weight decay
+    and clipping included) and ``sum_inside_sqrt=True``
     (``m / sqrt(v + eps^2)``). ``bias_correction=True`` with
     ``sum_inside_sqrt=False`` and ``epsilon=1e-8`` is PyTorch's ``SparseAdam``.
     """

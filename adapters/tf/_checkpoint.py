@@ -1,0 +1,438 @@
+"""TensorFlow checkpoints of TPU embeddings, read into engine tables.
+
+A ``tf.train.Checkpoint`` that holds a ``TPUEmbedding`` /
+``TPUEmbeddingForServing`` (attached under any name, at any depth) stores,
+under that object's path ``P``:
+
+- ``P/<table>/.ATTRIBUTES/VARIABLE_VALUE``: the table ``[rows, dim]``; a
+  table trained on several TPU hosts is saved as slices of that one
+  variable, which the reader reassembles;
+- ``P/<table>.S<slot>/.ATTRIBUTES/VARIABLE_VALUE``: its optimizer slots
+  (``/`` in a name is escaped as ``.S``): accumulators, momenta,
+  velocities, linears;
+- for SparseCore training (``TPUEmbeddingV2``): ``P/_sparse_core_table_layouts``
+  (a serialized ``SparseCoreTableLayouts``) and one stacked variable per
+  group of tables, ``P/<stacked>`` (and ``P/<stacked>.S<slot>``), whose rows
+  are the tables interleaved over the SparseCores, each table's shards
+  rotated and its rows and columns padded.
+
+Values are read in row blocks (``RestoreV2`` with a slice spec) straight into
+the engine's tables, so a restore needs a block of memory, not a second copy
+of the table.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+import embedcore as ec
+
+__all__ = ["TFCheckpoint", "load_tf_checkpoint", "convert_tf_checkpoint", "EngineVariable"]
+
+ATTR = "/.ATTRIBUTES/VARIABLE_VALUE"
+LAYOUTS = "_sparse_core_table_layouts"
+SLOT_NAMES = ("accumulators", "momenta", "velocities", "linears")
+_BLOCK_BYTES = 32 << 20
+
+_Trackable = tf.__internal__.tracking.Trackable
+_VALUE_KEY = "VARIABLE_VALUE"
+
+
+def escape(name: str) -> str:
+    """A local name as checkpoint keys spell it."""
+    return name.replace(".", "..").replace("/", ".S")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}/{escape(name)}" if prefix else escape(name)
+
+
+def _resolve(path) -> str:
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        latest = tf.train.latest_checkpoint(path)
+        if latest is None:
+            raise ValueError(f"{path}: no TensorFlow checkpoint in this directory")
+        return latest
+    return path
+
+
+class StackedTable:
+    """Where one table lies in a SparseCore-stacked variable."""
+
+    def __init__(self, layout):
+        self.name = layout.table_name
+        self.stacked = layout.stacked_table_name
+        self.num_sparse_cores = int(layout.num_sparse_cores)
+        self.rows_per_shard = int(layout.total_rows_per_sparse_core_shard)
+        self.offset = int(layout.sparse_core_shard_row_offset)
+        self.rotation = int(layout.sparse_core_shard_rotation)
+        self.rows, self.dim = (int(d) for d in layout.unsharded_shape)
+        self.padded_rows, self.padded_dim = (int(d) for d in layout.unsharded_padded_shape)
+
+    @property
+    def size_in_shard(self) -> int:
+        return self.padded_rows // self.num_sparse_cores
+
+
+class TFCheckpoint:
+    """A TensorFlow checkpoint opened for reading embedding tables.
+
+    ``path``: a checkpoint prefix (``.../ckpt-1``) or a directory (its
+    latest checkpoint)."""
+
+    def __init__(self, path):
+        self.path = _resolve(path)
+        try:
+            self._reader = tf.train.load_checkpoint(self.path)
+        except (tf.errors.OpError, ValueError) as e:
+            raise ValueError(f"{self.path}: cannot read this TensorFlow checkpoint: {e}") from None
+        self.shapes: Dict[str, list] = self._reader.get_variable_to_shape_map()
+        self.dtypes = self._reader.get_variable_to_dtype_map()
+        self._layouts: Dict[str, Dict[str, StackedTable]] = {}
+
+    # -------------------------------------------------------------- where the embedding is
+    def layouts(self, prefix: str) -> Dict[str, StackedTable]:
+        """The SparseCore layouts stored under `prefix`, by table name."""
+        if prefix not in self._layouts:
+            key = _join(prefix, LAYOUTS) + ATTR
+            found: Dict[str, StackedTable] = {}
+            if key in self.shapes:
+                raw = self._reader.get_tensor(key)
+                raw = raw.item() if isinstance(raw, np.ndarray) else raw
+                if raw:
+                    from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
+
+                    proto = sparse_core_layout_pb2.SparseCoreTableLayouts()
+                    proto.ParseFromString(raw)
+                    for layout in proto.tables:
+                        found[layout.table_name] = StackedTable(layout)
+            self._layouts[prefix] = found
+        return self._layouts[prefix]
+
+    def _has(self, prefix: str, name: str) -> bool:
+        return (_join(prefix, name) + ATTR) in self.shapes or name in self.layouts(prefix)
+
+    def prefixes(self) -> List[str]:
+        """Every object path that holds checkpointed 2-D variables."""
+        out = set()
+        for key, shape in self.shapes.items():
+            if key.endswith(ATTR) and len(shape) == 2:
+                head = key[: -len(ATTR)]
+                out.add(head.rsplit("/", 1)[0] if "/" in head else "")
+            elif key.endswith("/" + LAYOUTS + ATTR) or key == LAYOUTS + ATTR:
+                head = key[: -len(LAYOUTS + ATTR)]
+                out.add(head.rstrip("/"))
+        return sorted(out)
+
+    def find_prefix(self, names: Optional[Sequence[str]] = None, prefix: Optional[str] = None) -> str:
+        """The path of the embedding object holding tables `names` (every
+        table of a TPU embedding when None)."""
+        if prefix is not None:
+            prefix = prefix.strip("/")
+            missing = [n for n in names or () if not self._has(prefix, n)]
+            if missing:
+                raise ValueError(f"{self.path}: no table {missing} under '{prefix}' (tables there: "
+                                 f"{self.table_names(prefix)})")
+            return prefix
+        if names:
+            found = [p for p in self.prefixes() if all(self._has(p, n) for n in names)]
+            if not found:
+                raise ValueError(f"{self.path}: no object holds the tables {sorted(names)}; objects with 2-D "
+                                 f"variables: {self.prefixes()}")
+        else:
+            found = [p for p in self.prefixes() if self.layouts(p) or self._has_slots(p)]
+            if not found and len(self.prefixes()) == 1:
+                found = self.prefixes()
+            if not found:
+                raise ValueError(f"{self.path}: cannot tell which object is the embedding; pass prefix= (one of "
+                                 f"{self.prefixes()})")
+        if len(found) > 1:
+            raise ValueError(f"{self.path}: several objects hold these tables: {found}; pass prefix=")
+        return found[0]
+
+    def _has_slots(self, prefix: str) -> bool:
+        head = _join(prefix, "") if prefix else ""
+        for key in self.shapes:
+            if key.startswith(head) and key.endswith(ATTR):
+                local = key[len(head): -len(ATTR)]
+                if "/" not in local and any(local.endswith(".S" + s) for s in SLOT_NAMES):
+                    return True
+        return False
+
+    def table_names(self, prefix: str) -> List[str]:
+        """The tables under `prefix`: its 2-D variables other than slots and
+        stacked variables, and the tables of its SparseCore layouts."""
+        layouts = self.layouts(prefix)
+        stacked = {s.stacked for s in layouts.values()}
+        head = _join(prefix, "") if prefix else ""
+        names = []
+        for key, shape in self.shapes.items():
+            if not key.endswith(ATTR) or len(shape) != 2 or not key.startswith(head):
+                continue
+            local = key[len(head): -len(ATTR)]
+            if "/" in local or ".S" in local.replace("..", ""):
+                continue
+            name = local.replace("..", ".")
+            if name not in stacked:
+                names.append(name)
+        return sorted(set(names) | set(layouts))
+
+    def slots(self, prefix: str, name: str) -> List[str]:
+        """Slot names stored for table `name`."""
+        layouts = self.layouts(prefix)
+        base = layouts[name].stacked if name in layouts else name
+        out = []
+        for s in SLOT_NAMES:
+            if _join(prefix, f"{base}/{s}") + ATTR in self.shapes:
+                out.append(s)
+        return out
+
+    def shape(self, prefix: str, name: str) -> Tuple[int, int]:
+        layouts = self.layouts(prefix)
+        if name in layouts:
+            return layouts[name].rows, layouts[name].dim
+        return tuple(self.shapes[_join(prefix, name) + ATTR])
+
+    # -------------------------------------------------------------- reading values
+    def _read(self, key: str, rows: Tuple[int, int], cols: Optional[Tuple[int, int]] = None) -> np.ndarray:
+        full = self.shapes[key]
+        spec = f"{full[0]} {full[1]} {rows[0]},{rows[1]}:" + (f"{cols[0]},{cols[1]}" if cols else "-")
+        dtype = self.dtypes[key]
+        if dtype != tf.float32:
+            raise ValueError(f"{self.path}: {key} holds {dtype.name}, not float32")
+        with tf.device("/CPU:0"):
+            t = tf.raw_ops.RestoreV2(prefix=self.path, tensor_names=[key], shape_and_slices=[spec], dtypes=[dtype])[0]
+        return t.numpy()
+
+    def read_into(self, prefix: str, name: str, slot: Optional[str], dest: np.ndarray) -> None:
+        """Reads table `name` (or its `slot`) into `dest`, a writable
+        ``[rows, dim]`` float32 array (an engine table's own memory)."""
+        layouts = self.layouts(prefix)
+        if name in layouts:
+            return self._read_stacked(prefix, layouts[name], slot, dest)
+        key = _join(prefix, name if slot is None else f"{name}/{slot}") + ATTR
+        shape = tuple(self.shapes[key])
+        if shape != dest.shape:
+            raise ValueError(f"{self.path}: {key} has shape {list(shape)}, but table '{name}' is "
+                             f"{list(dest.shape)}")
+        step = max(1, _BLOCK_BYTES // max(1, shape[1] * 4))
+        for r in range(0, shape[0], step):
+            n = min(step, shape[0] - r)
+            dest[r:r + n] = self._read(key, (r, n))
+
+    def _read_stacked(self, prefix: str, s: StackedTable, slot: Optional[str], dest: np.ndarray) -> None:
+        key = _join(prefix, s.stacked if slot is None else f"{s.stacked}/{slot}") + ATTR
+        if key not in self.shapes:
+            raise ValueError(f"{self.path}: no stacked variable {key} for table '{s.name}'")
+        unstack(s, tuple(self.shapes[key]), lambda rows, cols: self._read(key, rows, cols), dest)
+
+    def all_layouts(self) -> Dict[str, Dict[str, StackedTable]]:
+        """Every SparseCore layout in the checkpoint, by object path."""
+        out = {}
+        for key in self.shapes:
+            if key == LAYOUTS + ATTR or key.endswith("/" + LAYOUTS + ATTR):
+                prefix = key[: -len(LAYOUTS + ATTR)].rstrip("/")
+                if self.layouts(prefix):
+                    out[prefix] = self.layouts(prefix)
+        return out
+
+
+def unstack(s: StackedTable, shape: Tuple[int, int], read, dest: np.ndarray) -> None:
+    """Writes table `s` of a stacked variable of `shape` into `dest`.
+    ``read((row, count), (col, count))`` returns a block of the stacked
+    variable.
+
+    Row ``p`` of SparseCore shard ``k`` (after the table's offset in the
+    shard) is the table's row ``p * cores + (k - rotation) % cores``; rows
+    and columns past the table's own shape are padding."""
+    total, width = shape
+    cores = s.num_sparse_cores
+    if total % cores:
+        raise ValueError(f"The first dim of the table ({total}) should be multiple of number of sparse cores "
+                         f"({cores})")
+    if dest.shape != (s.rows, s.dim):
+        raise ValueError(f"table '{s.name}' is {s.rows} x {s.dim} in the checkpoint, but "
+                         f"{dest.shape[0]} x {dest.shape[1]} here")
+    per_shard = total // cores
+    if s.dim > width or s.offset + s.size_in_shard > per_shard:
+        raise ValueError(f"the SparseCore layout of table '{s.name}' does not fit its stacked variable {[total, width]}")
+    for k in range(cores):
+        i = (k - s.rotation) % cores
+        count = min(s.size_in_shard, max(0, -(-(s.rows - i) // cores)))
+        if count:
+            dest[i::cores][:count] = read((k * per_shard + s.offset, count), (0, s.dim))
+
+
+# ------------------------------------------------------------------ into engine tables
+def _values_view(table: ec.Table) -> np.ndarray:
+    if table.dtype != "float32":
+        raise NotImplementedError(f"table '{table.name}': TensorFlow checkpoints restore into float32 tables only")
+    return table._native.values_mut()
+
+
+def _slot_view(table: ec.Table, slot: str) -> np.ndarray:
+    return dict(table._native.slots_mut())[slot]
+
+
+def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optional[str] = None,
+                   include_optimizer: bool = True) -> str:
+    """Reads every table (and, with `include_optimizer`, the slots the
+    checkpoint has and the table's optimizer uses) of `tables` from `ckpt`.
+    Every shape is checked before any table changes. Returns the prefix."""
+    names = [t.name for t in tables]
+    prefix = ckpt.find_prefix(names, prefix)
+    plan = []
+    for t in tables:
+        shape = ckpt.shape(prefix, t.name)
+        if tuple(shape) != (t.rows, t.dim):
+            raise ValueError(f"{ckpt.path}: table '{t.name}' is {list(shape)} in the checkpoint, but "
+                             f"{[t.rows, t.dim]} here")
+        slots = [s for s in ckpt.slots(prefix, t.name) if s in t.slot_names] if include_optimizer else []
+        plan.append((t, slots))
+    for t, slots in plan:
+        ckpt.read_into(prefix, t.name, None, _values_view(t))
+        for s in slots:
+            ckpt.read_into(prefix, t.name, s, _slot_view(t, s))
+    return prefix
+
+
+def load_tf_checkpoint(path, into, prefix: Optional[str] = None, include_optimizer: bool = True) -> str:
+    """Restores the tables of `into` (an ``EmbeddingForServing``, the Keras
+    ``Embedding`` layer, an ``embedcore.Embedding``, a Table or a list of
+    them) from a TensorFlow checkpoint written by ``TPUEmbedding``,
+    ``TPUEmbeddingForServing`` or ``TPUEmbeddingV2`` (SparseCore), matching
+    tables by name.
+
+    prefix: the path under which the embedding object was attached in the
+        checkpoint (e.g. ``"embedding"`` or ``"model/embedding"``); found
+        from the table names when omitted.
+    include_optimizer: also the optimizer slots that the checkpoint holds
+        and the tables' optimizers use.
+
+    Returns the prefix used."""
+    from embedcore.checkpoint import _tables_of
+
+    build = getattr(into, "_maybe_build", None)
+    if callable(build):
+        build()
+    return restore_tables(TFCheckpoint(path), _tables_of(into), prefix, include_optimizer)
+
+
+_SLOTS_TO_OPTIMIZER = {
+    (): ec.optimizers.SGD,
+    ("accumulators",): ec.optimizers.Adagrad,
+    ("momenta", "velocities"): ec.optimizers.Adam,
+    ("accumulators", "linears"): ec.optimizers.FTRL,
+}
+
+
+def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config=None, optimizer=None,
+                          include_optimizer: bool = True, tables: Optional[Sequence[str]] = None) -> List[str]:
+    """Converts the TPU-embedding tables of a TensorFlow checkpoint into an
+    embedcore checkpoint at `dst` (``embedcore convert --from tf``).
+
+    feature_config: the model's feature config (TensorFlow's or
+        embedcore's); gives table names, combiners and optimizers. Without
+        it, every table under `prefix` is converted, and each table's
+        optimizer kind is read from its slots (accumulators: Adagrad;
+        momenta + velocities: Adam; accumulators + linears: FTRL; none:
+        SGD) with default hyper-parameters unless `optimizer` is given.
+    tables: only these table names.
+
+    Returns the converted table names."""
+    ckpt = TFCheckpoint(src)
+    if feature_config is not None:
+        from ._serving import EmbeddingForServing
+
+        emb = EmbeddingForServing(feature_config, optimizer)
+        emb.build()
+        engine_tables = list(emb._embedcore_tables())
+        if tables is not None:
+            engine_tables = [t for t in engine_tables if t.name in set(tables)]
+    else:
+        prefix = ckpt.find_prefix(tables, prefix)
+        names = list(tables) if tables is not None else ckpt.table_names(prefix)
+        if not names:
+            raise ValueError(f"{ckpt.path}: no tables under '{prefix}'")
+        from ._config import optimizer_from_tf
+
+        engine_tables = []
+        for name in names:
+            rows, dim = ckpt.shape(prefix, name)
+            opt = optimizer_from_tf(optimizer)
+            if opt is None and include_optimizer:
+                kind = _SLOTS_TO_OPTIMIZER.get(tuple(ckpt.slots(prefix, name)))
+                opt = kind() if kind is not None else None
+            engine_tables.append(ec.Table(name=name, rows=int(rows), dim=int(dim),
+                                          initializer=ec.initializers.Zeros(), optimizer=opt, combiner="mean"))
+    restore_tables(ckpt, engine_tables, prefix, include_optimizer)
+    ec.save(dst, engine_tables, include_optimizer=include_optimizer)
+    return [t.name for t in engine_tables]
+
+
+# ------------------------------------------------------------------ tf.train.Checkpoint integration
+def _as_tensor(view: np.ndarray) -> tf.Tensor:
+    try:
+        return tf.experimental.dlpack.from_dlpack(view.__dlpack__())
+    except Exception:  # noqa: BLE001 - an unaligned or read-only buffer: copy it
+        return tf.constant(view)
+
+
+class EngineVariable(_Trackable):
+    """A table's values (or one slot) as a checkpointed variable: saved
+    under the name TensorFlow gives it, restored into the engine."""
+
+    def __init__(self, table: ec.Table, slot: Optional[str] = None):
+        self._table = table
+        self._slot = slot
+
+    def _view(self) -> np.ndarray:
+        return _values_view(self._table) if self._slot is None else _slot_view(self._table, self._slot)
+
+    def _serialize_to_tensors(self):
+        return {_VALUE_KEY: _as_tensor(np.asarray(self._view()))}
+
+    def _restore_from_tensors(self, restored_tensors):
+        value = restored_tensors[_VALUE_KEY]
+        dest = self._view()
+        if tuple(value.shape) != dest.shape:
+            what = self._table.name if self._slot is None else f"{self._table.name}/{self._slot}"
+            raise ValueError(f"cannot restore '{what}': the checkpoint holds shape {list(value.shape)}, the table is "
+                             f"{list(dest.shape)}")
+        np.copyto(dest, value.numpy())
+        return tf.no_op()
+
+    def _copy_trackable_to_cpu(self, object_map):
+        object_map[self] = self
+
+
+class StackedSink(_Trackable):
+    """Receives a SparseCore-stacked variable during a
+    ``tf.train.Checkpoint`` restore and un-stacks it into the engine tables
+    it holds."""
+
+    def __init__(self, owner, stacked: str, slot: Optional[str]):
+        self._owner, self._stacked, self._slot = owner, stacked, slot
+
+    def _serialize_to_tensors(self):
+        return {_VALUE_KEY: tf.zeros([], tf.float32)}  # only names the key to read
+
+    def _restore_from_tensors(self, restored_tensors):
+        value = restored_tensors[_VALUE_KEY].numpy()
+        self._owner._restore_stacked(self._stacked, self._slot, value)
+        return tf.no_op()
+
+
+def unstack_array(layouts: Dict[str, StackedTable], stacked: str, value: np.ndarray, dests) -> None:
+    """Un-stacks an in-memory stacked variable into ``dests[table_name]``
+    (writable arrays) for every table of `layouts` stacked in it."""
+    if value.ndim != 2:
+        raise ValueError(f"stacked variable '{stacked}' has shape {list(value.shape)}, expected 2-D")
+    for s in layouts.values():
+        if s.stacked == stacked and s.name in dests:
+            unstack(s, value.shape, lambda r, c: value[r[0]:r[0] + r[1], c[0]:c[0] + c[1]], dests[s.name])

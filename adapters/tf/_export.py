@@ -1,0 +1,154 @@
+"""SavedModel export: the lookup lowered to TensorFlow's own ops.
+
+While ``tf.saved_model.save`` traces a model's functions (TensorFlow's
+"save context"), the adapter's lookups do not call the engine: they become
+TensorFlow's serving lookup (``serving_embedding_lookup``, the code of
+``TPUEmbeddingForServing``) over ``tf.Variable`` copies of the tables,
+which are saved with the model. The SavedModel then needs nothing but
+TensorFlow: it loads in a process that never imports embedcore, in
+TensorFlow Serving, or from C++, and gives TensorFlow's outputs, which the
+adapter matches (``sum`` bit for bit).
+
+Why not a custom TensorFlow op: a compiled op is tied to the ABI of one
+TensorFlow build (the C++ API is not stable), must be shipped and loaded
+(``tf.load_op_library``) wherever the model is served, and TensorFlow
+Serving would need a custom build. Lowering costs a copy of the tables at
+export and TensorFlow's speed in the exported model, but it is exactly
+TensorFlow's behaviour and runs everywhere TensorFlow does.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.util import nest  # flatten_with_joined_string_paths: the paths TensorFlow matches features by
+from tensorflow.python.saved_model import save_context
+from tensorflow.python.tpu.tpu_embedding_for_serving import cpu_embedding_lookup
+
+__all__ = ["in_export", "ExportState", "variables", "lookup"]
+
+
+def in_export() -> bool:
+    return save_context.in_save_context()
+
+
+class ExportState:
+    """The ``tf.Variable`` copies of an object's tables for the save in
+    progress (made once per ``tf.saved_model.save`` call)."""
+
+    def __init__(self):
+        self.key = None
+        self.vars: Dict[str, tf.Variable] = {}
+
+    def clear(self) -> None:
+        if self.vars:
+            self.key, self.vars = None, {}
+
+
+def variables(owner) -> Dict[str, tf.Variable]:
+    """The tables of `owner` as variables, for this save."""
+    state: ExportState = owner._export
+    key = id(save_context.get_save_options()) if in_export() else None
+    if state.key != key or not state.vars:
+        with tf.init_scope():
+            state.vars = {t.name: tf.Variable(t.values(), trainable=False, name=t.name)
+                          for t in owner._embedcore_tables()}
+        state.key = key
+    return state.vars
+
+
+class _TableShim:
+    """What ``cpu_embedding_lookup`` reads of a TableConfig."""
+
+    def __init__(self, spec):
+        self.name, self.dim, self.combiner, self.vocabulary_size = spec.name, spec.dim, spec.combiner, spec.rows
+
+
+class _FeatureShim:
+    """What ``cpu_embedding_lookup`` reads of a FeatureConfig."""
+
+    def __init__(self, f, table):
+        self.table = table
+        self.max_sequence_length = f.max_sequence_length
+        self.validate_weights_and_indices = f.validate
+        self.output_shape = tf.TensorShape(None if f.output_shape is None else list(f.output_shape))
+        self.name = f.name
+
+
+def lookup(owner, features, weights):
+    """The lookup as TensorFlow ops on the export variables."""
+    tables = variables(owner)
+    shims = {}
+    by_name = {}
+    for path, f in owner._features.items():
+        if f.table.name not in by_name:
+            by_name[f.table.name] = _TableShim(f.table)
+        shims[path] = _FeatureShim(f, by_name[f.table.name])
+    flat_inputs = nest.flatten_with_joined_string_paths(features)
+    flat_weights = [None] * len(flat_inputs)
+    if weights is not None:
+        tf.nest.assert_same_structure(features, weights)
+        flat_weights = tf.nest.flatten(weights)
+    input_keys = {key for key, _ in flat_inputs}
+    if not input_keys.issubset(shims.keys()):
+        raise ValueError("Inputs are not a subset of feature_config. Inputs keys are {}, but feature_config keys "
+                         "are {}".format(input_keys, shims.keys()))
+    outputs = []
+    for (path, inp), w in zip(flat_inputs, flat_weights):
+        shim = shims[path]
+        var = tables[shim.table.name]
+        if isinstance(inp, tf.RaggedTensor) and shim.output_shape.rank is not None and inp.shape.rank == 2:
+            outputs.append(_ragged_with_output_shape(var, inp, w, shim))
+        else:
+            outputs.append(cpu_embedding_lookup(inp, w, {shim.table: var}, shim))
+    return tf.nest.pack_sequence_as(features, outputs)
+
+
+def _ragged_pooled(var, inp, w, combiner):
+    # TensorFlow's _ragged_embedding_lookup_with_reduce, op for op.
+    if w is None:
+        w = tf.ones_like(inp, dtype=tf.float32)
+    w = tf.expand_dims(w, axis=2)
+    out = tf.reduce_sum(tf.nn.embedding_lookup(var, inp) * w, axis=1)
+    if combiner == "mean":
+        return tf.math.divide_no_nan(out, tf.reduce_sum(w, axis=1))
+    if combiner == "sqrtn":
+        return tf.math.divide_no_nan(out, tf.sqrt(tf.reduce_sum(w * w, axis=1)))
+    return out
+
+
+def _ragged_with_output_shape(var, inp, w, shim):
+    """TensorFlow's ragged lookup with ``output_shape`` (which, in TensorFlow
+    2.21, works eagerly only: it branches in Python on a tensor), with the
+    branch taken on the batch size at run time when it is not static."""
+    shape = list(shim.output_shape.as_list())
+    wanted = int(np.prod(shape)) if shape else 1
+    dim = shim.table.dim
+    final = shape + [dim]
+
+    def pooled():
+        return tf.reshape(_ragged_pooled(var, inp, w, shim.table.combiner), final)
+
+    def sequence(batch):
+        rows = tf.nn.embedding_lookup(var, inp).to_tensor(shape=[batch, wanted // batch, dim])
+        return tf.reshape(rows, final)
+
+    batch = inp.shape[0]
+    if batch is not None:
+        if wanted == batch:
+            return pooled()
+        if batch and wanted > batch and wanted % batch == 0:
+            return sequence(batch)
+        raise ValueError("Output shape set in the FeatureConfig should be the factor of the input data batch size. "
+                         f"But instead got output shape {tuple(shape)}, input data batch size {batch}")
+    n = tf.cast(inp.nrows(), tf.int64)
+    ok = tf.logical_or(tf.equal(n, wanted),
+                       tf.logical_and(tf.greater(n, 0),
+                                      tf.logical_and(tf.less(n, wanted), tf.equal(tf.math.floormod(wanted, n), 0))))
+    check = tf.debugging.Assert(ok, ["Output shape set in the FeatureConfig should be the factor of the input data "
+                                     "batch size; output shape", shape, "batch size", n])
+    with tf.control_dependencies([check]):
+        return tf.cond(tf.equal(n, wanted), pooled,
+                       lambda: tf.reshape(tf.nn.embedding_lookup(var, inp).to_tensor(
+                           shape=tf.stack([n, wanted // tf.maximum(n, 1), dim])), final))

@@ -1,0 +1,162 @@
+"""``Embedding``: a Keras layer whose tables live in the engine and train
+with ``model.fit``.
+
+The forward pass is the serving lookup. The backward pass does not hand a
+gradient to the Keras optimizer (the tables are not ``tf.Variable``\\ s):
+``tf.custom_gradient`` receives the gradient of the layer's outputs and the
+engine's optimizer applies the sparse update of every touched row, one step
+per table per batch (the gradients of all features that share a table
+summed). So that Keras asks for that gradient at all, the outputs are made to
+depend on one scalar trainable weight (``embedcore_anchor``, always 0, whose
+gradient is 0).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import embedcore as ec
+
+from . import _export
+from ._lookup import Backward, lookup as _lookup, unpack_bwd
+from ._pooling import InvalidArgument
+from ._serving import EmbeddingForServing
+
+__all__ = ["Embedding"]
+
+_TF = tf.tpu.experimental.embedding
+
+
+def apply_numpy(tables: Dict[str, ec.Table], parts_by_table: Dict[str, list]) -> None:
+    """One optimizer step per table. Each part is ``(Backward, dy)``; its bags
+    are concatenated into one batch, so that repeated ids (across features
+    too) are summed before the update."""
+    for name, parts in parts_by_table.items():
+        table = tables[name]
+        ids, offsets, weights, grads = [], [np.zeros(1, np.int64)], [], []
+        base = 0
+        any_w = any(b.weights is not None for b, _ in parts)
+        for b, dy in parts:
+            ids.append(b.ids)
+            offsets.append(b.offsets[1:] + base)
+            base += int(b.offsets[-1])
+            if any_w:
+                weights.append(b.weights if b.weights is not None else np.ones(b.ids.size, np.float32))
+            grads.append(np.asarray(dy, np.float32).reshape(-1, table.dim)[b.rows])
+        all_ids = np.concatenate(ids) if len(ids) > 1 else ids[0]
+        if all_ids.size == 0:
+            continue
+        table.apply_gradients(np.ascontiguousarray(all_ids), np.concatenate(offsets), np.concatenate(grads),
+                              weights=np.concatenate(weights) if any_w else None, combiner=table.combiner)
+
+
+class Embedding(keras.layers.Layer):
+    """A Keras embedding layer over engine tables.
+
+    Two ways to make one:
+
+    - ``Embedding(input_dim, output_dim, optimizer=..., combiner="mean")``:
+      one table of ``input_dim`` rows; dense ids are gathered
+      (``ids.shape + [output_dim]``, like ``keras.layers.Embedding``),
+      ``tf.SparseTensor`` / ``tf.RaggedTensor`` bags are pooled with
+      `combiner`;
+    - ``Embedding(feature_config=..., optimizer=...)``: a nested structure
+      of ``tf.tpu.experimental.embedding.FeatureConfig`` (or embedcore's),
+      looked up as ``TPUEmbedding`` does; the layer takes the features (and
+      optional ``weights``) in that structure.
+
+    optimizer: the engine optimizer of every table without its own (an
+        ``embedcore.optimizers`` one or TensorFlow's ``SGD`` / ``Adagrad`` /
+        ``Adam`` / ``FTRL``). The model's Keras optimizer does not touch the
+        tables; in ``model.fit`` each batch's backward pass applies this
+        optimizer's sparse update to the rows the batch looked up.
+    """
+
+    def __init__(self, input_dim: Optional[int] = None, output_dim: Optional[int] = None, *, feature_config=None,
+                 optimizer=None, combiner: str = "mean", initializer=None, table_name: Optional[str] = None,
+                 **kwargs):
+        super().__init__(**kwargs)
+        if feature_config is None:
+            if input_dim is None or output_dim is None:
+                raise ValueError("Embedding: give input_dim and output_dim, or feature_config=")
+            table = _TF.TableConfig(vocabulary_size=int(input_dim), dim=int(output_dim), initializer=initializer,
+                                    combiner=combiner, name=table_name or (self.name + "_table"))
+            feature_config = _TF.FeatureConfig(table=table)
+        elif input_dim is not None or output_dim is not None:
+            raise ValueError("Embedding: give input_dim and output_dim, or feature_config=, not both")
+        self._config_args = dict(input_dim=input_dim, output_dim=output_dim, combiner=combiner, table_name=table_name)
+        self.embedding = EmbeddingForServing(feature_config, optimizer)
+        self.supports_jit = False  # the lookup is a NumPy callback, which XLA cannot compile
+        self._anchor = None
+
+    def build(self, input_shape=None):
+        self.embedding.build()
+        self._anchor = self.add_weight(name="embedcore_anchor", shape=(), initializer="zeros", trainable=True)
+        self.built = True
+
+    @property
+    def embedding_tables(self):
+        return self.embedding.embedding_tables
+
+    def _embedcore_tables(self) -> List[ec.Table]:
+        return self.embedding._embedcore_tables()
+
+    def get_config(self):
+        config = super().get_config()
+        if self._config_args["input_dim"] is not None:
+            config.update(self._config_args)
+        return config
+
+    def call(self, inputs, weights=None, training=None):
+        emb = self.embedding
+        emb._maybe_build()
+        if _export.in_export():
+            return _export.lookup(emb, inputs, weights)
+        trains = any(t.optimizer is not None for t in emb._tables.values())
+        if training is False or not trains:
+            return _lookup(inputs, weights, emb._features, emb._tables)
+        return _trainable_lookup(emb, inputs, weights, self._anchor)
+
+
+def _trainable_lookup(emb: EmbeddingForServing, inputs, weights, anchor):
+    outputs, backward = _lookup(inputs, weights, emb._features, emb._tables, need_bwd=True)
+    flat = tf.nest.flatten(outputs)
+    a = tf.convert_to_tensor(anchor)
+
+    @tf.custom_gradient
+    def attach(a_value, *outs):
+        def grad(*dys):
+            update = _apply(emb, backward, dys)
+            with tf.control_dependencies(update):
+                return [tf.zeros_like(a_value)] + [None] * len(outs)
+
+        return [tf.identity(o) for o in outs], grad
+
+    return tf.nest.pack_sequence_as(outputs, attach(a, *flat))
+
+
+def _apply(emb: EmbeddingForServing, backward, dys) -> list:
+    """Runs the engine update (eagerly, or as a stateful numpy_function)."""
+    items = [(f, b, dy) for (f, b), dy in zip(backward, dys) if dy is not None]
+    if not items:
+        return []
+    tables = emb._tables
+
+    def run(*arrays):
+        parts: Dict[str, list] = {}
+        for i, (f, _, _) in enumerate(items):
+            b = unpack_bwd(arrays[6 * i: 6 * i + 5])
+            parts.setdefault(f.table.name, []).append((b, arrays[6 * i + 5]))
+        apply_numpy(tables, parts)
+        return np.zeros((), np.float32)
+
+    tensors = []
+    for _, b, dy in items:
+        tensors.extend(list(b) + [tf.convert_to_tensor(dy, tf.float32)])
+    if tf.executing_eagerly():
+        run(*[t.numpy() for t in tensors])
+        return []
+    return [tf.numpy_function(run, tensors, tf.float32, name="embedcore_apply_gradients")]

@@ -1,0 +1,343 @@
+"""TensorFlow's CPU serving lookup (``TPUEmbeddingForServing.embedding_lookup``,
+``tf.tpu.experimental.embedding.serving_embedding_lookup``) over engine tables.
+
+Each feature is looked up by one engine call (or a few, see
+``_pooling.py``), run eagerly on NumPy views of the input tensors, or inside
+a graph through ``tf.numpy_function``. ``numpy_function`` rather than
+``py_function``: its callback gets NumPy views of the input buffers and
+returns arrays, with no eager-tensor round trip, which is all the engine
+needs (CPU tensors; the gradient is given by ``tf.custom_gradient``, so the
+op needs none). A ``ValueError`` raised in the callback reaches the caller as
+``InvalidArgumentError``, as TensorFlow's own kernels report bad ids; eagerly
+we raise ``tf.errors.InvalidArgumentError`` ourselves.
+
+The checks done while tracing (structure, types, weights) are TensorFlow's,
+in its order, with its exception types and messages.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.util import nest  # flatten_with_joined_string_paths: the paths TensorFlow matches features by
+from absl import logging
+
+from ._config import Feature
+from ._pooling import EIGEN4, GROUPED8, SEQUENTIAL, InvalidArgument, bad_id_error, engine_lookup, pooled
+
+__all__ = ["lookup", "Backward"]
+
+_INT_IDS = (tf.int32, tf.int64)
+
+
+class Backward:
+    """What the gradient of one feature's output needs: the CSR batch that
+    was pooled (``ids``, ``offsets``, ``weights``), and for each of its bags
+    the row of the flattened output gradient ``[-1, dim]`` that is its
+    gradient (gathered and sequence outputs become bags of one id)."""
+
+    __slots__ = ("ids", "offsets", "weights", "rows")
+
+    def __init__(self, ids, offsets, weights, rows):
+        self.ids, self.offsets, self.weights, self.rows = ids, offsets, weights, rows
+
+
+def _bags_of_one(ids: np.ndarray, rows: np.ndarray) -> Backward:
+    return Backward(ids, np.arange(ids.size + 1, dtype=np.int64), None, rows)
+
+
+# ------------------------------------------------------------------ NumPy side, one function per input form
+def dense_numpy(table, ids: np.ndarray, need_bwd: bool):
+    flat = np.ascontiguousarray(ids.reshape(-1))
+    out = engine_lookup(table, flat, None, None, None, shape=ids.shape).reshape(ids.shape + (table.dim,))
+    return out, (_bags_of_one(flat, np.arange(flat.size, dtype=np.int64)) if need_bwd else None)
+
+
+def sparse_numpy(f: Feature, table, indices, ids, dense_shape, weights, safe: bool, sequence: bool, need_bwd: bool):
+    dim = table.dim
+    indices = indices.reshape(-1, dense_shape.size)
+    if weights is not None and weights.shape[0] != ids.shape[0]:
+        raise InvalidArgument(f"feature {f.label}: weights have {weights.shape[0]} values, ids {ids.shape[0]}")
+    if sequence:
+        # sparse_slice to [batch, L], then scatter_nd: duplicate positions add up.
+        length = f.max_sequence_length
+        batch = int(dense_shape[0])
+        keep = indices[:, 1] < length
+        if not keep.all():
+            indices, ids = indices[keep], ids[keep]
+        ids = np.ascontiguousarray(ids)
+        flat_rows = engine_lookup(table, ids, None, None, None)
+        lin = indices[:, 0] * length + indices[:, 1]
+        out = np.zeros((batch * length, dim), np.float32)
+        if np.unique(lin).size == lin.size:
+            out[lin] = flat_rows
+        else:
+            np.add.at(out, lin, flat_rows)
+        return out.reshape(batch, length, dim), (_bags_of_one(ids, lin) if need_bwd else None)
+
+    rank = dense_shape.size
+    if safe:
+        # safe_embedding_lookup_sparse: rows are the leading dims flattened; ids < 0 pruned, and weights <= 0
+        # for mean and sqrtn; bags left empty give zeros.
+        lead = dense_shape[:-1]
+        nbags = int(np.prod(lead)) if rank > 1 else 1
+        if rank == 2:
+            rows = indices[:, 0]
+        elif rank == 1:
+            rows = np.zeros(ids.shape[0], np.int64)
+        else:
+            rows = np.ravel_multi_index(tuple(indices[:, :-1].T), tuple(int(d) for d in lead)) if ids.size else \
+                np.zeros(0, np.int64)
+        valid = ids >= 0
+        if weights is not None and f.table.combiner != "sum":
+            valid &= weights > 0
+        if not valid.all():
+            rows, ids = rows[valid], ids[valid]
+            weights = None if weights is None else weights[valid]
+        if rows.size > 1 and (np.diff(rows) < 0).any():  # sparse_fill_empty_rows groups by row, stably
+            order = np.argsort(rows, kind="stable")
+            rows, ids = rows[order], ids[order]
+            weights = None if weights is None else weights[order]
+        out_shape = tuple(int(d) for d in lead) + (dim,)
+    else:
+        # embedding_lookup_sparse: the first index is the bag; bags after the last non-empty one are dropped.
+        rows = indices[:, 0]
+        if rows.size > 1 and (np.diff(rows) < 0).any():
+            raise InvalidArgument(f"feature {f.label}: segment ids are not increasing (the SparseTensor is not "
+                                  "in row-major order)")
+        nbags = int(rows[-1]) + 1 if rows.size else 0
+        out_shape = (nbags, dim)
+    offsets = np.zeros(nbags + 1, np.int64)
+    if rows.size:
+        np.cumsum(np.bincount(rows, minlength=nbags), out=offsets[1:])
+    ids = np.ascontiguousarray(ids)
+    weights = None if weights is None else np.ascontiguousarray(weights, dtype=np.float32)
+    out = pooled(table, ids, offsets, weights, f.table.combiner, GROUPED8 if weights is None else EIGEN4)
+    bwd = Backward(ids, offsets, weights, np.arange(nbags, dtype=np.int64)) if need_bwd else None
+    return out.reshape(out_shape), bwd
+
+
+def ragged_numpy(f: Feature, table, values, splits, wvalues, wsplits, need_bwd: bool):
+    dim = table.dim
+    if wvalues is not None and (wsplits.shape != splits.shape or not np.array_equal(wsplits, splits)):
+        raise InvalidArgument(f"feature {f.label}: the weights' row partition differs from the ids' "
+                              "(Condition x == y did not hold)")
+    batch = splits.size - 1
+    offsets = np.ascontiguousarray(splits, dtype=np.int64)
+    ids = np.ascontiguousarray(values)
+    length = 0
+    reshape = None
+    if f.output_shape is not None:
+        wanted = int(np.prod(f.output_shape)) if f.output_shape else 1
+        reshape = tuple(f.output_shape) + (dim,)
+        if wanted == batch:
+            length = 0
+        elif batch and wanted > batch and wanted % batch == 0:
+            length = wanted // batch  # a sequence: weights and combiner are ignored, as TensorFlow does
+        else:
+            raise InvalidArgument(_output_shape_message(f, batch))
+    elif f.max_sequence_length > 0:
+        length = f.max_sequence_length
+    if length:
+        out = engine_lookup(table, ids, offsets, None, None, max_sequence_length=length)
+        bwd = None
+        if need_bwd:
+            lengths = np.diff(offsets)
+            bag = np.repeat(np.arange(batch, dtype=np.int64), lengths)
+            j = np.arange(ids.size, dtype=np.int64) - offsets[:-1][bag]
+            keep = j < length
+            bwd = _bags_of_one(np.ascontiguousarray(ids[keep]), bag[keep] * length + j[keep])
+    else:
+        w = None if wvalues is None else np.ascontiguousarray(wvalues, dtype=np.float32)
+        out = pooled(table, ids, offsets, w, f.table.combiner, SEQUENTIAL)
+        bwd = Backward(ids, offsets, w, np.arange(batch, dtype=np.int64)) if need_bwd else None
+    return (out.reshape(reshape) if reshape is not None else out), bwd
+
+
+def _output_shape_message(f: Feature, batch) -> str:
+    return ("Output shape set in the FeatureConfig should be the factor of the input data batch size. But instead "
+            f"got output shape {tuple(f.output_shape)}, input data batch size {batch}")
+
+
+# ------------------------------------------------------------------ running a NumPy function eagerly or in a graph
+_BWD_DTYPES = [tf.int64, tf.int64, tf.float32, tf.int64, tf.bool]
+
+
+def _pack_bwd(bwd: Backward) -> list:
+    has_w = bwd.weights is not None
+    w = bwd.weights if has_w else np.zeros(0, np.float32)
+    return [np.ascontiguousarray(bwd.ids, dtype=np.int64), bwd.offsets.astype(np.int64, copy=False), w,
+            np.ascontiguousarray(bwd.rows, dtype=np.int64), np.array(has_w)]
+
+
+def unpack_bwd(arrays) -> Backward:
+    ids, offsets, w, rows, has_w = arrays
+    return Backward(ids, offsets, w if bool(has_w) else None, rows)
+
+
+def _call(fn, tensors: Sequence, need_bwd: bool, label: str):
+    """Runs ``fn(*arrays) -> (out, Backward or None)`` on the tensors' values:
+    eagerly, or as a ``tf.numpy_function`` in a graph. Returns the output
+    tensor and, when `need_bwd`, the backward tensors."""
+    if tf.executing_eagerly():
+        arrays = [None if t is None else t.numpy() for t in tensors]
+        try:
+            out, bwd = fn(*arrays)
+        except InvalidArgument as e:
+            raise tf.errors.InvalidArgumentError(None, None, str(e)) from None
+        out_t = tf.convert_to_tensor(out)
+        if not need_bwd:
+            return out_t, None
+        return out_t, [tf.convert_to_tensor(a) for a in _pack_bwd(bwd)]
+
+    present = [t for t in tensors if t is not None]
+    where = [t is not None for t in tensors]
+
+    def run(*arrays):
+        it = iter(arrays)
+        full = [next(it) if p else None for p in where]
+        out, bwd = fn(*full)
+        return [out] + (_pack_bwd(bwd) if need_bwd else [])
+
+    dtypes = [tf.float32] + (_BWD_DTYPES if need_bwd else [])
+    res = tf.numpy_function(run, present, dtypes, name=f"embedcore_lookup_{_op_name(label)}")
+    return res[0], (res[1:] if need_bwd else None)
+
+
+def _op_name(label: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in label)[:64] or "feature"
+
+
+# ------------------------------------------------------------------ TensorFlow side: TensorFlow's checks, then the call
+def lookup(inputs, weights, features: Dict[str, Feature], tables: Dict[str, object], need_bwd: bool = False):
+    """``cpu_embedding_lookup`` over engine tables. Returns the outputs in
+    the structure of `inputs` and, when `need_bwd`, a list of
+    ``(feature, backward tensors)``."""
+    flat_inputs = nest.flatten_with_joined_string_paths(inputs)
+    flat_weights = [None] * len(flat_inputs)
+    if weights is not None:
+        tf.nest.assert_same_structure(inputs, weights)
+        flat_weights = tf.nest.flatten(weights)
+    input_keys = {key for key, _ in flat_inputs}
+    if not input_keys.issubset(features.keys()):
+        raise ValueError("Inputs are not a subset of feature_config. Inputs keys are {}, but feature_config keys "
+                         "are {}".format(input_keys, features.keys()))
+    outputs = []
+    backward = []
+    for (path, inp), weight in zip(flat_inputs, flat_weights):
+        f = features[path]
+        table = tables[f.table.name]
+        if weight is not None:
+            if isinstance(inp, tf.Tensor):
+                raise ValueError("Weight specified for {}, but input is dense.".format(path))
+            elif type(weight) is not type(inp):
+                raise ValueError("Weight for {} is of type {} but it does not match type of the input which is "
+                                 "{}.".format(path, type(weight), type(inp)))
+            elif f.max_sequence_length > 0:
+                raise ValueError("Weight specified for {}, but this is a sequence feature.".format(path))
+        if isinstance(inp, tf.Tensor):
+            if f.max_sequence_length > 0:
+                raise ValueError("Feature {} is a sequence feature but a dense tensor was passed.".format(path))
+            out, bwd = _dense(f, table, inp, need_bwd)
+        elif isinstance(inp, tf.SparseTensor):
+            out, bwd = _sparse(f, table, inp, weight, need_bwd)
+        elif isinstance(inp, tf.RaggedTensor):
+            out, bwd = _ragged(f, table, inp, weight, need_bwd)
+        else:
+            raise ValueError("Input {} is type {}. Tensor, SparseTensor or RaggedTensor expected.".format(
+                path, type(inp)))
+        outputs.append(out)
+        if need_bwd:
+            backward.append((f, bwd))
+    packed = tf.nest.pack_sequence_as(inputs, outputs)
+    return (packed, backward) if need_bwd else packed
+
+
+def _check_int_ids(ids: tf.Tensor, where: str) -> None:
+    if ids.dtype not in _INT_IDS:
+        msg = f"Value for attr 'Tindices' of {ids.dtype.name} is not in the list of allowed values: int32, int64"
+        if tf.executing_eagerly():
+            raise tf.errors.InvalidArgumentError(None, None, msg)
+        raise TypeError(msg)
+
+
+def _dense(f: Feature, table, ids: tf.Tensor, need_bwd: bool):
+    _check_int_ids(ids, f.label)
+    out, bwd = _call(lambda a: dense_numpy(table, a, need_bwd), [ids], need_bwd, f.label)
+    out.set_shape(ids.shape.concatenate([table.dim]))
+    return out, bwd
+
+
+def _sparse(f: Feature, table, sp: tf.SparseTensor, weights: Optional[tf.SparseTensor], need_bwd: bool):
+    rank = sp.shape.rank
+    sequence = f.output_shape is None and f.max_sequence_length > 0 and (rank is None or rank == 2)
+    if not sequence and f.max_sequence_length > 0:
+        logging.warning("max_sequence_length setting will be ignored because the rank of the input tensor is %d "
+                        "which is not 2.", rank)
+    safe = not (not f.validate and rank is not None and rank <= 2)
+    if sp.values.dtype not in _INT_IDS:
+        raise TypeError(f"feature {f.label}: ids must be int32 or int64, got {sp.values.dtype.name}")
+    wvalues = None
+    if weights is not None:
+        # TensorFlow checks the shapes it knows while tracing (SparseTensor(ids.indices, weights.values, ...)).
+        if not sequence:
+            sp.values.shape.assert_is_compatible_with(weights.values.shape)
+            if not safe:
+                sp.indices.shape.assert_is_compatible_with(weights.indices.shape)
+                sp.dense_shape.shape.assert_is_compatible_with(weights.dense_shape.shape)
+            if safe and weights.values.dtype != tf.float32:
+                raise ValueError(f"Incompatible type conversion requested to type {weights.values.dtype.name} for "
+                                 f"the float32 table '{table.name}' (feature {f.label})")
+        wvalues = weights.values if weights.values.dtype == tf.float32 else tf.cast(weights.values, tf.float32)
+
+    def fn(indices, ids, dense_shape, w):
+        return sparse_numpy(f, table, indices, ids, dense_shape, w, safe, sequence, need_bwd)
+
+    out, bwd = _call(fn, [sp.indices, sp.values, sp.dense_shape, wvalues], need_bwd, f.label)
+    if sequence:
+        out.set_shape([None, f.max_sequence_length, table.dim])
+    elif safe:
+        out.set_shape(tf.TensorShape([None] * (rank - 1) if rank is not None else None).concatenate([table.dim])
+                      if rank is not None else None)
+    else:
+        out.set_shape([None, table.dim])
+    return out, bwd
+
+
+def _ragged(f: Feature, table, rt: tf.RaggedTensor, weights: Optional[tf.RaggedTensor], need_bwd: bool):
+    if rt.shape.rank != 2:
+        raise ValueError("Only rank 2 ragged tensor is supported, but got rank {}".format(rt.shape.rank))
+    if rt.values.dtype not in _INT_IDS:
+        raise ValueError(f"The values contained by the inputs have type {rt.values.dtype!r} and cannot be processed. "
+                         "All values should be indices, either of type `int32` or `int64`")
+    batch = rt.shape[0]
+    if f.output_shape is not None and batch is not None:
+        wanted = int(np.prod(f.output_shape)) if f.output_shape else 1
+        if not (wanted == batch or (wanted > batch and batch and wanted % batch == 0)):
+            raise ValueError(_output_shape_message(f, batch))
+    wvalues = wsplits = None
+    pooled_out = f.output_shape is None and f.max_sequence_length == 0
+    if weights is not None:
+        if weights.values.dtype != tf.float32 and (pooled_out or f.output_shape is not None):
+            msg = (f"cannot compute Mul as input #1(zero-based) was expected to be a float tensor but is a "
+                   f"{weights.values.dtype.name} tensor")
+            if tf.executing_eagerly():
+                raise tf.errors.InvalidArgumentError(None, None, msg)
+            raise TypeError(msg)
+        wvalues, wsplits = weights.values, weights.row_splits
+        if wsplits.dtype != rt.row_splits.dtype:
+            wsplits = tf.cast(wsplits, rt.row_splits.dtype)
+
+    def fn(values, splits, wv, ws):
+        return ragged_numpy(f, table, values, splits, wv, ws, need_bwd)
+
+    out, bwd = _call(fn, [rt.values, rt.row_splits, wvalues, wsplits], need_bwd, f.label)
+    if f.output_shape is not None:
+        out.set_shape(list(f.output_shape) + [table.dim])
+    elif f.max_sequence_length > 0:
+        out.set_shape([batch, f.max_sequence_length, table.dim])
+    else:
+        out.set_shape([batch, table.dim])
+    return out, bwd

@@ -1,0 +1,171 @@
+"""Pooled lookups that add up each bag in the order TensorFlow's CPU kernels
+do, so that ``sum`` outputs equal TensorFlow's bit for bit.
+
+The engine adds the rows of a bag one after the other (``acc += w * row``,
+no fused multiply-add), which is what TensorFlow's ``unsorted_segment_sum``
+(ragged inputs) does. Two other kernels group the additions differently:
+
+- ``sparse_segment_sum`` (unweighted ``tf.SparseTensor`` input): a bag of
+  ``n >= 10`` ids is summed as ``x[0:r]`` (``r = n % 8``, or 8 when that is
+  0, or 9 when it is 1) and then ``+= `` the sum of each following group
+  of 8, each group summed in order;
+- ``segment_sum`` of the weighted rows (weighted ``tf.SparseTensor``
+  input): Eigen keeps 4 accumulators over rows ``i % 4`` of a bag of
+  ``n >= 16``, combines them as ``((a0 + a1) + a2) + a3`` and then adds the
+  remaining ``n % 4`` rows in order; columns beyond the last full 8-float
+  packet are summed in order.
+
+Both are reproduced with the engine's own sequential pooling, run on
+"sub-bags" (the groups) and then summed in order per bag. No arithmetic is done here
+that the engine does not do; only the grouping differs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+SEQUENTIAL = "sequential"  # unsorted_segment_sum, and the engine's own order
+GROUPED8 = "grouped8"  # sparse_segment_sum / _mean / _sqrt_n
+EIGEN4 = "eigen4"  # segment_sum of weighted rows
+EIGEN_PACKET = 8  # floats per packet of TensorFlow's CPU build (AVX)
+
+
+class InvalidArgument(ValueError):
+    """A runtime error TensorFlow reports as ``InvalidArgumentError`` (a
+    ``ValueError`` raised inside ``tf.numpy_function`` becomes one)."""
+
+
+def bad_id_error(table, ids: np.ndarray, shape=None) -> InvalidArgument:
+    """TensorFlow's message for an id out of range, for the first bad id."""
+    flat = ids.reshape(-1)
+    bad = np.nonzero((flat < 0) | (flat >= table.rows))[0]
+    if not bad.size:  # the engine saw something else: report it as it is
+        return InvalidArgument(f"table '{table.name}': bad ids")
+    k = int(bad[0])
+    where = ",".join(str(int(i)) for i in np.unravel_index(k, shape)) if shape is not None and len(shape) > 1 else k
+    return InvalidArgument(f"indices[{where}] = {int(flat[k])} is not in [0, {table.rows}) (table '{table.name}')")
+
+
+def engine_lookup(table, ids, offsets, weights, combiner, max_sequence_length: int = 0, shape=None) -> np.ndarray:
+    try:
+        return table.lookup(ids, offsets, weights, combiner=combiner, max_sequence_length=max_sequence_length)
+    except IndexError:
+        raise bad_id_error(table, ids, shape) from None
+
+
+def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(x), np.int64)
+    np.cumsum(x[:-1], out=out[1:])
+    return out
+
+
+def _div_no_nan(sums: np.ndarray, den: np.ndarray) -> np.ndarray:
+    den = den.astype(np.float32)
+    out = np.zeros_like(sums)
+    nz = den != 0
+    np.divide(sums, den[:, None], out=out, where=nz[:, None])
+    return out
+
+
+def pooled(table, ids: np.ndarray, offsets: np.ndarray, weights: Optional[np.ndarray], combiner: str,
+           order: str) -> np.ndarray:
+    """``[bags, dim]``: each bag of the CSR batch pooled with `combiner`,
+    its rows added in `order`. Mean and sqrtn divide as TensorFlow's
+    ``div_no_nan`` does (zero when the denominator is zero)."""
+    lengths = np.diff(offsets)
+    longest = int(lengths.max()) if lengths.size else 0
+    if order == SEQUENTIAL or (order == EIGEN4 and (longest < 16 or table.dim < EIGEN_PACKET)):
+        return engine_lookup(table, ids, offsets, weights, combiner)
+    if order == GROUPED8:
+        if longest < 10:
+            sums = engine_lookup(table, ids, offsets, weights, "sum")
+        else:
+            sums = _grouped8_sums(table, ids, offsets, weights, lengths)
+        if combiner == "sum":
+            return sums
+        # sparse_segment_mean / _sqrt_n: bags of fewer than 10 ids are multiplied by the reciprocal of
+        # the count (or of its square root), longer ones divided by it.
+        n = lengths.astype(np.float32)
+        den = n if combiner == "mean" else np.sqrt(n)
+        out = _div_no_nan(sums, den)
+        short = np.nonzero((lengths > 0) & (lengths < 10))[0]
+        if short.size:
+            out[short] = sums[short] * (np.float32(1) / den[short])[:, None]
+        return out
+    sums = _eigen4_sums(table, ids, offsets, weights, lengths)
+    if combiner == "sum":
+        return sums
+    # div_no_nan(segment_sum(w * rows), segment_sum(w)): the weights are one column, added in order.
+    w = weights if combiner == "mean" else weights * weights
+    den = _sequential_totals(w, offsets[:-1], lengths, longest)
+    return _div_no_nan(sums, den if combiner == "mean" else np.sqrt(den))
+
+
+def _sequential_totals(x: np.ndarray, starts: np.ndarray, lengths: np.ndarray, longest: int) -> np.ndarray:
+    """float32 totals of each segment, added in order."""
+    out = np.zeros(len(starts), np.float32)
+    for k in range(longest):
+        more = np.nonzero(lengths > k)[0]
+        out[more] += x[starts[more] + k]
+    return out
+
+
+def _sum_sub_bags(table, ids, sub_offsets, weights, nsub) -> np.ndarray:
+    """Pools each sub-bag (sum), then adds up each bag's sub-bag sums in order."""
+    parts = engine_lookup(table, ids, sub_offsets, weights, "sum")
+    if not len(nsub):
+        return parts[:0]
+    most = int(nsub.max())
+    if int(nsub.min()) == most:  # every bag has as many sub-bags: add the columns of a 3-D view in order
+        view = parts.reshape(len(nsub), most, parts.shape[1])
+        out = view[:, 0].copy()
+        for k in range(1, most):
+            out += view[:, k]
+        return out
+    first = _exclusive_cumsum(nsub)  # every bag has >= 1 sub-bag
+    out = parts[first]
+    for k in range(1, most):  # (np.add.reduceat does not add rows in order)
+        more = np.nonzero(nsub > k)[0]
+        out[more] += parts[first[more] + k]
+    return out
+
+
+def _grouped8_sums(table, ids, offsets, weights, lengths) -> np.ndarray:
+    n = lengths
+    r = n & 7
+    r = np.where(r == 0, 8, np.where(r == 1, 9, r))
+    long = n >= 10
+    nsub = np.where(long, 1 + (n - r) // 8, 1)
+    bag = np.repeat(np.arange(len(n)), nsub)
+    k = np.arange(bag.size) - np.repeat(_exclusive_cumsum(nsub), nsub)
+    start = offsets[:-1][bag] + np.where(k == 0, 0, r[bag] + 8 * (k - 1))
+    sub_offsets = np.append(start, offsets[-1]).astype(np.int64)
+    return _sum_sub_bags(table, ids, sub_offsets, weights, nsub)
+
+
+def _eigen4_sums(table, ids, offsets, weights, lengths) -> np.ndarray:
+    n = lengths
+    long = n >= 16
+    u = (n // 4) * 4
+    # New position of each element within its bag: long bags put rows 0,4,8.. then 1,5,9.. then 2.. and 3..
+    # (one accumulator each), then the n % 4 remaining rows one by one; short bags keep their order.
+    bag_of = np.repeat(np.arange(len(n)), n)
+    j = np.arange(ids.size) - offsets[:-1][bag_of]
+    ub = u[bag_of]
+    strided = long[bag_of] & (j < ub)
+    newpos = np.where(strided, (j % 4) * (ub // 4) + j // 4, j)
+    perm = np.empty(ids.size, np.int64)
+    perm[offsets[:-1][bag_of] + newpos] = np.arange(ids.size)
+    nsub = np.where(long, 4 + (n - u), 1)
+    bag = np.repeat(np.arange(len(n)), nsub)
+    k = np.arange(bag.size) - np.repeat(_exclusive_cumsum(nsub), nsub)
+    q = (u // 4)[bag]
+    start = offsets[:-1][bag] + np.where(long[bag], np.where(k < 4, k * q, 4 * q + (k - 4)), 0)
+    sub_offsets = np.append(start, offsets[-1]).astype(np.int64)
+    w = None if weights is None else np.ascontiguousarray(weights[perm])
+    sums = _sum_sub_bags(table, np.ascontiguousarray(ids[perm]), sub_offsets, w, nsub)
+    packet_cols = (table.dim // EIGEN_PACKET) * EIGEN_PACKET
+    if packet_cols < table.dim:  # the columns past the last packet are summed in order
+        sums[:, packet_cols:] = engine_lookup(table, ids, offsets, weights, "sum")[:, packet_cols:]
+    return sums

@@ -1,0 +1,76 @@
+"""``Saver``: SOK's ``sok.Saver`` calls on the adapter's tables, writing
+embedcore checkpoints; usable eagerly and inside ``tf.function``."""
+from __future__ import annotations
+
+from typing import Callable, List, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+import embedcore as ec
+
+__all__ = ["Saver"]
+
+
+def _target(var):
+    """What embedcore's Saver takes: a Table, or an object with tables."""
+    table = getattr(var, "table", None)  # a TableHandle of embedding_tables
+    if isinstance(table, ec.Table) and getattr(var, "slot", None) is None:
+        return table
+    if isinstance(var, (list, tuple)):
+        return [_target(v) for v in var] if var and not isinstance(var[0], ec.Table) else list(var)
+    return var
+
+
+def _text(x) -> str:
+    if isinstance(x, bytes):
+        return x.decode()
+    if isinstance(x, np.ndarray):
+        return _text(x.item())
+    return str(x)
+
+
+def _run(fn: Callable, tensors: Sequence, name: str) -> tf.Tensor:
+    """Runs ``fn(*arrays)`` now (eagerly) or when the graph runs (a stateful
+    ``tf.numpy_function``); returns a string tensor "OK"."""
+    if tf.executing_eagerly():
+        fn(*[t.numpy() if hasattr(t, "numpy") else t for t in tensors])
+        return tf.constant("OK")
+
+    def run(*arrays):
+        fn(*arrays)
+        return np.array(b"OK", dtype=object)
+
+    out = tf.numpy_function(run, [tf.convert_to_tensor(t) for t in tensors], tf.string, name=name)
+    out.set_shape([])
+    return out
+
+
+class Saver:
+    """SOK's ``Saver`` over embedcore checkpoints.
+
+    ``var`` is the adapter's Keras ``Embedding``, an ``EmbeddingForServing``,
+    one table of their ``embedding_tables``, an ``embedcore.Table`` or a list
+    of tables. ``filepath`` is a directory: an embedcore checkpoint (see
+    ``docs/format.md``), written atomically. Each call returns the string
+    tensor ``"OK"`` and raises on failure; inside ``tf.function`` it runs
+    when the function runs."""
+
+    def dump_to_file(self, var, filepath) -> tf.Tensor:
+        target = _target(var)
+        return _run(lambda path: ec.Saver().dump_to_file(target, _text(path)), [filepath], "embedcore_dump")
+
+    def restore_from_file(self, var, filepath) -> tf.Tensor:
+        target = _target(var)
+        return _run(lambda path: ec.Saver().restore_from_file(target, _text(path)), [filepath], "embedcore_restore")
+
+    def load_embedding_values(self, var, tensors) -> tf.Tensor:
+        """Fills one table with `tensors` (a ``[rows, dim]`` tensor, or a
+        list / tuple of ``[n_i, dim]`` tensors stacked along rows, as SOK
+        does)."""
+        target = _target(var)
+        parts: List = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+        if not parts:
+            raise ValueError("load_embedding_values: no tensors given")
+        return _run(lambda *arrays: ec.Saver().load_embedding_values(target, list(arrays)), parts,
+                    "embedcore_load_embedding_values")

@@ -1,0 +1,219 @@
+"""``EmbeddingForServing``: TensorFlow's ``TPUEmbeddingForServing`` over
+engine tables."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.trackable.base import SaveType
+
+import embedcore as ec
+
+from . import _checkpoint, _export
+from ._config import Feature, TableSpec, features_of
+from ._lookup import lookup as _lookup
+
+__all__ = ["EmbeddingForServing", "TableHandle"]
+
+_AutoTrackable = tf.__internal__.tracking.AutoTrackable
+_CHECKPOINT = SaveType.CHECKPOINT
+
+
+class TableHandle:
+    """One table of ``embedding_tables`` (or one slot of ``variables``): the
+    engine's table, with the parts of ``tf.Variable``'s interface that
+    serving code uses (``numpy()``, ``read_value()``, ``assign()``,
+    ``shape``, ``dtype``, ``name``). ``numpy()`` is a zero-copy read-only
+    view of the engine's memory."""
+
+    def __init__(self, table: ec.Table, slot: Optional[str] = None):
+        self.table = table
+        self.slot = slot
+
+    @property
+    def name(self) -> str:
+        return self.table.name if self.slot is None else f"{self.table.name}/{self.slot}"
+
+    @property
+    def shape(self) -> tf.TensorShape:
+        return tf.TensorShape([self.table.rows, self.table.dim])
+
+    @property
+    def dtype(self) -> tf.DType:
+        return tf.float32
+
+    def numpy(self) -> np.ndarray:
+        return self.table.values() if self.slot is None else self.table.slots()[self.slot]
+
+    def __array__(self, dtype=None, copy=None):
+        v = self.numpy()
+        return v if dtype is None else v.astype(dtype)
+
+    def read_value(self) -> tf.Tensor:
+        """A tensor holding a copy of the values."""
+        return tf.constant(self.numpy())
+
+    value = read_value
+
+    def assign(self, value) -> "TableHandle":
+        v = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+        if tuple(v.shape) != (self.table.rows, self.table.dim):
+            raise ValueError(f"cannot assign a value of shape {list(v.shape)} to '{self.name}' of shape "
+                             f"{[self.table.rows, self.table.dim]}")
+        if self.slot is None:
+            self.table.assign(v)
+        else:
+            self.table.assign_slot(self.slot, v)
+        return self
+
+    def __repr__(self) -> str:
+        return f"<embedcore table '{self.name}' shape={[self.table.rows, self.table.dim]} dtype=float32>"
+
+
+class EmbeddingForServing(_AutoTrackable):
+    """TensorFlow's ``TPUEmbeddingForServing`` with its tables in the engine.
+
+    ``EmbeddingForServing(feature_config, optimizer=None)`` takes a nested
+    structure of ``tf.tpu.experimental.embedding.FeatureConfig`` (or
+    ``embedcore.FeatureConfig``) and an optional optimizer (TensorFlow's or
+    embedcore's; it only decides which slots exist, for checkpoints).
+    ``embedding(features, weights=None)`` / ``embedding_lookup`` look up
+    dense, ``tf.SparseTensor`` and ``tf.RaggedTensor`` features with
+    TensorFlow's semantics (pruning, empty bags, sequences, output shapes,
+    errors), eagerly or inside ``tf.function``.
+
+    Checkpoints: ``tf.train.Checkpoint(embedding=this).restore(path)``
+    restores a checkpoint of TensorFlow's ``TPUEmbedding`` /
+    ``TPUEmbeddingForServing`` (and saves one TensorFlow can read);
+    ``load_tf_checkpoint(path, into=this)`` does the same with bounded memory
+    and also reads SparseCore-stacked tables. ``embedcore.save(path, this)``
+    writes an embedcore checkpoint. ``tf.saved_model.save`` exports the
+    lookup as TensorFlow ops (see ``docs/tensorflow.md``).
+    """
+
+    def __init__(self, feature_config, optimizer=None, experimental_sparsecore_restore_info=None):
+        self._self_setattr_tracking = False  # our attributes are not checkpoint dependencies
+        self._feature_config = feature_config
+        features, specs = features_of(feature_config, optimizer, "EmbeddingForServing")
+        self._features: Dict[str, Feature] = {f.path: f for f in features}
+        self._specs: List[TableSpec] = specs
+        self._table_config = [s.config for s in specs]
+        self._optimizer = optimizer
+        self._tables: Dict[str, ec.Table] = {}
+        self._built = False
+        self._children: Optional[Dict[str, Any]] = None
+        self._ckpt_path: Optional[str] = None
+        self._export = _export.ExportState()
+
+    # -------------------------------------------------------------- building
+    def build(self) -> None:
+        """Creates the engine tables (and their optimizer's slots)."""
+        if self._built:
+            return
+        self._tables = {s.name: s.make_table() for s in self._specs}
+        self._built = True
+
+    def _maybe_build(self) -> None:
+        if not self._built:
+            with tf.init_scope():
+                self.build()
+
+    @property
+    def feature_config(self):
+        return self._feature_config
+
+    @property
+    def embedding_tables(self) -> Dict[Any, TableHandle]:
+        """Each TableConfig of the feature config, mapped to its table."""
+        self._maybe_build()
+        return {s.config: TableHandle(self._tables[s.name]) for s in self._specs}
+
+    @property
+    def variables(self) -> Dict[str, Dict[str, TableHandle]]:
+        """By table name: ``{"parameters": table, <slot>: slot, ...}``."""
+        self._maybe_build()
+        out = {}
+        for s in self._specs:
+            t = self._tables[s.name]
+            d = {slot: TableHandle(t, slot) for slot in t.slot_names}
+            d["parameters"] = TableHandle(t)
+            out[s.name] = d
+        return out
+
+    def _embedcore_tables(self) -> List[ec.Table]:
+        self._maybe_build()
+        return [self._tables[s.name] for s in self._specs]
+
+    # -------------------------------------------------------------- lookup
+    def __call__(self, features: Any, weights: Optional[Any] = None) -> Any:
+        return self.embedding_lookup(features, weights)
+
+    def embedding_lookup(self, features: Any, weights: Optional[Any] = None) -> Any:
+        """Looks up a nested structure of features (a subset of the feature
+        config's); returns the outputs in the structure of `features`."""
+        self._maybe_build()
+        if _export.in_export():
+            return _export.lookup(self, features, weights)
+        self._export.clear()
+        return _lookup(features, weights, self._features, self._tables)
+
+    # -------------------------------------------------------------- tf.train.Checkpoint and SavedModel
+    def _trackable_children(self, save_type=_CHECKPOINT, **kwargs):
+        self._maybe_build()
+        if save_type == _CHECKPOINT:
+            if self._children is None:
+                children = {}
+                for s in self._specs:
+                    t = self._tables[s.name]
+                    children[s.name] = _checkpoint.EngineVariable(t)
+                    for slot in t.slot_names:
+                        children[f"{s.name}/{slot}"] = _checkpoint.EngineVariable(t, slot)
+                self._children = children
+            return dict(self._children)
+        children = dict(super()._trackable_children(save_type, **kwargs))
+        children.update(_export.variables(self))
+        return children
+
+    def _checkpoint_adapter(self, path: str):
+        self._ckpt_path = path  # read the SparseCore layouts from it if stacked tables show up
+        return super()._checkpoint_adapter(path)
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        found = super()._lookup_dependency(name, cached_dependencies)
+        if found is None and self._children is not None:
+            found = self._children.get(name)
+        if found is None and self._ckpt_path is not None:
+            stacked, _, slot = name.partition("/")
+            if stacked in {s.stacked for s in self._stacked_layouts().values()}:
+                found = _checkpoint.StackedSink(self, stacked, slot or None)
+        return found
+
+    def _stacked_layouts(self) -> Dict[str, "_checkpoint.StackedTable"]:
+        cache = getattr(self, "_layout_cache", None)
+        if cache is None or cache[0] != self._ckpt_path:
+            mine = {}
+            try:
+                for layouts in _checkpoint.TFCheckpoint(self._ckpt_path).all_layouts().values():
+                    mine.update({n: s for n, s in layouts.items() if n in self._tables})
+            except ValueError:
+                pass
+            cache = (self._ckpt_path, mine)
+            self._layout_cache = cache
+        return cache[1]
+
+    def _restore_stacked(self, stacked: str, slot: Optional[str], value: np.ndarray) -> None:
+        layouts = self._stacked_layouts()
+        dests = {}
+        for n, s in layouts.items():
+            if s.stacked != stacked:
+                continue
+            t = self._tables[n]
+            if slot is None:
+                dests[n] = t._native.values_mut()
+            elif slot in t.slot_names:
+                dests[n] = dict(t._native.slots_mut())[slot]
+        _checkpoint.unstack_array(layouts, stacked, value, dests)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingForServing(tables={[s.name for s in self._specs]}, features={list(self._features)})"

@@ -1,0 +1,376 @@
+"""``EmbeddingBagCollection`` and ``EmbeddingCollection``: several tables and
+the features that read them, shaped like TorchRec's modules of those names.
+
+Each table is a child module (``embedding_bags.<table>`` /
+``embeddings.<table>``: an adapter ``EmbeddingBag`` / ``Embedding``), so the
+state dict keys are TorchRec's and a TorchRec state dict loads as is. One
+engine call per table and step looks up every feature of that table, so a
+fused optimizer applies exactly one update per table and step.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+import embedcore as ec
+
+from . import _ops
+from ._modules import (_MODES, Embedding, EmbeddingBag, _AdapterModule, _torch_seed, check_ids,
+                       check_weights)
+
+__all__ = ["EmbeddingBagConfig", "EmbeddingConfig", "EmbeddingBagCollection", "EmbeddingCollection"]
+
+
+@dataclass
+class EmbeddingConfig:
+    """One table of an ``EmbeddingCollection`` (TorchRec's fields, plus
+    embedcore's ``initializer`` and ``optimizer``).
+
+    init: ``initializer`` (an ``embedcore.initializers`` initializer), else
+    ``init_fn(weight)`` (a PyTorch in-place init), else uniform in
+    ``[weight_init_min, weight_init_max]`` (default ``+-sqrt(1 / rows)``, as
+    TorchRec) seeded from PyTorch's generator. ``optimizer`` overrides the
+    collection's for this table."""
+
+    num_embeddings: int
+    embedding_dim: int
+    name: str = ""
+    feature_names: List[str] = field(default_factory=list)
+    dtype: Any = "float32"
+    weight_init_min: Optional[float] = None
+    weight_init_max: Optional[float] = None
+    init_fn: Optional[Callable[[Tensor], Any]] = None
+    initializer: Optional[ec.initializers.Initializer] = None
+    optimizer: Optional[ec.optimizers.Optimizer] = None
+
+
+@dataclass
+class EmbeddingBagConfig(EmbeddingConfig):
+    """One table of an ``EmbeddingBagCollection``: ``EmbeddingConfig`` plus
+    ``pooling`` ("sum", "mean", "sqrtn", or TorchRec's ``PoolingType``)."""
+
+    pooling: Any = "sum"
+
+
+# ------------------------------------------------------------------ configs
+_TORCHREC_DTYPES = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
+
+
+class _Spec:
+    """A table config, ours or TorchRec's, normalised."""
+
+    def __init__(self, cfg, pooled: bool, owner: str):
+        for attr in ("num_embeddings", "embedding_dim", "name"):
+            if not hasattr(cfg, attr):
+                raise TypeError(f"{owner}: tables must be EmbeddingBagConfig / EmbeddingConfig (embedcore's or "
+                                f"TorchRec's), got {cfg!r}")
+        if not cfg.name:
+            raise ValueError(f"{owner}: every table needs a name, got {cfg!r}")
+        self.name = cfg.name
+        self.rows = int(cfg.num_embeddings)
+        self.dim = int(cfg.embedding_dim)
+        self.features = list(getattr(cfg, "feature_names", None) or [cfg.name])
+        if hasattr(cfg, "data_type"):  # TorchRec's DataType
+            v = getattr(cfg.data_type, "value", cfg.data_type)
+            if v not in _TORCHREC_DTYPES:
+                raise ValueError(f"{owner}: table '{self.name}' has data_type {cfg.data_type}; embedcore tables are "
+                                 "FP32, FP16 or BF16")
+            self.dtype = _TORCHREC_DTYPES[v]
+        else:
+            self.dtype = getattr(cfg, "dtype", "float32")
+        self.pooling = None
+        if pooled:
+            p = getattr(cfg, "pooling", "sum")
+            p = str(getattr(p, "value", p)).lower()
+            if p not in _MODES:
+                raise ValueError(f"{owner}: table '{self.name}' has pooling {p!r}; use sum, mean or sqrtn "
+                                 "(unpooled tables belong in an EmbeddingCollection)")
+            self.pooling = p
+        self.initializer = getattr(cfg, "initializer", None)
+        self.init_fn = None
+        if self.initializer is None:
+            self.init_fn = getattr(cfg, "init_fn", None)
+            if self.init_fn is None:
+                bound = math.sqrt(1.0 / self.rows)
+                lo = cfg.weight_init_min if getattr(cfg, "weight_init_min", None) is not None else -bound
+                hi = cfg.weight_init_max if getattr(cfg, "weight_init_max", None) is not None else bound
+                self.initializer = ec.initializers.Uniform(lo, hi, seed=_torch_seed())
+        self.optimizer = getattr(cfg, "optimizer", None)
+
+
+def _specs(tables, pooled: bool, owner: str) -> List[_Spec]:
+    specs = [_Spec(c, pooled, owner) for c in tables]
+    if not specs:
+        raise ValueError(f"{owner}: no tables given")
+    names = [s.name for s in specs]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"{owner}: duplicate table names {sorted(dup)}")
+    return specs
+
+
+def _embedding_names(specs: List[_Spec]) -> List[List[str]]:
+    """Output names by table, as TorchRec's: the feature name, or
+    ``feature@table`` for a feature that several tables read."""
+    count: Dict[str, int] = {}
+    for s in specs:
+        for f in s.features:
+            count[f] = count.get(f, 0) + 1
+    return [[f if count[f] == 1 else f"{f}@{s.name}" for f in s.features] for s in specs]
+
+
+# ------------------------------------------------------------------ inputs
+def _jagged_module():
+    """TorchRec's jagged-tensor module when TorchRec has been imported."""
+    return sys.modules.get("torchrec.sparse.jagged_tensor")
+
+
+def _is_kjt(x) -> bool:
+    jt = _jagged_module()
+    return jt is not None and isinstance(x, jt.KeyedJaggedTensor)
+
+
+def _csr(x, where: str) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """One pooled feature as (values, offsets with batch + 1 entries, weights)."""
+    weights = None
+    jt = _jagged_module()
+    if isinstance(x, Tensor):
+        check_ids(x, where)
+        if x.dim() == 2:
+            batch, length = x.shape
+            values = x.reshape(-1)
+            offsets = (torch.arange(0, batch * length + 1, length, dtype=torch.int64) if length
+                       else torch.zeros(batch + 1, dtype=torch.int64))
+        elif x.dim() == 1:
+            values, offsets = x, torch.arange(x.shape[0] + 1, dtype=torch.int64)  # one id per bag
+        else:
+            raise ValueError(f"{where} must be 1-D (one id per bag) or 2-D (one bag per row), got {x.dim()}-D")
+    elif jt is not None and isinstance(x, jt.JaggedTensor):
+        values, offsets, weights = x.values(), x.offsets(), x.weights_or_none()
+    elif isinstance(x, dict):
+        unknown = set(x) - {"values", "offsets", "lengths", "weights"}
+        if unknown or "values" not in x or ("offsets" in x) == ("lengths" in x):
+            raise ValueError(f"{where} must be a dict with 'values', one of 'offsets' / 'lengths', and optional "
+                             f"'weights', got keys {sorted(x)}")
+        values, weights = x["values"], x.get("weights")
+        if "offsets" in x:
+            offsets = x["offsets"]
+        else:
+            lengths = x["lengths"]
+            check_ids(lengths, f"{where}['lengths']")
+            offsets = torch.cat([lengths.new_zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    elif isinstance(x, ec.Ragged):
+        values, offsets = x.values, x.offsets
+    elif isinstance(x, (tuple, list)) and len(x) in (2, 3):
+        values, offsets = x[0], x[1]
+        weights = x[2] if len(x) == 3 else None
+    else:
+        raise TypeError(f"{where} must be an id tensor, (values, offsets[, weights]), a dict of values / offsets "
+                        f"or lengths / weights, ec.Ragged or a TorchRec JaggedTensor, got {type(x).__name__}")
+    check_ids(values, f"{where} values")
+    check_ids(offsets, f"{where} offsets")
+    if values.dim() != 1 or offsets.dim() != 1:
+        raise ValueError(f"{where}: values and offsets must be 1-D, got {values.dim()}-D and {offsets.dim()}-D")
+    if offsets.shape[0] < 1:
+        raise ValueError(f"{where}: offsets must hold batch + 1 values, got none")
+    if weights is not None:
+        check_weights(weights, values, f"{where} weights")
+    return values, offsets, weights
+
+
+def _kjt_parts(kjt, features: Sequence[str], owner: str):
+    """(values, offsets, weights, stride, {feature: key index}) of a KJT."""
+    if getattr(kjt, "variable_stride_per_key", lambda: False)():
+        raise NotImplementedError(f"{owner}: KeyedJaggedTensors with a variable batch size per feature are not "
+                                  "supported")
+    keys = kjt.keys()
+    index = {k: i for i, k in enumerate(keys)}
+    missing = [f for f in features if f not in index]
+    if missing:
+        raise KeyError(f"{owner}: the KeyedJaggedTensor lacks features {missing} (it holds {list(keys)})")
+    values, offsets = kjt.values(), kjt.offsets()
+    check_ids(values, "KeyedJaggedTensor values")
+    check_ids(offsets, "KeyedJaggedTensor offsets")
+    return values, offsets, kjt.weights_or_none(), kjt.stride(), index
+
+
+class _Collection(_AdapterModule):
+    def _tables_and_names(self) -> List[Tuple[Any, _Spec, List[str]]]:
+        return list(zip(self._children_list(), self._specs, self._names))
+
+
+class EmbeddingBagCollection(_Collection):
+    """Pooled lookups of several tables, shaped like TorchRec's
+    ``EmbeddingBagCollection``.
+
+    tables: ``EmbeddingBagConfig`` (this module's or TorchRec's).
+    optimizer: an ``embedcore.optimizers`` optimizer for fused training of
+        every table whose config has none; None trains through PyTorch
+        optimizers (``embedding_bags[t].weight.grad``, sparse unless
+        ``sparse=False``).
+    is_weighted: use a ``KeyedJaggedTensor``'s weights (TorchRec's flag);
+        dict features use their weights whenever they have them.
+
+    ``forward(features)``: a TorchRec ``KeyedJaggedTensor`` gives a
+    ``KeyedTensor`` (as TorchRec); a dict ``{feature: input}`` gives a dict
+    ``{name: [batch, dim] tensor}``. An input is ``(values, offsets[,
+    weights])``, ``{"values", "offsets" or "lengths", "weights"}``,
+    ``ec.Ragged``, a ``JaggedTensor``, a 2-D id tensor (one bag per row) or
+    a 1-D one (one id per bag). Names are the feature names (``feature@table``
+    for a feature read by several tables), in table order.
+    """
+
+    def __init__(self, tables: Sequence, optimizer: Optional[ec.optimizers.Optimizer] = None,
+                 is_weighted: bool = False, device=None, sparse: bool = True):
+        super().__init__()
+        owner = "EmbeddingBagCollection"
+        self._specs = _specs(tables, True, owner)
+        self._names = _embedding_names(self._specs)
+        self._is_weighted = bool(is_weighted)
+        self.embedding_bags = nn.ModuleDict()
+        for s in self._specs:
+            self.embedding_bags[s.name] = EmbeddingBag(
+                s.rows, s.dim, mode=s.pooling, sparse=sparse, include_last_offset=True, device=device,
+                dtype=s.dtype, optimizer=s.optimizer if s.optimizer is not None else optimizer,
+                initializer=s.initializer, name=s.name, _init_fn=s.init_fn)
+        self._dims = [s.dim for s, names in zip(self._specs, self._names) for _ in names]
+
+    def _children_list(self):
+        return list(self.embedding_bags.values())
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def embedding_bag_configs(self) -> List[_Spec]:
+        return list(self._specs)
+
+    def forward(self, features):
+        if _is_kjt(features):
+            return self._forward_kjt(features)
+        if not isinstance(features, dict):
+            raise TypeError("EmbeddingBagCollection takes a dict of features or a TorchRec KeyedJaggedTensor, got "
+                            f"{type(features).__name__}")
+        out: Dict[str, Tensor] = {}
+        for bag, spec, names in self._tables_and_names():
+            ids, offsets, weights, segments = [], [], [], []
+            for i, f in enumerate(spec.features):
+                if f not in features:
+                    raise KeyError(f"EmbeddingBagCollection: feature {f!r} of table '{spec.name}' is missing from "
+                                   f"the input (it holds {sorted(features)})")
+                v, o, w = _csr(features[f], f"features[{f!r}]")
+                ids.append(v)
+                offsets.append(o)
+                weights.append(w)
+                segments.extend((i, 0, o.shape[0] - 1))
+            if all(w is None for w in weights):
+                weights = []
+            else:
+                weights = [w if w is not None else torch.ones(v.shape, dtype=torch.float32)
+                           for v, w in zip(ids, weights)]
+            results = bag._lookup(ids, offsets, weights, segments, _MODES[spec.pooling], True)
+            out.update(zip(names, results))
+        return out
+
+    def _forward_kjt(self, kjt):
+        jt = _jagged_module()
+        all_features = [f for s in self._specs for f in s.features]
+        values, offsets, kjt_weights, stride, index = _kjt_parts(kjt, all_features, "EmbeddingBagCollection")
+        weights: List[Tensor] = []
+        if self._is_weighted:
+            if kjt_weights is None:
+                raise ValueError("EmbeddingBagCollection(is_weighted=True) needs a KeyedJaggedTensor with weights")
+            check_weights(kjt_weights, values, "KeyedJaggedTensor weights")
+            weights = [kjt_weights]
+        pooled: List[Tensor] = []
+        for bag, spec, names in self._tables_and_names():
+            segments: List[int] = []
+            for f in spec.features:
+                segments.extend((0, index[f] * stride, stride))
+            pooled.extend(bag._lookup([values], [offsets], weights, segments, _MODES[spec.pooling], True))
+        keys = [n for names in self._names for n in names]
+        return jt.KeyedTensor(keys=keys, length_per_key=self._dims, values=torch.cat(pooled, dim=1))
+
+
+class EmbeddingCollection(_Collection):
+    """Unpooled (sequence) lookups of several tables, shaped like TorchRec's
+    ``EmbeddingCollection``: one embedding row per id.
+
+    ``forward(features)``: a ``KeyedJaggedTensor`` gives ``{name:
+    JaggedTensor(values=[ids, dim], lengths=...)}`` as TorchRec; a dict gives
+    ``{name: tensor}``: ``[*ids.shape, dim]`` for an id tensor, ``[ids, dim]``
+    for the values of a ``(values, offsets)`` / dict / ``JaggedTensor`` input.
+    Other arguments as ``EmbeddingBagCollection``."""
+
+    def __init__(self, tables: Sequence, optimizer: Optional[ec.optimizers.Optimizer] = None, device=None,
+                 sparse: bool = True, need_indices: bool = False):
+        super().__init__()
+        self._specs = _specs(tables, False, "EmbeddingCollection")
+        self._names = _embedding_names(self._specs)
+        self._need_indices = bool(need_indices)
+        self.embeddings = nn.ModuleDict()
+        for s in self._specs:
+            self.embeddings[s.name] = Embedding(
+                s.rows, s.dim, sparse=sparse, device=device, dtype=s.dtype,
+                optimizer=s.optimizer if s.optimizer is not None else optimizer, initializer=s.initializer,
+                name=s.name, _init_fn=s.init_fn)
+
+    def _children_list(self):
+        return list(self.embeddings.values())
+
+    def embedding_configs(self) -> List[_Spec]:
+        return list(self._specs)
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def forward(self, features):
+        if _is_kjt(features):
+            return self._forward_kjt(features)
+        if not isinstance(features, dict):
+            raise TypeError("EmbeddingCollection takes a dict of features or a TorchRec KeyedJaggedTensor, got "
+                            f"{type(features).__name__}")
+        out: Dict[str, Tensor] = {}
+        for emb, spec, names in self._tables_and_names():
+            ids, shapes, segments = [], [], []
+            for i, f in enumerate(spec.features):
+                if f not in features:
+                    raise KeyError(f"EmbeddingCollection: feature {f!r} of table '{spec.name}' is missing from the "
+                                   f"input (it holds {sorted(features)})")
+                x = features[f]
+                if isinstance(x, Tensor):
+                    check_ids(x, f"features[{f!r}]")
+                    v, shape = x.reshape(-1), tuple(x.shape)
+                else:
+                    v = _csr(x, f"features[{f!r}]")[0]
+                    shape = (v.shape[0],)
+                ids.append(v)
+                shapes.append(shape)
+                segments.extend((i, 0, _ops.WHOLE))
+            results = emb._lookup(ids, [], [], segments, _ops.SEQUENCE, True)
+            for name, r, shape in zip(names, results, shapes):
+                out[name] = r.reshape(*shape, spec.dim)
+        return out
+
+    def _forward_kjt(self, kjt):
+        jt = _jagged_module()
+        all_features = [f for s in self._specs for f in s.features]
+        values, offsets, _, stride, index = _kjt_parts(kjt, all_features, "EmbeddingCollection")
+        lengths = kjt.lengths()
+        out = {}
+        for emb, spec, names in self._tables_and_names():
+            segments: List[int] = []
+            for f in spec.features:
+                segments.extend((0, index[f] * stride, stride))
+            results = emb._lookup([values], [offsets], [], segments, _ops.SEQUENCE, True)
+            for f, name, r in zip(spec.features, names, results):
+                k = index[f]
+                ids = None
+                if self._need_indices:
+                    ids = values[offsets[k * stride]:offsets[(k + 1) * stride]]
+                out[name] = jt.JaggedTensor(values=r, lengths=lengths[k * stride:(k + 1) * stride], weights=ids)
+        return out

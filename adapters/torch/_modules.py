@@ -1,0 +1,408 @@
+"""``EmbeddingBag`` and ``Embedding``: drop-ins for ``torch.nn.EmbeddingBag`` /
+``torch.nn.Embedding`` over one embedcore table.
+
+The table's values live in the engine; ``weight`` is an ``nn.Parameter`` that
+views them (DLPack, no copy). Training either way:
+
+- fused (``optimizer=`` an ``embedcore.optimizers`` optimizer): the engine's
+  optimizer updates the touched rows inside ``backward()``; no gradient of
+  the table is ever materialised;
+- unfused (``optimizer=None``): ``weight.grad`` is a sparse COO tensor (or a
+  dense one with ``sparse=False``), exactly as ``nn.EmbeddingBag`` gives it,
+  for ``torch.optim.SGD`` / ``SparseAdam`` / ``Adagrad``, which update the
+  engine's memory in place through ``weight``.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+import embedcore as ec
+
+from . import _ops
+
+__all__ = ["EmbeddingBag", "Embedding", "tables_of"]
+
+_MODES = {"sum": _ops.SUM, "mean": _ops.MEAN, "sqrtn": _ops.SQRTN}
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+           "float32": "float32", "float16": "float16", "bfloat16": "bfloat16", None: "float32"}
+
+
+def _dtype_name(dtype) -> str:
+    try:
+        return _DTYPES[dtype]
+    except (KeyError, TypeError):
+        raise TypeError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}") from None
+
+
+def _check_device(device) -> None:
+    if device is not None and torch.device(device).type != "cpu":
+        raise NotImplementedError(f"device={device!r}: embedcore tables live in CPU memory in this build "
+                                  "(CUDA tables come with embedcore's CUDA build)")
+
+
+def _torch_seed() -> int:
+    """A seed for the engine's initializer drawn from PyTorch's generator, so
+    that ``torch.manual_seed`` makes the initial values reproducible."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def check_ids(t, where: str) -> None:
+    """Type, dtype and device checks of an id (or offset) tensor: metadata
+    only, so they trace under ``torch.compile``."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{where} must be an int32 or int64 tensor, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise NotImplementedError(f"{where} is on {t.device}: this build of embedcore takes CPU tensors "
+                                  "(CUDA tensors come with embedcore's CUDA build)")
+
+
+def check_weights(w, ids: Tensor, where: str) -> None:
+    if not isinstance(w, Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor, got {type(w).__name__}")
+    if w.dtype != torch.float32:
+        raise TypeError(f"{where} must be float32 (the dtype of the output), got {w.dtype}")
+    if w.device.type != "cpu":
+        raise NotImplementedError(f"{where} is on {w.device}: this build of embedcore takes CPU tensors")
+    if w.shape != ids.shape:
+        raise ValueError(f"{where} must have the shape of the ids {tuple(ids.shape)}, got {tuple(w.shape)}")
+
+
+class _AdapterModule(nn.Module):
+    """What every adapter module offers: its tables for ``ec.save`` /
+    ``ec.load`` / ``ec.Saver``, and the fused optimizers' state."""
+
+    def _embedcore_tables(self) -> List[ec.Table]:
+        return [m._table for m in self.modules() if isinstance(m, _TableModule)]
+
+    @property
+    def fused_optimizer(self):
+        """The engine optimizers of this module's fused tables as a
+        ``torch.optim.Optimizer`` (TorchRec's ``fused_optimizer``): its
+        param groups carry each table's "lr" (learning-rate schedulers may
+        change it); ``state_dict()`` holds the slots as zero-copy views.
+        ``step()`` and ``zero_grad()`` do nothing: updates run in backward()."""
+        from ._optim import FusedOptimizer
+
+        opt = self.__dict__.get("_fused_optimizer_cache")
+        if opt is None:
+            opt = FusedOptimizer(self)
+            self.__dict__["_fused_optimizer_cache"] = opt
+        return opt
+
+    def optimizer_state_dict(self) -> dict:
+        """The fused optimizers' state: ``{"state": {weight key: {"step",
+        slot: tensor view}}, "param_groups": [...]}`` (empty when unfused)."""
+        if not any(isinstance(m, _TableModule) and m.fused for m in self.modules()):
+            return {"state": {}, "param_groups": []}
+        return self.fused_optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Loads slots, step counts and learning rates saved by
+        ``optimizer_state_dict()`` (copied into the engine's memory)."""
+        self.fused_optimizer.load_state_dict(state_dict)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_fused_optimizer_cache", None)
+        return state
+
+
+class _TableModule(_AdapterModule):
+    """One engine table; ``weight`` views its values."""
+
+    _table: ec.Table
+
+    def _create(self, name: str, num_embeddings: int, embedding_dim: int, dtype, initializer, optimizer,
+                sparse: bool, padding_idx: Optional[int], weight: Optional[Tensor] = None, init_fn=None,
+                device=None) -> None:
+        _check_device(device)
+        for what, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{type(self).__name__}: {what} must be a positive int, got {v!r}")
+        if optimizer is not None and not isinstance(optimizer, ec.optimizers.Optimizer):
+            raise TypeError(f"{type(self).__name__}: optimizer must be an embedcore.optimizers optimizer (SGD, "
+                            f"Adagrad, Adam, FTRL) for fused training, or None, got {optimizer!r}")
+        self.num_embeddings = int(num_embeddings)
+        self.embedding_dim = int(embedding_dim)
+        if padding_idx is not None:
+            if not -self.num_embeddings <= padding_idx < self.num_embeddings:
+                raise ValueError(f"padding_idx must be within num_embeddings ({self.num_embeddings}), "
+                                 f"got {padding_idx}")
+            padding_idx = int(padding_idx) % self.num_embeddings
+        self.padding_idx = padding_idx
+        self.sparse = bool(sparse)
+        if weight is not None or init_fn is not None:
+            initializer = ec.initializers.Zeros()
+        elif initializer is None:
+            initializer = ec.initializers.Normal(0.0, 1.0, seed=_torch_seed())  # nn.EmbeddingBag's N(0, 1)
+        config = ec.TableConfig(name, self.num_embeddings, self.embedding_dim, _dtype_name(dtype), initializer,
+                                optimizer, "sum")
+        self._attach(ec.Table(config), requires_grad=True)
+        with torch.no_grad():
+            if weight is not None:
+                if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+                    raise ValueError(f"_weight must have shape [{self.num_embeddings}, {self.embedding_dim}], "
+                                     f"got {tuple(weight.shape)}")
+                self.weight.copy_(weight)
+            elif init_fn is not None:
+                init_fn(self.weight)
+            if padding_idx is not None and weight is None:
+                self.weight[padding_idx].fill_(0)
+
+    def _attach(self, table: ec.Table, requires_grad: bool) -> None:
+        self._table = table
+        self.weight = nn.Parameter(torch.from_dlpack(table._native.values_mut()), requires_grad=requires_grad)
+        self._slots = {n: torch.from_dlpack(v) for n, v in table._native.slots_mut()}
+        fused = table.optimizer is not None
+        # Fused training: autograd runs the backward through this one-element anchor;
+        # its gradient is the output of the op that applies the update.
+        self._anchor = torch.zeros(1, requires_grad=True) if fused else None
+        self._group = None
+        if fused:
+            self._group = {"params": [self.weight], "lr": table.learning_rate(), "table": table.name,
+                           "optimizer": type(table.optimizer).__name__}
+        self._handle = _ops.register(table, self._group)
+        self._finalizer = weakref.finalize(self, _ops.unregister, self._handle)
+
+    # ------------------------------------------------------------ lookup
+    @property
+    def fused(self) -> bool:
+        """Whether the engine's optimizer trains this table inside backward()."""
+        return self._group is not None
+
+    @property
+    def table(self) -> ec.Table:
+        """The engine's table (lookups, checkpoints, serving)."""
+        return self._table
+
+    def _lookup(self, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
+                combiner: int, include_last_offset: bool) -> List[Tensor]:
+        if self._group is not None:
+            trainable = self.weight.requires_grad and torch.is_grad_enabled()
+            anchor = self._anchor if trainable else self._anchor.detach()
+            mode = _ops.FUSED
+        else:
+            anchor = self.weight
+            mode = _ops.SPARSE if self.sparse else _ops.DENSE
+        pad = -1 if self.padding_idx is None else self.padding_idx
+        return _ops.lookup(anchor, self._handle, self.embedding_dim, ids, offsets, weights, segments, combiner, pad,
+                           include_last_offset, mode)
+
+    # ------------------------------------------------------------ state
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # Always copy into the engine's memory: assigning would detach `weight` from the table.
+        local_metadata = dict(local_metadata, assign_to_params_buffers=False)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _apply(self, fn, recurse=True):
+        if "_table" in self.__dict__:
+            w = self.weight
+            out = fn(w)
+            if out is not w and (out.data_ptr() != w.data_ptr() or out.dtype != w.dtype or out.device != w.device):
+                raise NotImplementedError(
+                    f"{type(self).__name__}: the table lives in embedcore's memory ({w.dtype}, cpu) and cannot be "
+                    f"converted to {out.dtype} on {out.device}; choose the dtype when creating the module")
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        table = state.pop("_table")
+        for k in ("_handle", "_finalizer", "_slots"):
+            state.pop(k, None)
+        slots = {k: np.array(v, copy=True) for k, v in table.slots().items()}
+        state["_table_snapshot"] = (table.config, table.step, slots, None if self._group is None else self._group["lr"])
+        return state
+
+    def __setstate__(self, state):
+        config, step, slots, lr = state.pop("_table_snapshot")
+        super().__setstate__(state)
+        old = self._parameters["weight"]
+        table = ec.Table(ec.TableConfig(config.name, config.rows, config.dim, config.dtype, ec.initializers.Zeros(),
+                                        config.optimizer, config.combiner))
+        self._attach(table, requires_grad=old.requires_grad)
+        with torch.no_grad():
+            self.weight.copy_(old)
+        for k, v in slots.items():
+            table.assign_slot(k, v)
+        table.step = step
+        if lr is not None:
+            self._group["lr"] = lr
+
+
+def tables_of(module: nn.Module) -> List[ec.Table]:
+    """The embedcore tables of every adapter module inside `module`, for
+    ``ec.save(path, tables_of(model))`` / ``ec.load(path, into=...)``."""
+    return [m._table for m in module.modules() if isinstance(m, _TableModule)]
+
+
+class EmbeddingBag(_TableModule):
+    """A drop-in for ``torch.nn.EmbeddingBag`` over an embedcore table.
+
+    The same arguments, forward forms (1-D ids with ``offsets``, 2-D ids of
+    fixed-length bags, ``include_last_offset``, ``padding_idx``,
+    ``per_sample_weights`` with ``mode="sum"``) and outputs, plus:
+
+    mode: "sum", "mean" or "sqrtn" (``sum / sqrt(bag size)``); "max" is not
+        supported.
+    optimizer: an ``embedcore.optimizers`` optimizer to train fused (the
+        update runs inside ``backward()``); None to train with a PyTorch
+        optimizer through ``weight.grad`` (sparse with ``sparse=True``).
+    initializer: an ``embedcore.initializers`` initializer (default: N(0, 1)
+        as PyTorch's, seeded from PyTorch's generator).
+    name: the table's name in embedcore checkpoints.
+
+    ``max_norm`` and ``scale_grad_by_freq`` are not supported. The output is
+    float32 (cast to ``dtype`` when that is float16 / bfloat16).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: Optional[float] = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean", sparse: bool = False,
+                 _weight: Optional[Tensor] = None, include_last_offset: bool = False,
+                 padding_idx: Optional[int] = None, device=None, dtype=None, *,
+                 optimizer: Optional[ec.optimizers.Optimizer] = None,
+                 initializer: Optional[ec.initializers.Initializer] = None, name: str = "embedding_bag",
+                 _init_fn=None):
+        super().__init__()
+        if max_norm is not None:
+            raise NotImplementedError("EmbeddingBag: max_norm is not supported by embedcore")
+        if scale_grad_by_freq:
+            raise NotImplementedError("EmbeddingBag: scale_grad_by_freq is not supported by embedcore")
+        if mode == "max":
+            raise NotImplementedError("EmbeddingBag: mode='max' is not supported by embedcore (sum, mean, sqrtn)")
+        if mode not in _MODES:
+            raise ValueError(f"EmbeddingBag: mode must be 'sum', 'mean' or 'sqrtn', got {mode!r}")
+        self.mode = mode
+        self.max_norm, self.norm_type, self.scale_grad_by_freq = None, norm_type, False
+        self.include_last_offset = bool(include_last_offset)
+        self._create(name, num_embeddings, embedding_dim, dtype, initializer, optimizer, sparse, padding_idx,
+                     _weight, _init_fn, device)
+
+    @classmethod
+    def from_pretrained(cls, embeddings: Tensor, freeze: bool = True, max_norm=None, norm_type: float = 2.0,
+                        scale_grad_by_freq: bool = False, mode: str = "mean", sparse: bool = False,
+                        include_last_offset: bool = False, padding_idx: Optional[int] = None,
+                        **kwargs) -> "EmbeddingBag":
+        """A table holding a copy of `embeddings` (``[rows, dim]``), as
+        ``nn.EmbeddingBag.from_pretrained``; ``freeze`` stops its training."""
+        if embeddings.dim() != 2:
+            raise ValueError("Embeddings parameter is expected to be 2-dimensional")
+        rows, dim = embeddings.shape
+        m = cls(rows, dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse, embeddings, include_last_offset,
+                padding_idx, dtype=kwargs.pop("dtype", embeddings.dtype if embeddings.is_floating_point() else None),
+                **kwargs)
+        m.weight.requires_grad = not freeze
+        return m
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.normal_()
+            if self.padding_idx is not None:
+                self.weight[self.padding_idx].fill_(0)
+
+    def forward(self, input: Tensor, offsets: Optional[Tensor] = None,
+                per_sample_weights: Optional[Tensor] = None) -> Tensor:
+        check_ids(input, "input")
+        include_last = self.include_last_offset
+        if input.dim() == 2:
+            if offsets is not None:
+                raise ValueError("if input is 2D, then offsets has to be None, as input is treated is a mini-batch "
+                                 f"of fixed length sequences. However, found offsets of type {type(offsets)}")
+            batch, length = input.shape
+            ids = input.reshape(-1)
+            offsets = (torch.arange(0, batch * length + 1, length, dtype=torch.int64) if length
+                       else torch.zeros(batch + 1, dtype=torch.int64))
+            include_last = True
+        elif input.dim() == 1:
+            if offsets is None:
+                raise ValueError("offsets has to be a 1D Tensor but got None")
+            check_ids(offsets, "offsets")
+            if offsets.dim() != 1:
+                raise ValueError("offsets has to be a 1D Tensor")
+            ids = input
+        else:
+            raise ValueError(f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}")
+        weights: List[Tensor] = []
+        if per_sample_weights is not None:
+            if self.mode != "sum":
+                raise NotImplementedError(
+                    "embedding_bag: per_sample_weights was not None. per_sample_weights is only supported for "
+                    f"mode='sum' (got mode='{self.mode}')")
+            check_weights(per_sample_weights, input, "per_sample_weights")
+            weights = [per_sample_weights.reshape(-1)]
+        if include_last and offsets.shape[0] < 1:
+            raise ValueError("include_last_offset: number of offsets should be at least 1")
+        bags = offsets.shape[0] - 1 if include_last else offsets.shape[0]
+        out = self._lookup([ids], [offsets], weights, [0, 0, bags], _MODES[self.mode], include_last)[0]
+        return out if self.weight.dtype == torch.float32 else out.to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        if self.include_last_offset:
+            s += ", include_last_offset=True"
+        if self.weight.dtype != torch.float32:
+            s += f", dtype={self.weight.dtype}"
+        s += f", optimizer={self._table.optimizer!r}" if self.fused else f", sparse={self.sparse}"
+        return s + f", table={self._table.name!r}"
+
+
+class Embedding(_TableModule):
+    """A drop-in for ``torch.nn.Embedding`` over an embedcore table: ids of
+    any shape in, ``[*ids.shape, embedding_dim]`` float32 out. Training and
+    extra arguments as ``EmbeddingBag``. With ``padding_idx`` the padding
+    row is returned as stored (zero unless overwritten) and gets no update."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                 sparse: bool = False, _weight: Optional[Tensor] = None, _freeze: bool = False, device=None,
+                 dtype=None, *, optimizer: Optional[ec.optimizers.Optimizer] = None,
+                 initializer: Optional[ec.initializers.Initializer] = None, name: str = "embedding", _init_fn=None):
+        super().__init__()
+        if max_norm is not None:
+            raise NotImplementedError("Embedding: max_norm is not supported by embedcore")
+        if scale_grad_by_freq:
+            raise NotImplementedError("Embedding: scale_grad_by_freq is not supported by embedcore")
+        self.max_norm, self.norm_type, self.scale_grad_by_freq = None, norm_type, False
+        self._create(name, num_embeddings, embedding_dim, dtype, initializer, optimizer, sparse, padding_idx,
+                     _weight, _init_fn, device)
+        if _freeze:
+            self.weight.requires_grad = False
+
+    @classmethod
+    def from_pretrained(cls, embeddings: Tensor, freeze: bool = True, padding_idx: Optional[int] = None,
+                        max_norm=None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                        sparse: bool = False, **kwargs) -> "Embedding":
+        if embeddings.dim() != 2:
+            raise ValueError("Embeddings parameter is expected to be 2-dimensional")
+        rows, dim = embeddings.shape
+        return cls(rows, dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse, embeddings, freeze,
+                   dtype=kwargs.pop("dtype", embeddings.dtype if embeddings.is_floating_point() else None), **kwargs)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.normal_()
+            if self.padding_idx is not None:
+                self.weight[self.padding_idx].fill_(0)
+
+    def forward(self, input: Tensor) -> Tensor:
+        check_ids(input, "input")
+        out = self._lookup([input.reshape(-1)], [], [], [0, 0, _ops.WHOLE], _ops.SEQUENCE, True)[0]
+        out = out.reshape(*input.shape, self.embedding_dim)
+        return out if self.weight.dtype == torch.float32 else out.to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        s += f", optimizer={self._table.optimizer!r}" if self.fused else f", sparse={self.sparse}"
+        return s + f", table={self._table.name!r}"

@@ -1,0 +1,335 @@
+"""The engine's lookup and update as ``torch.library`` custom ops.
+
+Two ops, opaque to ``torch.compile`` (which sees only their fake
+implementations, so a model that uses them compiles without graph breaks):
+
+- ``embedcore::lookup``: looks up *segments* of one table: each segment is a
+  run of bags of one CSR *source* (ids, offsets, optional per-id weights). One
+  op call per table and step, whatever the number of features that read the
+  table, so the fused optimizer applies exactly one update per table and step.
+- ``embedcore::lookup_backward``: from the gradients of the outputs, the
+  gradients of the per-id weights (when they require grad) and then either
+  the engine's optimizer step (fused), or the table's gradient as a sparse
+  (per occurrence, like ``nn.EmbeddingBag(sparse=True)``) or dense tensor.
+
+Tables are passed by an integer handle into a module-level registry. Arrays
+cross to the engine as NumPy views of the tensors' memory (no copies when
+they are contiguous); the engine validates ids and offsets and raises
+``IndexError`` / ``ValueError`` that name the bad value.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["SUM", "MEAN", "SQRTN", "SEQUENCE", "FUSED", "SPARSE", "DENSE", "WHOLE", "register", "unregister",
+           "lookup", "lookup_backward"]
+
+# Combiners (the engine's codes) and gradient modes.
+SUM, MEAN, SQRTN, SEQUENCE = 0, 1, 2, 3
+_COMBINER_NAMES = ("sum", "mean", "sqrtn", None)
+FUSED, SPARSE, DENSE = 0, 1, 2
+WHOLE = -1  # a segment's bag count meaning "every id of its source, unpooled" (sequence lookups)
+
+
+# ------------------------------------------------------------------ registry
+class _Entry:
+    """A registered table and, when it trains fused, its parameter group (whose
+    "lr" a learning-rate scheduler may change)."""
+
+    __slots__ = ("table", "group")
+
+    def __init__(self, table, group):
+        self.table = table
+        self.group = group
+
+
+_REGISTRY: Dict[int, _Entry] = {}
+_HANDLES = itertools.count(1)
+
+
+def register(table, group: Optional[dict] = None) -> int:
+    handle = next(_HANDLES)
+    _REGISTRY[handle] = _Entry(table, group)
+    return handle
+
+
+def unregister(handle: int) -> None:
+    _REGISTRY.pop(handle, None)
+
+
+def _entry(handle: int) -> _Entry:
+    try:
+        return _REGISTRY[handle]
+    except KeyError:
+        raise RuntimeError(f"embedcore table handle {handle} is not registered (its module was deleted)") from None
+
+
+# ------------------------------------------------------------------ inputs
+class _Part:
+    """One segment as the engine takes it: CSR ids/offsets (offsets from 0) and
+    optional weights; `start` / `length` place its ids in their source, and
+    `keep` (when padding ids were dropped) lists the ones kept, within it."""
+
+    __slots__ = ("source", "ids", "offsets", "weights", "start", "length", "keep", "num_bags")
+
+    def __init__(self, source, ids, offsets, weights, start, length, keep, num_bags):
+        self.source = source
+        self.ids = ids
+        self.offsets = offsets
+        self.weights = weights
+        self.start = start
+        self.length = length
+        self.keep = keep
+        self.num_bags = num_bags
+
+    def positions(self):
+        """Where this part's ids sit in their source (an index or a slice)."""
+        if self.keep is None:
+            return slice(self.start, self.start + self.length)
+        return torch.from_numpy(self.keep + self.start)
+
+
+def _np(t: Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+def _source_offsets(ids: np.ndarray, offsets: Tensor, include_last_offset: bool, s: int) -> np.ndarray:
+    off = _np(offsets)
+    if off.dtype != np.int64:
+        off = off.astype(np.int64)
+    if not include_last_offset:
+        off = np.append(off, np.int64(len(ids)))
+    where = "offsets" if s == 0 else f"offsets of source {s}"
+    if len(off) > 1:
+        if off[0] != 0:
+            raise ValueError(f"{where}[0] must be 0 (the first bag starts at the first id), got {int(off[0])}")
+        d = np.diff(off)
+        if (d < 0).any():
+            k = int(np.argmax(d < 0))
+            raise ValueError(f"{where} must be non-decreasing: {where}[{k}] = {int(off[k])} > "
+                             f"{where}[{k + 1}] = {int(off[k + 1])}")
+        if off[-1] > len(ids):
+            raise ValueError(f"{where}[-1] = {int(off[-1])} is greater than the number of ids ({len(ids)})")
+    return off
+
+
+def _parts(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
+           padding_idx: int, include_last_offset: bool, drop_padding: bool) -> List[_Part]:
+    """The segments of a call, windowed out of their sources (views, no
+    copies) and, when asked, without the ids equal to `padding_idx`."""
+    ids_np = [_np(t) for t in ids]
+    for s, a in enumerate(ids_np):
+        if a.ndim != 1:
+            raise ValueError(f"ids must be 1-D here, got shape {tuple(a.shape)}")
+    offs: Dict[int, np.ndarray] = {}
+    parts = []
+    for k in range(0, len(segments), 3):
+        s, b0, nb = segments[k], segments[k + 1], segments[k + 2]
+        a = ids_np[s]
+        w = _np(weights[s]) if weights else None
+        if nb == WHOLE:
+            lo, hi = 0, len(a)
+            seg_off = np.array([0, len(a)], np.int64)
+        else:
+            if s not in offs:
+                offs[s] = _source_offsets(a, offsets[s], include_last_offset, s)
+            off = offs[s]
+            lo, hi = (int(off[b0]), int(off[b0 + nb])) if nb else (0, 0)
+            seg_off = off[b0:b0 + nb + 1] - lo if nb else np.zeros(1, np.int64)
+        seg_ids = a[lo:hi]
+        seg_w = None if w is None else w[lo:hi]
+        keep = None
+        if drop_padding and padding_idx >= 0 and len(seg_ids):
+            pad = seg_ids == padding_idx
+            if pad.any():
+                keep = np.flatnonzero(~pad)
+                removed = np.concatenate([np.zeros(1, np.int64), np.cumsum(pad, dtype=np.int64)])
+                seg_off = seg_off - removed[seg_off]
+                seg_ids = seg_ids[keep]
+                seg_w = None if seg_w is None else seg_w[keep]
+        parts.append(_Part(s, seg_ids, seg_off, seg_w, lo, hi - lo, keep, nb))
+    return parts
+
+
+def _bag_of(p: _Part) -> np.ndarray:
+    """The bag (output row) of each id of a pooled part."""
+    return np.repeat(np.arange(p.num_bags, dtype=np.int64), np.diff(p.offsets))
+
+
+# ------------------------------------------------------------------ forward
+@torch.library.custom_op("embedcore::lookup", mutates_args=())
+def lookup(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
+           segments: List[int], combiner: int, padding_idx: int, include_last_offset: bool,
+           grad_mode: int) -> List[Tensor]:
+    """Looks up `segments` (triples: source, first bag, number of bags, or
+    WHOLE) of the table `handle`; one float32 output per segment:
+    ``[bags, dim]`` pooled, or ``[ids, dim]`` unpooled.
+
+    `anchor` carries autograd: the weight (unfused training) or a one-element
+    tensor (fused training); its data is not read. Ids equal to `padding_idx`
+    are left out of pooled bags (and of the mean's count), as PyTorch does."""
+    table = _entry(handle).table
+    name = _COMBINER_NAMES[combiner]
+    outs = []
+    for p in _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, combiner != SEQUENCE):
+        rows = len(p.ids) if combiner == SEQUENCE else p.num_bags
+        out = torch.empty((rows, dim), dtype=torch.float32)
+        if rows:
+            table.lookup(p.ids, p.offsets, p.weights, combiner=name, out=out.numpy())
+        outs.append(out)
+    return outs
+
+
+@lookup.register_fake
+def _(anchor, handle, dim, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset, grad_mode):
+    outs = []
+    for k in range(0, len(segments), 3):
+        s, nb = segments[k], segments[k + 2]
+        if combiner != SEQUENCE:
+            rows = nb
+        elif nb == WHOLE:
+            rows = ids[s].shape[0]
+        else:
+            rows = torch.library.get_ctx().new_dynamic_size()
+        outs.append(ids[s].new_empty((rows, dim), dtype=torch.float32))
+    return outs
+
+
+# ------------------------------------------------------------------ backward
+@torch.library.custom_op("embedcore::lookup_backward", mutates_args=())
+def lookup_backward(handle: int, dim: int, rows: int, ids: List[Tensor], offsets: List[Tensor],
+                    weights: List[Tensor], segments: List[int], combiner: int, padding_idx: int,
+                    include_last_offset: bool, grad_mode: int, table_grad: bool, weight_grads: bool,
+                    grads: List[Tensor]) -> Tuple[Tensor, Tensor, List[Tensor]]:
+    """The backward of `lookup` for the segments whose outputs got gradients.
+
+    Returns ``(a, b, wgrads)``. Fused: ``a`` is the anchor's (zero) gradient,
+    after the optimizer step. Sparse: ``a`` holds one gradient row per id
+    occurrence and ``b`` its row index. Dense: ``a`` is ``[rows, dim]``.
+    ``wgrads``: the gradient of each source's weights (zero where no segment
+    reads them), computed before any update; empty unless asked."""
+    entry = _entry(handle)
+    table = entry.table
+    parts = _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, True)
+    gs = [g.contiguous() for g in grads]
+    if combiner == SEQUENCE:
+        # Unpooled: each id has its own output row; padding ids' rows get no gradient.
+        gs = [g if p.keep is None else g[torch.from_numpy(p.keep)] for p, g in zip(parts, gs)]
+
+    wgrads: List[Tensor] = []
+    if weight_grads and weights:
+        wgrads = [torch.zeros(w.shape, dtype=torch.float32) for w in weights]
+        for p, g in zip(parts, gs):
+            if not len(p.ids):
+                continue
+            embs = torch.from_numpy(table.lookup(p.ids, combiner=None))  # the rows, before any update
+            dots = (embs * g[torch.from_numpy(_bag_of(p))]).sum(1)
+            wgrads[p.source][p.positions()] += dots
+
+    empty_rows = torch.empty(0, dtype=torch.int64)
+    if not table_grad:
+        return torch.empty(0), empty_rows, wgrads
+    if grad_mode == FUSED:
+        native = []
+        for p, g in zip(parts, gs):
+            if combiner == SEQUENCE:
+                native.append((p.ids, np.array([0, len(p.ids)], np.int64), None, SEQUENCE, 0, g.numpy()))
+            else:
+                native.append((p.ids, p.offsets, p.weights, combiner, 0, g.numpy()))
+        group = entry.group
+        lr = table.learning_rate()
+        if group is not None and not callable(table.optimizer.learning_rate):
+            lr = float(group["lr"])
+        table._native.apply_gradients(native, lr)
+        if group is not None and callable(table.optimizer.learning_rate):
+            group["lr"] = table.learning_rate()
+        return torch.zeros(1), empty_rows, wgrads
+
+    values, index = [], []
+    for p, g in zip(parts, gs):
+        if combiner == SEQUENCE:
+            values.append(g)
+        else:
+            n = np.diff(p.offsets).astype(np.float32)
+            if combiner == SUM:
+                scale = np.ones(len(p.ids), np.float32) if p.weights is None else p.weights.astype(np.float32)
+            elif combiner == MEAN:
+                scale = np.repeat(1.0 / np.maximum(n, 1.0), n.astype(np.int64)).astype(np.float32)
+            else:  # sqrtn
+                scale = np.repeat(1.0 / np.sqrt(np.maximum(n, 1.0)), n.astype(np.int64)).astype(np.float32)
+            values.append(g[torch.from_numpy(_bag_of(p))] * torch.from_numpy(scale)[:, None])
+        index.append(torch.from_numpy(p.ids.astype(np.int64, copy=False)))
+    v = torch.cat(values) if values else torch.empty((0, dim))
+    i = torch.cat(index) if index else empty_rows
+    if grad_mode == SPARSE:
+        return v, i, wgrads
+    return torch.zeros((rows, dim)).index_add_(0, i, v), empty_rows, wgrads
+
+
+@lookup_backward.register_fake
+def _(handle, dim, rows, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset, grad_mode,
+      table_grad, weight_grads, grads):
+    like = grads[0] if grads else ids[0]
+    empty_rows = like.new_empty((0,), dtype=torch.int64)
+    wgrads = [w.new_empty(w.shape, dtype=torch.float32) for w in weights] if weight_grads and weights else []
+    if not table_grad:
+        return like.new_empty((0,), dtype=torch.float32), empty_rows, wgrads
+    if grad_mode == FUSED:
+        return like.new_empty((1,), dtype=torch.float32), empty_rows, wgrads
+    if grad_mode == SPARSE:
+        n = torch.library.get_ctx().new_dynamic_size()
+        return like.new_empty((n, dim), dtype=torch.float32), like.new_empty((n,), dtype=torch.int64), wgrads
+    return like.new_empty((rows, dim), dtype=torch.float32), empty_rows, wgrads
+
+
+# ------------------------------------------------------------------ autograd
+def _setup_context(ctx, inputs, output):
+    (anchor, handle, dim, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset,
+     grad_mode) = inputs
+    ctx.set_materialize_grads(False)
+    ctx.args = (handle, dim, segments, combiner, padding_idx, include_last_offset, grad_mode)
+    ctx.table_shape = tuple(anchor.shape)
+    ctx.table_dtype = anchor.dtype
+    ctx.table_grad = anchor.requires_grad
+    ctx.weight_grads = any(w.requires_grad for w in weights)
+    ctx.counts = (len(ids), len(offsets), len(weights))
+    ctx.save_for_backward(*ids, *offsets, *weights)
+
+
+def _backward(ctx, grads):
+    handle, dim, segments, combiner, padding_idx, include_last_offset, grad_mode = ctx.args
+    n_ids, n_off, n_w = ctx.counts
+    saved = ctx.saved_tensors
+    ids, offsets, weights = list(saved[:n_ids]), list(saved[n_ids:n_ids + n_off]), list(saved[n_ids + n_off:])
+    # Only the segments whose outputs were used get a gradient (and an update).
+    used_segments: List[int] = []
+    used_grads: List[Tensor] = []
+    for k, g in enumerate(grads):
+        if g is not None:
+            used_segments.extend(segments[3 * k:3 * k + 3])
+            used_grads.append(g)
+    none_lists = ([None] * n_ids, [None] * n_off)
+    if not used_grads:
+        return (None, None, None, *none_lists, [None] * n_w, None, None, None, None, None)
+    rows = ctx.table_shape[0] if grad_mode != FUSED else 0
+    a, b, wgrads = lookup_backward(handle, dim, rows, ids, offsets, weights, used_segments, combiner, padding_idx,
+                                   include_last_offset, grad_mode, ctx.table_grad, ctx.weight_grads, used_grads)
+    if not ctx.table_grad:
+        table_grad = None
+    elif grad_mode == FUSED:
+        table_grad = a
+    elif grad_mode == SPARSE:
+        table_grad = torch.sparse_coo_tensor(b.unsqueeze(0), a.to(ctx.table_dtype), ctx.table_shape,
+                                             check_invariants=False)
+    else:
+        table_grad = a.to(ctx.table_dtype)
+    weight_grads = list(wgrads) if ctx.weight_grads else [None] * n_w
+    return (table_grad, None, None, *none_lists, weight_grads, None, None, None, None, None)
+
+
+lookup.register_autograd(_backward, setup_context=_setup_context)

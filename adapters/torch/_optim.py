@@ -1,0 +1,103 @@
+"""``FusedOptimizer``: the engine optimizers of fused tables, shaped like
+TorchRec's ``fused_optimizer`` (a ``torch.optim.Optimizer``)."""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["FusedOptimizer"]
+
+# Other names a slot goes by: PyTorch's optimizers and FBGEMM / TorchRec's
+# ("momentum1" / "momentum2": the optimizer's first / second slot).
+_ALIASES = {"sum": "accumulators", "exp_avg": "momenta", "exp_avg_sq": "velocities"}
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """The optimizers of the fused tables in `module`.
+
+    Updates happen inside ``backward()``; ``step()`` and ``zero_grad()`` do
+    nothing, so the object can sit beside a dense optimizer in a training
+    loop. One param group per table, with its ``"lr"``: a float learning
+    rate set here (by hand or by a ``torch.optim.lr_scheduler``) is the one
+    the next update uses; a schedule given to the embedcore optimizer as a
+    callable rules instead, and ``"lr"`` then shows its next value.
+
+    ``state_dict()``: ``{"state": {"<module path>.weight": {"step": int64
+    tensor, "<slot>": [rows, dim] float32 view of the engine's slot}},
+    "param_groups": [{"params": [key], "lr": ..., "table": name, "optimizer":
+    class name}]}``. ``load_state_dict`` copies slots into the engine and
+    accepts PyTorch's slot names (``sum``, ``exp_avg``, ``exp_avg_sq``) and
+    TorchRec's (``momentum1``, ``momentum2``, also prefixed by the table name).
+    """
+
+    def __init__(self, module: nn.Module):
+        from ._modules import _TableModule
+
+        self._entries: List[Tuple[str, _TableModule]] = []
+        for prefix, m in module.named_modules():
+            if isinstance(m, _TableModule) and m.fused:
+                self._entries.append((f"{prefix}.weight" if prefix else "weight", m))
+        if not self._entries:
+            raise ValueError(f"{type(module).__name__} has no table trained fused (give it an embedcore optimizer)")
+        super().__init__([m._group for _, m in self._entries], {})
+
+    def step(self, closure=None):
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        state: Dict[str, dict] = {}
+        groups = []
+        for key, m in self._entries:
+            state[key] = {"step": torch.tensor(m._table.step, dtype=torch.int64), **m._slots}
+            groups.append({**{k: v for k, v in m._group.items() if k != "params"}, "params": [key]})
+        return {"state": state, "param_groups": groups}
+
+    def _slot_name(self, m, name: str) -> str:
+        names = m._table.slot_names
+        short = name.rsplit(".", 1)[-1]
+        if short in names:
+            return short
+        if short in _ALIASES and _ALIASES[short] in names:
+            return _ALIASES[short]
+        if short in ("momentum1", "momentum2") and len(names) >= int(short[-1]):
+            return names[int(short[-1]) - 1]
+        raise KeyError(f"table '{m._table.name}' ({type(m._table.optimizer).__name__}) has no slot {name!r}; "
+                       f"its slots are {list(names)}")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        by_key = dict(self._entries)
+        plan = []
+        for key, s in state_dict.get("state", {}).items():
+            if key not in by_key:
+                raise KeyError(f"optimizer state for {key!r}, which is not a fused table of this module "
+                               f"(those are {list(by_key)})")
+            m = by_key[key]
+            for name, value in s.items():
+                if name == "step":
+                    plan.append((m, None, int(value)))
+                    continue
+                slot = self._slot_name(m, name)
+                value = torch.as_tensor(value)
+                if tuple(value.shape) != tuple(m._slots[slot].shape):
+                    raise ValueError(f"{key}: slot {name!r} must have shape {tuple(m._slots[slot].shape)}, "
+                                     f"got {tuple(value.shape)}")
+                plan.append((m, slot, value))
+        lrs = []
+        for g in state_dict.get("param_groups", []):
+            for key in g.get("params", []):
+                if key in by_key and "lr" in g:
+                    lrs.append((by_key[key], float(g["lr"])))
+        # Everything checked; now change the tables.
+        with torch.no_grad():
+            for m, slot, value in plan:
+                if slot is None:
+                    m._table.step = value
+                else:
+                    m._slots[slot].copy_(value)
+        for m, lr in lrs:
+            m._group["lr"] = lr

@@ -1,0 +1,639 @@
+// core/checkpoint/: save / load round trips (values, slots, step, every dtype
+// and optimizer, casts), the checks on untrusted input (corrupt, truncated or
+// missing files, forged manifests), atomic generations, and memory-mapped
+// serving with lazy and eager verification.
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <stdexcept>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "checkpoint/crc32c.h"
+#include "checkpoint/format.h"
+#include "checkpoint/manifest.h"
+#include "embedcore/embedcore.h"
+#include "test_util.h"
+
+using namespace embedcore;
+namespace ck = embedcore::checkpoint;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A fresh directory under $TMPDIR (or /tmp), removed with everything in it.
+struct TempDir {
+  std::string path;
+  TempDir() {
+    const char* base = std::getenv("TMPDIR");
+    std::string tmpl = std::string(base != nullptr && *base != '\0' ? base : "/tmp") + "/embedcore_ckpt_XXXXXX";
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back('\0');
+    if (::mkdtemp(buf.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + tmpl);
+    path = buf.data();
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string Sub(const std::string& name) const { return path + "/" + name; }
+};
+
+std::vector<char> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void WriteFile(const std::string& path, const std::vector<char>& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), std::streamsize(bytes.size()));
+}
+
+void FlipByte(const std::string& path, uint64_t offset) {
+  std::vector<char> b = ReadFile(path);
+  b.at(size_t(offset)) ^= 0x20;
+  WriteFile(path, b);
+}
+
+TableSpec Spec(const std::string& name, int64_t rows, int64_t dim, DType dtype, OptimizerSpec::Kind opt,
+               uint64_t seed) {
+  TableSpec s;
+  s.name = name;
+  s.rows = rows;
+  s.dim = dim;
+  s.dtype = dtype;
+  s.initializer.kind = InitializerSpec::Kind::kUniform;
+  s.initializer.a = -1.0;
+  s.initializer.b = 1.0;
+  s.initializer.seed = seed;
+  s.optimizer.kind = opt;
+  return s;
+}
+
+// A few steps of training, so slots and step are not at their defaults.
+void Train(Table& t, int steps, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int64_t> id(0, t.rows() - 1);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int s = 0; s < steps; ++s) {
+    std::vector<int64_t> ids(64), offsets(65);
+    for (size_t i = 0; i < 64; ++i) {
+      ids[i] = id(rng);
+      offsets[i + 1] = int64_t(i + 1);
+    }
+    std::vector<float> grads(size_t(64 * t.dim()));
+    for (float& g : grads) g = normal(rng);
+    GradientPart p;
+    p.batch.ids = ids.data();
+    p.batch.nnz = 64;
+    p.batch.offsets = offsets.data();
+    p.batch.num_bags = 64;
+    p.shape.combiner = Combiner::kSum;
+    p.grads = grads.data();
+    t.ApplyGradients({p}, 0.1f);
+  }
+}
+
+std::vector<uint8_t> RawValues(const Table& t) {
+  const uint8_t* p = static_cast<const uint8_t*>(t.values());
+  return std::vector<uint8_t>(p, p + t.value_bytes());
+}
+
+std::vector<float> SlotCopy(const Table& t, size_t i) { return std::vector<float>(t.slot(i), t.slot(i) + t.rows() * t.dim()); }
+
+struct TableState {
+  std::vector<uint8_t> values;
+  std::vector<std::vector<float>> slots;
+  int64_t step;
+  bool operator==(const TableState& o) const { return values == o.values && slots == o.slots && step == o.step; }
+};
+TableState StateOf(const Table& t) {
+  TableState s{RawValues(t), {}, t.step()};
+  for (size_t i = 0; i < t.num_slots(); ++i) s.slots.push_back(SlotCopy(t, i));
+  return s;
+}
+
+const TableEntry& Entry(const CheckpointInfo& info, const std::string& name) {
+  for (const TableEntry& e : info.tables)
+    if (e.name == name) return e;
+  throw std::runtime_error("no table " + name);
+}
+
+std::vector<std::string> DirNames(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Saves one small trained table and returns its checkpoint directory's info.
+struct Saved {
+  TempDir dir;
+  std::string path;
+  std::unique_ptr<Table> table;
+  CheckpointInfo info;
+};
+std::unique_ptr<Saved> SaveOne(OptimizerSpec::Kind opt = OptimizerSpec::Kind::kAdagrad, int64_t rows = 50,
+                               int64_t dim = 7) {
+  auto s = std::make_unique<Saved>();
+  s->path = s->dir.Sub("ckpt");
+  s->table = std::make_unique<Table>(Spec("item", rows, dim, DType::kFloat32, opt, 3));
+  Train(*s->table, 3, 1);
+  SaveCheckpoint(s->path, {{s->table.get(), "{\"combiner\": \"mean\"}"}}, SaveOptions{});
+  s->info = ReadCheckpointInfo(s->path);
+  return s;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------ round trips
+EMBEDCORE_TEST(RoundTripEveryDtypeAndOptimizer) {
+  using K = OptimizerSpec::Kind;
+  TempDir dir;
+  const std::string path = dir.Sub("ckpt");
+  std::vector<std::unique_ptr<Table>> tables;
+  std::vector<TableToSave> to_save;
+  const DType dtypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+  const K kinds[] = {K::kSGD, K::kAdagrad, K::kAdam, K::kFTRL};
+  for (int d = 0; d < 3; ++d) {
+    for (int k = 0; k < 4; ++k) {
+      TableSpec spec = Spec("t" + std::to_string(d) + std::to_string(k), 30 + d * 7 + k, 5 + k, dtypes[d], kinds[k],
+                            uint64_t(10 * d + k));
+      spec.optimizer.has_clipvalue = k == 2;
+      spec.optimizer.clip_gradient_min = -1.0f;
+      spec.optimizer.clip_gradient_max = 2.0f;
+      tables.push_back(std::make_unique<Table>(spec));
+      Train(*tables.back(), 2 + k, uint32_t(d * 4 + k));
+      to_save.push_back({tables.back().get(), "{\"i\": " + std::to_string(d * 4 + k) + "}"});
+    }
+  }
+  SaveOptions opts;
+  opts.metadata_json = "{\"kind\": \"table\", \"note\": \"round trip\"}";
+  SaveCheckpoint(path, to_save, opts);
+
+  const CheckpointInfo info = ReadCheckpointInfo(path);
+  EMBEDCORE_EXPECT_EQ(info.format_major, 1);
+  EMBEDCORE_EXPECT_EQ(info.format_minor, 0);
+  EMBEDCORE_EXPECT_EQ(info.library_version, std::string(EMBEDCORE_VERSION_STRING));
+  EMBEDCORE_EXPECT_EQ(info.generation, uint64_t(1));
+  EMBEDCORE_EXPECT_EQ(info.tables.size(), tables.size());
+  EMBEDCORE_EXPECT(info.metadata_json.find("round trip") != std::string::npos);
+  EMBEDCORE_EXPECT_NO_THROW(VerifyCheckpoint(info, true));
+
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const Table& src = *tables[i];
+    const TableEntry& e = Entry(info, src.spec().name);
+    EMBEDCORE_EXPECT_EQ(e.rows, src.rows());
+    EMBEDCORE_EXPECT_EQ(e.dim, src.dim());
+    EMBEDCORE_EXPECT(e.dtype == src.spec().dtype);
+    EMBEDCORE_EXPECT(e.has_optimizer);
+    EMBEDCORE_EXPECT(e.optimizer.kind == src.spec().optimizer.kind);
+    EMBEDCORE_EXPECT_EQ(e.optimizer.has_clipvalue, src.spec().optimizer.has_clipvalue);
+    EMBEDCORE_EXPECT_EQ(e.step, src.step());
+    EMBEDCORE_EXPECT(e.slot_names == src.spec().optimizer.SlotNames());
+    EMBEDCORE_EXPECT_EQ(e.initializer.seed, src.spec().initializer.seed);
+    EMBEDCORE_EXPECT(e.config_json.find("\"i\"") != std::string::npos);
+
+    // Into a fresh table with another initializer: everything comes back bit for bit.
+    TableSpec spec = src.spec();
+    spec.initializer.seed += 1000;
+    Table dst(spec);
+    EMBEDCORE_EXPECT(!(StateOf(dst) == StateOf(src)));
+    LoadTable(info, e, dst, true);
+    EMBEDCORE_EXPECT_MSG(StateOf(dst) == StateOf(src), "table " << src.spec().name);
+
+    // Values only: slots and step stay as they were.
+    Table values_only(spec);
+    const TableState before = StateOf(values_only);
+    LoadTable(info, e, values_only, false);
+    EMBEDCORE_EXPECT(RawValues(values_only) == RawValues(src));
+    EMBEDCORE_EXPECT_EQ(values_only.step(), before.step);
+    for (size_t s = 0; s < values_only.num_slots(); ++s) EMBEDCORE_EXPECT(SlotCopy(values_only, s) == before.slots[s]);
+  }
+}
+
+EMBEDCORE_TEST(ValuesOnlyExportAndCast) {
+  TempDir dir;
+  Table src(Spec("emb", 40, 9, DType::kFloat32, OptimizerSpec::Kind::kAdam, 5));
+  Train(src, 2, 9);
+  for (DType to : {DType::kFloat16, DType::kBFloat16}) {
+    const std::string path = dir.Sub(std::string("export_") + DTypeName(to));
+    SaveOptions opts;
+    opts.include_optimizer = false;
+    opts.cast_values = true;
+    opts.values_dtype = to;
+    SaveCheckpoint(path, {{&src, "{}"}}, opts);
+    const CheckpointInfo info = ReadCheckpointInfo(path);
+    const TableEntry& e = info.tables.at(0);
+    EMBEDCORE_EXPECT(!e.has_optimizer);
+    EMBEDCORE_EXPECT(e.slots.empty());
+    EMBEDCORE_EXPECT(e.values.at(0).dtype == to);
+    EMBEDCORE_EXPECT(e.dtype == DType::kFloat32);  // the table's dtype when saved
+    // Loaded into a float32 table: the values rounded to `to` and back.
+    Table f32(Spec("emb", 40, 9, DType::kFloat32, OptimizerSpec::Kind::kSGD, 6));
+    LoadTable(info, e, f32, true);  // no optimizer state saved: values only
+    std::vector<float> want(40 * 9), got(40 * 9);
+    src.ReadValues(0, 40, want.data());
+    f32.ReadValues(0, 40, got.data());
+    Table rounded(Spec("emb", 40, 9, to, OptimizerSpec::Kind::kSGD, 6));
+    rounded.AssignValues(0, 40, want.data());
+    rounded.ReadValues(0, 40, want.data());
+    int64_t diffs = 0;
+    for (size_t i = 0; i < got.size(); ++i) diffs += embedcore_test::Bits(got[i]) != embedcore_test::Bits(want[i]);
+    EMBEDCORE_EXPECT_EQ(diffs, int64_t(0));
+    // And into a table of `to` itself: the same bits as a direct store.
+    Table same(Spec("emb", 40, 9, to, OptimizerSpec::Kind::kSGD, 7));
+    LoadTable(info, e, same, false);
+    EMBEDCORE_EXPECT(RawValues(same) == RawValues(rounded));
+    EMBEDCORE_EXPECT_EQ(f32.step(), int64_t(0));
+  }
+  // Only float32 tables can be cast.
+  Table half(Spec("h", 4, 4, DType::kFloat16, OptimizerSpec::Kind::kSGD, 1));
+  SaveOptions cast;
+  cast.cast_values = true;
+  cast.values_dtype = DType::kBFloat16;
+  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("bad_cast"), {{&half, "{}"}}, cast), InvalidArgument,
+                          "only float32 tables can be cast");
+}
+
+EMBEDCORE_TEST(LoadConvertsBetweenDtypes) {
+  TempDir dir;
+  Table bf(Spec("x", 25, 6, DType::kBFloat16, OptimizerSpec::Kind::kSGD, 2));
+  SaveCheckpoint(dir.Sub("c"), {{&bf, "{}"}}, SaveOptions{});
+  const CheckpointInfo info = ReadCheckpointInfo(dir.Sub("c"));
+  Table f32(Spec("x", 25, 6, DType::kFloat32, OptimizerSpec::Kind::kSGD, 3));
+  LoadTable(info, info.tables[0], f32, true);
+  std::vector<float> a(150), b(150);
+  bf.ReadValues(0, 25, a.data());
+  f32.ReadValues(0, 25, b.data());
+  EMBEDCORE_EXPECT(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);  // bfloat16 -> float32 is exact
+}
+
+EMBEDCORE_TEST(LookupAfterLoadEqualsOriginal) {
+  auto s = SaveOne(OptimizerSpec::Kind::kFTRL, 300, 16);
+  TableSpec spec = s->table->spec();
+  spec.initializer.seed = 99;
+  Table dst(spec);
+  LoadTable(s->info, s->info.tables[0], dst, true);
+  std::vector<int64_t> ids = {0, 5, 299, 5, 17, 42, 42, 42};
+  std::vector<int64_t> offsets = {0, 3, 3, 8};
+  Batch b;
+  b.ids = ids.data();
+  b.nnz = int64_t(ids.size());
+  b.offsets = offsets.data();
+  b.num_bags = 3;
+  std::vector<float> o1(3 * 16), o2(3 * 16);
+  s->table->Lookup(b, OutputShape{Combiner::kSqrtn, 0}, o1.data());
+  dst.Lookup(b, OutputShape{Combiner::kSqrtn, 0}, o2.data());
+  EMBEDCORE_EXPECT(std::memcmp(o1.data(), o2.data(), o1.size() * sizeof(float)) == 0);
+}
+
+// ------------------------------------------------------------ what the loader refuses
+EMBEDCORE_TEST(LoadRefusesMismatchedTables) {
+  auto s = SaveOne(OptimizerSpec::Kind::kAdagrad, 50, 7);
+  const TableEntry& e = s->info.tables[0];
+  Table wrong_rows(Spec("item", 51, 7, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 1));
+  EMBEDCORE_EXPECT_THROWS(LoadTable(s->info, e, wrong_rows, true), CheckpointError, "is 50 x 7");
+  Table wrong_dim(Spec("item", 50, 8, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 1));
+  EMBEDCORE_EXPECT_THROWS(CheckLoadable(s->info, e, wrong_dim, false), CheckpointError, "50 x 8");
+  Table adam(Spec("item", 50, 7, DType::kFloat32, OptimizerSpec::Kind::kAdam, 1));
+  const TableState before = StateOf(adam);
+  EMBEDCORE_EXPECT_THROWS(LoadTable(s->info, e, adam, true), CheckpointError, "include_optimizer=False");
+  EMBEDCORE_EXPECT(StateOf(adam) == before);
+  EMBEDCORE_EXPECT_NO_THROW(LoadTable(s->info, e, adam, false));  // values only: fine
+  EMBEDCORE_EXPECT(RawValues(adam) == RawValues(*s->table));
+}
+
+EMBEDCORE_TEST(CorruptPayloadLeavesTargetUnchanged) {
+  auto s = SaveOne(OptimizerSpec::Kind::kAdam, 64, 8);
+  const TableEntry& e = s->info.tables[0];
+  Table dst(Spec("item", 64, 8, DType::kFloat32, OptimizerSpec::Kind::kAdam, 77));
+  const TableState before = StateOf(dst);
+  // A flipped byte in the values payload, then in a slot.
+  const std::string values_file = s->path + "/" + e.values[0].path;
+  FlipByte(values_file, ck::kDataOffset + 123);
+  EMBEDCORE_EXPECT_THROWS(LoadTable(s->info, e, dst, true), CheckpointError, "checksum mismatch in block 0");
+  EMBEDCORE_EXPECT_THROWS(VerifyCheckpoint(s->info, false), CheckpointError, e.values[0].path);
+  EMBEDCORE_EXPECT(StateOf(dst) == before);
+  FlipByte(values_file, ck::kDataOffset + 123);  // repaired
+  EMBEDCORE_EXPECT_NO_THROW(VerifyCheckpoint(s->info, true));
+
+  const std::string slot_file = s->path + "/" + e.slots[1][0].path;
+  FlipByte(slot_file, ck::kDataOffset + 8 * 64 * 4 - 1);  // the last byte
+  EMBEDCORE_EXPECT_THROWS(LoadTable(s->info, e, dst, true), CheckpointError, "checksum mismatch");
+  EMBEDCORE_EXPECT(StateOf(dst) == before);
+  EMBEDCORE_EXPECT_NO_THROW(LoadTable(s->info, e, dst, false));  // the values are fine
+  EMBEDCORE_EXPECT_THROWS(VerifyTable(s->info, e, true, false), CheckpointError, e.slots[1][0].path);
+  EMBEDCORE_EXPECT_NO_THROW(VerifyTable(s->info, e, false, false));
+}
+
+EMBEDCORE_TEST(CorruptHeadersAndPadding) {
+  auto s = SaveOne();
+  const TableEntry& e = s->info.tables[0];
+  const std::string file = s->path + "/" + e.values[0].path;
+  const std::vector<char> good = ReadFile(file);
+  // Any header byte (the header checksum covers it), and the padding.
+  for (uint64_t off : {uint64_t(0), uint64_t(9), uint64_t(21), uint64_t(30), uint64_t(57), uint64_t(62),
+                       uint64_t(64), uint64_t(4095)}) {
+    FlipByte(file, off);
+    EMBEDCORE_EXPECT_THROWS(VerifyTable(s->info, e, false, false), CheckpointError, e.values[0].path);
+    WriteFile(file, good);
+  }
+  EMBEDCORE_EXPECT_NO_THROW(VerifyTable(s->info, e, false, false));
+}
+
+EMBEDCORE_TEST(TruncatedAndMissingFiles) {
+  auto s = SaveOne();
+  const TableEntry& e = s->info.tables[0];
+  const std::string file = s->path + "/" + e.values[0].path;
+  const std::vector<char> good = ReadFile(file);
+  WriteFile(file, std::vector<char>(good.begin(), good.end() - 1));
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(s->path), CheckpointError, "(truncated)");
+  EMBEDCORE_EXPECT_THROWS(VerifyTable(s->info, e, false, false), CheckpointError, "truncated");
+  std::vector<char> longer = good;
+  longer.push_back(0);
+  WriteFile(file, longer);
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(s->path), CheckpointError, "the manifest says");
+  ::unlink(file.c_str());
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(s->path), CheckpointError, "missing file");
+  WriteFile(file, good);
+  EMBEDCORE_EXPECT_NO_THROW(ReadCheckpointInfo(s->path));
+
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(s->dir.Sub("nowhere")), CheckpointError, "no such checkpoint directory");
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(file), CheckpointError, "not a checkpoint directory");
+  const std::string empty = s->dir.Sub("empty");
+  ::mkdir(empty.c_str(), 0755);
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(empty), CheckpointError, "MANIFEST: missing file");
+}
+
+EMBEDCORE_TEST(CorruptManifest) {
+  auto s = SaveOne();
+  const std::string manifest = s->path + "/MANIFEST";
+  const std::vector<char> good = ReadFile(manifest);
+  FlipByte(manifest, 64 + 10);  // in the JSON
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(s->path), CheckpointError, "checksum mismatch: the manifest is corrupt");
+  WriteFile(manifest, good);
+  FlipByte(manifest, 3);  // the magic
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(s->path), CheckpointError, "wrong magic");
+  WriteFile(manifest, good);
+  FlipByte(manifest, 50);  // payload_bytes: caught by the header checksum
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(s->path), CheckpointError, "header checksum mismatch");
+  WriteFile(manifest, std::vector<char>(good.begin(), good.end() - 5));
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(s->path), CheckpointError, "truncated");
+  WriteFile(manifest, std::vector<char>(good.begin(), good.begin() + 20));
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(s->path), CheckpointError, "truncated");
+  WriteFile(manifest, {});
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(s->path), CheckpointError, "truncated");
+
+  // A newer major version, with a valid header checksum: refused by name.
+  std::vector<char> newer = good;
+  ck::FileHeader h;
+  std::memcpy(&h, newer.data(), sizeof(h));
+  h.format_major = 2;
+  h.header_crc32c = ck::Crc32c(&h, 60);
+  std::memcpy(newer.data(), &h, sizeof(h));
+  WriteFile(manifest, newer);
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(s->path), CheckpointError, "newer than this library reads");
+  // A huge claimed size is refused before any allocation.
+  std::memcpy(&h, good.data(), sizeof(h));
+  h.payload_bytes = uint64_t(1) << 40;
+  h.header_crc32c = ck::Crc32c(&h, 60);
+  std::vector<char> huge = good;
+  std::memcpy(huge.data(), &h, sizeof(h));
+  WriteFile(manifest, huge);
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(s->path), CheckpointError, "over the limit");
+  WriteFile(manifest, good);
+  EMBEDCORE_EXPECT_NO_THROW(ReadCheckpointInfo(s->path));
+}
+
+namespace {
+std::string Replace(std::string s, const std::string& from, const std::string& to) {
+  const size_t at = s.find(from);
+  if (at == std::string::npos) throw std::runtime_error("manifest lacks " + from);
+  return s.replace(at, from.size(), to);
+}
+}  // namespace
+
+EMBEDCORE_TEST(ForgedManifestFields) {
+  // ParseManifest sees the JSON as untrusted: every forged field is refused
+  // with the field named.
+  auto s = SaveOne(OptimizerSpec::Kind::kAdagrad, 50, 7);
+  const std::string json = s->info.manifest_json;
+  const std::string path = s->info.tables[0].values[0].path;
+  EMBEDCORE_EXPECT_NO_THROW(ck::ParseManifest("M", json));
+  struct Case {
+    std::string from, to, expect;
+  };
+  const std::vector<Case> cases = {
+      {"\"" + path + "\"", "\"../" + path + "\"", "not a plain file name"},
+      {"\"" + path + "\"", "\"/etc/passwd\"", "not a plain file name"},
+      {"\"" + path + "\"", "\"a/b.ecd\"", "not a plain file name"},
+      {"\"" + path + "\"", "\"..\"", "not a plain file name"},
+      {"\"" + path + "\"", "\"\"", "not a plain file name"},
+      {"\"format\": \"embedcore.checkpoint\"", "\"format\": \"other\"", "manifest.format"},
+      {"\"format_version\": [", "\"format_version\": [9, 0], \"x\": [", "newer than this library reads"},
+      {"\"byte_order\": \"little\"", "\"byte_order\": \"big\"", "byte_order"},
+      {"\"rows\": 50", "\"rows\": -50", "tables[0].rows"},
+      {"\"rows\": 50", "\"rows\": 4611686018427387904", "too large"},
+      {"\"dim\": 7", "\"dim\": \"7\"", "tables[0].dim must be an integer"},
+      {"\"dtype\": \"float32\"", "\"dtype\": \"float64\"", "unknown dtype"},
+      {"\"block_bytes\": 4194304", "\"block_bytes\": 4194303", "power of two"},
+      {"\"block_bytes\": 4194304", "\"block_bytes\": 16", "block_bytes"},
+      {"\"cols\": 7", "\"cols\": 6", "cols"},
+      {"\"row_start\": 0", "\"row_start\": 1", "values[0].rows = 50 is outside [0, 49]"},
+      {"\"kind\": \"adagrad\"", "\"kind\": \"lion\"", "unknown optimizer"},
+      {"\"initial_accumulator_value\":", "\"initial_accumulator_value\": -1, \"x\":", "initial_accumulator_value"},
+      {"\"step\": 3", "\"step\": -3", "step"},
+      {"\"accumulators\"", "\"momenta\"", "slots"},
+      {"\"generation\": 1", "\"generation\": 1.5", "generation must be an integer"},
+      {"\"metadata\": {", "\"metadata\": [{", "JSON"},
+  };
+  for (const Case& c : cases) {
+    std::string forged;
+    try {
+      forged = Replace(json, c.from, c.to);
+    } catch (const std::exception& e) {
+      embedcore_test::Fail(__FILE__, __LINE__, std::string("test setup: ") + e.what());
+      continue;
+    }
+    EMBEDCORE_EXPECT_THROWS(ck::ParseManifest("M", forged), CheckpointError, c.expect);
+  }
+  // Not JSON at all, or not an object.
+  EMBEDCORE_EXPECT_THROWS(ck::ParseManifest("M", "{"), CheckpointError, "not valid JSON");
+  EMBEDCORE_EXPECT_THROWS(ck::ParseManifest("M", "[]"), CheckpointError, "M:");
+  EMBEDCORE_EXPECT_THROWS(ck::ParseManifest("M", ""), CheckpointError, "not valid JSON");
+  // A file's size that does not fit its shape.
+  const std::string bytes = "\"bytes\": " + std::to_string(s->info.tables[0].values[0].bytes);
+  EMBEDCORE_EXPECT_THROWS(ck::ParseManifest("M", Replace(json, bytes, "\"bytes\": 4096")), CheckpointError,
+                          "does not fit");
+  // More checksums than blocks.
+  const std::string crc = "\"crc32c\": [";
+  EMBEDCORE_EXPECT_THROWS(ck::ParseManifest("M", Replace(json, crc, crc + "1, ")), CheckpointError, "crc32c");
+}
+
+EMBEDCORE_TEST(ManifestRoundTrip) {
+  auto s = SaveOne(OptimizerSpec::Kind::kFTRL, 20, 3);
+  const CheckpointInfo again = ck::ParseManifest("M", ck::BuildManifest(s->info));
+  EMBEDCORE_EXPECT_EQ(again.generation, s->info.generation);
+  EMBEDCORE_EXPECT_EQ(again.tables.size(), size_t(1));
+  const TableEntry &a = again.tables[0], &b = s->info.tables[0];
+  EMBEDCORE_EXPECT_EQ(a.name, b.name);
+  EMBEDCORE_EXPECT_EQ(a.values[0].crc32c.size(), b.values[0].crc32c.size());
+  EMBEDCORE_EXPECT(a.values[0].crc32c == b.values[0].crc32c);
+  EMBEDCORE_EXPECT(a.slot_names == b.slot_names);
+  EMBEDCORE_EXPECT_EQ(a.optimizer.l1, b.optimizer.l1);
+  EMBEDCORE_EXPECT_EQ(a.optimizer.learning_rate_power, b.optimizer.learning_rate_power);
+  EMBEDCORE_EXPECT_EQ(a.config_json, b.config_json);
+}
+
+// ------------------------------------------------------------ saving
+EMBEDCORE_TEST(SaveArgumentErrors) {
+  TempDir dir;
+  Table a(Spec("same", 4, 2, DType::kFloat32, OptimizerSpec::Kind::kSGD, 1));
+  Table b(Spec("same", 4, 2, DType::kFloat32, OptimizerSpec::Kind::kSGD, 2));
+  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("x"), {{&a, "{}"}, {&b, "{}"}}, SaveOptions{}), InvalidArgument,
+                          "two tables are named 'same'");
+  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("x"), {{nullptr, "{}"}}, SaveOptions{}), InvalidArgument,
+                          "null table");
+  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("x"), {{&a, "[1]"}}, SaveOptions{}), InvalidArgument,
+                          "JSON object");
+  SaveOptions bad_meta;
+  bad_meta.metadata_json = "{not json";
+  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("x"), {{&a, "{}"}}, bad_meta), InvalidArgument, "metadata");
+  EMBEDCORE_EXPECT(!fs::exists(dir.Sub("x")));  // refused before anything was written
+  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("no/such/parent"), {{&a, "{}"}}, SaveOptions{}), IoError, "mkdir");
+  WriteFile(dir.Sub("file"), {'x'});
+  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("file"), {{&a, "{}"}}, SaveOptions{}), IoError, "not a directory");
+  // An empty checkpoint is valid.
+  EMBEDCORE_EXPECT_NO_THROW(SaveCheckpoint(dir.Sub("empty"), {}, SaveOptions{}));
+  EMBEDCORE_EXPECT_EQ(ReadCheckpointInfo(dir.Sub("empty")).tables.size(), size_t(0));
+}
+
+EMBEDCORE_TEST(GenerationsReplaceAtomically) {
+  TempDir dir;
+  const std::string path = dir.Sub("ckpt");
+  Table t(Spec("g", 30, 4, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 1));
+  SaveCheckpoint(path, {{&t, "{}"}}, SaveOptions{});
+  EMBEDCORE_EXPECT_EQ(ReadCheckpointInfo(path).generation, uint64_t(1));
+  const std::vector<std::string> gen1 = DirNames(path);
+  EMBEDCORE_EXPECT_EQ(gen1.size(), size_t(3));  // MANIFEST, values, accumulators
+
+  // Leftovers of a save killed half-way (a later generation's data file and
+  // temporary manifest) and a stranger's file: the old checkpoint still loads.
+  const CheckpointInfo info1 = ReadCheckpointInfo(path);
+  const std::string values1 = path + "/" + info1.tables[0].values[0].path;
+  WriteFile(path + "/t00000.values.g000000000005.ecd", {'p', 'a', 'r', 't'});
+  WriteFile(path + "/MANIFEST.tmp.g000000000005", {'x'});
+  WriteFile(path + "/notes.txt", {'k', 'e', 'e', 'p'});
+  EMBEDCORE_EXPECT_NO_THROW(VerifyCheckpoint(ReadCheckpointInfo(path), false));
+
+  // The next save goes above every generation present and removes the rest.
+  Train(t, 2, 3);
+  SaveCheckpoint(path, {{&t, "{}"}}, SaveOptions{});
+  const CheckpointInfo info2 = ReadCheckpointInfo(path);
+  EMBEDCORE_EXPECT_EQ(info2.generation, uint64_t(6));
+  EMBEDCORE_EXPECT(!fs::exists(values1));
+  EMBEDCORE_EXPECT(!fs::exists(path + "/t00000.values.g000000000005.ecd"));
+  EMBEDCORE_EXPECT(!fs::exists(path + "/MANIFEST.tmp.g000000000005"));
+  EMBEDCORE_EXPECT(fs::exists(path + "/notes.txt"));  // not ours: never deleted
+  EMBEDCORE_EXPECT_EQ(DirNames(path).size(), size_t(4));
+  Table back(Spec("g", 30, 4, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 9));
+  LoadTable(info2, info2.tables[0], back, true);
+  EMBEDCORE_EXPECT(StateOf(back) == StateOf(t));
+
+  // Fewer tables than before: the removed table's files go too.
+  Table u(Spec("u", 3, 3, DType::kFloat32, OptimizerSpec::Kind::kSGD, 1));
+  SaveCheckpoint(path, {{&u, "{}"}}, SaveOptions{});
+  EMBEDCORE_EXPECT_EQ(ReadCheckpointInfo(path).generation, uint64_t(7));
+  EMBEDCORE_EXPECT_EQ(DirNames(path).size(), size_t(3));  // MANIFEST, u's values, notes.txt
+}
+
+// ------------------------------------------------------------ serving
+namespace {
+Batch MakeBatch(const std::vector<int64_t>& ids, const std::vector<int64_t>& offsets) {
+  Batch b;
+  b.ids = ids.data();
+  b.nnz = int64_t(ids.size());
+  b.offsets = offsets.data();
+  b.num_bags = int64_t(offsets.size()) - 1;
+  return b;
+}
+}  // namespace
+
+EMBEDCORE_TEST(MappedLookupsEqualTableLookups) {
+  TempDir dir;
+  const std::string path = dir.Sub("serve");
+  Table a(Spec("a", 200, 12, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 1));
+  Table b(Spec("b", 90, 5, DType::kFloat16, OptimizerSpec::Kind::kSGD, 2));
+  Train(a, 2, 4);
+  SaveCheckpoint(path, {{&a, "{}"}, {&b, "{}"}}, SaveOptions{});
+  for (auto verify : {MappedCheckpoint::Verify::kNone, MappedCheckpoint::Verify::kLazy, MappedCheckpoint::Verify::kEager}) {
+    MappedCheckpoint m(path, verify);
+    EMBEDCORE_EXPECT_EQ(m.num_tables(), size_t(2));
+    EMBEDCORE_EXPECT(std::memcmp(m.values(0), a.values(), a.value_bytes()) == 0);
+    EMBEDCORE_EXPECT(std::memcmp(m.values(1), b.values(), b.value_bytes()) == 0);
+    EMBEDCORE_EXPECT_EQ(reinterpret_cast<uintptr_t>(m.values(0)) % 4096, uintptr_t(0));  // page-aligned payload
+    const std::vector<int64_t> ids = {0, 3, 89, 3, 7, 50};
+    const std::vector<int64_t> offsets = {0, 2, 2, 6};
+    for (size_t t = 0; t < 2; ++t) {
+      const Table& src = t == 0 ? a : b;
+      for (OutputShape shape : {OutputShape{Combiner::kMean, 0}, OutputShape{Combiner::kNone, 0},
+                                OutputShape{Combiner::kNone, 3}}) {
+        const size_t n = size_t(shape.OutputRows(MakeBatch(ids, offsets)) * src.dim());
+        std::vector<float> want(n), got(n, -7.0f);
+        src.Lookup(MakeBatch(ids, offsets), shape, want.data());
+        m.Lookup(t, MakeBatch(ids, offsets), shape, got.data());
+        EMBEDCORE_EXPECT(std::memcmp(want.data(), got.data(), n * sizeof(float)) == 0);
+      }
+    }
+    // The same validation as a table's lookup.
+    std::vector<float> out(12 * 3);
+    EMBEDCORE_EXPECT_THROWS(m.Lookup(0, MakeBatch({200}, {0, 1}), OutputShape{}, out.data()), OutOfRange, "id 200");
+    EMBEDCORE_EXPECT_THROWS(m.Lookup(1, MakeBatch({90}, {0, 1}), OutputShape{}, out.data()), OutOfRange, "table 'b'");
+    EMBEDCORE_EXPECT_THROWS(m.Lookup(2, MakeBatch({0}, {0, 1}), OutputShape{}, out.data()), OutOfRange, "no table 2");
+    EMBEDCORE_EXPECT_THROWS(m.Lookup(0, MakeBatch({0}, {0, 1}), OutputShape{}, nullptr), InvalidArgument, "out");
+  }
+}
+
+EMBEDCORE_TEST(MappedVerification) {
+  // 20000 x 64 float32 = 5 MB: two 4 MiB checksum blocks. Corrupt a row in
+  // the second block: lazy serving refuses it and serves the first block;
+  // eager refuses to open.
+  TempDir dir;
+  const std::string path = dir.Sub("serve");
+  TableSpec spec = Spec("big", 20000, 64, DType::kFloat32, OptimizerSpec::Kind::kSGD, 4);
+  Table t(spec);
+  SaveCheckpoint(path, {{&t, "{}"}}, SaveOptions{});
+  const CheckpointInfo info = ReadCheckpointInfo(path);
+  EMBEDCORE_EXPECT_EQ(info.tables[0].values[0].crc32c.size(), size_t(2));
+  const int64_t bad_row = 19000;  // byte 19000 * 256 > 4 MiB: block 1
+  FlipByte(path + "/" + info.tables[0].values[0].path, ck::kDataOffset + uint64_t(bad_row) * 256 + 5);
+
+  std::vector<float> out(64);
+  {
+    MappedCheckpoint lazy(path, MappedCheckpoint::Verify::kLazy);
+    EMBEDCORE_EXPECT_NO_THROW(lazy.Lookup(0, MakeBatch({5}, {0, 1}), OutputShape{}, out.data()));
+    EMBEDCORE_EXPECT_THROWS(lazy.Lookup(0, MakeBatch({bad_row}, {0, 1}), OutputShape{}, out.data()), CheckpointError,
+                            "refusing to serve corrupt rows");
+    // A bad block stays bad; a good one stays good.
+    EMBEDCORE_EXPECT_THROWS(lazy.Lookup(0, MakeBatch({5, bad_row}, {0, 2}), OutputShape{}, out.data()), CheckpointError,
+                            "block 1");
+    EMBEDCORE_EXPECT_NO_THROW(lazy.Lookup(0, MakeBatch({16000}, {0, 1}), OutputShape{}, out.data()));
+  }
+  EMBEDCORE_EXPECT_THROWS((MappedCheckpoint{path, MappedCheckpoint::Verify::kEager}), CheckpointError, "block 1");
+  {
+    MappedCheckpoint none(path, MappedCheckpoint::Verify::kNone);  // trusts the file: serves what is there
+    EMBEDCORE_EXPECT_NO_THROW(none.Lookup(0, MakeBatch({bad_row}, {0, 1}), OutputShape{}, out.data()));
+  }
+  // A data file whose header was damaged is refused on open, whatever the verification.
+  FlipByte(path + "/" + info.tables[0].values[0].path, 30);
+  EMBEDCORE_EXPECT_THROWS((MappedCheckpoint{path, MappedCheckpoint::Verify::kNone}), CheckpointError, "header");
+}

@@ -1,0 +1,421 @@
+// core/kernels*.{h,cc}: the generic and the AVX2+F16C kernel sets give the
+// same bits for pooled, padded and flat lookups, for every storage dtype and
+// id type, on random data, and both equal a scalar reference written in the
+// documented order of float operations; row load/store agree too.
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "embedcore/embedcore.h"
+#include "kernels.h"
+#include "ops/combiners.h"
+#include "ops/half.h"
+#include "test_util.h"
+
+using namespace embedcore;
+namespace ops = embedcore::ops;
+using embedcore_test::Bits;
+
+namespace {
+
+bool CpuHasAvx2() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+// A table of `rows x dim` elements of `dtype`, as raw bytes, with the float
+// value of every element beside it.
+struct RawTable {
+  DType dtype;
+  int64_t rows, dim;
+  std::vector<uint8_t> bytes;
+  std::vector<float> values;  // what the stored elements are worth
+};
+
+RawTable MakeTable(DType dtype, int64_t rows, int64_t dim, std::mt19937& rng) {
+  RawTable t{dtype, rows, dim, std::vector<uint8_t>(size_t(rows * dim) * DTypeSize(dtype)),
+             std::vector<float>(size_t(rows * dim))};
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t i = 0; i < rows * dim; ++i) {
+    const float f = normal(rng);
+    switch (dtype) {
+      case DType::kFloat32:
+        std::memcpy(&t.bytes[size_t(i) * 4], &f, 4);
+        t.values[size_t(i)] = f;
+        break;
+      case DType::kFloat16: {
+        const uint16_t h = ops::FloatToHalf(f);
+        std::memcpy(&t.bytes[size_t(i) * 2], &h, 2);
+        t.values[size_t(i)] = ops::HalfToFloat(h);
+        break;
+      }
+      case DType::kBFloat16: {
+        const uint16_t h = ops::FloatToBFloat16(f);
+        std::memcpy(&t.bytes[size_t(i) * 2], &h, 2);
+        t.values[size_t(i)] = ops::BFloat16ToFloat(h);
+        break;
+      }
+    }
+  }
+  return t;
+}
+
+// A random CSR batch: bag lengths 0..max_len (empty bags included).
+struct RandomBatch {
+  std::vector<int32_t> ids32;
+  std::vector<int64_t> ids64;
+  std::vector<int64_t> offsets;
+  std::vector<float> weights;
+  int64_t nnz() const { return int64_t(ids64.size()); }
+  int64_t bags() const { return int64_t(offsets.size()) - 1; }
+};
+
+RandomBatch MakeBatch(int64_t bags, int64_t max_len, int64_t rows, std::mt19937& rng) {
+  RandomBatch b;
+  std::uniform_int_distribution<int64_t> len(0, max_len), id(0, rows - 1);
+  std::uniform_real_distribution<float> w(-2.0f, 2.0f);
+  b.offsets.push_back(0);
+  for (int64_t i = 0; i < bags; ++i) {
+    const int64_t n = len(rng);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t x = id(rng);
+      b.ids64.push_back(x);
+      b.ids32.push_back(int32_t(x));
+      b.weights.push_back(w(rng));
+    }
+    b.offsets.push_back(int64_t(b.ids64.size()));
+  }
+  return b;
+}
+
+kernels::LookupArgs Args(const RawTable& t, const RandomBatch& b, int id_type, bool weighted,
+                         ops::CombinerKind c, int64_t max_len, float* out) {
+  kernels::LookupArgs a;
+  a.table = t.bytes.data();
+  a.dim = t.dim;
+  a.ids = id_type == 0 ? static_cast<const void*>(b.ids32.data()) : static_cast<const void*>(b.ids64.data());
+  a.nnz = b.nnz();
+  a.offsets = b.offsets.data();
+  a.weights = weighted ? b.weights.data() : nullptr;
+  a.combiner = c;
+  a.max_sequence_length = max_len;
+  a.out = out;
+  return a;
+}
+
+// ------------------------------------------------------------ references
+// Pooled: acc = 0; acc[d] += w_k * row_k[d] in id order; then / denominator.
+std::vector<float> RefPooled(const RawTable& t, const RandomBatch& b, bool weighted, ops::CombinerKind c) {
+  const int64_t dim = t.dim;
+  std::vector<float> out(size_t(b.bags() * dim));
+  for (int64_t bag = 0; bag < b.bags(); ++bag) {
+    float* acc = &out[size_t(bag * dim)];
+    float sw = 0.0f, sw2 = 0.0f;
+    for (int64_t k = b.offsets[bag]; k < b.offsets[bag + 1]; ++k) {
+      const float w = weighted ? b.weights[k] : 1.0f;
+      const float* row = &t.values[size_t(b.ids64[k] * dim)];
+      for (int64_t d = 0; d < dim; ++d) acc[d] += w * row[d];
+      sw += w;
+      sw2 += w * w;
+    }
+    float den = 1.0f;
+    if (c == ops::CombinerKind::kMean) den = sw;
+    if (c == ops::CombinerKind::kSqrtn) den = std::sqrt(sw2);
+    if (c == ops::CombinerKind::kSum) continue;
+    for (int64_t d = 0; d < dim; ++d) acc[d] = den == 0.0f ? 0.0f : acc[d] / den;
+  }
+  return out;
+}
+
+// Flat: out[k] = w_k * row_k.
+std::vector<float> RefFlat(const RawTable& t, const RandomBatch& b, bool weighted) {
+  const int64_t dim = t.dim;
+  std::vector<float> out(size_t(b.nnz() * dim));
+  for (int64_t k = 0; k < b.nnz(); ++k) {
+    const float w = weighted ? b.weights[k] : 1.0f;
+    for (int64_t d = 0; d < dim; ++d) out[size_t(k * dim + d)] = w * t.values[size_t(b.ids64[k] * dim + d)];
+  }
+  return out;
+}
+
+// Padded: [bags, L, dim], bag truncated or zero-padded to L.
+std::vector<float> RefPadded(const RawTable& t, const RandomBatch& b, bool weighted, int64_t len) {
+  const int64_t dim = t.dim;
+  std::vector<float> out(size_t(b.bags() * len * dim), 0.0f);
+  for (int64_t bag = 0; bag < b.bags(); ++bag) {
+    for (int64_t j = 0; j < len && b.offsets[bag] + j < b.offsets[bag + 1]; ++j) {
+      const int64_t k = b.offsets[bag] + j;
+      const float w = weighted ? b.weights[k] : 1.0f;
+      for (int64_t d = 0; d < dim; ++d)
+        out[size_t((bag * len + j) * dim + d)] = w * t.values[size_t(b.ids64[k] * dim + d)];
+    }
+  }
+  return out;
+}
+
+// Counts the elements whose bits differ; reports the first few.
+int64_t CompareBits(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+  int64_t bad = 0;
+  if (got.size() != want.size()) {
+    embedcore_test::Fail(__FILE__, __LINE__, what + ": sizes differ");
+    return 1;
+  }
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (Bits(got[i]) != Bits(want[i])) {
+      if (++bad <= 3)
+        embedcore_test::Fail(__FILE__, __LINE__,
+                             what + ": element " + std::to_string(i) + " is " + embedcore_test::Show(got[i]) +
+                                 ", want " + embedcore_test::Show(want[i]));
+    }
+  }
+  return bad;
+}
+
+const char* DName(DType d) { return DTypeName(d); }
+
+std::vector<const kernels::KernelSet*> KernelSets() {
+  std::vector<const kernels::KernelSet*> sets = {&kernels::GenericKernels()};
+  if (kernels::Avx2Kernels() != nullptr && CpuHasAvx2()) sets.push_back(kernels::Avx2Kernels());
+  return sets;
+}
+
+constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+// Widths below, at and around the 8-float vectors, and a wide one.
+constexpr int64_t kDims[] = {1, 3, 7, 8, 9, 16, 17, 33, 64, 130};
+
+}  // namespace
+
+EMBEDCORE_TEST(KernelSetsAvailable) {
+  EMBEDCORE_EXPECT_EQ(std::string(kernels::GenericKernels().name), std::string("generic"));
+  if (kernels::Avx2Kernels() != nullptr) {
+    EMBEDCORE_EXPECT_EQ(std::string(kernels::Avx2Kernels()->name), std::string("avx2+f16c"));
+  }
+  const std::string active = kernels::ActiveKernels().name;
+  const char* force = std::getenv("EMBEDCORE_KERNELS");
+  if (force != nullptr && std::string(force) == "generic") {
+    EMBEDCORE_EXPECT_EQ(active, std::string("generic"));
+  } else if (kernels::Avx2Kernels() != nullptr && CpuHasAvx2()) {
+    EMBEDCORE_EXPECT_EQ(active, std::string("avx2+f16c"));
+  }
+  EMBEDCORE_EXPECT_EQ(GetBuildInfo().simd, active);
+  if (KernelSets().size() < 2)
+    std::printf("  (no AVX2+F16C here: only the generic kernels are checked against the reference)\n");
+}
+
+EMBEDCORE_TEST(PooledEqualsReferenceAndAcrossSets) {
+  std::mt19937 rng(2024);
+  const auto sets = KernelSets();
+  for (DType dt : kDTypes) {
+    for (int64_t dim : kDims) {
+      const RawTable t = MakeTable(dt, 97, dim, rng);
+      const RandomBatch b = MakeBatch(40, 12, t.rows, rng);
+      for (ops::CombinerKind c : {ops::CombinerKind::kSum, ops::CombinerKind::kMean, ops::CombinerKind::kSqrtn}) {
+        for (bool weighted : {false, true}) {
+          const std::vector<float> want = RefPooled(t, b, weighted, c);
+          for (const kernels::KernelSet* set : sets) {
+            for (int it = 0; it < 2; ++it) {
+              std::vector<float> got(want.size(), -7.0f);
+              const auto a = Args(t, b, it, weighted, c, 0, got.data());
+              // In two calls over bag ranges, as ParallelFor splits them.
+              set->dtype[int(dt)].pooled[it](a, 0, b.bags() / 3);
+              set->dtype[int(dt)].pooled[it](a, b.bags() / 3, b.bags());
+              CompareBits(got, want,
+                          std::string(set->name) + " pooled " + DName(dt) + " dim " + std::to_string(dim) +
+                              " combiner " + std::to_string(int(c)) + (weighted ? " weighted" : "") +
+                              (it ? " int64" : " int32"));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+EMBEDCORE_TEST(FlatEqualsReferenceAndAcrossSets) {
+  std::mt19937 rng(77);
+  for (DType dt : kDTypes) {
+    for (int64_t dim : kDims) {
+      const RawTable t = MakeTable(dt, 50, dim, rng);
+      const RandomBatch b = MakeBatch(30, 6, t.rows, rng);
+      for (bool weighted : {false, true}) {
+        const std::vector<float> want = RefFlat(t, b, weighted);
+        for (const kernels::KernelSet* set : KernelSets()) {
+          for (int it = 0; it < 2; ++it) {
+            std::vector<float> got(want.size(), -7.0f);
+            const auto a = Args(t, b, it, weighted, ops::CombinerKind::kNone, 0, got.data());
+            set->dtype[int(dt)].rows[it](a, 0, b.nnz() / 2);
+            set->dtype[int(dt)].rows[it](a, b.nnz() / 2, b.nnz());
+            CompareBits(got, want, std::string(set->name) + " flat " + DName(dt) + " dim " + std::to_string(dim));
+          }
+        }
+      }
+    }
+  }
+}
+
+EMBEDCORE_TEST(PaddedEqualsReferenceAndAcrossSets) {
+  std::mt19937 rng(31337);
+  for (DType dt : kDTypes) {
+    for (int64_t dim : kDims) {
+      const RawTable t = MakeTable(dt, 64, dim, rng);
+      const RandomBatch b = MakeBatch(25, 9, t.rows, rng);
+      for (int64_t len : {1, 4, 9, 12}) {  // truncating, padding, both
+        for (bool weighted : {false, true}) {
+          const std::vector<float> want = RefPadded(t, b, weighted, len);
+          for (const kernels::KernelSet* set : KernelSets()) {
+            for (int it = 0; it < 2; ++it) {
+              std::vector<float> got(want.size(), -7.0f);  // padding must be written, not assumed
+              const auto a = Args(t, b, it, weighted, ops::CombinerKind::kNone, len, got.data());
+              set->dtype[int(dt)].padded[it](a, 0, 10);
+              set->dtype[int(dt)].padded[it](a, 10, b.bags());
+              CompareBits(got, want,
+                          std::string(set->name) + " padded " + DName(dt) + " dim " + std::to_string(dim) +
+                              " L " + std::to_string(len));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+EMBEDCORE_TEST(EmptyBatchAndEmptyBags) {
+  std::mt19937 rng(5);
+  for (const kernels::KernelSet* set : KernelSets()) {
+    for (DType dt : kDTypes) {
+      const RawTable t = MakeTable(dt, 4, 9, rng);
+      RandomBatch b;
+      b.offsets = std::vector<int64_t>(4, 0);  // three empty bags
+      for (ops::CombinerKind c : {ops::CombinerKind::kSum, ops::CombinerKind::kMean, ops::CombinerKind::kSqrtn}) {
+        std::vector<float> got(3 * 9, -7.0f);
+        const auto a = Args(t, b, 1, false, c, 0, got.data());
+        set->dtype[int(dt)].pooled[1](a, 0, 3);
+        for (float v : got) EMBEDCORE_EXPECT_BITS_EQ(v, 0.0f);
+      }
+      std::vector<float> padded(3 * 2 * 9, -7.0f);
+      const auto a = Args(t, b, 1, false, ops::CombinerKind::kNone, 2, padded.data());
+      set->dtype[int(dt)].padded[1](a, 0, 3);
+      for (float v : padded) EMBEDCORE_EXPECT_BITS_EQ(v, 0.0f);
+      set->dtype[int(dt)].rows[1](a, 0, 0);  // nothing to do, nothing touched
+    }
+  }
+}
+
+EMBEDCORE_TEST(ZeroWeightsGiveZeroMeanAndSqrtn) {
+  std::mt19937 rng(8);
+  const RawTable t = MakeTable(DType::kFloat32, 10, 12, rng);
+  RandomBatch b;
+  b.ids64 = std::vector<int64_t>{1, 2, 3};
+  b.ids32 = std::vector<int32_t>{1, 2, 3};
+  b.offsets = std::vector<int64_t>{0, 2, 3};
+  b.weights = std::vector<float>{1.0f, -1.0f, 0.0f};  // bag 0: sum of weights 0; bag 1: all weights 0
+  for (const kernels::KernelSet* set : KernelSets()) {
+    std::vector<float> got(2 * 12, -7.0f);
+    set->dtype[0].pooled[1](Args(t, b, 1, true, ops::CombinerKind::kMean, 0, got.data()), 0, 2);
+    for (float v : got) EMBEDCORE_EXPECT_BITS_EQ(v, 0.0f);
+    std::fill(got.begin(), got.end(), -7.0f);
+    set->dtype[0].pooled[1](Args(t, b, 1, true, ops::CombinerKind::kSqrtn, 0, got.data()), 0, 2);
+    for (int d = 0; d < 12; ++d) EMBEDCORE_EXPECT_NE(got[d], 0.0f);  // sqrt(2) != 0: a real row
+    for (int d = 12; d < 24; ++d) EMBEDCORE_EXPECT_BITS_EQ(got[d], 0.0f);
+  }
+}
+
+EMBEDCORE_TEST(LoadStoreAgreeAcrossSets) {
+  // Random finite floats, specials, ties and subnormals: store, then load,
+  // through every set, equals the scalar conversions of ops/half.h.
+  std::mt19937 rng(11);
+  std::vector<float> src;
+  std::normal_distribution<float> normal(0.0f, 100.0f);
+  for (int i = 0; i < 4000; ++i) src.push_back(normal(rng));
+  for (int i = 0; i < 4000; ++i) {
+    const float f = ops::BitsFloat(uint32_t(rng()));
+    if (!std::isnan(f)) src.push_back(f);
+  }
+  const float specials[] = {0.0f, -0.0f, 1.0f + 0x1p-11f, 1.0f + 0x1p-8f, 65504.0f, 65520.0f, -65520.0f,
+                            0x1p-24f, 0x1p-25f, 3 * 0x1p-25f, 1023.5f * 0x1p-24f, 1e-30f, -1e-30f,
+                            std::numeric_limits<float>::max(), std::numeric_limits<float>::denorm_min(),
+                            std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
+  for (float f : specials) src.push_back(f);
+  while (src.size() % 8 != 3) src.push_back(0.5f);  // a tail after the last full vector
+  const int64_t n = int64_t(src.size());
+  for (const kernels::KernelSet* set : KernelSets()) {
+    for (DType dt : kDTypes) {
+      std::vector<uint8_t> stored(size_t(n) * DTypeSize(dt));
+      set->dtype[int(dt)].store(stored.data(), src.data(), n);
+      std::vector<float> loaded(static_cast<size_t>(n));
+      set->dtype[int(dt)].load(stored.data(), loaded.data(), n);
+      int64_t bad = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        float want = src[size_t(i)];
+        if (dt == DType::kFloat16) want = ops::HalfToFloat(ops::FloatToHalf(want));
+        if (dt == DType::kBFloat16) want = ops::BFloat16ToFloat(ops::FloatToBFloat16(want));
+        if (Bits(loaded[size_t(i)]) != Bits(want) && ++bad <= 3)
+          embedcore_test::Fail(__FILE__, __LINE__,
+                               std::string(set->name) + " " + DName(dt) + " store/load of " +
+                                   embedcore_test::Show(src[size_t(i)]) + " gave " +
+                                   embedcore_test::Show(loaded[size_t(i)]) + ", want " + embedcore_test::Show(want));
+      }
+    }
+  }
+}
+
+EMBEDCORE_TEST(LoadAllHalfAndBFloat16Patterns) {
+  // Every 16-bit pattern, NaNs included, loads to the same float bits in every set.
+  std::vector<uint16_t> all(65536);
+  for (uint32_t i = 0; i < 65536; ++i) all[i] = uint16_t(i);
+  for (const kernels::KernelSet* set : KernelSets()) {
+    std::vector<float> f16(65536), bf16(65536);
+    set->dtype[int(DType::kFloat16)].load(all.data(), f16.data(), 65536);
+    set->dtype[int(DType::kBFloat16)].load(all.data(), bf16.data(), 65536);
+    for (uint32_t i = 0; i < 65536; ++i) {
+      const bool half_nan = (i & 0x7c00) == 0x7c00 && (i & 0x3ff) != 0;
+      if (half_nan) EMBEDCORE_EXPECT(std::isnan(f16[i]));
+      EMBEDCORE_EXPECT_BITS_EQ(f16[i], ops::HalfToFloat(uint16_t(i)));
+      EMBEDCORE_EXPECT_BITS_EQ(bf16[i], ops::BFloat16ToFloat(uint16_t(i)));
+    }
+  }
+}
+
+EMBEDCORE_TEST(StoreNaNStaysNaN) {
+  // NaN never becomes inf or a number, and keeps its sign, in every set and
+  // at every position (vector body and scalar tail).
+  std::vector<float> src(11);
+  for (size_t i = 0; i < src.size(); ++i)
+    src[i] = ops::BitsFloat((i % 2 ? 0xff800000u : 0x7f800000u) | uint32_t(1u << (i % 23)));
+  for (const kernels::KernelSet* set : KernelSets()) {
+    for (DType dt : {DType::kFloat16, DType::kBFloat16}) {
+      std::vector<uint16_t> stored(src.size());
+      set->dtype[int(dt)].store(stored.data(), src.data(), int64_t(src.size()));
+      for (size_t i = 0; i < src.size(); ++i) {
+        const uint16_t h = stored[i];
+        const bool nan = dt == DType::kFloat16 ? ((h & 0x7c00) == 0x7c00 && (h & 0x3ff) != 0)
+                                               : ((h & 0x7f80) == 0x7f80 && (h & 0x7f) != 0);
+        EMBEDCORE_EXPECT_MSG(nan, set->name << " " << DName(dt) << " element " << i << " stored as 0x" << std::hex
+                                            << h);
+        EMBEDCORE_EXPECT_EQ(bool(h & 0x8000), bool(i % 2));
+        // Same bits as the scalar conversion, vector body and tail alike.
+        const uint16_t scalar = dt == DType::kFloat16 ? ops::FloatToHalf(src[i]) : ops::FloatToBFloat16(src[i]);
+        EMBEDCORE_EXPECT_EQ(h, scalar);
+      }
+    }
+  }
+}
+
+EMBEDCORE_TEST(StoreBFloat16BitsEqualScalarForNaNs) {
+  // The AVX2 bfloat16 store quiets NaNs exactly as ops::FloatToBFloat16 does.
+  std::vector<float> src;
+  for (uint32_t payload : {0x1u, 0x10000u, 0x200000u, 0x400000u, 0x7fffffu, 0x12345u, 0x3f0000u, 0x5a5a5au})
+    for (uint32_t sign : {0u, 0x80000000u}) src.push_back(ops::BitsFloat(sign | 0x7f800000u | payload));
+  for (const kernels::KernelSet* set : KernelSets()) {
+    std::vector<uint16_t> stored(src.size());
+    set->dtype[int(DType::kBFloat16)].store(stored.data(), src.data(), int64_t(src.size()));
+    for (size_t i = 0; i < src.size(); ++i) EMBEDCORE_EXPECT_EQ(stored[i], ops::FloatToBFloat16(src[i]));
+  }
+}

@@ -1,0 +1,64 @@
+// core/memory.cc: zeroed, aligned allocation (heap and mmap paths) and the
+// overflow-checked size computation.
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "embedcore/embedcore.h"
+#include "internal.h"
+#include "test_util.h"
+
+using namespace embedcore;
+
+EMBEDCORE_TEST(AllocateZeroedIsZeroAndAligned) {
+  // Below, at and above the 2 MiB mmap threshold, and zero bytes.
+  for (size_t bytes : {size_t(0), size_t(1), size_t(63), size_t(4096), size_t(1) << 21, (size_t(1) << 21) + 5,
+                       size_t(3) << 21}) {
+    void* p = internal::AllocateZeroed(bytes);
+    EMBEDCORE_EXPECT(p != nullptr);
+    EMBEDCORE_EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, uintptr_t(0));
+    const unsigned char* c = static_cast<const unsigned char*>(p);
+    size_t nonzero = 0;
+    for (size_t i = 0; i < bytes; ++i) nonzero += c[i] != 0;
+    EMBEDCORE_EXPECT_EQ(nonzero, size_t(0));
+    std::memset(p, 0xab, bytes);  // all of it is writable
+    internal::Free(p, bytes);
+  }
+  internal::Free(nullptr, 100);  // a no-op
+}
+
+EMBEDCORE_TEST(CheckedBytes) {
+  EMBEDCORE_EXPECT_EQ(internal::CheckedBytes(3, 5, 4, "x"), size_t(60));
+  EMBEDCORE_EXPECT_EQ(internal::CheckedBytes(0, 5, 4, "x"), size_t(0));
+  const int64_t big = int64_t(1) << 31;
+  EMBEDCORE_EXPECT_EQ(internal::CheckedBytes(big, big, 1, "x"), size_t(1) << 62);
+  EMBEDCORE_EXPECT_THROWS(internal::CheckedBytes(big, big, 2, "table 'x'"), InvalidArgument, "table 'x'");
+  EMBEDCORE_EXPECT_THROWS(internal::CheckedBytes(big, big, 2, "x"), InvalidArgument, "overflows");
+  EMBEDCORE_EXPECT_THROWS(internal::CheckedBytes(std::numeric_limits<int64_t>::max(),
+                                                 std::numeric_limits<int64_t>::max(), 4, "x"),
+                          InvalidArgument, "overflows");
+  EMBEDCORE_EXPECT_THROWS(internal::CheckedBytes(-1, 5, 4, "x"), InvalidArgument, "negative");
+  EMBEDCORE_EXPECT_THROWS(internal::CheckedBytes(5, -1, 4, "x"), InvalidArgument, "negative");
+  // The largest size that fits in int64 is accepted; one more byte is not.
+  EMBEDCORE_EXPECT_EQ(internal::CheckedBytes(std::numeric_limits<int64_t>::max(), 1, 1, "x"),
+                      size_t(std::numeric_limits<int64_t>::max()));
+  EMBEDCORE_EXPECT_THROWS(internal::CheckedBytes(std::numeric_limits<int64_t>::max(), 1, 2, "x"), InvalidArgument,
+                          "overflows");
+}
+
+EMBEDCORE_TEST(TableValueBytes) {
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    TableSpec spec;
+    spec.name = "m";
+    spec.rows = 1000;
+    spec.dim = 600;  // 2.4 MB / 1.2 MB of values: both allocation paths
+    spec.dtype = dt;
+    spec.initializer.kind = InitializerSpec::Kind::kZeros;
+    Table t(spec);
+    EMBEDCORE_EXPECT_EQ(t.value_bytes(), size_t(1000 * 600) * DTypeSize(dt));
+    const unsigned char* v = static_cast<const unsigned char*>(t.values());
+    size_t nonzero = 0;
+    for (size_t i = 0; i < t.value_bytes(); ++i) nonzero += v[i] != 0;
+    EMBEDCORE_EXPECT_EQ(nonzero, size_t(0));
+  }
+}

@@ -1,0 +1,974 @@
+// core/table.cc through the public API (embedcore.h): lookups against a naive
+// reference (bit-exact: the reference does the same float operations in the
+// documented order), optimizer steps against two references (the ops functors
+// applied per element, bit-exact, and the documented formulas in double,
+// within rounding), validation that leaves the table unchanged, thread-count
+// independence and concurrent lookups during updates.
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "embedcore/embedcore.h"
+#include "ops/half.h"
+#include "ops/optimizers.h"
+#include "test_util.h"
+
+using namespace embedcore;
+namespace ops = embedcore::ops;
+using embedcore_test::Bits;
+
+namespace {
+
+// ------------------------------------------------------------ helpers
+TableSpec MakeSpec(int64_t rows, int64_t dim, DType dtype = DType::kFloat32,
+                   OptimizerSpec::Kind opt = OptimizerSpec::Kind::kSGD, uint64_t seed = 1) {
+  TableSpec s;
+  s.name = "t";
+  s.rows = rows;
+  s.dim = dim;
+  s.dtype = dtype;
+  s.initializer.kind = InitializerSpec::Kind::kUniform;
+  s.initializer.a = -1.0;
+  s.initializer.b = 1.0;
+  s.initializer.seed = seed;
+  s.optimizer.kind = opt;
+  return s;
+}
+
+float StoredToFloat(DType dt, const void* base, int64_t i) {
+  switch (dt) {
+    case DType::kFloat32:
+      return static_cast<const float*>(base)[i];
+    case DType::kFloat16:
+      return ops::HalfToFloat(static_cast<const uint16_t*>(base)[i]);
+    case DType::kBFloat16:
+      return ops::BFloat16ToFloat(static_cast<const uint16_t*>(base)[i]);
+  }
+  return 0.0f;
+}
+
+float RoundToStorage(DType dt, float v) {
+  switch (dt) {
+    case DType::kFloat32:
+      return v;
+    case DType::kFloat16:
+      return ops::HalfToFloat(ops::FloatToHalf(v));
+    case DType::kBFloat16:
+      return ops::BFloat16ToFloat(ops::FloatToBFloat16(v));
+  }
+  return v;
+}
+
+// The float value of every stored element, straight from the raw storage.
+std::vector<float> Values(const Table& t) {
+  std::vector<float> v(size_t(t.rows() * t.dim()));
+  for (int64_t i = 0; i < t.rows() * t.dim(); ++i) v[size_t(i)] = StoredToFloat(t.spec().dtype, t.values(), i);
+  return v;
+}
+
+// Everything an update may change, for "unchanged" and "identical" checks.
+struct Snapshot {
+  std::vector<uint8_t> values;
+  std::vector<std::vector<float>> slots;
+  int64_t step;
+  bool operator==(const Snapshot& o) const { return values == o.values && slots == o.slots && step == o.step; }
+};
+
+Snapshot Take(Table& t) {
+  Snapshot s;
+  const uint8_t* v = static_cast<const uint8_t*>(t.values());
+  s.values.assign(v, v + t.value_bytes());
+  for (size_t i = 0; i < t.num_slots(); ++i) {
+    const float* p = t.slot(i);
+    s.slots.emplace_back(p, p + t.rows() * t.dim());
+  }
+  s.step = t.step();
+  return s;
+}
+
+// A batch that owns its arrays.
+struct HostBatch {
+  std::vector<int64_t> ids;
+  std::vector<int32_t> ids32;
+  std::vector<int64_t> offsets{0};
+  std::vector<float> weights;
+  bool weighted = false;
+  bool int32 = false;
+
+  void AddBag(const std::vector<int64_t>& bag, const std::vector<float>& w = {}) {
+    for (size_t i = 0; i < bag.size(); ++i) {
+      ids.push_back(bag[i]);
+      ids32.push_back(int32_t(bag[i]));
+      weights.push_back(w.empty() ? 1.0f : w[i]);
+    }
+    offsets.push_back(int64_t(ids.size()));
+  }
+  int64_t bags() const { return int64_t(offsets.size()) - 1; }
+  Batch View() const {
+    Batch b;
+    b.id_type = int32 ? IdType::kInt32 : IdType::kInt64;
+    b.ids = int32 ? static_cast<const void*>(ids32.data()) : static_cast<const void*>(ids.data());
+    b.nnz = int64_t(ids.size());
+    b.offsets = offsets.data();
+    b.num_bags = bags();
+    b.weights = weighted ? weights.data() : nullptr;
+    return b;
+  }
+};
+
+// Random bags of 0..max_len ids; half the ids come from a few hot rows, so
+// repeats (within and across bags) are common.
+HostBatch RandomBatch(std::mt19937& rng, int64_t bags, int64_t max_len, int64_t rows, bool weighted, bool int32) {
+  HostBatch b;
+  b.weighted = weighted;
+  b.int32 = int32;
+  std::uniform_int_distribution<int64_t> len(0, max_len), any(0, rows - 1), hot(0, std::min<int64_t>(rows, 5) - 1);
+  std::uniform_real_distribution<float> w(-1.5f, 2.0f);
+  for (int64_t i = 0; i < bags; ++i) {
+    std::vector<int64_t> bag;
+    std::vector<float> ws;
+    const int64_t n = len(rng);
+    for (int64_t k = 0; k < n; ++k) {
+      bag.push_back(rng() % 2 ? hot(rng) : any(rng));
+      ws.push_back(w(rng));
+    }
+    b.AddBag(bag, ws);
+  }
+  return b;
+}
+
+// ------------------------------------------------------------ lookup reference
+std::vector<float> RefLookup(const Table& t, const HostBatch& hb, const OutputShape& shape) {
+  const std::vector<float> v = Values(t);
+  const int64_t dim = t.dim();
+  const Batch b = hb.View();
+  std::vector<float> out(size_t(shape.OutputRows(b) * dim), 0.0f);
+  auto w_of = [&](int64_t k) { return hb.weighted ? hb.weights[size_t(k)] : 1.0f; };
+  for (int64_t bag = 0; bag < hb.bags(); ++bag) {
+    const int64_t begin = hb.offsets[size_t(bag)], end = hb.offsets[size_t(bag) + 1];
+    if (shape.combiner == Combiner::kNone) {
+      for (int64_t k = begin; k < end; ++k) {
+        const int64_t j = k - begin;
+        int64_t out_row;
+        if (shape.max_sequence_length == 0) {
+          out_row = k;
+        } else {
+          if (j >= shape.max_sequence_length) break;
+          out_row = bag * shape.max_sequence_length + j;
+        }
+        for (int64_t d = 0; d < dim; ++d)
+          out[size_t(out_row * dim + d)] = w_of(k) * v[size_t(hb.ids[size_t(k)] * dim + d)];
+      }
+      continue;
+    }
+    float* acc = &out[size_t(bag * dim)];
+    float sw = 0.0f, sw2 = 0.0f;
+    for (int64_t k = begin; k < end; ++k) {
+      for (int64_t d = 0; d < dim; ++d) acc[d] += w_of(k) * v[size_t(hb.ids[size_t(k)] * dim + d)];
+      sw += w_of(k);
+      sw2 += w_of(k) * w_of(k);
+    }
+    if (shape.combiner == Combiner::kSum) continue;
+    const float den = shape.combiner == Combiner::kMean ? sw : std::sqrt(sw2);
+    for (int64_t d = 0; d < dim; ++d) acc[d] = den == 0.0f ? 0.0f : acc[d] / den;
+  }
+  return out;
+}
+
+int64_t CountBitDiffs(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return -1;
+  int64_t n = 0;
+  for (size_t i = 0; i < a.size(); ++i) n += Bits(a[i]) != Bits(b[i]);
+  return n;
+}
+
+// ------------------------------------------------------------ update references
+// One part of a step, owning its gradient.
+struct HostPart {
+  HostBatch batch;
+  OutputShape shape;
+  std::vector<float> grads;
+  GradientPart View() const { return GradientPart{batch.View(), shape, grads.data()}; }
+};
+
+HostPart RandomPart(std::mt19937& rng, const Table& t, Combiner c, int64_t max_len, bool weighted, bool int32) {
+  HostPart p;
+  p.batch = RandomBatch(rng, 17, 6, t.rows(), weighted, int32);
+  p.shape.combiner = c;
+  p.shape.max_sequence_length = max_len;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  p.grads.resize(size_t(p.shape.OutputRows(p.batch.View()) * t.dim()));
+  for (float& g : p.grads) g = normal(rng);
+  return p;
+}
+
+// The summed gradient of every touched id: the coefficient of each
+// occurrence times its gradient row, added in occurrence order (parts in
+// order, then ids in order), starting from 0.
+std::map<int64_t, std::vector<float>> SummedGradients(const std::vector<HostPart>& parts, int64_t dim) {
+  std::map<int64_t, std::vector<float>> sums;
+  for (const HostPart& p : parts) {
+    const HostBatch& hb = p.batch;
+    for (int64_t bag = 0; bag < hb.bags(); ++bag) {
+      const int64_t begin = hb.offsets[size_t(bag)], end = hb.offsets[size_t(bag) + 1];
+      float sw = 0.0f, sw2 = 0.0f;
+      for (int64_t k = begin; k < end; ++k) {
+        const float w = hb.weighted ? hb.weights[size_t(k)] : 1.0f;
+        sw += w;
+        sw2 += w * w;
+      }
+      const Combiner c = p.shape.combiner;
+      const float den = c == Combiner::kMean ? sw : c == Combiner::kSqrtn ? std::sqrt(sw2) : 1.0f;
+      for (int64_t k = begin; k < end; ++k) {
+        const float w = hb.weighted ? hb.weights[size_t(k)] : 1.0f;
+        const float coef = (c == Combiner::kSum || c == Combiner::kNone) ? w : (den == 0.0f ? 0.0f : w / den);
+        const float* g;
+        if (c != Combiner::kNone) {
+          g = &p.grads[size_t(bag * dim)];
+        } else if (p.shape.max_sequence_length == 0) {
+          g = &p.grads[size_t(k * dim)];
+        } else {
+          const int64_t j = k - begin;
+          if (j >= p.shape.max_sequence_length) break;  // truncated: never looked up
+          g = &p.grads[size_t((bag * p.shape.max_sequence_length + j) * dim)];
+        }
+        std::vector<float>& s = sums.try_emplace(hb.ids[size_t(k)], std::vector<float>(size_t(dim), 0.0f)).first->second;
+        for (int64_t d = 0; d < dim; ++d) s[size_t(d)] += coef * g[d];
+      }
+    }
+  }
+  return sums;
+}
+
+// The table's float state.
+struct State {
+  std::vector<float> w;
+  std::vector<std::vector<float>> slots;
+};
+
+State StateOf(Table& t) {
+  State s{Values(t), {}};
+  for (size_t i = 0; i < t.num_slots(); ++i) s.slots.emplace_back(t.slot(i), t.slot(i) + t.rows() * t.dim());
+  return s;
+}
+
+ops::StepConstants Constants(const OptimizerSpec& o, float lr) {
+  ops::StepConstants k;
+  k.lr = lr;
+  k.weight_decay = o.multiply_weight_decay_factor_by_learning_rate ? o.weight_decay_factor * lr : o.weight_decay_factor;
+  k.clip_gradient = o.has_clipvalue;
+  k.clip_gradient_min = o.clip_gradient_min;
+  k.clip_gradient_max = o.clip_gradient_max;
+  k.clip_weight_min = o.has_clip_weight_min;
+  k.weight_min = o.clip_weight_min;
+  k.clip_weight_max = o.has_clip_weight_max;
+  k.weight_max = o.clip_weight_max;
+  return k;
+}
+
+// Reference 1: the ops functors applied element by element (bit-exact).
+template <typename Rule>
+void ApplyRule(const Rule& rule, const ops::StepConstants& k, DType dt, int64_t dim, State& s, int64_t row,
+               const float* g) {
+  for (int64_t d = 0; d < dim; ++d) {
+    const size_t i = size_t(row * dim + d);
+    float* s0 = Rule::kSlots > 0 ? &s.slots[0][i] : nullptr;
+    float* s1 = Rule::kSlots > 1 ? &s.slots[1][i] : nullptr;
+    float w = s.w[i];
+    ops::UpdateElement(rule, k, w, g ? g[d] : 0.0f, s0, s1);
+    s.w[i] = RoundToStorage(dt, w);
+  }
+}
+
+void FunctorStep(const TableSpec& spec, int64_t step_before, const std::map<int64_t, std::vector<float>>& sums,
+                 float lr, State& s) {
+  const OptimizerSpec& o = spec.optimizer;
+  const ops::StepConstants k = Constants(o, lr);
+  auto each = [&](const auto& rule) {
+    for (const auto& [row, g] : sums) ApplyRule(rule, k, spec.dtype, spec.dim, s, row, g.data());
+  };
+  switch (o.kind) {
+    case OptimizerSpec::Kind::kSGD:
+      each(ops::SgdRule{lr});
+      break;
+    case OptimizerSpec::Kind::kAdagrad:
+      each(ops::AdagradRule{lr});
+      break;
+    case OptimizerSpec::Kind::kAdam: {
+      float lr_t = lr;
+      if (o.bias_correction) {
+        const double t = double(step_before + 1);
+        lr_t = float(double(lr) * std::sqrt(1.0 - std::pow(double(o.beta_2), t)) / (1.0 - std::pow(double(o.beta_1), t)));
+      }
+      const ops::AdamRule rule{lr_t, o.beta_1, o.beta_2, o.epsilon, o.sum_inside_sqrt};
+      each(rule);
+      if (!o.lazy_adam)
+        for (int64_t row = 0; row < spec.rows; ++row)
+          if (!sums.count(row)) ApplyRule(rule, k, spec.dtype, spec.dim, s, row, nullptr);
+      break;
+    }
+    case OptimizerSpec::Kind::kFTRL:
+      each(ops::FtrlRule{lr, o.learning_rate_power, o.l1, o.l2, o.beta, o.multiply_linear_by_learning_rate});
+      break;
+  }
+}
+
+// Reference 2: the formulas documented in ops/optimizers.h, in double.
+void FormulaElement(const OptimizerSpec& o, double lr, int64_t t, double& w, double g, double& s0, double& s1) {
+  if (o.has_clipvalue) g = std::min(std::max(g, double(o.clip_gradient_min)), double(o.clip_gradient_max));
+  const double wd = o.multiply_weight_decay_factor_by_learning_rate ? double(o.weight_decay_factor) * lr
+                                                                    : double(o.weight_decay_factor);
+  w -= wd * w;
+  switch (o.kind) {
+    case OptimizerSpec::Kind::kSGD:
+      w -= lr * g;
+      break;
+    case OptimizerSpec::Kind::kAdagrad:
+      s0 += g * g;
+      w -= lr * g / std::sqrt(s0);
+      break;
+    case OptimizerSpec::Kind::kAdam: {
+      const double b1 = o.beta_1, b2 = o.beta_2, eps = o.epsilon;
+      s0 = b1 * s0 + (1 - b1) * g;
+      s1 = b2 * s1 + (1 - b2) * g * g;
+      const double lr_t = o.bias_correction ? lr * std::sqrt(1 - std::pow(b2, double(t))) / (1 - std::pow(b1, double(t))) : lr;
+      w -= lr_t * s0 / (o.sum_inside_sqrt ? std::sqrt(s1 + eps * eps) : std::sqrt(s1) + eps);
+      break;
+    }
+    case OptimizerSpec::Kind::kFTRL: {
+      const double p = -double(o.learning_rate_power);
+      const double an = s0 + g * g;
+      const double sigma = (std::pow(an, p) - std::pow(s0, p)) / lr;
+      const double q = (std::pow(an, p) + o.beta) / lr + 2 * double(o.l2);
+      if (o.multiply_linear_by_learning_rate) {
+        s1 += lr * (g - sigma * w);
+        const double l1 = double(o.l1) * lr;
+        w = std::fabs(s1) > l1 ? ((s1 > 0 ? l1 : -l1) - s1) / (q * lr) : 0.0;
+      } else {
+        s1 += g - sigma * w;
+        const double l1 = o.l1;
+        w = std::fabs(s1) > l1 ? ((s1 > 0 ? l1 : -l1) - s1) / q : 0.0;
+      }
+      s0 = an;
+      break;
+    }
+  }
+  if (o.has_clip_weight_min && w < o.clip_weight_min) w = o.clip_weight_min;
+  if (o.has_clip_weight_max && w > o.clip_weight_max) w = o.clip_weight_max;
+}
+
+// Checks the table's state after a step against the formulas applied to the
+// state before it; returns the number of elements out of tolerance.
+int64_t CheckFormulas(const TableSpec& spec, int64_t step_before, const State& before, const State& after,
+                      const std::map<int64_t, std::vector<float>>& sums, float lr, const std::string& what) {
+  const OptimizerSpec& o = spec.optimizer;
+  const double rel = spec.dtype == DType::kFloat32 ? 1e-4 : spec.dtype == DType::kFloat16 ? 2e-3 : 1e-2;
+  const double abs = spec.dtype == DType::kFloat32 ? 1e-5 : 1e-4;
+  // FTRL's linear is a difference of terms much larger than itself: its
+  // float rounding is relative to those terms, not to the result.
+  const double slot_abs = o.kind == OptimizerSpec::Kind::kFTRL ? 1e-5 : 1e-6;
+  int64_t bad = 0;
+  for (int64_t row = 0; row < spec.rows; ++row) {
+    const auto it = sums.find(row);
+    const bool touched = it != sums.end();
+    const bool moves = touched || (o.kind == OptimizerSpec::Kind::kAdam && !o.lazy_adam);
+    for (int64_t d = 0; d < spec.dim; ++d) {
+      const size_t i = size_t(row * spec.dim + d);
+      double w = before.w[i];
+      double s0 = before.slots.size() > 0 ? before.slots[0][i] : 0.0;
+      double s1 = before.slots.size() > 1 ? before.slots[1][i] : 0.0;
+      if (moves) FormulaElement(o, lr, step_before + 1, w, touched ? it->second[size_t(d)] : 0.0, s0, s1);
+      bool ok = embedcore_test::Near(after.w[i], w, rel, abs);
+      if (before.slots.size() > 0) ok = ok && embedcore_test::Near(after.slots[0][i], s0, 1e-4, slot_abs);
+      if (before.slots.size() > 1) ok = ok && embedcore_test::Near(after.slots[1][i], s1, 1e-4, slot_abs);
+      if (!ok && ++bad <= 3)
+        embedcore_test::Fail(__FILE__, __LINE__,
+                             what + ": row " + std::to_string(row) + " col " + std::to_string(d) + ": w " +
+                                 embedcore_test::Show(after.w[i]) + " vs formula " + embedcore_test::Show(w) +
+                                 "; slots " + (after.slots.size() > 0 ? embedcore_test::Show(after.slots[0][i]) : "") +
+                                 " vs " + embedcore_test::Show(s0) + ", " +
+                                 (after.slots.size() > 1 ? embedcore_test::Show(after.slots[1][i]) : "") + " vs " +
+                                 embedcore_test::Show(s1));
+    }
+  }
+  return bad;
+}
+
+// Runs `steps` random steps on a table built from `spec` and checks each
+// against both references.
+void CheckOptimizer(const TableSpec& spec, const std::string& what, uint32_t seed, int steps = 3) {
+  std::mt19937 rng(seed);
+  Table t(spec);
+  for (int step = 0; step < steps; ++step) {
+    // Two parts (two lookups of this table) in varied forms.
+    std::vector<HostPart> parts;
+    const Combiner pooled[] = {Combiner::kSum, Combiner::kMean, Combiner::kSqrtn};
+    parts.push_back(RandomPart(rng, t, pooled[step % 3], 0, step % 2 == 0, step % 2 == 1));
+    parts.push_back(step % 2 == 0 ? RandomPart(rng, t, Combiner::kNone, 0, true, false)
+                                  : RandomPart(rng, t, Combiner::kNone, 3, true, true));
+    const float lr = 0.05f * float(step + 1);
+    const std::map<int64_t, std::vector<float>> sums = SummedGradients(parts, spec.dim);
+
+    const State before = StateOf(t);
+    State expected = before;
+    const int64_t step_before = t.step();
+    FunctorStep(spec, step_before, sums, lr, expected);
+
+    std::vector<GradientPart> views;
+    for (const HostPart& p : parts) views.push_back(p.View());
+    t.ApplyGradients(views, lr);
+    EMBEDCORE_EXPECT_EQ(t.step(), step_before + 1);
+
+    const State after = StateOf(t);
+    const std::string label = what + " step " + std::to_string(step);
+    EMBEDCORE_EXPECT_MSG(CountBitDiffs(after.w, expected.w) == 0,
+                         label << ": values differ from the functor reference in "
+                               << CountBitDiffs(after.w, expected.w) << " elements");
+    for (size_t i = 0; i < after.slots.size(); ++i)
+      EMBEDCORE_EXPECT_MSG(CountBitDiffs(after.slots[i], expected.slots[i]) == 0,
+                           label << ": slot " << i << " differs from the functor reference");
+    EMBEDCORE_EXPECT_EQ(CheckFormulas(spec, step_before, before, after, sums, lr, label), int64_t(0));
+  }
+}
+
+constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+
+}  // namespace
+
+// ------------------------------------------------------------ names and specs
+EMBEDCORE_TEST(DTypeAndCombinerNames) {
+  EMBEDCORE_EXPECT_EQ(DTypeSize(DType::kFloat32), size_t(4));
+  EMBEDCORE_EXPECT_EQ(DTypeSize(DType::kFloat16), size_t(2));
+  EMBEDCORE_EXPECT_EQ(DTypeSize(DType::kBFloat16), size_t(2));
+  for (DType d : kDTypes) EMBEDCORE_EXPECT(ParseDType(DTypeName(d)) == d);
+  EMBEDCORE_EXPECT_EQ(std::string(DTypeName(DType::kBFloat16)), std::string("bfloat16"));
+  EMBEDCORE_EXPECT_THROWS(ParseDType("float64", "TableConfig.dtype"), InvalidArgument, "TableConfig.dtype");
+  EMBEDCORE_EXPECT_THROWS(ParseDType("Float32"), InvalidArgument, "'Float32'");
+  EMBEDCORE_EXPECT_EQ(std::string(CombinerName(Combiner::kSum)), std::string("sum"));
+  EMBEDCORE_EXPECT_EQ(std::string(CombinerName(Combiner::kMean)), std::string("mean"));
+  EMBEDCORE_EXPECT_EQ(std::string(CombinerName(Combiner::kSqrtn)), std::string("sqrtn"));
+  EMBEDCORE_EXPECT_EQ(std::string(CombinerName(Combiner::kNone)), std::string("none"));
+}
+
+EMBEDCORE_TEST(SlotNamesAndInitialSlots) {
+  using K = OptimizerSpec::Kind;
+  const std::vector<std::vector<std::string>> names = {
+      {}, {"accumulators"}, {"momenta", "velocities"}, {"accumulators", "linears"}};
+  const K kinds[] = {K::kSGD, K::kAdagrad, K::kAdam, K::kFTRL};
+  for (int i = 0; i < 4; ++i) {
+    TableSpec spec = MakeSpec(5, 3, DType::kFloat32, kinds[i]);
+    spec.optimizer.initial_accumulator_value = 0.25f;
+    EMBEDCORE_EXPECT(spec.optimizer.SlotNames() == names[size_t(i)]);
+    Table t(spec);
+    EMBEDCORE_EXPECT_EQ(t.num_slots(), names[size_t(i)].size());
+    for (size_t s = 0; s < t.num_slots(); ++s) {
+      const float want = names[size_t(i)][s] == "accumulators" ? 0.25f : 0.0f;
+      for (int64_t e = 0; e < 15; ++e) EMBEDCORE_EXPECT_BITS_EQ(t.slot(s)[e], want);
+    }
+    EMBEDCORE_EXPECT_EQ(t.step(), int64_t(0));
+  }
+}
+
+EMBEDCORE_TEST(ConstructorValidation) {
+  EMBEDCORE_EXPECT_THROWS(Table(MakeSpec(0, 4)), InvalidArgument, "rows must be >= 1");
+  EMBEDCORE_EXPECT_THROWS(Table(MakeSpec(4, 0)), InvalidArgument, "dim must be >= 1");
+  EMBEDCORE_EXPECT_THROWS(Table(MakeSpec(-3, 4)), InvalidArgument, "rows");
+  // rows * dim * 4 bytes overflows: refused before any allocation.
+  EMBEDCORE_EXPECT_THROWS(Table(MakeSpec(int64_t(1) << 40, int64_t(1) << 30)), InvalidArgument, "overflows");
+
+  using K = OptimizerSpec::Kind;
+  struct Bad {
+    K kind;
+    void (*set)(OptimizerSpec&);
+    const char* field;
+  };
+  const Bad bad[] = {
+      {K::kAdagrad, [](OptimizerSpec& o) { o.initial_accumulator_value = 0.0f; }, "initial_accumulator_value"},
+      {K::kFTRL, [](OptimizerSpec& o) { o.initial_accumulator_value = -1.0f; }, "initial_accumulator_value"},
+      {K::kAdam, [](OptimizerSpec& o) { o.beta_1 = 1.0f; }, "beta_1"},
+      {K::kAdam, [](OptimizerSpec& o) { o.beta_2 = -0.1f; }, "beta_2"},
+      {K::kAdam, [](OptimizerSpec& o) { o.epsilon = 0.0f; }, "epsilon"},
+      {K::kFTRL, [](OptimizerSpec& o) { o.learning_rate_power = 0.5f; }, "learning_rate_power"},
+      {K::kFTRL, [](OptimizerSpec& o) { o.l1 = -1.0f; }, "l1"},
+      {K::kFTRL, [](OptimizerSpec& o) { o.l2 = -1.0f; }, "l2"},
+      {K::kFTRL, [](OptimizerSpec& o) { o.beta = -1.0f; }, "beta"},
+      {K::kSGD,
+       [](OptimizerSpec& o) {
+         o.has_clip_weight_min = o.has_clip_weight_max = true;
+         o.clip_weight_min = 1.0f;
+         o.clip_weight_max = 0.0f;
+       },
+       "clip_weight_min"},
+      {K::kSGD,
+       [](OptimizerSpec& o) {
+         o.has_clipvalue = true;
+         o.clip_gradient_min = 1.0f;
+         o.clip_gradient_max = -1.0f;
+       },
+       "clipvalue"},
+      {K::kSGD, [](OptimizerSpec& o) { o.weight_decay_factor = -0.1f; }, "weight_decay_factor"},
+      {K::kSGD, [](OptimizerSpec& o) { o.weight_decay_factor = std::nanf(""); }, "weight_decay_factor"},
+  };
+  for (const Bad& b : bad) {
+    TableSpec spec = MakeSpec(4, 4, DType::kFloat32, b.kind);
+    b.set(spec.optimizer);
+    EMBEDCORE_EXPECT_THROWS(spec.optimizer.Validate(), InvalidArgument, b.field);
+    EMBEDCORE_EXPECT_THROWS(Table{spec}, InvalidArgument, b.field);
+  }
+  // Options of other optimizers are not checked: SGD ignores Adam's betas.
+  TableSpec ok = MakeSpec(4, 4, DType::kFloat32, K::kSGD);
+  ok.optimizer.beta_1 = 7.0f;
+  EMBEDCORE_EXPECT_NO_THROW(Table{ok});
+}
+
+EMBEDCORE_TEST(OutputRows) {
+  HostBatch hb;
+  hb.AddBag({1, 2, 3});
+  hb.AddBag({});
+  hb.AddBag({4});
+  const Batch b = hb.View();
+  EMBEDCORE_EXPECT_EQ((OutputShape{Combiner::kSum, 0}.OutputRows(b)), int64_t(3));
+  EMBEDCORE_EXPECT_EQ((OutputShape{Combiner::kMean, 7}.OutputRows(b)), int64_t(3));  // L ignored when pooled
+  EMBEDCORE_EXPECT_EQ((OutputShape{Combiner::kNone, 0}.OutputRows(b)), int64_t(4));
+  EMBEDCORE_EXPECT_EQ((OutputShape{Combiner::kNone, 5}.OutputRows(b)), int64_t(15));
+}
+
+EMBEDCORE_TEST(BuildInfo) {
+  const embedcore::BuildInfo info = GetBuildInfo();
+  EMBEDCORE_EXPECT_EQ(info.version, std::string(EMBEDCORE_VERSION_STRING));
+  EMBEDCORE_EXPECT(!info.cuda);
+  EMBEDCORE_EXPECT(!info.simd.empty());
+  EMBEDCORE_EXPECT(!info.compiler.empty());
+}
+
+// ------------------------------------------------------------ lookup
+EMBEDCORE_TEST(LookupPooledMatchesReference) {
+  std::mt19937 rng(1);
+  for (DType dt : kDTypes) {
+    for (int64_t dim : {1, 8, 13, 64}) {
+      Table t(MakeSpec(300, dim, dt));
+      for (bool weighted : {false, true}) {
+        for (bool int32 : {false, true}) {
+          HostBatch hb = RandomBatch(rng, 50, 9, t.rows(), weighted, int32);
+          hb.AddBag({});  // an empty bag at the end as well
+          for (Combiner c : {Combiner::kSum, Combiner::kMean, Combiner::kSqrtn}) {
+            const OutputShape shape{c, 0};
+            std::vector<float> out(size_t(hb.bags() * dim), -7.0f);
+            t.Lookup(hb.View(), shape, out.data());
+            EMBEDCORE_EXPECT_MSG(CountBitDiffs(out, RefLookup(t, hb, shape)) == 0,
+                                 DTypeName(dt) << " dim " << dim << " " << CombinerName(c)
+                                               << (weighted ? " weighted" : "") << (int32 ? " int32" : " int64"));
+            // Empty bags give zeros.
+            for (int64_t b = 0; b < hb.bags(); ++b)
+              if (hb.offsets[size_t(b)] == hb.offsets[size_t(b) + 1])
+                for (int64_t d = 0; d < dim; ++d) EMBEDCORE_EXPECT_BITS_EQ(out[size_t(b * dim + d)], 0.0f);
+          }
+        }
+      }
+    }
+  }
+}
+
+EMBEDCORE_TEST(LookupSequencesMatchReference) {
+  std::mt19937 rng(2);
+  for (DType dt : kDTypes) {
+    Table t(MakeSpec(100, 11, dt));
+    for (bool weighted : {false, true}) {
+      const HostBatch hb = RandomBatch(rng, 30, 8, t.rows(), weighted, false);
+      for (int64_t len : {0, 1, 5, 8, 20}) {
+        const OutputShape shape{Combiner::kNone, len};
+        std::vector<float> out(size_t(shape.OutputRows(hb.View()) * t.dim()), -7.0f);
+        t.Lookup(hb.View(), shape, out.data());
+        EMBEDCORE_EXPECT_MSG(CountBitDiffs(out, RefLookup(t, hb, shape)) == 0,
+                             DTypeName(dt) << " L " << len << (weighted ? " weighted" : ""));
+      }
+    }
+  }
+}
+
+EMBEDCORE_TEST(LookupOfEmptyBatches) {
+  Table t(MakeSpec(10, 4));
+  HostBatch none;  // zero bags
+  EMBEDCORE_EXPECT_NO_THROW(t.Lookup(none.View(), OutputShape{Combiner::kSum, 0}, nullptr));
+  EMBEDCORE_EXPECT_NO_THROW(t.Lookup(none.View(), OutputShape{Combiner::kNone, 0}, nullptr));
+  EMBEDCORE_EXPECT_NO_THROW(t.Lookup(none.View(), OutputShape{Combiner::kNone, 3}, nullptr));
+  HostBatch empty_bags;
+  empty_bags.AddBag({});
+  empty_bags.AddBag({});
+  std::vector<float> out(2 * 4, -7.0f);
+  t.Lookup(empty_bags.View(), OutputShape{Combiner::kMean, 0}, out.data());
+  for (float v : out) EMBEDCORE_EXPECT_BITS_EQ(v, 0.0f);
+  EMBEDCORE_EXPECT_NO_THROW(t.Lookup(empty_bags.View(), OutputShape{Combiner::kNone, 0}, nullptr));  // [0, dim]
+}
+
+EMBEDCORE_TEST(LookupValidation) {
+  Table t(MakeSpec(10, 4));
+  const std::vector<float> sentinel(4 * 4, -7.0f);
+  std::vector<float> out = sentinel;
+  const OutputShape sum{Combiner::kSum, 0};
+
+  HostBatch hb;
+  hb.AddBag({1, 2});
+  hb.AddBag({10});  // == rows
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(hb.View(), sum, out.data()), OutOfRange, "id 10 at position 2");
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(hb.View(), sum, out.data()), OutOfRange, "table 't'");
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(hb.View(), sum, out.data()), OutOfRange, "[0, 10)");
+  hb.int32 = true;
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(hb.View(), sum, out.data()), OutOfRange, "id 10");
+  EMBEDCORE_EXPECT(out == sentinel);  // nothing written
+
+  HostBatch neg;
+  neg.AddBag({3, -1});
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(neg.View(), sum, out.data()), OutOfRange, "id -1 at position 1");
+  HostBatch big;
+  big.AddBag({int64_t(1) << 40});  // does not fit int32 either: only int64 can say it
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(big.View(), sum, out.data()), OutOfRange, "1099511627776");
+
+  // A large batch with one bad id deep inside (the parallel check).
+  HostBatch many;
+  std::vector<int64_t> ids(200000, 3);
+  ids[123456] = 99;
+  many.AddBag(ids);
+  std::vector<float> one(4);
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(many.View(), sum, one.data()), OutOfRange, "id 99 at position 123456");
+
+  // Malformed offsets.
+  HostBatch ok;
+  ok.AddBag({1, 2});
+  ok.AddBag({3});
+  Batch b = ok.View();
+  const int64_t bad_start[] = {1, 2, 3};
+  b.offsets = bad_start;
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(b, sum, out.data()), InvalidArgument, "offsets[0] must be 0");
+  const int64_t decreasing[] = {0, 2, 1};
+  b.offsets = decreasing;
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(b, sum, out.data()), InvalidArgument, "non-decreasing");
+  const int64_t short_end[] = {0, 1, 2};
+  b.offsets = short_end;
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(b, sum, out.data()), InvalidArgument, "must end at len(ids) = 3");
+  b.offsets = nullptr;
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(b, sum, out.data()), InvalidArgument, "offsets: null");
+  b = ok.View();
+  b.ids = nullptr;
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(b, sum, out.data()), InvalidArgument, "ids: null");
+  b = ok.View();
+  b.nnz = -1;
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(b, sum, out.data()), InvalidArgument, "negative");
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(ok.View(), sum, nullptr), InvalidArgument, "out: null");
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(ok.View(), (OutputShape{Combiner::kNone, -1}), out.data()), InvalidArgument,
+                          "max_sequence_length");
+  EMBEDCORE_EXPECT(out == sentinel);
+  // ValidateBatch is public too.
+  EMBEDCORE_EXPECT_THROWS(ValidateBatch(hb.View(), 10, "named"), OutOfRange, "table 'named'");
+  EMBEDCORE_EXPECT_NO_THROW(ValidateBatch(ok.View(), 10, "named"));
+}
+
+// ------------------------------------------------------------ updates
+EMBEDCORE_TEST(SgdMatchesReferences) {
+  for (DType dt : kDTypes) CheckOptimizer(MakeSpec(40, 9, dt, OptimizerSpec::Kind::kSGD), std::string("SGD ") + DTypeName(dt), 10);
+}
+
+EMBEDCORE_TEST(AdagradMatchesReferences) {
+  for (DType dt : kDTypes) {
+    TableSpec spec = MakeSpec(40, 9, dt, OptimizerSpec::Kind::kAdagrad);
+    spec.optimizer.initial_accumulator_value = 0.3f;
+    CheckOptimizer(spec, std::string("Adagrad ") + DTypeName(dt), 11);
+  }
+}
+
+EMBEDCORE_TEST(AdamMatchesReferences) {
+  for (DType dt : kDTypes) {
+    for (int variant = 0; variant < 4; ++variant) {
+      TableSpec spec = MakeSpec(40, 9, dt, OptimizerSpec::Kind::kAdam);
+      spec.optimizer.epsilon = 1e-3f;
+      spec.optimizer.lazy_adam = variant != 1;          // variant 1: non-lazy, untouched rows decay too
+      spec.optimizer.sum_inside_sqrt = variant != 2;    // variant 2: m / (sqrt(v) + eps)
+      spec.optimizer.bias_correction = variant >= 2;    // variants 2, 3: PyTorch's SparseAdam step
+      CheckOptimizer(spec, std::string("Adam ") + DTypeName(dt) + " variant " + std::to_string(variant), 12, 4);
+    }
+  }
+}
+
+EMBEDCORE_TEST(FtrlMatchesReferences) {
+  for (DType dt : kDTypes) {
+    for (int variant = 0; variant < 3; ++variant) {
+      TableSpec spec = MakeSpec(40, 9, dt, OptimizerSpec::Kind::kFTRL);
+      spec.optimizer.initial_accumulator_value = 0.5f;
+      spec.optimizer.l1 = 0.001f;
+      spec.optimizer.l2 = 0.01f;
+      spec.optimizer.beta = variant == 1 ? 0.5f : 0.0f;
+      spec.optimizer.learning_rate_power = variant == 1 ? -0.25f : -0.5f;
+      spec.optimizer.multiply_linear_by_learning_rate = variant == 2;
+      CheckOptimizer(spec, std::string("FTRL ") + DTypeName(dt) + " variant " + std::to_string(variant), 13);
+    }
+  }
+}
+
+EMBEDCORE_TEST(CommonOptionsMatchReferences) {
+  // Gradient clipping, weight decay (plain and times lr) and weight clipping
+  // on every optimizer.
+  using K = OptimizerSpec::Kind;
+  for (K kind : {K::kSGD, K::kAdagrad, K::kAdam, K::kFTRL}) {
+    for (bool decay_times_lr : {false, true}) {
+      TableSpec spec = MakeSpec(30, 5, DType::kFloat32, kind);
+      OptimizerSpec& o = spec.optimizer;
+      o.has_clipvalue = true;
+      o.clip_gradient_min = -0.4f;
+      o.clip_gradient_max = 0.3f;
+      o.weight_decay_factor = 0.1f;
+      o.multiply_weight_decay_factor_by_learning_rate = decay_times_lr;
+      o.has_clip_weight_min = true;
+      o.clip_weight_min = -0.6f;
+      o.has_clip_weight_max = true;
+      o.clip_weight_max = 0.7f;
+      if (kind == K::kAdam) o.lazy_adam = false;
+      CheckOptimizer(spec, "options kind " + std::to_string(int(kind)) + (decay_times_lr ? " wd*lr" : " wd"), 14);
+    }
+  }
+}
+
+EMBEDCORE_TEST(RepeatedIdsAreSummedBeforeOneUpdate) {
+  // Adagrad is not additive: three updates with g1, g2, g3 differ from one
+  // update with g1 + g2 + g3. The table must do the latter.
+  TableSpec spec = MakeSpec(4, 1, DType::kFloat32, OptimizerSpec::Kind::kAdagrad);
+  spec.initializer.kind = InitializerSpec::Kind::kConstant;
+  spec.initializer.a = 1.0;
+  spec.optimizer.initial_accumulator_value = 0.1f;
+  Table t(spec);
+  HostPart p;
+  p.batch.AddBag({2});
+  p.batch.AddBag({2});
+  p.batch.AddBag({0});
+  p.batch.AddBag({2});
+  p.shape = OutputShape{Combiner::kSum, 0};
+  p.grads = {0.5f, 0.25f, 1.0f, -0.125f};
+  t.ApplyGradients({p.View()}, 0.1f);
+  const std::vector<float> v = Values(t);
+  const float g = 0.5f + 0.25f + -0.125f;
+  const float acc = 0.1f + g * g;
+  EMBEDCORE_EXPECT_BITS_EQ(t.slot(0)[2], acc);
+  EMBEDCORE_EXPECT_BITS_EQ(v[2], 1.0f - 0.1f * g / std::sqrt(acc));
+  EMBEDCORE_EXPECT_BITS_EQ(t.slot(0)[0], 0.1f + 1.0f);
+  EMBEDCORE_EXPECT_BITS_EQ(v[1], 1.0f);  // untouched rows stay
+  EMBEDCORE_EXPECT_BITS_EQ(v[3], 1.0f);
+  EMBEDCORE_EXPECT_BITS_EQ(t.slot(0)[1], 0.1f);
+
+  // Across parts too: the same id in two lookups is one update.
+  Table t2(spec);
+  HostPart a, b;
+  a.batch.AddBag({2, 2});
+  a.shape = OutputShape{Combiner::kMean, 0};  // each occurrence gets g / 2
+  a.grads = {0.5f};
+  b.batch.AddBag({2});
+  b.shape = OutputShape{Combiner::kNone, 0};
+  b.grads = {0.25f};
+  t2.ApplyGradients({a.View(), b.View()}, 0.1f);
+  const float g2 = (0.0f + 0.5f * 0.5f + 0.5f * 0.5f) + 0.25f;
+  EMBEDCORE_EXPECT_BITS_EQ(t2.slot(0)[2], 0.1f + g2 * g2);
+  EMBEDCORE_EXPECT_EQ(t2.step(), int64_t(1));
+}
+
+EMBEDCORE_TEST(TruncatedSequenceIdsGetNoGradient) {
+  TableSpec spec = MakeSpec(6, 2);
+  spec.initializer.kind = InitializerSpec::Kind::kZeros;
+  Table t(spec);
+  HostPart p;
+  p.batch.AddBag({1, 2, 3});  // L = 2: id 3 was never looked up
+  p.shape = OutputShape{Combiner::kNone, 2};
+  p.grads = {1, 1, 1, 1};
+  t.ApplyGradients({p.View()}, 1.0f);
+  const std::vector<float> v = Values(t);
+  EMBEDCORE_EXPECT_BITS_EQ(v[2], -1.0f);
+  EMBEDCORE_EXPECT_BITS_EQ(v[4], -1.0f);
+  EMBEDCORE_EXPECT_BITS_EQ(v[6], 0.0f);
+}
+
+EMBEDCORE_TEST(EmptyUpdatesCountAsSteps) {
+  Table t(MakeSpec(5, 3, DType::kFloat32, OptimizerSpec::Kind::kAdagrad));
+  const Snapshot before = Take(t);
+  t.ApplyGradients({}, 0.1f);
+  HostPart empty;
+  empty.batch.AddBag({});
+  empty.shape = OutputShape{Combiner::kSum, 0};
+  empty.grads = {0, 0, 0};
+  t.ApplyGradients({empty.View()}, 0.1f);
+  Snapshot after = Take(t);
+  EMBEDCORE_EXPECT_EQ(after.step, int64_t(2));
+  after.step = before.step;
+  EMBEDCORE_EXPECT(after == before);
+  t.set_step(41);
+  EMBEDCORE_EXPECT_EQ(t.step(), int64_t(41));
+}
+
+EMBEDCORE_TEST(UpdateValidationLeavesTableUnchanged) {
+  using K = OptimizerSpec::Kind;
+  for (K kind : {K::kSGD, K::kAdagrad, K::kAdam, K::kFTRL}) {
+    TableSpec spec = MakeSpec(10, 3, DType::kFloat16, kind);
+    spec.optimizer.lazy_adam = false;  // a non-lazy step would touch every row
+    Table t(spec);
+    std::mt19937 rng(3);
+    HostPart good = RandomPart(rng, t, Combiner::kSum, 0, true, false);
+    const Snapshot before = Take(t);
+
+    HostPart bad_id = good;
+    bad_id.batch.AddBag({10});
+    bad_id.grads.resize(bad_id.grads.size() + 3, 1.0f);
+    EMBEDCORE_EXPECT_THROWS(t.ApplyGradients({good.View(), bad_id.View()}, 0.1f), OutOfRange, "id 10");
+    EMBEDCORE_EXPECT(Take(t) == before);
+
+    HostPart bad_offsets = good;
+    bad_offsets.batch.offsets.back() += 1;
+    EMBEDCORE_EXPECT_THROWS(t.ApplyGradients({good.View(), bad_offsets.View()}, 0.1f), InvalidArgument, "offsets");
+    EMBEDCORE_EXPECT(Take(t) == before);
+
+    GradientPart no_grads = good.View();
+    no_grads.grads = nullptr;
+    EMBEDCORE_EXPECT_THROWS(t.ApplyGradients({good.View(), no_grads}, 0.1f), InvalidArgument, "grads: null");
+    EMBEDCORE_EXPECT(Take(t) == before);
+
+    for (float lr : {std::nanf(""), std::numeric_limits<float>::infinity()})
+      EMBEDCORE_EXPECT_THROWS(t.ApplyGradients({good.View()}, lr), InvalidArgument, "learning_rate");
+    EMBEDCORE_EXPECT(Take(t) == before);
+
+    // And the table still works.
+    EMBEDCORE_EXPECT_NO_THROW(t.ApplyGradients({good.View()}, 0.1f));
+    EMBEDCORE_EXPECT_EQ(t.step(), int64_t(1));
+  }
+}
+
+// ------------------------------------------------------------ assign / read
+EMBEDCORE_TEST(AssignAndReadValues) {
+  for (DType dt : kDTypes) {
+    Table t(MakeSpec(6, 3, dt, OptimizerSpec::Kind::kAdam));
+    const std::vector<float> src = {0.1f, -2.5f, 1e-6f, 3.0f, 65504.0f, -0.0f};
+    t.AssignValues(2, 2, src.data());
+    std::vector<float> got(6);
+    t.ReadValues(2, 2, got.data());
+    for (size_t i = 0; i < 6; ++i) EMBEDCORE_EXPECT_BITS_EQ(got[i], RoundToStorage(dt, src[i]));
+    const std::vector<float> v = Values(t);
+    for (size_t i = 0; i < 6; ++i) EMBEDCORE_EXPECT_BITS_EQ(v[6 + i], got[i]);
+
+    // Raw bytes of rows 2..3 copied to rows 4..5.
+    std::vector<uint8_t> raw(static_cast<const uint8_t*>(t.values()) + 2 * 3 * DTypeSize(dt),
+                             static_cast<const uint8_t*>(t.values()) + 4 * 3 * DTypeSize(dt));
+    t.AssignRaw(4, 2, raw.data());
+    t.ReadValues(4, 2, got.data());
+    for (size_t i = 0; i < 6; ++i) EMBEDCORE_EXPECT_BITS_EQ(got[i], RoundToStorage(dt, src[i]));
+
+    const std::vector<float> slot = {1, 2, 3};
+    t.AssignSlot(1, 5, 1, slot.data());
+    for (int d = 0; d < 3; ++d) EMBEDCORE_EXPECT_BITS_EQ(t.slot(1)[15 + d], slot[size_t(d)]);
+
+    // Ranges: [start, start + n) must fit in [0, rows); n = 0 at the end is fine.
+    const Snapshot before = Take(t);
+    EMBEDCORE_EXPECT_THROWS(t.AssignValues(5, 2, src.data()), OutOfRange, "rows [5, 7)");
+    EMBEDCORE_EXPECT_THROWS(t.AssignValues(-1, 1, src.data()), OutOfRange, "do not fit");
+    EMBEDCORE_EXPECT_THROWS(t.AssignRaw(0, 7, raw.data()), OutOfRange, "do not fit");
+    EMBEDCORE_EXPECT_THROWS(t.AssignSlot(0, 6, 1, slot.data()), OutOfRange, "do not fit");
+    EMBEDCORE_EXPECT_THROWS(t.AssignSlot(2, 0, 1, slot.data()), OutOfRange, "no slot 2");
+    EMBEDCORE_EXPECT_THROWS(t.ReadValues(0, -1, got.data()), OutOfRange, "do not fit");
+    EMBEDCORE_EXPECT_THROWS(t.ReadValues(int64_t(1) << 62, 1, got.data()), OutOfRange, "do not fit");
+    EMBEDCORE_EXPECT_NO_THROW(t.AssignValues(6, 0, src.data()));
+    EMBEDCORE_EXPECT_NO_THROW(t.ReadValues(6, 0, got.data()));
+    EMBEDCORE_EXPECT(Take(t) == before);
+  }
+}
+
+// ------------------------------------------------------------ threads
+EMBEDCORE_TEST(ResultsDoNotDependOnThreadCount) {
+  // Big enough that every loop splits into many chunks.
+  struct Run {
+    std::vector<float> pooled, flat;
+    std::vector<Snapshot> states;
+  };
+  const int saved = GetNumThreads();
+  std::vector<Run> runs;
+  for (int threads : {1, 2, 4, 3}) {
+    SetNumThreads(threads);
+    EMBEDCORE_EXPECT_EQ(GetNumThreads(), threads);
+    std::mt19937 rng(4242);  // the same data for every thread count
+    Run run;
+    for (OptimizerSpec::Kind kind : {OptimizerSpec::Kind::kAdagrad, OptimizerSpec::Kind::kFTRL,
+                                     OptimizerSpec::Kind::kAdam}) {
+      TableSpec spec = MakeSpec(3000, 24, DType::kBFloat16, kind, 9);
+      spec.initializer.kind = InitializerSpec::Kind::kTruncatedNormal;
+      spec.initializer.b = 0.0;
+      spec.optimizer.lazy_adam = false;
+      Table t(spec);
+      for (int step = 0; step < 2; ++step) {
+        HostPart p;
+        p.batch = RandomBatch(rng, 6000, 12, t.rows(), true, step == 1);
+        p.shape = OutputShape{Combiner::kSqrtn, 0};
+        std::vector<float> out(size_t(p.batch.bags() * t.dim()));
+        t.Lookup(p.batch.View(), p.shape, out.data());
+        run.pooled.insert(run.pooled.end(), out.begin(), out.end());
+        std::vector<float> flat(p.batch.ids.size() * size_t(t.dim()));
+        t.Lookup(p.batch.View(), OutputShape{Combiner::kNone, 0}, flat.data());
+        run.flat.insert(run.flat.end(), flat.begin(), flat.end());
+        p.grads = out;  // any gradient will do; the same for every thread count
+        t.ApplyGradients({p.View()}, 0.05f);
+      }
+      run.states.push_back(Take(t));
+    }
+    runs.push_back(std::move(run));
+  }
+  SetNumThreads(saved);
+  for (size_t i = 1; i < runs.size(); ++i) {
+    EMBEDCORE_EXPECT_EQ(CountBitDiffs(runs[i].pooled, runs[0].pooled), int64_t(0));
+    EMBEDCORE_EXPECT_EQ(CountBitDiffs(runs[i].flat, runs[0].flat), int64_t(0));
+    for (size_t s = 0; s < runs[0].states.size(); ++s)
+      EMBEDCORE_EXPECT_MSG(runs[i].states[s] == runs[0].states[s], "run " << i << " table " << s);
+  }
+}
+
+EMBEDCORE_TEST(ConcurrentLookupsNeverSeeHalfUpdatedRows) {
+  // Every element of a row gets the same update, so a row read while an
+  // update ran half-way would hold two different values.
+  const int64_t rows = 512, dim = 64;
+  TableSpec spec = MakeSpec(rows, dim);
+  spec.initializer.kind = InitializerSpec::Kind::kConstant;
+  spec.initializer.a = 1.0;
+  Table t(spec);
+  HostPart p;
+  for (int64_t r = 0; r < rows; ++r) p.batch.AddBag({r});
+  p.shape = OutputShape{Combiner::kNone, 0};
+  p.grads.resize(size_t(rows * dim));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < dim; ++d) p.grads[size_t(r * dim + d)] = 0.001f * float(r + 1);
+
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> torn{0}, lookups{0};
+  auto reader = [&] {
+    std::vector<float> out(size_t(rows * dim));
+    while (!done.load()) {
+      t.Lookup(p.batch.View(), p.shape, out.data());
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 1; d < dim; ++d)
+          if (Bits(out[size_t(r * dim + d)]) != Bits(out[size_t(r * dim)])) {
+            ++torn;
+            break;
+          }
+      ++lookups;
+    }
+  };
+  std::vector<std::thread> readers;
+  for (int i = 0; i < 3; ++i) readers.emplace_back(reader);
+  for (int step = 0; step < 40; ++step) t.ApplyGradients({p.View()}, 0.5f);
+  while (lookups.load() < 3) std::this_thread::yield();  // at least some overlap, however slow
+  done = true;
+  for (auto& th : readers) th.join();
+  EMBEDCORE_EXPECT_EQ(torn.load(), int64_t(0));
+  EMBEDCORE_EXPECT_EQ(t.step(), int64_t(40));
+  // And the final values are 40 SGD steps.
+  const std::vector<float> v = Values(t);
+  for (int64_t r = 0; r < rows; ++r) {
+    float w = 1.0f;
+    for (int s = 0; s < 40; ++s) w = w - 0.5f * (0.001f * float(r + 1));
+    EMBEDCORE_EXPECT_BITS_EQ(v[size_t(r * dim)], w);
+  }
+}

@@ -1,0 +1,217 @@
+// core/thread_pool.{h,cc}: ParallelFor and ParallelChunks cover every index
+// exactly once, in contiguous ordered chunks, from one caller or several at
+// once; exceptions reach the caller and leave the pool usable; the thread
+// count can change while other threads run loops.
+#include <algorithm>
+#include <atomic>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "embedcore/embedcore.h"
+#include "test_util.h"
+#include "thread_pool.h"
+
+using namespace embedcore;
+
+namespace {
+
+// Runs ParallelFor over [0, n) and checks that every index was visited once
+// and that the chunks were non-empty, contiguous ranges of [0, n).
+void CheckCoverage(int64_t n, int64_t grain) {
+  std::vector<std::atomic<int>> hits(size_t(std::max<int64_t>(n, 1)));
+  for (auto& h : hits) h = 0;
+  std::atomic<int64_t> bad_chunks{0}, chunks{0};
+  ParallelFor(n, grain, [&](int64_t b, int64_t e) {
+    ++chunks;
+    if (b < 0 || e > n || b >= e) ++bad_chunks;
+    for (int64_t i = b; i < e && i < n && i >= 0; ++i) ++hits[size_t(i)];
+  });
+  EMBEDCORE_EXPECT_EQ(bad_chunks.load(), int64_t(0));
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < n; ++i) wrong += hits[size_t(i)].load() != 1;
+  EMBEDCORE_EXPECT_MSG(wrong == 0, wrong << " of " << n << " indices not visited exactly once (grain " << grain << ")");
+  if (n == 0) EMBEDCORE_EXPECT_EQ(chunks.load(), int64_t(0));
+}
+
+struct RestoreThreads {
+  int saved = GetNumThreads();
+  ~RestoreThreads() { SetNumThreads(saved); }
+};
+
+}  // namespace
+
+EMBEDCORE_TEST(SetAndGetNumThreads) {
+  RestoreThreads restore;
+  EMBEDCORE_EXPECT_GE(GetNumThreads(), 1);
+  for (int n : {1, 3, 8, 2}) {
+    SetNumThreads(n);
+    EMBEDCORE_EXPECT_EQ(GetNumThreads(), n);
+  }
+  EMBEDCORE_EXPECT_THROWS(SetNumThreads(0), InvalidArgument, "num_threads must be >= 1, got 0");
+  EMBEDCORE_EXPECT_THROWS(SetNumThreads(-4), InvalidArgument, "-4");
+  EMBEDCORE_EXPECT_EQ(GetNumThreads(), 2);  // a refused call changes nothing
+}
+
+EMBEDCORE_TEST(ParallelForCoversEveryIndexOnce) {
+  RestoreThreads restore;
+  for (int threads : {1, 2, 4, 7}) {
+    SetNumThreads(threads);
+    for (int64_t n : {0, 1, 2, 7, 64, 1000, 100003}) {
+      for (int64_t grain : {0, 1, 3, 64, 1 << 20}) CheckCoverage(n, grain);
+    }
+  }
+  // Negative n does nothing.
+  int calls = 0;
+  ParallelFor(-5, 1, [&](int64_t, int64_t) { ++calls; });
+  EMBEDCORE_EXPECT_EQ(calls, 0);
+}
+
+EMBEDCORE_TEST(ParallelForRespectsGrain) {
+  RestoreThreads restore;
+  SetNumThreads(4);
+  std::atomic<int64_t> small{0}, chunks{0};
+  ParallelFor(1000, 300, [&](int64_t b, int64_t e) {
+    ++chunks;
+    if (e - b < 250) ++small;  // 1000 / 300 -> at most 4 chunks of 250
+  });
+  EMBEDCORE_EXPECT_EQ(small.load(), int64_t(0));
+  EMBEDCORE_EXPECT_LE(chunks.load(), int64_t(4));
+}
+
+EMBEDCORE_TEST(ParallelChunksAreOrderedAndContiguous) {
+  RestoreThreads restore;
+  for (int threads : {1, 3, 4}) {
+    SetNumThreads(threads);
+    for (int64_t n : {0, 1, 5, 1000}) {
+      for (int chunks : {1, 2, 3, 7}) {
+        std::vector<int64_t> begin(size_t(chunks), -1), end(size_t(chunks), -1);
+        std::atomic<int> calls{0};
+        ParallelChunks(n, chunks, [&](int c, int64_t b, int64_t e) {
+          ++calls;
+          begin[size_t(c)] = b;
+          end[size_t(c)] = e;
+        });
+        EMBEDCORE_EXPECT_EQ(calls.load(), chunks);
+        EMBEDCORE_EXPECT_EQ(begin[0], int64_t(0));
+        EMBEDCORE_EXPECT_EQ(end[size_t(chunks) - 1], n);
+        for (int c = 1; c < chunks; ++c) EMBEDCORE_EXPECT_EQ(begin[size_t(c)], end[size_t(c) - 1]);
+        for (int c = 0; c < chunks; ++c) EMBEDCORE_EXPECT_LE(begin[size_t(c)], end[size_t(c)]);
+      }
+    }
+    int calls = 0;
+    ParallelChunks(10, 0, [&](int, int64_t, int64_t) { ++calls; });
+    EMBEDCORE_EXPECT_EQ(calls, 0);
+  }
+}
+
+EMBEDCORE_TEST(NumChunks) {
+  RestoreThreads restore;
+  SetNumThreads(4);
+  EMBEDCORE_EXPECT_EQ(NumChunks(0, 10), 0);
+  EMBEDCORE_EXPECT_EQ(NumChunks(-3, 10), 0);
+  EMBEDCORE_EXPECT_EQ(NumChunks(5, 10), 1);
+  EMBEDCORE_EXPECT_EQ(NumChunks(25, 10), 3);
+  EMBEDCORE_EXPECT_EQ(NumChunks(1000, 10), 4);  // at most one per thread
+  EMBEDCORE_EXPECT_EQ(NumChunks(7, 0), 4);      // grain 0 counts as 1
+  SetNumThreads(1);
+  EMBEDCORE_EXPECT_EQ(NumChunks(1000, 10), 1);
+}
+
+EMBEDCORE_TEST(ConcurrentCallersFromSeveralThreads) {
+  RestoreThreads restore;
+  SetNumThreads(3);
+  constexpr int kCallers = 6, kRounds = 60;
+  constexpr int64_t n = 5000;
+  std::atomic<int64_t> wrong{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < kCallers; ++t) {
+    callers.emplace_back([&, t] {
+      std::vector<int> hits(n);
+      for (int round = 0; round < kRounds; ++round) {
+        std::fill(hits.begin(), hits.end(), 0);
+        // Each caller writes only its own vector: a chunk run for the wrong
+        // caller would show up as a missed or doubled index.
+        ParallelFor(n, 16 + t, [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) ++hits[size_t(i)];
+        });
+        for (int64_t i = 0; i < n; ++i)
+          if (hits[size_t(i)] != 1) ++wrong;
+      }
+    });
+  }
+  for (auto& c : callers) c.join();
+  EMBEDCORE_EXPECT_EQ(wrong.load(), int64_t(0));
+}
+
+EMBEDCORE_TEST(NestedParallelFor) {
+  // A loop body may itself call ParallelFor (it runs inline on a busy pool).
+  RestoreThreads restore;
+  SetNumThreads(4);
+  std::vector<std::atomic<int>> hits(64 * 64);
+  for (auto& h : hits) h = 0;
+  ParallelFor(64, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      ParallelFor(64, 1, [&](int64_t b2, int64_t e2) {
+        for (int64_t j = b2; j < e2; ++j) ++hits[size_t(i * 64 + j)];
+      });
+  });
+  int64_t wrong = 0;
+  for (auto& h : hits) wrong += h.load() != 1;
+  EMBEDCORE_EXPECT_EQ(wrong, int64_t(0));
+}
+
+EMBEDCORE_TEST(ExceptionsPropagateToTheCaller) {
+  RestoreThreads restore;
+  for (int threads : {1, 2, 4}) {
+    SetNumThreads(threads);
+    // From one chunk, whichever thread runs it.
+    EMBEDCORE_EXPECT_THROWS(ParallelFor(1000, 1,
+                                        [&](int64_t b, int64_t e) {
+                                          if (b <= 777 && 777 < e) throw OutOfRange("index 777");
+                                        }),
+                            OutOfRange, "index 777");
+    // From every chunk: one of them arrives, as its own type.
+    EMBEDCORE_EXPECT_THROWS(ParallelFor(1000, 1, [&](int64_t, int64_t) { throw InvalidArgument("every chunk"); }),
+                            InvalidArgument, "every chunk");
+    EMBEDCORE_EXPECT_THROWS(
+        ParallelChunks(100, 4, [&](int c, int64_t, int64_t) { if (c == 3) throw std::runtime_error("chunk 3"); }),
+        std::runtime_error, "chunk 3");
+    // The pool is still usable, and the failed loop's other chunks still ran.
+    std::atomic<int64_t> visited{0};
+    try {
+      ParallelFor(1000, 1, [&](int64_t b, int64_t e) {
+        visited += e - b;
+        if (b == 0) throw std::runtime_error("first");
+      });
+    } catch (const std::runtime_error&) {
+    }
+    EMBEDCORE_EXPECT_EQ(visited.load(), int64_t(1000));
+    CheckCoverage(10000, 7);
+  }
+}
+
+EMBEDCORE_TEST(ChangingThreadCountWhileLoopsRun) {
+  RestoreThreads restore;
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> wrong{0}, loops{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 3; ++t) {
+    callers.emplace_back([&] {
+      std::vector<int> hits(3000);
+      while (!done.load()) {
+        std::fill(hits.begin(), hits.end(), 0);
+        ParallelFor(3000, 10, [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) ++hits[size_t(i)];
+        });
+        for (int h : hits) wrong += h != 1;
+        ++loops;
+      }
+    });
+  }
+  for (int i = 0; i < 100; ++i) SetNumThreads(1 + i % 4);
+  while (loops.load() < 10) std::this_thread::yield();
+  done = true;
+  for (auto& c : callers) c.join();
+  EMBEDCORE_EXPECT_EQ(wrong.load(), int64_t(0));
+}

@@ -1,0 +1,595 @@
+"""Checkpoints: save / load round trips of tables and embeddings, resumed
+training bit for bit, values-only and reduced-precision exports, the Saver
+calls, shape checks, and what a save does to the directory it writes."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import embedcore as ec
+import embedcore.cli
+from test_checkpoint_forge import assert_same_state, read_manifest, snapshot, train
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def lr_schedule(step):
+    """A learning rate that changes every step (so a wrong step count shows)."""
+    return 0.2 / (1.0 + 0.5 * step)
+
+
+OPTIMIZERS = {
+    "sgd": lambda lr: ec.optimizers.SGD(lr),
+    "adagrad": lambda lr: ec.optimizers.Adagrad(lr, initial_accumulator_value=0.25),
+    "adam": lambda lr: ec.optimizers.Adam(lr),
+    # bias correction depends on the step count: a resumed run must restore it
+    "adam_torch": lambda lr: ec.optimizers.Adam(lr, bias_correction=True, sum_inside_sqrt=False, epsilon=1e-8,
+                                                lazy_adam=False),
+    "ftrl": lambda lr: ec.optimizers.FTRL(lr, l1_regularization_strength=0.01, l2_regularization_strength=0.02,
+                                          beta=0.1),
+}
+SLOTS = {"sgd": (), "adagrad": ("accumulators",), "adam": ("momenta", "velocities"),
+         "adam_torch": ("momenta", "velocities"), "ftrl": ("accumulators", "linears")}
+
+
+def make_table(name="t", rows=97, dim=6, dtype="float32", optimizer="adagrad", lr=0.1, seed=1, combiner="mean"):
+    opt = OPTIMIZERS[optimizer](lr) if isinstance(optimizer, str) else optimizer
+    return ec.Table(name=name, rows=rows, dim=dim, dtype=dtype, optimizer=opt, combiner=combiner,
+                    initializer=ec.initializers.Uniform(-1.0, 1.0, seed=seed))
+
+
+def assert_tables_equal(a, b, steps=True):
+    assert a.values().dtype == b.values().dtype
+    assert a.values().tobytes() == b.values().tobytes(), f"table '{a.name}': values differ"
+    sa, sb = a.slots(), b.slots()
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        assert sa[k].tobytes() == sb[k].tobytes(), f"table '{a.name}': slot {k} differs"
+    if steps:
+        assert a.step == b.step
+
+
+def checkpoint_files(path):
+    return sorted(os.listdir(path))
+
+
+# ------------------------------------------------------------------ round trips
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_table_round_trip(tmp_path, rng, dtype, optimizer):
+    src = make_table(dtype=dtype, optimizer=optimizer, seed=1)
+    train(src, rng, 3)
+    assert src.step == 3
+    assert src.slot_names == SLOTS[optimizer]
+    ec.save(tmp_path / "ckpt", src, include_optimizer=True)
+
+    dst = make_table(dtype=dtype, optimizer=optimizer, seed=2)  # other values, untouched slots, step 0
+    assert dst.values().tobytes() != src.values().tobytes()
+    ec.load(tmp_path / "ckpt", into=dst)
+    assert_tables_equal(src, dst)
+
+    m = read_manifest(tmp_path / "ckpt")
+    assert m["format_version"] == [1, 0]
+    (t,) = m["tables"]
+    assert (t["name"], t["rows"], t["dim"], t["dtype"], t["step"]) == ("t", 97, 6, dtype, 3)
+    assert t["optimizer"]["kind"] == optimizer.split("_")[0]
+    assert tuple(t["slots"]) == SLOTS[optimizer]
+    assert all(e["dtype"] == dtype for e in t["values"])
+
+    served = ec.serving.open(tmp_path / "ckpt", verify="eager")
+    st = served.tables["t"]
+    assert (st.rows, st.dim, st.dtype) == (97, 6, dtype)
+    assert np.asarray(st.values()).tobytes() == src.values().tobytes()
+    ids = rng.integers(0, 97, 50)
+    np.testing.assert_array_equal(st.lookup(ids, combiner=None), src.lookup(ids, combiner=None))
+    offsets = np.array([0, 3, 3, 10, 50])
+    np.testing.assert_array_equal(st.lookup(ids, offsets), src.lookup(ids, offsets))
+
+
+def test_table_round_trip_keeps_the_saved_table_as_is(tmp_path, rng):
+    src = make_table(optimizer="ftrl")
+    train(src, rng, 2)
+    before = snapshot(src)
+    ec.save(tmp_path / "c", src)
+    assert_same_state(src, before, "after save")
+    ec.load(tmp_path / "c", into=src)  # loading a table's own checkpoint changes nothing
+    assert_same_state(src, before, "after loading its own checkpoint")
+
+
+def test_list_of_tables_round_trip(tmp_path, rng):
+    a = make_table("a", rows=10, dim=3, optimizer="adam", seed=1)
+    b = make_table("b", rows=20, dim=5, dtype="bfloat16", optimizer="sgd", seed=2)
+    train(a, rng, 2)
+    train(b, rng, 4)
+    ec.save(tmp_path / "c", [a, b])
+    a2 = make_table("a", rows=10, dim=3, optimizer="adam", seed=5)
+    b2 = make_table("b", rows=20, dim=5, dtype="bfloat16", optimizer="sgd", seed=6)
+    ec.load(tmp_path / "c", into=[b2, a2])  # matched by name, in any order
+    assert_tables_equal(a, a2)
+    assert_tables_equal(b, b2)
+    # One table of a multi-table checkpoint loads on its own.
+    b3 = make_table("b", rows=20, dim=5, dtype="bfloat16", optimizer="sgd", seed=7)
+    ec.load(tmp_path / "c", into=b3)
+    assert_tables_equal(b, b3)
+
+
+def make_embedding(optimizer=None, seed=0, dtype="float32"):
+    opt = optimizer if optimizer is not None else ec.optimizers.Adagrad(0.3)
+    user = ec.TableConfig("user", 31, 4, dtype, ec.initializers.Uniform(-1, 1, seed=seed + 1), combiner="sum")
+    item = ec.TableConfig("item", 57, 4, dtype, ec.initializers.Uniform(-1, 1, seed=seed + 2), combiner="mean")
+    features = {
+        "user": ec.FeatureConfig(user, name="user"),
+        "item": ec.FeatureConfig(item, name="item"),
+        "history": ec.FeatureConfig(item, max_sequence_length=3, name="history"),
+    }
+    return ec.Embedding(features, optimizer=opt)
+
+
+def embedding_batch(rng, batch=8):
+    lengths = rng.integers(0, 5, batch)
+    offsets = np.zeros(batch + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return {
+        "user": rng.integers(0, 31, batch),
+        "item": rng.integers(0, 57, batch),
+        "history": ec.Ragged(rng.integers(0, 57, int(offsets[-1])), offsets),
+    }
+
+
+def train_embedding(emb, batches, grads):
+    for feats, g in zip(batches, grads):
+        emb(feats)
+        emb.apply_gradients(g)
+
+
+def embedding_data(rng, steps, batch=8):
+    batches = [embedding_batch(rng, batch) for _ in range(steps)]
+    grads = [{"user": rng.standard_normal((batch, 4)).astype(np.float32),
+              "item": rng.standard_normal((batch, 4)).astype(np.float32),
+              "history": rng.standard_normal((batch, 3, 4)).astype(np.float32)} for _ in range(steps)]
+    return batches, grads
+
+
+def tables_by_name(emb):
+    return {t.name: t for t in emb.embedding_tables.values()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_round_trip_with_shared_tables(tmp_path, rng, dtype):
+    emb = make_embedding(seed=0, dtype=dtype)
+    batches, grads = embedding_data(rng, 4)
+    train_embedding(emb, batches, grads)
+    ec.save(tmp_path / "emb", emb)
+
+    m = read_manifest(tmp_path / "emb")
+    assert sorted(t["name"] for t in m["tables"]) == ["item", "user"]
+    meta = m["metadata"]
+    assert meta["kind"] == "embedding"
+    assert {(f["name"], f["table"], f["max_sequence_length"]) for f in meta["features"]} == {
+        ("user", "user", 0), ("item", "item", 0), ("history", "item", 3)}
+
+    emb2 = make_embedding(seed=10, dtype=dtype)
+    ec.load(tmp_path / "emb", into=emb2)
+    t1, t2 = tables_by_name(emb), tables_by_name(emb2)
+    for name in ("user", "item"):
+        assert_tables_equal(t1[name], t2[name])
+        assert t2[name].step == 4
+
+    feats = embedding_batch(rng)
+    expected = emb(feats)
+    got = emb2(feats)
+    served = ec.serving.open(tmp_path / "emb", verify="eager")(feats)
+    for k in expected:
+        np.testing.assert_array_equal(got[k], expected[k])
+        np.testing.assert_array_equal(served[k], expected[k])
+    assert served["history"].shape == (8, 3, 4)
+
+    # A table of an embedding checkpoint loads into a lone Table of that name.
+    lone = ec.Table(name="item", rows=57, dim=4, dtype=dtype, optimizer=ec.optimizers.Adagrad(0.3))
+    ec.load(tmp_path / "emb", into=lone)
+    assert_tables_equal(lone, t1["item"])
+
+
+# ------------------------------------------------------------------ resumed training
+def table_batches(rng, rows, dim, steps, batch=12):
+    out = []
+    for _ in range(steps):
+        lengths = rng.integers(0, 5, batch)
+        offsets = np.zeros(batch + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        ids = rng.integers(0, rows // 2, int(offsets[-1])).astype(np.int64)  # repeats are common
+        out.append((ids, offsets, rng.standard_normal((batch, dim)).astype(np.float32)))
+    return out
+
+
+def run_batches(table, batches):
+    for ids, offsets, grads in batches:
+        table.apply_gradients(ids, offsets, grads)
+
+
+@pytest.mark.parametrize("lr", ["constant", "schedule"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_resumed_training_is_bit_identical(tmp_path, rng, optimizer, dtype, lr):
+    rate = 0.05 if lr == "constant" else lr_schedule
+    first = table_batches(rng, 97, 6, 4)
+    more = table_batches(rng, 97, 6, 5)
+
+    a = make_table(dtype=dtype, optimizer=optimizer, lr=rate, seed=1)
+    run_batches(a, first)
+    ec.save(tmp_path / "ckpt", a, include_optimizer=True)
+    run_batches(a, more)
+
+    b = make_table(dtype=dtype, optimizer=optimizer, lr=rate, seed=2)
+    ec.load(tmp_path / "ckpt", into=b)
+    assert b.step == 4
+    run_batches(b, more)
+    assert_tables_equal(a, b)
+    assert b.step == 9
+
+    # And both equal one run of every step without a checkpoint.
+    c = make_table(dtype=dtype, optimizer=optimizer, lr=rate, seed=1)
+    run_batches(c, first + more)
+    assert_tables_equal(a, c)
+
+
+def test_resumed_training_without_the_step_diverges(tmp_path, rng):
+    """The control of the test above: the step count matters to a schedule,
+    so a load that dropped it would be caught."""
+    first, more = table_batches(rng, 97, 6, 4), table_batches(rng, 97, 6, 5)
+    a = make_table(optimizer="adagrad", lr=lr_schedule)
+    run_batches(a, first)
+    ec.save(tmp_path / "c", a)
+    run_batches(a, more)
+    b = make_table(optimizer="adagrad", lr=lr_schedule, seed=2)
+    ec.load(tmp_path / "c", into=b)
+    b.step = 0
+    run_batches(b, more)
+    assert a.values().tobytes() != b.values().tobytes()
+
+
+@pytest.mark.parametrize("lr", [0.2, lr_schedule], ids=["constant", "schedule"])
+def test_resumed_embedding_training_is_bit_identical(tmp_path, rng, lr):
+    first = embedding_data(rng, 3)
+    more = embedding_data(rng, 4)
+    a = make_embedding(ec.optimizers.Adam(lr, bias_correction=True), seed=0)
+    train_embedding(a, *first)
+    ec.save(tmp_path / "emb", a)
+    train_embedding(a, *more)
+
+    b = make_embedding(ec.optimizers.Adam(lr, bias_correction=True), seed=7)
+    ec.load(tmp_path / "emb", into=b)
+    train_embedding(b, *more)
+    ta, tb = tables_by_name(a), tables_by_name(b)
+    for name in ta:
+        assert_tables_equal(ta[name], tb[name])
+        assert tb[name].step == 7
+
+
+# ------------------------------------------------------------------ values only
+def test_include_optimizer_false_writes_values_only(tmp_path, rng):
+    src = make_table(optimizer="ftrl")
+    train(src, rng, 3)
+    ec.save(tmp_path / "v", src, include_optimizer=False)
+
+    m = read_manifest(tmp_path / "v")
+    (t,) = m["tables"]
+    assert t["optimizer"] is None
+    assert t["slots"] == {}
+    assert t["step"] == 0
+    assert [f for f in checkpoint_files(tmp_path / "v") if "accumulators" in f or "linears" in f] == []
+    assert ec.checkpoint.read_info(tmp_path / "v").table_has_optimizer(0) is False
+
+    dst = make_table(optimizer="ftrl", seed=3)
+    train(dst, rng, 2)
+    before = snapshot(dst)
+    ec.load(tmp_path / "v", into=dst)
+    assert dst.values().tobytes() == src.values().tobytes()
+    assert dst.step == before["step"] == 2  # the target's own optimizer state stays
+    for k, v in before["slots"].items():
+        assert dst.slots()[k].tobytes() == v.tobytes()
+
+
+def test_inspect_says_no_optimizer_for_a_values_only_checkpoint(tmp_path, rng, capsys):
+    src = make_table(optimizer="adam")
+    train(src, rng, 1)
+    ec.save(tmp_path / "v", src, include_optimizer=False)
+    ec.save(tmp_path / "full", src)
+    assert embedcore.cli.main(["inspect", str(tmp_path / "v")]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer: none saved (values only)" in out
+    assert "momenta" not in out
+    assert embedcore.cli.main(["inspect", str(tmp_path / "full")]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer: adam, step 1, slots: momenta, velocities" in out
+
+
+def test_load_with_include_optimizer_false_takes_values_only(tmp_path, rng):
+    src = make_table(optimizer="adagrad")
+    train(src, rng, 3)
+    ec.save(tmp_path / "c", src)
+    dst = make_table(optimizer="adagrad", seed=4)
+    before = snapshot(dst)
+    ec.load(tmp_path / "c", into=dst, include_optimizer=False)
+    assert dst.values().tobytes() == src.values().tobytes()
+    assert dst.step == before["step"] == 0
+    assert dst.slots()["accumulators"].tobytes() == before["slots"]["accumulators"].tobytes()
+
+
+def test_values_only_loads_into_a_table_of_another_optimizer(tmp_path, rng):
+    src = make_table(optimizer="adagrad")
+    train(src, rng, 2)
+    ec.save(tmp_path / "c", src)
+    other = make_table(optimizer="adam", seed=3)
+    before = snapshot(other)
+    with pytest.raises(ec.CheckpointError, match="slots"):
+        ec.load(tmp_path / "c", into=other)  # the slots do not fit Adam
+    assert_same_state(other, before)
+    ec.load(tmp_path / "c", into=other, include_optimizer=False)
+    assert other.values().tobytes() == src.values().tobytes()
+    assert other.step == 0
+
+
+# ------------------------------------------------------------------ reduced-precision export
+@pytest.mark.parametrize("values_dtype", ["float16", "bfloat16"])
+def test_values_dtype_export_rounds_float32_values(tmp_path, rng, values_dtype):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    np_dtype = np.float16 if values_dtype == "float16" else ml_dtypes.bfloat16
+    src = make_table(rows=200, dim=8, optimizer="adagrad")
+    v = (rng.standard_normal((200, 8)) * 3).astype(np.float32)
+    # Ties and edge cases of the rounding: halfway values, tiny and large ones.
+    v[0, :6] = [1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 1e-8, -0.0]
+    v[1, :3] = [60000.0, -1e4, 3.0e-5]
+    src.assign(v)
+    train(src, rng, 2)
+    ec.save(tmp_path / "x", src, values_dtype=values_dtype)
+
+    exact = np.array(src.values())
+    rounded = exact.astype(np_dtype)
+    (t,) = read_manifest(tmp_path / "x")["tables"]
+    assert t["dtype"] == "float32"
+    assert [e["dtype"] for e in t["values"]] == [values_dtype]
+    assert t["slots"]["accumulators"][0]["dtype"] == "float32"  # slots stay float32
+
+    served = ec.serving.open(tmp_path / "x", verify="eager").tables["t"]
+    assert served.dtype == values_dtype
+    assert np.asarray(served.values()).view(np.uint16).tobytes() == rounded.view(np.uint16).tobytes()
+    ids = np.arange(200)
+    np.testing.assert_array_equal(served.lookup(ids, combiner=None), rounded.astype(np.float32))
+
+    # Loading into a float32 table gives the rounded values (and the full-precision slots).
+    back = make_table(rows=200, dim=8, optimizer="adagrad", seed=9)
+    ec.load(tmp_path / "x", into=back)
+    np.testing.assert_array_equal(back.values(), rounded.astype(np.float32))
+    assert back.slots()["accumulators"].tobytes() == src.slots()["accumulators"].tobytes()
+    assert back.step == src.step
+    # ... and into a table of the export's dtype, the very bits.
+    low = make_table(rows=200, dim=8, dtype=values_dtype, optimizer="adagrad", seed=9)
+    ec.load(tmp_path / "x", into=low)
+    assert np.asarray(low.values()).view(np.uint16).tobytes() == rounded.view(np.uint16).tobytes()
+
+
+def test_values_dtype_checks(tmp_path):
+    t = make_table(dtype="float16")
+    with pytest.raises(ValueError, match="values_dtype"):
+        ec.save(tmp_path / "a", t, values_dtype="int8")
+    with pytest.raises(ValueError):
+        ec.save(tmp_path / "b", t, values_dtype="bfloat16")  # only float32 tables are cast
+    assert not (tmp_path / "b" / "MANIFEST").exists()
+    ec.save(tmp_path / "c", t, values_dtype="float16")  # its own dtype: a plain save
+    assert read_manifest(tmp_path / "c")["tables"][0]["values"][0]["dtype"] == "float16"
+
+
+# ------------------------------------------------------------------ Saver
+def test_saver_dump_and_restore(tmp_path, rng):
+    saver = ec.Saver()
+    src = make_table(optimizer="adam")
+    train(src, rng, 2)
+    assert saver.dump_to_file(src, str(tmp_path / "s")) == "OK"
+    dst = make_table(optimizer="adam", seed=4)
+    assert saver.restore_from_file(dst, str(tmp_path / "s")) == "OK"
+    assert_tables_equal(src, dst)
+
+    emb = make_embedding(seed=0)
+    train_embedding(emb, *embedding_data(rng, 2))
+    assert saver.dump_to_file(emb, str(tmp_path / "e")) == "OK"
+    emb2 = make_embedding(seed=3)
+    assert saver.restore_from_file(emb2, str(tmp_path / "e")) == "OK"
+    for name, t in tables_by_name(emb).items():
+        assert_tables_equal(t, tables_by_name(emb2)[name])
+
+    with pytest.raises(ec.CheckpointError):
+        saver.restore_from_file(dst, str(tmp_path / "nothing-here"))
+
+
+def test_saver_load_embedding_values(rng):
+    saver = ec.Saver()
+    t = make_table(rows=10, dim=4, optimizer="adagrad")
+    parts = [rng.standard_normal((n, 4)).astype(np.float32) for n in (3, 0, 5, 2)]
+    assert saver.load_embedding_values(t, parts) == "OK"
+    np.testing.assert_array_equal(t.values(), np.concatenate(parts))
+    assert t.step == 0
+    one = rng.standard_normal((10, 4))  # float64 is taken and rounded to float32
+    assert saver.load_embedding_values(t, one) == "OK"
+    np.testing.assert_array_equal(t.values(), one.astype(np.float32))
+    assert saver.load_embedding_values(t, (one[:4], one[4:])) == "OK"  # a tuple too
+
+    before = snapshot(t)
+    bad = [
+        [one[:4], one[4:9]],  # 9 rows for 10
+        [one, one[:1]],  # 11 rows
+        [rng.standard_normal((10, 5))],  # wrong dim
+        [one[:5], rng.standard_normal((5, 3))],  # one part of the wrong dim
+        [one.reshape(-1)],  # 1-D
+        [],
+    ]
+    for arrays in bad:
+        with pytest.raises(ValueError):
+            saver.load_embedding_values(t, arrays)
+        assert_same_state(t, before, f"after load_embedding_values({[np.shape(a) for a in arrays]})")
+    with pytest.raises(TypeError):
+        saver.load_embedding_values(make_embedding(), [one])
+
+
+# ------------------------------------------------------------------ loads that do not fit
+@pytest.mark.parametrize("shape", [(96, 6), (98, 6), (97, 5), (97, 7), (1, 1)])
+def test_load_into_another_shape_raises_and_changes_nothing(tmp_path, rng, shape):
+    src = make_table(rows=97, dim=6, optimizer="adagrad")
+    train(src, rng, 2)
+    ec.save(tmp_path / "c", src)
+    dst = make_table(rows=shape[0], dim=shape[1], optimizer="adagrad", seed=5)
+    train(dst, rng, 1)
+    before = snapshot(dst)
+    with pytest.raises(ec.CheckpointError) as e:
+        ec.load(tmp_path / "c", into=dst)
+    assert isinstance(e.value, ValueError)
+    assert "97 x 6" in str(e.value) and f"{shape[0]} x {shape[1]}" in str(e.value)
+    assert_same_state(dst, before)
+
+
+def test_load_missing_table_raises_and_changes_nothing(tmp_path, rng):
+    ec.save(tmp_path / "c", make_table("a"))
+    dst = make_table("b")
+    before = snapshot(dst)
+    with pytest.raises(ec.CheckpointError, match="'b'"):
+        ec.load(tmp_path / "c", into=dst)
+    assert_same_state(dst, before)
+
+
+def test_embedding_load_checks_every_table_before_changing_any(tmp_path, rng):
+    emb = make_embedding(seed=0)
+    train_embedding(emb, *embedding_data(rng, 2))
+    ec.save(tmp_path / "e", emb)
+
+    # The tables load in the order of the target's tables: item, then user (sorted feature names).
+    assert [t.name for t in emb.embedding_tables.values()] == ["item", "user"]
+
+    # A target whose last table has another shape: the first must not change.
+    user = ec.TableConfig("user", 32, 4, initializer=ec.initializers.Uniform(-1, 1, seed=8), combiner="sum")
+    item = ec.TableConfig("item", 57, 4, initializer=ec.initializers.Uniform(-1, 1, seed=9))
+    other = ec.Embedding({"u": ec.FeatureConfig(user), "i": ec.FeatureConfig(item)},
+                         optimizer=ec.optimizers.Adagrad(0.3))
+    assert [t.name for t in other.embedding_tables.values()] == ["item", "user"]
+    snaps = {t.name: snapshot(t) for t in other.embedding_tables.values()}
+    with pytest.raises(ec.CheckpointError, match="user"):
+        ec.load(tmp_path / "e", into=other)
+    for t in other.embedding_tables.values():
+        assert_same_state(t, snaps[t.name])
+
+    # A corrupt slot file of the last table: nothing loads.
+    (user_entry,) = [t for t in read_manifest(tmp_path / "e")["tables"] if t["name"] == "user"]
+    bad_file = tmp_path / "e" / user_entry["slots"]["accumulators"][0]["path"]
+    raw = bytearray(bad_file.read_bytes())
+    raw[-3] ^= 0x10
+    bad_file.write_bytes(bytes(raw))
+    target = make_embedding(seed=5)
+    train_embedding(target, *embedding_data(rng, 1))
+    snaps = {t.name: snapshot(t) for t in target.embedding_tables.values()}
+    with pytest.raises(ec.CheckpointError, match=bad_file.name):
+        ec.load(tmp_path / "e", into=target)
+    for t in target.embedding_tables.values():
+        assert_same_state(t, snaps[t.name])
+    # Values only do not need the corrupt slot file.
+    ec.load(tmp_path / "e", into=target, include_optimizer=False)
+    for name, t in tables_by_name(target).items():
+        assert t.values().tobytes() == tables_by_name(emb)[name].values().tobytes()
+
+
+def test_load_and_save_argument_errors(tmp_path):
+    t = make_table()
+    with pytest.raises(ec.CheckpointError):
+        ec.load(tmp_path / "absent", into=t)
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(ec.CheckpointError):
+        ec.load(tmp_path / "file", into=t)
+    with pytest.raises(OSError):
+        ec.save(tmp_path / "file", t)  # a file where the directory should be
+    with pytest.raises(TypeError):
+        ec.save(tmp_path / "c", object())
+    with pytest.raises(ValueError, match="unique"):
+        ec.save(tmp_path / "d", [make_table("x"), make_table("x")])
+    assert not (tmp_path / "d" / "MANIFEST").exists()
+
+
+# ------------------------------------------------------------------ the directory
+def test_saving_over_a_checkpoint_replaces_it(tmp_path, rng):
+    path = tmp_path / "c"
+    t = make_table(optimizer="adam")
+    user_files = {"notes.txt": b"mine", "train.log": b"log", "MANIFEST.bak": b"old manifest copy",
+                  "t00000.values.g000000000001.ecd.bak": b"a backup", "tables.csv": b"a,b"}
+    ec.save(path, t)
+    for name, data in user_files.items():
+        (path / name).write_bytes(data)
+    (path / "subdir").mkdir()
+    (path / "subdir" / "t00000.values.g000000000001.ecd").write_bytes(b"nested")
+    old = {f for f in checkpoint_files(path) if f.endswith(".ecd")}
+    assert len(old) == 3 and all(".g000000000001." in f for f in old)
+
+    for gen in (2, 3, 4):
+        train(t, rng, 1)
+        ec.save(path, t)
+        info = ec.checkpoint.read_info(path)
+        assert info.generation == gen
+        (entry,) = read_manifest(path)["tables"]
+        ours = {e["path"] for e in entry["values"]} | {e["path"] for es in entry["slots"].values() for e in es}
+        assert len(ours) == 3 and all(p.endswith(f".g{gen:012d}.ecd") for p in ours)
+        # Exactly the new generation's files, the manifest and the user's files: every older generation is gone.
+        assert set(checkpoint_files(path)) == {"MANIFEST", "subdir"} | set(user_files) | ours
+        back = make_table(optimizer="adam", seed=3)
+        ec.load(path, into=back)
+        assert_tables_equal(t, back)
+    for name, data in user_files.items():
+        assert (path / name).read_bytes() == data
+    assert (path / "subdir" / "t00000.values.g000000000001.ecd").read_bytes() == b"nested"
+
+
+def test_saving_a_smaller_checkpoint_over_a_larger_one(tmp_path, rng):
+    path = tmp_path / "c"
+    big = [make_table("a", optimizer="ftrl"), make_table("b", optimizer="adam")]
+    ec.save(path, big)
+    small = make_table("a", rows=5, dim=2, optimizer="sgd")
+    ec.save(path, small)
+    assert checkpoint_files(path) == ["MANIFEST", "t00000.values.g000000000002.ecd"]
+    assert ec.checkpoint.read_info(path).table_names == ["a"]
+    back = make_table("a", rows=5, dim=2, optimizer="sgd", seed=9)
+    ec.load(path, into=back)
+    assert_tables_equal(small, back)
+
+
+def test_leftovers_of_an_interrupted_save_are_ignored_then_removed(tmp_path, rng):
+    path = tmp_path / "c"
+    t = make_table(optimizer="adagrad")
+    ec.save(path, t)
+    # What a save killed before its commit leaves: a newer generation's files and a temporary manifest.
+    (path / "t00000.values.g000000000007.ecd").write_bytes(b"partial")
+    (path / "t00000.accumulators.g000000000007.ecd").write_bytes(b"")
+    (path / "MANIFEST.tmp.g000000000007").write_bytes(b"half a manifest")
+    back = make_table(optimizer="adagrad", seed=4)
+    ec.load(path, into=back)
+    assert_tables_equal(t, back)
+    ec.serving.open(path, verify="eager")
+
+    train(t, rng, 1)
+    ec.save(path, t)
+    assert ec.checkpoint.read_info(path).generation == 8  # above every generation present
+    assert checkpoint_files(path) == ["MANIFEST", "t00000.accumulators.g000000000008.ecd",
+                                      "t00000.values.g000000000008.ecd"]
+
+
+def test_save_leaves_user_files_that_only_resemble_data_files(tmp_path):
+    """A file is the engine's only if it has the engine's exact name form
+    t<5 digits>.<array>.g<12 digits>.ecd (or MANIFEST.tmp.g<12 digits>);
+    a save must not delete a user's file that merely starts with 't', holds
+    '.g' and ends in '.ecd'."""
+    path = tmp_path / "c"
+    t = make_table()
+    ec.save(path, t)
+    names = ["tokens.good.ecd", "thumbnails.gallery.ecd", "t.g.ecd"]
+    for name in names:
+        (path / name).write_bytes(b"user data")
+    ec.save(path, t)
+    deleted = [n for n in names if not (path / n).exists()]
+    assert not deleted, f"save deleted the user's files {deleted}"

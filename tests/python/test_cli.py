@@ -1,0 +1,181 @@
+"""The ``embedcore`` command line: inspect, verify, demo, info (run as
+``python -m embedcore`` in a child, and in-process through cli.main)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import embedcore as ec
+import embedcore.cli
+from test_checkpoint_forge import flip_byte, read_manifest, train
+
+ENV = dict(os.environ, SKBUILD_EDITABLE_VERBOSE="0")
+
+
+def run_cli(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "embedcore", *map(str, args)], capture_output=True, text=True,
+                          env=ENV, timeout=120, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def emb_ckpt(tmp_path_factory):
+    """An Embedding checkpoint: tables user (float32, sum) and item (bfloat16),
+    three features, one a sequence; Adagrad, 2 steps."""
+    path = tmp_path_factory.mktemp("cli") / "emb"
+    user = ec.TableConfig("user", 1000, 16, "float32", ec.initializers.Uniform(-1, 1, seed=1), combiner="sum")
+    item = ec.TableConfig("item", 3000, 8, "bfloat16", ec.initializers.Uniform(-1, 1, seed=2))
+    emb = ec.Embedding({"user": ec.FeatureConfig(user, name="user"), "item": ec.FeatureConfig(item, name="item"),
+                        "history": ec.FeatureConfig(item, max_sequence_length=5, name="history")},
+                       optimizer=ec.optimizers.Adagrad(0.1))
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        feats = {"user": rng.integers(0, 1000, 4), "item": rng.integers(0, 3000, 4),
+                 "history": rng.integers(0, 3000, (4, 5))}
+        out = emb(feats)
+        emb.apply_gradients({k: np.ones_like(v) for k, v in out.items()})
+    ec.save(path, emb)
+    return path
+
+
+def test_inspect(emb_ckpt):
+    r = run_cli("inspect", emb_ckpt)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    out = r.stdout
+    assert f"checkpoint {emb_ckpt}" in out
+    assert "format 1.0" in out and f"embedcore {ec.__version__}" in out and "generation 1" in out
+    assert "features:" in out and "history -> item (sequence 5)" in out and "user -> user" in out
+    assert "table user: 1000 x 16 float32 (stored float32), combiner sum" in out
+    assert "table item: 3000 x 8 bfloat16 (stored bfloat16), combiner mean" in out
+    assert out.count("optimizer: adagrad, step 2, slots: accumulators") == 2
+    assert out.count("sharding at save: none over 1 rank(s); 2 file(s)") == 2
+    # sizes: user 2 x (4096 + 1000 x 16 x 4) bytes = 133.0 KiB;
+    # item 4096 + 3000 x 8 x 2 (bfloat16 values) + 4096 + 3000 x 8 x 4 (float32 slot) = 148.6 KiB
+    assert "combiner sum, 133.0 KiB" in out and "combiner mean, 148.6 KiB" in out
+    assert "total 281.6 KiB" in out
+
+
+def test_inspect_json(emb_ckpt):
+    r = run_cli("inspect", "--json", emb_ckpt)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads(r.stdout)
+    assert manifest == read_manifest(emb_ckpt)
+    assert manifest["format_version"] == [1, 0]
+    tables = {t["name"]: t for t in manifest["tables"]}
+    assert (tables["item"]["rows"], tables["item"]["dim"], tables["item"]["dtype"]) == (3000, 8, "bfloat16")
+    assert tables["user"]["optimizer"]["kind"] == "adagrad"
+    assert list(tables["user"]["slots"]) == ["accumulators"]
+    assert tables["user"]["sharding"] == {"plan": "none", "world_size": 1}
+
+
+def test_inspect_values_only_and_exports(tmp_path, capsys):
+    t = ec.Table(name="t", rows=100, dim=4, optimizer=ec.optimizers.FTRL(0.1))
+    ec.save(tmp_path / "v", t, include_optimizer=False, values_dtype="float16")
+    assert embedcore.cli.main(["inspect", str(tmp_path / "v")]) == 0
+    out = capsys.readouterr().out
+    assert "table t: 100 x 4 float32 (stored float16)" in out
+    assert "optimizer: none saved (values only)" in out
+    assert "1 file(s)" in out
+
+
+def test_verify_good(emb_ckpt):
+    r = run_cli("verify", emb_ckpt)  # stderr is a pipe: no progress bar
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    assert r.stdout.startswith(f"{emb_ckpt}: OK (2 table(s)")
+
+
+def test_verify_corrupt(tmp_path, emb_ckpt):
+    import shutil
+
+    path = tmp_path / "c"
+    shutil.copytree(emb_ckpt, path)
+    slot_file = [t for t in read_manifest(path)["tables"] if t["name"] == "item"][0]["slots"]["accumulators"][0]["path"]
+    flip_byte(path / slot_file, 4096 + 777, 0x40)
+    r = run_cli("verify", path)
+    assert r.returncode != 0
+    assert slot_file in r.stderr and "checksum" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("where,value", [("values", np.nan), ("values", np.inf), ("values", -np.inf),
+                                         ("slot", np.nan)])
+def test_verify_finds_values_that_are_not_finite(tmp_path, capsys, dtype, where, value):
+    t = ec.Table(name="t", rows=50, dim=3, dtype=dtype, optimizer=ec.optimizers.Adagrad(0.1))
+    train(t, np.random.default_rng(1), 1)
+    if where == "values":
+        t.assign(np.full((1, 3), value, np.float32), 17)
+    else:
+        t.assign_slot("accumulators", np.full((1, 3), value, np.float32), 17)
+    ec.save(tmp_path / "c", t)
+    (entry,) = read_manifest(tmp_path / "c")["tables"]
+    name = entry["values"][0]["path"] if where == "values" else entry["slots"]["accumulators"][0]["path"]
+    assert embedcore.cli.main(["verify", str(tmp_path / "c")]) == 1
+    err = capsys.readouterr().err
+    assert name in err and "row 17, column 0 is not finite" in err
+    # The checksums are fine: a load takes the checkpoint as it is.
+    t2 = ec.Table(name="t", rows=50, dim=3, dtype=dtype, optimizer=ec.optimizers.Adagrad(0.1))
+    ec.load(tmp_path / "c", into=t2)
+
+
+def test_verify_and_inspect_of_no_checkpoint(tmp_path, capsys):
+    for cmd in ("verify", "inspect"):
+        assert embedcore.cli.main([cmd, str(tmp_path / "absent")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"embedcore {cmd}: CheckpointError:") and "absent" in err
+
+
+def test_demo(tmp_path):
+    r = run_cli("demo", "--steps", 60, "--checkpoint", tmp_path / "demo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step    50" in r.stdout and "step    60" in r.stdout
+    assert "serving matches training" in r.stdout
+    assert r.stderr == ""  # no progress bar or warning when stderr is not a terminal
+    assert sorted(ec.checkpoint.read_info(tmp_path / "demo").table_names) == ["item", "user"]
+    assert embedcore.cli.main(["verify", str(tmp_path / "demo")]) == 0
+
+
+def test_progress_bar_only_on_a_terminal(emb_ckpt):
+    """The control of the tests above: on a terminal, verify shows a bar."""
+    pytest.importorskip("tqdm")
+    pty = pytest.importorskip("pty")
+    import fcntl
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # a 0-column terminal shows no bar
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "embedcore", "verify", str(emb_ckpt)], stdout=subprocess.PIPE,
+                             stderr=slave, env=ENV)
+        os.close(slave)
+        out, _ = p.communicate(timeout=120)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # the terminal's other end is closed
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+    assert p.returncode == 0
+    assert b"verify" in b"".join(chunks)
+
+
+def test_version_info_and_usage(capsys):
+    assert embedcore.cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == ec.__version__
+    assert embedcore.cli.main(["info"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["checkpoint_format"] == "1.0"
+    assert embedcore.cli.main([]) == 2

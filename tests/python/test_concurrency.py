@@ -1,0 +1,195 @@
+"""Lookups and updates from several Python threads (the engine releases the GIL)."""
+import threading
+import time
+
+import numpy as np
+
+import embedcore as ec
+from helpers import make_table, random_bags
+
+
+def _run_threads(targets):
+    errors = []
+
+    def wrap(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        return run
+
+    threads = [threading.Thread(target=wrap(fn)) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive(), "a thread hung"
+    if errors:
+        raise errors[0]
+
+
+def test_concurrent_lookups_equal_serial():
+    rng = np.random.default_rng(0)
+    table = make_table(5000, 32, dtype="float32", seed=1)
+    batches = []
+    for i in range(16):
+        ids, offsets, w = random_bags(rng, 5000, 2000, max_len=10, weighted=i % 2 == 0)
+        combiner = ("sum", "mean", "sqrtn", None)[i % 4]
+        batches.append((ids, offsets, w, combiner))
+
+    def run(b):
+        ids, offsets, w, c = b
+        if c is None:
+            return table.lookup(ids, offsets, w, combiner=None, max_sequence_length=4)
+        return table.lookup(ids, offsets, w, combiner=c)
+
+    serial = [run(b) for b in batches]
+    results = [[None] * len(batches) for _ in range(4)]
+
+    def worker(k):
+        def fn():
+            for rep in range(3):
+                order = list(range(len(batches)))[k::1] + list(range(len(batches)))[:k]
+                for i in order:
+                    out = run(batches[i])
+                    if results[k][i] is None:
+                        results[k][i] = out
+                    else:
+                        assert out.tobytes() == results[k][i].tobytes()
+        return fn
+
+    _run_threads([worker(k) for k in range(4)])
+    for k in range(4):
+        for i in range(len(batches)):
+            assert results[k][i].tobytes() == serial[i].tobytes(), (k, i)
+
+
+def test_updates_while_looking_up_never_tear_rows():
+    """SGD with lr 1 and a gradient of ones on every row: after k updates
+    every element is exactly -k. A lookup must see each row whole, in a state
+    -k with k never decreasing. The writer lets the readers look up between
+    its updates, so lookups see many states (and run during updates too)."""
+    rows, dim, readers = 512, 256, 4
+    table = ec.Table(name="t", rows=rows, dim=dim, initializer=ec.initializers.Constant(0.0),
+                     optimizer=ec.optimizers.SGD(learning_rate=1.0), combiner="sum")
+    all_ids = np.arange(rows, dtype=np.int64)
+    ones = np.ones((rows, dim), np.float32)
+    done = threading.Event()
+    counts = [0] * readers
+    seen = []
+    updates = [0]
+
+    def writer():
+        try:
+            for _ in range(150):
+                table.apply_gradients(all_ids, grads=ones)
+                updates[0] += 1
+                # Let the readers look up between updates (they also run during them).
+                target = sum(counts) + 2
+                deadline = time.monotonic() + 5
+                while sum(counts) < target and time.monotonic() < deadline:
+                    time.sleep(0)
+        finally:
+            done.set()
+
+    def reader(k):
+        def fn():
+            rng = np.random.default_rng(k)
+            last = np.zeros(rows)
+            states = set()
+            try:
+                while not done.is_set():
+                    ids = rng.permutation(rows)[:200] if k % 2 else all_ids
+                    out = table.lookup(ids, combiner=None) if k < 2 else table.lookup(ids, combiner="sum")
+                    first = out[:, :1]
+                    assert np.all(out == first), f"torn row in lookup {counts[k]} of reader {k}"
+                    v = first[:, 0]
+                    assert np.all(v == np.round(v)) and np.all(v <= 0), "a row in no valid state"
+                    assert np.all(v <= last[ids]), "a row went back to an older state"
+                    last[ids] = v
+                    states.update(np.unique(v).tolist())
+                    counts[k] += 1
+            finally:
+                seen.append(states)
+        return fn
+
+    _run_threads([writer] + [reader(k) for k in range(readers)])
+    n = updates[0]
+    assert table.step == n
+    np.testing.assert_array_equal(table.to_numpy(), np.full((rows, dim), -float(n), np.float32))
+    assert len(seen) == readers
+    # The readers ran while the writer did: they saw many intermediate states.
+    assert len(set().union(*seen)) > 20, sorted(set().union(*seen))
+
+
+def test_concurrent_updates_on_different_tables_and_threads_count(restore_threads):
+    """Updates of separate tables from separate threads give the serial results."""
+    rng = np.random.default_rng(5)
+    work = []
+    for i in range(4):
+        ids, offsets, w = random_bags(rng, 2000, 3000, max_len=8, weighted=True)
+        grads = rng.normal(size=(3000, 16)).astype(np.float32)
+        work.append((ids, offsets, w, grads))
+
+    def make():
+        return [make_table(2000, 16, optimizer=ec.optimizers.Adam(0.01), seed=i) for i in range(4)]
+
+    serial = make()
+    for t, (ids, offsets, w, g) in zip(serial, work):
+        for _ in range(3):
+            t.apply_gradients(ids, offsets, g, weights=w)
+    for n in (1, 2):
+        ec.set_num_threads(n)
+        par = make()
+
+        def fn(i):
+            def run():
+                ids, offsets, w, g = work[i]
+                for _ in range(3):
+                    par[i].apply_gradients(ids, offsets, g, weights=w)
+            return run
+
+        _run_threads([fn(i) for i in range(4)])
+        for a, b in zip(serial, par):
+            assert a.values().tobytes() == b.values().tobytes()
+            for k in a.slots():
+                assert a.slots()[k].tobytes() == b.slots()[k].tobytes()
+
+
+def test_changing_thread_count_during_lookups_and_updates(restore_threads):
+    rng = np.random.default_rng(3)
+    table = make_table(5000, 32, seed=4)
+    ids, offsets, w = random_bags(rng, 5000, 5000, max_len=10, weighted=True)
+    expected = table.lookup(ids, offsets, w).tobytes()
+    upd = [make_table(3000, 8, optimizer=ec.optimizers.Adam(0.01), seed=5) for _ in range(2)]
+    uids, uoffsets, uw = random_bags(rng, 3000, 4000, max_len=8, weighted=True)
+    grads = rng.normal(size=(4000, 8)).astype(np.float32)
+    stop = threading.Event()
+
+    def toggler():
+        n = 0
+        while not stop.is_set():
+            ec.set_num_threads(1 + n % 4)
+            n += 1
+
+    def reader():
+        for _ in range(60):
+            assert table.lookup(ids, offsets, w).tobytes() == expected
+
+    def updater():
+        for _ in range(5):
+            upd[1].apply_gradients(uids, uoffsets, grads, weights=uw)
+
+    t = threading.Thread(target=toggler)
+    t.start()
+    try:
+        _run_threads([reader, reader, updater])
+    finally:
+        stop.set()
+        t.join()
+    ec.set_num_threads(2)
+    for _ in range(5):
+        upd[0].apply_gradients(uids, uoffsets, grads, weights=uw)
+    assert upd[0].values().tobytes() == upd[1].values().tobytes()
+    assert upd[0].slots()["momenta"].tobytes() == upd[1].slots()["momenta"].tobytes()

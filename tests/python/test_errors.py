@@ -1,0 +1,324 @@
+"""Errors: the right exception type and message, and nothing changed by a
+failing call (validate, then mutate)."""
+import re
+
+import numpy as np
+import pytest
+
+import embedcore as ec
+from helpers import assert_unchanged, make_table, snapshot
+
+opt = ec.optimizers
+
+
+@pytest.fixture
+def trained():
+    """A table whose values, slots and step are all non-trivial."""
+    table = make_table(20, 4, optimizer=opt.Adam(learning_rate=0.1), name="clicks")
+    table.apply_gradients(np.arange(20), grads=np.linspace(-1, 1, 80, dtype=np.float32).reshape(20, 4))
+    assert table.step == 1
+    return table
+
+
+def _all_failing_calls_leave_it_unchanged(table, call, exc):
+    s = snapshot(table)
+    with pytest.raises(exc):
+        call()
+    assert_unchanged(table, s)
+
+
+# ----------------------------------------------------------------- ids
+
+
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("bad", [20, 21, 2**31 - 1, -1, -7])
+def test_out_of_range_id(trained, id_dtype, bad):
+    ids = np.array([1, 2, 3, bad, 4], id_dtype)
+    offsets = np.array([0, 2, 5])
+    for call in (lambda: trained.lookup(ids, offsets),
+                 lambda: trained.lookup(ids, offsets, out=np.zeros((2, 4), np.float32)),
+                 lambda: trained.lookup(ids, offsets, combiner=None),
+                 lambda: trained.lookup(ec.Ragged(ids, offsets), combiner=None, max_sequence_length=2),
+                 lambda: trained.apply_gradients(ids, offsets, np.ones((2, 4), np.float32))):
+        s = snapshot(trained)
+        with pytest.raises(IndexError) as e:
+            call()
+        msg = str(e.value)
+        assert "clicks" in msg, msg
+        assert re.search(rf"(?<![\d-]){bad}(?!\d)", msg), msg
+        assert re.search(r"position 3\b", msg), msg
+        assert_unchanged(trained, s)
+
+
+def test_out_of_range_id_in_a_large_batch(trained):
+    ids = np.zeros(300_000, np.int64)
+    ids[250_001] = 99
+    with pytest.raises(IndexError) as e:
+        trained.lookup(ids, np.array([0, 300_000]))
+    assert "99" in str(e.value) and "250001" in str(e.value) and "clicks" in str(e.value)
+
+
+def test_out_of_range_id_in_dense_and_sparse_inputs(trained):
+    with pytest.raises(IndexError, match="clicks"):
+        trained.lookup(np.array([[1, 2], [3, 25]]))
+    with pytest.raises(IndexError, match="clicks"):
+        trained.lookup(ec.Sparse(np.array([[0, 0], [1, 1]]), np.array([1, -3]), [2, 2]))
+
+
+def test_uint64_id_too_large(trained):
+    with pytest.raises(IndexError):
+        trained.lookup(np.array([1, 2**64 - 1], np.uint64))
+
+
+@pytest.mark.parametrize("ids", [np.array([1.0, 2.0]), np.array([1, 2], np.float32), [1.5, 2.5],
+                                 np.array([True, False]), np.array(["1", "2"]), np.array([1 + 0j])])
+def test_non_integer_ids(trained, ids):
+    _all_failing_calls_leave_it_unchanged(trained, lambda: trained.lookup(ids), TypeError)
+    _all_failing_calls_leave_it_unchanged(
+        trained, lambda: trained.apply_gradients(ids, grads=np.ones((len(ids), 4), np.float32)), TypeError)
+
+
+def test_three_d_ids(trained):
+    ids = np.zeros((2, 2, 2), np.int64)
+    _all_failing_calls_leave_it_unchanged(trained, lambda: trained.lookup(ids), ValueError)
+    _all_failing_calls_leave_it_unchanged(
+        trained, lambda: trained.apply_gradients(ids, grads=np.ones((2, 4), np.float32)), ValueError)
+
+
+def test_offsets_with_2d_ids(trained):
+    with pytest.raises(ValueError):
+        trained.lookup(np.zeros((2, 2), np.int64), np.array([0, 2, 4]))
+    with pytest.raises(ValueError):
+        trained.lookup(ec.Ragged(np.array([1, 2]), np.array([0, 2])), np.array([0, 2]))
+
+
+# ----------------------------------------------------------------- offsets
+
+
+@pytest.mark.parametrize("offsets", [[0, 3, 2, 5], [1, 3, 5], [0, 2, 4], [0, 2, 6], [], [[0, 5]], [-1, 5],
+                                     [0, 5, 5, 4]])
+def test_bad_offsets(trained, offsets):
+    ids = np.array([1, 2, 3, 4, 5])
+    offsets = np.array(offsets, np.int64)
+    out = np.full((max(offsets.size - 1, 1), 4), 3.0, np.float32)
+    for call in (lambda: trained.lookup(ids, offsets),
+                 lambda: trained.lookup(ids, offsets, combiner=None, max_sequence_length=3),
+                 lambda: trained.lookup(ec.Ragged(ids, offsets)),
+                 lambda: trained.apply_gradients(ids, offsets, np.ones((max(offsets.size - 1, 0), 4), np.float32))):
+        _all_failing_calls_leave_it_unchanged(trained, call, ValueError)
+    if offsets.ndim == 1 and offsets.size > 1:
+        with pytest.raises(ValueError):
+            trained.lookup(ids, offsets, out=out)
+        assert np.all(out == 3.0)
+
+
+def test_float_offsets(trained):
+    with pytest.raises(TypeError):
+        trained.lookup(np.array([1, 2]), np.array([0.0, 2.0]))
+
+
+# ----------------------------------------------------------------- weights
+
+
+def test_weights_of_wrong_length(trained):
+    ids, offsets = np.array([1, 2, 3]), np.array([0, 1, 3])
+    for w in (np.ones(2, np.float32), np.ones(4, np.float32), np.ones((3, 1), np.float32)):
+        _all_failing_calls_leave_it_unchanged(trained, lambda: trained.lookup(ids, offsets, w), ValueError)
+        _all_failing_calls_leave_it_unchanged(
+            trained, lambda: trained.apply_gradients(ids, offsets, np.ones((2, 4), np.float32), weights=w),
+            ValueError)
+    with pytest.raises(ValueError):
+        trained.lookup(np.array([[1, 2], [3, 4]]), weights=np.ones(4, np.float32))
+    with pytest.raises(ValueError):
+        trained.lookup(ec.Ragged(ids, offsets), weights=ec.Ragged(np.ones(3, np.float32), np.array([0, 2, 3])))
+    sp = ec.Sparse(np.array([[0, 0], [1, 0]]), np.array([1, 2]), [2, 2])
+    with pytest.raises(ValueError):
+        trained.lookup(sp, weights=np.ones(3, np.float32))
+    with pytest.raises(ValueError):
+        trained.lookup(sp, weights=ec.Sparse(np.array([[0, 0], [1, 1]]), np.ones(2, np.float32), [2, 2]))
+
+
+def test_non_numeric_weights(trained):
+    with pytest.raises(TypeError):
+        trained.lookup(np.array([1, 2]), weights=np.array(["a", "b"]))
+
+
+# ----------------------------------------------------------------- sparse inputs
+
+
+@pytest.mark.parametrize("indices,shape", [([[0, 0], [2, 0]], [2, 2]), ([[0, 0], [0, 5]], [2, 2]),
+                                           ([[0, -1]], [2, 2]), ([0, 1], [2, 2]), ([[0, 0]], [2]),
+                                           ([[0, 0]], [-1, 2])])
+def test_bad_sparse(trained, indices, shape):
+    n = np.asarray(indices).shape[0] if np.asarray(indices).ndim == 2 else 2
+    sp = ec.Sparse(np.array(indices, np.int64), np.ones(n, np.int64), np.array(shape))
+    with pytest.raises(ValueError):
+        trained.lookup(sp)
+
+
+def test_sparse_values_length(trained):
+    with pytest.raises(ValueError):
+        trained.lookup(ec.Sparse(np.array([[0, 0], [1, 0]]), np.array([1, 2, 3]), [2, 2]))
+
+
+# ----------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("combiner,length,shape", [("sum", 0, (3, 4)), ("sum", 0, (2, 3)), ("sum", 0, (2, 4, 1)),
+                                                   ("mean", 0, (8,)), (None, 0, (2, 4)), (None, 0, (5, 3)),
+                                                   (None, 3, (2, 4)), (None, 3, (2, 2, 4)), (None, 3, (2, 3, 5))])
+def test_grads_of_wrong_shape(trained, combiner, length, shape):
+    ids, offsets = np.array([1, 2, 3, 4]), np.array([0, 1, 4])
+    g = np.ones(shape, np.float32)
+    _all_failing_calls_leave_it_unchanged(
+        trained, lambda: trained.apply_gradients(ids, offsets, g, combiner=combiner, max_sequence_length=length),
+        ValueError)
+
+
+def test_grads_missing_or_not_numbers(trained):
+    ids = np.array([1, 2])
+    _all_failing_calls_leave_it_unchanged(trained, lambda: trained.apply_gradients(ids), TypeError)
+    _all_failing_calls_leave_it_unchanged(
+        trained, lambda: trained.apply_gradients(ids, grads=np.array([["a"] * 4] * 2)), TypeError)
+
+
+def test_non_finite_learning_rate_from_callable(trained):
+    table = make_table(5, 2, optimizer=opt.SGD(learning_rate=lambda step: float("nan")))
+    _all_failing_calls_leave_it_unchanged(
+        table, lambda: table.apply_gradients(np.array([1]), grads=np.ones((1, 2), np.float32)), ValueError)
+    table = make_table(5, 2, optimizer=opt.SGD(learning_rate=lambda step: "fast"))
+    _all_failing_calls_leave_it_unchanged(
+        table, lambda: table.apply_gradients(np.array([1]), grads=np.ones((1, 2), np.float32)), TypeError)
+
+
+def test_no_optimizer(trained):
+    table = ec.Table(name="t", rows=5, dim=2)
+    _all_failing_calls_leave_it_unchanged(
+        table, lambda: table.apply_gradients(np.array([1]), grads=np.ones((1, 2), np.float32)), ValueError)
+
+
+def test_embedding_learning_rate_overflowing_float32_changes_no_table():
+    """1e39 is a finite Python float but not a finite float32 (the engine's
+    learning rate): the step must fail before any table changes."""
+    a = ec.TableConfig(name="a", rows=5, dim=2, optimizer=opt.SGD(learning_rate=0.1))
+    b = ec.TableConfig(name="b", rows=5, dim=2, optimizer=opt.SGD(learning_rate=lambda step: 1e39))
+    emb = ec.Embedding({"a": ec.FeatureConfig(a), "b": ec.FeatureConfig(b)})
+    emb({"a": np.array([1]), "b": np.array([1])})
+    tables = emb.embedding_tables
+    snaps = {k: snapshot(t) for k, t in tables.items()}
+    with pytest.raises(ValueError):
+        emb.apply_gradients({"a": np.ones((1, 2), np.float32), "b": np.ones((1, 2), np.float32)})
+    for k, t in tables.items():
+        assert_unchanged(t, snaps[k])
+
+
+def test_embedding_bad_id_changes_nothing():
+    a = ec.TableConfig(name="a", rows=5, dim=2)
+    emb = ec.Embedding({"a": ec.FeatureConfig(a)}, opt.SGD(0.1))
+    with pytest.raises(IndexError, match="'a'"):
+        emb({"a": np.array([1, 5])})
+
+
+# ----------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("kwargs,exc", [
+    (dict(rows=0, dim=2), ValueError),
+    (dict(rows=-3, dim=2), ValueError),
+    (dict(rows=3, dim=0), ValueError),
+    (dict(rows=3, dim=-1), ValueError),
+    (dict(rows=3.0, dim=2), TypeError),
+    (dict(rows=3, dim="2"), TypeError),
+    (dict(rows=True, dim=2), TypeError),
+    (dict(rows=None, dim=2), TypeError),
+    (dict(rows=3, dim=2, dtype="float64"), ValueError),
+    (dict(rows=3, dim=2, dtype="int8"), ValueError),
+    (dict(rows=3, dim=2, combiner="max"), ValueError),
+    (dict(rows=3, dim=2, combiner=None), ValueError),
+    (dict(rows=3, dim=2, optimizer="adam"), TypeError),
+    (dict(rows=3, dim=2, vocabulary_size=4), ValueError),
+])
+def test_bad_table_config(kwargs, exc):
+    with pytest.raises(exc):
+        ec.TableConfig(name="t", **kwargs)
+    with pytest.raises(exc):
+        ec.Table(name="t", **kwargs)
+
+
+def test_table_config_vocabulary_size():
+    cfg = ec.TableConfig(name="t", vocabulary_size=7, dim=2)
+    assert cfg.rows == 7 and cfg.vocabulary_size == 7
+
+
+def test_table_arguments():
+    with pytest.raises(TypeError):
+        ec.Table(ec.TableConfig(name="t", rows=3, dim=2), rows=3)
+    with pytest.raises(TypeError):
+        ec.Table("t")
+
+
+def test_lookup_arguments(trained):
+    ids = np.array([1, 2])
+    with pytest.raises(ValueError):
+        trained.lookup(ids, combiner="max")
+    with pytest.raises(ValueError):
+        trained.lookup(ids, combiner=None, max_sequence_length=-1)
+    with pytest.raises(TypeError):
+        trained.lookup(ids, combiner=None, max_sequence_length=2.5)
+
+
+def test_table_step_setter(trained):
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError):
+            trained.step = bad
+    assert trained.step == 1
+
+
+def test_assign_errors(trained):
+    s = snapshot(trained)
+    with pytest.raises(ValueError):
+        trained.assign(np.ones((2, 3), np.float32))
+    with pytest.raises(IndexError):
+        trained.assign(np.ones((2, 4), np.float32), start_row=19)
+    with pytest.raises(IndexError):
+        trained.assign(np.ones((2, 4), np.float32), start_row=-1)
+    with pytest.raises(IndexError):
+        trained.assign_slot("momenta", np.ones((2, 4), np.float32), start_row=19)
+    with pytest.raises(IndexError):
+        trained.to_numpy(15, 6)
+    assert_unchanged(trained, s)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: opt.SGD(learning_rate=float("nan")),
+    lambda: opt.SGD(learning_rate=float("inf")),
+    lambda: opt.SGD(learning_rate=0.1, clip_weight_min=1.0, clip_weight_max=0.5),
+    lambda: opt.SGD(learning_rate=0.1, clipvalue=-1.0),
+    lambda: opt.SGD(learning_rate=0.1, clipvalue=(1.0, -1.0)),
+    lambda: opt.SGD(learning_rate=0.1, clipvalue=(1.0,)),
+    lambda: opt.SGD(learning_rate=0.1, clipvalue=(0.0, 1.0, 2.0)),
+    lambda: opt.SGD(learning_rate=0.1, weight_decay_factor=-0.1),
+    lambda: opt.SGD(learning_rate=0.1, clip_weight_max=float("nan")),
+    lambda: opt.Adagrad(learning_rate=0.1, initial_accumulator_value=0.0),
+    lambda: opt.Adagrad(learning_rate=0.1, initial_accumulator_value=-1.0),
+    lambda: opt.Adam(learning_rate=0.1, beta_1=1.0),
+    lambda: opt.Adam(learning_rate=0.1, beta_1=-0.1),
+    lambda: opt.Adam(learning_rate=0.1, beta_2=1.5),
+    lambda: opt.Adam(learning_rate=0.1, epsilon=0.0),
+    lambda: opt.Adam(learning_rate=0.1, epsilon=-1e-7),
+    lambda: opt.FTRL(learning_rate=0.1, learning_rate_power=0.5),
+    lambda: opt.FTRL(learning_rate=0.1, l1_regularization_strength=-1.0),
+    lambda: opt.FTRL(learning_rate=0.1, l2_regularization_strength=-1.0),
+    lambda: opt.FTRL(learning_rate=0.1, beta=-1.0),
+    lambda: opt.FTRL(learning_rate=0.1, initial_accumulator_value=0.0),
+])
+def test_bad_optimizer_hyper_parameters(make):
+    with pytest.raises(ValueError):
+        make()
+
+
+@pytest.mark.parametrize("make", [lambda: opt.SGD(learning_rate=None), lambda: opt.SGD(learning_rate=[0.1]),
+                                  lambda: opt.Adam(beta_1=True), lambda: opt.FTRL(beta="x")])
+def test_optimizer_hyper_parameters_of_wrong_type(make):
+    with pytest.raises(TypeError):
+        make()

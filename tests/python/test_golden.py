@@ -1,0 +1,173 @@
+"""The golden checkpoints of format v1 (tests/golden/v1, written once by
+make_golden.py and committed) load, bit for bit, in this version: ec.load
+into tables built from the configs they record, and ec.serving.open.
+
+If a test here fails after an engine change, the change broke reading
+checkpoints users already have: fix the engine, never regenerate the goldens
+(SHA256SUMS guards them)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+import embedcore as ec
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "golden", "v1")
+CHECKPOINTS = ["dtype_float32", "dtype_float16", "dtype_bfloat16", "opt_sgd", "opt_adagrad", "opt_adam", "opt_ftrl",
+               "export_values_only", "export_bfloat16", "embedding"]
+SLOTS = {"opt_sgd": [], "opt_adagrad": ["accumulators"], "opt_adam": ["momenta", "velocities"],
+         "opt_ftrl": ["accumulators", "linears"], "dtype_float32": [], "dtype_float16": [], "dtype_bfloat16": [],
+         "embedding": ["accumulators"], "export_values_only": [], "export_bfloat16": []}
+
+
+def golden(name=""):
+    return os.path.join(GOLDEN, name)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    with np.load(golden("expected.npz"), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _sums():
+    out = {}
+    with open(golden("SHA256SUMS")) as f:
+        for line in f:
+            digest, rel = line.rstrip("\n").split("  ", 1)
+            out[rel] = digest
+    return out
+
+
+def test_sha256sums_match_every_golden_file():
+    sums = _sums()
+    assert "expected.npz" in sums
+    for rel, digest in sums.items():
+        with open(golden(rel), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == digest, (
+                f"tests/golden/v1/{rel} changed: golden checkpoints must never be regenerated or edited")
+    listed = {rel.split("/")[0] for rel in sums if "/" in rel}
+    assert listed == set(CHECKPOINTS)
+    for name in CHECKPOINTS:  # no file added to a golden checkpoint either
+        on_disk = {f"{name}/{f}" for f in os.listdir(golden(name))}
+        assert on_disk == {rel for rel in sums if rel.startswith(name + "/")}
+
+
+def _tables_from_configs(info):
+    """A fresh Table per table of the checkpoint, built from the config it records."""
+    tables = []
+    for i, name in enumerate(info.table_names):
+        cfg = ec.checkpoint.config_from_json(json.loads(info.table_config_json(i)))
+        assert cfg.name == name
+        tables.append(ec.Table(cfg))
+    return tables
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_golden_checkpoint_loads(name, expected):
+    path = golden(name)
+    info = ec.checkpoint.read_info(path)
+    assert tuple(info.format_version) == (1, 0)
+    assert info.generation == 1
+    tables = _tables_from_configs(info)
+    ec.load(path, into=tables if len(tables) > 1 else tables[0])
+    for t in tables:
+        prefix = f"{name}/{t.name}"
+        values = expected[f"{prefix}/values"]
+        np.testing.assert_array_equal(t.to_numpy(), values)
+        if name != "export_bfloat16":  # the export's table is float32; its bits are of the rounded values
+            v = np.asarray(t.values())
+            bits = v.view(np.uint16) if v.dtype.itemsize == 2 else v.view(np.uint32)
+            assert bits.tobytes() == expected[f"{prefix}/bits"].tobytes()
+        assert sorted(t.slots()) == sorted(SLOTS[name]) or name.startswith("export")
+        if name.startswith("export"):
+            assert not info.table_has_optimizer(0)
+            assert t.step == 0  # a values-only checkpoint leaves the optimizer state as it was
+            continue
+        assert info.table_has_optimizer(info.table_names.index(t.name))
+        assert t.step == int(expected[f"{prefix}/step"])
+        for slot in SLOTS[name]:
+            assert t.slots()[slot].tobytes() == expected[f"{prefix}/slot/{slot}"].tobytes(), (name, t.name, slot)
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+@pytest.mark.parametrize("verify", ["eager", "lazy"])
+def test_golden_checkpoint_serves(name, verify, expected):
+    served = ec.serving.open(golden(name), verify=verify)
+    assert served.format_version == (1, 0)
+    for t in served.tables.values():
+        prefix = f"{name}/{t.name}"
+        raw = np.asarray(t.values())
+        bits = raw.view(np.uint16) if raw.dtype.itemsize == 2 else raw.view(np.uint32)
+        assert bits.tobytes() == expected[f"{prefix}/bits"].tobytes()
+        ids = np.arange(t.rows)
+        np.testing.assert_array_equal(t.lookup(ids, combiner=None), expected[f"{prefix}/values"])
+        offsets = np.array([0, 2, 2, t.rows])
+        pooled = t.lookup(ids, offsets, combiner="sum")
+        np.testing.assert_allclose(pooled[0], expected[f"{prefix}/values"][:2].sum(0), rtol=1e-6)
+
+
+def _features(expected):
+    return {"user": expected["embedding/inputs/user"], "item": expected["embedding/inputs/item"],
+            "history": ec.Ragged(expected["embedding/inputs/history_ids"],
+                                 expected["embedding/inputs/history_offsets"])}
+
+
+def _rebuild(structure, features):
+    if "dict" in structure:
+        return {k: _rebuild(v, features) for k, v in structure["dict"].items()}
+    if "list" in structure:
+        return [_rebuild(v, features) for v in structure["list"]]
+    if "tuple" in structure:
+        return tuple(_rebuild(v, features) for v in structure["tuple"])
+    return features[structure["feature"]]
+
+
+def test_golden_embedding_rebuilds_and_looks_up(expected):
+    path = golden("embedding")
+    info = ec.checkpoint.read_info(path)
+    meta = json.loads(info.metadata_json)
+    assert meta["kind"] == "embedding"
+    assert {(f["name"], f["table"], f["max_sequence_length"]) for f in meta["features"]} == {
+        ("user", "user", 0), ("item", "item", 0), ("history", "item", 3)}
+    configs = {}
+    for i, name in enumerate(info.table_names):
+        configs[name] = ec.checkpoint.config_from_json(json.loads(info.table_config_json(i)))
+    features = [ec.FeatureConfig(configs[f["table"]], f["max_sequence_length"], f["name"]) for f in meta["features"]]
+    emb = ec.Embedding(_rebuild(meta["structure"], features))
+    ec.load(path, into=emb)
+    got = emb(_features(expected))
+    served = ec.serving.open(path, verify="eager")(_features(expected))
+    assert sorted(got) == ["history", "item", "user"]
+    for k in got:
+        np.testing.assert_array_equal(got[k], expected[f"embedding/lookup/{k}"])
+        np.testing.assert_array_equal(served[k], expected[f"embedding/lookup/{k}"])
+    assert got["history"].shape == (5, 3, 4)
+    # Training resumes from the golden state: the optimizer and step come back.
+    for t in emb.embedding_tables.values():
+        assert t.step == int(expected[f"embedding/{t.name}/step"]) == 3
+        assert isinstance(t.optimizer, ec.optimizers.Adagrad)
+
+
+def test_golden_optimizer_configs_round_trip():
+    """The hyper-parameters recorded in each golden checkpoint rebuild the
+    same optimizer (the config JSON is part of the format)."""
+    want = {
+        "opt_sgd": (ec.optimizers.SGD, {"learning_rate": 0.05, "clipvalue": (-1.5, 1.5)}),
+        "opt_adagrad": (ec.optimizers.Adagrad, {"learning_rate": 0.1, "initial_accumulator_value": 0.2}),
+        "opt_adam": (ec.optimizers.Adam, {"learning_rate": 0.01, "beta_1": 0.8, "beta_2": 0.95,
+                                          "bias_correction": True}),
+        "opt_ftrl": (ec.optimizers.FTRL, {"learning_rate": 0.2, "l1_regularization_strength": 0.01,
+                                          "l2_regularization_strength": 0.02, "beta": 0.1}),
+    }
+    for name, (cls, fields) in want.items():
+        info = ec.checkpoint.read_info(golden(name))
+        cfg = ec.checkpoint.config_from_json(json.loads(info.table_config_json(0)))
+        assert type(cfg.optimizer) is cls, name
+        for k, v in fields.items():
+            got = getattr(cfg.optimizer, k)
+            assert (tuple(got) if isinstance(got, list) else got) == v, (name, k, got)

@@ -1,0 +1,184 @@
+"""Initializers: ranges, sample statistics, seeds, storage rounding and the default."""
+import math
+
+import numpy as np
+import pytest
+
+import embedcore as ec
+import reference as ref
+from helpers import DTYPES
+
+init = ec.initializers
+
+
+def _values(initializer, rows=200, dim=64, dtype="float32"):
+    t = ec.Table(name="init", rows=rows, dim=dim, dtype=dtype, initializer=initializer)
+    return t.to_numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zeros(dtype):
+    v = _values(init.Zeros(), dtype=dtype)
+    assert np.all(v == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("value", [0.37, -2.5, 0.0, 1e-3])
+def test_constant(dtype, value):
+    v = _values(init.Constant(value), rows=20, dim=9, dtype=dtype)
+    assert np.all(v == ref.quantize(value, dtype))
+
+
+def test_constant_default_is_zero():
+    assert np.all(_values(init.Constant(), rows=5, dim=3) == 0)
+
+
+@pytest.mark.parametrize("low,high", [(-0.05, 0.05), (2.0, 5.0), (-3.0, -1.0)])
+def test_uniform_range_and_moments(low, high):
+    v = _values(init.Uniform(low, high, seed=3))
+    n = v.size
+    assert v.min() >= np.float32(low) and v.max() <= np.float32(high)
+    width = high - low
+    # mean within 5 standard errors; variance of U(a, b) is (b - a)^2 / 12
+    assert abs(v.mean() - (low + high) / 2) < 5 * width / math.sqrt(12 * n)
+    assert abs(v.std() - width / math.sqrt(12)) < 0.03 * width / math.sqrt(12)
+    # Values spread over the whole range.
+    assert v.min() < low + 0.01 * width and v.max() > high - 0.01 * width
+    hist, _ = np.histogram(v, bins=10, range=(low, high))
+    assert hist.min() > 0.8 * n / 10
+
+
+def test_uniform_default_range():
+    u = init.Uniform()
+    assert (u.low, u.high) == (-0.05, 0.05)
+    v = _values(u)
+    assert v.min() >= np.float32(-0.05) and v.max() <= np.float32(0.05)
+
+
+@pytest.mark.parametrize("dim", [16, 100])
+def test_normal_default_stddev(dim):
+    v = _values(init.Normal(seed=5), rows=20000 // dim * 4, dim=dim)
+    sigma = 1 / math.sqrt(dim)
+    n = v.size
+    assert abs(v.mean()) < 5 * sigma / math.sqrt(n)
+    assert abs(v.std() / sigma - 1) < 0.03
+    # An untruncated normal goes beyond two standard deviations about 4.55% of the time.
+    assert abs(np.mean(np.abs(v) > 2 * sigma) - 0.0455) < 0.01
+    assert abs(np.mean(np.abs(v) < sigma) - 0.6827) < 0.02
+
+
+def test_normal_mean_and_stddev():
+    v = _values(init.Normal(mean=1.5, stddev=0.2, seed=1))
+    assert abs(v.mean() - 1.5) < 5 * 0.2 / math.sqrt(v.size)
+    assert abs(v.std() / 0.2 - 1) < 0.03
+
+
+@pytest.mark.parametrize("dim", [4, 64])
+def test_truncated_normal_default(dim):
+    v = _values(init.TruncatedNormal(seed=2), rows=40000 // dim, dim=dim)
+    sigma = 1 / math.sqrt(dim)
+    assert np.all(np.abs(v) <= 2 * sigma * (1 + 1e-6))
+    # Standard deviation of a normal truncated at +-2 sigma: 0.8796 sigma.
+    phi2 = math.exp(-2.0) / math.sqrt(2 * math.pi)
+    z = math.erf(2 / math.sqrt(2))
+    trunc_std = sigma * math.sqrt(1 - 2 * 2 * phi2 / z)
+    assert abs(trunc_std / sigma - 0.8796) < 1e-3
+    assert abs(v.mean()) < 5 * trunc_std / math.sqrt(v.size)
+    assert abs(v.std() / trunc_std - 1) < 0.03
+    # Not clipped: nothing piles up at the bounds.
+    assert np.mean(np.abs(v) > 1.99 * sigma) < 0.002
+
+
+def test_truncated_normal_mean_and_stddev():
+    v = _values(init.TruncatedNormal(mean=-1.0, stddev=0.5, seed=9))
+    assert np.all(np.abs(v + 1.0) <= 1.0 * (1 + 1e-6))
+    assert abs(v.mean() + 1.0) < 0.01
+    assert abs(v.std() / (0.5 * 0.8796) - 1) < 0.03
+
+
+@pytest.mark.parametrize("make", [lambda s: init.Uniform(-1, 1, seed=s), lambda s: init.Normal(seed=s),
+                                  lambda s: init.TruncatedNormal(seed=s)])
+def test_seeds(make):
+    a = _values(make(17), rows=50, dim=8)
+    b = _values(make(17), rows=50, dim=8)
+    c = _values(make(18), rows=50, dim=8)
+    assert a.tobytes() == b.tobytes()
+    assert not np.any(a == c) or np.mean(a == c) < 0.01
+    # rows and columns differ from each other
+    assert len(np.unique(a)) > 0.99 * a.size
+
+
+def test_large_seed():
+    a = _values(init.Uniform(seed=2**64 - 1), rows=10, dim=4)
+    b = _values(init.Uniform(seed=2**63), rows=10, dim=4)
+    assert not np.array_equal(a, b)
+
+
+def test_element_is_a_function_of_its_index():
+    """The first rows of a bigger table equal a smaller table with the same seed."""
+    for i in (init.Uniform(seed=4), init.Normal(seed=4), init.TruncatedNormal(seed=4)):
+        small = _values(i, rows=10, dim=8)
+        big = _values(i, rows=5000, dim=8)
+        assert small.tobytes() == big[:10].tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("make", [lambda: init.Uniform(-3, 3, seed=1), lambda: init.TruncatedNormal(seed=1),
+                                  lambda: init.Normal(stddev=1e-4, seed=1)])
+def test_low_precision_initial_values_are_rounded_float32(dtype, make):
+    f32 = ec.Table(name="a", rows=64, dim=13, initializer=make()).values()
+    low = ec.Table(name="b", rows=64, dim=13, dtype=dtype, initializer=make()).values()
+    np_dtype = np.float16 if dtype == "float16" else ref.bfloat16_dtype()
+    np.testing.assert_array_equal(low.view(np.uint16), f32.astype(np_dtype).view(np.uint16))
+
+
+def test_default_initializer_is_truncated_normal():
+    cfg = ec.TableConfig(name="t", rows=300, dim=25)
+    assert isinstance(cfg.initializer, init.TruncatedNormal)
+    assert cfg.initializer.stddev is None and cfg.initializer.mean == 0.0
+    default = ec.Table(cfg).values()
+    explicit = ec.Table(name="t", rows=300, dim=25, initializer=init.TruncatedNormal()).values()
+    assert default.tobytes() == explicit.tobytes()
+    assert np.all(np.abs(default) <= 2 / 5 * (1 + 1e-6))
+    assert abs(default.std() / (0.2 * 0.8796) - 1) < 0.05
+
+
+def test_initializers_do_not_depend_on_thread_count(restore_threads):
+    out = {}
+    for n in (1, 2, 4):
+        ec.set_num_threads(n)
+        out[n] = [ec.Table(name="t", rows=3000, dim=33, dtype=d, initializer=i).values().tobytes()
+                  for d in ("float32", "bfloat16")
+                  for i in (init.Uniform(seed=8), init.Normal(seed=8), init.TruncatedNormal(seed=8),
+                            init.Constant(0.5))]
+    assert out[1] == out[2] == out[4]
+
+
+def test_initializer_validation():
+    with pytest.raises(ValueError):
+        init.Uniform(1.0, 0.0)
+    with pytest.raises(ValueError):
+        init.Normal(stddev=0.0)
+    with pytest.raises(ValueError):
+        init.TruncatedNormal(stddev=-1.0)
+    with pytest.raises(ValueError):
+        init.Constant(float("nan"))
+    with pytest.raises(ValueError):
+        init.Uniform(0.0, float("inf"))
+    with pytest.raises(ValueError):
+        init.Normal(seed=-1)
+    with pytest.raises(ValueError):
+        init.Normal(seed=2**64)
+    with pytest.raises(TypeError):
+        init.Uniform(seed=1.5)
+    with pytest.raises(TypeError):
+        init.Constant("a")
+    with pytest.raises(TypeError):
+        ec.TableConfig(name="t", rows=3, dim=2, initializer="zeros")
+
+
+def test_initializer_equality():
+    assert init.Uniform(0, 1, seed=2) == init.Uniform(0, 1, seed=2)
+    assert init.Uniform(0, 1, seed=2) != init.Uniform(0, 1, seed=3)
+    assert hash(init.Normal(seed=1)) == hash(init.Normal(seed=1))
+    assert init.Normal(seed=1) != init.TruncatedNormal(seed=1)

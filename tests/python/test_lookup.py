@@ -1,0 +1,526 @@
+"""Lookups against the NumPy reference: every combiner, input form, id and
+storage dtype, and the sequence (combiner=None) outputs."""
+import numpy as np
+import pytest
+
+import embedcore as ec
+import reference as ref
+from helpers import COMBINERS, DTYPES, assert_pooled, make_table, random_bags
+
+DIMS = (1, 3, 7, 8, 13, 128, 129)
+RTOL = {"sum": 1e-6, "mean": 1e-5, "sqrtn": 1e-5}
+
+
+def _check_pooled(table, out, ids, offsets, weights, combiner):
+    expected, bound = ref.pooled(table.to_numpy(), ids, offsets, weights, combiner)
+    assert_pooled(out, expected, bound, RTOL[combiner])
+
+
+# ----------------------------------------------------------------- pooled, CSR
+
+
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("combiner", COMBINERS)
+def test_pooled_csr(rng, combiner, weighted, id_dtype, dtype, dim):
+    rows = int(rng.integers(20, 300))
+    table = make_table(rows, dim, dtype, seed=int(rng.integers(1 << 30)))
+    batch = int(rng.integers(1, 40))
+    ids, offsets, weights = random_bags(rng, rows, batch, id_dtype=id_dtype, weighted=weighted)
+    out = table.lookup(ids, offsets, weights, combiner=combiner)
+    assert out.dtype == np.float32 and out.shape == (batch, dim) and out.flags.c_contiguous
+    _check_pooled(table, out, ids, offsets, weights, combiner)
+
+
+@pytest.mark.parametrize("combiner", COMBINERS)
+def test_default_combiner_is_the_tables(rng, combiner):
+    table = make_table(50, 5, combiner=combiner)
+    ids, offsets, weights = random_bags(rng, 50, 12, weighted=True)
+    _check_pooled(table, table.lookup(ids, offsets, weights), ids, offsets, weights, combiner)
+    # __call__ is lookup
+    np.testing.assert_array_equal(table(ids, offsets, weights), table.lookup(ids, offsets, weights))
+
+
+def test_table_default_combiner_is_mean(rng):
+    table = ec.Table(name="t", rows=30, dim=4)
+    assert table.combiner == "mean"
+    ids, offsets, weights = random_bags(rng, 30, 9, weighted=True)
+    _check_pooled(table, table.lookup(ids, offsets, weights), ids, offsets, weights, "mean")
+
+
+@pytest.mark.parametrize("combiner", COMBINERS)
+def test_pooled_large_batch_many_threads(rng, combiner):
+    # Enough bags and ids to split across threads and chunks.
+    table = make_table(1000, 16, seed=3)
+    ids, offsets, weights = random_bags(rng, 1000, 5000, max_len=10, weighted=True)
+    _check_pooled(table, table.lookup(ids, offsets, weights, combiner=combiner), ids, offsets, weights, combiner)
+
+
+# ----------------------------------------------------------------- bag semantics
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_bags_give_zeros(dtype):
+    table = make_table(10, 6, dtype)
+    offsets = np.array([0, 0, 2, 2, 2, 3, 3], np.int64)
+    ids = np.array([1, 2, 3], np.int64)
+    for combiner in COMBINERS:
+        out = table.lookup(ids, offsets, combiner=combiner)
+        assert out.shape == (6, 6)
+        for b in (0, 2, 3, 5):
+            assert np.all(out[b] == 0), (combiner, b)
+        _check_pooled(table, out, ids, offsets, None, combiner)
+
+
+def test_all_bags_empty():
+    table = make_table(10, 4)
+    for combiner in COMBINERS:
+        out = table.lookup(np.zeros(0, np.int64), np.zeros(5, np.int64), combiner=combiner)
+        np.testing.assert_array_equal(out, np.zeros((4, 4), np.float32))
+
+
+def test_repeated_id_counts_once_per_occurrence():
+    table = make_table(10, 5)
+    row = table.to_numpy()[3].astype(np.float64)
+    ids, offsets = np.array([3, 3, 3], np.int64), np.array([0, 3])
+    np.testing.assert_allclose(table.lookup(ids, offsets, combiner="sum")[0], 3 * row, rtol=1e-6)
+    np.testing.assert_allclose(table.lookup(ids, offsets, combiner="mean")[0], row, rtol=1e-6)
+    np.testing.assert_allclose(table.lookup(ids, offsets, combiner="sqrtn")[0], 3 * row / np.sqrt(3), rtol=1e-6)
+    # weighted: w = (1, 2, 0.5) -> sum 3.5 row; mean = row; sqrtn = 3.5 / sqrt(5.25) row
+    w = np.array([1, 2, 0.5], np.float32)
+    np.testing.assert_allclose(table.lookup(ids, offsets, w, combiner="sum")[0], 3.5 * row, rtol=1e-6)
+    np.testing.assert_allclose(table.lookup(ids, offsets, w, combiner="mean")[0], row, rtol=1e-6)
+    np.testing.assert_allclose(table.lookup(ids, offsets, w, combiner="sqrtn")[0], 3.5 * row / np.sqrt(5.25),
+                               rtol=1e-6)
+
+
+def test_zero_denominator_gives_zeros():
+    table = make_table(10, 7)
+    t = table.to_numpy().astype(np.float64)
+    ids = np.array([1, 2, 4, 5, 6, 7], np.int64)
+    offsets = np.array([0, 2, 4, 6])
+    # bag 0: weights sum to 0 (mean -> 0); bag 1: all weights 0 (sqrtn -> 0, mean -> 0); bag 2: normal
+    w = np.array([1.5, -1.5, 0.0, 0.0, 2.0, 1.0], np.float32)
+    mean = table.lookup(ids, offsets, w, combiner="mean")
+    sqrtn = table.lookup(ids, offsets, w, combiner="sqrtn")
+    summ = table.lookup(ids, offsets, w, combiner="sum")
+    assert np.all(mean[0] == 0) and np.all(mean[1] == 0)
+    assert np.all(sqrtn[1] == 0)
+    assert np.all(summ[1] == 0)
+    np.testing.assert_allclose(summ[0], 1.5 * (t[1] - t[2]), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(sqrtn[0], 1.5 * (t[1] - t[2]) / np.sqrt(4.5), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(mean[2], (2 * t[6] + t[7]) / 3, rtol=1e-5)
+    for c, out in (("mean", mean), ("sqrtn", sqrtn), ("sum", summ)):
+        _check_pooled(table, out, ids, offsets, w, c)
+
+
+def test_negative_weights(rng):
+    table = make_table(40, 9)
+    ids, offsets, _ = random_bags(rng, 40, 20)
+    w = rng.uniform(-2, -0.25, size=len(ids)).astype(np.float32)
+    for c in COMBINERS:
+        _check_pooled(table, table.lookup(ids, offsets, w, combiner=c), ids, offsets, w, c)
+
+
+@pytest.mark.parametrize("dim", (1, 8, 13))
+def test_bags_of_one_without_offsets(rng, dim):
+    table = make_table(30, dim)
+    ids = rng.integers(0, 30, size=17)
+    w = rng.uniform(0.5, 2, size=17).astype(np.float32)
+    t = table.to_numpy()
+    for c in COMBINERS:
+        out = table.lookup(ids, combiner=c)
+        assert out.shape == (17, dim)
+        np.testing.assert_allclose(out, t[ids], rtol=1e-6)
+    np.testing.assert_allclose(table.lookup(ids, weights=w, combiner="sum"), w[:, None] * t[ids], rtol=1e-6)
+    np.testing.assert_allclose(table.lookup(ids, weights=w, combiner="mean"), t[ids], rtol=1e-6)
+    np.testing.assert_allclose(table.lookup(ids, weights=w, combiner="sqrtn"), t[ids], rtol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["csr", "ragged", "dense", "sparse", "list"])
+def test_batch_zero(form):
+    table = make_table(10, 3)
+    if form == "csr":
+        args = (np.zeros(0, np.int64), np.array([0]))
+    elif form == "ragged":
+        args = (ec.Ragged(np.zeros(0, np.int32), np.array([0])),)
+    elif form == "dense":
+        args = (np.zeros((0, 4), np.int64),)
+    elif form == "sparse":
+        args = (ec.Sparse(np.zeros((0, 2), np.int64), np.zeros(0, np.int64), [0, 4]),)
+    else:
+        args = ([],)
+    for c in COMBINERS:
+        out = table.lookup(*args, combiner=c)
+        assert out.shape == (0, 3) and out.dtype == np.float32
+    assert table.lookup(*args, combiner=None, max_sequence_length=5).shape == (0, 5, 3)
+
+
+# ----------------------------------------------------------------- input forms
+
+
+@pytest.mark.parametrize("weights_form", ["none", "ragged", "flat"])
+@pytest.mark.parametrize("combiner", COMBINERS)
+def test_ragged(rng, combiner, weights_form):
+    table = make_table(60, 13, seed=5)
+    ids, offsets, w = random_bags(rng, 60, 15, id_dtype=np.int32, weighted=True)
+    weights = {"none": None, "ragged": ec.Ragged(w, offsets), "flat": w}[weights_form]
+    out = table.lookup(ec.Ragged(ids, offsets), weights=weights, combiner=combiner)
+    _check_pooled(table, out, ids, offsets, None if weights is None else w, combiner)
+
+
+def test_ragged_from_lengths(rng):
+    table = make_table(60, 4)
+    lengths = np.array([2, 0, 3, 1])
+    ids = rng.integers(0, 60, size=6)
+    r = ec.Ragged.from_lengths(ids, lengths)
+    np.testing.assert_array_equal(r.offsets, [0, 2, 2, 5, 6])
+    _check_pooled(table, table.lookup(r, combiner="sum"), ids, r.offsets, None, "sum")
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("combiner", COMBINERS)
+def test_dense_2d(rng, combiner, weighted):
+    table = make_table(50, 8, seed=2)
+    ids = rng.integers(0, 50, size=(11, 4))
+    ids[3, 1] = ids[3, 2]  # a repeat
+    w = rng.uniform(0.5, 2, size=(11, 4)).astype(np.float32) if weighted else None
+    out = table.lookup(ids, weights=w, combiner=combiner)
+    assert out.shape == (11, 8)
+    offsets = np.arange(0, 45, 4)
+    _check_pooled(table, out, ids.ravel(), offsets, None if w is None else w.ravel(), combiner)
+
+
+def _coo(rng, batch, width, rows, nnz_per_row=3, duplicates=False):
+    """COO bags: (indices [nnz, 2] shuffled, ids, positions)."""
+    coords = []
+    for b in range(batch):
+        if b % 4 == 2:
+            continue  # an empty row
+        k = int(rng.integers(1, nnz_per_row + 1))
+        cols = rng.choice(width, size=k, replace=False)
+        coords += [(b, int(c)) for c in cols]
+        if duplicates and b % 3 == 0:
+            coords.append((b, int(cols[0])))  # the same position twice
+    indices = np.array(coords, np.int64).reshape(-1, 2)
+    ids = rng.integers(0, rows, size=len(indices))
+    return indices, ids
+
+
+def _coo_pooled_ref(table, indices, ids, weights, batch, combiner):
+    order = np.argsort(indices[:, 0], kind="stable")
+    offsets = np.zeros(batch + 1, np.int64)
+    np.cumsum(np.bincount(indices[:, 0], minlength=batch), out=offsets[1:])
+    w = None if weights is None else np.asarray(weights)[order]
+    return ref.pooled(table.to_numpy(), ids[order], offsets, w, combiner)
+
+
+@pytest.mark.parametrize("weights_form", ["none", "sparse", "flat"])
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("combiner", COMBINERS)
+def test_sparse_pooled(rng, combiner, shuffled, weights_form):
+    table = make_table(40, 7, seed=9)
+    batch, width = 9, 6
+    indices, ids = _coo(rng, batch, width, 40, duplicates=True)
+    order = np.lexsort(indices.T[::-1])
+    indices, ids = indices[order], ids[order]  # row-major sorted
+    if shuffled:
+        perm = rng.permutation(len(ids))
+        indices, ids = indices[perm], ids[perm]
+    w = rng.uniform(0.5, 2, size=len(ids)).astype(np.float32)
+    weights = {"none": None, "sparse": ec.Sparse(indices, w, [batch, width]), "flat": w}[weights_form]
+    out = table.lookup(ec.Sparse(indices, ids, [batch, width]), weights=weights, combiner=combiner)
+    expected, bound = _coo_pooled_ref(table, indices, ids, None if weights is None else w, batch, combiner)
+    assert_pooled(out, expected, bound, RTOL[combiner])
+
+
+# ----------------------------------------------------------------- sequences
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_sequence_flat(rng, id_dtype, weighted, dtype):
+    table = make_table(70, 13, dtype, seed=4)
+    ids, offsets, w = random_bags(rng, 70, 14, id_dtype=id_dtype, weighted=weighted)
+    out = table.lookup(ids, offsets, w, combiner=None)
+    assert out.shape == (len(ids), 13) and out.dtype == np.float32
+    np.testing.assert_allclose(out, ref.sequence_flat(table.to_numpy(), ids, w), rtol=1e-7, atol=0)
+    # Ragged form: the same.
+    np.testing.assert_array_equal(table.lookup(ec.Ragged(ids, offsets), weights=w, combiner=None), out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("length", [1, 3, 5, 12])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sequence_padded(rng, weighted, length, dtype):
+    table = make_table(70, 9, dtype, seed=6)
+    ids, offsets, w = random_bags(rng, 70, 13, max_len=7, weighted=weighted)
+    out = table.lookup(ids, offsets, w, combiner=None, max_sequence_length=length)
+    assert out.shape == (13, length, 9)
+    expected = ref.sequence_padded(table.to_numpy(), ids, offsets, w, length)
+    np.testing.assert_allclose(out, expected, rtol=1e-7, atol=0)
+    out2 = table.lookup(ec.Ragged(ids, offsets), weights=None if w is None else ec.Ragged(w, offsets),
+                        combiner=None, max_sequence_length=length)
+    np.testing.assert_array_equal(out2, out)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_dense_sequence(rng, weighted):
+    table = make_table(30, 5)
+    ids = rng.integers(0, 30, size=(6, 4))
+    w = rng.uniform(0.5, 2, size=(6, 4)).astype(np.float32) if weighted else None
+    out = table.lookup(ids, weights=w, combiner=None)
+    assert out.shape == (6, 4, 5)
+    expected = (1 if w is None else w[..., None]) * table.to_numpy()[ids]
+    np.testing.assert_allclose(out, expected, rtol=1e-7)
+    # An explicit length truncates / pads.
+    short = table.lookup(ids, weights=w, combiner=None, max_sequence_length=2)
+    np.testing.assert_array_equal(short, out[:, :2])
+    long = table.lookup(ids, weights=w, combiner=None, max_sequence_length=7)
+    assert long.shape == (6, 7, 5)
+    np.testing.assert_array_equal(long[:, :4], out)
+    assert np.all(long[:, 4:] == 0)
+
+
+def test_dense_sequence_of_width_zero():
+    # [batch, 0] ids: every bag is empty; the sequence output is [batch, 0, dim].
+    table = make_table(10, 3)
+    ids = np.zeros((5, 0), np.int64)
+    np.testing.assert_array_equal(table.lookup(ids, combiner="sum"), np.zeros((5, 3), np.float32))
+    assert table.lookup(ids, combiner=None).shape == (5, 0, 3)
+
+
+def test_sparse_sequence_of_width_zero():
+    table = make_table(10, 3)
+    sp = ec.Sparse(np.zeros((0, 2), np.int64), np.zeros(0, np.int64), [4, 0])
+    np.testing.assert_array_equal(table.lookup(sp, combiner="mean"), np.zeros((4, 3), np.float32))
+    assert table.lookup(sp, combiner=None).shape == (4, 0, 3)
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("weights_form", ["none", "sparse", "flat"])
+def test_sparse_sequence(rng, weights_form, shuffled):
+    table = make_table(40, 6, seed=8)
+    batch, width = 10, 7
+    indices, ids = _coo(rng, batch, width, 40, duplicates=True)
+    if shuffled:
+        perm = rng.permutation(len(ids))
+        indices, ids = indices[perm], ids[perm]
+    w = rng.uniform(0.5, 2, size=len(ids)).astype(np.float32)
+    weights = {"none": None, "sparse": ec.Sparse(indices, w, [batch, width]), "flat": w}[weights_form]
+    wv = None if weights is None else w
+    sp = ec.Sparse(indices, ids, [batch, width])
+    out = table.lookup(sp, weights=weights, combiner=None)
+    assert out.shape == (batch, width, 6)
+    expected = ref.sequence_sparse(table.to_numpy(), indices[:, 0], indices[:, 1], ids, wv, batch, width)
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-7)
+    # An explicit, shorter length drops the ids at positions >= L.
+    out3 = table.lookup(sp, weights=weights, combiner=None, max_sequence_length=3)
+    expected3 = ref.sequence_sparse(table.to_numpy(), indices[:, 0], indices[:, 1], ids, wv, batch, 3)
+    assert out3.shape == (batch, 3, 6)
+    np.testing.assert_allclose(out3, expected3, rtol=1e-6, atol=1e-7)
+    # A longer one pads with zeros.
+    out9 = table.lookup(sp, weights=weights, combiner=None, max_sequence_length=width + 2)
+    assert out9.shape == (batch, width + 2, 6)
+    np.testing.assert_array_equal(out9[:, :width], out)
+    assert np.all(out9[:, width:] == 0)
+
+
+def test_sparse_sequence_places_ids_at_their_columns():
+    table = make_table(10, 2)
+    t = table.to_numpy()
+    indices = np.array([[0, 2], [1, 0], [1, 3], [1, 3]], np.int64)
+    ids = np.array([4, 5, 6, 7])
+    out = table.lookup(ec.Sparse(indices, ids, [2, 4]), combiner=None)
+    expected = np.zeros((2, 4, 2), np.float32)
+    expected[0, 2] = t[4]
+    expected[1, 0] = t[5]
+    expected[1, 3] = t[6] + t[7]  # duplicates add
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
+# ----------------------------------------------------------------- dtypes
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_storage_matches_numpy_rounding(rng, dtype):
+    table = make_table(20, 13, dtype)
+    x = rng.normal(size=(20, 13)).astype(np.float32) * np.float32(3.0)
+    x[0, :4] = [65504.0, 1e-6, -2.5e-8, 0.0]  # largest half, subnormal halves
+    table.assign(x)
+    np_dtype = np.float16 if dtype == "float16" else ref.bfloat16_dtype()
+    expected = x.astype(np_dtype)
+    stored = table.values()
+    assert stored.dtype == np_dtype and stored.shape == (20, 13)
+    np.testing.assert_array_equal(stored.view(np.uint16), expected.view(np.uint16))
+    np.testing.assert_array_equal(table.to_numpy(), expected.astype(np.float32))
+    # Lookups read the stored values.
+    ids = np.arange(20)
+    np.testing.assert_array_equal(table.lookup(ids, combiner=None), expected.astype(np.float32))
+
+
+def test_values_and_to_numpy(rng):
+    table = make_table(25, 6)
+    v = table.values()
+    assert v.shape == (25, 6) and v.dtype == np.float32 and not v.flags.writeable
+    np.testing.assert_array_equal(table.to_numpy(), v)
+    np.testing.assert_array_equal(table.to_numpy(5, 7), v[5:12])
+    x = rng.normal(size=(3, 6)).astype(np.float32)
+    table.assign(x, start_row=10)
+    np.testing.assert_array_equal(v[10:13], x)  # the view reflects updates
+
+
+# ----------------------------------------------------------------- out=
+
+
+@pytest.mark.parametrize("case", ["pooled", "flat", "padded", "dense_seq", "sparse_seq", "sparse_pooled"])
+def test_out_argument(rng, case):
+    table = make_table(40, 5)
+    ids, offsets, w = random_bags(rng, 40, 8, weighted=True)
+    if case == "pooled":
+        args, kw = (ids, offsets, w), {"combiner": "sqrtn"}
+    elif case == "flat":
+        args, kw = (ids, offsets, w), {"combiner": None}
+    elif case == "padded":
+        args, kw = (ec.Ragged(ids, offsets),), {"weights": w, "combiner": None, "max_sequence_length": 3}
+    elif case == "dense_seq":
+        args, kw = (rng.integers(0, 40, size=(4, 3)),), {"combiner": None}
+    else:
+        indices = np.array([[0, 1], [2, 0], [2, 2], [3, 1]], np.int64)
+        args = (ec.Sparse(indices, np.array([1, 2, 3, 4]), [5, 3]),)
+        kw = {"combiner": None if case == "sparse_seq" else "sum"}
+    expected = table.lookup(*args, **kw)
+    out = np.full(expected.shape, np.nan, np.float32)
+    result = table.lookup(*args, **kw, out=out)
+    assert result is out
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_out_errors(rng):
+    table = make_table(40, 5)
+    ids, offsets, _ = random_bags(rng, 40, 8)
+    with pytest.raises(TypeError):
+        table.lookup(ids, offsets, out=np.zeros((8, 5), np.float64))
+    with pytest.raises(TypeError):
+        table.lookup(ids, offsets, out=np.zeros((5, 8), np.float32).T)  # not C-contiguous
+    with pytest.raises(TypeError):
+        table.lookup(ids, offsets, out=[[0.0] * 5] * 8)
+    with pytest.raises(ValueError):
+        table.lookup(ids, offsets, out=np.zeros((8, 6), np.float32))
+    with pytest.raises(ValueError):
+        table.lookup(ids, offsets, out=np.zeros((9, 5), np.float32))
+    with pytest.raises(ValueError):
+        table.lookup(ids, offsets, out=np.zeros((8, 5, 1), np.float32))
+    with pytest.raises(ValueError):
+        table.lookup(ids, offsets, combiner=None, max_sequence_length=4, out=np.zeros((8, 5), np.float32))
+    ro = np.zeros((8, 5), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError):
+        table.lookup(ids, offsets, out=ro)
+
+
+def test_out_untouched_when_lookup_fails(rng):
+    table = make_table(40, 5)
+    out = np.full((2, 5), 7.0, np.float32)
+    with pytest.raises(IndexError):
+        table.lookup(np.array([1, 40]), np.array([0, 1, 2]), out=out)
+    with pytest.raises(ValueError):
+        table.lookup(np.array([1, 2]), np.array([0, 3, 2]), out=out)
+    assert np.all(out == 7.0)
+
+
+# ----------------------------------------------------------------- other id dtypes
+
+
+@pytest.mark.parametrize("id_dtype", [np.int8, np.int16, np.uint8, np.uint16, np.uint32, np.uint64])
+def test_other_integer_id_dtypes_are_converted(rng, id_dtype):
+    table = make_table(100, 4)
+    ids, offsets, _ = random_bags(rng, 100, 10)
+    expected = table.lookup(ids, offsets, combiner="sum")
+    np.testing.assert_array_equal(table.lookup(ids.astype(id_dtype), offsets, combiner="sum"), expected)
+
+
+def test_python_lists(rng):
+    table = make_table(100, 4)
+    ids, offsets, w = random_bags(rng, 100, 10, weighted=True)
+    expected = table.lookup(ids, offsets, w, combiner="mean")
+    np.testing.assert_array_equal(table.lookup(ids.tolist(), offsets.tolist(), w.tolist(), combiner="mean"),
+                                  expected)
+
+
+def test_non_contiguous_inputs(rng):
+    table = make_table(100, 4)
+    ids, offsets, w = random_bags(rng, 100, 10, weighted=True)
+    ids2 = np.repeat(ids, 2)[::2]
+    w2 = np.repeat(w, 2)[::2]
+    assert not ids2.flags.c_contiguous
+    np.testing.assert_array_equal(table.lookup(ids2, offsets, w2, combiner="sum"),
+                                  table.lookup(ids, offsets, w, combiner="sum"))
+
+
+# ----------------------------------------------------------------- portable kernels
+
+_GENERIC_SCRIPT = r"""
+import sys
+import numpy as np
+import embedcore as ec
+
+assert ec.build_info()["simd"] == "generic", ec.build_info()
+rng = np.random.default_rng(77)
+saved = {}
+for dtype in ("float32", "float16", "bfloat16"):
+    for dim in (1, 3, 8, 13, 129):
+        t = ec.Table(name="g", rows=60, dim=dim, dtype=dtype, initializer=ec.initializers.Uniform(-1, 1, seed=dim),
+                     optimizer=ec.optimizers.Adagrad(0.1))
+        lengths = rng.integers(0, 6, size=20)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        ids = rng.integers(0, 60, size=int(offsets[-1]))
+        w = rng.uniform(0.5, 2, size=len(ids)).astype(np.float32)
+        key = f"{dtype}_{dim}"
+        saved[key + "_table"] = t.to_numpy()
+        saved[key + "_ids"], saved[key + "_offsets"], saved[key + "_w"] = ids, offsets, w
+        for c in ("sum", "mean", "sqrtn"):
+            saved[key + "_" + c] = t.lookup(ids, offsets, w, combiner=c)
+        saved[key + "_padded"] = t.lookup(ids, offsets, w, combiner=None, max_sequence_length=3)
+        g = rng.normal(size=(20, dim)).astype(np.float32)
+        t.apply_gradients(ids, offsets, g, weights=w, combiner="mean")
+        saved[key + "_grads"] = g
+        saved[key + "_after"] = t.to_numpy()
+        saved[key + "_acc"] = np.array(t.slots()["accumulators"])
+np.savez(sys.argv[1], **saved)
+"""
+
+
+def test_portable_kernels_match_reference(tmp_path):
+    """EMBEDCORE_KERNELS=generic selects the portable kernels (used where AVX2
+    is missing): they must give the reference's results too."""
+    import os
+    import subprocess
+    import sys
+
+    script, out = tmp_path / "generic.py", tmp_path / "generic.npz"
+    script.write_text(_GENERIC_SCRIPT)
+    env = dict(os.environ, EMBEDCORE_KERNELS="generic")
+    r = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d = np.load(out)
+    ropt = ref.OptimizerRef("adagrad", learning_rate=0.1)
+    for dtype in DTYPES:
+        for dim in (1, 3, 8, 13, 129):
+            key = f"{dtype}_{dim}"
+            table, ids, offsets, w = (d[key + s] for s in ("_table", "_ids", "_offsets", "_w"))
+            for c in COMBINERS:
+                e, bound = ref.pooled(table, ids, offsets, w, c)
+                assert_pooled(d[key + "_" + c], e, bound, RTOL[c])
+            np.testing.assert_allclose(d[key + "_padded"], ref.sequence_padded(table, ids, offsets, w, 3),
+                                       rtol=1e-7, atol=0)
+            tref = ref.TableRef(table, ropt, dtype=dtype)
+            tref.apply(tref.row_grads().add_pooled(ids, offsets, w, "mean", d[key + "_grads"]))
+            after = d[key + "_after"].astype(np.float64)
+            tol = ref.storage_rtol(dtype) * np.maximum(np.abs(after), np.abs(tref.values)) + 1e-6
+            assert np.all(np.abs(after - tref.values) <= tol), key
+            np.testing.assert_allclose(d[key + "_acc"], tref.slots["accumulators"], rtol=1e-5, atol=1e-6)

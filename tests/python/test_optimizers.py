@@ -1,0 +1,457 @@
+"""Sparse optimizer steps against the NumPy reference (values, slots, step),
+the backward of every combiner and sequence form, low-precision tables, and
+determinism across thread counts."""
+import numpy as np
+import pytest
+
+import embedcore as ec
+import reference as ref
+from helpers import COMBINERS, assert_close, make_table, random_bags, snapshot, state_bytes
+
+RTOL, ATOL = 1e-5, 1e-6
+
+_CLASSES = {"sgd": ec.optimizers.SGD, "adagrad": ec.optimizers.Adagrad, "adam": ec.optimizers.Adam,
+            "ftrl": ec.optimizers.FTRL}
+
+
+def make_optimizer(kind, **kw):
+    """The engine's optimizer and the reference's, from the same arguments."""
+    return _CLASSES[kind](**kw), ref.OptimizerRef(kind, **kw)
+
+
+def _decay(step):
+    return 0.2 / (1.0 + step)
+
+
+CASES = {
+    "sgd": ("sgd", dict(learning_rate=0.1)),
+    "sgd_clip_weight": ("sgd", dict(learning_rate=0.3, clip_weight_min=-0.4, clip_weight_max=0.35)),
+    "sgd_clipvalue": ("sgd", dict(learning_rate=0.1, clipvalue=0.3)),
+    "sgd_clipvalue_pair": ("sgd", dict(learning_rate=0.1, clipvalue=(-0.1, 0.4))),
+    "sgd_weight_decay": ("sgd", dict(learning_rate=0.1, weight_decay_factor=0.05)),
+    "sgd_weight_decay_lr": ("sgd", dict(learning_rate=0.1, weight_decay_factor=0.5,
+                                        multiply_weight_decay_factor_by_learning_rate=True)),
+    "sgd_callable_lr": ("sgd", dict(learning_rate=_decay)),
+    "adagrad": ("adagrad", dict(learning_rate=0.1)),
+    "adagrad_initial_acc": ("adagrad", dict(learning_rate=0.2, initial_accumulator_value=2.0, clipvalue=0.5)),
+    "adagrad_decay_clip": ("adagrad", dict(learning_rate=_decay, weight_decay_factor=0.3,
+                                           multiply_weight_decay_factor_by_learning_rate=True,
+                                           clip_weight_min=-0.5, clip_weight_max=0.5)),
+    "adam": ("adam", dict(learning_rate=0.05)),
+    "adam_non_lazy": ("adam", dict(learning_rate=0.05, lazy_adam=False)),
+    "adam_sum_outside_sqrt": ("adam", dict(learning_rate=0.05, sum_inside_sqrt=False, epsilon=1e-3)),
+    "adam_bias_correction": ("adam", dict(learning_rate=0.05, bias_correction=True, sum_inside_sqrt=False,
+                                          epsilon=1e-8)),
+    "adam_bias_correction_inside": ("adam", dict(learning_rate=0.05, bias_correction=True, beta_1=0.8,
+                                                 beta_2=0.99)),
+    "adam_non_lazy_bias_correction": ("adam", dict(learning_rate=0.05, lazy_adam=False, bias_correction=True)),
+    "adam_callable_clip": ("adam", dict(learning_rate=_decay, clipvalue=(-0.5, 0.3), clip_weight_max=0.6,
+                                        weight_decay_factor=0.01)),
+    "ftrl": ("ftrl", dict(learning_rate=0.1)),
+    "ftrl_power": ("ftrl", dict(learning_rate=0.1, learning_rate_power=-0.3)),
+    "ftrl_power_zero": ("ftrl", dict(learning_rate=0.1, learning_rate_power=0.0, initial_accumulator_value=0.5)),
+    "ftrl_l1_l2": ("ftrl", dict(learning_rate=0.1, l1_regularization_strength=0.3,
+                                l2_regularization_strength=0.2)),
+    "ftrl_beta": ("ftrl", dict(learning_rate=0.2, beta=0.5, l2_regularization_strength=0.1,
+                               initial_accumulator_value=0.4)),
+    "ftrl_multiply_linear": ("ftrl", dict(learning_rate=0.1, multiply_linear_by_learning_rate=True,
+                                          l1_regularization_strength=0.3, l2_regularization_strength=0.2,
+                                          beta=0.3)),
+    "ftrl_multiply_linear_power": ("ftrl", dict(learning_rate=0.2, learning_rate_power=-0.7,
+                                                multiply_linear_by_learning_rate=True,
+                                                l1_regularization_strength=0.05)),
+    "ftrl_multiply_linear_callable": ("ftrl", dict(learning_rate=_decay, multiply_linear_by_learning_rate=True,
+                                                   l2_regularization_strength=0.1)),
+    "adam_bias_correction_callable": ("adam", dict(learning_rate=_decay, bias_correction=True)),
+    "ftrl_callable_clip": ("ftrl", dict(learning_rate=_decay, clipvalue=0.8, clip_weight_min=-0.3,
+                                        weight_decay_factor=0.02)),
+}
+
+
+def column_signed_grads(rng, shape):
+    """Gradients whose sign is fixed per column within a step (it varies
+    between columns and steps): with positive weights, a row's summed gradient
+    has no cancellation, so the float32 sum the engine makes stays within a few
+    ulps of the float64 reference. (Adam's first step from a summed gradient
+    that cancels to ~epsilon amplifies any rounding without bound; that is
+    arithmetic, not semantics.)"""
+    sign = rng.choice([-1.0, 1.0], size=shape[-1])
+    return (sign * rng.uniform(0.1, 2.0, size=shape)).astype(np.float32)
+
+
+def _compare(table, tref, what=""):
+    assert table.step == tref.step, what
+    assert_close(table.to_numpy(), tref.values, RTOL, ATOL, f"{what} values")
+    slots = table.slots()
+    assert set(slots) == set(tref.slots), what
+    for k, v in tref.slots.items():
+        # A slot that accumulates signed terms (FTRL's linears) may cancel to
+        # near 0 from terms of a few units: allow a few float32 ulps of the
+        # slot's scale.
+        assert_close(slots[k], v, RTOL, ATOL * max(1.0, float(np.abs(v).max(initial=0))), f"{what} slot {k}")
+
+
+def _check_untouched(table, before, touched, tref):
+    if tref.opt.kind == "adam" and not tref.opt.lazy_adam:
+        return
+    after = snapshot(table)
+    keep = ~touched
+    np.testing.assert_array_equal(after["values"][keep], before["values"][keep])
+    for k in before["slots"]:
+        np.testing.assert_array_equal(after["slots"][k][keep], before["slots"][k][keep])
+
+
+@pytest.mark.parametrize("combiner", COMBINERS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pooled_steps_match_reference(rng, case, combiner):
+    kind, kw = CASES[case]
+    opt, ropt = make_optimizer(kind, **kw)
+    rows, dim = 40, 7
+    table = make_table(rows, dim, optimizer=opt, combiner=combiner, seed=int(rng.integers(1 << 30)))
+    tref = ref.TableRef(table.to_numpy(), ropt)
+    _compare(table, tref, "initial")
+    for step in range(4):
+        ids, offsets, w = random_bags(rng, rows, 12, weighted=step % 2 == 1,
+                                      id_dtype=np.int32 if step % 2 else np.int64)
+        grads = column_signed_grads(rng, (12, dim))
+        before = snapshot(table)
+        table.apply_gradients(ids, offsets, grads, weights=w)
+        rg = tref.row_grads().add_pooled(ids, offsets, w, combiner, grads)
+        tref.apply(rg)
+        _compare(table, tref, f"step {step}")
+        _check_untouched(table, before, rg.touched, tref)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "adam", "ftrl"])
+def test_repeated_ids_are_summed_before_one_update(kind):
+    opt, ropt = make_optimizer(kind, learning_rate=0.1)
+    table = make_table(10, 4, optimizer=opt, combiner="sum")
+    tref = ref.TableRef(table.to_numpy(), ropt)
+    # id 3 appears three times in one bag and once in another; id 5 once.
+    ids = np.array([3, 3, 5, 3, 3], np.int64)
+    offsets = np.array([0, 3, 5])
+    grads = np.array([[1.0, -2.0, 0.5, 3.0], [0.25, 1.0, -1.0, 2.0]], np.float32)
+    table.apply_gradients(ids, offsets, grads)
+    rg = tref.row_grads().add_pooled(ids, offsets, None, "sum", grads)
+    np.testing.assert_allclose(rg.grad[3], 2 * grads[0] + 2 * grads[1])
+    tref.apply(rg)
+    _compare(table, tref)
+    if kind != "sgd":
+        # Four updates with the separate gradients would give something else.
+        other = ref.TableRef(make_table(10, 4).to_numpy(), ropt)
+        for k in range(4):
+            b = 0 if k < 2 else 1
+            other.apply(other.row_grads().add([3], grads[b][None]))
+        assert not np.allclose(other.values[3], tref.values[3], rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+@pytest.mark.parametrize("length", [0, 2, 4])
+def test_sequence_backward(rng, kind, length):
+    """combiner=None: flat [nnz, dim] (length 0) and padded [batch, L, dim]
+    gradients; ids truncated beyond L are not updated."""
+    opt, ropt = make_optimizer(kind, learning_rate=0.1)
+    rows, dim = 50, 6
+    table = make_table(rows, dim, optimizer=opt)
+    tref = ref.TableRef(table.to_numpy(), ropt)
+    for step in range(3):
+        ids, offsets, w = random_bags(rng, rows, 9, max_len=6, weighted=step == 1)
+        # Make sure one bag is longer than L and its tail ids appear nowhere else.
+        ids = np.concatenate([ids, [47, 48, 49, 46, 45, 44]]).astype(np.int64)
+        offsets = np.concatenate([offsets, [offsets[-1] + 6]])
+        if w is not None:
+            w = np.concatenate([w, np.full(6, 1.5, np.float32)])
+        nb = len(offsets) - 1
+        shape = (len(ids), dim) if length == 0 else (nb, length, dim)
+        grads = rng.normal(size=shape).astype(np.float32)
+        before = snapshot(table)
+        table.apply_gradients(ids, offsets, grads, weights=w, combiner=None, max_sequence_length=length)
+        rg = tref.row_grads()
+        if length == 0:
+            rg.add_flat(ids, w, grads)
+        else:
+            rg.add_padded(ids, offsets, w, length, grads)
+            # ids at positions >= L in the last bag were not looked up: unchanged.
+            for r in (44, 45, 46, 47, 48, 49)[: 6 - length]:
+                if not rg.touched[r]:
+                    np.testing.assert_array_equal(snapshot(table)["values"][r], before["values"][r])
+        tref.apply(rg)
+        _compare(table, tref, f"step {step}")
+        _check_untouched(table, before, rg.touched, tref)
+
+
+def test_truncated_ids_are_not_updated():
+    opt = ec.optimizers.Adagrad(learning_rate=0.5)
+    table = make_table(10, 3, optimizer=opt)
+    before = snapshot(table)
+    # bag 0 = [1, 2, 9]; with L = 2, id 9 is cut off.
+    table.apply_gradients(ec.Ragged(np.array([1, 2, 9]), np.array([0, 3])),
+                          grads=np.ones((1, 2, 3), np.float32), combiner=None, max_sequence_length=2)
+    after = snapshot(table)
+    np.testing.assert_array_equal(after["values"][9], before["values"][9])
+    np.testing.assert_array_equal(after["slots"]["accumulators"][9], before["slots"]["accumulators"][9])
+    assert not np.array_equal(after["values"][1], before["values"][1])
+    assert not np.array_equal(after["values"][2], before["values"][2])
+
+
+@pytest.mark.parametrize("combiner", [None, "sum", "mean", "sqrtn"])
+def test_dense_input_backward(rng, combiner):
+    opt, ropt = make_optimizer("adagrad", learning_rate=0.1)
+    table = make_table(30, 5, optimizer=opt)
+    tref = ref.TableRef(table.to_numpy(), ropt)
+    ids = rng.integers(0, 30, size=(7, 3))
+    w = rng.uniform(0.5, 2, size=(7, 3)).astype(np.float32)
+    out = table.lookup(ids, weights=w, combiner=combiner)
+    grads = rng.normal(size=out.shape).astype(np.float32)
+    table.apply_gradients(ids, grads=grads, weights=w, combiner=combiner)
+    offsets = np.arange(0, 22, 3)
+    rg = tref.row_grads()
+    if combiner is None:
+        rg.add_padded(ids.ravel(), offsets, w.ravel(), 3, grads)
+    else:
+        rg.add_pooled(ids.ravel(), offsets, w.ravel(), combiner, grads)
+    tref.apply(rg)
+    _compare(table, tref)
+
+
+@pytest.mark.parametrize("combiner", [None, "sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_sparse_input_backward(rng, combiner, shuffled):
+    opt, ropt = make_optimizer("adagrad", learning_rate=0.1)
+    table = make_table(30, 4, optimizer=opt)
+    tref = ref.TableRef(table.to_numpy(), ropt)
+    indices = np.array([[0, 0], [0, 3], [1, 1], [1, 1], [3, 0], [3, 2], [3, 4]], np.int64)
+    ids = np.array([5, 6, 7, 7, 8, 5, 9], np.int64)
+    w = rng.uniform(0.5, 2, size=len(ids)).astype(np.float32)
+    if shuffled:
+        perm = rng.permutation(len(ids))
+        indices, ids, w = indices[perm], ids[perm], w[perm]
+    sp, spw = ec.Sparse(indices, ids, [4, 5]), ec.Sparse(indices, w, [4, 5])
+    out = table.lookup(sp, weights=spw, combiner=combiner)
+    grads = rng.normal(size=out.shape).astype(np.float32)
+    table.apply_gradients(sp, grads=grads, weights=spw, combiner=combiner)
+    rg = tref.row_grads()
+    if combiner is None:
+        rg.add_sparse_sequence(indices[:, 0], indices[:, 1], ids, w, 5, grads)
+    else:
+        order = np.argsort(indices[:, 0], kind="stable")
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(indices[:, 0], minlength=4))])
+        rg.add_pooled(ids[order], offsets, w[order], combiner, grads)
+    tref.apply(rg)
+    _compare(table, tref)
+    # Truncated sparse sequence: positions >= 2 are dropped.
+    tref2 = ref.TableRef(table.to_numpy(), ropt, slots={k: np.array(v) for k, v in table.slots().items()},
+                         step=table.step)
+    g2 = rng.normal(size=(4, 2, 4)).astype(np.float32)
+    table.apply_gradients(sp, grads=g2, weights=spw, combiner=None, max_sequence_length=2)
+    tref2.apply(tref2.row_grads().add_sparse_sequence(indices[:, 0], indices[:, 1], ids, w, 2, g2))
+    _compare(table, tref2)
+
+
+def test_zero_denominator_backward():
+    """Bags whose mean / sqrtn denominator is 0 pass no gradient (coefficient 0)."""
+    opt, ropt = make_optimizer("sgd", learning_rate=1.0)
+    table = make_table(10, 3, optimizer=opt, combiner="mean")
+    tref = ref.TableRef(table.to_numpy(), ropt)
+    ids, offsets = np.array([1, 2, 3]), np.array([0, 2, 3])
+    w = np.array([1.0, -1.0, 2.0], np.float32)
+    grads = np.ones((2, 3), np.float32)
+    table.apply_gradients(ids, offsets, grads, weights=w)
+    tref.apply(tref.row_grads().add_pooled(ids, offsets, w, "mean", grads))
+    _compare(table, tref)
+    np.testing.assert_allclose(table.to_numpy()[3], tref.values[3])
+
+
+def test_ftrl_l1_zeroes_weights():
+    table = make_table(20, 4, optimizer=ec.optimizers.FTRL(learning_rate=0.1, l1_regularization_strength=1e3))
+    before = table.to_numpy()
+    ids = np.array([1, 5, 5, 9])
+    table.apply_gradients(ids, grads=np.ones((4, 4), np.float32), combiner="sum")
+    after = table.to_numpy()
+    assert np.all(after[[1, 5, 9]] == 0)
+    keep = np.ones(20, bool)
+    keep[[1, 5, 9]] = False
+    np.testing.assert_array_equal(after[keep], before[keep])
+
+
+def test_weight_clipping_bounds():
+    table = make_table(20, 6, optimizer=ec.optimizers.SGD(learning_rate=1.0, clip_weight_min=-0.25,
+                                                           clip_weight_max=0.5))
+    rng = np.random.default_rng(0)
+    ids = np.arange(20)
+    table.apply_gradients(ids, grads=rng.normal(size=(20, 6)).astype(np.float32) * 3, combiner="sum")
+    v = table.to_numpy()
+    assert v.min() == np.float32(-0.25) and v.max() == np.float32(0.5)
+
+
+def test_zero_clipvalue_freezes_sgd():
+    table = make_table(10, 3, optimizer=ec.optimizers.SGD(learning_rate=1.0, clipvalue=0.0))
+    before = table.to_numpy()
+    table.apply_gradients(np.arange(10), grads=np.ones((10, 3), np.float32))
+    np.testing.assert_array_equal(table.to_numpy(), before)
+    assert table.step == 1
+
+
+# ----------------------------------------------------------------- low-precision tables
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", ["sgd", "adagrad", "adam", "adam_non_lazy", "ftrl_l1_l2", "sgd_clip_weight"])
+def test_low_precision_tables(rng, dtype, case):
+    """Each step: the reference from the engine's current state, in float64,
+    rounded to the storage dtype, must equal the engine's within one unit in
+    the last place of that dtype (slots are float32: rtol 1e-5)."""
+    kind, kw = CASES[case]
+    opt, ropt = make_optimizer(kind, **kw)
+    rows, dim = 40, 13  # 13: both the 8-wide and the scalar conversion paths
+    table = make_table(rows, dim, dtype, optimizer=opt, combiner="mean", seed=11)
+    ulp = ref.storage_rtol(dtype)
+    for step in range(4):
+        tref = ref.TableRef(table.to_numpy(), ropt, dtype=dtype,
+                            slots={k: np.array(v) for k, v in table.slots().items()}, step=table.step)
+        ids, offsets, w = random_bags(rng, rows, 10, weighted=True)
+        grads = column_signed_grads(rng, (10, dim))
+        before = snapshot(table)
+        table.apply_gradients(ids, offsets, grads, weights=w)
+        rg = tref.row_grads().add_pooled(ids, offsets, w, "mean", grads)
+        tref.apply(rg)
+        got = table.to_numpy().astype(np.float64)
+        tol = ulp * np.maximum(np.abs(got), np.abs(tref.values)) + 1e-7
+        bad = np.abs(got - tref.values) > tol
+        assert not bad.any(), (step, np.argwhere(bad)[:3], got[bad][:3], tref.values[bad][:3])
+        # Stored values are exactly representable in the storage dtype.
+        np.testing.assert_array_equal(ref.quantize(got, dtype), got)
+        for k, v in tref.slots.items():
+            assert_close(table.slots()[k], v, RTOL, ATOL, f"slot {k}")
+        _check_untouched(table, before, rg.touched, tref)
+
+
+# ----------------------------------------------------------------- slots, learning rate, step
+
+
+@pytest.mark.parametrize("kind,names", [("sgd", ()), ("adagrad", ("accumulators",)),
+                                        ("adam", ("momenta", "velocities")), ("ftrl", ("accumulators", "linears"))])
+def test_slot_names_and_initial_values(kind, names):
+    kw = {} if kind in ("sgd", "adam") else {"initial_accumulator_value": 0.375}
+    opt = _CLASSES[kind](learning_rate=0.1, **kw)
+    assert tuple(opt.slot_names) == names
+    table = make_table(12, 5, optimizer=opt)
+    assert table.slot_names == names
+    slots = table.slots()
+    assert tuple(slots) == names
+    for name, s in slots.items():
+        assert s.shape == (12, 5) and s.dtype == np.float32 and not s.flags.writeable
+        expected = 0.375 if name == "accumulators" else 0.0
+        assert np.all(s == np.float32(expected)), name
+
+
+def test_default_initial_accumulator_value():
+    for cls in (ec.optimizers.Adagrad, ec.optimizers.FTRL):
+        table = make_table(4, 3, optimizer=cls(learning_rate=0.1))
+        assert np.all(table.slots()["accumulators"] == np.float32(0.1))
+
+
+def test_callable_learning_rate_gets_the_step():
+    calls = []
+
+    def lr(step):
+        calls.append(step)
+        return 0.5 ** step
+
+    table = make_table(5, 2, optimizer=ec.optimizers.SGD(learning_rate=lr),
+                       initializer=ec.initializers.Zeros())
+    assert table.learning_rate() == 1.0
+    for _ in range(3):
+        table.apply_gradients(np.array([1]), grads=np.ones((1, 2), np.float32))
+    assert table.step == 3
+    assert calls[-3:] == [0, 1, 2]
+    np.testing.assert_allclose(table.to_numpy()[1], -(1 + 0.5 + 0.25))
+    table.step = 10
+    assert table.learning_rate() == 0.5 ** 10
+
+
+def test_step_feeds_bias_correction(rng):
+    opt, ropt = make_optimizer("adam", learning_rate=0.05, bias_correction=True)
+    table = make_table(10, 4, optimizer=opt)
+    table.step = 7
+    tref = ref.TableRef(table.to_numpy(), ropt, step=7)
+    ids = np.array([1, 2, 2])
+    grads = column_signed_grads(rng, (3, 4))
+    table.apply_gradients(ids, grads=grads, combiner="sum")
+    tref.apply(tref.row_grads().add_pooled(ids, np.arange(4), None, "sum", grads))
+    _compare(table, tref)
+    assert table.step == 8
+
+
+def test_assign_slot_round_trip(rng):
+    opt, ropt = make_optimizer("ftrl", learning_rate=0.1)
+    table = make_table(10, 3, optimizer=opt)
+    lin = rng.normal(size=(4, 3)).astype(np.float32)
+    table.assign_slot("linears", lin, start_row=2)
+    np.testing.assert_array_equal(table.slots()["linears"][2:6], lin)
+    with pytest.raises(KeyError):
+        table.assign_slot("momenta", lin)
+    # An update continues from the assigned state.
+    tref = ref.TableRef(table.to_numpy(), ropt, slots={k: np.array(v) for k, v in table.slots().items()})
+    ids = np.array([2, 3, 7])
+    grads = rng.normal(size=(3, 3)).astype(np.float32)
+    table.apply_gradients(ids, grads=grads, combiner="sum")
+    tref.apply(tref.row_grads().add_pooled(ids, np.arange(4), None, "sum", grads))
+    _compare(table, tref)
+
+
+def test_empty_update_counts_a_step():
+    table = make_table(10, 3, optimizer=ec.optimizers.Adagrad(0.1))
+    before = snapshot(table)
+    table.apply_gradients(np.zeros(0, np.int64), np.array([0, 0]), np.zeros((1, 3), np.float32))
+    after = snapshot(table)
+    assert after["step"] == before["step"] + 1
+    np.testing.assert_array_equal(after["values"], before["values"])
+
+
+# ----------------------------------------------------------------- determinism
+
+
+def _workload(dtype):
+    rng = np.random.default_rng(1234)
+    out = []
+    for kind, kw in (("adam", dict(learning_rate=0.01)), ("ftrl", dict(learning_rate=0.1, l1_regularization_strength=0.01)),
+                     ("adam", dict(learning_rate=0.01, lazy_adam=False))):
+        opt = _CLASSES[kind](**kw)
+        table = ec.Table(name="det", rows=3000, dim=24, dtype=dtype, optimizer=opt,
+                         initializer=ec.initializers.TruncatedNormal(seed=7))
+        ids, offsets, w = random_bags(rng, 3000, 4000, max_len=12, weighted=True)
+        out.append(state_bytes(table))  # the initializer
+        for c in ("sum", "mean", "sqrtn"):
+            out.append(table.lookup(ids, offsets, w, combiner=c).tobytes())
+        out.append(table.lookup(ids, offsets, w, combiner=None, max_sequence_length=5).tobytes())
+        out.append(table.lookup(ids, offsets, w, combiner=None).tobytes())
+        for step in range(2):
+            grads = rng.normal(size=(4000, 24)).astype(np.float32)
+            table.apply_gradients(ids, offsets, grads, weights=w, combiner="mean")
+            out.append(state_bytes(table))
+        out.append(table.lookup(ids, offsets, w, combiner="sum").tobytes())
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_results_do_not_depend_on_thread_count(restore_threads, dtype):
+    results = {}
+    for n in (1, 2, 4):
+        ec.set_num_threads(n)
+        assert ec.get_num_threads() == n
+        results[n] = _workload(dtype)
+    for n in (2, 4):
+        assert len(results[n]) == len(results[1])
+        for i, (a, b) in enumerate(zip(results[1], results[n])):
+            assert a == b, f"result {i} differs between 1 and {n} threads"
+
+
+def test_set_num_threads_validates(restore_threads):
+    with pytest.raises(ValueError):
+        ec.set_num_threads(0)
+    with pytest.raises(TypeError):
+        ec.set_num_threads(2.0)
+    with pytest.raises(TypeError):
+        ec.set_num_threads(True)
+    assert ec.get_num_threads() == restore_threads

@@ -1,0 +1,149 @@
+"""Serving a checkpoint (ec.serving.open): the lookups of a Table, from the
+mapped file, from many threads at once, and a server that outlives a newer
+save of its path."""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import embedcore as ec
+from test_checkpoint_forge import BLOCK_BYTES, DATA_OFFSET, flip_byte, read_manifest, train
+
+
+def make_table(rows=500, dim=8, dtype="float32", combiner="mean", seed=1):
+    return ec.Table(name="t", rows=rows, dim=dim, dtype=dtype, combiner=combiner,
+                    optimizer=ec.optimizers.Adagrad(0.1), initializer=ec.initializers.Uniform(-1, 1, seed=seed))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("verify", [True, "lazy", "eager", False])
+def test_served_lookups_equal_the_table_s(tmp_path, rng, dtype, verify):
+    t = make_table(dtype=dtype, combiner="sqrtn")
+    train(t, rng, 3)
+    ec.save(tmp_path / "c", t)
+    st = ec.serving.open(tmp_path / "c", verify=verify).tables["t"]
+    assert (st.name, st.rows, st.dim, st.dtype) == ("t", 500, 8, dtype)
+    ids = rng.integers(0, 500, 200)
+    offsets = np.array([0, 0, 1, 50, 50, 120, 200])
+    weights = rng.uniform(0.5, 2, 200).astype(np.float32)
+    for combiner in ("sum", "mean", "sqrtn", None):
+        np.testing.assert_array_equal(st.lookup(ids, offsets, combiner=combiner),
+                                      t.lookup(ids, offsets, combiner=combiner))
+        np.testing.assert_array_equal(st.lookup(ids, offsets, weights, combiner=combiner),
+                                      t.lookup(ids, offsets, weights, combiner=combiner))
+    np.testing.assert_array_equal(st.lookup(ids, offsets), t.lookup(ids, offsets))  # the table's combiner
+    np.testing.assert_array_equal(st.lookup(ids.astype(np.int32), offsets), t.lookup(ids, offsets))
+    dense = ids[:60].reshape(20, 3)
+    np.testing.assert_array_equal(st.lookup(dense, combiner=None, max_sequence_length=4),
+                                  t.lookup(dense, combiner=None, max_sequence_length=4))
+    out = np.empty((6, 8), np.float32)
+    assert st.lookup(ids, offsets, combiner="sum", out=out) is out
+    np.testing.assert_array_equal(out, t.lookup(ids, offsets, combiner="sum"))
+    with pytest.raises(IndexError):
+        st.lookup(np.array([500]))
+    with pytest.raises(IndexError):
+        st.lookup(np.array([-1]))
+    v = st.values()
+    assert not v.flags.writeable
+    assert np.asarray(v).tobytes() == np.asarray(t.values()).tobytes()
+
+
+def test_open_arguments_and_table_checkpoints(tmp_path):
+    ec.save(tmp_path / "c", make_table())
+    with pytest.raises(ValueError, match="verify"):
+        ec.serving.open(tmp_path / "c", verify="sometimes")
+    served = ec.serving.open(tmp_path / "c")
+    assert list(served.tables) == ["t"] and served.feature_config is None
+    with pytest.raises(ValueError, match="tables, not features"):
+        served.lookup({"f": np.array([1])})
+    assert "ServedCheckpoint" in repr(served)
+
+
+def test_a_lazy_open_reads_no_values(tmp_path):
+    t = make_table(rows=100_000, dim=32)  # 12.8 MB of values in 4 blocks
+    ec.save(tmp_path / "c", t)
+    (entry,) = read_manifest(tmp_path / "c")["tables"]
+    # Corrupt every block but the first: a lazy open reads none of them, a
+    # lookup of rows in block 0 is served.
+    name = entry["values"][0]["path"]
+    for b in range(1, len(entry["values"][0]["crc32c"])):
+        flip_byte(tmp_path / "c" / name, DATA_OFFSET + b * BLOCK_BYTES + 5)
+    served = ec.serving.open(tmp_path / "c")
+    np.testing.assert_array_equal(served.tables["t"].lookup(np.arange(100), combiner=None), t.values()[:100])
+    with pytest.raises(ec.CheckpointError, match="block 3"):
+        served.tables["t"].lookup(np.array([99_999]), combiner=None)
+    served_unchecked = ec.serving.open(tmp_path / "c", verify=False)
+    served_unchecked.tables["t"].lookup(np.array([99_999]), combiner=None)  # no checksums: served as stored
+
+
+def test_many_threads_serve_a_lazily_verified_checkpoint(tmp_path, rng):
+    """Threads race to verify the same blocks; every thread sees the right
+    rows, and every thread that touches the corrupt block is refused."""
+    rows = 3 * BLOCK_BYTES // (4 * 16)
+    t = ec.Table(name="t", rows=rows, dim=16, initializer=ec.initializers.Uniform(-1, 1, seed=4))
+    ec.save(tmp_path / "c", t)
+    name = read_manifest(tmp_path / "c")["tables"][0]["values"][0]["path"]
+    flip_byte(tmp_path / "c" / name, DATA_OFFSET + 2 * BLOCK_BYTES + 77)  # block 2: rows from 2 * rows / 3
+    served = ec.serving.open(tmp_path / "c").tables["t"]
+    expected = np.asarray(t.values())
+    good_rows = 2 * rows // 3
+    errors, wrong, refused = [], [], []
+
+    def work(seed):
+        r = np.random.default_rng(seed)
+        try:
+            for _ in range(30):
+                ids = r.integers(0, good_rows, 64)
+                got = served.lookup(ids, combiner=None)
+                if not np.array_equal(got, expected[ids]):
+                    wrong.append(seed)
+                try:
+                    served.lookup(np.array([good_rows + int(r.integers(0, rows - good_rows))]), combiner=None)
+                    wrong.append(("served a corrupt row", seed))
+                except ec.CheckpointError:
+                    refused.append(seed)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and not wrong
+    assert len(refused) == 8 * 30
+
+
+def test_a_server_keeps_its_checkpoint_when_a_newer_save_replaces_it(tmp_path, rng):
+    t = make_table()
+    ec.save(tmp_path / "c", t)
+    old = np.array(t.values())
+    served = ec.serving.open(tmp_path / "c", verify="eager")
+    train(t, rng, 3)
+    ec.save(tmp_path / "c", t)  # removes the old generation's files the server has mapped
+    assert not any(".g000000000001." in f for f in os.listdir(tmp_path / "c"))
+    ids = np.arange(500)
+    np.testing.assert_array_equal(served.tables["t"].lookup(ids, combiner=None), old)
+    fresh = ec.serving.open(tmp_path / "c", verify="eager")
+    np.testing.assert_array_equal(fresh.tables["t"].lookup(ids, combiner=None), t.values())
+
+
+def test_served_embedding_is_callable_with_the_features(tmp_path, rng):
+    user = ec.TableConfig("user", 40, 4, combiner="sum", initializer=ec.initializers.Uniform(-1, 1, seed=1))
+    item = ec.TableConfig("item", 60, 4, initializer=ec.initializers.Uniform(-1, 1, seed=2))
+    config = [{"u": ec.FeatureConfig(user), "i": ec.FeatureConfig(item)},
+              (ec.FeatureConfig(item, max_sequence_length=2, name="seq"),)]
+    emb = ec.Embedding(config, optimizer=ec.optimizers.SGD(0.1))
+    ec.save(tmp_path / "e", emb)
+    served = ec.serving.open(tmp_path / "e")
+    feats = [{"u": rng.integers(0, 40, 5), "i": rng.integers(0, 60, (5, 3))}, (rng.integers(0, 60, (5, 4)),)]
+    want, got = emb(feats), served(feats)
+    assert isinstance(got, list) and isinstance(got[0], dict) and isinstance(got[1], tuple)
+    np.testing.assert_array_equal(got[0]["u"], want[0]["u"])
+    np.testing.assert_array_equal(got[0]["i"], want[0]["i"])
+    np.testing.assert_array_equal(got[1][0], want[1][0])
+    assert got[1][0].shape == (5, 2, 4)
+    assert sorted(served.embedding_tables) == ["item", "user"]
