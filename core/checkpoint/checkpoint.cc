@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "checkpoint/crc32c.h"
 #include "checkpoint/file_io.h"
@@ -67,32 +68,31 @@ std::string GenerationTag(uint64_t gen) {
   return buf;
 }
 
-// Our own file names, exactly: t<5 digits>.<array>.g<12 digits>.ecd (array:
-// lower-case letters and '_') and MANIFEST.tmp.g<12 digits>. Anything else in
-// the directory belongs to the user and is never touched.
-bool IsDigits(const std::string& s, size_t pos, size_t n) {
-  if (pos + n > s.size()) return false;
-  for (size_t i = pos; i < pos + n; ++i)
+// Our own file names, exactly: t<5 digits>.<array>.g<generation>.ecd (array:
+// lower-case letters and '_') and MANIFEST.tmp.g<generation>, the generation
+// written with at least 12 digits. Anything else in the directory belongs to
+// the user and is never touched.
+bool ParseGeneration(const std::string& s, size_t pos, size_t end, uint64_t* generation) {
+  if (end < pos + 12 || end > pos + 18) return false;  // 18 digits: far below INT64_MAX
+  for (size_t i = pos; i < end; ++i)
     if (s[i] < '0' || s[i] > '9') return false;
+  *generation = std::strtoull(s.substr(pos, end - pos).c_str(), nullptr, 10);
   return true;
 }
 
 bool IsOurFile(const std::string& name, uint64_t* generation) {
   const std::string tmp = "MANIFEST.tmp.g";
-  if (name.size() == tmp.size() + 12 && name.compare(0, tmp.size(), tmp) == 0 && IsDigits(name, tmp.size(), 12)) {
-    *generation = std::strtoull(name.c_str() + tmp.size(), nullptr, 10);
-    return true;
-  }
-  // t00000.<array>.g000000000000.ecd
-  const size_t tail = 2 + 12 + 4;  // ".g" digits ".ecd"
-  if (name.size() < 7 + 1 + tail || name[0] != 't' || !IsDigits(name, 1, 5) || name[6] != '.') return false;
-  const size_t g = name.size() - tail;
-  if (name.compare(g, 2, ".g") != 0 || !IsDigits(name, g + 2, 12) || name.compare(name.size() - 4, 4, ".ecd") != 0)
-    return false;
+  if (name.compare(0, tmp.size(), tmp) == 0) return ParseGeneration(name, tmp.size(), name.size(), generation);
+  // t00000.<array>.g<digits>.ecd
+  if (name.size() < 7 || name[0] != 't' || name[6] != '.') return false;
+  for (size_t i = 1; i < 6; ++i)
+    if (name[i] < '0' || name[i] > '9') return false;
+  if (name.size() < 4 || name.compare(name.size() - 4, 4, ".ecd") != 0) return false;
+  const size_t g = name.rfind(".g");
+  if (g == std::string::npos || g <= 7) return false;
   for (size_t i = 7; i < g; ++i)
     if (!((name[i] >= 'a' && name[i] <= 'z') || name[i] == '_')) return false;
-  *generation = std::strtoull(name.c_str() + g + 2, nullptr, 10);
-  return true;
+  return ParseGeneration(name, g + 2, name.size() - 4, generation);
 }
 
 std::vector<std::string> ListDirectory(const std::string& dir) {
@@ -105,7 +105,12 @@ std::vector<std::string> ListDirectory(const std::string& dir) {
 }
 
 // Writes rows [row0, row0 + rows) of a [*, cols] array of `src_dtype` at `src`
-// as a data file of `dst_dtype`; returns its manifest entry.
+// as a data file of `dst_dtype`; returns its manifest entry. The file is
+// written but not yet fsynced (SaveCheckpoint syncs every file at the end).
+// A pipeline overlaps the work: while chunk k goes to write(), chunk k+1 is
+// converted (when casting) and checksummed by the thread pool, and writeback
+// of each chunk starts at once (sync_file_range) so that the final fsync is
+// short and the kernel never throttles a burst of dirty pages.
 FileEntry WriteDataFile(const std::string& dir, const std::string& name, const void* src, DType src_dtype,
                         DType dst_dtype, int64_t row0, int64_t rows, int64_t cols) {
   FileEntry f;
@@ -138,42 +143,74 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const v
   const size_t src_es = DTypeSize(src_dtype), dst_es = DTypeSize(dst_dtype);
   const char* base = static_cast<const char*>(src) + size_t(row0) * size_t(cols) * src_es;
   const bool cast = src_dtype != dst_dtype;
-  std::vector<char> buf(cast ? kChunkBytes : 0);
-  std::vector<float> row_f32(cast ? size_t(cols) : 0);
+  std::vector<char> buf[2];
+  if (cast) buf[0].resize(kChunkBytes), buf[1].resize(kChunkBytes);
   const auto& load = kernels::ActiveKernels().dtype[int(src_dtype)].load;
   const auto& store = kernels::ActiveKernels().dtype[int(dst_dtype)].store;
-  for (uint64_t off = 0; off < payload; off += kChunkBytes) {
+  const uint64_t chunks = (payload + kChunkBytes - 1) / kChunkBytes;
+
+  // Makes chunk k ready to write: converted (when casting) and checksummed.
+  auto prepare = [&](uint64_t k) -> const char* {
+    const uint64_t off = k * kChunkBytes;
     const size_t n = size_t(std::min<uint64_t>(kChunkBytes, payload - off));
-    const char* chunk;
-    if (!cast) {
-      chunk = base + off;
-    } else {
-      // kChunkBytes is a multiple of every row size only by luck, so convert element-wise ranges.
-      const uint64_t e0 = off / dst_es, e1 = (off + n) / dst_es;
-      ParallelFor(int64_t(e1 - e0), 1 << 16, [&](int64_t a, int64_t b) {
-        std::vector<float> tmp(size_t(b - a));
-        for (int64_t i = a; i < b; ++i) {
-          float v;
-          load(base + (e0 + uint64_t(i)) * src_es, &v, 1);
-          tmp[size_t(i - a)] = v;
+    const char* chunk = base + off;
+    if (cast) {
+      char* out = buf[k % 2].data();
+      const uint64_t e0 = off / dst_es;
+      ParallelFor(int64_t(n / dst_es), 1 << 16, [&](int64_t a, int64_t b) {
+        float tmp[1024];
+        for (int64_t i = a; i < b; i += 1024) {
+          const int64_t m = std::min<int64_t>(1024, b - i);
+          load(base + (e0 + uint64_t(i)) * src_es, tmp, m);
+          store(out + size_t(i) * dst_es, tmp, m);
         }
-        store(buf.data() + size_t(a) * dst_es, tmp.data(), b - a);
       });
-      chunk = buf.data();
+      chunk = out;
     }
     const uint64_t b0 = off / kBlockBytes;
-    const int64_t nb = int64_t((n + kBlockBytes - 1) / kBlockBytes);
-    ParallelFor(nb, 1, [&](int64_t a, int64_t b) {
+    ParallelFor(int64_t((n + kBlockBytes - 1) / kBlockBytes), 1, [&](int64_t a, int64_t b) {
       for (int64_t i = a; i < b; ++i) {
         const size_t start = size_t(i) * kBlockBytes;
         f.crc32c[b0 + uint64_t(i)] = checkpoint::Crc32c(chunk + start, std::min<size_t>(kBlockBytes, n - start));
       }
     });
-    file.WriteAll(chunk, n);
+    return chunk;
+  };
+
+  const char* ready = chunks > 0 ? prepare(0) : nullptr;
+  for (uint64_t k = 0; k < chunks; ++k) {
+    const uint64_t off = k * kChunkBytes;
+    const size_t n = size_t(std::min<uint64_t>(kChunkBytes, payload - off));
+    const char* next = nullptr;
+    std::exception_ptr next_error;
+    std::thread ahead;
+    if (k + 1 < chunks) {
+      ahead = std::thread([&] {
+        try {
+          next = prepare(k + 1);
+        } catch (...) {
+          next_error = std::current_exception();
+        }
+      });
+    }
+    try {
+      file.WriteAll(ready, n);
+      ::sync_file_range(file.fd(), off_t(kDataOffset + off), off_t(n), SYNC_FILE_RANGE_WRITE);  // a hint
+    } catch (...) {
+      if (ahead.joinable()) ahead.join();
+      throw;
+    }
+    if (ahead.joinable()) ahead.join();
+    if (next_error) std::rethrow_exception(next_error);
+    ready = next;
   }
-  file.Sync();
   file.Close();
   return f;
+}
+
+void SyncFile(const std::string& path) {
+  File file(path, O_RDONLY);
+  file.Sync();
 }
 
 // Reads and checks a data file's header and padding against its entry.
@@ -191,7 +228,10 @@ void CheckDataHeader(const File& file, const FileEntry& f) {
     if (c != 0) throw CheckpointError(file.path() + ": header padding is not zero (corrupt)");
 }
 
-// Verifies every block checksum of a data file (parallel over blocks).
+// Verifies every block checksum of a data file. The file is mapped in windows
+// of a few blocks (so the process never holds more than one window of it),
+// read ahead by the kernel, and checksummed in place by the thread pool: no
+// copy, and memory use bounded whatever the file's size.
 void VerifyDataFile(const std::string& dir, const FileEntry& f) {
   File file(JoinPath(dir, f.path), O_RDONLY);
   if (file.Size() != f.bytes)
@@ -199,24 +239,39 @@ void VerifyDataFile(const std::string& dir, const FileEntry& f) {
                           std::to_string(f.bytes) + (file.Size() < f.bytes ? " (truncated)" : ""));
   CheckDataHeader(file, f);
   const uint64_t payload = checkpoint::PayloadBytes(f);
-  const int64_t blocks = int64_t(f.crc32c.size());
-  std::mutex m;
-  int64_t bad = -1;
-  ParallelFor(blocks, 1, [&](int64_t a, int64_t b) {
-    std::vector<char> buf(f.block_bytes);
-    for (int64_t i = a; i < b; ++i) {
-      const uint64_t off = uint64_t(i) * f.block_bytes;
-      const size_t n = size_t(std::min<uint64_t>(f.block_bytes, payload - off));
-      file.ReadAt(buf.data(), n, kDataOffset + off);
-      if (checkpoint::Crc32c(buf.data(), n) != f.crc32c[size_t(i)]) {
-        std::lock_guard<std::mutex> l(m);
-        if (bad < 0 || i < bad) bad = i;
+  if (payload == 0) return;
+  const uint64_t window = std::max<uint64_t>(uint64_t(f.block_bytes), uint64_t(16) << 20);  // whole blocks
+  ::posix_fadvise(file.fd(), off_t(kDataOffset), off_t(payload), POSIX_FADV_SEQUENTIAL);
+  for (uint64_t w0 = 0; w0 < payload; w0 += window) {
+    const size_t len = size_t(std::min(window, payload - w0));
+    if (w0 + window < payload)  // start reading the next window while this one is checked
+      ::posix_fadvise(file.fd(), off_t(kDataOffset + w0 + window), off_t(std::min(window, payload - w0 - window)),
+                      POSIX_FADV_WILLNEED);
+    // kDataOffset and the window size are multiples of the page size.
+    void* p = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, file.fd(), off_t(kDataOffset + w0));
+    if (p == MAP_FAILED) throw IoError(file.path() + ": mmap failed: " + checkpoint::ErrnoText(errno));
+    const char* data = static_cast<const char*>(p);
+    const uint64_t b0 = w0 / f.block_bytes;
+    const int64_t nb = int64_t((len + f.block_bytes - 1) / f.block_bytes);
+    std::atomic<int64_t> bad{-1};
+    ParallelFor(nb, 1, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) {
+        const size_t start = size_t(i) * f.block_bytes;
+        if (checkpoint::Crc32c(data + start, std::min<size_t>(f.block_bytes, len - start)) !=
+            f.crc32c[size_t(b0 + uint64_t(i))]) {
+          int64_t expected = -1;
+          bad.compare_exchange_strong(expected, int64_t(b0) + i);
+        }
       }
+    });
+    ::munmap(p, len);
+    if (bad.load() >= 0) {
+      const int64_t blk = bad.load();
+      throw CheckpointError(file.path() + ": checksum mismatch in block " + std::to_string(blk) + " (bytes " +
+                            std::to_string(kDataOffset + uint64_t(blk) * f.block_bytes) +
+                            "..): the file is corrupt");
     }
-  });
-  if (bad >= 0)
-    throw CheckpointError(file.path() + ": checksum mismatch in block " + std::to_string(bad) + " (bytes " +
-                          std::to_string(kDataOffset + uint64_t(bad) * f.block_bytes) + "..): the file is corrupt");
+  }
 }
 
 // Copies a verified data file's rows into `dst` ([table rows, cols] of `dst_dtype`).
@@ -355,7 +410,13 @@ void SaveCheckpoint(const std::string& path, const std::vector<TableToSave>& tab
     info.tables.push_back(std::move(e));
   }
 
-  // Commit: the manifest appears by an atomic rename, after every data file is durable.
+  // Every data file durable (their writeback started as they were written)...
+  for (const TableEntry& e : info.tables) {
+    for (const FileEntry& f : e.values) SyncFile(JoinPath(path, f.path));
+    for (const auto& files : e.slots)
+      for (const FileEntry& f : files) SyncFile(JoinPath(path, f.path));
+  }
+  // ...then the commit: the manifest appears by an atomic rename.
   const std::string json = checkpoint::BuildManifest(info);
   checkpoint::FileHeader h = MakeHeader(checkpoint::FileKind::kManifest);
   h.payload_offset = kHeaderBytes;

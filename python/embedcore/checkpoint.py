@@ -117,15 +117,30 @@ def _tables_of(obj) -> List[Table]:
     raise TypeError(f"expected an embedcore Table, a list of Tables or an Embedding, got {type(obj).__name__}")
 
 
+_MAX_STRUCTURE_DEPTH = 24  # the manifest caps JSON nesting at 32 levels (docs/format.md)
+
+
+def _depth(x) -> int:
+    if isinstance(x, dict):
+        return 1 + max((_depth(v) for v in x.values()), default=0)
+    if isinstance(x, list):
+        return 1 + max((_depth(v) for v in x), default=0)
+    return 0
+
+
 def _metadata(obj) -> dict:
     if isinstance(obj, Embedding):
         features = obj._features
         index = {id(f): i for i, f in enumerate(features)}
+        structure = _structure_json(obj.feature_config, index)
+        if _depth(structure) > _MAX_STRUCTURE_DEPTH:
+            raise ValueError(f"save: the feature config nests too deeply to record ({_depth(structure) // 2} levels; "
+                             f"at most {_MAX_STRUCTURE_DEPTH // 2})")
         return {
             "kind": "embedding",
             "features": [{"name": n, "table": obj._tables[f.table].name, "max_sequence_length": f.max_sequence_length}
                          for n, f in zip(obj._feature_names, features)],
-            "structure": _structure_json(obj.feature_config, index),
+            "structure": structure,
         }
     return {"kind": "table"}
 

@@ -84,7 +84,6 @@ def _accepted():
 def setup(scratch: str = None) -> None:
     """Copies the bases to a scratch directory and builds their target tables."""
     global _ACCEPTED
-    import numpy as np  # noqa: F401
     import embedcore as ec
 
     ec.set_num_threads(1)

@@ -17,8 +17,8 @@ Conventions
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence
+from dataclasses import dataclass
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -227,7 +227,6 @@ class OptimizerRef:
     l2_regularization_strength: float = 0.0
     beta: float = 0.0
     multiply_linear_by_learning_rate: bool = False
-    extra: Dict = field(default_factory=dict)
 
     @property
     def slot_names(self) -> tuple:
@@ -345,10 +344,3 @@ class TableRef:
             self.slots[k][sel] = s[k]
         self.step += 1
 
-
-def sum_row_grads(parts: Sequence[RowGrads]) -> RowGrads:
-    out = RowGrads(parts[0].rows, parts[0].dim)
-    for p in parts:
-        out.grad += p.grad
-        out.touched |= p.touched
-    return out

@@ -3,7 +3,6 @@ training bit for bit, values-only and reduced-precision exports, the Saver
 calls, shape checks, and what a save does to the directory it writes."""
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -593,3 +592,49 @@ def test_save_leaves_user_files_that_only_resemble_data_files(tmp_path):
     ec.save(path, t)
     deleted = [n for n in names if not (path / n).exists()]
     assert not deleted, f"save deleted the user's files {deleted}"
+
+
+def test_generations_past_twelve_digits_are_still_cleaned_up(tmp_path):
+    """The manifest allows any generation up to 2^63 - 1; once a generation
+    needs more than 12 digits (here after a manifest that says
+    999,999,999,999), each save must still remove the older generations."""
+    from test_checkpoint_forge import write_manifest
+
+    path = tmp_path / "c"
+    t = make_table(optimizer="adagrad")
+    ec.save(path, t)
+    m = read_manifest(path)
+    m["generation"] = 999_999_999_999
+    write_manifest(path, m)
+    for _ in range(3):
+        ec.save(path, t)
+        assert len(checkpoint_files(path)) == 3, f"old generations left behind: {checkpoint_files(path)}"
+    back = make_table(optimizer="adagrad", seed=5)
+    ec.load(path, into=back)
+    assert_tables_equal(t, back)
+
+
+def test_a_deeply_nested_feature_config_saves_only_what_loads(tmp_path):
+    """A feature config nested 20 levels deep: save either refuses it up front
+    (a ValueError, nothing written) or writes a checkpoint that loads and
+    serves; never a checkpoint that its own reader refuses."""
+    table = ec.TableConfig("t", 10, 4, initializer=ec.initializers.Uniform(-1, 1, seed=1))
+    config = ec.FeatureConfig(table, name="f")
+    for _ in range(20):
+        config = {"k": config}
+    emb = ec.Embedding(config, optimizer=ec.optimizers.SGD(0.1))
+    try:
+        ec.save(tmp_path / "deep", emb)
+    except ValueError:
+        assert not (tmp_path / "deep" / "MANIFEST").exists()
+        return
+    emb2 = ec.Embedding(config, optimizer=ec.optimizers.SGD(0.1))
+    ec.load(tmp_path / "deep", into=emb2)
+    served = ec.serving.open(tmp_path / "deep")
+    feats = np.array([1, 2, 3])
+    for _ in range(20):
+        feats = {"k": feats}
+    out = served(feats)
+    for _ in range(20):
+        out = out["k"]
+    np.testing.assert_array_equal(out, list(emb.embedding_tables.values())[0].lookup(np.array([1, 2, 3])))

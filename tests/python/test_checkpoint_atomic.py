@@ -18,7 +18,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 import embedcore as ec
 

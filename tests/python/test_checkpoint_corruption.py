@@ -18,7 +18,7 @@ import pytest
 import embedcore as ec
 import embedcore.cli
 from test_checkpoint_forge import (BLOCK_BYTES, DATA_OFFSET, HEADER_BYTES, assert_same_state, data_header, flip_byte,
-                                   manifest_header, read_manifest, read_manifest_json, snapshot, train,
+                                   read_manifest, read_manifest_json, snapshot, train,
                                    unpack_header, pack_header, write_manifest)
 
 ROWS, DIM = 300, 8
@@ -450,7 +450,7 @@ def _json_text(text):
     return lambda m: text
 
 
-def _deep_table(m):
+def _second_table_without_files(m):
     m["tables"].append(copy.deepcopy(m["tables"][0]))
     m["tables"][1]["name"] = "u"
     m["tables"][1]["values"][0]["path"] = "t00001.values.g000000000001.ecd"
@@ -513,7 +513,7 @@ FORGED = [
     ("table without name", _del(["tables", 0, "name"]), "open"),
     ("table without step", _del(["tables", 0, "step"]), "open"),
     ("negative step", _set(["tables", 0, "step"], -1), "open"),
-    ("a second table whose files are missing", _deep_table, "open"),
+    ("a second table whose files are missing", _second_table_without_files, "open"),
     ("format of another kind", _set(["format"], "tensorflow.checkpoint"), "open"),
     ("byte order big", _set(["byte_order"], "big"), "open"),
     ("format_version one number", _set(["format_version"], [1]), "open"),

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Optional
 
 import numpy as np
 

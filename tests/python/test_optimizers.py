@@ -45,6 +45,10 @@ CASES = {
     "adam_bias_correction_inside": ("adam", dict(learning_rate=0.05, bias_correction=True, beta_1=0.8,
                                                  beta_2=0.99)),
     "adam_non_lazy_bias_correction": ("adam", dict(learning_rate=0.05, lazy_adam=False, bias_correction=True)),
+    # Non-lazy: every row takes the full step, untouched ones with a zero
+    # gradient, weight decay and clipping included.
+    "adam_non_lazy_decay_clip": ("adam", dict(learning_rate=0.05, lazy_adam=False, weight_decay_factor=0.05,
+                                              clipvalue=(-0.5, 0.3), clip_weight_min=-0.7, clip_weight_max=0.6)),
     "adam_callable_clip": ("adam", dict(learning_rate=_decay, clipvalue=(-0.5, 0.3), clip_weight_max=0.6,
                                         weight_decay_factor=0.01)),
     "ftrl": ("ftrl", dict(learning_rate=0.1)),
