@@ -28,10 +28,26 @@ inline double StandardNormal(uint64_t key, uint64_t draw) {
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
 }
 
+// The next 16-bit float below `x` (toward -inf), in float16 or bfloat16 bits.
+inline uint16_t StepDown(uint16_t bits) {
+  if ((bits & 0x7fffu) == 0) return 0x8001u;  // +-0 -> the smallest negative subnormal
+  return (bits & 0x8000u) ? uint16_t(bits + 1) : uint16_t(bits - 1);
+}
+inline float StepDown(float x) { return std::nextafter(x, -INFINITY); }
+inline ops::F16 StepDown(ops::F16 x) { return ops::F16{StepDown(x.bits)}; }
+inline ops::BF16 StepDown(ops::BF16 x) { return ops::BF16{StepDown(x.bits)}; }
+
 template <typename T>
 void Fill(const InitializerSpec& spec, int64_t rows, int64_t dim, T* data) {
+  // Uniform draws from [low, high): rounding to the storage dtype may reach high.
+  const bool bounded = spec.kind == InitializerSpec::Kind::kUniform && spec.b > spec.a;
+  const float high = float(spec.b);
   ParallelFor(rows, std::max<int64_t>(1, 16384 / dim), [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0 * dim; i < r1 * dim; ++i) data[i] = ops::FromFloat<T>(InitialValue(spec, dim, uint64_t(i)));
+    for (int64_t i = r0 * dim; i < r1 * dim; ++i) {
+      T v = ops::FromFloat<T>(InitialValue(spec, dim, uint64_t(i)));
+      if (bounded && ops::ToFloat(v) >= high) v = StepDown(v);
+      data[i] = v;
+    }
   });
 }
 

@@ -207,6 +207,8 @@ def make_batch(ids, offsets=None, weights=None, where: str = "ids") -> Batch:
                      positions=np.ascontiguousarray(indices[:, 1]))
 
     a = as_int_array(ids, where)
+    if a.ndim == 0:
+        raise ValueError(f"{where} must be 1-D (with offsets) or 2-D (one bag per row), got a scalar")
     if a.ndim == 2:
         if offsets is not None:
             raise ValueError(f"{where} is 2-D (one bag per row): offsets= does not apply")

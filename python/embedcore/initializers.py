@@ -17,6 +17,8 @@ _Kind = _embedcore.InitializerSpec.Kind
 
 
 def _finite(name: str, value) -> float:
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"initializer {name} must be a number, got {value!r}")
     try:
         v = float(value)
     except (TypeError, ValueError):

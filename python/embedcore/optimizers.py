@@ -29,7 +29,7 @@ _Kind = _embedcore.OptimizerSpec.Kind
 
 
 def _number(owner: str, name: str, value, *, minimum=None, strict=False) -> float:
-    if isinstance(value, bool):
+    if isinstance(value, (bool, str, bytes)):
         raise TypeError(f"{owner}: {name} must be a number, got {value!r}")
     try:
         v = float(value)
