@@ -18,6 +18,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 import embedcore as ec
 
@@ -131,8 +132,15 @@ def _check_checkpoint(path, probe):
     return k
 
 
-def test_a_save_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
-    path = tmp_path / "ckpt"
+@pytest.fixture
+def path(tmp_path):
+    """The checkpoint directory, removed afterwards whatever the outcome
+    (pytest would otherwise keep its hundreds of MB)."""
+    yield tmp_path / "ckpt"
+    shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
+
+
+def test_a_save_killed_at_any_moment_leaves_a_loadable_checkpoint(path):
     rng = np.random.default_rng(20240611)
     probe = ec.Table(name="big", rows=ROWS, dim=DIM, initializer=ec.initializers.Zeros(),
                      optimizer=ec.optimizers.Adagrad(0.1))
@@ -203,5 +211,4 @@ def test_a_save_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
     assert sorted(os.listdir(path)) == ["MANIFEST", f"t00000.accumulators.g{gen:012d}.ecd",
                                         f"t00000.values.g{gen:012d}.ecd"], names
     print(f"{KILLS} kills in {elapsed:.0f} s; (delay, saves started, saves done, k loaded): {outcomes}")
-    shutil.rmtree(path)  # 256 MB that pytest would otherwise keep
     assert elapsed < 120, f"{KILLS} kills took {elapsed:.0f} s"

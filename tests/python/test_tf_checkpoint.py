@@ -1,0 +1,213 @@
+"""TensorFlow checkpoints of TPU embeddings, written by TensorFlow in the
+test, restored into the adapter to the values TensorFlow itself restores:
+slots of Adagrad / Adam / FTRL, a table sliced over several TPU hosts, and
+SparseCore-stacked tables built with TensorFlow's own layout code; plus the
+conversion into embedcore's format."""
+import numpy as np
+import pytest
+
+from tf_helpers import E, tf
+
+import embedcore as ec
+from embedcore.adapters.tf import EmbeddingForServing, TFCheckpoint, convert_tf_checkpoint, load_tf_checkpoint
+
+AutoTrackable = tf.__internal__.tracking.AutoTrackable
+
+
+def _state(emb):
+    """{(table, slot): values} of a TPUEmbeddingForServing or the adapter."""
+    return {(t, k): np.array(v.numpy()) for t, d in emb.variables.items() for k, v in d.items()}
+
+
+def _slotted_config():
+    ta = E.TableConfig(vocabulary_size=20, dim=4, name="ta", optimizer=E.Adagrad(0.1))
+    tb = E.TableConfig(vocabulary_size=15, dim=3, name="tb", optimizer=E.FTRL(0.1))
+    tc = E.TableConfig(vocabulary_size=9, dim=5, name="tc", optimizer=E.Adam(0.1))
+    return {"a": E.FeatureConfig(ta), "b": E.FeatureConfig(tb), "c": E.FeatureConfig(tc)}
+
+
+@pytest.fixture
+def slotted_checkpoint(tmp_path, rng):
+    """A checkpoint of TensorFlow's TPUEmbeddingForServing (Adagrad, FTRL and
+    Adam tables, random values and slots), attached at model/embedding."""
+    theirs = E.TPUEmbeddingForServing(_slotted_config(), None)
+    theirs.build()
+    for d in theirs.variables.values():
+        for v in d.values():
+            v.assign(rng.standard_normal(v.shape).astype(np.float32))
+    root = tf.train.Checkpoint(model=tf.Module())
+    root.model.embedding = theirs
+    path = root.save(str(tmp_path / "tf" / "ckpt"))
+    return path, _state(theirs)
+
+
+def test_slots_restore_like_tensorflow(slotted_checkpoint):
+    path, written = slotted_checkpoint
+    # What TensorFlow restores, through tf.train.Checkpoint ...
+    theirs = E.TPUEmbeddingForServing(_slotted_config(), None)
+    root = tf.train.Checkpoint(model=tf.Module())
+    root.model.embedding = theirs
+    root.restore(path)
+    expected = _state(theirs)
+    assert {k: v.tobytes() for k, v in expected.items()} == {k: v.tobytes() for k, v in written.items()}
+    assert {s for _, s in expected} == {"parameters", "accumulators", "linears", "momenta", "velocities"}
+
+    # ... the adapter restores the same way (the one-import switch) ...
+    ours = EmbeddingForServing(_slotted_config(), None)
+    root = tf.train.Checkpoint(model=tf.Module())
+    root.model.embedding = ours
+    root.restore(path).assert_existing_objects_matched()
+    assert {k: v.tobytes() for k, v in _state(ours).items()} == {k: v.tobytes() for k, v in expected.items()}
+
+    # ... and with load_tf_checkpoint, which finds the prefix from the table names.
+    ours = EmbeddingForServing(_slotted_config(), None)
+    assert load_tf_checkpoint(path, ours) == "model/embedding"
+    assert {k: v.tobytes() for k, v in _state(ours).items()} == {k: v.tobytes() for k, v in expected.items()}
+    ours = EmbeddingForServing(_slotted_config(), None)
+    load_tf_checkpoint(path, ours, include_optimizer=False)
+    assert not ours.variables["ta"]["accumulators"].numpy().any() is False  # initial accumulators, not restored
+    np.testing.assert_array_equal(ours.variables["ta"]["accumulators"].numpy(), 0.1)
+    np.testing.assert_array_equal(ours.variables["ta"]["parameters"].numpy(), expected[("ta", "parameters")])
+
+
+def test_adapter_checkpoints_restore_in_tensorflow(slotted_checkpoint, tmp_path):
+    path, written = slotted_checkpoint
+    ours = EmbeddingForServing(_slotted_config(), None)
+    load_tf_checkpoint(path, ours)
+    saved = tf.train.Checkpoint(embedding=ours).save(str(tmp_path / "ours" / "ckpt"))
+    theirs = E.TPUEmbeddingForServing(_slotted_config(), None)
+    tf.train.Checkpoint(embedding=theirs).restore(saved).assert_existing_objects_matched()
+    assert {k: v.tobytes() for k, v in _state(theirs).items()} == {k: v.tobytes() for k, v in written.items()}
+
+
+def test_errors(slotted_checkpoint, tmp_path):
+    path, _ = slotted_checkpoint
+    wrong = {"a": E.FeatureConfig(E.TableConfig(vocabulary_size=21, dim=4, name="ta"))}
+    ours = EmbeddingForServing(wrong)
+    before = ours.variables["ta"]["parameters"].numpy().copy()
+    with pytest.raises(ValueError, match="ta"):
+        load_tf_checkpoint(path, ours)
+    np.testing.assert_array_equal(ours.variables["ta"]["parameters"].numpy(), before)  # unchanged
+    with pytest.raises(ValueError, match="no object holds"):
+        load_tf_checkpoint(path, EmbeddingForServing({"x": E.FeatureConfig(E.TableConfig(5, 2, name="zz"))}))
+    with pytest.raises(ValueError, match="no TensorFlow checkpoint"):
+        TFCheckpoint(tmp_path)
+
+
+def test_table_sliced_over_hosts(tmp_path, rng):
+    from tensorflow.python.tpu.tpu_embedding_v2 import TPUEmbeddingVariable
+
+    # TPUEmbedding on 3 hosts saves each table as slices of one variable (rows split 4 / 3 / 3).
+    values = rng.standard_normal((10, 3)).astype(np.float32)
+    accumulators = rng.random((10, 3)).astype(np.float32)
+
+    def sharded(x, name):
+        return TPUEmbeddingVariable([tf.Variable(x[0:4]), tf.Variable(x[4:7]), tf.Variable(x[7:])], name=name)
+
+    written = AutoTrackable()
+    written._track_trackable(sharded(values, "big"), name="big")
+    written._track_trackable(sharded(accumulators, "big/accumulators"), name="big/accumulators")
+    path = tf.train.Checkpoint(embedding=written).save(str(tmp_path / "ckpt"))
+    assert tf.train.load_checkpoint(path).get_variable_to_shape_map()["embedding/big/.ATTRIBUTES/VARIABLE_VALUE"] \
+        == [10, 3]
+
+    def config():
+        return {"f": E.FeatureConfig(E.TableConfig(vocabulary_size=10, dim=3, name="big"))}
+
+    theirs = E.TPUEmbeddingForServing(config(), E.Adagrad(0.1))
+    tf.train.Checkpoint(embedding=theirs).restore(path)
+    expected = _state(theirs)
+    np.testing.assert_array_equal(expected[("big", "parameters")], values)
+    for restore in ("checkpoint", "reader"):
+        ours = EmbeddingForServing(config(), E.Adagrad(0.1))
+        if restore == "checkpoint":
+            tf.train.Checkpoint(embedding=ours).restore(path)
+        else:
+            load_tf_checkpoint(path, ours, prefix="embedding")
+        assert {k: v.tobytes() for k, v in _state(ours).items()} == {k: v.tobytes() for k, v in expected.items()}
+
+
+def _sparsecore_checkpoint(path, rng, shapes):
+    """A checkpoint as TPUEmbeddingV2 (SparseCore) writes it: layouts made by
+    TensorFlow's SparseCoreLayoutStacker, tables stacked, rotated and padded
+    by TensorFlow's own resharding code, plus accumulators stacked alike."""
+    from tensorflow.python.tpu import _pywrap_sparse_core_layout as sc_layout
+    from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter as adapter
+
+    stacker = sc_layout.SparseCoreLayoutStacker(4, False, 4)  # 4 chips x 4 SparseCores
+    for name, (rows, dim) in shapes.items():
+        stacker.AddTable(table_name=name, table_height=rows, table_width=dim, group="g", output_samples=16,
+                         num_features=1)
+    layouts = stacker.GetLayouts()
+    ordered = sorted(layouts.tables, key=lambda l: l.sparse_core_shard_row_offset)
+    stacked_name = ordered[0].stacked_table_name
+    total = ordered[0].total_rows_per_sparse_core_shard * ordered[0].num_sparse_cores
+    width = ordered[0].unsharded_padded_shape[1]
+    spec = f"{total} {width} 0,{total}:0,{width}"
+    values = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    accumulators = {n: rng.random(s).astype(np.float32) for n, s in shapes.items()}
+
+    def stack(tables):
+        return adapter._shard_from_cpu_to_sc([tf.constant(tables[l.table_name]) for l in ordered], spec, ordered)
+
+    written = AutoTrackable()
+    written._track_trackable(tf.Variable(layouts.SerializeToString()), name="_sparse_core_table_layouts")
+    written._track_trackable(tf.Variable(stack(values)), name=stacked_name)
+    written._track_trackable(tf.Variable(stack(accumulators)), name=stacked_name + "/accumulators")
+    saved = tf.train.Checkpoint(embedding=written).save(path)
+    assert len({l.stacked_table_name for l in layouts.tables}) == 1 and any(l.sparse_core_shard_rotation
+                                                                            for l in layouts.tables)
+    return saved, values, accumulators
+
+
+def test_sparsecore_stacked_tables(tmp_path, rng):
+    shapes = {"sa": (37, 5), "sb": (100, 8), "sc": (20, 3)}  # rows and widths padded, shards rotated
+    path, values, accumulators = _sparsecore_checkpoint(str(tmp_path / "ckpt"), rng, shapes)
+
+    def config():
+        return {n: E.FeatureConfig(E.TableConfig(vocabulary_size=r, dim=d, name=n)) for n, (r, d) in shapes.items()}
+
+    # TensorFlow's serving object restores stacked tables when the restore precedes build().
+    theirs = E.TPUEmbeddingForServing(config(), None)
+    tf.train.Checkpoint(embedding=theirs).restore(path)
+    theirs.build()
+    expected = {n: np.array(v.numpy()) for n, v in ((c.name, v) for c, v in theirs.embedding_tables.items())}
+    for n in shapes:
+        np.testing.assert_array_equal(expected[n], values[n])
+
+    for restore in ("checkpoint", "reader"):
+        ours = EmbeddingForServing(config(), E.Adagrad(0.1))
+        if restore == "checkpoint":
+            tf.train.Checkpoint(embedding=ours).restore(path)
+        else:
+            load_tf_checkpoint(path, ours)
+        for n in shapes:
+            assert ours.variables[n]["parameters"].numpy().tobytes() == expected[n].tobytes(), (restore, n)
+            # and the stacked slots, which TensorFlow's serving object does not restore
+            np.testing.assert_array_equal(ours.variables[n]["accumulators"].numpy(), accumulators[n])
+
+    # Lookups after the restore match TensorFlow's.
+    ids = tf.ragged.constant([[1, 2, 30], [], [7]], dtype=tf.int64)
+    assert np.array_equal(ours({"sa": ids})["sa"].numpy(), theirs({"sa": ids})["sa"].numpy())
+
+
+def test_convert_to_embedcore(slotted_checkpoint, tmp_path, rng):
+    path, written = slotted_checkpoint
+    # Without a feature config: every table under the prefix, optimizers read from the slots.
+    names = convert_tf_checkpoint(path, tmp_path / "ec", prefix="model/embedding")
+    assert sorted(names) == ["ta", "tb", "tc"]
+    for name, kind in (("ta", ec.optimizers.Adagrad), ("tb", ec.optimizers.FTRL), ("tc", ec.optimizers.Adam)):
+        rows, dim = written[(name, "parameters")].shape
+        t = ec.Table(name=name, rows=rows, dim=dim, optimizer=kind())
+        ec.load(tmp_path / "ec", into=t)
+        np.testing.assert_array_equal(t.values(), written[(name, "parameters")])
+        for slot, v in t.slots().items():
+            np.testing.assert_array_equal(v, written[(name, slot)])
+    # With the model's feature config; a SparseCore checkpoint.
+    sc, values, _ = _sparsecore_checkpoint(str(tmp_path / "sc" / "ckpt"), rng, {"u": (33, 4), "v": (50, 8)})
+    config = {"u": E.FeatureConfig(E.TableConfig(vocabulary_size=33, dim=4, name="u", combiner="sum")),
+              "v": E.FeatureConfig(E.TableConfig(vocabulary_size=50, dim=8, name="v"))}
+    assert sorted(convert_tf_checkpoint(sc, tmp_path / "ec2", feature_config=config, include_optimizer=False)) == \
+        ["u", "v"]
+    served = ec.serving.open(tmp_path / "ec2")
+    np.testing.assert_array_equal(served.embedding_tables["u"].values(), values["u"])

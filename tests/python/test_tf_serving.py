@@ -1,0 +1,252 @@
+"""embedcore.adapters.tf.EmbeddingForServing against TensorFlow's own
+TPUEmbeddingForServing, on the same configs, tables and inputs: every input
+form and combiner (sum bit for bit, mean and sqrtn within 1e-6), eagerly and
+inside tf.function, and the same exception types for bad inputs."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tf_helpers import E, assert_same, pair, random_ragged, random_sparse, tf
+
+from embedcore.adapters.tf import EmbeddingForServing
+
+COMBINERS = ("sum", "mean", "sqrtn")
+ROWS, DIM = 60, 16
+
+
+def _config(combiner, **feature_kwargs):
+    table = E.TableConfig(vocabulary_size=ROWS, dim=DIM, combiner=combiner, name="t")
+    return {"f": E.FeatureConfig(table, **feature_kwargs)}, table
+
+
+def _both(theirs, ours, features, weights=None):
+    """Outputs of TensorFlow and the adapter: eagerly, and inside tf.function
+    (the adapter's graph output must equal its eager output)."""
+    expected = theirs(features, weights)
+    actual = ours(features, weights)
+
+    @tf.function
+    def traced(f, w):
+        return ours(f, w)
+
+    graph = traced(features, weights)
+    for a, g in zip(tf.nest.flatten(actual), tf.nest.flatten(graph)):
+        assert np.array_equal(np.asarray(a), np.asarray(g)), "the tf.function output differs from the eager one"
+    return expected, actual
+
+
+@pytest.mark.parametrize("combiner", COMBINERS)
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sparse_rank2(rng, combiner, validate, weighted):
+    # Bags of 0..40 ids cover TensorFlow's summation groups (8-id groups unweighted, 4 accumulators weighted);
+    # negative ids and weights <= 0 exercise the safe path's pruning; the fast path drops trailing empty bags.
+    config, _ = _config(combiner, validate_weights_and_indices=validate)
+    theirs, ours = pair(config, rng)
+    sp, w = random_sparse(rng, [14], 48, ROWS, 40, neg=validate)
+    if not validate:  # and a batch whose last bags are empty
+        keep = sp.indices[:, 0] < 10
+        sp, w = tf.sparse.retain(sp, keep), tf.sparse.retain(w, keep)
+    weights = {"f": w} if weighted else None
+    expected, actual = _both(theirs, ours, {"f": sp}, weights)
+    assert_same(expected, actual, combiner)
+    if not validate:
+        assert actual["f"].shape[0] <= 10
+
+
+@pytest.mark.parametrize("combiner", COMBINERS)
+def test_sparse_higher_rank_and_unsorted(rng, combiner):
+    config, _ = _config(combiner)
+    theirs, ours = pair(config, rng)
+    for lead, unsorted in (([5, 3], False), ([2, 3, 2], False), ([9], True)):
+        sp, w = random_sparse(rng, lead, 24, ROWS, 20, neg=True, unsorted=unsorted)
+        expected, actual = _both(theirs, ours, {"f": sp}, {"f": w})
+        assert_same(expected, actual, combiner)
+        expected, actual = _both(theirs, ours, {"f": sp})
+        assert_same(expected, actual, combiner)
+
+
+@pytest.mark.parametrize("combiner", COMBINERS)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_ragged(rng, combiner, weighted):
+    config, _ = _config(combiner)
+    theirs, ours = pair(config, rng)
+    rt, rw = random_ragged(rng, [0, 1, 30, 9, 10, 17, 0, 33, 2, 5], ROWS)
+    expected, actual = _both(theirs, ours, {"f": rt}, {"f": rw} if weighted else None)
+    assert_same(expected, actual, combiner)
+
+
+def test_dense_any_rank(rng):
+    config, _ = _config("mean")
+    theirs, ours = pair(config, rng)
+    for shape in ((7,), (4, 5), (2, 3, 4)):
+        for dtype in (np.int32, np.int64):
+            ids = tf.constant(rng.integers(0, ROWS, shape).astype(dtype))
+            expected, actual = _both(theirs, ours, {"f": ids})
+            assert actual["f"].shape == tuple(shape) + (DIM,)
+            assert_same(expected, actual, "sum")
+
+
+def test_sequence_features(rng):
+    config, _ = _config("mean", max_sequence_length=4)
+    theirs, ours = pair(config, rng)
+    # Sparse: each id at its position, positions >= 4 truncated, duplicate positions added up.
+    sp, _ = random_sparse(rng, [6], 7, ROWS, 6)
+    dup = tf.sparse.reorder(tf.SparseTensor(tf.concat([sp.indices, sp.indices[:4]], 0),
+                                            tf.concat([sp.values, sp.values[:4]], 0), sp.dense_shape))
+    expected, actual = _both(theirs, ours, {"f": dup})
+    assert actual["f"].shape == (6, 4, DIM)
+    assert_same(expected, actual, "sum")
+    # Ragged: packed, truncated or zero-padded.
+    rt, _ = random_ragged(rng, [0, 1, 4, 9, 3], ROWS)
+    expected, actual = _both(theirs, ours, {"f": rt})
+    assert actual["f"].shape == (5, 4, DIM)
+    assert_same(expected, actual, "sum")
+
+
+@pytest.mark.parametrize("combiner", ["sum", "sqrtn"])
+def test_ragged_output_shape(rng, combiner):
+    # TensorFlow 2.21 supports output_shape eagerly only (it branches in Python on a tensor); the adapter
+    # also inside tf.function, with the eager result.
+    rt, rw = random_ragged(rng, [3, 0, 5, 2, 7, 1, 4, 2], ROWS)
+    for shape in ([8], [2, 4], [16], [4, 8]):  # batch-sized: pooled; a multiple: a sequence
+        config, _ = _config(combiner, output_shape=shape)
+        theirs, ours = pair(config, rng)
+        expected = theirs({"f": rt}, {"f": rw})
+        assert_same(expected, ours({"f": rt}, {"f": rw}), combiner)
+        traced = tf.function(lambda x, w: ours({"f": x}, {"f": w}))
+        assert_same(expected, traced(rt, rw), combiner)
+        assert tuple(traced(rt, rw)["f"].shape) == tuple(shape) + (DIM,)
+    config, _ = _config(combiner, output_shape=[5])
+    theirs, ours = pair(config, rng)
+    with pytest.raises(ValueError):
+        theirs({"f": rt})
+    with pytest.raises(ValueError):
+        ours({"f": rt})
+
+
+def test_mixed_structure_subset_and_shared_tables(rng):
+    t_sum = E.TableConfig(vocabulary_size=40, dim=8, combiner="sum")
+    t_mean = E.TableConfig(vocabulary_size=ROWS, dim=4, combiner="mean")
+    config = {"user": {"clicks": E.FeatureConfig(t_sum), "country": E.FeatureConfig(t_mean)},
+              "item": [E.FeatureConfig(t_sum), E.FeatureConfig(t_mean, validate_weights_and_indices=False)],
+              "seq": E.FeatureConfig(t_sum, max_sequence_length=3)}
+    theirs, ours = pair(config, rng)
+    sp, w = random_sparse(rng, [6], 20, 40, 18, neg=True)
+    rt, rw = random_ragged(rng, [2, 0, 11, 3, 1, 6], 40)
+    fast, fast_w = random_sparse(rng, [6], 20, ROWS, 12)
+    features = {"user": {"clicks": sp, "country": tf.constant([[1], [2], [3], [4], [5], [6]])},
+                "item": [rt, fast], "seq": rt}
+    weights = {"user": {"clicks": w, "country": None}, "item": [rw, fast_w], "seq": None}
+    expected, actual = _both(theirs, ours, features, weights)
+    assert set(actual) == {"user", "item", "seq"} and isinstance(actual["item"], list)
+    # Bags of a sum table are exact; the mean table's within 1e-6.
+    assert_same([expected["user"]["clicks"], expected["item"][0], expected["seq"]],
+                [actual["user"]["clicks"], actual["item"][0], actual["seq"]], "sum")
+    assert_same([expected["user"]["country"], expected["item"][1]],
+                [actual["user"]["country"], actual["item"][1]], "mean")
+    # A subset of the features, in a structure of its own.
+    expected, actual = _both(theirs, ours, {"item": [rt, fast]})
+    assert_same(expected["item"][0], actual["item"][0], "sum")
+
+
+def test_table_names_and_configs(rng):
+    def configs():
+        a, b = E.TableConfig(vocabulary_size=10, dim=2), E.TableConfig(vocabulary_size=12, dim=3, name="named")
+        c = E.TableConfig(vocabulary_size=14, dim=4)
+        return {"z": E.FeatureConfig(a), "b": E.FeatureConfig(c), "m": E.FeatureConfig(b)}, (a, b, c)
+
+    theirs_cfg, theirs_tables = configs()
+    ours_cfg, ours_tables = configs()
+    E.TPUEmbeddingForServing(theirs_cfg, E.Adagrad(0.1)).build()
+    ours = EmbeddingForServing(ours_cfg, E.Adagrad(0.1))
+    # Named in order of first use over the flattened config (dict keys sorted: b, m, z), as TensorFlow does.
+    assert [t.name for t in ours_tables] == [t.name for t in theirs_tables] == ["table_2", "named", "table_0"]
+    assert all(isinstance(t.optimizer, E.Adagrad) for t in ours_tables)
+    assert set(ours.embedding_tables) == set(ours_tables)
+    assert sorted(ours.variables["table_0"]) == ["accumulators", "parameters"]
+    assert ours.embedding_tables[ours_tables[0]].shape == (10, 2)
+    with pytest.raises(ValueError, match="unique"):
+        t = E.TableConfig(vocabulary_size=3, dim=2, name="x")
+        EmbeddingForServing([E.FeatureConfig(t), E.FeatureConfig(E.TableConfig(vocabulary_size=3, dim=2, name="x"))])
+
+
+def test_embedcore_configs(rng):
+    import embedcore as ec
+
+    t = ec.TableConfig(rows=20, dim=4, combiner="sum", initializer=ec.initializers.Uniform(-1, 1, seed=3))
+    emb = EmbeddingForServing({"a": ec.FeatureConfig(t), "s": ec.FeatureConfig(t, max_sequence_length=2)})
+    rt = tf.ragged.constant([[1, 2, 3], [], [4]], dtype=tf.int64)
+    out = emb({"a": rt, "s": rt})
+    values = emb.embedding_tables[t].numpy()
+    np.testing.assert_array_equal(out["a"].numpy()[0], values[1] + values[2] + values[3])
+    np.testing.assert_array_equal(out["s"].numpy()[0], values[[1, 2]])
+    assert emb.embedding_tables[t].table.name == "table_0"
+
+
+def _error_cases():
+    sp = tf.SparseTensor([[0, 0], [0, 1], [2, 0]], tf.constant([1, 2, 3], tf.int64), [4, 3])
+    rg = tf.ragged.constant([[1, 2], [], [3]], dtype=tf.int64)
+    sparse_ids = lambda v: tf.SparseTensor([[0, 0]], tf.constant([v], tf.int64), [2, 2])  # noqa: E731
+    return [
+        ("dense id out of range", {}, lambda: ({"a": tf.constant([[1, 12]], tf.int64)}, None)),
+        ("dense negative id", {}, lambda: ({"a": tf.constant([[1, -1]], tf.int64)}, None)),
+        ("sparse id out of range", {}, lambda: ({"a": sparse_ids(12)}, None)),
+        ("fast path id out of range", {"validate_weights_and_indices": False}, lambda: ({"a": sparse_ids(12)}, None)),
+        ("fast path negative id", {"validate_weights_and_indices": False}, lambda: ({"a": sparse_ids(-3)}, None)),
+        ("ragged id out of range", {}, lambda: ({"a": tf.ragged.constant([[12]], dtype=tf.int64)}, None)),
+        ("ragged negative id", {}, lambda: ({"a": tf.ragged.constant([[-1]], dtype=tf.int64)}, None)),
+        ("sequence id out of range", {"max_sequence_length": 2}, lambda: ({"a": sparse_ids(10)}, None)),
+        ("weights for dense ids", {}, lambda: ({"a": tf.constant([[1]])}, {"a": tf.constant([[1.0]])})),
+        ("weights for a sequence", {"max_sequence_length": 2}, lambda: ({"a": sp}, {"a": sp})),
+        ("dense ids for a sequence", {"max_sequence_length": 2}, lambda: ({"a": tf.constant([[1]])}, None)),
+        ("weights of another type", {}, lambda: ({"a": sp}, {"a": rg})),
+        ("sparse weights of another size", {},
+         lambda: ({"a": sp}, {"a": tf.SparseTensor([[0, 0], [0, 1]], [1.0, 2.0], [4, 3])})),
+        ("ragged weights of another partition", {}, lambda: ({"a": rg}, {"a": tf.ragged.constant([[1.0], [2.0], [3.0]])})),
+        ("unknown feature", {}, lambda: ({"b": rg}, None)),
+        ("ragged rank 3", {}, lambda: ({"a": tf.ragged.constant([[[1]], [[2, 3]]], dtype=tf.int64)}, None)),
+        ("not a tensor", {}, lambda: ({"a": np.array([[1]])}, None)),
+        ("weights structure", {}, lambda: ({"a": rg}, [rg])),
+        ("float ids", {}, lambda: ({"a": tf.constant([[1.0]])}, None)),
+        ("ragged uint8 ids", {}, lambda: ({"a": tf.ragged.constant([[1]], dtype=tf.uint8)}, None)),
+        ("sparse float64 weights", {},
+         lambda: ({"a": sp}, {"a": tf.SparseTensor(sp.indices, tf.constant([1.0, 2, 3], tf.float64), [4, 3])})),
+    ]
+
+
+@pytest.mark.parametrize("case", _error_cases(), ids=lambda c: c[0])
+def test_same_exceptions(case):
+    _, feature_kwargs, make = case
+
+    def build(cls):
+        table = E.TableConfig(vocabulary_size=10, dim=4, name="t")
+        emb = cls({"a": E.FeatureConfig(table, **feature_kwargs)}, None)
+        emb.build()
+        return emb
+
+    def raised(emb, graph):
+        features, weights = make()
+        try:
+            if graph:
+                tf.function(lambda: emb(features, weights))()
+            else:
+                emb(features, weights)
+        except Exception as e:  # noqa: BLE001 - the type is what is compared
+            return type(e)
+        return None
+
+    theirs, ours = build(E.TPUEmbeddingForServing), build(EmbeddingForServing)
+    for graph in (False, True):
+        expected = raised(theirs, graph)
+        assert expected is not None
+        assert raised(ours, graph) is expected, ("tf.function" if graph else "eager", expected)
+
+
+def test_import_embedcore_does_not_import_tensorflow():
+    code = "import sys, embedcore, embedcore.adapters; print('tensorflow' in sys.modules, 'keras' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["False", "False"]

@@ -1,0 +1,257 @@
+"""embedcore.adapters.torch.EmbeddingBag / Embedding against torch.nn.EmbeddingBag /
+nn.Embedding on the same weights and inputs: every calling form, outputs,
+gradients (to per_sample_weights and to the weight), and bad inputs."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import embedcore as ec  # noqa: E402
+import embedcore.adapters.torch as et  # noqa: E402
+from torch_helpers import bags, max_diff, uniform_weights  # noqa: E402
+
+ROWS, DIM = 40, 6
+
+
+def _pair(rng, mode="sum", **kw):
+    w = uniform_weights(rng, ROWS, DIM)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, mode=mode, **kw)
+    ours = et.EmbeddingBag.from_pretrained(w, freeze=False, mode=mode, **kw)
+    return ref, ours
+
+
+# ------------------------------------------------------------------ packaging
+def test_import_embedcore_does_not_import_torch():
+    code = ("import sys, embedcore, embedcore.adapters\n"
+            "assert 'torch' not in sys.modules, 'import embedcore imported torch'\n"
+            "import embedcore.adapters.torch as et\n"
+            "assert 'torch' in sys.modules\n"
+            "print(sorted(et.__all__))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "EmbeddingBagCollection" in r.stdout
+
+
+def test_exports():
+    assert set(et.__all__) == {"Embedding", "EmbeddingBag", "EmbeddingBagCollection", "EmbeddingBagConfig",
+                               "EmbeddingCollection", "EmbeddingConfig", "FusedOptimizer", "tables_of"}
+    assert all(hasattr(et, n) for n in et.__all__)
+
+
+# ------------------------------------------------------------------ forward
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("include_last_offset", [False, True])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_forward_matches_torch(rng, mode, include_last_offset, id_dtype, padding_idx):
+    ref, ours = _pair(rng, mode, include_last_offset=include_last_offset, padding_idx=padding_idx)
+    for _ in range(3):
+        ids, offsets, w = bags(rng, ROWS, 9, id_dtype=id_dtype, weighted=mode == "sum", pad=padding_idx)
+        if not include_last_offset:
+            offsets = offsets[:-1]
+        offsets = offsets.to(id_dtype)
+        with torch.no_grad():
+            assert max_diff(ours(ids, offsets), ref(ids, offsets)) <= 1e-6
+            if w is not None:
+                assert max_diff(ours(ids, offsets, w), ref(ids, offsets, w)) <= 1e-6
+
+
+def test_include_last_offset_ignores_trailing_ids(rng):
+    ref, ours = _pair(rng, "sum", include_last_offset=True)
+    ids = torch.tensor([1, 2, 3, 4, 5])
+    offsets = torch.tensor([0, 2, 3])  # ids 3 and 4 belong to no bag, as in PyTorch
+    assert max_diff(ours(ids, offsets), ref(ids, offsets)) <= 1e-6
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_2d_input(rng, mode):
+    ref, ours = _pair(rng, mode, padding_idx=0)
+    x = torch.from_numpy(rng.integers(0, ROWS, size=(7, 4)))
+    x[0] = 0  # a bag made only of padding: zeros, as PyTorch
+    assert max_diff(ours(x), ref(x)) <= 1e-6
+    if mode == "sum":
+        w = torch.rand(7, 4)
+        assert max_diff(ours(x, per_sample_weights=w), ref(x, per_sample_weights=w)) <= 1e-6
+    empty = torch.zeros((3, 0), dtype=torch.int64)  # (nn.EmbeddingBag raises here)
+    assert ours(empty).shape == (3, DIM) and float(ours(empty).detach().abs().max()) == 0
+
+
+def test_empty_batch_and_empty_bags(rng):
+    ref, ours = _pair(rng, "mean")
+    ids, offsets = torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64)
+    assert ours(ids, offsets).shape == (0, DIM)
+    ids, offsets = torch.tensor([5, 6]), torch.tensor([0, 0, 0, 2])
+    assert max_diff(ours(ids, offsets), ref(ids, offsets)) <= 1e-6
+
+
+def test_sqrtn_matches_numpy(rng):
+    w = uniform_weights(rng, ROWS, DIM)
+    ours = et.EmbeddingBag.from_pretrained(w, mode="sqrtn", include_last_offset=True, padding_idx=2)
+    ids, offsets, _ = bags(rng, ROWS, 11, pad=2)
+    want = np.zeros((11, DIM))
+    for b in range(11):
+        bag = [i for i in ids[offsets[b]:offsets[b + 1]].tolist() if i != 2]
+        if bag:
+            want[b] = w.numpy()[bag].astype(np.float64).sum(0) / np.sqrt(len(bag))
+    np.testing.assert_allclose(ours(ids, offsets).numpy(), want, atol=1e-6, rtol=1e-6)
+
+
+def test_output_dtype_follows_weight_dtype(rng):
+    w = uniform_weights(rng, ROWS, DIM)
+    ours = et.EmbeddingBag.from_pretrained(w.half(), mode="sum")
+    assert ours.weight.dtype == torch.float16
+    assert ours.table.dtype == "float16"
+    out = ours(torch.tensor([1, 2]), torch.tensor([0]))
+    assert out.dtype == torch.float16
+    assert max_diff(out, w.half()[[1, 2]].float().sum(0, keepdim=True)) <= 2e-3
+
+
+# ------------------------------------------------------------------ gradients
+@pytest.mark.parametrize("padding_idx", [None, 4])
+@pytest.mark.parametrize("fused", [False, True])
+def test_per_sample_weights_grad(rng, padding_idx, fused):
+    w = uniform_weights(rng, ROWS, DIM)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, mode="sum", padding_idx=padding_idx)
+    ours = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", padding_idx=padding_idx,
+                                           optimizer=ec.optimizers.SGD(0.5) if fused else None)
+    ids, offsets, psw = bags(rng, ROWS, 10, weighted=True, pad=padding_idx)
+    g = torch.randn(10, DIM)
+    p1, p2 = psw.clone().requires_grad_(), psw.clone().requires_grad_()
+    (ref(ids, offsets[:-1], p1) * g).sum().backward()
+    (ours(ids, offsets[:-1], p2) * g).sum().backward()
+    assert max_diff(p2.grad, p1.grad) <= 1e-6  # (fused: computed before the update)
+    x = torch.from_numpy(rng.integers(0, ROWS, size=(5, 3)))
+    q1, q2 = torch.rand(5, 3, requires_grad=True), None
+    q2 = q1.detach().clone().requires_grad_()
+    ref2 = torch.nn.EmbeddingBag.from_pretrained(ours.weight.detach().clone(), mode="sum", padding_idx=padding_idx)
+    ref2(x, per_sample_weights=q1).sum().backward()
+    ours(x, per_sample_weights=q2).sum().backward()
+    assert max_diff(q2.grad, q1.grad) <= 1e-6
+
+
+def test_frozen_weight_still_gives_per_sample_weights_grad(rng):
+    ref, ours = _pair(rng, "sum")
+    ours.weight.requires_grad_(False)
+    before = ours.weight.detach().clone()
+    ids, offsets, psw = bags(rng, ROWS, 6, weighted=True)
+    p1, p2 = psw.clone().requires_grad_(), psw.clone().requires_grad_()
+    ref(ids, offsets[:-1], p1).sum().backward()
+    ours(ids, offsets[:-1], p2).sum().backward()
+    assert max_diff(p2.grad, p1.grad) <= 1e-6
+    assert ours.weight.grad is None and torch.equal(ours.weight, before)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("sparse", [True, False])
+def test_weight_grad_matches_torch(rng, mode, sparse):
+    w = uniform_weights(rng, ROWS, DIM)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, mode="sum" if mode == "sqrtn" else mode,
+                                                sparse=sparse, padding_idx=1, include_last_offset=True)
+    ours = et.EmbeddingBag.from_pretrained(w, freeze=False, mode=mode, sparse=sparse, padding_idx=1,
+                                           include_last_offset=True)
+    ids, offsets, _ = bags(rng, ROWS, 12, pad=1)
+    g = torch.randn(12, DIM)
+    if mode == "sqrtn":  # sqrtn's gradient is the sum's, scaled per bag by 1 / sqrt(non-padding ids)
+        n = torch.tensor([max(1, sum(1 for i in ids[offsets[b]:offsets[b + 1]].tolist() if i != 1))
+                          for b in range(12)], dtype=torch.float32)
+        (ref(ids, offsets) * g / n.sqrt()[:, None]).sum().backward()
+    else:
+        (ref(ids, offsets) * g).sum().backward()
+    (ours(ids, offsets) * g).sum().backward()
+    assert ours.weight.grad.is_sparse == sparse
+    assert max_diff(ours.weight.grad, ref.weight.grad) <= 1e-6
+    if sparse:  # one row per occurrence, like nn.EmbeddingBag(sparse=True)
+        assert ours.weight.grad._nnz() == ref.weight.grad._nnz()
+
+
+def test_embedding_matches_nn_embedding(rng):
+    w = uniform_weights(rng, ROWS, DIM)
+    ref = torch.nn.Embedding.from_pretrained(w.clone(), freeze=False, padding_idx=3, sparse=True)
+    ours = et.Embedding.from_pretrained(w, freeze=False, padding_idx=3, sparse=True)
+    x = torch.from_numpy(rng.integers(0, ROWS, size=(4, 5)))
+    x[0, :2] = 3
+    g = torch.randn(4, 5, DIM)
+    a, b = ref(x), ours(x)
+    assert b.shape == (4, 5, DIM) and max_diff(a, b) == 0
+    (a * g).sum().backward()
+    (b * g).sum().backward()
+    assert max_diff(ours.weight.grad, ref.weight.grad) <= 1e-6
+    assert ours(torch.tensor(7)).shape == (DIM,)
+
+
+def test_default_init_follows_torch_seed():
+    torch.manual_seed(5)
+    a = et.EmbeddingBag(1000, 16, padding_idx=0)
+    torch.manual_seed(5)
+    b = et.EmbeddingBag(1000, 16, padding_idx=0)
+    c = et.EmbeddingBag(1000, 16)
+    assert torch.equal(a.weight, b.weight) and not torch.equal(a.weight, c.weight)
+    assert float(a.weight[0].abs().max()) == 0.0
+    assert abs(float(c.weight.mean())) < 0.05 and abs(float(c.weight.std()) - 1.0) < 0.05  # N(0, 1), as torch
+
+
+# ------------------------------------------------------------------ bad inputs
+def _errors(m):
+    ids = torch.tensor([1, 2, 3, 4])
+    return [
+        (IndexError, lambda: m(torch.tensor([1, ROWS]), torch.tensor([0]))),
+        (IndexError, lambda: m(torch.tensor([1, -1]), torch.tensor([0]))),
+        (ValueError, lambda: m(ids, torch.tensor([1, 2]))),
+        (ValueError, lambda: m(ids, torch.tensor([0, 5]))),
+        (ValueError, lambda: m(ids, torch.tensor([0, 3, 1]))),
+        (TypeError, lambda: m(ids.float(), torch.tensor([0, 2]))),
+        (TypeError, lambda: m(ids, torch.tensor([0.0, 2.0]))),
+        (TypeError, lambda: m(ids, torch.tensor([0, 2]), torch.ones(4, dtype=torch.float64))),
+        (ValueError, lambda: m(ids, torch.tensor([0, 2]), torch.ones(3))),
+        (ValueError, lambda: m(ids.view(2, 2), torch.tensor([0, 2]))),
+        (ValueError, lambda: m(ids)),
+        (ValueError, lambda: m(ids.view(1, 2, 2))),
+        (ValueError, lambda: m(ids, torch.tensor([[0, 2]]))),
+        (TypeError, lambda: m([1, 2], torch.tensor([0]))),
+        (NotImplementedError, lambda: m(torch.tensor([1, 2], device="meta"), torch.tensor([0]))),
+    ]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_bad_inputs_raise_and_change_nothing(rng, fused):
+    m = et.EmbeddingBag.from_pretrained(uniform_weights(rng, ROWS, DIM), freeze=False, mode="sum",
+                                        optimizer=ec.optimizers.Adam(0.1) if fused else None)
+    before = m.weight.detach().clone()
+    for i, (exc, call) in enumerate(_errors(m)):
+        with pytest.raises(exc):
+            call()
+    assert torch.equal(m.weight, before) and m.table.step == 0
+    with pytest.raises(IndexError, match=f"id {ROWS} at position 1"):
+        m(torch.tensor([1, ROWS]), torch.tensor([0]))
+
+
+def test_bad_configurations():
+    with pytest.raises(NotImplementedError):
+        et.EmbeddingBag(10, 4, mode="max")
+    with pytest.raises(ValueError):
+        et.EmbeddingBag(10, 4, mode="median")
+    with pytest.raises(NotImplementedError):
+        et.EmbeddingBag(10, 4, max_norm=1.0)
+    with pytest.raises(NotImplementedError):
+        et.EmbeddingBag(10, 4, scale_grad_by_freq=True)
+    with pytest.raises(ValueError):
+        et.EmbeddingBag(10, 4, padding_idx=10)
+    with pytest.raises(ValueError):
+        et.EmbeddingBag(0, 4)
+    with pytest.raises(TypeError):
+        et.EmbeddingBag(10, 4, optimizer=torch.optim.SGD)
+    with pytest.raises(TypeError):
+        et.EmbeddingBag(10, 4, dtype=torch.float64)
+    with pytest.raises(NotImplementedError):
+        et.EmbeddingBag(10, 4, device="meta")
+    m = et.EmbeddingBag(10, 4, mode="mean")
+    with pytest.raises(NotImplementedError, match="per_sample_weights"):
+        m(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2))
+    m = et.EmbeddingBag(10, 4, include_last_offset=True)
+    with pytest.raises(ValueError, match="include_last_offset"):
+        m(torch.tensor([1, 2]), torch.tensor([], dtype=torch.int64))
+    with pytest.raises(ValueError):
+        et.EmbeddingBag(10, 4, _weight=torch.zeros(3, 4))

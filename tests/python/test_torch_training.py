@@ -1,0 +1,201 @@
+"""Training through the PyTorch adapter: fused (the engine's optimizer inside
+backward()) and unfused (PyTorch's sparse optimizers on weight.grad), one and
+ten steps, against nn.EmbeddingBag(sparse=True) driven by torch.optim.SGD /
+Adagrad / SparseAdam on the same weights and batches."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import embedcore as ec  # noqa: E402
+import embedcore.adapters.torch as et  # noqa: E402
+from torch_helpers import bags, engine_optimizer, max_diff, torch_optimizer, uniform_weights  # noqa: E402
+
+ROWS, DIM, BATCH = 50, 8, 16
+LR = {"sgd": 0.1, "adagrad": 0.1, "adam": 0.01}
+
+
+def _train(rng, modules_and_opts, steps, mode, weighted=False, padding_idx=None):
+    """Runs the same `steps` batches and output gradients through every
+    (module, optimizer or None) pair."""
+    for _ in range(steps):
+        ids, offsets, w = bags(rng, ROWS, BATCH, weighted=weighted, pad=padding_idx)
+        g = torch.from_numpy(rng.standard_normal((BATCH, DIM)).astype(np.float32))
+        for m, opt in modules_and_opts:
+            if opt is not None:
+                opt.zero_grad()
+            (m(ids, offsets, w) * g).sum().backward()
+            if opt is not None:
+                opt.step()
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize("steps", [1, 10])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_fused_and_unfused_match_torch(rng, name, steps, mode):
+    w = uniform_weights(rng, ROWS, DIM)
+    kw = dict(freeze=False, mode=mode, include_last_offset=True, padding_idx=2)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), sparse=True, **kw)
+    fused = et.EmbeddingBag.from_pretrained(w, optimizer=engine_optimizer(name, LR[name]), **kw)
+    unfused = et.EmbeddingBag.from_pretrained(w, sparse=True, **kw)
+    _train(rng, [(ref, torch_optimizer(name, ref.parameters(), LR[name])), (fused, None),
+                 (unfused, torch_optimizer(name, unfused.parameters(), LR[name]))],
+           steps, mode, weighted=mode == "sum", padding_idx=2)
+    assert max_diff(fused.weight, ref.weight) <= 1e-5
+    assert max_diff(unfused.weight, ref.weight) <= 1e-5
+    assert fused.table.step == steps
+    assert torch.equal(fused.weight[2], w[2]) and torch.equal(unfused.weight[2], w[2])  # padding row: no update
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_fused_sqrtn_matches_engine_table(rng, name):
+    """sqrtn has no PyTorch counterpart: compare with the engine's own Table."""
+    w = uniform_weights(rng, ROWS, DIM)
+    fused = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sqrtn", include_last_offset=True,
+                                            optimizer=engine_optimizer(name, LR[name]))
+    table = ec.Table(name="ref", rows=ROWS, dim=DIM, optimizer=engine_optimizer(name, LR[name]))
+    table.assign(w.numpy())
+    for _ in range(5):
+        ids, offsets, _ = bags(rng, ROWS, BATCH)
+        g = torch.randn(BATCH, DIM)
+        (fused(ids, offsets) * g).sum().backward()
+        table.apply_gradients(ids.numpy(), offsets.numpy(), g.numpy(), combiner="sqrtn")
+    assert np.array_equal(fused.weight.detach().numpy(), table.values())
+
+
+def test_ftrl_fused_matches_engine_table(rng):
+    def opt():
+        return ec.optimizers.FTRL(learning_rate=0.2, l1_regularization_strength=0.01,
+                                  l2_regularization_strength=0.1, beta=0.5)
+
+    w = uniform_weights(rng, ROWS, DIM)
+    fused = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="mean", include_last_offset=True, optimizer=opt())
+    table = ec.Table(name="ref", rows=ROWS, dim=DIM, optimizer=opt())
+    table.assign(w.numpy())
+    for _ in range(5):
+        ids, offsets, _ = bags(rng, ROWS, BATCH)
+        g = torch.randn(BATCH, DIM)
+        (fused(ids, offsets) * g).sum().backward()
+        table.apply_gradients(ids.numpy(), offsets.numpy(), g.numpy(), combiner="mean")
+    assert np.array_equal(fused.weight.detach().numpy(), table.values())
+    for k, v in table.slots().items():
+        assert np.array_equal(fused.optimizer_state_dict()["state"]["weight"][k].numpy(), v)
+
+
+def test_adagrad_matches_torch_defaults_with_engine_epsilon(rng):
+    """PyTorch's Adagrad defaults (accumulators from 0, eps=1e-10 outside the
+    sqrt) need an engine Adagrad option: ``Adagrad(initial_accumulator_value=0,
+    epsilon=1e-10)`` computing ``w -= lr * g / (sqrt(acc) + epsilon)``."""
+    try:
+        opt = ec.optimizers.Adagrad(learning_rate=0.1, initial_accumulator_value=0.0, epsilon=1e-10)
+    except (TypeError, ValueError) as e:
+        pytest.skip(f"the engine's Adagrad has no epsilon option yet: {e}")
+    w = uniform_weights(rng, ROWS, DIM)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, mode="sum", sparse=True,
+                                                include_last_offset=True)
+    fused = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True, optimizer=opt)
+    _train(rng, [(ref, torch.optim.Adagrad(ref.parameters(), lr=0.1)), (fused, None)], 10, "sum")
+    assert max_diff(fused.weight, ref.weight) <= 1e-5
+
+
+def test_dense_gradients_with_dense_optimizer(rng):
+    w = uniform_weights(rng, ROWS, DIM)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, mode="mean", include_last_offset=True)
+    ours = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="mean", include_last_offset=True, sparse=False)
+    _train(rng, [(ref, torch.optim.Adam(ref.parameters(), lr=0.01)),
+                 (ours, torch.optim.Adam(ours.parameters(), lr=0.01))], 5, "mean")
+    assert not ours.weight.grad.is_sparse
+    assert max_diff(ours.weight, ref.weight) <= 1e-5
+
+
+def test_unused_output_gets_no_update(rng):
+    """Only features whose outputs reach the loss update their rows (as with
+    PyTorch, where an unused lookup has no gradient at all)."""
+    w = uniform_weights(rng, ROWS, DIM)
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(ROWS, DIM, name="t", feature_names=["a", "b"],
+                                                           init_fn=lambda t: t.copy_(w))],
+                                    optimizer=ec.optimizers.Adam(0.1, bias_correction=True, sum_inside_sqrt=False))
+    out = ebc({"a": (torch.tensor([1, 2]), torch.tensor([0, 2])), "b": (torch.tensor([3]), torch.tensor([0, 1]))})
+    out["a"].sum().backward()
+    moved = (ebc.embedding_bags["t"].weight - w).abs().sum(1) > 0
+    assert moved.nonzero().flatten().tolist() == [1, 2]
+
+
+def test_shared_table_gets_one_step_per_backward(rng):
+    """Two features of one table: one optimizer step per backward, with the
+    gradients of both summed, as SparseAdam over the two bags batched."""
+    w = uniform_weights(rng, ROWS, DIM)
+    opt = engine_optimizer("adam", 0.01)
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(ROWS, DIM, name="t", feature_names=["a", "b"],
+                                                           pooling="mean", init_fn=lambda t: t.copy_(w))],
+                                    optimizer=opt)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, mode="mean", sparse=True,
+                                                include_last_offset=True)
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.01)
+    for _ in range(4):
+        ia, oa, _ = bags(rng, ROWS, 5)
+        ib, ob, _ = bags(rng, ROWS, 7)
+        ga, gb = torch.randn(5, DIM), torch.randn(7, DIM)
+        out = ebc({"a": (ia, oa), "b": {"values": ib, "lengths": ob.diff()}})
+        ((out["a"] * ga).sum() + (out["b"] * gb).sum()).backward()
+        ref_opt.zero_grad()
+        both = ref(torch.cat([ia, ib]), torch.cat([oa[:-1], ob + oa[-1]]))
+        (both * torch.cat([ga, gb])).sum().backward()
+        ref_opt.step()
+    assert ebc.embedding_bags["t"].table.step == 4
+    assert max_diff(ebc.embedding_bags["t"].weight, ref.weight) <= 1e-5
+
+
+def test_learning_rate_from_param_groups_and_scheduler(rng):
+    """The fused optimizer's param groups carry "lr"; a PyTorch scheduler on
+    them drives the engine's updates, as it drives torch.optim.SGD."""
+    w = uniform_weights(rng, ROWS, DIM)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, mode="sum", sparse=True,
+                                                include_last_offset=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    fused = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True,
+                                            optimizer=ec.optimizers.SGD(0.5))
+    fo = fused.fused_optimizer
+    assert isinstance(fo, torch.optim.Optimizer) and fo.param_groups[0]["lr"] == 0.5
+    s1 = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.1)
+    s2 = torch.optim.lr_scheduler.StepLR(fo, step_size=2, gamma=0.1)
+    for _ in range(6):
+        ids, offsets, _ = bags(rng, ROWS, BATCH)
+        g = torch.randn(BATCH, DIM)
+        ref_opt.zero_grad()
+        (ref(ids, offsets) * g).sum().backward()
+        ref_opt.step()
+        (fused(ids, offsets) * g).sum().backward()
+        fo.step()
+        s1.step()
+        s2.step()
+    assert abs(fo.param_groups[0]["lr"] - 0.5 * 0.1**3) < 1e-12
+    assert max_diff(fused.weight, ref.weight) <= 1e-5
+
+
+def test_learning_rate_schedule_callable(rng):
+    w = uniform_weights(rng, ROWS, DIM)
+    fused = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True,
+                                            optimizer=ec.optimizers.SGD(lambda step: 0.1 / (1 + step)))
+    table = ec.Table(name="ref", rows=ROWS, dim=DIM, optimizer=ec.optimizers.SGD(lambda step: 0.1 / (1 + step)))
+    table.assign(w.numpy())
+    for _ in range(3):
+        ids, offsets, _ = bags(rng, ROWS, BATCH)
+        g = torch.randn(BATCH, DIM)
+        (fused(ids, offsets) * g).sum().backward()
+        table.apply_gradients(ids.numpy(), offsets.numpy(), g.numpy(), combiner="sum")
+    assert np.array_equal(fused.weight.detach().numpy(), table.values())
+    assert fused.fused_optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 4)
+
+
+def test_frozen_and_no_grad_do_not_train(rng):
+    w = uniform_weights(rng, ROWS, DIM)
+    m = et.EmbeddingBag.from_pretrained(w, freeze=True, mode="sum", optimizer=ec.optimizers.SGD(1.0))
+    ids, offsets, _ = bags(rng, ROWS, BATCH)
+    assert not m(ids, offsets[:-1]).requires_grad
+    m.weight.requires_grad_(True)
+    with torch.no_grad():
+        assert not m(ids, offsets[:-1]).requires_grad
+    out = m(ids, offsets[:-1])
+    out.sum().backward()
+    assert m.table.step == 1 and m.weight.grad is None
