@@ -13,9 +13,18 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from ._checkpoint import TFCheckpoint, convert_tf_checkpoint, load_tf_checkpoint
 from ._config import optimizer_from_tf
-from ._keras import Embedding
+from ._export import export_mode
 from ._saver import Saver
 from ._serving import EmbeddingForServing, TableHandle
+
+
+def __getattr__(name):
+    if name == "Embedding":  # the Keras layer: imports Keras only when asked for
+        from ._keras import Embedding
+
+        return Embedding
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Embedding",
@@ -24,6 +33,7 @@ __all__ = [
     "TFCheckpoint",
     "TableHandle",
     "convert_tf_checkpoint",
+    "export_mode",
     "load_tf_checkpoint",
     "optimizer_from_tf",
 ]

@@ -22,7 +22,6 @@ of the table.
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -225,6 +224,25 @@ class TFCheckpoint:
             n = min(step, shape[0] - r)
             dest[r:r + n] = self._read(key, (r, n))
 
+    def check(self, prefix: str, name: str, slots: Sequence[str]) -> None:
+        """Raises unless table `name` and its `slots` can be read as
+        ``[rows, dim]`` float32 arrays (reads no values)."""
+        layouts = self.layouts(prefix)
+        rows_dim = self.shape(prefix, name)
+        for slot in [None, *slots]:
+            if name in layouts:
+                s = layouts[name]
+                key = _join(prefix, s.stacked if slot is None else f"{s.stacked}/{slot}") + ATTR
+                if key not in self.shapes:
+                    raise ValueError(f"{self.path}: no stacked variable {key} for table '{name}'")
+                check_stacked(s, tuple(self.shapes[key]), rows_dim)
+            else:
+                key = _join(prefix, name if slot is None else f"{name}/{slot}") + ATTR
+                if tuple(self.shapes[key]) != tuple(rows_dim):
+                    raise ValueError(f"{self.path}: {key} has shape {self.shapes[key]}, the table {list(rows_dim)}")
+            if self.dtypes[key] != tf.float32:
+                raise ValueError(f"{self.path}: {key} holds {self.dtypes[key].name}, not float32")
+
     def _read_stacked(self, prefix: str, s: StackedTable, slot: Optional[str], dest: np.ndarray) -> None:
         key = _join(prefix, s.stacked if slot is None else f"{s.stacked}/{slot}") + ATTR
         if key not in self.shapes:
@@ -242,6 +260,21 @@ class TFCheckpoint:
         return out
 
 
+def check_stacked(s: StackedTable, shape: Tuple[int, int], dest_shape: Tuple[int, int]) -> None:
+    """Raises unless table `s` fits a stacked variable of `shape` and a
+    destination of `dest_shape`."""
+    total, width = shape
+    cores = s.num_sparse_cores
+    if cores < 1 or total % cores:
+        raise ValueError(f"The first dim of the table ({total}) should be multiple of number of sparse cores "
+                         f"({cores})")
+    if tuple(dest_shape) != (s.rows, s.dim):
+        raise ValueError(f"table '{s.name}' is {s.rows} x {s.dim} in the checkpoint, but "
+                         f"{dest_shape[0]} x {dest_shape[1]} here")
+    if s.dim > width or s.offset + s.size_in_shard > total // cores or s.size_in_shard * cores < s.rows:
+        raise ValueError(f"the SparseCore layout of table '{s.name}' does not fit its stacked variable {[total, width]}")
+
+
 def unstack(s: StackedTable, shape: Tuple[int, int], read, dest: np.ndarray) -> None:
     """Writes table `s` of a stacked variable of `shape` into `dest`.
     ``read((row, count), (col, count))`` returns a block of the stacked
@@ -250,17 +283,10 @@ def unstack(s: StackedTable, shape: Tuple[int, int], read, dest: np.ndarray) -> 
     Row ``p`` of SparseCore shard ``k`` (after the table's offset in the
     shard) is the table's row ``p * cores + (k - rotation) % cores``; rows
     and columns past the table's own shape are padding."""
-    total, width = shape
+    check_stacked(s, shape, dest.shape)
+    total, _ = shape
     cores = s.num_sparse_cores
-    if total % cores:
-        raise ValueError(f"The first dim of the table ({total}) should be multiple of number of sparse cores "
-                         f"({cores})")
-    if dest.shape != (s.rows, s.dim):
-        raise ValueError(f"table '{s.name}' is {s.rows} x {s.dim} in the checkpoint, but "
-                         f"{dest.shape[0]} x {dest.shape[1]} here")
     per_shard = total // cores
-    if s.dim > width or s.offset + s.size_in_shard > per_shard:
-        raise ValueError(f"the SparseCore layout of table '{s.name}' does not fit its stacked variable {[total, width]}")
     for k in range(cores):
         i = (k - s.rotation) % cores
         count = min(s.size_in_shard, max(0, -(-(s.rows - i) // cores)))
@@ -293,6 +319,7 @@ def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optio
             raise ValueError(f"{ckpt.path}: table '{t.name}' is {list(shape)} in the checkpoint, but "
                              f"{[t.rows, t.dim]} here")
         slots = [s for s in ckpt.slots(prefix, t.name) if s in t.slot_names] if include_optimizer else []
+        ckpt.check(prefix, t.name, slots)
         plan.append((t, slots))
     for t, slots in plan:
         ckpt.read_into(prefix, t.name, None, _values_view(t))

@@ -18,43 +18,75 @@ TensorFlow's behaviour and runs everywhere TensorFlow does.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+import contextlib
+import threading
+from typing import Dict
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.util import nest  # flatten_with_joined_string_paths: the paths TensorFlow matches features by
+from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import save_context
 from tensorflow.python.tpu.tpu_embedding_for_serving import cpu_embedding_lookup
 
-__all__ = ["in_export", "ExportState", "variables", "lookup"]
+__all__ = ["in_export", "export_mode", "ExportState", "variables", "lookup"]
+
+
+_mode = threading.local()
 
 
 def in_export() -> bool:
-    return save_context.in_save_context()
+    """True while ``tf.saved_model.save`` traces functions, or inside
+    ``export_mode()``."""
+    return save_context.in_save_context() or getattr(_mode, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def export_mode():
+    """Lookups traced inside this block are lowered to TensorFlow's ops, as
+    during ``tf.saved_model.save``. For exporters that trace their functions
+    before saving them, such as Keras' ``model.export(path)`` /
+    ``ExportArchive``::
+
+        with embedcore.adapters.tf.export_mode():
+            model.export(path)
+    """
+    _mode.depth = getattr(_mode, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _mode.depth -= 1
 
 
 class ExportState:
-    """The ``tf.Variable`` copies of an object's tables for the save in
-    progress (made once per ``tf.saved_model.save`` call)."""
+    """The ``tf.Variable`` copies of an object's tables for an export. They
+    are made when the export first needs them, refreshed from the engine
+    each time the exporter lists the object's children (once per save), and
+    dropped at the next lookup that runs the engine."""
 
     def __init__(self):
-        self.key = None
         self.vars: Dict[str, tf.Variable] = {}
 
     def clear(self) -> None:
         if self.vars:
-            self.key, self.vars = None, {}
+            self.vars = {}
 
 
-def variables(owner) -> Dict[str, tf.Variable]:
-    """The tables of `owner` as variables, for this save."""
+def variables(owner, refresh: bool = False) -> Dict[str, tf.Variable]:
+    """The tables of `owner` as variables. `refresh` copies the tables'
+    current values into variables made earlier."""
     state: ExportState = owner._export
-    key = id(save_context.get_save_options()) if in_export() else None
-    if state.key != key or not state.vars:
-        with tf.init_scope():
-            state.vars = {t.name: tf.Variable(t.values(), trainable=False, name=t.name)
-                          for t in owner._embedcore_tables()}
-        state.key = key
+    tables = owner._embedcore_tables()
+    with tf.init_scope():
+        if not state.vars:
+            # Made while a tf.function is traced for the save; constructing the ResourceVariable class itself
+            # (not tf.Variable) skips the function's variable-creator scope, which refuses new variables after
+            # its first trace. The SavedModel tracks them as children of `owner`.
+            state.vars = {t.name: resource_variable_ops.ResourceVariable(t.values(), trainable=False, name=t.name)
+                          for t in tables}
+        elif refresh:
+            for t in tables:
+                state.vars[t.name].assign(t.values())
     return state.vars
 
 
@@ -143,12 +175,13 @@ def _ragged_with_output_shape(var, inp, w, shim):
         raise ValueError("Output shape set in the FeatureConfig should be the factor of the input data batch size. "
                          f"But instead got output shape {tuple(shape)}, input data batch size {batch}")
     n = tf.cast(inp.nrows(), tf.int64)
-    ok = tf.logical_or(tf.equal(n, wanted),
+    w64 = tf.constant(wanted, tf.int64)
+    ok = tf.logical_or(tf.equal(n, w64),
                        tf.logical_and(tf.greater(n, 0),
-                                      tf.logical_and(tf.less(n, wanted), tf.equal(tf.math.floormod(wanted, n), 0))))
+                                      tf.logical_and(tf.less(n, w64), tf.equal(tf.math.floormod(w64, n), 0))))
     check = tf.debugging.Assert(ok, ["Output shape set in the FeatureConfig should be the factor of the input data "
                                      "batch size; output shape", shape, "batch size", n])
     with tf.control_dependencies([check]):
-        return tf.cond(tf.equal(n, wanted), pooled,
+        return tf.cond(tf.equal(n, w64), pooled,
                        lambda: tf.reshape(tf.nn.embedding_lookup(var, inp).to_tensor(
-                           shape=tf.stack([n, wanted // tf.maximum(n, 1), dim])), final))
+                           shape=tf.stack([n, w64 // tf.maximum(n, 1), tf.constant(dim, tf.int64)])), final))

@@ -22,7 +22,6 @@ import embedcore as ec
 
 from . import _export
 from ._lookup import Backward, lookup as _lookup, unpack_bwd
-from ._pooling import InvalidArgument
 from ._serving import EmbeddingForServing
 
 __all__ = ["Embedding"]
@@ -115,6 +114,7 @@ class Embedding(keras.layers.Layer):
         emb._maybe_build()
         if _export.in_export():
             return _export.lookup(emb, inputs, weights)
+        emb._export.clear()
         trains = any(t.optimizer is not None for t in emb._tables.values())
         if training is False or not trains:
             return _lookup(inputs, weights, emb._features, emb._tables)

@@ -16,8 +16,7 @@ in its order, with its exception types and messages.
 """
 from __future__ import annotations
 
-import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -25,7 +24,7 @@ from tensorflow.python.util import nest  # flatten_with_joined_string_paths: the
 from absl import logging
 
 from ._config import Feature
-from ._pooling import EIGEN4, GROUPED8, SEQUENTIAL, InvalidArgument, bad_id_error, engine_lookup, pooled
+from ._pooling import EIGEN4, GROUPED8, SEQUENTIAL, InvalidArgument, engine_lookup, pooled
 
 __all__ = ["lookup", "Backward"]
 
@@ -277,8 +276,7 @@ def _sparse(f: Feature, table, sp: tf.SparseTensor, weights: Optional[tf.SparseT
         logging.warning("max_sequence_length setting will be ignored because the rank of the input tensor is %d "
                         "which is not 2.", rank)
     safe = not (not f.validate and rank is not None and rank <= 2)
-    if sp.values.dtype not in _INT_IDS:
-        raise TypeError(f"feature {f.label}: ids must be int32 or int64, got {sp.values.dtype.name}")
+    _check_int_ids(sp.values, f.label)
     wvalues = None
     if weights is not None:
         # TensorFlow checks the shapes it knows while tracing (SparseTensor(ids.indices, weights.values, ...)).
@@ -298,11 +296,10 @@ def _sparse(f: Feature, table, sp: tf.SparseTensor, weights: Optional[tf.SparseT
     out, bwd = _call(fn, [sp.indices, sp.values, sp.dense_shape, wvalues], need_bwd, f.label)
     if sequence:
         out.set_shape([None, f.max_sequence_length, table.dim])
-    elif safe:
-        out.set_shape(tf.TensorShape([None] * (rank - 1) if rank is not None else None).concatenate([table.dim])
-                      if rank is not None else None)
-    else:
+    elif not safe:
         out.set_shape([None, table.dim])
+    elif rank is not None:  # TensorFlow knows the rank, not the sizes
+        out.set_shape([None] * (rank - 1) + [table.dim])
     return out, bwd
 
 

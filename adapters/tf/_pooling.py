@@ -16,11 +16,16 @@ no fused multiply-add), which is what TensorFlow's ``unsorted_segment_sum``
   packet are summed in order.
 
 Both are reproduced with the engine's own sequential pooling, run on
-"sub-bags" (the groups) and then summed in order per bag. No arithmetic is done here
-that the engine does not do; only the grouping differs.
+"sub-bags" (the groups), whose sums are then added in order per bag: the
+adapter adds and divides floats as the kernels do, only the grouping
+differs. ``sparse_segment_mean`` / ``_sqrt_n`` multiply bags of fewer than
+10 ids by the reciprocal of the count (or of its square root) and divide
+longer ones; weighted means divide by the weights' in-order sum
+(``div_no_nan``).
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import numpy as np
@@ -36,12 +41,12 @@ class InvalidArgument(ValueError):
     ``ValueError`` raised inside ``tf.numpy_function`` becomes one)."""
 
 
-def bad_id_error(table, ids: np.ndarray, shape=None) -> InvalidArgument:
+def bad_id_error(table, ids: np.ndarray, shape=None, engine_message: str = "") -> InvalidArgument:
     """TensorFlow's message for an id out of range, for the first bad id."""
     flat = ids.reshape(-1)
     bad = np.nonzero((flat < 0) | (flat >= table.rows))[0]
     if not bad.size:  # the engine saw something else: report it as it is
-        return InvalidArgument(f"table '{table.name}': bad ids")
+        return InvalidArgument(engine_message or f"table '{table.name}': bad ids")
     k = int(bad[0])
     where = ",".join(str(int(i)) for i in np.unravel_index(k, shape)) if shape is not None and len(shape) > 1 else k
     return InvalidArgument(f"indices[{where}] = {int(flat[k])} is not in [0, {table.rows}) (table '{table.name}')")
@@ -50,8 +55,8 @@ def bad_id_error(table, ids: np.ndarray, shape=None) -> InvalidArgument:
 def engine_lookup(table, ids, offsets, weights, combiner, max_sequence_length: int = 0, shape=None) -> np.ndarray:
     try:
         return table.lookup(ids, offsets, weights, combiner=combiner, max_sequence_length=max_sequence_length)
-    except IndexError:
-        raise bad_id_error(table, ids, shape) from None
+    except IndexError as e:
+        raise bad_id_error(table, ids, shape, str(e)) from None
 
 
 def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
@@ -73,9 +78,11 @@ def pooled(table, ids: np.ndarray, offsets: np.ndarray, weights: Optional[np.nda
     """``[bags, dim]``: each bag of the CSR batch pooled with `combiner`,
     its rows added in `order`. Mean and sqrtn divide as TensorFlow's
     ``div_no_nan`` does (zero when the denominator is zero)."""
+    if order == SEQUENTIAL:
+        return engine_lookup(table, ids, offsets, weights, combiner)
     lengths = np.diff(offsets)
     longest = int(lengths.max()) if lengths.size else 0
-    if order == SEQUENTIAL or (order == EIGEN4 and (longest < 16 or table.dim < EIGEN_PACKET)):
+    if order == EIGEN4 and (longest < 16 or table.dim < EIGEN_PACKET):
         return engine_lookup(table, ids, offsets, weights, combiner)
     if order == GROUPED8:
         if longest < 10:
@@ -111,20 +118,39 @@ def _sequential_totals(x: np.ndarray, starts: np.ndarray, lengths: np.ndarray, l
     return out
 
 
+_scratch = threading.local()
+
+
+def _scratch_rows(n: int, dim: int) -> np.ndarray:
+    """A reused ``[n, dim]`` float32 buffer of this thread, so that the
+    sub-bag sums do not fault in fresh pages on every call."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < n * dim:
+        buf = np.empty(max(n * dim, 1 << 16), np.float32)
+        _scratch.buf = buf
+    return buf[: n * dim].reshape(n, dim)
+
+
 def _sum_sub_bags(table, ids, sub_offsets, weights, nsub) -> np.ndarray:
     """Pools each sub-bag (sum), then adds up each bag's sub-bag sums in order."""
-    parts = engine_lookup(table, ids, sub_offsets, weights, "sum")
+    parts = _scratch_rows(len(sub_offsets) - 1, table.dim)
+    try:
+        table.lookup(ids, sub_offsets, weights, combiner="sum", out=parts)
+    except IndexError as e:
+        raise bad_id_error(table, ids, None, str(e)) from None
     if not len(nsub):
         return parts[:0]
     most = int(nsub.max())
     if int(nsub.min()) == most:  # every bag has as many sub-bags: add the columns of a 3-D view in order
         view = parts.reshape(len(nsub), most, parts.shape[1])
-        out = view[:, 0].copy()
-        for k in range(1, most):
+        if most == 1:
+            return view[:, 0].copy()
+        out = np.add(view[:, 0], view[:, 1])
+        for k in range(2, most):
             out += view[:, k]
         return out
     first = _exclusive_cumsum(nsub)  # every bag has >= 1 sub-bag
-    out = parts[first]
+    out = parts[first]  # a copy: `parts` is a reused buffer
     for k in range(1, most):  # (np.add.reduceat does not add rows in order)
         more = np.nonzero(nsub > k)[0]
         out[more] += parts[first[more] + k]

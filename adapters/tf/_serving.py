@@ -104,7 +104,7 @@ class EmbeddingForServing(_AutoTrackable):
         self._built = False
         self._children: Optional[Dict[str, Any]] = None
         self._ckpt_path: Optional[str] = None
-        self._export = _export.ExportState()
+        self._export = _export.ExportState()  # table copies for a SavedModel export
 
     # -------------------------------------------------------------- building
     def build(self) -> None:
@@ -172,7 +172,7 @@ class EmbeddingForServing(_AutoTrackable):
                 self._children = children
             return dict(self._children)
         children = dict(super()._trackable_children(save_type, **kwargs))
-        children.update(_export.variables(self))
+        children.update(_export.variables(self, refresh=True))
         return children
 
     def _checkpoint_adapter(self, path: str):

@@ -19,7 +19,7 @@ Modules over embedcore tables, in the shapes PyTorch users know:
 Importing this package imports PyTorch; ``import embedcore`` does not.
 """
 try:
-    import torch as _torch  # noqa: F401
+    import torch as _torch  # noqa: F401  (only to fail early with a clear message)
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("embedcore.adapters.torch needs PyTorch: pip install torch") from e
 

@@ -15,7 +15,7 @@ views them (DLPack, no copy). Training either way:
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -138,6 +138,9 @@ class _TableModule(_AdapterModule):
             padding_idx = int(padding_idx) % self.num_embeddings
         self.padding_idx = padding_idx
         self.sparse = bool(sparse)
+        if weight is not None and tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"_weight must have shape [{self.num_embeddings}, {self.embedding_dim}], "
+                             f"got {tuple(weight.shape)}")
         if weight is not None or init_fn is not None:
             initializer = ec.initializers.Zeros()
         elif initializer is None:
@@ -147,9 +150,6 @@ class _TableModule(_AdapterModule):
         self._attach(ec.Table(config), requires_grad=True)
         with torch.no_grad():
             if weight is not None:
-                if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
-                    raise ValueError(f"_weight must have shape [{self.num_embeddings}, {self.embedding_dim}], "
-                                     f"got {tuple(weight.shape)}")
                 self.weight.copy_(weight)
             elif init_fn is not None:
                 init_fn(self.weight)
@@ -158,7 +158,10 @@ class _TableModule(_AdapterModule):
 
     def _attach(self, table: ec.Table, requires_grad: bool) -> None:
         self._table = table
-        self.weight = nn.Parameter(torch.from_dlpack(table._native.values_mut()), requires_grad=requires_grad)
+        values = torch.from_dlpack(table._native.values_mut())
+        if table.dtype == "bfloat16":
+            values = values.view(torch.bfloat16)  # NumPy carries bfloat16 as its uint16 bits
+        self.weight = nn.Parameter(values, requires_grad=requires_grad)
         self._slots = {n: torch.from_dlpack(v) for n, v in table._native.slots_mut()}
         fused = table.optimizer is not None
         # Fused training: autograd runs the backward through this one-element anchor;

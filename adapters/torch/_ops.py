@@ -139,6 +139,9 @@ def _parts(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segm
             if s not in offs:
                 offs[s] = _source_offsets(a, offsets[s], include_last_offset, s)
             off = offs[s]
+            if b0 < 0 or b0 + nb > len(off) - 1:
+                raise ValueError(f"bags [{b0}, {b0 + nb}) of source {s} do not exist: its offsets describe "
+                                 f"{len(off) - 1} bags")
             lo, hi = (int(off[b0]), int(off[b0 + nb])) if nb else (0, 0)
             seg_off = off[b0:b0 + nb + 1] - lo if nb else np.zeros(1, np.int64)
         seg_ids = a[lo:hi]
@@ -178,10 +181,10 @@ def lookup(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offsets: Li
     outs = []
     for p in _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, combiner != SEQUENCE):
         rows = len(p.ids) if combiner == SEQUENCE else p.num_bags
-        out = torch.empty((rows, dim), dtype=torch.float32)
-        if rows:
-            table.lookup(p.ids, p.offsets, p.weights, combiner=name, out=out.numpy())
-        outs.append(out)
+        if rows:  # the engine's own output buffer, wrapped without a copy
+            outs.append(torch.from_numpy(table.lookup(p.ids, p.offsets, p.weights, combiner=name)))
+        else:
+            outs.append(torch.empty((0, dim), dtype=torch.float32))
     return outs
 
 
@@ -250,22 +253,24 @@ def lookup_backward(handle: int, dim: int, rows: int, ids: List[Tensor], offsets
             group["lr"] = table.learning_rate()
         return torch.zeros(1), empty_rows, wgrads
 
+    # Unfused: one gradient row per id occurrence, as nn.EmbeddingBag's backward gives them.
     values, index = [], []
     for p, g in zip(parts, gs):
         if combiner == SEQUENCE:
-            values.append(g)
+            values.append(g if len(parts) > 1 else g.clone())
         else:
-            n = np.diff(p.offsets).astype(np.float32)
+            v = g.index_select(0, torch.from_numpy(_bag_of(p)))
             if combiner == SUM:
-                scale = np.ones(len(p.ids), np.float32) if p.weights is None else p.weights.astype(np.float32)
-            elif combiner == MEAN:
-                scale = np.repeat(1.0 / np.maximum(n, 1.0), n.astype(np.int64)).astype(np.float32)
-            else:  # sqrtn
-                scale = np.repeat(1.0 / np.sqrt(np.maximum(n, 1.0)), n.astype(np.int64)).astype(np.float32)
-            values.append(g[torch.from_numpy(_bag_of(p))] * torch.from_numpy(scale)[:, None])
-        index.append(torch.from_numpy(p.ids.astype(np.int64, copy=False)))
-    v = torch.cat(values) if values else torch.empty((0, dim))
-    i = torch.cat(index) if index else empty_rows
+                if p.weights is not None:
+                    v.mul_(torch.from_numpy(np.ascontiguousarray(p.weights, np.float32))[:, None])
+            else:
+                n = np.diff(p.offsets)
+                per_bag = 1.0 / np.maximum(n, 1) if combiner == MEAN else 1.0 / np.sqrt(np.maximum(n, 1))
+                v.mul_(torch.from_numpy(np.repeat(per_bag.astype(np.float32), n))[:, None])
+            values.append(v)
+        index.append(torch.from_numpy(np.array(p.ids, dtype=np.int64)))  # a copy: outputs never alias inputs
+    v = (values[0] if len(values) == 1 else torch.cat(values)) if values else torch.empty((0, dim))
+    i = (index[0] if len(index) == 1 else torch.cat(index)) if index else empty_rows
     if grad_mode == SPARSE:
         return v, i, wgrads
     return torch.zeros((rows, dim)).index_add_(0, i, v), empty_rows, wgrads

@@ -186,6 +186,29 @@ def test_embedcore_configs(rng):
     assert emb.embedding_tables[t].table.name == "table_0"
 
 
+@pytest.mark.parametrize("validate", [True, False])
+def test_edge_inputs(rng, validate):
+    # Empty batches and bags, rank-1 sparse input (one bag; or, on the fast path, one bag per index), a sequence
+    # feature given rank-3 sparse input (pooled instead, as TensorFlow does), int32 row splits.
+    config, _ = _config("mean", validate_weights_and_indices=validate)
+    seq_config, _ = _config("mean", max_sequence_length=2)
+    theirs, ours = pair(config, rng)
+    seq_theirs, seq_ours = pair(seq_config, rng)
+    cases = [
+        {"f": tf.SparseTensor(tf.zeros([0, 2], tf.int64), tf.zeros([0], tf.int64), [3, 2])},
+        {"f": tf.RaggedTensor.from_row_splits(tf.zeros([0], tf.int64), tf.constant([0], tf.int64))},
+        {"f": tf.zeros([0, 3], tf.int64)},
+        {"f": tf.SparseTensor([[0], [2], [3]], tf.constant([1, 2, 5], tf.int64), [4])},
+        {"f": tf.RaggedTensor.from_row_splits(tf.constant([1, 2, 3], tf.int64), tf.constant([0, 1, 3], tf.int32))},
+    ]
+    for features in cases:
+        expected, actual = _both(theirs, ours, features)
+        assert_same(expected, actual, "mean")
+    rank3 = {"f": tf.SparseTensor([[0, 0, 0], [1, 1, 1], [1, 1, 0]], tf.constant([1, 2, 7], tf.int64), [2, 2, 2])}
+    expected, actual = _both(seq_theirs, seq_ours, rank3)
+    assert_same(expected, actual, "mean")
+
+
 def _error_cases():
     sp = tf.SparseTensor([[0, 0], [0, 1], [2, 0]], tf.constant([1, 2, 3], tf.int64), [4, 3])
     rg = tf.ragged.constant([[1, 2], [], [3]], dtype=tf.int64)
@@ -212,6 +235,9 @@ def _error_cases():
         ("weights structure", {}, lambda: ({"a": rg}, [rg])),
         ("float ids", {}, lambda: ({"a": tf.constant([[1.0]])}, None)),
         ("ragged uint8 ids", {}, lambda: ({"a": tf.ragged.constant([[1]], dtype=tf.uint8)}, None)),
+        ("sparse float ids", {}, lambda: ({"a": tf.SparseTensor([[0, 0]], tf.constant([1.0]), [2, 2])}, None)),
+        ("fast path rows out of order", {"validate_weights_and_indices": False},
+         lambda: ({"a": tf.SparseTensor([[1, 0], [0, 0]], tf.constant([1, 2], tf.int64), [3, 2])}, None)),
         ("sparse float64 weights", {},
          lambda: ({"a": sp}, {"a": tf.SparseTensor(sp.indices, tf.constant([1.0, 2, 3], tf.float64), [4, 3])})),
     ]

@@ -99,14 +99,18 @@ def test_sqrtn_matches_numpy(rng):
     np.testing.assert_allclose(ours(ids, offsets).numpy(), want, atol=1e-6, rtol=1e-6)
 
 
-def test_output_dtype_follows_weight_dtype(rng):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_tables(rng, dtype):
     w = uniform_weights(rng, ROWS, DIM)
-    ours = et.EmbeddingBag.from_pretrained(w.half(), mode="sum")
-    assert ours.weight.dtype == torch.float16
-    assert ours.table.dtype == "float16"
+    ours = et.EmbeddingBag.from_pretrained(w.to(dtype), freeze=False, mode="sum", optimizer=ec.optimizers.SGD(0.5))
+    assert ours.weight.dtype == dtype and ours.table.dtype == str(dtype).split(".")[1]
+    assert ours.weight.data_ptr() == ours.table.values().__array_interface__["data"][0]
     out = ours(torch.tensor([1, 2]), torch.tensor([0]))
-    assert out.dtype == torch.float16
-    assert max_diff(out, w.half()[[1, 2]].float().sum(0, keepdim=True)) <= 2e-3
+    assert out.dtype == dtype
+    assert max_diff(out, w.to(dtype)[[1, 2]].float().sum(0, keepdim=True)) <= 2e-2
+    out.float().sum().backward()  # fused update in the table's dtype
+    want = (w.to(dtype)[1].float() - 0.5).to(dtype)
+    assert max_diff(ours.weight[1], want) == 0
 
 
 # ------------------------------------------------------------------ gradients

@@ -199,3 +199,41 @@ def test_frozen_and_no_grad_do_not_train(rng):
     out = m(ids, offsets[:-1])
     out.sum().backward()
     assert m.table.step == 1 and m.weight.grad is None
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_unpooled_training_matches_nn_embedding(rng, name):
+    """Embedding / EmbeddingCollection (one row per id), fused and unfused,
+    against nn.Embedding(sparse=True); padding ids get no update."""
+    w = uniform_weights(rng, ROWS, DIM)
+    ref = torch.nn.Embedding.from_pretrained(w.clone(), freeze=False, sparse=True, padding_idx=0)
+    ref_opt = torch_optimizer(name, ref.parameters(), LR[name])
+    fused = et.Embedding.from_pretrained(w, freeze=False, padding_idx=0, optimizer=engine_optimizer(name, LR[name]))
+    unfused = et.Embedding.from_pretrained(w, freeze=False, padding_idx=0, sparse=True)
+    unfused_opt = torch_optimizer(name, unfused.parameters(), LR[name])
+    coll = et.EmbeddingCollection([et.EmbeddingConfig(ROWS, DIM, name="t", feature_names=["a", "b"],
+                                                      init_fn=lambda t: t.copy_(w))],
+                                  optimizer=engine_optimizer(name, LR[name]))
+    ref2 = torch.nn.Embedding.from_pretrained(w.clone(), freeze=False, sparse=True)  # collections: no padding
+    ref2_opt = torch_optimizer(name, ref2.parameters(), LR[name])
+    for _ in range(5):
+        x = torch.from_numpy(rng.integers(0, ROWS, size=(4, 3)))
+        x[0, 0] = 0
+        g = torch.from_numpy(rng.standard_normal((4, 3, DIM)).astype(np.float32))
+        ref_opt.zero_grad()
+        (ref(x) * g).sum().backward()
+        ref_opt.step()
+        (fused(x) * g).sum().backward()
+        unfused_opt.zero_grad()
+        (unfused(x) * g).sum().backward()
+        unfused_opt.step()
+        out = coll({"a": x[:2], "b": x[2:]})  # two features of one table: one step, as the whole batch
+        ((out["a"] * g[:2]).sum() + (out["b"] * g[2:]).sum()).backward()
+        ref2_opt.zero_grad()
+        (ref2(x) * g).sum().backward()
+        ref2_opt.step()
+    for m in (fused, unfused):
+        assert max_diff(m.weight, ref.weight) <= 1e-5
+    assert torch.equal(fused.weight[0], w[0])
+    assert max_diff(coll.embeddings["t"].weight, ref2.weight) <= 1e-5
+    assert coll.embeddings["t"].table.step == 5

@@ -1,0 +1,301 @@
+"""Workload W1 forward lookup: embedcore against NumPy, PyTorch, FBGEMM,
+TensorFlow and the bare C gather loop (the machine's random-row-gather limit).
+
+One 1,000,000 x 128 float32 table, 4,096 bags of 32 ids, sum combiner;
+uniform and Zipf(1.05) ids; 1 and 2 threads; plus embedcore with a float16
+table. Every contender reads the same weights; outputs are checked against
+NumPy's before timing. Contenders run interleaved (one call each per round,
+rotating order) and the figure is the median round.
+
+    python benchmarks/bench_lookup.py [--quick] [--json PATH] [--threads 1,2]
+
+Reports ids/s, gathered GB/s (ids x 512 B, or x 256 B for float16) and the
+ratios the issue sets targets for (PASS / FAIL).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+TARGETS = {
+    "limit": 1.15,       # embedcore time / gather-limit time at 1 thread, at most
+    "torch": 1.0,        # embedcore rate / PyTorch rate, at least
+    "fbgemm": 1.0,       # embedcore rate / FBGEMM rate, at least
+    "tf": 5.0,           # embedcore rate / TensorFlow rate, at least
+    "threads": 1.6,      # embedcore rate at 2 threads / at 1 thread, at least
+    "fp16": 1.6,         # float16 table rate / float32 table rate, at least
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    ap.add_argument("--json", metavar="PATH", help="write every sample and figure as JSON")
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    ap.add_argument("--repeats", type=int, help="timed rounds per configuration (default 30, 8 with --quick)")
+    ap.add_argument("--no-tf", action="store_true", help="skip TensorFlow")
+    args = ap.parse_args()
+    repeats = args.repeats or (8 if args.quick else 30)
+    warmup = 1 if args.quick else 2
+    thread_counts = [int(x) for x in args.threads.split(",") if x]
+    t_start = time.time()
+
+    logging.disable(logging.INFO)  # FBGEMM logs its arguments at INFO
+    import torch
+    import torch.nn.functional as F
+
+    import embedcore as ec
+
+    try:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, EmbeddingLocation, SplitTableBatchedEmbeddingBagsCodegen)
+        have_fbgemm = True
+    except ImportError as e:
+        C.log(f"FBGEMM not available ({e}); skipping it")
+        have_fbgemm = False
+    have_tf = not args.no_tf and C.tf_available()
+
+    # ------------------------------------------------------------ data
+    C.log("generating ids and tables ...")
+    ids = {d: C.make_ids(d) for d in C.DISTS}
+    off = C.offsets()
+    ids_t = {d: torch.from_numpy(v) for d, v in ids.items()}
+    off_t = torch.from_numpy(off)
+
+    t32 = ec.Table(name="w1", rows=C.ROWS, dim=C.DIM, dtype="float32", combiner="sum",
+                   optimizer=ec.optimizers.SGD(learning_rate=0.01))
+    w = np.array(t32.values())  # NumPy / PyTorch share this copy
+    t16 = ec.Table(name="w1_fp16", rows=C.ROWS, dim=C.DIM, dtype="float16", combiner="sum",
+                   optimizer=ec.optimizers.SGD(learning_rate=0.01))
+    t16.assign(w)
+    wt = torch.from_numpy(w)
+    fb = None
+    if have_fbgemm:
+        fb = SplitTableBatchedEmbeddingBagsCodegen(
+            [(C.ROWS, C.DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+            optimizer=OptimType.EXACT_SGD, learning_rate=0.01, pooling_mode=PoolingMode.SUM)
+        fb.split_embedding_weights()[0].copy_(wt)
+
+    scratch = C.scratch_dir()
+    cl = tfw = None
+    try:
+        wpath = os.path.join(scratch, "w.bin")
+        w.tofile(wpath)
+        id_paths = {}
+        for d, v in ids.items():
+            id_paths[d] = os.path.join(scratch, f"ids_{d}.bin")
+            v.tofile(id_paths[d])
+        C.log("compiling and starting the C gather loop ...")
+        cl = C.CLoops(scratch, wpath, id_paths)
+
+        # -------------------------------------------------------- correctness
+        C.log("checking outputs against NumPy ...")
+        w16 = w.astype(np.float16).astype(np.float32)
+        correctness = {}
+        for d in C.DISTS:
+            ref = np.add.reduceat(np.take(w, ids[d], axis=0), off[:-1], axis=0)
+            ref16 = np.add.reduceat(np.take(w16, ids[d], axis=0), off[:-1], axis=0)
+            got = {"embedcore": t32.lookup(ids[d], off), "embedcore_fp16": t16.lookup(ids[d], off)}
+            with torch.no_grad():
+                got["torch"] = F.embedding_bag(ids_t[d], wt, off_t, mode="sum", include_last_offset=True).numpy()
+                if fb is not None:
+                    got["fbgemm"] = fb(ids_t[d], off_t).numpy()
+            for m in (0, 1):
+                got[f"c_{C.MODE_NAMES[m]}"] = cl.dump(d, m, os.path.join(scratch, "out.bin"))
+            diffs = {k: float(np.abs(v - (ref16 if k == "embedcore_fp16" else ref)).max()) for k, v in got.items()}
+            correctness[d] = diffs
+            C.log(f"  {d}: max |diff| vs NumPy " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+            for k, v in diffs.items():
+                if not v <= 1e-4:
+                    msg = f"{k} output differs from NumPy's by {v:.3e} (> 1e-4) on {d} ids"
+                    if k.startswith("embedcore"):
+                        raise SystemExit("FAILED: " + msg)
+                    C.log("WARNING: " + msg)
+
+        thp = {
+            "embedcore_fp32": C.anon_huge_bytes(t32.values().__array_interface__["data"][0]),
+            "embedcore_fp16": C.anon_huge_bytes(t16.values().__array_interface__["data"][0]),
+            "numpy_torch_weights": C.anon_huge_bytes(w.__array_interface__["data"][0]),
+            "fbgemm_weights": C.anon_huge_bytes(fb.split_embedding_weights()[0].data_ptr()) if fb is not None else None,
+        }
+        thp.update({f"c_{k}": v for k, v in cl.thp_bytes().items()})
+
+        # -------------------------------------------------------- timing
+        results = []
+        noise = {}
+        for nt in thread_counts:
+            C.set_threads(nt)
+            if have_tf:
+                C.log(f"starting the TensorFlow worker ({nt} thread{'s' if nt > 1 else ''}) ...")
+                tfw = C.TFWorker(nt, wpath, id_paths)
+                if "tf" not in correctness.get(C.DISTS[0], {}):
+                    for d in C.DISTS:
+                        ref = np.add.reduceat(np.take(w, ids[d], axis=0), off[:-1], axis=0)
+                        diff = float(np.abs(tfw.dump(d, os.path.join(scratch, "tf_out.npy")) - ref).max())
+                        correctness[d]["tf"] = diff
+                        C.log(f"  {d}: TensorFlow max |diff| vs NumPy {diff:.2e}")
+                        if not diff <= 1e-4:
+                            C.log(f"WARNING: TensorFlow output differs from NumPy's by {diff:.3e}")
+            for d in C.DISTS:
+                C.log(f"timing: {nt} thread(s), {d} ids, {repeats} rounds ...")
+                i_np, i_t = ids[d], ids_t[d]
+
+                def torch_fwd(i_t=i_t):
+                    with torch.no_grad():
+                        F.embedding_bag(i_t, wt, off_t, mode="sum", include_last_offset=True)
+
+                def fbgemm_fwd(i_t=i_t):
+                    with torch.no_grad():
+                        fb(i_t, off_t)
+
+                cont = {
+                    "embedcore": lambda i=i_np: t32.lookup(i, off),
+                    "embedcore_fp16": lambda i=i_np: t16.lookup(i, off),
+                    "numpy": lambda i=i_np: np.add.reduceat(np.take(w, i, axis=0), off[:-1], axis=0),
+                    "torch": torch_fwd,
+                }
+                if fb is not None:
+                    cont["fbgemm"] = fbgemm_fwd
+                if tfw is not None:
+                    cont["tf"] = lambda d=d: tfw.run(d)
+                for m, pf, isa in C.GATHER_VARIANTS:
+                    cont[C.gather_variant_name(m, pf, isa)] = (
+                        lambda d=d, m=m, pf=pf, isa=isa, nt=nt: cl.gather(d, m, nt, pf, isa))
+                mon = C.CpuMonitor([cl.pid] + ([tfw.pid] if tfw is not None else [])).start()
+                samples = C.run_interleaved(cont, repeats, warmup)
+                noise[(nt, d)] = mon.stop()
+                for name, s in samples.items():
+                    st = C.summarize(s)
+                    row_bytes = C.ROW_BYTES["float16" if name == "embedcore_fp16" else "float32"]
+                    rate = C.NNZ / st["median_s"]
+                    results.append({"threads": nt, "dist": d, "contender": name, **st,
+                                    "ms": st["median_s"] * 1e3, "mids_per_s": rate / 1e6,
+                                    "gb_per_s": rate * row_bytes / 1e9, "samples_s": s})
+            if tfw is not None:
+                tfw.close()
+                tfw = None
+    finally:
+        if tfw is not None:
+            tfw.close()
+        if cl is not None:
+            cl.close()
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    # ------------------------------------------------------------ report
+    def med(nt, d, name):
+        for r in results:
+            if r["threads"] == nt and r["dist"] == d and r["contender"] == name:
+                return r["median_s"]
+        return None
+
+    def limit(nt, d, mode):
+        v = [med(nt, d, C.gather_variant_name(m, pf, isa)) for m, pf, isa in C.GATHER_VARIANTS
+             if C.MODE_NAMES[m] == mode]
+        v = [x for x in v if x is not None]
+        return min(v) if v else None
+
+    def ratio(a, b):
+        return None if a is None or b is None else a / b
+
+    ratios, targets = [], []
+    for nt in thread_counts:
+        for d in C.DISTS:
+            ecs = med(nt, d, "embedcore")
+            r = {"threads": nt, "dist": d,
+                 "vs_limit_thp": ratio(ecs, limit(nt, d, "thp")),
+                 "vs_limit_malloc": ratio(ecs, limit(nt, d, "malloc")),
+                 "vs_torch": ratio(med(nt, d, "torch"), ecs),
+                 "vs_fbgemm": ratio(med(nt, d, "fbgemm"), ecs),
+                 "vs_tf": ratio(med(nt, d, "tf"), ecs),
+                 "vs_numpy": ratio(med(nt, d, "numpy"), ecs),
+                 "fp16_vs_fp32": ratio(ecs, med(nt, d, "embedcore_fp16"))}
+            if 1 in thread_counts and nt != 1:
+                r["ec_vs_1t"] = ratio(med(1, d, "embedcore"), ecs)
+                r["fp16_vs_1t"] = ratio(med(1, d, "embedcore_fp16"), med(nt, d, "embedcore_fp16"))
+                r["limit_thp_vs_1t"] = ratio(limit(1, d, "thp"), limit(nt, d, "thp"))
+                r["torch_vs_1t"] = ratio(med(1, d, "torch"), med(nt, d, "torch"))
+                r["fbgemm_vs_1t"] = ratio(med(1, d, "fbgemm"), med(nt, d, "fbgemm"))
+            r["other_load"] = noise.get((nt, d), {}).get("other_cores")
+            ratios.append(r)
+            if nt == 1:
+                targets += [
+                    (f"1T {d}: embedcore time / gather limit (THP table)", r["vs_limit_thp"], TARGETS["limit"], False),
+                    (f"1T {d}: embedcore / PyTorch rate", r["vs_torch"], TARGETS["torch"], True),
+                    (f"1T {d}: embedcore / FBGEMM rate", r["vs_fbgemm"], TARGETS["fbgemm"], True),
+                    (f"1T {d}: embedcore / TensorFlow rate", r["vs_tf"], TARGETS["tf"], True),
+                ]
+            if nt == 2 and 1 in thread_counts:
+                targets.append((f"{d}: embedcore 2T / 1T rate", r["ec_vs_1t"], TARGETS["threads"], True))
+            targets.append((f"{nt}T {d}: float16 / float32 table rate", r["fp16_vs_fp32"], TARGETS["fp16"], True))
+
+    cols = [("threads", "thr", None), ("dist", "ids", None), ("contender", "contender", None),
+            ("ms", "median ms", "{:.2f}"), ("mids_per_s", "M ids/s", "{:.2f}"), ("gb_per_s", "GB/s", "{:.2f}"),
+            ("min_s", "min ms", None), ("spread", "p25-p75 ms", None)]
+    rows = []
+    for r in results:
+        rows.append({**r, "min_s": f"{r['min_s'] * 1e3:.2f}", "spread": f"{r['p25_s'] * 1e3:.2f}-{r['p75_s'] * 1e3:.2f}"})
+    print(f"\nW1 forward lookup: {C.ROWS:,} x {C.DIM} float32, {C.BATCH} bags x {C.BAG} ids, sum; "
+          f"{repeats} interleaved rounds, median")
+    print("c_<malloc|thp>_<O3|native>_pf<N>: bare C gather loop on a plain malloc or an mmap+MADV_HUGEPAGE table, "
+          "built with `cc " + " ".join(C.C_FLAGS_BASE) + "` or `cc " + " ".join(C.C_FLAGS_NATIVE) + "`,\n"
+          "software prefetch N ids ahead (0 = none); the gather limit is the fastest variant on that kind of table")
+    print(C.format_table(rows, cols))
+
+    rcols = [("threads", "thr", None), ("dist", "ids", None),
+             ("vs_limit_thp", "ec/limit(THP) time", "{:.2f}x"), ("vs_limit_malloc", "ec/limit(malloc) time", "{:.2f}x"),
+             ("vs_torch", "ec vs torch", "{:.2f}x"), ("vs_fbgemm", "ec vs fbgemm", "{:.2f}x"),
+             ("vs_tf", "ec vs TF", "{:.2f}x"), ("vs_numpy", "ec vs numpy", "{:.2f}x"),
+             ("fp16_vs_fp32", "fp16/fp32", "{:.2f}x"), ("ec_vs_1t", "ec 2T/1T", "{:.2f}x"),
+             ("fp16_vs_1t", "fp16 2T/1T", "{:.2f}x"), ("limit_thp_vs_1t", "limit 2T/1T", "{:.2f}x"),
+             ("torch_vs_1t", "torch 2T/1T", "{:.2f}x"), ("fbgemm_vs_1t", "fbgemm 2T/1T", "{:.2f}x"),
+             ("other_load", "other load (cores)", "{:.2f}")]
+    print("\nRatios (rate ratios: > 1 means embedcore is faster; 'ec/limit' is a time ratio: 1.00 = at the limit;\n"
+          "'other load': cores other processes kept busy during that configuration, i.e. noise)")
+    print(C.format_table(ratios, rcols))
+
+    print("\nTargets")
+    trows = [{"target": n, "value": v, "goal": ("<= " if not hib else ">= ") + f"{g:.2f}",
+              "verdict": C.verdict(v, g, hib)} for n, v, g, hib in targets]
+    print(C.format_table(trows, [("target", "target", None), ("value", "value", "{:.2f}"), ("goal", "goal", None),
+                                 ("verdict", "", None)]))
+
+    print("\nAnonHugePages of each table (MiB; 512 MiB fp32 table fully on huge pages = 512):")
+    print("  " + ", ".join(f"{k} {'-' if v is None else f'{v / 2**20:.0f}'}" for k, v in thp.items()))
+    for d in C.DISTS:
+        info = C.describe_ids(ids[d])
+        print(f"ids {d}: {info['unique']:,} unique of {info['nnz']:,} ({info['unique_fraction']:.1%}), "
+              f"most frequent id x{info['max_count']:,}")
+    noisy = [k for k, v in noise.items() if v["other_cores"] > 0.25]
+    if noisy:
+        print("WARNING: other processes kept > 0.25 cores busy while timing " + ", ".join(
+            "/".join(str(x) + ("T" if isinstance(x, int) else "") for x in k) for k in noisy)
+              + "; those figures (2-thread ones above all) are unreliable; rerun on a quiet machine")
+    print(f"total time {time.time() - t_start:.0f} s; load average now {os.getloadavg()[0]:.2f}")
+
+    if args.json:
+        C.write_json(args.json, {
+            "benchmark": "lookup", "workload": "W1", "repeats": repeats, "warmup": warmup,
+            "machine": C.machine_info(), "versions": C.versions(), "c_flags": {"O3": C.C_FLAGS_BASE + C.C_FLAGS_COMMON,
+                                                                           "native": C.C_FLAGS_NATIVE + C.C_FLAGS_COMMON},
+            "ids": {d: C.describe_ids(ids[d]) for d in C.DISTS}, "correctness_max_abs_diff": correctness,
+            "anon_huge_pages_bytes": thp, "results": results, "ratios": ratios,
+            "other_load": {f"{nt}T_{d}": v for (nt, d), v in noise.items()},
+            "targets": [{"name": n, "value": v, "goal": g, "higher_is_better": hib,
+                         "verdict": C.verdict(v, g, hib)} for n, v, g, hib in targets]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,509 @@
+// core/c_api/c_api.cc: bad input through the C ABI. Null pointers, ids out of
+// range, offsets that do not fit, misaligned arrays, output buffers that are
+// too small, unknown enums and options, and checkpoints that are missing,
+// truncated, corrupt or of a newer format: each returns its status with a
+// message that says what is wrong, never crashes, and never writes to the
+// caller's buffer (outputs here are heap blocks of the exact size, so
+// AddressSanitizer sees any write past them).
+#include <sys/stat.h>
+
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "c_api_fixtures.h"
+#include "checkpoint/crc32c.h"
+#include "checkpoint/format.h"
+
+using namespace c_api_test;
+
+namespace {
+
+struct Served {
+  TempDir dir;
+  embedcore_checkpoint* h = nullptr;
+  Served() {
+    SaveModel(dir.Sub("m"));
+    if (embedcore_open(dir.Sub("m").c_str(), nullptr, &h) != EMBEDCORE_OK)
+      throw std::runtime_error(embedcore_last_error());
+  }
+  ~Served() { embedcore_close(h); }
+};
+
+// A heap output of exactly n floats filled with a canary, to check that a
+// failed call wrote nothing.
+struct Canary {
+  std::unique_ptr<float[]> data;
+  int64_t n;
+  explicit Canary(int64_t count) : data(new float[size_t(count > 0 ? count : 1)]), n(count) {
+    for (int64_t i = 0; i < n; ++i) data[size_t(i)] = -12345.0f;
+  }
+  bool Untouched() const {
+    for (int64_t i = 0; i < n; ++i)
+      if (data[size_t(i)] != -12345.0f) return false;
+    return true;
+  }
+};
+
+// user (table 0): 50 rows x 16.
+OwnedBatch Good() {
+  OwnedBatch b;
+  b.ids = {1, 2, 3, 49};
+  b.ids32 = {1, 2, 3, 49};
+  b.offsets = {0, 2, 4};
+  b.weights = {1, 1, 1, 1};
+  return b;
+}
+
+std::string Open(const std::string& path, const char* options, int* status) {
+  embedcore_checkpoint* h = nullptr;
+  *status = embedcore_open(path.c_str(), options, &h);
+  const std::string message = *status == EMBEDCORE_OK ? "" : embedcore_last_error();
+  if (*status != EMBEDCORE_OK) EMBEDCORE_EXPECT(h == nullptr);  // out is untouched on error
+  embedcore_close(h);
+  return message;
+}
+
+#define EXPECT_OPEN_ERROR(path, options, want_status, want_text)                                         \
+  do {                                                                                                    \
+    int s_ = -1;                                                                                          \
+    const std::string m_ = Open(path, options, &s_);                                                      \
+    EMBEDCORE_EXPECT_MSG(s_ == (want_status), "open returned " << s_ << " (" << m_ << "), expected " #want_status); \
+    EMBEDCORE_EXPECT_MSG(m_.find(want_text) != std::string::npos,                                        \
+                         "message \"" << m_ << "\" lacks \"" << (want_text) << "\"");                     \
+  } while (0)
+
+}  // namespace
+
+EMBEDCORE_TEST(NullPointers) {
+  Served s;
+  embedcore_checkpoint* h = nullptr;
+  EXPECT_C_ERROR(embedcore_open(nullptr, nullptr, &h), EMBEDCORE_INVALID_ARGUMENT, "embedcore_open: path: null pointer");
+  EXPECT_C_ERROR(embedcore_open(s.dir.Sub("m").c_str(), nullptr, nullptr), EMBEDCORE_INVALID_ARGUMENT,
+                 "out: null pointer");
+  EMBEDCORE_EXPECT(h == nullptr);
+  EXPECT_C_ERROR(embedcore_build_info(nullptr), EMBEDCORE_INVALID_ARGUMENT, "out_json: null pointer");
+  EXPECT_C_ERROR(embedcore_get_num_threads(nullptr), EMBEDCORE_INVALID_ARGUMENT, "out: null pointer");
+  int64_t n = 0;
+  uint64_t g = 0;
+  embedcore_table_info ti;
+  embedcore_feature_info fi;
+  EXPECT_C_ERROR(embedcore_num_tables(nullptr, &n), EMBEDCORE_INVALID_ARGUMENT, "ckpt: null pointer");
+  EXPECT_C_ERROR(embedcore_num_tables(s.h, nullptr), EMBEDCORE_INVALID_ARGUMENT, "out: null pointer");
+  EXPECT_C_ERROR(embedcore_num_features(nullptr, &n), EMBEDCORE_INVALID_ARGUMENT, "ckpt: null pointer");
+  EXPECT_C_ERROR(embedcore_num_features(s.h, nullptr), EMBEDCORE_INVALID_ARGUMENT, "out: null pointer");
+  EXPECT_C_ERROR(embedcore_checkpoint_generation(nullptr, &g), EMBEDCORE_INVALID_ARGUMENT, "ckpt: null pointer");
+  EXPECT_C_ERROR(embedcore_checkpoint_generation(s.h, nullptr), EMBEDCORE_INVALID_ARGUMENT, "out: null pointer");
+  EXPECT_C_ERROR(embedcore_describe_table(nullptr, 0, &ti), EMBEDCORE_INVALID_ARGUMENT, "ckpt: null pointer");
+  EXPECT_C_ERROR(embedcore_describe_table(s.h, 0, nullptr), EMBEDCORE_INVALID_ARGUMENT, "out: null pointer");
+  EXPECT_C_ERROR(embedcore_describe_feature(nullptr, 0, &fi), EMBEDCORE_INVALID_ARGUMENT, "ckpt: null pointer");
+  EXPECT_C_ERROR(embedcore_describe_feature(s.h, 0, nullptr), EMBEDCORE_INVALID_ARGUMENT, "out: null pointer");
+  EXPECT_C_ERROR(embedcore_find_table(s.h, nullptr, &n), EMBEDCORE_INVALID_ARGUMENT, "name: null pointer");
+  EXPECT_C_ERROR(embedcore_find_table(s.h, "user", nullptr), EMBEDCORE_INVALID_ARGUMENT, "out: null pointer");
+  EXPECT_C_ERROR(embedcore_find_feature(s.h, nullptr, &n), EMBEDCORE_INVALID_ARGUMENT, "name: null pointer");
+  EXPECT_C_ERROR(embedcore_reload(nullptr, nullptr, nullptr), EMBEDCORE_INVALID_ARGUMENT, "ckpt: null pointer");
+  EXPECT_C_OK(embedcore_close(nullptr));
+
+  const OwnedBatch good = Good();
+  const embedcore_batch c = good.C();
+  Canary out(2 * 16);
+  EXPECT_C_ERROR(embedcore_lookup(nullptr, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "ckpt: null pointer");
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, nullptr, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "batch: null pointer");
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, nullptr, out.n), EMBEDCORE_INVALID_ARGUMENT,
+                 "embedcore_lookup: out: null pointer");
+  embedcore_batch no_ids = c;
+  no_ids.ids = nullptr;
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &no_ids, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "batch.ids: null pointer");
+  embedcore_batch no_offsets = c;
+  no_offsets.offsets = nullptr;
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &no_offsets, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "batch.offsets: null pointer");
+  EXPECT_C_ERROR(embedcore_lookup_feature(s.h, 0, nullptr, out.data.get(), out.n), EMBEDCORE_INVALID_ARGUMENT,
+                 "batch: null pointer");
+  EXPECT_C_ERROR(embedcore_lookup_feature(s.h, 0, &c, nullptr, out.n), EMBEDCORE_INVALID_ARGUMENT, "out: null pointer");
+  EXPECT_C_ERROR(embedcore_lookup_size(s.h, 0, nullptr, EMBEDCORE_COMBINER_SUM, 0, &n), EMBEDCORE_INVALID_ARGUMENT,
+                 "batch: null pointer");
+  EXPECT_C_ERROR(embedcore_lookup_size(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, nullptr), EMBEDCORE_INVALID_ARGUMENT,
+                 "out: null pointer");
+  EMBEDCORE_EXPECT(out.Untouched());
+}
+
+EMBEDCORE_TEST(IdsOutOfRange) {
+  Served s;
+  for (int int32 = 0; int32 < 2; ++int32) {
+    for (int64_t bad : {int64_t(50), int64_t(-1), int64_t(1000000), int64_t(-2147483648LL)}) {
+      OwnedBatch b = Good();
+      b.ids[2] = bad;
+      b.ids32[2] = int32_t(bad);
+      const embedcore_batch c = b.C(false, int32);
+      Canary out(2 * 16);
+      EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                     EMBEDCORE_OUT_OF_RANGE,
+                     "table 'user': id " + std::to_string(bad) + " at position 2 of ids is out of range [0, 50)");
+      EMBEDCORE_EXPECT(out.Untouched());
+      Canary seq(4 * 16);
+      EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_NONE, 0, seq.data.get(), seq.n),
+                     EMBEDCORE_OUT_OF_RANGE, "out of range [0, 50)");
+      EMBEDCORE_EXPECT(seq.Untouched());
+      Canary feature(2 * 16);  // feature 0 reads user
+      EXPECT_C_ERROR(embedcore_lookup_feature(s.h, 0, &c, feature.data.get(), feature.n), EMBEDCORE_OUT_OF_RANGE,
+                     "out of range [0, 50)");
+      EMBEDCORE_EXPECT(feature.Untouched());
+    }
+  }
+}
+
+EMBEDCORE_TEST(OffsetsThatDoNotFit) {
+  Served s;
+  struct Case {
+    std::vector<int64_t> offsets;
+    const char* message;
+  } cases[] = {
+      {{1, 2, 4}, "offsets[0] must be 0, got 1"},
+      {{0, 3, 2, 4}, "offsets must be non-decreasing: offsets[1] = 3 > offsets[2] = 2"},
+      {{0, 2, 3}, "offsets must end at len(ids) = 4, got offsets[2] = 3"},
+      {{0, 2, 5}, "offsets must end at len(ids) = 4, got offsets[2] = 5"},
+      {{0, -1, 4}, "non-decreasing"},
+      {{0, 9, 4}, "non-decreasing"},
+  };
+  for (const Case& k : cases) {
+    OwnedBatch b = Good();
+    b.offsets = k.offsets;
+    const embedcore_batch c = b.C();
+    Canary out(c.num_bags * 16);
+    EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                   EMBEDCORE_INVALID_ARGUMENT, k.message);
+    EMBEDCORE_EXPECT(out.Untouched());
+    // Sequences read the offsets too.
+    Canary seq(c.num_bags * 3 * 16);
+    EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_NONE, 3, seq.data.get(), seq.n),
+                   EMBEDCORE_INVALID_ARGUMENT, k.message);
+    EMBEDCORE_EXPECT(seq.Untouched());
+  }
+  // Counts that are negative or do not fit.
+  const OwnedBatch good = Good();
+  Canary out(2 * 16);
+  embedcore_batch c = good.C();
+  c.nnz = -1;
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "batch.nnz must be >= 0, got -1");
+  c = good.C();
+  c.num_bags = -3;
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "batch.num_bags must be >= 0, got -3");
+  // An output that does not fit in int64: refused before any offset is read.
+  c = good.C();
+  c.num_bags = int64_t(1) << 40;
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_NONE, int64_t(1) << 30, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "overflows int64");
+  c.num_bags = int64_t(1) << 60;
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "overflows int64");
+  int64_t n = 0;
+  EXPECT_C_ERROR(embedcore_lookup_size(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, &n), EMBEDCORE_INVALID_ARGUMENT,
+                 "overflows int64");
+  EMBEDCORE_EXPECT(out.Untouched());
+}
+
+EMBEDCORE_TEST(OutputBufferTooSmall) {
+  Served s;
+  const OwnedBatch good = Good();
+  const embedcore_batch c = good.C();
+  Canary short_by_one(2 * 16 - 1);
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, short_by_one.data.get(), short_by_one.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "out holds 31 floats (out_len), the output needs 32");
+  EMBEDCORE_EXPECT(short_by_one.Untouched());
+  Canary seq(2 * 5 * 16 - 1);
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_NONE, 5, seq.data.get(), seq.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "the output needs 160");
+  EMBEDCORE_EXPECT(seq.Untouched());
+  Canary feature(2 * 5 * 8 - 1);  // feature 2: history, item rows padded to 5
+  EXPECT_C_ERROR(embedcore_lookup_feature(s.h, 2, &c, feature.data.get(), feature.n), EMBEDCORE_INVALID_ARGUMENT,
+                 "the output needs 80");
+  EMBEDCORE_EXPECT(feature.Untouched());
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, short_by_one.data.get(), -5),
+                 EMBEDCORE_INVALID_ARGUMENT, "out holds -5 floats");
+  // The exact size works.
+  Canary exact(2 * 16);
+  EXPECT_C_OK(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, exact.data.get(), exact.n));
+}
+
+EMBEDCORE_TEST(BadEnumsAndFields) {
+  Served s;
+  const OwnedBatch good = Good();
+  Canary out(4 * 3 * 16);
+  embedcore_batch c = good.C();
+  for (int32_t combiner : {-2, 4, 100}) {
+    EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, combiner, 0, out.data.get(), out.n), EMBEDCORE_INVALID_ARGUMENT,
+                   "combiner must be an embedcore_combiner (-1..3), got " + std::to_string(combiner));
+  }
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_NONE, -1, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "max_sequence_length must be >= 0, got -1");
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 3, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "max_sequence_length applies to EMBEDCORE_COMBINER_NONE only");
+  c.id_type = 2;
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT,
+                 "batch.id_type must be EMBEDCORE_ID_INT32 (0) or EMBEDCORE_ID_INT64 (1), got 2");
+  c = good.C();
+  c.reserved = 1;
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "batch.reserved must be 0");
+  c = good.C();
+  for (int64_t table : {int64_t(-1), int64_t(3), int64_t(1) << 40}) {
+    EXPECT_C_ERROR(embedcore_lookup(s.h, table, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                   EMBEDCORE_OUT_OF_RANGE, "table index " + std::to_string(table) + " is out of range [0, 3)");
+    embedcore_table_info ti;
+    EXPECT_C_ERROR(embedcore_describe_table(s.h, table, &ti), EMBEDCORE_OUT_OF_RANGE, "is out of range [0, 3)");
+  }
+  for (int64_t feature : {int64_t(-1), int64_t(4)}) {
+    EXPECT_C_ERROR(embedcore_lookup_feature(s.h, feature, &c, out.data.get(), out.n), EMBEDCORE_OUT_OF_RANGE,
+                   "feature index " + std::to_string(feature) + " is out of range [0, 4)");
+    embedcore_feature_info fi;
+    EXPECT_C_ERROR(embedcore_describe_feature(s.h, feature, &fi), EMBEDCORE_OUT_OF_RANGE, "is out of range [0, 4)");
+  }
+  int64_t index = -7;
+  EXPECT_C_ERROR(embedcore_find_table(s.h, "users", &index), EMBEDCORE_OUT_OF_RANGE, "no table named 'users'");
+  EXPECT_C_ERROR(embedcore_find_feature(s.h, "", &index), EMBEDCORE_OUT_OF_RANGE, "no feature named ''");
+  EMBEDCORE_EXPECT_EQ(index, -7);
+  EMBEDCORE_EXPECT(out.Untouched());
+}
+
+EMBEDCORE_TEST(MisalignedArrays) {
+  Served s;
+  const OwnedBatch good = Good();
+  // Copies at an odd address inside a byte buffer.
+  std::vector<char> raw(1024);
+  char* odd = raw.data() + 1;
+  std::memcpy(odd, good.ids.data(), good.ids.size() * 8);
+  Canary out(2 * 16 + 1);
+  embedcore_batch c = good.C();
+  c.ids = odd;
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "batch.ids: not aligned to 8 bytes");
+  c = good.C(false, true);
+  c.ids = odd + 1;  // int32 ids need 4 bytes
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "batch.ids: not aligned to 4 bytes");
+  c = good.C();
+  std::memcpy(odd + 100, good.offsets.data(), good.offsets.size() * 8);
+  c.offsets = reinterpret_cast<const int64_t*>(odd + 100);
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "batch.offsets: not aligned to 8 bytes");
+  c = good.C(true);
+  c.weights = reinterpret_cast<const float*>(odd + 200);
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                 EMBEDCORE_INVALID_ARGUMENT, "batch.weights: not aligned to 4 bytes");
+  c = good.C();
+  float* misaligned_out = reinterpret_cast<float*>(reinterpret_cast<char*>(out.data.get()) + 2);
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, misaligned_out, 2 * 16),
+                 EMBEDCORE_INVALID_ARGUMENT, "out: not aligned to 4 bytes");
+  EMBEDCORE_EXPECT(out.Untouched());
+}
+
+EMBEDCORE_TEST(BadOptions) {
+  Served s;
+  const std::string path = s.dir.Sub("m");
+  EXPECT_OPEN_ERROR(path, "{\"verify\": \"sometimes\"}", EMBEDCORE_INVALID_ARGUMENT,
+                    "verify must be \"lazy\", \"eager\", \"none\", true or false, got \"sometimes\"");
+  EXPECT_OPEN_ERROR(path, "{\"verfy\": \"lazy\"}", EMBEDCORE_INVALID_ARGUMENT, "unknown option 'verfy' (known: verify)");
+  EXPECT_OPEN_ERROR(path, "[1, 2]", EMBEDCORE_INVALID_ARGUMENT, "options_json must be a JSON object");
+  EXPECT_OPEN_ERROR(path, "{\"verify\": ", EMBEDCORE_INVALID_ARGUMENT, "embedcore_open: [json.exception.parse_error");
+  EXPECT_OPEN_ERROR(path, "", EMBEDCORE_INVALID_ARGUMENT, "parse_error");
+  const std::string huge(70000, ' ');
+  EXPECT_OPEN_ERROR(path, huge.c_str(), EMBEDCORE_INVALID_ARGUMENT, "longer than 64 KiB");
+  EXPECT_C_ERROR(embedcore_reload(s.h, nullptr, "{\"verify\": 3}"), EMBEDCORE_INVALID_ARGUMENT, "got 3");
+}
+
+EMBEDCORE_TEST(MissingOrNotACheckpoint) {
+  TempDir dir;
+  EXPECT_OPEN_ERROR(dir.Sub("nothing"), nullptr, EMBEDCORE_CHECKPOINT_ERROR, "no such checkpoint directory");
+  WriteFile(dir.Sub("file"), {'x'});
+  EXPECT_OPEN_ERROR(dir.Sub("file"), nullptr, EMBEDCORE_CHECKPOINT_ERROR, "not a checkpoint directory");
+  fs::create_directory(dir.Sub("empty"));
+  int status = -1;
+  const std::string message = Open(dir.Sub("empty"), nullptr, &status);
+  EMBEDCORE_EXPECT_MSG(status == EMBEDCORE_CHECKPOINT_ERROR || status == EMBEDCORE_IO_ERROR, status << ": " << message);
+  EMBEDCORE_EXPECT_MSG(message.find("MANIFEST") != std::string::npos, message);
+}
+
+EMBEDCORE_TEST(TruncatedCheckpoint) {
+  TempDir dir;
+  SaveModel(dir.Sub("m"));
+  const std::string values = ValuesFile(dir.Sub("m"), 0);
+  std::vector<char> bytes = ReadFile(values);
+  bytes.resize(bytes.size() - 100);
+  WriteFile(values, bytes);
+  EXPECT_OPEN_ERROR(dir.Sub("m"), nullptr, EMBEDCORE_CHECKPOINT_ERROR, "(truncated)");
+  // Truncated to nothing, and a truncated manifest.
+  WriteFile(values, {});
+  EXPECT_OPEN_ERROR(dir.Sub("m"), "{\"verify\": \"none\"}", EMBEDCORE_CHECKPOINT_ERROR, "size 0 bytes");
+  SaveModel(dir.Sub("n"));
+  std::vector<char> manifest = ReadFile(dir.Sub("n/MANIFEST"));
+  manifest.resize(manifest.size() / 2);
+  WriteFile(dir.Sub("n/MANIFEST"), manifest);
+  EXPECT_OPEN_ERROR(dir.Sub("n"), nullptr, EMBEDCORE_CHECKPOINT_ERROR, "truncated");
+  WriteFile(dir.Sub("n/MANIFEST"), {'E', 'C'});
+  EXPECT_OPEN_ERROR(dir.Sub("n"), nullptr, EMBEDCORE_CHECKPOINT_ERROR, "truncated (2 bytes)");
+}
+
+EMBEDCORE_TEST(CorruptManifestAndHeaders) {
+  TempDir dir;
+  SaveModel(dir.Sub("m"));
+  FlipByte(dir.Sub("m/MANIFEST"), 200);  // in the JSON
+  EXPECT_OPEN_ERROR(dir.Sub("m"), nullptr, EMBEDCORE_CHECKPOINT_ERROR, "checksum mismatch: the manifest is corrupt");
+  SaveModel(dir.Sub("h"));
+  FlipByte(ValuesFile(dir.Sub("h"), 1), 30);  // the data file's header (rows)
+  EXPECT_OPEN_ERROR(dir.Sub("h"), "{\"verify\": \"none\"}", EMBEDCORE_CHECKPOINT_ERROR, "header checksum mismatch");
+  SaveModel(dir.Sub("p"));
+  FlipByte(ValuesFile(dir.Sub("p"), 1), 1000);  // header padding
+  EXPECT_OPEN_ERROR(dir.Sub("p"), nullptr, EMBEDCORE_CHECKPOINT_ERROR, "header padding is not zero");
+}
+
+EMBEDCORE_TEST(NewerFormatIsRefused) {
+  TempDir dir;
+  SaveModel(dir.Sub("m"));
+  std::vector<char> manifest = ReadFile(dir.Sub("m/MANIFEST"));
+  embedcore::checkpoint::FileHeader h;
+  std::memcpy(&h, manifest.data(), sizeof(h));
+  h.format_major = 2;
+  h.header_crc32c = embedcore::checkpoint::Crc32c(&h, 60);
+  std::memcpy(manifest.data(), &h, sizeof(h));
+  WriteFile(dir.Sub("m/MANIFEST"), manifest);
+  EXPECT_OPEN_ERROR(dir.Sub("m"), nullptr, EMBEDCORE_CHECKPOINT_ERROR,
+                    "format version 2.0 is newer than this library reads (1.x); upgrade embedcore");
+}
+
+// A flipped byte of the values: lazily found by the lookup that touches its
+// block (and every later one: the block is never served), eagerly on open,
+// not at all without verification.
+EMBEDCORE_TEST(CorruptValues) {
+  TempDir dir;
+  SaveModel(dir.Sub("m"));
+  FlipByte(ValuesFile(dir.Sub("m"), 0), 4096 + 16 * 4 * 3 + 5);  // user row 3
+  const OwnedBatch good = Good();                                 // touches row 3
+  const embedcore_batch c = good.C();
+
+  embedcore_checkpoint* lazy = nullptr;
+  EXPECT_C_OK(embedcore_open(dir.Sub("m").c_str(), "{\"verify\": \"lazy\"}", &lazy));
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    Canary out(2 * 16);
+    EXPECT_C_ERROR(embedcore_lookup(lazy, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                   EMBEDCORE_CHECKPOINT_ERROR,
+                   "checksum mismatch in block 0 (bytes 4096..): refusing to serve corrupt rows");
+    EMBEDCORE_EXPECT(out.Untouched());
+  }
+  // The other tables are intact and served.
+  OwnedBatch item = Good();
+  const embedcore_batch ci = item.C();
+  Canary item_out(2 * 8);
+  EXPECT_C_OK(embedcore_lookup(lazy, 1, &ci, EMBEDCORE_COMBINER_SUM, 0, item_out.data.get(), item_out.n));
+  EXPECT_C_OK(embedcore_close(lazy));
+
+  EXPECT_OPEN_ERROR(dir.Sub("m"), "{\"verify\": \"eager\"}", EMBEDCORE_CHECKPOINT_ERROR, "checksum mismatch in block 0");
+
+  embedcore_checkpoint* none = nullptr;
+  EXPECT_C_OK(embedcore_open(dir.Sub("m").c_str(), "{\"verify\": \"none\"}", &none));
+  Canary out(2 * 16);
+  EXPECT_C_OK(embedcore_lookup(none, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n));
+  EXPECT_C_OK(embedcore_close(none));
+}
+
+EMBEDCORE_TEST(MalformedFeatureMetadata) {
+  TempDir dir;
+  struct Case {
+    const char* features;
+    const char* message;
+  } cases[] = {
+      {R"([{"name": "x", "table": "nope", "max_sequence_length": 0}])", "names no table of the checkpoint: 'nope'"},
+      {R"([{"name": "x", "table": "user", "max_sequence_length": -1}])", "max_sequence_length must be an integer >= 0"},
+      {R"([{"name": "x", "table": "user", "max_sequence_length": true}])", "max_sequence_length must be an integer"},
+      {R"([{"name": "x", "table": "user", "max_sequence_length": 1.5}])", "max_sequence_length must be an integer"},
+      {R"([{"name": 3, "table": "user", "max_sequence_length": 0}])", ".name must be a string"},
+      {R"([{"table": "user", "max_sequence_length": 0}])", ".name must be a string"},
+      {R"([7])", "metadata.features[0] must be an object"},
+      {R"({"a": 1})", "metadata.features must be a list"},
+  };
+  int i = 0;
+  for (const Case& k : cases) {
+    ModelOptions o;
+    o.features_json = k.features;
+    const std::string path = dir.Sub("m" + std::to_string(i++));
+    SaveModel(path, o);
+    EXPECT_OPEN_ERROR(path, nullptr, EMBEDCORE_CHECKPOINT_ERROR, k.message);
+  }
+  // Empty or absent features: a checkpoint of tables, as embedcore.serving reads it.
+  for (const char* features : {"[]", "null", "{}", "0", "false", "\"\""}) {
+    ModelOptions o;
+    o.features_json = features;
+    const std::string path = dir.Sub("m" + std::to_string(i++));
+    SaveModel(path, o);
+    embedcore_checkpoint* h = nullptr;
+    EXPECT_C_OK(embedcore_open(path.c_str(), nullptr, &h));
+    int64_t n = -1;
+    EXPECT_C_OK(embedcore_num_features(h, &n));
+    EMBEDCORE_EXPECT_EQ(n, 0);
+    embedcore_close(h);
+  }
+}
+
+// A reload that fails leaves the old checkpoint served, unchanged.
+EMBEDCORE_TEST(FailedReloadKeepsServing) {
+  Served s;
+  const OwnedBatch good = Good();
+  const embedcore_batch c = good.C();
+  std::vector<float> before(2 * 16), after(2 * 16);
+  EXPECT_C_OK(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, before.data(), 32));
+  uint64_t g0 = 0, g1 = 0;
+  EXPECT_C_OK(embedcore_checkpoint_generation(s.h, &g0));
+
+  EXPECT_C_ERROR(embedcore_reload(s.h, s.dir.Sub("missing").c_str(), nullptr), EMBEDCORE_CHECKPOINT_ERROR,
+                 "embedcore_reload: " + s.dir.Sub("missing") + ": no such checkpoint directory");
+  ModelOptions other_dim;
+  other_dim.item_dim = 4;
+  SaveModel(s.dir.Sub("dim"), other_dim);
+  EXPECT_C_ERROR(embedcore_reload(s.h, s.dir.Sub("dim").c_str(), nullptr), EMBEDCORE_CHECKPOINT_ERROR,
+                 "does not match the checkpoint being served: table 'item' has dim 4, was 8");
+  ModelOptions tables_only;
+  tables_only.features = false;
+  SaveModel(s.dir.Sub("tables"), tables_only);
+  EXPECT_C_ERROR(embedcore_reload(s.h, s.dir.Sub("tables").c_str(), nullptr), EMBEDCORE_CHECKPOINT_ERROR,
+                 "its features (names, tables or sequence lengths) differ");
+  ModelOptions longer;
+  longer.features_json = R"([{"name": "user", "table": "user", "max_sequence_length": 0},)"
+                         R"( {"name": "item", "table": "item", "max_sequence_length": 0},)"
+                         R"( {"name": "history", "table": "item", "max_sequence_length": 6},)"
+                         R"( {"name": "query", "table": "query", "max_sequence_length": 0}])";
+  SaveModel(s.dir.Sub("longer"), longer);
+  EXPECT_C_ERROR(embedcore_reload(s.h, s.dir.Sub("longer").c_str(), nullptr), EMBEDCORE_CHECKPOINT_ERROR,
+                 "features (names, tables or sequence lengths) differ");
+  {
+    TempDir other;
+    Table t(Spec("user", 50, 16, DType::kFloat32, 1));
+    SaveCheckpoint(other.Sub("one"), {{&t, "{}"}}, SaveOptions());
+    EXPECT_C_ERROR(embedcore_reload(s.h, other.Sub("one").c_str(), nullptr), EMBEDCORE_CHECKPOINT_ERROR,
+                   "it has 1 table(s), the served one 3");
+  }
+  SaveModel(s.dir.Sub("corrupt"));
+  FlipByte(s.dir.Sub("corrupt/MANIFEST"), 100);
+  EXPECT_C_ERROR(embedcore_reload(s.h, s.dir.Sub("corrupt").c_str(), nullptr), EMBEDCORE_CHECKPOINT_ERROR,
+                 "the manifest is corrupt");
+
+  EXPECT_C_OK(embedcore_checkpoint_generation(s.h, &g1));
+  EMBEDCORE_EXPECT_EQ(g1, g0);
+  EXPECT_C_OK(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, after.data(), 32));
+  EMBEDCORE_EXPECT(SameBits(before, after));
+  // More rows, another dtype: a compatible newer model.
+  ModelOptions grown;
+  grown.user_rows = 80;
+  grown.seed = 2;
+  SaveModel(s.dir.Sub("grown"), grown);
+  EXPECT_C_OK(embedcore_reload(s.h, s.dir.Sub("grown").c_str(), nullptr));
+  embedcore_table_info ti;
+  EXPECT_C_OK(embedcore_describe_table(s.h, 0, &ti));
+  EMBEDCORE_EXPECT_EQ(ti.rows, 80);
+}

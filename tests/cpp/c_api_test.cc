@@ -1,0 +1,331 @@
+// core/c_api/c_api.cc, core/include/embedcore/c_api.h: the C ABI of
+// libembedcore. Opening, describing tables and features, and every kind of
+// lookup (pooled with each combiner, weighted or not, sequences flat and
+// padded, int32 and int64 ids, every storage dtype), each compared bit for bit
+// with the engine's MappedCheckpoint, which the Python serving path runs.
+#include <atomic>
+#include <cmath>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "c_api_fixtures.h"
+
+using namespace c_api_test;
+
+namespace {
+
+// An open handle, closed at the end of the scope.
+struct Handle {
+  embedcore_checkpoint* h = nullptr;
+  explicit Handle(const std::string& path, const char* options = nullptr) {
+    if (embedcore_open(path.c_str(), options, &h) != EMBEDCORE_OK)
+      throw std::runtime_error(std::string("embedcore_open: ") + embedcore_last_error());
+  }
+  ~Handle() { embedcore_close(h); }
+};
+
+std::vector<float> CLookup(embedcore_checkpoint* h, int64_t table, const embedcore_batch& b, int32_t combiner,
+                           int64_t max_len = 0) {
+  int64_t n = -1;
+  if (embedcore_lookup_size(h, table, &b, combiner, max_len, &n) != EMBEDCORE_OK)
+    throw std::runtime_error(std::string("embedcore_lookup_size: ") + embedcore_last_error());
+  std::vector<float> out(static_cast<size_t>(n));
+  if (embedcore_lookup(h, table, &b, combiner, max_len, out.data(), n) != EMBEDCORE_OK)
+    throw std::runtime_error(std::string("embedcore_lookup: ") + embedcore_last_error());
+  return out;
+}
+
+}  // namespace
+
+EMBEDCORE_TEST(VersionAndBuildInfo) {
+  EMBEDCORE_EXPECT_EQ(std::string(embedcore_version()), std::string(EMBEDCORE_VERSION_STRING));
+  const char* json = nullptr;
+  EXPECT_C_OK(embedcore_build_info(&json));
+  EMBEDCORE_EXPECT(json != nullptr);
+  const std::string info = json;
+  EMBEDCORE_EXPECT_MSG(info.find("\"c_abi_version\":1") != std::string::npos, info);
+  EMBEDCORE_EXPECT_MSG(info.find("\"version\":\"" EMBEDCORE_VERSION_STRING "\"") != std::string::npos, info);
+  EMBEDCORE_EXPECT_MSG(info.find("\"format_version\":[1,0]") != std::string::npos, info);
+  EMBEDCORE_EXPECT_MSG(info.find("\"simd\":") != std::string::npos, info);
+  // Static storage: the same pointer every time.
+  const char* again = nullptr;
+  EXPECT_C_OK(embedcore_build_info(&again));
+  EMBEDCORE_EXPECT(again == json);
+}
+
+EMBEDCORE_TEST(NumThreads) {
+  int before = 0;
+  EXPECT_C_OK(embedcore_get_num_threads(&before));
+  EMBEDCORE_EXPECT_GE(before, 1);
+  EXPECT_C_OK(embedcore_set_num_threads(3));
+  int n = 0;
+  EXPECT_C_OK(embedcore_get_num_threads(&n));
+  EMBEDCORE_EXPECT_EQ(n, 3);
+  EXPECT_C_ERROR(embedcore_set_num_threads(0), EMBEDCORE_INVALID_ARGUMENT, "num_threads must be >= 1, got 0");
+  EXPECT_C_OK(embedcore_set_num_threads(before));
+}
+
+EMBEDCORE_TEST(OpenDescribesTablesAndFeatures) {
+  TempDir dir;
+  SaveModel(dir.Sub("m"));
+  Handle h(dir.Sub("m"));
+  int64_t n = -1;
+  EXPECT_C_OK(embedcore_num_tables(h.h, &n));
+  EMBEDCORE_EXPECT_EQ(n, 3);
+  struct Want {
+    const char* name;
+    int64_t rows, dim;
+    int32_t dtype, combiner;
+  } want[] = {{"user", 50, 16, EMBEDCORE_DTYPE_FLOAT32, EMBEDCORE_COMBINER_SUM},
+              {"item", 300, 8, EMBEDCORE_DTYPE_BFLOAT16, EMBEDCORE_COMBINER_MEAN},
+              {"query", 40, 12, EMBEDCORE_DTYPE_FLOAT16, EMBEDCORE_COMBINER_SQRTN}};
+  for (int64_t t = 0; t < 3; ++t) {
+    embedcore_table_info info;
+    EXPECT_C_OK(embedcore_describe_table(h.h, t, &info));
+    EMBEDCORE_EXPECT_EQ(std::string(info.name), std::string(want[t].name));
+    EMBEDCORE_EXPECT_EQ(info.rows, want[t].rows);
+    EMBEDCORE_EXPECT_EQ(info.dim, want[t].dim);
+    EMBEDCORE_EXPECT_EQ(info.dtype, want[t].dtype);
+    EMBEDCORE_EXPECT_EQ(info.combiner, want[t].combiner);
+    int64_t found = -1;
+    EXPECT_C_OK(embedcore_find_table(h.h, want[t].name, &found));
+    EMBEDCORE_EXPECT_EQ(found, t);
+  }
+  EXPECT_C_OK(embedcore_num_features(h.h, &n));
+  EMBEDCORE_EXPECT_EQ(n, 4);
+  const char* names[] = {"user", "item", "history", "query"};
+  const int64_t tables[] = {0, 1, 1, 2}, lengths[] = {0, 0, 5, 0};
+  for (int64_t f = 0; f < 4; ++f) {
+    embedcore_feature_info info;
+    EXPECT_C_OK(embedcore_describe_feature(h.h, f, &info));
+    EMBEDCORE_EXPECT_EQ(std::string(info.name), std::string(names[f]));
+    EMBEDCORE_EXPECT_EQ(info.table, tables[f]);
+    EMBEDCORE_EXPECT_EQ(info.max_sequence_length, lengths[f]);
+    int64_t found = -1;
+    EXPECT_C_OK(embedcore_find_feature(h.h, names[f], &found));
+    EMBEDCORE_EXPECT_EQ(found, f);
+  }
+  uint64_t generation = 0;
+  EXPECT_C_OK(embedcore_checkpoint_generation(h.h, &generation));
+  EMBEDCORE_EXPECT_EQ(generation, ReadCheckpointInfo(dir.Sub("m")).generation);
+}
+
+EMBEDCORE_TEST(TablesOnlyCheckpointHasNoFeatures) {
+  TempDir dir;
+  ModelOptions o;
+  o.features = false;
+  o.include_optimizer = true;  // slots in the checkpoint are simply not served
+  SaveModel(dir.Sub("m"), o);
+  Handle h(dir.Sub("m"));
+  int64_t n = -1;
+  EXPECT_C_OK(embedcore_num_features(h.h, &n));
+  EMBEDCORE_EXPECT_EQ(n, 0);
+  OwnedBatch b;
+  b.offsets = {0};
+  const embedcore_batch c = b.C();
+  EXPECT_C_ERROR(embedcore_lookup_feature(h.h, 0, &c, nullptr, 0), EMBEDCORE_OUT_OF_RANGE, "holds tables, not features");
+  int64_t found = -1;
+  EXPECT_C_ERROR(embedcore_find_feature(h.h, "user", &found), EMBEDCORE_OUT_OF_RANGE, "no feature named 'user'");
+  EMBEDCORE_EXPECT_EQ(found, -1);  // untouched on error
+}
+
+// Every combiner, weighted or not, sequences flat and padded, int32 and int64
+// ids, for every storage dtype: the C ABI gives the engine's bits.
+EMBEDCORE_TEST(LookupsMatchTheEngineBitForBit) {
+  TempDir dir;
+  SaveModel(dir.Sub("m"));
+  Handle h(dir.Sub("m"));
+  const MappedCheckpoint ref(dir.Sub("m"), MappedCheckpoint::Verify::kLazy);
+  std::mt19937_64 rng(7);
+  int compared = 0;
+  for (size_t t = 0; t < 3; ++t) {
+    const int64_t rows = ref.info().tables[t].rows;
+    for (int trial = 0; trial < 4; ++trial) {
+      const OwnedBatch b = OwnedBatch::Random(rng, rows, 1 + trial * 7, trial == 3 ? 40 : 6);
+      for (int weighted = 0; weighted < 2; ++weighted) {
+        for (int int32 = 0; int32 < 2; ++int32) {
+          const embedcore_batch c = b.C(weighted, int32);
+          const Batch e = b.Engine(weighted, int32);
+          const struct {
+            int32_t code;
+            Combiner engine;
+            int64_t length;
+          } cases[] = {{EMBEDCORE_COMBINER_SUM, Combiner::kSum, 0},   {EMBEDCORE_COMBINER_MEAN, Combiner::kMean, 0},
+                       {EMBEDCORE_COMBINER_SQRTN, Combiner::kSqrtn, 0}, {EMBEDCORE_COMBINER_NONE, Combiner::kNone, 0},
+                       {EMBEDCORE_COMBINER_NONE, Combiner::kNone, 1},   {EMBEDCORE_COMBINER_NONE, Combiner::kNone, 5}};
+          for (const auto& k : cases) {
+            const std::vector<float> got = CLookup(h.h, int64_t(t), c, k.code, k.length);
+            const std::vector<float> want = Reference(ref, t, e, k.engine, k.length);
+            EMBEDCORE_EXPECT_MSG(SameBits(got, want), "table " << t << " combiner " << k.code << " length "
+                                                               << k.length << " weighted " << weighted << " int32 "
+                                                               << int32);
+            ++compared;
+          }
+        }
+      }
+    }
+  }
+  EMBEDCORE_EXPECT_EQ(compared, 3 * 4 * 2 * 2 * 6);
+}
+
+// An independent check of the arithmetic: a float32 sum in the kernels' order.
+EMBEDCORE_TEST(WeightedSumOfFloat32Rows) {
+  TempDir dir;
+  SaveModel(dir.Sub("m"));
+  Handle h(dir.Sub("m"));
+  const MappedCheckpoint ref(dir.Sub("m"), MappedCheckpoint::Verify::kNone);
+  const float* values = static_cast<const float*>(ref.values(0));  // user: 50 x 16 float32
+  OwnedBatch b;
+  b.ids = {3, 49, 3, 0};
+  b.offsets = {0, 3, 3, 4};
+  b.weights = {0.5f, 2.0f, -1.0f, 1.5f};
+  const std::vector<float> got = CLookup(h.h, 0, b.C(true), EMBEDCORE_COMBINER_SUM);
+  EMBEDCORE_EXPECT_EQ(got.size(), size_t(3 * 16));
+  for (int d = 0; d < 16; ++d) {
+    float s = 0.0f;
+    for (int k = 0; k < 3; ++k) s += b.weights[size_t(k)] * values[b.ids[size_t(k)] * 16 + d];
+    EMBEDCORE_EXPECT_NEAR(got[size_t(d)], s, 1e-6, 1e-6);
+    EMBEDCORE_EXPECT_BITS_EQ(got[size_t(16 + d)], 0.0f);  // the empty bag
+    EMBEDCORE_EXPECT_BITS_EQ(got[size_t(32 + d)], 1.5f * values[d]);
+  }
+}
+
+EMBEDCORE_TEST(DefaultCombinerIsTheTables) {
+  TempDir dir;
+  SaveModel(dir.Sub("m"));
+  Handle h(dir.Sub("m"));
+  std::mt19937_64 rng(3);
+  const int32_t own[] = {EMBEDCORE_COMBINER_SUM, EMBEDCORE_COMBINER_MEAN, EMBEDCORE_COMBINER_SQRTN};
+  for (int64_t t = 0; t < 3; ++t) {
+    const OwnedBatch b = OwnedBatch::Random(rng, 40, 9, 5);
+    EMBEDCORE_EXPECT(SameBits(CLookup(h.h, t, b.C(true), EMBEDCORE_COMBINER_DEFAULT),
+                              CLookup(h.h, t, b.C(true), own[t])));
+  }
+}
+
+EMBEDCORE_TEST(FeatureLookupsAreTheServedCheckpoints) {
+  TempDir dir;
+  SaveModel(dir.Sub("m"));
+  Handle h(dir.Sub("m"));
+  const MappedCheckpoint ref(dir.Sub("m"), MappedCheckpoint::Verify::kLazy);
+  std::mt19937_64 rng(11);
+  // user: pooled sum; item: pooled mean; history: item rows padded to 5; query: pooled sqrtn.
+  const struct {
+    size_t table;
+    Combiner combiner;
+    int64_t length;
+  } want[] = {{0, Combiner::kSum, 0}, {1, Combiner::kMean, 0}, {1, Combiner::kNone, 5}, {2, Combiner::kSqrtn, 0}};
+  for (int64_t f = 0; f < 4; ++f) {
+    const OwnedBatch b = OwnedBatch::Random(rng, 40, 13, 8);
+    for (int weighted = 0; weighted < 2; ++weighted) {
+      const embedcore_batch c = b.C(weighted);
+      const std::vector<float> expected =
+          Reference(ref, want[f].table, b.Engine(weighted), want[f].combiner, want[f].length);
+      std::vector<float> got(expected.size() + 1, 7.0f);
+      EXPECT_C_OK(embedcore_lookup_feature(h.h, f, &c, got.data(), int64_t(got.size())));
+      EMBEDCORE_EXPECT_BITS_EQ(got.back(), 7.0f);  // a larger buffer: only the output is written
+      got.pop_back();
+      EMBEDCORE_EXPECT_MSG(SameBits(got, expected), "feature " << f << " weighted " << weighted);
+    }
+  }
+}
+
+EMBEDCORE_TEST(LookupSize) {
+  TempDir dir;
+  SaveModel(dir.Sub("m"));
+  Handle h(dir.Sub("m"));
+  embedcore_batch b;
+  std::memset(&b, 0, sizeof(b));
+  b.num_bags = 7;
+  b.nnz = 20;
+  int64_t n = 0;
+  EXPECT_C_OK(embedcore_lookup_size(h.h, 0, &b, EMBEDCORE_COMBINER_SUM, 0, &n));
+  EMBEDCORE_EXPECT_EQ(n, 7 * 16);
+  EXPECT_C_OK(embedcore_lookup_size(h.h, 0, &b, EMBEDCORE_COMBINER_DEFAULT, 0, &n));
+  EMBEDCORE_EXPECT_EQ(n, 7 * 16);
+  EXPECT_C_OK(embedcore_lookup_size(h.h, 1, &b, EMBEDCORE_COMBINER_NONE, 0, &n));
+  EMBEDCORE_EXPECT_EQ(n, 20 * 8);
+  EXPECT_C_OK(embedcore_lookup_size(h.h, 2, &b, EMBEDCORE_COMBINER_NONE, 3, &n));
+  EMBEDCORE_EXPECT_EQ(n, 7 * 3 * 12);
+}
+
+EMBEDCORE_TEST(EmptyBatches) {
+  TempDir dir;
+  SaveModel(dir.Sub("m"));
+  Handle h(dir.Sub("m"));
+  OwnedBatch none;
+  none.offsets = {0};
+  const embedcore_batch c = none.C();
+  EXPECT_C_OK(embedcore_lookup(h.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, nullptr, 0));  // nothing to write
+  OwnedBatch empty_bags;
+  empty_bags.offsets = {0, 0, 0};
+  const embedcore_batch e = empty_bags.C();
+  std::vector<float> out(2 * 16, 5.0f);
+  EXPECT_C_OK(embedcore_lookup(h.h, 0, &e, EMBEDCORE_COMBINER_MEAN, 0, out.data(), int64_t(out.size())));
+  for (float v : out) EMBEDCORE_EXPECT_BITS_EQ(v, 0.0f);
+  EXPECT_C_OK(embedcore_lookup(h.h, 0, &e, EMBEDCORE_COMBINER_NONE, 0, nullptr, 0));  // [0, dim]
+}
+
+EMBEDCORE_TEST(VerifyOptions) {
+  TempDir dir;
+  SaveModel(dir.Sub("m"));
+  for (const char* options : {"{}", "{\"verify\": \"lazy\"}", "{\"verify\": \"eager\"}", "{\"verify\": \"none\"}",
+                              "{\"verify\": true}", "{\"verify\": false}", " { } "}) {
+    embedcore_checkpoint* h = nullptr;
+    EXPECT_C_OK(embedcore_open(dir.Sub("m").c_str(), options, &h));
+    EMBEDCORE_EXPECT(h != nullptr);
+    EXPECT_C_OK(embedcore_close(h));
+  }
+}
+
+// The last error belongs to the thread whose call failed.
+EMBEDCORE_TEST(LastErrorIsPerThread) {
+  TempDir dir;
+  SaveModel(dir.Sub("m"));
+  Handle h(dir.Sub("m"));
+  int64_t found = -1;
+  EXPECT_C_ERROR(embedcore_find_table(h.h, "nope", &found), EMBEDCORE_OUT_OF_RANGE, "no table named 'nope'");
+  std::string other;
+  std::thread t([&] {
+    other = embedcore_last_error();
+    int64_t n = 0;
+    embedcore_num_tables(h.h, &n);
+    embedcore_find_table(h.h, "elsewhere", &n);
+  });
+  t.join();
+  EMBEDCORE_EXPECT_EQ(other, std::string(""));
+  EMBEDCORE_EXPECT_MSG(std::string(embedcore_last_error()).find("'nope'") != std::string::npos,
+                       embedcore_last_error());
+  // A successful call leaves it as it was.
+  int64_t n = 0;
+  EXPECT_C_OK(embedcore_num_tables(h.h, &n));
+  EMBEDCORE_EXPECT(std::string(embedcore_last_error()).find("'nope'") != std::string::npos);
+}
+
+// Lookups from many threads on one handle agree with one thread's.
+EMBEDCORE_TEST(ConcurrentLookups) {
+  TempDir dir;
+  SaveModel(dir.Sub("m"));
+  Handle h(dir.Sub("m"));
+  std::mt19937_64 rng(5);
+  std::vector<OwnedBatch> batches;
+  std::vector<std::vector<float>> expected;
+  for (int i = 0; i < 8; ++i) {
+    batches.push_back(OwnedBatch::Random(rng, 50, 64, 16));
+    expected.push_back(CLookup(h.h, 0, batches.back().C(true), EMBEDCORE_COMBINER_SQRTN));
+  }
+  std::atomic<int> wrong(0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 200; ++i) {
+        const size_t k = size_t((i + t) % 8);
+        if (!SameBits(CLookup(h.h, 0, batches[k].C(true), EMBEDCORE_COMBINER_SQRTN), expected[k])) ++wrong;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EMBEDCORE_EXPECT_EQ(wrong.load(), 0);
+}

@@ -1,0 +1,107 @@
+"""SavedModel export: a model that uses the adapter is saved with
+tf.saved_model.save, reloaded in a fresh process that never imports
+embedcore, and gives the same outputs (the lookup is lowered to TensorFlow's
+own ops at export)."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from tf_helpers import E, tf
+
+import embedcore as ec
+from embedcore.adapters.tf import Embedding, EmbeddingForServing, export_mode
+
+keras = __import__("pytest").importorskip("keras")
+
+SIGNATURE = {"s": tf.SparseTensorSpec([None, None], tf.int64), "r": tf.RaggedTensorSpec([None, None], tf.int64, 1),
+             "d": tf.TensorSpec([None, 2], tf.int64), "q": tf.SparseTensorSpec([None, None], tf.int64),
+             "o": tf.RaggedTensorSpec([None, None], tf.int64, 1), "k": tf.TensorSpec([None, 3], tf.int64)}
+
+
+def _inputs():
+    return {"s": tf.SparseTensor([[0, 0], [0, 1], [2, 0], [3, 5]], tf.constant([1, 2, -3, 7], tf.int64), [4, 6]),
+            "r": tf.ragged.constant([[1, 2], [], [3, 4, 5], [6]], dtype=tf.int64),
+            "d": tf.constant([[1, 2], [3, 4], [5, 6], [7, 8]], tf.int64),
+            "q": tf.SparseTensor([[0, 0], [0, 4], [3, 1]], tf.constant([5, 6, 7], tf.int64), [4, 5]),
+            "o": tf.ragged.constant([[1, 2], [], [3, 4, 5], [6]], dtype=tf.int64),
+            "k": tf.constant([[1, 2, 3], [4, 5, 6], [7, 8, 9], [0, 0, 0]], tf.int64)}
+
+
+LOAD = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+args = json.loads(sys.argv[1])
+m = tf.saved_model.load(args["path"])
+f = {"s": tf.SparseTensor([[0, 0], [0, 1], [2, 0], [3, 5]], tf.constant([1, 2, -3, 7], tf.int64), [4, 6]),
+     "r": tf.ragged.constant([[1, 2], [], [3, 4, 5], [6]], dtype=tf.int64),
+     "d": tf.constant([[1, 2], [3, 4], [5, 6], [7, 8]], tf.int64),
+     "q": tf.SparseTensor([[0, 0], [0, 4], [3, 1]], tf.constant([5, 6, 7], tf.int64), [4, 5]),
+     "o": tf.ragged.constant([[1, 2], [], [3, 4, 5], [6]], dtype=tf.int64),
+     "k": tf.constant([[1, 2, 3], [4, 5, 6], [7, 8, 9], [0, 0, 0]], tf.int64)}
+out = {k: v.numpy() for k, v in m.serve(f).items()}
+k = tf.saved_model.load(args["keras"])
+out["keras_model"] = k.serve(tf.constant(np.arange(24).reshape(8, 3) % 20)).numpy()
+np.savez(args["out"], **out)
+print(json.dumps({"embedcore_imported": any(k.startswith("embedcore") for k in sys.modules)}))
+"""
+
+
+def test_saved_model_serves_without_embedcore(tmp_path, rng):
+    t_sum = E.TableConfig(vocabulary_size=40, dim=8, combiner="sum", name="t_sum")
+    t_mean = E.TableConfig(vocabulary_size=30, dim=4, combiner="sqrtn", name="t_mean")
+    config = {"s": E.FeatureConfig(t_sum), "r": E.FeatureConfig(t_mean), "d": E.FeatureConfig(t_mean),
+              "q": E.FeatureConfig(t_sum, max_sequence_length=3), "o": E.FeatureConfig(t_mean, output_shape=[8])}
+    emb = EmbeddingForServing(config)
+    for cfg in (t_sum, t_mean):
+        emb.embedding_tables[cfg].assign(rng.standard_normal((cfg.vocabulary_size, cfg.dim)).astype(np.float32))
+    layer = Embedding(10, 5, optimizer=ec.optimizers.SGD(0.1), table_name="keras_table")
+    layer.build()
+
+    class Model(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = emb
+            self.layer = layer
+            self.kernel = tf.Variable(rng.standard_normal((8, 2)).astype(np.float32))
+
+        @tf.function(input_signature=[SIGNATURE])
+        def serve(self, f):
+            f = dict(f)
+            k = f.pop("k")
+            out = self.embedding(f)
+            out["s"] = tf.matmul(out["s"], self.kernel)
+            out["k"] = self.layer(k, training=False)
+            return out
+
+    model = Model()
+    before = {k: v.numpy() for k, v in model.serve(_inputs()).items()}  # traced with the engine first
+    path = str(tmp_path / "saved")
+    tf.saved_model.save(model, path)
+    after = model.serve(_inputs())  # still the engine afterwards
+    for k in before:
+        np.testing.assert_array_equal(after[k].numpy(), before[k])
+
+    # A Keras model with the layer, exported by Keras (which traces before it saves: export_mode lowers those traces).
+    klayer = Embedding(20, 4, optimizer=ec.optimizers.SGD(0.1), combiner="sum", table_name="kt")
+    inputs = keras.Input(shape=(3,), dtype="int64")
+    kmodel = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(klayer(inputs))))
+    kmodel.compile("sgd", "mse")
+    kids = np.arange(24).reshape(8, 3) % 20
+    kmodel.fit(kids, np.ones((8, 2), np.float32), verbose=0)  # trains the table too
+    before["keras_model"] = kmodel.predict(kids, verbose=0)
+    with export_mode():
+        kmodel.export(str(tmp_path / "keras"), verbose=False)
+    np.testing.assert_array_equal(kmodel.predict(kids, verbose=0), before["keras_model"])
+
+    out = str(tmp_path / "out.npz")
+    args = json.dumps({"path": path, "keras": str(tmp_path / "keras"), "out": out})
+    proc = subprocess.run([sys.executable, "-c", LOAD, args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"embedcore_imported": False}
+    loaded = np.load(out)
+    assert set(loaded.files) == set(before)
+    for k in before:  # TensorFlow's own ops give the adapter's outputs
+        np.testing.assert_array_equal(loaded[k], before[k], err_msg=k)

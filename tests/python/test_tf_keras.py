@@ -1,0 +1,123 @@
+"""embedcore.adapters.tf.Embedding: a Keras layer whose tables live in the
+engine and train with model.fit; one step equals the NumPy reference update
+(tests/python/reference.py) from the layer's output gradient."""
+import numpy as np
+import pytest
+
+from tf_helpers import E, tf
+
+import embedcore as ec
+import reference as ref
+from embedcore.adapters.tf import Embedding
+
+keras = pytest.importorskip("keras")
+
+
+def _assert_table(table, expected: ref.TableRef):
+    np.testing.assert_allclose(table.values(), expected.values, rtol=2e-6, atol=1e-7)
+    for k, v in table.slots().items():
+        np.testing.assert_allclose(v, expected.slots[k], rtol=2e-6, atol=1e-7)
+    assert table.step == expected.step
+
+
+@pytest.mark.parametrize("optimizer,reference", [
+    (ec.optimizers.Adagrad(learning_rate=0.5, initial_accumulator_value=0.1), ref.OptimizerRef("adagrad", 0.5)),
+    (E.SGD(0.3), ref.OptimizerRef("sgd", 0.3)),
+    (E.Adam(0.05), ref.OptimizerRef("adam", 0.05)),
+], ids=["ec-adagrad", "tf-sgd", "tf-adam"])
+def test_fit_step_equals_reference(rng, optimizer, reference):
+    rows, dim, batch, k = 30, 4, 8, 3
+    layer = Embedding(rows, dim, optimizer=optimizer, table_name="items")
+    inputs = keras.Input(shape=(k,), dtype="int64")
+    model = keras.Model(inputs, layer(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    table = layer._embedcore_tables()[0]
+    expected = ref.TableRef(table.values().copy(), reference)
+    for step in range(2):
+        ids = rng.integers(0, rows, (batch, k))
+        y = rng.standard_normal((batch, k, dim)).astype(np.float32)
+        out = expected.values[ids]
+        dloss = 2.0 * (out - y) / out.size  # mean squared error over every output
+        model.fit(ids, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+        expected.apply(expected.row_grads().add_flat(ids.reshape(-1), None, dloss.reshape(-1, dim)))
+        _assert_table(table, expected)
+    # Inference does not train.
+    before = table.values().copy()
+    model.predict(ids, verbose=0)
+    model.evaluate(ids, y, verbose=0)
+    np.testing.assert_array_equal(table.values(), before)
+
+
+class SharedTableModel(keras.Model):
+    def __init__(self, layer):
+        super().__init__()
+        self.embedding = layer
+
+    def call(self, inputs):
+        out = self.embedding(inputs["features"], inputs["weights"])
+        return tf.concat([out["a"], out["b"], tf.reshape(out["s"], [-1, 2 * 4])], axis=1)
+
+
+def test_fit_features_sharing_a_table(rng):
+    # Three features of one mean table (pooled ragged with weights, pooled sparse, a sequence): one optimizer
+    # step per batch, with the gradients of all three summed before it.
+    table = E.TableConfig(vocabulary_size=25, dim=4, combiner="mean", name="shared")
+    config = {"a": E.FeatureConfig(table), "b": E.FeatureConfig(table), "s": E.FeatureConfig(table, max_sequence_length=2)}
+    layer = Embedding(feature_config=config, optimizer=ec.optimizers.Adagrad(0.2))
+    model = SharedTableModel(layer)
+    model.compile(optimizer="sgd", loss="mse")
+    batch = 5
+    lengths = np.array([2, 0, 3, 1, 4])
+    a_ids = rng.integers(0, 25, lengths.sum())
+    a_w = rng.uniform(0.5, 2.0, lengths.sum()).astype(np.float32)
+    b_idx = np.array([[0, 0], [0, 1], [2, 0], [3, 2], [4, 0]])
+    b_ids = rng.integers(0, 25, len(b_idx))
+    s_ids = rng.integers(0, 25, lengths.sum())
+    a = tf.RaggedTensor.from_row_lengths(a_ids, lengths)
+    features = {"features": {"a": a, "b": tf.SparseTensor(b_idx, b_ids, [batch, 3]),
+                             "s": tf.RaggedTensor.from_row_lengths(s_ids, lengths)},
+                "weights": {"a": tf.RaggedTensor.from_row_lengths(a_w, lengths), "b": None, "s": None}}
+    y = rng.standard_normal((batch, 16)).astype(np.float32)
+    engine = layer._embedcore_tables()[0]
+    expected = ref.TableRef(engine.values().copy(), ref.OptimizerRef("adagrad", 0.2))
+
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    b_offsets = np.array([0, 2, 2, 3, 4, 5])
+    pred = np.concatenate([ref.pooled(expected.values, a_ids, offsets, a_w, "mean")[0],
+                           ref.pooled(expected.values, b_ids, b_offsets, None, "mean")[0],
+                           ref.sequence_padded(expected.values, s_ids, offsets, None, 2).reshape(batch, 8)], axis=1)
+    g = 2.0 * (pred - y) / pred.size
+    model.train_on_batch(features, y)
+    rg = expected.row_grads()
+    rg.add_pooled(a_ids, offsets, a_w, "mean", g[:, 0:4])
+    rg.add_pooled(b_ids, b_offsets, None, "mean", g[:, 4:8])
+    rg.add_padded(s_ids, offsets, None, 2, g[:, 8:].reshape(batch, 2, 4))
+    expected.apply(rg)
+    _assert_table(engine, expected)
+
+
+def test_gradient_tape_eager_and_traced(rng):
+    layer = Embedding(20, 3, optimizer=ec.optimizers.SGD(1.0), combiner="sum", table_name="t")
+    layer.build()
+    engine = layer._embedcore_tables()[0]
+    ids = tf.ragged.constant([[1, 2, 2], [], [5]], dtype=tf.int64)
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(ids, training=True))
+        return tape.gradient(loss, layer.trainable_weights)
+
+    for run in (step, tf.function(step)):
+        before = engine.values().copy()
+        grads = run()
+        assert float(grads[0]) == 0.0  # the anchor weight's gradient
+        expected = before.copy()
+        expected[1] -= 1.0
+        expected[2] -= 2.0
+        expected[5] -= 1.0
+        np.testing.assert_array_equal(engine.values(), expected)
+    # training=False: a plain lookup, no update.
+    before = engine.values().copy()
+    with tf.GradientTape() as tape:
+        tf.reduce_sum(layer(ids, training=False))
+    np.testing.assert_array_equal(engine.values(), before)

@@ -1,0 +1,62 @@
+"""embedcore.adapters.tf.Saver: SOK's dump_to_file / restore_from_file /
+load_embedding_values on the adapter's tables, eagerly and inside
+tf.function, each returning the string tensor "OK"; files in embedcore's
+checkpoint format."""
+import numpy as np
+import pytest
+
+from tf_helpers import E, tf
+
+import embedcore as ec
+from embedcore.adapters.tf import Embedding, EmbeddingForServing, Saver
+
+
+def _layer():
+    layer = Embedding(12, 3, optimizer=ec.optimizers.Adagrad(0.1), table_name="sok")
+    layer.build()
+    return layer
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_dump_restore_load(tmp_path, rng, traced):
+    saver = Saver()
+    wrap = tf.function if traced else (lambda f: f)
+    layer = _layer()
+    table = layer._embedcore_tables()[0]
+    values = rng.standard_normal((12, 3)).astype(np.float32)
+
+    # load_embedding_values: a list of [n_i, dim] tensors stacked along rows, as SOK takes them.
+    parts = [tf.constant(values[:5]), tf.constant(values[5:])]
+    out = wrap(lambda: saver.load_embedding_values(layer, parts))()
+    assert out.dtype == tf.string and out.numpy() == b"OK"
+    np.testing.assert_array_equal(table.values(), values)
+    table.apply_gradients(np.array([1, 2]), np.array([0, 2]), np.ones((1, 3), np.float32))  # some slot state
+
+    path = str(tmp_path / "dump")
+    assert wrap(lambda: saver.dump_to_file(layer, path))().numpy() == b"OK"
+    assert ec.checkpoint.read_info(path).table_names == ["sok"]  # an embedcore checkpoint
+    saved_values, saved_slots = table.values().copy(), {k: v.copy() for k, v in table.slots().items()}
+
+    other = _layer()
+    assert wrap(lambda p: saver.restore_from_file(other, p))(tf.constant(path)).numpy() == b"OK"
+    restored = other._embedcore_tables()[0]
+    np.testing.assert_array_equal(restored.values(), saved_values)
+    for k, v in saved_slots.items():
+        np.testing.assert_array_equal(restored.slots()[k], v)
+    assert restored.step == 1
+
+
+def test_tables_of_a_serving_object_and_errors(tmp_path, rng):
+    cfg = E.TableConfig(vocabulary_size=6, dim=2, name="t")
+    emb = EmbeddingForServing({"f": E.FeatureConfig(cfg)})
+    saver = Saver()
+    values = rng.standard_normal((6, 2)).astype(np.float32)
+    assert saver.load_embedding_values(emb.embedding_tables[cfg], tf.constant(values)).numpy() == b"OK"
+    np.testing.assert_array_equal(emb.embedding_tables[cfg].numpy(), values)
+    assert saver.dump_to_file(emb, str(tmp_path / "d")).numpy() == b"OK"
+    with pytest.raises(ValueError, match="rows"):
+        saver.load_embedding_values(emb, [tf.constant(values[:4])])
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        tf.function(lambda: saver.load_embedding_values(emb, [tf.constant(values[:4])]))()
+    with pytest.raises(ValueError):
+        saver.restore_from_file(emb, str(tmp_path / "missing"))

@@ -1,0 +1,183 @@
+"""EmbeddingBagCollection / EmbeddingCollection: dict features in every form,
+and (when TorchRec is installed) KeyedJaggedTensor inputs, EmbeddingBagConfig,
+KeyedTensor / JaggedTensor outputs and state dicts against TorchRec's modules."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import embedcore as ec  # noqa: E402
+import embedcore.adapters.torch as et  # noqa: E402
+from torch_helpers import bags, max_diff  # noqa: E402
+
+
+def _configs(cls=et.EmbeddingBagConfig, **kw):
+    return [cls(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f3"], **kw),
+            cls(num_embeddings=50, embedding_dim=6, name="t2", feature_names=["f2"], **kw)]
+
+
+def _ref_bag(ebc, table, mode):
+    w = ebc.embedding_bags[table].weight.detach().clone()
+    return torch.nn.EmbeddingBag.from_pretrained(w, mode=mode, include_last_offset=True)
+
+
+def test_dict_features_every_form(rng):
+    ebc = et.EmbeddingBagCollection(_configs())
+    ids1, off1, w1 = bags(rng, 30, 5, weighted=True)
+    ids2, off2, _ = bags(rng, 50, 5)
+    x3 = torch.from_numpy(rng.integers(0, 30, size=(5, 3)))
+    out = ebc({"f1": (ids1, off1, w1), "f2": {"values": ids2, "lengths": off2.diff().int()}, "f3": x3})
+    assert list(out) == ["f1", "f3", "f2"]  # table order, then feature order, as TorchRec
+    r1, r2 = _ref_bag(ebc, "t1", "sum"), _ref_bag(ebc, "t2", "sum")
+    assert max_diff(out["f1"], r1(ids1, off1, w1)) <= 1e-6
+    assert max_diff(out["f2"], r2(ids2, off2)) <= 1e-6
+    assert max_diff(out["f3"], r1(x3.reshape(-1), torch.arange(0, 16, 3))) <= 1e-6
+    out2 = ebc({"f1": ec.Ragged(ids1, off1), "f2": ids2, "f3": {"values": x3.reshape(-1),
+                                                               "offsets": torch.arange(0, 16, 3)}})
+    assert max_diff(out2["f1"], r1(ids1, off1)) <= 1e-6
+    assert max_diff(out2["f2"], r2(ids2, torch.arange(len(ids2) + 1))) <= 1e-6  # one id per bag
+    assert max_diff(out2["f3"], out["f3"]) == 0
+
+
+def test_pooling_and_config_options(rng):
+    cfgs = [et.EmbeddingBagConfig(20, 3, name="a", pooling="mean", initializer=ec.initializers.Constant(0.5)),
+            et.EmbeddingBagConfig(20, 3, name="b", pooling="sqrtn", weight_init_min=1.0, weight_init_max=2.0),
+            et.EmbeddingBagConfig(20, 3, name="c", init_fn=lambda t: torch.nn.init.constant_(t, -1.0),
+                                  optimizer=ec.optimizers.SGD(0.1))]
+    ebc = et.EmbeddingBagCollection(cfgs)
+    assert float(ebc.embedding_bags["a"].weight.detach().max()) == 0.5
+    wb = ebc.embedding_bags["b"].weight.detach()
+    assert 1.0 <= float(wb.min()) and float(wb.max()) <= 2.0
+    assert float(ebc.embedding_bags["c"].weight.detach().max()) == -1.0
+    assert ebc.embedding_bags["c"].fused and not ebc.embedding_bags["a"].fused
+    out = ebc({"a": (torch.tensor([1, 2, 3]), torch.tensor([0, 3])), "b": (torch.tensor([1, 2, 3, 4]),
+                                                                        torch.tensor([0, 4])),
+               "c": (torch.tensor([5]), torch.tensor([0, 1]))})
+    assert max_diff(out["a"], torch.full((1, 3), 0.5)) <= 1e-6
+    assert max_diff(out["b"], wb[1:5].sum(0, keepdim=True) / 2.0) <= 1e-6
+
+
+def test_collection_errors():
+    ebc = et.EmbeddingBagCollection(_configs())
+    ok = (torch.tensor([1]), torch.tensor([0, 1]))
+    with pytest.raises(KeyError, match="f3"):
+        ebc({"f1": ok, "f2": ok})
+    with pytest.raises(ValueError):
+        ebc({"f1": ok, "f2": ok, "f3": {"values": ok[0]}})
+    with pytest.raises(TypeError):
+        ebc({"f1": ok, "f2": ok, "f3": "bad"})
+    with pytest.raises(TypeError):
+        ebc([ok])
+    with pytest.raises(IndexError):
+        ebc({"f1": ok, "f2": ok, "f3": (torch.tensor([30]), torch.tensor([0, 1]))})
+    with pytest.raises(ValueError, match="duplicate"):
+        et.EmbeddingBagCollection(_configs() + _configs()[:1])
+    with pytest.raises(ValueError, match="pooling"):
+        et.EmbeddingBagCollection([et.EmbeddingBagConfig(5, 2, name="x", pooling="max")])
+    with pytest.raises(ValueError, match="name"):
+        et.EmbeddingBagCollection([et.EmbeddingBagConfig(5, 2)])
+
+
+def test_embedding_collection_dict(rng):
+    ec_mod = et.EmbeddingCollection(_configs(et.EmbeddingConfig), sparse=True)
+    x1 = torch.from_numpy(rng.integers(0, 30, size=(3, 4)))
+    ids2, off2, _ = bags(rng, 50, 4)
+    out = ec_mod({"f1": x1, "f2": (ids2, off2), "f3": torch.tensor([1, 2])})
+    w1, w2 = ec_mod.embeddings["t1"].weight, ec_mod.embeddings["t2"].weight
+    assert out["f1"].shape == (3, 4, 4) and max_diff(out["f1"], w1[x1]) == 0
+    assert out["f2"].shape == (len(ids2), 6) and max_diff(out["f2"], w2[ids2]) == 0
+    (out["f1"].sum() + out["f3"].sum()).backward()  # one sparse gradient for both features of t1
+    assert w1.grad.is_sparse and w1.grad._nnz() == 14
+
+
+# ------------------------------------------------------------------ TorchRec
+@pytest.fixture
+def torchrec():
+    return pytest.importorskip("torchrec")
+
+
+def _kjt(torchrec, rng, keys, rows, batch, weighted=False):
+    values, lengths = [], []
+    for k in keys:
+        ids, off, _ = bags(rng, rows[k], batch)
+        values.append(ids)
+        lengths.append(off.diff())
+    v = torch.cat(values)
+    w = torch.rand(len(v)) if weighted else None
+    return torchrec.KeyedJaggedTensor.from_lengths_sync(keys=keys, values=v, lengths=torch.cat(lengths), weights=w)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_kjt_matches_torchrec(rng, torchrec, weighted):
+    from torchrec.modules.embedding_configs import PoolingType
+
+    pooling = PoolingType.SUM if weighted else PoolingType.MEAN
+    cfgs = [torchrec.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f3"],
+                                        pooling=pooling),
+            torchrec.EmbeddingBagConfig(num_embeddings=50, embedding_dim=6, name="t2", feature_names=["f2", "f3"],
+                                        pooling=pooling)]
+    ref = torchrec.EmbeddingBagCollection(cfgs, is_weighted=weighted)
+    ours = et.EmbeddingBagCollection(cfgs, is_weighted=weighted)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    ours.load_state_dict(ref.state_dict())  # TorchRec's state dict loads as is
+    for _ in range(3):
+        kjt = _kjt(torchrec, rng, ["f2", "f3", "f1"], {"f1": 30, "f2": 30, "f3": 30}, 7, weighted)
+        a, b = ref(kjt), ours(kjt)
+        assert isinstance(b, torchrec.KeyedTensor)
+        assert b.keys() == a.keys() == ["f1", "f3@t1", "f2", "f3@t2"]
+        assert b.length_per_key() == a.length_per_key()
+        assert max_diff(b.values(), a.values()) <= 1e-6
+
+
+def test_kjt_training_matches_torchrec(rng, torchrec):
+    cfgs = [torchrec.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f2"])]
+    ref = torchrec.EmbeddingBagCollection(cfgs)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ours = et.EmbeddingBagCollection(cfgs, optimizer=ec.optimizers.SGD(0.1))
+    ours.load_state_dict(ref.state_dict())
+    for _ in range(5):
+        kjt = _kjt(torchrec, rng, ["f1", "f2"], {"f1": 30, "f2": 30}, 6)
+        g = torch.randn(6, 8)
+        ref_opt.zero_grad()
+        (ref(kjt).values() * g).sum().backward()
+        ref_opt.step()
+        (ours(kjt).values() * g).sum().backward()
+    assert max_diff(ours.embedding_bags["t1"].weight, ref.embedding_bags["t1"].weight) <= 1e-5
+    assert ours.embedding_bags["t1"].table.step == 5
+
+
+def test_embedding_collection_matches_torchrec(rng, torchrec):
+    cfgs = [torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f3"]),
+            torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t2", feature_names=["f2"])]
+    ref = torchrec.EmbeddingCollection(cfgs)
+    ours = et.EmbeddingCollection(cfgs)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    kjt = _kjt(torchrec, rng, ["f1", "f2", "f3"], {"f1": 30, "f2": 30, "f3": 30}, 5)
+    a, b = ref(kjt), ours(kjt)
+    assert list(a) == list(b)
+    for k in a:
+        assert isinstance(b[k], torchrec.JaggedTensor)
+        assert max_diff(b[k].values(), a[k].values()) == 0
+        assert torch.equal(b[k].lengths(), a[k].lengths())
+
+
+def test_state_dict_into_torchrec(rng, torchrec):
+    ours = et.EmbeddingBagCollection(_configs(), optimizer=ec.optimizers.Adagrad(0.1))
+    ref = torchrec.EmbeddingBagCollection([torchrec.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1",
+                                                                       feature_names=["f1", "f3"]),
+                                           torchrec.EmbeddingBagConfig(num_embeddings=50, embedding_dim=6, name="t2",
+                                                                       feature_names=["f2"])])
+    ref.load_state_dict(ours.state_dict())
+    for t in ("t1", "t2"):
+        assert torch.equal(ref.embedding_bags[t].weight, ours.embedding_bags[t].weight)
+
+
+def test_variable_stride_kjt_is_refused(torchrec):
+    ebc = et.EmbeddingBagCollection(_configs())
+    kjt = torchrec.KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3, 4]),
+                                     lengths=torch.tensor([1, 1, 1, 1]), stride_per_key_per_rank=[[1], [2], [1]])
+    with pytest.raises(NotImplementedError):
+        ebc(kjt)
+    with pytest.raises(KeyError):
+        ebc(torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1"], values=torch.tensor([1]),
+                                                         lengths=torch.tensor([1])))

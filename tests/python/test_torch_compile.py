@@ -1,0 +1,133 @@
+"""torch.compile(fullgraph=True) over models that use the PyTorch adapter's
+modules: no graph breaks (fullgraph raises on any), and the same results as
+eager for inference and for fused and unfused training."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import embedcore as ec  # noqa: E402
+import embedcore.adapters.torch as et  # noqa: E402
+from torch_helpers import bags, engine_optimizer, max_diff, uniform_weights  # noqa: E402
+
+ROWS, DIM, BATCH = 40, 8, 6
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Model(torch.nn.Module):
+    def __init__(self, w, **kw):
+        super().__init__()
+        self.emb = et.EmbeddingBag.from_pretrained(w, freeze=False, include_last_offset=True, **kw)
+        self.top = torch.nn.Linear(DIM, 1)
+        with torch.no_grad():
+            self.top.weight.copy_(torch.linspace(-1, 1, DIM))
+            self.top.bias.fill_(0.1)
+
+    def forward(self, ids, offsets, psw=None):
+        return self.top(torch.relu(self.emb(ids, offsets, psw))).sum()
+
+
+def test_forward_forms_compile_without_graph_breaks(rng):
+    w = uniform_weights(rng, ROWS, DIM)
+    bag = et.EmbeddingBag.from_pretrained(w, mode="sum", padding_idx=0)
+    emb = et.Embedding.from_pretrained(w)
+
+    def f(ids, offsets, psw, x2d):
+        return bag(ids, offsets) + bag(ids, offsets, psw), bag(x2d), emb(x2d)
+
+    cf = torch.compile(f, fullgraph=True)
+    for _ in range(3):
+        ids, offsets, psw = bags(rng, ROWS, BATCH, weighted=True, pad=0)
+        x2d = torch.from_numpy(rng.integers(0, ROWS, size=(BATCH, 3)))
+        for a, b in zip(f(ids, offsets[:-1], psw, x2d), cf(ids, offsets[:-1], psw, x2d)):
+            assert max_diff(a, b) == 0
+
+
+@pytest.mark.parametrize("how", ["fused", "sparse", "dense"])
+def test_training_compiled_equals_eager(rng, how):
+    w = uniform_weights(rng, ROWS, DIM)
+    kw = {"fused": dict(optimizer=engine_optimizer("adam", 0.05)), "sparse": dict(sparse=True),
+          "dense": dict(sparse=False)}[how]
+    eager, comp = Model(w, mode="sum", **kw), Model(w, mode="sum", **kw)
+    compiled = torch.compile(comp, fullgraph=True)
+
+    def opt(m):
+        if how == "fused":
+            return [torch.optim.SGD(m.top.parameters(), lr=0.1)]
+        if how == "sparse":
+            return [torch.optim.SGD(m.top.parameters(), lr=0.1), torch.optim.SparseAdam([m.emb.weight], lr=0.05)]
+        return [torch.optim.Adam(m.parameters(), lr=0.05)]
+
+    opts = {id(eager): opt(eager), id(comp): opt(comp)}
+    for _ in range(4):
+        ids, offsets, psw = bags(rng, ROWS, BATCH, weighted=True)
+        p = {}
+        for m, f in ((eager, eager), (comp, compiled)):
+            for o in opts[id(m)]:
+                o.zero_grad()
+            p[id(m)] = psw.clone().requires_grad_()
+            f(ids, offsets, p[id(m)]).backward()
+            for o in opts[id(m)]:
+                o.step()
+        assert max_diff(p[id(eager)].grad, p[id(comp)].grad) <= 1e-6
+    assert max_diff(eager.emb.weight, comp.emb.weight) <= 1e-6
+    assert max_diff(eager.top.weight, comp.top.weight) <= 1e-6
+    if how == "fused":
+        assert comp.emb.table.step == eager.emb.table.step == 4
+
+
+def test_collection_dict_compiled_training(rng):
+    def make():
+        torch.manual_seed(0)
+        return et.EmbeddingBagCollection(
+            [et.EmbeddingBagConfig(ROWS, DIM, name="t1", feature_names=["a", "b"], pooling="mean"),
+             et.EmbeddingBagConfig(ROWS, 4, name="t2", feature_names=["c"])], optimizer=ec.optimizers.Adagrad(0.1))
+
+    eager, comp = make(), make()
+    compiled = torch.compile(comp, fullgraph=True)
+    for _ in range(3):
+        ia, oa, _ = bags(rng, ROWS, BATCH)
+        ib, ob, _ = bags(rng, ROWS, BATCH)
+        feats = {"a": (ia, oa), "b": {"values": ib, "lengths": ob.diff()},
+                 "c": torch.from_numpy(rng.integers(0, ROWS, size=(BATCH, 2)))}
+        for f in (eager, compiled):
+            out = f(feats)
+            (out["a"].sum() + 2 * out["b"].sum() + out["c"].pow(2).sum()).backward()
+    for t in ("t1", "t2"):
+        assert max_diff(eager.embedding_bags[t].weight, comp.embedding_bags[t].weight) <= 1e-6
+        assert comp.embedding_bags[t].table.step == 3
+
+
+def test_torchrec_kjt_compiled(rng):
+    torchrec = pytest.importorskip("torchrec")
+    cfgs = [torchrec.EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name="t1", feature_names=["f1", "f2"]),
+            torchrec.EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=4, name="t2", feature_names=["f3"])]
+    ref = torchrec.EmbeddingBagCollection(cfgs)
+    eager = et.EmbeddingBagCollection(cfgs, optimizer=ec.optimizers.SGD(0.1))
+    comp = et.EmbeddingBagCollection(cfgs, optimizer=ec.optimizers.SGD(0.1))
+    eager.load_state_dict(ref.state_dict())
+    comp.load_state_dict(ref.state_dict())
+    compiled = torch.compile(comp, fullgraph=True)
+    seq = et.EmbeddingCollection([torchrec.EmbeddingConfig(num_embeddings=ROWS, embedding_dim=4, name="s",
+                                                           feature_names=["f3"])])
+    compiled_seq = torch.compile(seq, fullgraph=True)
+    for _ in range(3):
+        values, lengths = [], []
+        for _k in range(3):
+            ids, off, _ = bags(rng, ROWS, BATCH)
+            values.append(ids)
+            lengths.append(off.diff())
+        kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3"], values=torch.cat(values),
+                                                           lengths=torch.cat(lengths))
+        a, b = eager(kjt), compiled(kjt)
+        assert b.keys() == a.keys() and max_diff(a.values(), b.values()) == 0
+        a.values().sum().backward()
+        b.values().sum().backward()
+        sa, sb = seq(kjt), compiled_seq(kjt)
+        assert max_diff(sa["f3"].values(), sb["f3"].values()) == 0
+    assert max_diff(eager.embedding_bags["t1"].weight, comp.embedding_bags["t1"].weight) == 0

@@ -1,0 +1,192 @@
+"""State of the PyTorch adapter's modules: state_dict weights that view the
+engine's memory, load_state_dict from PyTorch modules, the fused optimizers'
+state, ec.save / ec.load / Saver, copies and pickles."""
+import copy
+import gc
+import pickle
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import embedcore as ec  # noqa: E402
+import embedcore.adapters.torch as et  # noqa: E402
+from embedcore.adapters.torch import _ops  # noqa: E402
+from torch_helpers import bags, engine_optimizer, max_diff, uniform_weights  # noqa: E402
+
+ROWS, DIM = 40, 5
+
+
+def _step(m, rng, n=1):
+    for _ in range(n):
+        ids, offsets, _ = bags(rng, ROWS, 8)
+        g = torch.from_numpy(rng.standard_normal((8, DIM)).astype(np.float32))
+        (m(ids, offsets[:-1]) * g).sum().backward()
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def test_state_dict_views_engine_memory(rng):
+    m = et.EmbeddingBag(ROWS, DIM, optimizer=engine_optimizer("adam", 0.1))
+    sd = m.state_dict()
+    assert list(sd) == ["weight"]
+    assert sd["weight"].data_ptr() == _addr(m.table.values())
+    m.table.assign(np.ones((ROWS, DIM), np.float32))
+    assert float(sd["weight"].min()) == 1.0  # a view, not a copy
+    state = m.optimizer_state_dict()["state"]["weight"]
+    for name, view in m.table.slots().items():
+        assert state[name].data_ptr() == _addr(view)
+
+
+@pytest.mark.parametrize("source", ["embedding_bag", "embedding"])
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_from_torch_modules(rng, source, assign):
+    ref = (torch.nn.EmbeddingBag(ROWS, DIM) if source == "embedding_bag" else torch.nn.Embedding(ROWS, DIM))
+    m = et.EmbeddingBag(ROWS, DIM, mode="sum")
+    m.load_state_dict(ref.state_dict(), assign=assign)  # always copied into the engine, even with assign=True
+    assert m.weight.data_ptr() == _addr(m.table.values())
+    assert np.array_equal(m.table.values(), ref.weight.detach().numpy())
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        m.load_state_dict({"weight": torch.zeros(ROWS + 1, DIM)})
+
+
+def test_conversions_that_would_detach_are_refused():
+    m = et.EmbeddingBag(ROWS, DIM)
+    m.to("cpu")
+    m.float()
+    with pytest.raises(NotImplementedError):
+        m.half()
+    with pytest.raises(NotImplementedError):
+        m.to(torch.float64)
+    assert m.weight.data_ptr() == _addr(m.table.values())
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_optimizer_state_roundtrip_resumes_bit_exact(rng, name):
+    w = uniform_weights(rng, ROWS, DIM)
+    a = et.EmbeddingBag.from_pretrained(w, freeze=False, optimizer=engine_optimizer(name, 0.05))
+    _step(a, rng, 3)
+    b = et.EmbeddingBag(ROWS, DIM, optimizer=engine_optimizer(name, 0.05))
+    b.load_state_dict(a.state_dict())
+    b.load_optimizer_state_dict(a.optimizer_state_dict())
+    assert b.table.step == 3
+    seed = int(rng.integers(1 << 30))
+    _step(a, np.random.default_rng(seed), 2)
+    _step(b, np.random.default_rng(seed), 2)
+    assert torch.equal(a.weight, b.weight)
+    for k, v in a.table.slots().items():
+        assert np.array_equal(v, b.table.slots()[k])
+
+
+def test_optimizer_state_from_sparse_adam(rng):
+    """PyTorch's SparseAdam state (exp_avg / exp_avg_sq / step) loads into the
+    fused Adam, and training continues as SparseAdam would."""
+    w = uniform_weights(rng, ROWS, DIM)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, sparse=True)
+    opt = torch.optim.SparseAdam(ref.parameters(), lr=0.01)
+    for _ in range(3):
+        ids, offsets, _ = bags(rng, ROWS, 8)
+        opt.zero_grad()
+        ref(ids, offsets[:-1]).sum().backward()
+        opt.step()
+    ours = et.EmbeddingBag(ROWS, DIM, optimizer=engine_optimizer("adam", 0.01))
+    ours.load_state_dict(ref.state_dict())
+    st = opt.state_dict()["state"][0]
+    ours.load_optimizer_state_dict({"state": {"weight": st}})
+    assert ours.table.step == 3
+    ids, offsets, _ = bags(rng, ROWS, 8)
+    opt.zero_grad()
+    ref(ids, offsets[:-1]).sum().backward()
+    opt.step()
+    ours(ids, offsets[:-1]).sum().backward()
+    assert max_diff(ours.weight, ref.weight) <= 1e-5
+
+
+def test_optimizer_state_errors():
+    m = et.EmbeddingBag(ROWS, DIM, optimizer=ec.optimizers.Adagrad(0.1))
+    with pytest.raises(KeyError):
+        m.load_optimizer_state_dict({"state": {"nope.weight": {}}})
+    with pytest.raises(KeyError, match="no slot"):
+        m.load_optimizer_state_dict({"state": {"weight": {"momenta": torch.zeros(ROWS, DIM)}}})
+    with pytest.raises(ValueError, match="shape"):
+        m.load_optimizer_state_dict({"state": {"weight": {"accumulators": torch.zeros(3, DIM)}}})
+    assert float(m.table.slots()["accumulators"].min()) == pytest.approx(0.1)  # nothing changed
+    assert et.EmbeddingBag(ROWS, DIM).optimizer_state_dict() == {"state": {}, "param_groups": []}
+    with pytest.raises(ValueError):
+        et.EmbeddingBag(ROWS, DIM).fused_optimizer
+
+
+def test_collection_optimizer_state_keys():
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 3, name="a"), et.EmbeddingBagConfig(10, 3, name="b")],
+                                    optimizer=ec.optimizers.Adagrad(0.1))
+    sd = ebc.optimizer_state_dict()
+    assert list(sd["state"]) == ["embedding_bags.a.weight", "embedding_bags.b.weight"]
+    assert [g["params"] for g in sd["param_groups"]] == [["embedding_bags.a.weight"], ["embedding_bags.b.weight"]]
+    # TorchRec's slot names (prefixed by the table) load too.
+    ebc.load_optimizer_state_dict({"state": {"embedding_bags.b.weight": {"b.momentum1": torch.full((10, 3), 7.0)}}})
+    assert float(ebc.embedding_bags["b"].table.slots()["accumulators"].min()) == 7.0
+
+
+@pytest.mark.parametrize("how", ["save_load", "saver"])
+def test_checkpoints_of_modules(rng, tmp_path, how):
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(ROWS, DIM, name="a", feature_names=["x"]),
+                                     et.EmbeddingBagConfig(ROWS, DIM, name="b", feature_names=["y"])],
+                                    optimizer=engine_optimizer("adam", 0.1))
+
+    def train(n):
+        for _ in range(n):
+            i1, o1, _ = bags(rng, ROWS, 4)
+            i2, o2, _ = bags(rng, ROWS, 4)
+            out = ebc({"x": (i1, o1), "y": (i2, o2)})
+            (out["x"].sum() + out["y"].sum()).backward()
+
+    train(2)
+    want = {k: v.detach().clone() for k, v in ebc.state_dict().items()}
+    want_slots = {k: {n: t.clone() for n, t in s.items()} for k, s in ebc.optimizer_state_dict()["state"].items()}
+    if how == "save_load":
+        ec.save(tmp_path / "ckpt", ebc)
+    else:
+        assert ec.Saver().dump_to_file(ebc, tmp_path / "ckpt") == "OK"
+    train(2)
+    views = {k: v for k, v in ebc.state_dict().items()}
+    if how == "save_load":
+        ec.load(tmp_path / "ckpt", into=ebc)
+    else:
+        assert ec.Saver().restore_from_file(ebc, tmp_path / "ckpt") == "OK"
+    for k, v in want.items():
+        assert torch.equal(views[k], v)  # restored in place: the module's tensors see it
+    for k, s in ebc.optimizer_state_dict()["state"].items():
+        for n, t in s.items():
+            assert torch.equal(t, want_slots[k][n])
+    # A plain EmbeddingBag, and tables_of() for any model holding adapter modules.
+    m = et.EmbeddingBag(ROWS, DIM, name="solo")
+    ec.save(tmp_path / "solo", m)
+    model = torch.nn.Sequential(et.EmbeddingBag(ROWS, DIM, name="solo"))
+    ec.load(tmp_path / "solo", into=et.tables_of(model))
+    assert torch.equal(model[0].weight, m.weight)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_are_independent_tables(rng, how):
+    a = et.EmbeddingBag(ROWS, DIM, mode="sum", optimizer=engine_optimizer("adagrad", 0.1), padding_idx=1)
+    _step(a, rng, 2)
+    b = copy.deepcopy(a) if how == "deepcopy" else pickle.loads(pickle.dumps(a))
+    assert b.table is not a.table and b._handle != a._handle
+    assert torch.equal(a.weight, b.weight) and b.weight.data_ptr() == _addr(b.table.values())
+    assert b.table.step == 2 and np.array_equal(a.table.slots()["accumulators"], b.table.slots()["accumulators"])
+    before = a.weight.detach().clone()
+    _step(b, rng, 1)
+    assert torch.equal(a.weight, before) and not torch.equal(b.weight, before)
+    assert b.padding_idx == 1 and b.fused_optimizer.param_groups[0]["params"][0] is b.weight
+
+
+def test_deleted_module_releases_its_table():
+    m = et.EmbeddingBag(ROWS, DIM)
+    handle = m._handle
+    assert handle in _ops._REGISTRY
+    del m
+    gc.collect()
+    assert handle not in _ops._REGISTRY
