@@ -123,6 +123,7 @@ void BindTable(nb::module_& m) {
       .def_rw("beta_1", &OptimizerSpec::beta_1)
       .def_rw("beta_2", &OptimizerSpec::beta_2)
       .def_rw("epsilon", &OptimizerSpec::epsilon)
+      .def_rw("adagrad_epsilon", &OptimizerSpec::adagrad_epsilon)
       .def_rw("lazy_adam", &OptimizerSpec::lazy_adam)
       .def_rw("sum_inside_sqrt", &OptimizerSpec::sum_inside_sqrt)
       .def_rw("bias_correction", &OptimizerSpec::bias_correction)

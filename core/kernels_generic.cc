@@ -8,6 +8,29 @@ namespace {
 
 template <typename T>
 struct ScalarRows {
+  static constexpr int64_t kPoolColumns = 16;
+  static constexpr int64_t kPoolColumnsNarrow = 4;
+  template <int64_t kCols, typename I>
+  static void Pool(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
+                   const float* weights) {
+    float acc[kCols] = {};
+    for (int64_t k = k0; k < k1; ++k) {
+      const T* row = table + int64_t(ids[k]) * dim + c0;
+      const float w = weights ? weights[k] : 1.0f;
+      for (int64_t d = 0; d < kCols; ++d) acc[d] += w * ops::ToFloat(row[d]);
+    }
+    for (int64_t d = 0; d < kCols; ++d) out[d] = acc[d];
+  }
+  template <typename I>
+  static void PoolColumns(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
+                          const float* weights) {
+    Pool<kPoolColumns>(out, table, dim, c0, ids, k0, k1, weights);
+  }
+  template <typename I>
+  static void PoolColumnsNarrow(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0,
+                                int64_t k1, const float* weights) {
+    Pool<kPoolColumnsNarrow>(out, table, dim, c0, ids, k0, k1, weights);
+  }
   static void Axpy(float* acc, const T* row, float w, int64_t dim) {
     for (int64_t d = 0; d < dim; ++d) acc[d] += w * ops::ToFloat(row[d]);
   }

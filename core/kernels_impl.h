@@ -2,6 +2,10 @@
 //   R::Axpy(acc, row, w, dim)   acc[d] += w * float(row[d])
 //   R::Scale(out, row, w, dim)  out[d]  = w * float(row[d])
 //   R::Load(row, dst, dim), R::Store(row, src, dim)
+//   R::PoolColumns(out, table, dim, c0, ids, k0, k1, weights)
+//       out[c] = sum over k in [k0, k1) of w_k * float(row(ids[k])[c0 + c]),
+//       for the kPoolColumns columns from c0, accumulated in registers
+//   R::PoolColumnsNarrow(...)  the same for kPoolColumnsNarrow columns
 // for each storage type. Included by kernels_generic.cc and kernels_avx2.cc
 // only, inside an anonymous namespace, so each gets its own instantiations.
 //
@@ -16,6 +20,10 @@ inline void PrefetchRow(const T* row, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+// Each bag is pooled a block of kPoolColumns columns at a time, with the
+// block's sums in registers across the bag's ids; the rows, fetched (and
+// prefetched) by the first block, are in L1 for the next ones. Every output
+// element is still 0 + w_0 r_0 + w_1 r_1 + ... in id order.
 template <typename R, typename T, typename I>
 void PooledBags(const LookupArgs& a, int64_t b0, int64_t b1) {
   const T* table = static_cast<const T*>(a.table);
@@ -23,16 +31,26 @@ void PooledBags(const LookupArgs& a, int64_t b0, int64_t b1) {
   const int64_t dim = a.dim;
   const int64_t row_bytes = dim * int64_t(sizeof(T));
   const int64_t k_end = a.offsets[b1];
+  const int64_t wide = dim / R::kPoolColumns * R::kPoolColumns;
+  const int64_t full = wide + (dim - wide) / R::kPoolColumnsNarrow * R::kPoolColumnsNarrow;
   for (int64_t k = a.offsets[b0]; k < a.offsets[b0] + kPrefetchDistance && k < k_end; ++k)
     PrefetchRow(table + int64_t(ids[k]) * dim, row_bytes);
   for (int64_t b = b0; b < b1; ++b) {
     float* acc = a.out + b * dim;
-    for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
+    const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
+    for (int64_t k = k0; k < k1 && k + kPrefetchDistance < k_end; ++k)
+      PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+    for (int64_t c0 = 0; c0 < wide; c0 += R::kPoolColumns) R::PoolColumns(acc + c0, table, dim, c0, ids, k0, k1, a.weights);
+    for (int64_t c0 = wide; c0 < full; c0 += R::kPoolColumnsNarrow)
+      R::PoolColumnsNarrow(acc + c0, table, dim, c0, ids, k0, k1, a.weights);
+    if (full < dim) {
+      for (int64_t d = full; d < dim; ++d) acc[d] = 0.0f;
+      for (int64_t k = k0; k < k1; ++k)
+        R::Axpy(acc + full, table + int64_t(ids[k]) * dim + full, a.weights ? a.weights[k] : 1.0f, dim - full);
+    }
     float sum_w = 0.0f, sum_w2 = 0.0f;
-    for (int64_t k = a.offsets[b]; k < a.offsets[b + 1]; ++k) {
-      if (k + kPrefetchDistance < k_end) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+    for (int64_t k = k0; k < k1; ++k) {
       const float w = a.weights ? a.weights[k] : 1.0f;
-      R::Axpy(acc, table + int64_t(ids[k]) * dim, w, dim);
       sum_w += w;
       sum_w2 += w * w;
     }

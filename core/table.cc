@@ -69,8 +69,14 @@ void OptimizerSpec::Validate() const {
   auto fail = [](const std::string& field, double v, const char* why) {
     throw InvalidArgument("optimizer " + field + " " + why + ", got " + std::to_string(v));
   };
-  if ((kind == Kind::kAdagrad || kind == Kind::kFTRL) && !(initial_accumulator_value > 0.0f))
+  if (kind == Kind::kFTRL && !(initial_accumulator_value > 0.0f))
     fail("initial_accumulator_value", initial_accumulator_value, "must be > 0");
+  if (kind == Kind::kAdagrad) {
+    if (!(adagrad_epsilon >= 0.0f) || !std::isfinite(adagrad_epsilon))
+      fail("epsilon", adagrad_epsilon, "must be finite and >= 0");
+    if (!(initial_accumulator_value > 0.0f) && !(initial_accumulator_value == 0.0f && adagrad_epsilon > 0.0f))
+      fail("initial_accumulator_value", initial_accumulator_value, "must be > 0 (or 0 with epsilon > 0)");
+  }
   if (kind == Kind::kAdam) {
     if (!(beta_1 >= 0.0f && beta_1 < 1.0f)) fail("beta_1", beta_1, "must be in [0, 1)");
     if (!(beta_2 >= 0.0f && beta_2 < 1.0f)) fail("beta_2", beta_2, "must be in [0, 1)");
@@ -438,7 +444,7 @@ void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learnin
       UpdateGroups(ops::SgdRule{learning_rate}, kc, spec_, values, slots, keys, group_start, k);
       break;
     case OptimizerSpec::Kind::kAdagrad:
-      UpdateGroups(ops::AdagradRule{learning_rate}, kc, spec_, values, slots, keys, group_start, k);
+      UpdateGroups(ops::AdagradRule{learning_rate, o.adagrad_epsilon}, kc, spec_, values, slots, keys, group_start, k);
       break;
     case OptimizerSpec::Kind::kAdam: {
       float lr_t = learning_rate;

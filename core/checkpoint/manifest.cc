@@ -181,6 +181,7 @@ Json OptimizerJson(const OptimizerSpec& o) {
   j["beta_1"] = o.beta_1;
   j["beta_2"] = o.beta_2;
   j["epsilon"] = o.epsilon;
+  j["adagrad_epsilon"] = o.adagrad_epsilon;  // since format 1.1
   j["lazy_adam"] = o.lazy_adam;
   j["sum_inside_sqrt"] = o.sum_inside_sqrt;
   j["bias_correction"] = o.bias_correction;
@@ -209,6 +210,7 @@ OptimizerSpec ParseOptimizer(const Reader& r, const Json& j, const std::string& 
   o.beta_1 = float(r.Number(j, "beta_1", where));
   o.beta_2 = float(r.Number(j, "beta_2", where));
   o.epsilon = float(r.Number(j, "epsilon", where));
+  if (j.contains("adagrad_epsilon")) o.adagrad_epsilon = float(r.Number(j, "adagrad_epsilon", where));  // 1.1
   o.lazy_adam = r.Bool(j, "lazy_adam", where);
   o.sum_inside_sqrt = r.Bool(j, "sum_inside_sqrt", where);
   o.bias_correction = r.Bool(j, "bias_correction", where);

@@ -9,7 +9,8 @@
 //   w  <- clip(w, clip_weight_min, clip_weight_max)
 //
 // SGD:     w -= lr * g
-// Adagrad: a += g^2;                 w -= lr * g / sqrt(a)                     slot: accumulators
+// Adagrad: a += g^2;                 w -= lr * g / (sqrt(a) + eps)             slot: accumulators
+//          (eps = 0 is TensorFlow's; PyTorch's torch.optim.Adagrad adds 1e-10)
 // Adam:    m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
 //          w -= lr_t * m / sqrt(v + eps^2)    (sum_inside_sqrt)
 //          w -= lr_t * m / (sqrt(v) + eps)    (otherwise)                      slots: momenta, velocities
@@ -48,10 +49,11 @@ struct SgdRule {
 struct AdagradRule {
   static constexpr int kSlots = 1;
   float lr;
+  float epsilon;  ///< added outside the square root; 0 for TensorFlow's Adagrad
   EMBEDCORE_HD void operator()(float& w, float g, float* acc, float*) const {
     const float a = *acc + g * g;
     *acc = a;
-    w = w - lr * g / std::sqrt(a);
+    w = w - lr * g / (std::sqrt(a) + epsilon);
   }
 };
 

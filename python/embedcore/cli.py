@@ -103,9 +103,31 @@ def _convert(args) -> int:
     return 0
 
 
+def _cmake_dir() -> int:
+    """Prints the directory of embedcore's CMake package (embedcoreConfig.cmake,
+    for ``find_package(embedcore CONFIG)``), as ``python -m nanobind
+    --cmake_dir`` does. It is ``share/cmake/embedcore`` inside the installed
+    package; an editable install's package spans the source tree and the
+    build's install tree, so every directory of ``embedcore.__path__`` is
+    searched."""
+    import embedcore
+
+    for root in embedcore.__path__:
+        d = os.path.join(root, "share", "cmake", "embedcore")
+        if os.path.isfile(os.path.join(d, "embedcoreConfig.cmake")):
+            print(os.path.abspath(d))
+            return 0
+    print("embedcore --cmake-dir: no share/cmake/embedcore/embedcoreConfig.cmake in the installed package "
+          f"({', '.join(embedcore.__path__)}); was it built with EMBEDCORE_C_API=OFF?", file=sys.stderr)
+    return 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="embedcore", description="embedcore: embedding tables in one native engine")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument("--cmake-dir", action="store_true",
+                        help="print the directory of the CMake package of the C API (libembedcore) and exit: "
+                             "cmake -Dembedcore_DIR=\"$(python -m embedcore --cmake-dir)\"")
     sub = parser.add_subparsers(dest="command")
 
     demo = sub.add_parser("demo", help="train a small click-through model on synthetic data, save it and serve it")
@@ -135,6 +157,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         print(__version__)
         return 0
+    if args.cmake_dir:
+        return _cmake_dir()
     try:
         if args.command == "demo":
             from .demo import run

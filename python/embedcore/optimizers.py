@@ -118,20 +118,27 @@ class SGD(Optimizer):
 
 
 class Adagrad(Optimizer):
-    """``a += g^2; w -= lr * g / sqrt(a)``; slot ``accumulators`` starts at
-    ``initial_accumulator_value``."""
+    """``a += g^2; w -= lr * g / (sqrt(a) + epsilon)``; slot ``accumulators``
+    starts at ``initial_accumulator_value``.
+
+    The defaults are TensorFlow's (``epsilon=0``, accumulators from 0.1);
+    ``initial_accumulator_value=0, epsilon=1e-10`` is ``torch.optim.Adagrad``.
+    """
 
     slot_names = ("accumulators",)
 
-    def __init__(self, learning_rate: LearningRate = 0.001, initial_accumulator_value: float = 0.1, **kwargs):
+    def __init__(self, learning_rate: LearningRate = 0.001, initial_accumulator_value: float = 0.1,
+                 epsilon: float = 0.0, **kwargs):
         super().__init__(learning_rate, **kwargs)
+        self.epsilon = _number("Adagrad", "epsilon", epsilon, minimum=0)
         self.initial_accumulator_value = _number("Adagrad", "initial_accumulator_value",
-                                                 initial_accumulator_value, minimum=0, strict=True)
+                                                 initial_accumulator_value, minimum=0, strict=self.epsilon == 0)
 
     def _native(self):
         spec = super()._native()
         spec.kind = _Kind.Adagrad
         spec.initial_accumulator_value = self.initial_accumulator_value
+        spec.adagrad_epsilon = self.epsilon
         return spec
 
 

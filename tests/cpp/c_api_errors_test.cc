@@ -375,7 +375,8 @@ EMBEDCORE_TEST(NewerFormatIsRefused) {
   std::memcpy(manifest.data(), &h, sizeof(h));
   WriteFile(dir.Sub("m/MANIFEST"), manifest);
   EXPECT_OPEN_ERROR(dir.Sub("m"), nullptr, EMBEDCORE_CHECKPOINT_ERROR,
-                    "format version 2.0 is newer than this library reads (1.x); upgrade embedcore");
+                    "format version 2." + std::to_string(h.format_minor) +
+                        " is newer than this library reads (1.x); upgrade embedcore");
 }
 
 // A flipped byte of the values: lazily found by the lookup that touches its

@@ -47,7 +47,9 @@ EMBEDCORE_TEST(VersionAndBuildInfo) {
   const std::string info = json;
   EMBEDCORE_EXPECT_MSG(info.find("\"c_abi_version\":1") != std::string::npos, info);
   EMBEDCORE_EXPECT_MSG(info.find("\"version\":\"" EMBEDCORE_VERSION_STRING "\"") != std::string::npos, info);
-  EMBEDCORE_EXPECT_MSG(info.find("\"format_version\":[1,0]") != std::string::npos, info);
+  const std::string format = "\"format_version\":[" + std::to_string(kFormatMajor) + "," +
+                             std::to_string(kFormatMinor) + "]";
+  EMBEDCORE_EXPECT_MSG(info.find(format) != std::string::npos, info);
   EMBEDCORE_EXPECT_MSG(info.find("\"simd\":") != std::string::npos, info);
   // Static storage: the same pointer every time.
   const char* again = nullptr;

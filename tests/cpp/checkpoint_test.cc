@@ -181,7 +181,7 @@ EMBEDCORE_TEST(RoundTripEveryDtypeAndOptimizer) {
 
   const CheckpointInfo info = ReadCheckpointInfo(path);
   EMBEDCORE_EXPECT_EQ(info.format_major, 1);
-  EMBEDCORE_EXPECT_EQ(info.format_minor, 0);
+  EMBEDCORE_EXPECT_EQ(info.format_minor, embedcore::kFormatMinor);
   EMBEDCORE_EXPECT_EQ(info.library_version, std::string(EMBEDCORE_VERSION_STRING));
   EMBEDCORE_EXPECT_EQ(info.generation, uint64_t(1));
   EMBEDCORE_EXPECT_EQ(info.tables.size(), tables.size());

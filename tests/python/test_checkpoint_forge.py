@@ -25,6 +25,8 @@ import numpy as np
 
 import embedcore as ec
 
+FORMAT_MINOR = ec.FORMAT_VERSION[1]  # what this library writes
+
 MANIFEST_MAGIC = b"ECKPMANI"
 DATA_MAGIC = b"ECKPDATA"
 HEADER_BYTES = 64
@@ -73,14 +75,14 @@ def pack_header(h: dict, seal: bool = True) -> bytes:
     return raw
 
 
-def manifest_header(json_bytes: bytes, major: int = 1, minor: int = 0) -> bytes:
+def manifest_header(json_bytes: bytes, major: int = 1, minor: int = FORMAT_MINOR) -> bytes:
     return pack_header(dict(magic=MANIFEST_MAGIC, major=major, minor=minor, bom=0x01020304, header_bytes=64, kind=0,
                             dtype=0, reserved=0, rows=0, cols=0, payload_offset=64, payload_bytes=len(json_bytes),
                             aux=crc32c(json_bytes)))
 
 
 def data_header(dtype: str, rows: int, cols: int, payload_bytes: int, block_bytes: int = BLOCK_BYTES,
-                major: int = 1, minor: int = 0) -> bytes:
+                major: int = 1, minor: int = FORMAT_MINOR) -> bytes:
     return pack_header(dict(magic=DATA_MAGIC, major=major, minor=minor, bom=0x01020304, header_bytes=64, kind=1,
                             dtype=DTYPE_CODES[dtype], reserved=0, rows=rows, cols=cols, payload_offset=DATA_OFFSET,
                             payload_bytes=payload_bytes, aux=block_bytes))
@@ -101,7 +103,7 @@ def read_manifest(ckpt) -> dict:
     return json.loads(read_manifest_json(ckpt))
 
 
-def write_manifest(ckpt, manifest, major: int = 1, minor: int = 0) -> None:
+def write_manifest(ckpt, manifest, major: int = 1, minor: int = FORMAT_MINOR) -> None:
     """Writes `manifest` (a dict, a str or bytes of JSON, or any bytes) as the
     checkpoint's MANIFEST with a valid header and valid checksums."""
     if isinstance(manifest, dict):

@@ -48,7 +48,7 @@ def test_inspect(emb_ckpt):
     assert r.stderr == ""
     out = r.stdout
     assert f"checkpoint {emb_ckpt}" in out
-    assert "format 1.0" in out and f"embedcore {ec.__version__}" in out and "generation 1" in out
+    assert "format {}.{}".format(*ec.FORMAT_VERSION) in out and f"embedcore {ec.__version__}" in out and "generation 1" in out
     assert "features:" in out and "history -> item (sequence 5)" in out and "user -> user" in out
     assert "table user: 1000 x 16 float32 (stored float32), combiner sum" in out
     assert "table item: 3000 x 8 bfloat16 (stored bfloat16), combiner mean" in out
@@ -65,7 +65,7 @@ def test_inspect_json(emb_ckpt):
     assert r.returncode == 0, r.stderr
     manifest = json.loads(r.stdout)
     assert manifest == read_manifest(emb_ckpt)
-    assert manifest["format_version"] == [1, 0]
+    assert manifest["format_version"] == list(ec.FORMAT_VERSION)
     tables = {t["name"]: t for t in manifest["tables"]}
     assert (tables["item"]["rows"], tables["item"]["dim"], tables["item"]["dtype"]) == (3000, 8, "bfloat16")
     assert tables["user"]["optimizer"]["kind"] == "adagrad"
@@ -177,5 +177,5 @@ def test_version_info_and_usage(capsys):
     assert capsys.readouterr().out.strip() == ec.__version__
     assert embedcore.cli.main(["info"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["checkpoint_format"] == "1.0"
+    assert info["checkpoint_format"] == "{}.{}".format(*ec.FORMAT_VERSION)
     assert embedcore.cli.main([]) == 2

@@ -222,14 +222,15 @@ EMBEDCORE_C_API int embedcore_checkpoint_generation(embedcore_checkpoint* ckpt, 
 
 EMBEDCORE_C_API int embedcore_num_tables(embedcore_checkpoint* ckpt, int64_t* out);
 /** Describes table `table` (0 <= table < embedcore_num_tables). */
-EMBEDCORE_C_API int embedcore_table_info(embedcore_checkpoint* ckpt, int64_t table, embedcore_table_info* out);
+EMBEDCORE_C_API int embedcore_describe_table(embedcore_checkpoint* ckpt, int64_t table, embedcore_table_info* out);
 /** The index of the table named `name` (EMBEDCORE_OUT_OF_RANGE if none). */
 EMBEDCORE_C_API int embedcore_find_table(embedcore_checkpoint* ckpt, const char* name, int64_t* out);
 
 /** Number of features (0 for a checkpoint saved from tables, not from an
  * embedcore.Embedding). */
 EMBEDCORE_C_API int embedcore_num_features(embedcore_checkpoint* ckpt, int64_t* out);
-EMBEDCORE_C_API int embedcore_feature_info(embedcore_checkpoint* ckpt, int64_t feature, embedcore_feature_info* out);
+EMBEDCORE_C_API int embedcore_describe_feature(embedcore_checkpoint* ckpt, int64_t feature,
+                                               embedcore_feature_info* out);
 /** The index of the feature named `name` (EMBEDCORE_OUT_OF_RANGE if none). */
 EMBEDCORE_C_API int embedcore_find_feature(embedcore_checkpoint* ckpt, const char* name, int64_t* out);
 

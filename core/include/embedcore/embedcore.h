@@ -94,6 +94,7 @@ struct OptimizerSpec {
   float beta_1 = 0.9f;                     ///< Adam
   float beta_2 = 0.999f;                   ///< Adam
   float epsilon = 1e-7f;                   ///< Adam
+  float adagrad_epsilon = 0.0f;            ///< Adagrad: added outside the sqrt (PyTorch's eps)
   bool lazy_adam = true;        ///< Adam: false also decays untouched rows
   bool sum_inside_sqrt = true;  ///< Adam: m/sqrt(v+eps^2) instead of m/(sqrt(v)+eps)
   bool bias_correction = false; ///< Adam: PyTorch's bias-corrected step (SparseAdam)
@@ -246,7 +247,7 @@ class Table {
 /// The checkpoint format version this library writes; it reads every older
 /// major version and refuses newer ones. See docs/format.md.
 constexpr int kFormatMajor = 1;
-constexpr int kFormatMinor = 0;
+constexpr int kFormatMinor = 1;
 
 struct SaveOptions {
   bool include_optimizer = true;  ///< slots and step; false: values only (a serving export)
