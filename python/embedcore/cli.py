@@ -89,9 +89,15 @@ def _verify(path: str) -> int:
 
 
 def _convert(args) -> int:
-    if args.source_format != "sok":
-        print(f"embedcore convert: unknown --from {args.source_format!r}", file=sys.stderr)
-        return 2
+    if args.source_format == "tf":
+        try:
+            from embedcore.adapters.tf import convert_tf_checkpoint
+        except ImportError as e:
+            print(f"embedcore convert: --from tf needs TensorFlow: {e}", file=sys.stderr)
+            return 1
+        names = convert_tf_checkpoint(args.src, args.dst, prefix=args.prefix, include_optimizer=not args.no_optimizer)
+        print(f"converted {len(names)} TensorFlow table(s) ({', '.join(names)}) into {args.dst}")
+        return 0
     from . import sok
 
     bar = _progress(1, "convert")
@@ -144,12 +150,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = sub.add_parser("verify", help="check every checksum, that values are finite and slots match")
     p.add_argument("path")
     p = sub.add_parser("convert", help="convert another format into an embedcore checkpoint")
-    p.add_argument("--from", dest="source_format", required=True, choices=["sok"])
+    p.add_argument("--from", dest="source_format", required=True, choices=["sok", "tf"],
+                   help="sok: SparseOperationKit dump files; tf: a tf.train.Checkpoint of TPUEmbedding")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--dim", type=int, default=None, help="SOK v1: embedding size, when the file sizes are ambiguous")
     p.add_argument("--key-dtype", choices=["int64", "uint32"], default=None, help="SOK v1: key type")
-    p.add_argument("--rows", type=int, default=None, help="table rows (default: largest key + 1)")
+    p.add_argument("--rows", type=int, default=None, help="SOK: table rows (default: largest key + 1)")
+    p.add_argument("--prefix", default=None, help="tf: object path of the embedding in the checkpoint (default: found)")
+    p.add_argument("--no-optimizer", action="store_true", help="tf: convert values only")
 
     args = parser.parse_args(argv)
     if args.version:

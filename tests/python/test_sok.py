@@ -296,7 +296,7 @@ def test_not_a_sok_dump(tmp_path):
     assert r.returncode == 1
     assert r.stderr.startswith("embedcore convert: CheckpointError:") and "no SOK dump files" in r.stderr
     assert "Traceback" not in r.stderr
-    r = run_cli("convert", "--from", "tf", tmp_path / "empty", tmp_path / "out")
+    r = run_cli("convert", "--from", "nope", tmp_path / "empty", tmp_path / "out")
     assert r.returncode == 2  # argparse: an unknown --from
 
 

@@ -203,6 +203,14 @@ def test_convert_to_embedcore(slotted_checkpoint, tmp_path, rng):
         np.testing.assert_array_equal(t.values(), written[(name, "parameters")])
         for slot, v in t.slots().items():
             np.testing.assert_array_equal(v, written[(name, slot)])
+    # The same through the command line.
+    from embedcore.cli import main as cli_main
+
+    assert cli_main(["convert", "--from", "tf", str(path), str(tmp_path / "ec_cli"), "--prefix", "model/embedding"]) == 0
+    t = ec.Table(name="ta", rows=written[("ta", "parameters")].shape[0], dim=written[("ta", "parameters")].shape[1],
+                 optimizer=ec.optimizers.Adagrad())
+    ec.load(tmp_path / "ec_cli", into=t)
+    np.testing.assert_array_equal(t.values(), written[("ta", "parameters")])
     # With the model's feature config; a SparseCore checkpoint.
     sc, values, _ = _sparsecore_checkpoint(str(tmp_path / "sc" / "ckpt"), rng, {"u": (33, 4), "v": (50, 8)})
     config = {"u": E.FeatureConfig(E.TableConfig(vocabulary_size=33, dim=4, name="u", combiner="sum")),
