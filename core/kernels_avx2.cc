@@ -44,42 +44,47 @@ inline void Store8(ops::BF16* p, __m256 v) {
 
 template <typename T>
 struct Avx2Rows {
-  static constexpr int64_t kPoolColumns = 64;  // eight 8-float registers of sums
+  // Sums live in registers across a bag's ids: 16 for float32 (adds take the
+  // row from memory, so 16 accumulators fit the 16 registers), 8 for the
+  // 16-bit types (their conversion needs registers of its own).
+  static constexpr int kVectors = sizeof(T) == 4 ? 16 : 8;
+  static constexpr int64_t kPoolColumns = 8 * kVectors;
   static constexpr int64_t kPoolColumnsNarrow = 8;
-  template <typename I>
-  static void PoolColumnsNarrow(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0,
-                                int64_t k1, const float* weights) {
-    __m256 s0 = _mm256_setzero_ps();
-    for (int64_t k = k0; k < k1; ++k)
-      s0 = _mm256_add_ps(s0, _mm256_mul_ps(_mm256_set1_ps(weights ? weights[k] : 1.0f),
-                                           Load8(table + int64_t(ids[k]) * dim + c0)));
-    _mm256_storeu_ps(out, s0);
+
+  template <int NV, typename I>
+  static void Pool(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
+                   const float* weights) {
+    __m256 s[NV];
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) s[j] = _mm256_setzero_ps();
+    if (weights == nullptr) {  // w = 1: 1 * x == x, so the sums are the same bits without the multiply
+      for (int64_t k = k0; k < k1; ++k) {
+        const T* row = table + int64_t(ids[k]) * dim + c0;
+#pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) s[j] = _mm256_add_ps(s[j], Load8(row + 8 * j));
+      }
+    } else {
+      for (int64_t k = k0; k < k1; ++k) {
+        const T* row = table + int64_t(ids[k]) * dim + c0;
+        const __m256 w = _mm256_set1_ps(weights[k]);
+#pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) s[j] = _mm256_add_ps(s[j], _mm256_mul_ps(w, Load8(row + 8 * j)));
+      }
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, s[j]);
   }
   template <typename I>
   static void PoolColumns(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
                           const float* weights) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
-    for (int64_t k = k0; k < k1; ++k) {
-      const T* row = table + int64_t(ids[k]) * dim + c0;
-      const __m256 w = _mm256_set1_ps(weights ? weights[k] : 1.0f);
-      s0 = _mm256_add_ps(s0, _mm256_mul_ps(w, Load8(row)));
-      s1 = _mm256_add_ps(s1, _mm256_mul_ps(w, Load8(row + 8)));
-      s2 = _mm256_add_ps(s2, _mm256_mul_ps(w, Load8(row + 16)));
-      s3 = _mm256_add_ps(s3, _mm256_mul_ps(w, Load8(row + 24)));
-      s4 = _mm256_add_ps(s4, _mm256_mul_ps(w, Load8(row + 32)));
-      s5 = _mm256_add_ps(s5, _mm256_mul_ps(w, Load8(row + 40)));
-      s6 = _mm256_add_ps(s6, _mm256_mul_ps(w, Load8(row + 48)));
-      s7 = _mm256_add_ps(s7, _mm256_mul_ps(w, Load8(row + 56)));
-    }
-    _mm256_storeu_ps(out, s0);
-    _mm256_storeu_ps(out + 8, s1);
-    _mm256_storeu_ps(out + 16, s2);
-    _mm256_storeu_ps(out + 24, s3);
-    _mm256_storeu_ps(out + 32, s4);
-    _mm256_storeu_ps(out + 40, s5);
-    _mm256_storeu_ps(out + 48, s6);
-    _mm256_storeu_ps(out + 56, s7);
+    Pool<kVectors>(out, table, dim, c0, ids, k0, k1, weights);
   }
+  template <typename I>
+  static void PoolColumnsNarrow(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0,
+                                int64_t k1, const float* weights) {
+    Pool<1>(out, table, dim, c0, ids, k0, k1, weights);
+  }
+
   static void Axpy(float* acc, const T* row, float w, int64_t dim) {
     const __m256 wv = _mm256_set1_ps(w);
     int64_t d = 0;
