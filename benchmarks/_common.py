@@ -103,31 +103,93 @@ def set_threads(n: int) -> None:
 
 
 # ---------------------------------------------------------------- timing
+QUIET_CORES = 0.15  # a round is "quiet" when other processes kept fewer cores than this busy
+
+
+class Timing:
+    """The samples of one interleaved run: seconds by contender, one per
+    round, and the other load (cores) during each round."""
+
+    def __init__(self, samples: Dict[str, List[float]], round_load: List[Optional[float]], repeats: int,
+                 quiet_cores: float = QUIET_CORES):
+        self.samples = samples
+        self.round_load = round_load
+        quiet = [i for i, x in enumerate(round_load) if x is not None and x < quiet_cores]
+        self.quiet_rounds = len(quiet)
+        # Quiet rounds only, when there are enough of them; else every round (flagged).
+        if all(x is None for x in round_load):
+            self.used, self.kept = "all", list(range(len(round_load)))
+        elif len(quiet) >= max(3, (repeats + 1) // 2):
+            self.used, self.kept = "quiet", quiet
+        else:
+            self.used, self.kept = "all (noisy)", list(range(len(round_load)))
+        known = [x for x in round_load if x is not None]
+        self.mean_load = sum(known) / len(known) if known else None
+        kept_known = [round_load[i] for i in self.kept if round_load[i] is not None]
+        self.kept_load = sum(kept_known) / len(kept_known) if kept_known else None
+
+    def kept_samples(self, name: str) -> List[float]:
+        return [self.samples[name][i] for i in self.kept]
+
+    def info(self) -> dict:
+        return {"rounds": len(self.round_load), "quiet_rounds": self.quiet_rounds, "used": self.used,
+                "mean_other_cores": self.mean_load, "kept_other_cores": self.kept_load,
+                "round_other_cores": self.round_load}
+
+
 def run_interleaved(contenders: Dict[str, Callable[[], Optional[float]]], repeats: int, warmup: int = 2,
                     ) -> Dict[str, List[float]]:
     """Times every contender `repeats` times, one call each per round, the
     order rotated from round to round, after `warmup` untimed rounds. A
     contender that returns a float reports its own time (a worker process);
     others are timed here. Returns the samples in seconds, by name."""
+    return run_rounds(contenders, repeats, warmup).samples
+
+
+def run_rounds(contenders: Dict[str, Callable[[], Optional[float]]], repeats: int, warmup: int = 2,
+               monitor_pids: Optional[Sequence[int]] = None, max_seconds: float = 0.0) -> Timing:
+    """Times every contender once per round, the order rotated from round to
+    round, after `warmup` untimed rounds. A contender that returns a float
+    reports its own time (a worker process); others are timed here.
+
+    With `monitor_pids` (worker processes of ours), the load other processes
+    put on the machine is measured in each round; rounds go on until
+    `repeats` of them were quiet, or, once `repeats` rounds ran, until
+    `max_seconds` have passed (at most 4 x `repeats` rounds). Without it,
+    exactly `repeats` rounds run."""
     names = list(contenders)
     for _ in range(warmup):
         for n in names:
             contenders[n]()
     samples: Dict[str, List[float]] = {n: [] for n in names}
+    loads: List[Optional[float]] = []
     gc_was = gc.isenabled()
     gc.disable()
+    t_start = time.perf_counter()
     try:
-        for r in range(repeats):
+        r = quiet = 0
+        while True:
+            if monitor_pids is None:
+                if r >= repeats:
+                    break
+            elif quiet >= repeats or r >= 4 * repeats or (r >= repeats and time.perf_counter() - t_start > max_seconds):
+                break
+            mon = CpuMonitor(monitor_pids).start() if monitor_pids is not None else None
             k = r % len(names)
             for n in names[k:] + names[:k]:
                 t0 = time.perf_counter()
                 res = contenders[n]()
                 dt = time.perf_counter() - t0
                 samples[n].append(float(res) if isinstance(res, float) else dt)
+            load = mon.stop()["other_cores"] if mon is not None else None
+            loads.append(load)
+            if load is not None and load < QUIET_CORES:
+                quiet += 1
+            r += 1
     finally:
         if gc_was:
             gc.enable()
-    return samples
+    return Timing(samples, loads, repeats)
 
 
 def summarize(samples: Sequence[float]) -> dict:
@@ -230,6 +292,27 @@ def versions() -> dict:
     import embedcore as ec
 
     v = {"embedcore": ec.__version__, "embedcore_build": ec.build_info(), "numpy": np.__version__}
+    # The engine may be rebuilt between runs (editable install): say which build ran.
+    try:
+        import hashlib
+
+        from embedcore import _embedcore
+
+        with open(_embedcore.__file__, "rb") as f:
+            v["embedcore_extension_sha256"] = hashlib.sha256(f.read()).hexdigest()[:16]
+        v["embedcore_extension_mtime"] = time.strftime("%Y-%m-%d %H:%M:%S",
+                                                       time.localtime(os.path.getmtime(_embedcore.__file__)))
+    except (OSError, AttributeError, TypeError):
+        pass
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True)
+        if head.returncode == 0:
+            v["git"] = head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except OSError:
+        pass
     for dist in ("torch", "fbgemm-gpu-cpu", "fbgemm-gpu", "tensorflow-cpu", "tensorflow"):
         try:
             v[dist] = md.version(dist)

@@ -41,9 +41,13 @@ def main() -> int:
     ap.add_argument("--json", metavar="PATH", help="write every sample and figure as JSON")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     ap.add_argument("--repeats", type=int, help="timed rounds per configuration (default 30, 8 with --quick)")
+    ap.add_argument("--max-seconds", type=float,
+                    help="per configuration: keep adding rounds until REPEATS quiet ones (other processes using "
+                         f"< {C.QUIET_CORES} cores) or this many seconds (default 30, 8 with --quick)")
     ap.add_argument("--no-tf", action="store_true", help="skip TensorFlow")
     args = ap.parse_args()
     repeats = args.repeats or (8 if args.quick else 30)
+    max_seconds = args.max_seconds if args.max_seconds is not None else (8.0 if args.quick else 30.0)
     warmup = 1 if args.quick else 2
     thread_counts = [int(x) for x in args.threads.split(",") if x]
     t_start = time.time()
@@ -53,6 +57,8 @@ def main() -> int:
     import torch.nn.functional as F
 
     import embedcore as ec
+
+    vers = C.versions()
 
     try:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
@@ -171,11 +177,13 @@ def main() -> int:
                 for m, pf, isa in C.GATHER_VARIANTS:
                     cont[C.gather_variant_name(m, pf, isa)] = (
                         lambda d=d, m=m, pf=pf, isa=isa, nt=nt: cl.gather(d, m, nt, pf, isa))
-                mon = C.CpuMonitor([cl.pid] + ([tfw.pid] if tfw is not None else [])).start()
-                samples = C.run_interleaved(cont, repeats, warmup)
-                noise[(nt, d)] = mon.stop()
-                for name, s in samples.items():
-                    st = C.summarize(s)
+                timing = C.run_rounds(cont, repeats, warmup,
+                                      monitor_pids=[cl.pid] + ([tfw.pid] if tfw is not None else []),
+                                      max_seconds=max_seconds)
+                noise[(nt, d)] = timing.info()
+                for name in cont:
+                    s = timing.samples[name]
+                    st = C.summarize(timing.kept_samples(name))
                     row_bytes = C.ROW_BYTES["float16" if name == "embedcore_fp16" else "float32"]
                     rate = C.NNZ / st["median_s"]
                     results.append({"threads": nt, "dist": d, "contender": name, **st,
@@ -227,7 +235,10 @@ def main() -> int:
                 r["limit_thp_vs_1t"] = ratio(limit(1, d, "thp"), limit(nt, d, "thp"))
                 r["torch_vs_1t"] = ratio(med(1, d, "torch"), med(nt, d, "torch"))
                 r["fbgemm_vs_1t"] = ratio(med(1, d, "fbgemm"), med(nt, d, "fbgemm"))
-            r["other_load"] = noise.get((nt, d), {}).get("other_cores")
+            info = noise.get((nt, d), {})
+            r["rounds"] = f"{info.get('quiet_rounds')}/{info.get('rounds')}"
+            r["used"] = info.get("used")
+            r["other_load"] = info.get("kept_other_cores")
             ratios.append(r)
             if nt == 1:
                 targets += [
@@ -247,7 +258,7 @@ def main() -> int:
     for r in results:
         rows.append({**r, "min_s": f"{r['min_s'] * 1e3:.2f}", "spread": f"{r['p25_s'] * 1e3:.2f}-{r['p75_s'] * 1e3:.2f}"})
     print(f"\nW1 forward lookup: {C.ROWS:,} x {C.DIM} float32, {C.BATCH} bags x {C.BAG} ids, sum; "
-          f"{repeats} interleaved rounds, median")
+          f"interleaved rounds (>= {repeats}), median of the quiet rounds (see 'rounds used' below)")
     print("c_<malloc|thp>_<O3|native>_pf<N>: bare C gather loop on a plain malloc or an mmap+MADV_HUGEPAGE table, "
           "built with `cc " + " ".join(C.C_FLAGS_BASE) + "` or `cc " + " ".join(C.C_FLAGS_NATIVE) + "`,\n"
           "software prefetch N ids ahead (0 = none); the gather limit is the fastest variant on that kind of table")
@@ -260,9 +271,12 @@ def main() -> int:
              ("fp16_vs_fp32", "fp16/fp32", "{:.2f}x"), ("ec_vs_1t", "ec 2T/1T", "{:.2f}x"),
              ("fp16_vs_1t", "fp16 2T/1T", "{:.2f}x"), ("limit_thp_vs_1t", "limit 2T/1T", "{:.2f}x"),
              ("torch_vs_1t", "torch 2T/1T", "{:.2f}x"), ("fbgemm_vs_1t", "fbgemm 2T/1T", "{:.2f}x"),
+             ("rounds", "quiet/all rounds", None), ("used", "rounds used", None),
              ("other_load", "other load (cores)", "{:.2f}")]
     print("\nRatios (rate ratios: > 1 means embedcore is faster; 'ec/limit' is a time ratio: 1.00 = at the limit;\n"
-          "'other load': cores other processes kept busy during that configuration, i.e. noise)")
+          "a round is quiet when other processes kept < " f"{C.QUIET_CORES}" " cores busy; medians use the quiet "
+          "rounds when there are enough, else all;\n'other load': mean cores other processes kept busy in the rounds "
+          "used, i.e. the noise left in the figures)")
     print(C.format_table(ratios, rcols))
 
     print("\nTargets")
@@ -277,21 +291,23 @@ def main() -> int:
         info = C.describe_ids(ids[d])
         print(f"ids {d}: {info['unique']:,} unique of {info['nnz']:,} ({info['unique_fraction']:.1%}), "
               f"most frequent id x{info['max_count']:,}")
-    noisy = [k for k, v in noise.items() if v["other_cores"] > 0.25]
+    noisy = [k for k, v in noise.items() if v["used"] != "quiet"]
     if noisy:
-        print("WARNING: other processes kept > 0.25 cores busy while timing " + ", ".join(
+        print("WARNING: too few quiet rounds (other processes were busy) while timing " + ", ".join(
             "/".join(str(x) + ("T" if isinstance(x, int) else "") for x in k) for k in noisy)
               + "; those figures (2-thread ones above all) are unreliable; rerun on a quiet machine")
+    print(f"embedcore {vers.get('embedcore')} ({vers.get('embedcore_build', {}).get('simd')}), extension sha256 "
+          f"{vers.get('embedcore_extension_sha256')} built {vers.get('embedcore_extension_mtime')}, git {vers.get('git')}")
     print(f"total time {time.time() - t_start:.0f} s; load average now {os.getloadavg()[0]:.2f}")
 
     if args.json:
         C.write_json(args.json, {
             "benchmark": "lookup", "workload": "W1", "repeats": repeats, "warmup": warmup,
-            "machine": C.machine_info(), "versions": C.versions(), "c_flags": {"O3": C.C_FLAGS_BASE + C.C_FLAGS_COMMON,
+            "machine": C.machine_info(), "versions": vers, "c_flags": {"O3": C.C_FLAGS_BASE + C.C_FLAGS_COMMON,
                                                                            "native": C.C_FLAGS_NATIVE + C.C_FLAGS_COMMON},
             "ids": {d: C.describe_ids(ids[d]) for d in C.DISTS}, "correctness_max_abs_diff": correctness,
             "anon_huge_pages_bytes": thp, "results": results, "ratios": ratios,
-            "other_load": {f"{nt}T_{d}": v for (nt, d), v in noise.items()},
+            "rounds": {f"{nt}T_{d}": v for (nt, d), v in noise.items()},
             "targets": [{"name": n, "value": v, "goal": g, "higher_is_better": hib,
                          "verdict": C.verdict(v, g, hib)} for n, v, g, hib in targets]})
     return 0

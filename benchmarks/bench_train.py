@@ -61,8 +61,15 @@ def main() -> int:
     ap.add_argument("--grad", choices=("random", "ones"), default="random",
                     help="output gradient: standard normal (default) or ones")
     ap.add_argument("--optimizers", default="sgd,adagrad")
+    ap.add_argument("--max-seconds", type=float,
+                    help="per SGD configuration (x1.5 for Adagrad): keep adding rounds until REPEATS quiet ones "
+                         f"(other processes using < {C.QUIET_CORES} cores) or this many seconds (default 20, 6 "
+                         "with --quick)")
     args = ap.parse_args()
     repeats = args.repeats or (4 if args.quick else 10)
+    # Per configuration: rounds go on until REPEATS quiet ones, or this long (Adagrad steps are slower).
+    scale = args.max_seconds if args.max_seconds is not None else (6.0 if args.quick else 20.0)
+    max_seconds = {"sgd": scale, "adagrad": 1.5 * scale}
     warmup = 1 if args.quick else 2
     thread_counts = [int(x) for x in args.threads.split(",") if x]
     optimizers = [o for o in args.optimizers.split(",") if o]
@@ -72,6 +79,8 @@ def main() -> int:
     import torch
 
     import embedcore as ec
+
+    vers = C.versions()
 
     try:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
@@ -180,7 +189,7 @@ def main() -> int:
             for nt in thread_counts:
                 C.set_threads(nt)
                 for d in C.DISTS:
-                    C.log(f"[{opt}] timing: {nt} thread(s), {d} ids, {repeats} rounds ...")
+                    C.log(f"[{opt}] timing: {nt} thread(s), {d} ids, >= {repeats} rounds ...")
                     cont = {"embedcore": lambda d=d: ec_step(d), "torch": lambda d=d: torch_step(d)}
                     if fb is not None:
                         cont["fbgemm"] = lambda d=d: fbgemm_step(d)
@@ -188,16 +197,18 @@ def main() -> int:
                     cont["c_malloc"] = lambda d=d, nt=nt: cl.step(d, 0, nt, 8, o, 1, LR)
                     cont["c_thp_update_only"] = lambda d=d, nt=nt: cl.step(d, 1, nt, 8, o, 0, LR)
                     ec_parts.clear()
-                    mon = C.CpuMonitor([cl.pid]).start()
-                    samples = C.run_interleaved(cont, repeats, warmup)
-                    noise[(opt, nt, d)] = mon.stop()
-                    timed = ec_parts[-repeats:]
+                    timing = C.run_rounds(cont, repeats, warmup, monitor_pids=[cl.pid],
+                                          max_seconds=max_seconds[opt])
+                    noise[(opt, nt, d)] = timing.info()
+                    timed = [ec_parts[warmup + i] for i in timing.kept]  # one per round after the warm-up
                     parts[(opt, nt, d)] = {"lookup_ms": statistics.median(p[0] for p in timed) * 1e3,
-                                           "apply_ms": statistics.median(p[1] for p in timed) * 1e3}
-                    for name, s in samples.items():
-                        st = C.summarize(s)
+                                           "apply_ms": statistics.median(p[1] for p in timed) * 1e3,
+                                           "lookup_s_per_round": [p[0] for p in ec_parts[warmup:]],
+                                           "apply_s_per_round": [p[1] for p in ec_parts[warmup:]]}
+                    for name in cont:
+                        st = C.summarize(timing.kept_samples(name))
                         results.append({"optimizer": opt, "threads": nt, "dist": d, "contender": name, **st,
-                                        "ms": st["median_s"] * 1e3, "samples_s": s})
+                                        "ms": st["median_s"] * 1e3, "samples_s": timing.samples[name]})
             del et, emb, topt, fb
     finally:
         if cl is not None:
@@ -232,7 +243,9 @@ def main() -> int:
                      "vs_c": ratio(ecs, limit),
                      "apply_vs_c_update": ratio(parts[(opt, nt, d)]["apply_ms"] / 1e3,
                                                 med(opt, nt, d, "c_thp_update_only")),
-                     "other_load": noise[(opt, nt, d)]["other_cores"]}
+                     "rounds": f"{noise[(opt, nt, d)]['quiet_rounds']}/{noise[(opt, nt, d)]['rounds']}",
+                     "used": noise[(opt, nt, d)]["used"],
+                     "other_load": noise[(opt, nt, d)]["kept_other_cores"]}
                 if nt != 1 and 1 in thread_counts:
                     r["ec_vs_1t"] = ratio(med(opt, 1, d, "embedcore"), ecs)
                     r["c_vs_1t"] = ratio(med(opt, 1, d, "c_thp"), med(opt, nt, d, "c_thp"))
@@ -241,7 +254,7 @@ def main() -> int:
                 targets.append((f"{opt} {nt}T {d}: embedcore / FBGEMM step rate", r["vs_fbgemm"], TARGETS["fbgemm"]))
 
     print(f"\nW2 training step: W1 lookup + optimizer step, lr {LR}, gradient {args.grad} [4096, 128]; "
-          f"{repeats} interleaved rounds, median")
+          f"interleaved rounds (>= {repeats}), median of the quiet rounds (see 'rounds used' below)")
     print("c_thp / c_malloc: bare C gather + per-occurrence update (prefetch 8 ahead), mmap+MADV_HUGEPAGE or "
           "malloc table; c_thp_update_only: the update alone (cc " + " ".join(C.C_FLAGS_NATIVE + C.C_FLAGS_COMMON) + ")")
     cols = [("optimizer", "opt", None), ("threads", "thr", None), ("dist", "ids", None),
@@ -251,11 +264,14 @@ def main() -> int:
     print(C.format_table(rows, cols))
     print("\nRatios (torch/ec, fbgemm/ec: step-time ratios, > 1 = embedcore faster; ec/C: embedcore step time over "
           "the bare C step; ec apply/C update: apply_gradients over the bare C update alone;\n"
-          "'other load': cores other processes kept busy meanwhile, i.e. noise)")
+          "a round is quiet when other processes kept < " f"{C.QUIET_CORES}" " cores busy; medians use the quiet "
+          "rounds when there are enough, else all; 'other load': mean cores other processes kept busy in the rounds "
+          "used)")
     rcols = [("optimizer", "opt", None), ("threads", "thr", None), ("dist", "ids", None),
              ("vs_torch", "torch/ec", "{:.2f}x"), ("vs_fbgemm", "fbgemm/ec", "{:.2f}x"), ("vs_c", "ec/C", "{:.2f}x"),
              ("apply_vs_c_update", "ec apply/C update", "{:.2f}x"), ("ec_vs_1t", "ec 2T/1T", "{:.2f}x"),
-             ("c_vs_1t", "C 2T/1T", "{:.2f}x"), ("other_load", "other load (cores)", "{:.2f}")]
+             ("c_vs_1t", "C 2T/1T", "{:.2f}x"), ("rounds", "quiet/all rounds", None), ("used", "rounds used", None),
+             ("other_load", "other load (cores)", "{:.2f}")]
     print(C.format_table(ratios, rcols))
     print("\nTargets")
     trows = [{"target": n, "value": v, "goal": f">= {t:.1f}", "verdict": C.verdict(v, t)} for n, v, t in targets]
@@ -263,20 +279,22 @@ def main() -> int:
                                  ("verdict", "", None)]))
     print("\nOne-step check, max |diff| vs NumPy: " + "; ".join(
         f"{o}: " + ", ".join(f"{k} {v:.1e}" for k, v in c.items()) for o, c in checks.items()))
-    noisy = [k for k, v in noise.items() if v["other_cores"] > 0.25]
+    noisy = [k for k, v in noise.items() if v["used"] != "quiet"]
     if noisy:
-        print("WARNING: other processes kept > 0.25 cores busy while timing " + ", ".join(
+        print("WARNING: too few quiet rounds (other processes were busy) while timing " + ", ".join(
             "/".join(str(x) + ("T" if isinstance(x, int) else "") for x in k) for k in noisy)
               + "; those figures (2-thread ones above all) are unreliable; rerun on a quiet machine")
+    print(f"embedcore {vers.get('embedcore')} ({vers.get('embedcore_build', {}).get('simd')}), extension sha256 "
+          f"{vers.get('embedcore_extension_sha256')} built {vers.get('embedcore_extension_mtime')}, git {vers.get('git')}")
     print(f"total time {time.time() - t_start:.0f} s; load average now {os.getloadavg()[0]:.2f}")
 
     if args.json:
         C.write_json(args.json, {
             "benchmark": "train", "workload": "W2", "repeats": repeats, "warmup": warmup, "lr": LR,
-            "grad": args.grad, "machine": C.machine_info(), "versions": C.versions(), "c_flags": C.C_FLAGS_NATIVE + C.C_FLAGS_COMMON,
+            "grad": args.grad, "machine": C.machine_info(), "versions": vers, "c_flags": C.C_FLAGS_NATIVE + C.C_FLAGS_COMMON,
             "ids": {d: C.describe_ids(ids[d]) for d in C.DISTS}, "check_max_abs_diff": checks,
             "results": results, "embedcore_parts_ms": {f"{o}_{nt}T_{d}": v for (o, nt, d), v in parts.items()},
-            "ratios": ratios, "other_load": {f"{o}_{nt}T_{d}": v for (o, nt, d), v in noise.items()},
+            "ratios": ratios, "rounds": {f"{o}_{nt}T_{d}": v for (o, nt, d), v in noise.items()},
             "targets": [{"name": n, "value": v, "goal": t, "verdict": C.verdict(v, t)} for n, v, t in targets]})
     return 0
 
