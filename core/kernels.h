@@ -13,6 +13,15 @@
 
 namespace embedcore::kernels {
 
+/// How many ids ahead the lookup loops prefetch a row.
+constexpr int64_t kPrefetchDistance = 8;
+
+/// Prefetches every cache line of `bytes` at `p` for reading.
+inline void PrefetchLines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
 /// One lookup, as the kernels see it. `table` holds rows x dim elements of
 /// the storage dtype; ids are already validated.
 struct LookupArgs {

@@ -53,18 +53,20 @@ struct Avx2Rows {
 
   template <int NV, typename I>
   static void Pool(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
-                   const float* weights) {
+                   const float* weights, int64_t pf_end, int64_t row_bytes) {
     __m256 s[NV];
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) s[j] = _mm256_setzero_ps();
     if (weights == nullptr) {  // w = 1: 1 * x == x, so the sums are the same bits without the multiply
       for (int64_t k = k0; k < k1; ++k) {
+        if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
         const T* row = table + int64_t(ids[k]) * dim + c0;
 #pragma GCC unroll 16
         for (int j = 0; j < NV; ++j) s[j] = _mm256_add_ps(s[j], Load8(row + 8 * j));
       }
     } else {
       for (int64_t k = k0; k < k1; ++k) {
+        if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
         const T* row = table + int64_t(ids[k]) * dim + c0;
         const __m256 w = _mm256_set1_ps(weights[k]);
 #pragma GCC unroll 16
@@ -76,13 +78,13 @@ struct Avx2Rows {
   }
   template <typename I>
   static void PoolColumns(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
-                          const float* weights) {
-    Pool<kVectors>(out, table, dim, c0, ids, k0, k1, weights);
+                          const float* weights, int64_t pf_end, int64_t row_bytes) {
+    Pool<kVectors>(out, table, dim, c0, ids, k0, k1, weights, pf_end, row_bytes);
   }
   template <typename I>
   static void PoolColumnsNarrow(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0,
-                                int64_t k1, const float* weights) {
-    Pool<1>(out, table, dim, c0, ids, k0, k1, weights);
+                                int64_t k1, const float* weights, int64_t pf_end, int64_t row_bytes) {
+    Pool<1>(out, table, dim, c0, ids, k0, k1, weights, pf_end, row_bytes);
   }
 
   static void Axpy(float* acc, const T* row, float w, int64_t dim) {

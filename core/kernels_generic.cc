@@ -12,9 +12,10 @@ struct ScalarRows {
   static constexpr int64_t kPoolColumnsNarrow = 4;
   template <int64_t kCols, typename I>
   static void Pool(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
-                   const float* weights) {
+                   const float* weights, int64_t pf_end, int64_t row_bytes) {
     float acc[kCols] = {};
     for (int64_t k = k0; k < k1; ++k) {
+      if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
       const T* row = table + int64_t(ids[k]) * dim + c0;
       const float w = weights ? weights[k] : 1.0f;
       for (int64_t d = 0; d < kCols; ++d) acc[d] += w * ops::ToFloat(row[d]);
@@ -23,13 +24,13 @@ struct ScalarRows {
   }
   template <typename I>
   static void PoolColumns(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
-                          const float* weights) {
-    Pool<kPoolColumns>(out, table, dim, c0, ids, k0, k1, weights);
+                          const float* weights, int64_t pf_end, int64_t row_bytes) {
+    Pool<kPoolColumns>(out, table, dim, c0, ids, k0, k1, weights, pf_end, row_bytes);
   }
   template <typename I>
   static void PoolColumnsNarrow(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0,
-                                int64_t k1, const float* weights) {
-    Pool<kPoolColumnsNarrow>(out, table, dim, c0, ids, k0, k1, weights);
+                                int64_t k1, const float* weights, int64_t pf_end, int64_t row_bytes) {
+    Pool<kPoolColumnsNarrow>(out, table, dim, c0, ids, k0, k1, weights, pf_end, row_bytes);
   }
   static void Axpy(float* acc, const T* row, float w, int64_t dim) {
     for (int64_t d = 0; d < dim; ++d) acc[d] += w * ops::ToFloat(row[d]);

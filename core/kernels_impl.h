@@ -2,9 +2,10 @@
 //   R::Axpy(acc, row, w, dim)   acc[d] += w * float(row[d])
 //   R::Scale(out, row, w, dim)  out[d]  = w * float(row[d])
 //   R::Load(row, dst, dim), R::Store(row, src, dim)
-//   R::PoolColumns(out, table, dim, c0, ids, k0, k1, weights)
+//   R::PoolColumns(out, table, dim, c0, ids, k0, k1, weights, pf_end, row_bytes)
 //       out[c] = sum over k in [k0, k1) of w_k * float(row(ids[k])[c0 + c]),
-//       for the kPoolColumns columns from c0, accumulated in registers
+//       for the kPoolColumns columns from c0, accumulated in registers; when
+//       pf_end > 0 it also prefetches the row of ids[k + kPrefetchDistance] (< pf_end)
 //   R::PoolColumnsNarrow(...)  the same for kPoolColumnsNarrow columns
 // for each storage type. Included by kernels_generic.cc and kernels_avx2.cc
 // only, inside an anonymous namespace, so each gets its own instantiations.
@@ -12,7 +13,6 @@
 // Every loop prefetches the rows a few ids ahead: a lookup is a random
 // gather, bound by memory latency, not arithmetic.
 
-constexpr int64_t kPrefetchDistance = 8;
 
 template <typename T>
 inline void PrefetchRow(const T* row, int64_t bytes) {
@@ -38,11 +38,16 @@ void PooledBags(const LookupArgs& a, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     float* acc = a.out + b * dim;
     const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
-    for (int64_t k = k0; k < k1 && k + kPrefetchDistance < k_end; ++k)
-      PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
-    for (int64_t c0 = 0; c0 < wide; c0 += R::kPoolColumns) R::PoolColumns(acc + c0, table, dim, c0, ids, k0, k1, a.weights);
-    for (int64_t c0 = wide; c0 < full; c0 += R::kPoolColumnsNarrow)
-      R::PoolColumnsNarrow(acc + c0, table, dim, c0, ids, k0, k1, a.weights);
+    // The first block prefetches the row kPrefetchDistance ids ahead as it adds each row
+    // (across bag ends); the later blocks find the bag's rows in L1.
+    int64_t pf_end = k_end;
+    for (int64_t c0 = 0; c0 < wide; c0 += R::kPoolColumns, pf_end = 0)
+      R::PoolColumns(acc + c0, table, dim, c0, ids, k0, k1, a.weights, pf_end, row_bytes);
+    for (int64_t c0 = wide; c0 < full; c0 += R::kPoolColumnsNarrow, pf_end = 0)
+      R::PoolColumnsNarrow(acc + c0, table, dim, c0, ids, k0, k1, a.weights, pf_end, row_bytes);
+    if (pf_end != 0)  // no block ran (dim below the narrow block): prefetch as the tail loop used to
+      for (int64_t k = k0; k < k1 && k + kPrefetchDistance < k_end; ++k)
+        PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
     if (full < dim) {
       for (int64_t d = full; d < dim; ++d) acc[d] = 0.0f;
       for (int64_t k = k0; k < k1; ++k)
