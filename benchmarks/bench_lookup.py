@@ -5,7 +5,8 @@ One 1,000,000 x 128 float32 table, 4,096 bags of 32 ids, sum combiner;
 uniform and Zipf(1.05) ids; 1 and 2 threads; plus embedcore with a float16
 table. Every contender reads the same weights; outputs are checked against
 NumPy's before timing. Contenders run interleaved (one call each per round,
-rotating order) and the figure is the median round.
+rotating order); the figure is the median over the rounds in which other
+processes left the machine quiet (all rounds, flagged, when too few were).
 
     python benchmarks/bench_lookup.py [--quick] [--json PATH] [--threads 1,2]
 

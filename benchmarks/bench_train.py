@@ -13,8 +13,9 @@ embedcore (``lookup`` then ``apply_gradients`` with a fixed output gradient
 
 Uniform and Zipf(1.05) ids, 1 and 2 threads. One step of each contender is
 checked against NumPy before timing (Adagrad accumulators start at 0.1 in
-every contender, as in embedcore / TensorFlow). Contenders run interleaved;
-figures are medians.
+every contender, as in embedcore / TensorFlow; FBGEMM and PyTorch add an
+epsilon of 1e-10 to sqrt(acc), a negligible difference). Contenders run
+interleaved; figures are medians over the quiet rounds (see _common.run_rounds).
 
     python benchmarks/bench_train.py [--quick] [--json PATH] [--threads 1,2] [--grad random|ones]
 """
