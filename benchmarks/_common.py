@@ -352,6 +352,33 @@ def verdict(value: Optional[float], target: float, higher_is_better: bool = True
     return "PASS" if ok else "FAIL"
 
 
+def fbgemm_available() -> bool:
+    """Whether FBGEMM's CPU table-batched embedding imports (it logs why not)."""
+    try:
+        import fbgemm_gpu.split_table_batched_embeddings_ops_training  # noqa: F401
+        return True
+    except ImportError as e:
+        log(f"FBGEMM not available ({e}); skipping it")
+        return False
+
+
+def fbgemm_table(weights, optimizer: str = "sgd", learning_rate: float = 0.01, **kwargs):
+    """FBGEMM's CPU table-batched embedding holding W1's table (a copy of the
+    torch tensor `weights`), sum pooling, with its fused EXACT_SGD or
+    EXACT_ADAGRAD optimizer."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, EmbeddingLocation, SplitTableBatchedEmbeddingBagsCodegen)
+
+    kind = {"sgd": OptimType.EXACT_SGD, "adagrad": OptimType.EXACT_ADAGRAD}[optimizer]
+    fb = SplitTableBatchedEmbeddingBagsCodegen([(ROWS, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+                                               optimizer=kind, learning_rate=learning_rate,
+                                               pooling_mode=PoolingMode.SUM, **kwargs)
+    fb.split_embedding_weights()[0].copy_(weights)
+    return fb
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

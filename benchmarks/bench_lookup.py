@@ -61,15 +61,7 @@ def main() -> int:
 
     vers = C.versions()
 
-    try:
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, EmbeddingLocation, SplitTableBatchedEmbeddingBagsCodegen)
-        have_fbgemm = True
-    except ImportError as e:
-        C.log(f"FBGEMM not available ({e}); skipping it")
-        have_fbgemm = False
+    have_fbgemm = C.fbgemm_available()
     have_tf = not args.no_tf and C.tf_available()
 
     # ------------------------------------------------------------ data
@@ -88,10 +80,7 @@ def main() -> int:
     wt = torch.from_numpy(w)
     fb = None
     if have_fbgemm:
-        fb = SplitTableBatchedEmbeddingBagsCodegen(
-            [(C.ROWS, C.DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-            optimizer=OptimType.EXACT_SGD, learning_rate=0.01, pooling_mode=PoolingMode.SUM)
-        fb.split_embedding_weights()[0].copy_(wt)
+        fb = C.fbgemm_table(wt, "sgd", learning_rate=0.01)
 
     scratch = C.scratch_dir()
     cl = tfw = None

@@ -69,15 +69,7 @@ def main() -> int:
     import embedcore as ec
     import embedcore.adapters.torch as et
 
-    try:
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, EmbeddingLocation, SplitTableBatchedEmbeddingBagsCodegen)
-        have_fbgemm = True
-    except ImportError as e:
-        C.log(f"FBGEMM not available ({e}); skipping it")
-        have_fbgemm = False
+    have_fbgemm = C.fbgemm_available()
 
     # ------------------------------------------------------------ data and modules
     C.log("generating ids, gradient and tables ...")
@@ -98,10 +90,7 @@ def main() -> int:
     table = fused.table
     fb = None
     if have_fbgemm:
-        fb = SplitTableBatchedEmbeddingBagsCodegen(
-            [(C.ROWS, C.DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-            optimizer=OptimType.EXACT_SGD, learning_rate=LR, pooling_mode=PoolingMode.SUM)
-        fb.split_embedding_weights()[0].copy_(w)
+        fb = C.fbgemm_table(w, "sgd", learning_rate=LR)
 
     def forward(d):
         return {

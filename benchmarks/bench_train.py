@@ -83,15 +83,7 @@ def main() -> int:
 
     vers = C.versions()
 
-    try:
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, EmbeddingLocation, SplitTableBatchedEmbeddingBagsCodegen)
-        have_fbgemm = True
-    except ImportError as e:
-        C.log(f"FBGEMM not available ({e}); skipping it")
-        have_fbgemm = False
+    have_fbgemm = C.fbgemm_available()
 
     C.log("generating ids, gradients and weights ...")
     ids = {d: C.make_ids(d) for d in C.DISTS}
@@ -134,11 +126,7 @@ def main() -> int:
 
             fb = None
             if have_fbgemm:
-                fb = SplitTableBatchedEmbeddingBagsCodegen(
-                    [(C.ROWS, C.DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-                    optimizer=OptimType.EXACT_SGD if opt == "sgd" else OptimType.EXACT_ADAGRAD,
-                    learning_rate=LR, eps=1e-10, pooling_mode=PoolingMode.SUM)
-                fb.split_embedding_weights()[0].copy_(torch.from_numpy(w))
+                fb = C.fbgemm_table(torch.from_numpy(w), opt, learning_rate=LR, eps=1e-10)
                 if opt == "adagrad":
                     fb.split_optimizer_states()[0][0].fill_(ADAGRAD_INIT)
 
