@@ -35,7 +35,10 @@ void RadixSort(std::vector<Item>& items, int key_bits) {
   constexpr int kDigitBits = 11;
   constexpr size_t kBuckets = size_t(1) << kDigitBits;
   if (items.size() < 2) return;
-  std::vector<Item> tmp(items.size());
+  // Reused by every sort on this thread: a fresh multi-megabyte buffer per
+  // call would be fresh pages, and page faults, every training step.
+  static thread_local std::vector<Item> tmp;
+  tmp.resize(items.size());
   std::vector<size_t> count(kBuckets);
   for (int shift = 0; shift < key_bits; shift += kDigitBits) {
     std::fill(count.begin(), count.end(), 0);

@@ -406,7 +406,9 @@ void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learnin
   // Every occurrence, keyed by id, in input order; a stable sort groups them.
   int64_t total = 0;
   for (const auto& p : parts) total += p.batch.nnz;
-  std::vector<Occurrence> keys;
+  // Kept across calls on this thread (see RadixSort): no page faults per step.
+  static thread_local std::vector<Occurrence> keys;
+  keys.clear();
   keys.reserve(total);
   for (const auto& p : parts) {
     if (p.batch.id_type == IdType::kInt32)
@@ -415,8 +417,8 @@ void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learnin
       CollectOccurrences<int64_t>(p, spec_.dim, keys);
   }
   internal::RadixSort(keys, BitWidth(uint64_t(spec_.rows - 1)));
-  std::vector<int64_t> group_start;
-  group_start.reserve(keys.size() / 2 + 2);
+  static thread_local std::vector<int64_t> group_start;
+  group_start.clear();
   for (size_t i = 0; i < keys.size(); ++i)
     if (i == 0 || keys[i].key != keys[i - 1].key) group_start.push_back(int64_t(i));
   group_start.push_back(int64_t(keys.size()));
