@@ -41,6 +41,44 @@ void BindCheckpoint(nb::module_& m) {
       "path"_a, "tables"_a, "include_optimizer"_a, "values_dtype"_a.none(), "metadata_json"_a,
       "Saves (table, config JSON) pairs atomically into the directory `path`.");
 
+  // Sharded checkpoints: each rank writes its shards, one rank commits.
+  m.def(
+      "next_generation",
+      [](const std::string& path) {
+        nb::gil_scoped_release release;
+        return NextGeneration(path);
+      },
+      "path"_a, "Creates `path` if needed; returns a generation above every one present there.");
+  m.def(
+      "write_shard_files",
+      [](const std::string& path, uint64_t generation, const std::string& prefix, int shard_index, const Table& shard,
+         int64_t row_start, int64_t col_start, bool include_optimizer) {
+        SaveOptions options;
+        options.include_optimizer = include_optimizer;
+        nb::gil_scoped_release release;
+        const TableEntry e = WriteShardFiles(path, generation, prefix, shard_index, shard, row_start, col_start, options);
+        return std::make_pair(ShardFilesJson(e), e.step);
+      },
+      "path"_a, "generation"_a, "prefix"_a, "shard_index"_a, "shard"_a, "row_start"_a, "col_start"_a,
+      "include_optimizer"_a, "Writes and fsyncs one shard's data files; returns (their manifest JSON, step).");
+  m.def(
+      "commit_checkpoint",
+      [](const std::string& path, const std::string& manifest_json) {
+        nb::gil_scoped_release release;
+        CommitCheckpoint(path, manifest_json);
+      },
+      "path"_a, "manifest_json"_a, "Validates a manifest and writes it atomically as path/MANIFEST.");
+  m.def(
+      "load_table_block",
+      [](const CheckpointInfo& info, size_t index, Table& table, int64_t row_start, int64_t col_start,
+         bool load_optimizer, bool verify) {
+        if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
+        nb::gil_scoped_release release;
+        LoadTableBlock(info, info.tables[index], table, row_start, col_start, load_optimizer, verify);
+      },
+      "info"_a, "index"_a, "table"_a, "row_start"_a, "col_start"_a, "load_optimizer"_a, "verify"_a = true,
+      "Loads the block of table `index` that `table` holds (a shard), reading only the files that meet it.");
+
   nb::class_<CheckpointInfo>(m, "CheckpointInfo")
       .def_ro("path", &CheckpointInfo::path)
       .def_prop_ro("format_version", [](const CheckpointInfo& i) { return std::make_pair(i.format_major, i.format_minor); })
@@ -56,7 +94,10 @@ void BindCheckpoint(nb::module_& m) {
       .def("table_shape",
            [](const CheckpointInfo& i, size_t k) { return std::make_pair(i.tables.at(k).rows, i.tables.at(k).dim); })
       .def("table_config_json", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).config_json; })
-      .def("table_has_optimizer", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).has_optimizer; });
+      .def("table_has_optimizer", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).has_optimizer; })
+      .def("table_dtype", [](const CheckpointInfo& i, size_t k) { return std::string(DTypeName(i.tables.at(k).dtype)); })
+      .def("table_step", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).step; })
+      .def("table_sharding_json", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).sharding_json; });
 
   m.def(
       "read_info",

@@ -98,6 +98,29 @@ void CheckRows(const Table& t, size_t ndim, const int64_t* shape, const char* wh
 }  // namespace
 
 void BindTable(nb::module_& m) {
+  m.def(
+      "bag_denominators",
+      [](const OffsetArray& offsets, const std::optional<WeightArray>& weights, int combiner) {
+        if (offsets.shape(0) < 1) throw InvalidArgument("offsets must hold at least one value");
+        Batch batch;
+        batch.num_bags = int64_t(offsets.shape(0)) - 1;
+        batch.offsets = offsets.data();
+        batch.nnz = offsets.data()[batch.num_bags];
+        if (weights) {
+          if (int64_t(weights->shape(0)) != batch.nnz)
+            throw InvalidArgument("weights must have offsets[-1] = " + std::to_string(batch.nnz) + " values, got " +
+                                  std::to_string(weights->shape(0)));
+          batch.weights = weights->data();
+        }
+        float* data = new float[size_t(std::max<int64_t>(batch.num_bags, 1))];
+        nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+        BagDenominators(batch, ToCombiner(combiner), data);
+        const size_t shape[1] = {size_t(batch.num_bags)};
+        return NumpyFloat(data, 1, shape, owner);
+      },
+      "offsets"_a.noconvert(), "weights"_a.noconvert().none(), "combiner"_a,
+      "Each bag's combiner denominator (sum of weights, sqrt of the sum of squares, or 1), as the kernels compute it.");
+
   nb::class_<InitializerSpec> init(m, "InitializerSpec");
   nb::enum_<InitializerSpec::Kind>(init, "Kind")
       .value("Zeros", InitializerSpec::Kind::kZeros)
@@ -148,12 +171,18 @@ void BindTable(nb::module_& m) {
       .def(
           "__init__",
           [](Table* self, const std::string& name, int64_t rows, int64_t dim, const std::string& dtype,
-             const InitializerSpec& initializer, const OptimizerSpec& optimizer) {
+             const InitializerSpec& initializer, const OptimizerSpec& optimizer, int64_t shard_row_start,
+             int64_t shard_col_start, int64_t full_dim) {
             TableSpec spec{name, rows, dim, ParseDType(dtype), initializer, optimizer};
+            spec.shard_row_start = shard_row_start;
+            spec.shard_col_start = shard_col_start;
+            spec.full_dim = full_dim;
             nb::gil_scoped_release release;
             new (self) Table(std::move(spec));
           },
-          "name"_a, "rows"_a, "dim"_a, "dtype"_a, "initializer"_a, "optimizer"_a)
+          "name"_a, "rows"_a, "dim"_a, "dtype"_a, "initializer"_a, "optimizer"_a, "shard_row_start"_a = 0,
+          "shard_col_start"_a = 0, "full_dim"_a = 0,
+          "A table, or the shard of a larger table at (shard_row_start, shard_col_start) of one full_dim wide.")
       .def_prop_ro("name", [](const Table& t) { return t.spec().name; })
       .def_prop_ro("rows", &Table::rows)
       .def_prop_ro("dim", &Table::dim)

@@ -37,16 +37,22 @@ inline float StepDown(float x) { return std::nextafter(x, -INFINITY); }
 inline ops::F16 StepDown(ops::F16 x) { return ops::F16{StepDown(x.bits)}; }
 inline ops::BF16 StepDown(ops::BF16 x) { return ops::BF16{StepDown(x.bits)}; }
 
+// Fills a [rows, dim] block whose element (r, c) is element (row0 + r, col0 + c)
+// of a table `full_dim` wide: a shard gets the values the whole table would have.
 template <typename T>
-void Fill(const InitializerSpec& spec, int64_t rows, int64_t dim, T* data) {
+void Fill(const InitializerSpec& spec, int64_t rows, int64_t dim, int64_t row0, int64_t col0, int64_t full_dim,
+          T* data) {
   // Uniform draws from [low, high): rounding to the storage dtype may reach high.
   const bool bounded = spec.kind == InitializerSpec::Kind::kUniform && spec.b > spec.a;
   const float high = float(spec.b);
   ParallelFor(rows, std::max<int64_t>(1, 16384 / dim), [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0 * dim; i < r1 * dim; ++i) {
-      T v = ops::FromFloat<T>(InitialValue(spec, dim, uint64_t(i)));
-      if (bounded && ops::ToFloat(v) >= high) v = StepDown(v);
-      data[i] = v;
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint64_t base = uint64_t(row0 + r) * uint64_t(full_dim) + uint64_t(col0);
+      for (int64_t c = 0; c < dim; ++c) {
+        T v = ops::FromFloat<T>(InitialValue(spec, full_dim, base + uint64_t(c)));
+        if (bounded && ops::ToFloat(v) >= high) v = StepDown(v);
+        data[r * dim + c] = v;
+      }
     }
   });
 }
@@ -83,18 +89,19 @@ float InitialValue(const InitializerSpec& spec, int64_t dim, uint64_t index) {
   return 0.0f;
 }
 
-void Initialize(const InitializerSpec& spec, DType dtype, int64_t rows, int64_t dim, void* data) {
+void Initialize(const InitializerSpec& spec, DType dtype, int64_t rows, int64_t dim, int64_t row0, int64_t col0,
+                int64_t full_dim, void* data) {
   if (spec.kind == InitializerSpec::Kind::kZeros) return;  // memory is already zero
   if (spec.kind == InitializerSpec::Kind::kConstant && spec.a == 0.0 && !std::signbit(spec.a)) return;
   switch (dtype) {
     case DType::kFloat32:
-      Fill(spec, rows, dim, static_cast<float*>(data));
+      Fill(spec, rows, dim, row0, col0, full_dim, static_cast<float*>(data));
       break;
     case DType::kFloat16:
-      Fill(spec, rows, dim, static_cast<ops::F16*>(data));
+      Fill(spec, rows, dim, row0, col0, full_dim, static_cast<ops::F16*>(data));
       break;
     case DType::kBFloat16:
-      Fill(spec, rows, dim, static_cast<ops::BF16*>(data));
+      Fill(spec, rows, dim, row0, col0, full_dim, static_cast<ops::BF16*>(data));
       break;
   }
 }

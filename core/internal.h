@@ -21,7 +21,10 @@ void Free(void* p, size_t bytes);
 size_t CheckedBytes(int64_t a, int64_t b, size_t c, const std::string& what);
 
 /// Fills rows * dim elements of `dtype` at `data` (already zero).
-void Initialize(const InitializerSpec& spec, DType dtype, int64_t rows, int64_t dim, void* data);
+/// Fills [rows, dim] at `data` as elements (row0 + r, col0 + c) of a table
+/// `full_dim` wide (row0 = col0 = 0, full_dim = dim for a whole table).
+void Initialize(const InitializerSpec& spec, DType dtype, int64_t rows, int64_t dim, int64_t row0, int64_t col0,
+                int64_t full_dim, void* data);
 /// The value of element `index` (row * dim + col); the pure function behind Initialize.
 float InitialValue(const InitializerSpec& spec, int64_t dim, uint64_t index);
 

@@ -160,7 +160,16 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
   const size_t bytes = internal::CheckedBytes(spec_.rows, spec_.dim, DTypeSize(spec_.dtype), "table '" + spec_.name + "'");
   const size_t slot_bytes = internal::CheckedBytes(spec_.rows, spec_.dim, sizeof(float), "table '" + spec_.name + "' slots");
   values_ = BufferPtr(internal::AllocateZeroed(bytes), BufferDeleter{bytes});
-  internal::Initialize(spec_.initializer, spec_.dtype, spec_.rows, spec_.dim, values_.get());
+  if (spec_.full_dim == 0) {
+    spec_.full_dim = spec_.dim;
+    spec_.shard_row_start = spec_.shard_col_start = 0;
+  }
+  if (spec_.shard_row_start < 0 || spec_.shard_col_start < 0 || spec_.shard_col_start + spec_.dim > spec_.full_dim)
+    throw InvalidArgument("table '" + spec_.name + "': shard placement (row " + std::to_string(spec_.shard_row_start) +
+                          ", column " + std::to_string(spec_.shard_col_start) + ", full dim " +
+                          std::to_string(spec_.full_dim) + ") does not fit its dim " + std::to_string(spec_.dim));
+  internal::Initialize(spec_.initializer, spec_.dtype, spec_.rows, spec_.dim, spec_.shard_row_start,
+                       spec_.shard_col_start, spec_.full_dim, values_.get());
   const auto names = spec_.optimizer.SlotNames();
   for (size_t i = 0; i < names.size(); ++i) {
     slots_.emplace_back(static_cast<float*>(internal::AllocateZeroed(slot_bytes)), FloatDeleter{slot_bytes});
@@ -357,6 +366,18 @@ int BitWidth(uint64_t x) {
   return bits;
 }
 
+// A bag's combiner denominator, summed in id order as the lookup kernels do.
+inline float Denominator(Combiner c, int64_t begin, int64_t end, const float* wts) {
+  if (c != Combiner::kMean && c != Combiner::kSqrtn) return 1.0f;
+  float sw = 0.0f, sw2 = 0.0f;
+  for (int64_t i = begin; i < end; ++i) {
+    const float w = wts ? wts[i] : 1.0f;
+    sw += w;
+    sw2 += w * w;
+  }
+  return ops::CombinerDenominator(ops::CombinerKind(c), sw, sw2);
+}
+
 template <typename I>
 void CollectOccurrences(const GradientPart& p, int64_t dim, std::vector<Occurrence>& occ) {
   const I* ids = static_cast<const I*>(p.batch.ids);
@@ -365,16 +386,7 @@ void CollectOccurrences(const GradientPart& p, int64_t dim, std::vector<Occurren
   const Combiner c = p.shape.combiner;
   const int64_t len = p.shape.max_sequence_length;
   for (int64_t b = 0; b < p.batch.num_bags; ++b) {
-    float denominator = 1.0f;
-    if (c == Combiner::kMean || c == Combiner::kSqrtn) {
-      float sw = 0.0f, sw2 = 0.0f;
-      for (int64_t i = off[b]; i < off[b + 1]; ++i) {
-        const float w = wts ? wts[i] : 1.0f;
-        sw += w;
-        sw2 += w * w;
-      }
-      denominator = ops::CombinerDenominator(ops::CombinerKind(c), sw, sw2);
-    }
+    const float denominator = Denominator(c, off[b], off[b + 1], wts);
     for (int64_t i = off[b]; i < off[b + 1]; ++i) {
       const float w = wts ? wts[i] : 1.0f;
       const float* grad;
@@ -393,6 +405,18 @@ void CollectOccurrences(const GradientPart& p, int64_t dim, std::vector<Occurren
 }
 
 }  // namespace
+
+void BagDenominators(const Batch& batch, Combiner combiner, float* out) {
+  // Only the offsets and weights matter here; ids may be absent.
+  if (batch.num_bags < 0 || batch.offsets == nullptr || batch.offsets[0] != 0 ||
+      batch.offsets[batch.num_bags] != batch.nnz)
+    throw InvalidArgument("bag_denominators: offsets must start at 0 and end at nnz");
+  for (int64_t b = 0; b < batch.num_bags; ++b)
+    if (batch.offsets[b + 1] < batch.offsets[b]) throw InvalidArgument("bag_denominators: offsets must be non-decreasing");
+  if (batch.num_bags > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
+  for (int64_t b = 0; b < batch.num_bags; ++b)
+    out[b] = Denominator(combiner, batch.offsets[b], batch.offsets[b + 1], batch.weights);
+}
 
 void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate) {
   // Validate everything before touching anything.

@@ -68,8 +68,8 @@ std::string GenerationTag(uint64_t gen) {
   return buf;
 }
 
-// Our own file names, exactly: t<5 digits>.<array>.g<generation>.ecd (array:
-// lower-case letters and '_') and MANIFEST.tmp.g<generation>, the generation
+// Our own file names, exactly: t<5 digits>.<array>[.s<5 digits>].g<generation>.ecd
+// (array: lower-case letters and '_'; .s<shard> for a shard's files) and MANIFEST.tmp.g<generation>, the generation
 // written with at least 12 digits. Anything else in the directory belongs to
 // the user and is never touched.
 bool ParseGeneration(const std::string& s, size_t pos, size_t end, uint64_t* generation) {
@@ -90,7 +90,12 @@ bool IsOurFile(const std::string& name, uint64_t* generation) {
   if (name.size() < 4 || name.compare(name.size() - 4, 4, ".ecd") != 0) return false;
   const size_t g = name.rfind(".g");
   if (g == std::string::npos || g <= 7) return false;
-  for (size_t i = 7; i < g; ++i)
+  // A shard's files carry ".s<5 digits>" after the array name.
+  size_t array_end = g;
+  if (g >= 7 + 8 && name.compare(g - 7, 2, ".s") == 0 &&
+      std::all_of(name.begin() + long(g) - 5, name.begin() + long(g), [](char c) { return c >= '0' && c <= '9'; }))
+    array_end = g - 7;
+  for (size_t i = 7; i < array_end; ++i)
     if (!((name[i] >= 'a' && name[i] <= 'z') || name[i] == '_')) return false;
   return ParseGeneration(name, g + 2, name.size() - 4, generation);
 }
@@ -228,37 +233,40 @@ void CheckDataHeader(const File& file, const FileEntry& f) {
     if (c != 0) throw CheckpointError(file.path() + ": header padding is not zero (corrupt)");
 }
 
-// Verifies every block checksum of a data file. The file is mapped in windows
-// of a few blocks (so the process never holds more than one window of it),
-// read ahead by the kernel, and checksummed in place by the thread pool: no
-// copy, and memory use bounded whatever the file's size.
-void VerifyDataFile(const std::string& dir, const FileEntry& f) {
+// Verifies the block checksums of a data file that cover payload bytes [lo,
+// hi) (every block: lo = 0, hi = payload). The file is mapped in windows of a
+// few blocks (so the process never holds more than one window of it), read
+// ahead by the kernel, and checksummed in place by the thread pool: no copy,
+// and memory use bounded whatever the file's size.
+void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, uint64_t hi) {
   File file(JoinPath(dir, f.path), O_RDONLY);
   if (file.Size() != f.bytes)
     throw CheckpointError(file.path() + ": size " + std::to_string(file.Size()) + " bytes, the manifest says " +
                           std::to_string(f.bytes) + (file.Size() < f.bytes ? " (truncated)" : ""));
   CheckDataHeader(file, f);
   const uint64_t payload = checkpoint::PayloadBytes(f);
-  if (payload == 0) return;
-  const uint64_t window = std::max<uint64_t>(uint64_t(f.block_bytes), uint64_t(16) << 20);  // whole blocks
-  ::posix_fadvise(file.fd(), off_t(kDataOffset), off_t(payload), POSIX_FADV_SEQUENTIAL);
-  for (uint64_t w0 = 0; w0 < payload; w0 += window) {
-    const size_t len = size_t(std::min(window, payload - w0));
-    if (w0 + window < payload)  // start reading the next window while this one is checked
-      ::posix_fadvise(file.fd(), off_t(kDataOffset + w0 + window), off_t(std::min(window, payload - w0 - window)),
+  hi = std::min(hi, payload);
+  if (lo >= hi) return;
+  const uint64_t bb = f.block_bytes;
+  const uint64_t first = lo / bb * bb, end = std::min(payload, (hi + bb - 1) / bb * bb);
+  const uint64_t window = std::max<uint64_t>(bb, uint64_t(16) << 20);  // whole blocks
+  ::posix_fadvise(file.fd(), off_t(kDataOffset + first), off_t(end - first), POSIX_FADV_SEQUENTIAL);
+  for (uint64_t w0 = first; w0 < end; w0 += window) {
+    const size_t len = size_t(std::min(window, end - w0));
+    if (w0 + window < end)  // start reading the next window while this one is checked
+      ::posix_fadvise(file.fd(), off_t(kDataOffset + w0 + window), off_t(std::min(window, end - w0 - window)),
                       POSIX_FADV_WILLNEED);
-    // kDataOffset and the window size are multiples of the page size.
+    // kDataOffset and block boundaries are multiples of the page size.
     void* p = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, file.fd(), off_t(kDataOffset + w0));
     if (p == MAP_FAILED) throw IoError(file.path() + ": mmap failed: " + checkpoint::ErrnoText(errno));
     const char* data = static_cast<const char*>(p);
-    const uint64_t b0 = w0 / f.block_bytes;
-    const int64_t nb = int64_t((len + f.block_bytes - 1) / f.block_bytes);
+    const uint64_t b0 = w0 / bb;
+    const int64_t nb = int64_t((len + bb - 1) / bb);
     std::atomic<int64_t> bad{-1};
     ParallelFor(nb, 1, [&](int64_t a, int64_t b) {
       for (int64_t i = a; i < b; ++i) {
-        const size_t start = size_t(i) * f.block_bytes;
-        if (checkpoint::Crc32c(data + start, std::min<size_t>(f.block_bytes, len - start)) !=
-            f.crc32c[size_t(b0 + uint64_t(i))]) {
+        const size_t start = size_t(i) * bb;
+        if (checkpoint::Crc32c(data + start, std::min<size_t>(bb, len - start)) != f.crc32c[size_t(b0 + uint64_t(i))]) {
           int64_t expected = -1;
           bad.compare_exchange_strong(expected, int64_t(b0) + i);
         }
@@ -268,43 +276,92 @@ void VerifyDataFile(const std::string& dir, const FileEntry& f) {
     if (bad.load() >= 0) {
       const int64_t blk = bad.load();
       throw CheckpointError(file.path() + ": checksum mismatch in block " + std::to_string(blk) + " (bytes " +
-                            std::to_string(kDataOffset + uint64_t(blk) * f.block_bytes) +
-                            "..): the file is corrupt");
+                            std::to_string(kDataOffset + uint64_t(blk) * bb) + "..): the file is corrupt");
     }
   }
 }
 
-// Copies a verified data file's rows into `dst` ([table rows, cols] of `dst_dtype`).
-void ReadDataFile(const std::string& dir, const FileEntry& f, void* dst, DType dst_dtype) {
+void VerifyDataFile(const std::string& dir, const FileEntry& f) {
+  VerifyDataRange(dir, f, 0, checkpoint::PayloadBytes(f));
+}
+
+// The rows [*r0, *r1) and columns [*c0, *c1) where a file meets the block
+// [row0, row0 + rows) x [col0, col0 + cols); false when they do not meet.
+bool Overlap(const FileEntry& f, int64_t row0, int64_t rows, int64_t col0, int64_t cols, int64_t* r0, int64_t* r1,
+             int64_t* c0, int64_t* c1) {
+  *r0 = std::max(row0, f.row_start);
+  *r1 = std::min(row0 + rows, f.row_start + f.rows);
+  *c0 = std::max(col0, f.col_start);
+  *c1 = std::min(col0 + cols, f.col_start + f.cols);
+  return *r0 < *r1 && *c0 < *c1;
+}
+
+// Copies the part of a verified data file that meets the block [row0, row0 +
+// rows) x [col0, col0 + cols) into `dst`, the block as [rows, cols] of `dst_dtype`.
+void ReadDataBlock(const std::string& dir, const FileEntry& f, void* dst, DType dst_dtype, int64_t row0,
+                   int64_t rows, int64_t col0, int64_t cols) {
+  int64_t r0, r1, c0, c1;
+  if (!Overlap(f, row0, rows, col0, cols, &r0, &r1, &c0, &c1)) return;
   File file(JoinPath(dir, f.path), O_RDONLY);
   const size_t src_es = DTypeSize(f.dtype), dst_es = DTypeSize(dst_dtype);
-  char* out = static_cast<char*>(dst) + size_t(f.row_start) * size_t(f.cols) * dst_es;
-  const uint64_t payload = checkpoint::PayloadBytes(f);
-  if (f.dtype == dst_dtype) {
-    const int64_t chunks = int64_t((payload + kChunkBytes - 1) / kChunkBytes);
+  const auto& load = kernels::ActiveKernels().dtype[int(f.dtype)].load;
+  const auto& store = kernels::ActiveKernels().dtype[int(dst_dtype)].store;
+  const uint64_t src_row = uint64_t(f.cols) * src_es;
+  const uint64_t src0 = uint64_t(r0 - f.row_start) * src_row;  // payload offset of row r0
+  char* out = static_cast<char*>(dst);
+
+  if (c0 == f.col_start && c1 == f.col_start + f.cols && c0 == col0 && c1 == col0 + cols) {
+    // Whole rows on both sides: one contiguous range, read in parallel chunks.
+    out += size_t(r0 - row0) * size_t(cols) * dst_es;
+    const uint64_t bytes = uint64_t(r1 - r0) * src_row;
+    if (f.dtype == dst_dtype) {
+      const int64_t chunks = int64_t((bytes + kChunkBytes - 1) / kChunkBytes);
+      ParallelFor(chunks, 1, [&](int64_t a, int64_t b) {
+        for (int64_t i = a; i < b; ++i) {
+          const uint64_t off = uint64_t(i) * kChunkBytes;
+          file.ReadAt(out + off, size_t(std::min<uint64_t>(kChunkBytes, bytes - off)), kDataOffset + src0 + off);
+        }
+      });
+      return;
+    }
+    const uint64_t elems = bytes / src_es;
+    const uint64_t per_chunk = kChunkBytes / 4;
+    const int64_t chunks = int64_t((elems + per_chunk - 1) / per_chunk);
     ParallelFor(chunks, 1, [&](int64_t a, int64_t b) {
+      std::vector<char> raw(per_chunk * src_es);
+      std::vector<float> f32(per_chunk);
       for (int64_t i = a; i < b; ++i) {
-        const uint64_t off = uint64_t(i) * kChunkBytes;
-        file.ReadAt(out + off, size_t(std::min<uint64_t>(kChunkBytes, payload - off)), kDataOffset + off);
+        const uint64_t e0 = uint64_t(i) * per_chunk, n = std::min<uint64_t>(per_chunk, elems - e0);
+        file.ReadAt(raw.data(), size_t(n * src_es), kDataOffset + src0 + e0 * src_es);
+        load(raw.data(), f32.data(), int64_t(n));
+        store(out + e0 * dst_es, f32.data(), int64_t(n));
       }
     });
     return;
   }
-  const auto& load = kernels::ActiveKernels().dtype[int(f.dtype)].load;
-  const auto& store = kernels::ActiveKernels().dtype[int(dst_dtype)].store;
-  const uint64_t elems = uint64_t(f.rows) * uint64_t(f.cols);
-  const uint64_t per_chunk = kChunkBytes / 4;
-  const int64_t chunks = int64_t((elems + per_chunk - 1) / per_chunk);
-  ParallelFor(chunks, 1, [&](int64_t a, int64_t b) {
-    std::vector<char> raw(per_chunk * src_es);
-    std::vector<float> f32(per_chunk);
+  // A column range of each row: map the rows and copy only those columns, so
+  // only the pages that hold them are read.
+  const uint64_t page = 4096;
+  const uint64_t map_lo = (kDataOffset + src0) / page * page;
+  const uint64_t map_hi = kDataOffset + src0 + uint64_t(r1 - r0) * src_row;
+  void* p = ::mmap(nullptr, size_t(map_hi - map_lo), PROT_READ, MAP_SHARED, file.fd(), off_t(map_lo));
+  if (p == MAP_FAILED) throw IoError(file.path() + ": mmap failed: " + checkpoint::ErrnoText(errno));
+  const char* base = static_cast<const char*>(p) + (kDataOffset + src0 - map_lo);
+  const int64_t width = c1 - c0;
+  ParallelFor(r1 - r0, std::max<int64_t>(1, 4096 / width), [&](int64_t a, int64_t b) {
+    std::vector<float> f32(static_cast<size_t>(width));
     for (int64_t i = a; i < b; ++i) {
-      const uint64_t e0 = uint64_t(i) * per_chunk, n = std::min<uint64_t>(per_chunk, elems - e0);
-      file.ReadAt(raw.data(), size_t(n * src_es), kDataOffset + e0 * src_es);
-      load(raw.data(), f32.data(), int64_t(n));
-      store(out + e0 * dst_es, f32.data(), int64_t(n));
+      const char* src = base + uint64_t(i) * src_row + uint64_t(c0 - f.col_start) * src_es;
+      char* to = out + (size_t(r0 - row0 + i) * size_t(cols) + size_t(c0 - col0)) * dst_es;
+      if (f.dtype == dst_dtype) {
+        std::memcpy(to, src, size_t(width) * src_es);
+      } else {
+        load(src, f32.data(), width);
+        store(to, f32.data(), width);
+      }
     }
   });
+  ::munmap(p, size_t(map_hi - map_lo));
 }
 
 // Throws naming the first value of a data file that is inf or NaN.
@@ -332,7 +389,7 @@ void CheckFinite(const std::string& dir, const FileEntry& f) {
         const uint64_t e = e0 + i;
         throw CheckpointError(file.path() + ": value at row " +
                               std::to_string(f.row_start + int64_t(e / uint64_t(f.cols))) + ", column " +
-                              std::to_string(e % uint64_t(f.cols)) + " is not finite");
+                              std::to_string(f.col_start + int64_t(e % uint64_t(f.cols))) + " is not finite");
       }
     }
   }
@@ -341,83 +398,12 @@ void CheckFinite(const std::string& dir, const FileEntry& f) {
 }  // namespace
 
 // ---------------------------------------------------------------- save
-void SaveCheckpoint(const std::string& path, const std::vector<TableToSave>& tables, const SaveOptions& options) {
-  std::set<std::string> names;
-  for (const TableToSave& t : tables) {
-    if (t.table == nullptr) throw InvalidArgument("save: null table");
-    if (!names.insert(t.table->spec().name).second)
-      throw InvalidArgument("save: two tables are named '" + t.table->spec().name + "'; names must be unique");
-    checkpoint::ValidateJsonObject(t.config_json, "table config of '" + t.table->spec().name + "'");
-  }
-  checkpoint::ValidateJsonObject(options.metadata_json, "metadata");
-  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) throw IoError(path + ": mkdir failed: " + checkpoint::ErrnoText(errno));
-  {
-    struct stat st;
-    if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw IoError(path + ": not a directory");
-  }
+namespace {
 
-  // A generation above every one present, so no file of the live checkpoint is ever overwritten.
-  uint64_t generation = 0;
-  for (const std::string& name : ListDirectory(path)) {
-    uint64_t g = 0;
-    if (IsOurFile(name, &g)) generation = std::max(generation, g);
-  }
-  try {
-    generation = std::max(generation, ReadCheckpointInfo(path).generation);
-  } catch (const std::exception&) {
-    // No valid checkpoint there yet: nothing to keep.
-  }
-  ++generation;
+// Writes `json` as path/MANIFEST atomically (a fsynced temporary renamed over
+// it), then removes the files of every other generation and leftovers.
+void CommitManifest(const std::string& path, const std::string& json, uint64_t generation) {
   const std::string tag = GenerationTag(generation);
-
-  CheckpointInfo info;
-  info.generation = generation;
-  info.metadata_json = options.metadata_json;
-  for (size_t i = 0; i < tables.size(); ++i) {
-    const Table& table = *tables[i].table;
-    std::shared_lock<std::shared_mutex> lock(table.mutex());
-    const TableSpec& spec = table.spec();
-    TableEntry e;
-    e.name = spec.name;
-    e.rows = spec.rows;
-    e.dim = spec.dim;
-    e.dtype = spec.dtype;
-    e.initializer = spec.initializer;
-    e.config_json = tables[i].config_json;
-    e.sharding_json = "{\"plan\": \"none\", \"world_size\": 1}";
-    char prefix[32];
-    std::snprintf(prefix, sizeof(prefix), "t%05zu.", i);
-    DType stored = spec.dtype;
-    if (options.cast_values) {
-      if (spec.dtype != DType::kFloat32 && options.values_dtype != spec.dtype)
-        throw InvalidArgument("save: only float32 tables can be cast on export; '" + spec.name + "' is " +
-                              DTypeName(spec.dtype));
-      stored = options.values_dtype;
-    }
-    e.values.push_back(WriteDataFile(path, std::string(prefix) + "values." + tag + ".ecd", table.values(), spec.dtype,
-                                     stored, 0, spec.rows, spec.dim));
-    if (options.include_optimizer) {
-      e.has_optimizer = true;
-      e.optimizer = spec.optimizer;
-      e.step = table.step();
-      e.slot_names = spec.optimizer.SlotNames();
-      for (size_t s = 0; s < e.slot_names.size(); ++s) {
-        e.slots.push_back({WriteDataFile(path, std::string(prefix) + e.slot_names[s] + "." + tag + ".ecd",
-                                         table.slot(s), DType::kFloat32, DType::kFloat32, 0, spec.rows,
-                                         spec.dim)});
-      }
-    }
-    info.tables.push_back(std::move(e));
-  }
-
-  // Every data file durable (their writeback started as they were written)...
-  for (const TableEntry& e : info.tables) {
-    for (const FileEntry& f : e.values) SyncFile(JoinPath(path, f.path));
-    for (const auto& files : e.slots)
-      for (const FileEntry& f : files) SyncFile(JoinPath(path, f.path));
-  }
-  // ...then the commit: the manifest appears by an atomic rename.
-  const std::string json = checkpoint::BuildManifest(info);
   checkpoint::FileHeader h = MakeHeader(checkpoint::FileKind::kManifest);
   h.payload_offset = kHeaderBytes;
   h.payload_bytes = json.size();
@@ -442,6 +428,123 @@ void SaveCheckpoint(const std::string& path, const std::vector<TableToSave>& tab
     if (IsOurFile(name, &g) && (g != generation || name.rfind("MANIFEST.tmp.", 0) == 0))
       ::unlink(JoinPath(path, name).c_str());
   }
+}
+
+// Every data file the manifest names must be present with its stated size.
+void CheckFilesPresent(const std::string& path, const CheckpointInfo& info) {
+  auto check = [&](const FileEntry& f) {
+    const std::string p = JoinPath(path, f.path);
+    struct stat fs;
+    if (::stat(p.c_str(), &fs) != 0) throw CheckpointError(p + ": missing file");
+    if (!S_ISREG(fs.st_mode)) throw CheckpointError(p + ": not a regular file");
+    if (uint64_t(fs.st_size) != f.bytes)
+      throw CheckpointError(p + ": size " + std::to_string(fs.st_size) + " bytes, the manifest says " +
+                            std::to_string(f.bytes) + (uint64_t(fs.st_size) < f.bytes ? " (truncated)" : ""));
+  };
+  for (const TableEntry& t : info.tables) {
+    for (const FileEntry& f : t.values) check(f);
+    for (const auto& files : t.slots)
+      for (const FileEntry& f : files) check(f);
+  }
+}
+
+}  // namespace
+
+uint64_t NextGeneration(const std::string& path) {
+  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) throw IoError(path + ": mkdir failed: " + checkpoint::ErrnoText(errno));
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw IoError(path + ": not a directory");
+  // Above every one present, so no file of the live checkpoint is ever overwritten.
+  uint64_t generation = 0;
+  for (const std::string& name : ListDirectory(path)) {
+    uint64_t g = 0;
+    if (IsOurFile(name, &g)) generation = std::max(generation, g);
+  }
+  try {
+    generation = std::max(generation, ReadCheckpointInfo(path).generation);
+  } catch (const std::exception&) {
+    // No valid checkpoint there yet: nothing to keep.
+  }
+  return generation + 1;
+}
+
+TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const std::string& prefix, int shard_index,
+                           const Table& shard, int64_t row_start, int64_t col_start, const SaveOptions& options) {
+  if (shard_index > 99999) throw InvalidArgument("save: shard index " + std::to_string(shard_index) + " over 99999");
+  std::shared_lock<std::shared_mutex> lock(shard.mutex());
+  const TableSpec& spec = shard.spec();
+  std::string tag = "." + GenerationTag(generation) + ".ecd";
+  if (shard_index >= 0) {
+    char buf[16];
+    std::snprintf(buf, sizeof(buf), ".s%05d", shard_index);
+    tag = buf + tag;
+  }
+  DType stored = spec.dtype;
+  if (options.cast_values) {
+    if (spec.dtype != DType::kFloat32 && options.values_dtype != spec.dtype)
+      throw InvalidArgument("save: only float32 tables can be cast on export; '" + spec.name + "' is " +
+                            DTypeName(spec.dtype));
+    stored = options.values_dtype;
+  }
+  TableEntry e;
+  e.name = spec.name;
+  e.dtype = spec.dtype;
+  e.initializer = spec.initializer;
+  auto write = [&](const std::string& array, const void* src, DType src_dtype, DType dst_dtype) {
+    FileEntry f = WriteDataFile(path, prefix + array + tag, src, src_dtype, dst_dtype, 0, spec.rows, spec.dim);
+    f.row_start = row_start;
+    f.col_start = col_start;
+    SyncFile(JoinPath(path, f.path));  // its writeback started as it was written: this is short
+    return f;
+  };
+  e.values.push_back(write("values", shard.values(), spec.dtype, stored));
+  if (options.include_optimizer) {
+    e.has_optimizer = true;
+    e.optimizer = spec.optimizer;
+    e.step = shard.step();
+    e.slot_names = spec.optimizer.SlotNames();
+    for (size_t s = 0; s < e.slot_names.size(); ++s)
+      e.slots.push_back({write(e.slot_names[s], shard.slot(s), DType::kFloat32, DType::kFloat32)});
+  }
+  return e;
+}
+
+std::string ShardFilesJson(const TableEntry& entry) { return checkpoint::FilesJson(entry); }
+
+void CommitCheckpoint(const std::string& path, const std::string& manifest_json) {
+  const CheckpointInfo info = checkpoint::ParseManifest(JoinPath(path, "MANIFEST (to commit)"), manifest_json);
+  CheckFilesPresent(path, info);
+  CommitManifest(path, checkpoint::BuildManifest(info), info.generation);
+}
+
+void SaveCheckpoint(const std::string& path, const std::vector<TableToSave>& tables, const SaveOptions& options) {
+  std::set<std::string> names;
+  for (const TableToSave& t : tables) {
+    if (t.table == nullptr) throw InvalidArgument("save: null table");
+    if (!names.insert(t.table->spec().name).second)
+      throw InvalidArgument("save: two tables are named '" + t.table->spec().name + "'; names must be unique");
+    checkpoint::ValidateJsonObject(t.config_json, "table config of '" + t.table->spec().name + "'");
+  }
+  checkpoint::ValidateJsonObject(options.metadata_json, "metadata");
+  const uint64_t generation = NextGeneration(path);
+
+  CheckpointInfo info;
+  info.generation = generation;
+  info.metadata_json = options.metadata_json;
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const Table& table = *tables[i].table;
+    char prefix[32];
+    std::snprintf(prefix, sizeof(prefix), "t%05zu.", i);
+    // Each data file is durable before the manifest names it.
+    TableEntry e = WriteShardFiles(path, generation, prefix, -1, table, 0, 0, options);
+    e.rows = table.rows();
+    e.dim = table.dim();
+    e.config_json = tables[i].config_json;
+    e.sharding_json = "{\"plan\": \"none\", \"world_size\": 1}";
+    info.tables.push_back(std::move(e));
+  }
+  // The commit: the manifest appears by an atomic rename.
+  CommitManifest(path, checkpoint::BuildManifest(info), generation);
 }
 
 // ---------------------------------------------------------------- read
@@ -471,20 +574,7 @@ CheckpointInfo ReadCheckpointInfo(const std::string& path) {
   CheckpointInfo info = checkpoint::ParseManifest(manifest, json);
   info.path = path;
   // Every data file must exist with the stated size (no values are read).
-  auto check = [&](const FileEntry& f) {
-    const std::string p = JoinPath(path, f.path);
-    struct stat fs;
-    if (::stat(p.c_str(), &fs) != 0) throw CheckpointError(p + ": missing file");
-    if (!S_ISREG(fs.st_mode)) throw CheckpointError(p + ": not a regular file");
-    if (uint64_t(fs.st_size) != f.bytes)
-      throw CheckpointError(p + ": size " + std::to_string(fs.st_size) + " bytes, the manifest says " +
-                            std::to_string(f.bytes) + (uint64_t(fs.st_size) < f.bytes ? " (truncated)" : ""));
-  };
-  for (const TableEntry& t : info.tables) {
-    for (const FileEntry& f : t.values) check(f);
-    for (const auto& files : t.slots)
-      for (const FileEntry& f : files) check(f);
-  }
+  CheckFilesPresent(path, info);
   return info;
 }
 
@@ -500,19 +590,46 @@ void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Ta
                           "load with include_optimizer=False to take the values only");
 }
 
-void LoadTable(const CheckpointInfo& info, const TableEntry& entry, Table& table, bool load_optimizer, bool verify) {
-  CheckLoadable(info, entry, table, load_optimizer);
-  const bool slots = load_optimizer && entry.has_optimizer;
-  // Verify everything first: a corrupt checkpoint must leave the table as it was.
-  if (verify) VerifyTable(info, entry, slots, false);
+void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,
+                    int64_t col_start, bool load_optimizer, bool verify) {
   const TableSpec& spec = table.spec();
+  const std::string where = info.path + ": table '" + entry.name + "'";
+  if (row_start < 0 || col_start < 0 || row_start > entry.rows - spec.rows || col_start > entry.dim - spec.dim)
+    throw CheckpointError(where + " is " + std::to_string(entry.rows) + " x " + std::to_string(entry.dim) +
+                          "; it has no block of rows [" + std::to_string(row_start) + ", " +
+                          std::to_string(row_start + spec.rows) + ") and columns [" + std::to_string(col_start) +
+                          ", " + std::to_string(col_start + spec.dim) + ") for the target '" + spec.name + "'");
+  if (load_optimizer && entry.has_optimizer && entry.slot_names != spec.optimizer.SlotNames())
+    throw CheckpointError(where + " was saved with optimizer slots that the target table's optimizer lacks; "
+                          "load with include_optimizer=False to take the values only");
+  const bool slots = load_optimizer && entry.has_optimizer;
+  // Verify everything this block reads first: a corrupt checkpoint must leave the table as it was.
+  auto verify_file = [&](const FileEntry& f) {
+    int64_t r0, r1, c0, c1;
+    if (!Overlap(f, row_start, spec.rows, col_start, spec.dim, &r0, &r1, &c0, &c1)) return;
+    const uint64_t row_bytes = uint64_t(f.cols) * DTypeSize(f.dtype);
+    VerifyDataRange(info.path, f, uint64_t(r0 - f.row_start) * row_bytes, uint64_t(r1 - f.row_start) * row_bytes);
+  };
+  if (verify) {
+    for (const FileEntry& f : entry.values) verify_file(f);
+    if (slots)
+      for (const auto& files : entry.slots)
+        for (const FileEntry& f : files) verify_file(f);
+  }
   std::unique_lock<std::shared_mutex> lock(table.mutex());
-  for (const FileEntry& f : entry.values) ReadDataFile(info.path, f, table.values(), spec.dtype);
+  for (const FileEntry& f : entry.values)
+    ReadDataBlock(info.path, f, table.values(), spec.dtype, row_start, spec.rows, col_start, spec.dim);
   if (slots) {
     for (size_t s = 0; s < entry.slots.size(); ++s)
-      for (const FileEntry& f : entry.slots[s]) ReadDataFile(info.path, f, table.slot(s), DType::kFloat32);
+      for (const FileEntry& f : entry.slots[s])
+        ReadDataBlock(info.path, f, table.slot(s), DType::kFloat32, row_start, spec.rows, col_start, spec.dim);
     table.set_step(entry.step);
   }
+}
+
+void LoadTable(const CheckpointInfo& info, const TableEntry& entry, Table& table, bool load_optimizer, bool verify) {
+  CheckLoadable(info, entry, table, load_optimizer);
+  LoadTableBlock(info, entry, table, 0, 0, load_optimizer, verify);
 }
 
 void VerifyTable(const CheckpointInfo& info, const TableEntry& entry, bool include_slots, bool check_finite) {

@@ -126,6 +126,7 @@ Json FileEntryJson(const FileEntry& f) {
   j["dtype"] = DTypeName(f.dtype);
   j["row_start"] = f.row_start;
   j["rows"] = f.rows;
+  if (f.col_start != 0) j["col_start"] = f.col_start;  // 1.2: column-wise shards only
   j["cols"] = f.cols;
   j["block_bytes"] = f.block_bytes;
   j["crc32c"] = f.crc32c;
@@ -140,7 +141,9 @@ FileEntry ParseFileEntry(const Reader& r, const Json& j, const std::string& wher
   f.dtype = ParseStoredDType(r, r.String(j, "dtype", where), where + ".dtype");
   f.row_start = r.Int(j, "row_start", where, 0, table_rows);
   f.rows = r.Int(j, "rows", where, 0, table_rows - f.row_start);
-  f.cols = r.Int(j, "cols", where, dim, dim);
+  // A file holds all columns unless it is a column-wise shard (format 1.2).
+  f.col_start = j.is_object() && j.contains("col_start") ? r.Int(j, "col_start", where, 0, dim - 1) : 0;
+  f.cols = r.Int(j, "cols", where, 1, dim - f.col_start);
   f.block_bytes = uint32_t(r.Int(j, "block_bytes", where, kMinBlockBytes, kMaxBlockBytes));
   if (f.block_bytes & (f.block_bytes - 1)) r.Fail(where + ".block_bytes", "must be a power of two");
   const uint64_t payload = PayloadBytes(f);  // no overflow: rows, cols bounded by the table's checked size
@@ -162,16 +165,33 @@ FileEntry ParseFileEntry(const Reader& r, const Json& j, const std::string& wher
   return f;
 }
 
-// The files of one array (values or a slot) must cover rows [0, rows) once, in order.
-void CheckCoverage(const Reader& r, std::vector<FileEntry>& files, int64_t rows, const std::string& where) {
-  std::sort(files.begin(), files.end(), [](const FileEntry& a, const FileEntry& b) { return a.row_start < b.row_start; });
-  int64_t next = 0;
-  for (const FileEntry& f : files) {
-    if (f.row_start != next)
-      r.Fail(where, "does not cover rows [" + std::to_string(next) + ", " + std::to_string(f.row_start) + ") exactly once");
-    next = f.row_start + f.rows;
+// The files of one array (values or a slot) must tile the [rows, dim] array
+// exactly once: their column ranges form bands that cover [0, dim) without
+// overlap, and within each band the files cover rows [0, rows) once.
+void CheckCoverage(const Reader& r, std::vector<FileEntry>& files, int64_t rows, int64_t dim, const std::string& where) {
+  std::sort(files.begin(), files.end(), [](const FileEntry& a, const FileEntry& b) {
+    return a.col_start != b.col_start ? a.col_start < b.col_start : a.row_start < b.row_start;
+  });
+  int64_t next_col = 0;
+  for (size_t i = 0; i < files.size();) {
+    const int64_t c0 = files[i].col_start, cols = files[i].cols;
+    if (c0 != next_col)
+      r.Fail(where, "does not cover columns [" + std::to_string(next_col) + ", " + std::to_string(c0) + ") exactly once");
+    int64_t next = 0;
+    for (; i < files.size() && files[i].col_start == c0; ++i) {
+      const FileEntry& f = files[i];
+      if (f.cols != cols)
+        r.Fail(where, "holds files of different widths starting at column " + std::to_string(c0));
+      if (f.row_start != next)
+        r.Fail(where, "does not cover rows [" + std::to_string(next) + ", " + std::to_string(f.row_start) +
+                          ") of columns [" + std::to_string(c0) + ", " + std::to_string(c0 + cols) + ") exactly once");
+      next = f.row_start + f.rows;
+    }
+    if (next != rows) r.Fail(where, "covers rows [0, " + std::to_string(next) + ") of " + std::to_string(rows));
+    next_col = c0 + cols;
   }
-  if (next != rows) r.Fail(where, "covers rows [0, " + std::to_string(next) + ") of " + std::to_string(rows));
+  if (next_col != dim)
+    r.Fail(where, "covers columns [0, " + std::to_string(next_col) + ") of " + std::to_string(dim));
 }
 
 Json OptimizerJson(const OptimizerSpec& o) {
@@ -407,7 +427,7 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
     const Json& values = r.Array(tj, "values", where, 1 << 20);
     for (size_t k = 0; k < values.size(); ++k)
       t.values.push_back(ParseFileEntry(r, values[k], where + ".values[" + std::to_string(k) + "]", t.rows, t.dim));
-    CheckCoverage(r, t.values, t.rows, where + ".values");
+    CheckCoverage(r, t.values, t.rows, t.dim, where + ".values");
     const Json& slots = r.Get(tj, "slots", where);
     if (!slots.is_object()) r.Fail(where + ".slots", "must be an object");
     const std::vector<std::string> expected = t.has_optimizer ? t.optimizer.SlotNames() : std::vector<std::string>{};
@@ -423,7 +443,7 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
           if (f.dtype != DType::kFloat32) r.Fail(where + ".slots." + name, "must be float32");
           files.push_back(std::move(f));
         }
-        CheckCoverage(r, files, t.rows, where + ".slots." + name);
+        CheckCoverage(r, files, t.rows, t.dim, where + ".slots." + name);
         t.slot_names.push_back(name);
         t.slots.push_back(std::move(files));
       }
@@ -441,5 +461,20 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
 }
 
 void ValidateJsonObject(const std::string& text, const std::string& what) { ParseObject(text, what); }
+
+std::string FilesJson(const TableEntry& t) {
+  Json j;
+  Json values = Json::array();
+  for (const FileEntry& f : t.values) values.push_back(FileEntryJson(f));
+  j["values"] = values;
+  Json slots = Json::object();
+  for (size_t i = 0; i < t.slot_names.size(); ++i) {
+    Json files = Json::array();
+    for (const FileEntry& f : t.slots[i]) files.push_back(FileEntryJson(f));
+    slots[t.slot_names[i]] = files;
+  }
+  j["slots"] = slots;
+  return j.dump();
+}
 
 }  // namespace embedcore::checkpoint

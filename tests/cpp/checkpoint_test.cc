@@ -447,7 +447,7 @@ EMBEDCORE_TEST(ForgedManifestFields) {
       {"\"dtype\": \"float32\"", "\"dtype\": \"float64\"", "unknown dtype"},
       {"\"block_bytes\": 4194304", "\"block_bytes\": 4194303", "power of two"},
       {"\"block_bytes\": 4194304", "\"block_bytes\": 16", "block_bytes"},
-      {"\"cols\": 7", "\"cols\": 6", "cols"},
+      {"\"cols\": 7", "\"cols\": 8", "cols"},
       {"\"row_start\": 0", "\"row_start\": 1", "values[0].rows = 50 is outside [0, 49]"},
       {"\"kind\": \"adagrad\"", "\"kind\": \"lion\"", "unknown optimizer"},
       {"\"initial_accumulator_value\":", "\"initial_accumulator_value\": -1, \"x\":", "initial_accumulator_value"},

@@ -27,7 +27,7 @@ InitializerSpec Spec(Kind kind, double a, double b, uint64_t seed) {
 
 std::vector<float> Fill(const InitializerSpec& spec, int64_t rows, int64_t dim) {
   std::vector<float> v(size_t(rows * dim), 0.0f);
-  internal::Initialize(spec, DType::kFloat32, rows, dim, v.data());
+  internal::Initialize(spec, DType::kFloat32, rows, dim, 0, 0, dim, v.data());
   return v;
 }
 
@@ -96,8 +96,8 @@ EMBEDCORE_TEST(ThreadCountIndependent) {
 EMBEDCORE_TEST(StorageDtypesRoundTheSameValues) {
   const InitializerSpec spec = Spec(Kind::kNormal, 0.0, 2.0, 5);
   std::vector<uint16_t> half(300), bf(300);
-  internal::Initialize(spec, DType::kFloat16, 30, 10, half.data());
-  internal::Initialize(spec, DType::kBFloat16, 30, 10, bf.data());
+  internal::Initialize(spec, DType::kFloat16, 30, 10, 0, 0, 10, half.data());
+  internal::Initialize(spec, DType::kBFloat16, 30, 10, 0, 0, 10, bf.data());
   for (int64_t i = 0; i < 300; ++i) {
     const float v = internal::InitialValue(spec, 10, uint64_t(i));
     EMBEDCORE_EXPECT_EQ(half[size_t(i)], ops::FloatToHalf(v));

@@ -127,6 +127,13 @@ struct TableSpec {
   DType dtype = DType::kFloat32;
   InitializerSpec initializer;
   OptimizerSpec optimizer;
+  /// When this table is one shard of a larger logical table (sharding): the
+  /// shard's first row and column there and the logical table's dim. The
+  /// shard's initial values are then those of the same elements of the whole
+  /// table. full_dim 0 means "not a shard".
+  int64_t shard_row_start = 0;
+  int64_t shard_col_start = 0;
+  int64_t full_dim = 0;
 };
 
 // ---------------------------------------------------------------- batches
@@ -163,6 +170,12 @@ struct GradientPart {
 /// id outside [0, rows) (naming `table`, the id and its position) and
 /// InvalidArgument for malformed offsets.
 void ValidateBatch(const Batch& batch, int64_t rows, const std::string& table);
+
+/// The number each bag's weighted sum is divided by under `combiner` (sum_w
+/// for mean, sqrt(sum_w^2) for sqrtn, 1 for sum and none), computed exactly as
+/// the lookup and update kernels compute it; writes `num_bags` floats. A
+/// row-wise shard's owner sees only part of a bag, so the bag's owner divides.
+void BagDenominators(const Batch& batch, Combiner combiner, float* out);
 
 // ---------------------------------------------------------------- threads
 /// Sets the number of threads the kernels use (>= 1). Results never depend on it.
@@ -247,7 +260,7 @@ class Table {
 /// The checkpoint format version this library writes; it reads every older
 /// major version and refuses newer ones. See docs/format.md.
 constexpr int kFormatMajor = 1;
-constexpr int kFormatMinor = 1;
+constexpr int kFormatMinor = 2;
 
 struct SaveOptions {
   bool include_optimizer = true;  ///< slots and step; false: values only (a serving export)
@@ -269,14 +282,15 @@ struct TableToSave {
 /// Each table is read under its shared lock (lookups go on meanwhile).
 void SaveCheckpoint(const std::string& path, const std::vector<TableToSave>& tables, const SaveOptions& options);
 
-/// One data file of a checkpoint: rows [row_start, row_start + rows) of a
-/// table (all of its columns), as listed in the manifest.
+/// One data file of a checkpoint: rows [row_start, row_start + rows) and
+/// columns [col_start, col_start + cols) of a table, as listed in the manifest.
 struct FileEntry {
   std::string path;  ///< a plain file name inside the checkpoint directory
   uint64_t bytes = 0;
   DType dtype = DType::kFloat32;
   int64_t row_start = 0;
   int64_t rows = 0;
+  int64_t col_start = 0;  ///< since format 1.2 (column-wise shards); 0 before
   int64_t cols = 0;
   uint32_t block_bytes = 0;
   std::vector<uint32_t> crc32c;  ///< one per block of the payload
@@ -333,6 +347,36 @@ void VerifyTable(const CheckpointInfo& info, const TableEntry& entry, bool inclu
 
 /// VerifyTable for every table, slots included. Throws CheckpointError.
 void VerifyCheckpoint(const CheckpointInfo& info, bool check_finite);
+
+// Sharded checkpoints: every rank writes its own shards' files, one rank
+// commits the manifest that names them all (see docs/format.md).
+
+/// Creates the directory `path` if needed and returns a generation above
+/// every one present there (in its manifest or in any file name).
+uint64_t NextGeneration(const std::string& path);
+
+/// Writes the data files of `shard`, which holds rows [row_start, ..) and
+/// columns [col_start, ..) of its logical table, under names starting with
+/// `prefix` (`t<5 digits>.`) and tagged with shard number `shard_index` and
+/// `generation`, and fsyncs them. Returns their entries (values, and the slots
+/// and step when options.include_optimizer) for the manifest; names no manifest.
+TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const std::string& prefix, int shard_index,
+                           const Table& shard, int64_t row_start, int64_t col_start, const SaveOptions& options);
+
+/// The manifest JSON of the files in `entry` ({"values": [...], "slots": {...}}).
+std::string ShardFilesJson(const TableEntry& entry);
+
+/// Validates the manifest `manifest_json` (as a reader would), checks that
+/// every file it names is in `path` with its size, then writes it as
+/// `path`/MANIFEST atomically and removes the files of other generations.
+void CommitCheckpoint(const std::string& path, const std::string& manifest_json);
+
+/// Loads the block of `entry` that `table` holds: rows [row_start, row_start +
+/// table.rows()) and columns [col_start, col_start + table.dim()), reading only
+/// the byte ranges of the files that overlap it. Like LoadTable, verifies the
+/// checksums of everything it reads before `table` changes.
+void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,
+                    int64_t col_start, bool load_optimizer, bool verify = true);
 
 /// A checkpoint opened read-only for serving: each table's values file is
 /// memory-mapped (opening reads no values; processes share the pages). With
