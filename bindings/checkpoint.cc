@@ -52,15 +52,18 @@ void BindCheckpoint(nb::module_& m) {
   m.def(
       "write_shard_files",
       [](const std::string& path, uint64_t generation, const std::string& prefix, int shard_index, const Table& shard,
-         int64_t row_start, int64_t col_start, bool include_optimizer) {
+         int64_t row_start, int64_t col_start, bool include_optimizer, std::optional<std::string> values_dtype) {
         SaveOptions options;
         options.include_optimizer = include_optimizer;
+        if (values_dtype) {
+          options.cast_values = true;
+          options.values_dtype = ParseDType(*values_dtype, "values_dtype");
+        }
         nb::gil_scoped_release release;
-        const TableEntry e = WriteShardFiles(path, generation, prefix, shard_index, shard, row_start, col_start, options);
-        return std::make_pair(ShardFilesJson(e), e.step);
+        return TableEntryJson(WriteShardFiles(path, generation, prefix, shard_index, shard, row_start, col_start, options));
       },
       "path"_a, "generation"_a, "prefix"_a, "shard_index"_a, "shard"_a, "row_start"_a, "col_start"_a,
-      "include_optimizer"_a, "Writes and fsyncs one shard's data files; returns (their manifest JSON, step).");
+      "include_optimizer"_a, "values_dtype"_a.none() = nb::none(), "Writes and fsyncs one shard's data files; returns its table entry JSON naming them.");
   m.def(
       "commit_checkpoint",
       [](const std::string& path, const std::string& manifest_json) {
@@ -78,6 +81,28 @@ void BindCheckpoint(nb::module_& m) {
       },
       "info"_a, "index"_a, "table"_a, "row_start"_a, "col_start"_a, "load_optimizer"_a, "verify"_a = true,
       "Loads the block of table `index` that `table` holds (a shard), reading only the files that meet it.");
+
+  m.def(
+      "verify_table_block",
+      [](const CheckpointInfo& info, size_t index, const Table& table, int64_t row_start, int64_t col_start,
+         bool load_optimizer) {
+        if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
+        nb::gil_scoped_release release;
+        VerifyTableBlock(info, info.tables[index], table, row_start, col_start, load_optimizer);
+      },
+      "info"_a, "index"_a, "table"_a, "row_start"_a, "col_start"_a, "load_optimizer"_a);
+  m.def(
+      "table_like",
+      [](const CheckpointInfo& info, size_t index, int64_t rows, int64_t dim) {
+        if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
+        const TableEntry& e = info.tables[index];
+        TableSpec spec{e.name, rows, dim, e.dtype, InitializerSpec{InitializerSpec::Kind::kZeros}, OptimizerSpec{}};
+        if (e.has_optimizer) spec.optimizer = e.optimizer;
+        nb::gil_scoped_release release;
+        return new Table(std::move(spec));
+      },
+      "info"_a, "index"_a, "rows"_a, "dim"_a,
+      "A zero table of `rows` x `dim` with the dtype and optimizer slots of table `index` (for resharding).");
 
   nb::class_<CheckpointInfo>(m, "CheckpointInfo")
       .def_ro("path", &CheckpointInfo::path)

@@ -488,8 +488,12 @@ TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const s
   }
   TableEntry e;
   e.name = spec.name;
+  e.rows = spec.rows;
+  e.dim = spec.dim;
   e.dtype = spec.dtype;
   e.initializer = spec.initializer;
+  e.sharding_json = "{}";
+  e.config_json = "{}";
   auto write = [&](const std::string& array, const void* src, DType src_dtype, DType dst_dtype) {
     FileEntry f = WriteDataFile(path, prefix + array + tag, src, src_dtype, dst_dtype, 0, spec.rows, spec.dim);
     f.row_start = row_start;
@@ -509,7 +513,7 @@ TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const s
   return e;
 }
 
-std::string ShardFilesJson(const TableEntry& entry) { return checkpoint::FilesJson(entry); }
+std::string TableEntryJson(const TableEntry& entry) { return checkpoint::TableEntryJson(entry); }
 
 void CommitCheckpoint(const std::string& path, const std::string& manifest_json) {
   const CheckpointInfo info = checkpoint::ParseManifest(JoinPath(path, "MANIFEST (to commit)"), manifest_json);
@@ -590,8 +594,8 @@ void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Ta
                           "load with include_optimizer=False to take the values only");
 }
 
-void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,
-                    int64_t col_start, bool load_optimizer, bool verify) {
+void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const Table& table, int64_t row_start,
+                      int64_t col_start, bool load_optimizer) {
   const TableSpec& spec = table.spec();
   const std::string where = info.path + ": table '" + entry.name + "'";
   if (row_start < 0 || col_start < 0 || row_start > entry.rows - spec.rows || col_start > entry.dim - spec.dim)
@@ -603,19 +607,32 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
     throw CheckpointError(where + " was saved with optimizer slots that the target table's optimizer lacks; "
                           "load with include_optimizer=False to take the values only");
   const bool slots = load_optimizer && entry.has_optimizer;
-  // Verify everything this block reads first: a corrupt checkpoint must leave the table as it was.
+  // Only the blocks of the rows this block reads.
   auto verify_file = [&](const FileEntry& f) {
     int64_t r0, r1, c0, c1;
     if (!Overlap(f, row_start, spec.rows, col_start, spec.dim, &r0, &r1, &c0, &c1)) return;
     const uint64_t row_bytes = uint64_t(f.cols) * DTypeSize(f.dtype);
     VerifyDataRange(info.path, f, uint64_t(r0 - f.row_start) * row_bytes, uint64_t(r1 - f.row_start) * row_bytes);
   };
+  for (const FileEntry& f : entry.values) verify_file(f);
+  if (slots)
+    for (const auto& files : entry.slots)
+      for (const FileEntry& f : files) verify_file(f);
+}
+
+void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,
+                    int64_t col_start, bool load_optimizer, bool verify) {
+  // Verify everything this block reads first: a corrupt checkpoint must leave the table as it was.
   if (verify) {
-    for (const FileEntry& f : entry.values) verify_file(f);
-    if (slots)
-      for (const auto& files : entry.slots)
-        for (const FileEntry& f : files) verify_file(f);
+    VerifyTableBlock(info, entry, table, row_start, col_start, load_optimizer);
+  } else if (row_start < 0 || col_start < 0 || row_start > entry.rows - table.rows() ||
+             col_start > entry.dim - table.dim()) {
+    throw CheckpointError(info.path + ": table '" + entry.name + "' has no such block");
   }
+  const TableSpec& spec = table.spec();
+  const bool slots = load_optimizer && entry.has_optimizer;
+  if (slots && entry.slot_names != spec.optimizer.SlotNames())
+    throw CheckpointError(info.path + ": table '" + entry.name + "': optimizer slots differ from the target's");
   std::unique_lock<std::shared_mutex> lock(table.mutex());
   for (const FileEntry& f : entry.values)
     ReadDataBlock(info.path, f, table.values(), spec.dtype, row_start, spec.rows, col_start, spec.dim);

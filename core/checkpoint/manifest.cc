@@ -301,6 +301,30 @@ Json ParseObject(const std::string& text, const std::string& what) {
 
 }  // namespace
 
+static Json TableJson(const TableEntry& t) {
+  Json tj;
+  tj["name"] = t.name;
+  tj["rows"] = t.rows;
+  tj["dim"] = t.dim;
+  tj["dtype"] = DTypeName(t.dtype);
+  tj["initializer"] = InitializerJson(t.initializer);
+  tj["optimizer"] = t.has_optimizer ? OptimizerJson(t.optimizer) : Json(nullptr);
+  tj["step"] = t.step;
+  tj["sharding"] = ParseObject(t.sharding_json, "sharding");
+  Json values = Json::array();
+  for (const FileEntry& f : t.values) values.push_back(FileEntryJson(f));
+  tj["values"] = values;
+  Json slots = Json::object();
+  for (size_t i = 0; i < t.slot_names.size(); ++i) {
+    Json files = Json::array();
+    for (const FileEntry& f : t.slots[i]) files.push_back(FileEntryJson(f));
+    slots[t.slot_names[i]] = files;
+  }
+  tj["slots"] = slots;
+  tj["config"] = ParseObject(t.config_json, "table config");
+  return tj;
+}
+
 uint64_t PayloadBytes(const FileEntry& f) { return uint64_t(f.rows) * uint64_t(f.cols) * DTypeSize(f.dtype); }
 
 std::string BuildManifest(const CheckpointInfo& info) {
@@ -312,26 +336,7 @@ std::string BuildManifest(const CheckpointInfo& info) {
   m["generation"] = info.generation;
   Json tables = Json::array();
   for (const TableEntry& t : info.tables) {
-    Json tj;
-    tj["name"] = t.name;
-    tj["rows"] = t.rows;
-    tj["dim"] = t.dim;
-    tj["dtype"] = DTypeName(t.dtype);
-    tj["initializer"] = InitializerJson(t.initializer);
-    tj["optimizer"] = t.has_optimizer ? OptimizerJson(t.optimizer) : Json(nullptr);
-    tj["step"] = t.step;
-    tj["sharding"] = ParseObject(t.sharding_json, "sharding");
-    Json values = Json::array();
-    for (const FileEntry& f : t.values) values.push_back(FileEntryJson(f));
-    tj["values"] = values;
-    Json slots = Json::object();
-    for (size_t i = 0; i < t.slot_names.size(); ++i) {
-      Json files = Json::array();
-      for (const FileEntry& f : t.slots[i]) files.push_back(FileEntryJson(f));
-      slots[t.slot_names[i]] = files;
-    }
-    tj["slots"] = slots;
-    tj["config"] = ParseObject(t.config_json, "table config");
+    Json tj = TableJson(t);
     tables.push_back(tj);
   }
   m["tables"] = tables;
@@ -462,19 +467,6 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
 
 void ValidateJsonObject(const std::string& text, const std::string& what) { ParseObject(text, what); }
 
-std::string FilesJson(const TableEntry& t) {
-  Json j;
-  Json values = Json::array();
-  for (const FileEntry& f : t.values) values.push_back(FileEntryJson(f));
-  j["values"] = values;
-  Json slots = Json::object();
-  for (size_t i = 0; i < t.slot_names.size(); ++i) {
-    Json files = Json::array();
-    for (const FileEntry& f : t.slots[i]) files.push_back(FileEntryJson(f));
-    slots[t.slot_names[i]] = files;
-  }
-  j["slots"] = slots;
-  return j.dump();
-}
+std::string TableEntryJson(const TableEntry& t) { return TableJson(t).dump(); }
 
 }  // namespace embedcore::checkpoint

@@ -13,8 +13,8 @@ uint64_t PayloadBytes(const FileEntry& f);
 std::string BuildManifest(const CheckpointInfo& info);
 /// Parses and validates manifest JSON read from `file`; throws CheckpointError.
 CheckpointInfo ParseManifest(const std::string& file, const std::string& json);
-/// {"values": [...], "slots": {...}}: the file entries of `t`, as in a manifest.
-std::string FilesJson(const TableEntry& t);
+/// The manifest JSON object of one table entry.
+std::string TableEntryJson(const TableEntry& t);
 /// Throws InvalidArgument unless `text` is a JSON object.
 void ValidateJsonObject(const std::string& text, const std::string& what);
 

@@ -138,7 +138,7 @@ def _metadata(obj) -> dict:
                              f"at most {_MAX_STRUCTURE_DEPTH // 2})")
         return {
             "kind": "embedding",
-            "features": [{"name": n, "table": obj._tables[f.table].name, "max_sequence_length": f.max_sequence_length}
+            "features": [{"name": n, "table": obj._effective[f.table].name, "max_sequence_length": f.max_sequence_length}
                          for n, f in zip(obj._feature_names, features)],
             "structure": structure,
         }
@@ -155,8 +155,11 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
         that dtype (an export option; slots stay float32).
 
     The save is atomic: the previous checkpoint at `path` stays loadable until
-    the new one is complete and durable.
+    the new one is complete and durable. A sharded Embedding is saved by every
+    rank at once (each writes its own shards; see ``embedcore.distributed``).
     """
+    if hasattr(obj, "_sharded_save"):  # collective: every rank writes its own shards
+        return obj._sharded_save(path, include_optimizer, values_dtype)
     path = os.fspath(path)
     if values_dtype is not None and values_dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"values_dtype must be 'float32', 'float16' or 'bfloat16', got {values_dtype!r}")
@@ -179,7 +182,12 @@ def load(path, into, include_optimizer: bool = True) -> None:
 
     include_optimizer: also the slots and step count (when the checkpoint has
         them and the optimizers match); False loads the values only.
+
+    Any checkpoint loads into any Table, Embedding or sharded Embedding of
+    the same table shapes, whatever world size and plan saved it.
     """
+    if hasattr(into, "_sharded_load"):  # collective: every rank reads only the blocks it owns
+        return into._sharded_load(path, include_optimizer)
     info = read_info(path)
     names = list(info.table_names)
     tables = _tables_of(into)

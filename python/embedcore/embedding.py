@@ -58,9 +58,24 @@ class Embedding(FeatureLookup):
     ``emb.apply_gradients(grads)`` takes the gradients of the last outputs, in
     their structure, and applies one optimizer step per table, the gradients
     of all features that share a table summed together.
+
+    ``world=`` (a communicator from ``embedcore.distributed``) and
+    ``sharding=`` ("table_wise", "row_wise", "column_wise", "auto", or a dict
+    of them by table name) make a sharded embedding: every rank builds it with
+    the same arguments, holds its shards of the tables, and calls it with its
+    own part of the batch (see ``embedcore.distributed``).
     """
 
-    def __init__(self, feature_config, optimizer: Optional[_opt.Optimizer] = None):
+    def __new__(cls, feature_config=None, optimizer=None, *, world=None, sharding="auto"):
+        if cls is Embedding and world is not None:
+            from .distributed._embedding import ShardedEmbedding
+
+            return super().__new__(ShardedEmbedding)
+        return super().__new__(cls)
+
+    def __init__(self, feature_config, optimizer: Optional[_opt.Optimizer] = None, *, world=None, sharding="auto"):
+        if world is not None:
+            raise TypeError("Embedding: world= makes a sharded embedding (embedcore.distributed)")
         if optimizer is not None and not isinstance(optimizer, _opt.Optimizer):
             raise TypeError(f"Embedding: optimizer must be an embedcore.optimizers.Optimizer, got {optimizer!r}")
         flat = _nest.flatten_with_paths(feature_config)
@@ -80,17 +95,20 @@ class Embedding(FeatureLookup):
         for f in self._features:
             if not any(f.table is c for c in configs):
                 configs.append(f.table)
-        self._tables: Dict[TableConfig, Table] = {}
+        self._effective: Dict[TableConfig, TableConfig] = {}  # with names and the optimizer filled in
         names = set()
         for i, cfg in enumerate(configs):
             name = cfg.name if cfg.name is not None else f"table_{i}"
             if name in names:
                 raise ValueError(f"Embedding: two tables are named {name!r}; table names must be unique")
             names.add(name)
-            eff = TableConfig(name, cfg.rows, cfg.dim, cfg.dtype, cfg.initializer,
-                              cfg.optimizer if cfg.optimizer is not None else optimizer, cfg.combiner)
-            self._tables[cfg] = Table(eff)
+            self._effective[cfg] = TableConfig(name, cfg.rows, cfg.dim, cfg.dtype, cfg.initializer,
+                                               cfg.optimizer if cfg.optimizer is not None else optimizer, cfg.combiner)
+        self._build_tables()
         self._last = None  # (batches) of the last lookup, for apply_gradients
+
+    def _build_tables(self) -> None:
+        self._tables: Dict[TableConfig, Table] = {cfg: Table(eff) for cfg, eff in self._effective.items()}
 
     @property
     def embedding_tables(self) -> Dict[TableConfig, Table]:

@@ -121,7 +121,7 @@ class Table(LookupMixin):
     holds off new ones, so no lookup sees a half-updated row.
     """
 
-    def __init__(self, config: Optional[TableConfig] = None, **kwargs):
+    def __init__(self, config: Optional[TableConfig] = None, *, _placement: tuple = (), **kwargs):
         if config is None:
             config = TableConfig(**kwargs)
         elif kwargs:
@@ -134,7 +134,15 @@ class Table(LookupMixin):
         native_opt = optimizer._native() if optimizer is not None else _opt.SGD()._native()
         self._optimizer = optimizer
         self._native = _embedcore.Table(self._name, config.rows, config.dim, config.dtype,
-                                        config.initializer._native(), native_opt)
+                                        config.initializer._native(), native_opt, *_placement)
+
+    @classmethod
+    def _shard(cls, config: TableConfig, rows: int, cols: int, row_start: int, col_start: int) -> "Table":
+        """The block [row_start, +rows) x [col_start, +cols) of the table
+        `config` describes, initialised with that table's values there."""
+        shard = TableConfig(config.name, rows, cols, config.dtype, config.initializer, config.optimizer,
+                            config.combiner)
+        return cls(shard, _placement=(row_start, col_start, config.dim))
 
     # ------------------------------------------------------------ properties
     @property

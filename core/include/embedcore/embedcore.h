@@ -363,8 +363,8 @@ uint64_t NextGeneration(const std::string& path);
 TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const std::string& prefix, int shard_index,
                            const Table& shard, int64_t row_start, int64_t col_start, const SaveOptions& options);
 
-/// The manifest JSON of the files in `entry` ({"values": [...], "slots": {...}}).
-std::string ShardFilesJson(const TableEntry& entry);
+/// The manifest JSON object of `entry` (a table of `tables` in docs/format.md).
+std::string TableEntryJson(const TableEntry& entry);
 
 /// Validates the manifest `manifest_json` (as a reader would), checks that
 /// every file it names is in `path` with its size, then writes it as
@@ -377,6 +377,11 @@ void CommitCheckpoint(const std::string& path, const std::string& manifest_json)
 /// checksums of everything it reads before `table` changes.
 void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,
                     int64_t col_start, bool load_optimizer, bool verify = true);
+
+/// The checks and checksum verification of LoadTableBlock, without loading:
+/// a sharded load verifies every rank's blocks before any rank changes.
+void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const Table& table, int64_t row_start,
+                      int64_t col_start, bool load_optimizer);
 
 /// A checkpoint opened read-only for serving: each table's values file is
 /// memory-mapped (opening reads no values; processes share the pages). With

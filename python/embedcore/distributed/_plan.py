@@ -1,0 +1,133 @@
+"""Sharding plans: which rank holds which rows and columns of each table.
+
+- ``table_wise``: the whole table on one rank (the least loaded one).
+- ``row_wise``: rows split over every rank in contiguous, near-equal blocks
+  (rank r holds rows [r*rows//W, (r+1)*rows//W); a table with fewer rows
+  than ranks leaves some ranks without a shard).
+- ``column_wise``: the dimension split into min(W, dim) near-equal column
+  ranges, each on a different rank (the least loaded ones).
+- ``auto``: per table, the plan that keeps the bytes of values and slots per
+  rank balanced: tables are taken largest first; one that fits within half a
+  rank's fair share goes table-wise to the least loaded rank, a larger one
+  row-wise over every rank.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Sequence
+
+import numpy as np
+
+__all__ = ["Shard", "TableSharding", "ShardingPlan", "KINDS"]
+
+KINDS = ("table_wise", "row_wise", "column_wise")
+_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class Shard(NamedTuple):
+    """A block of a table: rows [row_start, row_start + rows) and columns
+    [col_start, col_start + cols), held by `rank`."""
+
+    rank: int
+    row_start: int
+    rows: int
+    col_start: int
+    cols: int
+
+
+class TableSharding(NamedTuple):
+    name: str
+    rows: int
+    dim: int
+    kind: str  # one of KINDS
+    shards: tuple  # of Shard, none empty
+
+    def to_json(self) -> dict:
+        return {"plan": self.kind, "shards": [s._asdict() for s in self.shards]}
+
+
+class ShardingPlan:
+    """The shards of every table over `world_size` ranks, and the bytes of
+    values and slots each rank holds."""
+
+    def __init__(self, world_size: int, tables: Sequence[TableSharding], bytes_per_element: Dict[str, int]):
+        self.world_size = world_size
+        self.tables: Dict[str, TableSharding] = {t.name: t for t in tables}
+        load = np.zeros(world_size, np.int64)
+        for t in tables:
+            for s in t.shards:
+                load[s.rank] += s.rows * s.cols * bytes_per_element[t.name]
+        self.bytes_per_rank: List[int] = [int(b) for b in load]
+
+    def __getitem__(self, name: str) -> TableSharding:
+        return self.tables[name]
+
+    def describe(self) -> str:
+        """What the plan chose, one line per table, and the bytes per rank."""
+        lines = [f"sharding over {self.world_size} ranks:"]
+        for t in self.tables.values():
+            where = ", ".join(f"r{s.rank}:rows[{s.row_start}:{s.row_start + s.rows}]"
+                              f"{'' if s.cols == t.dim else f' cols[{s.col_start}:{s.col_start + s.cols}]'}"
+                              for s in t.shards)
+            lines.append(f"  {t.name} ({t.rows} x {t.dim}): {t.kind} -> {where}")
+        lines.append("  bytes per rank (values + slots): " + ", ".join(f"{b:,}" for b in self.bytes_per_rank))
+        return "\n".join(lines)
+
+    __str__ = describe
+
+    def __repr__(self) -> str:
+        kinds = {n: t.kind for n, t in self.tables.items()}
+        return f"ShardingPlan(world_size={self.world_size}, {kinds})"
+
+
+def _split(n: int, parts: int) -> List[tuple]:
+    """[start, length) of `parts` near-equal pieces of n."""
+    bounds = [(i * n) // parts for i in range(parts + 1)]
+    return [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(parts)]
+
+
+def make_plan(tables: Sequence[tuple], world_size: int, sharding) -> ShardingPlan:
+    """tables: (name, rows, dim, dtype, num_slots) in order; sharding: a kind
+    or "auto" for every table, or a dict from table name to one."""
+    if isinstance(sharding, str) or sharding is None:
+        kinds = {name: sharding or "auto" for name, *_ in tables}
+    elif isinstance(sharding, dict):
+        unknown = set(sharding) - {name for name, *_ in tables}
+        if unknown:
+            raise ValueError(f"sharding names tables that do not exist: {sorted(unknown)}")
+        kinds = {name: sharding.get(name, "auto") for name, *_ in tables}
+    else:
+        raise TypeError(f"sharding must be one of {KINDS + ('auto',)} or a dict of them by table name, "
+                        f"got {sharding!r}")
+    for name, kind in kinds.items():
+        if kind not in KINDS + ("auto",):
+            raise ValueError(f"sharding of table '{name}' must be one of {KINDS + ('auto',)}, got {kind!r}")
+
+    W = world_size
+    element = {name: _ELEMENT_BYTES[dtype] + 4 * slots for name, rows, dim, dtype, slots in tables}
+    total = {name: rows * dim * element[name] for name, rows, dim, dtype, slots in tables}
+    fair = sum(total.values()) / W
+    load = [0] * W
+
+    def least_loaded(k: int, exclude=()) -> List[int]:
+        order = sorted((r for r in range(W) if r not in exclude), key=lambda r: (load[r], r))
+        return order[:k]
+
+    chosen: Dict[str, TableSharding] = {}
+    # Largest first, so the greedy placement balances well; ties by name for determinism.
+    for name, rows, dim, dtype, slots in sorted(tables, key=lambda t: (-total[t[0]], t[0])):
+        kind = kinds[name]
+        if kind == "auto":
+            kind = "table_wise" if W == 1 or total[name] <= fair / 2 else "row_wise"
+        if kind == "table_wise":
+            r = least_loaded(1)[0]
+            shards = [Shard(r, 0, rows, 0, dim)]
+        elif kind == "row_wise":
+            shards = [Shard(r, start, n, 0, dim) for r, (start, n) in enumerate(_split(rows, W)) if n > 0]
+        else:
+            pieces = _split(dim, min(W, dim))
+            ranks = least_loaded(len(pieces))
+            shards = [Shard(r, 0, rows, start, n) for r, (start, n) in zip(ranks, pieces)]
+        for s in shards:
+            load[s.rank] += s.rows * s.cols * element[name]
+        chosen[name] = TableSharding(name, rows, dim, kind, tuple(shards))
+    return ShardingPlan(W, [chosen[name] for name, *_ in tables], element)
