@@ -699,7 +699,9 @@ MappedCheckpoint::MappedCheckpoint(const std::string& path, Verify verify) : inf
   for (const TableEntry& t : info_.tables) {
     if (t.values.size() != 1)
       throw CheckpointError(path + ": table '" + t.name + "' is split over " + std::to_string(t.values.size()) +
-                            " files; serving maps one file per table");
+                            " files (a sharded save); serving maps one file per table: serve it sharded with "
+                            "embedcore.distributed, or rewrite it with `embedcore reshard SRC DST --world 1 "
+                            "--max-file-mb 0`");
     auto m = std::make_unique<Mapped>();
     m->file = t.values[0];
     m->path = JoinPath(path, m->file.path);

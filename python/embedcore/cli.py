@@ -109,6 +109,19 @@ def _convert(args) -> int:
     return 0
 
 
+def _reshard(args) -> int:
+    from .distributed import reshard
+
+    plan = args.plan
+    if "=" in plan:
+        plan = dict(item.split("=", 1) for item in plan.split(","))
+    if args.max_file_mb < 0:
+        raise ValueError(f"--max-file-mb must be >= 0, got {args.max_file_mb}")
+    print(reshard(args.src, args.dst, args.world, plan, max_file_bytes=args.max_file_mb << 20))
+    print(f"wrote {args.dst}")
+    return 0
+
+
 def _cmake_dir() -> int:
     """Prints the directory of embedcore's CMake package (embedcoreConfig.cmake,
     for ``find_package(embedcore CONFIG)``), as ``python -m nanobind
@@ -160,6 +173,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--prefix", default=None, help="tf: object path of the embedding in the checkpoint (default: found)")
     p.add_argument("--no-optimizer", action="store_true", help="tf: convert values only")
 
+    p = sub.add_parser("reshard", help="rewrite a checkpoint for another number of ranks or sharding plan")
+    p.add_argument("src")
+    p.add_argument("dst", help="the new checkpoint directory (may be SRC: replaced atomically)")
+    p.add_argument("--world", type=int, required=True, help="number of ranks to lay the checkpoint out for")
+    p.add_argument("--plan", default="auto",
+                   help="table_wise, row_wise, column_wise or auto (default), or NAME=PLAN,... per table")
+    p.add_argument("--max-file-mb", type=int, default=64,
+                   help="largest piece read and written at once, in MiB of values and slots (bounds memory; "
+                        "0: one file per shard)")
+
     args = parser.parse_args(argv)
     if args.version:
         from . import __version__
@@ -185,6 +208,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _verify(args.path)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "reshard":
+            return _reshard(args)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"embedcore {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
