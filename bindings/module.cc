@@ -35,6 +35,8 @@ NB_MODULE(_embedcore, m) {
     nb::dict d;
     d["version"] = info.version;
     d["cuda"] = info.cuda;
+    d["cuda_architectures"] = info.cuda_architectures;
+    d["cuda_devices"] = info.cuda_devices;
     d["nccl"] = info.nccl;
     d["mpi"] = info.mpi;
     d["simd"] = info.simd;

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "embedcore/embedcore.h"
+#include "cuda/cuda_impl.h"
 #include "internal.h"
 #include "kernels.h"
 #include "ops/combiners.h"
@@ -150,16 +151,43 @@ void ValidateBatch(const Batch& batch, int64_t rows, const std::string& table) {
 }
 
 // ---------------------------------------------------------------- table storage
-void Table::BufferDeleter::operator()(void* p) const { internal::Free(p, bytes); }
-void Table::FloatDeleter::operator()(float* p) const { internal::Free(p, bytes); }
+void Table::BufferDeleter::operator()(void* p) const {
+  if (device >= 0)
+    cuda_impl::Free(p, device);
+  else
+    internal::Free(p, bytes);
+}
+void Table::FloatDeleter::operator()(float* p) const {
+  if (device >= 0)
+    cuda_impl::Free(p, device);
+  else
+    internal::Free(p, bytes);
+}
 
-Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDeleter{0}) {
+namespace {
+constexpr size_t kStagingBytes = size_t(16) << 20;  // host staging of device tables, per step
+
+// Rows per staging step for rows of `row_bytes`.
+int64_t StagingRows(size_t row_bytes) { return std::max<int64_t>(1, int64_t(kStagingBytes / row_bytes)); }
+
+void CheckDevice(const TableSpec& spec) {
+  if (spec.device < -1) throw InvalidArgument("table '" + spec.name + "': device must be -1 (host) or a CUDA device");
+  if (spec.device < 0) return;
+  if (!cuda_impl::kCompiled) cuda_impl::Allocate(0, 0);  // throws NotCompiled
+  const int n = cuda_impl::DeviceCount();
+  if (spec.device >= n)
+    throw InvalidArgument("table '" + spec.name + "': no CUDA device cuda:" + std::to_string(spec.device) +
+                          (n == 0 ? std::string(" (this machine has no CUDA device)")
+                                  : " (this machine has " + std::to_string(n) + ")"));
+}
+}  // namespace
+
+Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDeleter{0, -1}) {
   if (spec_.rows < 1) throw InvalidArgument("table '" + spec_.name + "': rows must be >= 1, got " + std::to_string(spec_.rows));
   if (spec_.dim < 1) throw InvalidArgument("table '" + spec_.name + "': dim must be >= 1, got " + std::to_string(spec_.dim));
   spec_.optimizer.Validate();
   const size_t bytes = internal::CheckedBytes(spec_.rows, spec_.dim, DTypeSize(spec_.dtype), "table '" + spec_.name + "'");
   const size_t slot_bytes = internal::CheckedBytes(spec_.rows, spec_.dim, sizeof(float), "table '" + spec_.name + "' slots");
-  values_ = BufferPtr(internal::AllocateZeroed(bytes), BufferDeleter{bytes});
   if (spec_.full_dim == 0) {
     spec_.full_dim = spec_.dim;
     spec_.shard_row_start = spec_.shard_col_start = 0;
@@ -168,11 +196,36 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
     throw InvalidArgument("table '" + spec_.name + "': shard placement (row " + std::to_string(spec_.shard_row_start) +
                           ", column " + std::to_string(spec_.shard_col_start) + ", full dim " +
                           std::to_string(spec_.full_dim) + ") does not fit its dim " + std::to_string(spec_.dim));
+  CheckDevice(spec_);
+  const int dev = spec_.device;
+  const auto names = spec_.optimizer.SlotNames();
+  if (dev >= 0) {
+    // On the device: initialised on the host a bounded piece at a time (the
+    // same values as a host table), copied over.
+    values_ = BufferPtr(cuda_impl::Allocate(bytes, dev), BufferDeleter{bytes, dev});
+    const size_t row_bytes = size_t(spec_.dim) * DTypeSize(spec_.dtype);
+    const int64_t step = StagingRows(row_bytes);
+    std::vector<char> staging(size_t(std::min(step, spec_.rows)) * row_bytes);
+    for (int64_t r0 = 0; r0 < spec_.rows; r0 += step) {
+      const int64_t n = std::min(step, spec_.rows - r0);
+      std::fill(staging.begin(), staging.end(), 0);
+      internal::Initialize(spec_.initializer, spec_.dtype, n, spec_.dim, spec_.shard_row_start + r0,
+                           spec_.shard_col_start, spec_.full_dim, staging.data());
+      cuda_impl::CopyToDevice(static_cast<char*>(values_.get()) + size_t(r0) * row_bytes, staging.data(),
+                              size_t(n) * row_bytes, dev);
+    }
+    for (size_t i = 0; i < names.size(); ++i) {
+      slots_.emplace_back(static_cast<float*>(cuda_impl::Allocate(slot_bytes, dev)), FloatDeleter{slot_bytes, dev});
+      if (names[i] == "accumulators")
+        cuda_impl::Fill(slots_.back().get(), spec_.rows * spec_.dim, spec_.optimizer.initial_accumulator_value, dev);
+    }
+    return;
+  }
+  values_ = BufferPtr(internal::AllocateZeroed(bytes), BufferDeleter{bytes, -1});
   internal::Initialize(spec_.initializer, spec_.dtype, spec_.rows, spec_.dim, spec_.shard_row_start,
                        spec_.shard_col_start, spec_.full_dim, values_.get());
-  const auto names = spec_.optimizer.SlotNames();
   for (size_t i = 0; i < names.size(); ++i) {
-    slots_.emplace_back(static_cast<float*>(internal::AllocateZeroed(slot_bytes)), FloatDeleter{slot_bytes});
+    slots_.emplace_back(static_cast<float*>(internal::AllocateZeroed(slot_bytes)), FloatDeleter{slot_bytes, -1});
     // Adagrad and FTRL start their accumulators at initial_accumulator_value.
     if (names[i] == "accumulators") {
       float* s = slots_.back().get();
@@ -200,6 +253,18 @@ void Table::AssignValues(int64_t start_row, int64_t n, const float* src) {
   std::unique_lock<std::shared_mutex> lock(mutex_);
   const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
   const size_t es = DTypeSize(spec_.dtype);
+  if (spec_.device >= 0) {  // rounded on the host, a bounded piece at a time
+    const size_t row_bytes = size_t(spec_.dim) * es;
+    const int64_t step = StagingRows(row_bytes);
+    std::vector<char> staging(size_t(std::min(step, std::max<int64_t>(n, 1))) * row_bytes);
+    for (int64_t r0 = 0; r0 < n; r0 += step) {
+      const int64_t m = std::min(step, n - r0);
+      k.store(staging.data(), src + r0 * spec_.dim, m * spec_.dim);
+      cuda_impl::CopyToDevice(static_cast<char*>(values_.get()) + size_t(start_row + r0) * row_bytes, staging.data(),
+                              size_t(m) * row_bytes, spec_.device);
+    }
+    return;
+  }
   char* base = static_cast<char*>(values_.get());
   ParallelFor(n, 1024, [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r)
@@ -211,14 +276,22 @@ void Table::AssignRaw(int64_t start_row, int64_t n, const void* src) {
   CheckRowRange(spec_, start_row, n, "assigned");
   std::unique_lock<std::shared_mutex> lock(mutex_);
   const size_t row_bytes = size_t(spec_.dim) * DTypeSize(spec_.dtype);
-  std::memcpy(static_cast<char*>(values_.get()) + size_t(start_row) * row_bytes, src, size_t(n) * row_bytes);
+  char* dst = static_cast<char*>(values_.get()) + size_t(start_row) * row_bytes;
+  if (spec_.device >= 0)
+    cuda_impl::CopyToDevice(dst, src, size_t(n) * row_bytes, spec_.device);
+  else
+    std::memcpy(dst, src, size_t(n) * row_bytes);
 }
 
 void Table::AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src) {
   if (i >= slots_.size()) throw OutOfRange("table '" + spec_.name + "' has no slot " + std::to_string(i));
   CheckRowRange(spec_, start_row, n, "assigned slot");
   std::unique_lock<std::shared_mutex> lock(mutex_);
-  std::memcpy(slots_[i].get() + start_row * spec_.dim, src, size_t(n) * spec_.dim * sizeof(float));
+  float* dst = slots_[i].get() + start_row * spec_.dim;
+  if (spec_.device >= 0)
+    cuda_impl::CopyToDevice(dst, src, size_t(n) * spec_.dim * sizeof(float), spec_.device);
+  else
+    std::memcpy(dst, src, size_t(n) * spec_.dim * sizeof(float));
 }
 
 void Table::ReadValues(int64_t start_row, int64_t n, float* dst) const {
@@ -227,16 +300,34 @@ void Table::ReadValues(int64_t start_row, int64_t n, float* dst) const {
   const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
   const size_t es = DTypeSize(spec_.dtype);
   const char* base = static_cast<const char*>(values_.get());
+  if (spec_.device >= 0) {
+    const size_t row_bytes = size_t(spec_.dim) * es;
+    const int64_t step = StagingRows(row_bytes);
+    std::vector<char> staging(size_t(std::min(step, std::max<int64_t>(n, 1))) * row_bytes);
+    for (int64_t r0 = 0; r0 < n; r0 += step) {
+      const int64_t m = std::min(step, n - r0);
+      cuda_impl::CopyToHost(staging.data(), base + size_t(start_row + r0) * row_bytes, size_t(m) * row_bytes,
+                            spec_.device);
+      k.load(staging.data(), dst + r0 * spec_.dim, m * spec_.dim);
+    }
+    return;
+  }
   ParallelFor(n, 1024, [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) k.load(base + size_t(start_row + r) * spec_.dim * es, dst + r * spec_.dim, spec_.dim);
   });
 }
 
 // ---------------------------------------------------------------- lookup
-void Table::Lookup(const Batch& batch, const OutputShape& shape, float* out) const {
-  ValidateBatch(batch, spec_.rows, spec_.name);
+void Table::Lookup(const Batch& batch, const OutputShape& shape, float* out, uintptr_t stream) const {
   if (shape.combiner == Combiner::kNone && shape.max_sequence_length < 0)
     throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(shape.max_sequence_length));
+  if (spec_.device >= 0) {  // device pointers: checked on the device
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    cuda_impl::Lookup(values_.get(), spec_.dtype, spec_.rows, spec_.dim, spec_.name, batch, shape, out, spec_.device,
+                      stream);
+    return;
+  }
+  ValidateBatch(batch, spec_.rows, spec_.name);
   if (shape.OutputRows(batch) > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
   std::shared_lock<std::shared_mutex> lock(mutex_);
   internal::RunLookup(values_.get(), spec_.dtype, spec_.dim, batch, shape, out);
@@ -418,7 +509,15 @@ void BagDenominators(const Batch& batch, Combiner combiner, float* out) {
     out[b] = Denominator(combiner, batch.offsets[b], batch.offsets[b + 1], batch.weights);
 }
 
-void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate) {
+void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate, uintptr_t stream) {
+  if (spec_.device >= 0) {
+    std::unique_lock<std::shared_mutex> lock(mutex_);
+    std::vector<float*> slots;
+    for (auto& s : slots_) slots.push_back(s.get());
+    cuda_impl::ApplyGradients(spec_, values_.get(), slots, step_, parts, learning_rate, spec_.device, stream);
+    ++step_;
+    return;
+  }
   // Validate everything before touching anything.
   for (size_t i = 0; i < parts.size(); ++i) {
     ValidateBatch(parts[i].batch, spec_.rows, spec_.name);
@@ -503,6 +602,11 @@ BuildInfo GetBuildInfo() {
   BuildInfo info;
   info.version = EMBEDCORE_VERSION_STRING;
   info.simd = kernels::ActiveKernels().name;
+  info.cuda = cuda_impl::kCompiled;
+#if defined(EMBEDCORE_CUDA_ARCHS)
+  info.cuda_architectures = EMBEDCORE_CUDA_ARCHS;
+#endif
+  info.cuda_devices = cuda_impl::DeviceCount();
 #if defined(__clang__)
   info.compiler = "clang " __clang_version__;
 #elif defined(__GNUC__)

@@ -15,6 +15,7 @@
 #include "checkpoint/file_io.h"
 #include "checkpoint/format.h"
 #include "checkpoint/manifest.h"
+#include "cuda/cuda_impl.h"
 #include "internal.h"
 #include "kernels.h"
 #include "thread_pool.h"
@@ -117,7 +118,7 @@ std::vector<std::string> ListDirectory(const std::string& dir) {
 // of each chunk starts at once (sync_file_range) so that the final fsync is
 // short and the kernel never throttles a burst of dirty pages.
 FileEntry WriteDataFile(const std::string& dir, const std::string& name, const void* src, DType src_dtype,
-                        DType dst_dtype, int64_t row0, int64_t rows, int64_t cols) {
+                        DType dst_dtype, int64_t row0, int64_t rows, int64_t cols, int src_device = -1) {
   FileEntry f;
   f.path = name;
   f.dtype = dst_dtype;
@@ -148,8 +149,10 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const v
   const size_t src_es = DTypeSize(src_dtype), dst_es = DTypeSize(dst_dtype);
   const char* base = static_cast<const char*>(src) + size_t(row0) * size_t(cols) * src_es;
   const bool cast = src_dtype != dst_dtype;
-  std::vector<char> buf[2];
+  const bool staged = src_device >= 0;  // a device table: each chunk is copied to the host first
+  std::vector<char> buf[2], stage[2];
   if (cast) buf[0].resize(kChunkBytes), buf[1].resize(kChunkBytes);
+  if (staged) stage[0].resize(kChunkBytes * 2), stage[1].resize(kChunkBytes * 2);  // src_es <= 2 * dst_es
   const auto& load = kernels::ActiveKernels().dtype[int(src_dtype)].load;
   const auto& store = kernels::ActiveKernels().dtype[int(dst_dtype)].store;
   const uint64_t chunks = (payload + kChunkBytes - 1) / kChunkBytes;
@@ -158,15 +161,20 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const v
   auto prepare = [&](uint64_t k) -> const char* {
     const uint64_t off = k * kChunkBytes;
     const size_t n = size_t(std::min<uint64_t>(kChunkBytes, payload - off));
-    const char* chunk = base + off;
+    const uint64_t e0 = off / dst_es;
+    const char* src_chunk = base + e0 * src_es;  // the chunk's elements in the source
+    if (staged) {
+      cuda_impl::CopyToHost(stage[k % 2].data(), src_chunk, size_t(n / dst_es * src_es), src_device);
+      src_chunk = stage[k % 2].data();
+    }
+    const char* chunk = src_chunk;
     if (cast) {
       char* out = buf[k % 2].data();
-      const uint64_t e0 = off / dst_es;
       ParallelFor(int64_t(n / dst_es), 1 << 16, [&](int64_t a, int64_t b) {
         float tmp[1024];
         for (int64_t i = a; i < b; i += 1024) {
           const int64_t m = std::min<int64_t>(1024, b - i);
-          load(base + (e0 + uint64_t(i)) * src_es, tmp, m);
+          load(src_chunk + uint64_t(i) * src_es, tmp, m);
           store(out + size_t(i) * dst_es, tmp, m);
         }
       });
@@ -495,7 +503,8 @@ TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const s
   e.sharding_json = "{}";
   e.config_json = "{}";
   auto write = [&](const std::string& array, const void* src, DType src_dtype, DType dst_dtype) {
-    FileEntry f = WriteDataFile(path, prefix + array + tag, src, src_dtype, dst_dtype, 0, spec.rows, spec.dim);
+    FileEntry f = WriteDataFile(path, prefix + array + tag, src, src_dtype, dst_dtype, 0, spec.rows, spec.dim,
+                                spec.device);
     f.row_start = row_start;
     f.col_start = col_start;
     SyncFile(JoinPath(path, f.path));  // its writeback started as it was written: this is short
@@ -634,12 +643,27 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
   if (slots && entry.slot_names != spec.optimizer.SlotNames())
     throw CheckpointError(info.path + ": table '" + entry.name + "': optimizer slots differ from the target's");
   std::unique_lock<std::shared_mutex> lock(table.mutex());
-  for (const FileEntry& f : entry.values)
-    ReadDataBlock(info.path, f, table.values(), spec.dtype, row_start, spec.rows, col_start, spec.dim);
+  // Reads the block of `files` into `dst` ([rows, dim] of `dtype`); a device
+  // table's block goes through a bounded host buffer.
+  auto read = [&](const std::vector<FileEntry>& files, void* dst, DType dtype) {
+    if (spec.device < 0) {
+      for (const FileEntry& f : files) ReadDataBlock(info.path, f, dst, dtype, row_start, spec.rows, col_start, spec.dim);
+      return;
+    }
+    const size_t row_bytes = size_t(spec.dim) * DTypeSize(dtype);
+    const int64_t step = std::max<int64_t>(1, int64_t(kChunkBytes / row_bytes));
+    std::vector<char> staging(size_t(std::min(step, spec.rows)) * row_bytes);
+    for (int64_t r0 = 0; r0 < spec.rows; r0 += step) {
+      const int64_t n = std::min(step, spec.rows - r0);
+      for (const FileEntry& f : files)
+        ReadDataBlock(info.path, f, staging.data(), dtype, row_start + r0, n, col_start, spec.dim);
+      cuda_impl::CopyToDevice(static_cast<char*>(dst) + size_t(r0) * row_bytes, staging.data(), size_t(n) * row_bytes,
+                              spec.device);
+    }
+  };
+  read(entry.values, table.values(), spec.dtype);
   if (slots) {
-    for (size_t s = 0; s < entry.slots.size(); ++s)
-      for (const FileEntry& f : entry.slots[s])
-        ReadDataBlock(info.path, f, table.slot(s), DType::kFloat32, row_start, spec.rows, col_start, spec.dim);
+    for (size_t s = 0; s < entry.slots.size(); ++s) read(entry.slots[s], table.slot(s), DType::kFloat32);
     table.set_step(entry.step);
   }
 }

@@ -134,6 +134,9 @@ struct TableSpec {
   int64_t shard_row_start = 0;
   int64_t shard_col_start = 0;
   int64_t full_dim = 0;
+  /// Where values and slots live: -1 host memory, d >= 0 CUDA device d (the
+  /// CUDA build only; elsewhere NotCompiled).
+  int device = -1;
 };
 
 // ---------------------------------------------------------------- batches
@@ -183,7 +186,7 @@ void SetNumThreads(int n);
 int GetNumThreads();
 
 // ---------------------------------------------------------------- table
-/// An embedding table on the host.
+/// An embedding table in host memory, or on a CUDA device (spec.device >= 0).
 ///
 /// Thread safety: any number of concurrent Lookup calls; ApplyGradients and
 /// the Assign* calls take the table exclusively, so a lookup never sees a
@@ -202,16 +205,22 @@ class Table {
   int64_t dim() const { return spec_.dim; }
 
   /// Looks up `batch` and writes [shape.OutputRows(batch), dim] float32 to `out`.
-  void Lookup(const Batch& batch, const OutputShape& shape, float* out) const;
+  /// For a device table every pointer of `batch` and `out` is device memory
+  /// and the work runs on the CUDA stream `stream` (0: the default stream).
+  void Lookup(const Batch& batch, const OutputShape& shape, float* out, uintptr_t stream = 0) const;
 
   /// Applies one optimizer step from the gradients of one or more lookups.
   /// The gradients of every occurrence of an id (across all parts) are summed
   /// in a fixed order before one update of that row, so the result does not
   /// depend on the thread count. `learning_rate` is this step's rate.
   /// Validates everything before changing anything.
-  void ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate);
+  void ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate, uintptr_t stream = 0);
 
-  /// Raw storage of the values: rows * dim elements of spec().dtype.
+  /// -1 for a host table, else its CUDA device.
+  int device() const { return spec_.device; }
+
+  /// Raw storage of the values: rows * dim elements of spec().dtype (device
+  /// memory for a device table).
   void* values() { return values_.get(); }
   const void* values() const { return values_.get(); }
   size_t value_bytes() const;
@@ -240,11 +249,13 @@ class Table {
  private:
   struct BufferDeleter {
     size_t bytes;
+    int device;
     void operator()(void* p) const;
   };
   using BufferPtr = std::unique_ptr<void, BufferDeleter>;
   struct FloatDeleter {
     size_t bytes;
+    int device;
     void operator()(float* p) const;
   };
   using FloatPtr = std::unique_ptr<float, FloatDeleter>;
@@ -411,7 +422,9 @@ class MappedCheckpoint {
 /// What this build contains: version, format versions, compiled features.
 struct BuildInfo {
   std::string version;
-  bool cuda = false;
+  bool cuda = false;                ///< the CUDA kernels are compiled in
+  std::string cuda_architectures;   ///< e.g. "80;90" (CUDA build)
+  int cuda_devices = 0;             ///< devices the CUDA runtime sees now (0 without CUDA)
   bool nccl = false;
   bool mpi = false;
   std::string simd;  ///< kernels selected at run time, e.g. "avx2+f16c"

@@ -1,0 +1,68 @@
+// Helpers shared by the CUDA files: error checks, the device guard, launch
+// sizes, stream-ordered scratch memory and the on-device batch check.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "embedcore/embedcore.h"
+
+namespace embedcore::cuda_impl {
+
+/// Throws (naming `call`) unless err is cudaSuccess.
+void Check(cudaError_t err, const char* call, const char* file, int line);
+#define EC_CUDA(call) ::embedcore::cuda_impl::Check((call), #call, __FILE__, __LINE__)
+
+/// Makes `device` current for a scope.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+inline unsigned GridFor(int64_t n, int block) {
+  const int64_t blocks = (n + block - 1) / block;
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>(blocks, 65535 * 32)));
+}
+
+inline cudaStream_t AsStream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+/// Stream-ordered scratch memory, freed on the same stream.
+template <typename T>
+class Scratch {
+ public:
+  Scratch(size_t n, cudaStream_t stream) : stream_(stream) {
+    EC_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&p_), std::max<size_t>(n, 1) * sizeof(T), stream));
+  }
+  ~Scratch() { cudaFreeAsync(p_, stream_); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  T* get() const { return p_; }
+
+ private:
+  T* p_ = nullptr;
+  cudaStream_t stream_;
+};
+
+/// What the device check of a batch found: the first bad id's position
+/// (or -1) and whether the offsets are malformed.
+struct BatchProblem {
+  int64_t bad_position = -1;
+  int64_t bad_id = 0;
+  int bad_offsets = 0;
+};
+
+/// Checks a device batch against `rows` on `stream` and throws, after the
+/// kernel, OutOfRange / InvalidArgument as the CPU engine's ValidateBatch does.
+void ValidateDeviceBatch(const Batch& batch, int64_t rows, const std::string& table, cudaStream_t stream);
+
+}  // namespace embedcore::cuda_impl

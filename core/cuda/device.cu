@@ -1,0 +1,82 @@
+// Device memory and the CUDA error check: every failing CUDA call becomes an
+// embedcore exception that names the call.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/cuda_impl.h"
+#include "cuda/cuda_util.cuh"
+
+namespace embedcore::cuda_impl {
+
+void Check(cudaError_t err, const char* call, const char* file, int line) {
+  if (err == cudaSuccess) return;
+  cudaGetLastError();  // clear a sticky launch error so the next call can run
+  throw std::runtime_error(std::string("CUDA error in ") + call + " (" + file + ":" + std::to_string(line) +
+                           "): " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+}
+
+DeviceGuard::DeviceGuard(int device) {
+  EC_CUDA(cudaGetDevice(&previous_));
+  if (device != previous_) EC_CUDA(cudaSetDevice(device));
+}
+DeviceGuard::~DeviceGuard() { cudaSetDevice(previous_); }
+
+int DeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;  // no driver or no device: the CPU engine still works
+  }
+  return n;
+}
+
+void* Allocate(size_t bytes, int device) {
+  DeviceGuard guard(device);
+  void* p = nullptr;
+  if (bytes == 0) bytes = 1;
+  const cudaError_t err = cudaMalloc(&p, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    throw std::bad_alloc();
+  }
+  EC_CUDA(err);
+  EC_CUDA(cudaMemset(p, 0, bytes));
+  return p;
+}
+
+void Free(void* p, int device) noexcept {
+  if (p == nullptr) return;
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device);
+  cudaFree(p);
+  cudaSetDevice(previous);
+}
+
+void CopyToHost(void* dst, const void* src, size_t bytes, int device) {
+  DeviceGuard guard(device);
+  EC_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+
+void CopyToDevice(void* dst, const void* src, size_t bytes, int device) {
+  DeviceGuard guard(device);
+  EC_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+
+namespace {
+__global__ void FillKernel(float* p, int64_t n, float value) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = value;
+}
+}  // namespace
+
+void Fill(float* p, int64_t n, float value, int device) {
+  if (n == 0) return;
+  DeviceGuard guard(device);
+  FillKernel<<<GridFor(n, 256), 256>>>(p, n, value);
+  EC_CUDA(cudaGetLastError());
+  EC_CUDA(cudaDeviceSynchronize());
+}
+
+}  // namespace embedcore::cuda_impl

@@ -1,0 +1,261 @@
+// Sparse updates on the GPU, deterministic and in the CPU engine's order:
+// every occurrence (id, coefficient, gradient row) is keyed by id and
+// radix-sorted stably (CUB), runs of equal ids become groups, and one block
+// per group sums its gradients in input order, column by column, then applies
+// the optimizer rule of core/ops/ (the same functors as the CPU loop). With
+// no FMA contraction, the result is the CPU engine's, bit for bit.
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_run_length_encode.cuh>
+#include <cub/device/device_scan.cuh>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "cuda/cuda_impl.h"
+#include "cuda/cuda_util.cuh"
+#include "ops/combiners.h"
+#include "ops/half.h"
+#include "ops/optimizers.h"
+
+namespace embedcore::cuda_impl {
+namespace {
+
+// Occurrences of one part: key (the id, or `rows` for an id a truncated
+// sequence dropped, which sorts last and is skipped), coefficient, and the
+// offset of its gradient row in the part's grads.
+template <typename I>
+__global__ void CollectKernel(const I* ids, const int64_t* offsets, const float* weights, int64_t num_bags,
+                              ops::CombinerKind combiner, int64_t len, int64_t dim, int64_t rows, const float* grads,
+                              int64_t base, uint64_t* keys, int64_t* order, float* coefficient,
+                              const float** grad_row) {
+  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < num_bags; b += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t k0 = offsets[b], k1 = offsets[b + 1];
+    float denominator = 1.0f;
+    if (combiner == ops::CombinerKind::kMean || combiner == ops::CombinerKind::kSqrtn) {
+      float sw = 0.0f, sw2 = 0.0f;
+      for (int64_t i = k0; i < k1; ++i) {
+        const float w = weights ? weights[i] : 1.0f;
+        sw += w;
+        sw2 += w * w;
+      }
+      denominator = ops::CombinerDenominator(combiner, sw, sw2);
+    }
+    for (int64_t i = k0; i < k1; ++i) {
+      const float w = weights ? weights[i] : 1.0f;
+      int64_t g;
+      bool kept = true;
+      if (combiner != ops::CombinerKind::kNone) {
+        g = b;
+      } else if (len == 0) {
+        g = i;
+      } else {
+        g = b * len + (i - k0);
+        kept = i - k0 < len;
+      }
+      keys[base + i] = kept ? uint64_t(int64_t(ids[i])) : uint64_t(rows);
+      order[base + i] = base + i;
+      coefficient[base + i] = ops::BackwardCoefficient(combiner, w, denominator);
+      grad_row[base + i] = kept ? grads + g * dim : nullptr;
+    }
+  }
+}
+
+template <typename T>
+__device__ float Load(const T* p) {
+  return ops::ToFloat(*p);
+}
+
+// One block per group: sum the group's gradients in input order, update the row.
+template <typename T, typename Rule>
+__global__ void UpdateKernel(Rule rule, ops::StepConstants kc, T* values, float* s0, float* s1, int64_t dim,
+                             int64_t rows, const uint64_t* group_key, const int64_t* group_start,
+                             const int64_t* group_count, const int* num_groups, const int64_t* order,
+                             const float* coefficient, const float* const* grad_row, uint8_t* touched) {
+  for (int64_t g = blockIdx.x; g < *num_groups; g += gridDim.x) {
+    const uint64_t key = group_key[g];
+    if (key >= uint64_t(rows)) continue;  // dropped occurrences
+    const int64_t row = int64_t(key);
+    if (touched && threadIdx.x == 0) touched[row] = 1;
+    const int64_t i0 = group_start[g], i1 = i0 + group_count[g];
+    for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
+      float acc = 0.0f;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t o = order[i];
+        acc += coefficient[o] * grad_row[o][d];
+      }
+      const int64_t e = row * dim + d;
+      float w = Load(values + e);
+      ops::UpdateElement(rule, kc, w, acc, Rule::kSlots > 0 ? s0 + e : nullptr, Rule::kSlots > 1 ? s1 + e : nullptr);
+      values[e] = ops::FromFloat<T>(w);
+    }
+  }
+}
+
+// Non-lazy Adam: rows absent from the batch take a step with a zero gradient.
+template <typename T, typename Rule>
+__global__ void UntouchedKernel(Rule rule, ops::StepConstants kc, T* values, float* s0, float* s1, int64_t dim,
+                                int64_t rows, const uint8_t* touched) {
+  const int64_t n = rows * dim;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    if (touched[e / dim]) continue;
+    float w = Load(values + e);
+    ops::UpdateElement(rule, kc, w, 0.0f, s0 + e, s1 + e);
+    values[e] = ops::FromFloat<T>(w);
+  }
+}
+
+struct Groups {
+  const uint64_t* key;
+  const int64_t* start;
+  const int64_t* count;
+  const int* num;
+  int64_t capacity;
+};
+
+template <typename T, typename Rule>
+void Update(const Rule& rule, const ops::StepConstants& kc, const TableSpec& spec, void* values,
+            const std::vector<float*>& slots, const Groups& groups, const int64_t* order, const float* coefficient,
+            const float* const* grad_row, bool untouched_too, cudaStream_t s) {
+  T* v = static_cast<T*>(values);
+  float* s0 = Rule::kSlots > 0 ? slots[0] : nullptr;
+  float* s1 = Rule::kSlots > 1 ? slots[1] : nullptr;
+  const int threads = spec.dim >= 128 ? 128 : (spec.dim >= 64 ? 64 : 32);
+  Scratch<uint8_t> touched(untouched_too ? size_t(spec.rows) : 0, s);
+  if (untouched_too) EC_CUDA(cudaMemsetAsync(touched.get(), 0, size_t(spec.rows), s));
+  if (groups.capacity > 0)
+    UpdateKernel<T, Rule><<<GridFor(groups.capacity, 1), threads, 0, s>>>(
+        rule, kc, v, s0, s1, spec.dim, spec.rows, groups.key, groups.start, groups.count, groups.num, order,
+        coefficient, grad_row, untouched_too ? touched.get() : nullptr);
+  EC_CUDA(cudaGetLastError());
+  if (untouched_too) {
+    UntouchedKernel<T, Rule><<<GridFor(spec.rows * spec.dim, 256), 256, 0, s>>>(rule, kc, v, s0, s1, spec.dim,
+                                                                                 spec.rows, touched.get());
+    EC_CUDA(cudaGetLastError());
+  }
+}
+
+template <typename Rule>
+void UpdateAnyType(const Rule& rule, const ops::StepConstants& kc, const TableSpec& spec, void* values,
+                   const std::vector<float*>& slots, const Groups& groups, const int64_t* order,
+                   const float* coefficient, const float* const* grad_row, bool untouched_too, cudaStream_t s) {
+  switch (spec.dtype) {
+    case DType::kFloat32:
+      return Update<float>(rule, kc, spec, values, slots, groups, order, coefficient, grad_row, untouched_too, s);
+    case DType::kFloat16:
+      return Update<ops::F16>(rule, kc, spec, values, slots, groups, order, coefficient, grad_row, untouched_too, s);
+    case DType::kBFloat16:
+      return Update<ops::BF16>(rule, kc, spec, values, slots, groups, order, coefficient, grad_row, untouched_too, s);
+  }
+}
+
+int BitWidth(uint64_t x) {
+  int bits = 1;
+  while (bits < 64 && (x >> bits) != 0) ++bits;
+  return bits;
+}
+
+}  // namespace
+
+void ApplyGradients(const TableSpec& spec, void* values, const std::vector<float*>& slots, int64_t step,
+                    const std::vector<GradientPart>& parts, float learning_rate, int device, uintptr_t stream) {
+  DeviceGuard guard(device);
+  const cudaStream_t s = AsStream(stream);
+  for (const GradientPart& p : parts) {
+    ValidateDeviceBatch(p.batch, spec.rows, spec.name, s);
+    if (p.shape.OutputRows(p.batch) > 0 && p.grads == nullptr) throw InvalidArgument("grads: null pointer");
+  }
+  if (!std::isfinite(learning_rate))
+    throw InvalidArgument("learning_rate must be finite, got " + std::to_string(learning_rate));
+
+  int64_t total = 0;
+  for (const GradientPart& p : parts) total += p.batch.nnz;
+  Scratch<uint64_t> keys(size_t(total), s), keys_sorted(size_t(total), s);
+  Scratch<int64_t> order(size_t(total), s), order_sorted(size_t(total), s);
+  Scratch<float> coefficient(size_t(total), s);
+  Scratch<const float*> grad_row(size_t(total), s);
+  int64_t base = 0;
+  for (const GradientPart& p : parts) {
+    if (p.batch.num_bags > 0) {
+      const auto c = ops::CombinerKind(p.shape.combiner);
+      if (p.batch.id_type == IdType::kInt32)
+        CollectKernel<<<GridFor(p.batch.num_bags, 128), 128, 0, s>>>(
+            static_cast<const int32_t*>(p.batch.ids), p.batch.offsets, p.batch.weights, p.batch.num_bags, c,
+            p.shape.max_sequence_length, spec.dim, spec.rows, p.grads, base, keys.get(), order.get(),
+            coefficient.get(), grad_row.get());
+      else
+        CollectKernel<<<GridFor(p.batch.num_bags, 128), 128, 0, s>>>(
+            static_cast<const int64_t*>(p.batch.ids), p.batch.offsets, p.batch.weights, p.batch.num_bags, c,
+            p.shape.max_sequence_length, spec.dim, spec.rows, p.grads, base, keys.get(), order.get(),
+            coefficient.get(), grad_row.get());
+      EC_CUDA(cudaGetLastError());
+    }
+    base += p.batch.nnz;
+  }
+
+  // Stable sort by id (LSD radix: equal ids keep their input order), then runs.
+  const int bits = BitWidth(uint64_t(spec.rows));  // `rows` itself marks dropped occurrences
+  Scratch<uint64_t> group_key(size_t(total), s);
+  Scratch<int64_t> group_count(size_t(total), s), group_start(size_t(total), s);
+  Scratch<int> num_groups(1, s);
+  EC_CUDA(cudaMemsetAsync(num_groups.get(), 0, sizeof(int), s));
+  EC_CUDA(cudaMemsetAsync(group_count.get(), 0, size_t(std::max<int64_t>(total, 1)) * sizeof(int64_t), s));
+  if (total > 0) {
+    size_t sort_bytes = 0, rle_bytes = 0, scan_bytes = 0;
+    EC_CUDA(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, keys.get(), keys_sorted.get(), order.get(),
+                                            order_sorted.get(), total, 0, bits, s));
+    EC_CUDA(cub::DeviceRunLengthEncode::Encode(nullptr, rle_bytes, keys_sorted.get(), group_key.get(),
+                                               group_count.get(), num_groups.get(), total, s));
+    EC_CUDA(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, group_count.get(), group_start.get(), total, s));
+    Scratch<char> temp(std::max(sort_bytes, std::max(rle_bytes, scan_bytes)), s);
+    EC_CUDA(cub::DeviceRadixSort::SortPairs(temp.get(), sort_bytes, keys.get(), keys_sorted.get(), order.get(),
+                                            order_sorted.get(), total, 0, bits, s));
+    EC_CUDA(cub::DeviceRunLengthEncode::Encode(temp.get(), rle_bytes, keys_sorted.get(), group_key.get(),
+                                               group_count.get(), num_groups.get(), total, s));
+    // Counts past the last run are never read: each group reads its own start and count.
+    EC_CUDA(cub::DeviceScan::ExclusiveSum(temp.get(), scan_bytes, group_count.get(), group_start.get(), total, s));
+  }
+  const Groups groups{group_key.get(), group_start.get(), group_count.get(), num_groups.get(), total};
+
+  const OptimizerSpec& o = spec.optimizer;
+  ops::StepConstants kc;
+  kc.lr = learning_rate;
+  kc.weight_decay = o.multiply_weight_decay_factor_by_learning_rate ? o.weight_decay_factor * learning_rate
+                                                                   : o.weight_decay_factor;
+  kc.clip_gradient = o.has_clipvalue;
+  kc.clip_gradient_min = o.clip_gradient_min;
+  kc.clip_gradient_max = o.clip_gradient_max;
+  kc.clip_weight_min = o.has_clip_weight_min;
+  kc.weight_min = o.clip_weight_min;
+  kc.clip_weight_max = o.has_clip_weight_max;
+  kc.weight_max = o.clip_weight_max;
+  const int64_t* ord = order_sorted.get();
+  switch (o.kind) {
+    case OptimizerSpec::Kind::kSGD:
+      UpdateAnyType(ops::SgdRule{learning_rate}, kc, spec, values, slots, groups, ord, coefficient.get(),
+                    grad_row.get(), false, s);
+      break;
+    case OptimizerSpec::Kind::kAdagrad:
+      UpdateAnyType(ops::AdagradRule{learning_rate, o.adagrad_epsilon}, kc, spec, values, slots, groups, ord,
+                    coefficient.get(), grad_row.get(), false, s);
+      break;
+    case OptimizerSpec::Kind::kAdam: {
+      float lr_t = learning_rate;
+      if (o.bias_correction) {
+        const double t = double(step + 1);
+        lr_t = float(double(learning_rate) * std::sqrt(1.0 - std::pow(double(o.beta_2), t)) /
+                     (1.0 - std::pow(double(o.beta_1), t)));
+      }
+      UpdateAnyType(ops::AdamRule{lr_t, o.beta_1, o.beta_2, o.epsilon, o.sum_inside_sqrt}, kc, spec, values, slots,
+                    groups, ord, coefficient.get(), grad_row.get(), !o.lazy_adam, s);
+      break;
+    }
+    case OptimizerSpec::Kind::kFTRL:
+      UpdateAnyType(ops::FtrlRule{learning_rate, o.learning_rate_power, o.l1, o.l2, o.beta,
+                                  o.multiply_linear_by_learning_rate},
+                    kc, spec, values, slots, groups, ord, coefficient.get(), grad_row.get(), false, s);
+      break;
+  }
+  EC_CUDA(cudaStreamSynchronize(s));
+}
+
+}  // namespace embedcore::cuda_impl
