@@ -28,7 +28,9 @@ using FloatOut = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
 using NumpyFloat = nb::ndarray<nb::numpy, float>;
 using NumpyView = nb::ndarray<nb::numpy, nb::ro>;
 
-inline Batch MakeBatch(const IdArray& ids, const OffsetArray& offsets, const std::optional<WeightArray>& weights) {
+/// A Batch over the arrays' memory (host or device alike: no element is read).
+template <typename Ids, typename Offsets, typename Weights>
+Batch MakeBatch(const Ids& ids, const Offsets& offsets, const std::optional<Weights>& weights) {
   Batch b;
   if (ids.dtype() == nb::dtype<int32_t>()) {
     b.id_type = IdType::kInt32;
@@ -50,6 +52,13 @@ inline Batch MakeBatch(const IdArray& ids, const OffsetArray& offsets, const std
   }
   return b;
 }
+
+// CUDA arrays (DLPack from PyTorch, CuPy, ...), for device tables.
+using CudaIdArray = nb::ndarray<nb::ro, nb::ndim<1>, nb::c_contig, nb::device::cuda>;
+using CudaOffsetArray = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cuda>;
+using CudaWeightArray = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cuda>;
+using CudaFloatIn = nb::ndarray<const float, nb::c_contig, nb::device::cuda>;
+using CudaFloatOut = nb::ndarray<float, nb::c_contig, nb::device::cuda>;
 
 inline Combiner ToCombiner(int c) {
   if (c < 0 || c > 3) throw InvalidArgument("combiner code must be 0..3, got " + std::to_string(c));

@@ -25,8 +25,11 @@ using namespace nb::literals;
 namespace embedcore::bindings {
 namespace {
 
+void RequireHost(const Table& t, const char* what);
+
 NumpyFloat Lookup(const Table& t, const IdArray& ids, const OffsetArray& offsets,
                   const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length) {
+  RequireHost(t, "a lookup of NumPy arrays");
   return LookupNew(t.dim(), ids, offsets, weights, combiner, max_sequence_length,
                    [&](const Batch& b, const OutputShape& s, float* out) { t.Lookup(b, s, out); });
 }
@@ -34,6 +37,7 @@ NumpyFloat Lookup(const Table& t, const IdArray& ids, const OffsetArray& offsets
 void LookupInto(const Table& t, const IdArray& ids, const OffsetArray& offsets,
                 const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length,
                 const FloatOut& out) {
+  RequireHost(t, "a lookup of NumPy arrays");
   LookupOut(t.dim(), ids, offsets, weights, combiner, max_sequence_length, out,
             [&](const Batch& b, const OutputShape& s, float* o) { t.Lookup(b, s, o); });
 }
@@ -41,6 +45,7 @@ void LookupInto(const Table& t, const IdArray& ids, const OffsetArray& offsets,
 using PartTuple = std::tuple<IdArray, OffsetArray, std::optional<WeightArray>, int, int64_t, FloatIn>;
 
 void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learning_rate) {
+  RequireHost(t, "apply_gradients of NumPy arrays");
   std::vector<GradientPart> native;
   native.reserve(parts.size());
   for (size_t i = 0; i < parts.size(); ++i) {
@@ -60,7 +65,79 @@ void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learnin
   t.ApplyGradients(native, learning_rate);
 }
 
+// ---- device tables: CUDA arrays in and out, on the caller's stream.
+void CheckOnDevice(const Table& t, int32_t device_id, const char* what) {
+  if (t.device() < 0)
+    throw TypeMismatch("table '" + t.spec().name + "' is in host memory; " + what + " is a CUDA array");
+  if (device_id != t.device())
+    throw TypeMismatch("table '" + t.spec().name + "' is on cuda:" + std::to_string(t.device()) + "; " + what +
+                       " is on cuda:" + std::to_string(device_id));
+}
+
+void LookupCuda(const Table& t, const CudaIdArray& ids, const CudaOffsetArray& offsets,
+                const std::optional<CudaWeightArray>& weights, int combiner, int64_t max_sequence_length,
+                const CudaFloatOut& out, uintptr_t stream) {
+  CheckOnDevice(t, ids.device_id(), "ids");
+  CheckOnDevice(t, offsets.device_id(), "offsets");
+  if (weights) CheckOnDevice(t, weights->device_id(), "weights");
+  CheckOnDevice(t, out.device_id(), "out");
+  const Batch batch = MakeBatch(ids, offsets, weights);
+  const OutputShape shape{ToCombiner(combiner), max_sequence_length};
+  const size_t want = size_t(shape.OutputRows(batch)) * size_t(t.dim());
+  if (out.size() != want) throw InvalidArgument("out must hold " + std::to_string(want) + " float32 values");
+  nb::gil_scoped_release release;
+  t.Lookup(batch, shape, out.data(), stream);
+}
+
+using CudaPartTuple =
+    std::tuple<CudaIdArray, CudaOffsetArray, std::optional<CudaWeightArray>, int, int64_t, CudaFloatIn>;
+
+void ApplyGradientsCuda(Table& t, const std::vector<CudaPartTuple>& parts, float learning_rate, uintptr_t stream) {
+  std::vector<GradientPart> native;
+  for (const auto& [ids, offsets, weights, combiner, max_len, grads] : parts) {
+    CheckOnDevice(t, ids.device_id(), "ids");
+    CheckOnDevice(t, grads.device_id(), "grads");
+    GradientPart p;
+    p.batch = MakeBatch(ids, offsets, weights);
+    p.shape = OutputShape{ToCombiner(combiner), max_len};
+    const size_t want = size_t(p.shape.OutputRows(p.batch)) * size_t(t.dim());
+    if (grads.size() != want)
+      throw InvalidArgument("grads must hold " + std::to_string(want) + " float32 values, got " +
+                            std::to_string(grads.size()));
+    p.grads = grads.data();
+    native.push_back(p);
+  }
+  nb::gil_scoped_release release;
+  t.ApplyGradients(native, learning_rate, stream);
+}
+
+// A device table's values / slots as DLPack tensors (zero-copy; framework-neutral).
+using DeviceView = nb::ndarray<>;
+DeviceView DeviceValues(Table& t) {
+  if (t.device() < 0) throw TypeMismatch("table '" + t.spec().name + "' is in host memory");
+  const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
+  return DeviceView(t.values(), 2, shape, nb::find(&t), nullptr, StorageDLType(t.spec().dtype),
+                    nb::device::cuda::value, t.device());
+}
+std::vector<std::pair<std::string, DeviceView>> DeviceSlots(Table& t) {
+  if (t.device() < 0) throw TypeMismatch("table '" + t.spec().name + "' is in host memory");
+  std::vector<std::pair<std::string, DeviceView>> out;
+  const auto names = t.spec().optimizer.SlotNames();
+  const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
+  for (size_t i = 0; i < names.size(); ++i)
+    out.emplace_back(names[i], DeviceView(t.slot(i), 2, shape, nb::find(&t), nullptr, nb::dtype<float>(),
+                                          nb::device::cuda::value, t.device()));
+  return out;
+}
+
+void RequireHost(const Table& t, const char* what) {
+  if (t.device() >= 0)
+    throw TypeMismatch("table '" + t.spec().name + "' is on cuda:" + std::to_string(t.device()) + ": " + what +
+                       " takes CUDA arrays (see lookup_cuda)");
+}
+
 NumpyView ValuesView(Table& t) {
+  RequireHost(t, "a host view");
   const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
   return NumpyView(t.values(), 2, shape, nb::find(&t), nullptr, StorageDLType(t.spec().dtype));
 }
@@ -69,10 +146,12 @@ NumpyView ValuesView(Table& t) {
 // optimizer of their own (PyTorch's sparse optimizers update it in place).
 using NumpyMut = nb::ndarray<nb::numpy>;
 NumpyMut ValuesMut(Table& t) {
+  RequireHost(t, "a host view");
   const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
   return NumpyMut(t.values(), 2, shape, nb::find(&t), nullptr, StorageDLType(t.spec().dtype));
 }
 std::vector<std::pair<std::string, NumpyMut>> SlotsMut(Table& t) {
+  RequireHost(t, "a host view");
   std::vector<std::pair<std::string, NumpyMut>> out;
   const auto names = t.spec().optimizer.SlotNames();
   const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
@@ -82,6 +161,7 @@ std::vector<std::pair<std::string, NumpyMut>> SlotsMut(Table& t) {
 }
 
 std::vector<std::pair<std::string, NumpyView>> SlotViews(Table& t) {
+  RequireHost(t, "a host view");
   std::vector<std::pair<std::string, NumpyView>> out;
   const auto names = t.spec().optimizer.SlotNames();
   const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
@@ -172,16 +252,17 @@ void BindTable(nb::module_& m) {
           "__init__",
           [](Table* self, const std::string& name, int64_t rows, int64_t dim, const std::string& dtype,
              const InitializerSpec& initializer, const OptimizerSpec& optimizer, int64_t shard_row_start,
-             int64_t shard_col_start, int64_t full_dim) {
+             int64_t shard_col_start, int64_t full_dim, int device) {
             TableSpec spec{name, rows, dim, ParseDType(dtype), initializer, optimizer};
             spec.shard_row_start = shard_row_start;
             spec.shard_col_start = shard_col_start;
             spec.full_dim = full_dim;
+            spec.device = device;
             nb::gil_scoped_release release;
             new (self) Table(std::move(spec));
           },
           "name"_a, "rows"_a, "dim"_a, "dtype"_a, "initializer"_a, "optimizer"_a, "shard_row_start"_a = 0,
-          "shard_col_start"_a = 0, "full_dim"_a = 0,
+          "shard_col_start"_a = 0, "full_dim"_a = 0, "device"_a = -1,
           "A table, or the shard of a larger table at (shard_row_start, shard_col_start) of one full_dim wide.")
       .def_prop_ro("name", [](const Table& t) { return t.spec().name; })
       .def_prop_ro("rows", &Table::rows)
@@ -189,6 +270,13 @@ void BindTable(nb::module_& m) {
       .def_prop_ro("dtype", [](const Table& t) { return std::string(DTypeName(t.spec().dtype)); })
       .def_prop_ro("slot_names", [](const Table& t) { return t.spec().optimizer.SlotNames(); })
       .def_prop_rw("step", &Table::step, &Table::set_step)
+      .def_prop_ro("device", &Table::device)
+      .def("lookup_cuda", &LookupCuda, "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(),
+           "combiner"_a, "max_sequence_length"_a, "out"_a.noconvert(), "stream"_a,
+           "Looks up CUDA arrays into `out` on `stream` (a device table).")
+      .def("apply_gradients_cuda", &ApplyGradientsCuda, "parts"_a, "learning_rate"_a, "stream"_a)
+      .def("device_values", &DeviceValues, "The device table's values as a DLPack tensor (no copy).")
+      .def("device_slots", &DeviceSlots, "The device table's slots as DLPack tensors, by name.")
       .def("lookup", &Lookup, "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(),
            "combiner"_a, "max_sequence_length"_a,
            "Looks up a CSR batch; returns float32 [bags, dim], [nnz, dim] or [bags, L, dim].")

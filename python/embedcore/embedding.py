@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from . import _nest
+from . import _device, _nest
 from . import optimizers as _opt
 from ._inputs import Batch, Ragged, Sparse, make_batch
 from .config import FeatureConfig, TableConfig
@@ -32,6 +32,8 @@ class FeatureLookup:
         flat_inputs = _nest.flatten_up_to(self._feature_config, features, "features")
         flat_weights = ([None] * len(flat_inputs) if weights is None
                         else _nest.flatten_up_to(self._feature_config, weights, "weights"))
+        if getattr(self, "_device", -1) >= 0:
+            return self._cuda_lookup(flat_inputs, flat_weights)
         batches: List[Batch] = []
         for name, x, w in zip(self._feature_names, flat_inputs, flat_weights):
             batches.append(make_batch(x, None, w, where=f"features[{name!r}]"))
@@ -64,18 +66,23 @@ class Embedding(FeatureLookup):
     of them by table name) make a sharded embedding: every rank builds it with
     the same arguments, holds its shards of the tables, and calls it with its
     own part of the batch (see ``embedcore.distributed``).
+
+    ``device="cuda:N"`` (the CUDA build) keeps every table in GPU memory; its
+    inputs, outputs and gradients are then CUDA tensors (PyTorch or CuPy).
     """
 
-    def __new__(cls, feature_config=None, optimizer=None, *, world=None, sharding="auto"):
+    def __new__(cls, feature_config=None, optimizer=None, *, world=None, sharding="auto", device=None):
         if cls is Embedding and world is not None:
             from .distributed._embedding import ShardedEmbedding
 
             return super().__new__(ShardedEmbedding)
         return super().__new__(cls)
 
-    def __init__(self, feature_config, optimizer: Optional[_opt.Optimizer] = None, *, world=None, sharding="auto"):
+    def __init__(self, feature_config, optimizer: Optional[_opt.Optimizer] = None, *, world=None, sharding="auto",
+                 device=None):
         if world is not None:
             raise TypeError("Embedding: world= makes a sharded embedding (embedcore.distributed)")
+        self._device = _device.parse_device(device, "Embedding")
         if optimizer is not None and not isinstance(optimizer, _opt.Optimizer):
             raise TypeError(f"Embedding: optimizer must be an embedcore.optimizers.Optimizer, got {optimizer!r}")
         flat = _nest.flatten_with_paths(feature_config)
@@ -108,7 +115,22 @@ class Embedding(FeatureLookup):
         self._last = None  # (batches) of the last lookup, for apply_gradients
 
     def _build_tables(self) -> None:
-        self._tables: Dict[TableConfig, Table] = {cfg: Table(eff) for cfg, eff in self._effective.items()}
+        device = None if getattr(self, "_device", -1) < 0 else f"cuda:{self._device}"
+        self._tables: Dict[TableConfig, Table] = {cfg: Table(eff, device=device)
+                                                  for cfg, eff in self._effective.items()}
+
+    def _cuda_lookup(self, flat_inputs, flat_weights):
+        """Every feature's lookup on the GPU (CUDA tensors in and out)."""
+        outputs, parts = [], []
+        for name, f, x, w in zip(self._feature_names, self._features, flat_inputs, flat_weights):
+            table = self._tables[f.table]
+            ids, offsets, weights, ref = _device.cuda_batch(table._device, x, None, w, where=f"features[{name!r}]")
+            combiner = self._combiner(f)
+            length = 0 if combiner is not None else f.max_sequence_length
+            outputs.append(table._cuda_lookup(ids, offsets, weights, combiner, length))
+            parts.append((ids, offsets, weights, combiner, length))
+        self._last = parts
+        return _nest.pack_as(self._feature_config, outputs)
 
     @property
     def embedding_tables(self) -> Dict[TableConfig, Table]:
@@ -131,6 +153,18 @@ class Embedding(FeatureLookup):
         if self._last is None:
             raise ValueError("Embedding.apply_gradients: call the embedding on a batch first")
         flat_grads = _nest.flatten_up_to(self._feature_config, grads, "grads")
+        if self._device >= 0:
+            cuda_parts: Dict[TableConfig, list] = {}
+            for name, f, (ids, offsets, weights, combiner, length), g in zip(
+                    self._feature_names, self._features, self._last, flat_grads):
+                table = self._table(f)
+                if table.optimizer is None:
+                    raise ValueError(f"Embedding.apply_gradients: table '{table.name}' has no optimizer")
+                cuda_parts.setdefault(f.table, []).append(table._cuda_part(ids, offsets, weights, combiner, length, g))
+            rates = {cfg: self._tables[cfg].learning_rate() for cfg in cuda_parts}
+            for cfg, table_parts in cuda_parts.items():
+                self._tables[cfg]._cuda_apply(table_parts, rates[cfg])
+            return
         parts: Dict[TableConfig, list] = {}
         for name, f, b, g in zip(self._feature_names, self._features, self._last, flat_grads):
             table = self._table(f)

@@ -5,7 +5,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from . import _embedcore
+from . import _device, _embedcore
 from . import optimizers as _opt
 from ._inputs import Batch, as_float32, make_batch
 from .config import COMBINERS, TableConfig
@@ -77,6 +77,8 @@ class LookupMixin:
 
         Returns float32 ``[batch, dim]`` (pooled) or the sequence shapes above.
         """
+        if getattr(self, "_device", -1) >= 0:
+            return self._cuda_lookup(ids, offsets, weights, self._combiner(combiner), max_sequence_length, out)
         batch = make_batch(ids, offsets, weights)
         combiner = self._combiner(combiner)
         return self._lookup_batch(batch, combiner, max_sequence_length, out)
@@ -121,7 +123,8 @@ class Table(LookupMixin):
     holds off new ones, so no lookup sees a half-updated row.
     """
 
-    def __init__(self, config: Optional[TableConfig] = None, *, _placement: tuple = (), **kwargs):
+    def __init__(self, config: Optional[TableConfig] = None, *, device=None, _placement: tuple = (0, 0, 0),
+                 **kwargs):
         if config is None:
             config = TableConfig(**kwargs)
         elif kwargs:
@@ -133,16 +136,18 @@ class Table(LookupMixin):
         optimizer = config.optimizer
         native_opt = optimizer._native() if optimizer is not None else _opt.SGD()._native()
         self._optimizer = optimizer
+        self._device = _device.parse_device(device, f"table '{self._name}'")
         self._native = _embedcore.Table(self._name, config.rows, config.dim, config.dtype,
-                                        config.initializer._native(), native_opt, *_placement)
+                                        config.initializer._native(), native_opt, *_placement, self._device)
 
     @classmethod
-    def _shard(cls, config: TableConfig, rows: int, cols: int, row_start: int, col_start: int) -> "Table":
+    def _shard(cls, config: TableConfig, rows: int, cols: int, row_start: int, col_start: int,
+               device=None) -> "Table":
         """The block [row_start, +rows) x [col_start, +cols) of the table
         `config` describes, initialised with that table's values there."""
         shard = TableConfig(config.name, rows, cols, config.dtype, config.initializer, config.optimizer,
                             config.combiner)
-        return cls(shard, _placement=(row_start, col_start, config.dim))
+        return cls(shard, device=device, _placement=(row_start, col_start, config.dim))
 
     # ------------------------------------------------------------ properties
     @property
@@ -184,8 +189,14 @@ class Table(LookupMixin):
             raise ValueError(f"table '{self._name}': step must be a non-negative int, got {value!r}")
         self._native.step = int(value)
 
+    @property
+    def device(self) -> str:
+        """"cpu", or "cuda:N" for a table in GPU memory."""
+        return "cpu" if self._device < 0 else f"cuda:{self._device}"
+
     def __repr__(self) -> str:
-        return f"Table(name={self._name!r}, rows={self.rows}, dim={self.dim}, dtype={self.dtype!r})"
+        where = "" if self._device < 0 else f", device={self.device!r}"
+        return f"Table(name={self._name!r}, rows={self.rows}, dim={self.dim}, dtype={self.dtype!r}{where})"
 
     # ------------------------------------------------------------ lookup
     @property
@@ -236,9 +247,54 @@ class Table(LookupMixin):
         """
         if grads is None:
             raise TypeError("apply_gradients() missing the gradients: apply_gradients(ids, offsets, grads)")
+        if self._device >= 0:
+            return self._cuda_apply([self._cuda_part(ids, offsets, weights, self._combiner(combiner),
+                                                     max_sequence_length, grads)])
         batch = make_batch(ids, offsets, weights)
         part = self._gradient_part(batch, self._combiner(combiner), max_sequence_length, grads)
         self._apply_parts([part])
+
+    # ------------------------------------------------------------ device tables
+    def _cuda_shape(self, ids, offsets, combiner, max_sequence_length) -> tuple:
+        num_bags, nnz = int(offsets.shape[0]) - 1, int(ids.shape[0])
+        if combiner is not None:
+            return (num_bags, self.dim)
+        if max_sequence_length:
+            return (num_bags, int(max_sequence_length), self.dim)
+        return (nnz, self.dim)
+
+    def _cuda_lookup(self, ids, offsets, weights, combiner, max_sequence_length, out=None):
+        """A lookup of CUDA tensors (PyTorch or CuPy) on the caller's current stream."""
+        if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, (int, np.integer)) \
+                or max_sequence_length < 0:
+            raise ValueError(f"max_sequence_length must be an int >= 0, got {max_sequence_length!r}")
+        ids, offsets, weights, ref = _device.cuda_batch(self._device, ids, offsets, weights,
+                                                        where=f"table '{self._name}'")
+        shape = self._cuda_shape(ids, offsets, combiner, max_sequence_length)
+        if out is None:
+            out = _device.empty(ref, shape, self._device)
+        elif tuple(out.shape) != shape:
+            raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+        self._native.lookup_cuda(ids, offsets, weights, _COMBINER_CODE[combiner], int(max_sequence_length), out,
+                                 _device.current_stream(ref))
+        return out
+
+    def _cuda_part(self, ids, offsets, weights, combiner, max_sequence_length, grads) -> tuple:
+        ids, offsets, weights, ref = _device.cuda_batch(self._device, ids, offsets, weights,
+                                                        where=f"table '{self._name}'")
+        shape = self._cuda_shape(ids, offsets, combiner, max_sequence_length)
+        if not _device.is_cuda_array(grads):
+            raise TypeError(f"table '{self._name}' is on {self.device}: grads must be a CUDA tensor")
+        if tuple(grads.shape) != shape:
+            raise ValueError(f"table '{self._name}': grads must have shape {shape} (the lookup's output), "
+                             f"got {tuple(grads.shape)}")
+        g = _device._as(grads, "float32", "grads").reshape(shape)
+        return (ids, offsets, weights, _COMBINER_CODE[combiner], int(max_sequence_length), g, ref)
+
+    def _cuda_apply(self, parts, learning_rate: Optional[float] = None) -> None:
+        lr = self.learning_rate() if learning_rate is None else learning_rate
+        stream = _device.current_stream(parts[0][-1]) if parts else 0
+        self._native.apply_gradients_cuda([p[:-1] for p in parts], lr, stream)
 
     def _apply_parts(self, parts, learning_rate: Optional[float] = None) -> None:
         lr = self.learning_rate() if learning_rate is None else learning_rate
@@ -249,6 +305,8 @@ class Table(LookupMixin):
         """Read-only zero-copy view ``[rows, dim]`` of the stored values
         (bfloat16 as ``ml_dtypes.bfloat16`` when installed, else raw uint16
         bits). It reflects later updates; copy it for a snapshot."""
+        if self._device >= 0:  # a DLPack tensor in GPU memory: torch.from_dlpack / cupy.from_dlpack
+            return self._native.device_values()
         v = self._native.values()
         if self.dtype == "bfloat16":
             bf16 = _bfloat16_dtype()
@@ -262,7 +320,10 @@ class Table(LookupMixin):
         return self._native.read_values(int(start_row), int(n))
 
     def slots(self) -> Dict[str, np.ndarray]:
-        """Read-only zero-copy float32 views of the slot variables, by name."""
+        """Read-only zero-copy float32 views of the slot variables, by name
+        (DLPack tensors in GPU memory for a device table)."""
+        if self._device >= 0:
+            return dict(self._native.device_slots())
         return dict(self._native.slots())
 
     @property

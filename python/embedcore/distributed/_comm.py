@@ -65,6 +65,7 @@ def agree(comm: Comm, error: Optional[BaseException], payload: Any = None) -> li
     failed = [(r, m) for r, (m, _) in enumerate(results) if m is not None]
     if failed:
         if error is not None:
+            error._embedcore_agreed = True  # every rank knows: no need to abort the others
             raise error
         r, m = failed[0]
         raise RankFailedError(f"rank {r} of {comm.size} failed: {m}")
@@ -150,10 +151,11 @@ def run_local(size: int, fn: Callable[[Comm], Any]) -> list:
             results[rank] = fn(LocalComm(board, rank))
         except BaseException as e:  # noqa: BLE001 - reported to the caller below
             errors[rank] = e
-            if not isinstance(e, RankFailedError):
+            # An error every rank already agreed on (see agree) ends every rank
+            # at the same point; any other one may leave ranks waiting in a
+            # collective, so the world is aborted.
+            if not isinstance(e, RankFailedError) and not getattr(e, "_embedcore_agreed", False):
                 board.fail(rank, e)
-            else:
-                board.barrier.abort()
 
     threads = [threading.Thread(target=run, args=(r,), name=f"embedcore-rank-{r}", daemon=True) for r in range(size)]
     for t in threads:

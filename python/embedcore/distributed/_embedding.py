@@ -104,7 +104,14 @@ class ShardedEmbedding(Embedding):
             specs.append((eff.name, eff.rows, eff.dim, eff.dtype, slots))
         sharding = self._sharding
         if isinstance(sharding, dict):  # TableConfig keys become names
-            sharding = {(self._effective[k].name if isinstance(k, TableConfig) else k): v for k, v in sharding.items()}
+            named = {}
+            for k, v in sharding.items():
+                if isinstance(k, TableConfig):
+                    if k not in self._effective:
+                        raise ValueError(f"sharding names a TableConfig that no feature uses: {k!r}")
+                    k = self._effective[k].name
+                named[k] = v
+            sharding = named
         self._plan: ShardingPlan = make_plan(specs, self._world.size, sharding)
         # This rank's shards: (table index, shard index) -> Table.
         self._local: Dict[Tuple[int, int], Table] = {}
