@@ -1,0 +1,1096 @@
+"""embedcore.distributed with the local backend (ranks as threads).
+
+The spec: for world sizes 1..4, every plan, combiner, weighted and
+unweighted, pooled and sequence features, a sharded Embedding's outputs equal
+those of an unsharded Embedding run on the concatenation of every rank's bags
+(table- and column-wise bit-exact, row-wise within rtol 1e-6); ten training
+steps with each optimizer equal the unsharded run (within 1e-5, bit-exact for
+table- and column-wise); any table and dim sizes; a rank that fails makes
+every rank raise instead of hanging.
+
+Every world runs under a watchdog (``_run``): a hang fails the test instead of
+blocking the suite.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import embedcore as ec
+import embedcore.distributed as ed
+import reference as ref
+from embedcore.distributed._comm import LocalComm
+
+opt = ec.optimizers
+init = ec.initializers
+
+WORLDS = (1, 2, 3, 4)
+KINDS = ("table_wise", "row_wise", "column_wise")
+COMBINERS = ("sum", "mean", "sqrtn")
+HANG_TIMEOUT = 30.0
+
+# Bags per rank: different sizes, and a rank without any bag once there are two.
+BATCH_SIZES = {1: [5], 2: [4, 0], 3: [3, 0, 5], 4: [2, 5, 0, 3]}
+
+
+# ---------------------------------------------------------------------- harness
+def _run(world_size, fn, timeout=HANG_TIMEOUT):
+    """run_local(world_size, fn) on a watchdog thread: fails the test if the
+    world has not finished after `timeout` seconds (a hang)."""
+    box = {}
+
+    def target():
+        try:
+            box["result"] = ed.run_local(world_size, fn)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, on the test's thread
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="test-run-local", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        pytest.fail(f"run_local({world_size}, ...) did not finish within {timeout}s: the ranks hang")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _catching(fn):
+    """fn(world) that returns its exception instead of raising it (so that the
+    test sees what every rank raised)."""
+
+    def wrapped(world):
+        try:
+            return fn(world)
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    return wrapped
+
+
+class Feature:
+    """One feature's bags on every rank, in one input form.
+
+    form: "ragged" (CSR), "dense" ([batch, width]) or "sparse" (COO with
+    positions < width, entries shuffled). `per_rank[r]` = (ids, offsets,
+    weights, positions) in CSR order; `inputs(r)` / `global_inputs()` build the
+    input of rank r / of the concatenation of all ranks (rank 0's bags first).
+    """
+
+    def __init__(self, rng, rows, form, sizes, weighted, id_dtypes, max_len=5, width=3):
+        self.form, self.weighted, self.width = form, weighted, width
+        self.sizes = list(sizes)
+        self.per_rank = []
+        for r, n in enumerate(sizes):
+            if form == "dense":
+                lengths = np.full(n, width, np.int64)
+            else:
+                lengths = rng.integers(0, (width if form == "sparse" else max_len) + 1, size=n)
+                lengths[::3] = 0  # empty bags
+                if n > 1:
+                    lengths[1] = max(int(lengths[1]), 1)
+            offsets = np.zeros(n + 1, np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            nnz = int(offsets[-1])
+            ids = rng.integers(0, rows, size=nnz).astype(id_dtypes[r % len(id_dtypes)])
+            w = rng.uniform(0.25, 1.5, size=nnz).astype(np.float32) if weighted else None
+            positions = None
+            if form == "sparse":  # distinct, sorted positions in [0, width) per bag
+                positions = np.concatenate(
+                    [np.sort(rng.choice(width, size=int(k), replace=False)) for k in lengths] or
+                    [np.zeros(0, np.int64)]).astype(np.int64)
+            self.per_rank.append((ids, offsets, w, positions))
+
+    def _build(self, ids, offsets, w, positions, n, rng_order):
+        if self.form == "ragged":
+            x = ec.Ragged(ids, offsets)
+            return x, (None if w is None else ec.Ragged(w, offsets))
+        if self.form == "dense":
+            x = ids.reshape(n, self.width)
+            return x, (None if w is None else w.reshape(n, self.width))
+        bag = ref.bag_index(offsets)
+        indices = np.stack([bag, positions], axis=1).astype(np.int64).reshape(-1, 2)
+        order = rng_order(len(ids))  # COO entries in any order
+        indices, vals = indices[order], ids[order]
+        wv = None if w is None else w[order]
+        x = ec.Sparse(indices, vals, np.array([n, self.width], np.int64))
+        return x, (None if wv is None else ec.Sparse(indices, wv, np.array([n, self.width], np.int64)))
+
+    def inputs(self, r):
+        ids, offsets, w, positions = self.per_rank[r]
+        return self._build(ids, offsets, w, positions, self.sizes[r], lambda k: np.arange(k)[::-1])
+
+    def global_csr(self):
+        ids = np.concatenate([p[0].astype(np.int64) for p in self.per_rank])
+        offsets = [np.zeros(1, np.int64)]
+        base = 0
+        for p in self.per_rank:
+            offsets.append(p[1][1:] + base)
+            base += int(p[1][-1])
+        offsets = np.concatenate(offsets)
+        w = np.concatenate([p[2] for p in self.per_rank]) if self.weighted else None
+        positions = np.concatenate([p[3] for p in self.per_rank]) if self.form == "sparse" else None
+        return ids, offsets, w, positions
+
+    def global_inputs(self):
+        ids, offsets, w, positions = self.global_csr()
+        return self._build(ids, offsets, w, positions, sum(self.sizes), lambda k: np.arange(k))
+
+    def row_range(self, r):
+        start = sum(self.sizes[:r])
+        return slice(start, start + self.sizes[r])
+
+
+def _rank_inputs(feats, r):
+    xs, ws = {}, {}
+    for name, f in feats.items():
+        xs[name], ws[name] = f.inputs(r)
+    return xs, ws
+
+
+def _global_inputs(feats):
+    xs, ws = {}, {}
+    for name, f in feats.items():
+        xs[name], ws[name] = f.global_inputs()
+    return xs, ws
+
+
+def _is_pooled(fc):
+    return fc.max_sequence_length == 0
+
+
+def _exact(plan, fc):
+    """Whether the sharded output of feature config `fc` must be bit-exact:
+    always but for pooled features of row-wise tables (partial sums)."""
+    return not (_is_pooled(fc) and plan[fc.table.name].kind == "row_wise")
+
+
+def _compare(actual, expected, exact, what, rtol=1e-6, atol=1e-6):
+    assert actual.dtype == np.float32, what
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    if exact:
+        if not np.array_equal(actual, expected):
+            diff = np.argwhere(actual != expected)[0]
+            raise AssertionError(f"{what}: not bit-exact; first difference at {tuple(diff)}: "
+                                 f"{actual[tuple(diff)]!r} != {expected[tuple(diff)]!r}")
+    else:
+        np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)
+
+
+def _shard_state(emb):
+    """This rank's shards: name -> [(Shard, values, slots, step)], copied."""
+    return {name: [(s, t.to_numpy(), {k: np.array(v, copy=True) for k, v in t.slots().items()}, t.step)
+                   for s, t in shards]
+            for name, shards in emb.local_shards.items()}
+
+
+def _check_shards(states, plan, tables, exact_kinds=("table_wise", "column_wise"), tol=1e-5, what=""):
+    """Every rank's shards against the blocks of the unsharded tables (by
+    name), and the plan's shards covered exactly once by the ranks' shards."""
+    seen = {name: [] for name in plan.tables}
+    for r, state in enumerate(states):
+        for name, shards in state.items():
+            full = tables[name]
+            values = full.to_numpy()
+            slots = {k: np.asarray(v) for k, v in full.slots().items()}
+            exact = plan[name].kind in exact_kinds
+            for s, v, sl, step in shards:
+                assert s.rank == r, f"{what} rank {r} holds a shard placed on rank {s.rank}"
+                seen[name].append(s)
+                block = (slice(s.row_start, s.row_start + s.rows), slice(s.col_start, s.col_start + s.cols))
+                assert v.shape == (s.rows, s.cols)
+                where = f"{what} table {name} shard {s}"
+                _compare(v, values[block], exact, f"{where} values", rtol=tol, atol=tol)
+                assert sorted(sl) == sorted(slots), where
+                for k in slots:
+                    _compare(np.asarray(sl[k], np.float32), slots[k][block], exact, f"{where} slot {k}",
+                             rtol=tol, atol=tol)
+                assert step == full.step, f"{where}: step {step}, unsharded {full.step}"
+    for name, ts in plan.tables.items():
+        assert sorted(seen[name]) == sorted(ts.shards), f"{what} table {name}: ranks hold {seen[name]}"
+        cover = np.zeros((ts.rows, ts.dim), np.int64)
+        for s in ts.shards:
+            assert s.rows > 0 and s.cols > 0, f"table {name}: empty shard {s}"
+            cover[s.row_start:s.row_start + s.rows, s.col_start:s.col_start + s.cols] += 1
+        assert (cover == 1).all(), f"table {name}: the shards do not cover every element exactly once"
+
+
+# ---------------------------------------------------------------------- configs
+def _lookup_setup(rng, W, combiner, weighted, dtype="float32", id_dtypes=(np.int64,)):
+    """Tables with rows and dims not divisible by 2, 3 or 4, tables smaller
+    than the world, features sharing tables, pooled and sequence features in
+    every input form."""
+    def table(name, rows, dim, seed):
+        return ec.TableConfig(name, rows, dim, dtype=dtype, combiner=combiner,
+                              initializer=init.Uniform(-1.0, 1.0, seed=seed))
+
+    A, B, C, D = table("A", 37, 5, 1), table("B", 2, 3, 2), table("C", 1, 1, 3), table("D", 11, 7, 4)
+    config = {
+        "a_ragged": ec.FeatureConfig(A),
+        "a_dense": ec.FeatureConfig(A),
+        "b_sparse": ec.FeatureConfig(B),
+        "c_ragged": ec.FeatureConfig(C),
+        "d_ragged": ec.FeatureConfig(D),
+        "a_seq_ragged": ec.FeatureConfig(A, max_sequence_length=3),  # bags up to 5: truncated
+        "b_seq_dense": ec.FeatureConfig(B, max_sequence_length=4),  # width 2: padded
+        "d_seq_sparse": ec.FeatureConfig(D, max_sequence_length=2),  # positions up to 4: truncated
+        "c_seq_dense": ec.FeatureConfig(C, max_sequence_length=1),  # width 3: truncated
+    }
+    sizes = BATCH_SIZES[W]
+    feats = {
+        "a_ragged": Feature(rng, 37, "ragged", sizes, weighted, id_dtypes, max_len=5),
+        "a_dense": Feature(rng, 37, "dense", sizes, weighted, id_dtypes, width=3),
+        "b_sparse": Feature(rng, 2, "sparse", sizes, weighted, id_dtypes, width=4),
+        "c_ragged": Feature(rng, 1, "ragged", sizes, weighted, id_dtypes, max_len=3),
+        "d_ragged": Feature(rng, 11, "ragged", sizes, weighted, id_dtypes, max_len=6),
+        "a_seq_ragged": Feature(rng, 37, "ragged", sizes, weighted, id_dtypes, max_len=5),
+        "b_seq_dense": Feature(rng, 2, "dense", sizes, weighted, id_dtypes, width=2),
+        "d_seq_sparse": Feature(rng, 11, "sparse", sizes, weighted, id_dtypes, width=5),
+        "c_seq_dense": Feature(rng, 1, "dense", sizes, weighted, id_dtypes, width=3),
+    }
+    return config, feats
+
+
+PLANS = KINDS + ("auto", "mixed")
+
+
+def _resolve_sharding(plan, config):
+    if plan != "mixed":
+        return plan
+    tables = {fc.table.name: fc.table for fc in config.values()}
+    return {"A": "row_wise", tables["B"]: "column_wise", "D": "table_wise"}
+
+
+def _lookup_and_compare(W, plan, config, feats, optimizer=None):
+    sharding = _resolve_sharding(plan, config)
+
+    def fn(world):
+        emb = ec.Embedding(config, optimizer, world=world, sharding=sharding)
+        xs, ws = _rank_inputs(feats, world.rank)
+        out = emb(xs, ws)
+        return out, emb.plan, _shard_state(emb)
+
+    results = _run(W, fn)
+    unsharded = ec.Embedding(config, optimizer)
+    xs, ws = _global_inputs(feats)
+    expected = unsharded(xs, ws)
+    plan = results[0][1]
+    for r, (out, p, _) in enumerate(results):
+        assert p.describe() == plan.describe(), "every rank must build the same plan"
+        assert set(out) == set(config)
+        for name, fc in config.items():
+            _compare(out[name], expected[name][feats[name].row_range(r)], _exact(plan, fc), f"rank {r} {name}")
+    tables = {t.name: t for t in unsharded.embedding_tables.values()}
+    _check_shards([s for _, _, s in results], plan, tables, exact_kinds=KINDS, what="initial")
+    return expected, unsharded, plan
+
+
+# ---------------------------------------------------------------------- 1. lookups
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("combiner", COMBINERS)
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("W", WORLDS)
+def test_lookup_equals_unsharded(rng, W, plan, combiner, weighted):
+    config, feats = _lookup_setup(rng, W, combiner, weighted)
+    expected, unsharded, p = _lookup_and_compare(W, plan, config, feats)
+    if plan in KINDS:
+        assert all(t.kind == plan for t in p.tables.values())
+    if plan == "mixed":
+        assert (p["A"].kind, p["B"].kind, p["D"].kind) == ("row_wise", "column_wise", "table_wise")
+    # The unsharded reference itself against the NumPy reference (so that the
+    # comparison above cannot pass with both wrong the same way), and not trivial.
+    tables = {t.name: t.to_numpy() for t in unsharded.embedding_tables.values()}
+    ids, offsets, w, _ = feats["d_ragged"].global_csr()
+    e, _ = ref.pooled(tables["D"], ids, offsets, w, combiner)
+    assert np.abs(expected["d_ragged"] - e).max(initial=0) <= 1e-5
+    ids, offsets, w, _ = feats["a_seq_ragged"].global_csr()
+    np.testing.assert_allclose(expected["a_seq_ragged"], ref.sequence_padded(tables["A"], ids, offsets, w, 3),
+                               rtol=1e-6, atol=1e-7)
+    assert np.abs(expected["a_ragged"]).max() > 0.01
+
+
+@pytest.mark.parametrize("plan", KINDS)
+@pytest.mark.parametrize("ids", ["int32", "int64", "mixed"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("W", [2, 3])
+def test_lookup_low_precision_tables_and_id_dtypes(rng, W, dtype, ids, plan):
+    id_dtypes = {"int32": (np.int32,), "int64": (np.int64,), "mixed": (np.int32, np.int64)}[ids]
+    config, feats = _lookup_setup(rng, W, "mean", True, dtype=dtype, id_dtypes=id_dtypes)
+    _lookup_and_compare(W, plan, config, feats)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_lookup_int32_ids_on_every_rank(rng, plan):
+    config, feats = _lookup_setup(rng, 4, "sqrtn", False, id_dtypes=(np.int32,))
+    for f in feats.values():
+        assert all(p[0].dtype == np.int32 for p in f.per_rank)
+    _lookup_and_compare(4, plan, config, feats)
+
+
+@pytest.mark.parametrize("plan", KINDS)
+@pytest.mark.parametrize("W", [2, 4])
+def test_lookup_with_no_bags_anywhere(rng, W, plan):
+    """Every rank with a batch of zero bags: empty outputs of the right shapes."""
+    config, feats = _lookup_setup(rng, W, "mean", True)
+    feats = {name: Feature(rng, 1, f.form, [0] * W, True, (np.int64,), width=f.width) for name, f in feats.items()}
+    expected, _, _ = _lookup_and_compare(W, plan, config, feats)
+    assert expected["a_ragged"].shape == (0, 5) and expected["a_seq_ragged"].shape == (0, 3, 5)
+
+
+@pytest.mark.parametrize("plan", KINDS)
+@pytest.mark.parametrize("W", [2, 3])
+def test_lookup_only_empty_bags(rng, W, plan):
+    """Bags that are all empty: zeros, for every combiner (no division by zero)."""
+    for combiner in COMBINERS:
+        t = ec.TableConfig("t", 5, 3, combiner=combiner, initializer=init.Uniform(-1, 1, seed=5))
+        config = {"p": ec.FeatureConfig(t), "s": ec.FeatureConfig(t, max_sequence_length=2)}
+
+        def fn(world):
+            emb = ec.Embedding(config, world=world, sharding=plan)
+            empty = ec.Ragged(np.zeros(0, np.int64), np.zeros(4, np.int64))
+            return emb({"p": empty, "s": empty})
+
+        for out in _run(W, fn):
+            assert out["p"].shape == (3, 3) and out["s"].shape == (3, 2, 3)
+            assert not out["p"].any() and not out["s"].any()
+
+
+@pytest.mark.parametrize("combiner", COMBINERS)
+@pytest.mark.parametrize("plan", PLANS)
+def test_lookup_weights_on_some_ranks_only(rng, plan, combiner):
+    """Rank 1 passes no weights: as if its weights were ones."""
+    W = 3
+    config, feats = _lookup_setup(rng, W, combiner, True)
+    sharding = _resolve_sharding(plan, config)
+
+    def fn(world):
+        emb = ec.Embedding(config, world=world, sharding=sharding)
+        xs, ws = _rank_inputs(feats, world.rank)
+        return emb(xs, None if world.rank == 1 else ws), emb.plan
+
+    results = _run(W, fn)
+    for f in feats.values():
+        ids, offsets, w, positions = f.per_rank[1]
+        f.per_rank[1] = (ids, offsets, np.ones_like(w), positions)
+    xs, ws = _global_inputs(feats)
+    expected = ec.Embedding(config)(xs, ws)
+    for r, (out, p) in enumerate(results):
+        for name, fc in config.items():
+            _compare(out[name], expected[name][feats[name].row_range(r)], _exact(p, fc), f"rank {r} {name}")
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("W", [2, 3])
+def test_lookup_nested_feature_structure(rng, W, plan):
+    """Nested lists / tuples / dicts of features come back in the same structure."""
+    config, feats = _lookup_setup(rng, W, "sum", True)
+    nested_config = [config["a_ragged"], (config["b_sparse"], {"z": config["d_seq_sparse"],
+                                                               "y": config["c_ragged"]})]
+    order = ["a_ragged", "b_sparse", "d_seq_sparse", "c_ragged"]
+
+    def nest(d):
+        return [d["a_ragged"], (d["b_sparse"], {"z": d["d_seq_sparse"], "y": d["c_ragged"]})]
+
+    sharding = _resolve_sharding(plan, config)
+
+    def fn(world):
+        emb = ec.Embedding(nested_config, world=world, sharding=sharding)
+        xs, ws = _rank_inputs({k: feats[k] for k in order}, world.rank)
+        return emb(nest(xs), nest(ws)), emb.plan
+
+    results = _run(W, fn)
+    xs, ws = _global_inputs({k: feats[k] for k in order})
+    expected = ec.Embedding(nested_config)(nest(xs), nest(ws))
+    for r, (out, p) in enumerate(results):
+        assert isinstance(out, list) and isinstance(out[1], tuple) and isinstance(out[1][1], dict)
+        flat_out = {"a_ragged": out[0], "b_sparse": out[1][0], "d_seq_sparse": out[1][1]["z"],
+                    "c_ragged": out[1][1]["y"]}
+        flat_exp = {"a_ragged": expected[0], "b_sparse": expected[1][0], "d_seq_sparse": expected[1][1]["z"],
+                    "c_ragged": expected[1][1]["y"]}
+        for name in order:
+            _compare(flat_out[name], flat_exp[name][feats[name].row_range(r)], _exact(p, config[name]),
+                     f"rank {r} {name}")
+
+
+# ---------------------------------------------------------------------- 2. training
+def _optimizers():
+    return {
+        "sgd": lambda: opt.SGD(learning_rate=lambda step: 0.5 / (1 + step)),
+        "adagrad": lambda: opt.Adagrad(learning_rate=0.2, clipvalue=0.8, weight_decay_factor=0.01),
+        "adam_lazy": lambda: opt.Adam(learning_rate=0.05, lazy_adam=True),
+        "adam_dense": lambda: opt.Adam(learning_rate=0.05, lazy_adam=False, bias_correction=True,
+                                       sum_inside_sqrt=False, epsilon=1e-8),
+        "ftrl": lambda: opt.FTRL(learning_rate=0.2, l1_regularization_strength=0.01,
+                                 l2_regularization_strength=0.02, beta=0.1),
+    }
+
+
+STEPS = 10
+
+
+def _training_setup(dtype="float32"):
+    A = ec.TableConfig("A", 23, 5, dtype=dtype, combiner="mean", initializer=init.Uniform(-1, 1, seed=11))
+    B = ec.TableConfig("B", 3, 2, dtype=dtype, combiner="sqrtn", initializer=init.Uniform(-1, 1, seed=12))
+    C = ec.TableConfig("C", 9, 7, dtype=dtype, combiner="sum", initializer=init.Uniform(-1, 1, seed=13))
+    return {
+        "a": ec.FeatureConfig(A),
+        "a_seq": ec.FeatureConfig(A, max_sequence_length=3),
+        "b": ec.FeatureConfig(B),
+        "c": ec.FeatureConfig(C),
+        "c_seq": ec.FeatureConfig(C, max_sequence_length=2),
+    }
+
+
+def _training_data(rng, W, steps):
+    """Per step: the features (weighted pooled a, unweighted dense b, ...) and
+    per-rank gradients of the outputs, drawn independently of any lookup."""
+    data = []
+    for step in range(steps):
+        sizes = list(BATCH_SIZES[W])
+        sizes = sizes[step % W:] + sizes[:step % W]  # which rank has no bags changes each step
+        feats = {
+            "a": Feature(rng, 23, "ragged", sizes, True, (np.int64, np.int32), max_len=5),
+            "a_seq": Feature(rng, 23, "ragged", sizes, False, (np.int64,), max_len=4),
+            "b": Feature(rng, 3, "dense", sizes, False, (np.int32,), width=2),
+            "c": Feature(rng, 9, "sparse", sizes, True, (np.int64,), width=3),
+            "c_seq": Feature(rng, 9, "sparse", sizes, True, (np.int64,), width=3),
+        }
+        dims = {"a": (5,), "a_seq": (3, 5), "b": (2,), "c": (7,), "c_seq": (2, 7)}
+        grads = [{k: rng.normal(size=(sizes[r],) + dims[k]).astype(np.float32) for k in feats} for r in range(W)]
+        data.append((feats, grads))
+    return data
+
+
+def _train_and_compare(rng, W, sharding, make_opt, dtype="float32", tol=1e-5):
+    config = _training_setup(dtype)
+    data = _training_data(rng, W, STEPS)
+
+    def fn(world):
+        emb = ec.Embedding(config, make_opt(), world=world, sharding=sharding)
+        initial = _shard_state(emb)
+        outs = []
+        for feats, grads in data:
+            xs, ws = _rank_inputs(feats, world.rank)
+            outs.append(emb(xs, ws))
+            emb.apply_gradients(grads[world.rank])
+        return emb.plan, initial, outs, _shard_state(emb)
+
+    results = _run(W, fn)
+    plan = results[0][0]
+    unsharded = ec.Embedding(config, make_opt())
+    tables = {t.name: t for t in unsharded.embedding_tables.values()}
+    _check_shards([r[1] for r in results], plan, tables, exact_kinds=KINDS, what="before training:")
+    for step, (feats, grads) in enumerate(data):
+        xs, ws = _global_inputs(feats)
+        expected = unsharded(xs, ws)
+        for r in range(W):
+            for name, fc in config.items():
+                exact = plan[fc.table.name].kind != "row_wise"
+                _compare(results[r][2][step][name], expected[name][feats[name].row_range(r)], exact,
+                         f"step {step} rank {r} {name}", rtol=tol, atol=tol)
+        unsharded.apply_gradients({k: np.concatenate([grads[r][k] for r in range(W)]) for k in config})
+    for t in tables.values():
+        assert t.step == STEPS
+    _check_shards([r[3] for r in results], plan, tables, what=f"after {STEPS} steps:", tol=tol)
+    # The run moved the tables (so that the comparison means something).
+    for t in ec.Embedding(config, make_opt()).embedding_tables.values():
+        assert not np.array_equal(t.to_numpy(), tables[t.name].to_numpy()), t.name
+    return plan
+
+
+@pytest.mark.parametrize("optimizer", list(_optimizers()))
+@pytest.mark.parametrize("plan", KINDS + ("auto",))
+@pytest.mark.parametrize("W", WORLDS)
+def test_training_equals_unsharded(rng, W, plan, optimizer):
+    _train_and_compare(rng, W, plan, _optimizers()[optimizer])
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam_dense"])
+@pytest.mark.parametrize("W", [2, 3])
+def test_training_mixed_plan(rng, W, optimizer):
+    p = _train_and_compare(rng, W, {"A": "row_wise", "B": "column_wise", "C": "table_wise"},
+                           _optimizers()[optimizer])
+    assert (p["A"].kind, p["B"].kind, p["C"].kind) == ("row_wise", "column_wise", "table_wise")
+
+
+@pytest.mark.parametrize("plan", KINDS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_training_low_precision_tables(rng, dtype, plan):
+    _train_and_compare(rng, 3, plan, _optimizers()["adagrad"], dtype=dtype)
+
+
+# ---------------------------------------------------------------------- 3. planner
+def _plan_of(W, config, sharding, optimizer=None):
+    plans = _run(W, lambda world: ec.Embedding(config, optimizer, world=world, sharding=sharding).plan)
+    for p in plans[1:]:
+        assert p.describe() == plans[0].describe()
+    return plans[0]
+
+
+def _expected_bytes(plan, specs):
+    """Bytes of values and slots per rank, from the shards (spec: name -> (dtype bytes, slots))."""
+    load = [0] * plan.world_size
+    for name, ts in plan.tables.items():
+        elem, slots = specs[name]
+        for s in ts.shards:
+            load[s.rank] += s.rows * s.cols * (elem + 4 * slots)
+    return load
+
+
+@pytest.mark.parametrize("W", WORLDS)
+def test_auto_plan_describes_and_balances(W):
+    sizes = [(1000, 8), (40, 3), (7, 5), (5, 2), (3, 1), (60, 6), (1, 1)]
+    tables = [ec.TableConfig(f"tab{i}", rows, dim, dtype=("float16" if i % 2 else "float32"))
+              for i, (rows, dim) in enumerate(sizes)]
+    config = {f"f{i}": ec.FeatureConfig(t) for i, t in enumerate(tables)}
+    plan = _plan_of(W, config, "auto", opt.Adam(0.1))
+    text = plan.describe()
+    assert str(plan) == text
+    for t in tables:
+        kind = plan[t.name].kind
+        line = [ln for ln in text.splitlines() if ln.strip().startswith(t.name + " ")]
+        assert len(line) == 1, text
+        assert kind in line[0] and f"{t.rows} x {t.dim}" in line[0], line[0]
+    specs = {t.name: (4 if t.dtype == "float32" else 2, 2) for t in tables}
+    assert plan.bytes_per_rank == _expected_bytes(plan, specs)
+    total = sum(t.rows * t.dim * (specs[t.name][0] + 8) for t in tables)
+    assert sum(plan.bytes_per_rank) == total
+    assert ", ".join(f"{b:,}" for b in plan.bytes_per_rank) in text
+    if W == 1:
+        assert all(ts.kind == "table_wise" for ts in plan.tables.values())
+    else:
+        # The big table is split over every rank; the small ones go whole.
+        assert plan["tab0"].kind == "row_wise" and len(plan["tab0"].shards) == W
+        assert all(plan[t.name].kind == "table_wise" for t in tables[1:])
+        fair = total / W
+        assert max(plan.bytes_per_rank) <= 1.25 * fair, text
+    _check_plan_shapes(plan)
+
+
+def _check_plan_shapes(plan):
+    for name, ts in plan.tables.items():
+        cover = np.zeros((ts.rows, ts.dim), np.int64)
+        for s in ts.shards:
+            assert 0 <= s.rank < plan.world_size
+            assert s.rows > 0 and s.cols > 0
+            cover[s.row_start:s.row_start + s.rows, s.col_start:s.col_start + s.cols] += 1
+        assert (cover == 1).all(), name
+        ranks = [s.rank for s in ts.shards]
+        assert len(set(ranks)) == len(ranks), f"{name}: two shards on one rank"
+        if ts.kind == "table_wise":
+            assert len(ts.shards) == 1
+        elif ts.kind == "row_wise":
+            assert len(ts.shards) == min(plan.world_size, ts.rows)
+            lengths = [s.rows for s in ts.shards]
+            assert max(lengths) - min(lengths) <= 1
+        else:
+            assert len(ts.shards) == min(plan.world_size, ts.dim)
+            widths = [s.cols for s in ts.shards]
+            assert max(widths) - min(widths) <= 1
+
+
+@pytest.mark.parametrize("W", WORLDS)
+def test_auto_plan_balances_many_small_tables(W):
+    tables = [ec.TableConfig(f"t{i}", 10 + i, 4) for i in range(4 * W + 1)]
+    plan = _plan_of(W, {f"f{i}": ec.FeatureConfig(t) for i, t in enumerate(tables)}, "auto", opt.SGD(0.1))
+    assert plan.bytes_per_rank == _expected_bytes(plan, {t.name: (4, 0) for t in tables})
+    largest = max(t.rows * t.dim * 4 for t in tables)
+    assert max(plan.bytes_per_rank) - min(plan.bytes_per_rank) <= largest, plan.describe()
+    _check_plan_shapes(plan)
+
+
+@pytest.mark.parametrize("W", WORLDS)
+def test_explicit_plans_any_sizes(W):
+    """Rows and dims not divisible by W, and tables smaller than the world."""
+    tables = [ec.TableConfig(n, rows, dim) for n, rows, dim in
+              [("a", 1, 1), ("b", 2, 3), ("c", 7, 5), ("d", 50, 7), ("e", 3, 4)]]
+    config = {t.name: ec.FeatureConfig(t) for t in tables}
+    for kind in KINDS:
+        plan = _plan_of(W, config, kind, opt.Adagrad(0.1))
+        assert all(ts.kind == kind for ts in plan.tables.values())
+        assert plan.bytes_per_rank == _expected_bytes(plan, {t.name: (4, 1) for t in tables})
+        _check_plan_shapes(plan)
+        assert plan["a"].shards[0][1:] == (0, 1, 0, 1)
+        assert f"{kind}" in plan.describe()
+    # Row-wise: rank r holds rows [r*rows//W, (r+1)*rows//W).
+    plan = _plan_of(W, config, "row_wise")
+    d = plan["d"]
+    assert [(s.rank, s.row_start, s.rows) for s in d.shards] == \
+        [(r, r * 50 // W, (r + 1) * 50 // W - r * 50 // W) for r in range(W)]
+    # A dict: by name and by TableConfig; the others "auto".
+    plan = _plan_of(W, config, {"d": "column_wise", tables[2]: "row_wise", "a": "table_wise"})
+    assert (plan["d"].kind, plan["c"].kind, plan["a"].kind) == ("column_wise", "row_wise", "table_wise")
+    assert plan["b"].kind in KINDS and plan["e"].kind in KINDS
+
+
+@pytest.mark.parametrize("W", [1, 3])
+def test_invalid_plan_names_raise_value_error_naming_the_table(W):
+    t1, t2 = ec.TableConfig("users", 10, 2), ec.TableConfig("items", 10, 2)
+    config = {"u": ec.FeatureConfig(t1), "i": ec.FeatureConfig(t2)}
+    for sharding, needle in [({"items": "diagonal"}, "items"), ({t1: "rows"}, "users"),
+                             ({"users": None}, "users")]:
+        with pytest.raises(ValueError, match=needle) as info:
+            _run(W, lambda world: ec.Embedding(config, world=world, sharding=sharding))
+        assert "row_wise" in str(info.value)  # says what is allowed
+    with pytest.raises(ValueError, match="users|items"):
+        _run(W, lambda world: ec.Embedding(config, world=world, sharding="diagonal"))
+    with pytest.raises(ValueError, match="videos"):
+        _run(W, lambda world: ec.Embedding(config, world=world, sharding={"videos": "row_wise"}))
+    with pytest.raises(ValueError, match="videos"):
+        _run(W, lambda world: ec.Embedding(config, world=world, sharding={"users": "row_wise",
+                                                                           "videos": "table_wise"}))
+    with pytest.raises(TypeError):
+        _run(W, lambda world: ec.Embedding(config, world=world, sharding=["row_wise"]))
+    with pytest.raises(TypeError):
+        ec.Embedding(config, world="not a comm")
+
+
+def test_sharding_dict_with_an_unknown_table_config_raises_value_error():
+    """A TableConfig key that no feature uses is an unknown table, like an
+    unknown name: ValueError naming it (not a KeyError from a lookup)."""
+    used = ec.TableConfig("users", 10, 2)
+    other = ec.TableConfig("videos", 10, 2)
+    config = {"u": ec.FeatureConfig(used)}
+    with pytest.raises(ValueError, match="videos"):
+        _run(2, lambda world: ec.Embedding(config, world=world, sharding={other: "row_wise"}))
+
+
+# ---------------------------------------------------------------------- 4. errors
+def _error_setup(plan_kind):
+    t = ec.TableConfig("T", 13, 3, combiner="mean", initializer=init.Uniform(-1, 1, seed=21))
+    u = ec.TableConfig("U", 5, 2, combiner="sum", initializer=init.Uniform(-1, 1, seed=22))
+    config = {"f": ec.FeatureConfig(t), "g": ec.FeatureConfig(u), "s": ec.FeatureConfig(t, max_sequence_length=2)}
+    return config, plan_kind
+
+
+def _good_batch(rank):
+    rng = np.random.default_rng(100 + rank)
+    return {"f": rng.integers(0, 13, size=(2 + rank, 3)), "g": rng.integers(0, 5, size=(2 + rank, 2)),
+            "s": ec.Ragged(rng.integers(0, 13, size=4), np.array([0, 1, 4]))}
+
+
+def _good_grads(rank):
+    rng = np.random.default_rng(200 + rank)
+    return {"f": rng.normal(size=(2 + rank, 3)).astype(np.float32),
+            "g": rng.normal(size=(2 + rank, 2)).astype(np.float32),
+            "s": rng.normal(size=(2, 2, 3)).astype(np.float32)}
+
+
+def _snapshot_bytes(emb):
+    return {name: [(s, t.to_numpy().tobytes(), {k: np.array(v).tobytes() for k, v in t.slots().items()}, t.step)
+                   for s, t in shards] for name, shards in emb.local_shards.items()}
+
+
+@pytest.mark.parametrize("bad", [13, -1, 10**12], ids=["too_large", "negative", "huge"])
+@pytest.mark.parametrize("plan", KINDS)
+@pytest.mark.parametrize("W", [2, 3, 4])
+def test_bad_id_on_one_rank_raises_everywhere(W, plan, bad):
+    config, sharding = _error_setup(plan)
+    bad_rank = W - 1
+
+    def fn(world):
+        emb = ec.Embedding(config, opt.Adagrad(0.1), world=world, sharding=sharding)
+        # A good step first.
+        emb(_good_batch(world.rank))
+        emb.apply_gradients(_good_grads(world.rank))
+        before = _snapshot_bytes(emb)
+        batch = _good_batch(world.rank)
+        if world.rank == bad_rank:
+            batch["f"] = batch["f"].copy()
+            batch["f"][1, 2] = bad  # position 5 of the flattened ids
+        try:
+            emb(batch)
+            error = None
+        except Exception as e:  # noqa: BLE001
+            error = e
+        after = _snapshot_bytes(emb)
+        # The world still works: a good step.
+        out = emb(_good_batch(world.rank))
+        emb.apply_gradients(_good_grads(world.rank))
+        return error, before == after, out, _shard_state(emb), emb.plan
+
+    results = _run(W, fn)
+    for r, (error, unchanged, _, _, _) in enumerate(results):
+        assert unchanged, f"rank {r}: a failed lookup changed a table"
+        if r == bad_rank:
+            assert isinstance(error, IndexError), repr(error)
+            msg = str(error)
+            assert "'f'" in msg and f"id {bad}" in msg and "position 5" in msg and "'T'" in msg, msg
+        else:
+            assert isinstance(error, ed.RankFailedError), repr(error)
+            msg = str(error)
+            assert f"rank {bad_rank} of {W}" in msg and "IndexError" in msg and f"id {bad}" in msg, msg
+    # Two good steps, as if the failed one never happened.
+    unsharded = ec.Embedding(config, opt.Adagrad(0.1))
+    for _ in range(2):
+        glob = _concat_batches([_good_batch(r) for r in range(W)])
+        expected = unsharded(glob)
+        unsharded.apply_gradients(_concat_grads([_good_grads(r) for r in range(W)]))
+    plan_ = results[0][4]
+    start = 0
+    for r, (_, _, out, _, _) in enumerate(results):
+        n = 2 + r
+        for name in ("f", "g"):
+            _compare(out[name], expected[name][start:start + n], _exact(plan_, config[name]), f"rank {r} {name}")
+        _compare(out["s"], expected["s"][2 * r:2 * r + 2], True, f"rank {r} s")
+        start += n
+    _check_shards([r[3] for r in results], plan_, {t.name: t for t in unsharded.embedding_tables.values()},
+                  what="after the failed step:")
+
+
+def _concat_batches(batches):
+    s_ids = np.concatenate([b["s"].values for b in batches])
+    s_off = [0]
+    for b in batches:
+        s_off += list(np.asarray(b["s"].offsets[1:]) + s_off[-1])
+    return {"f": np.concatenate([b["f"] for b in batches]), "g": np.concatenate([b["g"] for b in batches]),
+            "s": ec.Ragged(s_ids, np.array(s_off))}
+
+
+def _concat_grads(grads):
+    return {k: np.concatenate([g[k] for g in grads]) for k in grads[0]}
+
+
+@pytest.mark.parametrize("bad_rank", ["first", "last"])
+@pytest.mark.parametrize("W", [2, 3, 4])
+def test_bad_id_uncaught_run_local_reraises_the_failing_ranks_error(W, bad_rank):
+    """fn lets the lookup's error propagate: the failing rank raises its own
+    IndexError, every other rank RankFailedError naming it, and run_local
+    re-raises the IndexError. Repeated, since the ranks' timing varies."""
+    config, _ = _error_setup("row_wise")
+    bad = 0 if bad_rank == "first" else W - 1
+    for attempt in range(20):
+        seen = [None] * W
+
+        def fn(world):
+            emb = ec.Embedding(config, world=world, sharding="row_wise")
+            batch = _good_batch(world.rank)
+            if world.rank == bad:
+                batch["g"] = -batch["g"] - 1
+            try:
+                return emb(batch)
+            except Exception as e:
+                seen[world.rank] = e
+                raise
+
+        with pytest.raises(Exception) as info:
+            _run(W, fn)
+        what = f"attempt {attempt}: rank {bad} raised {seen[bad]!r}; run_local raised {info.value!r}"
+        assert isinstance(seen[bad], IndexError), what
+        assert isinstance(info.value, IndexError) and "features['g']" in str(info.value), what
+        for r in range(W):
+            if r != bad:
+                assert isinstance(seen[r], ed.RankFailedError), (r, seen[r])
+                assert f"rank {bad} of {W}" in str(seen[r]) and "IndexError" in str(seen[r]), (r, seen[r])
+
+
+def test_a_rank_that_left_with_its_error_does_not_leave_the_others_hanging():
+    """Rank 1's bad id propagates out of fn (rank 1 is gone); rank 0 catches
+    its RankFailedError and calls the embedding again: that call must raise
+    RankFailedError (the world lost a rank), not wait forever for rank 1."""
+    t = ec.TableConfig("T", 5, 3)
+    config = {"f": ec.FeatureConfig(t)}
+    seen = {}
+
+    def fn(world):
+        emb = ec.Embedding(config, world=world, sharding="row_wise")
+        if world.rank == 1:
+            emb({"f": np.array([99])})  # IndexError, not caught
+        with pytest.raises(ed.RankFailedError, match="rank 1 of 2"):
+            emb({"f": np.array([1])})
+        try:
+            emb({"f": np.array([1])})
+            seen["retry"] = "returned"
+        except Exception as e:  # noqa: BLE001
+            seen["retry"] = e
+
+    with pytest.raises(IndexError, match="id 99"):
+        _run(2, fn, timeout=10.0)
+    assert isinstance(seen["retry"], ed.RankFailedError) and "rank 1 of 2" in str(seen["retry"]), seen
+
+
+def test_bad_ids_on_two_ranks_name_the_first():
+    config, _ = _error_setup("table_wise")
+
+    def fn(world):
+        emb = ec.Embedding(config, world=world, sharding="table_wise")
+        batch = _good_batch(world.rank)
+        if world.rank in (1, 2):
+            batch["f"] = batch["f"] + 100
+        return emb(batch)
+
+    results = _run(4, _catching(fn))
+    assert isinstance(results[1], IndexError) and isinstance(results[2], IndexError)
+    for r in (0, 3):
+        assert isinstance(results[r], ed.RankFailedError) and "rank 1 of 4" in str(results[r]), results[r]
+
+
+@pytest.mark.parametrize("seq_form", ["ragged", "sparse"])
+@pytest.mark.parametrize("plan", KINDS)
+def test_bad_id_in_a_sequence_feature(plan, seq_form):
+    config, _ = _error_setup(plan)
+
+    def fn(world):
+        emb = ec.Embedding(config, world=world, sharding=plan)
+        batch = _good_batch(world.rank)
+        if world.rank == 1:
+            if seq_form == "ragged":
+                batch["s"] = ec.Ragged(np.array([1, 2, 99]), np.array([0, 1, 3]))
+            else:
+                batch["s"] = ec.Sparse(np.array([[0, 0], [1, 1]]), np.array([4, 99]), np.array([2, 2]))
+        return emb(batch)
+
+    results = _run(2, _catching(fn))
+    assert isinstance(results[1], IndexError) and "id 99" in str(results[1]) and "'s'" in str(results[1])
+    assert isinstance(results[0], ed.RankFailedError) and "rank 1 of 2" in str(results[0])
+
+
+@pytest.mark.parametrize("plan", KINDS)
+@pytest.mark.parametrize("W", [2, 3])
+def test_wrong_grads_shape_on_one_rank(W, plan):
+    config, _ = _error_setup(plan)
+
+    def fn(world):
+        emb = ec.Embedding(config, opt.Adam(0.1), world=world, sharding=plan)
+        emb(_good_batch(world.rank))
+        before = _snapshot_bytes(emb)
+        grads = _good_grads(world.rank)
+        if world.rank == 1:
+            grads["g"] = grads["g"][:, :1]
+        try:
+            emb.apply_gradients(grads)
+            error = None
+        except Exception as e:  # noqa: BLE001
+            error = e
+        unchanged = before == _snapshot_bytes(emb)
+        emb.apply_gradients(_good_grads(world.rank))  # the same lookup, good gradients
+        return error, unchanged, _shard_state(emb), emb.plan
+
+    results = _run(W, fn)
+    for r, (error, unchanged, _, _) in enumerate(results):
+        assert unchanged, f"rank {r}: a failed apply_gradients changed a table"
+        if r == 1:
+            assert isinstance(error, ValueError) and "grads['g']" in str(error) and "(3, 2)" in str(error), error
+        else:
+            assert isinstance(error, ed.RankFailedError) and "rank 1 of" in str(error), repr(error)
+            assert "ValueError" in str(error)
+    unsharded = ec.Embedding(config, opt.Adam(0.1))
+    unsharded(_concat_batches([_good_batch(r) for r in range(W)]))
+    unsharded.apply_gradients(_concat_grads([_good_grads(r) for r in range(W)]))
+    _check_shards([r[2] for r in results], results[0][3],
+                  {t.name: t for t in unsharded.embedding_tables.values()}, what="after the failed update:")
+    assert all(t.step == 1 for t in unsharded.embedding_tables.values())
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_apply_gradients_before_any_lookup(W):
+    config, _ = _error_setup("row_wise")
+
+    def fn(world):
+        emb = ec.Embedding(config, opt.SGD(0.1), world=world, sharding="row_wise")
+        before = _snapshot_bytes(emb)
+        try:
+            emb.apply_gradients(_good_grads(world.rank))
+            error = None
+        except Exception as e:  # noqa: BLE001
+            error = e
+        return error, before == _snapshot_bytes(emb)
+
+    for error, unchanged in _run(W, fn):
+        assert isinstance(error, ValueError) and "first" in str(error), repr(error)
+        assert unchanged
+
+
+def test_apply_gradients_without_optimizer():
+    config, _ = _error_setup("table_wise")
+
+    def fn(world):
+        emb = ec.Embedding(config, world=world, sharding="table_wise")
+        emb(_good_batch(world.rank))
+        emb.apply_gradients(_good_grads(world.rank))
+
+    with pytest.raises(ValueError, match="optimizer"):
+        _run(2, fn)
+
+
+@pytest.mark.parametrize("where", ["lookup", "apply_gradients", "construction"])
+@pytest.mark.parametrize("W", [2, 4])
+def test_user_error_on_one_rank_while_others_wait(W, where):
+    """A rank whose own code raises while the others wait in a collective:
+    they raise RankFailedError naming it, and run_local raises its error."""
+    config, _ = _error_setup("row_wise")
+    seen = [None] * W
+
+    class Boom(Exception):
+        pass
+
+    def fn(world):
+        try:
+            if where == "construction" and world.rank == W - 1:
+                raise Boom("user code failed")
+            emb = ec.Embedding(config, opt.SGD(0.1), world=world, sharding="column_wise")
+            if where == "lookup" and world.rank == W - 1:
+                time.sleep(0.05)  # the others are in the lookup's collective by now
+                raise Boom("user code failed")
+            emb(_good_batch(world.rank))
+            if where == "apply_gradients" and world.rank == W - 1:
+                time.sleep(0.05)
+                raise Boom("user code failed")
+            emb.apply_gradients(_good_grads(world.rank))
+            return "finished"
+        except BaseException as e:
+            seen[world.rank] = e
+            raise
+
+    with pytest.raises(Boom, match="user code failed"):
+        _run(W, fn)
+    assert isinstance(seen[W - 1], Boom)
+    for r in range(W - 1):
+        assert isinstance(seen[r], ed.RankFailedError), repr(seen[r])
+        assert f"rank {W - 1} of {W}" in str(seen[r]) and "Boom" in str(seen[r]) and "user code failed" in str(seen[r])
+
+
+def test_lookup_before_apply_uses_the_last_successful_lookup():
+    """A failed lookup does not replace the batch apply_gradients applies to:
+    the gradients of the last successful lookup still fit."""
+    config, _ = _error_setup("row_wise")
+
+    def fn(world):
+        emb = ec.Embedding(config, opt.SGD(0.1), world=world, sharding="row_wise")
+        emb(_good_batch(world.rank))
+        bad = _good_batch(world.rank)
+        bad["f"] = bad["f"] + 1000
+        with pytest.raises((IndexError, ed.RankFailedError)):
+            emb(bad)
+        emb.apply_gradients(_good_grads(world.rank))
+        return _shard_state(emb), emb.plan
+
+    results = _run(2, fn)
+    unsharded = ec.Embedding(config, opt.SGD(0.1))
+    unsharded(_concat_batches([_good_batch(r) for r in range(2)]))
+    unsharded.apply_gradients(_concat_grads([_good_grads(r) for r in range(2)]))
+    _check_shards([r[0] for r in results], results[0][1], {t.name: t for t in unsharded.embedding_tables.values()})
+
+
+# ---------------------------------------------------------------------- 5. the Comm interface
+COMM_DTYPES = [np.int64, np.int32, np.float32, np.float64, np.float16, np.uint8, np.bool_, np.complex64]
+
+
+@pytest.mark.parametrize("dtype", COMM_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("W", WORLDS)
+def test_all_to_all_v(W, dtype):
+    def payload(src, dst):
+        n = (src * 3 + dst) % 4  # some sizes are 0
+        return (np.arange(n) + 10 * src + 100 * dst).astype(dtype)
+
+    def fn(world):
+        assert isinstance(world, LocalComm) and world.backend == "local"
+        assert world.size == W and 0 <= world.rank < W
+        assert f"rank={world.rank}" in repr(world)
+        send = [payload(world.rank, d) for d in range(W)]
+        got_none = world.all_to_all_v(send)
+        got_counts = world.all_to_all_v(send, [payload(j, world.rank).size for j in range(W)])
+        # 2-D send arrays travel flattened.
+        got_2d = world.all_to_all_v([np.stack([a, a]) for a in send])
+        return world.rank, got_none, got_counts, got_2d
+
+    results = _run(W, fn)
+    assert [r[0] for r in results] == list(range(W))
+    for rank, got_none, got_counts, got_2d in results:
+        for got in (got_none, got_counts):
+            assert len(got) == W
+            for j in range(W):
+                assert got[j].dtype == np.dtype(dtype) and got[j].ndim == 1
+                np.testing.assert_array_equal(got[j], payload(j, rank))
+        for j in range(W):
+            np.testing.assert_array_equal(got_2d[j], np.concatenate([payload(j, rank)] * 2))
+
+
+@pytest.mark.parametrize("W", WORLDS)
+def test_all_to_all_v_all_empty(W):
+    def fn(world):
+        return world.all_to_all_v([np.zeros(0, np.float32) for _ in range(W)], [0] * W)
+
+    for got in _run(W, fn):
+        assert len(got) == W and all(a.size == 0 and a.dtype == np.float32 for a in got)
+
+
+@pytest.mark.parametrize("W", WORLDS)
+def test_all_gather_order_and_many_rounds(W):
+    def fn(world):
+        out = []
+        for k in range(30):
+            if (k + world.rank) % 7 == 0:
+                time.sleep(0.001)  # a slow rank must not let the next round overwrite this one
+            out.append(world.all_gather((world.rank, k)))
+        world.barrier()
+        return out
+
+    for rounds in _run(W, fn):
+        for k, got in enumerate(rounds):
+            assert got == [(r, k) for r in range(W)]
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_all_to_all_v_wrong_number_of_send_arrays(W):
+    def fn(world):
+        with pytest.raises(ValueError, match=f"one array per rank \\({W}\\)"):
+            world.all_to_all_v([np.zeros(1)] * (W + 1))
+        with pytest.raises(ValueError):
+            world.all_to_all_v([np.zeros(1)] * (W - 1))
+        if W > 1:
+            with pytest.raises(TypeError, match="dtype"):
+                world.all_to_all_v([np.zeros(1, np.float32)] + [np.zeros(1, np.int64)] * (W - 1))
+        # The world is still usable.
+        return world.all_gather(world.rank)
+
+    for got in _run(W, fn):
+        assert got == list(range(W))
+
+
+def test_all_to_all_v_wrong_send_count_on_one_rank_makes_the_others_fail():
+    """The Comm itself does not agree on errors: the failing rank's error,
+    propagating out of fn, frees the others waiting in the exchange."""
+    seen = [None] * 4
+
+    def fn(world):
+        n = 3 if world.rank == 1 else 4
+        try:
+            return world.all_to_all_v([np.zeros(1)] * n)
+        except Exception as e:
+            seen[world.rank] = e
+            raise
+
+    with pytest.raises(ValueError, match="one array per rank"):
+        _run(4, fn)
+    assert isinstance(seen[1], ValueError)
+    for r in (0, 2, 3):
+        assert isinstance(seen[r], ed.RankFailedError) and "rank 1 of 4" in str(seen[r]), seen[r]
+
+
+def test_all_to_all_v_recv_counts_mismatch():
+    def fn(world):
+        return world.all_to_all_v([np.zeros(2, np.int64)] * 2, [2, 3] if world.rank == 0 else [2, 2])
+
+    results = _run(2, _catching(fn))
+    assert isinstance(results[0], RuntimeError) and "rank 1 sent 2 elements" in str(results[0]), results[0]
+
+
+def test_run_local_arguments_and_results():
+    assert ed.run_local(3, lambda world: world.rank * 10) == [0, 10, 20]
+    assert ed.run_local(np.int64(2), lambda world: world.size) == [2, 2]
+    for bad in (0, -1, True, 1.5, "2", None):
+        with pytest.raises(ValueError):
+            ed.run_local(bad, lambda world: None)
+    with pytest.raises(TypeError):
+        ed.run_local(2, "not callable")
+
+
+def test_init_local_points_to_run_local():
+    with pytest.raises(ValueError, match="run_local"):
+        ed.init("local")
+    with pytest.raises(ValueError):
+        ed.init("carrier-pigeon")
