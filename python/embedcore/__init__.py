@@ -12,7 +12,7 @@ from .config import FeatureConfig, TableConfig
 from .embedding import Embedding
 from .table import Table
 from .checkpoint import FORMAT_VERSION, CheckpointError, Saver, load, save
-from . import serving, sok
+from . import distributed, serving, sok
 
 __version__ = _embedcore.__version__
 NotCompiledError = _embedcore.NotCompiledError
@@ -52,6 +52,7 @@ __all__ = [
     "Table",
     "TableConfig",
     "build_info",
+    "distributed",
     "get_num_threads",
     "initializers",
     "load",

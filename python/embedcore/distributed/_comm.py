@@ -65,7 +65,6 @@ def agree(comm: Comm, error: Optional[BaseException], payload: Any = None) -> li
     failed = [(r, m) for r, (m, _) in enumerate(results) if m is not None]
     if failed:
         if error is not None:
-            error._embedcore_agreed = True  # every rank knows: no need to abort the others
             raise error
         r, m = failed[0]
         raise RankFailedError(f"rank {r} of {comm.size} failed: {m}")
@@ -73,12 +72,46 @@ def agree(comm: Comm, error: Optional[BaseException], payload: Any = None) -> li
 
 
 # ---------------------------------------------------------------------- local
+class _RoundBarrier:
+    """A barrier that counts rounds. Unlike ``threading.Barrier``, aborting it
+    breaks only the waits of rounds that have not completed: a thread still
+    returning from a completed round is not affected."""
+
+    def __init__(self, parties: int):
+        self._parties = parties
+        self._cond = threading.Condition()
+        self._count = 0
+        self._round = 0
+        self._broken = False
+
+    def wait(self) -> None:
+        with self._cond:
+            if self._broken:
+                raise threading.BrokenBarrierError
+            mine = self._round
+            self._count += 1
+            if self._count == self._parties:
+                self._count = 0
+                self._round += 1
+                self._cond.notify_all()
+                return
+            while self._round == mine and not self._broken:
+                self._cond.wait()
+            if self._round == mine:
+                raise threading.BrokenBarrierError
+
+    def abort(self) -> None:
+        with self._cond:
+            self._broken = True
+            self._cond.notify_all()
+
+
 class _Board:
     """The state the threads of one local world share."""
 
     def __init__(self, size: int):
         self.size = size
-        self.barrier = threading.Barrier(size)
+        self.barrier = _RoundBarrier(size)
         self.slots: List[Any] = [None] * size
         self.failure: Optional[tuple] = None  # (rank, exception) of the first rank that failed
         self.lock = threading.Lock()
@@ -151,10 +184,11 @@ def run_local(size: int, fn: Callable[[Comm], Any]) -> list:
             results[rank] = fn(LocalComm(board, rank))
         except BaseException as e:  # noqa: BLE001 - reported to the caller below
             errors[rank] = e
-            # An error every rank already agreed on (see agree) ends every rank
-            # at the same point; any other one may leave ranks waiting in a
-            # collective, so the world is aborted.
-            if not isinstance(e, RankFailedError) and not getattr(e, "_embedcore_agreed", False):
+            # A rank that leaves must not leave the others waiting: break the
+            # barrier (rounds that already completed are not affected).
+            if isinstance(e, RankFailedError):
+                board.barrier.abort()
+            else:
                 board.fail(rank, e)
 
     threads = [threading.Thread(target=run, args=(r,), name=f"embedcore-rank-{r}", daemon=True) for r in range(size)]

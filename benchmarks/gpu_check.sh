@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU check of issue #8, one prepared script for a machine with an NVIDIA
+# GPU (under 8 minutes): builds the CUDA variant of embedcore, runs the GPU
+# tests, then the GPU benchmark W1g against PyTorch's embedding_bag.
+#
+#   bash benchmarks/gpu_check.sh            # results and logs in $OUT (default /tmp/gpu_check)
+#
+# Needs: nvcc (CUDA 12.x/13), CMake, ninja, a Python with numpy, pytest, nanobind,
+# scikit-build-core and a CUDA build of PyTorch, and nlohmann-json (the PyPI
+# package; where the machine cannot reach PyPI, put its wheel in .whl/ first:
+# `pip download --no-deps -d .whl nlohmann-json`). EMBEDCORE_CUDA_ARCHS picks the
+# architectures (default: the GPU's own, from nvidia-smi, else 90).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+START=$SECONDS
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+say() { printf '\n=== [%4ds] %s\n' "$((SECONDS - START))" "$*"; }
+
+say "machine"
+nvidia-smi -L || echo "nvidia-smi: not found"
+nvcc --version | tail -1
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
+ARCH=${EMBEDCORE_CUDA_ARCHS:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.' || true)}
+ARCH=${ARCH:-90}
+echo "CUDA architectures: $ARCH"
+
+say "build dependencies"
+if ! "$PY" -c "import nlohmann_json" 2>/dev/null; then
+  "$PY" -m pip install --no-index --find-links .whl nlohmann-json ||
+    "$PY" -m pip install nlohmann-json
+fi
+
+say "build the CUDA variant (EMBEDCORE_CUDA=ON, sm_$ARCH) into $OUT/pkg"
+rm -rf "$OUT/pkg"
+"$PY" -m pip install --no-deps --no-build-isolation --target "$OUT/pkg" \
+  -C cmake.define.EMBEDCORE_CUDA=ON -C "cmake.define.CMAKE_CUDA_ARCHITECTURES=$ARCH" \
+  -C build-dir=build/gpu-check . 2>&1 | tail -3
+export PYTHONPATH="$OUT/pkg${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c "import embedcore; print(embedcore.build_info())"
+
+say "GPU tests (tests/python/test_cuda.py: the same bodies on cpu and cuda)"
+set +e
+"$PY" -m pytest -q -p no:cacheprovider -rs tests/python/test_cuda.py 2>&1 | tee "$OUT/tests.log"
+tests_rc=${PIPESTATUS[0]}
+set -e
+
+say "GPU benchmark W1g (benchmarks/bench_gpu.py)"
+"$PY" benchmarks/bench_gpu.py --json "$OUT/gpu.json" 2>&1 | tee "$OUT/bench.log"
+
+say "done in $((SECONDS - START)) s; tests exit $tests_rc"
+exit "$tests_rc"

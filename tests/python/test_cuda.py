@@ -1,0 +1,238 @@
+"""GPU tables: the same checks on device="cpu" and device="cuda", the CPU
+engine as the reference. The CUDA cases need the CUDA build (EMBEDCORE_CUDA=ON)
+and a GPU, with PyTorch built for CUDA; elsewhere they are skipped, saying
+which is missing. The error paths of builds without a GPU run everywhere."""
+import numpy as np
+import pytest
+
+import embedcore as ec
+
+INFO = ec.build_info()
+
+
+def _cuda_reason():
+    if not INFO["cuda"]:
+        return "needs the CUDA build of embedcore (EMBEDCORE_CUDA=ON); this one is CPU-only"
+    if INFO["cuda_devices"] < 1:
+        return "needs a CUDA GPU; this machine has none"
+    try:
+        import torch
+    except ImportError:
+        return "needs PyTorch for CUDA tensors"
+    if not torch.cuda.is_available():
+        return "needs a CUDA build of PyTorch that sees the GPU"
+    return None
+
+
+REASON = _cuda_reason()
+needs_gpu = pytest.mark.skipif(REASON is not None, reason=str(REASON))
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_gpu)]
+
+
+def _to(device, a):
+    """NumPy -> the device's array: NumPy for the CPU, a torch CUDA tensor for the GPU."""
+    if device == "cpu" or a is None:
+        return a
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+
+def _host(x):
+    return x if isinstance(x, np.ndarray) else x.cpu().numpy()
+
+
+def _table(device, dtype="float32", optimizer=None, rows=97, dim=13, seed=3):
+    return ec.Table(name="t", rows=rows, dim=dim, dtype=dtype, initializer=ec.initializers.Uniform(-1, 1, seed=seed),
+                    optimizer=optimizer, device=None if device == "cpu" else device)
+
+
+def _bags(rng, rows, bags=40, max_len=6, weighted=False):
+    lengths = rng.integers(0, max_len + 1, bags)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = rng.integers(0, rows, offsets[-1]).astype(np.int64)
+    ids[: min(3, ids.size)] = 5  # repeated ids
+    w = rng.uniform(-1, 2, ids.size).astype(np.float32) if weighted else None
+    return ids, offsets, w
+
+
+# -------------------------------------------------------------- errors on any machine
+@pytest.mark.skipif(INFO["cuda"], reason="checks the CPU-only build's error")
+def test_cpu_build_refuses_gpu_tables_clearly():
+    with pytest.raises(ec.NotCompiledError, match="CUDA build"):
+        _table("cuda")
+    with pytest.raises(ec.NotCompiledError, match="CUDA build"):
+        ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig("t", 4, 2))}, device="cuda:0")
+
+
+@pytest.mark.skipif(not INFO["cuda"] or INFO["cuda_devices"] > 0, reason="checks a CUDA build on a machine without a GPU")
+def test_cuda_build_without_gpu_refuses_clearly():
+    with pytest.raises(ValueError, match="no CUDA device"):
+        _table("cuda")
+
+
+def test_bad_device_names():
+    for bad in ["tpu", "cuda:x", "gpu:0", 3]:
+        with pytest.raises(ValueError, match="device"):
+            _table(bad)
+
+
+def test_build_info_reports_cuda():
+    assert isinstance(INFO["cuda"], bool)
+    assert isinstance(INFO["cuda_devices"], int)
+    if INFO["cuda"]:
+        assert INFO["cuda_architectures"]
+
+
+# -------------------------------------------------------------- GPU vs CPU engine
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn", None])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_lookup_equals_cpu_engine(device, dtype, combiner, weighted, id_dtype):
+    rng = np.random.default_rng(7)
+    ref, dev = _table("cpu", dtype), _table(device, dtype)
+    ids, offsets, w = _bags(rng, ref.rows, weighted=weighted)
+    ids = ids.astype(id_dtype)
+    for length in ([0] if combiner is not None else [0, 4]):
+        want = ref.lookup(ids, offsets, weights=w, combiner=combiner, max_sequence_length=length)
+        got = _host(dev.lookup(_to(device, ids), _to(device, offsets), weights=_to(device, w), combiner=combiner,
+                               max_sequence_length=length))
+        # The same order of additions and no FMA on either side: the same bits.
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dense_and_ragged_inputs(device):
+    ref, dev = _table("cpu"), _table(device)
+    dense = np.arange(24, dtype=np.int64).reshape(6, 4) % ref.rows
+    np.testing.assert_array_equal(_host(dev.lookup(_to(device, dense))), ref.lookup(dense))
+    ids, offsets, _ = _bags(np.random.default_rng(1), ref.rows)
+    got = dev.lookup(ec.Ragged(_to(device, ids), _to(device, offsets)), combiner="sum")
+    np.testing.assert_array_equal(_host(got), ref.lookup(ec.Ragged(ids, offsets), combiner="sum"))
+
+
+def _optimizers():
+    return {
+        "sgd": ec.optimizers.SGD(0.1),
+        "adagrad": ec.optimizers.Adagrad(0.1),
+        "adam": ec.optimizers.Adam(0.01),
+        "adam_nonlazy": ec.optimizers.Adam(0.01, lazy_adam=False),
+        "ftrl": ec.optimizers.FTRL(0.1),
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opt", list(_optimizers()))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("combiner", ["sum", "mean", None])
+def test_training_equals_cpu_engine(device, opt, dtype, combiner):
+    rng = np.random.default_rng(11)
+    ref = _table("cpu", dtype, _optimizers()[opt])
+    dev = _table(device, dtype, _optimizers()[opt])
+    for _ in range(4):
+        ids, offsets, w = _bags(rng, ref.rows, weighted=True)
+        length = 3 if combiner is None else 0
+        out = ref.lookup(ids, offsets, weights=w, combiner=combiner, max_sequence_length=length)
+        g = rng.standard_normal(out.shape).astype(np.float32)
+        ref.apply_gradients(ids, offsets, g, weights=w, combiner=combiner, max_sequence_length=length)
+        dev.apply_gradients(_to(device, ids), _to(device, offsets), _to(device, g), weights=_to(device, w),
+                            combiner=combiner, max_sequence_length=length)
+    np.testing.assert_array_equal(dev.to_numpy(), ref.to_numpy())
+    assert dev.step == ref.step == 4
+
+
+@needs_gpu
+def test_gpu_updates_are_deterministic_run_to_run():
+    rng = np.random.default_rng(2)
+    ids, offsets, _ = _bags(rng, 97, bags=2000, max_len=30)  # many repeats of each id
+    g = rng.standard_normal((2000, 13)).astype(np.float32)
+    results = []
+    for _ in range(3):
+        t = _table("cuda", optimizer=ec.optimizers.Adagrad(0.1))
+        t.apply_gradients(_to("cuda", ids), _to("cuda", offsets), _to("cuda", g), combiner="mean")
+        results.append(t.to_numpy())
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], results[2])
+
+
+@needs_gpu
+def test_outputs_are_tensors_on_the_callers_stream_without_copies():
+    import torch
+
+    t = _table("cuda")
+    ids = torch.tensor([1, 2, 3], device="cuda")
+    offsets = torch.tensor([0, 1, 3], device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        out = t.lookup(ids, offsets, combiner="sum")
+    assert isinstance(out, torch.Tensor) and out.is_cuda and out.shape == (2, 13)
+    v = torch.from_dlpack(t.values())  # the table's own memory
+    assert v.data_ptr() == torch.from_dlpack(t.values()).data_ptr()
+    np.testing.assert_array_equal(v.cpu().numpy(), t.to_numpy())
+
+
+@needs_gpu
+def test_gpu_errors_are_clear():
+    import torch
+
+    t = _table("cuda", optimizer=ec.optimizers.SGD(0.1))
+    before = t.to_numpy()
+    with pytest.raises(IndexError, match="id 97 at position 1"):
+        t.lookup(torch.tensor([1, 97], device="cuda"), torch.tensor([0, 2], device="cuda"))
+    with pytest.raises(TypeError, match="not a CUDA tensor"):
+        t.lookup(np.array([1, 2]), np.array([0, 2]))
+    with pytest.raises(TypeError, match="not a CUDA tensor"):
+        t.lookup(torch.tensor([1, 2]), torch.tensor([0, 2]))
+    with pytest.raises(IndexError):
+        t.apply_gradients(torch.tensor([1, -1], device="cuda"), torch.tensor([0, 2], device="cuda"),
+                          torch.ones(1, 13, device="cuda"))
+    np.testing.assert_array_equal(t.to_numpy(), before)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_gpu_checkpoints_are_the_cpu_format(tmp_path, dtype):
+    gpu = _table("cuda", dtype, ec.optimizers.Adam(0.01))
+    rng = np.random.default_rng(5)
+    ids, offsets, _ = _bags(rng, 97)
+    gpu.apply_gradients(_to("cuda", ids), _to("cuda", offsets), _to("cuda", np.ones((40, 13), np.float32)))
+    ec.save(tmp_path / "g", gpu)
+    cpu = _table("cpu", dtype, ec.optimizers.Adam(0.01), seed=9)
+    ec.load(tmp_path / "g", cpu)
+    np.testing.assert_array_equal(cpu.to_numpy(), gpu.to_numpy())
+    assert cpu.step == 1
+    ec.save(tmp_path / "c", cpu)
+    back = _table("cuda", dtype, ec.optimizers.Adam(0.01), seed=11)
+    ec.load(tmp_path / "c", back)
+    np.testing.assert_array_equal(back.to_numpy(), cpu.to_numpy())
+    for name, s in cpu.slots().items():
+        import torch
+
+        np.testing.assert_array_equal(torch.from_dlpack(back.slots()[name]).cpu().numpy(), s)
+
+
+@needs_gpu
+def test_embedding_on_gpu_equals_cpu():
+    import torch
+
+    def cfg():
+        t1 = ec.TableConfig("a", 50, 8, initializer=ec.initializers.Uniform(-1, 1, seed=1), combiner="mean")
+        t2 = ec.TableConfig("b", 20, 4, initializer=ec.initializers.Uniform(-1, 1, seed=2), combiner="sum")
+        return {"x": ec.FeatureConfig(t1), "y": ec.FeatureConfig(t2), "s": ec.FeatureConfig(t2, max_sequence_length=3)}
+
+    ref = ec.Embedding(cfg(), ec.optimizers.Adagrad(0.1))
+    dev = ec.Embedding(cfg(), ec.optimizers.Adagrad(0.1), device="cuda:0")
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        feats = {"x": rng.integers(0, 50, (6, 3)), "y": rng.integers(0, 20, (6, 2)), "s": rng.integers(0, 20, (6, 4))}
+        a = ref(feats)
+        b = dev({k: torch.from_numpy(v).cuda() for k, v in feats.items()})
+        for k in a:
+            np.testing.assert_array_equal(b[k].cpu().numpy(), a[k])
+        ref.apply_gradients({k: v + 1 for k, v in a.items()})
+        dev.apply_gradients({k: v + 1 for k, v in b.items()})
+    for cfg_ref, t in ref.embedding_tables.items():
+        other = [u for u in dev.embedding_tables.values() if u.name == t.name][0]
+        np.testing.assert_array_equal(other.to_numpy(), t.to_numpy())
