@@ -14,7 +14,10 @@ Modules over embedcore tables, in the shapes PyTorch users know:
   and ``ec.save`` / ``ec.load`` / ``ec.Saver`` on every module;
 - lookups registered as ``torch.library`` custom ops (``embedcore::lookup``,
   ``embedcore::lookup_backward``), so ``torch.compile(fullgraph=True)``
-  runs models that use them.
+  runs models that use them;
+- tables sharded over the ranks of a ``torch.distributed`` process group
+  (``distributed.init()`` under ``torchrun``, then
+  ``EmbeddingBagCollection(..., world=comm, sharding="row_wise")``).
 
 Importing this package imports PyTorch; ``import embedcore`` does not.
 """
@@ -26,6 +29,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ._collection import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from ._modules import Embedding, EmbeddingBag, tables_of
 from ._optim import FusedOptimizer
+from ._sharded import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
+from . import distributed
 
 __all__ = [
     "Embedding",
@@ -35,5 +40,8 @@ __all__ = [
     "EmbeddingCollection",
     "EmbeddingConfig",
     "FusedOptimizer",
+    "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
+    "distributed",
     "tables_of",
 ]

@@ -223,10 +223,26 @@ class EmbeddingBagCollection(_Collection):
     ``ec.Ragged``, a ``JaggedTensor``, a 2-D id tensor (one bag per row) or
     a 1-D one (one id per bag). Names are the feature names (``feature@table``
     for a feature read by several tables), in table order.
+
+    ``world=`` (an ``embedcore.distributed.Comm``, e.g.
+    ``embedcore.adapters.torch.distributed.init()``) and ``sharding=``
+    ("table_wise", "row_wise", "column_wise", "auto" or a dict of them by
+    table name) shard the tables over the ranks: every rank builds the
+    module with the same arguments and calls it, and backward(), on its own
+    part of the batch (``ShardedEmbeddingBagCollection``).
     """
 
+    def __new__(cls, *args, world=None, sharding="auto", **kwargs):
+        if cls is EmbeddingBagCollection and world is not None:
+            from ._sharded import ShardedEmbeddingBagCollection
+
+            cls = ShardedEmbeddingBagCollection
+        return super().__new__(cls)
+
     def __init__(self, tables: Sequence, optimizer: Optional[ec.optimizers.Optimizer] = None,
-                 is_weighted: bool = False, device=None, sparse: bool = True):
+                 is_weighted: bool = False, device=None, sparse: bool = True, *, world=None, sharding="auto"):
+        if world is not None:
+            raise TypeError(f"{type(self).__name__}: world= shards EmbeddingBagCollection itself, not a subclass")
         super().__init__()
         owner = "EmbeddingBagCollection"
         self._specs = _specs(tables, True, owner)
@@ -304,10 +320,20 @@ class EmbeddingCollection(_Collection):
     JaggedTensor(values=[ids, dim], lengths=...)}`` as TorchRec; a dict gives
     ``{name: tensor}``: ``[*ids.shape, dim]`` for an id tensor, ``[ids, dim]``
     for the values of a ``(values, offsets)`` / dict / ``JaggedTensor`` input.
-    Other arguments as ``EmbeddingBagCollection``."""
+    Other arguments as ``EmbeddingBagCollection`` (``world=`` and
+    ``sharding=`` included: ``ShardedEmbeddingCollection``)."""
+
+    def __new__(cls, *args, world=None, sharding="auto", **kwargs):
+        if cls is EmbeddingCollection and world is not None:
+            from ._sharded import ShardedEmbeddingCollection
+
+            cls = ShardedEmbeddingCollection
+        return super().__new__(cls)
 
     def __init__(self, tables: Sequence, optimizer: Optional[ec.optimizers.Optimizer] = None, device=None,
-                 sparse: bool = True, need_indices: bool = False):
+                 sparse: bool = True, need_indices: bool = False, *, world=None, sharding="auto"):
+        if world is not None:
+            raise TypeError(f"{type(self).__name__}: world= shards EmbeddingCollection itself, not a subclass")
         super().__init__()
         self._specs = _specs(tables, False, "EmbeddingCollection")
         self._names = _embedding_names(self._specs)

@@ -1,0 +1,324 @@
+"""The sharded collections: ``EmbeddingBagCollection(..., world=comm,
+sharding=...)`` and ``EmbeddingCollection(..., world=comm, sharding=...)``.
+
+Thin: the tables are one sharded ``ec.Embedding`` (one feature per table
+and feature, in the collection's order), which does the all-to-all lookup
+and the sharded update; this module converts the tensors and wires
+autograd. The forward pass looks up this rank's part of the batch; the
+backward pass hands the outputs' gradients to ``apply_gradients``, which
+updates every rank's shards (the fused optimizer's step runs inside
+``backward()``, as for the unsharded collections). Both are collective:
+every rank calls them, in the same order.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+import embedcore as ec
+from embedcore.distributed import Comm
+from embedcore.distributed._comm import agree
+
+from ._collection import (EmbeddingBagCollection, EmbeddingCollection, _csr, _embedding_names, _is_kjt,
+                          _jagged_module, _kjt_parts, _specs)
+from ._modules import _check_device, check_ids, check_weights
+
+__all__ = ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"]
+
+
+# ------------------------------------------------------------------ inputs
+def _np(t: Tensor) -> np.ndarray:
+    return t.detach().numpy()  # a view of the tensor's memory
+
+
+def _checked_offsets(off: np.ndarray, n_ids: int, where: str) -> np.ndarray:
+    """Offsets as int64, checked as the unsharded collections check them."""
+    off = off.astype(np.int64, copy=False)
+    if off.size and off[0] != 0:
+        raise ValueError(f"{where}[0] must be 0 (the first bag starts at the first id), got {int(off[0])}")
+    d = np.diff(off)
+    if (d < 0).any():
+        k = int(np.argmax(d < 0))
+        raise ValueError(f"{where} must be non-decreasing: {where}[{k}] = {int(off[k])} > "
+                         f"{where}[{k + 1}] = {int(off[k + 1])}")
+    if off.size and off[-1] > n_ids:
+        raise ValueError(f"{where}[-1] = {int(off[-1])} is greater than the number of ids ({n_ids})")
+    return off
+
+
+def _ragged(values: Tensor, offsets: Tensor, weights: Optional[Tensor], where: str):
+    """(ec.Ragged, weights array or None) of one feature: the ids up to the
+    last offset (ids after it belong to no bag, as ``include_last_offset``)."""
+    ids = _np(values)
+    off = _checked_offsets(_np(offsets), ids.shape[0], f"{where} offsets")
+    n = int(off[-1])
+    w = None if weights is None else _np(weights)[:n]
+    return ec.Ragged(ids[:n], off), w
+
+
+def _kjt_feature(values: np.ndarray, offsets: np.ndarray, weights: Optional[np.ndarray], k: int, stride: int):
+    """Feature `k` of a KJT (arrays already checked) as (ec.Ragged, weights)."""
+    off = offsets[k * stride:(k + 1) * stride + 1]
+    lo, hi = int(off[0]), int(off[-1])
+    w = None if weights is None else weights[lo:hi]
+    return ec.Ragged(values[lo:hi], off - lo), w
+
+
+def _kjt_arrays(kjt, features: Sequence[str], owner: str):
+    values, offsets, weights, stride, index = _kjt_parts(kjt, features, owner)
+    ids = _np(values)
+    off = _checked_offsets(_np(offsets), ids.shape[0], "KeyedJaggedTensor offsets")
+    return ids, off, weights, stride, index
+
+
+# ------------------------------------------------------------------ autograd
+class _ShardedLookup(torch.autograd.Function):
+    """Forward: the sharded lookup of this rank's features. Backward: the
+    sharded update from the outputs' gradients (collective)."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, inputs, weights):
+        outs = module._embedding(inputs, weights)
+        ctx.module = module
+        ctx.call = module._calls
+        return tuple(torch.from_numpy(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        module = ctx.module
+        if ctx.call != module._calls:
+            raise RuntimeError(f"{type(module).__name__}: backward() of an earlier forward pass; a sharded "
+                               "collection updates from its last forward pass only, so call backward() before "
+                               "the next forward (on every rank)")
+        # Autograd gives zeros for outputs that did not reach the loss.
+        module._embedding.apply_gradients([g.detach().contiguous().numpy() for g in grads])
+        return torch.zeros(1), None, None, None
+
+
+# ------------------------------------------------------------------ modules
+class _Sharded:
+    """What both sharded collections share: one sharded ``ec.Embedding``."""
+
+    _owner = ""
+
+    def _build(self, specs, optimizer, device, world, sharding, pooled: bool) -> None:
+        _check_device(device)
+        if not isinstance(world, Comm):
+            raise TypeError(f"{self._owner}: world must be an embedcore.distributed.Comm (e.g. "
+                            f"embedcore.adapters.torch.distributed.init()), got {world!r}")
+        if optimizer is not None and not isinstance(optimizer, ec.optimizers.Optimizer):
+            raise TypeError(f"{self._owner}: optimizer must be an embedcore.optimizers optimizer, got {optimizer!r}")
+        # Every rank must build the same tables; the initial values are rank 0's (whose default
+        # seeds come from its PyTorch generator), so a rank's generator state does not matter.
+        error = None
+        desc = None
+        try:
+            for s in specs:
+                if s.initializer is None:
+                    raise NotImplementedError(f"{self._owner}: table '{s.name}' has init_fn, which needs the whole "
+                                              "table on one rank; give it an initializer= (embedcore.initializers) "
+                                              "or weight_init_min / weight_init_max")
+            opts = [s.optimizer if s.optimizer is not None else optimizer for s in specs]
+            if any(o is None for o in opts) and any(o is not None for o in opts):
+                raise ValueError(f"{self._owner}: a sharded collection trains every table or none; give every "
+                                 "table an optimizer (or the collection's optimizer=), or none for lookups only")
+            desc = [(s.name, s.rows, s.dim, s.dtype, s.pooling, s.features, type(o).__name__)
+                    for s, o in zip(specs, opts)]
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            error = e
+        everyone = agree(world, error, (desc, [s.initializer for s in specs]))
+        for r, (d, _) in enumerate(everyone):
+            if d != desc:
+                raise ValueError(f"{self._owner}: rank {r} built different tables than rank {world.rank}: {d} "
+                                 f"against {desc}; every rank must build the collection with the same arguments")
+        initializers = everyone[0][1]
+        tables = [ec.TableConfig(s.name, s.rows, s.dim, s.dtype, init, o, s.pooling or "sum")
+                  for s, init, o in zip(specs, initializers, opts)]
+        self._feature_configs = [ec.FeatureConfig(t, name=n) for t, names in zip(tables, self._names) for n in names]
+        self._embedding = ec.Embedding(self._feature_configs, world=world, sharding=sharding)
+        self._world = world
+        self._trainable = opts[0] is not None
+        self._anchor = torch.zeros(1, requires_grad=True)  # carries autograd to the sharded update
+        self._calls = 0
+
+    # ------------------------------------------------------------ properties
+    @property
+    def world(self) -> Comm:
+        return self._world
+
+    @property
+    def embedding(self):
+        """The sharded ``ec.Embedding`` underneath (``plan``, ``local_shards``)."""
+        return self._embedding
+
+    @property
+    def plan(self):
+        """Which rank holds which rows and columns of each table."""
+        return self._embedding.plan
+
+    @property
+    def fused_optimizer(self):
+        raise NotImplementedError(f"{self._owner}: a sharded collection has no fused_optimizer object; its "
+                                  "optimizers update the shards inside backward(), with the learning rates of the "
+                                  "embedcore optimizers (a callable learning_rate(step) for a schedule)")
+
+    def optimizer_state_dict(self) -> dict:
+        raise NotImplementedError(f"{self._owner}: the optimizer state of a sharded collection is saved with "
+                                  "ec.save(path, module) (collective)")
+
+    def extra_repr(self) -> str:
+        kinds = ", ".join(f"{n}: {t.kind}" for n, t in self._embedding.plan.tables.items())
+        return f"world={self._world!r}, sharding={{{kinds}}}"
+
+    # ------------------------------------------------------------ checkpoints (collective)
+    def _embedcore_tables(self):
+        raise TypeError(f"{self._owner}: a sharded collection has no whole tables on one rank; use "
+                        "ec.save(path, module) / ec.load(path, into=module) on every rank")
+
+    def _sharded_save(self, path, include_optimizer: bool, values_dtype):
+        return self._embedding._sharded_save(path, include_optimizer, values_dtype)
+
+    def _sharded_load(self, path, include_optimizer: bool):
+        return self._embedding._sharded_load(path, include_optimizer)
+
+    # ------------------------------------------------------------ lookup
+    def _lookup(self, inputs: list, weights: list) -> List[Tensor]:
+        """One collective lookup of every feature; outputs carry autograd to
+        the sharded update when the tables train and grad is enabled."""
+        self._calls += 1
+        if not (self._trainable and torch.is_grad_enabled()):
+            return [torch.from_numpy(o) for o in self._embedding(inputs, weights)]
+        return list(_ShardedLookup.apply(self._anchor, self, inputs, weights))
+
+
+class ShardedEmbeddingBagCollection(_Sharded, EmbeddingBagCollection):
+    """``EmbeddingBagCollection(tables, optimizer, world=comm, sharding=...)``.
+
+    Built on every rank with the same arguments. ``forward`` takes this
+    rank's features (dict or KeyedJaggedTensor, as the unsharded module) and
+    returns this rank's pooled outputs; ``backward()`` applies the sharded
+    update. Both are collective.
+    """
+
+    _owner = "EmbeddingBagCollection"
+
+    def __init__(self, tables: Sequence, optimizer: Optional[ec.optimizers.Optimizer] = None,
+                 is_weighted: bool = False, device=None, sparse: bool = True, *, world=None, sharding="auto"):
+        super(EmbeddingBagCollection, self).__init__()
+        self._specs = _specs(tables, True, self._owner)
+        self._names = _embedding_names(self._specs)
+        self._is_weighted = bool(is_weighted)
+        self._dims = [s.dim for s, names in zip(self._specs, self._names) for _ in names]
+        self._build(self._specs, optimizer, device, world, sharding, True)
+
+    def forward(self, features):
+        names = [n for names in self._names for n in names]
+        inputs, weights = [], []
+        if _is_kjt(features):
+            all_features = [f for s in self._specs for f in s.features]
+            ids, off, kjt_weights, stride, index = _kjt_arrays(features, all_features, self._owner)
+            w = None
+            if self._is_weighted:
+                if kjt_weights is None:
+                    raise ValueError("EmbeddingBagCollection(is_weighted=True) needs a KeyedJaggedTensor with weights")
+                check_weights(kjt_weights, features.values(), "KeyedJaggedTensor weights")
+                self._check_weights([kjt_weights])
+                w = _np(kjt_weights)
+            for s in self._specs:
+                for f in s.features:
+                    r, fw = _kjt_feature(ids, off, w, index[f], stride)
+                    inputs.append(r)
+                    weights.append(fw)
+            outs = self._lookup(inputs, weights)
+            return _jagged_module().KeyedTensor(keys=names, length_per_key=self._dims, values=torch.cat(outs, dim=1))
+        if not isinstance(features, dict):
+            raise TypeError("EmbeddingBagCollection takes a dict of features or a TorchRec KeyedJaggedTensor, got "
+                            f"{type(features).__name__}")
+        given = []
+        for s in self._specs:
+            for f in s.features:
+                if f not in features:
+                    raise KeyError(f"EmbeddingBagCollection: feature {f!r} of table '{s.name}' is missing from "
+                                   f"the input (it holds {sorted(features)})")
+                v, o, w = _csr(features[f], f"features[{f!r}]")
+                r, fw = _ragged(v, o, w, f"features[{f!r}]")
+                inputs.append(r)
+                weights.append(fw)
+                given.append(w)
+        self._check_weights(given)
+        return dict(zip(names, self._lookup(inputs, weights)))
+
+    def _check_weights(self, weights) -> None:
+        if torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in weights):
+            raise NotImplementedError(f"{self._owner}: weights that require grad are not supported by a sharded "
+                                      "collection (its update is the tables' only gradient)")
+
+
+class ShardedEmbeddingCollection(_Sharded, EmbeddingCollection):
+    """``EmbeddingCollection(tables, optimizer, world=comm, sharding=...)``:
+    one row per id of this rank's features, as the unsharded module;
+    collective. Each id is looked up as a bag of one (a sum of one row is the
+    row itself), so the sharded lookup and update are the pooled ones."""
+
+    _owner = "EmbeddingCollection"
+
+    def __init__(self, tables: Sequence, optimizer: Optional[ec.optimizers.Optimizer] = None, device=None,
+                 sparse: bool = True, need_indices: bool = False, *, world=None, sharding="auto"):
+        super(EmbeddingCollection, self).__init__()
+        self._specs = _specs(tables, False, self._owner)
+        self._names = _embedding_names(self._specs)
+        self._need_indices = bool(need_indices)
+        self._build(self._specs, optimizer, device, world, sharding, False)
+
+    @staticmethod
+    def _singletons(ids: np.ndarray):
+        return ec.Ragged(ids, np.arange(ids.shape[0] + 1, dtype=np.int64)), None
+
+    def forward(self, features):
+        inputs, weights = [], []
+        if _is_kjt(features):
+            jt = _jagged_module()
+            all_features = [f for s in self._specs for f in s.features]
+            ids, off, _, stride, index = _kjt_arrays(features, all_features, self._owner)
+            lengths = features.lengths()
+            keys: List[Tuple[str, int, Tensor]] = []
+            for s, names in zip(self._specs, self._names):
+                for f, name in zip(s.features, names):
+                    k = index[f]
+                    r, _ = _kjt_feature(ids, off, None, k, stride)
+                    inputs.append(self._singletons(np.asarray(r.values))[0])
+                    weights.append(None)
+                    keys.append((name, k, torch.from_numpy(np.asarray(r.values))))
+            outs = self._lookup(inputs, weights)
+            out = {}
+            for (name, k, v), r in zip(keys, outs):
+                out[name] = jt.JaggedTensor(values=r, lengths=lengths[k * stride:(k + 1) * stride],
+                                            weights=v.clone() if self._need_indices else None)
+            return out
+        if not isinstance(features, dict):
+            raise TypeError("EmbeddingCollection takes a dict of features or a TorchRec KeyedJaggedTensor, got "
+                            f"{type(features).__name__}")
+        shapes = []
+        names_out = []
+        for s, names in zip(self._specs, self._names):
+            for f, name in zip(s.features, names):
+                if f not in features:
+                    raise KeyError(f"EmbeddingCollection: feature {f!r} of table '{s.name}' is missing from the "
+                                   f"input (it holds {sorted(features)})")
+                x = features[f]
+                if isinstance(x, Tensor):
+                    check_ids(x, f"features[{f!r}]")
+                    v, shape = x.reshape(-1), tuple(x.shape)
+                else:
+                    v = _csr(x, f"features[{f!r}]")[0]
+                    shape = (v.shape[0],)
+                r, w = self._singletons(_np(v))
+                inputs.append(r)
+                weights.append(w)
+                shapes.append(shape + (s.dim,))
+                names_out.append(name)
+        outs = self._lookup(inputs, weights)
+        return {name: o.reshape(shape) for name, o, shape in zip(names_out, outs, shapes)}

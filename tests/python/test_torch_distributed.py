@@ -1,0 +1,273 @@
+"""embedcore.adapters.torch.distributed: TorchComm over a torch.distributed
+process group, and the sharded EmbeddingBagCollection / EmbeddingCollection.
+
+The collectives run in 2-process gloo groups started by ``torchrun
+--nproc_per_node 2`` (tests/python/torch_dist_worker.py does the checks on
+each rank and exits non-zero on a mismatch); argument checks and single
+process behaviour run here, over ``run_local`` threads where a world is
+needed (the sharded modules take any ``Comm``)."""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+
+import embedcore as ec  # noqa: E402
+import embedcore.adapters.torch as et  # noqa: E402
+from embedcore.adapters.torch import distributed as etd  # noqa: E402
+from embedcore.distributed import RankFailedError, run_local  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_dist_worker.py")
+TIMEOUT_S = 240
+
+
+def _torchrun():
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this PyTorch has no torch.distributed with gloo")
+    exe = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    exe = exe if os.path.exists(exe) else shutil.which("torchrun")
+    if exe is None:
+        pytest.skip("torchrun is not installed next to this Python or on PATH")
+    return exe
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_workers(*args) -> str:
+    """Runs the worker on 2 ranks; returns its output, failing the test with
+    it when torchrun fails or times out."""
+    exe = _torchrun()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for attempt in range(2):
+        cmd = [exe, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+               WORKER, *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: the session this test started
+            out, _ = proc.communicate()
+            pytest.fail(f"torchrun {' '.join(args)} timed out after {TIMEOUT_S} s:\n{out[-6000:]}")
+        if proc.returncode != 0 and "address already in use" in out.lower() and attempt == 0:
+            continue  # the free port was taken in between: once more on another
+        break
+    assert proc.returncode == 0, f"torchrun {' '.join(args)} failed ({proc.returncode}):\n{out[-8000:]}"
+    return out
+
+
+def _passed(out: str, part: str) -> None:
+    for r in (0, 1):
+        assert f"PASS {part} rank {r}" in out, f"rank {r} did not finish part {part!r}:\n{out[-4000:]}"
+
+
+# ====================================================================== torchrun
+def test_torch_comm_collectives_under_torchrun():
+    """TorchComm over a 2-rank gloo group: all_to_all_v for several dtypes
+    and sizes (zero included), with counts given or exchanged, non-contiguous
+    and read-only inputs, 4 MB payloads; all_gather, barrier, a subgroup;
+    init() from torchrun's environment."""
+    _passed(_run_workers("comm"), "comm")
+
+
+def test_sharded_collections_under_torchrun(tmp_path):
+    """The sharded EmbeddingBagCollection (dict and KJT inputs) and
+    EmbeddingCollection, table-, row- and column-wise, and the generic
+    sharded ec.Embedding over TorchComm, trained for three steps and
+    compared with the unsharded modules on the global batch (bit-exact for
+    table- and column-wise; row-wise within 1e-6 for outputs, 1e-5 for
+    values and slots); a collective checkpoint; errors on one rank."""
+    out = _run_workers("train", str(tmp_path))
+    _passed(out, "train")
+    _passed(out, "checkpoint")
+    assert (tmp_path / "ckpt").is_dir()
+
+
+# ====================================================================== in process
+def test_torch_comm_needs_a_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    with pytest.raises(RuntimeError, match="not initialised"):
+        etd.TorchComm()
+
+
+def test_init_outside_torchrun(monkeypatch):
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        etd.init()
+    assert not dist.is_initialized()
+
+
+def test_exports():
+    assert et.distributed is etd
+    assert issubclass(etd.TorchComm, ec.distributed.Comm)
+    assert etd.TorchComm.backend == "torch"
+    assert issubclass(et.ShardedEmbeddingBagCollection, et.EmbeddingBagCollection)
+    assert issubclass(et.ShardedEmbeddingCollection, et.EmbeddingCollection)
+
+
+def _tables(**kw):
+    return [et.EmbeddingBagConfig(num_embeddings=20, embedding_dim=4, name="t1", feature_names=["a"], **kw),
+            et.EmbeddingBagConfig(num_embeddings=9, embedding_dim=3, name="t2", feature_names=["b"], pooling="mean",
+                                  **kw)]
+
+
+def _feats(rank):
+    return {"a": (torch.tensor([1, 2, 18, 2]) + rank, torch.tensor([0, 3, 3, 4])),
+            "b": (torch.tensor([0, 8, 8]), torch.tensor([0, 1, 1, 3]))}
+
+
+def test_sharded_collection_is_chosen_by_world():
+    def fn(world):
+        m = et.EmbeddingBagCollection(_tables(), optimizer=ec.optimizers.SGD(0.1), world=world, sharding="row_wise")
+        assert type(m) is et.ShardedEmbeddingBagCollection
+        assert m.world is world and m.embedding.plan is m.plan
+        assert {n: t.kind for n, t in m.plan.tables.items()} == {"t1": "row_wise", "t2": "row_wise"}
+        assert "row_wise" in repr(m)
+        e = et.EmbeddingCollection([et.EmbeddingConfig(5, 2, name="e")], world=world, sharding="table_wise")
+        assert type(e) is et.ShardedEmbeddingCollection
+        return True
+
+    assert run_local(2, fn) == [True, True]
+    assert type(et.EmbeddingBagCollection(_tables())) is et.EmbeddingBagCollection  # world=None: unsharded
+
+    class Mine(et.EmbeddingBagCollection):
+        pass
+
+    with pytest.raises(TypeError, match="subclass"):
+        Mine(_tables(), world=object())
+    with pytest.raises(TypeError, match="Comm"):
+        et.EmbeddingBagCollection(_tables(), world="not a comm")
+
+
+def test_sharded_inference_only_matches_unsharded():
+    """Without an optimizer the sharded module only looks up: outputs need
+    no grad and equal the unsharded module's on the global batch."""
+    def fn(world):
+        torch.manual_seed(3 + world.rank)  # rank 0's initial values rule
+        m = et.EmbeddingBagCollection(_tables(), world=world, sharding="column_wise")
+        out = m(_feats(world.rank))
+        assert not any(o.requires_grad for o in out.values())
+        return {k: v.clone() for k, v in out.items()}
+
+    outs = run_local(2, fn)
+    torch.manual_seed(3)
+    ref = et.EmbeddingBagCollection(_tables())
+    for r, out in enumerate(outs):
+        want = ref(_feats(r))
+        for k in want:
+            assert torch.equal(out[k], want[k].detach()), (r, k)
+
+
+def test_sharded_collection_argument_errors():
+    """Refusals that every rank raises alike (no rank is left waiting)."""
+    def fn(world):
+        errors = []
+        with pytest.raises(NotImplementedError, match="init_fn"):
+            et.EmbeddingBagCollection([et.EmbeddingBagConfig(5, 2, name="x", init_fn=torch.nn.init.zeros_)],
+                                      world=world)
+        errors.append("init_fn")
+        mixed = _tables()
+        mixed[0].optimizer = ec.optimizers.SGD(0.1)
+        with pytest.raises(ValueError, match="every table or none"):
+            et.EmbeddingBagCollection(mixed, world=world)
+        errors.append("mixed")
+        with pytest.raises(NotImplementedError):
+            et.EmbeddingBagCollection(_tables(), world=world, device="cuda")
+        errors.append("device")
+        m = et.EmbeddingBagCollection(_tables(), optimizer=ec.optimizers.SGD(0.1), world=world)
+        f = _feats(world.rank)
+        f["a"] = (f["a"][0], f["a"][1], torch.ones(4, requires_grad=True))
+        with pytest.raises(NotImplementedError, match="require grad"):
+            m(f)
+        with torch.no_grad():  # no gradient wanted: weights are just weights
+            assert m(f)["a"].shape == (3, 4)
+        f = _feats(world.rank)
+        f["b"] = (f["b"][0], torch.tensor([0, 2, 1, 3]))
+        with pytest.raises(ValueError, match="non-decreasing"):
+            m(f)
+        with pytest.raises(KeyError, match="'b'"):
+            m({"a": f["a"]})
+        with pytest.raises(TypeError):
+            m([f["a"]])
+        with pytest.raises(NotImplementedError, match="backward"):
+            m.fused_optimizer
+        with pytest.raises(NotImplementedError, match="ec.save"):
+            m.optimizer_state_dict()
+        errors.append("module")
+        return errors
+
+    assert run_local(2, fn) == [["init_fn", "mixed", "device", "module"]] * 2
+
+
+def test_sharded_ids_out_of_range_on_one_rank():
+    """The rank with the bad id raises IndexError, the other RankFailedError;
+    nothing changes, and the next step runs on both."""
+    def fn(world):
+        m = et.EmbeddingBagCollection(_tables(), optimizer=ec.optimizers.SGD(0.5), world=world, sharding="row_wise")
+        before = {n: [t.to_numpy().copy() for _, t in s] for n, s in m.embedding.local_shards.items()}
+        f = _feats(world.rank)
+        if world.rank == 1:
+            f["b"] = (torch.tensor([0, 9, 8]), f["b"][1])
+        with pytest.raises(IndexError if world.rank == 1 else RankFailedError, match="9" if world.rank else "rank 1"):
+            m(f)
+        after = {n: [t.to_numpy() for _, t in s] for n, s in m.embedding.local_shards.items()}
+        assert all(np.array_equal(a, b) for n in before for a, b in zip(before[n], after[n]))
+        out = m(_feats(world.rank))
+        sum(o.sum() for o in out.values()).backward()
+        changed = any(not np.array_equal(a, t.to_numpy()) for n, s in m.embedding.local_shards.items()
+                      for a, (_, t) in zip(before[n], s))
+        return changed
+
+    assert any(run_local(2, fn))  # the step after the failure trained
+
+
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise"])
+def test_rank_with_no_bags(sharding):
+    """A rank whose part of the batch is empty still takes part; the result
+    is the unsharded module's on the other rank's bags alone."""
+    def tables():
+        return [et.EmbeddingBagConfig(10, 3, name="t", feature_names=["a"], pooling="mean")]
+
+    def opt():
+        return ec.optimizers.Adagrad(0.1, initial_accumulator_value=0.1)
+
+    full = {"a": (torch.tensor([1, 2, 9, 2]), torch.tensor([0, 3, 3, 4]))}
+    empty = {"a": (torch.zeros(0, dtype=torch.int64), torch.tensor([0]))}
+
+    def fn(world):
+        torch.manual_seed(0)
+        m = et.EmbeddingBagCollection(tables(), optimizer=opt(), world=world, sharding=sharding)
+        out = m(full if world.rank == 0 else empty)["a"]
+        ((out - 1.0) ** 2).sum().backward()
+        return out.detach().clone(), [(s, t.to_numpy().copy()) for s, t in m.embedding.local_shards.get("t", [])]
+
+    results = run_local(2, fn)
+    torch.manual_seed(0)
+    ref = et.EmbeddingBagCollection(tables(), optimizer=opt())
+    w0 = ref.embedding_bags["t"].weight.detach().clone()
+    want = ref(full)["a"]
+    ((want - 1.0) ** 2).sum().backward()
+    assert results[1][0].shape == (0, 3)
+    assert float((results[0][0] - want.detach()).abs().max()) <= 1e-6
+    w = ref.embedding_bags["t"].weight.detach().numpy()
+    shards = [x for _, s in results for x in s]
+    assert len(shards) == {"table_wise": 1, "row_wise": 2, "column_wise": 2}[sharding]
+    for s, values in shards:
+        assert np.abs(values - w[s.row_start:s.row_start + s.rows, s.col_start:s.col_start + s.cols]).max() <= 1e-6
+    assert not torch.equal(w0, ref.embedding_bags["t"].weight.detach())  # the step did change the table
