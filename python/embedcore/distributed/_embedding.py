@@ -229,6 +229,19 @@ class ShardedEmbedding(Embedding):
             b = make_batch(x, None, w, where=where)
             eff = self._effective[f.table]
             ids = b.ids
+            # The owners never see this rank's offsets whole: check them here,
+            # as the unsharded table does, so that this rank is the one named.
+            off = b.offsets
+            if off.size < 1 or off[0] != 0:
+                raise ValueError(f"{where}: offsets[0] must be 0, got {off[0] if off.size else 'no offsets'}")
+            steps = np.diff(off)
+            if steps.size and steps.min() < 0:
+                i = int(np.flatnonzero(steps < 0)[0])
+                raise ValueError(f"{where}: offsets must be non-decreasing: offsets[{i}] = {off[i]} > "
+                                 f"offsets[{i + 1}] = {off[i + 1]}")
+            if off[-1] != ids.size:
+                raise ValueError(f"{where}: offsets must end at len(ids) = {ids.size}, got offsets[{off.size - 1}] "
+                                 f"= {off[-1]}")
             if ids.size:
                 lo, hi = int(ids.min()), int(ids.max())
                 if lo < 0 or hi >= eff.rows:
