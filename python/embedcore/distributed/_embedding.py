@@ -112,7 +112,24 @@ class ShardedEmbedding(Embedding):
                     k = self._effective[k].name
                 named[k] = v
             sharding = named
-        self._plan: ShardingPlan = make_plan(specs, self._world.size, sharding)
+        error, plan, mine = None, None, None
+        try:
+            plan = make_plan(specs, self._world.size, sharding)
+            # Every rank must build the same embedding: compare what decides routing and values.
+            mine = (plan.describe(),
+                    [(e.name, e.rows, e.dim, e.dtype, e.combiner, repr(e.initializer),
+                      type(e.optimizer).__name__) for e in (self._effective[c] for c in self._configs)],
+                    [(n, f.max_sequence_length, self._effective[f.table].name)
+                     for n, f in zip(self._feature_names, self._features)])
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            error = e
+        everyone = agree(self._world, error, mine)
+        for r, theirs in enumerate(everyone):
+            if theirs != mine:
+                raise ValueError(f"Embedding: rank {r} built a different sharded embedding than rank "
+                                 f"{self._world.rank} (tables, features, initializers or plan differ); every rank "
+                                 "must pass the same feature_config, optimizer and sharding")
+        self._plan: ShardingPlan = plan
         # This rank's shards: (table index, shard index) -> Table.
         self._local: Dict[Tuple[int, int], Table] = {}
         for ti, cfg in enumerate(self._configs):
