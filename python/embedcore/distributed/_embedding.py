@@ -51,6 +51,13 @@ def _pack(ints: List[np.ndarray], floats: List[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
+def _whole_bags(ts: TableSharding) -> bool:
+    """Whether each shard of the table holds every row (table- and column-wise,
+    or a row-wise table that one rank holds whole): then a bag goes whole to
+    each shard, which combines it itself; else each owner gets its ids only."""
+    return ts.kind != "row_wise" or len(ts.shards) == 1
+
+
 class _Route:
     """What one rank sends one shard's owner for one feature, and how the
     answer goes back into the output."""
@@ -212,8 +219,14 @@ class ShardedEmbedding(Embedding):
             dim = self._effective[f.table].dim
             pooled = self._combiner(f) is not None
             n_rows = shape[0] if pooled else int(np.prod(shape[:-1]))
-            out = np.zeros((n_rows, dim), np.float32)
             sparse_seq = not pooled and batches[fi].kind == "sparse"
+            if pooled and len(fr) == 1 and fr[0].bags is None:  # one shard, whole bags: its answer is the output
+                s, d = fr[0].shard, fr[0].shard.rank
+                n = fr[0].n_out * s.cols
+                outputs.append(back[d][offsets[d]:offsets[d] + n].reshape(shape))
+                offsets[d] += n
+                continue
+            out = np.zeros((n_rows, dim), np.float32)
             for r in fr:
                 s, d = r.shard, r.shard.rank
                 n = r.n_out * s.cols
@@ -284,7 +297,7 @@ class ShardedEmbedding(Embedding):
         offsets = b.offsets
         lengths = np.diff(offsets)
         out = []
-        if ts.kind != "row_wise":
+        if _whole_bags(ts):
             # Every shard holds every row: it gets the whole batch and combines it itself.
             w = b.weights if b.weights is not None else np.zeros(0, np.float32)
             for s in ts.shards:
@@ -307,10 +320,12 @@ class ShardedEmbedding(Embedding):
         owner = np.searchsorted(starts, ids, side="right") - 1
         for si, s in enumerate(ts.shards):
             occ = np.flatnonzero(owner == si)
-            bags, counts = np.unique(bag[occ], return_counts=True)
+            # The bags this owner sees, in order, and how many of their ids it holds.
+            counts = np.bincount(bag[occ], minlength=b.num_bags)
+            bags = np.flatnonzero(counts)
             r = _Route(s)
             r.header = np.array([bags.size, occ.size, w is not None], np.int64)
-            r.lengths = counts.astype(np.int64)
+            r.lengths = counts[bags].astype(np.int64)
             r.ids = ids[occ] - s.row_start
             r.weights = w[occ] if w is not None else np.zeros(0, np.float32)
             r.bags, r.dest, r.n_out = bags, None, bags.size
@@ -330,12 +345,13 @@ class ShardedEmbedding(Embedding):
             dest = bag[keep] * length + pos[keep]
             ids = ids[keep]
             w = w[keep] if w is not None else None
-        if ts.kind == "row_wise":
+        split = not _whole_bags(ts)
+        if split:
             starts = np.array([s.row_start for s in ts.shards], np.int64)
             owner = np.searchsorted(starts, ids, side="right") - 1
         out = []
         for si, s in enumerate(ts.shards):
-            occ = np.flatnonzero(owner == si) if ts.kind == "row_wise" else None
+            occ = np.flatnonzero(owner == si) if split else None
             r = _Route(s)
             r.ids = (ids if occ is None else ids[occ]) - s.row_start
             r.dest = dest if occ is None else dest[occ]
@@ -360,12 +376,12 @@ class ShardedEmbedding(Embedding):
                 nb, nnz, has_w = (int(v) for v in reader.ints(3))
                 lengths = reader.ints(nb) if pooled else None
                 ids = reader.ints(nnz)
-                requests.append((fi, ti, si, pooled, ts.kind, nb, lengths, ids, has_w))
+                requests.append((fi, ti, si, pooled, _whole_bags(ts), nb, lengths, ids, has_w))
         # The weights follow every route's ints.
         floats = buf[reader.pos:].view(np.float32)
         fpos = 0
         results = []
-        for fi, ti, si, pooled, kind, nb, lengths, ids, has_w in requests:
+        for fi, ti, si, pooled, whole, nb, lengths, ids, has_w in requests:
             w = None
             if has_w:
                 w = floats[fpos:fpos + ids.size]
@@ -373,7 +389,7 @@ class ShardedEmbedding(Embedding):
             if pooled:
                 offsets = np.zeros(nb + 1, np.int64)
                 np.cumsum(lengths, out=offsets[1:])
-                code = _SUM if kind == "row_wise" else _COMBINER_CODE[self._combiner(self._features[fi])]
+                code = _COMBINER_CODE[self._combiner(self._features[fi])] if whole else _SUM
             else:
                 offsets = np.array([0, ids.size], np.int64)
                 code = _NONE
