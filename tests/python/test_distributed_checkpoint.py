@@ -1,0 +1,807 @@
+"""Checkpoints of sharded embeddings (embedcore.distributed, format 1.2).
+
+A small Embedding with two tables ("a": 41 x 7 float16 with Adam, "b":
+3 x 3 float32 with FTRL, fewer rows and columns than the largest world) is
+trained on N ranks under each plan and saved; every checkpoint must restore
+on M ranks under every plan, bit for bit, slots and step included, and load
+unsharded; unsharded checkpoints must load sharded. Also: the manifest
+records the plan; each rank writes only its own shards' files; one rank's
+failed write or a corrupt file fails every rank and changes nothing; and
+``reshard`` rewrites a checkpoint for another world (in place too).
+
+The reference is the same model trained unsharded on the global batch (the
+sharded updates are bit-identical to it, checked separately), so a block in
+the wrong place, a lost slot or a wrong step shows as a byte difference.
+Ranks are threads (``run_local``); each saved checkpoint is shared by the
+tests through a module-scoped fixture, so the N x M x plan x plan grid
+(256 loads) runs in seconds.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+import embedcore as ec
+import embedcore.cli
+from embedcore import _embedcore
+from embedcore.distributed import RankFailedError, Shard, run_local
+from test_checkpoint_forge import DATA_OFFSET, flip_byte, read_manifest
+
+WORLDS = (1, 2, 3, 4)
+PLANS = ("table_wise", "row_wise", "column_wise", "auto")
+BATCH, STEPS = 8, 3
+SHAPES = {"a": (41, 7), "b": (3, 3)}
+DTYPE = {"a": "float16", "b": "float32"}
+SLOTS = {"a": ("momenta", "velocities"), "b": ("accumulators", "linears")}
+TABLE_INDEX = {"a": 0, "b": 1}
+FILE_NAME = re.compile(r"^t(\d{5})\.([a-z_]+)\.s(\d{5})\.g(\d{12,})\.ecd$")
+
+
+# ------------------------------------------------------------------ the model and its data
+def feature_config(seed=0, b_rows=SHAPES["b"][0]):
+    """Two tables with different dims, dtypes and optimizers (so slots differ too)."""
+    a = ec.TableConfig("a", *SHAPES["a"], DTYPE["a"], ec.initializers.Uniform(-1.0, 1.0, seed=seed + 1),
+                       ec.optimizers.Adam(0.05), "mean")
+    b = ec.TableConfig("b", b_rows, SHAPES["b"][1], DTYPE["b"], ec.initializers.Uniform(-1.0, 1.0, seed=seed + 2),
+                       ec.optimizers.FTRL(0.1, l1_regularization_strength=0.01, beta=0.1), "sum")
+    return {"a": ec.FeatureConfig(a, name="a"), "b": ec.FeatureConfig(b, name="b")}
+
+
+def _global_batches():
+    rng = np.random.default_rng(20261130)
+    out = []
+    for _ in range(STEPS):
+        lengths = rng.integers(0, 4, BATCH)
+        ids_a = rng.integers(0, SHAPES["a"][0], int(lengths.sum()))
+        ids_b = rng.integers(0, SHAPES["b"][0], BATCH)
+        grads_a = rng.standard_normal((BATCH, SHAPES["a"][1])).astype(np.float32)
+        grads_b = rng.standard_normal((BATCH, SHAPES["b"][1])).astype(np.float32)
+        out.append((lengths, ids_a, ids_b, grads_a, grads_b))
+    return out
+
+
+BATCHES = _global_batches()
+
+
+def batch_part(step, rank, size):
+    """Rank `rank`'s contiguous part of global batch `step` (the whole batch for size 1)."""
+    lengths, ids_a, ids_b, grads_a, grads_b = BATCHES[step]
+    lo, hi = rank * BATCH // size, (rank + 1) * BATCH // size
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    feats = {"a": ec.Ragged(ids_a[off[lo]:off[hi]], off[lo:hi + 1] - off[lo]), "b": ids_b[lo:hi]}
+    return feats, {"a": grads_a[lo:hi], "b": grads_b[lo:hi]}
+
+
+def train(emb, rank=0, size=1, steps=range(STEPS)):
+    for step in steps:
+        feats, grads = batch_part(step, rank, size)
+        emb(feats)
+        emb.apply_gradients(grads)
+
+
+# ------------------------------------------------------------------ states
+def state(table):
+    return {"values": np.array(table.values(), copy=True),
+            "slots": {k: np.array(v, copy=True) for k, v in table.slots().items()},
+            "step": table.step}
+
+
+def block(st, s: Shard):
+    rows, cols = slice(s.row_start, s.row_start + s.rows), slice(s.col_start, s.col_start + s.cols)
+    return {"values": np.ascontiguousarray(st["values"][rows, cols]),
+            "slots": {k: np.ascontiguousarray(v[rows, cols]) for k, v in st["slots"].items()},
+            "step": st["step"]}
+
+
+def same_state(a, b) -> bool:
+    return (a["step"] == b["step"] and a["values"].dtype == b["values"].dtype
+            and a["values"].tobytes() == b["values"].tobytes() and sorted(a["slots"]) == sorted(b["slots"])
+            and all(a["slots"][k].tobytes() == b["slots"][k].tobytes() for k in a["slots"]))
+
+
+def assert_state(got, expected, what):
+    assert got["values"].dtype == expected["values"].dtype, f"{what}: values dtype"
+    assert got["values"].shape == expected["values"].shape, f"{what}: shape"
+    assert got["values"].tobytes() == expected["values"].tobytes(), f"{what}: values differ"
+    assert sorted(got["slots"]) == sorted(expected["slots"]), f"{what}: slot names"
+    for k in expected["slots"]:
+        assert got["slots"][k].tobytes() == expected["slots"][k].tobytes(), f"{what}: slot {k} differs"
+    assert got["step"] == expected["step"], f"{what}: step {got['step']} != {expected['step']}"
+
+
+def shard_states(emb):
+    """{(table name, Shard): state} of this rank's shards."""
+    return {(name, s): state(t) for name, pairs in emb.local_shards.items() for s, t in pairs}
+
+
+def assemble(per_rank):
+    """The whole tables from every rank's shard states; checks that the shards tile them exactly."""
+    pieces = {}
+    for rank, states in enumerate(per_rank):
+        for (name, s), st in states.items():
+            assert s.rank == rank, f"rank {rank} holds a shard placed on rank {s.rank}"
+            pieces.setdefault(name, []).append((s, st))
+    out = {}
+    for name, items in pieces.items():
+        rows, dim = SHAPES[name]
+        first = items[0][1]
+        whole = {"values": np.zeros((rows, dim), first["values"].dtype),
+                 "slots": {k: np.zeros((rows, dim), np.float32) for k in first["slots"]}, "step": first["step"]}
+        seen = np.zeros((rows, dim), np.int64)
+        for s, st in items:
+            r, c = slice(s.row_start, s.row_start + s.rows), slice(s.col_start, s.col_start + s.cols)
+            whole["values"][r, c] = st["values"]
+            for k, v in st["slots"].items():
+                whole["slots"][k][r, c] = v
+            assert st["step"] == whole["step"], f"table '{name}': shards at different steps"
+            seen[r, c] += 1
+        assert (seen == 1).all(), f"table '{name}': the shards do not tile the table exactly once"
+        out[name] = whole
+    assert sorted(out) == sorted(SHAPES)
+    return out
+
+
+def tables_by_name(emb):
+    return {t.name: t for t in emb.embedding_tables.values()}
+
+
+def manifest_files(m):
+    """Every data file a manifest names: (table name, array, entry)."""
+    return [(t["name"], "values", f) for t in m["tables"] for f in t["values"]] + [
+        (t["name"], slot, f) for t in m["tables"] for slot, files in t["slots"].items() for f in files]
+
+
+def dir_bytes(path):
+    out = {}
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def run_world(size, fn, timeout=120):
+    """run_local(size, fn), failing the test instead of hanging when a rank is stuck in a collective."""
+    box = {}
+
+    def target():
+        try:
+            box["result"] = run_local(size, fn)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"run_local({size})", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        pytest.fail(f"run_local({size}) did not finish in {timeout} s: a rank waits in a collective the others left")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def sharded_load(path, m, plan, seed=100, include_optimizer=True, b_rows=SHAPES["b"][0]):
+    """Loads `path` into a fresh (untrained, other seeds) embedding on m ranks; per rank: (before, after, error)."""
+
+    def fn(world):
+        emb = ec.Embedding(feature_config(seed, b_rows), world=world, sharding=plan)
+        before = shard_states(emb)
+        try:
+            ec.load(path, emb, include_optimizer=include_optimizer)
+            error = None
+        except Exception as e:  # noqa: BLE001 - what each rank raised is what is tested
+            error = e
+        return before, shard_states(emb), error, emb.plan
+
+    return run_world(m, fn)
+
+
+# ------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def reference():
+    """The model trained unsharded on the global batches: {name: state}, and the Embedding."""
+    emb = ec.Embedding(feature_config())
+    train(emb)
+    return {name: state(t) for name, t in tables_by_name(emb).items()}, emb
+
+
+class Saved:
+    def __init__(self, path, states, plan):
+        self.path = path      # the checkpoint directory
+        self.states = states  # per rank: {(name, Shard): state} when saved
+        self.plan = plan      # the ShardingPlan it was saved under
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One checkpoint per (N, plan), trained on N ranks and saved collectively."""
+    root = tmp_path_factory.mktemp("sharded")
+    out = {}
+    for n in WORLDS:
+        for plan in PLANS:
+            path = str(root / f"n{n}_{plan}")
+
+            def fn(world, path=path, plan=plan):
+                emb = ec.Embedding(feature_config(), world=world, sharding=plan)
+                train(emb, world.rank, world.size)
+                ec.save(path, emb)
+                return shard_states(emb), emb.plan
+
+            results = run_world(n, fn)
+            out[(n, plan)] = Saved(path, [r[0] for r in results], results[0][1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def unsharded_checkpoint(tmp_path_factory, reference):
+    path = str(tmp_path_factory.mktemp("unsharded") / "c")
+    ec.save(path, reference[1])
+    return path
+
+
+def saved_params():
+    return [pytest.param(n, plan, id=f"n{n}-{plan}") for n in WORLDS for plan in PLANS]
+
+
+# ------------------------------------------------------------------ 1. save on N, restore on M
+@pytest.mark.parametrize("n, plan", saved_params())
+def test_sharded_training_matches_the_unsharded_reference(saved, reference, n, plan):
+    """What each checkpoint holds: the unsharded model's state (the premise of the grid below)."""
+    whole = assemble(saved[(n, plan)].states)
+    for name in SHAPES:
+        assert_state(whole[name], reference[0][name], f"table '{name}' trained on {n} ranks ({plan})")
+        assert whole[name]["step"] == STEPS
+
+
+@pytest.mark.parametrize("load_plan", PLANS)
+@pytest.mark.parametrize("m", WORLDS)
+@pytest.mark.parametrize("n, save_plan", saved_params())
+def test_save_on_n_restore_on_m(saved, reference, n, save_plan, m, load_plan):
+    ref = reference[0]
+    results = sharded_load(saved[(n, save_plan)].path, m, load_plan)
+    covered = {name: 0 for name in SHAPES}
+    differed = {name: False for name in SHAPES}
+    for rank, (before, after, error, _) in enumerate(results):
+        assert error is None, f"rank {rank}: {error!r}"
+        assert before.keys() == after.keys()
+        for (name, s), st in after.items():
+            assert s.rank == rank
+            expected = block(ref[name], s)
+            differed[name] |= not same_state(before[(name, s)], expected)
+            assert_state(st, expected, f"rank {rank}/{m} ({load_plan}) table '{name}' rows {s.row_start}+{s.rows} "
+                                       f"cols {s.col_start}+{s.cols}, saved on {n} ({save_plan})")
+            covered[name] += s.rows * s.cols
+    assert covered == {name: r * d for name, (r, d) in SHAPES.items()}, "the shards compared do not cover the tables"
+    assert differed == {name: True for name in SHAPES}, "the targets held the checkpoint's state before the load"
+
+
+# ------------------------------------------------------------------ 2. SOK's silent permutation
+def test_row_wise_checkpoint_of_4_ranks_restores_on_3_with_every_row_in_place(saved, reference):
+    """SOK restores a checkpoint saved on 4 GPUs onto 3 with rows silently
+    permuted (the owner of an id depends on the world size). Here each id must
+    look up its own row after a 4 -> 3 row-wise restore."""
+    ref_emb = reference[1]
+    ref_rows = {name: t.to_numpy() for name, t in tables_by_name(ref_emb).items()}
+    perm = {name: np.random.default_rng(7).permutation(rows) for name, (rows, _) in SHAPES.items()}
+    path = saved[(4, "row_wise")].path
+
+    def lookups(world):
+        emb = ec.Embedding(feature_config(seed=100), world=world, sharding="row_wise")
+        ec.load(path, emb)
+        # Every rank looks up every id (one id per bag), each rank in another order.
+        ids = {name: np.roll(p, 5 * world.rank) for name, p in perm.items()}
+        out = emb({"a": ec.Ragged(ids["a"], np.arange(ids["a"].size + 1)), "b": ids["b"]})
+        return ids, out, emb.plan
+
+    on4, on3 = run_world(4, lookups), run_world(3, lookups)
+    starts = {w: [s.row_start for s in res[0][2]["a"].shards] for w, res in ((4, on4), (3, on3))}
+    assert starts[4] != starts[3], "the two worlds place the rows alike: the test would not see a permutation"
+    by_id = {}
+    for world, results in ((4, on4), (3, on3)):
+        for rank, (ids, out, _) in enumerate(results):
+            for name in SHAPES:
+                np.testing.assert_array_equal(out[name], ref_rows[name][ids[name]],
+                                              err_msg=f"table '{name}' on rank {rank} of {world}")
+                for i, row in zip(ids[name], out[name]):
+                    by_id.setdefault((name, int(i)), []).append(row.tobytes())
+    assert len(by_id) == sum(rows for rows, _ in SHAPES.values())
+    for key, rows in by_id.items():
+        assert len(rows) == 7 and len(set(rows)) == 1, f"{key}: the 4- and 3-rank worlds look up different rows"
+
+
+# ------------------------------------------------------------------ 3. unsharded <-> sharded, manifest, tools
+@pytest.mark.parametrize("n, plan", saved_params())
+def test_sharded_checkpoint_loads_unsharded(saved, reference, n, plan):
+    path = saved[(n, plan)].path
+    emb = ec.Embedding(feature_config(seed=100))
+    tables = tables_by_name(emb)
+    for name in SHAPES:
+        assert not same_state(state(tables[name]), reference[0][name])
+    ec.load(path, emb)
+    for name in SHAPES:
+        assert_state(state(tables[name]), reference[0][name], f"plain Embedding, table '{name}'")
+    # One table on its own, into a plain Table.
+    lone = ec.Table(name="b", rows=3, dim=3, dtype="float32", optimizer=ec.optimizers.FTRL(0.1),
+                    initializer=ec.initializers.Zeros())
+    ec.load(path, lone)
+    assert_state(state(lone), reference[0]["b"], "plain Table 'b'")
+    lone_a = ec.Table(name="a", rows=41, dim=7, dtype="float16", optimizer=ec.optimizers.Adam(0.05))
+    ec.load(path, lone_a, include_optimizer=False)
+    assert lone_a.values().tobytes() == reference[0]["a"]["values"].tobytes()
+    assert lone_a.step == 0 and not lone_a.slots()["momenta"].any()
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("m", WORLDS)
+def test_unsharded_checkpoint_loads_sharded(unsharded_checkpoint, reference, m, plan):
+    m_json = read_manifest(unsharded_checkpoint)
+    assert [t["sharding"] for t in m_json["tables"]] == [{"plan": "none", "world_size": 1}] * 2
+    compared = 0
+    for rank, (before, after, error, _) in enumerate(sharded_load(unsharded_checkpoint, m, plan)):
+        assert error is None, f"rank {rank}: {error!r}"
+        for (name, s), st in after.items():
+            assert_state(st, block(reference[0][name], s), f"rank {rank}/{m} ({plan}) table '{name}'")
+            compared += s.rows * s.cols
+    assert compared == sum(r * d for r, d in SHAPES.values())
+
+
+@pytest.mark.parametrize("n, plan", saved_params())
+def test_manifest_records_the_plan(saved, n, plan, capsys):
+    ckpt = saved[(n, plan)]
+    m = read_manifest(ckpt.path)
+    assert m["format_version"] == [1, 2]
+    assert [t["name"] for t in m["tables"]] == ["a", "b"]
+    for t in m["tables"]:
+        name = t["name"]
+        ts = ckpt.plan[name]
+        if plan == "auto":
+            assert ts.kind in ("table_wise", "row_wise"), ts.kind  # what "auto" chooses between
+        else:
+            assert ts.kind == plan
+        assert t["sharding"] == {"plan": ts.kind, "world_size": n, "shards": [s._asdict() for s in ts.shards]}
+        assert {s["rank"] for s in t["sharding"]["shards"]} <= set(range(n))
+        assert (t["rows"], t["dim"], t["dtype"], t["step"]) == (*SHAPES[name], DTYPE[name], STEPS)
+        assert tuple(t["slots"]) == SLOTS[name]
+        # One file per shard and array, at the shard's place, named after its shard index.
+        for array, files in [("values", t["values"]), *t["slots"].items()]:
+            assert len(files) == len(ts.shards)
+            for f in files:
+                match = FILE_NAME.match(f["path"])
+                assert match, f["path"]
+                ti, arr, si, gen = int(match[1]), match[2], int(match[3]), int(match[4])
+                assert (ti, arr, gen) == (TABLE_INDEX[name], array, m["generation"])
+                s = ts.shards[si]
+                assert (f["row_start"], f["rows"], f.get("col_start", 0), f["cols"]) == (
+                    s.row_start, s.rows, s.col_start, s.cols), f["path"]
+                assert f["dtype"] == (DTYPE[name] if array == "values" else "float32")
+    # The checkpoint tools accept it.
+    info = ec.checkpoint.read_info(ckpt.path)
+    assert tuple(info.format_version) == (1, 2)
+    assert list(info.table_names) == ["a", "b"]
+    assert json.loads(info.table_sharding_json(0))["world_size"] == n
+    assert embedcore.cli.main(["verify", ckpt.path]) == 0
+    assert ": OK (2 table(s)" in capsys.readouterr().out
+    assert embedcore.cli.main(["inspect", ckpt.path]) == 0
+    out = capsys.readouterr().out
+    assert f"over {n} rank(s)" in out
+
+
+def test_sharded_and_unsharded_saves_to_one_path_replace_each_other(tmp_path, reference):
+    """Generations go on across both kinds of save; each commit removes the other kind's files (ours only)."""
+    path = str(tmp_path / "c")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "t00000.values.s00000.g1.ecd").write_text("the user's (not our name: 1-digit generation)")
+    ec.save(path, reference[1])
+    unsharded_files = set(os.listdir(path))
+
+    def save(world):
+        emb = ec.Embedding(feature_config(), world=world, sharding="column_wise")
+        train(emb, world.rank, world.size)
+        ec.save(path, emb)
+
+    run_world(3, save)
+    m = read_manifest(path)
+    assert m["generation"] == 2
+    named = {f["path"] for _, _, f in manifest_files(m)}
+    assert all(".s" in f for f in named)
+    assert sorted(os.listdir(path)) == sorted(named | {"MANIFEST", "t00000.values.s00000.g1.ecd"})
+    assert not (unsharded_files - {"MANIFEST", "t00000.values.s00000.g1.ecd"}) & set(os.listdir(path))
+    _assert_loads_like_reference(path, reference, 2, "row_wise")
+
+    # And back: an unsharded save removes the shard files.
+    ec.save(path, reference[1])
+    m = read_manifest(path)
+    assert m["generation"] == 3
+    named = {f["path"] for _, _, f in manifest_files(m)}
+    assert not any(".s" in f for f in named)
+    assert sorted(os.listdir(path)) == sorted(named | {"MANIFEST", "t00000.values.s00000.g1.ecd"})
+    _assert_loads_like_reference(path, reference, 4, "column_wise")
+
+
+# ------------------------------------------------------------------ 4. each rank writes its own shards
+@pytest.mark.parametrize("n, plan", [p for p in saved_params() if p.values[0] > 1])
+def test_each_rank_writes_only_its_own_shards(tmp_path, monkeypatch, n, plan):
+    real = _embedcore.write_shard_files
+    local = threading.local()
+    lock = threading.Lock()
+    calls = []  # (rank, table prefix, shard index, row_start, col_start, shard rows, shard cols, files)
+
+    def spy(path, generation, prefix, shard_index, shard, row_start, col_start, *args, **kwargs):
+        out = real(path, generation, prefix, shard_index, shard, row_start, col_start, *args, **kwargs)
+        entry = json.loads(out)
+        files = [f["path"] for f in entry["values"]] + [f["path"] for fs in entry["slots"].values() for f in fs]
+        with lock:
+            calls.append((local.rank, prefix, shard_index, row_start, col_start, shard.rows, shard.dim, files))
+        return out
+
+    monkeypatch.setattr(_embedcore, "write_shard_files", spy)
+    path = str(tmp_path / "c")
+
+    def fn(world):
+        local.rank = world.rank
+        assert threading.current_thread().name == f"embedcore-rank-{world.rank}"
+        emb = ec.Embedding(feature_config(), world=world, sharding=plan)
+        ec.save(path, emb)
+        return emb.plan
+
+    plan_obj = run_world(n, fn)[0]
+    m = read_manifest(path)
+    expected = {(TABLE_INDEX[name], si): s for name in SHAPES for si, s in enumerate(plan_obj[name].shards)}
+    assert len(calls) == len(expected), "one write per shard"
+    written_by = {}
+    for rank, prefix, si, row_start, col_start, rows, cols, files in calls:
+        ti = int(prefix[1:6])
+        s = expected[(ti, si)]
+        assert s.rank == rank, f"rank {rank} wrote shard {si} of table {ti}, which rank {s.rank} holds"
+        assert (row_start, col_start, rows, cols) == (s.row_start, s.col_start, s.rows, s.cols)
+        for f in files:
+            match = FILE_NAME.match(f)
+            assert match and (int(match[1]), int(match[3])) == (ti, si), f
+            assert f not in written_by, f"{f} written twice"
+            written_by[f] = rank
+    assert {(int(c[1][1:6]), c[2]) for c in calls} == set(expected)
+    # The manifest names exactly the files the ranks wrote, and each shard's rank.
+    named = {f["path"] for _, _, f in manifest_files(m)}
+    assert named == set(written_by)
+    assert sorted(os.listdir(path)) == sorted(named | {"MANIFEST"})
+    for t in m["tables"]:
+        for si, s in enumerate(t["sharding"]["shards"]):
+            mine = {f for f, r in written_by.items() if int(FILE_NAME.match(f)[3]) == si
+                    and int(FILE_NAME.match(f)[1]) == TABLE_INDEX[t["name"]]}
+            assert mine and {written_by[f] for f in mine} == {s["rank"]}
+    assert len(set(written_by.values())) == len({s.rank for s in expected.values()})
+
+
+# ------------------------------------------------------------------ 5. failures
+class InjectedWriteError(OSError):
+    pass
+
+
+def test_a_failed_write_on_one_rank_fails_every_rank_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    real = _embedcore.write_shard_files
+    local = threading.local()
+    armed = threading.Event()
+    injected = []
+
+    def failing(path, generation, prefix, shard_index, shard, *args, **kwargs):
+        # Rank 1 writes its shard of table "a", then fails on its shard of "b".
+        if armed.is_set() and local.rank == 1 and prefix == "t00001.":
+            e = InjectedWriteError(28, "No space left on device (injected)")
+            injected.append(e)
+            raise e
+        return real(path, generation, prefix, shard_index, shard, *args, **kwargs)
+
+    monkeypatch.setattr(_embedcore, "write_shard_files", failing)
+    path = str(tmp_path / "c")
+    snap = {}
+
+    def fn(world):
+        local.rank = world.rank
+        emb = ec.Embedding(feature_config(), world=world, sharding="row_wise")
+        train(emb, world.rank, world.size, steps=[0])
+        ec.save(path, emb)
+        saved_state = shard_states(emb)
+        if world.rank == 0:
+            snap["manifest"] = read_manifest(path)
+            snap["files"] = dir_bytes(path)
+            armed.set()
+        world.barrier()
+        train(emb, world.rank, world.size, steps=[1])
+        assert not all(same_state(saved_state[k], v) for k, v in shard_states(emb).items())
+        try:
+            ec.save(path, emb)
+            error = None
+        except Exception as e:  # noqa: BLE001
+            error = e
+        world.barrier()
+        if world.rank == 0:
+            snap["after_failure"] = sorted(os.listdir(path))
+            snap["files_after"] = dir_bytes(path)
+            armed.clear()
+        world.barrier()
+        return saved_state, error, shard_states(emb)
+
+    results = run_world(3, fn)
+    errors = [r[1] for r in results]
+    assert len(injected) == 1
+    assert errors[1] is injected[0], f"rank 1 raised {errors[1]!r}"
+    for rank in (0, 2):
+        assert isinstance(errors[rank], RankFailedError), f"rank {rank} raised {errors[rank]!r}"
+        assert "rank 1 of 3" in str(errors[rank]) and "No space left" in str(errors[rank])
+
+    # The previous checkpoint is untouched: same manifest, same bytes of every file it names.
+    old = snap["manifest"]
+    assert read_manifest(path) == old
+    named = {f["path"] for _, _, f in manifest_files(old)}
+    for f in named | {"MANIFEST"}:
+        assert snap["files_after"][f] == snap["files"][f], f"{f} changed"
+    # No manifest of the new generation; its orphan files (ranks 0 and 2, and rank 1's "a") are named by none.
+    assert not any(f.startswith("MANIFEST.") for f in snap["after_failure"])
+    orphans = set(snap["after_failure"]) - named - {"MANIFEST"}
+    assert orphans, "no rank wrote anything before the failure: the test does not exercise a partial save"
+    assert {int(FILE_NAME.match(f)[4]) for f in orphans} == {old["generation"] + 1}
+
+    # It still loads bit for bit (the state of the first save), on another world and plan.
+    first = assemble([r[0] for r in results])
+    for rank, (_, after, error, _) in enumerate(sharded_load(path, 2, "column_wise")):
+        assert error is None
+        for (name, s), st in after.items():
+            assert_state(st, block(first[name], s), f"rank {rank} table '{name}'")
+
+    # A later save succeeds and removes the failed generation's files.
+    def save_again(world):
+        emb = ec.Embedding(feature_config(seed=3), world=world, sharding="row_wise")
+        ec.save(path, emb)
+
+    run_world(3, save_again)
+    m = read_manifest(path)
+    assert m["generation"] > old["generation"] + 1
+    assert sorted(os.listdir(path)) == sorted({f["path"] for _, _, f in manifest_files(m)} | {"MANIFEST"})
+
+
+def test_a_failed_commit_fails_every_rank_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, saved):
+    path = str(tmp_path / "c")
+    shutil.copytree(saved[(2, "row_wise")].path, path)
+    before = dir_bytes(path)
+
+    def failing_commit(path, manifest_json):
+        raise OSError(5, "Input/output error (injected)")
+
+    monkeypatch.setattr(_embedcore, "commit_checkpoint", failing_commit)
+
+    def fn(world):
+        emb = ec.Embedding(feature_config(seed=9), world=world, sharding="column_wise")
+        try:
+            ec.save(path, emb)
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    errors = run_world(3, fn)
+    assert isinstance(errors[0], OSError) and "injected" in str(errors[0])
+    assert all(isinstance(e, RankFailedError) and "rank 0 of 3" in str(e) for e in errors[1:]), errors
+    after = dir_bytes(path)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert not any(k.startswith("MANIFEST.") for k in after)
+
+
+def test_a_save_to_a_path_that_is_a_file_fails_every_rank(tmp_path):
+    path = tmp_path / "not_a_dir"
+    path.write_bytes(b"user data")
+
+    def fn(world):
+        emb = ec.Embedding(feature_config(), world=world, sharding="row_wise")
+        try:
+            ec.save(path, emb)
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    errors = run_world(3, fn)
+    assert isinstance(errors[0], OSError) and not isinstance(errors[0], RankFailedError), errors[0]
+    assert all(isinstance(e, RankFailedError) for e in errors[1:]), errors
+    assert path.read_bytes() == b"user data"
+
+
+def _shard_file(path, table, array, shard_index):
+    m = read_manifest(path)
+    (t,) = [t for t in m["tables"] if t["name"] == table]
+    files = t["values"] if array == "values" else t["slots"][array]
+    (f,) = [f for f in files if int(FILE_NAME.match(f["path"])[3]) == shard_index]
+    return f
+
+
+@pytest.mark.parametrize("array", ["values", "momenta"])
+@pytest.mark.parametrize("m, plan", [(4, "row_wise"), (3, "row_wise"), (2, "column_wise"), (1, "table_wise"),
+                                     (4, "auto")])
+def test_a_corrupt_shard_file_fails_the_ranks_that_read_it_and_changes_no_rank(tmp_path, saved, reference, m, plan,
+                                                                                array):
+    path = str(tmp_path / "c")
+    shutil.copytree(saved[(4, "row_wise")].path, path)
+    f = _shard_file(path, "a", array, 2)
+    elem = 2 if array == "values" else 4
+    flip_byte(os.path.join(path, f["path"]), DATA_OFFSET + (f["rows"] // 2) * f["cols"] * elem + 1, 0x40)
+    lo, hi = f["row_start"], f["row_start"] + f["rows"]
+
+    results = sharded_load(path, m, plan)
+    plan_obj = results[0][3]
+    readers = {s.rank for s in plan_obj["a"].shards if s.row_start < hi and lo < s.row_start + s.rows}
+    assert readers, "no rank reads the corrupt file"
+    for rank, (before, after, error, _) in enumerate(results):
+        if rank in readers:
+            assert isinstance(error, ec.CheckpointError), f"rank {rank} raised {error!r}"
+            assert f["path"] in str(error) and "checksum mismatch" in str(error)
+        else:
+            assert isinstance(error, RankFailedError), f"rank {rank} raised {error!r}"
+            assert "CheckpointError" in str(error)
+        assert before.keys() == after.keys()
+        for key in before:
+            assert_state(after[key], before[key], f"rank {rank}: {key} changed by a failed load")
+
+    if array == "momenta":
+        # Values only: the corrupt slot file is not read, and the load succeeds.
+        for rank, (before, after, error, _) in enumerate(sharded_load(path, m, plan, include_optimizer=False)):
+            assert error is None, f"rank {rank}: {error!r}"
+            for (name, s), st in after.items():
+                exp = block(reference[0][name], s)
+                assert st["values"].tobytes() == exp["values"].tobytes()
+                assert_state({**st, "values": before[(name, s)]["values"]}, before[(name, s)], "slots/step")
+
+
+@pytest.mark.parametrize("m, plan", [(4, "row_wise"), (3, "table_wise"), (2, "column_wise")])
+def test_a_table_of_another_shape_fails_the_load_and_changes_no_rank(saved, m, plan):
+    path = saved[(3, "column_wise")].path
+    results = sharded_load(path, m, plan, b_rows=4)
+    holders = {s.rank for s in results[0][3]["b"].shards}
+    for rank, (before, after, error, _) in enumerate(results):
+        if rank in holders:
+            assert isinstance(error, ec.CheckpointError), f"rank {rank} raised {error!r}"
+            assert "'b'" in str(error) and "3 x 3" in str(error) and "4 x 3" in str(error), str(error)
+        else:
+            assert isinstance(error, RankFailedError) and "'b'" in str(error), f"rank {rank} raised {error!r}"
+        for key in before:
+            assert_state(after[key], before[key], f"rank {rank}: {key} changed by a failed load")
+    # Unsharded too.
+    emb = ec.Embedding(feature_config(seed=100, b_rows=4))
+    snap = {name: state(t) for name, t in tables_by_name(emb).items()}
+    with pytest.raises(ec.CheckpointError, match="'b'"):
+        ec.load(path, emb)
+    for name, t in tables_by_name(emb).items():
+        assert_state(state(t), snap[name], f"unsharded table '{name}'")
+
+
+# ------------------------------------------------------------------ 6. reshard
+def _assert_loads_like_reference(path, reference, m, plan):
+    compared = 0
+    for rank, (_, after, error, _) in enumerate(sharded_load(path, m, plan)):
+        assert error is None, f"rank {rank}: {error!r}"
+        for (name, s), st in after.items():
+            assert_state(st, block(reference[0][name], s), f"rank {rank}/{m} ({plan}) table '{name}'")
+            compared += s.rows * s.cols
+    assert compared == sum(r * d for r, d in SHAPES.values())
+    emb = ec.Embedding(feature_config(seed=100))
+    ec.load(path, emb)
+    for name, t in tables_by_name(emb).items():
+        assert_state(state(t), reference[0][name], f"unsharded table '{name}'")
+
+
+@pytest.mark.parametrize("src, m, plan", [((4, "row_wise"), 3, "column_wise"), ((1, "table_wise"), 4, "row_wise"),
+                                          ((3, "column_wise"), 2, "auto"), ((2, "auto"), 1, "table_wise"),
+                                          ((4, "column_wise"), 3, "row_wise")])
+def test_reshard_gives_a_checkpoint_that_loads_bit_exact(tmp_path, saved, reference, src, m, plan):
+    src_path = saved[src].path
+    src_before = dir_bytes(src_path)
+    dst = str(tmp_path / "dst")
+    max_file_bytes = 600
+    text = ec.distributed.reshard(src_path, dst, m, plan, max_file_bytes=max_file_bytes)
+    assert f"sharding over {m} ranks" in text
+    assert dir_bytes(src_path) == src_before, "reshard changed its source"
+    man = read_manifest(dst)
+    assert man["format_version"] == [1, 2]
+    for t in man["tables"]:
+        sh = t["sharding"]
+        assert sh["world_size"] == m
+        assert (sh["plan"] in ("table_wise", "row_wise")) if plan == "auto" else (sh["plan"] == plan)
+        assert {s["rank"] for s in sh["shards"]} <= set(range(m))
+        bytes_per_element = {"float16": 2, "float32": 4}[t["dtype"]] + 4 * len(t["slots"])
+        for f in t["values"]:
+            # Each piece holds at most max_file_bytes of values and slots (or one row when a row is larger).
+            assert f["rows"] * f["cols"] * bytes_per_element <= max(max_file_bytes, f["cols"] * bytes_per_element)
+            # ... and lies within one shard of the new plan.
+            assert any(s["row_start"] <= f["row_start"] and f["row_start"] + f["rows"] <= s["row_start"] + s["rows"]
+                       and s["col_start"] == f.get("col_start", 0) and s["cols"] == f["cols"] for s in sh["shards"])
+    (ta,) = [t for t in man["tables"] if t["name"] == "a"]
+    assert len(ta["values"]) > len(ta["sharding"]["shards"]), "max_file_bytes did not split table 'a'"
+    assert embedcore.cli.main(["verify", dst]) == 0
+    _assert_loads_like_reference(dst, reference, m, plan)
+    _assert_loads_like_reference(dst, reference, 2, "row_wise")
+
+
+def test_reshard_with_max_file_bytes_0_writes_one_file_per_shard(tmp_path, saved, reference):
+    dst = str(tmp_path / "dst")
+    ec.distributed.reshard(saved[(2, "column_wise")].path, dst, 4, "row_wise", max_file_bytes=0)
+    for t in read_manifest(dst)["tables"]:
+        assert len(t["values"]) == len(t["sharding"]["shards"])
+        assert [(f["row_start"], f["rows"]) for f in t["values"]] == [
+            (s["row_start"], s["rows"]) for s in t["sharding"]["shards"]]
+    _assert_loads_like_reference(dst, reference, 4, "row_wise")
+
+
+def test_reshard_in_place(tmp_path, saved, reference):
+    path = str(tmp_path / "c")
+    shutil.copytree(saved[(4, "row_wise")].path, path)
+    (tmp_path / "c" / "notes.txt").write_text("the user's")
+    old = read_manifest(path)
+    ec.distributed.reshard(path, path, 2, "column_wise", max_file_bytes=64)
+    new = read_manifest(path)
+    assert new["generation"] > old["generation"]
+    assert [t["sharding"]["plan"] for t in new["tables"]] == ["column_wise", "column_wise"]
+    assert all(t["sharding"]["world_size"] == 2 for t in new["tables"])
+    # The old generation's files are gone, the user's file kept.
+    assert sorted(os.listdir(path)) == sorted({f["path"] for _, _, f in manifest_files(new)} | {"MANIFEST", "notes.txt"})
+    _assert_loads_like_reference(path, reference, 2, "column_wise")
+    _assert_loads_like_reference(path, reference, 3, "row_wise")
+
+
+def test_reshard_cli(tmp_path, saved, reference, capsys):
+    dst = str(tmp_path / "dst")
+    assert embedcore.cli.main(["reshard", saved[(3, "auto")].path, dst, "--world", "3",
+                               "--plan", "a=row_wise,b=column_wise", "--max-file-mb", "0"]) == 0
+    assert f"wrote {dst}" in capsys.readouterr().out
+    assert [t["sharding"]["plan"] for t in read_manifest(dst)["tables"]] == ["row_wise", "column_wise"]
+    _assert_loads_like_reference(dst, reference, 3, {"a": "row_wise", "b": "column_wise"})
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(world_size=0), dict(world_size=-2), dict(world_size=2.0), dict(world_size=True), dict(world_size="2"),
+    dict(max_file_bytes=-1), dict(max_file_bytes=1.5), dict(max_file_bytes=True),
+    dict(plan="diagonal"), dict(plan={"nope": "row_wise"}), dict(plan={"a": "by_hash"}),
+], ids=lambda kw: "-".join(f"{k}={v!r}" for k, v in kw.items()))
+def test_reshard_rejects_bad_arguments(tmp_path, saved, kwargs):
+    src = saved[(2, "row_wise")].path
+    src_before = dir_bytes(src)
+    dst = tmp_path / "dst"
+    args = dict(world_size=2, plan="auto", max_file_bytes=1 << 20)
+    args.update(kwargs)
+    with pytest.raises(ValueError):
+        ec.distributed.reshard(src, dst, args["world_size"], args["plan"], max_file_bytes=args["max_file_bytes"])
+    assert not dst.exists(), "a rejected reshard created its destination"
+    assert dir_bytes(src) == src_before
+
+
+def test_reshard_of_no_checkpoint_raises_checkpoint_error(tmp_path):
+    with pytest.raises(ec.CheckpointError, match="no such checkpoint"):
+        ec.distributed.reshard(tmp_path / "missing", tmp_path / "dst", 2)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_reshard_keeps_the_stored_dtype_of_an_export(tmp_path, reference):
+    """A float16 serving export of a float32 table ("b") stays float16 when
+    resharded (docs/distributed.md suggests `reshard --world 1` to make a
+    sharded export servable); it must not come back twice as large as float32."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+
+    def export(world):
+        emb = ec.Embedding(feature_config(), world=world, sharding="row_wise")
+        train(emb, world.rank, world.size)
+        ec.save(src, emb, include_optimizer=False, values_dtype="float16")
+
+    run_world(2, export)
+    stored = {t["name"]: {f["dtype"] for f in t["values"]} for t in read_manifest(src)["tables"]}
+    assert stored == {"a": {"float16"}, "b": {"float16"}}
+    ec.distributed.reshard(src, dst, 1, "table_wise", max_file_bytes=0)
+    m = read_manifest(dst)
+    # The values are the same either way (float16 -> float32 is exact) ...
+    a, b = ec.Embedding(feature_config(seed=100)), ec.Embedding(feature_config(seed=100))
+    ec.load(src, a)
+    ec.load(dst, b)
+    for name in SHAPES:
+        assert tables_by_name(a)[name].to_numpy().tobytes() == tables_by_name(b)[name].to_numpy().tobytes()
+    # ... but the export's stored dtype and size must be kept.
+    assert {t["name"]: {f["dtype"] for f in t["values"]} for t in m["tables"]} == stored
+    (tb,) = [t for t in m["tables"] if t["name"] == "b"]
+    assert tb["values"][0]["bytes"] == DATA_OFFSET + 3 * 3 * 2
