@@ -336,8 +336,9 @@ void ReadDataBlock(const std::string& dir, const FileEntry& f, void* dst, DType 
     const uint64_t per_chunk = kChunkBytes / 4;
     const int64_t chunks = int64_t((elems + per_chunk - 1) / per_chunk);
     ParallelFor(chunks, 1, [&](int64_t a, int64_t b) {
-      std::vector<char> raw(per_chunk * src_es);
-      std::vector<float> f32(per_chunk);
+      const uint64_t most = std::min<uint64_t>(per_chunk, elems);  // a small file gets small buffers
+      std::vector<char> raw(static_cast<size_t>(most * src_es));
+      std::vector<float> f32(static_cast<size_t>(most));
       for (int64_t i = a; i < b; ++i) {
         const uint64_t e0 = uint64_t(i) * per_chunk, n = std::min<uint64_t>(per_chunk, elems - e0);
         file.ReadAt(raw.data(), size_t(n * src_es), kDataOffset + src0 + e0 * src_es);
@@ -378,7 +379,7 @@ void CheckFinite(const std::string& dir, const FileEntry& f) {
   const size_t es = DTypeSize(f.dtype);
   const uint64_t elems = uint64_t(f.rows) * uint64_t(f.cols);
   const uint64_t per_chunk = kChunkBytes / es;
-  std::vector<char> raw(kChunkBytes);
+  std::vector<char> raw(size_t(std::min<uint64_t>(per_chunk, std::max<uint64_t>(elems, 1)) * es));
   for (uint64_t e0 = 0; e0 < elems; e0 += per_chunk) {
     const uint64_t n = std::min(per_chunk, elems - e0);
     file.ReadAt(raw.data(), size_t(n * es), kDataOffset + e0 * es);

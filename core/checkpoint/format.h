@@ -23,7 +23,7 @@ enum class FileKind : uint8_t { kManifest = 0, kData = 1 };
 struct FileHeader {
   char magic[8];            ///< kManifestMagic or kDataMagic
   uint16_t format_major;    ///< 1
-  uint16_t format_minor;    ///< 0
+  uint16_t format_minor;    ///< the writer's minor version (kFormatMinor)
   uint32_t byte_order;      ///< kByteOrderMark
   uint32_t header_bytes;    ///< 64
   uint8_t kind;             ///< FileKind

@@ -147,7 +147,13 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
     for k, t in enumerate(manifest["tables"]):
         ts = layout[t["name"]]
         has_opt = t["optimizer"] is not None
-        row_bytes_per_col = element[t["dtype"]] + 4 * len(t["slots"])
+        # An export may store values in another dtype than the table's (float32
+        # saved as float16): keep what is stored, and size the pieces by it.
+        stored = {f["dtype"] for f in t["values"]}
+        values_dtype = stored.pop() if len(stored) == 1 else None
+        if values_dtype == t["dtype"]:
+            values_dtype = None
+        row_bytes_per_col = element[values_dtype or t["dtype"]] + 4 * len(t["slots"])
         pieces, index = [], 0
         for s in ts.shards:
             chunk = s.rows if max_file_bytes == 0 else max(1, max_file_bytes // (s.cols * row_bytes_per_col))
@@ -156,7 +162,7 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
                 block = _embedcore.table_like(info, k, n, s.cols)
                 _embedcore.load_table_block(info, k, block, r0, s.col_start, has_opt, True)
                 pieces.append(json.loads(_embedcore.write_shard_files(dst, generation, f"t{k:05d}.", index, block,
-                                                                      r0, s.col_start, has_opt)))
+                                                                      r0, s.col_start, has_opt, values_dtype)))
                 index += 1
                 del block
         entry = _merge(t, pieces)
