@@ -45,5 +45,6 @@ NB_MODULE(_embedcore, m) {
   });
   m.attr("__version__") = EMBEDCORE_VERSION_STRING;
   embedcore::bindings::BindTable(m);
+  embedcore::bindings::BindDistributed(m);
   embedcore::bindings::BindCheckpoint(m);
 }

@@ -96,6 +96,8 @@ void ApplyGradientsCuda(Table& t, const std::vector<CudaPartTuple>& parts, float
   std::vector<GradientPart> native;
   for (const auto& [ids, offsets, weights, combiner, max_len, grads] : parts) {
     CheckOnDevice(t, ids.device_id(), "ids");
+    CheckOnDevice(t, offsets.device_id(), "offsets");
+    if (weights) CheckOnDevice(t, weights->device_id(), "weights");
     CheckOnDevice(t, grads.device_id(), "grads");
     GradientPart p;
     p.batch = MakeBatch(ids, offsets, weights);

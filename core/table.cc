@@ -607,6 +607,9 @@ BuildInfo GetBuildInfo() {
   info.cuda_architectures = EMBEDCORE_CUDA_ARCHS;
 #endif
   info.cuda_devices = cuda_impl::DeviceCount();
+#if defined(EMBEDCORE_WITH_NCCL)
+  info.nccl = true;
+#endif
 #if defined(__clang__)
   info.compiler = "clang " __clang_version__;
 #elif defined(__GNUC__)

@@ -1,6 +1,7 @@
 // Checkpoint save, load, verify and memory-mapped serving (format v1).
 #include <dirent.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -241,6 +242,11 @@ void CheckDataHeader(const File& file, const FileEntry& f) {
     if (c != 0) throw CheckpointError(file.path() + ": header padding is not zero (corrupt)");
 }
 
+uint64_t PageSize() {
+  static const uint64_t size = uint64_t(::sysconf(_SC_PAGESIZE));
+  return size;
+}
+
 // Verifies the block checksums of a data file that cover payload bytes [lo,
 // hi) (every block: lo = 0, hi = payload). The file is mapped in windows of a
 // few blocks (so the process never holds more than one window of it), read
@@ -264,10 +270,11 @@ void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, ui
     if (w0 + window < end)  // start reading the next window while this one is checked
       ::posix_fadvise(file.fd(), off_t(kDataOffset + w0 + window), off_t(std::min(window, end - w0 - window)),
                       POSIX_FADV_WILLNEED);
-    // kDataOffset and block boundaries are multiples of the page size.
-    void* p = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, file.fd(), off_t(kDataOffset + w0));
+    // Mapped from the page that holds the window's start (pages may be larger than 4 KiB).
+    const uint64_t at = kDataOffset + w0, lead = at % PageSize();
+    void* p = ::mmap(nullptr, len + lead, PROT_READ, MAP_SHARED, file.fd(), off_t(at - lead));
     if (p == MAP_FAILED) throw IoError(file.path() + ": mmap failed: " + checkpoint::ErrnoText(errno));
-    const char* data = static_cast<const char*>(p);
+    const char* data = static_cast<const char*>(p) + lead;
     const uint64_t b0 = w0 / bb;
     const int64_t nb = int64_t((len + bb - 1) / bb);
     std::atomic<int64_t> bad{-1};
@@ -280,7 +287,7 @@ void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, ui
         }
       }
     });
-    ::munmap(p, len);
+    ::munmap(p, len + lead);
     if (bad.load() >= 0) {
       const int64_t blk = bad.load();
       throw CheckpointError(file.path() + ": checksum mismatch in block " + std::to_string(blk) + " (bytes " +
@@ -350,7 +357,7 @@ void ReadDataBlock(const std::string& dir, const FileEntry& f, void* dst, DType 
   }
   // A column range of each row: map the rows and copy only those columns, so
   // only the pages that hold them are read.
-  const uint64_t page = 4096;
+  const uint64_t page = PageSize();
   const uint64_t map_lo = (kDataOffset + src0) / page * page;
   const uint64_t map_hi = kDataOffset + src0 + uint64_t(r1 - r0) * src_row;
   void* p = ::mmap(nullptr, size_t(map_hi - map_lo), PROT_READ, MAP_SHARED, file.fd(), off_t(map_lo));

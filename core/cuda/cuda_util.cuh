@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <new>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -41,7 +42,12 @@ template <typename T>
 class Scratch {
  public:
   Scratch(size_t n, cudaStream_t stream) : stream_(stream) {
-    EC_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&p_), std::max<size_t>(n, 1) * sizeof(T), stream));
+    const cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&p_), std::max<size_t>(n, 1) * sizeof(T), stream);
+    if (err == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      throw std::bad_alloc();
+    }
+    EC_CUDA(err);
   }
   ~Scratch() { cudaFreeAsync(p_, stream_); }
   Scratch(const Scratch&) = delete;

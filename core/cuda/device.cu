@@ -42,6 +42,9 @@ void* Allocate(size_t bytes, int device) {
   }
   EC_CUDA(err);
   EC_CUDA(cudaMemset(p, 0, bytes));
+  // Memsets and pageable copies run on the legacy stream, which a caller's
+  // non-blocking stream does not wait for: finish them before returning.
+  EC_CUDA(cudaDeviceSynchronize());
   return p;
 }
 
@@ -62,6 +65,7 @@ void CopyToHost(void* dst, const void* src, size_t bytes, int device) {
 void CopyToDevice(void* dst, const void* src, size_t bytes, int device) {
   DeviceGuard guard(device);
   EC_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  EC_CUDA(cudaDeviceSynchronize());  // a pageable copy may return before the DMA lands
 }
 
 namespace {

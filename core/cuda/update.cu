@@ -9,6 +9,7 @@
 #include <cub/device/device_scan.cuh>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
 
 #include "cuda/cuda_impl.h"
@@ -169,6 +170,9 @@ void ApplyGradients(const TableSpec& spec, void* values, const std::vector<float
 
   int64_t total = 0;
   for (const GradientPart& p : parts) total += p.batch.nnz;
+  if (total > int64_t(INT_MAX))  // CUB's run-length encoding counts in int
+    throw InvalidArgument("apply_gradients on the GPU: " + std::to_string(total) +
+                          " ids in one step, over 2^31 - 1: split the batch");
   Scratch<uint64_t> keys(size_t(total), s), keys_sorted(size_t(total), s);
   Scratch<int64_t> order(size_t(total), s), order_sorted(size_t(total), s);
   Scratch<float> coefficient(size_t(total), s);

@@ -108,8 +108,9 @@ def _ids(x, where: str):
 
 
 def cuda_batch(device: int, ids, offsets=None, weights=None, where: str = "ids"):
-    """(ids, offsets, weights, reference tensor) on the device: a 2-D [batch,
-    k] tensor is one bag per row; 1-D ids need offsets (or are one id per bag)."""
+    """(ids, offsets, weights, reference tensor, width) on the device: a 2-D
+    [batch, k] tensor is one bag per row (width k, which a sequence output
+    keeps, as on the CPU); 1-D ids take offsets (or are one id per bag; width None)."""
     from ._inputs import Ragged, Sparse
 
     if isinstance(ids, Sparse):
@@ -131,29 +132,28 @@ def cuda_batch(device: int, ids, offsets=None, weights=None, where: str = "ids")
             raise TypeError(f"{where}: the table is on cuda:{device}; {what} is on cuda:{d[1]}")
     name, fw = _framework(ids)
     shape = tuple(ids.shape)
+
+    def steps(n: int, step: int):  # [0, step, 2 step, ...] (n values) on the table's device
+        if name == "torch":
+            return fw.arange(n, dtype=fw.int64, device=ids.device) * step
+        with fw.cuda.Device(device):
+            return fw.arange(n, dtype=fw.int64) * step
+
+    width = None
     if len(shape) == 2:
         if offsets is not None:
             raise ValueError(f"{where}: a 2-D id tensor is one bag per row; offsets make no sense with it")
-        b, k = shape
-        flat = _ids(ids, where)
-        if name == "torch":
-            offsets = fw.arange(0, b * k + 1, max(k, 1), dtype=fw.int64, device=ids.device)[: b + 1]
-        else:
-            offsets = fw.arange(0, b * k + 1, max(k, 1), dtype=fw.int64)[: b + 1]
-        ids = flat
+        b, width = shape
+        ids = _ids(ids, where)
+        offsets = steps(b + 1, width)  # all zeros when the rows are empty: b empty bags
     elif len(shape) == 1:
         ids = _ids(ids, where)
-        n = int(ids.shape[0])
-        if offsets is None:
-            offsets = (fw.arange(0, n + 1, dtype=fw.int64, device=ids.device) if name == "torch"
-                       else fw.arange(0, n + 1, dtype=fw.int64))
-        else:
-            offsets = _as(offsets, "int64", "offsets")
+        offsets = steps(int(ids.shape[0]) + 1, 1) if offsets is None else _as(offsets, "int64", "offsets")
     else:
         raise ValueError(f"{where}: ids must be 1-D (with offsets) or 2-D, got shape {shape}")
     if weights is not None:
         weights = _as(weights, "float32", "weights")
-    return ids, offsets, weights, ids
+    return ids, offsets, weights, ids, width
 
 
 def empty(like, shape, device: int):

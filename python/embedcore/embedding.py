@@ -124,7 +124,8 @@ class Embedding(FeatureLookup):
         outputs, parts = [], []
         for name, f, x, w in zip(self._feature_names, self._features, flat_inputs, flat_weights):
             table = self._tables[f.table]
-            ids, offsets, weights, ref = _device.cuda_batch(table._device, x, None, w, where=f"features[{name!r}]")
+            ids, offsets, weights, ref, _ = _device.cuda_batch(table._device, x, None, w,
+                                                               where=f"features[{name!r}]")
             combiner = self._combiner(f)
             length = 0 if combiner is not None else f.max_sequence_length
             outputs.append(table._cuda_lookup(ids, offsets, weights, combiner, length))

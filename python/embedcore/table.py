@@ -268,8 +268,12 @@ class Table(LookupMixin):
         if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, (int, np.integer)) \
                 or max_sequence_length < 0:
             raise ValueError(f"max_sequence_length must be an int >= 0, got {max_sequence_length!r}")
-        ids, offsets, weights, ref = _device.cuda_batch(self._device, ids, offsets, weights,
-                                                        where=f"table '{self._name}'")
+        ids, offsets, weights, ref, width = _device.cuda_batch(self._device, ids, offsets, weights,
+                                                               where=f"table '{self._name}'")
+        if combiner is None and max_sequence_length == 0 and width is not None:
+            max_sequence_length = width  # a dense [batch, k] input keeps its width, as on the CPU
+            if width == 0:
+                return _device.empty(ref, (int(offsets.shape[0]) - 1, 0, self.dim), self._device)
         shape = self._cuda_shape(ids, offsets, combiner, max_sequence_length)
         if out is None:
             out = _device.empty(ref, shape, self._device)
@@ -280,8 +284,10 @@ class Table(LookupMixin):
         return out
 
     def _cuda_part(self, ids, offsets, weights, combiner, max_sequence_length, grads) -> tuple:
-        ids, offsets, weights, ref = _device.cuda_batch(self._device, ids, offsets, weights,
-                                                        where=f"table '{self._name}'")
+        ids, offsets, weights, ref, width = _device.cuda_batch(self._device, ids, offsets, weights,
+                                                               where=f"table '{self._name}'")
+        if combiner is None and max_sequence_length == 0 and width:
+            max_sequence_length = width
         shape = self._cuda_shape(ids, offsets, combiner, max_sequence_length)
         if not _device.is_cuda_array(grads):
             raise TypeError(f"table '{self._name}' is on {self.device}: grads must be a CUDA tensor")

@@ -236,3 +236,50 @@ def test_embedding_on_gpu_equals_cpu():
     for cfg_ref, t in ref.embedding_tables.items():
         other = [u for u in dev.embedding_tables.values() if u.name == t.name][0]
         np.testing.assert_array_equal(other.to_numpy(), t.to_numpy())
+
+
+# -------------------------------------------------------------- the nccl communicator
+@pytest.mark.skipif(INFO["nccl"], reason="checks a build without NCCL")
+def test_nccl_absent_says_how_to_get_it(tmp_path):
+    with pytest.raises(ec.NotCompiledError, match="without NCCL"):
+        ec.distributed.init("nccl", file=str(tmp_path / "id"), rank=0, size=1)
+
+
+@pytest.mark.skipif(not INFO["nccl"], reason="needs the CUDA build with NCCL (EMBEDCORE_CUDA=ON, nvidia-nccl-cu13)")
+def test_nccl_unique_id_and_arguments(tmp_path):
+    from embedcore.distributed._nccl import _library
+
+    assert len(ec._embedcore.NcclTransport.unique_id(_library())) == 128
+    with pytest.raises(ValueError, match="exactly one of"):
+        ec.distributed.init("nccl", rank=0, size=1)
+    with pytest.raises(ValueError, match="impossible"):
+        ec.distributed.init("nccl", file=str(tmp_path / "id"), rank=2, size=2)
+
+
+@needs_gpu
+@pytest.mark.skipif(not INFO["nccl"], reason="needs the CUDA build with NCCL (EMBEDCORE_CUDA=ON, nvidia-nccl-cu13)")
+def test_nccl_world_of_one_runs_the_sharded_lookup(tmp_path):
+    """NCCL does not run two ranks on one GPU: the transport is checked at
+    world size 1 here, the algorithm at larger sizes over the other backends."""
+    world = ec.distributed.init("nccl", file=str(tmp_path / "nccl_id"), rank=0, size=1, device=0)
+    assert (world.rank, world.size, world.backend) == (0, 1, "nccl")
+    got = world.all_to_all_v([np.arange(10, dtype=np.float32)])
+    np.testing.assert_array_equal(got[0], np.arange(10, dtype=np.float32))
+    assert world.all_gather({"a": 1}) == [{"a": 1}]
+
+    def cfg():
+        t = ec.TableConfig("a", 40, 6, initializer=ec.initializers.Uniform(-1, 1, seed=4), combiner="mean")
+        return {"f": ec.FeatureConfig(t), "s": ec.FeatureConfig(t, max_sequence_length=3)}
+
+    ref = ec.Embedding(cfg(), ec.optimizers.Adagrad(0.1))
+    emb = ec.Embedding(cfg(), ec.optimizers.Adagrad(0.1), world=world, sharding="row_wise")
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        x = {"f": rng.integers(0, 40, (8, 3)), "s": rng.integers(0, 40, (8, 4))}
+        a, b = ref(x), emb(x)
+        for k in a:
+            np.testing.assert_array_equal(b[k], a[k])
+        ref.apply_gradients({k: v + 1 for k, v in a.items()})
+        emb.apply_gradients({k: v + 1 for k, v in b.items()})
+    (shard, table), = emb.local_shards["a"]
+    np.testing.assert_array_equal(table.to_numpy(), ref.embedding_tables[next(iter(ref.embedding_tables))].to_numpy())

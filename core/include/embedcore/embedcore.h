@@ -267,6 +267,35 @@ class Table {
   mutable std::shared_mutex mutex_;
 };
 
+// ---------------------------------------------------------------- nccl
+/// The transport of the `nccl` communicator (embedcore.distributed): NCCL,
+/// loaded at run time from `library` (a path or soname; "" for
+/// libnccl.so.2), one rank per process and GPU. The CUDA build with NCCL
+/// headers only; elsewhere every call throws NotCompiled.
+class NcclTransport {
+ public:
+  /// A new unique id (NCCL_UNIQUE_ID_BYTES bytes) for rank 0 to share.
+  static std::string UniqueId(const std::string& library);
+  NcclTransport(const std::string& library, const std::string& unique_id, int size, int rank, int device);
+  ~NcclTransport();
+  NcclTransport(const NcclTransport&) = delete;
+  NcclTransport& operator=(const NcclTransport&) = delete;
+  int size() const;
+  int rank() const;
+  int device() const;
+  /// Sends send_bytes[p] bytes to each peer p and receives recv_bytes[p] from
+  /// each, packed in rank order; device buffers, on `stream`, returns when done.
+  void AllToAllV(const void* send, const std::vector<uint64_t>& send_bytes, void* recv,
+                 const std::vector<uint64_t>& recv_bytes, uintptr_t stream);
+  /// The same with host buffers, staged through device memory.
+  void AllToAllVHost(const void* send, const std::vector<uint64_t>& send_bytes, void* recv,
+                     const std::vector<uint64_t>& recv_bytes);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // ---------------------------------------------------------------- checkpoints
 /// The checkpoint format version this library writes; it reads every older
 /// major version and refuses newer ones. See docs/format.md.

@@ -273,7 +273,10 @@ def init(backend: str = "mpi", **kwargs) -> Comm:
     ``"mpi"``: ``MPI.COMM_WORLD`` (or ``comm=``), in processes started by
     ``mpiexec -n N``; an uncaught exception on any rank aborts the job
     (``abort_on_error=False`` to keep MPI's default).
-    ``"nccl"``: GPU ranks; needs the CUDA build.
+    ``"nccl"``: GPU ranks (the CUDA build with NCCL): ``init("nccl",
+    bootstrap=comm | store=torch_store | file=path, rank=, size=, device=)``;
+    NCCL's unique id goes from rank 0 to the others over the bootstrap
+    communicator, the store or the file.
     ``"torch"``: use ``embedcore.adapters.torch.distributed.init()``.
     For threads in one process, use ``run_local``.
     """
@@ -286,11 +289,9 @@ def init(backend: str = "mpi", **kwargs) -> Comm:
             _abort_on_uncaught(comm._comm)
         return comm
     if backend == "nccl":
-        from .. import _embedcore
+        from ._nccl import init_nccl
 
-        raise _embedcore.NotCompiledError(
-            "init('nccl'): this embedcore was built without CUDA and NCCL; build it with EMBEDCORE_CUDA=ON "
-            "(the CPU backends are 'mpi' and run_local)")
+        return init_nccl(**kwargs)
     if backend == "torch":
         raise ValueError("init('torch'): use embedcore.adapters.torch.distributed.init(), which wraps the "
                          "torch.distributed process group")
