@@ -12,6 +12,7 @@
 #include "kernels.h"
 #include "ops/combiners.h"
 #include "ops/optimizers.h"
+#include "step_constants.h"
 #include "thread_pool.h"
 
 namespace embedcore {
@@ -547,17 +548,7 @@ void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learnin
   group_start.push_back(int64_t(keys.size()));
 
   const OptimizerSpec& o = spec_.optimizer;
-  ops::StepConstants kc;
-  kc.lr = learning_rate;
-  kc.weight_decay = o.multiply_weight_decay_factor_by_learning_rate ? o.weight_decay_factor * learning_rate
-                                                                   : o.weight_decay_factor;
-  kc.clip_gradient = o.has_clipvalue;
-  kc.clip_gradient_min = o.clip_gradient_min;
-  kc.clip_gradient_max = o.clip_gradient_max;
-  kc.clip_weight_min = o.has_clip_weight_min;
-  kc.weight_min = o.clip_weight_min;
-  kc.clip_weight_max = o.has_clip_weight_max;
-  kc.weight_max = o.clip_weight_max;
+  const ops::StepConstants kc = internal::StepConstantsFor(o, learning_rate);
 
   std::unique_lock<std::shared_mutex> lock(mutex_);
   std::vector<float*> slots;
@@ -572,13 +563,7 @@ void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learnin
       UpdateGroups(ops::AdagradRule{learning_rate, o.adagrad_epsilon}, kc, spec_, values, slots, keys, group_start, k);
       break;
     case OptimizerSpec::Kind::kAdam: {
-      float lr_t = learning_rate;
-      if (o.bias_correction) {
-        const double t = double(step_ + 1);
-        lr_t = float(double(learning_rate) * std::sqrt(1.0 - std::pow(double(o.beta_2), t)) /
-                     (1.0 - std::pow(double(o.beta_1), t)));
-      }
-      const ops::AdamRule rule{lr_t, o.beta_1, o.beta_2, o.epsilon, o.sum_inside_sqrt};
+      const ops::AdamRule rule = internal::AdamRuleFor(o, learning_rate, step_);
       UpdateGroups(rule, kc, spec_, values, slots, keys, group_start, k);
       if (!o.lazy_adam) {
         std::vector<uint8_t> touched(spec_.rows, 0);
@@ -588,8 +573,7 @@ void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learnin
       break;
     }
     case OptimizerSpec::Kind::kFTRL: {
-      const ops::FtrlRule rule{learning_rate, o.learning_rate_power, o.l1, o.l2, o.beta,
-                               o.multiply_linear_by_learning_rate};
+      const ops::FtrlRule rule = internal::FtrlRuleFor(o, learning_rate);
       UpdateGroups(rule, kc, spec_, values, slots, keys, group_start, k);
       break;
     }

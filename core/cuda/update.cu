@@ -17,6 +17,7 @@
 #include "ops/combiners.h"
 #include "ops/half.h"
 #include "ops/optimizers.h"
+#include "step_constants.h"
 
 namespace embedcore::cuda_impl {
 namespace {
@@ -221,17 +222,7 @@ void ApplyGradients(const TableSpec& spec, void* values, const std::vector<float
   const Groups groups{group_key.get(), group_start.get(), group_count.get(), num_groups.get(), total};
 
   const OptimizerSpec& o = spec.optimizer;
-  ops::StepConstants kc;
-  kc.lr = learning_rate;
-  kc.weight_decay = o.multiply_weight_decay_factor_by_learning_rate ? o.weight_decay_factor * learning_rate
-                                                                   : o.weight_decay_factor;
-  kc.clip_gradient = o.has_clipvalue;
-  kc.clip_gradient_min = o.clip_gradient_min;
-  kc.clip_gradient_max = o.clip_gradient_max;
-  kc.clip_weight_min = o.has_clip_weight_min;
-  kc.weight_min = o.clip_weight_min;
-  kc.clip_weight_max = o.has_clip_weight_max;
-  kc.weight_max = o.clip_weight_max;
+  const ops::StepConstants kc = internal::StepConstantsFor(o, learning_rate);
   const int64_t* ord = order_sorted.get();
   switch (o.kind) {
     case OptimizerSpec::Kind::kSGD:
@@ -243,20 +234,13 @@ void ApplyGradients(const TableSpec& spec, void* values, const std::vector<float
                     coefficient.get(), grad_row.get(), false, s);
       break;
     case OptimizerSpec::Kind::kAdam: {
-      float lr_t = learning_rate;
-      if (o.bias_correction) {
-        const double t = double(step + 1);
-        lr_t = float(double(learning_rate) * std::sqrt(1.0 - std::pow(double(o.beta_2), t)) /
-                     (1.0 - std::pow(double(o.beta_1), t)));
-      }
-      UpdateAnyType(ops::AdamRule{lr_t, o.beta_1, o.beta_2, o.epsilon, o.sum_inside_sqrt}, kc, spec, values, slots,
-                    groups, ord, coefficient.get(), grad_row.get(), !o.lazy_adam, s);
+      UpdateAnyType(internal::AdamRuleFor(o, learning_rate, step), kc, spec, values, slots, groups, ord,
+                    coefficient.get(), grad_row.get(), !o.lazy_adam, s);
       break;
     }
     case OptimizerSpec::Kind::kFTRL:
-      UpdateAnyType(ops::FtrlRule{learning_rate, o.learning_rate_power, o.l1, o.l2, o.beta,
-                                  o.multiply_linear_by_learning_rate},
-                    kc, spec, values, slots, groups, ord, coefficient.get(), grad_row.get(), false, s);
+      UpdateAnyType(internal::FtrlRuleFor(o, learning_rate), kc, spec, values, slots, groups, ord,
+                    coefficient.get(), grad_row.get(), false, s);
       break;
   }
   EC_CUDA(cudaStreamSynchronize(s));

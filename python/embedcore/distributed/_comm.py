@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from abc import ABC, abstractmethod
 from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
@@ -19,7 +20,7 @@ class RankFailedError(RuntimeError):
     naming that rank and its error."""
 
 
-class Comm:
+class Comm(ABC):
     """What the sharded algorithm needs from a communicator.
 
     ``all_to_all_v(send, recv_counts)``: ``send[j]`` (a 1-D array) goes to
@@ -33,11 +34,13 @@ class Comm:
     size: int
     backend: str
 
+    @abstractmethod
     def all_to_all_v(self, send: Sequence[np.ndarray], recv_counts: Optional[Sequence[int]] = None) -> List[np.ndarray]:
-        raise NotImplementedError
+        """recv[j] = what rank j sent this rank."""
 
+    @abstractmethod
     def all_gather(self, obj: Any) -> list:
-        raise NotImplementedError
+        """Every rank's `obj`, in rank order."""
 
     def barrier(self) -> None:
         self.all_gather(None)
