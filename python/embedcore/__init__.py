@@ -34,7 +34,11 @@ def get_num_threads() -> int:
 
 def build_info() -> dict:
     """What this build holds: version, compiled features, kernels in use."""
+    import importlib.util
+
     info = dict(_embedcore.build_info())
+    # The mpi communicator is mpi4py's (embedcore.distributed): usable when it is installed.
+    info["mpi"] = importlib.util.find_spec("mpi4py") is not None
     info["checkpoint_format"] = ".".join(map(str, FORMAT_VERSION))
     info["checkpoint_formats_read"] = [f"{major}.x" for major in range(1, FORMAT_VERSION[0] + 1)]
     return info
