@@ -12,6 +12,8 @@
 namespace embedcore::cuda_impl {
 namespace {
 
+constexpr int kBatch = 8;  // rows whose loads are in flight at once per thread
+
 template <typename I>
 __global__ void CheckBatchKernel(const I* ids, int64_t nnz, const int64_t* offsets, int64_t num_bags, int64_t rows,
                                  unsigned long long* bad_position, int* bad_offsets) {
@@ -38,9 +40,19 @@ __global__ void PooledKernel(const T* table, int64_t dim, const I* ids, const in
     }
     const float denominator = ops::CombinerDenominator(combiner, sum_w, sum_w2);
     for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
+      // Eight rows' loads are issued before their adds (memory-level
+      // parallelism); the adds stay in id order, so the bits do not change.
       float acc = 0.0f;
-      for (int64_t k = k0; k < k1; ++k)
-        acc += (weights ? weights[k] : 1.0f) * ops::ToFloat(table[int64_t(ids[k]) * dim + d]);
+      for (int64_t k = k0; k < k1; k += kBatch) {
+        const int n = k1 - k < kBatch ? int(k1 - k) : kBatch;
+        float v[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j)
+          if (j < n) v[j] = ops::ToFloat(table[int64_t(ids[k + j]) * dim + d]);
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j)
+          if (j < n) acc += (weights ? weights[k + j] : 1.0f) * v[j];
+      }
       if (combiner != ops::CombinerKind::kSum) acc = denominator == 0.0f ? 0.0f : acc / denominator;
       out[b * dim + d] = acc;
     }
