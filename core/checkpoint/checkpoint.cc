@@ -727,68 +727,143 @@ struct MappedCheckpoint::Mapped {
   }
 };
 
+// A table's mapped values files: one (the usual case, served in place) or
+// several (a sharded save: row blocks and column bands, see docs/format.md).
+struct MappedCheckpoint::MappedTable {
+  std::vector<std::unique_ptr<Mapped>> files;
+  // Column bands in column order, each with its files in row order.
+  struct Band {
+    int64_t col_start = 0, cols = 0;
+    std::vector<const Mapped*> files;
+    std::vector<int64_t> row_starts;
+  };
+  std::vector<Band> bands;
+
+  bool single() const { return files.size() == 1; }
+
+  // The file of `band` that holds row `id`.
+  const Mapped& FileOf(const Band& band, int64_t id) const {
+    const size_t i = size_t(std::upper_bound(band.row_starts.begin(), band.row_starts.end(), id) -
+                            band.row_starts.begin()) - 1;
+    return *band.files[i];
+  }
+};
+
+namespace {
+// Verifies (once) the checksum blocks that hold row `row` of a mapped file.
+template <typename M>
+void TouchRow(const M& m, int64_t row) {
+  const uint64_t row_bytes = uint64_t(m.file.cols) * DTypeSize(m.file.dtype);
+  const uint64_t r = uint64_t(row - m.file.row_start);
+  const uint64_t first = r * row_bytes / m.file.block_bytes;
+  const uint64_t last = (r * row_bytes + row_bytes - 1) / m.file.block_bytes;
+  for (uint64_t b = first; b <= last; ++b) m.EnsureVerified(size_t(b));
+}
+}  // namespace
+
 MappedCheckpoint::MappedCheckpoint(const std::string& path, Verify verify) : info_(ReadCheckpointInfo(path)) {
   for (const TableEntry& t : info_.tables) {
-    if (t.values.size() != 1)
-      throw CheckpointError(path + ": table '" + t.name + "' is split over " + std::to_string(t.values.size()) +
-                            " files (a sharded save); serving maps one file per table: serve it sharded with "
-                            "embedcore.distributed, or rewrite it with `embedcore reshard SRC DST --world 1 "
-                            "--max-file-mb 0`");
-    auto m = std::make_unique<Mapped>();
-    m->file = t.values[0];
-    m->path = JoinPath(path, m->file.path);
-    File file(m->path, O_RDONLY);
-    m->length = size_t(file.Size());
-    if (m->length != m->file.bytes) throw CheckpointError(m->path + ": size changed since the manifest was read");
-    CheckDataHeader(file, m->file);
-    void* p = ::mmap(nullptr, m->length, PROT_READ, MAP_SHARED, file.fd(), 0);
-    if (p == MAP_FAILED) throw IoError(m->path + ": mmap failed: " + checkpoint::ErrnoText(errno));
-    m->base = p;
-    m->payload = static_cast<const char*>(p) + kDataOffset;
-    m->blocks = m->file.crc32c.size();
-    m->state.reset(new std::atomic<uint8_t>[m->blocks]);
-    for (size_t b = 0; b < m->blocks; ++b) m->state[b].store(verify == Verify::kNone ? 1 : 0);
-    if (verify == Verify::kEager) {
-      Mapped* raw = m.get();
-      ParallelFor(int64_t(m->blocks), 1, [&](int64_t a, int64_t b) {
-        for (int64_t i = a; i < b; ++i) {
-          try {
-            raw->EnsureVerified(size_t(i));
-          } catch (const CheckpointError&) {
+    auto table = std::make_unique<MappedTable>();
+    for (const FileEntry& entry : t.values) {
+      auto m = std::make_unique<Mapped>();
+      m->file = entry;
+      m->path = JoinPath(path, m->file.path);
+      File file(m->path, O_RDONLY);
+      m->length = size_t(file.Size());
+      if (m->length != m->file.bytes) throw CheckpointError(m->path + ": size changed since the manifest was read");
+      CheckDataHeader(file, m->file);
+      void* p = ::mmap(nullptr, m->length, PROT_READ, MAP_SHARED, file.fd(), 0);
+      if (p == MAP_FAILED) throw IoError(m->path + ": mmap failed: " + checkpoint::ErrnoText(errno));
+      m->base = p;
+      m->payload = static_cast<const char*>(p) + kDataOffset;
+      m->blocks = m->file.crc32c.size();
+      m->state.reset(new std::atomic<uint8_t>[m->blocks]);
+      for (size_t b = 0; b < m->blocks; ++b) m->state[b].store(verify == Verify::kNone ? 1 : 0);
+      if (verify == Verify::kEager) {
+        Mapped* raw = m.get();
+        ParallelFor(int64_t(m->blocks), 1, [&](int64_t a, int64_t b) {
+          for (int64_t i = a; i < b; ++i) {
+            try {
+              raw->EnsureVerified(size_t(i));
+            } catch (const CheckpointError&) {
+            }
           }
-        }
-      });
-      for (size_t b = 0; b < m->blocks; ++b) m->EnsureVerified(b);  // throws for the first bad block
+        });
+        for (size_t b = 0; b < m->blocks; ++b) m->EnsureVerified(b);  // throws for the first bad block
+      }
+      table->files.push_back(std::move(m));
     }
-    tables_.push_back(std::move(m));
+    // The manifest's files tile the table (checked when it was read): bands, then rows.
+    for (const auto& m : table->files) {
+      auto it = std::find_if(table->bands.begin(), table->bands.end(),
+                             [&](const MappedTable::Band& b) { return b.col_start == m->file.col_start; });
+      if (it == table->bands.end()) {
+        table->bands.push_back({m->file.col_start, m->file.cols, {}, {}});
+        it = table->bands.end() - 1;
+      }
+      it->files.push_back(m.get());
+    }
+    std::sort(table->bands.begin(), table->bands.end(),
+              [](const MappedTable::Band& a, const MappedTable::Band& b) { return a.col_start < b.col_start; });
+    for (auto& band : table->bands) {
+      std::sort(band.files.begin(), band.files.end(),
+                [](const Mapped* a, const Mapped* b) { return a->file.row_start < b->file.row_start; });
+      for (const Mapped* m : band.files) band.row_starts.push_back(m->file.row_start);
+    }
+    tables_.push_back(std::move(table));
   }
 }
 
 MappedCheckpoint::~MappedCheckpoint() = default;
 
-const void* MappedCheckpoint::values(size_t table) const { return tables_.at(table)->payload; }
+const void* MappedCheckpoint::values(size_t table) const {
+  const MappedTable& t = *tables_.at(table);
+  if (!t.single())
+    throw CheckpointError(info_.path + ": table '" + info_.tables[table].name + "' is saved in " +
+                          std::to_string(t.files.size()) + " files (a sharded save): it has no single mapped array; "
+                          "look rows up, or rewrite it with `embedcore reshard SRC DST --world 1 --max-file-mb 0`");
+  return t.files[0]->payload;
+}
 
 void MappedCheckpoint::Lookup(size_t table, const Batch& batch, const OutputShape& shape, float* out) const {
   if (table >= tables_.size()) throw OutOfRange("no table " + std::to_string(table) + " in the checkpoint");
-  const Mapped& m = *tables_[table];
+  const MappedTable& mt = *tables_[table];
   const TableEntry& t = info_.tables[table];
   ValidateBatch(batch, t.rows, t.name);
   if (shape.OutputRows(batch) > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
-  // Check each touched block once per call (a relaxed load per id afterwards).
-  const uint64_t row_bytes = uint64_t(t.dim) * DTypeSize(m.file.dtype);
-  auto touch = [&](int64_t id) {
-    const uint64_t first = uint64_t(id) * row_bytes / m.file.block_bytes;
-    const uint64_t last = (uint64_t(id) * row_bytes + row_bytes - 1) / m.file.block_bytes;
-    for (uint64_t b = first; b <= last; ++b) m.EnsureVerified(size_t(b));
+  auto id_at = [&](int64_t k) {
+    return batch.id_type == IdType::kInt32 ? int64_t(static_cast<const int32_t*>(batch.ids)[k])
+                                           : static_cast<const int64_t*>(batch.ids)[k];
   };
-  if (batch.id_type == IdType::kInt32) {
-    const int32_t* ids = static_cast<const int32_t*>(batch.ids);
-    for (int64_t k = 0; k < batch.nnz; ++k) touch(ids[k]);
-  } else {
-    const int64_t* ids = static_cast<const int64_t*>(batch.ids);
-    for (int64_t k = 0; k < batch.nnz; ++k) touch(ids[k]);
+  if (mt.single()) {
+    // Served in place. Each touched block is checked once (a relaxed load per id afterwards).
+    const Mapped& m = *mt.files[0];
+    for (int64_t k = 0; k < batch.nnz; ++k) TouchRow(m, id_at(k));
+    internal::RunLookup(m.payload, m.file.dtype, t.dim, batch, shape, out);
+    return;
   }
-  internal::RunLookup(m.payload, m.file.dtype, t.dim, batch, shape, out);
+  // Several files: each occurrence's row is gathered (float32, exact) from the
+  // files that hold its columns, then the same kernel pools the gathered rows
+  // in the same order, so the result is the single-file result, bit for bit.
+  std::vector<float> rows(size_t(batch.nnz) * size_t(t.dim));
+  const auto& kernels = kernels::ActiveKernels();
+  for (const auto& band : mt.bands) {
+    for (int64_t k = 0; k < batch.nnz; ++k) {
+      const int64_t id = id_at(k);
+      const Mapped& m = mt.FileOf(band, id);
+      TouchRow(m, id);
+      const size_t es = DTypeSize(m.file.dtype);
+      kernels.dtype[int(m.file.dtype)].load(m.payload + size_t(id - m.file.row_start) * size_t(m.file.cols) * es,
+                                            rows.data() + size_t(k) * size_t(t.dim) + size_t(band.col_start),
+                                            band.cols);
+    }
+  }
+  std::vector<int64_t> positions(size_t(batch.nnz));
+  for (int64_t k = 0; k < batch.nnz; ++k) positions[size_t(k)] = k;
+  Batch gathered = batch;
+  gathered.id_type = IdType::kInt64;
+  gathered.ids = positions.data();
+  internal::RunLookup(rows.data(), DType::kFloat32, t.dim, gathered, shape, out);
 }
 
 }  // namespace embedcore

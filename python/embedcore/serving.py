@@ -37,15 +37,14 @@ class ServedTable(LookupMixin):
     """One table of a served checkpoint; ``lookup`` takes every input form
     ``Table.lookup`` takes."""
 
-    def __init__(self, mapped, index: int, config):
+    def __init__(self, mapped, index: int, config, stored_dtype: str):
         self._mapped = mapped
         self._index = index
         self.config = config
         self.name = config.name
         self.rows = config.rows
         self.dim = config.dim
-        stored = mapped.values(index).dtype
-        self.dtype = {"float32": "float32", "float16": "float16", "uint16": "bfloat16"}[stored.name]
+        self.dtype = stored_dtype  # as the values files store it
 
     @property
     def _default_combiner(self) -> str:
@@ -58,7 +57,9 @@ class ServedTable(LookupMixin):
         return out
 
     def values(self) -> np.ndarray:
-        """Read-only view of the mapped values, as stored (no checksum check)."""
+        """Read-only view of the mapped values, as stored (no checksum check).
+        A table saved in several files (a sharded save) has no single view:
+        ``CheckpointError``; its lookups work as any other's."""
         v = self._mapped.values(self._index)
         if v.dtype == np.uint16:  # bfloat16 bits
             bf16 = _bfloat16_dtype()
@@ -92,6 +93,7 @@ class ServedCheckpoint(FeatureLookup):
         self.format_version = tuple(info.format_version)
         self.tables: Dict[str, ServedTable] = {}
         configs = {}
+        manifest_tables = json.loads(info.manifest_json)["tables"]
         for i, name in enumerate(info.table_names):
             cfg_json = json.loads(info.table_config_json(i))
             if not isinstance(cfg_json, dict):
@@ -99,7 +101,7 @@ class ServedCheckpoint(FeatureLookup):
             rows, dim = info.table_shape(i)  # the manifest's shape is authoritative
             cfg = config_from_json({**cfg_json, "name": name, "rows": rows, "dim": dim, "optimizer": None})
             configs[name] = cfg
-            self.tables[name] = ServedTable(self._mapped, i, cfg)
+            self.tables[name] = ServedTable(self._mapped, i, cfg, manifest_tables[i]["values"][0]["dtype"])
         self._by_config = {id(c): self.tables[n] for n, c in configs.items()}
         self._feature_config = None
         meta = json.loads(info.metadata_json)

@@ -423,7 +423,7 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
 void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const Table& table, int64_t row_start,
                       int64_t col_start, bool load_optimizer);
 
-/// A checkpoint opened read-only for serving: each table's values file is
+/// A checkpoint opened read-only for serving: each table's values files are
 /// memory-mapped (opening reads no values; processes share the pages). With
 /// lazy verification each 4 MiB block is checksummed the first time a lookup
 /// touches it, and a block that fails is reported, never served.
@@ -439,13 +439,15 @@ class MappedCheckpoint {
   size_t num_tables() const { return tables_.size(); }
   /// Thread-safe; same contract as Table::Lookup.
   void Lookup(size_t table, const Batch& batch, const OutputShape& shape, float* out) const;
-  /// Pointer to the mapped values of `table` (rows x dim of its stored dtype).
+  /// Pointer to the mapped values of `table` (rows x dim of its stored
+  /// dtype); a table saved in several files (sharded) has none: CheckpointError.
   const void* values(size_t table) const;
 
  private:
-  struct Mapped;
+  struct Mapped;       // one mapped data file
+  struct MappedTable;  // a table's files
   CheckpointInfo info_;
-  std::vector<std::unique_ptr<Mapped>> tables_;
+  std::vector<std::unique_ptr<MappedTable>> tables_;
 };
 
 /// What this build contains: version, format versions, compiled features.

@@ -1,0 +1,135 @@
+"""Serving a sharded checkpoint (several values files per table: row blocks
+and column bands) with ec.serving.open: lookups equal the trained
+Embedding's bit for bit, a corrupt block of one shard file is reported and
+never served, and many threads may look up at once."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import embedcore as ec
+from embedcore.distributed import reshard, run_local
+from test_checkpoint_forge import DATA_OFFSET, flip_byte
+
+
+def _config():
+    a = ec.TableConfig("a", 97, 7, dtype="float16", initializer=ec.initializers.Uniform(-1, 1, seed=3),
+                       combiner="mean")
+    b = ec.TableConfig("b", 13, 5, dtype="bfloat16", initializer=ec.initializers.Uniform(-1, 1, seed=4),
+                       combiner="sqrtn")
+    c = ec.TableConfig("c", 400, 6, initializer=ec.initializers.Uniform(-1, 1, seed=5), combiner="sum")
+    return {"f": ec.FeatureConfig(a), "g": ec.FeatureConfig(b), "h": ec.FeatureConfig(c),
+            "s": ec.FeatureConfig(a, max_sequence_length=3)}
+
+
+def _batch(rng, n=11):
+    x = {"f": rng.integers(0, 97, (n, 4)), "g": rng.integers(0, 13, (n, 2)), "h": rng.integers(0, 400, (n, 3)),
+         "s": rng.integers(0, 97, (n, 5))}
+    w = {k: rng.uniform(-1, 2, v.shape).astype(np.float32) for k, v in x.items()}
+    return x, w
+
+
+def _trained_sharded(path, world_size, plan, steps=2):
+    """Trains a sharded Embedding and saves it; returns an unsharded Embedding
+    loaded from that checkpoint (the reference: a server must return what
+    its tables hold, bit for bit)."""
+    batches = [_batch(np.random.default_rng(s)) for s in range(steps)]
+
+    def fn(world):
+        emb = ec.Embedding(_config(), ec.optimizers.Adagrad(0.1), world=world, sharding=plan)
+        for x, w in batches:
+            n = len(x["f"])
+            lo, hi = world.rank * n // world.size, (world.rank + 1) * n // world.size
+            out = emb({k: v[lo:hi] for k, v in x.items()}, {k: v[lo:hi] for k, v in w.items()})
+            emb.apply_gradients({k: v + 1 for k, v in out.items()})
+        ec.save(path, emb)
+
+    run_local(world_size, fn)
+    ref = ec.Embedding(_config(), ec.optimizers.Adagrad(0.1))
+    ec.load(path, into=ref)
+    return ref
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("plan", ["row_wise", "column_wise", "table_wise", "auto"])
+def test_served_sharded_checkpoint_equals_the_trained_embedding(tmp_path, world_size, plan):
+    path = tmp_path / "ckpt"
+    ref = _trained_sharded(path, world_size, plan)
+    manifest = json.loads(ec.checkpoint.read_info(path).manifest_json)
+    assert any(len(t["values"]) > 1 for t in manifest["tables"]) or plan in ("table_wise", "auto")
+    served = ec.serving.open(path)
+    for seed in range(3):
+        x, w = _batch(np.random.default_rng(100 + seed))
+        want, got = ref(x, w), served(x, w)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
+        want, got = ref(x), served(x)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
+    table = served.tables["a"]
+    assert table.dtype == "float16"
+    ids = np.arange(97)
+    for combiner in ("sum", "mean", "sqrtn", None):
+        ref_table = [t for t in ref.embedding_tables.values() if t.name == "a"][0]
+        np.testing.assert_array_equal(table.lookup(ids, np.array([0, 40, 40, 97]), combiner=combiner),
+                                      ref_table.lookup(ids, np.array([0, 40, 40, 97]), combiner=combiner))
+    with pytest.raises(IndexError):
+        table.lookup(np.array([97]))
+
+
+def test_a_split_table_has_no_single_view_but_serves(tmp_path):
+    _trained_sharded(tmp_path / "c", 3, "row_wise")
+    table = ec.serving.open(tmp_path / "c").tables["c"]
+    with pytest.raises(ec.CheckpointError, match="3 files"):
+        table.values()
+    assert table.lookup(np.array([0, 399])).shape == (2, 6)
+    # One file per table again: the view is back.
+    reshard(tmp_path / "c", tmp_path / "one", 1, "row_wise", max_file_bytes=0)
+    assert ec.serving.open(tmp_path / "one").tables["c"].values().shape == (400, 6)
+
+
+@pytest.mark.parametrize("verify", [True, "lazy", "eager"])
+def test_a_corrupt_shard_file_is_reported_not_served(tmp_path, verify):
+    ref = _trained_sharded(tmp_path / "c", 2, "row_wise")
+    manifest = json.loads(ec.checkpoint.read_info(tmp_path / "c").manifest_json)
+    c = [t for t in manifest["tables"] if t["name"] == "c"][0]
+    second = sorted(c["values"], key=lambda f: f["row_start"])[1]  # rows [200, 400)
+    flip_byte(tmp_path / "c" / second["path"], DATA_OFFSET + 3)
+    if verify == "eager":
+        with pytest.raises(ec.CheckpointError, match="checksum"):
+            ec.serving.open(tmp_path / "c", verify=verify)
+        return
+    table = ec.serving.open(tmp_path / "c", verify=verify).tables["c"]
+    ref_c = [t for t in ref.embedding_tables.values() if t.name == "c"][0]
+    np.testing.assert_array_equal(table.lookup(np.array([5, 150])), ref_c.lookup(np.array([5, 150])))
+    for _ in range(2):  # reported every time, never served
+        with pytest.raises(ec.CheckpointError, match="checksum"):
+            table.lookup(np.array([5, 250]))
+
+
+def test_many_threads_serve_a_sharded_checkpoint(tmp_path):
+    ref = _trained_sharded(tmp_path / "c", 3, "column_wise")
+    served = ec.serving.open(tmp_path / "c")
+    x, w = _batch(np.random.default_rng(7), n=64)
+    want = ref(x, w)
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(20):
+                got = served(x, w)
+                for k in want:
+                    np.testing.assert_array_equal(got[k], want[k])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
