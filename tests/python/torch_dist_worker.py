@@ -495,3 +495,12 @@ if __name__ == "__main__":
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     dist.destroy_process_group()
+    # Every check above has passed and been printed. Leave without running
+    # static destructors: once in CI (not reproduced in 6 reruns), rank 0
+    # aborted during interpreter exit after every check had passed
+    # ("terminate called without an active exception": a joinable
+    # std::thread destroyed; the engine's pool joins its own, the cause was
+    # not found), which turned a passed run into a failure.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
