@@ -59,6 +59,11 @@ def _inspect(path: str, as_json: bool) -> int:
         sharding = t.get("sharding", {})
         print(f"    sharding at save: {sharding.get('plan', '?')} over {sharding.get('world_size', '?')} rank(s); "
               f"{len(files)} file(s)")
+        for s in sharding.get("shards", []) if isinstance(sharding.get("shards"), list) else []:
+            cols = "" if s.get("cols") == t["dim"] else f", columns [{s.get('col_start')}, " \
+                                                          f"{s.get('col_start', 0) + s.get('cols', 0)})"
+            print(f"      rank {s.get('rank')}: rows [{s.get('row_start')}, "
+                  f"{s.get('row_start', 0) + s.get('rows', 0)}){cols}")
     print(f"  total {_human(total)}")
     return 0
 
@@ -114,7 +119,11 @@ def _reshard(args) -> int:
 
     plan = args.plan
     if "=" in plan:
-        plan = dict(item.split("=", 1) for item in plan.split(","))
+        items = [item.strip() for item in plan.split(",") if item.strip()]
+        bad = [item for item in items if item.count("=") != 1 or not all(p.strip() for p in item.split("="))]
+        if bad:
+            raise ValueError(f"--plan: {bad[0]!r} is not NAME=PLAN (give one plan, or NAME=PLAN,NAME=PLAN,...)")
+        plan = dict((name.strip(), kind.strip()) for name, kind in (item.split("=") for item in items))
     if args.max_file_mb < 0:
         raise ValueError(f"--max-file-mb must be >= 0, got {args.max_file_mb}")
     print(reshard(args.src, args.dst, args.world, plan, max_file_bytes=args.max_file_mb << 20))
