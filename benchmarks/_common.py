@@ -3,7 +3,9 @@
 - Workload W1: one 1,000,000 x 128 float32 table, 4,096 bags of 32 ids, sum
   combiner; ids uniform or Zipf(1.05) over the whole vocabulary.
 - Interleaved timing: every contender runs once per round, in a rotating
-  order, after a warm-up; the figure is the median over rounds.
+  order, after a warm-up, each timed call right after an untimed one of the
+  same contender (so none inherits another's caches); the figure is the
+  median over rounds.
 - Thread control for every contender (embedcore, PyTorch / FBGEMM in this
   process; TensorFlow and the C loops in worker processes told per call).
 - The "gather limit": a bare C loop, compiled here with ``cc``, that does the
@@ -147,10 +149,19 @@ def run_interleaved(contenders: Dict[str, Callable[[], Optional[float]]], repeat
 
 
 def run_rounds(contenders: Dict[str, Callable[[], Optional[float]]], repeats: int, warmup: int = 2,
-               monitor_pids: Optional[Sequence[int]] = None, max_seconds: float = 0.0) -> Timing:
+               monitor_pids: Optional[Sequence[int]] = None, max_seconds: float = 0.0,
+               prime: bool = True) -> Timing:
     """Times every contender once per round, the order rotated from round to
     round, after `warmup` untimed rounds. A contender that returns a float
     reports its own time (a worker process); others are timed here.
+
+    With `prime`, each timed call directly follows an untimed call of the
+    same contender, so every contender is timed from its own warm caches.
+    Without it, a contender would inherit the caches of whichever ran just
+    before it: one that follows another over the same memory (NumPy then
+    PyTorch on shared weights, the adapter then the bare table) finds the
+    hot rows of a Zipf batch already cached, and the rotation keeps that
+    neighbour in front of it in almost every round.
 
     With `monitor_pids` (worker processes of ours), the load other processes
     put on the machine is measured in each round; rounds go on until
@@ -177,6 +188,8 @@ def run_rounds(contenders: Dict[str, Callable[[], Optional[float]]], repeats: in
             mon = CpuMonitor(monitor_pids).start() if monitor_pids is not None else None
             k = r % len(names)
             for n in names[k:] + names[:k]:
+                if prime:
+                    contenders[n]()
                 t0 = time.perf_counter()
                 res = contenders[n]()
                 dt = time.perf_counter() - t0

@@ -1,5 +1,5 @@
-// Row kernels of the CPU lookup: pooled bags, flat and padded sequences, and
-// the row conversions the update uses. Two builds of the same template code
+// Row kernels of the CPU engine: the lookup's pooled bags, flat and padded
+// sequences, the optimizer step over rows grouped by id, and row conversions. Two builds of the same template code
 // (kernels_impl.h): portable (kernels_generic.cc) and AVX2+F16C
 // (kernels_avx2.cc), chosen once at run time. Both compute the same float32
 // operations in the same order (no FMA contraction), so they give the same
@@ -7,9 +7,12 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "embedcore/embedcore.h"
 #include "ops/combiners.h"
+#include "ops/optimizers.h"
 
 namespace embedcore::kernels {
 
@@ -44,6 +47,34 @@ using RowsFn = void (*)(const LookupArgs& a, int64_t k0, int64_t k1);
 using LoadFn = void (*)(const void* row, float* dst, int64_t dim);
 using StoreFn = void (*)(void* row, const float* src, int64_t dim);
 
+/// How many groups (distinct ids) ahead the update prefetches rows and slots.
+constexpr int64_t kUpdatePrefetchDistance = 8;
+
+/// One occurrence of an id in a training batch: it adds coefficient * grad
+/// (a row of dim floats) to the id's gradient.
+struct Occurrence {
+  uint64_t key;  ///< the id
+  const float* grad;
+  float coefficient;
+};
+
+/// One optimizer step, as the kernels see it: occurrences sorted by id
+/// (stably: each id sums its gradients in input order), split into groups of
+/// one id; ids are already validated.
+struct UpdateArgs {
+  void* values = nullptr;  ///< rows x dim of the storage dtype
+  float* slots[2] = {nullptr, nullptr};
+  int64_t dim = 0;
+  const Occurrence* occurrences = nullptr;
+  const int64_t* group_start = nullptr;  ///< group g is occurrences [group_start[g], group_start[g + 1])
+  ops::StepConstants constants;
+};
+
+/// Updates the rows of groups [g0, g1): sums each group's gradient, then
+/// applies ops::UpdateRow with `rule`.
+template <typename Rule>
+using UpdateFn = void (*)(const Rule& rule, const UpdateArgs& a, int64_t g0, int64_t g1);
+
 /// The kernels for one storage dtype; indexed [id type] where it applies.
 struct DTypeKernels {
   BagsFn pooled[2];
@@ -51,6 +82,14 @@ struct DTypeKernels {
   RowsFn rows[2];
   LoadFn load;
   StoreFn store;
+  UpdateFn<ops::SgdRule> sgd;
+  UpdateFn<ops::AdagradRule> adagrad;
+  UpdateFn<ops::AdamRule> adam;
+  UpdateFn<ops::FtrlRule> ftrl;
+  UpdateFn<ops::SgdRule> Update(const ops::SgdRule&) const { return sgd; }
+  UpdateFn<ops::AdagradRule> Update(const ops::AdagradRule&) const { return adagrad; }
+  UpdateFn<ops::AdamRule> Update(const ops::AdamRule&) const { return adam; }
+  UpdateFn<ops::FtrlRule> Update(const ops::FtrlRule&) const { return ftrl; }
 };
 struct KernelSet {
   const char* name;

@@ -98,6 +98,59 @@ void FlatRows(const LookupArgs& a, int64_t k0, int64_t k1) {
   }
 }
 
+template <typename T>
+inline void PrefetchRowForWrite(const T* row, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 1, 3);
+}
+
+// The groups' rows are visited in id order, each read and written once; the
+// rows and slots of the group kUpdatePrefetchDistance ahead, and its first
+// gradient row, are prefetched as the current one is updated.
+template <typename R, typename T, typename Rule>
+void UpdateGroups(const Rule& rule, const UpdateArgs& a, int64_t g0, int64_t g1) {
+  T* table = static_cast<T*>(a.values);
+  const int64_t dim = a.dim;
+  const int64_t row_bytes = dim * int64_t(sizeof(T));
+  const Occurrence* occ = a.occurrences;
+  const int64_t* start = a.group_start;
+  std::vector<float> buffer(size_t(2 * dim));
+  float* acc = buffer.data();        // the group's gradient
+  float* wide = acc + dim;           // a 16-bit row as float32
+  for (int64_t g = g0; g < g1; ++g) {
+    if (g + kUpdatePrefetchDistance < g1) {
+      const Occurrence& ahead = occ[start[g + kUpdatePrefetchDistance]];
+      const int64_t r = int64_t(ahead.key);
+      PrefetchRowForWrite(table + r * dim, row_bytes);
+      for (int s = 0; s < Rule::kSlots; ++s) PrefetchRowForWrite(a.slots[s] + r * dim, dim * 4);
+      PrefetchRow(ahead.grad, dim * 4);
+    }
+    const int64_t i0 = start[g], i1 = start[g + 1];
+    {  // 0 + c g, not c g: the same bits as summing from zero (-0 becomes +0)
+      const float c = occ[i0].coefficient;
+      const float* grad = occ[i0].grad;
+      for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f + c * grad[d];
+    }
+    for (int64_t i = i0 + 1; i < i1; ++i) {
+      const float c = occ[i].coefficient;
+      const float* grad = occ[i].grad;
+      for (int64_t d = 0; d < dim; ++d) acc[d] += c * grad[d];
+    }
+    const int64_t r = int64_t(occ[i0].key);
+    T* stored = table + r * dim;
+    float* w;
+    if constexpr (std::is_same_v<T, float>) {
+      w = stored;
+    } else {
+      R::Load(stored, wide, dim);
+      w = wide;
+    }
+    ops::UpdateRow(rule, a.constants, w, acc, Rule::kSlots > 0 ? a.slots[0] + r * dim : nullptr,
+                   Rule::kSlots > 1 ? a.slots[1] + r * dim : nullptr, dim);
+    if constexpr (!std::is_same_v<T, float>) R::Store(stored, wide, dim);
+  }
+}
+
 template <typename R, typename T>
 void LoadRow(const void* row, float* dst, int64_t dim) {
   R::Load(static_cast<const T*>(row), dst, dim);
@@ -118,5 +171,9 @@ DTypeKernels MakeDTypeKernels() {
   k.rows[1] = &FlatRows<R, T, int64_t>;
   k.load = &LoadRow<R, T>;
   k.store = &StoreRow<R, T>;
+  k.sgd = &UpdateGroups<R, T, ops::SgdRule>;
+  k.adagrad = &UpdateGroups<R, T, ops::AdagradRule>;
+  k.adam = &UpdateGroups<R, T, ops::AdamRule>;
+  k.ftrl = &UpdateGroups<R, T, ops::FtrlRule>;
   return k;
 }

@@ -363,70 +363,23 @@ void RunLookup(const void* values, DType dtype, int64_t dim, const Batch& batch,
 // ---------------------------------------------------------------- update
 namespace {
 
-// One occurrence of an id with a gradient: coefficient * grads row. Sorted
-// by id (stably, so each row sums its gradients in input order).
-struct Occurrence {
-  uint64_t key;  // the id
-  const float* grad;
-  float coefficient;
-};
+using kernels::Occurrence;
 
-constexpr int64_t kUpdatePrefetch = 8;  // groups ahead
-
-inline void PrefetchForWrite(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 1, 3);
-}
-
-// One row's update: the element-wise rule, split into loops the compiler can
-// vectorize; each element still sees clip, decay, rule, clip in that order.
-template <typename Rule>
-void UpdateRow(const Rule& rule, const ops::StepConstants& kc, float* w, float* g, float* s0, float* s1,
-               int64_t dim) {
-  if (kc.clip_gradient)
-    for (int64_t d = 0; d < dim; ++d) g[d] = ops::ClipGradient(kc, g[d]);
-  if (kc.weight_decay != 0.0f)
-    for (int64_t d = 0; d < dim; ++d) w[d] = ops::DecayWeight(kc, w[d]);
-  for (int64_t d = 0; d < dim; ++d)
-    rule(w[d], g[d], Rule::kSlots > 0 ? s0 + d : nullptr, Rule::kSlots > 1 ? s1 + d : nullptr);
-  if (kc.clip_weight_min)
-    for (int64_t d = 0; d < dim; ++d) w[d] = ops::ClipWeightMin(kc, w[d]);
-  if (kc.clip_weight_max)
-    for (int64_t d = 0; d < dim; ++d) w[d] = ops::ClipWeightMax(kc, w[d]);
-}
-
+// One optimizer step over the sorted occurrences: the groups (distinct ids)
+// split over the threads; each row is updated by one thread.
 template <typename Rule>
 void UpdateGroups(const Rule& rule, const ops::StepConstants& kc, const TableSpec& spec, void* values,
-                  std::vector<float*>& slots, const std::vector<Occurrence>& sorted,
+                  const std::vector<float*>& slots, const std::vector<Occurrence>& sorted,
                   const std::vector<int64_t>& group_start, const kernels::DTypeKernels& k) {
-  const int64_t dim = spec.dim;
-  const size_t es = DTypeSize(spec.dtype);
-  const int64_t groups = int64_t(group_start.size()) - 1;
-  const int64_t row_bytes = dim * int64_t(es);
-  ParallelFor(groups, 256, [&](int64_t g0, int64_t g1) {
-    std::vector<float> gsum(dim), wbuf(spec.dtype == DType::kFloat32 ? 0 : dim);
-    for (int64_t g = g0; g < g1; ++g) {
-      if (g + kUpdatePrefetch < g1) {
-        const int64_t ahead = int64_t(sorted[group_start[g + kUpdatePrefetch]].key);
-        PrefetchForWrite(static_cast<char*>(values) + size_t(ahead) * size_t(row_bytes), row_bytes);
-        for (int s = 0; s < Rule::kSlots; ++s) PrefetchForWrite(slots[s] + ahead * dim, dim * 4);
-      }
-      float* acc = gsum.data();
-      for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
-      for (int64_t i = group_start[g]; i < group_start[g + 1]; ++i) {
-        const float c = sorted[i].coefficient;
-        const float* grad = sorted[i].grad;
-        for (int64_t d = 0; d < dim; ++d) acc[d] += c * grad[d];
-      }
-      const int64_t row = int64_t(sorted[group_start[g]].key);
-      char* stored = static_cast<char*>(values) + size_t(row) * size_t(row_bytes);
-      float* w = spec.dtype == DType::kFloat32 ? reinterpret_cast<float*>(stored) : wbuf.data();
-      if (spec.dtype != DType::kFloat32) k.load(stored, w, dim);
-      UpdateRow(rule, kc, w, acc, Rule::kSlots > 0 ? slots[0] + row * dim : nullptr,
-                Rule::kSlots > 1 ? slots[1] + row * dim : nullptr, dim);
-      if (spec.dtype != DType::kFloat32) k.store(stored, w, dim);
-    }
-  });
+  kernels::UpdateArgs a;
+  a.values = values;
+  for (size_t s = 0; s < slots.size() && s < 2; ++s) a.slots[s] = slots[s];
+  a.dim = spec.dim;
+  a.occurrences = sorted.data();
+  a.group_start = group_start.data();
+  a.constants = kc;
+  const auto fn = k.Update(rule);
+  ParallelFor(int64_t(group_start.size()) - 1, 256, [&](int64_t g0, int64_t g1) { fn(rule, a, g0, g1); });
 }
 
 // Non-lazy Adam: rows absent from the batch take a step with a zero gradient.
@@ -443,7 +396,7 @@ void UpdateUntouched(const Rule& rule, const ops::StepConstants& kc, const Table
       char* stored = static_cast<char*>(values) + size_t(row) * dim * es;
       k.load(stored, wbuf.data(), dim);
       std::fill(zeros.begin(), zeros.end(), 0.0f);
-      UpdateRow(rule, kc, wbuf.data(), zeros.data(), slots[0] + row * dim, slots[1] + row * dim, dim);
+      ops::UpdateRow(rule, kc, wbuf.data(), zeros.data(), slots[0] + row * dim, slots[1] + row * dim, dim);
       k.store(stored, wbuf.data(), dim);
     }
   });

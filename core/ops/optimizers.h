@@ -124,4 +124,24 @@ EMBEDCORE_HD void UpdateElement(const Rule& rule, const StepConstants& k, float&
   if (k.clip_weight_max) w = ClipWeightMax(k, w);
 }
 
+#if !defined(__CUDACC__)
+/// UpdateElement over one row on the host: each of the four steps is its own
+/// loop, so that each vectorizes; every element still sees them in order.
+/// `g` is clipped in place.
+template <typename Rule>
+inline void UpdateRow(const Rule& rule, const StepConstants& k, float* __restrict w, float* __restrict g,
+                      float* __restrict s0, float* __restrict s1, int64_t dim) {
+  if (k.clip_gradient)
+    for (int64_t d = 0; d < dim; ++d) g[d] = ClipGradient(k, g[d]);
+  if (k.weight_decay != 0.0f)
+    for (int64_t d = 0; d < dim; ++d) w[d] = DecayWeight(k, w[d]);
+  for (int64_t d = 0; d < dim; ++d)
+    rule(w[d], g[d], Rule::kSlots > 0 ? s0 + d : nullptr, Rule::kSlots > 1 ? s1 + d : nullptr);
+  if (k.clip_weight_min)
+    for (int64_t d = 0; d < dim; ++d) w[d] = ClipWeightMin(k, w[d]);
+  if (k.clip_weight_max)
+    for (int64_t d = 0; d < dim; ++d) w[d] = ClipWeightMax(k, w[d]);
+}
+#endif
+
 }  // namespace embedcore::ops

@@ -88,6 +88,10 @@ EMBEDCORE_TEST(Crc32cHardwareEqualsPortable) {
       EMBEDCORE_EXPECT_EQ(ck::Crc32c(data.data() + offset, n), ck::Crc32cPortable(data.data() + offset, n));
   for (size_t n : {size_t(4095), size_t(4096), size_t(65537), size_t(69990)})
     EMBEDCORE_EXPECT_EQ(ck::Crc32c(data.data() + 3, n), ck::Crc32cPortable(data.data() + 3, n));
+  // Around the three-lane path's stride (3 x 4096 bytes), from a running checksum too.
+  for (size_t n : {size_t(12287), size_t(12288), size_t(12289), size_t(24576), size_t(24583), size_t(36871)})
+    for (uint32_t start : {0u, 0xdeadbeefu})
+      EMBEDCORE_EXPECT_EQ(ck::Crc32c(data.data() + 1, n, start), ck::Crc32cPortable(data.data() + 1, n, start));
 }
 
 EMBEDCORE_TEST(Crc32cExtends) {

@@ -1,7 +1,9 @@
 // core/kernels*.{h,cc}: the generic and the AVX2+F16C kernel sets give the
 // same bits for pooled, padded and flat lookups, for every storage dtype and
 // id type, on random data, and both equal a scalar reference written in the
-// documented order of float operations; row load/store agree too.
+// documented order of float operations; row load/store agree too, and so does
+// the optimizer step over rows grouped by id, for every rule.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -14,6 +16,7 @@
 #include "kernels.h"
 #include "ops/combiners.h"
 #include "ops/half.h"
+#include "ops/optimizers.h"
 #include "test_util.h"
 
 using namespace embedcore;
@@ -418,4 +421,111 @@ EMBEDCORE_TEST(StoreBFloat16BitsEqualScalarForNaNs) {
     set->dtype[int(DType::kBFloat16)].store(stored.data(), src.data(), int64_t(src.size()));
     for (size_t i = 0; i < src.size(); ++i) EMBEDCORE_EXPECT_EQ(stored[i], ops::FloatToBFloat16(src[i]));
   }
+}
+
+namespace {
+
+// The reference step: each group's gradient summed from zero in occurrence
+// order, then ops::UpdateElement on every element, through float32.
+template <typename Rule>
+void RefUpdate(const Rule& rule, const ops::StepConstants& kc, RawTable& t, std::vector<float>* slots,
+               const std::vector<kernels::Occurrence>& occ, const std::vector<int64_t>& start) {
+  const int64_t dim = t.dim;
+  for (size_t g = 0; g + 1 < start.size(); ++g) {
+    const int64_t r = int64_t(occ[size_t(start[g])].key);
+    for (int64_t d = 0; d < dim; ++d) {
+      float sum = 0.0f;
+      for (int64_t i = start[g]; i < start[g + 1]; ++i) sum += occ[size_t(i)].coefficient * occ[size_t(i)].grad[d];
+      float w = t.values[size_t(r * dim + d)];
+      ops::UpdateElement(rule, kc, w, sum, Rule::kSlots > 0 ? &slots[0][size_t(r * dim + d)] : nullptr,
+                         Rule::kSlots > 1 ? &slots[1][size_t(r * dim + d)] : nullptr);
+      if (t.dtype == DType::kFloat16) w = ops::HalfToFloat(ops::FloatToHalf(w));
+      if (t.dtype == DType::kBFloat16) w = ops::BFloat16ToFloat(ops::FloatToBFloat16(w));
+      t.values[size_t(r * dim + d)] = w;
+    }
+  }
+}
+
+template <typename Rule>
+void CheckUpdate(const Rule& rule, const char* rule_name, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> positive(0.1f, 1.0f);
+  const int64_t rows = 29, n = 90;
+  for (DType dt : kDTypes) {
+    for (int64_t dim : kDims) {
+      // Clipping and decay off, then all on.
+      for (bool extras : {false, true}) {
+        ops::StepConstants kc;
+        kc.lr = 0.05f;
+        if (extras) {
+          kc.weight_decay = 0.01f;
+          kc.clip_gradient = true;
+          kc.clip_gradient_min = -0.7f;
+          kc.clip_gradient_max = 0.6f;
+          kc.clip_weight_min = kc.clip_weight_max = true;
+          kc.weight_min = -1.5f;
+          kc.weight_max = 1.2f;
+        }
+        const RawTable start_table = MakeTable(dt, rows, dim, rng);
+        std::vector<float> slot_init[2];
+        for (auto& s : slot_init) {
+          s.resize(size_t(rows * dim));
+          for (float& v : s) v = positive(rng);  // accumulators must be positive
+        }
+        // n occurrences of ids with repeats (a few rows many times), sorted stably by id.
+        std::vector<float> grads(size_t(n * dim));
+        for (float& v : grads) v = normal(rng);
+        std::vector<kernels::Occurrence> occ;
+        for (int64_t i = 0; i < n; ++i)
+          occ.push_back({uint64_t(rng() % 4 == 0 ? rng() % 3 : rng() % uint32_t(rows)), grads.data() + i * dim,
+                         normal(rng)});
+        std::stable_sort(occ.begin(), occ.end(), [](const auto& a, const auto& b) { return a.key < b.key; });
+        std::vector<int64_t> start;
+        for (size_t i = 0; i < occ.size(); ++i)
+          if (i == 0 || occ[i].key != occ[i - 1].key) start.push_back(int64_t(i));
+        start.push_back(int64_t(occ.size()));
+        const int64_t groups = int64_t(start.size()) - 1;
+
+        RawTable want = start_table;
+        std::vector<float> want_slots[2] = {slot_init[0], slot_init[1]};
+        RefUpdate(rule, kc, want, want_slots, occ, start);
+        for (const kernels::KernelSet* set : KernelSets()) {
+          RawTable got = start_table;
+          std::vector<float> got_slots[2] = {slot_init[0], slot_init[1]};
+          kernels::UpdateArgs a;
+          a.values = got.bytes.data();
+          a.slots[0] = got_slots[0].data();
+          a.slots[1] = got_slots[1].data();
+          a.dim = dim;
+          a.occurrences = occ.data();
+          a.group_start = start.data();
+          a.constants = kc;
+          // In two calls over group ranges, as ParallelFor splits them.
+          const auto fn = set->dtype[int(dt)].Update(rule);
+          fn(rule, a, 0, groups / 2);
+          fn(rule, a, groups / 2, groups);
+          std::vector<float> values(size_t(rows * dim));
+          set->dtype[int(dt)].load(got.bytes.data(), values.data(), rows * dim);
+          const std::string what = std::string(set->name) + " " + rule_name + " " + DName(dt) + " dim " +
+                                   std::to_string(dim) + (extras ? " with clipping and decay" : "");
+          CompareBits(values, want.values, what + " values");
+          for (int s = 0; s < Rule::kSlots; ++s) CompareBits(got_slots[s], want_slots[s], what + " slot " + std::to_string(s));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+EMBEDCORE_TEST(UpdateEqualsReferenceAndAcrossSets) {
+  std::mt19937 rng(77);
+  CheckUpdate(ops::SgdRule{0.05f}, "sgd", rng);
+  CheckUpdate(ops::AdagradRule{0.05f, 0.0f}, "adagrad", rng);
+  CheckUpdate(ops::AdagradRule{0.05f, 1e-10f}, "adagrad eps", rng);
+  CheckUpdate(ops::AdamRule{0.05f, 0.9f, 0.999f, 1e-7f, true}, "adam", rng);
+  CheckUpdate(ops::AdamRule{0.05f, 0.9f, 0.999f, 1e-7f, false}, "adam eps outside", rng);
+  CheckUpdate(ops::FtrlRule{0.05f, -0.5f, 0.01f, 0.02f, 0.1f, false}, "ftrl", rng);
+  CheckUpdate(ops::FtrlRule{0.05f, -0.5f, 0.01f, 0.02f, 0.1f, true}, "ftrl lr-linear", rng);
+  CheckUpdate(ops::FtrlRule{0.05f, -0.3f, 0.0f, 0.0f, 0.0f, false}, "ftrl power -0.3", rng);
 }
