@@ -34,6 +34,23 @@ NumpyFloat Lookup(const Table& t, const IdArray& ids, const OffsetArray& offsets
                    [&](const Batch& b, const OutputShape& s, float* out) { t.Lookup(b, s, out); });
 }
 
+NumpyFloat LookupGrouped(const Table& t, const IdArray& ids, const OffsetArray& offsets,
+                         const std::optional<WeightArray>& weights, const OffsetArray& groups) {
+  RequireHost(t, "a lookup of NumPy arrays");
+  const Batch batch = MakeBatch(ids, offsets, weights);
+  if (groups.shape(0) < 1) throw InvalidArgument("groups must hold at least one value (0)");
+  const int64_t num_groups = int64_t(groups.shape(0)) - 1;
+  const size_t dims[2] = {size_t(num_groups), size_t(t.dim())};
+  std::unique_ptr<float[]> buf(new float[std::max<size_t>(1, dims[0] * dims[1])]);
+  {
+    nb::gil_scoped_release release;
+    t.LookupGrouped(batch, groups.data(), num_groups, buf.get());
+  }
+  float* data = buf.release();
+  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+  return NumpyFloat(data, 2, dims, owner);
+}
+
 void LookupInto(const Table& t, const IdArray& ids, const OffsetArray& offsets,
                 const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length,
                 const FloatOut& out) {
@@ -282,6 +299,9 @@ void BindTable(nb::module_& m) {
       .def("lookup", &Lookup, "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(),
            "combiner"_a, "max_sequence_length"_a,
            "Looks up a CSR batch; returns float32 [bags, dim], [nnz, dim] or [bags, L, dim].")
+      .def("lookup_grouped", &LookupGrouped, "ids"_a.noconvert(), "offsets"_a.noconvert(),
+           "weights"_a.noconvert().none(), "groups"_a.noconvert(),
+           "Sums of groups of bags, each bag summed from zero and each group's bag sums added in order.")
       .def("lookup_into", &LookupInto, "ids"_a.noconvert(), "offsets"_a.noconvert(),
            "weights"_a.noconvert().none(), "combiner"_a, "max_sequence_length"_a, "out"_a.noconvert(),
            "Like lookup, writing into the caller's C-contiguous float32 `out`.")

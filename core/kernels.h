@@ -41,6 +41,9 @@ struct LookupArgs {
 
 /// Writes the output rows of bags [b0, b1) (pooled, or padded sequence).
 using BagsFn = void (*)(const LookupArgs& a, int64_t b0, int64_t b1);
+/// Writes output rows [g0, g1) of a grouped lookup: row g sums bags
+/// groups[g] .. groups[g + 1] - 1 (see Table::LookupGrouped).
+using GroupedFn = void (*)(const LookupArgs& a, const int64_t* groups, int64_t g0, int64_t g1);
 /// Writes out[k] = w_k * row(ids[k]) for k in [k0, k1) (flat sequence).
 using RowsFn = void (*)(const LookupArgs& a, int64_t k0, int64_t k1);
 /// Converts `dim` elements of a stored row to float32 and back.
@@ -79,6 +82,7 @@ using UpdateFn = void (*)(const Rule& rule, const UpdateArgs& a, int64_t g0, int
 struct DTypeKernels {
   BagsFn pooled[2];
   BagsFn padded[2];
+  GroupedFn grouped[2];
   RowsFn rows[2];
   LoadFn load;
   StoreFn store;

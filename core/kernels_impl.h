@@ -23,43 +23,76 @@ inline void PrefetchRow(const T* row, int64_t bytes) {
 // Each bag is pooled a block of kPoolColumns columns at a time, with the
 // block's sums in registers across the bag's ids; the rows, fetched (and
 // prefetched) by the first block, are in L1 for the next ones. Every output
-// element is still 0 + w_0 r_0 + w_1 r_1 + ... in id order.
+// element is still 0 + w_0 r_0 + w_1 r_1 + ... in id order. The first block
+// prefetches the row kPrefetchDistance ids ahead as it adds each row (across
+// bag ends, up to id pf_end).
 template <typename R, typename T, typename I>
-void PooledBags(const LookupArgs& a, int64_t b0, int64_t b1) {
+inline void PoolBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) {
   const T* table = static_cast<const T*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
   const int64_t dim = a.dim;
   const int64_t row_bytes = dim * int64_t(sizeof(T));
-  const int64_t k_end = a.offsets[b1];
   const int64_t wide = dim / R::kPoolColumns * R::kPoolColumns;
   const int64_t full = wide + (dim - wide) / R::kPoolColumnsNarrow * R::kPoolColumnsNarrow;
-  for (int64_t k = a.offsets[b0]; k < a.offsets[b0] + kPrefetchDistance && k < k_end; ++k)
-    PrefetchRow(table + int64_t(ids[k]) * dim, row_bytes);
-  for (int64_t b = b0; b < b1; ++b) {
-    float* acc = a.out + b * dim;
-    const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
-    // The first block prefetches the row kPrefetchDistance ids ahead as it adds each row
-    // (across bag ends); the later blocks find the bag's rows in L1.
-    int64_t pf_end = k_end;
-    for (int64_t c0 = 0; c0 < wide; c0 += R::kPoolColumns, pf_end = 0)
-      R::PoolColumns(acc + c0, table, dim, c0, ids, k0, k1, a.weights, pf_end, row_bytes);
-    for (int64_t c0 = wide; c0 < full; c0 += R::kPoolColumnsNarrow, pf_end = 0)
-      R::PoolColumnsNarrow(acc + c0, table, dim, c0, ids, k0, k1, a.weights, pf_end, row_bytes);
-    if (pf_end != 0)  // no block ran (dim below the narrow block): prefetch as the tail loop used to
-      for (int64_t k = k0; k < k1 && k + kPrefetchDistance < k_end; ++k)
-        PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
-    if (full < dim) {
-      for (int64_t d = full; d < dim; ++d) acc[d] = 0.0f;
-      for (int64_t k = k0; k < k1; ++k)
-        R::Axpy(acc + full, table + int64_t(ids[k]) * dim + full, a.weights ? a.weights[k] : 1.0f, dim - full);
+  const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
+  const int64_t k_end = pf_end;
+  for (int64_t c0 = 0; c0 < wide; c0 += R::kPoolColumns, pf_end = 0)
+    R::PoolColumns(acc + c0, table, dim, c0, ids, k0, k1, a.weights, pf_end, row_bytes);
+  for (int64_t c0 = wide; c0 < full; c0 += R::kPoolColumnsNarrow, pf_end = 0)
+    R::PoolColumnsNarrow(acc + c0, table, dim, c0, ids, k0, k1, a.weights, pf_end, row_bytes);
+  if (pf_end != 0)  // no block ran (dim below the narrow block): prefetch as the tail loop used to
+    for (int64_t k = k0; k < k1 && k + kPrefetchDistance < k_end; ++k)
+      PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+  if (full < dim) {
+    for (int64_t d = full; d < dim; ++d) acc[d] = 0.0f;
+    for (int64_t k = k0; k < k1; ++k)
+      R::Axpy(acc + full, table + int64_t(ids[k]) * dim + full, a.weights ? a.weights[k] : 1.0f, dim - full);
+  }
+  float sum_w = 0.0f, sum_w2 = 0.0f;
+  for (int64_t k = k0; k < k1; ++k) {
+    const float w = a.weights ? a.weights[k] : 1.0f;
+    sum_w += w;
+    sum_w2 += w * w;
+  }
+  ops::FinishBag(a.combiner, ops::CombinerDenominator(a.combiner, sum_w, sum_w2), acc, dim);
+}
+
+// Prefetches the rows of the first ids of [k0, k_end).
+template <typename T, typename I>
+inline void PrefetchFirstRows(const LookupArgs& a, int64_t k0, int64_t k_end) {
+  const T* table = static_cast<const T*>(a.table);
+  const I* ids = static_cast<const I*>(a.ids);
+  for (int64_t k = k0; k < k0 + kPrefetchDistance && k < k_end; ++k)
+    PrefetchRow(table + int64_t(ids[k]) * a.dim, a.dim * int64_t(sizeof(T)));
+}
+
+template <typename R, typename T, typename I>
+void PooledBags(const LookupArgs& a, int64_t b0, int64_t b1) {
+  const int64_t k_end = a.offsets[b1];
+  PrefetchFirstRows<T, I>(a, a.offsets[b0], k_end);
+  for (int64_t b = b0; b < b1; ++b) PoolBag<R, T, I>(a, b, a.out + b * a.dim, k_end);
+}
+
+// Each group's first bag is pooled into its output row, each later one into
+// a scratch row that is then added: acc = ((s_0 + s_1) + s_2) + ...
+template <typename R, typename T, typename I>
+void GroupedBags(const LookupArgs& a, const int64_t* groups, int64_t g0, int64_t g1) {
+  const int64_t dim = a.dim;
+  const int64_t k_end = a.offsets[groups[g1]];
+  PrefetchFirstRows<T, I>(a, a.offsets[groups[g0]], k_end);
+  std::vector<float> part(static_cast<size_t>(dim));
+  for (int64_t g = g0; g < g1; ++g) {
+    float* acc = a.out + g * dim;
+    const int64_t p0 = groups[g], p1 = groups[g + 1];
+    if (p0 == p1) {
+      for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
+      continue;
     }
-    float sum_w = 0.0f, sum_w2 = 0.0f;
-    for (int64_t k = k0; k < k1; ++k) {
-      const float w = a.weights ? a.weights[k] : 1.0f;
-      sum_w += w;
-      sum_w2 += w * w;
+    PoolBag<R, T, I>(a, p0, acc, k_end);
+    for (int64_t p = p0 + 1; p < p1; ++p) {
+      PoolBag<R, T, I>(a, p, part.data(), k_end);
+      for (int64_t d = 0; d < dim; ++d) acc[d] += part[size_t(d)];
     }
-    ops::FinishBag(a.combiner, ops::CombinerDenominator(a.combiner, sum_w, sum_w2), acc, dim);
   }
 }
 
@@ -167,6 +200,8 @@ DTypeKernels MakeDTypeKernels() {
   k.pooled[1] = &PooledBags<R, T, int64_t>;
   k.padded[0] = &PaddedBags<R, T, int32_t>;
   k.padded[1] = &PaddedBags<R, T, int64_t>;
+  k.grouped[0] = &GroupedBags<R, T, int32_t>;
+  k.grouped[1] = &GroupedBags<R, T, int64_t>;
   k.rows[0] = &FlatRows<R, T, int32_t>;
   k.rows[1] = &FlatRows<R, T, int64_t>;
   k.load = &LoadRow<R, T>;

@@ -334,6 +334,36 @@ void Table::Lookup(const Batch& batch, const OutputShape& shape, float* out, uin
   internal::RunLookup(values_.get(), spec_.dtype, spec_.dim, batch, shape, out);
 }
 
+void Table::LookupGrouped(const Batch& batch, const int64_t* groups, int64_t num_groups, float* out) const {
+  if (spec_.device >= 0) throw InvalidArgument("table '" + spec_.name + "': lookup_grouped takes host tables only");
+  ValidateBatch(batch, spec_.rows, spec_.name);
+  if (num_groups < 0) throw InvalidArgument("groups: negative count");
+  if (groups == nullptr) throw InvalidArgument("groups: null pointer");
+  if (groups[0] != 0) throw InvalidArgument("groups[0] must be 0, got " + std::to_string(groups[0]));
+  for (int64_t g = 0; g < num_groups; ++g)
+    if (groups[g + 1] < groups[g])
+      throw InvalidArgument("groups must be non-decreasing: groups[" + std::to_string(g) + "] = " +
+                            std::to_string(groups[g]) + " > groups[" + std::to_string(g + 1) +
+                            "] = " + std::to_string(groups[g + 1]));
+  if (groups[num_groups] != batch.num_bags)
+    throw InvalidArgument("groups must end at the number of bags, " + std::to_string(batch.num_bags) +
+                          ", got groups[" + std::to_string(num_groups) + "] = " + std::to_string(groups[num_groups]));
+  if (num_groups > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  kernels::LookupArgs a;
+  a.table = values_.get();
+  a.dim = spec_.dim;
+  a.ids = batch.ids;
+  a.nnz = batch.nnz;
+  a.offsets = batch.offsets;
+  a.weights = batch.weights;
+  a.combiner = ops::CombinerKind::kSum;
+  a.out = out;
+  const auto fn = kernels::ActiveKernels().dtype[int(spec_.dtype)].grouped[batch.id_type == IdType::kInt32 ? 0 : 1];
+  const int64_t per_group = num_groups > 0 ? std::max<int64_t>(1, batch.nnz / num_groups) : 1;
+  ParallelFor(num_groups, std::max<int64_t>(1, 2048 / per_group), [&](int64_t g0, int64_t g1) { fn(a, groups, g0, g1); });
+}
+
 namespace internal {
 void RunLookup(const void* values, DType dtype, int64_t dim, const Batch& batch, const OutputShape& shape, float* out) {
   kernels::LookupArgs a;

@@ -15,17 +15,17 @@ no fused multiply-add), which is what TensorFlow's ``unsorted_segment_sum``
   remaining ``n % 4`` rows in order; columns beyond the last full 8-float
   packet are summed in order.
 
-Both are reproduced with the engine's own sequential pooling, run on
-"sub-bags" (the groups), whose sums are then added in order per bag: the
-adapter adds and divides floats as the kernels do, only the grouping
-differs. ``sparse_segment_mean`` / ``_sqrt_n`` multiply bags of fewer than
+Both are reproduced with the engine's grouped lookup
+(``Table.lookup_grouped``): each "sub-bag" (a group of rows) is summed from
+zero as the engine sums a bag, and the sub-bag sums of a bag are added in
+order; the adapter only computes the grouping. The engine adds and the
+adapter divides floats as TensorFlow's kernels do. ``sparse_segment_mean`` / ``_sqrt_n`` multiply bags of fewer than
 10 ids by the reciprocal of the count (or of its square root) and divide
 longer ones; weighted means divide by the weights' in-order sum
 (``div_no_nan``).
 """
 from __future__ import annotations
 
-import threading
 from typing import Optional
 
 import numpy as np
@@ -118,43 +118,15 @@ def _sequential_totals(x: np.ndarray, starts: np.ndarray, lengths: np.ndarray, l
     return out
 
 
-_scratch = threading.local()
-
-
-def _scratch_rows(n: int, dim: int) -> np.ndarray:
-    """A reused ``[n, dim]`` float32 buffer of this thread, so that the
-    sub-bag sums do not fault in fresh pages on every call."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.size < n * dim:
-        buf = np.empty(max(n * dim, 1 << 16), np.float32)
-        _scratch.buf = buf
-    return buf[: n * dim].reshape(n, dim)
-
-
 def _sum_sub_bags(table, ids, sub_offsets, weights, nsub) -> np.ndarray:
-    """Pools each sub-bag (sum), then adds up each bag's sub-bag sums in order."""
-    parts = _scratch_rows(len(sub_offsets) - 1, table.dim)
+    """Pools each sub-bag (sum), then adds up each bag's sub-bag sums in
+    order: one engine call (``Table.lookup_grouped``)."""
+    groups = np.zeros(len(nsub) + 1, np.int64)
+    np.cumsum(nsub, out=groups[1:])
     try:
-        table.lookup(ids, sub_offsets, weights, combiner="sum", out=parts)
+        return table.lookup_grouped(ids, sub_offsets, groups, weights)
     except IndexError as e:
         raise bad_id_error(table, ids, None, str(e)) from None
-    if not len(nsub):
-        return parts[:0]
-    most = int(nsub.max())
-    if int(nsub.min()) == most:  # every bag has as many sub-bags: add the columns of a 3-D view in order
-        view = parts.reshape(len(nsub), most, parts.shape[1])
-        if most == 1:
-            return view[:, 0].copy()
-        out = np.add(view[:, 0], view[:, 1])
-        for k in range(2, most):
-            out += view[:, k]
-        return out
-    first = _exclusive_cumsum(nsub)  # every bag has >= 1 sub-bag
-    out = parts[first]  # a copy: `parts` is a reused buffer
-    for k in range(1, most):  # (np.add.reduceat does not add rows in order)
-        more = np.nonzero(nsub > k)[0]
-        out[more] += parts[first[more] + k]
-    return out
 
 
 def _grouped8_sums(table, ids, offsets, weights, lengths) -> np.ndarray:

@@ -241,6 +241,43 @@ EMBEDCORE_TEST(PooledEqualsReferenceAndAcrossSets) {
   }
 }
 
+EMBEDCORE_TEST(GroupedEqualsReferenceAndAcrossSets) {
+  // Output row g = the reference sum of bag groups[g], then + each later bag
+  // of the group in order; empty groups are zeros.
+  std::mt19937 rng(515);
+  const auto sets = KernelSets();
+  for (DType dt : kDTypes) {
+    for (int64_t dim : kDims) {
+      const RawTable t = MakeTable(dt, 61, dim, rng);
+      const RandomBatch b = MakeBatch(45, 12, t.rows, rng);
+      std::vector<int64_t> groups{0};
+      while (groups.back() < b.bags()) groups.push_back(std::min<int64_t>(b.bags(), groups.back() + int64_t(rng() % 5)));
+      const int64_t ng = int64_t(groups.size()) - 1;
+      for (bool weighted : {false, true}) {
+        const std::vector<float> bags = RefPooled(t, b, weighted, ops::CombinerKind::kSum);
+        std::vector<float> want(size_t(ng * dim), 0.0f);
+        for (int64_t g = 0; g < ng; ++g)
+          for (int64_t k = groups[size_t(g)]; k < groups[size_t(g) + 1]; ++k)
+            for (int64_t d = 0; d < dim; ++d) {
+              float& o = want[size_t(g * dim + d)];
+              o = k == groups[size_t(g)] ? bags[size_t(k * dim + d)] : o + bags[size_t(k * dim + d)];
+            }
+        for (const kernels::KernelSet* set : sets) {
+          for (int it = 0; it < 2; ++it) {
+            std::vector<float> got(want.size(), -7.0f);
+            const auto a = Args(t, b, it, weighted, ops::CombinerKind::kSum, 0, got.data());
+            set->dtype[int(dt)].grouped[it](a, groups.data(), 0, ng / 2);
+            set->dtype[int(dt)].grouped[it](a, groups.data(), ng / 2, ng);
+            CompareBits(got, want,
+                        std::string(set->name) + " grouped " + DName(dt) + " dim " + std::to_string(dim) +
+                            (weighted ? " weighted" : "") + (it ? " int64" : " int32"));
+          }
+        }
+      }
+    }
+  }
+}
+
 EMBEDCORE_TEST(FlatEqualsReferenceAndAcrossSets) {
   std::mt19937 rng(77);
   for (DType dt : kDTypes) {

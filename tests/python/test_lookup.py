@@ -524,3 +524,80 @@ def test_portable_kernels_match_reference(tmp_path):
             tol = ref.storage_rtol(dtype) * np.maximum(np.abs(after), np.abs(tref.values)) + 1e-6
             assert np.all(np.abs(after - tref.values) <= tol), key
             np.testing.assert_allclose(d[key + "_acc"], tref.slots["accumulators"], rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------- grouped bags
+def _grouped_reference(table, ids, offsets, weights, groups):
+    """float64 sums of each group of bags, and the engine's own in-order
+    composition: each bag summed by lookup(sum), then a group's bag sums
+    added in order in float32 (what lookup_grouped promises, bit for bit)."""
+    per_bag, bound = ref.pooled(table.to_numpy(), ids, offsets, weights, "sum")
+    bags = table.lookup(ids, offsets, weights, combiner="sum")
+    n = len(groups) - 1
+    want64 = np.zeros((n, table.dim))
+    bound64 = np.zeros((n, table.dim))
+    exact = np.zeros((n, table.dim), np.float32)
+    for g in range(n):
+        for k in range(groups[g], groups[g + 1]):
+            want64[g] += per_bag[k]
+            bound64[g] += bound[k]
+            exact[g] = bags[k] if k == groups[g] else exact[g] + bags[k]
+    return want64, bound64, exact
+
+
+@pytest.mark.parametrize("dim", (1, 7, 8, 13, 128, 129))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_lookup_grouped(rng, weighted, id_dtype, dtype, dim):
+    rows = int(rng.integers(20, 300))
+    table = make_table(rows, dim, dtype, seed=int(rng.integers(1 << 30)))
+    bags = int(rng.integers(1, 60))
+    ids, offsets, weights = random_bags(rng, rows, bags, id_dtype=id_dtype, weighted=weighted)
+    # Groups of 0 to 5 bags (empty groups too), covering every bag.
+    sizes = []
+    while sum(sizes) < bags:
+        sizes.append(int(min(rng.integers(0, 6), bags - sum(sizes))))
+    groups = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    out = table.lookup_grouped(ids, offsets, groups, weights)
+    assert out.dtype == np.float32 and out.shape == (len(sizes), dim) and out.flags.c_contiguous
+    want, bound, exact = _grouped_reference(table, ids, offsets, weights, groups)
+    np.testing.assert_array_equal(out, exact)
+    assert_pooled(out, want, bound, 1e-6)
+    assert not out[np.asarray(sizes) == 0].any()
+
+
+def test_lookup_grouped_many_threads_and_edges(rng):
+    table = make_table(500, 16, seed=5)
+    ids, offsets, weights = random_bags(rng, 500, 6000, max_len=9, weighted=True)
+    groups = np.arange(0, 6001, 3, dtype=np.int64)
+    out = table.lookup_grouped(ids, offsets, groups, weights)
+    np.testing.assert_array_equal(out, _grouped_reference(table, ids, offsets, weights, groups)[2])
+    # No ids and no groups; one group of every bag.
+    empty = table.lookup_grouped(np.zeros(0, np.int64), np.array([0]), np.array([0]))
+    assert empty.shape == (0, 16)
+    whole = table.lookup_grouped(ids, offsets, np.array([0, 6000]), weights)
+    np.testing.assert_array_equal(whole, _grouped_reference(table, ids, offsets, weights, [0, 6000])[2])
+
+
+def test_lookup_grouped_errors(rng):
+    table = make_table(40, 4, seed=2)
+    ids, offsets, _ = random_bags(rng, 40, 6)
+    before = table.to_numpy().copy()
+    with pytest.raises(ValueError, match=r"groups must end at the number of bags, 6, got groups\[2\] = 5"):
+        table.lookup_grouped(ids, offsets, [0, 2, 5])
+    with pytest.raises(ValueError, match=r"groups must be non-decreasing: groups\[1\] = 4 > groups\[2\] = 3"):
+        table.lookup_grouped(ids, offsets, [0, 4, 3, 6])
+    with pytest.raises(ValueError, match=r"groups\[0\] must be 0, got 1"):
+        table.lookup_grouped(ids, offsets, [1, 6])
+    with pytest.raises(ValueError, match="groups must hold batch \\+ 1 values"):
+        table.lookup_grouped(ids, offsets, np.zeros(0, np.int64))
+    with pytest.raises(TypeError, match="groups"):
+        table.lookup_grouped(ids, offsets, np.array([0.0, 6.0]))
+    with pytest.raises(ValueError, match="offsets are required"):
+        table.lookup_grouped(ids, None, [0, 6])
+    bad = ids.copy()
+    bad[3] = 40
+    with pytest.raises(IndexError, match=r"id 40 at position 3 of ids is out of range \[0, 40\)"):
+        table.lookup_grouped(bad, offsets, [0, 6])
+    np.testing.assert_array_equal(table.to_numpy(), before)

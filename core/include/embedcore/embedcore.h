@@ -209,6 +209,15 @@ class Table {
   /// and the work runs on the CUDA stream `stream` (0: the default stream).
   void Lookup(const Batch& batch, const OutputShape& shape, float* out, uintptr_t stream = 0) const;
 
+  /// Sums groups of bags (host tables): each bag of `batch` is summed from
+  /// zero in id order, as a kSum lookup sums it, and output row g is the sum
+  /// of bags groups[g] .. groups[g + 1] - 1, added in order (the first taken
+  /// as it is; an empty group gives zeros). `groups` holds num_groups + 1
+  /// non-decreasing bag indices from 0 to batch.num_bags; `out` is
+  /// [num_groups, dim] float32. It reproduces, bit for bit, kernels that add
+  /// a bag's rows in groups (TensorFlow's sparse_segment_sum).
+  void LookupGrouped(const Batch& batch, const int64_t* groups, int64_t num_groups, float* out) const;
+
   /// Applies one optimizer step from the gradients of one or more lookups.
   /// The gradients of every occurrence of an id (across all parts) are summed
   /// in a fixed order before one update of that row, so the result does not
