@@ -1,9 +1,10 @@
 // Row kernels of the CPU engine: the lookup's pooled bags, flat and padded
-// sequences, the optimizer step over rows grouped by id, and row conversions. Two builds of the same template code
-// (kernels_impl.h): portable (kernels_generic.cc) and AVX2+F16C
-// (kernels_avx2.cc), chosen once at run time. Both compute the same float32
-// operations in the same order (no FMA contraction), so they give the same
-// bits.
+// sequences and grouped bags, the optimizer step over rows grouped by id, and
+// row conversions. Three builds of the same template code (kernels_impl.h):
+// portable (kernels_generic.cc), AVX2+F16C (kernels_avx2.cc) and AVX-512
+// (kernels_avx512.cc), the best one the CPU runs chosen once at run time. All
+// compute the same float32 operations in the same order (no FMA
+// contraction), so they give the same bits.
 #pragma once
 
 #include <cstdint>
@@ -103,7 +104,9 @@ struct KernelSet {
 const KernelSet& GenericKernels();
 /// Null when the build has no AVX2 path.
 const KernelSet* Avx2Kernels();
-/// The best set this CPU runs (EMBEDCORE_KERNELS=generic forces the portable one).
+/// Null when the build has no AVX-512 path.
+const KernelSet* Avx512Kernels();
+/// The best set this CPU runs (EMBEDCORE_KERNELS=generic or =avx2 caps the choice).
 const KernelSet& ActiveKernels();
 
 }  // namespace embedcore::kernels

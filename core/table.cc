@@ -591,8 +591,11 @@ const KernelSet& ActiveKernels() {
     const char* force = std::getenv("EMBEDCORE_KERNELS");
     const bool generic = force != nullptr && std::string(force) == "generic";
 #if defined(__x86_64__)
-    if (!generic && Avx2Kernels() != nullptr && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
-      return Avx2Kernels();
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    const bool want_avx2 = force != nullptr && std::string(force) == "avx2";
+    if (!generic && !want_avx2 && Avx512Kernels() != nullptr && avx2 && __builtin_cpu_supports("avx512f"))
+      return Avx512Kernels();
+    if (!generic && Avx2Kernels() != nullptr && avx2) return Avx2Kernels();
 #endif
     return &GenericKernels();
   }();

@@ -1,4 +1,4 @@
-// core/kernels*.{h,cc}: the generic and the AVX2+F16C kernel sets give the
+// core/kernels*.{h,cc}: the generic, AVX2+F16C and AVX-512 kernel sets give the
 // same bits for pooled, padded and flat lookups, for every storage dtype and
 // id type, on random data, and both equal a scalar reference written in the
 // documented order of float operations; row load/store agree too, and so does
@@ -28,6 +28,14 @@ namespace {
 bool CpuHasAvx2() {
 #if defined(__x86_64__) && defined(__GNUC__)
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+bool CpuHasAvx512() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return CpuHasAvx2() && __builtin_cpu_supports("avx512f");
 #else
   return false;
 #endif
@@ -186,6 +194,7 @@ const char* DName(DType d) { return DTypeName(d); }
 std::vector<const kernels::KernelSet*> KernelSets() {
   std::vector<const kernels::KernelSet*> sets = {&kernels::GenericKernels()};
   if (kernels::Avx2Kernels() != nullptr && CpuHasAvx2()) sets.push_back(kernels::Avx2Kernels());
+  if (kernels::Avx512Kernels() != nullptr && CpuHasAvx512()) sets.push_back(kernels::Avx512Kernels());
   return sets;
 }
 
@@ -200,16 +209,23 @@ EMBEDCORE_TEST(KernelSetsAvailable) {
   if (kernels::Avx2Kernels() != nullptr) {
     EMBEDCORE_EXPECT_EQ(std::string(kernels::Avx2Kernels()->name), std::string("avx2+f16c"));
   }
+  if (kernels::Avx512Kernels() != nullptr) {
+    EMBEDCORE_EXPECT_EQ(std::string(kernels::Avx512Kernels()->name), std::string("avx512"));
+  }
   const std::string active = kernels::ActiveKernels().name;
   const char* force = std::getenv("EMBEDCORE_KERNELS");
-  if (force != nullptr && std::string(force) == "generic") {
+  const std::string cap = force != nullptr ? force : "";
+  if (cap == "generic") {
     EMBEDCORE_EXPECT_EQ(active, std::string("generic"));
+  } else if (kernels::Avx512Kernels() != nullptr && CpuHasAvx512() && cap != "avx2") {
+    EMBEDCORE_EXPECT_EQ(active, std::string("avx512"));
   } else if (kernels::Avx2Kernels() != nullptr && CpuHasAvx2()) {
     EMBEDCORE_EXPECT_EQ(active, std::string("avx2+f16c"));
   }
   EMBEDCORE_EXPECT_EQ(GetBuildInfo().simd, active);
-  if (KernelSets().size() < 2)
-    std::printf("  (no AVX2+F16C here: only the generic kernels are checked against the reference)\n");
+  if (KernelSets().size() < 3)
+    std::printf("  (this CPU runs %zu of the 3 kernel sets: only those are checked against the reference)\n",
+                KernelSets().size());
 }
 
 EMBEDCORE_TEST(PooledEqualsReferenceAndAcrossSets) {
@@ -449,7 +465,7 @@ EMBEDCORE_TEST(StoreNaNStaysNaN) {
 }
 
 EMBEDCORE_TEST(StoreBFloat16BitsEqualScalarForNaNs) {
-  // The AVX2 bfloat16 store quiets NaNs exactly as ops::FloatToBFloat16 does.
+  // The vector bfloat16 stores quiet NaNs exactly as ops::FloatToBFloat16 does.
   std::vector<float> src;
   for (uint32_t payload : {0x1u, 0x10000u, 0x200000u, 0x400000u, 0x7fffffu, 0x12345u, 0x3f0000u, 0x5a5a5au})
     for (uint32_t sign : {0u, 0x80000000u}) src.push_back(ops::BitsFloat(sign | 0x7f800000u | payload));

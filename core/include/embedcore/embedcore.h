@@ -467,7 +467,7 @@ struct BuildInfo {
   int cuda_devices = 0;             ///< devices the CUDA runtime sees now (0 without CUDA)
   bool nccl = false;
   bool mpi = false;
-  std::string simd;  ///< kernels selected at run time, e.g. "avx2+f16c"
+  std::string simd;  ///< kernels selected at run time: "avx512", "avx2+f16c" or "generic"
   std::string compiler;
 };
 BuildInfo GetBuildInfo();
