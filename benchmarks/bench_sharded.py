@@ -441,8 +441,10 @@ def mpi_rounds(mpi, contenders: List[tuple], repeats: int, warmup: int, max_seco
     """C.run_rounds across MPI ranks: contenders are (name, fn, root_only).
     A collective one starts after a barrier on every rank; its time is the
     slowest rank's. A root-only one (the anchor) runs on rank 0 while the
-    others sleep. Rank 0 decides when to stop (the same rule as run_rounds,
-    with the load of processes other than the ranks) and gets the Timing."""
+    others sleep. Each timed call follows an untimed one of the same
+    contender, as in run_rounds. Rank 0 decides when to stop (the same rule
+    as run_rounds, with the load of processes other than the ranks) and gets
+    the Timing."""
     root = mpi.Get_rank() == 0
 
     def call(fn, root_only):
@@ -480,6 +482,7 @@ def mpi_rounds(mpi, contenders: List[tuple], repeats: int, warmup: int, max_seco
             k = r % len(contenders)
             dts = {}
             for name, fn, ro in contenders[k:] + contenders[:k]:
+                call(fn, ro)  # primed, as run_rounds does: timed from its own warm caches
                 dts[name] = call(fn, ro)
             load = mon.stop()["other_cores"] if root else None
             everyone = mpi.gather(dts, root=0)

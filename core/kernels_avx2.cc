@@ -44,12 +44,13 @@ inline void Store8(ops::BF16* p, __m256 v) {
 
 template <typename T>
 struct Avx2Rows {
-  // Sums live in registers across a bag's ids: 16 for float32 (adds take the
-  // row from memory, so 16 accumulators fit the 16 registers), 8 for the
-  // 16-bit types (their conversion needs registers of its own).
-  static constexpr int kVectors = sizeof(T) == 4 ? 16 : 8;
-  static constexpr int64_t kPoolColumns = 8 * kVectors;
-  static constexpr int64_t kPoolColumnsNarrow = 8;
+  // Sums live in registers across a bag's ids: up to 16 vectors, 128
+  // columns, a block. Float32 adds take the row from memory, so 16
+  // accumulators fit the 16 registers; the 16-bit types' conversions spill a
+  // few of them, which still beats a second pass over the rows (1.25x on
+  // float16 rows of 128).
+  static constexpr int kLanes = 8;
+  static constexpr int kVectors = 16;
 
   template <int NV, typename I>
   static void Pool(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
@@ -76,17 +77,6 @@ struct Avx2Rows {
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, s[j]);
   }
-  template <typename I>
-  static void PoolColumns(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
-                          const float* weights, int64_t pf_end, int64_t row_bytes) {
-    Pool<kVectors>(out, table, dim, c0, ids, k0, k1, weights, pf_end, row_bytes);
-  }
-  template <typename I>
-  static void PoolColumnsNarrow(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0,
-                                int64_t k1, const float* weights, int64_t pf_end, int64_t row_bytes) {
-    Pool<1>(out, table, dim, c0, ids, k0, k1, weights, pf_end, row_bytes);
-  }
-
   static void Axpy(float* acc, const T* row, float w, int64_t dim) {
     const __m256 wv = _mm256_set1_ps(w);
     int64_t d = 0;

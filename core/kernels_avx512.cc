@@ -44,10 +44,9 @@ inline void Store16(ops::BF16* p, __m512 v) {
 
 template <typename T>
 struct Avx512Rows {
-  // Eight 16-float sums in registers across a bag's ids: 128 columns a block.
+  // Up to eight 16-float sums in registers across a bag's ids: 128 columns a block.
+  static constexpr int kLanes = 16;
   static constexpr int kVectors = 8;
-  static constexpr int64_t kPoolColumns = 16 * kVectors;
-  static constexpr int64_t kPoolColumnsNarrow = 16;
 
   template <int NV, typename I>
   static void Pool(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
@@ -74,17 +73,6 @@ struct Avx512Rows {
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + 16 * j, s[j]);
   }
-  template <typename I>
-  static void PoolColumns(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
-                          const float* weights, int64_t pf_end, int64_t row_bytes) {
-    Pool<kVectors>(out, table, dim, c0, ids, k0, k1, weights, pf_end, row_bytes);
-  }
-  template <typename I>
-  static void PoolColumnsNarrow(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0,
-                                int64_t k1, const float* weights, int64_t pf_end, int64_t row_bytes) {
-    Pool<1>(out, table, dim, c0, ids, k0, k1, weights, pf_end, row_bytes);
-  }
-
   static void Axpy(float* acc, const T* row, float w, int64_t dim) {
     const __m512 wv = _mm512_set1_ps(w);
     int64_t d = 0;

@@ -8,11 +8,14 @@ namespace {
 
 template <typename T>
 struct ScalarRows {
-  static constexpr int64_t kPoolColumns = 16;
-  static constexpr int64_t kPoolColumnsNarrow = 4;
-  template <int64_t kCols, typename I>
+  // Blocks of up to 4 "vectors" of 4 columns, summed in a local array the
+  // compiler may keep in registers.
+  static constexpr int kLanes = 4;
+  static constexpr int kVectors = 4;
+  template <int NV, typename I>
   static void Pool(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
                    const float* weights, int64_t pf_end, int64_t row_bytes) {
+    constexpr int64_t kCols = int64_t(NV) * kLanes;
     float acc[kCols] = {};
     for (int64_t k = k0; k < k1; ++k) {
       if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
@@ -21,16 +24,6 @@ struct ScalarRows {
       for (int64_t d = 0; d < kCols; ++d) acc[d] += w * ops::ToFloat(row[d]);
     }
     for (int64_t d = 0; d < kCols; ++d) out[d] = acc[d];
-  }
-  template <typename I>
-  static void PoolColumns(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
-                          const float* weights, int64_t pf_end, int64_t row_bytes) {
-    Pool<kPoolColumns>(out, table, dim, c0, ids, k0, k1, weights, pf_end, row_bytes);
-  }
-  template <typename I>
-  static void PoolColumnsNarrow(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0,
-                                int64_t k1, const float* weights, int64_t pf_end, int64_t row_bytes) {
-    Pool<kPoolColumnsNarrow>(out, table, dim, c0, ids, k0, k1, weights, pf_end, row_bytes);
   }
   static void Axpy(float* acc, const T* row, float w, int64_t dim) {
     for (int64_t d = 0; d < dim; ++d) acc[d] += w * ops::ToFloat(row[d]);

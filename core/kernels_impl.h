@@ -2,11 +2,11 @@
 //   R::Axpy(acc, row, w, dim)   acc[d] += w * float(row[d])
 //   R::Scale(out, row, w, dim)  out[d]  = w * float(row[d])
 //   R::Load(row, dst, dim), R::Store(row, src, dim)
-//   R::PoolColumns(out, table, dim, c0, ids, k0, k1, weights, pf_end, row_bytes)
+//   R::Pool<NV>(out, table, dim, c0, ids, k0, k1, weights, pf_end, row_bytes)
 //       out[c] = sum over k in [k0, k1) of w_k * float(row(ids[k])[c0 + c]),
-//       for the kPoolColumns columns from c0, accumulated in registers; when
-//       pf_end > 0 it also prefetches the row of ids[k + kPrefetchDistance] (< pf_end)
-//   R::PoolColumnsNarrow(...)  the same for kPoolColumnsNarrow columns
+//       for the NV * R::kLanes columns from c0 (NV a power of two up to
+//       R::kVectors), accumulated in registers; when pf_end > 0 it also
+//       prefetches the row of ids[k + kPrefetchDistance] (< pf_end)
 // for each storage type. Included by kernels_generic.cc and kernels_avx2.cc
 // only, inside an anonymous namespace, so each gets its own instantiations.
 //
@@ -20,27 +20,41 @@ inline void PrefetchRow(const T* row, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
-// Each bag is pooled a block of kPoolColumns columns at a time, with the
-// block's sums in registers across the bag's ids; the rows, fetched (and
+// Each bag is pooled a block of columns at a time, with the block's sums in
+// registers across the bag's ids: blocks of R::kVectors vectors, then at most
+// one each of half, a quarter, ... of that, so that any width takes few
+// passes (64 columns: one block of 8 AVX2 vectors). The rows, fetched (and
 // prefetched) by the first block, are in L1 for the next ones. Every output
 // element is still 0 + w_0 r_0 + w_1 r_1 + ... in id order. The first block
 // prefetches the row kPrefetchDistance ids ahead as it adds each row (across
 // bag ends, up to id pf_end).
+template <typename R, int NV, typename T, typename I>
+inline void PoolSmallerBlocks(const LookupArgs& a, const T* table, const I* ids, int64_t k0, int64_t k1, float* acc,
+                              int64_t& c0, int64_t& pf_end) {
+  if constexpr (NV >= 1) {
+    if (a.dim - c0 >= int64_t(NV) * R::kLanes) {
+      R::template Pool<NV>(acc + c0, table, a.dim, c0, ids, k0, k1, a.weights, pf_end, a.dim * int64_t(sizeof(T)));
+      c0 += int64_t(NV) * R::kLanes;
+      pf_end = 0;
+    }
+    PoolSmallerBlocks<R, NV / 2, T, I>(a, table, ids, k0, k1, acc, c0, pf_end);
+  }
+}
+
 template <typename R, typename T, typename I>
 inline void PoolBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) {
   const T* table = static_cast<const T*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
   const int64_t dim = a.dim;
   const int64_t row_bytes = dim * int64_t(sizeof(T));
-  const int64_t wide = dim / R::kPoolColumns * R::kPoolColumns;
-  const int64_t full = wide + (dim - wide) / R::kPoolColumnsNarrow * R::kPoolColumnsNarrow;
+  constexpr int64_t kBlock = int64_t(R::kVectors) * R::kLanes;
   const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
   const int64_t k_end = pf_end;
-  for (int64_t c0 = 0; c0 < wide; c0 += R::kPoolColumns, pf_end = 0)
-    R::PoolColumns(acc + c0, table, dim, c0, ids, k0, k1, a.weights, pf_end, row_bytes);
-  for (int64_t c0 = wide; c0 < full; c0 += R::kPoolColumnsNarrow, pf_end = 0)
-    R::PoolColumnsNarrow(acc + c0, table, dim, c0, ids, k0, k1, a.weights, pf_end, row_bytes);
-  if (pf_end != 0)  // no block ran (dim below the narrow block): prefetch as the tail loop used to
+  int64_t full = 0;
+  for (; full + kBlock <= dim; full += kBlock, pf_end = 0)
+    R::template Pool<R::kVectors>(acc + full, table, dim, full, ids, k0, k1, a.weights, pf_end, row_bytes);
+  PoolSmallerBlocks<R, R::kVectors / 2, T, I>(a, table, ids, k0, k1, acc, full, pf_end);
+  if (pf_end != 0)  // no block ran (dim below one vector): prefetch as the tail loop used to
     for (int64_t k = k0; k < k1 && k + kPrefetchDistance < k_end; ++k)
       PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
   if (full < dim) {

@@ -124,7 +124,7 @@ def _sum_sub_bags(table, ids, sub_offsets, weights, nsub) -> np.ndarray:
     groups = np.zeros(len(nsub) + 1, np.int64)
     np.cumsum(nsub, out=groups[1:])
     try:
-        return table.lookup_grouped(ids, sub_offsets, groups, weights)
+        return table.lookup_grouped(ids, sub_offsets, groups, weights=weights)
     except IndexError as e:
         raise bad_id_error(table, ids, None, str(e)) from None
 

@@ -86,7 +86,7 @@ def as_int_array(x, where: str) -> np.ndarray:
         a = a.astype(np.int64)  # an empty Python list
     else:
         raise TypeError(f"{where} must be an integer array (int32 or int64), got dtype {a.dtype}")
-    return np.ascontiguousarray(a)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)  # (ascontiguousarray makes a 0-d array 1-d)
 
 
 def as_offsets(x, where: str) -> np.ndarray:

@@ -7,7 +7,7 @@ import numpy as np
 
 from . import _device, _embedcore
 from . import optimizers as _opt
-from ._inputs import Batch, as_float32, as_offsets, make_batch
+from ._inputs import Batch, Ragged, as_float32, as_offsets, make_batch
 from .config import COMBINERS, TableConfig
 
 __all__ = ["Table"]
@@ -209,26 +209,31 @@ class Table(LookupMixin):
         self._native.lookup_into(ids, offsets, weights, code, length, out)
         return out
 
-    def lookup_grouped(self, ids, offsets, groups, weights=None) -> np.ndarray:
+    def lookup_grouped(self, ids, offsets=None, groups=None, *, weights=None) -> np.ndarray:
         """Sums of groups of bags: float32 ``[len(groups) - 1, dim]``.
 
-        ``ids`` and ``offsets`` are a CSR batch of bags (with optional
-        per-id ``weights``); ``groups`` (``num_groups + 1`` non-decreasing bag
-        indices from 0 to the number of bags) gathers consecutive bags. Each
-        bag is summed from zero in id order, as ``lookup(combiner="sum")``
-        sums it, and output row ``g`` adds the sums of bags ``groups[g]`` ..
-        ``groups[g + 1] - 1`` in order; an empty group gives zeros. This is
-        how kernels that add a bag's rows in groups (TensorFlow's
-        ``sparse_segment_sum``, Eigen's 4-way segment sums) order their float
-        additions, so their results can be reproduced bit for bit.
+        ``ids`` and ``offsets`` (or ``ids=Ragged(values, offsets)``) are a CSR
+        batch of bags, with optional per-id ``weights`` (keyword only);
+        ``groups`` (``num_groups + 1`` non-decreasing bag indices from 0 to
+        the number of bags) gathers consecutive bags. Each bag is summed from
+        zero in id order, as ``lookup(combiner="sum")`` sums it, and output
+        row ``g`` adds the sums of bags ``groups[g]`` .. ``groups[g + 1] - 1``
+        in order; an empty group gives zeros. This is how kernels that add a
+        bag's rows in groups (TensorFlow's ``sparse_segment_sum``, Eigen's
+        4-way segment sums) order their float additions, so their results can
+        be reproduced bit for bit. Threads split the groups: one huge group
+        runs on one thread. CPU tables only.
         """
         if getattr(self, "_device", -1) >= 0:
             raise ValueError(f"table '{self.name}' is on {self.device}: lookup_grouped takes CPU tables only")
-        if offsets is None:
-            raise ValueError("lookup_grouped: offsets are required (a CSR batch of bags)")
+        if groups is None:
+            raise TypeError("lookup_grouped: groups is required")
+        if offsets is None and not isinstance(ids, Ragged):
+            raise ValueError("lookup_grouped: give the bags as ids and offsets, or as ids=Ragged(values, offsets)")
         batch = make_batch(ids, offsets, weights)
         if batch.kind != "ragged":
-            raise ValueError("lookup_grouped takes a 1-D id array with offsets")
+            raise ValueError("lookup_grouped takes bags as ids and offsets (CSR) or Ragged, "
+                             f"not {batch.kind} input")
         g = as_offsets(groups, "groups")
         return self._native.lookup_grouped(batch.ids, batch.offsets, batch.weights, g)
 

@@ -606,6 +606,56 @@ EMBEDCORE_TEST(LookupOfEmptyBatches) {
   EMBEDCORE_EXPECT_NO_THROW(t.Lookup(empty_bags.View(), OutputShape{Combiner::kNone, 0}, nullptr));  // [0, dim]
 }
 
+EMBEDCORE_TEST(LookupGroupedEqualsLookupThenAdds) {
+  // Through the table (validation, threads): row g = bag sums of its group added in order.
+  std::mt19937 rng(31);
+  for (bool int32 : {false, true}) {
+    Table t(MakeSpec(300, 24));
+    const HostBatch hb = RandomBatch(rng, 3000, 7, 300, true, int32);
+    std::vector<int64_t> groups{0};
+    while (groups.back() < 3000) groups.push_back(std::min<int64_t>(3000, groups.back() + int64_t(rng() % 6)));
+    const int64_t ng = int64_t(groups.size()) - 1;
+    std::vector<float> bags(3000 * 24), want(size_t(ng) * 24, 0.0f), got(size_t(ng) * 24, -7.0f);
+    t.Lookup(hb.View(), OutputShape{Combiner::kSum, 0}, bags.data());
+    for (int64_t g = 0; g < ng; ++g)
+      for (int64_t k = groups[size_t(g)]; k < groups[size_t(g) + 1]; ++k)
+        for (int64_t d = 0; d < 24; ++d) {
+          float& o = want[size_t(g * 24 + d)];
+          o = k == groups[size_t(g)] ? bags[size_t(k * 24 + d)] : o + bags[size_t(k * 24 + d)];
+        }
+    SetNumThreads(2);
+    t.LookupGrouped(hb.View(), groups.data(), ng, got.data());
+    SetNumThreads(1);
+    for (size_t i = 0; i < got.size(); ++i) EMBEDCORE_EXPECT_BITS_EQ(got[i], want[i]);
+  }
+}
+
+EMBEDCORE_TEST(LookupGroupedValidation) {
+  Table t(MakeSpec(10, 4));
+  HostBatch hb;
+  hb.AddBag({1, 2});
+  hb.AddBag({});
+  hb.AddBag({3});
+  std::vector<float> out(3 * 4, -7.0f);
+  const std::vector<float> sentinel = out;
+  const int64_t ends_short[] = {0, 2}, decreasing[] = {0, 2, 1, 3}, late_start[] = {1, 3}, good[] = {0, 2, 3};
+  EMBEDCORE_EXPECT_THROWS(t.LookupGrouped(hb.View(), ends_short, 1, out.data()), InvalidArgument,
+                          "groups must end at the number of bags, 3, got groups[1] = 2");
+  EMBEDCORE_EXPECT_THROWS(t.LookupGrouped(hb.View(), decreasing, 3, out.data()), InvalidArgument,
+                          "groups[1] = 2 > groups[2] = 1");
+  EMBEDCORE_EXPECT_THROWS(t.LookupGrouped(hb.View(), late_start, 1, out.data()), InvalidArgument,
+                          "groups[0] must be 0, got 1");
+  EMBEDCORE_EXPECT_THROWS(t.LookupGrouped(hb.View(), good, -1, out.data()), InvalidArgument, "negative");
+  EMBEDCORE_EXPECT_THROWS(t.LookupGrouped(hb.View(), nullptr, 2, out.data()), InvalidArgument, "null");
+  EMBEDCORE_EXPECT_THROWS(t.LookupGrouped(hb.View(), good, 2, nullptr), InvalidArgument, "out: null");
+  HostBatch bad = hb;
+  bad.ids[1] = 10;
+  EMBEDCORE_EXPECT_THROWS(t.LookupGrouped(bad.View(), good, 2, out.data()), OutOfRange, "id 10 at position 1");
+  EMBEDCORE_EXPECT(out == sentinel);  // nothing written
+  t.LookupGrouped(hb.View(), good, 2, out.data());
+  EMBEDCORE_EXPECT(out != sentinel);
+}
+
 EMBEDCORE_TEST(LookupValidation) {
   Table t(MakeSpec(10, 4));
   const std::vector<float> sentinel(4 * 4, -7.0f);

@@ -562,7 +562,7 @@ def test_lookup_grouped(rng, weighted, id_dtype, dtype, dim):
     while sum(sizes) < bags:
         sizes.append(int(min(rng.integers(0, 6), bags - sum(sizes))))
     groups = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    out = table.lookup_grouped(ids, offsets, groups, weights)
+    out = table.lookup_grouped(ids, offsets, groups, weights=weights)
     assert out.dtype == np.float32 and out.shape == (len(sizes), dim) and out.flags.c_contiguous
     want, bound, exact = _grouped_reference(table, ids, offsets, weights, groups)
     np.testing.assert_array_equal(out, exact)
@@ -574,12 +574,12 @@ def test_lookup_grouped_many_threads_and_edges(rng):
     table = make_table(500, 16, seed=5)
     ids, offsets, weights = random_bags(rng, 500, 6000, max_len=9, weighted=True)
     groups = np.arange(0, 6001, 3, dtype=np.int64)
-    out = table.lookup_grouped(ids, offsets, groups, weights)
+    out = table.lookup_grouped(ids, offsets, groups, weights=weights)
     np.testing.assert_array_equal(out, _grouped_reference(table, ids, offsets, weights, groups)[2])
     # No ids and no groups; one group of every bag.
     empty = table.lookup_grouped(np.zeros(0, np.int64), np.array([0]), np.array([0]))
     assert empty.shape == (0, 16)
-    whole = table.lookup_grouped(ids, offsets, np.array([0, 6000]), weights)
+    whole = table.lookup_grouped(ec.Ragged(ids, offsets), groups=[0, 6000], weights=weights)
     np.testing.assert_array_equal(whole, _grouped_reference(table, ids, offsets, weights, [0, 6000])[2])
 
 
@@ -597,8 +597,10 @@ def test_lookup_grouped_errors(rng):
         table.lookup_grouped(ids, offsets, np.zeros(0, np.int64))
     with pytest.raises(TypeError, match="groups"):
         table.lookup_grouped(ids, offsets, np.array([0.0, 6.0]))
-    with pytest.raises(ValueError, match="offsets are required"):
+    with pytest.raises(ValueError, match="give the bags as ids and offsets"):
         table.lookup_grouped(ids, None, [0, 6])
+    with pytest.raises(ValueError, match=r"groups must be 1-D, got shape \(\)"):
+        table.lookup_grouped(ids, offsets, 6)
     bad = ids.copy()
     bad[3] = 40
     with pytest.raises(IndexError, match=r"id 40 at position 3 of ids is out of range \[0, 40\)"):
