@@ -7,6 +7,7 @@
 #include <nanobind/stl/optional.h>
 
 #include <memory>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -66,10 +67,41 @@ inline Combiner ToCombiner(int c) {
   return Combiner(c);
 }
 
+/// The output's dimensions; InvalidArgument when its float count (or bytes) overflows.
 inline std::vector<size_t> OutputDims(const Batch& b, const OutputShape& s, int64_t dim) {
-  if (s.combiner != Combiner::kNone) return {size_t(b.num_bags), size_t(dim)};
-  if (s.max_sequence_length > 0) return {size_t(b.num_bags), size_t(s.max_sequence_length), size_t(dim)};
-  return {size_t(b.nnz), size_t(dim)};
+  std::vector<size_t> dims;
+  if (s.combiner != Combiner::kNone)
+    dims = {size_t(b.num_bags), size_t(dim)};
+  else if (s.max_sequence_length > 0)
+    dims = {size_t(b.num_bags), size_t(s.max_sequence_length), size_t(dim)};
+  else
+    dims = {size_t(b.nnz), size_t(dim)};
+  size_t n = sizeof(float);
+  for (size_t d : dims)
+    if (__builtin_mul_overflow(n, d, &n) || n > size_t(INT64_MAX))
+      throw InvalidArgument("the lookup's output (" + std::to_string(b.num_bags) + " bags, max_sequence_length " +
+                            std::to_string(s.max_sequence_length) + ", dim " + std::to_string(dim) +
+                            ") would not fit in memory: its size overflows");
+  return dims;
+}
+
+/// Whether the byte ranges [a, a + a_bytes) and [b, b + b_bytes) overlap.
+inline bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
+}
+
+/// InvalidArgument when `out` (written by a lookup) shares memory with one of its inputs.
+template <typename Ids, typename Offsets, typename Weights, typename Out>
+void CheckNoAliasing(const Ids& ids, const Offsets& offsets, const std::optional<Weights>& weights, const Out& out) {
+  const size_t out_bytes = out.size() * sizeof(float);
+  auto check = [&](const void* p, size_t bytes, const char* what) {
+    if (Overlaps(out.data(), out_bytes, p, bytes))
+      throw InvalidArgument(std::string("out shares memory with ") + what + ": pass a separate output array");
+  };
+  check(ids.data(), ids.nbytes(), "ids");
+  check(offsets.data(), offsets.nbytes(), "offsets");
+  if (weights) check(weights->data(), weights->nbytes(), "weights");
 }
 
 
@@ -117,6 +149,7 @@ void LookupOut(int64_t dim, const IdArray& ids, const OffsetArray& offsets, cons
   if (shape.combiner == Combiner::kNone && max_sequence_length < 0)
     throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(max_sequence_length));
   const std::vector<size_t> dims = OutputDims(batch, shape, dim);
+  CheckNoAliasing(ids, offsets, weights, out);
   bool same = out.ndim() == dims.size();
   for (size_t i = 0; same && i < dims.size(); ++i) same = out.shape(i) == dims[i];
   if (!same) {

@@ -61,12 +61,29 @@ void LookupInto(const Table& t, const IdArray& ids, const OffsetArray& offsets,
 
 using PartTuple = std::tuple<IdArray, OffsetArray, std::optional<WeightArray>, int, int64_t, FloatIn>;
 
+// InvalidArgument when an input of a step shares memory with the table it
+// updates: the result would depend on the order in which rows are written.
+void CheckNotTableMemory(const Table& t, const void* p, size_t bytes, const char* what) {
+  const size_t n = size_t(t.rows()) * size_t(t.dim());
+  if (Overlaps(p, bytes, t.values(), n * DTypeSize(t.spec().dtype)))
+    throw InvalidArgument(std::string(what) + " overlaps the values of table '" + t.spec().name +
+                          "' that the step updates: pass a copy");
+  for (size_t s = 0; s < t.spec().optimizer.SlotNames().size(); ++s)
+    if (Overlaps(p, bytes, t.slot(s), n * sizeof(float)))
+      throw InvalidArgument(std::string(what) + " overlaps a slot of table '" + t.spec().name +
+                            "' that the step updates: pass a copy");
+}
+
 void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learning_rate) {
   RequireHost(t, "apply_gradients of NumPy arrays");
   std::vector<GradientPart> native;
   native.reserve(parts.size());
   for (size_t i = 0; i < parts.size(); ++i) {
     const auto& [ids, offsets, weights, combiner, max_len, grads] = parts[i];
+    CheckNotTableMemory(t, grads.data(), grads.nbytes(), "grads");
+    CheckNotTableMemory(t, ids.data(), ids.nbytes(), "ids");
+    CheckNotTableMemory(t, offsets.data(), offsets.nbytes(), "offsets");
+    if (weights) CheckNotTableMemory(t, weights->data(), weights->nbytes(), "weights");
     GradientPart p;
     p.batch = MakeBatch(ids, offsets, weights);
     p.shape = OutputShape{ToCombiner(combiner), max_len};

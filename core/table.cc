@@ -100,7 +100,12 @@ void OptimizerSpec::Validate() const {
 
 int64_t OutputShape::OutputRows(const Batch& batch) const {
   if (combiner != Combiner::kNone) return batch.num_bags;
-  return max_sequence_length > 0 ? batch.num_bags * max_sequence_length : batch.nnz;
+  if (max_sequence_length <= 0) return batch.nnz;
+  int64_t rows = 0;
+  if (__builtin_mul_overflow(batch.num_bags, max_sequence_length, &rows))
+    throw InvalidArgument("max_sequence_length = " + std::to_string(max_sequence_length) + " with " +
+                          std::to_string(batch.num_bags) + " bags: the output's row count overflows");
+  return rows;
 }
 
 // ---------------------------------------------------------------- validation

@@ -131,6 +131,13 @@ class Batch:
     def num_bags(self) -> int:
         return len(self.offsets) - 1
 
+    def owned(self) -> "Batch":
+        """The batch with its own copies of the arrays (which may view the
+        caller's): what a later ``apply_gradients`` reads cannot change."""
+        copy = lambda a: None if a is None else a.copy()  # noqa: E731
+        return Batch(copy(self.ids), copy(self.offsets), copy(self.weights), self.kind, self.width,
+                     copy(self.positions))
+
 
 def _dense_offsets(batch: int, k: int) -> np.ndarray:
     return np.arange(0, batch * k + 1, max(k, 1), dtype=np.int64)[: batch + 1] if k else np.zeros(batch + 1, np.int64)

@@ -40,7 +40,8 @@ class FeatureLookup:
         outputs = []
         for f, b in zip(self._features, batches):
             outputs.append(self._table(f)._lookup_batch(b, self._combiner(f), f.max_sequence_length))
-        self._last = batches
+        # Kept for apply_gradients, as copies: the caller may reuse its id buffers before the step.
+        self._last = [b.owned() for b in batches] if self._trains else batches
         return _nest.pack_as(self._feature_config, outputs)
 
     embedding_lookup = lookup
@@ -113,6 +114,7 @@ class Embedding(FeatureLookup):
                                                cfg.optimizer if cfg.optimizer is not None else optimizer, cfg.combiner)
         self._build_tables()
         self._last = None  # (batches) of the last lookup, for apply_gradients
+        self._trains = any(c.optimizer is not None for c in self._effective.values())
 
     def _build_tables(self) -> None:
         device = None if getattr(self, "_device", -1) < 0 else f"cuda:{self._device}"

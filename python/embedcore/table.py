@@ -77,6 +77,9 @@ class LookupMixin:
 
         Returns float32 ``[batch, dim]`` (pooled) or the sequence shapes above.
         """
+        if isinstance(max_sequence_length, (int, np.integer)) and not isinstance(max_sequence_length, bool) \
+                and max_sequence_length < 0:
+            raise ValueError(f"max_sequence_length must be >= 0, got {max_sequence_length}")
         if getattr(self, "_device", -1) >= 0:
             return self._cuda_lookup(ids, offsets, weights, self._combiner(combiner), max_sequence_length, out)
         batch = make_batch(ids, offsets, weights)

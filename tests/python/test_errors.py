@@ -322,3 +322,73 @@ def test_bad_optimizer_hyper_parameters(make):
 def test_optimizer_hyper_parameters_of_wrong_type(make):
     with pytest.raises(TypeError):
         make()
+
+
+# ----------------------------------------------------------------- memory shared with outputs or the table
+def test_out_sharing_memory_with_an_input_is_refused(trained):
+    """A lookup writing over its own ids, offsets or weights would read what
+    it wrote (a crash, or wrong sums): refused before anything is written."""
+    buf = np.zeros(2 * 4, np.float32)
+    out = buf.reshape(2, 4)
+    ids = buf.view(np.int32)[:4]
+    ids[:] = [1, 2, 3, 4]
+    offsets = np.array([0, 2, 4])
+    s = snapshot(trained)
+    with pytest.raises(ValueError, match="out shares memory with ids: pass a separate output array"):
+        trained.lookup(ids, offsets, out=out, combiner="sum")
+    np.testing.assert_array_equal(ids, [1, 2, 3, 4])  # not overwritten
+    w = np.ones(8, np.float32)
+    with pytest.raises(ValueError, match="out shares memory with weights"):
+        trained.lookup(np.arange(8), np.array([0, 4, 8]), weights=w, out=w.reshape(2, 4), combiner="sum")
+    off = np.zeros(8, np.int64)
+    off[:3] = [0, 1, 2]
+    with pytest.raises(ValueError, match="out shares memory with offsets"):
+        trained.lookup(np.array([1, 2]), off[:3], out=off.view(np.float32)[:8].reshape(2, 4), combiner="sum")
+    assert_unchanged(trained, s)
+    # Separate arrays are fine.
+    assert trained.lookup(ids.copy(), offsets, out=np.zeros((2, 4), np.float32), combiner="sum").shape == (2, 4)
+
+
+def test_step_inputs_viewing_the_table_are_refused(trained):
+    """Gradients that view the values (or a slot) being updated would make the
+    step depend on the order rows are written in, hence on the thread count."""
+    s = snapshot(trained)
+    with pytest.raises(ValueError, match="grads overlaps the values of table 'clicks' that the step updates: "
+                                         "pass a copy"):
+        trained.apply_gradients(np.arange(5), grads=trained.values()[1:6])
+    with pytest.raises(ValueError, match="grads overlaps a slot of table 'clicks'"):
+        trained.apply_gradients(np.arange(5), grads=trained.slots()["momenta"][2:7])
+    assert_unchanged(trained, s)
+    trained.apply_gradients(np.arange(5), grads=trained.values()[1:6].copy())  # a copy is fine
+    assert trained.step == 2
+
+
+def test_an_output_too_large_to_exist_is_a_value_error(trained):
+    s = snapshot(trained)
+    with pytest.raises(ValueError, match="max_sequence_length 4611686018427387904, dim 4\\) would not fit in memory"):
+        trained.lookup(np.array([1, 2, 3]), np.array([0, 1, 3]), combiner=None, max_sequence_length=2**62)
+    with pytest.raises(ValueError, match="max_sequence_length must be >= 0, got -5"):
+        trained.lookup(np.array([1, 2, 3]), np.array([0, 1, 3]), combiner="sum", max_sequence_length=-5)
+    assert_unchanged(trained, s)
+
+
+def test_embedding_steps_on_the_ids_it_looked_up():
+    """The caller may reuse its id buffers between the lookup and the step:
+    the step applies to the ids that were looked up, to every table or none."""
+    a = ec.TableConfig("a", rows=10, dim=3, initializer=ec.initializers.Zeros())
+    b = ec.TableConfig("b", rows=10, dim=3, initializer=ec.initializers.Zeros())
+    emb = ec.Embedding({"s": ec.FeatureConfig(b), "u": ec.FeatureConfig(a)}, ec.optimizers.SGD(1.0))
+    feats = {"s": np.array([1, 2]), "u": np.array([3, 4])}
+    out = emb(feats)
+    feats["u"][:] = [1000, 7]  # out of range, and in range: neither may be what the step uses
+    emb.apply_gradients({k: np.ones_like(v) for k, v in out.items()})
+    ta, tb = emb.embedding_tables[a].to_numpy(), emb.embedding_tables[b].to_numpy()
+    assert np.array_equal(np.nonzero(ta.any(1))[0], [3, 4]) and np.array_equal(np.nonzero(tb.any(1))[0], [1, 2])
+
+
+def test_serving_output_too_large_is_a_value_error(tmp_path, trained):
+    ec.save(tmp_path / "ck", trained)
+    served = ec.serving.open(tmp_path / "ck")
+    t = served.embedding_tables["clicks"]
+    with pytest.raises(ValueError, match="would not fit in memory"):
+        t.lookup(np.array([1]), np.array([0, 1]), combiner=None, max_sequence_length=2**62)
