@@ -132,6 +132,8 @@ class _TableModule(_AdapterModule):
         self.num_embeddings = int(num_embeddings)
         self.embedding_dim = int(embedding_dim)
         if padding_idx is not None:
+            if isinstance(padding_idx, bool) or not isinstance(padding_idx, (int, np.integer)):
+                raise TypeError(f"padding_idx must be an int, got {padding_idx!r}")
             if not -self.num_embeddings <= padding_idx < self.num_embeddings:
                 raise ValueError(f"padding_idx must be within num_embeddings ({self.num_embeddings}), "
                                  f"got {padding_idx}")

@@ -244,6 +244,8 @@ def test_bad_configurations():
         et.EmbeddingBag(10, 4, scale_grad_by_freq=True)
     with pytest.raises(ValueError):
         et.EmbeddingBag(10, 4, padding_idx=10)
+    with pytest.raises(TypeError, match="padding_idx must be an int, got 2.7"):
+        et.EmbeddingBag(10, 4, padding_idx=2.7)
     with pytest.raises(ValueError):
         et.EmbeddingBag(0, 4)
     with pytest.raises(TypeError):
