@@ -7,6 +7,7 @@
 #include <string>
 
 #include "embedcore/embedcore.h"
+#include "checkpoint/format.h"
 #include "cuda/cuda_impl.h"
 #include "internal.h"
 #include "kernels.h"
@@ -498,8 +499,18 @@ void BagDenominators(const Batch& batch, Combiner combiner, float* out) {
     out[b] = Denominator(combiner, batch.offsets[b], batch.offsets[b + 1], batch.weights);
 }
 
+namespace {
+// The step count stays within what a checkpoint records (and far from overflow).
+void CheckStepCanGrow(const std::string& table, int64_t step) {
+  if (step >= checkpoint::kMaxStep)
+    throw InvalidArgument("table '" + table + "' is at step " + std::to_string(step) +
+                          ", the last a checkpoint records (2^62): no further step");
+}
+}  // namespace
+
 void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate, uintptr_t stream) {
   if (spec_.device >= 0) {
+    CheckStepCanGrow(spec_.name, step_);
     std::unique_lock<std::shared_mutex> lock(mutex_);
     std::vector<float*> slots;
     for (auto& s : slots_) slots.push_back(s.get());
@@ -508,6 +519,7 @@ void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learnin
     return;
   }
   // Validate everything before touching anything.
+  CheckStepCanGrow(spec_.name, step_);
   for (size_t i = 0; i < parts.size(); ++i) {
     ValidateBatch(parts[i].batch, spec_.rows, spec_.name);
     if (parts[i].shape.OutputRows(parts[i].batch) > 0 && parts[i].grads == nullptr)

@@ -75,7 +75,7 @@ std::string GenerationTag(uint64_t gen) {
 // written with at least 12 digits. Anything else in the directory belongs to
 // the user and is never touched.
 bool ParseGeneration(const std::string& s, size_t pos, size_t end, uint64_t* generation) {
-  if (end < pos + 12 || end > pos + 18) return false;  // 18 digits: far below INT64_MAX
+  if (end < pos + 12 || end > pos + 18) return false;  // 18 digits: up to kMaxGeneration
   for (size_t i = pos; i < end; ++i)
     if (s[i] < '0' || s[i] > '9') return false;
   *generation = std::strtoull(s.substr(pos, end - pos).c_str(), nullptr, 10);
@@ -417,8 +417,10 @@ void CheckFinite(const std::string& dir, const FileEntry& f) {
 namespace {
 
 // Writes `json` as path/MANIFEST atomically (a fsynced temporary renamed over
-// it), then removes the files of every other generation and leftovers.
+// it), then removes the files of every other generation and leftovers. A
+// manifest that the reader would refuse is refused here, before anything changes.
 void CommitManifest(const std::string& path, const std::string& json, uint64_t generation) {
+  checkpoint::ParseManifest(JoinPath(path, "MANIFEST (to commit)"), json);
   const std::string tag = GenerationTag(generation);
   checkpoint::FileHeader h = MakeHeader(checkpoint::FileKind::kManifest);
   h.payload_offset = kHeaderBytes;
@@ -481,14 +483,27 @@ uint64_t NextGeneration(const std::string& path) {
   } catch (const std::exception&) {
     // No valid checkpoint there yet: nothing to keep.
   }
+  if (generation >= checkpoint::kMaxGeneration)
+    throw CheckpointError(path + ": generation " + std::to_string(generation) + " is the last the format allows (" +
+                          std::to_string(checkpoint::kMaxGeneration) + "); save into a new directory");
   return generation + 1;
 }
+
+namespace {
+// A step count the manifest can record (the table's step only grows).
+void CheckStep(const Table& table) {
+  if (table.step() < 0 || table.step() > checkpoint::kMaxStep)
+    throw InvalidArgument("save: table '" + table.spec().name + "' is at step " + std::to_string(table.step()) +
+                          "; a checkpoint records steps in [0, " + std::to_string(checkpoint::kMaxStep) + "]");
+}
+}  // namespace
 
 TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const std::string& prefix, int shard_index,
                            const Table& shard, int64_t row_start, int64_t col_start, const SaveOptions& options) {
   if (shard_index > 99999) throw InvalidArgument("save: shard index " + std::to_string(shard_index) + " over 99999");
   std::shared_lock<std::shared_mutex> lock(shard.mutex());
   const TableSpec& spec = shard.spec();
+  if (options.include_optimizer) CheckStep(shard);
   std::string tag = "." + GenerationTag(generation) + ".ecd";
   if (shard_index >= 0) {
     char buf[16];
@@ -545,6 +560,7 @@ void SaveCheckpoint(const std::string& path, const std::vector<TableToSave>& tab
     if (!names.insert(t.table->spec().name).second)
       throw InvalidArgument("save: two tables are named '" + t.table->spec().name + "'; names must be unique");
     checkpoint::ValidateJsonObject(t.config_json, "table config of '" + t.table->spec().name + "'");
+    if (options.include_optimizer) CheckStep(*t.table);
   }
   checkpoint::ValidateJsonObject(options.metadata_json, "metadata");
   const uint64_t generation = NextGeneration(path);

@@ -16,6 +16,8 @@ constexpr uint64_t kDataOffset = 4096;  // payload starts page-aligned, so servi
 constexpr uint32_t kBlockBytes = 4u << 20;  // checksum block of data payloads
 constexpr uint32_t kMinBlockBytes = 4096, kMaxBlockBytes = 1u << 30;
 constexpr uint64_t kMaxManifestBytes = 1ull << 28;  // 256 MiB of JSON is far beyond any real manifest
+constexpr uint64_t kMaxGeneration = 999999999999999999ull;  // 18 digits: the most a file name carries
+constexpr int64_t kMaxStep = int64_t(1) << 62;  // far from INT64_MAX: counting on from it never overflows
 constexpr const char* kManifestName = "MANIFEST";
 
 enum class FileKind : uint8_t { kManifest = 0, kData = 1 };

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "checkpoint/crc32c.h"
 #include "checkpoint/file_io.h"
@@ -64,19 +65,21 @@ class Reader {
     return *it;
   }
   int64_t Int(const Json& obj, const char* key, const std::string& where, int64_t lo, int64_t hi) const {
-    const Json& v = Get(obj, key, where);
-    if (!v.is_number_integer()) Fail(where + "." + key, "must be an integer");
+    return IntValue(Get(obj, key, where), where + "." + key, lo, hi);
+  }
+  // The integer `v` (the field `field`), which must lie in [lo, hi].
+  int64_t IntValue(const Json& v, const std::string& field, int64_t lo, int64_t hi) const {
+    if (!v.is_number_integer()) Fail(field, "must be an integer");
     int64_t x;
     if (v.is_number_unsigned()) {
       const uint64_t u = v.get<uint64_t>();
-      if (u > uint64_t(INT64_MAX)) Fail(where + "." + key, "is out of range");
+      if (u > uint64_t(INT64_MAX)) Fail(field, "is out of range");
       x = int64_t(u);
     } else {
       x = v.get<int64_t>();
     }
     if (x < lo || x > hi)
-      Fail(where + "." + key, "= " + std::to_string(x) + " is outside [" + std::to_string(lo) + ", " +
-                                  std::to_string(hi) + "]");
+      Fail(field, "= " + std::to_string(x) + " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
     return x;
   }
   double Number(const Json& obj, const char* key, const std::string& where) const {
@@ -139,8 +142,10 @@ FileEntry ParseFileEntry(const Reader& r, const Json& j, const std::string& wher
   f.path = r.String(j, "path", where);
   CheckFileName(f.path, where + ".path", r);
   f.dtype = ParseStoredDType(r, r.String(j, "dtype", where), where + ".dtype");
-  f.row_start = r.Int(j, "row_start", where, 0, table_rows);
-  f.rows = r.Int(j, "rows", where, 0, table_rows - f.row_start);
+  // Every file holds at least one row: no writer makes an empty one, and
+  // serving finds a row's file by its row_start.
+  f.row_start = r.Int(j, "row_start", where, 0, table_rows - 1);
+  f.rows = r.Int(j, "rows", where, 1, table_rows - f.row_start);
   // A file holds all columns unless it is a column-wise shard (format 1.2).
   f.col_start = j.is_object() && j.contains("col_start") ? r.Int(j, "col_start", where, 0, dim - 1) : 0;
   f.cols = r.Int(j, "cols", where, 1, dim - f.col_start);
@@ -397,8 +402,8 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
   const Json& version = r.Array(m, "format_version", "manifest", 2);
   if (version.size() != 2 || !version[0].is_number_integer() || !version[1].is_number_integer())
     r.Fail("manifest.format_version", "must be [major, minor]");
-  info.format_major = version[0].get<int>();
-  info.format_minor = version[1].get<int>();
+  info.format_major = int(r.IntValue(version[0], "manifest.format_version[0]", 0, 0xffff));  // u16 in the headers
+  info.format_minor = int(r.IntValue(version[1], "manifest.format_version[1]", 0, 0xffff));
   if (info.format_major > kFormatMajor)
     r.Fail("manifest.format_version", std::to_string(info.format_major) + "." + std::to_string(info.format_minor) +
                                           " is newer than this library reads (" + std::to_string(kFormatMajor) +
@@ -406,13 +411,16 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
   if (info.format_major < 1) r.Fail("manifest.format_version", "is not a released format version");
   if (r.String(m, "byte_order", "manifest") != "little") r.Fail("manifest.byte_order", "must be 'little'");
   info.library_version = r.String(m, "library_version", "manifest");
-  info.generation = uint64_t(r.Int(m, "generation", "manifest", 0, INT64_MAX));
+  info.generation = uint64_t(r.Int(m, "generation", "manifest", 0, int64_t(kMaxGeneration)));
   const Json& tables = r.Array(m, "tables", "manifest", 1 << 20);
+  std::set<std::string> names;
   for (size_t i = 0; i < tables.size(); ++i) {
     const Json& tj = tables[i];
     const std::string where = "tables[" + std::to_string(i) + "]";
     TableEntry t;
     t.name = r.String(tj, "name", where);
+    if (!names.insert(t.name).second)
+      r.Fail(where + ".name", "'" + t.name + "' names two tables; names must be unique");
     t.rows = r.Int(tj, "rows", where, 1, INT64_MAX);
     t.dim = r.Int(tj, "dim", where, 1, INT64_MAX);
     t.dtype = ParseStoredDType(r, r.String(tj, "dtype", where), where + ".dtype");
@@ -425,7 +433,7 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
     const Json& opt = r.Get(tj, "optimizer", where);
     t.has_optimizer = !opt.is_null();
     if (t.has_optimizer) t.optimizer = ParseOptimizer(r, opt, where + ".optimizer");
-    t.step = r.Int(tj, "step", where, 0, INT64_MAX);
+    t.step = r.Int(tj, "step", where, 0, kMaxStep);
     const Json& sharding = r.Get(tj, "sharding", where);
     if (!sharding.is_object()) r.Fail(where + ".sharding", "must be an object");
     t.sharding_json = sharding.dump();

@@ -9,9 +9,10 @@ leaves the target unchanged).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -59,15 +60,21 @@ def _table_config_json(cfg: TableConfig, table: Table) -> dict:
     }
 
 
-def _structure_json(structure, index: Dict[int, int]):
-    """The nest of a feature config, leaves replaced by feature indices."""
+def _structure_json(structure, counter=None):
+    """The nest of a feature config, each leaf replaced by its index in
+    flattening order (dict keys sorted, as ``_nest`` flattens), so a config
+    that holds one FeatureConfig twice names two features; None when a dict
+    key is not a string."""
+    counter = itertools.count() if counter is None else counter
     if isinstance(structure, dict):
         if not all(isinstance(k, str) for k in structure):
             return None
-        return {"dict": {k: _structure_json(v, index) for k, v in structure.items()}}
+        built = {k: _structure_json(structure[k], counter) for k in sorted(structure)}
+        return None if None in built.values() else {"dict": {k: built[k] for k in structure}}
     if isinstance(structure, (list, tuple)):
-        return {"list" if isinstance(structure, list) else "tuple": [_structure_json(v, index) for v in structure]}
-    return {"feature": index[id(structure)]}
+        items = [_structure_json(v, counter) for v in structure]
+        return None if None in items else {"list" if isinstance(structure, list) else "tuple": items}
+    return {"feature": next(counter)}
 
 
 def config_from_json(d: dict) -> TableConfig:
@@ -131,8 +138,7 @@ def _depth(x) -> int:
 def _metadata(obj) -> dict:
     if isinstance(obj, Embedding):
         features = obj._features
-        index = {id(f): i for i, f in enumerate(features)}
-        structure = _structure_json(obj.feature_config, index)
+        structure = _structure_json(obj.feature_config)
         if _depth(structure) > _MAX_STRUCTURE_DEPTH:
             raise ValueError(f"save: the feature config nests too deeply to record ({_depth(structure) // 2} levels; "
                              f"at most {_MAX_STRUCTURE_DEPTH // 2})")

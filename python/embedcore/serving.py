@@ -76,6 +76,8 @@ class ServedCheckpoint(FeatureLookup):
     ``ServedTable``; a checkpoint saved from an ``Embedding`` is also
     callable with the same nested features, like ``TPUEmbeddingForServing``."""
 
+    _trains = False  # no apply_gradients: lookups keep no copies of their ids (see FeatureLookup.lookup)
+
     def __init__(self, path, verify=True):
         if verify not in _VERIFY:
             raise ValueError(f"verify must be True, 'lazy', 'eager' or False, got {verify!r}")
@@ -114,7 +116,13 @@ class ServedCheckpoint(FeatureLookup):
             self._features = features
             self._feature_names = [f.name for f in features]
             structure = meta.get("structure")
-            self._feature_config = _rebuild(structure, features) if structure else features
+            self._feature_config = _rebuild(structure, features, self.path) if structure else features
+            # Inputs meet features in flattening order: the structure names each feature once, in that order.
+            index = {id(f): i for i, f in enumerate(features)}
+            named = [index[id(f)] for _, f in _nest.flatten_with_paths(self._feature_config)]
+            if named != list(range(len(features))):
+                raise CheckpointError(f"{self.path}: manifest metadata.structure names features {named} of "
+                                      f"{len(features)}; it must name each once, in flattening order")
 
     @property
     def feature_config(self):
@@ -136,21 +144,21 @@ class ServedCheckpoint(FeatureLookup):
         return f"ServedCheckpoint({self.path!r}, tables={list(self.tables)})"
 
 
-def _rebuild(structure, features, depth: int = 0):
+def _rebuild(structure, features, path: str, depth: int = 0):
     if depth > 32 or not isinstance(structure, dict) or len(structure) != 1:
-        raise CheckpointError("manifest metadata.structure is malformed")
+        raise CheckpointError(f"{path}: manifest metadata.structure is malformed")
     if "dict" in structure:
-        return {k: _rebuild(v, features, depth + 1) for k, v in structure["dict"].items()}
+        return {k: _rebuild(v, features, path, depth + 1) for k, v in structure["dict"].items()}
     if "list" in structure:
-        return [_rebuild(v, features, depth + 1) for v in structure["list"]]
+        return [_rebuild(v, features, path, depth + 1) for v in structure["list"]]
     if "tuple" in structure:
-        return tuple(_rebuild(v, features, depth + 1) for v in structure["tuple"])
+        return tuple(_rebuild(v, features, path, depth + 1) for v in structure["tuple"])
     if "feature" in structure:
         i = structure["feature"]
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(features):
-            raise CheckpointError(f"manifest metadata.structure names feature {i!r} of {len(features)}")
+            raise CheckpointError(f"{path}: manifest metadata.structure names feature {i!r} of {len(features)}")
         return features[i]
-    raise CheckpointError(f"manifest metadata.structure has an unknown kind {next(iter(structure))!r}")
+    raise CheckpointError(f"{path}: manifest metadata.structure has an unknown kind {next(iter(structure))!r}")
 
 
 def open(path, verify=True) -> ServedCheckpoint:  # noqa: A001 - the name users expect

@@ -448,10 +448,23 @@ EMBEDCORE_TEST(ForgedManifestFields) {
       {"\"block_bytes\": 4194304", "\"block_bytes\": 4194303", "power of two"},
       {"\"block_bytes\": 4194304", "\"block_bytes\": 16", "block_bytes"},
       {"\"cols\": 7", "\"cols\": 8", "cols"},
-      {"\"row_start\": 0", "\"row_start\": 1", "values[0].rows = 50 is outside [0, 49]"},
+      {"\"row_start\": 0", "\"row_start\": 1", "values[0].rows = 50 is outside [1, 49]"},
+      {"\"row_start\": 0", "\"row_start\": 50", "values[0].row_start = 50 is outside [0, 49]"},
       {"\"kind\": \"adagrad\"", "\"kind\": \"lion\"", "unknown optimizer"},
       {"\"initial_accumulator_value\":", "\"initial_accumulator_value\": -1, \"x\":", "initial_accumulator_value"},
       {"\"step\": 3", "\"step\": -3", "step"},
+      {"\"step\": 3", "\"step\": 4611686018427387905",
+       "step = 4611686018427387905 is outside [0, 4611686018427387904]"},
+      {"\"generation\": 1", "\"generation\": 1000000000000000000", "generation = 1000000000000000000 is outside"},
+      {"\"generation\": 1", "\"generation\": 9223372036854775807", "generation = 9223372036854775807 is outside"},
+      // Version numbers that do not fit the headers' 16 bits are refused, not truncated (2^32 + 1 would read as 1).
+      {"\"format_version\": [", "\"format_version\": [4294967297, 0], \"x\": [", "format_version[0] = 4294967297"},
+      {"\"format_version\": [", "\"format_version\": [1, 4294967298], \"x\": [", "format_version[1] = 4294967298"},
+      {"\"format_version\": [", "\"format_version\": [1, -1], \"x\": [", "format_version[1] = -1"},
+      // An empty file in the tiling: no writer makes one, and serving could not find rows by row_start.
+      {"\"values\": [", "\"values\": [{\"path\": \"z.ecd\", \"bytes\": 4096, \"dtype\": \"float32\", \"row_start\": 0, "
+                        "\"rows\": 0, \"cols\": 7, \"block_bytes\": 4096, \"crc32c\": []}, ",
+       "values[0].rows = 0 is outside [1, 50]"},
       {"\"accumulators\"", "\"momenta\"", "slots"},
       {"\"generation\": 1", "\"generation\": 1.5", "generation must be an integer"},
       {"\"metadata\": {", "\"metadata\": [{", "JSON"},
@@ -477,6 +490,11 @@ EMBEDCORE_TEST(ForgedManifestFields) {
   // More checksums than blocks.
   const std::string crc = "\"crc32c\": [";
   EMBEDCORE_EXPECT_THROWS(ck::ParseManifest("M", Replace(json, crc, crc + "1, ")), CheckpointError, "crc32c");
+  // Two tables of one name: a load and a server would each pick one.
+  CheckpointInfo twice = s->info;
+  twice.tables.push_back(twice.tables[0]);
+  EMBEDCORE_EXPECT_THROWS(ck::ParseManifest("M", ck::BuildManifest(twice)), CheckpointError,
+                          "tables[1].name 'item' names two tables");
 }
 
 EMBEDCORE_TEST(ManifestRoundTrip) {
@@ -515,6 +533,34 @@ EMBEDCORE_TEST(SaveArgumentErrors) {
   // An empty checkpoint is valid.
   EMBEDCORE_EXPECT_NO_THROW(SaveCheckpoint(dir.Sub("empty"), {}, SaveOptions{}));
   EMBEDCORE_EXPECT_EQ(ReadCheckpointInfo(dir.Sub("empty")).tables.size(), size_t(0));
+}
+
+EMBEDCORE_TEST(SaveRefusesAStepTheReaderRefuses) {
+  // A table past the step a manifest records: the save fails before it
+  // writes anything, and the checkpoint already there stays as it was.
+  auto s = SaveOne();
+  const std::vector<std::string> before = DirNames(s->path);
+  const std::vector<char> manifest = ReadFile(s->path + "/MANIFEST");
+  s->table->set_step(ck::kMaxStep + 1);
+  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(s->path, {{s->table.get(), "{}"}}, SaveOptions{}), InvalidArgument,
+                          "a checkpoint records steps in [0, 4611686018427387904]");
+  EMBEDCORE_EXPECT(DirNames(s->path) == before);
+  EMBEDCORE_EXPECT(ReadFile(s->path + "/MANIFEST") == manifest);
+  EMBEDCORE_EXPECT_NO_THROW(VerifyCheckpoint(ReadCheckpointInfo(s->path), false));
+  // The last step a manifest records saves and loads.
+  s->table->set_step(ck::kMaxStep);
+  SaveCheckpoint(s->path, {{s->table.get(), "{}"}}, SaveOptions{});
+  EMBEDCORE_EXPECT_EQ(ReadCheckpointInfo(s->path).tables[0].step, ck::kMaxStep);
+  // A values-only export records no step.
+  s->table->set_step(INT64_MAX);
+  SaveOptions values_only;
+  values_only.include_optimizer = false;
+  EMBEDCORE_EXPECT_NO_THROW(SaveCheckpoint(s->path, {{s->table.get(), "{}"}}, values_only));
+  // A manifest committed from outside (a sharded save) is checked the same way.
+  CheckpointInfo info = ReadCheckpointInfo(s->path);
+  info.tables[0].step = ck::kMaxStep + 1;
+  EMBEDCORE_EXPECT_THROWS(CommitCheckpoint(s->path, ck::BuildManifest(info)), CheckpointError, "step");
+  EMBEDCORE_EXPECT_NO_THROW(ReadCheckpointInfo(s->path));
 }
 
 EMBEDCORE_TEST(GenerationsReplaceAtomically) {

@@ -595,7 +595,7 @@ def test_save_leaves_user_files_that_only_resemble_data_files(tmp_path):
 
 
 def test_generations_past_twelve_digits_are_still_cleaned_up(tmp_path):
-    """The manifest allows any generation up to 2^63 - 1; once a generation
+    """The manifest allows any generation up to 10^18 - 1; once a generation
     needs more than 12 digits (here after a manifest that says
     999,999,999,999), each save must still remove the older generations."""
     from test_checkpoint_forge import write_manifest
@@ -638,3 +638,57 @@ def test_a_deeply_nested_feature_config_saves_only_what_loads(tmp_path):
     for _ in range(20):
         out = out["k"]
     np.testing.assert_array_equal(out, list(emb.embedding_tables.values())[0].lookup(np.array([1, 2, 3])))
+
+
+def _directory_state(path):
+    return {name: (path / name).read_bytes() for name in checkpoint_files(path)}
+
+
+def test_the_last_generation_refuses_a_save_and_keeps_the_checkpoint(tmp_path):
+    """File names carry a generation in at most 18 digits, so 10^18 - 1 is
+    the last a manifest records: a save over it (which would write a
+    19-digit generation that no later save cleans up) fails and changes nothing."""
+    from test_checkpoint_forge import write_manifest
+
+    path = tmp_path / "c"
+    t = make_table()
+    ec.save(path, t)
+    m = read_manifest(path)
+    m["generation"] = 10**18 - 1
+    write_manifest(path, m)
+    before = _directory_state(path)
+    with pytest.raises(ec.CheckpointError, match="is the last the format allows"):
+        ec.save(path, t)
+    assert _directory_state(path) == before
+    back = make_table(seed=5)
+    ec.load(path, into=back)
+    assert_tables_equal(t, back)
+
+
+@pytest.mark.parametrize("value", [-1, 2**62 + 1, 2**63 - 1, 2**63, 2**64, np.uint64(2**64 - 1), 1.0, True, "3"])
+def test_step_setter_refuses_what_a_checkpoint_cannot_record(value):
+    t = make_table()
+    t.step = 7
+    with pytest.raises(ValueError, match=r"step must be an int in \[0, 2\*\*62\], got"):
+        t.step = value
+    assert t.step == 7
+    t.step = np.int64(2**62)
+    assert t.step == 2**62
+
+
+def test_the_step_stops_at_the_bound_a_checkpoint_records(tmp_path):
+    """A table at the last step a manifest records (2**62) takes no further
+    step (a clear error, the table unchanged), and saves and loads as it is."""
+    path = tmp_path / "c"
+    t = make_table(optimizer="sgd")
+    t.step = 2**62
+    before = t.to_numpy().copy()
+    with pytest.raises(ValueError, match="is at step 4611686018427387904, the last a checkpoint records"):
+        t.apply_gradients(np.array([1]), None, np.ones((1, t.dim), np.float32))
+    assert t.step == 2**62
+    np.testing.assert_array_equal(t.to_numpy(), before)
+    ec.save(path, t)
+    back = make_table(optimizer="sgd", seed=4)
+    ec.load(path, into=back)
+    assert back.step == 2**62
+    np.testing.assert_array_equal(back.to_numpy(), t.to_numpy())

@@ -17,8 +17,8 @@ import pytest
 
 import embedcore as ec
 import embedcore.cli
-from test_checkpoint_forge import (BLOCK_BYTES, DATA_OFFSET, HEADER_BYTES, assert_same_state, data_header, flip_byte,
-                                   read_manifest, read_manifest_json, snapshot, train,
+from test_checkpoint_forge import (BLOCK_BYTES, DATA_OFFSET, HEADER_BYTES, assert_same_state, crc32c, data_header,
+                                   flip_byte, read_manifest, read_manifest_json, snapshot, train,
                                    unpack_header, pack_header, write_manifest)
 
 ROWS, DIM = 300, 8
@@ -450,6 +450,12 @@ def _json_text(text):
     return lambda m: text
 
 
+def _same_name_twice(m):
+    """A second entry of the same name over the same (valid) files."""
+    m["tables"].append(copy.deepcopy(m["tables"][0]))
+    return m
+
+
 def _second_table_without_files(m):
     m["tables"].append(copy.deepcopy(m["tables"][0]))
     m["tables"][1]["name"] = "u"
@@ -513,6 +519,9 @@ FORGED = [
     ("table without name", _del(["tables", 0, "name"]), "open"),
     ("table without step", _del(["tables", 0, "step"]), "open"),
     ("negative step", _set(["tables", 0, "step"], -1), "open"),
+    ("step over 2^62", _set(["tables", 0, "step"], 2**62 + 1), "open"),
+    ("step INT64_MAX", _set(["tables", 0, "step"], 2**63 - 1), "open"),
+    ("two tables of one name", _same_name_twice, "open"),
     ("a second table whose files are missing", _second_table_without_files, "open"),
     ("format of another kind", _set(["format"], "tensorflow.checkpoint"), "open"),
     ("byte order big", _set(["byte_order"], "big"), "open"),
@@ -520,7 +529,12 @@ FORGED = [
     ("format_version a string", _set(["format_version"], "1.0"), "open"),
     ("format_version of floats", _set(["format_version"], [1.0, 0.0]), "open"),
     ("format_version missing", _del(["format_version"]), "open"),
+    ("format_version major over 16 bits (2^32 + 1 truncates to 1)", _set(["format_version"], [2**32 + 1, 0]), "open"),
+    ("format_version minor over 16 bits", _set(["format_version"], [1, 2**32 + 2]), "open"),
+    ("format_version minor negative", _set(["format_version"], [1, -1]), "open"),
     ("negative generation", _set(["generation"], -1), "open"),
+    ("generation of 19 digits", _set(["generation"], 10**18), "open"),
+    ("generation INT64_MAX", _set(["generation"], 2**63 - 1), "open"),
     ("metadata not an object", _set(["metadata"], "x"), "open"),
     ("metadata missing", _del(["metadata"]), "open"),
     ("not JSON", _json_text(b"this is not json"), "open"),
@@ -637,18 +651,55 @@ def test_data_file_path_must_be_a_plain_name(tmp_path, ckpt, pristine, target, w
     assert_serving_fails(ckpt, "MANIFEST")
 
 
-def test_duplicate_table_names_in_a_manifest(ckpt, pristine):
-    """Two entries of the same name are ambiguous; whatever the engine does,
-    it must not crash, and a load must not take a mix of both."""
-    m = read_manifest(ckpt)
-    m["tables"].append(copy.deepcopy(m["tables"][0]))
-    write_manifest(ckpt, m)
-    t = make_table(seed=3)
-    try:
-        ec.load(ckpt, into=t)
-    except ec.CheckpointError:
-        return
-    assert_same_state(t, pristine["snapshot"])
+def test_duplicate_table_names_in_a_manifest(tmp_path):
+    """Two tables of one name, each with its own valid files: a load took the
+    first and a server the last. Names are unique (docs/format.md), so both refuse."""
+    a = make_table(seed=1)
+    b = ec.Table(name="b", rows=ROWS, dim=DIM, optimizer=ec.optimizers.Adagrad(0.1),
+                 initializer=ec.initializers.Uniform(-1, 1, seed=2))
+    ec.save(tmp_path / "c", [a, b])
+    m = read_manifest(tmp_path / "c")
+    m["tables"][1]["name"] = "t"
+    write_manifest(tmp_path / "c", m)
+    msg = assert_load_fails(tmp_path / "c", make_table(seed=3), "MANIFEST", match="names two tables")
+    assert "tables[1].name 't'" in msg
+    assert_serving_fails(tmp_path / "c", "MANIFEST", verify=False)
+
+
+def test_empty_files_in_a_tiling_are_refused(tmp_path):
+    """Ten 10-row files, with zero-row files next to them: an empty file at
+    the end, or one at each file's row_start (some orders of which tile the
+    rows, and serving, which finds a row's file by its row_start, could land
+    on an empty one and read past its empty checksum list). No writer makes
+    an empty file: a reader refuses one."""
+    path = tmp_path / "c"
+    t = ec.Table(name="t", rows=100, dim=4, initializer=ec.initializers.Uniform(-1, 1, seed=1))
+    ec.save(path, t, include_optimizer=False)
+    m = read_manifest(path)
+    values = t.to_numpy()
+    pad = bytes(DATA_OFFSET - HEADER_BYTES)
+    files = []
+    for i in range(10):
+        payload = values[i * 10:(i + 1) * 10].tobytes()
+        (path / f"p{i}.ecd").write_bytes(data_header("float32", 10, 4, len(payload), 4096) + pad + payload)
+        (path / f"z{i}.ecd").write_bytes(data_header("float32", 0, 4, 0, 4096) + pad)
+        files.append(dict(path=f"p{i}.ecd", bytes=DATA_OFFSET + len(payload), dtype="float32", row_start=i * 10,
+                          rows=10, cols=4, block_bytes=4096, crc32c=[crc32c(payload)]))
+        files.append(dict(path=f"z{i}.ecd", bytes=DATA_OFFSET, dtype="float32", row_start=i * 10, rows=0, cols=4,
+                          block_bytes=4096, crc32c=[]))
+    at_the_end = dict(files[1], row_start=100)
+    for order in (files[::2] + [at_the_end], files, files[1::2] + files[::2], files[::-1]):
+        m["tables"][0]["values"] = order
+        write_manifest(path, m)
+        assert_load_fails(path, ec.Table(name="t", rows=100, dim=4), "MANIFEST", match=" is outside [")
+        assert_serving_fails(path, "MANIFEST", verify=False)
+    # Without the empty files the same manifest loads and serves.
+    m["tables"][0]["values"] = files[::2]
+    write_manifest(path, m)
+    back = ec.Table(name="t", rows=100, dim=4)
+    ec.load(path, into=back)
+    np.testing.assert_array_equal(back.to_numpy(), values)
+    np.testing.assert_array_equal(ec.serving.open(path).tables["t"].lookup(np.arange(100), combiner=None), values)
 
 
 # ------------------------------------------------------------------ crashes and Python errors from forged content

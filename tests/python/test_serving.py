@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import embedcore as ec
-from test_checkpoint_forge import BLOCK_BYTES, DATA_OFFSET, flip_byte, read_manifest, train
+from test_checkpoint_forge import BLOCK_BYTES, DATA_OFFSET, flip_byte, read_manifest, train, write_manifest
 
 
 def make_table(rows=500, dim=8, dtype="float32", combiner="mean", seed=1):
@@ -147,3 +147,42 @@ def test_served_embedding_is_callable_with_the_features(tmp_path, rng):
     np.testing.assert_array_equal(got[1][0], want[1][0])
     assert got[1][0].shape == (5, 2, 4)
     assert sorted(served.embedding_tables) == ["item", "user"]
+
+
+def test_a_feature_config_used_twice_serves(tmp_path, rng):
+    """One FeatureConfig object at two places of a feature config is two
+    features: the checkpoint names each once, and serves as the embedding looks up."""
+    table = ec.TableConfig("t", 30, 4, initializer=ec.initializers.Uniform(-1, 1, seed=1))
+    f = ec.FeatureConfig(table)
+    config = {"x": f, "y": [f, ec.FeatureConfig(table, max_sequence_length=2)]}
+    emb = ec.Embedding(config, optimizer=ec.optimizers.SGD(0.1))
+    ec.save(tmp_path / "e", emb)
+    assert read_manifest(tmp_path / "e")["metadata"]["structure"] == {
+        "dict": {"x": {"feature": 0}, "y": {"list": [{"feature": 1}, {"feature": 2}]}}}
+    feats = {"x": rng.integers(0, 30, 5), "y": [rng.integers(0, 30, (5, 2)), rng.integers(0, 30, (5, 3))]}
+    want, got = emb(feats), ec.serving.open(tmp_path / "e")(feats)
+    np.testing.assert_array_equal(got["x"], want["x"])
+    np.testing.assert_array_equal(got["y"][0], want["y"][0])
+    np.testing.assert_array_equal(got["y"][1], want["y"][1])
+
+
+@pytest.mark.parametrize("structure", [
+    {"dict": {"x": {"feature": 0}, "y": {"feature": 0}}},  # one feature twice (what writers before wrote)
+    {"dict": {"x": {"feature": 1}, "y": {"feature": 1}}},
+    {"dict": {"x": {"feature": 1}, "y": {"feature": 0}}},  # each once, out of order: inputs would meet other tables
+    {"dict": {"x": {"feature": 0}}},                        # a feature left out
+], ids=["first twice", "last twice", "swapped", "one left out"])
+def test_a_structure_that_does_not_name_each_feature_once_is_refused(tmp_path, structure):
+    """Inputs meet features in flattening order; a forged structure that
+    names a feature twice (a StopIteration at lookup), leaves one out or
+    swaps two (each input looked up in the other's table) is refused on open."""
+    a = ec.TableConfig("a", 30, 4, initializer=ec.initializers.Uniform(-1, 1, seed=1))
+    b = ec.TableConfig("b", 30, 4, initializer=ec.initializers.Uniform(-1, 1, seed=2))
+    emb = ec.Embedding({"x": ec.FeatureConfig(a), "y": ec.FeatureConfig(b)}, optimizer=ec.optimizers.SGD(0.1))
+    ec.save(tmp_path / "e", emb)
+    m = read_manifest(tmp_path / "e")
+    m["metadata"]["structure"] = structure
+    write_manifest(tmp_path / "e", m)
+    with pytest.raises(ec.CheckpointError, match="metadata.structure names features") as e:
+        ec.serving.open(tmp_path / "e")
+    assert str(tmp_path / "e") in str(e.value)
