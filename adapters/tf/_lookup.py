@@ -24,7 +24,7 @@ from tensorflow.python.util import nest  # flatten_with_joined_string_paths: the
 from absl import logging
 
 from ._config import Feature
-from ._pooling import EIGEN4, GROUPED8, SEQUENTIAL, InvalidArgument, engine_lookup, pooled
+from ._pooling import EIGEN4, GROUPED8, SEQUENTIAL, InvalidArgument, bad_id_error, engine_lookup, pooled
 
 __all__ = ["lookup", "Backward"]
 
@@ -56,19 +56,15 @@ def dense_numpy(table, ids: np.ndarray, need_bwd: bool):
 
 def sparse_numpy(f: Feature, table, indices, ids, dense_shape, weights, safe: bool, sequence: bool, need_bwd: bool):
     dim = table.dim
-    indices = indices.reshape(-1, dense_shape.size)
     if weights is not None and weights.shape[0] != ids.shape[0]:
         raise InvalidArgument(f"feature {f.label}: weights have {weights.shape[0]} values, ids {ids.shape[0]}")
     if sequence:
         # sparse_slice to [batch, L], then scatter_nd: duplicate positions add up.
         length = f.max_sequence_length
+        lin, ids = _sequence_positions(indices, ids, dense_shape, length)
         batch = int(dense_shape[0])
-        keep = indices[:, 1] < length
-        if not keep.all():
-            indices, ids = indices[keep], ids[keep]
         ids = np.ascontiguousarray(ids)
         flat_rows = engine_lookup(table, ids, None, None, None)
-        lin = indices[:, 0] * length + indices[:, 1]
         out = np.zeros((batch * length, dim), np.float32)
         if np.unique(lin).size == lin.size:
             out[lin] = flat_rows
@@ -76,36 +72,44 @@ def sparse_numpy(f: Feature, table, indices, ids, dense_shape, weights, safe: bo
             np.add.at(out, lin, flat_rows)
         return out.reshape(batch, length, dim), (_bags_of_one(ids, lin) if need_bwd else None)
 
-    rank = dense_shape.size
     if safe:
         # safe_embedding_lookup_sparse: rows are the leading dims flattened; ids < 0 pruned, and weights <= 0
         # for mean and sqrtn; bags left empty give zeros.
-        lead = dense_shape[:-1]
-        nbags = int(np.prod(lead)) if rank > 1 else 1
-        if rank == 2:
-            rows = indices[:, 0]
-        elif rank == 1:
-            rows = np.zeros(ids.shape[0], np.int64)
-        else:
-            rows = np.ravel_multi_index(tuple(indices[:, :-1].T), tuple(int(d) for d in lead)) if ids.size else \
-                np.zeros(0, np.int64)
+        rows = _reshaped_rows(indices, dense_shape)
+        nbags = int(np.prod(dense_shape[:-1], dtype=np.int64))
+        if ids.size != rows.size:  # sparse_retain gathers the indices at the kept values' positions
+            extra = np.flatnonzero(ids[rows.size:] >= 0)
+            if extra.size:
+                k = int(np.count_nonzero(ids[:rows.size] >= 0))
+                raise InvalidArgument(f"indices[{k}] = {rows.size + int(extra[0])} is not in [0, {rows.size})")
+            n = min(ids.size, rows.size)
+            rows, ids, weights = rows[:n], ids[:n], None if weights is None else weights[:n]
         valid = ids >= 0
         if weights is not None and f.table.combiner != "sum":
             valid &= weights > 0
         if not valid.all():
             rows, ids = rows[valid], ids[valid]
             weights = None if weights is None else weights[valid]
+        bad = (rows < 0) | (rows >= nbags)  # sparse_fill_empty_rows, before any id is looked up
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise InvalidArgument(f"indices({k}, 0) is invalid: {int(rows[k])} >= {nbags}")
         if rows.size > 1 and (np.diff(rows) < 0).any():  # sparse_fill_empty_rows groups by row, stably
             order = np.argsort(rows, kind="stable")
             rows, ids = rows[order], ids[order]
             weights = None if weights is None else weights[order]
-        out_shape = tuple(int(d) for d in lead) + (dim,)
+        out_shape = tuple(int(d) for d in dense_shape[:-1]) + (dim,)
     else:
         # embedding_lookup_sparse: the first index is the bag; bags after the last non-empty one are dropped.
-        rows = indices[:, 0]
-        if rows.size > 1 and (np.diff(rows) < 0).any():
-            raise InvalidArgument(f"feature {f.label}: segment ids are not increasing (the SparseTensor is not "
-                                  "in row-major order)")
+        if indices.ndim != 2 or indices.shape[1] == 0:  # indices[:, 0]
+            raise InvalidArgument(f"Index out of range using input dim 1; input has only {indices.ndim} dims"
+                                  if indices.ndim < 2 else "slice index 0 of dimension 1 out of bounds.")
+        try:
+            rows = _segment_ids(indices[:, 0], ids, weights is not None)
+        except InvalidArgument:
+            if ((ids < 0) | (ids >= table.rows)).any():  # TensorFlow gathers the ids first
+                raise bad_id_error(table, ids) from None
+            raise
         nbags = int(rows[-1]) + 1 if rows.size else 0
         out_shape = (nbags, dim)
     offsets = np.zeros(nbags + 1, np.int64)
@@ -116,6 +120,84 @@ def sparse_numpy(f: Feature, table, indices, ids, dense_shape, weights, safe: bo
     out = pooled(table, ids, offsets, weights, f.table.combiner, GROUPED8 if weights is None else EIGEN4)
     bwd = Backward(ids, offsets, weights, np.arange(nbags, dtype=np.int64)) if need_bwd else None
     return out.reshape(out_shape), bwd
+
+
+# TensorFlow's checks of a SparseTensor's indices, in its order and with its messages, done before anything is
+# allocated by the size an index gives.
+def _sequence_positions(indices, ids, dense_shape, length: int):
+    """``sparse_slice(sp, [0, 0], [batch, length])``: the kept entries'
+    positions ``row * length + column`` in the output, and their ids."""
+    if indices.ndim != 2:
+        raise InvalidArgument(f"Sparse indices must be rank 2 but is rank {indices.ndim}")
+    nnz, rank = indices.shape
+    if ids.size != nnz:
+        raise InvalidArgument(f"Number of elements in indices ({nnz}) and values ({ids.size}) do not match")
+    if dense_shape.size != rank:
+        raise InvalidArgument(f"Index rank ({rank}) and shape rank ({dense_shape.size}) do not match")
+    if rank != 2:
+        raise InvalidArgument(f"Expected start to be a vector of length {rank} but got length 2")
+    row, col = indices[:, 0], indices[:, 1]
+    keep = (row >= 0) & (row < dense_shape[0]) & (col >= 0) & (col < length)
+    if not keep.all():
+        row, col, ids = row[keep], col[keep], ids[keep]
+    return row * length + col, ids
+
+
+def _reshaped_rows(indices, dense_shape) -> np.ndarray:
+    """Each entry's row after ``sparse_reshape`` to ``[prod(dense_shape[:-1]),
+    dense_shape[-1]]`` (the identity for rank 2): the row-major offset
+    divided by the last dimension, rounded toward zero, as in C++."""
+    if indices.ndim != 2:
+        raise InvalidArgument("Input must be a matrix.")
+    nnz, rank = indices.shape
+    if rank != dense_shape.size:
+        raise InvalidArgument("Input tensor rank must match input shape length.")
+    if rank == 2:
+        return indices[:, 0]
+    last = int(dense_shape[-1])
+    lead = int(np.prod(dense_shape[:-1], dtype=np.int64))
+    if nnz and lead * last == 0:
+        raise InvalidArgument(f"Input tensor has {nnz} non zero elements but input shape "
+                              f"([{','.join(str(int(d)) for d in dense_shape)}]) or output shape ([{lead},{last}]) "
+                              "is empty")
+    strides = np.append(np.cumprod(dense_shape[:0:-1])[::-1], 1).astype(np.int64)
+    offset = (indices * strides).sum(axis=1)
+    rows = offset // last
+    rows[(rows < 0) & (rows * last != offset)] += 1
+    return rows
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _segment_ids(rows, ids, weighted: bool) -> np.ndarray:
+    """The segment ids of ``embedding_lookup_sparse`` (the first index),
+    checked as ``sparse_segment_sum`` does, or as ``segment_sum`` (weighted)
+    does, which takes them as int32."""
+    if rows.size != ids.size:
+        raise InvalidArgument("segment_ids should be the same size as dimension 0 of input." if weighted else
+                              "segment_ids and indices should have same size.")
+    if weighted:
+        rows = rows.astype(np.int32).astype(np.int64)
+    if not rows.size:
+        return rows
+    last = int(rows[-1])
+    if not weighted and last >= _INT32_MAX:
+        raise InvalidArgument(f"Last segment id must be < kintmax, got {last} limit {_INT32_MAX}")
+    if last < 0:
+        raise InvalidArgument("segment ids must be >= 0")
+    # Segment by segment: the next segment's id must be larger, then this one's must be >= 0.
+    dec = np.flatnonzero(rows[1:] < rows[:-1])
+    neg = np.flatnonzero(rows < 0)
+    if neg.size:
+        n = int(neg[0])
+        end = n + int(np.argmax(rows[n:] != rows[n]))  # the segment after it (the last id is >= 0)
+        if not dec.size or dec[0] + 1 > end:
+            raise InvalidArgument(f"Segment id {int(rows[n])} out of range [0, {last + 1}), possibly because "
+                                  "'segment_ids' input is not sorted.")
+    if dec.size:
+        raise InvalidArgument("segment ids are not increasing")
+    return rows
 
 
 def ragged_numpy(f: Feature, table, values, splits, wvalues, wsplits, need_bwd: bool):

@@ -2,6 +2,7 @@
 TPUEmbeddingForServing, on the same configs, tables and inputs: every input
 form and combiner (sum bit for bit, mean and sqrtn within 1e-6), eagerly and
 inside tf.function, and the same exception types for bad inputs."""
+import re
 import subprocess
 import sys
 
@@ -269,6 +270,126 @@ def test_same_exceptions(case):
         expected = raised(theirs, graph)
         assert expected is not None
         assert raised(ours, graph) is expected, ("tf.function" if graph else "eager", expected)
+
+
+def _index_cases():
+    """Bad and unusual SparseTensor indices: (name, feature, indices, ids, dense_shape, weights). Features: "safe"
+    (safe_embedding_lookup_sparse), "mean" (the same, weighted mean: weights <= 0 pruned), "fast"
+    (validate_weights_and_indices=False: embedding_lookup_sparse; weighted, its segment ids are taken as int32),
+    "seq" (max_sequence_length=3: sparse_slice to [batch, 3])."""
+    big = 2**40
+    return [
+        ("safe row -1", "safe", [[-1, 0], [1, 0]], [1, 2], [2, 3], None),
+        ("safe row 2**40", "safe", [[0, 0], [big, 0]], [1, 2], [2, 3], None),
+        ("safe row == batch", "safe", [[0, 0], [2, 0]], [1, 2], [2, 3], None),
+        ("safe bad row before bad id", "safe", [[0, 0], [5, 0]], [99, 1], [2, 3], None),
+        ("safe pruned id then bad row", "safe", [[0, 0], [0, 1], [5, 0]], [-1, -1, 2], [2, 3], None),
+        ("safe col -1", "safe", [[0, -1], [1, 0]], [1, 2], [2, 3], None),
+        ("safe col past width", "safe", [[0, 5], [1, 0]], [1, 2], [2, 3], None),
+        ("safe col 2**40", "safe", [[0, big], [1, 0]], [1, 2], [2, 3], None),
+        ("safe rows unsorted", "safe", [[1, 0], [0, 1], [0, 0]], [1, 2, 3], [2, 3], None),
+        ("safe rank 1 index -1", "safe", [[-1], [1]], [1, 2], [3], None),
+        ("safe rank 1 index -5", "safe", [[-5], [1]], [1, 2], [3], None),
+        ("safe rank 1 index past", "safe", [[0], [7]], [1, 2], [3], None),
+        ("safe rank 3 middle past", "safe", [[0, 5, 0], [1, 1, 1]], [1, 2], [2, 2, 2], None),
+        ("safe rank 3 first -1", "safe", [[-1, 0, 0], [1, 1, 1]], [1, 2], [2, 2, 2], None),
+        ("safe rank 3 last past", "safe", [[0, 0, 7], [1, 1, 1]], [1, 2], [2, 2, 2], None),
+        ("mean row 2**32+1", "mean", [[0, 0], [2**32 + 1, 0]], [1, 2], [2, 3], [1.0, 1.0]),
+        ("mean pruned weight then bad row", "mean", [[0, 0], [0, 1], [5, 0]], [1, 2, 3], [2, 3], [0.0, 1.0, 1.0]),
+        ("fast row -1", "fast", [[-1, 0], [1, 0]], [1, 2], [2, 3], None),
+        ("fast only row -1", "fast", [[-1, 0]], [1], [2, 3], None),
+        ("fast row 2**40", "fast", [[0, 0], [big, 0]], [1, 2], [2, 3], None),
+        ("fast row past batch", "fast", [[0, 0], [5, 0]], [1, 2], [2, 3], None),
+        ("fast rows unsorted", "fast", [[1, 0], [0, 0]], [1, 2], [2, 3], None),
+        ("fast row -1 between", "fast", [[0, 0], [-1, 0], [1, 0]], [1, 2, 3], [2, 3], None),
+        ("fast bad id before row -1", "fast", [[0, 0], [-1, 0], [1, 0]], [99, 1, 2], [2, 3], None),
+        ("fast col -1 and past width", "fast", [[0, -1], [1, 9]], [1, 2], [2, 3], None),
+        ("fast rank 1 index -1", "fast", [[-1], [1]], [1, 2], [3], None),
+        ("fast rank 1 index past", "fast", [[0], [7]], [1, 2], [3], None),
+        ("fast weighted row 2**40", "fast", [[big, 0]], [1], [2, 3], [1.0]),
+        ("fast weighted row 2**32+1", "fast", [[0, 0], [2**32 + 1, 0]], [1, 2], [2, 3], [1.0, 2.0]),
+        ("fast weighted row 2**31", "fast", [[2**31, 0]], [1], [2, 3], [1.0]),
+        ("fast weighted row -1", "fast", [[-1, 0], [1, 0]], [1, 2], [2, 3], [1.0, 2.0]),
+        ("seq row past batch", "seq", [[5, 0]], [1], [2, 3], None),
+        ("seq row == batch", "seq", [[0, 0], [2, 0]], [1, 2], [2, 3], None),
+        ("seq row -1", "seq", [[-1, 0], [1, 0]], [1, 2], [2, 3], None),
+        ("seq row 2**40", "seq", [[0, 0], [big, 0]], [1, 2], [2, 3], None),
+        ("seq col -1", "seq", [[0, -1], [1, 0]], [1, 2], [2, 3], None),
+        ("seq col past length", "seq", [[0, 3], [1, 2**40]], [1, 2], [2, 9], None),
+        ("seq col past dense_shape", "seq", [[0, 2], [1, 0]], [1, 2], [2, 2], None),
+        ("seq unsorted and duplicate", "seq", [[1, 1], [0, 2], [1, 1]], [1, 2, 3], [2, 3], None),
+        ("seq bad id dropped", "seq", [[0, 7], [-1, 0], [1, 0]], [99, 99, 1], [2, 3], None),
+    ]
+
+
+def _index_features():
+    table = E.TableConfig(vocabulary_size=10, dim=4, combiner="sum", name="t")
+    mean = E.TableConfig(vocabulary_size=10, dim=4, combiner="mean", name="m")
+    return {"safe": E.FeatureConfig(table), "mean": E.FeatureConfig(mean),
+            "fast": E.FeatureConfig(table, validate_weights_and_indices=False),
+            "seq": E.FeatureConfig(table, max_sequence_length=3)}
+
+
+@pytest.fixture(scope="module")
+def index_pair():
+    return pair(_index_features(), np.random.default_rng(7))
+
+
+def _tf_message(e: Exception) -> str:
+    """TensorFlow's error message without the op, node and function decorations."""
+    lines = [line for line in str(e).splitlines() if line.strip() and not line.startswith("\t")]
+    return re.sub(r"^\{\{function_node [^}]*\}\} | \[Op:\w+\].*$", "", lines[-1])
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the type and message are what is compared
+        return e
+
+
+def _assert_same_outcome(expected, actual, where):
+    if isinstance(expected, Exception):
+        assert type(actual) is type(expected), (where, expected, actual)
+        assert _tf_message(expected) in str(actual), (where, _tf_message(expected), str(actual))
+    else:
+        assert not isinstance(actual, Exception), (where, actual)
+        assert_same(expected, actual, "sum")
+
+
+@pytest.mark.parametrize("case", _index_cases(), ids=lambda c: c[0])
+def test_sparse_indices_like_tensorflow(index_pair, case):
+    # Bad indices raise TensorFlow's InvalidArgumentError with its message (before any allocation sized by an
+    # index), or give TensorFlow's output where TensorFlow accepts them; eagerly and inside tf.function.
+    _, name, indices, ids, shape, weights = case
+    sp = tf.SparseTensor(tf.constant(indices, tf.int64), tf.constant(ids, tf.int64), shape)
+    features = {name: sp}
+    w = None if weights is None else {name: tf.SparseTensor(sp.indices, tf.constant(weights, tf.float32), shape)}
+    theirs, ours = index_pair
+    for graph in (False, True):
+        results = [_outcome(lambda: (tf.function(lambda f, w: emb(f, w)) if graph else emb)(features, w))
+                   for emb in (theirs, ours)]
+        _assert_same_outcome(*results, "tf.function" if graph else "eager")
+
+
+@pytest.mark.parametrize("name", ["safe", "fast", "seq"])
+@pytest.mark.parametrize("indices, ids, shape", [
+    ([0, 1], [1, 2], [2, 3]),  # indices not a matrix
+    ([[0, 0, 0], [1, 0, 0]], [1, 2], [2, 3]),  # more index columns than dims
+    ([[0], [1]], [1, 2], [2, 3]),  # fewer
+    ([[0, 0], [1, 0]], [1], [2, 3]),  # fewer ids than indices
+    ([[0, 0], [1, 0]], [1, 2, 3], [2, 3]),  # more
+    ([[0, 0, 0], [1, 1, 1]], [1, 2], [2, 2, 2]),  # rank 3 (pooled, even for the sequence feature, when known)
+    ([[0, 0, 0], [1, 1, 1]], [1, 2], [2, 2, 0]),  # a dimension 0
+], ids=["vector", "wide", "narrow", "fewer ids", "more ids", "rank 3", "empty dim"])
+def test_sparse_index_shapes_like_tensorflow(index_pair, name, indices, ids, shape):
+    # Shapes only checked when the graph runs: a tf.function taking indices, ids and dense shape of unknown shape.
+    specs = [tf.TensorSpec(None, tf.int64), tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64)]
+    args = [tf.constant(indices, tf.int64), tf.constant(ids, tf.int64), tf.constant(shape, tf.int64)]
+    expected, actual = [
+        _outcome(lambda: tf.function(lambda i, v, s: emb({name: tf.SparseTensor(i, v, s)}), input_signature=specs)(
+            *args)) for emb in index_pair]
+    _assert_same_outcome(expected, actual, "tf.function")
 
 
 def test_import_embedcore_does_not_import_tensorflow():
