@@ -35,6 +35,14 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+# OpenMP threads (PyTorch's, FBGEMM's) spin for a while after each op, waiting
+# for the next; in a run that interleaves contenders they hold a core that the
+# next contender's threads need (an embedcore lookup at 2 threads right after
+# a PyTorch op took 7.8 ms instead of 4.9). Passive waiting, set before
+# PyTorch starts its threads, lets each contender have the cores it is given;
+# PyTorch's own time changes within noise. An explicit setting is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # ---------------------------------------------------------------- workload W1
 ROWS = 1_000_000
 DIM = 128
@@ -296,7 +304,7 @@ def machine_info() -> dict:
         load = None
     return {"cpu": model, "cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
             "platform": platform.platform(), "python": platform.python_version(), "thp": thp_setting(),
-            "loadavg_at_start": load}
+            "loadavg_at_start": load, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
 
 def versions() -> dict:
