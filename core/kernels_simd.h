@@ -1,0 +1,66 @@
+// The vector row policy of kernels_impl.h, written once over a vector type V
+// that supplies, as static inline members:
+//   Reg, kLanes                 the register type and its floats
+//   Zero(), Set1(f), Add(a, b), Mul(a, b)
+//   LoadF(const float*), StoreF(float*, r)
+//   Load(const T*), Store(T*, r) for T in float, F16, BF16: kLanes stored
+//       elements as floats, and back (round to nearest, ties to even)
+// Included by kernels_avx2.cc and kernels_avx512.cc after their target
+// pragma, inside an anonymous namespace, so each ISA gets its own code.
+
+// Sums of up to kMaxVectors vectors stay in registers across a bag's ids.
+template <typename T, typename V, int kMaxVectors>
+struct SimdRows {
+  static constexpr int kLanes = V::kLanes;
+  static constexpr int kVectors = kMaxVectors;
+  using Reg = typename V::Reg;
+
+  template <int NV, typename I>
+  static void Pool(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
+                   const float* weights, int64_t pf_end, int64_t row_bytes) {
+    Reg s[NV];
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) s[j] = V::Zero();
+    if (weights == nullptr) {  // w = 1: 1 * x == x, so the sums are the same bits without the multiply
+      for (int64_t k = k0; k < k1; ++k) {
+        if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+        const T* row = table + int64_t(ids[k]) * dim + c0;
+#pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) s[j] = V::Add(s[j], V::Load(row + kLanes * j));
+      }
+    } else {
+      for (int64_t k = k0; k < k1; ++k) {
+        if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+        const T* row = table + int64_t(ids[k]) * dim + c0;
+        const Reg w = V::Set1(weights[k]);
+#pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) s[j] = V::Add(s[j], V::Mul(w, V::Load(row + kLanes * j)));
+      }
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) V::StoreF(out + kLanes * j, s[j]);
+  }
+
+  static void Axpy(float* acc, const T* row, float w, int64_t dim) {
+    const Reg wv = V::Set1(w);
+    int64_t d = 0;
+    for (; d + kLanes <= dim; d += kLanes) V::StoreF(acc + d, V::Add(V::LoadF(acc + d), V::Mul(wv, V::Load(row + d))));
+    for (; d < dim; ++d) acc[d] += w * ops::ToFloat(row[d]);
+  }
+  static void Scale(float* out, const T* row, float w, int64_t dim) {
+    const Reg wv = V::Set1(w);
+    int64_t d = 0;
+    for (; d + kLanes <= dim; d += kLanes) V::StoreF(out + d, V::Mul(wv, V::Load(row + d)));
+    for (; d < dim; ++d) out[d] = w * ops::ToFloat(row[d]);
+  }
+  static void Load(const T* row, float* dst, int64_t dim) {
+    int64_t d = 0;
+    for (; d + kLanes <= dim; d += kLanes) V::StoreF(dst + d, V::Load(row + d));
+    for (; d < dim; ++d) dst[d] = ops::ToFloat(row[d]);
+  }
+  static void Store(T* row, const float* src, int64_t dim) {
+    int64_t d = 0;
+    for (; d + kLanes <= dim; d += kLanes) V::Store(row + d, V::LoadF(src + d));
+    for (; d < dim; ++d) row[d] = ops::FromFloat<T>(src[d]);
+  }
+};
