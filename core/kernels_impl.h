@@ -7,8 +7,9 @@
 //       for the NV * R::kLanes columns from c0 (NV a power of two up to
 //       R::kVectors), accumulated in registers; when pf_end > 0 it also
 //       prefetches the row of ids[k + kPrefetchDistance] (< pf_end)
-// for each storage type. Included by kernels_generic.cc and kernels_avx2.cc
-// only, inside an anonymous namespace, so each gets its own instantiations.
+// for each storage type. Included by kernels_generic.cc, kernels_avx2.cc and
+// kernels_avx512.cc only, inside an anonymous namespace, so each gets its own
+// instantiations.
 //
 // Every loop prefetches the rows a few ids ahead: a lookup is a random
 // gather, bound by memory latency, not arithmetic.
