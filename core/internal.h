@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "embedcore/embedcore.h"
+#include "thread_pool.h"
 
 namespace embedcore::internal {
 
@@ -33,26 +34,42 @@ float InitialValue(const InitializerSpec& spec, int64_t dim, uint64_t index);
 void RunLookup(const void* values, DType dtype, int64_t dim, const Batch& batch, const OutputShape& shape, float* out);
 
 /// Stable LSD radix sort of `items` by their `key` member, keys < 2^key_bits.
+/// Each pass counts and scatters contiguous chunks of the items on the
+/// thread pool; chunk c's items of a digit land after those of the chunks
+/// before it, so the sort stays stable, and its result (a stable sort's) is
+/// the same for any number of threads.
 template <typename Item>
 void RadixSort(std::vector<Item>& items, int key_bits) {
   constexpr int kDigitBits = 11;
   constexpr size_t kBuckets = size_t(1) << kDigitBits;
-  if (items.size() < 2) return;
+  const int64_t n = int64_t(items.size());
+  if (n < 2) return;
   // Reused by every sort on this thread: a fresh multi-megabyte buffer per
   // call would be fresh pages, and page faults, every training step.
   static thread_local std::vector<Item> tmp;
   tmp.resize(items.size());
-  std::vector<size_t> count(kBuckets);
+  const int chunks = std::max(1, NumChunks(n, int64_t(1) << 15));
+  std::vector<size_t> count(size_t(chunks) * kBuckets);
   for (int shift = 0; shift < key_bits; shift += kDigitBits) {
-    std::fill(count.begin(), count.end(), 0);
-    for (const Item& it : items) ++count[(it.key >> shift) & (kBuckets - 1)];
-    size_t sum = 0;
-    for (size_t& c : count) {
-      const size_t n = c;
-      c = sum;
-      sum += n;
-    }
-    for (const Item& it : items) tmp[count[(it.key >> shift) & (kBuckets - 1)]++] = it;
+    const Item* src = items.data();
+    Item* dst = tmp.data();
+    ParallelChunks(n, chunks, [&](int c, int64_t begin, int64_t end) {
+      size_t* cnt = count.data() + size_t(c) * kBuckets;
+      std::fill(cnt, cnt + kBuckets, 0);
+      for (int64_t i = begin; i < end; ++i) ++cnt[(src[i].key >> shift) & (kBuckets - 1)];
+    });
+    size_t sum = 0;  // digit by digit, chunk by chunk: where each chunk's items of a digit start
+    for (size_t d = 0; d < kBuckets; ++d)
+      for (int c = 0; c < chunks; ++c) {
+        size_t& x = count[size_t(c) * kBuckets + d];
+        const size_t m = x;
+        x = sum;
+        sum += m;
+      }
+    ParallelChunks(n, chunks, [&](int c, int64_t begin, int64_t end) {
+      size_t* at = count.data() + size_t(c) * kBuckets;
+      for (int64_t i = begin; i < end; ++i) dst[at[(src[i].key >> shift) & (kBuckets - 1)]++] = src[i];
+    });
     items.swap(tmp);
   }
 }

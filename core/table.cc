@@ -459,30 +459,37 @@ inline float Denominator(Combiner c, int64_t begin, int64_t end, const float* wt
   return ops::CombinerDenominator(ops::CombinerKind(c), sw, sw2);
 }
 
+// Writes the occurrences of part `p` to `occ` in input order; returns how
+// many (fewer than its ids when a padded sequence truncated bags). Pooled and
+// flat parts, one occurrence per id, are collected by the thread pool.
 template <typename I>
-void CollectOccurrences(const GradientPart& p, int64_t dim, std::vector<Occurrence>& occ) {
+int64_t CollectOccurrences(const GradientPart& p, int64_t dim, Occurrence* occ) {
   const I* ids = static_cast<const I*>(p.batch.ids);
   const int64_t* off = p.batch.offsets;
   const float* wts = p.batch.weights;
   const Combiner c = p.shape.combiner;
   const int64_t len = p.shape.max_sequence_length;
-  for (int64_t b = 0; b < p.batch.num_bags; ++b) {
-    const float denominator = Denominator(c, off[b], off[b + 1], wts);
-    for (int64_t i = off[b]; i < off[b + 1]; ++i) {
-      const float w = wts ? wts[i] : 1.0f;
-      const float* grad;
-      if (c != Combiner::kNone) {
-        grad = p.grads + b * dim;
-      } else if (len == 0) {
-        grad = p.grads + i * dim;
-      } else {
-        const int64_t j = i - off[b];
-        if (j >= len) break;  // truncated: this id was not looked up
-        grad = p.grads + (b * len + j) * dim;
+  auto one = [&](int64_t i, float denominator, const float* grad) {
+    const float w = wts ? wts[i] : 1.0f;
+    return Occurrence{uint64_t(int64_t(ids[i])), grad, ops::BackwardCoefficient(ops::CombinerKind(c), w, denominator)};
+  };
+  if (c != Combiner::kNone || len == 0) {
+    const int64_t per_bag = std::max<int64_t>(1, p.batch.nnz / std::max<int64_t>(1, p.batch.num_bags));
+    ParallelFor(p.batch.num_bags, std::max<int64_t>(1, 4096 / per_bag), [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const float denominator = Denominator(c, off[b], off[b + 1], wts);
+        for (int64_t i = off[b]; i < off[b + 1]; ++i)
+          occ[i] = one(i, denominator, p.grads + (c != Combiner::kNone ? b : i) * dim);
       }
-      occ.push_back({uint64_t(int64_t(ids[i])), grad, ops::BackwardCoefficient(ops::CombinerKind(c), w, denominator)});
-    }
+    });
+    return p.batch.nnz;
   }
+  int64_t n = 0;
+  for (int64_t b = 0; b < p.batch.num_bags; ++b) {
+    const int64_t kept = std::min(off[b + 1] - off[b], len);  // the rest was truncated, not looked up
+    for (int64_t j = 0; j < kept; ++j) occ[n++] = one(off[b] + j, 1.0f, p.grads + (b * len + j) * dim);
+  }
+  return n;
 }
 
 }  // namespace
@@ -532,14 +539,12 @@ void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learnin
   for (const auto& p : parts) total += p.batch.nnz;
   // Kept across calls on this thread (see RadixSort): no page faults per step.
   static thread_local std::vector<Occurrence> keys;
-  keys.clear();
-  keys.reserve(total);
-  for (const auto& p : parts) {
-    if (p.batch.id_type == IdType::kInt32)
-      CollectOccurrences<int32_t>(p, spec_.dim, keys);
-    else
-      CollectOccurrences<int64_t>(p, spec_.dim, keys);
-  }
+  keys.resize(size_t(total));
+  int64_t used = 0;
+  for (const auto& p : parts)
+    used += p.batch.id_type == IdType::kInt32 ? CollectOccurrences<int32_t>(p, spec_.dim, keys.data() + used)
+                                              : CollectOccurrences<int64_t>(p, spec_.dim, keys.data() + used);
+  keys.resize(size_t(used));
   internal::RadixSort(keys, BitWidth(uint64_t(spec_.rows - 1)));
   static thread_local std::vector<int64_t> group_start;
   group_start.clear();

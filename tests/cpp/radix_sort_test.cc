@@ -1,4 +1,4 @@
-// core/memory.cc RadixSort: a stable sort of (key, value) pairs by key, as
+// core/internal.h RadixSort: a stable sort of (key, value) pairs by key, as
 // std::stable_sort gives, for every key width the update uses.
 #include <algorithm>
 #include <random>
@@ -76,4 +76,19 @@ EMBEDCORE_TEST(LargestKeys) {
   // Keys up to 2^63 - 1 (the largest table row id) with key_bits = 63.
   std::vector<KeyValue> v = {{(uint64_t(1) << 63) - 1, 0}, {0, 1}, {uint64_t(1) << 62, 2}, {(uint64_t(1) << 63) - 1, 3}};
   EMBEDCORE_EXPECT(SameAsStableSort(v, 63));
+}
+
+EMBEDCORE_TEST(StableOnManyThreads) {
+  // Large enough to be split into chunks counted and scattered in parallel:
+  // the result must still be the one stable order, for any thread count.
+  std::mt19937_64 rng(29);
+  for (int threads : {2, 3, 4}) {
+    embedcore::SetNumThreads(threads);
+    for (int bits : {11, 20, 33}) {
+      const uint64_t limit = uint64_t(1) << bits;
+      EMBEDCORE_EXPECT_MSG(SameAsStableSort(Random(rng, 300000, limit), bits), "threads " << threads << " bits " << bits);
+      EMBEDCORE_EXPECT_MSG(SameAsStableSort(Random(rng, 300000, 7), bits), "few keys, threads " << threads);
+    }
+  }
+  embedcore::SetNumThreads(1);
 }
