@@ -164,6 +164,27 @@ def _bag_of(p: _Part) -> np.ndarray:
     return np.repeat(np.arange(p.num_bags, dtype=np.int64), np.diff(p.offsets))
 
 
+def _denominators(p: _Part, combiner: int) -> np.ndarray:
+    """Each bag's combiner denominator, as the engine's lookup computes it:
+    sum(w) for mean, sqrt(sum(w^2)) for sqrtn (w = 1 without weights)."""
+    from embedcore import _embedcore  # the engine's own function, so forward and backward agree
+
+    w = None if p.weights is None else np.ascontiguousarray(p.weights, np.float32)
+    return _embedcore.bag_denominators(np.ascontiguousarray(p.offsets, np.int64), w, combiner)
+
+
+def _coefficients(p: _Part, combiner: int) -> np.ndarray:
+    """d out[bag] / d row(id) for each id of a pooled part: w (sum), or
+    w / denominator (mean, sqrtn; 0 where the denominator is 0), as the
+    engine's own update uses."""
+    w = np.ones(len(p.ids), np.float32) if p.weights is None else np.ascontiguousarray(p.weights, np.float32)
+    if combiner == SUM:
+        return w
+    den = _denominators(p, combiner)[_bag_of(p)]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den == 0, np.float32(0), w / den).astype(np.float32, copy=False)
+
+
 # ------------------------------------------------------------------ forward
 @torch.library.custom_op("embedcore::lookup", mutates_args=())
 def lookup(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
@@ -231,7 +252,21 @@ def lookup_backward(handle: int, dim: int, rows: int, ids: List[Tensor], offsets
             if not len(p.ids):
                 continue
             embs = torch.from_numpy(table.lookup(p.ids, combiner=None))  # the rows, before any update
-            dots = (embs * g[torch.from_numpy(_bag_of(p))]).sum(1)
+            if combiner == SEQUENCE:  # out_k = w_k row_k
+                dots = (embs * g).sum(1)
+            else:
+                bag = torch.from_numpy(_bag_of(p))
+                dots = (embs * g[bag]).sum(1)
+                if combiner != SUM:
+                    # out = sum(w row) / D, D = sum(w) (mean) or sqrt(sum(w^2)) (sqrtn):
+                    # d out / d w_k = (row_k - out * dD/dw_k) / D, dD/dw_k = 1 or w_k / D.
+                    den = torch.from_numpy(_denominators(p, combiner))[bag]
+                    out = torch.from_numpy(table.lookup(p.ids, p.offsets, p.weights,
+                                                        combiner=_COMBINER_NAMES[combiner]))[bag]
+                    w = np.ones(len(p.ids), np.float32) if p.weights is None else p.weights
+                    scale = 1.0 if combiner == MEAN else torch.from_numpy(np.asarray(w, np.float32)) / den
+                    dots = dots - (out * g[bag]).sum(1) * scale
+                    dots = torch.where(den != 0, dots / torch.where(den != 0, den, 1.0), 0.0)
             wgrads[p.source][p.positions()] += dots
 
     empty_rows = torch.empty(0, dtype=torch.int64)
@@ -260,13 +295,7 @@ def lookup_backward(handle: int, dim: int, rows: int, ids: List[Tensor], offsets
             values.append(g if len(parts) > 1 else g.clone())
         else:
             v = g.index_select(0, torch.from_numpy(_bag_of(p)))
-            if combiner == SUM:
-                if p.weights is not None:
-                    v.mul_(torch.from_numpy(np.ascontiguousarray(p.weights, np.float32))[:, None])
-            else:
-                n = np.diff(p.offsets)
-                per_bag = 1.0 / np.maximum(n, 1) if combiner == MEAN else 1.0 / np.sqrt(np.maximum(n, 1))
-                v.mul_(torch.from_numpy(np.repeat(per_bag.astype(np.float32), n))[:, None])
+            v.mul_(torch.from_numpy(_coefficients(p, combiner))[:, None])
             values.append(v)
         index.append(torch.from_numpy(np.array(p.ids, dtype=np.int64)))  # a copy: outputs never alias inputs
     v = (values[0] if len(values) == 1 else torch.cat(values)) if values else torch.empty((0, dim))

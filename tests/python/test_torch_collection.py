@@ -181,3 +181,42 @@ def test_variable_stride_kjt_is_refused(torchrec):
     with pytest.raises(KeyError):
         ebc(torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1"], values=torch.tensor([1]),
                                                          lengths=torch.tensor([1])))
+
+
+# ----------------------------------------------------------------- weighted mean / sqrtn gradients
+def _autograd_reference(weight, ids, offsets, w, pooling):
+    """The same pooled output written with torch ops, for autograd."""
+    rows = weight[ids] * w[:, None]
+    out = []
+    for b in range(len(offsets) - 1):
+        s = rows[offsets[b]:offsets[b + 1]].sum(0)
+        ww = w[offsets[b]:offsets[b + 1]]
+        den = ww.sum() if pooling == "mean" else ww.pow(2).sum().sqrt() if pooling == "sqrtn" else None
+        out.append(s if den is None else torch.where(den != 0, s / torch.where(den != 0, den, 1.0), 0.0 * s))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("pooling", ["sum", "mean", "sqrtn"])
+def test_weighted_pooling_gradients_match_autograd(pooling, sparse):
+    """Unfused table gradients and per-id weight gradients of weighted bags
+    (the forward divides by sum(w), or sqrt(sum(w^2))) equal autograd's on
+    the same formula; a bag whose weights sum to 0 has zero gradients."""
+    torch.manual_seed(3)
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(num_embeddings=12, embedding_dim=5, name="t",
+                                                           feature_names=["f"], pooling=pooling)], sparse=sparse)
+    ids = torch.tensor([1, 2, 3, 4, 2, 7, 8, 9, 9])
+    offsets = torch.tensor([0, 3, 4, 4, 7, 9])  # an empty bag, and a last bag whose weights sum to 0 (mean)
+    w = torch.tensor([0.5, 2.0, -3.0, 4.0, 1.5, -0.5, 0.25, 2.0, -2.0], requires_grad=True)
+    weight = ebc.embedding_bags["t"].weight.detach().clone().requires_grad_(True)
+    w_ref = w.detach().clone().requires_grad_(True)
+    out = ebc({"f": {"values": ids, "offsets": offsets, "weights": w}})["f"]
+    ref = _autograd_reference(weight, ids, offsets, w_ref, pooling)
+    assert max_diff(out, ref) < 1e-6
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    got = ebc.embedding_bags["t"].weight.grad
+    got = got.to_dense() if got.is_sparse else got
+    assert max_diff(got, weight.grad) < 1e-5
+    assert max_diff(w.grad, w_ref.grad) < 1e-5
