@@ -196,7 +196,11 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
     values, offsets = kjt.values(), kjt.offsets()
     check_ids(values, "KeyedJaggedTensor values")
     check_ids(offsets, "KeyedJaggedTensor offsets")
-    return values, offsets, kjt.weights_or_none(), kjt.stride(), index
+    stride = kjt.stride()
+    if offsets.shape[0] - 1 != stride * len(keys):
+        raise ValueError(f"{owner}: the KeyedJaggedTensor has {offsets.shape[0] - 1} bags for {len(keys)} keys; "
+                         f"with batch size {stride} it needs {stride * len(keys)} (one per key and example)")
+    return values, offsets, kjt.weights_or_none(), stride, index
 
 
 class _Collection(_AdapterModule):

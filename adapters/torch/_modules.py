@@ -164,6 +164,7 @@ class _TableModule(_AdapterModule):
         if table.dtype == "bfloat16":
             values = values.view(torch.bfloat16)  # NumPy carries bfloat16 as its uint16 bits
         self.weight = nn.Parameter(values, requires_grad=requires_grad)
+        self._values_ptr = values.data_ptr()
         self._slots = {n: torch.from_dlpack(v) for n, v in table._native.slots_mut()}
         fused = table.optimizer is not None
         # Fused training: autograd runs the backward through this one-element anchor;
@@ -189,6 +190,10 @@ class _TableModule(_AdapterModule):
 
     def _lookup(self, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
                 combiner: int, include_last_offset: bool) -> List[Tensor]:
+        if not torch.compiler.is_compiling() and self.weight.data_ptr() != self._values_ptr:
+            raise RuntimeError(f"{type(self).__name__}: weight no longer views the engine's table (its storage was "
+                               "replaced, e.g. by weight.data = ...); the table and the module would disagree. "
+                               "Copy values in with weight.copy_() or load_state_dict")
         if self._group is not None:
             trainable = self.weight.requires_grad and torch.is_grad_enabled()
             anchor = self._anchor if trainable else self._anchor.detach()
@@ -207,6 +212,11 @@ class _TableModule(_AdapterModule):
         local_metadata = dict(local_metadata, assign_to_params_buffers=False)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+    def share_memory(self):
+        # nn.Module.share_memory would move `weight` into new shared memory, cutting it off from the table.
+        raise NotImplementedError(f"{type(self).__name__}: the table lives in embedcore's memory and cannot be "
+                                  "moved to shared memory; share a checkpoint (ec.save / ec.serving.open) instead")
 
     def _apply(self, fn, recurse=True):
         if "_table" in self.__dict__:

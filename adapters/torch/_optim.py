@@ -79,13 +79,20 @@ class FusedOptimizer(torch.optim.Optimizer):
             m = by_key[key]
             for name, value in s.items():
                 if name == "step":
-                    plan.append((m, None, int(value)))
+                    step = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= 2**62:
+                        raise ValueError(f"{key}: step must be an int in [0, 2**62], got {value!r}")
+                    plan.append((m, None, step))
                     continue
                 slot = self._slot_name(m, name)
                 value = torch.as_tensor(value)
                 if tuple(value.shape) != tuple(m._slots[slot].shape):
                     raise ValueError(f"{key}: slot {name!r} must have shape {tuple(m._slots[slot].shape)}, "
                                      f"got {tuple(value.shape)}")
+                if not value.is_floating_point():
+                    raise TypeError(f"{key}: slot {name!r} must hold real floats, got {value.dtype}")
+                if not torch.isfinite(value).all():
+                    raise ValueError(f"{key}: slot {name!r} holds NaN or infinite values")
                 plan.append((m, slot, value))
         lrs = []
         for g in state_dict.get("param_groups", []):

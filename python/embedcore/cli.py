@@ -123,7 +123,12 @@ def _reshard(args) -> int:
         bad = [item for item in items if item.count("=") != 1 or not all(p.strip() for p in item.split("="))]
         if bad:
             raise ValueError(f"--plan: {bad[0]!r} is not NAME=PLAN (give one plan, or NAME=PLAN,NAME=PLAN,...)")
-        plan = dict((name.strip(), kind.strip()) for name, kind in (item.split("=") for item in items))
+        pairs = [(name.strip(), kind.strip()) for name, kind in (item.split("=") for item in items)]
+        names = [name for name, _ in pairs]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"--plan names table {twice[0]!r} more than once")
+        plan = dict(pairs)
     if args.max_file_mb < 0:
         raise ValueError(f"--max-file-mb must be >= 0, got {args.max_file_mb}")
     print(reshard(args.src, args.dst, args.world, plan, max_file_bytes=args.max_file_mb << 20))

@@ -754,6 +754,10 @@ def test_reshard_cli(tmp_path, saved, reference, capsys):
     assert f"wrote {dst}" in capsys.readouterr().out
     assert [t["sharding"]["plan"] for t in read_manifest(dst)["tables"]] == ["row_wise", "column_wise"]
     _assert_loads_like_reference(dst, reference, 3, {"a": "row_wise", "b": "column_wise"})
+    assert embedcore.cli.main(["reshard", saved[(3, "auto")].path, str(tmp_path / "dst2"), "--world", "2",
+                               "--plan", "a=row_wise,a=column_wise"]) == 1
+    assert "--plan names table 'a' more than once" in capsys.readouterr().err
+    assert not (tmp_path / "dst2").exists()
 
 
 @pytest.mark.parametrize("kwargs", [

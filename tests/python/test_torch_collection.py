@@ -220,3 +220,16 @@ def test_weighted_pooling_gradients_match_autograd(pooling, sparse):
     got = got.to_dense() if got.is_sparse else got
     assert max_diff(got, weight.grad) < 1e-5
     assert max_diff(w.grad, w_ref.grad) < 1e-5
+
+
+def test_kjt_with_bags_not_one_per_key_and_example_is_refused():
+    torchrec = pytest.importorskip("torchrec")
+    kjt = torchrec.KeyedJaggedTensor(keys=["f", "g"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1]))
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(num_embeddings=10, embedding_dim=3, name="a",
+                                                           feature_names=["f", "g"])])
+    with pytest.raises(ValueError, match="has 3 bags for 2 keys; with batch size 1 it needs 2"):
+        ebc(kjt)
+    ec_ = et.EmbeddingCollection([et.EmbeddingConfig(num_embeddings=10, embedding_dim=3, name="a",
+                                                     feature_names=["f", "g"])])
+    with pytest.raises(ValueError, match="has 3 bags for 2 keys"):
+        ec_(kjt)

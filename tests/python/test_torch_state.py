@@ -130,6 +130,27 @@ def test_collection_optimizer_state_keys():
     assert float(ebc.embedding_bags["b"].table.slots()["accumulators"].min()) == 7.0
 
 
+@pytest.mark.parametrize("bad_b, exc, match", [
+    ({"step": torch.tensor(-5)}, ValueError, r"step must be an int in \[0, 2\*\*62\]"),
+    ({"step": 2**70}, ValueError, "step must be an int"),
+    ({"accumulators": torch.full((10, 3), float("nan"))}, ValueError, "NaN or infinite"),
+    ({"accumulators": torch.zeros((10, 3), dtype=torch.complex64)}, TypeError, "real floats"),
+])
+def test_a_bad_optimizer_state_changes_no_table(bad_b, exc, match):
+    """Every table's state is checked before any table changes."""
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 3, name="a"), et.EmbeddingBagConfig(10, 3, name="b")],
+                                    optimizer=ec.optimizers.Adagrad(0.1))
+    before = {n: (ebc.embedding_bags[n].table.step, ebc.embedding_bags[n].table.slots()["accumulators"].copy())
+              for n in ("a", "b")}
+    with pytest.raises(exc, match=match):
+        ebc.load_optimizer_state_dict({"state": {
+            "embedding_bags.a.weight": {"step": torch.tensor(3), "accumulators": torch.full((10, 3), 2.0)},
+            "embedding_bags.b.weight": bad_b}})
+    for n, (step, acc) in before.items():
+        assert ebc.embedding_bags[n].table.step == step
+        np.testing.assert_array_equal(ebc.embedding_bags[n].table.slots()["accumulators"], acc)
+
+
 @pytest.mark.parametrize("how", ["save_load", "saver"])
 def test_checkpoints_of_modules(rng, tmp_path, how):
     ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(ROWS, DIM, name="a", feature_names=["x"]),
@@ -190,3 +211,17 @@ def test_deleted_module_releases_its_table():
     del m
     gc.collect()
     assert handle not in _ops._REGISTRY
+
+
+def test_weight_cut_off_from_the_table_is_refused(rng):
+    """share_memory() would move weight to new memory, and weight.data = ...
+    replaces its storage: either would leave the table and the module
+    disagreeing after the next fused update."""
+    m = et.EmbeddingBag(ROWS, DIM, optimizer=ec.optimizers.SGD(0.1))
+    with pytest.raises(NotImplementedError, match="cannot be moved to shared memory"):
+        m.share_memory()
+    ids, offsets, _ = bags(rng, ROWS, 4)
+    m(ids, offsets)  # still attached
+    m.weight.data = m.weight.data.clone()
+    with pytest.raises(RuntimeError, match="weight no longer views the engine's table"):
+        m(ids, offsets)
