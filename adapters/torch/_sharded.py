@@ -185,6 +185,14 @@ class _Sharded:
         return self._embedding._sharded_load(path, include_optimizer)
 
     # ------------------------------------------------------------ lookup
+    def forward(self, features):
+        try:
+            inputs, weights, finish = self._parse(features)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait in the lookup
+            agree(self._world, e)  # pairs with the lookup's first collective on the other ranks; raises e here
+            raise
+        return finish(self._lookup(inputs, weights))
+
     def _lookup(self, inputs: list, weights: list) -> List[Tensor]:
         """One collective lookup of every feature; outputs carry autograd to
         the sharded update when the tables train and grad is enabled."""
@@ -214,7 +222,9 @@ class ShardedEmbeddingBagCollection(_Sharded, EmbeddingBagCollection):
         self._dims = [s.dim for s, names in zip(self._specs, self._names) for _ in names]
         self._build(self._specs, optimizer, device, world, sharding, True)
 
-    def forward(self, features):
+    def _parse(self, features):
+        """(inputs, weights, finish): the engine's inputs of this rank, and
+        what turns the lookup's outputs into the module's."""
         names = [n for names in self._names for n in names]
         inputs, weights = [], []
         if _is_kjt(features):
@@ -232,8 +242,8 @@ class ShardedEmbeddingBagCollection(_Sharded, EmbeddingBagCollection):
                     r, fw = _kjt_feature(ids, off, w, index[f], stride)
                     inputs.append(r)
                     weights.append(fw)
-            outs = self._lookup(inputs, weights)
-            return _jagged_module().KeyedTensor(keys=names, length_per_key=self._dims, values=torch.cat(outs, dim=1))
+            return inputs, weights, lambda outs: _jagged_module().KeyedTensor(
+                keys=names, length_per_key=self._dims, values=torch.cat(outs, dim=1))
         if not isinstance(features, dict):
             raise TypeError("EmbeddingBagCollection takes a dict of features or a TorchRec KeyedJaggedTensor, got "
                             f"{type(features).__name__}")
@@ -249,7 +259,7 @@ class ShardedEmbeddingBagCollection(_Sharded, EmbeddingBagCollection):
                 weights.append(fw)
                 given.append(w)
         self._check_weights(given)
-        return dict(zip(names, self._lookup(inputs, weights)))
+        return inputs, weights, lambda outs: dict(zip(names, outs))
 
     def _check_weights(self, weights) -> None:
         if torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in weights):
@@ -277,7 +287,8 @@ class ShardedEmbeddingCollection(_Sharded, EmbeddingCollection):
     def _singletons(ids: np.ndarray):
         return ec.Ragged(ids, np.arange(ids.shape[0] + 1, dtype=np.int64)), None
 
-    def forward(self, features):
+    def _parse(self, features):
+        """(inputs, weights, finish), as ShardedEmbeddingBagCollection._parse."""
         inputs, weights = [], []
         if _is_kjt(features):
             jt = _jagged_module()
@@ -292,12 +303,12 @@ class ShardedEmbeddingCollection(_Sharded, EmbeddingCollection):
                     inputs.append(self._singletons(np.asarray(r.values))[0])
                     weights.append(None)
                     keys.append((name, k, torch.from_numpy(np.asarray(r.values))))
-            outs = self._lookup(inputs, weights)
-            out = {}
-            for (name, k, v), r in zip(keys, outs):
-                out[name] = jt.JaggedTensor(values=r, lengths=lengths[k * stride:(k + 1) * stride],
-                                            weights=v.clone() if self._need_indices else None)
-            return out
+            def finish(outs):
+                return {name: jt.JaggedTensor(values=r, lengths=lengths[k * stride:(k + 1) * stride],
+                                              weights=v.clone() if self._need_indices else None)
+                        for (name, k, v), r in zip(keys, outs)}
+
+            return inputs, weights, finish
         if not isinstance(features, dict):
             raise TypeError("EmbeddingCollection takes a dict of features or a TorchRec KeyedJaggedTensor, got "
                             f"{type(features).__name__}")
@@ -320,5 +331,5 @@ class ShardedEmbeddingCollection(_Sharded, EmbeddingCollection):
                 weights.append(w)
                 shapes.append(shape + (s.dim,))
                 names_out.append(name)
-        outs = self._lookup(inputs, weights)
-        return {name: o.reshape(shape) for name, o, shape in zip(names_out, outs, shapes)}
+        return inputs, weights, lambda outs: {name: o.reshape(shape)
+                                              for name, o, shape in zip(names_out, outs, shapes)}

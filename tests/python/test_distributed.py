@@ -1089,6 +1089,20 @@ def test_run_local_arguments_and_results():
         ed.run_local(2, "not callable")
 
 
+def test_run_local_a_rank_that_returns_early_does_not_hang_the_others():
+    """A rank whose fn returns joins no further collective: another rank's
+    next one raises RankFailedError naming it, instead of waiting forever."""
+    def fn(world):
+        if world.rank == 0:
+            return "done"
+        world.all_gather(1)
+
+    with pytest.raises(ed.RankFailedError, match="rank 0 of 2 returned from fn while rank 1 called a collective"):
+        ed.run_local(2, fn)
+    # Ranks that all return after the same collectives are fine.
+    assert ed.run_local(3, lambda world: world.all_gather(world.rank)) == [[0, 1, 2]] * 3
+
+
 def test_init_local_points_to_run_local():
     with pytest.raises(ValueError, match="run_local"):
         ed.init("local")

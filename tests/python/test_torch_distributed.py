@@ -155,6 +155,32 @@ def test_sharded_collection_is_chosen_by_world():
         et.EmbeddingBagCollection(_tables(), world="not a comm")
 
 
+@pytest.mark.parametrize("bad", ["int16 ids", "missing feature"])
+def test_sharded_bad_input_on_one_rank_reaches_every_rank(bad):
+    """An input that one rank refuses before any collective (its type, a
+    missing feature) still reaches the others, as RankFailedError, instead
+    of leaving them waiting in the lookup; the next step works on all."""
+    def fn(world):
+        m = et.EmbeddingBagCollection(_tables(), optimizer=ec.optimizers.SGD(0.1), world=world, sharding="row_wise")
+        good = {"a": torch.tensor([[1, 2]]), "b": torch.tensor([[3, 0]])}
+        feats = dict(good)
+        if world.rank == 1:
+            if bad == "int16 ids":
+                feats["a"] = feats["a"].to(torch.int16)
+            else:
+                del feats["b"]
+        try:
+            m(feats)
+            first = "ok"
+        except Exception as e:  # noqa: BLE001 - the point of the test
+            first = type(e).__name__
+        out = m(good)
+        sum(o.sum() for o in out.values()).backward()
+        return first
+
+    assert run_local(2, fn) == ["RankFailedError", "TypeError" if bad == "int16 ids" else "KeyError"]
+
+
 def test_sharded_inference_only_matches_unsharded():
     """Without an optimizer the sharded module only looks up: outputs need
     no grad and equal the unsharded module's on the global batch."""

@@ -117,12 +117,22 @@ class _Board:
         self.barrier = _RoundBarrier(size)
         self.slots: List[Any] = [None] * size
         self.failure: Optional[tuple] = None  # (rank, exception) of the first rank that failed
+        self.departed: Optional[int] = None  # the first rank whose fn returned
         self.lock = threading.Lock()
 
     def fail(self, rank: int, error: BaseException) -> None:
         with self.lock:
             if self.failure is None:
                 self.failure = (rank, error)
+        self.barrier.abort()
+
+    def depart(self, rank: int) -> None:
+        """Rank `rank` returned from fn: it joins no further collective, so
+        one that another rank enters could never complete (rounds already
+        completed are not affected)."""
+        with self.lock:
+            if self.departed is None:
+                self.departed = rank
         self.barrier.abort()
 
 
@@ -142,6 +152,10 @@ class LocalComm(Comm):
             self._board.barrier.wait()
         except threading.BrokenBarrierError:
             failure = self._board.failure
+            if failure is None and self._board.departed is not None:
+                raise RankFailedError(f"rank {self._board.departed} of {self.size} returned from fn while rank "
+                                      f"{self.rank} called a collective: every rank must make the same "
+                                      "collective calls") from None
             if failure is None:
                 raise RankFailedError("the local world was aborted") from None
             r, e = failure
@@ -185,6 +199,7 @@ def run_local(size: int, fn: Callable[[Comm], Any]) -> list:
     def run(rank: int) -> None:
         try:
             results[rank] = fn(LocalComm(board, rank))
+            board.depart(rank)
         except BaseException as e:  # noqa: BLE001 - reported to the caller below
             errors[rank] = e
             # A rank that leaves must not leave the others waiting: break the
