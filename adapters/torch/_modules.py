@@ -108,6 +108,28 @@ class _AdapterModule(nn.Module):
         ``optimizer_state_dict()`` (copied into the engine's memory)."""
         self.fused_optimizer.load_state_dict(state_dict)
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, with every table's weight checked
+        (present when `strict`, of the table's shape) before any table is
+        written: PyTorch copies module by module and reports errors at the
+        end, which would leave the tables loaded up to the bad one."""
+        for name, m in self.named_modules():
+            if not isinstance(m, _TableModule):
+                continue
+            key = f"{name}.weight" if name else "weight"
+            if key not in state_dict:
+                if strict:
+                    raise RuntimeError(f'Error(s) in loading state_dict for {type(self).__name__}: Missing key(s) in '
+                                       f'state_dict: "{key}". (No table was changed.)')
+                continue
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(m.weight.shape):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: size mismatch for "
+                                   f"{key}: copying a param with shape {got} from checkpoint, the shape in current "
+                                   f"model is {tuple(m.weight.shape)}. (No table was changed.)")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_fused_optimizer_cache", None)

@@ -225,3 +225,22 @@ def test_weight_cut_off_from_the_table_is_refused(rng):
     m.weight.data = m.weight.data.clone()
     with pytest.raises(RuntimeError, match="weight no longer views the engine's table"):
         m(ids, offsets)
+
+
+@pytest.mark.parametrize("bad", ["shape", "missing"])
+def test_a_bad_state_dict_changes_no_table(bad):
+    """PyTorch copies module by module and reports errors at the end: the
+    collection checks every table's weight first, so a bad one leaves every
+    table as it was."""
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 3, name="a"), et.EmbeddingBagConfig(10, 3, name="b")])
+    before = {n: ebc.embedding_bags[n].table.to_numpy().copy() for n in ("a", "b")}
+    sd = {"embedding_bags.a.weight": torch.ones(10, 3), "embedding_bags.b.weight": torch.ones(11, 3)}
+    if bad == "missing":
+        del sd["embedding_bags.b.weight"]
+    with pytest.raises(RuntimeError, match="No table was changed"):
+        ebc.load_state_dict(sd)
+    for n, values in before.items():
+        np.testing.assert_array_equal(ebc.embedding_bags[n].table.to_numpy(), values)
+    if bad == "missing":  # strict=False loads what is there
+        ebc.load_state_dict(sd, strict=False)
+        assert (ebc.embedding_bags["a"].table.to_numpy() == 1).all()
