@@ -7,6 +7,8 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
+from embedcore.table import NON_NEGATIVE_SLOTS
+
 __all__ = ["FusedOptimizer"]
 
 # Other names a slot goes by: PyTorch's optimizers and FBGEMM / TorchRec's
@@ -93,6 +95,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                     raise TypeError(f"{key}: slot {name!r} must hold real floats, got {value.dtype}")
                 if not torch.isfinite(value).all():
                     raise ValueError(f"{key}: slot {name!r} holds NaN or infinite values")
+                if slot in NON_NEGATIVE_SLOTS and value.numel() and float(value.min()) < 0:
+                    raise ValueError(f"{key}: slot {name!r} must be >= 0 (the optimizer takes its square root), "
+                                     f"got {float(value.min())}")
                 plan.append((m, slot, value))
         lrs = []
         for g in state_dict.get("param_groups", []):

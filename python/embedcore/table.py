@@ -383,7 +383,22 @@ class Table(LookupMixin):
         v = as_float32(values, f"slot {name}")
         if v.ndim != 2 or v.shape[1] != self.dim:
             raise ValueError(f"table '{self._name}': slot {name} values must have shape [n, {self.dim}], got {v.shape}")
+        _check_slot_values(self._name, name, v)
         self._native.assign_slot(names.index(name), int(start_row), v)
+
+
+# Slots that optimizers take square roots of: a negative value would make NaN weights.
+NON_NEGATIVE_SLOTS = ("accumulators", "velocities")
+
+
+def _check_slot_values(table: str, name: str, v: np.ndarray) -> None:
+    if not np.isfinite(v).all():
+        k = int(np.argmax(~np.isfinite(v).reshape(-1)))
+        raise ValueError(f"table '{table}': slot {name} value {v.reshape(-1)[k]} at flat index {k} is not finite")
+    if name in NON_NEGATIVE_SLOTS and v.size and float(v.min()) < 0:
+        k = int(np.argmax(v.reshape(-1) < 0))
+        raise ValueError(f"table '{table}': slot {name} must be >= 0 (the optimizer takes its square root), got "
+                         f"{v.reshape(-1)[k]} at flat index {k}")
 
 
 def _describe(x) -> str:

@@ -392,3 +392,15 @@ def test_serving_output_too_large_is_a_value_error(tmp_path, trained):
     t = served.embedding_tables["clicks"]
     with pytest.raises(ValueError, match="would not fit in memory"):
         t.lookup(np.array([1]), np.array([0, 1]), combiner=None, max_sequence_length=2**62)
+
+
+def test_slot_values_an_optimizer_cannot_use_are_refused(trained):
+    """Slots must be finite, and those the optimizer takes the square root of
+    (Adagrad's accumulators, Adam's velocities) non-negative."""
+    s = snapshot(trained)
+    with pytest.raises(ValueError, match="slot velocities must be >= 0 .* got -1.0 at flat index 1"):
+        trained.assign_slot("velocities", np.array([[0.0, -1.0, 0.0, 0.0]], np.float32))
+    with pytest.raises(ValueError, match="slot momenta value nan at flat index 2 is not finite"):
+        trained.assign_slot("momenta", np.array([[0.0, 1.0, np.nan, 0.0]], np.float32))
+    assert_unchanged(trained, s)
+    trained.assign_slot("momenta", np.array([[0.0, -1.0, 0.5, 0.0]], np.float32))  # momenta may be negative
