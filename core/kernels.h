@@ -22,8 +22,9 @@ namespace embedcore::kernels {
 /// faster here; uniform ids (DRAM) are the same either way.
 constexpr int64_t kPrefetchDistance = 16;
 
-/// Prefetches every cache line of `bytes` at `p` for reading.
-inline void PrefetchLines(const void* p, int64_t bytes) {
+/// Prefetches every cache line of `bytes` at `p` for reading. Always inlined:
+/// GCC deletes calls it did not inline to a function that only prefetches.
+[[gnu::always_inline]] inline void PrefetchLines(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }

@@ -15,8 +15,10 @@
 // gather, bound by memory latency, not arithmetic.
 
 
+// Always inlined: GCC counts a function whose only effect is prefetching as
+// free of side effects, and deletes calls to it that it did not inline.
 template <typename T>
-inline void PrefetchRow(const T* row, int64_t bytes) {
+[[gnu::always_inline]] inline void PrefetchRow(const T* row, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
@@ -72,9 +74,9 @@ inline void PoolBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) 
   ops::FinishBag(a.combiner, ops::CombinerDenominator(a.combiner, sum_w, sum_w2), acc, dim);
 }
 
-// Prefetches the rows of the first ids of [k0, k_end).
+// Prefetches the rows of the first ids of [k0, k_end). (Always inlined: see PrefetchRow.)
 template <typename T, typename I>
-inline void PrefetchFirstRows(const LookupArgs& a, int64_t k0, int64_t k_end) {
+[[gnu::always_inline]] inline void PrefetchFirstRows(const LookupArgs& a, int64_t k0, int64_t k_end) {
   const T* table = static_cast<const T*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
   for (int64_t k = k0; k < k0 + kPrefetchDistance && k < k_end; ++k)
@@ -146,15 +148,14 @@ void FlatRows(const LookupArgs& a, int64_t k0, int64_t k1) {
   }
 }
 
-template <typename T>
-inline void PrefetchRowForWrite(const T* row, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 1, 3);
-}
 
 // The groups' rows are visited in id order, each read and written once; the
-// rows and slots of the group kUpdatePrefetchDistance ahead, and its first
-// gradient row, are prefetched as the current one is updated.
+// row and slots of the group kUpdatePrefetchDistance ahead, and its first
+// gradient row, are prefetched as the current one is updated. (Read
+// prefetches: GCC drops write prefetches, prefetchw, unless the target has
+// PRFCHW, and a line that no other core holds arrives writable.) A group of
+// one occurrence is updated straight from its gradient row; a larger one
+// sums its rows first.
 template <typename R, typename T, typename Rule>
 void UpdateGroups(const Rule& rule, const UpdateArgs& a, int64_t g0, int64_t g1) {
   T* table = static_cast<T*>(a.values);
@@ -163,27 +164,17 @@ void UpdateGroups(const Rule& rule, const UpdateArgs& a, int64_t g0, int64_t g1)
   const Occurrence* occ = a.occurrences;
   const int64_t* start = a.group_start;
   std::vector<float> buffer(size_t(2 * dim));
-  float* acc = buffer.data();        // the group's gradient
-  float* wide = acc + dim;           // a 16-bit row as float32
+  float* acc = buffer.data();  // a larger group's gradient
+  float* wide = acc + dim;     // a 16-bit row as float32
   for (int64_t g = g0; g < g1; ++g) {
     if (g + kUpdatePrefetchDistance < g1) {
       const Occurrence& ahead = occ[start[g + kUpdatePrefetchDistance]];
       const int64_t r = int64_t(ahead.key);
-      PrefetchRowForWrite(table + r * dim, row_bytes);
-      for (int s = 0; s < Rule::kSlots; ++s) PrefetchRowForWrite(a.slots[s] + r * dim, dim * 4);
+      PrefetchRow(table + r * dim, row_bytes);
+      for (int s = 0; s < Rule::kSlots; ++s) PrefetchRow(a.slots[s] + r * dim, dim * 4);
       PrefetchRow(ahead.grad, dim * 4);
     }
     const int64_t i0 = start[g], i1 = start[g + 1];
-    {  // 0 + c g, not c g: the same bits as summing from zero (-0 becomes +0)
-      const float c = occ[i0].coefficient;
-      const float* grad = occ[i0].grad;
-      for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f + c * grad[d];
-    }
-    for (int64_t i = i0 + 1; i < i1; ++i) {
-      const float c = occ[i].coefficient;
-      const float* grad = occ[i].grad;
-      for (int64_t d = 0; d < dim; ++d) acc[d] += c * grad[d];
-    }
     const int64_t r = int64_t(occ[i0].key);
     T* stored = table + r * dim;
     float* w;
@@ -193,8 +184,23 @@ void UpdateGroups(const Rule& rule, const UpdateArgs& a, int64_t g0, int64_t g1)
       R::Load(stored, wide, dim);
       w = wide;
     }
-    ops::UpdateRow(rule, a.constants, w, acc, Rule::kSlots > 0 ? a.slots[0] + r * dim : nullptr,
-                   Rule::kSlots > 1 ? a.slots[1] + r * dim : nullptr, dim);
+    float* s0 = Rule::kSlots > 0 ? a.slots[0] + r * dim : nullptr;
+    float* s1 = Rule::kSlots > 1 ? a.slots[1] + r * dim : nullptr;
+    if (i1 - i0 == 1) {
+      ops::UpdateRowScaled(rule, a.constants, w, occ[i0].coefficient, occ[i0].grad, s0, s1, dim);
+    } else {
+      {  // 0 + c g, not c g: the same bits as summing from zero (-0 becomes +0)
+        const float c = occ[i0].coefficient;
+        const float* grad = occ[i0].grad;
+        for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f + c * grad[d];
+      }
+      for (int64_t i = i0 + 1; i < i1; ++i) {
+        const float c = occ[i].coefficient;
+        const float* grad = occ[i].grad;
+        for (int64_t d = 0; d < dim; ++d) acc[d] += c * grad[d];
+      }
+      ops::UpdateRow(rule, a.constants, w, acc, s0, s1, dim);
+    }
     if constexpr (!std::is_same_v<T, float>) R::Store(stored, wide, dim);
   }
 }

@@ -125,22 +125,41 @@ EMBEDCORE_HD void UpdateElement(const Rule& rule, const StepConstants& k, float&
 }
 
 #if !defined(__CUDACC__)
-/// UpdateElement over one row on the host: each of the four steps is its own
-/// loop, so that each vectorizes; every element still sees them in order.
-/// `g` is clipped in place.
+/// UpdateElement over one row on the host, with the gradient of element d
+/// given by `g(d)` (already clipped): decay, rule and weight clipping are
+/// each their own loop, so that each vectorizes; every element still sees
+/// the steps in UpdateElement's order.
+template <typename Rule, typename Gradient>
+inline void UpdateRowFrom(const Rule& rule, const StepConstants& k, float* __restrict w, const Gradient& g,
+                          float* __restrict s0, float* __restrict s1, int64_t dim) {
+  if (k.weight_decay != 0.0f)
+    for (int64_t d = 0; d < dim; ++d) w[d] = DecayWeight(k, w[d]);
+  for (int64_t d = 0; d < dim; ++d)
+    rule(w[d], g(d), Rule::kSlots > 0 ? s0 + d : nullptr, Rule::kSlots > 1 ? s1 + d : nullptr);
+  if (k.clip_weight_min)
+    for (int64_t d = 0; d < dim; ++d) w[d] = ClipWeightMin(k, w[d]);
+  if (k.clip_weight_max)
+    for (int64_t d = 0; d < dim; ++d) w[d] = ClipWeightMax(k, w[d]);
+}
+
+/// UpdateRowFrom with the gradient in an array; `g` is clipped in place.
 template <typename Rule>
 inline void UpdateRow(const Rule& rule, const StepConstants& k, float* __restrict w, float* __restrict g,
                       float* __restrict s0, float* __restrict s1, int64_t dim) {
   if (k.clip_gradient)
     for (int64_t d = 0; d < dim; ++d) g[d] = ClipGradient(k, g[d]);
-  if (k.weight_decay != 0.0f)
-    for (int64_t d = 0; d < dim; ++d) w[d] = DecayWeight(k, w[d]);
-  for (int64_t d = 0; d < dim; ++d)
-    rule(w[d], g[d], Rule::kSlots > 0 ? s0 + d : nullptr, Rule::kSlots > 1 ? s1 + d : nullptr);
-  if (k.clip_weight_min)
-    for (int64_t d = 0; d < dim; ++d) w[d] = ClipWeightMin(k, w[d]);
-  if (k.clip_weight_max)
-    for (int64_t d = 0; d < dim; ++d) w[d] = ClipWeightMax(k, w[d]);
+  UpdateRowFrom(rule, k, w, [g](int64_t d) { return g[d]; }, s0, s1, dim);
+}
+
+/// UpdateRowFrom with the gradient coefficient * grad of one occurrence,
+/// summed from zero (0 + c g, so -0 becomes +0 as in any sum), then clipped.
+template <typename Rule>
+inline void UpdateRowScaled(const Rule& rule, const StepConstants& k, float* __restrict w, float coefficient,
+                            const float* __restrict grad, float* __restrict s0, float* __restrict s1, int64_t dim) {
+  if (k.clip_gradient)
+    UpdateRowFrom(rule, k, w, [&](int64_t d) { return ClipGradient(k, 0.0f + coefficient * grad[d]); }, s0, s1, dim);
+  else
+    UpdateRowFrom(rule, k, w, [&](int64_t d) { return 0.0f + coefficient * grad[d]; }, s0, s1, dim);
 }
 #endif
 
