@@ -129,7 +129,7 @@ class _Sharded:
                     for s, o in zip(specs, opts)]
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             error = e
-        everyone = agree(world, error, (desc, [s.initializer for s in specs]))
+        everyone = agree(world, error, (desc, [s.initializer for s in specs]), step="Embedding(): construction")
         for r, (d, _) in enumerate(everyone):
             if d != desc:
                 raise ValueError(f"{self._owner}: rank {r} built different tables than rank {world.rank}: {d} "
@@ -189,7 +189,7 @@ class _Sharded:
         try:
             inputs, weights, finish = self._parse(features)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait in the lookup
-            agree(self._world, e)  # pairs with the lookup's first collective on the other ranks; raises e here
+            agree(self._world, e, step="lookup: requests")  # pairs with the lookup's first agree on the others; raises e
             raise
         return finish(self._lookup(inputs, weights))
 

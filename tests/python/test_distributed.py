@@ -16,6 +16,9 @@ from __future__ import annotations
 import threading
 import time
 
+import os
+import tempfile
+
 import numpy as np
 import pytest
 
@@ -1087,6 +1090,46 @@ def test_run_local_arguments_and_results():
             ed.run_local(bad, lambda world: None)
     with pytest.raises(TypeError):
         ed.run_local(2, "not callable")
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_ranks_in_different_calls_raise_a_named_mismatch_and_change_nothing(W):
+    """One rank applies gradients (or saves) while the others look up: every
+    rank raises CollectiveMismatchError naming where each one is, before any
+    data moves; no table changes, and the world still works afterwards."""
+    config, _ = _error_setup("row_wise")
+
+    def fn(world):
+        emb = ec.Embedding(config, opt.Adagrad(0.1), world=world, sharding="row_wise")
+        emb(_good_batch(world.rank))
+        before = _snapshot_bytes(emb)
+        errors = []
+        for odd in ("apply", "save"):
+            try:
+                if world.rank == W - 1:
+                    if odd == "apply":
+                        emb.apply_gradients(_good_grads(world.rank))
+                    else:
+                        ec.save(os.path.join(tmp, "ck"), emb)
+                else:
+                    emb(_good_batch(world.rank))  # a second lookup: one call more than the last rank
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        unchanged = _snapshot_bytes(emb) == before
+        emb(_good_batch(world.rank))  # the same calls again everywhere: fine
+        emb.apply_gradients(_good_grads(world.rank))
+        return errors, unchanged
+
+    with tempfile.TemporaryDirectory() as tmp:
+        results = _run(W, fn)
+        assert not os.path.exists(os.path.join(tmp, "ck")) or not os.listdir(os.path.join(tmp, "ck"))
+    for r, (errors, unchanged) in enumerate(results):
+        assert unchanged, f"rank {r}: a mismatched call changed a table"
+        assert len(errors) == 2, (r, errors)
+        for e, odd in zip(errors, ("apply_gradients: gradients", "save: generation")):
+            assert isinstance(e, ed.CollectiveMismatchError), (r, repr(e))
+            msg = str(e)
+            assert f"rank {W - 1} in '{odd}'" in msg and "rank 0 in 'lookup: requests'" in msg, msg
 
 
 def test_run_local_a_rank_that_returns_early_does_not_hang_the_others():

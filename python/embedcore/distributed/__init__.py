@@ -18,10 +18,10 @@ owns, and a checkpoint saved on N ranks with any plan restores on M ranks
 with any plan. ``reshard`` (and ``embedcore reshard``) rewrites a checkpoint
 for another world size offline.
 """
-from ._comm import Comm, RankFailedError, init, run_local
+from ._comm import CollectiveMismatchError, Comm, RankFailedError, init, run_local
 from ._plan import KINDS, Shard, ShardingPlan, TableSharding, make_plan
 from ._embedding import ShardedEmbedding
 from ._checkpoint import reshard
 
-__all__ = ["Comm", "KINDS", "RankFailedError", "Shard", "ShardedEmbedding", "ShardingPlan", "TableSharding",
+__all__ = ["CollectiveMismatchError", "Comm", "KINDS", "RankFailedError", "Shard", "ShardedEmbedding", "ShardingPlan", "TableSharding",
            "init", "make_plan", "reshard", "run_local"]

@@ -60,7 +60,7 @@ def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Option
             generation = _embedcore.next_generation(path)
         except Exception as e:  # noqa: BLE001
             error = e
-    generation = agree(comm, error, generation)[0]
+    generation = agree(comm, error, generation, step="save: generation")[0]
 
     error, written = None, []
     try:
@@ -71,7 +71,7 @@ def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Option
             written.append((ti, si, json.loads(entry)))
     except Exception as e:  # noqa: BLE001 - a full disk on one rank fails the save on all
         error = e
-    everything = agree(comm, error, written)
+    everything = agree(comm, error, written, step="save: shard files")
 
     error = None
     if comm.rank == 0:
@@ -89,7 +89,7 @@ def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Option
             _embedcore.commit_checkpoint(path, _manifest(generation, tables, metadata))
         except Exception as e:  # noqa: BLE001
             error = e
-    agree(comm, error)
+    agree(comm, error, step="save: commit")
 
 
 def load_sharded(path, emb, include_optimizer: bool = True) -> None:
@@ -112,7 +112,7 @@ def load_sharded(path, emb, include_optimizer: bool = True) -> None:
             plan.append((k, table, s))
     except Exception as e:  # noqa: BLE001
         error = e
-    agree(comm, error)  # every rank's blocks verified before any rank changes
+    agree(comm, error, step="load: verify")  # every rank's blocks verified before any rank changes
     error = None
     try:
         for k, table, s in plan:
@@ -120,7 +120,7 @@ def load_sharded(path, emb, include_optimizer: bool = True) -> None:
                                         False)
     except Exception as e:  # noqa: BLE001
         error = e
-    agree(comm, error)
+    agree(comm, error, step="load: read")
 
 
 def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 20) -> str:

@@ -12,12 +12,18 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["Comm", "RankFailedError", "run_local", "init"]
+__all__ = ["Comm", "CollectiveMismatchError", "RankFailedError", "run_local", "init"]
 
 
 class RankFailedError(RuntimeError):
     """Raised on every rank when another rank failed in a collective call,
     naming that rank and its error."""
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Raised on every rank when the ranks are not in the same collective
+    call (one rank looking up while another applies gradients, one taking an
+    extra step): every rank must make the same calls in the same order."""
 
 
 class Comm(ABC):
@@ -58,20 +64,31 @@ class Comm(ABC):
         return dtypes.pop()
 
 
-def agree(comm: Comm, error: Optional[BaseException], payload: Any = None) -> list:
+def agree(comm: Comm, error: Optional[BaseException], payload: Any = None, *, step: str) -> list:
     """Every rank's payload, or an exception on every rank when any rank had
     an error: the failing rank re-raises its own, the others raise
     ``RankFailedError`` naming it. Called at each point where a rank can fail,
-    so that no rank is left waiting in a collective the failed one skips."""
+    so that no rank is left waiting in a collective the failed one skips.
+
+    `step` names the call and the point in it ("lookup: requests"); ranks at
+    different steps raise ``CollectiveMismatchError`` naming where each one
+    is, before any data is exchanged. Every collective call starts with an
+    agree, so a rank that skips or adds a call is caught at its first one."""
     message = None if error is None else f"{type(error).__name__}: {error}"
-    results = comm.all_gather((message, payload))
-    failed = [(r, m) for r, (m, _) in enumerate(results) if m is not None]
+    results = comm.all_gather((step, message, payload))
+    steps = [s for s, _, _ in results]
+    if any(s != step for s in steps):
+        where = ", ".join(f"rank {r} in {s!r}" for r, s in enumerate(steps))
+        raise CollectiveMismatchError(f"the ranks are in different collective calls ({where}): every rank must make "
+                                      "the same calls (construction, lookups, apply_gradients, save, load) in the "
+                                      "same order")
+    failed = [(r, m) for r, (_, m, _) in enumerate(results) if m is not None]
     if failed:
         if error is not None:
             raise error
         r, m = failed[0]
         raise RankFailedError(f"rank {r} of {comm.size} failed: {m}")
-    return [p for _, p in results]
+    return [p for _, _, p in results]
 
 
 # ---------------------------------------------------------------------- local

@@ -130,7 +130,7 @@ class ShardedEmbedding(Embedding):
                      for n, f in zip(self._feature_names, self._features)])
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             error = e
-        everyone = agree(self._world, error, mine)
+        everyone = agree(self._world, error, mine, step="Embedding(): construction")
         for r, theirs in enumerate(everyone):
             if theirs != mine:
                 raise ValueError(f"Embedding: rank {r} built a different sharded embedding than rank "
@@ -194,7 +194,7 @@ class ShardedEmbedding(Embedding):
             counts = [a.size for a in send]
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             error = e
-        all_counts = agree(comm, error, counts)
+        all_counts = agree(comm, error, counts, step="lookup: requests")
         recv = comm.all_to_all_v(send, [all_counts[j][comm.rank] for j in range(comm.size)])
 
         # Serve: look up what every rank asked this one for.
@@ -204,7 +204,7 @@ class ShardedEmbedding(Embedding):
             answers = [self._serve(j, recv[j], served) for j in range(comm.size)]
         except Exception as e:  # noqa: BLE001
             error, answers = e, None
-        agree(comm, error)
+        agree(comm, error, step="lookup: answers")
         expect = [0] * comm.size
         for fr in routes:
             for r in fr:
@@ -435,7 +435,7 @@ class ShardedEmbedding(Embedding):
                     for p in parts]
         except Exception as e:  # noqa: BLE001
             error = e
-        agree(comm, error)
+        agree(comm, error, step="apply_gradients: gradients")
         routes, shapes, served = self._fwd
         # What each rank will send this one: the rows of the results it served.
         expect = [0] * comm.size
@@ -466,7 +466,7 @@ class ShardedEmbedding(Embedding):
                 table._apply_parts(by_shard[key], rates[key])
         except Exception as e:  # noqa: BLE001
             error = e
-        agree(comm, error)
+        agree(comm, error, step="apply_gradients: update")
 
     # ------------------------------------------------------------ checkpoints
     def _sharded_save(self, path, include_optimizer: bool, values_dtype):
