@@ -71,6 +71,7 @@ class _Spec:
                                 f"TorchRec's), got {cfg!r}")
         if not cfg.name:
             raise ValueError(f"{owner}: every table needs a name, got {cfg!r}")
+        self.config = cfg  # as given: what embedding_bag_configs() / embedding_configs() return, as TorchRec's
         self.name = cfg.name
         self.rows = int(cfg.num_embeddings)
         self.dim = int(cfg.embedding_dim)
@@ -266,8 +267,9 @@ class EmbeddingBagCollection(_Collection):
     def is_weighted(self) -> bool:
         return self._is_weighted
 
-    def embedding_bag_configs(self) -> List[_Spec]:
-        return list(self._specs)
+    def embedding_bag_configs(self) -> list:
+        """The table configs as given (TorchRec's or this module's)."""
+        return [s.config for s in self._specs]
 
     def forward(self, features):
         if _is_kjt(features):
@@ -352,8 +354,9 @@ class EmbeddingCollection(_Collection):
     def _children_list(self):
         return list(self.embeddings.values())
 
-    def embedding_configs(self) -> List[_Spec]:
-        return list(self._specs)
+    def embedding_configs(self) -> list:
+        """The table configs as given (TorchRec's or this module's)."""
+        return [s.config for s in self._specs]
 
     def need_indices(self) -> bool:
         return self._need_indices

@@ -112,7 +112,15 @@ class _AdapterModule(nn.Module):
         """``nn.Module.load_state_dict``, with every table's weight checked
         (present when `strict`, of the table's shape) before any table is
         written: PyTorch copies module by module and reports errors at the
-        end, which would leave the tables loaded up to the bad one."""
+        end, which would leave the tables loaded up to the bad one. With
+        `strict`, unexpected keys are refused first too."""
+        if strict:
+            expected = self.state_dict(keep_vars=True)
+            unexpected = [k for k in state_dict if k not in expected]
+            if unexpected:
+                keys = ", ".join(f'"{k}"' for k in unexpected)
+                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: Unexpected key(s) in "
+                                   f"state_dict: {keys}. (No table was changed.)")
         for name, m in self.named_modules():
             if not isinstance(m, _TableModule):
                 continue

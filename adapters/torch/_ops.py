@@ -102,9 +102,12 @@ def _source_offsets(ids: np.ndarray, offsets: Tensor, include_last_offset: bool,
     off = _np(offsets)
     if off.dtype != np.int64:
         off = off.astype(np.int64)
-    if not include_last_offset:
-        off = np.append(off, np.int64(len(ids)))
     where = "offsets" if s == 0 else f"offsets of source {s}"
+    if not include_last_offset:
+        if len(off) and off.max() > len(ids):  # before the appended end would read as a decrease
+            k = int(np.argmax(off > len(ids)))
+            raise ValueError(f"{where}[{k}] = {int(off[k])} is greater than the number of ids ({len(ids)})")
+        off = np.append(off, np.int64(len(ids)))
     if len(off) > 1:
         if off[0] != 0:
             raise ValueError(f"{where}[0] must be 0 (the first bag starts at the first id), got {int(off[0])}")
@@ -185,6 +188,20 @@ def _coefficients(p: _Part, combiner: int) -> np.ndarray:
         return np.where(den == 0, np.float32(0), w / den).astype(np.float32, copy=False)
 
 
+def _raise_bad_id(table, p: _Part, sources: int, error: IndexError):
+    """Re-raises the engine's out-of-range error with the id's position in
+    the tensor the caller gave (the engine sees the segment, without the
+    padding ids): e.g. in a KJT's values, or after dropped padding ids."""
+    bad = np.flatnonzero((p.ids < 0) | (p.ids >= table.rows))
+    if not len(bad):
+        raise error
+    k = int(bad[0])
+    pos = p.start + (int(p.keep[k]) if p.keep is not None else k)
+    where = "ids" if sources == 1 else f"the ids of input {p.source} (the table's feature_names[{p.source}])"
+    raise IndexError(f"table '{table.name}': id {int(p.ids[k])} at position {pos} of {where} is out of range "
+                     f"[0, {table.rows})") from None
+
+
 # ------------------------------------------------------------------ forward
 @torch.library.custom_op("embedcore::lookup", mutates_args=())
 def lookup(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
@@ -203,7 +220,11 @@ def lookup(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offsets: Li
     for p in _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, combiner != SEQUENCE):
         rows = len(p.ids) if combiner == SEQUENCE else p.num_bags
         if rows:  # the engine's own output buffer, wrapped without a copy
-            outs.append(torch.from_numpy(table.lookup(p.ids, p.offsets, p.weights, combiner=name)))
+            try:
+                out = table.lookup(p.ids, p.offsets, p.weights, combiner=name)
+            except IndexError as e:
+                _raise_bad_id(table, p, len(ids), e)
+            outs.append(torch.from_numpy(out))
         else:
             outs.append(torch.empty((0, dim), dtype=torch.float32))
     return outs
@@ -332,14 +353,26 @@ def _setup_context(ctx, inputs, output):
     ctx.table_grad = anchor.requires_grad
     ctx.weight_grads = any(w.requires_grad for w in weights)
     ctx.counts = (len(ids), len(offsets), len(weights))
-    ctx.save_for_backward(*ids, *offsets, *weights)
+    # The weights' gradient reads the table's rows in backward: they must be the forward's. Unfused, saving
+    # the weight makes autograd refuse in-place changes of it (as nn.EmbeddingBag's backward does); fused,
+    # the table's step tells whether an update (another lookup's backward) ran since this forward.
+    keep_weight = ctx.weight_grads and grad_mode != FUSED
+    ctx.forward_step = None
+    if ctx.weight_grads and grad_mode == FUSED and not torch.compiler.is_compiling():
+        ctx.forward_step = _entry(handle).table.step
+    ctx.save_for_backward(*ids, *offsets, *weights, *([anchor] if keep_weight else []))
 
 
 def _backward(ctx, grads):
     handle, dim, segments, combiner, padding_idx, include_last_offset, grad_mode = ctx.args
     n_ids, n_off, n_w = ctx.counts
     saved = ctx.saved_tensors
-    ids, offsets, weights = list(saved[:n_ids]), list(saved[n_ids:n_ids + n_off]), list(saved[n_ids + n_off:])
+    ids, offsets = list(saved[:n_ids]), list(saved[n_ids:n_ids + n_off])
+    weights = list(saved[n_ids + n_off:n_ids + n_off + n_w])
+    if ctx.forward_step is not None and _entry(handle).table.step != ctx.forward_step:
+        raise RuntimeError(f"embedcore table '{_entry(handle).table.name}' was updated (fused) after this lookup and "
+                           "before its backward, so the gradient of its per-sample weights cannot be computed: "
+                           "look the table up once per backward (one call for all its bags), or train unfused")
     # Only the segments whose outputs were used get a gradient (and an update).
     used_segments: List[int] = []
     used_grads: List[Tensor] = []

@@ -82,6 +82,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             for name, value in s.items():
                 if name == "step":
                     step = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                    if isinstance(step, float) and step.is_integer():
+                        step = int(step)  # PyTorch's Adagrad / Adam keep the step as a float tensor
                     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= 2**62:
                         raise ValueError(f"{key}: step must be an int in [0, 2**62], got {value!r}")
                     plan.append((m, None, step))

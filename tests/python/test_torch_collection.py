@@ -77,6 +77,13 @@ def test_collection_errors():
         et.EmbeddingBagCollection([et.EmbeddingBagConfig(5, 2)])
 
 
+def test_bad_id_position_names_the_feature():
+    ebc = et.EmbeddingBagCollection(_configs())
+    ok = (torch.tensor([1]), torch.tensor([0, 1]))
+    with pytest.raises(IndexError, match=r"id 30 at position 1 of the ids of input 1 \(the table's feature_names\[1\]\)"):
+        ebc({"f1": ok, "f2": ok, "f3": (torch.tensor([2, 30]), torch.tensor([0, 2]))})
+
+
 def test_embedding_collection_dict(rng):
     ec_mod = et.EmbeddingCollection(_configs(et.EmbeddingConfig), sparse=True)
     x1 = torch.from_numpy(rng.integers(0, 30, size=(3, 4)))
@@ -220,6 +227,30 @@ def test_weighted_pooling_gradients_match_autograd(pooling, sparse):
     got = got.to_dense() if got.is_sparse else got
     assert max_diff(got, weight.grad) < 1e-5
     assert max_diff(w.grad, w_ref.grad) < 1e-5
+
+
+def test_kjt_bad_id_position_is_in_the_kjt_values(torchrec):
+    """The engine sees one feature's window of the values; the error names
+    the id's position in kjt.values() (was: in the window)."""
+    ebc = et.EmbeddingBagCollection(_configs())
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3, 60]),
+                                                       lengths=torch.tensor([1, 1, 0, 2, 0, 0]))
+    with pytest.raises(IndexError, match="id 60 at position 3 of ids"):
+        ebc(kjt)
+
+
+def test_configs_are_returned_as_given(torchrec):
+    """embedding_bag_configs() / embedding_configs() return the configs, as
+    TorchRec's do (was: internal objects without num_embeddings etc.)."""
+    cfgs = [torchrec.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1"])]
+    ref, ours = torchrec.EmbeddingBagCollection(cfgs), et.EmbeddingBagCollection(cfgs)
+    for a, b in zip(ref.embedding_bag_configs(), ours.embedding_bag_configs()):
+        assert (b.num_embeddings, b.embedding_dim, b.name, b.feature_names) == \
+            (a.num_embeddings, a.embedding_dim, a.name, a.feature_names)
+    assert et.EmbeddingBagCollection(_configs()).embedding_bag_configs()[1].num_embeddings == 50
+    ecfgs = [torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1"])]
+    ref, ours = torchrec.EmbeddingCollection(ecfgs), et.EmbeddingCollection(ecfgs)
+    assert [c.embedding_dim for c in ours.embedding_configs()] == [c.embedding_dim for c in ref.embedding_configs()]
 
 
 def test_kjt_with_bags_not_one_per_key_and_example_is_refused():

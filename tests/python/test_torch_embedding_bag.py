@@ -149,6 +149,34 @@ def test_frozen_weight_still_gives_per_sample_weights_grad(rng):
     assert ours.weight.grad is None and torch.equal(ours.weight, before)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_per_sample_weights_grad_refuses_rows_changed_since_forward(rng, fused):
+    """The weights' gradient reads the rows in backward. Unfused, an in-place
+    change of the weight between forward and backward raises as in PyTorch;
+    fused, so does an update of the table by another lookup's backward
+    (was: a gradient from the updated rows, silently)."""
+    w = uniform_weights(rng, ROWS, DIM)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, mode="sum")
+    ours = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum",
+                                           optimizer=ec.optimizers.SGD(0.5) if fused else None)
+    ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 2])
+    p = torch.ones(3, requires_grad=True)
+    if fused:
+        out = ours(ids, offsets, p).sum() + 2 * ours(ids, offsets, torch.ones(3, requires_grad=True)).sum()
+        with pytest.raises(RuntimeError, match="was updated .* after this lookup and before its backward"):
+            out.backward()
+    else:
+        for m in (ref, ours):
+            out = m(ids, offsets, p)
+            with torch.no_grad():
+                m.weight.add_(1.0)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.sum().backward()
+    # Lookups whose weights need no gradient are not concerned.
+    out = ours(ids, offsets).sum() + ours(ids, offsets).sum()
+    out.backward()
+
+
 @pytest.mark.parametrize("mode", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("sparse", [True, False])
 def test_weight_grad_matches_torch(rng, mode, sparse):
@@ -231,6 +259,28 @@ def test_bad_inputs_raise_and_change_nothing(rng, fused):
     assert torch.equal(m.weight, before) and m.table.step == 0
     with pytest.raises(IndexError, match=f"id {ROWS} at position 1"):
         m(torch.tensor([1, ROWS]), torch.tensor([0]))
+
+
+def test_bad_id_position_is_in_the_given_ids():
+    """The position named is the id's in the caller's tensor, also when
+    padding ids before it are left out of the lookup."""
+    bag = et.EmbeddingBag(ROWS, DIM, mode="sum", padding_idx=0)
+    with pytest.raises(IndexError, match=f"id {ROWS} at position 2 of ids"):
+        bag(torch.tensor([0, 0, ROWS, 1]), torch.tensor([0, 3]))
+    emb = et.Embedding(ROWS, DIM, padding_idx=1)
+    with pytest.raises(IndexError, match="id -3 at position 3 of ids"):
+        emb(torch.tensor([[1, 2], [1, -3]]))
+
+
+def test_offsets_past_the_end_name_the_offset():
+    """Without include_last_offset an offset past the ids is named as such
+    (was: a decrease against the implicit end, offsets[2] that was not given)."""
+    m = et.EmbeddingBag(ROWS, DIM, mode="sum")
+    with pytest.raises(ValueError, match=r"offsets\[1\] = 7 is greater than the number of ids \(5\)"):
+        m(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 7]))
+    m = et.EmbeddingBag(ROWS, DIM, mode="sum", include_last_offset=True)
+    with pytest.raises(ValueError, match=r"offsets\[-1\] = 7 is greater than the number of ids \(5\)"):
+        m(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 7]))
 
 
 def test_bad_configurations():

@@ -244,3 +244,45 @@ def test_a_bad_state_dict_changes_no_table(bad):
     if bad == "missing":  # strict=False loads what is there
         ebc.load_state_dict(sd, strict=False)
         assert (ebc.embedding_bags["a"].table.to_numpy() == 1).all()
+
+
+def test_unexpected_key_changes_no_table():
+    """strict=True with a key the module does not have: PyTorch loads every
+    table and then raises; the adapter refuses before writing any."""
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 3, name="a"), et.EmbeddingBagConfig(10, 3, name="b")])
+    before = {n: ebc.embedding_bags[n].table.to_numpy().copy() for n in ("a", "b")}
+    sd = {"embedding_bags.a.weight": torch.ones(10, 3), "embedding_bags.b.weight": torch.ones(10, 3),
+          "embedding_bags.c.weight": torch.ones(10, 3)}
+    with pytest.raises(RuntimeError, match='Unexpected key.*"embedding_bags.c.weight".*No table was changed'):
+        ebc.load_state_dict(sd)
+    for n, values in before.items():
+        np.testing.assert_array_equal(ebc.embedding_bags[n].table.to_numpy(), values)
+    ebc.load_state_dict(sd, strict=False)  # as PyTorch: strict=False ignores it
+    assert (ebc.embedding_bags["b"].table.to_numpy() == 1).all()
+
+
+def test_optimizer_state_from_torch_adagrad(rng):
+    """torch.optim.Adagrad keeps "step" as a float tensor: its state loads
+    (was: ValueError "step must be an int"), and training continues as it would."""
+    w = uniform_weights(rng, ROWS, DIM)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, sparse=True)
+    opt = torch.optim.Adagrad(ref.parameters(), lr=0.05, initial_accumulator_value=0.1, eps=1e-10)
+    for _ in range(3):
+        ids, offsets, _ = bags(rng, ROWS, 8)
+        opt.zero_grad()
+        ref(ids, offsets[:-1]).sum().backward()
+        opt.step()
+    st = opt.state_dict()["state"][0]
+    assert st["step"].dtype == torch.float32
+    ours = et.EmbeddingBag(ROWS, DIM, optimizer=engine_optimizer("adagrad", 0.05))
+    ours.load_state_dict(ref.state_dict())
+    ours.load_optimizer_state_dict({"state": {"weight": st}})
+    assert ours.table.step == 3
+    ids, offsets, _ = bags(rng, ROWS, 8)
+    opt.zero_grad()
+    ref(ids, offsets[:-1]).sum().backward()
+    opt.step()
+    ours(ids, offsets[:-1]).sum().backward()
+    assert max_diff(ours.weight, ref.weight) <= 1e-5
+    with pytest.raises(ValueError, match="step must be an int"):
+        ours.load_optimizer_state_dict({"state": {"weight": {"step": torch.tensor(2.5)}}})
