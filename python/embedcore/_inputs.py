@@ -32,6 +32,11 @@ class Ragged:
     @classmethod
     def from_lengths(cls, values, lengths) -> "Ragged":
         lengths = as_int_array(lengths, "lengths")
+        if lengths.ndim != 1:
+            raise ValueError(f"lengths must be 1-D, got shape {lengths.shape}")
+        if lengths.size and lengths.min() < 0:
+            k = int(np.argmax(lengths < 0))
+            raise ValueError(f"lengths must be >= 0, got {int(lengths[k])} at position {k}")
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         return cls(values, offsets)
@@ -165,6 +170,10 @@ def _sparse_parts(sp: Sparse, where: str):
 def make_batch(ids, offsets=None, weights=None, where: str = "ids") -> Batch:
     """Normalises every input form to a CSR `Batch`; validates shapes and dtypes."""
     wname = "weights" if where == "ids" else f"weights of {where}"
+    for form in (Ragged, Sparse):
+        if isinstance(weights, form) and not isinstance(ids, form):
+            raise TypeError(f"{wname} is {form.__name__} but {where} is {type(ids).__name__}: "
+                            f"give the weights in the form of the ids")
     if isinstance(ids, Ragged):
         if offsets is not None:
             raise ValueError(f"{where} is Ragged: pass its offsets inside it, not as offsets=")
@@ -197,6 +206,10 @@ def make_batch(ids, offsets=None, weights=None, where: str = "ids") -> Batch:
                 windices = as_int_array(weights.indices, f"{wname}.indices")
                 if not np.array_equal(windices, indices):
                     raise ValueError(f"{wname} must have the same indices as {where}")
+                wshape = as_int_array(weights.dense_shape, f"{wname}.dense_shape")
+                if not np.array_equal(wshape, shape):
+                    raise ValueError(f"{wname}.dense_shape {wshape.tolist()} differs from {where}.dense_shape "
+                                     f"{shape.tolist()}")
                 weights = weights.values
             w = as_weights(weights, wname)
             if w.shape != values.shape:

@@ -11,7 +11,12 @@ def is_nested(x) -> bool:
 
 def _items(x):
     if isinstance(x, dict):
-        return [(k, x[k]) for k in sorted(x)]
+        try:
+            keys = sorted(x)
+        except TypeError:
+            raise TypeError(f"dict keys must be sortable (flattening orders them, as tf.nest does), got keys "
+                            f"{list(x)!r}") from None
+        return [(k, x[k]) for k in keys]
     return list(enumerate(x))
 
 

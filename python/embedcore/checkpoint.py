@@ -166,7 +166,7 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
     """
     if hasattr(obj, "_sharded_save"):  # collective: every rank writes its own shards
         return obj._sharded_save(path, include_optimizer, values_dtype)
-    path = os.fspath(path)
+    path = os.fsdecode(path)
     if values_dtype is not None and values_dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"values_dtype must be 'float32', 'float16' or 'bfloat16', got {values_dtype!r}")
     tables = _tables_of(obj)
@@ -177,7 +177,7 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
 
 def read_info(path):
     """The validated manifest of the checkpoint at `path` (reads no values)."""
-    return _embedcore.read_info(os.fspath(path))
+    return _embedcore.read_info(os.fsdecode(path))
 
 
 def load(path, into, include_optimizer: bool = True) -> None:

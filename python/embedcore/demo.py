@@ -5,7 +5,9 @@ three features (the user, the candidate item, and the user's recent items as a
 mean-pooled bag sharing the item table), pooled embeddings into a logistic
 regression written in NumPy. The embeddings train with the engine's Adagrad,
 the dense layer with plain SGD. The clicks come from hidden per-id scores,
-so the loss can fall well below log(2).
+so the loss can fall well below log(2); a run of 100 steps or more fails
+(exit status 1) when the mean loss of its last 50 steps is not below that of
+its first 50.
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ def _synthetic(rng: np.random.Generator, batch: int, user_score, item_score):
 
 
 def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0, checkpoint=None) -> int:
+    for name, value in (("steps", steps), ("batch_size", batch_size)):
+        if value < 1:
+            raise ValueError(f"demo: {name} must be >= 1, got {value}")
     if threads is not None:
         ec.set_num_threads(threads)
     rng = np.random.default_rng(seed)
@@ -92,7 +97,7 @@ def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0, c
     rate = reps * ids.size / (time.perf_counter() - t0)
     print(f"trained {steps} steps in {train_s:.2f} s; loss {first:.4f} -> {last:.4f}")
     print(f"lookup throughput: {rate / 1e6:.1f} M ids/s (sum of 32-id bags, dim {DIM})")
-    if not last < first:
+    if steps >= 100 and not last < first:  # judged over two full windows of 50 steps or more
         print("error: the loss did not fall")
         return 1
 

@@ -60,7 +60,9 @@ class Embedding(FeatureLookup):
     ``[batch, max_sequence_length, dim]`` for sequence features.
     ``emb.apply_gradients(grads)`` takes the gradients of the last outputs, in
     their structure, and applies one optimizer step per table, the gradients
-    of all features that share a table summed together.
+    of all features that share a table summed together. Everything is checked
+    before any table changes (gradients that view a table the step updates
+    are refused: pass a copy).
 
     ``world=`` (a communicator from ``embedcore.distributed``) and
     ``sharding=`` ("table_wise", "row_wise", "column_wise", "auto", or a dict
@@ -169,6 +171,7 @@ class Embedding(FeatureLookup):
                 self._tables[cfg]._cuda_apply(table_parts, rates[cfg])
             return
         parts: Dict[TableConfig, list] = {}
+        names: Dict[TableConfig, list] = {}
         for name, f, b, g in zip(self._feature_names, self._features, self._last, flat_grads):
             table = self._table(f)
             if table.optimizer is None:
@@ -176,7 +179,13 @@ class Embedding(FeatureLookup):
                                  "(give its TableConfig or the Embedding one)")
             part = table._gradient_part(b, self._combiner(f), f.max_sequence_length, g, where=f"grads[{name!r}]")
             parts.setdefault(f.table, []).append(part)
-        # Every check above, and each learning rate, before any table changes.
+            names.setdefault(f.table, []).append(f"grads[{name!r}]")
+        # Every check above, what each native step would refuse (gradients that view a table this step
+        # updates, in any of the parts), and each learning rate, before any table changes.
+        every = [p for table_parts in parts.values() for p in table_parts]
+        every_name = [n for table_names in names.values() for n in table_names]
+        for cfg in parts:
+            self._tables[cfg]._check_step(every, every_name)
         rates = {cfg: self._tables[cfg].learning_rate() for cfg in parts}
         for cfg, table_parts in parts.items():
             self._tables[cfg]._apply_parts(table_parts, rates[cfg])

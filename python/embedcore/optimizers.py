@@ -25,6 +25,8 @@ __all__ = ["Optimizer", "SGD", "Adagrad", "Adam", "FTRL"]
 
 LearningRate = Union[float, Callable[[int], float]]
 _FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: 1 / it is finite
+_ADAM_MIN_EPSILON = 3e-23  # float32(epsilon)**2 is at least the smallest float32 (2**-149)
 _Kind = _embedcore.OptimizerSpec.Kind
 
 
@@ -85,7 +87,11 @@ class Optimizer:
             lr = self.learning_rate
         if abs(lr) > _FLOAT32_MAX:
             raise ValueError(f"{type(self).__name__}: learning rate {lr!r} at step {step} overflows float32")
+        self._check_learning_rate(lr, f"learning rate {lr!r} at step {step}")
         return lr
+
+    def _check_learning_rate(self, lr: float, what: str) -> None:
+        """Rates an optimizer's update cannot use (FTRL divides by it)."""
 
     def _native(self) -> "_embedcore.OptimizerSpec":
         spec = _embedcore.OptimizerSpec()
@@ -149,7 +155,8 @@ class Adam(Optimizer):
     (only touched rows move; with ``lazy_adam=False`` every row takes the
     full step each update, untouched rows with a zero gradient, weight decay
     and clipping included) and ``sum_inside_sqrt=True``
-    (``m / sqrt(v + eps^2)``). ``bias_correction=True`` with
+    (``m / sqrt(v + eps^2)``; ``epsilon`` must then be at least 3e-23, so
+    that its float32 square is not 0). ``bias_correction=True`` with
     ``sum_inside_sqrt=False`` and ``epsilon=1e-8`` is PyTorch's ``SparseAdam``.
     """
 
@@ -167,6 +174,10 @@ class Adam(Optimizer):
         self.epsilon = _number("Adam", "epsilon", epsilon, minimum=0, strict=True)
         self.lazy_adam = bool(lazy_adam)
         self.sum_inside_sqrt = bool(sum_inside_sqrt)
+        if self.sum_inside_sqrt and self.epsilon < _ADAM_MIN_EPSILON:
+            # The float32 epsilon**2 would be 0, and an element of zero gradient 0 / sqrt(0): NaN.
+            raise ValueError(f"Adam: epsilon must be >= {_ADAM_MIN_EPSILON} with sum_inside_sqrt=True "
+                             f"(epsilon**2 must not underflow float32), got {epsilon!r}")
         self.bias_correction = bool(bias_correction)
 
     def _native(self):
@@ -180,7 +191,12 @@ class Adam(Optimizer):
 
 class FTRL(Optimizer):
     """FTRL-proximal with slots ``accumulators`` and ``linears`` (TensorFlow's
-    ``FTRL``, including ``beta`` and ``multiply_linear_by_learning_rate``)."""
+    ``FTRL``, including ``beta`` and ``multiply_linear_by_learning_rate``).
+
+    The update divides by the learning rate: as in TensorFlow, it (and every
+    rate a schedule returns) must be positive, at least float32's smallest
+    normal 1.17549435e-38, or >= 0 with ``multiply_linear_by_learning_rate``;
+    ``ValueError`` otherwise, before anything changes."""
 
     slot_names = ("accumulators", "linears")
 
@@ -200,6 +216,18 @@ class FTRL(Optimizer):
         self.initial_accumulator_value = _number("FTRL", "initial_accumulator_value",
                                                  initial_accumulator_value, minimum=0, strict=True)
         self.multiply_linear_by_learning_rate = bool(multiply_linear_by_learning_rate)
+        if not callable(self.learning_rate):
+            self._check_learning_rate(self.learning_rate, f"learning_rate {learning_rate!r}")
+
+    def _check_learning_rate(self, lr: float, what: str) -> None:
+        # TensorFlow's FTRL: "lr is not a positive scalar (or zero if multiply_linear_by_lr is set)".
+        # The update divides by the float32 rate unless the linear slot is multiplied by it.
+        if self.multiply_linear_by_learning_rate:
+            if lr < 0:
+                raise ValueError(f"FTRL: {what} must be >= 0")
+        elif not lr >= _FLOAT32_TINY:
+            raise ValueError(f"FTRL: {what} must be >= {_FLOAT32_TINY} (the update divides by it; 0 is allowed "
+                             "with multiply_linear_by_learning_rate=True)")
 
     def _native(self):
         spec = super()._native()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Hashable
 from typing import Dict, Optional
 
 import numpy as np
@@ -79,9 +80,9 @@ class ServedCheckpoint(FeatureLookup):
     _trains = False  # no apply_gradients: lookups keep no copies of their ids (see FeatureLookup.lookup)
 
     def __init__(self, path, verify=True):
-        if verify not in _VERIFY:
+        if not isinstance(verify, Hashable) or verify not in _VERIFY:
             raise ValueError(f"verify must be True, 'lazy', 'eager' or False, got {verify!r}")
-        self._mapped = _embedcore.MappedCheckpoint(os.fspath(path), _VERIFY[verify])
+        self._mapped = _embedcore.MappedCheckpoint(os.fsdecode(path), _VERIFY[verify])
         try:
             self._describe(self._mapped.info)
         except CheckpointError:

@@ -84,7 +84,7 @@ def _keys_as_rows(keys: np.ndarray, where: str) -> np.ndarray:
 
 def read_dump(src, dim: Optional[int] = None, key_dtype: Optional[str] = None) -> Dict[str, SokVariable]:
     """Reads every SOK variable dumped in the directory `src` (v1 and v2)."""
-    src = os.fspath(src)
+    src = os.fsdecode(src)
     if not os.path.isdir(src):
         raise CheckpointError(f"{src}: not a directory of SOK dump files")
     names = sorted(os.listdir(src))

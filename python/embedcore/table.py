@@ -41,10 +41,7 @@ class LookupMixin:
     @staticmethod
     def _sequence_length(batch: Batch, max_sequence_length) -> Optional[int]:
         """The padded length of a sequence output, or None for the flat [nnz, dim] form."""
-        if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, (int, np.integer)):
-            raise TypeError(f"max_sequence_length must be an int, got {max_sequence_length!r}")
-        if max_sequence_length < 0:
-            raise ValueError(f"max_sequence_length must be >= 0, got {max_sequence_length}")
+        _check_max_sequence_length(max_sequence_length)
         if max_sequence_length == 0:
             # A dense [batch, k] or sparse [batch, k] input keeps its width; CSR input stays flat.
             return batch.width if batch.kind in ("dense", "sparse") else None
@@ -77,9 +74,7 @@ class LookupMixin:
 
         Returns float32 ``[batch, dim]`` (pooled) or the sequence shapes above.
         """
-        if isinstance(max_sequence_length, (int, np.integer)) and not isinstance(max_sequence_length, bool) \
-                and max_sequence_length < 0:
-            raise ValueError(f"max_sequence_length must be >= 0, got {max_sequence_length}")
+        _check_max_sequence_length(max_sequence_length)
         if getattr(self, "_device", -1) >= 0:
             return self._cuda_lookup(ids, offsets, weights, self._combiner(combiner), max_sequence_length, out)
         batch = make_batch(ids, offsets, weights)
@@ -103,6 +98,10 @@ class LookupMixin:
             return np.zeros(shape, np.float32) if out is None else out
         if combiner is None and batch.kind == "sparse":
             # Each id goes to its own position (duplicates add up), as TensorFlow does.
+            if out is not None:  # out is zeroed before the positions are read: it may not share their memory
+                for what, a in (("ids", batch.ids), ("weights", batch.weights), ("ids.indices", batch.positions)):
+                    if a is not None and np.may_share_memory(out, a):
+                        raise ValueError(f"out shares memory with {what}: pass a separate output array")
             rows = np.repeat(np.arange(batch.num_bags), np.diff(batch.offsets))
             flat = self._native_lookup(batch.ids, np.array([0, len(batch.ids)], np.int64), batch.weights, 3, 0, None)
             result = np.zeros(shape, np.float32) if out is None else out
@@ -279,6 +278,7 @@ class Table(LookupMixin):
         """
         if grads is None:
             raise TypeError("apply_gradients() missing the gradients: apply_gradients(ids, offsets, grads)")
+        _check_max_sequence_length(max_sequence_length)
         if self._device >= 0:
             return self._cuda_apply([self._cuda_part(ids, offsets, weights, self._combiner(combiner),
                                                      max_sequence_length, grads)])
@@ -334,6 +334,20 @@ class Table(LookupMixin):
         stream = _device.current_stream(parts[0][-1]) if parts else 0
         self._native.apply_gradients_cuda([p[:-1] for p in parts], lr, stream)
 
+    def _check_step(self, parts, names) -> None:
+        """What the native step would refuse after earlier tables of the same
+        Embedding step changed: a step past the last a checkpoint records, or
+        gradients that view this table's values or slots."""
+        if self.step >= _MAX_STEP:
+            raise ValueError(f"table '{self._name}' is at step {self.step}, the last a checkpoint records (2^62): "
+                             "no further step")
+        views = [("the values", self._native.values())] + [("a slot", v) for _, v in self._native.slots()]
+        for part, name in zip(parts, names):
+            for what, view in views:
+                if np.may_share_memory(part[5], view):
+                    raise ValueError(f"{name} overlaps {what} of table '{self._name}' that the step updates: "
+                                     "pass a copy")
+
     def _apply_parts(self, parts, learning_rate: Optional[float] = None) -> None:
         lr = self.learning_rate() if learning_rate is None else learning_rate
         self._native.apply_gradients(parts, lr)
@@ -354,8 +368,14 @@ class Table(LookupMixin):
 
     def to_numpy(self, start_row: int = 0, num_rows: Optional[int] = None) -> np.ndarray:
         """A float32 copy of rows ``[start_row, start_row + num_rows)``."""
-        n = self.rows - start_row if num_rows is None else num_rows
-        return self._native.read_values(int(start_row), int(n))
+        start_row = _row_index(self._name, "start_row", start_row)
+        n = self.rows - start_row if num_rows is None else _row_index(self._name, "num_rows", num_rows)
+        if n < 0:
+            raise ValueError(f"table '{self._name}': num_rows must be >= 0, got {n}")
+        if start_row < 0 or start_row + n > self.rows:
+            raise IndexError(f"table '{self._name}': read rows [{start_row}, {start_row + n}) do not fit in "
+                             f"[0, {self.rows})")
+        return self._native.read_values(start_row, n)
 
     def slots(self) -> Dict[str, np.ndarray]:
         """Read-only zero-copy float32 views of the slot variables, by name
@@ -374,7 +394,8 @@ class Table(LookupMixin):
         v = as_float32(values, "values")
         if v.ndim != 2 or v.shape[1] != self.dim:
             raise ValueError(f"table '{self._name}': values must have shape [n, {self.dim}], got {v.shape}")
-        self._native.assign_values(int(start_row), v)
+        start_row = self._assigned_rows(start_row, len(v), "rows")
+        self._native.assign_values(start_row, v)
 
     def assign_slot(self, name: str, values, start_row: int = 0) -> None:
         names = self.slot_names
@@ -383,8 +404,33 @@ class Table(LookupMixin):
         v = as_float32(values, f"slot {name}")
         if v.ndim != 2 or v.shape[1] != self.dim:
             raise ValueError(f"table '{self._name}': slot {name} values must have shape [n, {self.dim}], got {v.shape}")
+        start_row = self._assigned_rows(start_row, len(v), "slot rows")
         _check_slot_values(self._name, name, v)
-        self._native.assign_slot(names.index(name), int(start_row), v)
+        self._native.assign_slot(names.index(name), start_row, v)
+
+    def _assigned_rows(self, start_row, n: int, what: str) -> int:
+        start_row = _row_index(self._name, "start_row", start_row)
+        if not 0 <= start_row <= self.rows - n:
+            raise IndexError(f"table '{self._name}': assigned {what} [{start_row}, {start_row + n}) do not fit in "
+                             f"[0, {self.rows})")
+        return start_row
+
+
+_MAX_STEP = 2**62  # the last step a checkpoint records (docs/format.md)
+
+
+def _check_max_sequence_length(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"max_sequence_length must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"max_sequence_length must be >= 0, got {value}")
+
+
+def _row_index(table: str, name: str, value) -> int:
+    """`value` as a Python int: an int or NumPy integer, not a bool, a float or a string."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"table '{table}': {name} must be an int, got {value!r}")
+    return int(value)
 
 
 # Slots that optimizers take square roots of: a negative value would make NaN weights.

@@ -513,6 +513,20 @@ def test_load_and_save_argument_errors(tmp_path):
     assert not (tmp_path / "d" / "MANIFEST").exists()
 
 
+def test_bytes_paths(tmp_path, rng):
+    """A path may be str, bytes or os.PathLike everywhere (os.fspath's types)."""
+    t = make_table(optimizer=ec.optimizers.Adagrad(0.1))
+    t.apply_gradients(np.array([1, 2]), grads=rng.normal(size=(2, t.dim)).astype(np.float32))
+    path = os.fsencode(tmp_path / "c")
+    ec.save(path, t)
+    assert ec.checkpoint.read_info(path).table_names == ["t"]
+    back = make_table(optimizer=ec.optimizers.Adagrad(0.1), seed=3)
+    ec.load(path, into=back)
+    assert back.values().tobytes() == t.values().tobytes() and back.step == 1
+    served = ec.serving.open(path)
+    np.testing.assert_array_equal(served.tables["t"].lookup(np.array([1, 2])), t.lookup(np.array([1, 2])))
+
+
 # ------------------------------------------------------------------ the directory
 def test_saving_over_a_checkpoint_replaces_it(tmp_path, rng):
     path = tmp_path / "c"

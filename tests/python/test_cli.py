@@ -143,6 +143,21 @@ def test_demo(tmp_path):
     assert embedcore.cli.main(["verify", str(tmp_path / "demo")]) == 0
 
 
+@pytest.mark.parametrize("args,match", [(["--steps", "0"], "demo: steps must be >= 1, got 0"),
+                                        (["--steps", "-3"], "demo: steps must be >= 1, got -3"),
+                                        (["--batch-size", "0"], "demo: batch_size must be >= 1, got 0")])
+def test_demo_arguments(capsys, args, match):
+    assert embedcore.cli.main(["demo", *args]) == 1
+    assert f"embedcore demo: ValueError: {match}" in capsys.readouterr().err
+
+
+def test_a_short_demo_runs(tmp_path, capsys):
+    """Fewer steps than two loss windows of 50: the demo runs, trains, saves
+    and serves; whether the loss fell is judged from 100 steps."""
+    assert embedcore.cli.main(["demo", "--steps", "3", "--batch-size", "64", "--checkpoint", str(tmp_path / "c")]) == 0
+    assert "serving matches training" in capsys.readouterr().out
+
+
 def test_progress_bar_only_on_a_terminal(emb_ckpt):
     """The control of the tests above: on a terminal, verify shows a bar."""
     pytest.importorskip("tqdm")

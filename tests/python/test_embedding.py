@@ -181,6 +181,17 @@ def test_structure_mismatch():
     assert all(t.step == 1 for t in tables)
 
 
+def test_unsortable_feature_keys():
+    """Flattening sorts dict keys (as tf.nest does): keys that do not sort are
+    a TypeError that names them."""
+    t = ec.TableConfig("t", rows=5, dim=2)
+    with pytest.raises(TypeError, match=r"dict keys must be sortable .* got keys \[1, 's'\]"):
+        ec.Embedding({1: ec.FeatureConfig(t), "s": ec.FeatureConfig(t)}, opt.SGD(0.1))
+    emb = ec.Embedding({"a": {"b": ec.FeatureConfig(t)}}, opt.SGD(0.1))
+    with pytest.raises(ValueError, match="keys at a do not match"):
+        emb({"a": {1: np.array([1]), "b": np.array([1])}})
+
+
 @pytest.mark.parametrize("bad_key", ["a", "m", "z"])
 def test_wrong_grad_shape_changes_nothing(rng, bad_key):
     """A bad gradient for any feature, including one for a table applied

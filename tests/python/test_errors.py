@@ -138,6 +138,18 @@ def test_weights_of_wrong_length(trained):
         trained.lookup(sp, weights=ec.Sparse(np.array([[0, 0], [1, 1]]), np.ones(2, np.float32), [2, 2]))
 
 
+def test_weights_in_another_form_than_the_ids(trained):
+    ragged = ec.Ragged(np.array([1.0, 2.0], np.float32), np.array([0, 1, 2]))
+    sparse = ec.Sparse([[0, 0], [1, 0]], np.array([1.0, 2.0], np.float32), [2, 1])
+    with pytest.raises(TypeError, match="weights is Ragged but ids is ndarray: give the weights in the form of the ids"):
+        trained.lookup(np.array([1, 2]), np.array([0, 1, 2]), weights=ragged, combiner="sum")
+    with pytest.raises(TypeError, match="weights is Sparse but ids is Ragged"):
+        trained.lookup(ec.Ragged(np.array([1, 2]), np.array([0, 1, 2])), weights=sparse, combiner="sum")
+    emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig("t", rows=5, dim=2))})
+    with pytest.raises(TypeError, match=r"weights of features\['f'\] is Ragged but features\['f'\] is ndarray"):
+        emb({"f": np.array([1, 2])}, weights={"f": ragged})
+
+
 def test_non_numeric_weights(trained):
     with pytest.raises(TypeError):
         trained.lookup(np.array([1, 2]), weights=np.array(["a", "b"]))
@@ -154,6 +166,12 @@ def test_bad_sparse(trained, indices, shape):
     sp = ec.Sparse(np.array(indices, np.int64), np.ones(n, np.int64), np.array(shape))
     with pytest.raises(ValueError):
         trained.lookup(sp)
+
+
+def test_sparse_weights_of_another_dense_shape(trained):
+    ids = ec.Sparse([[0, 0], [1, 1]], [1, 2], [3, 2])
+    with pytest.raises(ValueError, match=r"weights.dense_shape \[5, 9\] differs from ids.dense_shape \[3, 2\]"):
+        trained.lookup(ids, weights=ec.Sparse([[0, 0], [1, 1]], [1.0, 2.0], [5, 9]), combiner="sum")
 
 
 def test_sparse_values_length(trained):
@@ -210,6 +228,83 @@ def test_embedding_learning_rate_overflowing_float32_changes_no_table():
         emb.apply_gradients({"a": np.ones((1, 2), np.float32), "b": np.ones((1, 2), np.float32)})
     for k, t in tables.items():
         assert_unchanged(t, snaps[k])
+
+
+def test_embedding_step_a_later_table_refuses_changes_no_table():
+    """Embedding.apply_gradients steps its tables one after another: what a
+    later table's step refuses (gradients viewing the memory a step updates,
+    or a table at the last step a checkpoint records) must fail before the
+    earlier tables change."""
+    a = ec.TableConfig(name="a", rows=6, dim=2, initializer=ec.initializers.Uniform(-1, 1, seed=1))
+    b = ec.TableConfig(name="b", rows=6, dim=2, initializer=ec.initializers.Uniform(-1, 1, seed=2),
+                       optimizer=opt.Adagrad(0.1))
+    emb = ec.Embedding({"x": ec.FeatureConfig(a), "y": ec.FeatureConfig(b)}, opt.SGD(0.1))
+    ta, tb = emb.embedding_tables[a], emb.embedding_tables[b]
+    emb({"x": np.array([1, 2]), "y": np.array([3, 4])})
+    ones = np.ones((2, 2), np.float32)
+    snaps = {t.name: snapshot(t) for t in (ta, tb)}
+
+    def refused(grads, match):
+        with pytest.raises(ValueError, match=match):
+            emb.apply_gradients(grads)
+        for t in (ta, tb):
+            assert_unchanged(t, snaps[t.name])
+
+    # b's gradients view b's own values, or its accumulators: b's step would refuse them after a's step.
+    refused({"x": ones, "y": tb.values()[2:4]},
+            r"grads\['y'\] overlaps the values of table 'b' that the step updates: pass a copy")
+    refused({"x": ones, "y": tb.slots()["accumulators"][:2]}, r"grads\['y'\] overlaps a slot of table 'b'")
+    # b's gradients view a's values, which a's step would change before b's step reads them.
+    refused({"x": ones, "y": ta.values()[:2]}, r"grads\['y'\] overlaps the values of table 'a'")
+    tb.step = 2**62
+    snaps["b"] = snapshot(tb)
+    refused({"x": ones, "y": ones}, "table 'b' is at step 4611686018427387904, the last a checkpoint records")
+    tb.step = 0
+    emb.apply_gradients({"x": ones, "y": tb.values()[2:4].copy()})  # copies are fine
+    assert ta.step == tb.step == 1
+
+
+def test_sparse_sequence_out_sharing_memory_with_an_input_is_refused(trained):
+    """A Sparse sequence lookup zeroes `out` before it places the rows: an
+    `out` that shares memory with the ids, weights or indices is refused, as
+    every other lookup refuses it, rather than reading what it zeroed."""
+    v = trained.to_numpy()
+    ref = np.zeros((2, 2, 4), np.float32)
+    ref[1, 1] = v[3]
+    buf = np.zeros(16, np.float32)
+    out = buf.reshape(2, 2, 4)
+    indices = buf.view(np.int64)[:2].reshape(1, 2)
+    indices[:] = [[1, 1]]
+    with pytest.raises(ValueError, match="out shares memory with ids.indices: pass a separate output array"):
+        trained.lookup(ec.Sparse(indices, np.array([3]), [2, 2]), combiner=None, out=out)
+    np.testing.assert_array_equal(indices, [[1, 1]])  # not overwritten
+    buf = np.zeros(16, np.float32)
+    ids = buf.view(np.int64)[:1]
+    ids[:] = 3
+    with pytest.raises(ValueError, match="out shares memory with ids"):
+        trained.lookup(ec.Sparse([[1, 1]], ids, [2, 2]), combiner=None, out=buf.reshape(2, 2, 4))
+    buf = np.zeros(16, np.float32)
+    w = buf[:1]
+    w[:] = 1.0
+    with pytest.raises(ValueError, match="out shares memory with weights"):
+        trained.lookup(ec.Sparse([[1, 1]], [3], [2, 2]), weights=w, combiner=None, out=buf.reshape(2, 2, 4))
+    out = np.full((2, 2, 4), 7, np.float32)  # separate arrays are fine
+    trained.lookup(ec.Sparse(indices.copy(), np.array([3]), [2, 2]), combiner=None, out=out)
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_max_sequence_length_is_checked_whatever_the_combiner(trained):
+    """A pooled lookup ignores max_sequence_length, but a bad one is an error
+    there too, and apply_gradients refuses what lookup refuses."""
+    ids, grads = np.array([1, 2]), np.ones((2, 4), np.float32)
+    with pytest.raises(TypeError, match="max_sequence_length must be an int, got 'x'"):
+        trained.lookup(ids, combiner="sum", max_sequence_length="x")
+    s = snapshot(trained)
+    with pytest.raises(ValueError, match="max_sequence_length must be >= 0, got -5"):
+        trained.apply_gradients(ids, grads=grads, combiner="sum", max_sequence_length=-5)
+    with pytest.raises(TypeError, match="max_sequence_length must be an int, got 2.0"):
+        trained.apply_gradients(ids, grads=grads, combiner="mean", max_sequence_length=2.0)
+    assert_unchanged(trained, s)
 
 
 def test_embedding_bad_id_changes_nothing():
@@ -289,6 +384,31 @@ def test_assign_errors(trained):
     assert_unchanged(trained, s)
 
 
+@pytest.mark.parametrize("bad", [1.5, True, "1", np.float64(2.0), None])
+def test_start_row_must_be_an_int(trained, bad):
+    """A float, bool or string row is not truncated or parsed into a row."""
+    s = snapshot(trained)
+    for call in (lambda: trained.assign(np.ones((1, 4), np.float32), start_row=bad),
+                 lambda: trained.assign_slot("momenta", np.ones((1, 4), np.float32), start_row=bad),
+                 lambda: trained.to_numpy(bad, 1)):
+        with pytest.raises(TypeError, match=f"table 'clicks': start_row must be an int, got {re.escape(repr(bad))}"):
+            call()
+    with pytest.raises(TypeError, match="num_rows must be an int, got 1.0"):
+        trained.to_numpy(0, 1.0)
+    assert_unchanged(trained, s)
+
+
+def test_rows_past_int64_are_index_errors(trained):
+    s = snapshot(trained)
+    with pytest.raises(IndexError, match=r"table 'clicks': assigned rows \[18446744073709551616, "):
+        trained.assign(np.ones((1, 4), np.float32), start_row=2**64)
+    with pytest.raises(IndexError, match=r"assigned slot rows \[-18446744073709551616, "):
+        trained.assign_slot("momenta", np.ones((1, 4), np.float32), start_row=-2**64)
+    with pytest.raises(IndexError, match=r"read rows \[0, 18446744073709551616\)"):
+        trained.to_numpy(0, 2**64)
+    assert_unchanged(trained, s)
+
+
 @pytest.mark.parametrize("make", [
     lambda: opt.SGD(learning_rate=float("nan")),
     lambda: opt.SGD(learning_rate=float("inf")),
@@ -311,10 +431,40 @@ def test_assign_errors(trained):
     lambda: opt.FTRL(learning_rate=0.1, l2_regularization_strength=-1.0),
     lambda: opt.FTRL(learning_rate=0.1, beta=-1.0),
     lambda: opt.FTRL(learning_rate=0.1, initial_accumulator_value=0.0),
+    # FTRL divides by the float32 learning rate (TensorFlow: "lr is not a positive scalar").
+    lambda: opt.FTRL(learning_rate=0.0),
+    lambda: opt.FTRL(learning_rate=-0.1),
+    lambda: opt.FTRL(learning_rate=1e-45),
+    lambda: opt.FTRL(learning_rate=-0.1, multiply_linear_by_learning_rate=True),
+    # m / sqrt(v + epsilon**2) with a float32 epsilon**2 of 0 is 0 / 0 for a zero gradient.
+    lambda: opt.Adam(learning_rate=0.1, epsilon=1e-30),
 ])
 def test_bad_optimizer_hyper_parameters(make):
     with pytest.raises(ValueError):
         make()
+
+
+def test_ftrl_learning_rates_it_cannot_divide_by():
+    """FTRL's update divides by the learning rate (unless the linear slot is
+    multiplied by it): a rate, or a schedule's rate, of 0 or one whose inverse
+    overflows float32 is an error naming it and the step, not NaN weights."""
+    with pytest.raises(ValueError, match=r"FTRL: learning_rate 0.0 must be >= 1.17"):
+        opt.FTRL(learning_rate=0.0)
+    table = make_table(6, 2, optimizer=opt.FTRL(learning_rate=lambda step: 0.1 if step == 0 else 0.0))
+    table.apply_gradients(np.array([1]), grads=np.ones((1, 2), np.float32))
+    s = snapshot(table)
+    with pytest.raises(ValueError, match=r"FTRL: learning rate 0.0 at step 1 must be >= 1.17"):
+        table.apply_gradients(np.array([1]), grads=np.ones((1, 2), np.float32))
+    assert_unchanged(table, s)
+    assert np.isfinite(table.to_numpy()).all()
+    # With multiply_linear_by_learning_rate a rate of 0 divides nothing: allowed, and no step moves a weight.
+    table = make_table(6, 2, optimizer=opt.FTRL(learning_rate=0.0, multiply_linear_by_learning_rate=True))
+    table.apply_gradients(np.array([1]), grads=np.ones((1, 2), np.float32))
+    assert np.isfinite(table.to_numpy()).all()
+    # The smallest epsilon whose float32 square is not 0 still gives finite Adam steps.
+    table = make_table(6, 3, optimizer=opt.Adam(learning_rate=0.1, epsilon=3e-23))
+    table.apply_gradients(np.array([1]), grads=np.array([[0.0, 1.0, 0.0]], np.float32))
+    assert np.isfinite(table.to_numpy()).all()
 
 
 @pytest.mark.parametrize("make", [lambda: opt.SGD(learning_rate=None), lambda: opt.SGD(learning_rate=[0.1]),

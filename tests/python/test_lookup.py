@@ -180,6 +180,17 @@ def test_ragged_from_lengths(rng):
     _check_pooled(table, table.lookup(r, combiner="sum"), ids, r.offsets, None, "sum")
 
 
+def test_ragged_from_lengths_errors():
+    """Lengths are checked as lengths: the error names them, not the offsets made from them."""
+    with pytest.raises(ValueError, match=r"lengths must be 1-D, got shape \(1, 2\)"):
+        ec.Ragged.from_lengths(np.array([1, 2]), [[1, 1]])
+    with pytest.raises(ValueError, match="lengths must be >= 0, got -1 at position 1"):
+        ec.Ragged.from_lengths(np.array([1, 2]), [3, -1])
+    with pytest.raises(TypeError, match="lengths must be an integer array"):
+        ec.Ragged.from_lengths(np.array([1, 2]), [1.0, 1.0])
+    np.testing.assert_array_equal(ec.Ragged.from_lengths(np.zeros(0, np.int64), []).offsets, [0])
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("combiner", COMBINERS)
 def test_dense_2d(rng, combiner, weighted):
