@@ -314,6 +314,7 @@ def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optio
     prefix = ckpt.find_prefix(names, prefix)
     plan = []
     for t in tables:
+        _values_view(t)  # a table of another dtype is refused here, before any table changes
         shape = ckpt.shape(prefix, t.name)
         if tuple(shape) != (t.rows, t.dim):
             raise ValueError(f"{ckpt.path}: table '{t.name}' is {list(shape)} in the checkpoint, but "

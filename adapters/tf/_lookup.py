@@ -8,8 +8,9 @@ a graph through ``tf.numpy_function``. ``numpy_function`` rather than
 returns arrays, with no eager-tensor round trip, which is all the engine
 needs (CPU tensors; the gradient is given by ``tf.custom_gradient``, so the
 op needs none). A ``ValueError`` raised in the callback reaches the caller as
-``InvalidArgumentError``, as TensorFlow's own kernels report bad ids; eagerly
-we raise ``tf.errors.InvalidArgumentError`` ourselves.
+``InvalidArgumentError``, as TensorFlow's own kernels report bad ids, and a
+``MemoryError`` as ``ResourceExhaustedError``, as they report running out of
+memory; eagerly we raise these ``tf.errors`` ourselves.
 
 The checks done while tracing (structure, types, weights) are TensorFlow's,
 in its order, with its exception types and messages.
@@ -61,8 +62,7 @@ def sparse_numpy(f: Feature, table, indices, ids, dense_shape, weights, safe: bo
     if sequence:
         # sparse_slice to [batch, L], then scatter_nd: duplicate positions add up.
         length = f.max_sequence_length
-        lin, ids = _sequence_positions(indices, ids, dense_shape, length)
-        batch = int(dense_shape[0])
+        lin, ids, batch = _sequence_positions(indices, ids, dense_shape, length)
         ids = np.ascontiguousarray(ids)
         flat_rows = engine_lookup(table, ids, None, None, None)
         out = np.zeros((batch * length, dim), np.float32)
@@ -126,7 +126,10 @@ def sparse_numpy(f: Feature, table, indices, ids, dense_shape, weights, safe: bo
 # allocated by the size an index gives.
 def _sequence_positions(indices, ids, dense_shape, length: int):
     """``sparse_slice(sp, [0, 0], [batch, length])``: the kept entries'
-    positions ``row * length + column`` in the output, and their ids."""
+    positions ``row * length + column`` in the output, their ids, and the
+    batch size. TensorFlow takes the batch size from ``tf.shape(sp)``, an
+    int32: ``dense_shape[0]`` wrapped to 32 bits (2**32 + 2 gives 2, 2**31
+    an error)."""
     if indices.ndim != 2:
         raise InvalidArgument(f"Sparse indices must be rank 2 but is rank {indices.ndim}")
     nnz, rank = indices.shape
@@ -136,11 +139,30 @@ def _sequence_positions(indices, ids, dense_shape, length: int):
         raise InvalidArgument(f"Index rank ({rank}) and shape rank ({dense_shape.size}) do not match")
     if rank != 2:
         raise InvalidArgument(f"Expected start to be a vector of length {rank} but got length 2")
+    _check_dense_shape(dense_shape)
+    batch = int(np.int64(dense_shape[0]).astype(np.int32))
+    if batch < 0:
+        raise InvalidArgument(f"Expected a non-negative size, got {batch}")
     row, col = indices[:, 0], indices[:, 1]
-    keep = (row >= 0) & (row < dense_shape[0]) & (col >= 0) & (col < length)
+    keep = (row >= 0) & (row < batch) & (col >= 0) & (col < length)
     if not keep.all():
         row, col, ids = row[keep], col[keep], ids[keep]
-    return row * length + col, ids
+    return row * length + col, ids, batch
+
+
+def _check_dense_shape(dense_shape) -> None:
+    """TensorFlow's ``TensorShape::BuildTensorShape`` of a SparseTensor's
+    dense shape (``sparse_reshape`` and ``sparse_slice`` build one first):
+    every dimension >= 0 and their product, taken in order, an int64."""
+    n = 1
+    for d in (int(x) for x in dense_shape):
+        if d < 0:
+            raise InvalidArgument(f"Expected shape dimensions to be non-negative, got {d}")
+        p = n * d  # MultiplyWithoutOverflow: -1 past 2**64, else the product as int64
+        r = -1 if p >= 1 << 64 else (p - (1 << 64) if p >= 1 << 63 else p)
+        if r < 0:
+            raise InvalidArgument(f"Encountered overflow when multiplying {n} with {d}, result: {r}")
+        n = r
 
 
 def _reshaped_rows(indices, dense_shape) -> np.ndarray:
@@ -152,6 +174,7 @@ def _reshaped_rows(indices, dense_shape) -> np.ndarray:
     nnz, rank = indices.shape
     if rank != dense_shape.size:
         raise InvalidArgument("Input tensor rank must match input shape length.")
+    _check_dense_shape(dense_shape)
     if rank == 2:
         return indices[:, 0]
     last = int(dense_shape[-1])
@@ -202,9 +225,6 @@ def _segment_ids(rows, ids, weighted: bool) -> np.ndarray:
 
 def ragged_numpy(f: Feature, table, values, splits, wvalues, wsplits, need_bwd: bool):
     dim = table.dim
-    if wvalues is not None and (wsplits.shape != splits.shape or not np.array_equal(wsplits, splits)):
-        raise InvalidArgument(f"feature {f.label}: the weights' row partition differs from the ids' "
-                              "(Condition x == y did not hold)")
     batch = splits.size - 1
     offsets = np.ascontiguousarray(splits, dtype=np.int64)
     ids = np.ascontiguousarray(values)
@@ -217,6 +237,8 @@ def ragged_numpy(f: Feature, table, values, splits, wvalues, wsplits, need_bwd: 
             length = 0
         elif batch and wanted > batch and wanted % batch == 0:
             length = wanted // batch  # a sequence: weights and combiner are ignored, as TensorFlow does
+        elif batch == 0 and wanted > 0:
+            raise InvalidArgument("Integer division by zero")  # TensorFlow's wanted % batch
         else:
             raise InvalidArgument(_output_shape_message(f, batch))
     elif f.max_sequence_length > 0:
@@ -231,6 +253,10 @@ def ragged_numpy(f: Feature, table, values, splits, wvalues, wsplits, need_bwd: 
             keep = j < length
             bwd = _bags_of_one(np.ascontiguousarray(ids[keep]), bag[keep] * length + j[keep])
     else:
+        if wvalues is not None and (wsplits.shape != splits.shape or not np.array_equal(wsplits, splits)
+                                    or wvalues.shape != values.shape):
+            raise InvalidArgument(f"feature {f.label}: the weights' row partition differs from the ids' "
+                                  "(Condition x == y did not hold)")
         w = None if wvalues is None else np.ascontiguousarray(wvalues, dtype=np.float32)
         out = pooled(table, ids, offsets, w, f.table.combiner, SEQUENTIAL)
         bwd = Backward(ids, offsets, w, np.arange(batch, dtype=np.int64)) if need_bwd else None
@@ -266,8 +292,10 @@ def _call(fn, tensors: Sequence, need_bwd: bool, label: str):
         arrays = [None if t is None else t.numpy() for t in tensors]
         try:
             out, bwd = fn(*arrays)
-        except InvalidArgument as e:
+        except ValueError as e:  # InvalidArgument, or NumPy's: as tf.numpy_function reports them in a graph
             raise tf.errors.InvalidArgumentError(None, None, str(e)) from None
+        except MemoryError as e:  # as tf.numpy_function reports it, and TensorFlow's kernels their OOM
+            raise tf.errors.ResourceExhaustedError(None, None, f"{type(e).__name__}: {e}") from None
         out_t = tf.convert_to_tensor(out)
         if not need_bwd:
             return out_t, None
@@ -392,12 +420,15 @@ def _ragged(f: Feature, table, rt: tf.RaggedTensor, weights: Optional[tf.RaggedT
         raise ValueError(f"The values contained by the inputs have type {rt.values.dtype!r} and cannot be processed. "
                          "All values should be indices, either of type `int32` or `int64`")
     batch = rt.shape[0]
+    pooled_out = f.output_shape is None and f.max_sequence_length == 0
     if f.output_shape is not None and batch is not None:
         wanted = int(np.prod(f.output_shape)) if f.output_shape else 1
-        if not (wanted == batch or (wanted > batch and batch and wanted % batch == 0)):
-            raise ValueError(_output_shape_message(f, batch))
+        pooled_out = wanted == batch
+        if not (pooled_out or (wanted > batch and batch and wanted % batch == 0) or batch == 0):
+            raise ValueError(_output_shape_message(f, batch))  # (batch 0: wanted % 0 fails when run)
+        if not pooled_out:
+            weights = None  # a sequence (or an error): TensorFlow ignores the weights
     wvalues = wsplits = None
-    pooled_out = f.output_shape is None and f.max_sequence_length == 0
     if weights is not None:
         if weights.values.dtype != tf.float32 and (pooled_out or f.output_shape is not None):
             msg = (f"cannot compute Mul as input #1(zero-based) was expected to be a float tensor but is a "
@@ -405,8 +436,15 @@ def _ragged(f: Feature, table, rt: tf.RaggedTensor, weights: Optional[tf.RaggedT
             if tf.executing_eagerly():
                 raise tf.errors.InvalidArgumentError(None, None, msg)
             raise TypeError(msg)
+        if weights.shape.rank != 2:  # TensorFlow's ids * weights fails its row-partition assertion when run
+            raise tf.errors.InvalidArgumentError(None, None, f"feature {f.label}: weights of rank "
+                                                 f"{weights.shape.rank} for ids of rank 2 (Condition x == y did "
+                                                 "not hold)")
         wvalues, wsplits = weights.values, weights.row_splits
         if wsplits.dtype != rt.row_splits.dtype:
+            if pooled_out:  # ids * weights
+                raise ValueError("Input RaggedTensors have mismatched row_splits dtypes; use "
+                                 "RaggedTensor.with_row_splits_dtype() to convert them to compatible dtypes.")
             wsplits = tf.cast(wsplits, rt.row_splits.dtype)
 
     def fn(values, splits, wv, ws):

@@ -18,7 +18,7 @@ def _target(var):
     if isinstance(table, ec.Table) and getattr(var, "slot", None) is None:
         return table
     if isinstance(var, (list, tuple)):
-        return [_target(v) for v in var] if var and not isinstance(var[0], ec.Table) else list(var)
+        return [_target(v) for v in var]  # tables and embedding_tables handles, in any mix
     return var
 
 

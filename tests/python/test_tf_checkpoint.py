@@ -94,6 +94,16 @@ def test_errors(slotted_checkpoint, tmp_path):
         TFCheckpoint(tmp_path)
 
 
+def test_refused_table_dtype_changes_no_table(slotted_checkpoint):
+    # A float16 table among the targets is refused before any table is read (was: the tables before it restored).
+    path, _ = slotted_checkpoint
+    ta = ec.Table(name="ta", rows=20, dim=4, initializer=ec.initializers.Zeros())
+    tb = ec.Table(ec.TableConfig("tb", 15, 3, "float16", ec.initializers.Zeros(), None, "mean"))
+    with pytest.raises(NotImplementedError, match="float32"):
+        load_tf_checkpoint(path, [ta, tb], include_optimizer=False)
+    np.testing.assert_array_equal(ta.values(), 0.0)
+
+
 def test_table_sliced_over_hosts(tmp_path, rng):
     from tensorflow.python.tpu.tpu_embedding_v2 import TPUEmbeddingVariable
 

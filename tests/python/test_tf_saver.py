@@ -60,3 +60,18 @@ def test_tables_of_a_serving_object_and_errors(tmp_path, rng):
         tf.function(lambda: saver.load_embedding_values(emb, [tf.constant(values[:4])]))()
     with pytest.raises(ValueError):
         saver.restore_from_file(emb, str(tmp_path / "missing"))
+
+
+def test_list_mixing_tables_and_handles(tmp_path, rng):
+    # A list of an engine Table and a handle of embedding_tables is two tables (was: TypeError when the
+    # engine Table came first).
+    ta, tb = E.TableConfig(vocabulary_size=6, dim=2, name="ta"), E.TableConfig(vocabulary_size=5, dim=2, name="tb")
+    emb = EmbeddingForServing({"a": E.FeatureConfig(ta), "b": E.FeatureConfig(tb)})
+    mixed = [emb.embedding_tables[ta].table, emb.embedding_tables[tb]]
+    path = str(tmp_path / "mixed")
+    assert Saver().dump_to_file(mixed, path).numpy() == b"OK"
+    assert ec.checkpoint.read_info(path).table_names == ["ta", "tb"]
+    values = emb.embedding_tables[tb].numpy().copy()
+    emb.embedding_tables[tb].assign(np.zeros((5, 2), np.float32))
+    assert tf.function(lambda: Saver().restore_from_file(mixed, path))().numpy() == b"OK"
+    np.testing.assert_array_equal(emb.embedding_tables[tb].numpy(), values)

@@ -128,6 +128,45 @@ def test_ragged_output_shape(rng, combiner):
         ours({"f": rt})
 
 
+def test_ragged_output_shape_sequence_ignores_weights(rng):
+    # A sequence output_shape ignores the weights, as TensorFlow does: their dtype, row partition and row
+    # splits dtype are not checked (they are where the output is pooled).
+    rt = tf.ragged.constant([[1, 2], [3], [4, 5, 6], []], dtype=tf.int64)
+    config, _ = _config("mean", output_shape=[8])
+    theirs, ours = pair(config, rng)
+    for w in (tf.ragged.constant([[1.0, 2.0], [3.0], [4.0, 5.0, 6.0], []], dtype=tf.float64),
+              tf.ragged.constant([[1.0], [2.0, 3.0], [4.0, 5.0, 6.0], []]),
+              tf.RaggedTensor.from_row_splits([1.0, 2, 3, 4, 5, 6], tf.constant([0, 2, 3, 6, 6], tf.int32))):
+        expected = theirs({"f": rt}, {"f": w})
+        assert_same(expected, ours({"f": rt}, {"f": w}), "sum")
+        assert_same(expected, tf.function(lambda x, w: ours({"f": x}, {"f": w}))(rt, w), "sum")
+
+
+def test_ragged_output_shape_empty_batch(rng):
+    # An empty batch and output_shape [4]: TensorFlow's 4 % 0 fails with InvalidArgumentError (eagerly; it
+    # cannot run output_shape in a graph); the adapter raises it too, in a graph as well.
+    empty = tf.RaggedTensor.from_row_splits(tf.zeros([0], tf.int64), tf.constant([0], tf.int64))
+    config, _ = _config("sum", output_shape=[4])
+    theirs, ours = pair(config, rng)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="division by zero"):
+        theirs({"f": empty})
+    with pytest.raises(tf.errors.InvalidArgumentError, match="division by zero"):
+        ours({"f": empty})
+    with pytest.raises(tf.errors.InvalidArgumentError, match="division by zero"):
+        tf.function(lambda x: ours({"f": x}))(empty)
+
+
+def test_out_of_memory_is_resource_exhausted():
+    # A lookup the machine cannot hold (a [1, 2**45, 4] sequence output) raises ResourceExhaustedError, as
+    # TensorFlow's kernels do, eagerly as inside tf.function.
+    emb = EmbeddingForServing(_config("sum", max_sequence_length=2**45)[0])
+    ids = {"f": tf.ragged.constant([[1]], dtype=tf.int64)}
+    with pytest.raises(tf.errors.ResourceExhaustedError):
+        emb(ids)
+    with pytest.raises(tf.errors.ResourceExhaustedError):
+        tf.function(lambda x: emb(x))(ids)
+
+
 def test_mixed_structure_subset_and_shared_tables(rng):
     t_sum = E.TableConfig(vocabulary_size=40, dim=8, combiner="sum")
     t_mean = E.TableConfig(vocabulary_size=ROWS, dim=4, combiner="mean")
@@ -239,6 +278,13 @@ def _error_cases():
         ("sparse float ids", {}, lambda: ({"a": tf.SparseTensor([[0, 0]], tf.constant([1.0]), [2, 2])}, None)),
         ("fast path rows out of order", {"validate_weights_and_indices": False},
          lambda: ({"a": tf.SparseTensor([[1, 0], [0, 0]], tf.constant([1, 2], tf.int64), [3, 2])}, None)),
+        ("ragged weights with int32 row splits", {},
+         lambda: ({"a": rg}, {"a": tf.RaggedTensor.from_row_splits([1.0, 2.0, 3.0], tf.constant([0, 2, 2, 3], tf.int32))})),
+        ("ragged weights with an inner dimension", {},
+         lambda: ({"a": rg}, {"a": tf.RaggedTensor.from_row_splits(tf.ones([3, 1]), tf.constant([0, 2, 2, 3], tf.int64))})),
+        ("ragged weights of ragged rank 2", {},
+         lambda: ({"a": rg}, {"a": tf.RaggedTensor.from_row_splits(tf.RaggedTensor.from_row_lengths(
+             [1.0, 2.0, 3.0], tf.constant([1, 1, 1], tf.int64)), tf.constant([0, 2, 2, 3], tf.int64))})),
         ("sparse float64 weights", {},
          lambda: ({"a": sp}, {"a": tf.SparseTensor(sp.indices, tf.constant([1.0, 2, 3], tf.float64), [4, 3])})),
     ]
@@ -319,6 +365,13 @@ def _index_cases():
         ("seq col past dense_shape", "seq", [[0, 2], [1, 0]], [1, 2], [2, 2], None),
         ("seq unsorted and duplicate", "seq", [[1, 1], [0, 2], [1, 1]], [1, 2, 3], [2, 3], None),
         ("seq bad id dropped", "seq", [[0, 7], [-1, 0], [1, 0]], [99, 99, 1], [2, 3], None),
+        ("seq batch 2**32+2 (int32: 2)", "seq", [[0, 0], [1, 1], [3, 0]], [1, 2, 3], [2**32 + 2, 3], None),
+        ("seq batch 2**32 (int32: 0)", "seq", [[0, 0], [1, 1]], [1, 2], [2**32, 3], None),
+        ("seq batch 2**31 (int32: < 0)", "seq", [[0, 0]], [1], [2**31, 3], None),
+        ("seq dense shape overflows", "seq", [[0, 0]], [1], [2**62, 4], None),
+        ("safe dense shape overflows", "safe", [[0, 0]], [1], [2, 2**62], None),
+        ("safe rank 3 dense shape overflows", "safe", [[0, 0, 0]], [1], [2, 2, 2**62], None),
+        ("mean rank 3 dense shape overflows", "mean", [[0, 0, 0]], [1], [2**62, 4, 3], [1.0]),
     ]
 
 
@@ -381,7 +434,11 @@ def test_sparse_indices_like_tensorflow(index_pair, case):
     ([[0, 0], [1, 0]], [1, 2, 3], [2, 3]),  # more
     ([[0, 0, 0], [1, 1, 1]], [1, 2], [2, 2, 2]),  # rank 3 (pooled, even for the sequence feature, when known)
     ([[0, 0, 0], [1, 1, 1]], [1, 2], [2, 2, 0]),  # a dimension 0
-], ids=["vector", "wide", "narrow", "fewer ids", "more ids", "rank 3", "empty dim"])
+    ([[0, 0], [1, 0]], [1, 2], [2, -3]),  # a negative dimension
+    ([[0, 0], [1, 0]], [1, 2], [-2, 3]),
+    ([[0, 0], [1, 0]], [1, 2], [2**32, 2**31]),  # dimensions whose product overflows
+], ids=["vector", "wide", "narrow", "fewer ids", "more ids", "rank 3", "empty dim", "negative dim",
+        "negative batch", "overflowing dims"])
 def test_sparse_index_shapes_like_tensorflow(index_pair, name, indices, ids, shape):
     # Shapes only checked when the graph runs: a tf.function taking indices, ids and dense shape of unknown shape.
     specs = [tf.TensorSpec(None, tf.int64), tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64)]
