@@ -40,9 +40,10 @@ rm -rf "$OUT/pkg"
 export PYTHONPATH="$OUT/pkg${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import embedcore; print(embedcore.build_info())"
 
-say "GPU tests (tests/python/test_cuda.py: the same bodies on cpu and cuda)"
+say "GPU tests (tests/python/test_cuda.py, test_torch_cuda.py: the same bodies on cpu and cuda)"
 set +e
-"$PY" -m pytest -q -p no:cacheprovider -rs tests/python/test_cuda.py 2>&1 | tee "$OUT/tests.log"
+"$PY" -m pytest -q -p no:cacheprovider -rs tests/python/test_cuda.py tests/python/test_torch_cuda.py 2>&1 |
+  tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 set -e
 

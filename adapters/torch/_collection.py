@@ -145,10 +145,10 @@ def _csr(x, where: str) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         if x.dim() == 2:
             batch, length = x.shape
             values = x.reshape(-1)
-            offsets = (torch.arange(0, batch * length + 1, length, dtype=torch.int64) if length
-                       else torch.zeros(batch + 1, dtype=torch.int64))
+            offsets = (torch.arange(0, batch * length + 1, length, dtype=torch.int64, device=x.device) if length
+                       else torch.zeros(batch + 1, dtype=torch.int64, device=x.device))
         elif x.dim() == 1:
-            values, offsets = x, torch.arange(x.shape[0] + 1, dtype=torch.int64)  # one id per bag
+            values, offsets = x, torch.arange(x.shape[0] + 1, dtype=torch.int64, device=x.device)  # one id per bag
         else:
             raise ValueError(f"{where} must be 1-D (one id per bag) or 2-D (one bag per row), got {x.dim()}-D")
     elif jt is not None and isinstance(x, jt.JaggedTensor):

@@ -39,10 +39,22 @@ def _dtype_name(dtype) -> str:
         raise TypeError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}") from None
 
 
-def _check_device(device) -> None:
-    if device is not None and torch.device(device).type != "cpu":
+def _table_device(device) -> Optional[str]:
+    """The engine's device for a module's `device` argument: None (CPU), or
+    "cuda:N" in the CUDA build."""
+    if device is None:
+        return None
+    d = torch.device(device)
+    if d.type == "cpu":
+        return None
+    if d.type != "cuda":
+        raise NotImplementedError(f"device={device!r}: embedcore tables live in CPU or CUDA memory")
+    if not ec.build_info()["cuda"]:
         raise NotImplementedError(f"device={device!r}: embedcore tables live in CPU memory in this build "
-                                  "(CUDA tables come with embedcore's CUDA build)")
+                                  "(CUDA tables come with embedcore's CUDA build: EMBEDCORE_CUDA=ON pip install .)")
+    if d.index is not None:
+        return f"cuda:{d.index}"
+    return f"cuda:{torch.cuda.current_device() if torch.cuda.is_available() else 0}"  # PyTorch's current device
 
 
 def _torch_seed() -> int:
@@ -58,9 +70,8 @@ def check_ids(t, where: str) -> None:
         raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{where} must be an int32 or int64 tensor, got {t.dtype}")
-    if t.device.type != "cpu":
-        raise NotImplementedError(f"{where} is on {t.device}: this build of embedcore takes CPU tensors "
-                                  "(CUDA tensors come with embedcore's CUDA build)")
+    if t.device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"{where} is on {t.device}: embedcore takes CPU or CUDA tensors")
 
 
 def check_weights(w, ids: Tensor, where: str) -> None:
@@ -68,8 +79,8 @@ def check_weights(w, ids: Tensor, where: str) -> None:
         raise TypeError(f"{where} must be a torch.Tensor, got {type(w).__name__}")
     if w.dtype != torch.float32:
         raise TypeError(f"{where} must be float32 (the dtype of the output), got {w.dtype}")
-    if w.device.type != "cpu":
-        raise NotImplementedError(f"{where} is on {w.device}: this build of embedcore takes CPU tensors")
+    if w.device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"{where} is on {w.device}: embedcore takes CPU or CUDA tensors")
     if w.shape != ids.shape:
         raise ValueError(f"{where} must have the shape of the ids {tuple(ids.shape)}, got {tuple(w.shape)}")
 
@@ -152,7 +163,7 @@ class _TableModule(_AdapterModule):
     def _create(self, name: str, num_embeddings: int, embedding_dim: int, dtype, initializer, optimizer,
                 sparse: bool, padding_idx: Optional[int], weight: Optional[Tensor] = None, init_fn=None,
                 device=None) -> None:
-        _check_device(device)
+        table_device = _table_device(device)
         for what, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{type(self).__name__}: {what} must be a positive int, got {v!r}")
@@ -179,7 +190,7 @@ class _TableModule(_AdapterModule):
             initializer = ec.initializers.Normal(0.0, 1.0, seed=_torch_seed())  # nn.EmbeddingBag's N(0, 1)
         config = ec.TableConfig(name, self.num_embeddings, self.embedding_dim, _dtype_name(dtype), initializer,
                                 optimizer, "sum")
-        self._attach(ec.Table(config), requires_grad=True)
+        self._attach(ec.Table(config, device=table_device), requires_grad=True)
         with torch.no_grad():
             if weight is not None:
                 self.weight.copy_(weight)
@@ -190,16 +201,18 @@ class _TableModule(_AdapterModule):
 
     def _attach(self, table: ec.Table, requires_grad: bool) -> None:
         self._table = table
-        values = torch.from_dlpack(table._native.values_mut())
-        if table.dtype == "bfloat16":
-            values = values.view(torch.bfloat16)  # NumPy carries bfloat16 as its uint16 bits
+        host = table.device == "cpu"
+        values = torch.from_dlpack(table._native.values_mut() if host else table._native.device_values())
+        if table.dtype == "bfloat16" and values.dtype != torch.bfloat16:
+            values = values.view(torch.bfloat16)  # carried as its uint16 bits
         self.weight = nn.Parameter(values, requires_grad=requires_grad)
         self._values_ptr = values.data_ptr()
-        self._slots = {n: torch.from_dlpack(v) for n, v in table._native.slots_mut()}
+        self._slots = {n: torch.from_dlpack(v)
+                       for n, v in (table._native.slots_mut() if host else table._native.device_slots())}
         fused = table.optimizer is not None
         # Fused training: autograd runs the backward through this one-element anchor;
         # its gradient is the output of the op that applies the update.
-        self._anchor = torch.zeros(1, requires_grad=True) if fused else None
+        self._anchor = torch.zeros(1, requires_grad=True, device=values.device) if fused else None
         self._group = None
         if fused:
             self._group = {"params": [self.weight], "lr": table.learning_rate(), "table": table.name,
@@ -220,6 +233,12 @@ class _TableModule(_AdapterModule):
 
     def _lookup(self, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
                 combiner: int, include_last_offset: bool) -> List[Tensor]:
+        here = self.weight.device
+        for group, what in ((ids, "ids"), (offsets, "offsets"), (weights, "per_sample_weights")):
+            for t in group:
+                if t.device != here:
+                    raise RuntimeError(f"Expected all tensors to be on the same device: the table of "
+                                       f"{type(self).__name__} is on {here}, {what} on {t.device}")
         if not torch.compiler.is_compiling() and self.weight.data_ptr() != self._values_ptr:
             raise RuntimeError(f"{type(self).__name__}: weight no longer views the engine's table (its storage was "
                                "replaced, e.g. by weight.data = ...); the table and the module would disagree. "
@@ -254,8 +273,9 @@ class _TableModule(_AdapterModule):
             out = fn(w)
             if out is not w and (out.data_ptr() != w.data_ptr() or out.dtype != w.dtype or out.device != w.device):
                 raise NotImplementedError(
-                    f"{type(self).__name__}: the table lives in embedcore's memory ({w.dtype}, cpu) and cannot be "
-                    f"converted to {out.dtype} on {out.device}; choose the dtype when creating the module")
+                    f"{type(self).__name__}: the table lives in embedcore's memory ({w.dtype}, {w.device}) and cannot "
+                    f"be converted to {out.dtype} on {out.device}; choose the dtype and device when creating the "
+                    "module")
         return super()._apply(fn, recurse)
 
     def __getstate__(self):
@@ -263,21 +283,26 @@ class _TableModule(_AdapterModule):
         table = state.pop("_table")
         for k in ("_handle", "_finalizer", "_slots"):
             state.pop(k, None)
-        slots = {k: np.array(v, copy=True) for k, v in table.slots().items()}
-        state["_table_snapshot"] = (table.config, table.step, slots, None if self._group is None else self._group["lr"])
+        slots = {k: v.detach().cpu().numpy().copy() for k, v in self._slots.items()}
+        state["_table_snapshot"] = (table.config, table.step, slots, None if self._group is None else self._group["lr"],
+                                    table.device)
         return state
 
     def __setstate__(self, state):
-        config, step, slots, lr = state.pop("_table_snapshot")
+        config, step, slots, lr, device = state.pop("_table_snapshot")
         super().__setstate__(state)
         old = self._parameters["weight"]
         table = ec.Table(ec.TableConfig(config.name, config.rows, config.dim, config.dtype, ec.initializers.Zeros(),
-                                        config.optimizer, config.combiner))
+                                        config.optimizer, config.combiner), device=None if device == "cpu" else device)
         self._attach(table, requires_grad=old.requires_grad)
         with torch.no_grad():
             self.weight.copy_(old)
-        for k, v in slots.items():
-            table.assign_slot(k, v)
+        with torch.no_grad():
+            for k, v in slots.items():
+                if device == "cpu":
+                    table.assign_slot(k, v)
+                else:
+                    self._slots[k].copy_(torch.from_numpy(v))
         table.step = step
         if lr is not None:
             self._group["lr"] = lr
@@ -363,8 +388,8 @@ class EmbeddingBag(_TableModule):
                                  f"of fixed length sequences. However, found offsets of type {type(offsets)}")
             batch, length = input.shape
             ids = input.reshape(-1)
-            offsets = (torch.arange(0, batch * length + 1, length, dtype=torch.int64) if length
-                       else torch.zeros(batch + 1, dtype=torch.int64))
+            offsets = (torch.arange(0, batch * length + 1, length, dtype=torch.int64, device=input.device) if length
+                       else torch.zeros(batch + 1, dtype=torch.int64, device=input.device))
             include_last = True
         elif input.dim() == 1:
             if offsets is None:

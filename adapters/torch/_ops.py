@@ -12,10 +12,13 @@ implementations, so a model that uses them compiles without graph breaks):
   the engine's optimizer step (fused), or the table's gradient as a sparse
   (per occurrence, like ``nn.EmbeddingBag(sparse=True)``) or dense tensor.
 
-Tables are passed by an integer handle into a module-level registry. Arrays
-cross to the engine as NumPy views of the tensors' memory (no copies when
-they are contiguous); the engine validates ids and offsets and raises
-``IndexError`` / ``ValueError`` that name the bad value.
+Tables are passed by an integer handle into a module-level registry. The
+segments are cut out of their sources with PyTorch ops on the tensors' own
+device, so one code path serves CPU tables and the CUDA build's GPU tables:
+CPU tensors cross to the engine as NumPy views of their memory, CUDA tensors
+by DLPack, on PyTorch's current stream (no copies when contiguous). The
+engine validates ids and offsets and raises ``IndexError`` / ``ValueError``
+that name the bad value.
 """
 from __future__ import annotations
 
@@ -91,33 +94,62 @@ class _Part:
         """Where this part's ids sit in their source (an index or a slice)."""
         if self.keep is None:
             return slice(self.start, self.start + self.length)
-        return torch.from_numpy(self.keep + self.start)
+        return self.keep + self.start
 
 
 def _np(t: Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
-def _source_offsets(ids: np.ndarray, offsets: Tensor, include_last_offset: bool, s: int) -> np.ndarray:
-    off = _np(offsets)
-    if off.dtype != np.int64:
-        off = off.astype(np.int64)
+def _engine(t: Optional[Tensor]):
+    """A tensor as the engine takes it: a NumPy view of a CPU tensor's memory,
+    a CUDA tensor as it is (DLPack)."""
+    if t is None or t.device.type != "cpu":
+        return t
+    return _np(t)
+
+
+def _tensor(x) -> Tensor:
+    """An engine result as a tensor: CPU results are NumPy arrays the engine
+    allocated (wrapped, no copy); GPU results are tensors already."""
+    return x if isinstance(x, Tensor) else torch.from_numpy(x)
+
+
+def _check_offsets(off: np.ndarray, n: int, where: str, appended: bool) -> None:
+    """Raises the error for bad offsets (`appended`: the last is the end the
+    adapter added, not the caller's)."""
+    if appended and len(off) > 1 and off[:-1].max() > n:  # before the appended end would read as a decrease
+        k = int(np.argmax(off[:-1] > n))
+        raise ValueError(f"{where}[{k}] = {int(off[k])} is greater than the number of ids ({n})")
+    if off[0] != 0:
+        raise ValueError(f"{where}[0] must be 0 (the first bag starts at the first id), got {int(off[0])}")
+    d = np.diff(off)
+    if (d < 0).any():
+        k = int(np.argmax(d < 0))
+        raise ValueError(f"{where} must be non-decreasing: {where}[{k}] = {int(off[k])} > "
+                         f"{where}[{k + 1}] = {int(off[k + 1])}")
+    if off[-1] > n:
+        raise ValueError(f"{where}[-1] = {int(off[-1])} is greater than the number of ids ({n})")
+
+
+def _source_offsets(ids: Tensor, offsets: Tensor, include_last_offset: bool, s: int) -> Tensor:
+    """A source's offsets as int64 on its device, with the last one, checked.
+    (GPU offsets are checked with one synchronisation, and looked at on the
+    host only when they are bad, for the message.)"""
+    n = int(ids.shape[0])
     where = "offsets" if s == 0 else f"offsets of source {s}"
+    if offsets.device.type == "cpu":  # NumPy: fewer, cheaper calls for these small arrays
+        off = _np(offsets).astype(np.int64, copy=False)
+        if not include_last_offset:
+            off = np.append(off, np.int64(n))
+        if len(off) > 1:
+            _check_offsets(off, n, where, not include_last_offset)
+        return torch.from_numpy(off)
+    off = offsets.to(torch.int64)
     if not include_last_offset:
-        if len(off) and off.max() > len(ids):  # before the appended end would read as a decrease
-            k = int(np.argmax(off > len(ids)))
-            raise ValueError(f"{where}[{k}] = {int(off[k])} is greater than the number of ids ({len(ids)})")
-        off = np.append(off, np.int64(len(ids)))
-    if len(off) > 1:
-        if off[0] != 0:
-            raise ValueError(f"{where}[0] must be 0 (the first bag starts at the first id), got {int(off[0])}")
-        d = np.diff(off)
-        if (d < 0).any():
-            k = int(np.argmax(d < 0))
-            raise ValueError(f"{where} must be non-decreasing: {where}[{k}] = {int(off[k])} > "
-                             f"{where}[{k + 1}] = {int(off[k + 1])}")
-        if off[-1] > len(ids):
-            raise ValueError(f"{where}[-1] = {int(off[-1])} is greater than the number of ids ({len(ids)})")
+        off = torch.cat([off, off.new_full((1,), n)])
+    if off.shape[0] > 1 and bool(((off[0] != 0) | (off[1:] < off[:-1]).any() | (off > n).any()).item()):
+        _check_offsets(off.cpu().numpy(), n, where, not include_last_offset)
     return off
 
 
@@ -125,36 +157,45 @@ def _parts(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segm
            padding_idx: int, include_last_offset: bool, drop_padding: bool) -> List[_Part]:
     """The segments of a call, windowed out of their sources (views, no
     copies) and, when asked, without the ids equal to `padding_idx`."""
-    ids_np = [_np(t) for t in ids]
-    for s, a in enumerate(ids_np):
-        if a.ndim != 1:
+    for a in ids:
+        if a.dim() != 1:
             raise ValueError(f"ids must be 1-D here, got shape {tuple(a.shape)}")
-    offs: Dict[int, np.ndarray] = {}
+    offs: Dict[int, Tensor] = {}
     parts = []
     for k in range(0, len(segments), 3):
         s, b0, nb = segments[k], segments[k + 1], segments[k + 2]
-        a = ids_np[s]
-        w = _np(weights[s]) if weights else None
+        a = ids[s]
+        w = weights[s].detach() if weights else None
         if nb == WHOLE:
-            lo, hi = 0, len(a)
-            seg_off = np.array([0, len(a)], np.int64)
+            lo, hi = 0, int(a.shape[0])
+            seg_off = torch.tensor([0, hi], dtype=torch.int64, device=a.device)
         else:
             if s not in offs:
                 offs[s] = _source_offsets(a, offsets[s], include_last_offset, s)
             off = offs[s]
-            if b0 < 0 or b0 + nb > len(off) - 1:
+            if b0 < 0 or b0 + nb > off.shape[0] - 1:
                 raise ValueError(f"bags [{b0}, {b0 + nb}) of source {s} do not exist: its offsets describe "
-                                 f"{len(off) - 1} bags")
-            lo, hi = (int(off[b0]), int(off[b0 + nb])) if nb else (0, 0)
-            seg_off = off[b0:b0 + nb + 1] - lo if nb else np.zeros(1, np.int64)
-        seg_ids = a[lo:hi]
+                                 f"{off.shape[0] - 1} bags")
+            if not nb:
+                lo, hi = 0, 0
+            elif off.device.type == "cpu":
+                lo, hi = int(_np(off)[b0]), int(_np(off)[b0 + nb])
+            else:
+                lo, hi = off[[b0, b0 + nb]].tolist()  # one synchronisation
+            if not nb:
+                seg_off = off.new_zeros(1)
+            elif b0 == 0 and nb == off.shape[0] - 1:
+                seg_off = off  # the whole source (lo is 0)
+            else:
+                seg_off = off[b0:b0 + nb + 1] - lo
+        seg_ids = a.detach()[lo:hi]
         seg_w = None if w is None else w[lo:hi]
         keep = None
-        if drop_padding and padding_idx >= 0 and len(seg_ids):
+        if drop_padding and padding_idx >= 0 and seg_ids.shape[0]:
             pad = seg_ids == padding_idx
-            if pad.any():
-                keep = np.flatnonzero(~pad)
-                removed = np.concatenate([np.zeros(1, np.int64), np.cumsum(pad, dtype=np.int64)])
+            if bool(pad.any()):
+                keep = torch.nonzero(~pad).squeeze(1)
+                removed = torch.cat([pad.new_zeros(1, dtype=torch.int64), torch.cumsum(pad, 0)])
                 seg_off = seg_off - removed[seg_off]
                 seg_ids = seg_ids[keep]
                 seg_w = None if seg_w is None else seg_w[keep]
@@ -162,38 +203,64 @@ def _parts(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segm
     return parts
 
 
-def _bag_of(p: _Part) -> np.ndarray:
+def _bag_of(p: _Part) -> Tensor:
     """The bag (output row) of each id of a pooled part."""
-    return np.repeat(np.arange(p.num_bags, dtype=np.int64), np.diff(p.offsets))
+    counts = torch.diff(p.offsets)
+    return torch.repeat_interleave(torch.arange(p.num_bags, device=counts.device), counts,
+                                   output_size=int(p.ids.shape[0]))
 
 
-def _denominators(p: _Part, combiner: int) -> np.ndarray:
+def _weights_or_ones(p: _Part) -> Tensor:
+    if p.weights is None:
+        return torch.ones(p.ids.shape[0], dtype=torch.float32, device=p.ids.device)
+    return p.weights.to(torch.float32)
+
+
+def _denominators(p: _Part, combiner: int) -> Tensor:
     """Each bag's combiner denominator, as the engine's lookup computes it:
-    sum(w) for mean, sqrt(sum(w^2)) for sqrtn (w = 1 without weights)."""
-    from embedcore import _embedcore  # the engine's own function, so forward and backward agree
+    sum(w) for mean, sqrt(sum(w^2)) for sqrtn (w = 1 without weights). On
+    the host, the engine's own function (the kernels' summation order), so
+    that forward and backward agree bit for bit."""
+    if p.ids.device.type == "cpu":
+        from embedcore import _embedcore
 
-    w = None if p.weights is None else np.ascontiguousarray(p.weights, np.float32)
-    return _embedcore.bag_denominators(np.ascontiguousarray(p.offsets, np.int64), w, combiner)
+        w = None if p.weights is None else np.ascontiguousarray(_np(p.weights), np.float32)
+        return torch.from_numpy(_embedcore.bag_denominators(np.ascontiguousarray(_np(p.offsets), np.int64), w,
+                                                            combiner))
+    w = _weights_or_ones(p)
+    bag = _bag_of(p)
+    zeros = torch.zeros(p.num_bags, dtype=torch.float32, device=w.device)
+    if combiner == MEAN:
+        return zeros.index_add_(0, bag, w)
+    if combiner == SQRTN:
+        return torch.sqrt(zeros.index_add_(0, bag, w * w))
+    return zeros + 1
 
 
-def _coefficients(p: _Part, combiner: int) -> np.ndarray:
+def _coefficients(p: _Part, combiner: int) -> Tensor:
     """d out[bag] / d row(id) for each id of a pooled part: w (sum), or
     w / denominator (mean, sqrtn; 0 where the denominator is 0), as the
     engine's own update uses."""
-    w = np.ones(len(p.ids), np.float32) if p.weights is None else np.ascontiguousarray(p.weights, np.float32)
+    w = _weights_or_ones(p)
     if combiner == SUM:
         return w
     den = _denominators(p, combiner)[_bag_of(p)]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den == 0, np.float32(0), w / den).astype(np.float32, copy=False)
+    return torch.where(den == 0, torch.zeros_like(w), w / torch.where(den == 0, torch.ones_like(den), den))
+
+
+def _engine_lookup(table, p: _Part, combiner: Optional[str]) -> Tensor:
+    """The engine's lookup of a part: pooled with `combiner`, or its rows (None)."""
+    if combiner is None:
+        return _tensor(table.lookup(_engine(p.ids), combiner=None))
+    return _tensor(table.lookup(_engine(p.ids), _engine(p.offsets), _engine(p.weights), combiner=combiner))
 
 
 def _raise_bad_id(table, p: _Part, sources: int, error: IndexError):
     """Re-raises the engine's out-of-range error with the id's position in
     the tensor the caller gave (the engine sees the segment, without the
     padding ids): e.g. in a KJT's values, or after dropped padding ids."""
-    bad = np.flatnonzero((p.ids < 0) | (p.ids >= table.rows))
-    if not len(bad):
+    bad = torch.nonzero((p.ids < 0) | (p.ids >= table.rows)).flatten()
+    if not bad.shape[0]:
         raise error
     k = int(bad[0])
     pos = p.start + (int(p.keep[k]) if p.keep is not None else k)
@@ -218,15 +285,15 @@ def lookup(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offsets: Li
     name = _COMBINER_NAMES[combiner]
     outs = []
     for p in _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, combiner != SEQUENCE):
-        rows = len(p.ids) if combiner == SEQUENCE else p.num_bags
+        rows = int(p.ids.shape[0]) if combiner == SEQUENCE else p.num_bags
         if rows:  # the engine's own output buffer, wrapped without a copy
             try:
-                out = table.lookup(p.ids, p.offsets, p.weights, combiner=name)
+                out = _engine_lookup(table, p, name)
             except IndexError as e:
                 _raise_bad_id(table, p, len(ids), e)
-            outs.append(torch.from_numpy(out))
+            outs.append(out)
         else:
-            outs.append(torch.empty((0, dim), dtype=torch.float32))
+            outs.append(torch.empty((0, dim), dtype=torch.float32, device=p.ids.device))
     return outs
 
 
@@ -264,50 +331,53 @@ def lookup_backward(handle: int, dim: int, rows: int, ids: List[Tensor], offsets
     gs = [g.contiguous() for g in grads]
     if combiner == SEQUENCE:
         # Unpooled: each id has its own output row; padding ids' rows get no gradient.
-        gs = [g if p.keep is None else g[torch.from_numpy(p.keep)] for p, g in zip(parts, gs)]
+        gs = [g if p.keep is None else g[p.keep] for p, g in zip(parts, gs)]
+    device = ids[0].device if ids else torch.device("cpu")
 
     wgrads: List[Tensor] = []
     if weight_grads and weights:
-        wgrads = [torch.zeros(w.shape, dtype=torch.float32) for w in weights]
+        wgrads = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in weights]
         for p, g in zip(parts, gs):
-            if not len(p.ids):
+            if not p.ids.shape[0]:
                 continue
-            embs = torch.from_numpy(table.lookup(p.ids, combiner=None))  # the rows, before any update
+            embs = _engine_lookup(table, p, None)  # the rows, before any update
             if combiner == SEQUENCE:  # out_k = w_k row_k
                 dots = (embs * g).sum(1)
             else:
-                bag = torch.from_numpy(_bag_of(p))
+                bag = _bag_of(p)
                 dots = (embs * g[bag]).sum(1)
                 if combiner != SUM:
                     # out = sum(w row) / D, D = sum(w) (mean) or sqrt(sum(w^2)) (sqrtn):
                     # d out / d w_k = (row_k - out * dD/dw_k) / D, dD/dw_k = 1 or w_k / D.
-                    den = torch.from_numpy(_denominators(p, combiner))[bag]
-                    out = torch.from_numpy(table.lookup(p.ids, p.offsets, p.weights,
-                                                        combiner=_COMBINER_NAMES[combiner]))[bag]
-                    w = np.ones(len(p.ids), np.float32) if p.weights is None else p.weights
-                    scale = 1.0 if combiner == MEAN else torch.from_numpy(np.asarray(w, np.float32)) / den
+                    den = _denominators(p, combiner)[bag]
+                    out = _engine_lookup(table, p, _COMBINER_NAMES[combiner])[bag]
+                    scale = 1.0 if combiner == MEAN else _weights_or_ones(p) / den
                     dots = dots - (out * g[bag]).sum(1) * scale
                     dots = torch.where(den != 0, dots / torch.where(den != 0, den, 1.0), 0.0)
             wgrads[p.source][p.positions()] += dots
 
-    empty_rows = torch.empty(0, dtype=torch.int64)
+    empty_rows = torch.empty(0, dtype=torch.int64, device=device)
     if not table_grad:
-        return torch.empty(0), empty_rows, wgrads
+        return torch.empty(0, device=device), empty_rows, wgrads
     if grad_mode == FUSED:
-        native = []
-        for p, g in zip(parts, gs):
-            if combiner == SEQUENCE:
-                native.append((p.ids, np.array([0, len(p.ids)], np.int64), None, SEQUENCE, 0, g.numpy()))
-            else:
-                native.append((p.ids, p.offsets, p.weights, combiner, 0, g.numpy()))
         group = entry.group
         lr = table.learning_rate()
         if group is not None and not callable(table.optimizer.learning_rate):
             lr = float(group["lr"])
-        table._native.apply_gradients(native, lr)
+        if device.type == "cpu":
+            native = []
+            for p, g in zip(parts, gs):
+                if combiner == SEQUENCE:
+                    native.append((_np(p.ids), np.array([0, p.ids.shape[0]], np.int64), None, SEQUENCE, 0, _np(g)))
+                else:
+                    native.append((_np(p.ids), _np(p.offsets), _engine(p.weights), combiner, 0, _np(g)))
+            table._native.apply_gradients(native, lr)
+        else:  # on the table's GPU, on PyTorch's current stream
+            table._cuda_apply([table._cuda_part(p.ids, p.offsets, p.weights, _COMBINER_NAMES[combiner], 0, g)
+                               for p, g in zip(parts, gs)], lr)
         if group is not None and callable(table.optimizer.learning_rate):
             group["lr"] = table.learning_rate()
-        return torch.zeros(1), empty_rows, wgrads
+        return torch.zeros(1, device=device), empty_rows, wgrads
 
     # Unfused: one gradient row per id occurrence, as nn.EmbeddingBag's backward gives them.
     values, index = [], []
@@ -315,15 +385,15 @@ def lookup_backward(handle: int, dim: int, rows: int, ids: List[Tensor], offsets
         if combiner == SEQUENCE:
             values.append(g if len(parts) > 1 else g.clone())
         else:
-            v = g.index_select(0, torch.from_numpy(_bag_of(p)))
-            v.mul_(torch.from_numpy(_coefficients(p, combiner))[:, None])
+            v = g.index_select(0, _bag_of(p))
+            v.mul_(_coefficients(p, combiner)[:, None])
             values.append(v)
-        index.append(torch.from_numpy(np.array(p.ids, dtype=np.int64)))  # a copy: outputs never alias inputs
-    v = (values[0] if len(values) == 1 else torch.cat(values)) if values else torch.empty((0, dim))
+        index.append(p.ids.to(torch.int64, copy=True))  # a copy: outputs never alias inputs
+    v = (values[0] if len(values) == 1 else torch.cat(values)) if values else torch.empty((0, dim), device=device)
     i = (index[0] if len(index) == 1 else torch.cat(index)) if index else empty_rows
     if grad_mode == SPARSE:
         return v, i, wgrads
-    return torch.zeros((rows, dim)).index_add_(0, i, v), empty_rows, wgrads
+    return torch.zeros((rows, dim), device=device).index_add_(0, i, v), empty_rows, wgrads
 
 
 @lookup_backward.register_fake

@@ -24,7 +24,7 @@ from embedcore.distributed._comm import agree
 
 from ._collection import (EmbeddingBagCollection, EmbeddingCollection, _csr, _embedding_names, _is_kjt,
                           _jagged_module, _kjt_parts, _specs)
-from ._modules import _check_device, check_ids, check_weights
+from ._modules import check_ids, check_weights
 
 __all__ = ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"]
 
@@ -105,7 +105,9 @@ class _Sharded:
     _owner = ""
 
     def _build(self, specs, optimizer, device, world, sharding, pooled: bool) -> None:
-        _check_device(device)
+        if device is not None and torch.device(device).type != "cpu":
+            raise NotImplementedError(f"device={device!r}: sharded collections keep their tables in CPU memory "
+                                      "(GPU tables are not sharded yet)")
         if not isinstance(world, Comm):
             raise TypeError(f"{self._owner}: world must be an embedcore.distributed.Comm (e.g. "
                             f"embedcore.adapters.torch.distributed.init()), got {world!r}")
