@@ -46,9 +46,11 @@ class Ragged:
 
 
 class Sparse:
-    """Bags in COO form, as ``tf.SparseTensor``: ``indices`` is ``[nnz, rank]``
-    (row, position, ...), ``values`` the ``nnz`` ids (or weights), and
-    ``dense_shape`` the ``[batch, max_len, ...]`` shape."""
+    """Bags in COO form, as a rank-2 ``tf.SparseTensor``: ``indices`` is
+    ``[nnz, 2]`` (bag, position), ``values`` the ``nnz`` ids (or weights),
+    and ``dense_shape`` the ``[batch, max_len]`` shape. (Higher ranks are
+    refused: reshape them to ``[bags, positions]`` first, as
+    ``tf.sparse.reshape`` does.)"""
 
     __slots__ = ("indices", "values", "dense_shape")
 
@@ -152,8 +154,9 @@ def _sparse_parts(sp: Sparse, where: str):
     indices = as_int_array(sp.indices, f"{where}.indices")
     values = sp.values
     shape = as_int_array(sp.dense_shape, f"{where}.dense_shape")
-    if indices.ndim != 2 or indices.shape[1] < 2:
-        raise ValueError(f"{where}.indices must have shape [nnz, rank >= 2], got {indices.shape}")
+    if indices.ndim != 2 or indices.shape[1] != 2:
+        raise ValueError(f"{where}.indices must have shape [nnz, 2] (bag, position): Sparse input is rank 2, "
+                         f"got {indices.shape} (reshape higher ranks to [bags, positions] first)")
     if shape.ndim != 1 or shape.shape[0] != indices.shape[1]:
         raise ValueError(f"{where}.dense_shape must have {indices.shape[1]} values, got shape {shape.shape}")
     if (shape < 0).any():

@@ -390,11 +390,17 @@ class Table(LookupMixin):
 
     def assign(self, values, start_row: int = 0) -> None:
         """Overwrites rows ``[start_row, start_row + len(values))`` (float
-        values, rounded to the storage dtype)."""
+        values, rounded to the storage dtype). Values must be finite (a
+        checkpoint holding others fails ``embedcore verify``)."""
         v = as_float32(values, "values")
         if v.ndim != 2 or v.shape[1] != self.dim:
             raise ValueError(f"table '{self._name}': values must have shape [n, {self.dim}], got {v.shape}")
         start_row = self._assigned_rows(start_row, len(v), "rows")
+        finite = np.isfinite(v)
+        if not finite.all():
+            r, c = (int(x) for x in np.argwhere(~finite)[0])
+            given = "" if isinstance(values, np.ndarray) and values.dtype == np.float32 else " (as float32)"
+            raise ValueError(f"table '{self._name}': values[{r}, {c}] = {v[r, c]}{given} is not finite")
         self._native.assign_values(start_row, v)
 
     def assign_slot(self, name: str, values, start_row: int = 0) -> None:

@@ -174,6 +174,38 @@ def test_sparse_weights_of_another_dense_shape(trained):
         trained.lookup(ids, weights=ec.Sparse([[0, 0], [1, 1]], [1.0, 2.0], [5, 9]), combiner="sum")
 
 
+def test_assigned_values_must_be_finite(trained):
+    """assign (and what goes through it: the Saver's load_embedding_values)
+    refuses NaN / inf, as assign_slot does, naming where; nothing changes."""
+    before = trained.to_numpy()
+    bad = np.zeros((3, trained.dim), np.float32)
+    bad[2, 1] = np.nan
+    with pytest.raises(ValueError, match=r"values\[2, 1\] = nan is not finite"):
+        trained.assign(bad, 1)
+    big = np.zeros((1, trained.dim), np.float64)
+    big[0, 0] = 1e300  # inf as float32
+    with pytest.raises(ValueError, match=r"values\[0, 0\] = inf \(as float32\) is not finite"):
+        trained.assign(big)
+    full = np.zeros((trained.rows, trained.dim), np.float32)
+    full[-1, -1] = -np.inf
+    with pytest.raises(ValueError, match="not finite"):
+        ec.Saver().load_embedding_values(trained, [full[:2], full[2:]])
+    np.testing.assert_array_equal(trained.to_numpy(), before)
+
+
+def test_sparse_of_rank_3_is_refused_not_misread(trained):
+    """Rank 3 used to be read as (bag, position) from its first two columns,
+    adding both ids below into one position."""
+    sp = ec.Sparse([[0, 0, 0], [0, 0, 1]], [1, 2], [2, 2, 2])
+    before = trained.to_numpy()
+    for combiner in ("sum", None):
+        with pytest.raises(ValueError, match=r"\[nnz, 2\].*got \(2, 3\)"):
+            trained.lookup(sp, combiner=combiner)
+    with pytest.raises(ValueError, match="rank 2"):
+        trained.apply_gradients(sp, grads=np.ones((2, trained.dim), np.float32), combiner="sum")
+    np.testing.assert_array_equal(trained.to_numpy(), before)
+
+
 def test_sparse_values_length(trained):
     with pytest.raises(ValueError):
         trained.lookup(ec.Sparse(np.array([[0, 0], [1, 0]]), np.array([1, 2, 3]), [2, 2]))
