@@ -8,8 +8,11 @@
 # Needs: nvcc (CUDA 12.x/13), CMake, ninja, a Python with numpy, pytest, nanobind,
 # scikit-build-core and a CUDA build of PyTorch, and nlohmann-json (the PyPI
 # package; where the machine cannot reach PyPI, put its wheel in .whl/ first:
-# `pip download --no-deps -d .whl nlohmann-json`). EMBEDCORE_CUDA_ARCHS picks the
-# architectures (default: the GPU's own, from nvidia-smi, else 90).
+# `pip download --no-deps -d .whl nlohmann-json`; with the device tool, .whl/ is
+# git-ignored, so name it in `carry`). EMBEDCORE_CUDA_ARCHS picks the
+# architectures (default: the GPU's own, from nvidia-smi, else 90). The package is
+# built into $PKG (default /tmp/gpu_check_pkg), outside $OUT, which holds only
+# the logs and the JSON.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 START=$SECONDS
@@ -27,17 +30,26 @@ ARCH=${ARCH:-90}
 echo "CUDA architectures: $ARCH"
 
 say "build dependencies"
+"$PY" - <<'PYEOF'
+import importlib, shutil, sys
+missing = [m for m in ("numpy", "pytest", "nanobind", "scikit_build_core", "torch") if importlib.util.find_spec(m) is None]
+missing += [t for t in ("cmake", "ninja", "nvcc") if shutil.which(t) is None]
+if missing:
+    sys.exit(f"gpu_check: missing {missing}: install them (or carry their wheels in .whl/) first")
+PYEOF
 if ! "$PY" -c "import nlohmann_json" 2>/dev/null; then
-  "$PY" -m pip install --no-index --find-links .whl nlohmann-json ||
-    "$PY" -m pip install nlohmann-json
+  "$PY" -m pip install -q --no-index --find-links .whl nlohmann-json ||
+    "$PY" -m pip install -q --retries 0 --timeout 5 nlohmann-json ||
+    { echo "gpu_check: nlohmann-json is missing: put its wheel in .whl/ (see the header)"; exit 1; }
 fi
 
-say "build the CUDA variant (EMBEDCORE_CUDA=ON, sm_$ARCH) into $OUT/pkg"
-rm -rf "$OUT/pkg"
-"$PY" -m pip install --no-deps --no-build-isolation --target "$OUT/pkg" \
+PKG=${PKG:-/tmp/gpu_check_pkg}
+say "build the CUDA variant (EMBEDCORE_CUDA=ON, sm_$ARCH) into $PKG"
+rm -rf "$PKG"
+"$PY" -m pip install --no-deps --no-build-isolation --target "$PKG" \
   -C cmake.define.EMBEDCORE_CUDA=ON -C "cmake.define.CMAKE_CUDA_ARCHITECTURES=$ARCH" \
   -C build-dir=build/gpu-check . 2>&1 | tail -3
-export PYTHONPATH="$OUT/pkg${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import embedcore; print(embedcore.build_info())"
 
 say "GPU tests (tests/python/test_cuda.py, test_torch_cuda.py: the same bodies on cpu and cuda)"

@@ -292,7 +292,7 @@ class EmbeddingBagCollection(_Collection):
             if all(w is None for w in weights):
                 weights = []
             else:
-                weights = [w if w is not None else torch.ones(v.shape, dtype=torch.float32)
+                weights = [w if w is not None else torch.ones(v.shape, dtype=torch.float32, device=v.device)
                            for v, w in zip(ids, weights)]
             results = bag._lookup(ids, offsets, weights, segments, _MODES[spec.pooling], True)
             out.update(zip(names, results))

@@ -289,7 +289,8 @@ class _TableModule(_AdapterModule):
         return state
 
     def __setstate__(self, state):
-        config, step, slots, lr, device = state.pop("_table_snapshot")
+        config, step, slots, lr, *rest = state.pop("_table_snapshot")
+        device = rest[0] if rest else "cpu"  # (pickles from before GPU modules hold four items)
         super().__setstate__(state)
         old = self._parameters["weight"]
         table = ec.Table(ec.TableConfig(config.name, config.rows, config.dim, config.dtype, ec.initializers.Zeros(),
@@ -366,6 +367,8 @@ class EmbeddingBag(_TableModule):
         if embeddings.dim() != 2:
             raise ValueError("Embeddings parameter is expected to be 2-dimensional")
         rows, dim = embeddings.shape
+        if embeddings.device.type == "cuda":  # as nn.EmbeddingBag.from_pretrained, the table stays on its device
+            kwargs.setdefault("device", embeddings.device)
         m = cls(rows, dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse, embeddings, include_last_offset,
                 padding_idx, dtype=kwargs.pop("dtype", embeddings.dtype if embeddings.is_floating_point() else None),
                 **kwargs)
@@ -455,6 +458,8 @@ class Embedding(_TableModule):
         if embeddings.dim() != 2:
             raise ValueError("Embeddings parameter is expected to be 2-dimensional")
         rows, dim = embeddings.shape
+        if embeddings.device.type == "cuda":
+            kwargs.setdefault("device", embeddings.device)
         return cls(rows, dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse, embeddings, freeze,
                    dtype=kwargs.pop("dtype", embeddings.dtype if embeddings.is_floating_point() else None), **kwargs)
 

@@ -220,21 +220,24 @@ def _denominators(p: _Part, combiner: int) -> Tensor:
     """Each bag's combiner denominator, as the engine's lookup computes it:
     sum(w) for mean, sqrt(sum(w^2)) for sqrtn (w = 1 without weights). On
     the host, the engine's own function (the kernels' summation order), so
-    that forward and backward agree bit for bit."""
+    that forward and backward agree bit for bit; on a GPU, a segmented sum
+    (deterministic, within float rounding of the engine's)."""
     if p.ids.device.type == "cpu":
         from embedcore import _embedcore
 
         w = None if p.weights is None else np.ascontiguousarray(_np(p.weights), np.float32)
         return torch.from_numpy(_embedcore.bag_denominators(np.ascontiguousarray(_np(p.offsets), np.int64), w,
                                                             combiner))
+    return _segmented_denominators(p, combiner)
+
+
+def _segmented_denominators(p: _Part, combiner: int) -> Tensor:
     w = _weights_or_ones(p)
-    bag = _bag_of(p)
-    zeros = torch.zeros(p.num_bags, dtype=torch.float32, device=w.device)
     if combiner == MEAN:
-        return zeros.index_add_(0, bag, w)
+        return torch.segment_reduce(w, "sum", offsets=p.offsets, initial=0.0)
     if combiner == SQRTN:
-        return torch.sqrt(zeros.index_add_(0, bag, w * w))
-    return zeros + 1
+        return torch.sqrt(torch.segment_reduce(w * w, "sum", offsets=p.offsets, initial=0.0))
+    return torch.ones(p.num_bags, dtype=torch.float32, device=w.device)
 
 
 def _coefficients(p: _Part, combiner: int) -> Tensor:
@@ -393,6 +396,8 @@ def lookup_backward(handle: int, dim: int, rows: int, ids: List[Tensor], offsets
     i = (index[0] if len(index) == 1 else torch.cat(index)) if index else empty_rows
     if grad_mode == SPARSE:
         return v, i, wgrads
+    # (On a GPU, index_add_ sums repeated ids with atomic adds, in no fixed order, unless
+    # torch.use_deterministic_algorithms(True).)
     return torch.zeros((rows, dim), device=device).index_add_(0, i, v), empty_rows, wgrads
 
 

@@ -31,6 +31,9 @@ __all__ = ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"]
 
 # ------------------------------------------------------------------ inputs
 def _np(t: Tensor) -> np.ndarray:
+    if t.device.type != "cpu":
+        raise NotImplementedError(f"sharded collections take CPU tensors (their tables live in CPU memory), got a "
+                                  f"tensor on {t.device}")
     return t.detach().numpy()  # a view of the tensor's memory
 
 

@@ -182,6 +182,58 @@ def test_collection_on_device_matches_pytorch(device):
         assert max_diff(out[f], want) <= 1e-6
 
 
+def test_segmented_denominators_equal_the_engines():
+    """The GPU's per-bag mean / sqrtn denominators (a segmented sum in
+    PyTorch ops), run here on CPU tensors, against the engine's own."""
+    from embedcore.adapters.torch import _ops
+
+    rng = np.random.default_rng(8)
+    for weighted in (False, True):
+        ids, offsets, weights = bags(rng, ROWS, 40, weighted=weighted)
+        p = _ops._Part(0, ids, offsets, weights, 0, ids.shape[0], None, 40)
+        for combiner in (_ops.MEAN, _ops.SQRTN):
+            want = _ops._denominators(p, combiner)
+            got = _ops._segmented_denominators(p, combiner)
+            assert got.shape == want.shape and max_diff(got, want) <= 1e-6 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_collection_fills_missing_weights_on_the_device(device):
+    """A table read by a weighted and an unweighted feature: the unweighted
+    one's weights are ones, made on the ids' device."""
+    rng = np.random.default_rng(9)
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name="a",
+                                                           feature_names=["f", "g"])], device=device)
+    ids, offsets, weights = bags(rng, ROWS, 8, weighted=True)
+    out = ebc({"f": (ids.to(device), offsets.to(device), weights.to(device)),
+               "g": (ids.to(device), offsets.to(device))})
+    w = ebc.embedding_bags["a"].weight.detach()
+    want_f = nn.functional.embedding_bag(ids.to(device), w, offsets[:-1].to(device), mode="sum",
+                                         per_sample_weights=weights.to(device))
+    want_g = nn.functional.embedding_bag(ids.to(device), w, offsets[:-1].to(device), mode="sum")
+    assert max_diff(out["f"], want_f) <= 1e-5 and max_diff(out["g"], want_g) <= 1e-6
+
+
+@needs_gpu
+def test_from_pretrained_keeps_a_cuda_tensors_device():
+    w = torch.randn(ROWS, DIM, device="cuda")
+    m = et.EmbeddingBag.from_pretrained(w, mode="sum")
+    assert m.weight.device.type == "cuda" and max_diff(m.weight, w) == 0
+
+
+@needs_gpu
+def test_sharded_collections_refuse_cuda_tensors_clearly():
+    from embedcore.distributed import run_local
+
+    def fn(world):
+        ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name="a",
+                                                               feature_names=["f"])], world=world)
+        with pytest.raises(NotImplementedError, match="CPU tensors"):
+            ebc({"f": (torch.tensor([1, 2], device="cuda"), torch.tensor([0, 2], device="cuda"))})
+
+    run_local(1, fn)
+
+
 @needs_gpu
 def test_tensors_on_another_device_than_the_table_are_refused():
     cpu_mod = et.EmbeddingBag(ROWS, DIM, mode="sum")
