@@ -25,6 +25,7 @@ from embedcore.distributed._comm import agree
 from ._collection import (EmbeddingBagCollection, EmbeddingCollection, _csr, _embedding_names, _is_kjt,
                           _jagged_module, _kjt_parts, _specs)
 from ._modules import check_ids, check_weights
+from ._ops import _check_offsets
 
 __all__ = ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"]
 
@@ -40,15 +41,8 @@ def _np(t: Tensor) -> np.ndarray:
 def _checked_offsets(off: np.ndarray, n_ids: int, where: str) -> np.ndarray:
     """Offsets as int64, checked as the unsharded collections check them."""
     off = off.astype(np.int64, copy=False)
-    if off.size and off[0] != 0:
-        raise ValueError(f"{where}[0] must be 0 (the first bag starts at the first id), got {int(off[0])}")
-    d = np.diff(off)
-    if (d < 0).any():
-        k = int(np.argmax(d < 0))
-        raise ValueError(f"{where} must be non-decreasing: {where}[{k}] = {int(off[k])} > "
-                         f"{where}[{k + 1}] = {int(off[k + 1])}")
-    if off.size and off[-1] > n_ids:
-        raise ValueError(f"{where}[-1] = {int(off[-1])} is greater than the number of ids ({n_ids})")
+    if off.size:
+        _check_offsets(off, n_ids, where, appended=False)
     return off
 
 

@@ -77,3 +77,20 @@ def state_bytes(table: ec.Table) -> bytes:
     s = snapshot(table)
     return s["values"].tobytes() + b"".join(s["slots"][k].tobytes() for k in sorted(s["slots"])) + \
         str(s["step"]).encode()
+
+
+def cuda_skip_reason():
+    """Why the CUDA cases cannot run here (None when they can): they need
+    embedcore's CUDA build, a GPU, and a CUDA build of PyTorch."""
+    info = ec.build_info()
+    if not info["cuda"]:
+        return "needs the CUDA build of embedcore (EMBEDCORE_CUDA=ON); this one is CPU-only"
+    if info["cuda_devices"] < 1:
+        return "needs a CUDA GPU; this machine has none"
+    try:
+        import torch
+    except ImportError:
+        return "needs PyTorch for CUDA tensors"
+    if not torch.cuda.is_available():
+        return "needs a CUDA build of PyTorch that sees the GPU"
+    return None

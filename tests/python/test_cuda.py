@@ -6,25 +6,12 @@ import numpy as np
 import pytest
 
 import embedcore as ec
+from helpers import cuda_skip_reason
 
 INFO = ec.build_info()
 
 
-def _cuda_reason():
-    if not INFO["cuda"]:
-        return "needs the CUDA build of embedcore (EMBEDCORE_CUDA=ON); this one is CPU-only"
-    if INFO["cuda_devices"] < 1:
-        return "needs a CUDA GPU; this machine has none"
-    try:
-        import torch
-    except ImportError:
-        return "needs PyTorch for CUDA tensors"
-    if not torch.cuda.is_available():
-        return "needs a CUDA build of PyTorch that sees the GPU"
-    return None
-
-
-REASON = _cuda_reason()
+REASON = cuda_skip_reason()
 needs_gpu = pytest.mark.skipif(REASON is not None, reason=str(REASON))
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_gpu)]
 

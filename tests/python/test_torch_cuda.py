@@ -16,22 +16,13 @@ from torch import nn  # noqa: E402
 import embedcore as ec  # noqa: E402
 import embedcore.adapters.torch as et  # noqa: E402
 
+from helpers import cuda_skip_reason  # noqa: E402
 from torch_helpers import bags, engine_optimizer, max_diff, torch_optimizer, uniform_weights  # noqa: E402
 
 INFO = ec.build_info()
 
 
-def _cuda_reason():
-    if not INFO["cuda"]:
-        return "needs the CUDA build of embedcore (EMBEDCORE_CUDA=ON); this one is CPU-only"
-    if INFO["cuda_devices"] < 1:
-        return "needs a CUDA GPU; this machine has none"
-    if not torch.cuda.is_available():
-        return "needs a CUDA build of PyTorch that sees the GPU"
-    return None
-
-
-REASON = _cuda_reason()
+REASON = cuda_skip_reason()
 needs_gpu = pytest.mark.skipif(REASON is not None, reason=str(REASON))
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_gpu)]
 ROWS, DIM = 60, 7

@@ -81,28 +81,39 @@ def test_optimizer_state_roundtrip_resumes_bit_exact(rng, name):
         assert np.array_equal(v, b.table.slots()[k])
 
 
-def test_optimizer_state_from_sparse_adam(rng):
-    """PyTorch's SparseAdam state (exp_avg / exp_avg_sq / step) loads into the
-    fused Adam, and training continues as SparseAdam would."""
+def _torch_trained(rng, make_optimizer):
+    """nn.EmbeddingBag(sparse=True) after three steps of a PyTorch optimizer."""
     w = uniform_weights(rng, ROWS, DIM)
     ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, sparse=True)
-    opt = torch.optim.SparseAdam(ref.parameters(), lr=0.01)
+    opt = make_optimizer(ref.parameters())
     for _ in range(3):
         ids, offsets, _ = bags(rng, ROWS, 8)
         opt.zero_grad()
         ref(ids, offsets[:-1]).sum().backward()
         opt.step()
-    ours = et.EmbeddingBag(ROWS, DIM, optimizer=engine_optimizer("adam", 0.01))
-    ours.load_state_dict(ref.state_dict())
-    st = opt.state_dict()["state"][0]
-    ours.load_optimizer_state_dict({"state": {"weight": st}})
-    assert ours.table.step == 3
+    return ref, opt
+
+
+def _continues_as_torch(rng, ours, ref, opt):
+    """One more step of each on the same batch gives the same table."""
     ids, offsets, _ = bags(rng, ROWS, 8)
     opt.zero_grad()
     ref(ids, offsets[:-1]).sum().backward()
     opt.step()
     ours(ids, offsets[:-1]).sum().backward()
     assert max_diff(ours.weight, ref.weight) <= 1e-5
+
+
+def test_optimizer_state_from_sparse_adam(rng):
+    """PyTorch's SparseAdam state (exp_avg / exp_avg_sq / step) loads into the
+    fused Adam, and training continues as SparseAdam would."""
+    ref, opt = _torch_trained(rng, lambda p: torch.optim.SparseAdam(p, lr=0.01))
+    ours = et.EmbeddingBag(ROWS, DIM, optimizer=engine_optimizer("adam", 0.01))
+    ours.load_state_dict(ref.state_dict())
+    st = opt.state_dict()["state"][0]
+    ours.load_optimizer_state_dict({"state": {"weight": st}})
+    assert ours.table.step == 3
+    _continues_as_torch(rng, ours, ref, opt)
 
 
 def test_optimizer_state_errors():
@@ -264,25 +275,14 @@ def test_unexpected_key_changes_no_table():
 def test_optimizer_state_from_torch_adagrad(rng):
     """torch.optim.Adagrad keeps "step" as a float tensor: its state loads
     (was: ValueError "step must be an int"), and training continues as it would."""
-    w = uniform_weights(rng, ROWS, DIM)
-    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, sparse=True)
-    opt = torch.optim.Adagrad(ref.parameters(), lr=0.05, initial_accumulator_value=0.1, eps=1e-10)
-    for _ in range(3):
-        ids, offsets, _ = bags(rng, ROWS, 8)
-        opt.zero_grad()
-        ref(ids, offsets[:-1]).sum().backward()
-        opt.step()
+    ref, opt = _torch_trained(rng, lambda p: torch.optim.Adagrad(p, lr=0.05, initial_accumulator_value=0.1,
+                                                                 eps=1e-10))
     st = opt.state_dict()["state"][0]
     assert st["step"].dtype == torch.float32
     ours = et.EmbeddingBag(ROWS, DIM, optimizer=engine_optimizer("adagrad", 0.05))
     ours.load_state_dict(ref.state_dict())
     ours.load_optimizer_state_dict({"state": {"weight": st}})
     assert ours.table.step == 3
-    ids, offsets, _ = bags(rng, ROWS, 8)
-    opt.zero_grad()
-    ref(ids, offsets[:-1]).sum().backward()
-    opt.step()
-    ours(ids, offsets[:-1]).sum().backward()
-    assert max_diff(ours.weight, ref.weight) <= 1e-5
+    _continues_as_torch(rng, ours, ref, opt)
     with pytest.raises(ValueError, match="step must be an int"):
         ours.load_optimizer_state_dict({"state": {"weight": {"step": torch.tensor(2.5)}}})
