@@ -38,11 +38,18 @@ def _inspect(path: str, as_json: bool) -> int:
     major, minor = info.format_version
     print(f"checkpoint {info.path}")
     print(f"  format {major}.{minor}, written by embedcore {info.library_version}, generation {info.generation}")
+    # The reader validates what loading and serving use; the metadata and the sharding record are
+    # printed as they are, whatever their shape (a '?' for what is missing).
     meta = manifest.get("metadata", {})
-    if meta.get("features"):
-        print(f"  features: " + ", ".join(f"{f['name']} -> {f['table']}" +
-                                         (f" (sequence {f['max_sequence_length']})" if f["max_sequence_length"] else "")
-                                         for f in meta["features"]))
+    features = meta.get("features")
+    if isinstance(features, list) and features:
+        described = []
+        for f in features:
+            f = f if isinstance(f, dict) else {}
+            length = f.get("max_sequence_length")
+            described.append(f"{f.get('name', '?')} -> {f.get('table', '?')}" +
+                             (f" (sequence {length})" if length else ""))
+        print("  features: " + ", ".join(described))
     total = 0
     for t in manifest["tables"]:
         files = list(t["values"]) + [f for fs in t["slots"].values() for f in fs]
@@ -60,10 +67,14 @@ def _inspect(path: str, as_json: bool) -> int:
         print(f"    sharding at save: {sharding.get('plan', '?')} over {sharding.get('world_size', '?')} rank(s); "
               f"{len(files)} file(s)")
         for s in sharding.get("shards", []) if isinstance(sharding.get("shards"), list) else []:
-            cols = "" if s.get("cols") == t["dim"] else f", columns [{s.get('col_start')}, " \
-                                                          f"{s.get('col_start', 0) + s.get('cols', 0)})"
-            print(f"      rank {s.get('rank')}: rows [{s.get('row_start')}, "
-                  f"{s.get('row_start', 0) + s.get('rows', 0)}){cols}")
+            s = s if isinstance(s, dict) else {}
+
+            def end(start, n):
+                return start + n if all(isinstance(v, int) for v in (start, n)) else "?"
+
+            row_start, col_start = s.get("row_start", "?"), s.get("col_start", "?")
+            cols = "" if s.get("cols") == t["dim"] else f", columns [{col_start}, {end(col_start, s.get('cols'))})"
+            print(f"      rank {s.get('rank', '?')}: rows [{row_start}, {end(row_start, s.get('rows'))}){cols}")
     print(f"  total {_human(total)}")
     return 0
 
@@ -82,10 +93,14 @@ def _verify(path: str) -> int:
     if bar is not None:
         bar.close()
     manifest = json.loads(info.manifest_json)
+
+    def blocks(files):  # the files' blocks, in any order (the format does not order them)
+        return sorted((f["row_start"], f["rows"], f.get("col_start", 0), f["cols"]) for f in files)
+
     for t in manifest["tables"]:
-        ranges = [(f["row_start"], f["rows"]) for f in t["values"]]
+        ranges = blocks(t["values"])
         for slot, files in t["slots"].items():
-            if [(f["row_start"], f["rows"]) for f in files] != ranges:
+            if blocks(files) != ranges:
                 print(f"{path}: table {t['name']}: slot {slot} holds other rows than the values", file=sys.stderr)
                 return 1
     print(f"{path}: OK ({len(names)} table(s); every checksum matches, every value and slot is finite, "
@@ -226,6 +241,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _reshard(args)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"embedcore {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except MemoryError as e:  # an argument too large for this machine (--batch-size, --rows)
+        print(f"embedcore {args.command}: MemoryError: {e or 'out of memory'}", file=sys.stderr)
         return 1
     parser.print_help(sys.stderr)
     return 2

@@ -12,7 +12,7 @@ import pytest
 
 import embedcore as ec
 import embedcore.cli
-from test_checkpoint_forge import flip_byte, read_manifest, train
+from test_checkpoint_forge import flip_byte, read_manifest, train, write_manifest
 
 ENV = dict(os.environ, SKBUILD_EDITABLE_VERBOSE="0")
 
@@ -111,7 +111,12 @@ def test_verify_finds_values_that_are_not_finite(tmp_path, capsys, dtype, where,
     t = ec.Table(name="t", rows=50, dim=3, dtype=dtype, optimizer=ec.optimizers.Adagrad(0.1))
     train(t, np.random.default_rng(1), 1)
     if where == "values":
-        t.assign(np.full((1, 3), value, np.float32), 17)
+        # assign refuses what is not finite too: write the engine's memory directly.
+        v = t._native.values_mut()
+        if dtype == "bfloat16":  # uint16 bits: the upper half of the float32
+            v[17] = np.array([value], np.float32).view(np.uint32)[0] >> 16
+        else:
+            v[17] = value
     else:
         # assign_slot refuses what is not finite: write the engine's memory directly, as a bug might.
         np.from_dlpack(dict(t._native.slots_mut())["accumulators"])[17] = value
@@ -195,3 +200,84 @@ def test_version_info_and_usage(capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["checkpoint_format"] == "{}.{}".format(*ec.FORMAT_VERSION)
     assert embedcore.cli.main([]) == 2
+
+
+@pytest.mark.parametrize("record", ["feature_without_fields", "features_not_a_list", "shards_not_objects",
+                                    "shard_without_fields"])
+def test_inspect_prints_any_metadata_and_sharding_record(tmp_path, capsys, emb_ckpt, record):
+    """The reader validates what loading and serving use, not the features
+    or the sharding record a manifest carries: inspect prints what is there
+    (a '?' for what is missing) instead of a KeyError / TypeError traceback."""
+    import shutil
+
+    path = tmp_path / "c"
+    shutil.copytree(emb_ckpt, path)
+    m = read_manifest(path)
+    if record == "feature_without_fields":
+        m["metadata"]["features"] = [{"name": "user"}, {"table": "item", "max_sequence_length": 5}]
+    elif record == "features_not_a_list":
+        m["metadata"]["features"] = "user, item"
+    elif record == "shards_not_objects":
+        m["tables"][0]["sharding"] = {"plan": "row_wise", "world_size": 2, "shards": [1, 2]}
+    else:
+        m["tables"][0]["sharding"] = {"plan": "row_wise", "world_size": 2, "shards": [{"rank": 1, "rows": 3}]}
+    write_manifest(path, m)
+    assert embedcore.cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "total " in out
+    if record == "feature_without_fields":
+        assert "features: user -> ?, ? -> item (sequence 5)" in out
+    elif record == "shard_without_fields":
+        assert "rank 1: rows [?, ?), columns [?, ?)" in out
+
+
+def test_verify_accepts_slot_files_listed_in_another_order(tmp_path, capsys):
+    """The format does not order a manifest's files: slot files listed in
+    another order than the values' hold the same rows (verify said they did
+    not); and slot files of other columns than the values' are reported."""
+    import embedcore.distributed as ed
+
+    path = str(tmp_path / "c")
+    t = ec.TableConfig("t", 10, 4, initializer=ec.initializers.Uniform(-1, 1, seed=1))
+
+    def fn(world):
+        emb = ec.Embedding({"f": ec.FeatureConfig(t)}, ec.optimizers.Adam(0.1), world=world, sharding="row_wise")
+        ec.save(path, emb)
+
+    ed.run_local(2, fn)
+    m = read_manifest(path)
+    (entry,) = m["tables"]
+    assert [f["row_start"] for f in entry["values"]] == [0, 5]
+    entry["slots"]["momenta"].reverse()
+    write_manifest(path, m)
+    assert embedcore.cli.main(["verify", path]) == 0, capsys.readouterr().err
+    assert "OK" in capsys.readouterr().out
+    # The control: slot files that tile the rows otherwise than the values are still reported
+    # (the slot file of an unsharded save of the same table, rows [0, 10) in one file).
+    import shutil
+
+    whole = ec.Embedding({"f": ec.FeatureConfig(t)}, ec.optimizers.Adam(0.1))
+    ec.save(tmp_path / "whole", whole)
+    (whole_entry,) = read_manifest(tmp_path / "whole")["tables"]
+    slot_file = whole_entry["slots"]["momenta"][0]
+    shutil.copy(tmp_path / "whole" / slot_file["path"], os.path.join(path, "other." + slot_file["path"]))
+    entry["slots"]["momenta"] = [dict(slot_file, path="other." + slot_file["path"])]
+    write_manifest(path, m)
+    assert embedcore.cli.main(["verify", path]) == 1
+    assert "table t: slot momenta holds other rows than the values" in capsys.readouterr().err
+
+
+def test_memory_error_and_a_huge_world_exit_cleanly(tmp_path, capsys, monkeypatch, emb_ckpt):
+    """An argument too large for the machine (demo --batch-size 10**11, reshard
+    --world 10**11) ended in a MemoryError traceback."""
+    assert embedcore.cli.main(["reshard", str(emb_ckpt), str(tmp_path / "r"), "--world", str(10**11)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("embedcore reshard: ValueError: reshard: world_size must be an int in [1, ")
+    assert not (tmp_path / "r").exists()
+
+    def out_of_memory(**kwargs):
+        raise MemoryError("Unable to allocate 745. GiB")
+
+    monkeypatch.setattr("embedcore.demo.run", out_of_memory)
+    assert embedcore.cli.main(["demo", "--batch-size", str(10**11)]) == 1
+    assert capsys.readouterr().err == "embedcore demo: MemoryError: Unable to allocate 745. GiB\n"

@@ -661,6 +661,23 @@ def test_sharding_dict_with_an_unknown_table_config_raises_value_error():
         _run(2, lambda world: ec.Embedding(config, world=world, sharding={other: "row_wise"}))
 
 
+@pytest.mark.parametrize("W", [1, 2])
+def test_sharding_dict_naming_a_table_twice_or_not_by_name_raises_value_error(W):
+    """A table named by its name and by its TableConfig (one of the plans was
+    silently dropped), a key that is not a name (a TypeError from sorting the
+    unknown names), and an empty plan (it was taken as "auto")."""
+    users, items = ec.TableConfig("users", 10, 2), ec.TableConfig("items", 10, 2)
+    config = {"u": ec.FeatureConfig(users), "i": ec.FeatureConfig(items)}
+    for sharding, needle in [({"users": "row_wise", users: "column_wise"}, "'users' twice"),
+                             ({1: "row_wise", "videos": "table_wise"}, r"\['videos', 1\]"),
+                             ({("users",): "row_wise"}, "do not exist"),
+                             ("", "got ''"), ({"users": ""}, "got ''")]:
+        with pytest.raises(ValueError, match=needle):
+            _run(W, lambda world: ec.Embedding(config, world=world, sharding=sharding))
+    with pytest.raises(ValueError, match=r"\[1\]"):
+        ed.make_plan([("users", 10, 2, "float32", 0)], 2, {1: "row_wise"})
+
+
 # ---------------------------------------------------------------------- 4. errors
 def _error_setup(plan_kind):
     t = ec.TableConfig("T", 13, 3, combiner="mean", initializer=init.Uniform(-1, 1, seed=21))
@@ -905,6 +922,42 @@ def test_apply_gradients_before_any_lookup(W):
     for error, unchanged in _run(W, fn):
         assert isinstance(error, ValueError) and "first" in str(error), repr(error)
         assert unchanged
+
+
+@pytest.mark.parametrize("failure", ["last_step", "schedule"])
+def test_a_step_one_table_refuses_changes_no_table_on_any_rank(failure):
+    """One rank's table refuses the step (at the last step a checkpoint
+    records, or its learning-rate schedule raises) while another rank's table
+    could take it: every rank raises and no table changes, as the unsharded
+    Embedding checks every table before changing any (rank 0's table took
+    the step)."""
+    def schedule(step):
+        raise ArithmeticError("no rate past step 0") if step else 0.1
+
+    a = ec.TableConfig("A", 8, 2, initializer=init.Uniform(-1, 1, seed=1), optimizer=opt.SGD(0.1))
+    b = ec.TableConfig("B", 8, 2, initializer=init.Uniform(-1, 1, seed=2),
+                       optimizer=opt.SGD(schedule if failure == "schedule" else 0.1))
+    config = {"a": ec.FeatureConfig(a), "b": ec.FeatureConfig(b)}
+
+    def fn(world):
+        emb = ec.Embedding(config, world=world, sharding="table_wise")
+        assert {name: s.rank for name, ts in emb.plan.tables.items() for s in ts.shards} == {"A": 0, "B": 1}
+        for s, t in emb.local_shards.get("B", []):
+            t.step = 2**62 if failure == "last_step" else 1
+        batch = {"a": np.array([[1], [2]]), "b": np.array([[3], [4]])}
+        out = emb(batch)
+        before = _snapshot_bytes(emb)
+        try:
+            emb.apply_gradients({k: np.ones_like(v) for k, v in out.items()})
+            error = None
+        except Exception as e:  # noqa: BLE001
+            error = e
+        return error, before == _snapshot_bytes(emb)
+
+    (e0, unchanged0), (e1, unchanged1) = _run(2, fn)
+    assert isinstance(e1, ValueError if failure == "last_step" else ArithmeticError), repr(e1)
+    assert isinstance(e0, ed.RankFailedError) and "rank 1 of 2" in str(e0), repr(e0)
+    assert unchanged0 and unchanged1
 
 
 def test_apply_gradients_without_optimizer():

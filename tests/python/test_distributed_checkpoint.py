@@ -762,6 +762,7 @@ def test_reshard_cli(tmp_path, saved, reference, capsys):
 
 @pytest.mark.parametrize("kwargs", [
     dict(world_size=0), dict(world_size=-2), dict(world_size=2.0), dict(world_size=True), dict(world_size="2"),
+    dict(world_size=10**11),  # a MemoryError (a traceback from the CLI) while planning
     dict(max_file_bytes=-1), dict(max_file_bytes=1.5), dict(max_file_bytes=True),
     dict(plan="diagonal"), dict(plan={"nope": "row_wise"}), dict(plan={"a": "by_hash"}),
 ], ids=lambda kw: "-".join(f"{k}={v!r}" for k, v in kw.items()))
@@ -809,3 +810,21 @@ def test_reshard_keeps_the_stored_dtype_of_an_export(tmp_path, reference):
     assert {t["name"]: {f["dtype"] for f in t["values"]} for t in m["tables"]} == stored
     (tb,) = [t for t in m["tables"] if t["name"] == "b"]
     assert tb["values"][0]["bytes"] == DATA_OFFSET + 3 * 3 * 2
+
+
+def test_bytes_paths_work_sharded_as_unsharded(tmp_path, reference):
+    """ec.save / ec.load take a bytes path (os.fsdecode) for an unsharded
+    Embedding; a sharded one and reshard raised TypeError from the engine."""
+    path, dst = os.fsencode(tmp_path / "c"), os.fsencode(tmp_path / "r")
+
+    def fn(world):
+        emb = ec.Embedding(feature_config(), world=world, sharding="row_wise")
+        train(emb, world.rank, world.size)
+        ec.save(path, emb)
+        ec.load(path, emb)
+
+    run_world(2, fn)
+    ec.distributed.reshard(path, dst, 3, "column_wise")
+    _assert_loads_like_reference(os.fsdecode(dst), reference, 2, "row_wise")
+    for rank, (_, _, error, _) in enumerate(sharded_load(dst, 3, "table_wise")):
+        assert error is None, f"rank {rank}: {error!r}"

@@ -23,6 +23,8 @@ from ._plan import make_plan
 
 __all__ = ["save_sharded", "load_sharded", "reshard"]
 
+MAX_WORLD_SIZE = 1 << 20  # reshard's plan holds a few numbers per rank
+
 
 def _config_json(eff) -> dict:
     return {
@@ -50,7 +52,7 @@ def _merge(base: dict, pieces: List[dict]) -> dict:
 
 def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Optional[str] = None) -> None:
     comm = emb.world
-    path = os.fspath(path)
+    path = os.fsdecode(path)
     error, generation = None, None
     if comm.rank == 0:
         try:
@@ -96,7 +98,7 @@ def load_sharded(path, emb, include_optimizer: bool = True) -> None:
     comm = emb.world
     error, plan = None, []
     try:
-        info = _embedcore.read_info(os.fspath(path))
+        info = _embedcore.read_info(os.fsdecode(path))
         names = list(info.table_names)
         for (ti, si), table in sorted(emb._local.items()):
             eff = emb._effective[emb._configs[ti]]
@@ -132,11 +134,11 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
     any checkpoint; resharding lays the files out so that each rank reads
     whole files. `dst` may be `src` (replaced atomically). Returns the plan's
     description."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"reshard: world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"reshard: world_size must be an int in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
     if isinstance(max_file_bytes, bool) or not isinstance(max_file_bytes, int) or max_file_bytes < 0:
         raise ValueError(f"reshard: max_file_bytes must be an int >= 0, got {max_file_bytes!r}")
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = os.fsdecode(src), os.fsdecode(dst)
     info = _embedcore.read_info(src)
     manifest = json.loads(info.manifest_json)
     specs = [(t["name"], t["rows"], t["dim"], t["dtype"], len(t["slots"])) for t in manifest["tables"]]

@@ -117,6 +117,8 @@ class ShardedEmbedding(Embedding):
                     if k not in self._effective:
                         raise ValueError(f"sharding names a TableConfig that no feature uses: {k!r}")
                     k = self._effective[k].name
+                if k in named:
+                    raise ValueError(f"sharding names table {k!r} twice (by name and by TableConfig)")
                 named[k] = v
             sharding = named
         error, plan, mine = None, None, None
@@ -414,6 +416,12 @@ class ShardedEmbedding(Embedding):
                 if self._effective[cfg].optimizer is None:
                     raise ValueError(f"Embedding.apply_gradients: table '{self._effective[cfg].name}' has no "
                                      "optimizer (give its TableConfig or the Embedding one)")
+            # What the native step refuses (a table at the last step a checkpoint records) and each
+            # learning rate, on every rank before any table changes, as the unsharded Embedding checks.
+            rates = {}
+            for key, table in self._local.items():
+                table._check_step([], [])
+                rates[key] = table.learning_rate()
             flat = _nest.flatten_up_to(self._feature_config, grads, "grads")
             parts: List[list] = [[] for _ in range(comm.size)]
             for name, fr, shape, g in zip(self._feature_names, routes, shapes, flat):
@@ -461,7 +469,6 @@ class ShardedEmbedding(Embedding):
                         g = recv[j][pos[j]:pos[j] + n].reshape(-1, s.cols)
                         pos[j] += n
                         by_shard[(ti, si)].append((ids, offsets, w, code, 0, g))
-            rates = {key: table.learning_rate() for key, table in self._local.items()}
             for key, table in self._local.items():
                 table._apply_parts(by_shard[key], rates[key])
         except Exception as e:  # noqa: BLE001

@@ -89,11 +89,12 @@ def make_plan(tables: Sequence[tuple], world_size: int, sharding) -> ShardingPla
     """tables: (name, rows, dim, dtype, num_slots) in order; sharding: a kind
     or "auto" for every table, or a dict from table name to one."""
     if isinstance(sharding, str) or sharding is None:
-        kinds = {name: sharding or "auto" for name, *_ in tables}
+        kinds = {name: "auto" if sharding is None else sharding for name, *_ in tables}
     elif isinstance(sharding, dict):
-        unknown = set(sharding) - {name for name, *_ in tables}
+        names = {name for name, *_ in tables}
+        unknown = [k for k in sharding if not isinstance(k, str) or k not in names]
         if unknown:
-            raise ValueError(f"sharding names tables that do not exist: {sorted(unknown)}")
+            raise ValueError(f"sharding names tables that do not exist: {sorted(unknown, key=repr)}")
         kinds = {name: sharding.get(name, "auto") for name, *_ in tables}
     else:
         raise TypeError(f"sharding must be one of {KINDS + ('auto',)} or a dict of them by table name, "
