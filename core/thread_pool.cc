@@ -147,6 +147,9 @@ std::shared_ptr<Pool> GetPool() {
 
 void SetNumThreads(int n) {
   if (n < 1) throw InvalidArgument("num_threads must be >= 1, got " + std::to_string(n));
+  if (n > kMaxThreads)
+    throw InvalidArgument("num_threads must be <= " + std::to_string(kMaxThreads) + " (the pool starts every thread), got " +
+                          std::to_string(n));
   std::shared_ptr<Pool> old;
   {
     std::lock_guard<std::mutex> l(g_pool_mutex);

@@ -24,6 +24,8 @@ def set_num_threads(n: int) -> None:
         raise TypeError(f"set_num_threads: n must be an int, got {n!r}")
     if n < 1:
         raise ValueError(f"set_num_threads: n must be >= 1, got {n}")
+    if n > 4096:  # the engine's kMaxThreads: its pool starts every thread at once
+        raise ValueError(f"set_num_threads: n must be <= 4096, got {n}")
     _embedcore.set_num_threads(n)
 
 

@@ -39,6 +39,8 @@ def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0, c
     for name, value in (("steps", steps), ("batch_size", batch_size)):
         if value < 1:
             raise ValueError(f"demo: {name} must be >= 1, got {value}")
+    if seed < 0:
+        raise ValueError(f"demo: seed must be >= 0, got {seed}")
     if threads is not None:
         ec.set_num_threads(threads)
     rng = np.random.default_rng(seed)

@@ -49,6 +49,7 @@ EMBEDCORE_TEST(SetAndGetNumThreads) {
     EMBEDCORE_EXPECT_EQ(GetNumThreads(), n);
   }
   EMBEDCORE_EXPECT_THROWS(SetNumThreads(0), InvalidArgument, "num_threads must be >= 1, got 0");
+  EMBEDCORE_EXPECT_THROWS(SetNumThreads(kMaxThreads + 1), InvalidArgument, "num_threads must be <= 4096");
   EMBEDCORE_EXPECT_THROWS(SetNumThreads(-4), InvalidArgument, "-4");
   EMBEDCORE_EXPECT_EQ(GetNumThreads(), 2);  // a refused call changes nothing
 }

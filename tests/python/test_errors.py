@@ -174,6 +174,14 @@ def test_sparse_weights_of_another_dense_shape(trained):
         trained.lookup(ids, weights=ec.Sparse([[0, 0], [1, 1]], [1.0, 2.0], [5, 9]), combiner="sum")
 
 
+def test_thread_counts_out_of_range():
+    before = ec.get_num_threads()
+    for bad, match in ((0, ">= 1"), (10**8, "<= 4096")):
+        with pytest.raises(ValueError, match=match):
+            ec.set_num_threads(bad)
+    assert ec.get_num_threads() == before
+
+
 def test_assigned_values_must_be_finite(trained):
     """assign (and what goes through it: the Saver's load_embedding_values)
     refuses NaN / inf, as assign_slot does, naming where; nothing changes."""

@@ -181,7 +181,9 @@ void ValidateBatch(const Batch& batch, int64_t rows, const std::string& table);
 void BagDenominators(const Batch& batch, Combiner combiner, float* out);
 
 // ---------------------------------------------------------------- threads
-/// Sets the number of threads the kernels use (>= 1). Results never depend on it.
+/// The most threads SetNumThreads takes (the pool starts them all at once).
+constexpr int kMaxThreads = 4096;
+/// Sets the number of threads the kernels use, in [1, kMaxThreads]. Results never depend on it.
 void SetNumThreads(int n);
 int GetNumThreads();
 
