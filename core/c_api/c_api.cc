@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -113,6 +114,32 @@ void RequireAligned(const void* p, const char* name) {
     throw InvalidArgument(std::string(name) + ": not aligned to " + std::to_string(alignof(T)) + " bytes");
 }
 
+// A pointer the library reads or writes as a T (a struct, an out-parameter):
+// not null and aligned, so a misaligned one is an error, not undefined behaviour.
+template <typename T>
+T* RequireObject(T* p, const char* name) {
+  RequireNotNull(p, name);
+  RequireAligned<T>(p, name);
+  return p;
+}
+
+// A checkpoint path: not null, not empty.
+std::string RequirePath(const char* path, const char* name) {
+  RequireNotNull(path, name);
+  if (*path == '\0') throw InvalidArgument(std::string(name) + ": empty string (a checkpoint directory is required)");
+  return path;
+}
+
+// `path` made absolute against the working directory now, without resolving
+// symlinks: embedcore_reload(ckpt, NULL, ...) re-opens the same directory even
+// if the process changes its working directory, and a symlink that is
+// re-pointed to a newer checkpoint is followed again.
+std::string AbsolutePath(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::path abs = std::filesystem::absolute(path, ec);
+  return ec ? path : abs.string();  // not lexically_normal: "link/.." is the link target's parent
+}
+
 int64_t MulChecked(int64_t a, int64_t b, const char* what) {
   int64_t r;
   if (__builtin_mul_overflow(a, b, &r))
@@ -126,7 +153,12 @@ MappedCheckpoint::Verify ParseVerify(const char* options_json, MappedCheckpoint:
   if (options_json == nullptr) return fallback;
   const size_t len = std::strlen(options_json);
   if (len > (size_t(1) << 16)) throw InvalidArgument("options_json: longer than 64 KiB");
-  const Json o = Json::parse(options_json, options_json + len);
+  Json o;
+  try {
+    o = Json::parse(options_json, options_json + len);
+  } catch (const Json::parse_error& e) {
+    throw InvalidArgument(std::string("options_json: not valid JSON: ") + e.what());
+  }
   if (!o.is_object()) throw InvalidArgument("options_json must be a JSON object, got " + o.dump());
   MappedCheckpoint::Verify verify = fallback;
   for (auto it = o.begin(); it != o.end(); ++it) {
@@ -231,6 +263,7 @@ struct embedcore_checkpoint {
   std::shared_ptr<const Snapshot> current;  // only through std::atomic_load / std::atomic_store
   std::mutex reload_mutex;                  // one reload at a time
   MappedCheckpoint::Verify verify = MappedCheckpoint::Verify::kLazy;  // guarded by reload_mutex
+  std::string directory;  // absolute path of the served checkpoint, for reload(NULL); guarded by reload_mutex
   std::vector<std::string> table_names;
   std::vector<int64_t> table_dims;
   std::vector<std::string> feature_names;
@@ -287,7 +320,7 @@ void CheckCompatible(const embedcore_checkpoint& h, const Snapshot& next) {
 }
 
 Batch ToBatch(const embedcore_batch* batch) {
-  RequireNotNull(batch, "batch");
+  RequireObject(batch, "batch");
   Batch b;
   if (batch->id_type == EMBEDCORE_ID_INT32) {
     b.id_type = IdType::kInt32;
@@ -370,7 +403,7 @@ EMBEDCORE_C_API_EXPORT const char* embedcore_version(void) { return EMBEDCORE_VE
 
 EMBEDCORE_C_API_EXPORT int embedcore_build_info(const char** out_json) {
   EMBEDCORE_API_BEGIN();
-  RequireNotNull(out_json, "out_json");
+  RequireObject(out_json, "out_json");
   static const std::string json = [] {
     const embedcore::BuildInfo b = embedcore::GetBuildInfo();
     Json j = Json::object();
@@ -390,24 +423,25 @@ EMBEDCORE_C_API_EXPORT int embedcore_build_info(const char** out_json) {
 
 EMBEDCORE_C_API_EXPORT int embedcore_set_num_threads(int num_threads) {
   EMBEDCORE_API_BEGIN();
-  embedcore::SetNumThreads(num_threads);
+  embedcore::SetNumThreads(num_threads);  // in [1, embedcore::kMaxThreads]
   EMBEDCORE_API_END();
 }
 
 EMBEDCORE_C_API_EXPORT int embedcore_get_num_threads(int* out) {
   EMBEDCORE_API_BEGIN();
-  RequireNotNull(out, "out");
+  RequireObject(out, "out");
   *out = embedcore::GetNumThreads();
   EMBEDCORE_API_END();
 }
 
 EMBEDCORE_C_API_EXPORT int embedcore_open(const char* path, const char* options_json, embedcore_checkpoint** out) {
   EMBEDCORE_API_BEGIN();
-  RequireNotNull(path, "path");
-  RequireNotNull(out, "out");
+  const std::string where = RequirePath(path, "path");
+  RequireObject(out, "out");
   const MappedCheckpoint::Verify verify = ParseVerify(options_json, MappedCheckpoint::Verify::kLazy);
   auto handle = std::make_unique<embedcore_checkpoint>();
-  auto snapshot = std::make_shared<const Snapshot>(path, verify);
+  handle->directory = AbsolutePath(where);
+  auto snapshot = std::make_shared<const Snapshot>(where, verify);
   for (const embedcore::TableEntry& t : snapshot->mapped.info().tables) {
     handle->table_names.push_back(t.name);
     handle->table_dims.push_back(t.dim);
@@ -424,13 +458,17 @@ EMBEDCORE_C_API_EXPORT int embedcore_reload(embedcore_checkpoint* ckpt, const ch
   embedcore_checkpoint& h = Handle(ckpt);
   std::lock_guard<std::mutex> lock(h.reload_mutex);
   const MappedCheckpoint::Verify verify = ParseVerify(options_json, h.verify);
-  const std::string where = path != nullptr ? std::string(path) : h.Acquire()->mapped.info().path;
+  // NULL: the directory served now, as an absolute path (the working
+  // directory may have changed since it was opened).
+  const std::string where = path != nullptr ? RequirePath(path, "path") : h.directory;
+  std::string directory = path != nullptr ? AbsolutePath(where) : h.directory;
   auto next = std::make_shared<const Snapshot>(where, verify);
   CheckCompatible(h, *next);
   // Lookups running on the old snapshot keep their reference; the last one
   // to return releases it (and its mappings).
   std::atomic_store(&h.current, std::shared_ptr<const Snapshot>(std::move(next)));
   h.verify = verify;
+  h.directory = std::move(directory);
   EMBEDCORE_API_END();
 }
 
@@ -443,7 +481,7 @@ EMBEDCORE_C_API_EXPORT int embedcore_close(embedcore_checkpoint* ckpt) {
 EMBEDCORE_C_API_EXPORT int embedcore_checkpoint_generation(embedcore_checkpoint* ckpt, uint64_t* out) {
   EMBEDCORE_API_BEGIN();
   embedcore_checkpoint& h = Handle(ckpt);
-  RequireNotNull(out, "out");
+  RequireObject(out, "out");
   *out = h.Acquire()->mapped.info().generation;
   EMBEDCORE_API_END();
 }
@@ -451,7 +489,7 @@ EMBEDCORE_C_API_EXPORT int embedcore_checkpoint_generation(embedcore_checkpoint*
 EMBEDCORE_C_API_EXPORT int embedcore_num_tables(embedcore_checkpoint* ckpt, int64_t* out) {
   EMBEDCORE_API_BEGIN();
   embedcore_checkpoint& h = Handle(ckpt);
-  RequireNotNull(out, "out");
+  RequireObject(out, "out");
   *out = int64_t(h.table_names.size());
   EMBEDCORE_API_END();
 }
@@ -460,7 +498,7 @@ EMBEDCORE_C_API_EXPORT int embedcore_describe_table(embedcore_checkpoint* ckpt, 
                                                     embedcore_table_info* out) {
   EMBEDCORE_API_BEGIN();
   embedcore_checkpoint& h = Handle(ckpt);
-  RequireNotNull(out, "out");
+  RequireObject(out, "out");
   const std::shared_ptr<const Snapshot> s = h.Acquire();
   CheckTable(*s, table);
   const embedcore::TableEntry& t = s->mapped.info().tables[size_t(table)];
@@ -478,7 +516,7 @@ EMBEDCORE_C_API_EXPORT int embedcore_find_table(embedcore_checkpoint* ckpt, cons
   EMBEDCORE_API_BEGIN();
   embedcore_checkpoint& h = Handle(ckpt);
   RequireNotNull(name, "name");
-  RequireNotNull(out, "out");
+  RequireObject(out, "out");
   for (size_t i = 0; i < h.table_names.size(); ++i) {
     if (h.table_names[i] == name) {
       *out = int64_t(i);
@@ -492,7 +530,7 @@ EMBEDCORE_C_API_EXPORT int embedcore_find_table(embedcore_checkpoint* ckpt, cons
 EMBEDCORE_C_API_EXPORT int embedcore_num_features(embedcore_checkpoint* ckpt, int64_t* out) {
   EMBEDCORE_API_BEGIN();
   embedcore_checkpoint& h = Handle(ckpt);
-  RequireNotNull(out, "out");
+  RequireObject(out, "out");
   *out = int64_t(h.feature_names.size());
   EMBEDCORE_API_END();
 }
@@ -501,7 +539,7 @@ EMBEDCORE_C_API_EXPORT int embedcore_describe_feature(embedcore_checkpoint* ckpt
                                                   embedcore_feature_info* out) {
   EMBEDCORE_API_BEGIN();
   embedcore_checkpoint& h = Handle(ckpt);
-  RequireNotNull(out, "out");
+  RequireObject(out, "out");
   const std::shared_ptr<const Snapshot> s = h.Acquire();
   const Feature& f = s->features[size_t(CheckFeature(*s, feature))];
   embedcore_feature_info info;
@@ -516,7 +554,7 @@ EMBEDCORE_C_API_EXPORT int embedcore_find_feature(embedcore_checkpoint* ckpt, co
   EMBEDCORE_API_BEGIN();
   embedcore_checkpoint& h = Handle(ckpt);
   RequireNotNull(name, "name");
-  RequireNotNull(out, "out");
+  RequireObject(out, "out");
   for (size_t i = 0; i < h.feature_names.size(); ++i) {
     if (h.feature_names[i] == name) {
       *out = int64_t(i);
@@ -555,10 +593,10 @@ EMBEDCORE_C_API_EXPORT int embedcore_lookup_size(embedcore_checkpoint* ckpt, int
                                                  const embedcore_batch* batch, int32_t combiner,
                                                  int64_t max_sequence_length, int64_t* out) {
   EMBEDCORE_API_BEGIN();
-  RequireNotNull(out, "out");
+  RequireObject(out, "out");
   const std::shared_ptr<const Snapshot> s = Handle(ckpt).Acquire();
   CheckTable(*s, table);
-  RequireNotNull(batch, "batch");
+  RequireObject(batch, "batch");
   if (batch->nnz < 0) throw InvalidArgument("batch.nnz must be >= 0, got " + std::to_string(batch->nnz));
   if (batch->num_bags < 0) throw InvalidArgument("batch.num_bags must be >= 0, got " + std::to_string(batch->num_bags));
   Batch b;

@@ -262,6 +262,54 @@ EMBEDCORE_TEST(SaveIntoServedDirectoryThenReload) {
   EXPECT_C_OK(embedcore_close(h));
 }
 
+// reload(NULL) re-opens the served directory even after the process changed
+// its working directory: a handle opened with a relative path used to re-read
+// that relative path from the new working directory (another checkpoint of
+// the same model there was silently served instead, or the reload failed).
+EMBEDCORE_TEST(ReloadNullAfterChdirRereadsTheServedDirectory) {
+  TempDir dir;
+  fs::create_directory(dir.Sub("served"));
+  fs::create_directory(dir.Sub("elsewhere"));
+  ModelOptions o;
+  o.seed = 1;
+  SaveModel(dir.Sub("served/m"), o);
+  ModelOptions decoy;
+  decoy.seed = 7;
+  SaveModel(dir.Sub("elsewhere/m"), decoy);  // same model, same relative path, other values
+  const fs::path cwd = fs::current_path();
+  embedcore_checkpoint* h = nullptr;
+  fs::current_path(dir.Sub("served"));
+  const int opened = embedcore_open("m", nullptr, &h);
+  fs::current_path(dir.Sub("elsewhere"));
+  o.seed = 2;
+  SaveModel(dir.Sub("served/m"), o);  // generation 2 of the served directory
+  const int reloaded = embedcore_reload(h, nullptr, nullptr);
+  const std::string message = reloaded == EMBEDCORE_OK ? "" : embedcore_last_error();
+  fs::current_path(cwd);
+  EMBEDCORE_EXPECT(opened == EMBEDCORE_OK);
+  EMBEDCORE_EXPECT_MSG(reloaded == EMBEDCORE_OK, message);
+  uint64_t g = 0;
+  EXPECT_C_OK(embedcore_checkpoint_generation(h, &g));
+  EMBEDCORE_EXPECT_EQ(g, uint64_t(2));
+  const MappedCheckpoint ref(dir.Sub("served/m"), MappedCheckpoint::Verify::kLazy);
+  std::mt19937_64 rng(3);
+  const OwnedBatch b = OwnedBatch::Random(rng, 40, 6, 5);
+  std::vector<float> got(6 * 16);
+  const embedcore_batch c = b.C();
+  EXPECT_C_OK(embedcore_lookup(h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, got.data(), int64_t(got.size())));
+  EMBEDCORE_EXPECT(SameBits(got, Reference(ref, 0, b.Engine(), Combiner::kSum)));
+  // A reload from another relative path is remembered the same way.
+  fs::current_path(dir.path);
+  EXPECT_C_OK(embedcore_reload(h, "elsewhere/m", nullptr));
+  fs::current_path(dir.Sub("served"));
+  const int again = embedcore_reload(h, nullptr, nullptr);
+  fs::current_path(cwd);
+  EMBEDCORE_EXPECT(again == EMBEDCORE_OK);
+  EXPECT_C_OK(embedcore_checkpoint_generation(h, &g));
+  EMBEDCORE_EXPECT_EQ(g, uint64_t(1));  // elsewhere/m, not served/m (generation 2)
+  EXPECT_C_OK(embedcore_close(h));
+}
+
 // Concurrent reloads (two threads swapping) and lookups: no crash, the last
 // swap wins, and lookups always match one of the two checkpoints.
 EMBEDCORE_TEST(ConcurrentReloads) {

@@ -66,6 +66,13 @@ EMBEDCORE_TEST(NumThreads) {
   EXPECT_C_OK(embedcore_get_num_threads(&n));
   EMBEDCORE_EXPECT_EQ(n, 3);
   EXPECT_C_ERROR(embedcore_set_num_threads(0), EMBEDCORE_INVALID_ARGUMENT, "num_threads must be >= 1, got 0");
+  // A garbage count is refused, not obeyed: the pool would try to start
+  // 2^31 threads and, when one fails to start, hang (or abort) the process.
+  EXPECT_C_ERROR(embedcore_set_num_threads(2147483647), EMBEDCORE_INVALID_ARGUMENT,
+                 "embedcore_set_num_threads: num_threads must be <= 4096");
+  EXPECT_C_ERROR(embedcore_set_num_threads(4097), EMBEDCORE_INVALID_ARGUMENT, "got 4097");
+  EXPECT_C_OK(embedcore_get_num_threads(&n));
+  EMBEDCORE_EXPECT_EQ(n, 3);
   EXPECT_C_OK(embedcore_set_num_threads(before));
 }
 

@@ -26,8 +26,9 @@
  * - Handles are opaque. No C++ type, exception or STL object crosses this
  *   interface; every other symbol of libembedcore is hidden.
  * - Every pointer is host memory. Arrays are C-contiguous and naturally
- *   aligned (int64_t to 8 bytes, float and int32_t to 4); a misaligned array
- *   is an EMBEDCORE_INVALID_ARGUMENT error, never undefined behaviour.
+ *   aligned (int64_t to 8 bytes, float and int32_t to 4), and so are the
+ *   batch struct and the out-parameters; a misaligned one is an
+ *   EMBEDCORE_INVALID_ARGUMENT error, never undefined behaviour.
  * - Strings are UTF-8, NUL-terminated. A string returned by the library is
  *   owned by it; how long it stays valid is stated with each function.
  * - Options are JSON objects passed as strings (NULL: all defaults); an
@@ -167,8 +168,8 @@ EMBEDCORE_C_API const char* embedcore_version(void);
  * features "cuda", "nccl", "mpi". *out_json has static storage. */
 EMBEDCORE_C_API int embedcore_build_info(const char** out_json);
 
-/** Sets the number of threads a lookup may use (>= 1; the default is the
- * number of cores the process may run on). Results never depend on it. A
+/** Sets the number of threads a lookup may use, in [1, 4096] (the default is
+ * the number of cores the process may run on; the threads start at once). Results never depend on it. A
  * lookup that finds the threads busy with another runs on its caller's
  * thread alone, so a server with many request threads loses nothing; 1 makes
  * every lookup run on its caller's thread. Process-wide. */
@@ -201,7 +202,10 @@ EMBEDCORE_C_API int embedcore_open(const char* path, const char* options_json, e
 /** Swaps the handle to a newer checkpoint while other threads go on looking
  * up: path NULL re-opens the handle's current directory (after a new save
  * into it), otherwise the checkpoint at `path`; options_json NULL keeps the
- * handle's options. Every lookup sees either the old or the new checkpoint,
+ * handle's options. A relative path is resolved against the working
+ * directory when it is passed (to embedcore_open or here) and remembered as
+ * absolute, so a later chdir() does not change what NULL re-opens (symlinks
+ * are not resolved: one re-pointed to a newer checkpoint is followed). Every lookup sees either the old or the new checkpoint,
  * never a mix; a lookup that started before the swap finishes on the old one,
  * whose mapping is released when its last such lookup returns.
  *

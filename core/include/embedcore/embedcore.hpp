@@ -142,7 +142,10 @@ inline int GetNumThreads() {
 
 // ---------------------------------------------------------------- batches
 /// A CSR batch: a view of the caller's arrays (nothing is copied; they must
-/// outlive the lookup). Bag b holds ids[offsets[b] .. offsets[b+1]).
+/// outlive the lookup). Bag b holds ids[offsets[b] .. offsets[b+1]). A Batch
+/// built from temporary vectors is valid only within that full expression:
+/// `ckpt.lookup(t, Batch(std::vector<int64_t>{1, 2}, {0, 2}))` is fine, a
+/// named `Batch b(std::vector<int64_t>{1, 2}, {0, 2});` dangles.
 class Batch {
  public:
   Batch() : b_() {}
