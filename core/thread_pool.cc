@@ -9,6 +9,8 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -28,17 +30,16 @@ int DefaultThreads() {
 class Pool {
  public:
   explicit Pool(int threads) : threads_(threads) {
-    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { Work(); });
-  }
-  ~Pool() {
-    stopping_.store(true);
-    {
-      std::lock_guard<std::mutex> l(m_);
-      stop_ = true;
+    try {
+      for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { Work(); });
+    } catch (const std::exception& e) {  // e.g. a process or memory limit: stop the ones started
+      const size_t started = workers_.size();
+      Stop();
+      throw std::runtime_error("set_num_threads: could not start " + std::to_string(threads - 1) +
+                               " worker threads (started " + std::to_string(started) + "): " + e.what());
     }
-    wake_.notify_all();
-    for (auto& t : workers_) t.join();
   }
+  ~Pool() { Stop(); }
   int threads() const { return threads_; }
 
   void Run(int chunks, const std::function<void(int)>& fn) {
@@ -70,6 +71,16 @@ class Pool {
   }
 
  private:
+  void Stop() {
+    stopping_.store(true);
+    {
+      std::lock_guard<std::mutex> l(m_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : workers_) t.join();
+    workers_.clear();
+  }
   void Drain(const std::function<void(int)>& fn, int chunks) {
     for (int i; (i = next_.fetch_add(1)) < chunks;) {
       try {
@@ -154,8 +165,9 @@ void SetNumThreads(int n) {
   {
     std::lock_guard<std::mutex> l(g_pool_mutex);
     if (g_pool && g_pool->threads() == n) return;
+    auto fresh = std::make_shared<Pool>(n);  // if it cannot start its threads, the old pool stays
     old = std::move(g_pool);
-    g_pool = std::make_shared<Pool>(n);
+    g_pool = std::move(fresh);
   }
   // `old` joins its workers here, once running jobs released it.
 }

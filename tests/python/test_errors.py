@@ -174,6 +174,30 @@ def test_sparse_weights_of_another_dense_shape(trained):
         trained.lookup(ids, weights=ec.Sparse([[0, 0], [1, 1]], [1.0, 2.0], [5, 9]), combiner="sum")
 
 
+def test_threads_that_cannot_start_raise_and_keep_the_pool():
+    """Under a memory limit that stops thread creation part-way (each thread
+    reserves its stack), set_num_threads raises RuntimeError and the engine
+    keeps its old pool (was: a hang in the pool's constructor)."""
+    import resource
+    import subprocess
+    import sys
+
+    code = ("import embedcore as ec, numpy as np\n"
+            "ec.set_num_threads(2)\n"
+            "try:\n    ec.set_num_threads(4096)\nexcept RuntimeError as e:\n    print('refused:', e)\n"
+            "assert ec.get_num_threads() == 2\n"
+            "t = ec.Table(name='t', rows=10, dim=4)\n"
+            "print('lookup ok', t.lookup(np.array([1, 2]), np.array([0, 2])).shape)\n")
+
+    def limit():  # 4096 threads x 8 MiB stacks do not fit in 3 GiB of address space
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "refused: set_num_threads: could not start 4095 worker threads" in r.stdout, r.stdout
+    assert "lookup ok (1, 4)" in r.stdout
+
+
 def test_thread_counts_out_of_range():
     before = ec.get_num_threads()
     for bad, match in ((0, ">= 1"), (10**8, "<= 4096")):
