@@ -147,6 +147,9 @@ class _AdapterModule(nn.Module):
                 raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: size mismatch for "
                                    f"{key}: copying a param with shape {got} from checkpoint, the shape in current "
                                    f"model is {tuple(m.weight.shape)}. (No table was changed.)")
+            if value.device.type == "meta":  # copy_ would fail on it, after earlier tables were written
+                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: {key} is on the meta "
+                                   "device (it holds no data). (No table was changed.)")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __getstate__(self):

@@ -257,6 +257,21 @@ def test_a_bad_state_dict_changes_no_table(bad):
         assert (ebc.embedding_bags["a"].table.to_numpy() == 1).all()
 
 
+def test_a_meta_tensor_changes_no_table():
+    """A weight on the meta device passes the shape check but cannot be
+    copied: refused before table a is written (was: a loaded, then an error)."""
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 3, name="a"), et.EmbeddingBagConfig(10, 3, name="b")])
+    before = {n: ebc.embedding_bags[n].table.to_numpy() for n in ("a", "b")}
+    sd = {"embedding_bags.a.weight": torch.ones(10, 3), "embedding_bags.b.weight": torch.ones(10, 3, device="meta")}
+    with pytest.raises(RuntimeError, match="meta device.*No table was changed"):
+        ebc.load_state_dict(sd)
+    for n, values in before.items():
+        np.testing.assert_array_equal(ebc.embedding_bags[n].table.to_numpy(), values)
+    ebc.load_state_dict({"embedding_bags.a.weight": torch.ones(10, 3, dtype=torch.int64),  # ints cast, as PyTorch
+                         "embedding_bags.b.weight": torch.ones(10, 3)})
+    assert (ebc.embedding_bags["a"].table.to_numpy() == 1).all()
+
+
 def test_unexpected_key_changes_no_table():
     """strict=True with a key the module does not have: PyTorch loads every
     table and then raises; the adapter refuses before writing any."""
