@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     weight = torch.from_dlpack(table.values())  # the same memory: both read the same rows
     offsets = torch.arange(0, BATCH * BAG + 1, BAG, dtype=torch.int64, device=dev)
     grad = torch.randn(BATCH, DIM, device=dev)
-    bag_module = torch.nn.EmbeddingBag(rows, DIM, mode="sum", sparse=True).to(dev)
+    bag_module = torch.nn.EmbeddingBag(rows, DIM, mode="sum", sparse=True, device=dev)
     with torch.no_grad():
         bag_module.weight.copy_(weight)
     opt = torch.optim.SGD(bag_module.parameters(), lr=0.01)

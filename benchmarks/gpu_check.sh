@@ -23,7 +23,7 @@ say() { printf '\n=== [%4ds] %s\n' "$((SECONDS - START))" "$*"; }
 
 say "machine"
 nvidia-smi -L || echo "nvidia-smi: not found"
-nvcc --version | tail -1
+{ nvcc --version || echo "nvcc: not found"; } | tail -1
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
 ARCH=${EMBEDCORE_CUDA_ARCHS:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.' || true)}
 ARCH=${ARCH:-90}
@@ -48,7 +48,7 @@ say "build the CUDA variant (EMBEDCORE_CUDA=ON, sm_$ARCH) into $PKG"
 rm -rf "$PKG"
 "$PY" -m pip install --no-deps --no-build-isolation --target "$PKG" \
   -C cmake.define.EMBEDCORE_CUDA=ON -C "cmake.define.CMAKE_CUDA_ARCHITECTURES=$ARCH" \
-  -C build-dir=build/gpu-check . 2>&1 | tail -3
+  -C build-dir=build/gpu-check . 2>&1 | tee "$OUT/build.log" | tail -3
 export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import embedcore; print(embedcore.build_info())"
 

@@ -37,19 +37,22 @@ inline unsigned GridFor(int64_t n, int block) {
 
 inline cudaStream_t AsStream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
+/// Allocates `bytes` for Scratch: stream-ordered (cudaMallocAsync) where the
+/// device's memory pools work, else plain cudaMalloc (some virtualised
+/// drivers refuse the pool calls); *pooled says which, for ReleaseScratch.
+void* AllocateScratch(size_t bytes, cudaStream_t stream, bool* pooled);
+/// Frees what AllocateScratch returned: on the stream (pooled), or after the
+/// stream's work is done (cudaMalloc'ed memory).
+void ReleaseScratch(void* p, cudaStream_t stream, bool pooled) noexcept;
+
 /// Stream-ordered scratch memory, freed on the same stream.
 template <typename T>
 class Scratch {
  public:
   Scratch(size_t n, cudaStream_t stream) : stream_(stream) {
-    const cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&p_), std::max<size_t>(n, 1) * sizeof(T), stream);
-    if (err == cudaErrorMemoryAllocation) {
-      cudaGetLastError();
-      throw std::bad_alloc();
-    }
-    EC_CUDA(err);
+    p_ = static_cast<T*>(AllocateScratch(std::max<size_t>(n, 1) * sizeof(T), stream, &pooled_));
   }
-  ~Scratch() { cudaFreeAsync(p_, stream_); }
+  ~Scratch() { ReleaseScratch(p_, stream_, pooled_); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
   T* get() const { return p_; }
@@ -57,6 +60,7 @@ class Scratch {
  private:
   T* p_ = nullptr;
   cudaStream_t stream_;
+  bool pooled_ = true;
 };
 
 /// What the device check of a batch found: the first bad id's position

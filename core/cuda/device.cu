@@ -2,6 +2,8 @@
 // embedcore exception that names the call.
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <new>
 #include <string>
 
 #include "cuda/cuda_impl.h"
@@ -21,6 +23,43 @@ DeviceGuard::DeviceGuard(int device) {
   if (device != previous_) EC_CUDA(cudaSetDevice(device));
 }
 DeviceGuard::~DeviceGuard() { cudaSetDevice(previous_); }
+
+namespace {
+// Cleared for good once cudaMallocAsync fails for a reason other than memory.
+std::atomic<bool> pools_work{true};
+}  // namespace
+
+void* AllocateScratch(size_t bytes, cudaStream_t stream, bool* pooled) {
+  void* p = nullptr;
+  if (pools_work.load(std::memory_order_relaxed)) {
+    const cudaError_t err = cudaMallocAsync(&p, bytes, stream);
+    if (err == cudaSuccess) {
+      *pooled = true;
+      return p;
+    }
+    cudaGetLastError();
+    if (err == cudaErrorMemoryAllocation) throw std::bad_alloc();
+    pools_work.store(false, std::memory_order_relaxed);  // e.g. cudaErrorNotSupported: use cudaMalloc from now on
+  }
+  *pooled = false;
+  const cudaError_t err = cudaMalloc(&p, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    throw std::bad_alloc();
+  }
+  EC_CUDA(err);
+  return p;
+}
+
+void ReleaseScratch(void* p, cudaStream_t stream, bool pooled) noexcept {
+  if (p == nullptr) return;
+  if (pooled) {
+    cudaFreeAsync(p, stream);
+    return;
+  }
+  cudaStreamSynchronize(stream);  // kernels queued on the stream may still use it
+  cudaFree(p);
+}
 
 int DeviceCount() {
   int n = 0;
@@ -59,11 +98,16 @@ void Free(void* p, int device) noexcept {
 
 void CopyToHost(void* dst, const void* src, size_t bytes, int device) {
   DeviceGuard guard(device);
+  // cudaMemcpy runs on the legacy stream, which does not wait for work on a
+  // non-blocking stream (every torch.cuda.Stream(), CuPy's too) that may
+  // still write these rows through a DLPack view: finish all of it first.
+  EC_CUDA(cudaDeviceSynchronize());
   EC_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
 }
 
 void CopyToDevice(void* dst, const void* src, size_t bytes, int device) {
   DeviceGuard guard(device);
+  EC_CUDA(cudaDeviceSynchronize());  // as in CopyToHost: no kernel on another stream still reads these rows
   EC_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
   EC_CUDA(cudaDeviceSynchronize());  // a pageable copy may return before the DMA lands
 }
