@@ -74,8 +74,8 @@ void CheckNotTableMemory(const Table& t, const void* p, size_t bytes, const char
                             "' that the step updates: pass a copy");
 }
 
-void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learning_rate) {
-  RequireHost(t, "apply_gradients of NumPy arrays");
+// The parts of a step on host arrays, checked against the table.
+std::vector<GradientPart> HostParts(const Table& t, const std::vector<PartTuple>& parts) {
   std::vector<GradientPart> native;
   native.reserve(parts.size());
   for (size_t i = 0; i < parts.size(); ++i) {
@@ -95,8 +95,28 @@ void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learnin
     p.grads = grads.data();
     native.push_back(p);
   }
+  return native;
+}
+
+void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learning_rate) {
+  RequireHost(t, "apply_gradients of NumPy arrays");
+  const std::vector<GradientPart> native = HostParts(t, parts);
   nb::gil_scoped_release release;
   t.ApplyGradients(native, learning_rate);
+}
+
+// Host arrays for a table anywhere (a device table stages them): the sharded
+// algorithm's calls on its shards.
+NumpyFloat LookupStaged(const Table& t, const IdArray& ids, const OffsetArray& offsets,
+                        const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length) {
+  return LookupNew(t.dim(), ids, offsets, weights, combiner, max_sequence_length,
+                   [&](const Batch& b, const OutputShape& s, float* out) { t.LookupStaged(b, s, out); });
+}
+
+void ApplyGradientsStaged(Table& t, const std::vector<PartTuple>& parts, float learning_rate) {
+  const std::vector<GradientPart> native = HostParts(t, parts);
+  nb::gil_scoped_release release;
+  t.ApplyGradientsStaged(native, learning_rate);
 }
 
 // ---- device tables: CUDA arrays in and out, on the caller's stream.
@@ -322,6 +342,12 @@ void BindTable(nb::module_& m) {
       .def("lookup_into", &LookupInto, "ids"_a.noconvert(), "offsets"_a.noconvert(),
            "weights"_a.noconvert().none(), "combiner"_a, "max_sequence_length"_a, "out"_a.noconvert(),
            "Like lookup, writing into the caller's C-contiguous float32 `out`.")
+      .def("lookup_staged", &LookupStaged, "ids"_a.noconvert(), "offsets"_a.noconvert(),
+           "weights"_a.noconvert().none(), "combiner"_a, "max_sequence_length"_a,
+           "lookup of NumPy arrays on a table anywhere: a device table copies them to the GPU and the output "
+           "back (the sharded algorithm's serve step)")
+      .def("apply_gradients_staged", &ApplyGradientsStaged, "parts"_a, "learning_rate"_a,
+           "apply_gradients of NumPy arrays on a table anywhere, staged through the GPU for a device table")
       .def("apply_gradients", &ApplyGradients, "parts"_a, "learning_rate"_a,
            "One optimizer step from (ids, offsets, weights, combiner, max_sequence_length, grads) parts.")
       .def("values", &ValuesView, "Read-only view of the stored values (bfloat16 as uint16 bits).")

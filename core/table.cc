@@ -586,6 +586,33 @@ void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learnin
   ++step_;
 }
 
+// ---------------------------------------------------------------- host arrays, any table
+void Table::LookupStaged(const Batch& batch, const OutputShape& shape, float* out) const {
+  if (spec_.device < 0) return Lookup(batch, shape, out);
+  if (shape.combiner == Combiner::kNone && shape.max_sequence_length < 0)
+    throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(shape.max_sequence_length));
+  ValidateBatch(batch, spec_.rows, spec_.name);
+  if (shape.OutputRows(batch) > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  cuda_impl::LookupFromHost(values_.get(), spec_.dtype, spec_.rows, spec_.dim, spec_.name, batch, shape, out,
+                            spec_.device);
+}
+
+void Table::ApplyGradientsStaged(const std::vector<GradientPart>& parts, float learning_rate) {
+  if (spec_.device < 0) return ApplyGradients(parts, learning_rate);
+  CheckStepCanGrow(spec_.name, step_);
+  for (const auto& p : parts) {
+    ValidateBatch(p.batch, spec_.rows, spec_.name);
+    if (p.shape.OutputRows(p.batch) > 0 && p.grads == nullptr) throw InvalidArgument("grads: null pointer");
+  }
+  if (!std::isfinite(learning_rate)) throw InvalidArgument("learning_rate must be finite, got " + std::to_string(learning_rate));
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  std::vector<float*> slots;
+  for (auto& s : slots_) slots.push_back(s.get());
+  cuda_impl::ApplyGradientsFromHost(spec_, values_.get(), slots, step_, parts, learning_rate, spec_.device);
+  ++step_;
+}
+
 // ---------------------------------------------------------------- build info
 BuildInfo GetBuildInfo() {
   BuildInfo info;

@@ -4,7 +4,9 @@ sharding=...)`` and ``EmbeddingCollection(..., world=comm, sharding=...)``.
 Thin: the tables are one sharded ``ec.Embedding`` (one feature per table
 and feature, in the collection's order), which does the all-to-all lookup
 and the sharded update; this module converts the tensors and wires
-autograd. The forward pass looks up this rank's part of the batch; the
+autograd. With ``device="cuda"`` the shards live in GPU memory; the
+algorithm routes ids on the host, so CUDA inputs are copied to the host and
+the outputs come back on the module's device. The forward pass looks up this rank's part of the batch; the
 backward pass hands the outputs' gradients to ``apply_gradients``, which
 updates every rank's shards (the fused optimizer's step runs inside
 ``backward()``, as for the unsharded collections). Both are collective:
@@ -24,7 +26,7 @@ from embedcore.distributed._comm import agree
 
 from ._collection import (EmbeddingBagCollection, EmbeddingCollection, _csr, _embedding_names, _is_kjt,
                           _jagged_module, _kjt_parts, _specs)
-from ._modules import check_ids, check_weights
+from ._modules import _table_device, check_ids, check_weights
 from ._ops import _check_offsets
 
 __all__ = ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"]
@@ -32,10 +34,9 @@ __all__ = ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"]
 
 # ------------------------------------------------------------------ inputs
 def _np(t: Tensor) -> np.ndarray:
-    if t.device.type != "cpu":
-        raise NotImplementedError(f"sharded collections take CPU tensors (their tables live in CPU memory), got a "
-                                  f"tensor on {t.device}")
-    return t.detach().numpy()  # a view of the tensor's memory
+    """The host array the sharded algorithm routes: a view of a CPU tensor, a
+    copy of a CUDA one (the module checked its device)."""
+    return t.detach().cpu().numpy()
 
 
 def _checked_offsets(off: np.ndarray, n_ids: int, where: str) -> np.ndarray:
@@ -81,7 +82,7 @@ class _ShardedLookup(torch.autograd.Function):
         outs = module._embedding(inputs, weights)
         ctx.module = module
         ctx.call = module._calls
-        return tuple(torch.from_numpy(o) for o in outs)
+        return tuple(module._out(o) for o in outs)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -91,7 +92,7 @@ class _ShardedLookup(torch.autograd.Function):
                                "collection updates from its last forward pass only, so call backward() before "
                                "the next forward (on every rank)")
         # Autograd gives zeros for outputs that did not reach the loss.
-        module._embedding.apply_gradients([g.detach().contiguous().numpy() for g in grads])
+        module._embedding.apply_gradients([g.detach().cpu().contiguous().numpy() for g in grads])
         return torch.zeros(1), None, None, None
 
 
@@ -102,9 +103,8 @@ class _Sharded:
     _owner = ""
 
     def _build(self, specs, optimizer, device, world, sharding, pooled: bool) -> None:
-        if device is not None and torch.device(device).type != "cpu":
-            raise NotImplementedError(f"device={device!r}: sharded collections keep their tables in CPU memory "
-                                      "(GPU tables are not sharded yet)")
+        shard_device = _table_device(device)  # None (CPU) or "cuda:N"
+        self._device = torch.device(shard_device or "cpu")
         if not isinstance(world, Comm):
             raise TypeError(f"{self._owner}: world must be an embedcore.distributed.Comm (e.g. "
                             f"embedcore.adapters.torch.distributed.init()), got {world!r}")
@@ -137,7 +137,7 @@ class _Sharded:
         tables = [ec.TableConfig(s.name, s.rows, s.dim, s.dtype, init, o, s.pooling or "sum")
                   for s, init, o in zip(specs, initializers, opts)]
         self._feature_configs = [ec.FeatureConfig(t, name=n) for t, names in zip(tables, self._names) for n in names]
-        self._embedding = ec.Embedding(self._feature_configs, world=world, sharding=sharding)
+        self._embedding = ec.Embedding(self._feature_configs, world=world, sharding=sharding, device=shard_device)
         self._world = world
         self._trainable = opts[0] is not None
         self._anchor = torch.zeros(1, requires_grad=True)  # carries autograd to the sharded update
@@ -184,6 +184,17 @@ class _Sharded:
         return self._embedding._sharded_load(path, include_optimizer)
 
     # ------------------------------------------------------------ lookup
+    def _out(self, a: np.ndarray) -> Tensor:
+        """An output of the engine (host memory) on the module's device."""
+        t = torch.from_numpy(a)
+        return t if self._device.type == "cpu" else t.to(self._device)
+
+    def _check_device(self, tensors, where: str) -> None:
+        for t in tensors:
+            if t is not None and t.device != self._device:
+                raise RuntimeError(f"Expected all tensors to be on the same device: the shards of {self._owner} "
+                                   f"are on {self._device}, {where} on {t.device}")
+
     def forward(self, features):
         try:
             inputs, weights, finish = self._parse(features)
@@ -197,7 +208,7 @@ class _Sharded:
         the sharded update when the tables train and grad is enabled."""
         self._calls += 1
         if not (self._trainable and torch.is_grad_enabled()):
-            return [torch.from_numpy(o) for o in self._embedding(inputs, weights)]
+            return [self._out(o) for o in self._embedding(inputs, weights)]
         return list(_ShardedLookup.apply(self._anchor, self, inputs, weights))
 
 
@@ -228,6 +239,8 @@ class ShardedEmbeddingBagCollection(_Sharded, EmbeddingBagCollection):
         inputs, weights = [], []
         if _is_kjt(features):
             all_features = [f for s in self._specs for f in s.features]
+            self._check_device([features.values(), features.offsets(), features.weights_or_none()],
+                               "the KeyedJaggedTensor")
             ids, off, kjt_weights, stride, index = _kjt_arrays(features, all_features, self._owner)
             w = None
             if self._is_weighted:
@@ -253,6 +266,7 @@ class ShardedEmbeddingBagCollection(_Sharded, EmbeddingBagCollection):
                     raise KeyError(f"EmbeddingBagCollection: feature {f!r} of table '{s.name}' is missing from "
                                    f"the input (it holds {sorted(features)})")
                 v, o, w = _csr(features[f], f"features[{f!r}]")
+                self._check_device([v, o, w], f"features[{f!r}]")
                 r, fw = _ragged(v, o, w, f"features[{f!r}]")
                 inputs.append(r)
                 weights.append(fw)
@@ -292,6 +306,7 @@ class ShardedEmbeddingCollection(_Sharded, EmbeddingCollection):
         if _is_kjt(features):
             jt = _jagged_module()
             all_features = [f for s in self._specs for f in s.features]
+            self._check_device([features.values(), features.offsets()], "the KeyedJaggedTensor")
             ids, off, _, stride, index = _kjt_arrays(features, all_features, self._owner)
             lengths = features.lengths()
             keys: List[Tuple[str, int, Tensor]] = []
@@ -301,7 +316,7 @@ class ShardedEmbeddingCollection(_Sharded, EmbeddingCollection):
                     r, _ = _kjt_feature(ids, off, None, k, stride)
                     inputs.append(self._singletons(np.asarray(r.values))[0])
                     weights.append(None)
-                    keys.append((name, k, torch.from_numpy(np.asarray(r.values))))
+                    keys.append((name, k, self._out(np.asarray(r.values))))
             def finish(outs):
                 return {name: jt.JaggedTensor(values=r, lengths=lengths[k * stride:(k + 1) * stride],
                                               weights=v.clone() if self._need_indices else None)
@@ -325,6 +340,7 @@ class ShardedEmbeddingCollection(_Sharded, EmbeddingCollection):
                 else:
                     v = _csr(x, f"features[{f!r}]")[0]
                     shape = (v.shape[0],)
+                self._check_device([v], f"features[{f!r}]")
                 r, w = self._singletons(_np(v))
                 inputs.append(r)
                 weights.append(w)

@@ -33,6 +33,13 @@ void Lookup(const void* table, DType dtype, int64_t rows, int64_t dim, const std
 /// additions, so the same bits as the CPU engine).
 void ApplyGradients(const TableSpec& spec, void* values, const std::vector<float*>& slots, int64_t step,
                     const std::vector<GradientPart>& parts, float learning_rate, int device, uintptr_t stream);
+/// Lookup and ApplyGradients of host arrays (already checked on the host):
+/// copied to device scratch, run on the default stream, the output copied
+/// back to host memory before returning.
+void LookupFromHost(const void* table, DType dtype, int64_t rows, int64_t dim, const std::string& name,
+                    const Batch& batch, const OutputShape& shape, float* out, int device);
+void ApplyGradientsFromHost(const TableSpec& spec, void* values, const std::vector<float*>& slots, int64_t step,
+                            const std::vector<GradientPart>& parts, float learning_rate, int device);
 #else
 constexpr bool kCompiled = false;
 [[noreturn]] inline void NotBuilt() {
@@ -50,6 +57,14 @@ inline void Lookup(const void*, DType, int64_t, int64_t, const std::string&, con
 }
 inline void ApplyGradients(const TableSpec&, void*, const std::vector<float*>&, int64_t,
                            const std::vector<GradientPart>&, float, int, uintptr_t) {
+  NotBuilt();
+}
+inline void LookupFromHost(const void*, DType, int64_t, int64_t, const std::string&, const Batch&,
+                           const OutputShape&, float*, int) {
+  NotBuilt();
+}
+inline void ApplyGradientsFromHost(const TableSpec&, void*, const std::vector<float*>&, int64_t,
+                                   const std::vector<GradientPart>&, float, int) {
   NotBuilt();
 }
 #endif

@@ -341,6 +341,8 @@ class Table(LookupMixin):
         if self.step >= _MAX_STEP:
             raise ValueError(f"table '{self._name}' is at step {self.step}, the last a checkpoint records (2^62): "
                              "no further step")
+        if self._device >= 0:  # GPU memory: no host array can overlap it
+            return
         views = [("the values", self._native.values())] + [("a slot", v) for _, v in self._native.slots()]
         for part, name in zip(parts, names):
             for what, view in views:

@@ -630,6 +630,39 @@ EMBEDCORE_TEST(LookupGroupedEqualsLookupThenAdds) {
   }
 }
 
+EMBEDCORE_TEST(StagedCallsOnAHostTableAreTheDirectOnes) {
+  // LookupStaged / ApplyGradientsStaged take host arrays for a table anywhere;
+  // a host table runs the ordinary calls (a device one: tests/python/test_cuda.py).
+  std::mt19937 rng(37);
+  Table a(MakeSpec(60, 9, DType::kFloat32, OptimizerSpec::Kind::kAdagrad)),
+      b(MakeSpec(60, 9, DType::kFloat32, OptimizerSpec::Kind::kAdagrad));
+  for (int step = 0; step < 3; ++step) {
+    const HostPart part = RandomPart(rng, a, Combiner::kMean, 0, true, step == 1);
+    const int64_t n = part.shape.OutputRows(part.batch.View()) * a.dim();
+    std::vector<float> got(size_t(n), -3.0f), want(size_t(n), -4.0f);
+    a.Lookup(part.batch.View(), part.shape, want.data());
+    b.LookupStaged(part.batch.View(), part.shape, got.data());
+    for (size_t i = 0; i < got.size(); ++i) EMBEDCORE_EXPECT_BITS_EQ(got[i], want[i]);
+    a.ApplyGradients({part.View()}, 0.1f);
+    b.ApplyGradientsStaged({part.View()}, 0.1f);
+  }
+  EMBEDCORE_EXPECT(Values(a) == Values(b));
+  EMBEDCORE_EXPECT_EQ(b.step(), 3);
+  // The same validation: a bad id changes nothing.
+  HostPart bad = RandomPart(rng, a, Combiner::kSum, 0, false, false);
+  EMBEDCORE_EXPECT(!bad.batch.ids.empty());
+  if (!bad.batch.ids.empty()) bad.batch.ids[0] = 60;
+  const std::vector<float> before = Values(b);
+  bool threw = false;
+  try {
+    b.ApplyGradientsStaged({bad.View()}, 0.1f);
+  } catch (const OutOfRange&) {
+    threw = true;
+  }
+  EMBEDCORE_EXPECT(threw);
+  EMBEDCORE_EXPECT(Values(b) == before);
+}
+
 EMBEDCORE_TEST(LookupGroupedValidation) {
   Table t(MakeSpec(10, 4));
   HostBatch hb;

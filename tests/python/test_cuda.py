@@ -56,6 +56,8 @@ def test_cpu_build_refuses_gpu_tables_clearly():
 def test_cuda_build_without_gpu_refuses_clearly():
     with pytest.raises(ValueError, match="no CUDA device"):
         _table("cuda")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        ec.distributed.run_local(2, lambda w: ec.Embedding(_sharded_cfg(), world=w, device="cuda"))
 
 
 def test_bad_device_names():
@@ -128,6 +130,27 @@ def test_training_equals_cpu_engine(device, opt, dtype, combiner):
                             combiner=combiner, max_sequence_length=length)
     np.testing.assert_array_equal(dev.to_numpy(), ref.to_numpy())
     assert dev.step == ref.step == 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dim", [13, 130, 300])  # under one block of threads, a little over one, several
+def test_hot_ids_train_as_the_cpu_engine(device, dim):
+    """Groups of many occurrences (the GPU sums them 32 at a time, in order):
+    1000, 33, 32, 31 and 1 occurrences of an id, spread over the batch."""
+    rng = np.random.default_rng(5)
+    ids = np.concatenate([np.full(1000, 5), np.full(33, 7), np.full(32, 9), np.full(31, 11), [13]])
+    ids = rng.permutation(ids).astype(np.int64)
+    offsets = np.arange(0, ids.size + 1, 7, dtype=np.int64)
+    offsets[-1] = ids.size
+    w = rng.uniform(0.5, 2, ids.size).astype(np.float32)
+    g = rng.standard_normal((offsets.size - 1, dim)).astype(np.float32)
+    ref = _table("cpu", optimizer=ec.optimizers.Adam(0.01), dim=dim)
+    dev = _table(device, optimizer=ec.optimizers.Adam(0.01), dim=dim)
+    for _ in range(2):
+        ref.apply_gradients(ids, offsets, g, weights=w, combiner="sqrtn")
+        dev.apply_gradients(_to(device, ids), _to(device, offsets), _to(device, g), weights=_to(device, w),
+                            combiner="sqrtn")
+    np.testing.assert_array_equal(dev.to_numpy(), ref.to_numpy())
 
 
 @needs_gpu
@@ -245,9 +268,11 @@ def test_nccl_unique_id_and_arguments(tmp_path):
 
 @needs_gpu
 @pytest.mark.skipif(not INFO["nccl"], reason="needs the CUDA build with NCCL (EMBEDCORE_CUDA=ON, nvidia-nccl-cu13)")
-def test_nccl_world_of_one_runs_the_sharded_lookup(tmp_path):
+@pytest.mark.parametrize("shards", [None, "cuda:0"])  # the shards in host or GPU memory
+def test_nccl_world_of_one_runs_the_sharded_lookup(tmp_path, shards):
     """NCCL does not run two ranks on one GPU: the transport is checked at
-    world size 1 here, the algorithm at larger sizes over the other backends."""
+    world size 1 here, the algorithm at larger sizes over the other backends
+    (and with GPU shards over run_local above)."""
     world = ec.distributed.init("nccl", file=str(tmp_path / "nccl_id"), rank=0, size=1, device=0)
     assert (world.rank, world.size, world.backend) == (0, 1, "nccl")
     got = world.all_to_all_v([np.arange(10, dtype=np.float32)])
@@ -259,7 +284,8 @@ def test_nccl_world_of_one_runs_the_sharded_lookup(tmp_path):
         return {"f": ec.FeatureConfig(t), "s": ec.FeatureConfig(t, max_sequence_length=3)}
 
     ref = ec.Embedding(cfg(), ec.optimizers.Adagrad(0.1))
-    emb = ec.Embedding(cfg(), ec.optimizers.Adagrad(0.1), world=world, sharding="row_wise")
+    emb = ec.Embedding(cfg(), ec.optimizers.Adagrad(0.1), world=world, sharding="row_wise", device=shards)
+    assert emb.shard_device == shards
     rng = np.random.default_rng(3)
     for _ in range(3):
         x = {"f": rng.integers(0, 40, (8, 3)), "s": rng.integers(0, 40, (8, 4))}
@@ -270,3 +296,65 @@ def test_nccl_world_of_one_runs_the_sharded_lookup(tmp_path):
         emb.apply_gradients({k: v + 1 for k, v in b.items()})
     (shard, table), = emb.local_shards["a"]
     np.testing.assert_array_equal(table.to_numpy(), ref.embedding_tables[next(iter(ref.embedding_tables))].to_numpy())
+
+
+def _sharded_cfg():
+    a = ec.TableConfig("a", 50, 6, initializer=ec.initializers.Uniform(-1, 1, seed=4), combiner="mean")
+    b = ec.TableConfig("b", 30, 8, initializer=ec.initializers.Uniform(-1, 1, seed=5), combiner="sum")
+    return {"f": ec.FeatureConfig(a), "s": ec.FeatureConfig(a, max_sequence_length=3), "g": ec.FeatureConfig(b)}
+
+
+@pytest.mark.skipif(INFO["cuda"], reason="checks the CPU-only build's error")
+def test_cpu_build_refuses_gpu_shards_clearly():
+    with pytest.raises(ec.NotCompiledError, match="CUDA build"):
+        ec.distributed.run_local(1, lambda w: ec.Embedding(_sharded_cfg(), world=w, device="cuda"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise"])
+def test_sharded_embedding_with_gpu_shards(tmp_path, device, sharding):
+    """Three ranks (threads) whose shards live on the device: lookups, Adagrad
+    steps and a checkpoint as the unsharded CPU embedding's. (Any number of
+    ranks may share a GPU here: run_local needs no NCCL.)"""
+    rng = np.random.default_rng(8)
+    batches = [{"f": rng.integers(0, 50, (9, 4)), "s": rng.integers(0, 50, (9, 5)), "g": rng.integers(0, 30, (9, 2))}
+               for _ in range(3)]
+    # The global batch's gradients (27 bags: the three ranks' in order), fixed in advance.
+    shapes = {"f": (27, 6), "s": (27, 3, 6), "g": (27, 8)}
+    grads = [{k: rng.standard_normal(shape).astype(np.float32) for k, shape in shapes.items()} for _ in batches]
+
+    def rank(world):
+        emb = ec.Embedding(_sharded_cfg(), ec.optimizers.Adagrad(0.1), world=world, sharding=sharding,
+                           device=None if device == "cpu" else device)
+        assert emb.shard_device == (None if device == "cpu" else "cuda:0")
+        assert all(t.device == ("cpu" if device == "cpu" else "cuda:0")
+                   for shards in emb.local_shards.values() for _, t in shards)
+        outs = []
+        for x, g in zip(batches, grads):
+            outs.append(emb(x))  # every rank passes the same batch: a third of the global one
+            emb.apply_gradients({k: v[world.rank * 9:(world.rank + 1) * 9] for k, v in g.items()})
+        ec.save(str(tmp_path / "ckpt"), emb)
+        return outs
+
+    results = ec.distributed.run_local(3, rank)
+    # Each rank's batch is a third of the global batch, so compare against an
+    # unsharded embedding fed the three copies in rank order.
+    ref3 = ec.Embedding(_sharded_cfg(), ec.optimizers.Adagrad(0.1))
+    for step, x in enumerate(batches):
+        x3 = {k: np.concatenate([v] * 3) for k, v in x.items()}
+        out = ref3(x3)
+        for r in range(3):
+            for k in out:
+                got = results[r][step][k]
+                want = out[k][r * 9:(r + 1) * 9]
+                if sharding == "row_wise" and k != "s":
+                    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+                else:
+                    np.testing.assert_array_equal(got, want)
+        ref3.apply_gradients(grads[step])
+    back = ec.Embedding(_sharded_cfg(), ec.optimizers.Adagrad(0.1))
+    ec.load(str(tmp_path / "ckpt"), into=back)
+    loaded = {c.name: t for c, t in back.embedding_tables.items()}
+    for cfg, table in ref3.embedding_tables.items():
+        np.testing.assert_array_equal(loaded[cfg.name].to_numpy(), table.to_numpy())
+        np.testing.assert_array_equal(loaded[cfg.name].slots()["accumulators"], table.slots()["accumulators"])

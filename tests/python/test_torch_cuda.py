@@ -213,16 +213,71 @@ def test_from_pretrained_keeps_a_cuda_tensors_device():
 
 
 @needs_gpu
-def test_sharded_collections_refuse_cuda_tensors_clearly():
+def test_sharded_collections_refuse_tensors_on_another_device():
     from embedcore.distributed import run_local
 
     def fn(world):
-        ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name="a",
-                                                               feature_names=["f"])], world=world)
-        with pytest.raises(NotImplementedError, match="CPU tensors"):
-            ebc({"f": (torch.tensor([1, 2], device="cuda"), torch.tensor([0, 2], device="cuda"))})
+        def ebc(device):
+            return et.EmbeddingBagCollection([et.EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name="a",
+                                                                    feature_names=["f"])], world=world, device=device)
+
+        ids, offsets = torch.tensor([1, 2]), torch.tensor([0, 2])
+        with pytest.raises(RuntimeError, match="same device"):
+            ebc(None)({"f": (ids.cuda(), offsets.cuda())})
+        with pytest.raises(RuntimeError, match="same device"):
+            ebc("cuda")({"f": (ids, offsets)})
 
     run_local(1, fn)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise"])
+def test_sharded_collections_with_shards_on_the_device(device, sharding):
+    """Two ranks (threads) whose shards live on `device`: outputs on that
+    device, and a fused Adagrad step per batch, equal to the unsharded CPU
+    collection on the global batch (row-wise outputs within float rounding)."""
+    from embedcore.distributed import run_local
+
+    def tables():  # explicit initializers: run_local's threads share torch's generator
+        init = {"initializer": ec.initializers.Uniform(-0.5, 0.5, seed=2)}
+        return [et.EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name="a", feature_names=["f"], **init),
+                et.EmbeddingBagConfig(num_embeddings=30, embedding_dim=5, name="b", feature_names=["g"],
+                                      pooling="mean", **init)]
+
+    def opt():
+        return ec.optimizers.Adagrad(0.1, initial_accumulator_value=0.1)
+
+    rng = np.random.default_rng(4)
+    steps = []
+    for _ in range(3):
+        f_ids, f_off, _ = bags(rng, ROWS, 6)
+        g_ids, g_off, _ = bags(rng, 30, 6)
+        steps.append({"f": (f_ids, f_off), "g": (g_ids, g_off)})
+
+    def half(x, r):  # rank r's bags: the first or last three of six
+        ids, off = x
+        lo, hi = int(off[3 * r]), int(off[3 * r + 3])
+        return ids[lo:hi], off[3 * r:3 * r + 4] - lo
+
+    def fn(world):
+        m = et.EmbeddingBagCollection(tables(), optimizer=opt(), world=world, sharding=sharding, device=device)
+        outs = []
+        for x in steps:
+            out = m({k: tuple(t.to(device) for t in half(v, world.rank)) for k, v in x.items()})
+            assert all(o.device.type == device for o in out.values())
+            ((out["f"] - 1.0) ** 2).sum().add(out["g"].sum()).backward()
+            outs.append({k: v.detach().cpu().clone() for k, v in out.items()})
+        return outs
+
+    results = run_local(2, fn)
+    ref = et.EmbeddingBagCollection(tables(), optimizer=opt())
+    for step, x in enumerate(steps):
+        want = ref({k: (v[0], v[1]) for k, v in x.items()})
+        for r in range(2):
+            for k in want:
+                assert max_diff(results[r][step][k], want[k][3 * r:3 * r + 3]) <= (1e-6 if sharding == "row_wise"
+                                                                                  else 0), (step, r, k)
+        ((want["f"] - 1.0) ** 2).sum().add(want["g"].sum()).backward()
 
 
 @needs_gpu

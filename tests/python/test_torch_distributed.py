@@ -215,8 +215,15 @@ def test_sharded_collection_argument_errors():
         with pytest.raises(ValueError, match="every table or none"):
             et.EmbeddingBagCollection(mixed, world=world)
         errors.append("mixed")
-        with pytest.raises(NotImplementedError):
-            et.EmbeddingBagCollection(_tables(), world=world, device="cuda")
+        # GPU shards need the CUDA build, and a GPU (tests/python/test_torch_cuda.py runs them there).
+        if not ec.build_info()["cuda"]:
+            with pytest.raises(NotImplementedError, match="CUDA build"):
+                et.EmbeddingBagCollection(_tables(), world=world, device="cuda")
+        elif ec.build_info()["cuda_devices"] == 0:
+            with pytest.raises(ValueError, match="no CUDA device"):
+                et.EmbeddingBagCollection(_tables(), world=world, device="cuda")
+        with pytest.raises(NotImplementedError, match="CPU or CUDA"):
+            et.EmbeddingBagCollection(_tables(), world=world, device="meta")
         errors.append("device")
         m = et.EmbeddingBagCollection(_tables(), optimizer=ec.optimizers.SGD(0.1), world=world)
         f = _feats(world.rank)

@@ -227,6 +227,14 @@ class Table {
   /// Validates everything before changing anything.
   void ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate, uintptr_t stream = 0);
 
+  /// Lookup and ApplyGradients of host arrays on a table anywhere: a host
+  /// table runs them as above; a device table checks the batch on the host,
+  /// copies it (and the gradients) to device memory, runs there and copies
+  /// the output back. The sharded algorithm, which routes ids on the host,
+  /// serves and updates its GPU shards with these.
+  void LookupStaged(const Batch& batch, const OutputShape& shape, float* out) const;
+  void ApplyGradientsStaged(const std::vector<GradientPart>& parts, float learning_rate);
+
   /// -1 for a host table, else its CUDA device.
   int device() const { return spec_.device; }
 

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import _embedcore, _nest
+from .. import _device, _embedcore, _nest
 from .._inputs import Batch, as_float32, make_batch
 from ..config import TableConfig
 from ..embedding import Embedding
@@ -93,11 +93,13 @@ class ShardedEmbedding(Embedding):
     what; ``emb.local_shards`` are this rank's shards as Tables.
     """
 
-    def __init__(self, feature_config, optimizer=None, *, world=None, sharding="auto"):
+    def __init__(self, feature_config, optimizer=None, *, world=None, sharding="auto", device=None):
         if not isinstance(world, Comm):
             raise TypeError(f"Embedding: world must be an embedcore.distributed.Comm, got {world!r}")
         self._world = world
         self._sharding = sharding
+        # Where this rank's shards live; inputs, outputs and gradients stay host arrays either way.
+        self._shard_device = _device.parse_device(device, "Embedding")
         super().__init__(feature_config, optimizer)
 
     # ------------------------------------------------------------ layout
@@ -145,13 +147,19 @@ class ShardedEmbedding(Embedding):
             eff = self._effective[cfg]
             for si, s in enumerate(self._plan[eff.name].shards):
                 if s.rank == self._world.rank:
-                    self._local[(ti, si)] = Table._shard(eff, s.rows, s.cols, s.row_start, s.col_start)
+                    self._local[(ti, si)] = Table._shard(eff, s.rows, s.cols, s.row_start, s.col_start,
+                                                         device=self.shard_device)
         self._tables = {}
         self._fwd = None  # the last forward pass, for apply_gradients
 
     @property
     def world(self) -> Comm:
         return self._world
+
+    @property
+    def shard_device(self) -> Optional[str]:
+        """Where this rank's shards live: None (host memory) or "cuda:N"."""
+        return None if self._shard_device < 0 else f"cuda:{self._shard_device}"
 
     @property
     def plan(self) -> ShardingPlan:
@@ -397,7 +405,7 @@ class ShardedEmbedding(Embedding):
                 code = _NONE
             ids = np.ascontiguousarray(ids)
             table = self._local[(ti, si)]
-            results.append(table._native.lookup(ids, offsets, w, code, 0).reshape(-1))
+            results.append(table._native.lookup_staged(ids, offsets, w, code, 0).reshape(-1))
             served[(fi, si, j)] = (ids, offsets, w, code)
         return np.concatenate(results) if results else np.zeros(0, np.float32)
 
@@ -470,7 +478,7 @@ class ShardedEmbedding(Embedding):
                         pos[j] += n
                         by_shard[(ti, si)].append((ids, offsets, w, code, 0, g))
             for key, table in self._local.items():
-                table._apply_parts(by_shard[key], rates[key])
+                table._native.apply_gradients_staged(by_shard[key], rates[key])
         except Exception as e:  # noqa: BLE001
             error = e
         agree(comm, error, step="apply_gradients: update")
