@@ -235,6 +235,39 @@ void CheckRows(const Table& t, size_t ndim, const int64_t* shape, const char* wh
 
 void BindTable(nb::module_& m) {
   m.def(
+      "csr_from_coo",
+      [](const nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>& indices, int64_t bags,
+         int64_t width) {
+        if (indices.shape(1) != 2) throw InvalidArgument("csr_from_coo: indices must be [nnz, 2]");
+        IdType type;
+        if (indices.dtype() == nb::dtype<int32_t>())
+          type = IdType::kInt32;
+        else if (indices.dtype() == nb::dtype<int64_t>())
+          type = IdType::kInt64;
+        else
+          throw TypeMismatch("csr_from_coo: indices must be int32 or int64");
+        if (bags < 0 || width < 0) throw InvalidArgument("csr_from_coo: negative dense shape");
+        const int64_t nnz = int64_t(indices.shape(0));
+        std::unique_ptr<int64_t[]> offsets(new int64_t[size_t(bags) + 1]);
+        std::unique_ptr<int64_t[]> positions(new int64_t[size_t(std::max<int64_t>(nnz, 1))]);
+        CooCheck check;
+        {
+          nb::gil_scoped_release release;
+          check = CsrFromCoo(indices.data(), type, nnz, bags, width, offsets.get(), positions.get());
+        }
+        const size_t off_shape[1] = {size_t(bags) + 1}, pos_shape[1] = {size_t(nnz)};
+        int64_t* o = offsets.release();
+        int64_t* p = positions.release();
+        nb::capsule own_o(o, [](void* q) noexcept { delete[] static_cast<int64_t*>(q); });
+        nb::capsule own_p(p, [](void* q) noexcept { delete[] static_cast<int64_t*>(q); });
+        return std::make_tuple(nb::ndarray<nb::numpy, int64_t>(o, 1, off_shape, own_o),
+                               nb::ndarray<nb::numpy, int64_t>(p, 1, pos_shape, own_p), check.first_bad,
+                               check.row_major);
+      },
+      "indices"_a.noconvert(), "bags"_a, "width"_a,
+      "COO bags [nnz, 2] (bag, position) -> (CSR offsets [bags + 1], positions [nnz], index of the first entry "
+      "outside [0, bags) x [0, width) or -1, whether the entries are in row-major order).");
+  m.def(
       "bag_denominators",
       [](const OffsetArray& offsets, const std::optional<WeightArray>& weights, int combiner) {
         if (offsets.shape(0) < 1) throw InvalidArgument("offsets must hold at least one value");

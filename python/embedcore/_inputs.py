@@ -12,6 +12,8 @@ from typing import Optional
 
 import numpy as np
 
+from . import _embedcore
+
 __all__ = ["Ragged", "Sparse"]
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -125,7 +127,7 @@ class Batch:
     """A lookup's input as the engine takes it, plus how to shape the output.
 
     ``kind`` is "ragged" (CSR), "dense" (a [batch, k] array; ``width`` = k) or
-    "sparse" (COO; ``rows``/``positions`` keep the coordinates)."""
+    "sparse" (COO; ``positions`` keeps each id's position in its bag)."""
 
     ids: np.ndarray
     offsets: np.ndarray
@@ -133,6 +135,7 @@ class Batch:
     kind: str
     width: int = 0
     positions: Optional[np.ndarray] = None  # sparse: position of each id in its bag
+    indices: Optional[np.ndarray] = None  # sparse: the caller's coordinates (only for overlap checks)
 
     @property
     def num_bags(self) -> int:
@@ -161,13 +164,17 @@ def _sparse_parts(sp: Sparse, where: str):
         raise ValueError(f"{where}.dense_shape must have {indices.shape[1]} values, got shape {shape.shape}")
     if (shape < 0).any():
         raise ValueError(f"{where}.dense_shape must be non-negative, got {shape.tolist()}")
-    n = indices.shape[0]
-    if n:
-        bad = np.nonzero(((indices < 0) | (indices >= shape)).any(axis=1))[0]
-        if bad.size:
-            k = int(bad[0])
-            raise ValueError(f"{where}.indices[{k}] = {indices[k].tolist()} is outside dense_shape {shape.tolist()}")
     return indices, values, shape
+
+
+def _csr_of_coo(indices: np.ndarray, shape: np.ndarray, where: str):
+    """(offsets, positions, row_major) of COO entries, checked against the
+    dense shape in one native pass."""
+    offsets, positions, bad, row_major = _embedcore.csr_from_coo(np.ascontiguousarray(indices), int(shape[0]),
+                                                                 int(shape[1]))
+    if bad >= 0:
+        raise ValueError(f"{where}.indices[{bad}] = {indices[bad].tolist()} is outside dense_shape {shape.tolist()}")
+    return offsets, positions, row_major
 
 
 def make_batch(ids, offsets=None, weights=None, where: str = "ids") -> Batch:
@@ -217,17 +224,16 @@ def make_batch(ids, offsets=None, weights=None, where: str = "ids") -> Batch:
             w = as_weights(weights, wname)
             if w.shape != values.shape:
                 raise ValueError(f"{wname} must have shape {values.shape} like {where}.values, got {w.shape}")
-        batch = int(shape[0])
         # Bags are rows; within a row, ids keep the order of their positions.
-        if not _row_major_sorted(indices):
+        given = indices
+        offs, positions, row_major = _csr_of_coo(indices, shape, where)
+        if not row_major:
             order = np.lexsort(indices.T[::-1])
             indices, values = indices[order], values[order]
             w = None if w is None else w[order]
-        rows = indices[:, 0]
-        offs = np.zeros(batch + 1, dtype=np.int64)
-        np.cumsum(np.bincount(rows, minlength=batch), out=offs[1:])
-        return Batch(np.ascontiguousarray(values), offs, w, "sparse", width=int(shape[1]),
-                     positions=np.ascontiguousarray(indices[:, 1]))
+            offs, positions, _ = _csr_of_coo(indices, shape, where)
+        return Batch(np.ascontiguousarray(values), offs, w, "sparse", width=int(shape[1]), positions=positions,
+                     indices=given)
 
     a = as_int_array(ids, where)
     if a.ndim == 0:
@@ -255,14 +261,3 @@ def make_batch(ids, offsets=None, weights=None, where: str = "ids") -> Batch:
         if w.shape != a.shape:
             raise ValueError(f"{wname} must have shape {a.shape} like {where}, got {w.shape}")
     return Batch(a, offs, w, "ragged")
-
-
-def _row_major_sorted(indices: np.ndarray) -> bool:
-    if indices.shape[0] < 2:
-        return True
-    d = np.diff(indices, axis=0)
-    # Sorted when, at the first non-zero coordinate difference, it is positive.
-    nz = d != 0
-    first = np.argmax(nz, axis=1)
-    lead = d[np.arange(d.shape[0]), first]
-    return bool((lead >= 0).all())

@@ -99,7 +99,7 @@ class LookupMixin:
         if combiner is None and batch.kind == "sparse":
             # Each id goes to its own position (duplicates add up), as TensorFlow does.
             if out is not None:  # out is zeroed before the positions are read: it may not share their memory
-                for what, a in (("ids", batch.ids), ("weights", batch.weights), ("ids.indices", batch.positions)):
+                for what, a in (("ids", batch.ids), ("weights", batch.weights), ("ids.indices", batch.indices)):
                     if a is not None and np.may_share_memory(out, a):
                         raise ValueError(f"out shares memory with {what}: pass a separate output array")
             rows = np.repeat(np.arange(batch.num_bags), np.diff(batch.offsets))

@@ -168,6 +168,16 @@ def test_bad_sparse(trained, indices, shape):
         trained.lookup(sp)
 
 
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_bad_sparse_index_is_named(trained, index_dtype):
+    """The first entry outside dense_shape is named, sorted input or not."""
+    indices = np.array([[1, 1], [0, 0], [2, 1], [0, 5]], index_dtype)
+    with pytest.raises(ValueError, match=r"ids\.indices\[2\] = \[2, 1\] is outside dense_shape \[2, 2\]"):
+        trained.lookup(ec.Sparse(indices, np.ones(4, np.int64), [2, 2]))
+    with pytest.raises(ValueError, match=r"ids\.indices\[0\] = \[0, -1\] is outside"):
+        trained.lookup(ec.Sparse(np.array([[0, -1]], index_dtype), [1], [2, 2]))
+
+
 def test_sparse_weights_of_another_dense_shape(trained):
     ids = ec.Sparse([[0, 0], [1, 1]], [1, 2], [3, 2])
     with pytest.raises(ValueError, match=r"weights.dense_shape \[5, 9\] differs from ids.dense_shape \[3, 2\]"):

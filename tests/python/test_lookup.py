@@ -231,7 +231,8 @@ def _coo_pooled_ref(table, indices, ids, weights, batch, combiner):
 @pytest.mark.parametrize("weights_form", ["none", "sparse", "flat"])
 @pytest.mark.parametrize("shuffled", [False, True])
 @pytest.mark.parametrize("combiner", COMBINERS)
-def test_sparse_pooled(rng, combiner, shuffled, weights_form):
+@pytest.mark.parametrize("index_dtype", [np.int64, np.int32])
+def test_sparse_pooled(rng, combiner, shuffled, weights_form, index_dtype):
     table = make_table(40, 7, seed=9)
     batch, width = 9, 6
     indices, ids = _coo(rng, batch, width, 40, duplicates=True)
@@ -240,6 +241,7 @@ def test_sparse_pooled(rng, combiner, shuffled, weights_form):
     if shuffled:
         perm = rng.permutation(len(ids))
         indices, ids = indices[perm], ids[perm]
+    indices = indices.astype(index_dtype)
     w = rng.uniform(0.5, 2, size=len(ids)).astype(np.float32)
     weights = {"none": None, "sparse": ec.Sparse(indices, w, [batch, width]), "flat": w}[weights_form]
     out = table.lookup(ec.Sparse(indices, ids, [batch, width]), weights=weights, combiner=combiner)

@@ -180,6 +180,22 @@ void ValidateBatch(const Batch& batch, int64_t rows, const std::string& table);
 /// row-wise shard's owner sees only part of a bag, so the bag's owner divides.
 void BagDenominators(const Batch& batch, Combiner combiner, float* out);
 
+/// What CsrFromCoo found: the first entry outside the dense shape (-1 if
+/// none; the outputs are then incomplete) and whether the entries are in
+/// row-major order (by bag, then position; repeats allowed).
+struct CooCheck {
+  int64_t first_bad = -1;
+  bool row_major = true;
+};
+
+/// Bags in COO form, as a rank-2 SparseTensor holds them: entry k is at
+/// (bag, position) = (indices[2k], indices[2k + 1]), of `index_type`. In one
+/// pass, checks every entry against [0, bags) x [0, width), counts each bag's
+/// entries into `offsets` ([bags + 1], the CSR form of entries in row-major
+/// order) and copies the positions to `positions` ([nnz]).
+CooCheck CsrFromCoo(const void* indices, IdType index_type, int64_t nnz, int64_t bags, int64_t width,
+                    int64_t* offsets, int64_t* positions);
+
 // ---------------------------------------------------------------- threads
 /// The most threads SetNumThreads takes (the pool starts them all at once).
 constexpr int kMaxThreads = 4096;

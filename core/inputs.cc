@@ -1,0 +1,44 @@
+// Input forms the engine converts itself: COO bags (TensorFlow's SparseTensor)
+// to the CSR batch the kernels take.
+#include <algorithm>
+
+#include "embedcore/embedcore.h"
+
+namespace embedcore {
+namespace {
+
+template <typename I>
+CooCheck CsrFromCooT(const I* indices, int64_t nnz, int64_t bags, int64_t width, int64_t* offsets,
+                     int64_t* positions) {
+  CooCheck check;
+  std::fill(offsets, offsets + bags + 1, int64_t(0));
+  int64_t prev_bag = 0, prev_pos = 0;
+  for (int64_t k = 0; k < nnz; ++k) {
+    const int64_t bag = int64_t(indices[2 * k]), pos = int64_t(indices[2 * k + 1]);
+    if (uint64_t(bag) >= uint64_t(bags) || uint64_t(pos) >= uint64_t(width)) {
+      check.first_bad = k;
+      return check;
+    }
+    if (k > 0 && (bag < prev_bag || (bag == prev_bag && pos < prev_pos))) check.row_major = false;
+    prev_bag = bag;
+    prev_pos = pos;
+    ++offsets[bag + 1];
+    positions[k] = pos;
+  }
+  for (int64_t b = 0; b < bags; ++b) offsets[b + 1] += offsets[b];
+  return check;
+}
+
+}  // namespace
+
+CooCheck CsrFromCoo(const void* indices, IdType index_type, int64_t nnz, int64_t bags, int64_t width,
+                    int64_t* offsets, int64_t* positions) {
+  if (nnz < 0 || bags < 0 || width < 0) throw InvalidArgument("csr_from_coo: negative size");
+  if (offsets == nullptr || (nnz > 0 && (indices == nullptr || positions == nullptr)))
+    throw InvalidArgument("csr_from_coo: null pointer");
+  return index_type == IdType::kInt32
+             ? CsrFromCooT(static_cast<const int32_t*>(indices), nnz, bags, width, offsets, positions)
+             : CsrFromCooT(static_cast<const int64_t*>(indices), nnz, bags, width, offsets, positions);
+}
+
+}  // namespace embedcore

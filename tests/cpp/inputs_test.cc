@@ -1,0 +1,78 @@
+// core/inputs.cc CsrFromCoo: COO bags to CSR offsets and positions, against
+// a reference built from sorted (bag, position) pairs, and its checks.
+#include <algorithm>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "embedcore/embedcore.h"
+#include "test_util.h"
+
+using namespace embedcore;
+
+namespace {
+
+template <typename I>
+CooCheck Run(const std::vector<std::pair<int64_t, int64_t>>& entries, int64_t bags, int64_t width,
+             std::vector<int64_t>& offsets, std::vector<int64_t>& positions) {
+  std::vector<I> flat;
+  for (const auto& [b, p] : entries) {
+    flat.push_back(I(b));
+    flat.push_back(I(p));
+  }
+  offsets.assign(size_t(bags) + 1, -9);
+  positions.assign(entries.size(), -9);
+  return CsrFromCoo(flat.data(), sizeof(I) == 4 ? IdType::kInt32 : IdType::kInt64, int64_t(entries.size()), bags,
+                    width, offsets.data(), positions.data());
+}
+
+}  // namespace
+
+EMBEDCORE_TEST(RowMajorEntriesGiveTheirCsrForm) {
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 50; ++trial) {
+    const int64_t bags = 1 + int64_t(rng() % 20), width = 1 + int64_t(rng() % 9);
+    std::vector<std::pair<int64_t, int64_t>> entries;
+    const size_t n = rng() % 60;
+    for (size_t k = 0; k < n; ++k) entries.emplace_back(int64_t(rng() % bags), int64_t(rng() % width));
+    std::sort(entries.begin(), entries.end());  // row-major, repeats kept
+    for (bool int32 : {false, true}) {
+      std::vector<int64_t> offsets, positions;
+      const CooCheck c = int32 ? Run<int32_t>(entries, bags, width, offsets, positions)
+                               : Run<int64_t>(entries, bags, width, offsets, positions);
+      EMBEDCORE_EXPECT_EQ(c.first_bad, -1);
+      EMBEDCORE_EXPECT(c.row_major);
+      EMBEDCORE_EXPECT_EQ(offsets[0], 0);
+      for (int64_t b = 0; b < bags; ++b) {
+        const int64_t count = std::count_if(entries.begin(), entries.end(), [&](const auto& e) { return e.first == b; });
+        EMBEDCORE_EXPECT_EQ(offsets[size_t(b) + 1] - offsets[size_t(b)], count);
+      }
+      for (size_t k = 0; k < n; ++k) EMBEDCORE_EXPECT_EQ(positions[k], entries[k].second);
+    }
+  }
+}
+
+EMBEDCORE_TEST(OrderAndBoundsAreReported) {
+  std::vector<int64_t> offsets, positions;
+  // Out of row-major order: same bag, positions falling; or bags falling.
+  EMBEDCORE_EXPECT(!Run<int64_t>({{0, 1}, {0, 0}}, 2, 2, offsets, positions).row_major);
+  EMBEDCORE_EXPECT(!Run<int64_t>({{1, 0}, {0, 1}}, 2, 2, offsets, positions).row_major);
+  EMBEDCORE_EXPECT(Run<int64_t>({{0, 1}, {0, 1}, {1, 0}}, 2, 2, offsets, positions).row_major);  // repeats are fine
+  // The first entry outside [0, bags) x [0, width), whichever coordinate.
+  EMBEDCORE_EXPECT_EQ(Run<int64_t>({{0, 0}, {2, 0}, {5, 5}}, 2, 2, offsets, positions).first_bad, 1);
+  EMBEDCORE_EXPECT_EQ(Run<int64_t>({{0, 0}, {1, 2}}, 2, 2, offsets, positions).first_bad, 1);
+  EMBEDCORE_EXPECT_EQ(Run<int32_t>({{-1, 0}}, 2, 2, offsets, positions).first_bad, 0);
+  EMBEDCORE_EXPECT_EQ(Run<int64_t>({{0, -1}}, 2, 2, offsets, positions).first_bad, 0);
+  EMBEDCORE_EXPECT_EQ(Run<int64_t>({{0, 0}}, 0, 2, offsets, positions).first_bad, 0);  // no bags at all
+  // No entries: all-zero offsets.
+  const CooCheck c = Run<int64_t>({}, 3, 2, offsets, positions);
+  EMBEDCORE_EXPECT_EQ(c.first_bad, -1);
+  EMBEDCORE_EXPECT(offsets == std::vector<int64_t>(4, 0));
+  bool threw = false;
+  try {
+    CsrFromCoo(nullptr, IdType::kInt64, -1, 2, 2, offsets.data(), positions.data());
+  } catch (const InvalidArgument&) {
+    threw = true;
+  }
+  EMBEDCORE_EXPECT(threw);
+}
