@@ -82,7 +82,11 @@ class _ShardedLookup(torch.autograd.Function):
         outs = module._embedding(inputs, weights)
         ctx.module = module
         ctx.call = module._calls
-        return tuple(module._out(o) for o in outs)
+        # Host tensors: the caller moves them to the module's device. Were they
+        # CUDA tensors, this backward would run on autograd's one thread for
+        # that GPU, where ranks sharing a process (run_local) would wait for
+        # each other in the collective update forever.
+        return tuple(torch.from_numpy(o) for o in outs)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -92,7 +96,7 @@ class _ShardedLookup(torch.autograd.Function):
                                "collection updates from its last forward pass only, so call backward() before "
                                "the next forward (on every rank)")
         # Autograd gives zeros for outputs that did not reach the loss.
-        module._embedding.apply_gradients([g.detach().cpu().contiguous().numpy() for g in grads])
+        module._embedding.apply_gradients([g.detach().contiguous().numpy() for g in grads])
         return torch.zeros(1), None, None, None
 
 
@@ -209,7 +213,8 @@ class _Sharded:
         self._calls += 1
         if not (self._trainable and torch.is_grad_enabled()):
             return [self._out(o) for o in self._embedding(inputs, weights)]
-        return list(_ShardedLookup.apply(self._anchor, self, inputs, weights))
+        outs = _ShardedLookup.apply(self._anchor, self, inputs, weights)
+        return [o if self._device.type == "cpu" else o.to(self._device) for o in outs]
 
 
 class ShardedEmbeddingBagCollection(_Sharded, EmbeddingBagCollection):
@@ -316,10 +321,10 @@ class ShardedEmbeddingCollection(_Sharded, EmbeddingCollection):
                     r, _ = _kjt_feature(ids, off, None, k, stride)
                     inputs.append(self._singletons(np.asarray(r.values))[0])
                     weights.append(None)
-                    keys.append((name, k, self._out(np.asarray(r.values))))
+                    keys.append((name, k, np.asarray(r.values) if self._need_indices else None))
             def finish(outs):
                 return {name: jt.JaggedTensor(values=r, lengths=lengths[k * stride:(k + 1) * stride],
-                                              weights=v.clone() if self._need_indices else None)
+                                              weights=None if v is None else self._out(v.copy()))
                         for (name, k, v), r in zip(keys, outs)}
 
             return inputs, weights, finish

@@ -72,6 +72,9 @@ class Embedding(FeatureLookup):
 
     ``device="cuda:N"`` (the CUDA build) keeps every table in GPU memory; its
     inputs, outputs and gradients are then CUDA tensors (PyTorch or CuPy).
+    With ``world=``, it keeps this rank's shards there, and the inputs,
+    outputs and gradients stay host arrays (the sharded algorithm routes ids
+    on the host).
     """
 
     def __new__(cls, feature_config=None, optimizer=None, *, world=None, sharding="auto", device=None):

@@ -1204,3 +1204,32 @@ def test_init_local_points_to_run_local():
         ed.init("local")
     with pytest.raises(ValueError):
         ed.init("carrier-pigeon")
+
+
+def test_shard_creation_failing_on_one_rank_reaches_every_rank(monkeypatch):
+    """Creating a rank's shards can fail there alone (memory, a missing GPU):
+    every rank raises at construction instead of waiting in the first lookup."""
+    from embedcore.table import Table
+
+    real = Table._shard.__func__
+
+    def shard(cls, *args, **kwargs):
+        if threading.current_thread().name == "embedcore-rank-1":
+            raise MemoryError("no room for this shard")
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Table, "_shard", classmethod(shard))
+    seen = {}
+
+    def fn(world):
+        try:
+            ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig("t", 30, 4))}, world=world, sharding="row_wise")
+        except Exception as e:  # noqa: BLE001
+            seen[world.rank] = e
+            raise
+
+    with pytest.raises(MemoryError, match="no room"):
+        ed.run_local(3, fn)
+    assert isinstance(seen[1], MemoryError)
+    assert isinstance(seen[0], ed.RankFailedError) and "MemoryError" in str(seen[0])
+    assert isinstance(seen[2], ed.RankFailedError)

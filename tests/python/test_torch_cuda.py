@@ -280,6 +280,67 @@ def test_sharded_collections_with_shards_on_the_device(device, sharding):
         ((want["f"] - 1.0) ** 2).sum().add(want["g"].sum()).backward()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_sharded_collections_take_keyed_jagged_tensors_on_the_device(device):
+    """KeyedJaggedTensor inputs on `device`: a weighted EmbeddingBagCollection
+    and an EmbeddingCollection (need_indices) with their shards there, one
+    SGD step each, against the unsharded CPU modules."""
+    torchrec = pytest.importorskip("torchrec")
+    from embedcore.distributed import run_local
+
+    init = {"initializer": ec.initializers.Uniform(-0.5, 0.5, seed=6)}
+
+    def bag_tables():
+        return [et.EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name="a", feature_names=["f", "g"],
+                                      **init)]
+
+    def seq_tables():
+        return [et.EmbeddingConfig(num_embeddings=ROWS, embedding_dim=DIM, name="e", feature_names=["f"], **init)]
+
+    def kjt(rank, dev):  # batch 2 per rank: f then g, lengths per example
+        values = torch.tensor([1, 2, 3, 4, 5, 59, 7, 8][rank:] + [9][:rank])
+        lengths = torch.tensor([2, 1, 3, 2])
+        weights = torch.linspace(0.5, 2.0, 8)
+        return torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f", "g"], values=values.to(dev),
+                                                            lengths=lengths.to(dev), weights=weights.to(dev))
+
+    def fn(world):
+        ebc = et.EmbeddingBagCollection(bag_tables(), optimizer=ec.optimizers.SGD(0.1), is_weighted=True,
+                                        world=world, sharding="row_wise", device=device)
+        ec_ = et.EmbeddingCollection(seq_tables(), optimizer=ec.optimizers.SGD(0.1), need_indices=True,
+                                     world=world, sharding="column_wise", device=device)
+        pooled = ebc(kjt(world.rank, device))
+        assert pooled.values().device.type == device
+        pooled.values().sum().backward()
+        seq = ec_(kjt(world.rank, device))["f"]
+        assert seq.values().device.type == device and seq.weights().device.type == device
+        (seq.values() ** 2).sum().backward()
+        return (pooled.values().detach().cpu(), seq.values().detach().cpu(), seq.weights().cpu(),
+                ebc(kjt(world.rank, device)).values().detach().cpu())
+
+    results = run_local(2, fn)
+    ebc = et.EmbeddingBagCollection(bag_tables(), optimizer=ec.optimizers.SGD(0.1), is_weighted=True)
+    ec_ = et.EmbeddingCollection(seq_tables(), optimizer=ec.optimizers.SGD(0.1), need_indices=True)
+    # The global batch: both ranks' examples (per key: rank 0's two, then rank 1's two).
+    parts = [kjt(r, "cpu") for r in range(2)]
+    for r, res in enumerate(results):
+        want = ebc(parts[r]).values()
+        assert max_diff(res[0], want) <= 1e-6
+        seq = ec_(parts[r])["f"]
+        assert max_diff(res[1], seq.values()) == 0
+        assert torch.equal(res[2], seq.weights())
+    # One step on the global batch (the two ranks' gradients together), then the same lookups.
+    glob = torchrec.KeyedJaggedTensor.from_lengths_sync(
+        keys=["f", "g"], values=torch.cat([parts[0]["f"].values(), parts[1]["f"].values(), parts[0]["g"].values(),
+                                           parts[1]["g"].values()]),
+        lengths=torch.tensor([2, 1, 2, 1, 3, 2, 3, 2]),
+        weights=torch.cat([parts[0]["f"].weights(), parts[1]["f"].weights(), parts[0]["g"].weights(),
+                           parts[1]["g"].weights()]))
+    ebc(glob).values().sum().backward()
+    for r, res in enumerate(results):
+        assert max_diff(res[3], ebc(parts[r]).values()) <= 1e-6
+
+
 @needs_gpu
 def test_tensors_on_another_device_than_the_table_are_refused():
     cpu_mod = et.EmbeddingBag(ROWS, DIM, mode="sum")

@@ -90,7 +90,8 @@ class ShardedEmbedding(Embedding):
     takes this rank's part of the batch and returns this rank's outputs;
     ``emb.apply_gradients(grads)`` their gradients. Both are collective: every
     rank calls them, in the same order. ``emb.plan`` says which rank holds
-    what; ``emb.local_shards`` are this rank's shards as Tables.
+    what; ``emb.local_shards`` are this rank's shards as Tables, in GPU memory
+    with ``device="cuda:N"`` (the CUDA build), in host memory otherwise.
     """
 
     def __init__(self, feature_config, optimizer=None, *, world=None, sharding="auto", device=None):
@@ -143,12 +144,17 @@ class ShardedEmbedding(Embedding):
         self._plan: ShardingPlan = plan
         # This rank's shards: (table index, shard index) -> Table.
         self._local: Dict[Tuple[int, int], Table] = {}
-        for ti, cfg in enumerate(self._configs):
-            eff = self._effective[cfg]
-            for si, s in enumerate(self._plan[eff.name].shards):
-                if s.rank == self._world.rank:
-                    self._local[(ti, si)] = Table._shard(eff, s.rows, s.cols, s.row_start, s.col_start,
-                                                         device=self.shard_device)
+        error = None
+        try:  # may fail on one rank alone (memory, no such GPU): every rank must hear of it
+            for ti, cfg in enumerate(self._configs):
+                eff = self._effective[cfg]
+                for si, s in enumerate(self._plan[eff.name].shards):
+                    if s.rank == self._world.rank:
+                        self._local[(ti, si)] = Table._shard(eff, s.rows, s.cols, s.row_start, s.col_start,
+                                                             device=self.shard_device)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        agree(self._world, error, step="Embedding(): shards")
         self._tables = {}
         self._fwd = None  # the last forward pass, for apply_gradients
 
