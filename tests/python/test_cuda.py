@@ -358,3 +358,17 @@ def test_sharded_embedding_with_gpu_shards(tmp_path, device, sharding):
     for cfg, table in ref3.embedding_tables.items():
         np.testing.assert_array_equal(loaded[cfg.name].to_numpy(), table.to_numpy())
         np.testing.assert_array_equal(loaded[cfg.name].slots()["accumulators"], table.slots()["accumulators"])
+
+    # The checkpoint loads onto two ranks' shards on the device (another world size): the same values.
+    def reload(world):
+        emb = ec.Embedding(_sharded_cfg(), ec.optimizers.Adagrad(0.1), world=world, sharding=sharding,
+                           device=None if device == "cpu" else device)
+        ec.load(str(tmp_path / "ckpt"), into=emb)
+        return {name: [(s, t.to_numpy()) for s, t in shards] for name, shards in emb.local_shards.items()}
+
+    for got in ec.distributed.run_local(2, reload):
+        for name, shards in got.items():
+            want = loaded[name].to_numpy()
+            for s, values in shards:
+                np.testing.assert_array_equal(
+                    values, want[s.row_start:s.row_start + s.rows, s.col_start:s.col_start + s.cols])
