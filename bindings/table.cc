@@ -262,11 +262,12 @@ void BindTable(nb::module_& m) {
         nb::capsule own_p(p, [](void* q) noexcept { delete[] static_cast<int64_t*>(q); });
         return std::make_tuple(nb::ndarray<nb::numpy, int64_t>(o, 1, off_shape, own_o),
                                nb::ndarray<nb::numpy, int64_t>(p, 1, pos_shape, own_p), check.first_bad,
-                               check.row_major);
+                               check.row_major, check.dense_positions);
       },
       "indices"_a.noconvert(), "bags"_a, "width"_a,
       "COO bags [nnz, 2] (bag, position) -> (CSR offsets [bags + 1], positions [nnz], index of the first entry "
-      "outside [0, bags) x [0, width) or -1, whether the entries are in row-major order).");
+      "outside [0, bags) x [0, width) or -1, whether the entries are in row-major order, whether each bag's "
+      "positions are 0, 1, 2, ...).");
   m.def(
       "bag_denominators",
       [](const OffsetArray& offsets, const std::optional<WeightArray>& weights, int combiner) {

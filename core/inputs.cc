@@ -20,6 +20,7 @@ CooCheck CsrFromCooT(const I* indices, int64_t nnz, int64_t bags, int64_t width,
       return check;
     }
     if (k > 0 && (bag < prev_bag || (bag == prev_bag && pos < prev_pos))) check.row_major = false;
+    if (pos != offsets[bag + 1]) check.dense_positions = false;  // offsets[bag + 1]: the bag's entries so far
     prev_bag = bag;
     prev_pos = pos;
     ++offsets[bag + 1];

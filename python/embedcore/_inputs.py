@@ -136,6 +136,7 @@ class Batch:
     width: int = 0
     positions: Optional[np.ndarray] = None  # sparse: position of each id in its bag
     indices: Optional[np.ndarray] = None  # sparse: the caller's coordinates (only for overlap checks)
+    dense_positions: bool = False  # sparse: every bag's positions are 0, 1, 2, ... (the CSR batch says it all)
 
     @property
     def num_bags(self) -> int:
@@ -146,7 +147,7 @@ class Batch:
         caller's): what a later ``apply_gradients`` reads cannot change."""
         copy = lambda a: None if a is None else a.copy()  # noqa: E731
         return Batch(copy(self.ids), copy(self.offsets), copy(self.weights), self.kind, self.width,
-                     copy(self.positions))
+                     copy(self.positions), dense_positions=self.dense_positions)
 
 
 def _dense_offsets(batch: int, k: int) -> np.ndarray:
@@ -168,13 +169,13 @@ def _sparse_parts(sp: Sparse, where: str):
 
 
 def _csr_of_coo(indices: np.ndarray, shape: np.ndarray, where: str):
-    """(offsets, positions, row_major) of COO entries, checked against the
-    dense shape in one native pass."""
-    offsets, positions, bad, row_major = _embedcore.csr_from_coo(np.ascontiguousarray(indices), int(shape[0]),
-                                                                 int(shape[1]))
+    """(offsets, positions, row_major, dense_positions) of COO entries,
+    checked against the dense shape in one native pass."""
+    offsets, positions, bad, row_major, dense = _embedcore.csr_from_coo(np.ascontiguousarray(indices),
+                                                                        int(shape[0]), int(shape[1]))
     if bad >= 0:
         raise ValueError(f"{where}.indices[{bad}] = {indices[bad].tolist()} is outside dense_shape {shape.tolist()}")
-    return offsets, positions, row_major
+    return offsets, positions, row_major, dense
 
 
 def make_batch(ids, offsets=None, weights=None, where: str = "ids") -> Batch:
@@ -226,14 +227,14 @@ def make_batch(ids, offsets=None, weights=None, where: str = "ids") -> Batch:
                 raise ValueError(f"{wname} must have shape {values.shape} like {where}.values, got {w.shape}")
         # Bags are rows; within a row, ids keep the order of their positions.
         given = indices
-        offs, positions, row_major = _csr_of_coo(indices, shape, where)
+        offs, positions, row_major, dense = _csr_of_coo(indices, shape, where)
         if not row_major:
             order = np.lexsort(indices.T[::-1])
             indices, values = indices[order], values[order]
             w = None if w is None else w[order]
-            offs, positions, _ = _csr_of_coo(indices, shape, where)
+            offs, positions, _, dense = _csr_of_coo(indices, shape, where)
         return Batch(np.ascontiguousarray(values), offs, w, "sparse", width=int(shape[1]), positions=positions,
-                     indices=given)
+                     indices=given, dense_positions=dense)
 
     a = as_int_array(ids, where)
     if a.ndim == 0:

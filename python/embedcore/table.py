@@ -102,16 +102,40 @@ class LookupMixin:
                 for what, a in (("ids", batch.ids), ("weights", batch.weights), ("ids.indices", batch.indices)):
                     if a is not None and np.may_share_memory(out, a):
                         raise ValueError(f"out shares memory with {what}: pass a separate output array")
-            rows = np.repeat(np.arange(batch.num_bags), np.diff(batch.offsets))
-            flat = self._native_lookup(batch.ids, np.array([0, len(batch.ids)], np.int64), batch.weights, 3, 0, None)
-            result = np.zeros(shape, np.float32) if out is None else out
-            if out is not None:
-                out.fill(0)
-            keep = batch.positions < length
-            np.add.at(result, (rows[keep], batch.positions[keep]), flat[keep])
-            return result
+            if batch.dense_positions:  # positions 0, 1, 2, ... in every bag: the CSR padded lookup
+                return self._native_lookup(batch.ids, batch.offsets, batch.weights, code, length, out)
+            return self._sparse_sequence(batch, length, shape, out)
         native_length = length if combiner is None and length is not None else 0
         return self._native_lookup(batch.ids, batch.offsets, batch.weights, code, native_length, out)
+
+
+    def _sparse_sequence(self, batch: Batch, length: int, shape: tuple, out) -> np.ndarray:
+        """[batch, length, dim] with each id's row at its position; the rows of
+        ids at the same position add up in input order, as TensorFlow's
+        scatter does. The entries are in row-major order, so equal positions
+        are neighbours."""
+        keep = batch.positions < length
+        bag = np.repeat(np.arange(batch.num_bags, dtype=np.int64), np.diff(batch.offsets))
+        dest = (bag * length + batch.positions)[keep]
+        ids = np.ascontiguousarray(batch.ids[keep])
+        w = None if batch.weights is None else np.ascontiguousarray(batch.weights[keep])
+        flat = self._native_lookup(ids, np.array([0, ids.size], np.int64), w, 3, 0, None)
+        result = np.zeros(shape, np.float32) if out is None else out
+        if out is not None:
+            out.fill(0)
+        rows = result.reshape(-1, shape[-1])
+        if not dest.size:
+            return result
+        starts = np.flatnonzero(np.r_[True, dest[1:] != dest[:-1]])
+        rows[dest[starts]] = flat[starts]  # the first id at each position
+        if starts.size < dest.size:  # then the second ones, the third ones, ...: one vector add each
+            rank = np.arange(dest.size) - np.repeat(starts, np.diff(np.r_[starts, dest.size]))
+            later = np.flatnonzero(rank > 0)
+            later = later[np.argsort(rank[later], kind="stable")]
+            bounds = np.flatnonzero(np.r_[True, np.diff(rank[later]) != 0, True])
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                rows[dest[later[a:b]]] += flat[later[a:b]]
+        return result
 
 
 class Table(LookupMixin):
@@ -251,7 +275,7 @@ class Table(LookupMixin):
                              f"got {g.shape}")
         if combiner is None and length == 0:  # nothing was looked up: an empty part still counts as a step
             return (np.zeros(0, np.int64), np.zeros(1, np.int64), None, 3, 0, np.zeros((0, self.dim), np.float32))
-        if combiner is None and batch.kind == "sparse":
+        if combiner is None and batch.kind == "sparse" and not batch.dense_positions:
             keep = batch.positions < length
             rows = np.repeat(np.arange(batch.num_bags), np.diff(batch.offsets))
             ids = np.ascontiguousarray(batch.ids[keep])

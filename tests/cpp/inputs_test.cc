@@ -58,6 +58,11 @@ EMBEDCORE_TEST(OrderAndBoundsAreReported) {
   EMBEDCORE_EXPECT(!Run<int64_t>({{0, 1}, {0, 0}}, 2, 2, offsets, positions).row_major);
   EMBEDCORE_EXPECT(!Run<int64_t>({{1, 0}, {0, 1}}, 2, 2, offsets, positions).row_major);
   EMBEDCORE_EXPECT(Run<int64_t>({{0, 1}, {0, 1}, {1, 0}}, 2, 2, offsets, positions).row_major);  // repeats are fine
+  // Dense positions: 0, 1, 2, ... in every bag (empty bags allowed), nothing else.
+  EMBEDCORE_EXPECT(Run<int64_t>({{0, 0}, {0, 1}, {2, 0}}, 3, 2, offsets, positions).dense_positions);
+  EMBEDCORE_EXPECT(!Run<int64_t>({{0, 1}}, 3, 2, offsets, positions).dense_positions);          // a gap
+  EMBEDCORE_EXPECT(!Run<int64_t>({{0, 0}, {0, 0}}, 3, 2, offsets, positions).dense_positions);  // a repeat
+  EMBEDCORE_EXPECT(!Run<int32_t>({{1, 0}, {1, 2}}, 3, 3, offsets, positions).dense_positions);
   // The first entry outside [0, bags) x [0, width), whichever coordinate.
   EMBEDCORE_EXPECT_EQ(Run<int64_t>({{0, 0}, {2, 0}, {5, 5}}, 2, 2, offsets, positions).first_bad, 1);
   EMBEDCORE_EXPECT_EQ(Run<int64_t>({{0, 0}, {1, 2}}, 2, 2, offsets, positions).first_bad, 1);

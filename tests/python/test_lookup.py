@@ -355,6 +355,53 @@ def test_sparse_sequence_places_ids_at_their_columns():
     np.testing.assert_allclose(out, expected, rtol=1e-6)
 
 
+def test_sparse_sequence_adds_many_ids_at_one_position_in_input_order():
+    """Up to five ids at one position, shuffled: they add up in their input
+    order (a stable sort by position), as a loop over the entries would."""
+    rng = np.random.default_rng(12)
+    table = make_table(50, 5, seed=2)
+    t = table.to_numpy()
+    coords = [(b, p) for b in range(6) for p in range(4) for _ in range(int(rng.integers(0, 6)))]
+    perm = rng.permutation(len(coords))
+    indices = np.array(coords, np.int64)[perm]
+    ids = rng.integers(0, 50, len(coords))
+    w = rng.uniform(-1, 2, len(coords)).astype(np.float32)
+    out = table.lookup(ec.Sparse(indices, ids, [6, 4]), weights=w, combiner=None)
+    expected = np.zeros((6, 4, 5), np.float32)
+    seen = np.zeros((6, 4), bool)
+    for k in np.lexsort(indices.T[::-1]):  # row-major, stable: input order within a position
+        b, p = indices[k]
+        row = w[k] * t[ids[k]]
+        expected[b, p] = row if not seen[b, p] else expected[b, p] + row
+        seen[b, p] = True
+    np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("length", [0, 3, 9])
+def test_sparse_sequence_of_a_padded_batch_is_the_ragged_one(weighted, length):
+    """A SparseTensor of a padded dense batch (positions 0, 1, 2, ... in each
+    bag): lookups and updates equal the Ragged batch's, bit for bit."""
+    rng = np.random.default_rng(13)
+    lengths = rng.integers(0, 7, 8)
+    offsets = np.r_[0, np.cumsum(lengths)].astype(np.int64)
+    ids = rng.integers(0, 30, offsets[-1])
+    indices = np.array([(b, p) for b in range(8) for p in range(lengths[b])], np.int64).reshape(-1, 2)
+    w = rng.uniform(0.5, 2, ids.size).astype(np.float32) if weighted else None
+    a = make_table(30, 4, seed=3, optimizer=ec.optimizers.Adagrad(0.1))
+    b = make_table(30, 4, seed=3, optimizer=ec.optimizers.Adagrad(0.1))
+    width = int(lengths.max())
+    L = length or width
+    sp = ec.Sparse(indices, ids, [8, width])
+    got = a.lookup(sp, weights=w, combiner=None, max_sequence_length=length)
+    want = b.lookup(ec.Ragged(ids, offsets), weights=w, combiner=None, max_sequence_length=L)
+    np.testing.assert_array_equal(got, want)
+    g = rng.standard_normal(got.shape).astype(np.float32)
+    a.apply_gradients(sp, None, g, weights=w, combiner=None, max_sequence_length=length)
+    b.apply_gradients(ec.Ragged(ids, offsets), None, g, weights=w, combiner=None, max_sequence_length=L)
+    np.testing.assert_array_equal(a.to_numpy(), b.to_numpy())
+
+
 # ----------------------------------------------------------------- dtypes
 
 
