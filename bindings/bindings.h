@@ -8,7 +8,9 @@
 
 #include <memory>
 #include <cstdint>
+#include <algorithm>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -118,6 +120,15 @@ inline nb::dlpack::dtype StorageDLType(DType d) {
   return nb::dtype<float>();
 }
 
+/// A new array of n `T` (uninitialised) for NumPy to own: the engine's result
+/// memory (AllocateResult: huge pages for large blocks), freed with the
+/// capsule, also when filling it throws.
+template <typename T>
+std::pair<T*, nb::capsule> NewResult(size_t n) {
+  T* p = static_cast<T*>(AllocateResult(std::max<size_t>(n, 1) * sizeof(T)));
+  return {p, nb::capsule(p, [](void* q) noexcept { FreeResult(q); })};
+}
+
 /// Runs `lookup(batch, shape, out)` with the GIL released into a new array
 /// that the engine allocated and NumPy owns.
 template <typename F>
@@ -130,13 +141,11 @@ NumpyFloat LookupNew(int64_t dim, const IdArray& ids, const OffsetArray& offsets
   const std::vector<size_t> dims = OutputDims(batch, shape, dim);
   size_t n = 1;
   for (size_t d : dims) n *= d;
-  std::unique_ptr<float[]> buf(new float[n == 0 ? 1 : n]);
+  auto [data, owner] = NewResult<float>(n);
   {
     nb::gil_scoped_release release;
-    lookup(batch, shape, buf.get());
+    lookup(batch, shape, data);
   }
-  float* data = buf.release();
-  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
   return NumpyFloat(data, dims.size(), dims.data(), owner);
 }
 

@@ -41,13 +41,11 @@ NumpyFloat LookupGrouped(const Table& t, const IdArray& ids, const OffsetArray& 
   if (groups.shape(0) < 1) throw InvalidArgument("groups must hold at least one value (0)");
   const int64_t num_groups = int64_t(groups.shape(0)) - 1;
   const size_t dims[2] = {size_t(num_groups), size_t(t.dim())};
-  std::unique_ptr<float[]> buf(new float[std::max<size_t>(1, dims[0] * dims[1])]);
+  auto [data, owner] = NewResult<float>(dims[0] * dims[1]);
   {
     nb::gil_scoped_release release;
-    t.LookupGrouped(batch, groups.data(), num_groups, buf.get());
+    t.LookupGrouped(batch, groups.data(), num_groups, data);
   }
-  float* data = buf.release();
-  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
   return NumpyFloat(data, 2, dims, owner);
 }
 
@@ -248,18 +246,14 @@ void BindTable(nb::module_& m) {
           throw TypeMismatch("csr_from_coo: indices must be int32 or int64");
         if (bags < 0 || width < 0) throw InvalidArgument("csr_from_coo: negative dense shape");
         const int64_t nnz = int64_t(indices.shape(0));
-        std::unique_ptr<int64_t[]> offsets(new int64_t[size_t(bags) + 1]);
-        std::unique_ptr<int64_t[]> positions(new int64_t[size_t(std::max<int64_t>(nnz, 1))]);
+        auto [o, own_o] = NewResult<int64_t>(size_t(bags) + 1);
+        auto [p, own_p] = NewResult<int64_t>(size_t(nnz));
         CooCheck check;
         {
           nb::gil_scoped_release release;
-          check = CsrFromCoo(indices.data(), type, nnz, bags, width, offsets.get(), positions.get());
+          check = CsrFromCoo(indices.data(), type, nnz, bags, width, o, p);
         }
         const size_t off_shape[1] = {size_t(bags) + 1}, pos_shape[1] = {size_t(nnz)};
-        int64_t* o = offsets.release();
-        int64_t* p = positions.release();
-        nb::capsule own_o(o, [](void* q) noexcept { delete[] static_cast<int64_t*>(q); });
-        nb::capsule own_p(p, [](void* q) noexcept { delete[] static_cast<int64_t*>(q); });
         return std::make_tuple(nb::ndarray<nb::numpy, int64_t>(o, 1, off_shape, own_o),
                                nb::ndarray<nb::numpy, int64_t>(p, 1, pos_shape, own_p), check.first_bad,
                                check.row_major, check.dense_positions);
@@ -282,8 +276,7 @@ void BindTable(nb::module_& m) {
                                   std::to_string(weights->shape(0)));
           batch.weights = weights->data();
         }
-        float* data = new float[size_t(std::max<int64_t>(batch.num_bags, 1))];
-        nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+        auto [data, owner] = NewResult<float>(size_t(batch.num_bags));
         BagDenominators(batch, ToCombiner(combiner), data);
         const size_t shape[1] = {size_t(batch.num_bags)};
         return NumpyFloat(data, 1, shape, owner);
@@ -420,13 +413,11 @@ void BindTable(nb::module_& m) {
           "read_values",
           [](const Table& t, int64_t start_row, int64_t n) {
             if (n < 0) throw InvalidArgument("n must be >= 0, got " + std::to_string(n));
-            std::unique_ptr<float[]> buf(new float[size_t(n) * size_t(t.dim()) + 1]);
+            auto [data, owner] = NewResult<float>(size_t(n) * size_t(t.dim()));
             {
               nb::gil_scoped_release release;
-              t.ReadValues(start_row, n, buf.get());
+              t.ReadValues(start_row, n, data);
             }
-            float* data = buf.release();
-            nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
             const size_t shape[2] = {size_t(n), size_t(t.dim())};
             return NumpyFloat(data, 2, shape, owner);
           },

@@ -49,3 +49,38 @@ size_t CheckedBytes(int64_t a, int64_t b, size_t c, const std::string& what) {
 }
 
 }  // namespace embedcore::internal
+
+namespace embedcore {
+namespace {
+constexpr size_t kHugeResult = size_t(32) << 20;  // glibc's largest mmap threshold
+constexpr size_t kHeader = 64;                     // the block's size, and the data stays 64-byte aligned
+}  // namespace
+
+void* AllocateResult(size_t bytes) {
+  if (bytes < kHugeResult) {
+    void* p = std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64) + kHeader);
+    if (p == nullptr) throw std::bad_alloc();
+    *static_cast<size_t*>(p) = 0;  // 0: from the heap
+    return static_cast<char*>(p) + kHeader;
+  }
+  const size_t total = bytes + kHeader;
+  void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+  madvise(p, total, MADV_HUGEPAGE);  // a hint; failure is harmless
+#endif
+  *static_cast<size_t*>(p) = total;
+  return static_cast<char*>(p) + kHeader;
+}
+
+void FreeResult(void* p) noexcept {
+  if (p == nullptr) return;
+  void* block = static_cast<char*>(p) - kHeader;
+  const size_t total = *static_cast<size_t*>(block);
+  if (total == 0)
+    std::free(block);
+  else
+    munmap(block, total);
+}
+
+}  // namespace embedcore
