@@ -3,7 +3,8 @@ TensorFlow and the bare C gather loop (the machine's random-row-gather limit).
 
 One 1,000,000 x 128 float32 table, 4,096 bags of 32 ids, sum combiner;
 uniform and Zipf(1.05) ids; 1 and 2 threads; plus embedcore with a float16
-table. Every contender reads the same weights; outputs are checked against
+table, and embedcore given the same bags in COO form (ec.Sparse, as a rank-2
+SparseTensor holds them; "COO/CSR" is its rate over the CSR input's). Every contender reads the same weights; outputs are checked against
 NumPy's before timing. Contenders run interleaved (one call each per round,
 rotating order); the figure is the median over the rounds in which other
 processes left the machine quiet (all rounds, flagged, when too few were).
@@ -70,6 +71,8 @@ def main() -> int:
     off = C.offsets()
     ids_t = {d: torch.from_numpy(v) for d, v in ids.items()}
     off_t = torch.from_numpy(off)
+    # The same bags in COO form (a rank-2 SparseTensor's (bag, position) indices), for embedcore_coo.
+    coo = np.stack([np.repeat(np.arange(C.BATCH), C.BAG), np.tile(np.arange(C.BAG), C.BATCH)], 1).astype(np.int64)
 
     t32 = ec.Table(name="w1", rows=C.ROWS, dim=C.DIM, dtype="float32", combiner="sum",
                    optimizer=ec.optimizers.SGD(learning_rate=0.01))
@@ -101,7 +104,8 @@ def main() -> int:
         for d in C.DISTS:
             ref = np.add.reduceat(np.take(w, ids[d], axis=0), off[:-1], axis=0)
             ref16 = np.add.reduceat(np.take(w16, ids[d], axis=0), off[:-1], axis=0)
-            got = {"embedcore": t32.lookup(ids[d], off), "embedcore_fp16": t16.lookup(ids[d], off)}
+            got = {"embedcore": t32.lookup(ids[d], off), "embedcore_fp16": t16.lookup(ids[d], off),
+                   "embedcore_coo": t32.lookup(ec.Sparse(coo, ids[d], [C.BATCH, C.BAG]))}
             with torch.no_grad():
                 got["torch"] = F.embedding_bag(ids_t[d], wt, off_t, mode="sum", include_last_offset=True).numpy()
                 if fb is not None:
@@ -157,6 +161,7 @@ def main() -> int:
                 cont = {
                     "embedcore": lambda i=i_np: t32.lookup(i, off),
                     "embedcore_fp16": lambda i=i_np: t16.lookup(i, off),
+                    "embedcore_coo": lambda i=i_np: t32.lookup(ec.Sparse(coo, i, [C.BATCH, C.BAG])),
                     "numpy": lambda i=i_np: np.add.reduceat(np.take(w, i, axis=0), off[:-1], axis=0),
                     "torch": torch_fwd,
                 }
@@ -218,7 +223,8 @@ def main() -> int:
                  "vs_fbgemm": ratio(med(nt, d, "fbgemm"), ecs),
                  "vs_tf": ratio(med(nt, d, "tf"), ecs),
                  "vs_numpy": ratio(med(nt, d, "numpy"), ecs),
-                 "fp16_vs_fp32": ratio(ecs, med(nt, d, "embedcore_fp16"))}
+                 "fp16_vs_fp32": ratio(ecs, med(nt, d, "embedcore_fp16")),
+                 "coo_vs_csr": ratio(ecs, med(nt, d, "embedcore_coo"))}
             if 1 in thread_counts and nt != 1:
                 r["ec_vs_1t"] = ratio(med(1, d, "embedcore"), ecs)
                 r["fp16_vs_1t"] = ratio(med(1, d, "embedcore_fp16"), med(nt, d, "embedcore_fp16"))
@@ -258,7 +264,7 @@ def main() -> int:
              ("vs_limit_thp", "ec/limit(THP) time", "{:.2f}x"), ("vs_limit_malloc", "ec/limit(malloc) time", "{:.2f}x"),
              ("vs_torch", "ec vs torch", "{:.2f}x"), ("vs_fbgemm", "ec vs fbgemm", "{:.2f}x"),
              ("vs_tf", "ec vs TF", "{:.2f}x"), ("vs_numpy", "ec vs numpy", "{:.2f}x"),
-             ("fp16_vs_fp32", "fp16/fp32", "{:.2f}x"), ("ec_vs_1t", "ec 2T/1T", "{:.2f}x"),
+             ("fp16_vs_fp32", "fp16/fp32", "{:.2f}x"), ("coo_vs_csr", "COO/CSR", "{:.2f}x"), ("ec_vs_1t", "ec 2T/1T", "{:.2f}x"),
              ("fp16_vs_1t", "fp16 2T/1T", "{:.2f}x"), ("limit_thp_vs_1t", "limit 2T/1T", "{:.2f}x"),
              ("torch_vs_1t", "torch 2T/1T", "{:.2f}x"), ("fbgemm_vs_1t", "fbgemm 2T/1T", "{:.2f}x"),
              ("rounds", "quiet/all rounds", None), ("used", "rounds used", None),
