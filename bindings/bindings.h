@@ -125,7 +125,9 @@ inline nb::dlpack::dtype StorageDLType(DType d) {
 /// capsule, also when filling it throws.
 template <typename T>
 std::pair<T*, nb::capsule> NewResult(size_t n) {
-  T* p = static_cast<T*>(AllocateResult(std::max<size_t>(n, 1) * sizeof(T)));
+  size_t bytes = 0;
+  if (__builtin_mul_overflow(std::max<size_t>(n, 1), sizeof(T), &bytes)) throw std::bad_alloc();  // MemoryError
+  T* p = static_cast<T*>(AllocateResult(bytes));
   return {p, nb::capsule(p, [](void* q) noexcept { FreeResult(q); })};
 }
 

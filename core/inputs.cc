@@ -27,6 +27,7 @@ CooCheck CsrFromCooT(const I* indices, int64_t nnz, int64_t bags, int64_t width,
     positions[k] = pos;
   }
   for (int64_t b = 0; b < bags; ++b) offsets[b + 1] += offsets[b];
+  check.dense_positions = check.dense_positions && check.row_major;
   return check;
 }
 

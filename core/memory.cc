@@ -57,6 +57,7 @@ constexpr size_t kHeader = 64;                     // the block's size, and the 
 }  // namespace
 
 void* AllocateResult(size_t bytes) {
+  if (bytes > (size_t(1) << 62)) throw std::bad_alloc();  // and the header and rounding below cannot overflow
   if (bytes < kHugeResult) {
     void* p = std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64) + kHeader);
     if (p == nullptr) throw std::bad_alloc();
@@ -64,7 +65,9 @@ void* AllocateResult(size_t bytes) {
     return static_cast<char*>(p) + kHeader;
   }
   const size_t total = bytes + kHeader;
-  void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  // Accounted (no MAP_NORESERVE): memory the system cannot give fails here, as
+  // malloc would, rather than killing the process when it is written.
+  void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::bad_alloc();
 #ifdef MADV_HUGEPAGE
   madvise(p, total, MADV_HUGEPAGE);  // a hint; failure is harmless

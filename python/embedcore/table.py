@@ -98,7 +98,7 @@ class LookupMixin:
             return np.zeros(shape, np.float32) if out is None else out
         if combiner is None and batch.kind == "sparse":
             # Each id goes to its own position (duplicates add up), as TensorFlow does.
-            if out is not None:  # out is zeroed before the positions are read: it may not share their memory
+            if out is not None:  # as every lookup: out may not share the inputs' memory (it would overwrite them)
                 for what, a in (("ids", batch.ids), ("weights", batch.weights), ("ids.indices", batch.indices)):
                     if a is not None and np.may_share_memory(out, a):
                         raise ValueError(f"out shares memory with {what}: pass a separate output array")
@@ -111,30 +111,25 @@ class LookupMixin:
 
     def _sparse_sequence(self, batch: Batch, length: int, shape: tuple, out) -> np.ndarray:
         """[batch, length, dim] with each id's row at its position; the rows of
-        ids at the same position add up in input order, as TensorFlow's
-        scatter does. The entries are in row-major order, so equal positions
-        are neighbours."""
+        ids at the same position add up from zero in input order, as
+        TensorFlow's scatter does. The entries are in row-major order, so the
+        ids of one position are a run: one native pooled (sum) lookup sums
+        every run. Ids at positions past `length` are dropped, but still
+        checked, each a run of its own."""
+        n = batch.ids.size
         keep = batch.positions < length
         bag = np.repeat(np.arange(batch.num_bags, dtype=np.int64), np.diff(batch.offsets))
-        dest = (bag * length + batch.positions)[keep]
-        ids = np.ascontiguousarray(batch.ids[keep])
-        w = None if batch.weights is None else np.ascontiguousarray(batch.weights[keep])
-        flat = self._native_lookup(ids, np.array([0, ids.size], np.int64), w, 3, 0, None)
+        dest = bag * length + batch.positions
+        new_run = np.ones(n, bool)
+        new_run[1:] = (dest[1:] != dest[:-1]) | ~keep[1:] | ~keep[:-1]
+        starts = np.flatnonzero(new_run)
+        sums = self._native_lookup(batch.ids, np.append(starts, n).astype(np.int64), batch.weights,
+                                   _COMBINER_CODE["sum"], 0, None)
         result = np.zeros(shape, np.float32) if out is None else out
         if out is not None:
             out.fill(0)
-        rows = result.reshape(-1, shape[-1])
-        if not dest.size:
-            return result
-        starts = np.flatnonzero(np.r_[True, dest[1:] != dest[:-1]])
-        rows[dest[starts]] = flat[starts]  # the first id at each position
-        if starts.size < dest.size:  # then the second ones, the third ones, ...: one vector add each
-            rank = np.arange(dest.size) - np.repeat(starts, np.diff(np.r_[starts, dest.size]))
-            later = np.flatnonzero(rank > 0)
-            later = later[np.argsort(rank[later], kind="stable")]
-            bounds = np.flatnonzero(np.r_[True, np.diff(rank[later]) != 0, True])
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                rows[dest[later[a:b]]] += flat[later[a:b]]
+        kept = keep[starts]
+        result.reshape(-1, shape[-1])[dest[starts][kept]] = sums[kept]
         return result
 
 

@@ -63,6 +63,7 @@ EMBEDCORE_TEST(OrderAndBoundsAreReported) {
   EMBEDCORE_EXPECT(!Run<int64_t>({{0, 1}}, 3, 2, offsets, positions).dense_positions);          // a gap
   EMBEDCORE_EXPECT(!Run<int64_t>({{0, 0}, {0, 0}}, 3, 2, offsets, positions).dense_positions);  // a repeat
   EMBEDCORE_EXPECT(!Run<int32_t>({{1, 0}, {1, 2}}, 3, 3, offsets, positions).dense_positions);
+  EMBEDCORE_EXPECT(!Run<int64_t>({{1, 0}, {0, 0}, {1, 1}}, 2, 2, offsets, positions).dense_positions);  // unsorted
   // The first entry outside [0, bags) x [0, width), whichever coordinate.
   EMBEDCORE_EXPECT_EQ(Run<int64_t>({{0, 0}, {2, 0}, {5, 5}}, 2, 2, offsets, positions).first_bad, 1);
   EMBEDCORE_EXPECT_EQ(Run<int64_t>({{0, 0}, {1, 2}}, 2, 2, offsets, positions).first_bad, 1);

@@ -42,6 +42,13 @@ EMBEDCORE_TEST(ResultMemoryIsAlignedWritableAndFreed) {
     FreeResult(p);
   }
   FreeResult(nullptr);
+  bool threw = false;  // a size no machine has: bad_alloc, not a wrapped-around small block
+  try {
+    AllocateResult(~size_t(0) - 8);
+  } catch (const std::bad_alloc&) {
+    threw = true;
+  }
+  EMBEDCORE_EXPECT(threw);
 }
 
 EMBEDCORE_TEST(CheckedBytes) {

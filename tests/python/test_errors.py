@@ -178,6 +178,23 @@ def test_bad_sparse_index_is_named(trained, index_dtype):
         trained.lookup(ec.Sparse(np.array([[0, -1]], index_dtype), [1], [2, 2]))
 
 
+def test_sparse_sequence_checks_the_ids_it_drops():
+    """Ids at positions past max_sequence_length are dropped but checked, on
+    every path: positions 0, 1, 2, ... (the padded kernels) or with gaps and
+    repeats (runs summed per position). The position named is the id's
+    place in the row-major order of the entries."""
+    t = ec.Table(name="t", rows=4, dim=2)
+    for indices in ([[0, 0], [0, 1], [0, 2]], [[0, 0], [0, 2], [0, 3]], [[0, 1], [0, 1], [0, 3]]):
+        with pytest.raises(IndexError, match="id 99 at position 2 of ids is out of range"):
+            t.lookup(ec.Sparse(np.array(indices), np.array([1, 2, 99]), [1, 4]), combiner=None, max_sequence_length=2)
+
+
+def test_huge_sparse_dense_shape_is_a_memory_error(trained):
+    for bags in (2**61, 2**63 - 1):
+        with pytest.raises(MemoryError):
+            trained.lookup(ec.Sparse(np.zeros((0, 2), np.int64), np.zeros(0, np.int64), [bags, 3]), combiner="sum")
+
+
 def test_sparse_weights_of_another_dense_shape(trained):
     ids = ec.Sparse([[0, 0], [1, 1]], [1, 2], [3, 2])
     with pytest.raises(ValueError, match=r"weights.dense_shape \[5, 9\] differs from ids.dense_shape \[3, 2\]"):

@@ -377,6 +377,20 @@ def test_sparse_sequence_adds_many_ids_at_one_position_in_input_order():
     np.testing.assert_array_equal(out, expected)
 
 
+def test_sparse_batches_know_when_their_positions_are_dense():
+    """What picks the padded kernels for a Sparse sequence: positions 0, 1, 2,
+    ... in every bag, in row-major order once sorted; kept by owned()."""
+    from embedcore._inputs import make_batch
+
+    def dense(indices):
+        return make_batch(ec.Sparse(np.array(indices, np.int64).reshape(-1, 2), np.ones(len(indices), np.int64),
+                                    [3, 4])).dense_positions
+
+    assert dense([[0, 0], [0, 1], [2, 0]]) and dense([]) and dense([[2, 0], [0, 0], [0, 1]])  # sorted first
+    assert not dense([[0, 1]]) and not dense([[0, 0], [0, 0]]) and not dense([[1, 0], [1, 2]])
+    assert make_batch(ec.Sparse([[0, 0], [0, 1]], [1, 2], [1, 2])).owned().dense_positions
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("length", [0, 3, 9])
 def test_sparse_sequence_of_a_padded_batch_is_the_ragged_one(weighted, length):

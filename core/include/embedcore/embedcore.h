@@ -182,9 +182,9 @@ void BagDenominators(const Batch& batch, Combiner combiner, float* out);
 
 /// What CsrFromCoo found: the first entry outside the dense shape (-1 if
 /// none; the outputs are then incomplete), whether the entries are in
-/// row-major order (by bag, then position; repeats allowed), and whether each
-/// bag's positions are 0, 1, 2, ... in order (a padded dense batch's: the
-/// CSR batch then says everything the COO one does).
+/// row-major order (by bag, then position; repeats allowed), and whether they
+/// are and each bag's positions are 0, 1, 2, ... in order (a padded dense
+/// batch's: the CSR batch then says everything the COO one does).
 struct CooCheck {
   int64_t first_bad = -1;
   bool row_major = true;
