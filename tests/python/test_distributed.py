@@ -1233,3 +1233,31 @@ def test_shard_creation_failing_on_one_rank_reaches_every_rank(monkeypatch):
     assert isinstance(seen[1], MemoryError)
     assert isinstance(seen[0], ed.RankFailedError) and "MemoryError" in str(seen[0])
     assert isinstance(seen[2], ed.RankFailedError)
+
+
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise"])
+def test_sparse_sequence_with_repeated_positions_matches_unsharded(sharding):
+    """Several ids at one position (some on different row-wise shards) add
+    up as the unsharded table adds them."""
+    rng = np.random.default_rng(21)
+    cfg = {"s": ec.FeatureConfig(ec.TableConfig("t", 40, 6, initializer=ec.initializers.Uniform(-1, 1, seed=2)),
+                                 max_sequence_length=3)}
+    batches = []
+    for _ in range(3):
+        coords = [(b, p) for b in range(4) for p in range(4) for _ in range(int(rng.integers(0, 4)))]
+        indices = np.array(coords, np.int64).reshape(-1, 2)[rng.permutation(len(coords))]
+        batches.append((indices, rng.integers(0, 40, len(coords)), rng.uniform(0.5, 2, len(coords)).astype(np.float32)))
+
+    def fn(world):
+        emb = ec.Embedding(cfg, world=world, sharding=sharding)
+        i, v, w = batches[world.rank]
+        return emb({"s": ec.Sparse(i, v, [4, 4])}, weights={"s": w})["s"]
+
+    got = ed.run_local(3, fn)
+    ref_emb = ec.Embedding(cfg)
+    for r, (i, v, w) in enumerate(batches):
+        want = ref_emb({"s": ec.Sparse(i, v, [4, 4])}, weights={"s": w})["s"]
+        if sharding == "row_wise":  # each shard sums its own ids: the order of additions differs
+            np.testing.assert_allclose(got[r], want, rtol=1e-6, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(got[r].view(np.uint32), want.view(np.uint32))

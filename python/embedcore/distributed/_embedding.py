@@ -254,8 +254,14 @@ class ShardedEmbedding(Embedding):
                         out[:, cols] = rows
                     else:
                         out[r.bags, cols] += rows  # row-wise partial sums; bags are unique
-                elif sparse_seq:
-                    np.add.at(out, (r.dest, cols), rows)  # duplicate positions add up, as unsharded
+                elif sparse_seq:  # duplicate positions add up in order, as unsharded
+                    # The entries are row-major, so a position's ids are neighbours: add
+                    # the first of each in one vector op, only the rest one by one.
+                    first = np.ones(r.dest.size, bool)
+                    first[1:] = r.dest[1:] != r.dest[:-1]
+                    out[r.dest[first], cols] += rows[first]
+                    if not first.all():
+                        np.add.at(out, (r.dest[~first], cols), rows[~first])
                 else:
                     out[r.dest, cols] = rows
             outputs.append(out.reshape(shape))
