@@ -129,7 +129,10 @@ class LookupMixin:
         if out is not None:
             out.fill(0)
         kept = keep[starts]
-        result.reshape(-1, shape[-1])[dest[starts][kept]] = sums[kept]
+        if kept.all():  # nothing dropped: no boolean-indexed copy of the sums
+            result.reshape(-1, shape[-1])[dest[starts]] = sums
+        else:
+            result.reshape(-1, shape[-1])[dest[starts][kept]] = sums[kept]
         return result
 
 
