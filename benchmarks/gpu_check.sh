@@ -12,7 +12,8 @@
 # git-ignored, so name it in `carry`). EMBEDCORE_CUDA_ARCHS picks the
 # architectures (default: the GPU's own, from nvidia-smi, else 90). The package is
 # built into $PKG (default /tmp/gpu_check_pkg), outside $OUT, which holds only
-# the logs and the JSON.
+# the logs and the JSON. The GPU tests are stopped after GPU_TESTS_TIMEOUT seconds
+# (default 200), so that a hang still leaves time for the benchmark.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 START=$SECONDS
@@ -53,11 +54,15 @@ export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import embedcore; print(embedcore.build_info())"
 
 say "GPU tests (tests/python/test_cuda.py, test_torch_cuda.py: the same bodies on cpu and cuda)"
+# Bounded, so that a test that hangs on the GPU (a deadlock, a kernel that never
+# ends) still leaves time for the benchmark: exit 124 then names the timeout.
 set +e
-"$PY" -m pytest -q -p no:cacheprovider -rs tests/python/test_cuda.py tests/python/test_torch_cuda.py 2>&1 |
+timeout --kill-after=10 "${GPU_TESTS_TIMEOUT:-200}" \
+  "$PY" -m pytest -q -p no:cacheprovider -rs tests/python/test_cuda.py tests/python/test_torch_cuda.py 2>&1 |
   tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 set -e
+[ "$tests_rc" -eq 124 ] && echo "gpu_check: the GPU tests ran past ${GPU_TESTS_TIMEOUT:-200} s and were stopped"
 
 say "GPU benchmark W1g (benchmarks/bench_gpu.py)"
 "$PY" benchmarks/bench_gpu.py --json "$OUT/gpu.json" 2>&1 | tee "$OUT/bench.log"
