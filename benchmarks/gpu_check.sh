@@ -32,7 +32,7 @@ echo "CUDA architectures: $ARCH"
 
 say "build dependencies"
 "$PY" - <<'PYEOF'
-import importlib, shutil, sys
+import importlib.util, shutil, sys
 missing = [m for m in ("numpy", "pytest", "nanobind", "scikit_build_core", "torch") if importlib.util.find_spec(m) is None]
 missing += [t for t in ("cmake", "ninja", "nvcc") if shutil.which(t) is None]
 if missing:
@@ -51,7 +51,18 @@ rm -rf "$PKG"
   -C cmake.define.EMBEDCORE_CUDA=ON -C "cmake.define.CMAKE_CUDA_ARCHITECTURES=$ARCH" \
   -C build-dir=build/gpu-check . 2>&1 | tee "$OUT/build.log" | tail -3
 export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "import embedcore; print(embedcore.build_info())"
+# The tests must import this build: an editable (or other) install of embedcore
+# in this Python can come first, and would quietly test the CPU build.
+"$PY" - "$PKG" <<'PYEOF'
+import os, sys
+import embedcore
+pkg, where = os.path.realpath(sys.argv[1]), os.path.realpath(embedcore.__file__)
+info = embedcore.build_info()
+print(where, info)
+if not where.startswith(pkg + os.sep) or not info["cuda"]:
+    sys.exit(f"gpu_check: this Python imports embedcore from {where}, not the CUDA build in {pkg}: another "
+             "install of embedcore (e.g. an editable one) comes first; uninstall it or use a fresh environment")
+PYEOF
 
 say "GPU tests (tests/python/test_cuda.py, test_torch_cuda.py: the same bodies on cpu and cuda)"
 # Bounded, so that a test that hangs on the GPU (a deadlock, a kernel that never
