@@ -12,10 +12,12 @@
 # git-ignored, so name it in `carry`). EMBEDCORE_CUDA_ARCHS picks the
 # architectures (default: the GPU's own, from nvidia-smi, else 90). The package is
 # built into $PKG (default /tmp/gpu_check_pkg), outside $OUT, which holds only
-# the logs and the JSON. The GPU tests are stopped after GPU_TESTS_TIMEOUT seconds
-# (default 200), so that a hang still leaves time for the benchmark.
+# the logs and the JSON. The GPU tests, the NCCL tests and the benchmark are
+# stopped after GPU_TESTS_TIMEOUT (default 200), GPU_NCCL_TIMEOUT (60) and
+# GPU_BENCH_TIMEOUT (240) seconds, so that a hang still leaves time for the rest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1  # output reaches the logs as it happens, also if a time limit stops the run
 START=$SECONDS
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_check}
@@ -38,9 +40,12 @@ missing += [t for t in ("cmake", "ninja", "nvcc") if shutil.which(t) is None]
 if missing:
     sys.exit(f"gpu_check: missing {missing}: install them (or carry their wheels in .whl/) first")
 PYEOF
-if ! "$PY" -c "import nlohmann_json" 2>/dev/null; then
-  "$PY" -m pip install -q --no-index --find-links .whl nlohmann-json ||
-    "$PY" -m pip install -q --retries 0 --timeout 5 nlohmann-json ||
+# The build only reads the header the wheel ships (CMakeLists.txt finds the
+# package with find_spec): its own Python dependency (importlib-resources) is
+# not needed, and an offline machine may not have it, hence --no-deps.
+if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('nlohmann_json') is None)"; then
+  "$PY" -m pip install -q --no-deps --no-index --find-links .whl nlohmann-json ||
+    "$PY" -m pip install -q --no-deps --retries 0 --timeout 5 nlohmann-json ||
     { echo "gpu_check: nlohmann-json is missing: put its wheel in .whl/ (see the header)"; exit 1; }
 fi
 
@@ -64,19 +69,34 @@ if not where.startswith(pkg + os.sep) or not info["cuda"]:
              "install of embedcore (e.g. an editable one) comes first; uninstall it or use a fresh environment")
 PYEOF
 
+# Each step is bounded, so that one that hangs on the GPU (a deadlock, a kernel
+# that never ends, NCCL's set-up) still leaves time for the next: exit 124 then
+# names the timeout. The NCCL tests run last, on their own.
+tests_rc=0
+run_tests() {  # name, seconds, pytest arguments...
+  local name=$1 limit=$2 rc
+  shift 2
+  set +e
+  timeout --kill-after=10 "$limit" "$PY" -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$OUT/$name.log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  [ "$rc" -eq 124 ] && echo "gpu_check: $name ran past $limit s and was stopped"
+  [ "$rc" -ne 0 ] && tests_rc=$rc
+  return 0
+}
 say "GPU tests (tests/python/test_cuda.py, test_torch_cuda.py: the same bodies on cpu and cuda)"
-# Bounded, so that a test that hangs on the GPU (a deadlock, a kernel that never
-# ends) still leaves time for the benchmark: exit 124 then names the timeout.
-set +e
-timeout --kill-after=10 "${GPU_TESTS_TIMEOUT:-200}" \
-  "$PY" -m pytest -q -p no:cacheprovider -rs tests/python/test_cuda.py tests/python/test_torch_cuda.py 2>&1 |
-  tee "$OUT/tests.log"
-tests_rc=${PIPESTATUS[0]}
-set -e
-[ "$tests_rc" -eq 124 ] && echo "gpu_check: the GPU tests ran past ${GPU_TESTS_TIMEOUT:-200} s and were stopped"
+run_tests tests "${GPU_TESTS_TIMEOUT:-200}" -k "not nccl" tests/python/test_cuda.py tests/python/test_torch_cuda.py
+say "NCCL tests (world size 1)"
+run_tests tests_nccl "${GPU_NCCL_TIMEOUT:-60}" -k nccl tests/python/test_cuda.py
 
 say "GPU benchmark W1g (benchmarks/bench_gpu.py)"
-"$PY" benchmarks/bench_gpu.py --json "$OUT/gpu.json" 2>&1 | tee "$OUT/bench.log"
+set +e
+timeout --kill-after=10 "${GPU_BENCH_TIMEOUT:-240}" "$PY" benchmarks/bench_gpu.py --json "$OUT/gpu.json" 2>&1 |
+  tee "$OUT/bench.log"
+bench_rc=${PIPESTATUS[0]}
+set -e
+[ "$bench_rc" -eq 124 ] && echo "gpu_check: the benchmark ran past ${GPU_BENCH_TIMEOUT:-240} s and was stopped"
 
-say "done in $((SECONDS - START)) s; tests exit $tests_rc"
-exit "$tests_rc"
+say "done in $((SECONDS - START)) s; tests exit $tests_rc, benchmark exit $bench_rc"
+[ "$tests_rc" -ne 0 ] && exit "$tests_rc"
+exit "$bench_rc"
