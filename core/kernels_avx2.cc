@@ -23,6 +23,7 @@ struct Avx2 {
   static Reg Zero() { return _mm256_setzero_ps(); }
   static Reg Set1(float f) { return _mm256_set1_ps(f); }
   static Reg Add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  static Reg Sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
   static Reg Mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
   static Reg LoadF(const float* p) { return _mm256_loadu_ps(p); }
   static void StoreF(float* p, Reg v) { _mm256_storeu_ps(p, v); }

@@ -12,7 +12,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx2,f16c")
+#pragma GCC target("avx512f,avx2,f16c,prfchw")
 
 namespace embedcore::kernels {
 namespace {
@@ -24,6 +24,7 @@ struct Avx512 {
   static Reg Zero() { return _mm512_setzero_ps(); }
   static Reg Set1(float f) { return _mm512_set1_ps(f); }
   static Reg Add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  static Reg Sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
   static Reg Mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
   static Reg LoadF(const float* p) { return _mm512_loadu_ps(p); }
   static void StoreF(float* p, Reg v) { _mm512_storeu_ps(p, v); }

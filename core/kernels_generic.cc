@@ -31,6 +31,9 @@ struct ScalarRows {
   static void Scale(float* out, const T* row, float w, int64_t dim) {
     for (int64_t d = 0; d < dim; ++d) out[d] = w * ops::ToFloat(row[d]);
   }
+  static void SubScaled(float* w, const float* g, float c, float lr, int64_t dim) {
+    for (int64_t d = 0; d < dim; ++d) w[d] = ops::SgdInOrderElement(w[d], lr, c, g[d]);
+  }
   static void Load(const T* row, float* dst, int64_t dim) {
     for (int64_t d = 0; d < dim; ++d) dst[d] = ops::ToFloat(row[d]);
   }

@@ -19,8 +19,7 @@
 // free of side effects, and deletes calls to it that it did not inline.
 template <typename T>
 [[gnu::always_inline]] inline void PrefetchRow(const T* row, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+  PrefetchLines(row, bytes);
 }
 
 // Each bag is pooled a block of columns at a time, with the block's sums in
@@ -65,6 +64,7 @@ inline void PoolBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) 
     for (int64_t k = k0; k < k1; ++k)
       R::Axpy(acc + full, table + int64_t(ids[k]) * dim + full, a.weights ? a.weights[k] : 1.0f, dim - full);
   }
+  if (a.combiner == ops::CombinerKind::kSum) return;  // the sum is the result; no denominator
   float sum_w = 0.0f, sum_w2 = 0.0f;
   for (int64_t k = k0; k < k1; ++k) {
     const float w = a.weights ? a.weights[k] : 1.0f;
@@ -151,9 +151,8 @@ void FlatRows(const LookupArgs& a, int64_t k0, int64_t k1) {
 
 // The groups' rows are visited in id order, each read and written once; the
 // row and slots of the group kUpdatePrefetchDistance ahead, and its first
-// gradient row, are prefetched as the current one is updated. (Read
-// prefetches: GCC drops write prefetches, prefetchw, unless the target has
-// PRFCHW, and a line that no other core holds arrives writable.) A group of
+// gradient row, are prefetched as the current one is updated (the row and
+// slots for writing, where the target has PRFCHW). A group of
 // one occurrence is updated straight from its gradient row; a larger one
 // sums its rows first.
 template <typename R, typename T, typename Rule>
@@ -170,8 +169,8 @@ void UpdateGroups(const Rule& rule, const UpdateArgs& a, int64_t g0, int64_t g1)
     if (g + kUpdatePrefetchDistance < g1) {
       const Occurrence& ahead = occ[start[g + kUpdatePrefetchDistance]];
       const int64_t r = int64_t(ahead.key);
-      PrefetchRow(table + r * dim, row_bytes);
-      for (int s = 0; s < Rule::kSlots; ++s) PrefetchRow(a.slots[s] + r * dim, dim * 4);
+      PrefetchLines<1>(table + r * dim, row_bytes);
+      for (int s = 0; s < Rule::kSlots; ++s) PrefetchLines<1>(a.slots[s] + r * dim, dim * 4);
       PrefetchRow(ahead.grad, dim * 4);
     }
     const int64_t i0 = start[g], i1 = start[g + 1];
@@ -205,6 +204,39 @@ void UpdateGroups(const Rule& rule, const UpdateArgs& a, int64_t g0, int64_t g1)
   }
 }
 
+// Plain SGD on a float32 table in input order (see ops::SgdInOrderElement):
+// each occurrence of a row in [r0, r1) subtracts lr * (c * g) from the row
+// at once. Every caller scans the whole batch and updates only its rows, so
+// each row sees its occurrences in input order whatever the thread count.
+// The row kUpdatePrefetchDistance occurrences ahead is prefetched when it
+// is in range.
+template <typename R, typename I>
+void SgdInOrder(const InOrderArgs& a, int64_t r0, int64_t r1) {
+  float* table = a.table;
+  const I* ids = static_cast<const I*>(a.ids);
+  const int64_t dim = a.dim, len = a.max_sequence_length;
+  const int64_t row_bytes = dim * int64_t(sizeof(float));
+  const bool pooled = a.combiner != ops::CombinerKind::kNone;
+  const int64_t nnz = a.offsets[a.num_bags];
+  for (int64_t b = 0; b < a.num_bags; ++b) {
+    const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
+    const int64_t n = !pooled && len > 0 && k1 - k0 > len ? len : k1 - k0;  // a padded bag drops the rest
+    const float denominator = ops::BagDenominator(a.combiner, k0, k1, a.weights);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t k = k0 + j;
+      if (k + kUpdatePrefetchDistance < nnz) {
+        const int64_t ahead = int64_t(ids[k + kUpdatePrefetchDistance]);
+        if (ahead >= r0 && ahead < r1) PrefetchLines<1>(table + ahead * dim, row_bytes);
+      }
+      const int64_t row = int64_t(ids[k]);
+      if (row < r0 || row >= r1) continue;
+      const float* grad = pooled ? a.grads + b * dim : a.grads + (len > 0 ? b * len + j : k) * dim;
+      const float c = ops::BackwardCoefficient(a.combiner, a.weights ? a.weights[k] : 1.0f, denominator);
+      R::SubScaled(table + row * dim, grad, c, a.lr, dim);
+    }
+  }
+}
+
 template <typename R, typename T>
 void LoadRow(const void* row, float* dst, int64_t dim) {
   R::Load(static_cast<const T*>(row), dst, dim);
@@ -231,5 +263,11 @@ DTypeKernels MakeDTypeKernels() {
   k.adagrad = &UpdateGroups<R, T, ops::AdagradRule>;
   k.adam = &UpdateGroups<R, T, ops::AdamRule>;
   k.ftrl = &UpdateGroups<R, T, ops::FtrlRule>;
+  if constexpr (std::is_same_v<T, float>) {
+    k.sgd_in_order[0] = &SgdInOrder<R, int32_t>;
+    k.sgd_in_order[1] = &SgdInOrder<R, int64_t>;
+  } else {
+    k.sgd_in_order[0] = k.sgd_in_order[1] = nullptr;
+  }
   return k;
 }

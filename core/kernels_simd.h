@@ -1,7 +1,7 @@
 // The vector row policy of kernels_impl.h, written once over a vector type V
 // that supplies, as static inline members:
 //   Reg, kLanes                 the register type and its floats
-//   Zero(), Set1(f), Add(a, b), Mul(a, b)
+//   Zero(), Set1(f), Add(a, b), Sub(a, b), Mul(a, b)
 //   LoadF(const float*), StoreF(float*, r)
 //   Load(const T*), Store(T*, r) for T in float, F16, BF16: kLanes stored
 //       elements as floats, and back (round to nearest, ties to even)
@@ -52,6 +52,14 @@ struct SimdRows {
     int64_t d = 0;
     for (; d + kLanes <= dim; d += kLanes) V::StoreF(out + d, V::Mul(wv, V::Load(row + d)));
     for (; d < dim; ++d) out[d] = w * ops::ToFloat(row[d]);
+  }
+  // w[d] = w[d] - lr * (c * g[d]) (ops::SgdInOrderElement); float32 rows only.
+  static void SubScaled(float* w, const float* g, float c, float lr, int64_t dim) {
+    const Reg cv = V::Set1(c), lrv = V::Set1(lr);
+    int64_t d = 0;
+    for (; d + kLanes <= dim; d += kLanes)
+      V::StoreF(w + d, V::Sub(V::LoadF(w + d), V::Mul(lrv, V::Mul(cv, V::LoadF(g + d)))));
+    for (; d < dim; ++d) w[d] = ops::SgdInOrderElement(w[d], lr, c, g[d]);
   }
   static void Load(const T* row, float* dst, int64_t dim) {
     int64_t d = 0;

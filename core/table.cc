@@ -447,16 +447,35 @@ int BitWidth(uint64_t x) {
   return bits;
 }
 
-// A bag's combiner denominator, summed in id order as the lookup kernels do.
 inline float Denominator(Combiner c, int64_t begin, int64_t end, const float* wts) {
-  if (c != Combiner::kMean && c != Combiner::kSqrtn) return 1.0f;
-  float sw = 0.0f, sw2 = 0.0f;
-  for (int64_t i = begin; i < end; ++i) {
-    const float w = wts ? wts[i] : 1.0f;
-    sw += w;
-    sw2 += w * w;
-  }
-  return ops::CombinerDenominator(ops::CombinerKind(c), sw, sw2);
+  return ops::BagDenominator(ops::CombinerKind(c), begin, end, wts);
+}
+
+// Plain SGD on a float32 table, in input order (ops::SgdInOrderElement): no
+// sort. The rows split into one range per thread; each thread scans every
+// part and updates the rows of its range.
+void ApplySgdInOrder(const std::vector<GradientPart>& parts, const TableSpec& spec, float* values, float lr,
+                     const kernels::DTypeKernels& k) {
+  int64_t total = 0;
+  for (const auto& p : parts) total += p.batch.nnz;
+  const int chunks = total * spec.dim >= (int64_t(1) << 16) ? NumChunks(spec.rows, 1) : 1;
+  ParallelChunks(spec.rows, chunks, [&](int, int64_t r0, int64_t r1) {
+    for (const auto& p : parts) {
+      if (p.batch.num_bags == 0) continue;
+      kernels::InOrderArgs a;
+      a.table = values;
+      a.dim = spec.dim;
+      a.ids = p.batch.ids;
+      a.offsets = p.batch.offsets;
+      a.num_bags = p.batch.num_bags;
+      a.weights = p.batch.weights;
+      a.combiner = ops::CombinerKind(p.shape.combiner);
+      a.max_sequence_length = p.shape.max_sequence_length;
+      a.grads = p.grads;
+      a.lr = lr;
+      k.sgd_in_order[p.batch.id_type == IdType::kInt32 ? 0 : 1](a, r0, r1);
+    }
+  });
 }
 
 // Writes the occurrences of part `p` to `occ` in input order; returns how
@@ -534,6 +553,16 @@ void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learnin
   }
   if (!std::isfinite(learning_rate)) throw InvalidArgument("learning_rate must be finite, got " + std::to_string(learning_rate));
 
+  const OptimizerSpec& o = spec_.optimizer;
+  const ops::StepConstants kc = internal::StepConstantsFor(o, learning_rate);
+  const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
+  if (o.kind == OptimizerSpec::Kind::kSGD && spec_.dtype == DType::kFloat32 && ops::PlainStep(kc)) {
+    std::unique_lock<std::shared_mutex> lock(mutex_);
+    ApplySgdInOrder(parts, spec_, static_cast<float*>(values_.get()), learning_rate, k);
+    ++step_;
+    return;
+  }
+
   // Every occurrence, keyed by id, in input order; a stable sort groups them.
   int64_t total = 0;
   for (const auto& p : parts) total += p.batch.nnz;
@@ -552,13 +581,9 @@ void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learnin
     if (i == 0 || keys[i].key != keys[i - 1].key) group_start.push_back(int64_t(i));
   group_start.push_back(int64_t(keys.size()));
 
-  const OptimizerSpec& o = spec_.optimizer;
-  const ops::StepConstants kc = internal::StepConstantsFor(o, learning_rate);
-
   std::unique_lock<std::shared_mutex> lock(mutex_);
   std::vector<float*> slots;
   for (auto& s : slots_) slots.push_back(s.get());
-  const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
   void* values = values_.get();
   switch (o.kind) {
     case OptimizerSpec::Kind::kSGD:

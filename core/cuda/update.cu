@@ -78,8 +78,10 @@ constexpr int kStaged = 32;
 // at once and adds them in order. The additions are the same, in the same
 // order, as one occurrence at a time, but a group of n occurrences waits on
 // memory about n / kStaged times instead of 3 n (Zipf ids put 10^5
-// occurrences in the hottest group, which one block sums).
-template <typename T, typename Rule>
+// occurrences in the hottest group, which one block sums). With kInOrder
+// (plain SGD on a float32 table) each occurrence is applied to the weight as
+// it comes instead (ops::SgdInOrderElement), as the host does.
+template <typename T, typename Rule, bool kInOrder>
 __global__ void UpdateKernel(Rule rule, ops::StepConstants kc, T* values, float* s0, float* s1, int64_t dim,
                              int64_t rows, const uint64_t* group_key, const int64_t* group_start,
                              const int64_t* group_count, const int* num_groups, const int64_t* order,
@@ -96,6 +98,10 @@ __global__ void UpdateKernel(Rule rule, ops::StepConstants kc, T* values, float*
     for (int64_t d0 = 0; d0 < dim; d0 += blockDim.x) {
       const int64_t d = d0 + threadIdx.x;
       float acc = 0.0f;
+      float w_in_order = 0.0f;
+      if constexpr (kInOrder) {
+        if (d < dim) w_in_order = values[row * dim + d];
+      }
       for (int64_t c0 = i0; c0 < i1; c0 += kStaged) {
         const int n = int(i1 - c0 < kStaged ? i1 - c0 : kStaged);
         __syncthreads();  // the previous chunk is consumed
@@ -110,12 +116,20 @@ __global__ void UpdateKernel(Rule rule, ops::StepConstants kc, T* values, float*
 #pragma unroll
           for (int j = 0; j < kStaged; ++j)
             if (j < n) v[j] = staged_row[j][d];
+          if constexpr (kInOrder) {
 #pragma unroll
-          for (int j = 0; j < kStaged; ++j)
-            if (j < n) acc += staged_coefficient[j] * v[j];
+            for (int j = 0; j < kStaged; ++j)
+              if (j < n) w_in_order = ops::SgdInOrderElement(w_in_order, rule.lr, staged_coefficient[j], v[j]);
+          } else {
+#pragma unroll
+            for (int j = 0; j < kStaged; ++j)
+              if (j < n) acc += staged_coefficient[j] * v[j];
+          }
         }
       }
-      if (d < dim) {
+      if constexpr (kInOrder) {
+        if (d < dim) values[row * dim + d] = w_in_order;
+      } else if (d < dim) {
         const int64_t e = row * dim + d;
         float w = Load(values + e);
         ops::UpdateElement(rule, kc, w, acc, Rule::kSlots > 0 ? s0 + e : nullptr,
@@ -147,7 +161,7 @@ struct Groups {
   int64_t capacity;
 };
 
-template <typename T, typename Rule>
+template <typename T, typename Rule, bool kInOrder = false>
 void Update(const Rule& rule, const ops::StepConstants& kc, const TableSpec& spec, void* values,
             const std::vector<float*>& slots, const Groups& groups, const int64_t* order, const float* coefficient,
             const float* const* grad_row, bool untouched_too, cudaStream_t s) {
@@ -158,7 +172,7 @@ void Update(const Rule& rule, const ops::StepConstants& kc, const TableSpec& spe
   Scratch<uint8_t> touched(untouched_too ? size_t(spec.rows) : 0, s);
   if (untouched_too) EC_CUDA(cudaMemsetAsync(touched.get(), 0, size_t(spec.rows), s));
   if (groups.capacity > 0)
-    UpdateKernel<T, Rule><<<GridFor(groups.capacity, 1), threads, 0, s>>>(
+    UpdateKernel<T, Rule, kInOrder><<<GridFor(groups.capacity, 1), threads, 0, s>>>(
         rule, kc, v, s0, s1, spec.dim, spec.rows, groups.key, groups.start, groups.count, groups.num, order,
         coefficient, grad_row, untouched_too ? touched.get() : nullptr);
   EC_CUDA(cudaGetLastError());
@@ -259,8 +273,12 @@ void ApplyGradients(const TableSpec& spec, void* values, const std::vector<float
   const int64_t* ord = order_sorted.get();
   switch (o.kind) {
     case OptimizerSpec::Kind::kSGD:
-      UpdateAnyType(ops::SgdRule{learning_rate}, kc, spec, values, slots, groups, ord, coefficient.get(),
-                    grad_row.get(), false, s);
+      if (spec.dtype == DType::kFloat32 && ops::PlainStep(kc))  // as Table::ApplyGradients on the host
+        Update<float, ops::SgdRule, true>(ops::SgdRule{learning_rate}, kc, spec, values, slots, groups, ord,
+                                          coefficient.get(), grad_row.get(), false, s);
+      else
+        UpdateAnyType(ops::SgdRule{learning_rate}, kc, spec, values, slots, groups, ord, coefficient.get(),
+                      grad_row.get(), false, s);
       break;
     case OptimizerSpec::Kind::kAdagrad:
       UpdateAnyType(ops::AdagradRule{learning_rate, o.adagrad_epsilon}, kc, spec, values, slots, groups, ord,

@@ -28,6 +28,19 @@ EMBEDCORE_HD float CombinerDenominator(CombinerKind c, float sum_w, float sum_w2
   }
 }
 
+/// The combiner denominator of the bag of ids [begin, end), its weights
+/// summed in id order as the lookup kernels do (1 for sum and sequences).
+EMBEDCORE_HD float BagDenominator(CombinerKind c, int64_t begin, int64_t end, const float* weights) {
+  if (c != CombinerKind::kMean && c != CombinerKind::kSqrtn) return 1.0f;
+  float sum_w = 0.0f, sum_w2 = 0.0f;
+  for (int64_t i = begin; i < end; ++i) {
+    const float w = weights ? weights[i] : 1.0f;
+    sum_w += w;
+    sum_w2 += w * w;
+  }
+  return CombinerDenominator(c, sum_w, sum_w2);
+}
+
 /// Turns the weighted sum `acc` of one bag into the combined row, in place.
 EMBEDCORE_HD void FinishBag(CombinerKind c, float denominator, float* acc, int64_t dim) {
   if (c == CombinerKind::kSum) return;

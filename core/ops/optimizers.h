@@ -40,6 +40,21 @@ struct StepConstants {
 
 EMBEDCORE_HD float Clamp(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
+/// A step with no gradient clipping, weight decay or weight clipping.
+EMBEDCORE_HD bool PlainStep(const StepConstants& k) {
+  return !k.clip_gradient && k.weight_decay == 0.0f && !k.clip_weight_min && !k.clip_weight_max;
+}
+
+/// Plain SGD on a float32 table applies a row's occurrences one at a time,
+/// in input order: w = w - lr * (c * g) for each (coefficient c, gradient
+/// row g). SGD is linear, so this is the step of the summed gradient; only
+/// the rounding differs. It needs no sort: the host scans the batch once
+/// (Table::ApplyGradients), the device keeps its sort and applies each
+/// group's occurrences in order, with the same bits.
+EMBEDCORE_HD float SgdInOrderElement(float w, float lr, float coefficient, float g) {
+  return w - lr * (coefficient * g);
+}
+
 struct SgdRule {
   static constexpr int kSlots = 0;
   float lr;

@@ -112,7 +112,17 @@ class Optimizer:
 
 
 class SGD(Optimizer):
-    """``w -= lr * g``."""
+    """``w -= lr * g``, with ``g`` the sum of the gradients of a row's
+    occurrences in the batch.
+
+    On a float32 table with no clipping or weight decay, the occurrences are
+    applied one at a time in input order (``w -= lr * (c_k * g_k)`` for each),
+    which needs no sort of the batch: the same step (SGD is linear), rounded
+    once per occurrence instead of once per row. The result does not depend
+    on the thread count or the device (CPU and GPU give the same bits). With
+    clipping or weight decay, and on 16-bit tables, the summed gradient is
+    applied once.
+    """
 
     def __init__(self, learning_rate: LearningRate = 0.01, **kwargs):
         super().__init__(learning_rate, **kwargs)

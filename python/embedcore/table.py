@@ -295,7 +295,8 @@ class Table(LookupMixin):
         weights, combiner, max_sequence_length)``'s output.
 
         Only the rows in ``ids`` change; the gradients of repeated ids are
-        summed before one update. Everything is validated before anything
+        summed before one update (plain SGD on a float32 table applies them
+        one after another instead: see ``optimizers.SGD``). Everything is validated before anything
         changes.
         """
         if grads is None:

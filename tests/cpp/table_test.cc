@@ -210,8 +210,10 @@ HostPart RandomPart(std::mt19937& rng, const Table& t, Combiner c, int64_t max_l
 // The summed gradient of every touched id: the coefficient of each
 // occurrence times its gradient row, added in occurrence order (parts in
 // order, then ids in order), starting from 0.
-std::map<int64_t, std::vector<float>> SummedGradients(const std::vector<HostPart>& parts, int64_t dim) {
-  std::map<int64_t, std::vector<float>> sums;
+// Calls fn(id, coefficient, gradient row) for every occurrence of `parts`
+// that was looked up, in occurrence order (parts in order, then ids in order).
+template <typename Fn>
+void ForEachOccurrence(const std::vector<HostPart>& parts, int64_t dim, const Fn& fn) {
   for (const HostPart& p : parts) {
     const HostBatch& hb = p.batch;
     for (int64_t bag = 0; bag < hb.bags(); ++bag) {
@@ -237,11 +239,18 @@ std::map<int64_t, std::vector<float>> SummedGradients(const std::vector<HostPart
           if (j >= p.shape.max_sequence_length) break;  // truncated: never looked up
           g = &p.grads[size_t((bag * p.shape.max_sequence_length + j) * dim)];
         }
-        std::vector<float>& s = sums.try_emplace(hb.ids[size_t(k)], std::vector<float>(size_t(dim), 0.0f)).first->second;
-        for (int64_t d = 0; d < dim; ++d) s[size_t(d)] += coef * g[d];
+        fn(hb.ids[size_t(k)], coef, g);
       }
     }
   }
+}
+
+std::map<int64_t, std::vector<float>> SummedGradients(const std::vector<HostPart>& parts, int64_t dim) {
+  std::map<int64_t, std::vector<float>> sums;
+  ForEachOccurrence(parts, dim, [&](int64_t id, float coef, const float* g) {
+    std::vector<float>& s = sums.try_emplace(id, std::vector<float>(size_t(dim), 0.0f)).first->second;
+    for (int64_t d = 0; d < dim; ++d) s[size_t(d)] += coef * g[d];
+  });
   return sums;
 }
 
@@ -316,6 +325,14 @@ void FunctorStep(const TableSpec& spec, int64_t step_before, const std::map<int6
       each(ops::FtrlRule{lr, o.learning_rate_power, o.l1, o.l2, o.beta, o.multiply_linear_by_learning_rate});
       break;
   }
+}
+
+// Plain SGD on a float32 table applies each occurrence in turn instead of
+// the summed gradient (ops::SgdInOrderElement; only the rounding differs).
+bool InOrderSgd(const TableSpec& spec) {
+  const OptimizerSpec& o = spec.optimizer;
+  return o.kind == OptimizerSpec::Kind::kSGD && spec.dtype == DType::kFloat32 && !o.has_clipvalue &&
+         o.weight_decay_factor == 0.0f && !o.has_clip_weight_min && !o.has_clip_weight_max;
 }
 
 // Reference 2: the formulas documented in ops/optimizers.h, in double.
@@ -417,7 +434,16 @@ void CheckOptimizer(const TableSpec& spec, const std::string& what, uint32_t see
     const State before = StateOf(t);
     State expected = before;
     const int64_t step_before = t.step();
-    FunctorStep(spec, step_before, sums, lr, expected);
+    if (InOrderSgd(spec)) {  // each occurrence in turn (ops::SgdInOrderElement)
+      ForEachOccurrence(parts, spec.dim, [&](int64_t id, float coef, const float* g) {
+        for (int64_t d = 0; d < spec.dim; ++d) {
+          float& w = expected.w[size_t(id * spec.dim + d)];
+          w = w - lr * (coef * g[d]);
+        }
+      });
+    } else {
+      FunctorStep(spec, step_before, sums, lr, expected);
+    }
 
     std::vector<GradientPart> views;
     for (const HostPart& p : parts) views.push_back(p.View());
@@ -976,12 +1002,18 @@ EMBEDCORE_TEST(ResultsDoNotDependOnThreadCount) {
     EMBEDCORE_EXPECT_EQ(GetNumThreads(), threads);
     std::mt19937 rng(4242);  // the same data for every thread count
     Run run;
-    for (OptimizerSpec::Kind kind : {OptimizerSpec::Kind::kAdagrad, OptimizerSpec::Kind::kFTRL,
-                                     OptimizerSpec::Kind::kAdam}) {
-      TableSpec spec = MakeSpec(3000, 24, DType::kBFloat16, kind, 9);
+    // Plain SGD on float32 runs its own path (no sort; each thread scans the
+    // batch for its rows); with weight decay, SGD takes the sorted path.
+    const std::pair<OptimizerSpec::Kind, DType> kinds[] = {
+        {OptimizerSpec::Kind::kAdagrad, DType::kBFloat16}, {OptimizerSpec::Kind::kFTRL, DType::kBFloat16},
+        {OptimizerSpec::Kind::kAdam, DType::kBFloat16},    {OptimizerSpec::Kind::kSGD, DType::kFloat32},
+        {OptimizerSpec::Kind::kSGD, DType::kFloat32}};
+    for (size_t v = 0; v < std::size(kinds); ++v) {
+      TableSpec spec = MakeSpec(3000, 24, kinds[v].second, kinds[v].first, 9);
       spec.initializer.kind = InitializerSpec::Kind::kTruncatedNormal;
       spec.initializer.b = 0.0;
       spec.optimizer.lazy_adam = false;
+      if (v == 4) spec.optimizer.weight_decay_factor = 0.01f;
       Table t(spec);
       for (int step = 0; step < 2; ++step) {
         HostPart p;

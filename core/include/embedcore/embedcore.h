@@ -252,7 +252,11 @@ class Table {
   /// Applies one optimizer step from the gradients of one or more lookups.
   /// The gradients of every occurrence of an id (across all parts) are summed
   /// in a fixed order before one update of that row, so the result does not
-  /// depend on the thread count. `learning_rate` is this step's rate.
+  /// depend on the thread count. Plain SGD (no clipping, no weight decay) on
+  /// a float32 table applies the occurrences one at a time in input order
+  /// instead, w = w - lr * (c * g) each, with no sort: the same step, rounded
+  /// per occurrence, and the same bits on CPU and GPU whatever the thread
+  /// count. `learning_rate` is this step's rate.
   /// Validates everything before changing anything.
   void ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate, uintptr_t stream = 0);
 
