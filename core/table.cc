@@ -535,6 +535,9 @@ void CheckStepCanGrow(const std::string& table, int64_t step) {
 }  // namespace
 
 void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate, uintptr_t stream) {
+  for (const auto& p : parts)  // as Lookup refuses it, on every path
+    if (p.shape.max_sequence_length < 0)
+      throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(p.shape.max_sequence_length));
   if (spec_.device >= 0) {
     CheckStepCanGrow(spec_.name, step_);
     std::unique_lock<std::shared_mutex> lock(mutex_);
@@ -627,6 +630,8 @@ void Table::ApplyGradientsStaged(const std::vector<GradientPart>& parts, float l
   if (spec_.device < 0) return ApplyGradients(parts, learning_rate);
   CheckStepCanGrow(spec_.name, step_);
   for (const auto& p : parts) {
+    if (p.shape.max_sequence_length < 0)
+      throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(p.shape.max_sequence_length));
     ValidateBatch(p.batch, spec_.rows, spec_.name);
     if (p.shape.OutputRows(p.batch) > 0 && p.grads == nullptr) throw InvalidArgument("grads: null pointer");
   }

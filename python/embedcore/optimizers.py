@@ -2,7 +2,9 @@
 
 Each optimizer updates only the rows a batch touched; the gradients of every
 occurrence of an id are summed (in a fixed order) before one update of that
-row, so results are bit-identical whatever the thread count. Slot variables
+row (plain SGD on a float32 table applies them one after another in input
+order instead: see ``SGD``), so results are bit-identical whatever the thread
+count. Slot variables
 carry TensorFlow's names. Common options:
 
 - ``learning_rate``: a float, or a callable ``lr(step)`` of the table's step

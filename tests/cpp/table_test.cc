@@ -916,8 +916,11 @@ EMBEDCORE_TEST(EmptyUpdatesCountAsSteps) {
 
 EMBEDCORE_TEST(UpdateValidationLeavesTableUnchanged) {
   using K = OptimizerSpec::Kind;
-  for (K kind : {K::kSGD, K::kAdagrad, K::kAdam, K::kFTRL}) {
-    TableSpec spec = MakeSpec(10, 3, DType::kFloat16, kind);
+  // float32 too: plain SGD on it takes its own path (no sort).
+  for (auto [kind, dtype] : {std::pair{K::kSGD, DType::kFloat16}, std::pair{K::kSGD, DType::kFloat32},
+                             std::pair{K::kAdagrad, DType::kFloat16}, std::pair{K::kAdam, DType::kFloat16},
+                             std::pair{K::kFTRL, DType::kFloat16}}) {
+    TableSpec spec = MakeSpec(10, 3, dtype, kind);
     spec.optimizer.lazy_adam = false;  // a non-lazy step would touch every row
     Table t(spec);
     std::mt19937 rng(3);
@@ -942,6 +945,12 @@ EMBEDCORE_TEST(UpdateValidationLeavesTableUnchanged) {
 
     for (float lr : {std::nanf(""), std::numeric_limits<float>::infinity()})
       EMBEDCORE_EXPECT_THROWS(t.ApplyGradients({good.View()}, lr), InvalidArgument, "learning_rate");
+    EMBEDCORE_EXPECT(Take(t) == before);
+
+    GradientPart negative_length = good.View();  // refused as Lookup refuses it
+    negative_length.shape = OutputShape{Combiner::kNone, -1};
+    EMBEDCORE_EXPECT_THROWS(t.ApplyGradients({good.View(), negative_length}, 0.1f), InvalidArgument,
+                            "max_sequence_length must be >= 0, got -1");
     EMBEDCORE_EXPECT(Take(t) == before);
 
     // And the table still works.
