@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["SUM", "MEAN", "SQRTN", "SEQUENCE", "FUSED", "SPARSE", "DENSE", "WHOLE", "register", "unregister",
-           "lookup", "lookup_backward"]
+           "lookup", "lookup_impl", "eager_lookup", "plain_eager", "lookup_backward", "lookup_backward_impl"]
 
 # Combiners (the engine's codes) and gradient modes.
 SUM, MEAN, SQRTN, SEQUENCE = 0, 1, 2, 3
@@ -203,6 +203,35 @@ def _parts(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segm
     return parts
 
 
+def _fused_step(entry: _Entry, apply) -> None:
+    """Runs apply(lr), the engine's step, at the rate of the table's
+    parameter group (a scheduler may have changed it), or of the table's
+    own schedule, which the group then shows."""
+    table, group = entry.table, entry.group
+    lr = table.learning_rate()
+    if group is not None and not callable(table.optimizer.learning_rate):
+        lr = float(group["lr"])
+    apply(lr)
+    if group is not None and callable(table.optimizer.learning_rate):
+        group["lr"] = table.learning_rate()
+
+
+def _whole_cpu_source(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
+                      combiner: int, padding_idx: int, include_last_offset: bool):
+    """The most common call, (ids, offsets, weights) as NumPy views for the
+    engine as they are, or None: one CPU source pooled whole, its offsets
+    given with the last one, no padding id. The engine checks ids and
+    offsets itself; the general path (``_parts``) is only needed for the
+    error's message, and for segments, padding ids and sequences."""
+    if (len(segments) != 3 or combiner == SEQUENCE or not include_last_offset or padding_idx >= 0
+            or len(offsets) != 1 or segments[1] != 0):
+        return None
+    a, off = ids[0], offsets[0]
+    if a.device.type != "cpu" or off.dtype != torch.int64 or segments[2] != off.shape[0] - 1:
+        return None
+    return _np(a), _np(off), (_np(weights[0]) if weights else None)
+
+
 def _bag_of(p: _Part) -> Tensor:
     """The bag (output row) of each id of a pooled part."""
     counts = torch.diff(p.offsets)
@@ -273,10 +302,9 @@ def _raise_bad_id(table, p: _Part, sources: int, error: IndexError):
 
 
 # ------------------------------------------------------------------ forward
-@torch.library.custom_op("embedcore::lookup", mutates_args=())
-def lookup(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
-           segments: List[int], combiner: int, padding_idx: int, include_last_offset: bool,
-           grad_mode: int) -> List[Tensor]:
+def lookup_impl(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offsets: List[Tensor],
+                weights: List[Tensor], segments: List[int], combiner: int, padding_idx: int,
+                include_last_offset: bool, grad_mode: int) -> List[Tensor]:
     """Looks up `segments` (triples: source, first bag, number of bags, or
     WHOLE) of the table `handle`; one float32 output per segment:
     ``[bags, dim]`` pooled, or ``[ids, dim]`` unpooled.
@@ -285,6 +313,12 @@ def lookup(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offsets: Li
     tensor (fused training); its data is not read. Ids equal to `padding_idx`
     are left out of pooled bags (and of the mean's count), as PyTorch does."""
     table = _entry(handle).table
+    whole = _whole_cpu_source(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
+    if whole is not None:
+        try:
+            return [torch.from_numpy(table._native.lookup(*whole, combiner, 0))]
+        except (IndexError, ValueError, TypeError):
+            pass  # the general path below raises the error, with the caller's positions
     name = _COMBINER_NAMES[combiner]
     outs = []
     for p in _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, combiner != SEQUENCE):
@@ -298,6 +332,24 @@ def lookup(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offsets: Li
         else:
             outs.append(torch.empty((0, dim), dtype=torch.float32, device=p.ids.device))
     return outs
+
+
+lookup = torch.library.custom_op("embedcore::lookup", mutates_args=())(lookup_impl)
+
+
+def plain_eager(tensors: List[Tensor]) -> bool:
+    """Whether a call on `tensors` may skip the custom ops' dispatch (schema
+    checks, pytree, the generated autograd) and run their bodies directly
+    (``eager_lookup``): eager, with no tracing or mode that must see the op
+    (``torch.compile``, ``torch.export``, ``make_fx``, FX, tensor subclasses
+    such as fake tensors). The dispatch costs 0.2-0.5 ms a training step
+    warm and about three times that on the cold cache a lookup leaves, as
+    much as a Zipf lookup's gap to ``nn.EmbeddingBag`` (docs/torch.md)."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._is_torch_function_mode_enabled() or torch.utils._python_dispatch._get_current_dispatch_mode():
+        return False
+    return all(type(t) is Tensor or type(t) is torch.nn.Parameter for t in tensors)
 
 
 @lookup.register_fake
@@ -316,11 +368,10 @@ def _(anchor, handle, dim, ids, offsets, weights, segments, combiner, padding_id
 
 
 # ------------------------------------------------------------------ backward
-@torch.library.custom_op("embedcore::lookup_backward", mutates_args=())
-def lookup_backward(handle: int, dim: int, rows: int, ids: List[Tensor], offsets: List[Tensor],
-                    weights: List[Tensor], segments: List[int], combiner: int, padding_idx: int,
-                    include_last_offset: bool, grad_mode: int, table_grad: bool, weight_grads: bool,
-                    grads: List[Tensor]) -> Tuple[Tensor, Tensor, List[Tensor]]:
+def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], offsets: List[Tensor],
+                         weights: List[Tensor], segments: List[int], combiner: int, padding_idx: int,
+                         include_last_offset: bool, grad_mode: int, table_grad: bool, weight_grads: bool,
+                         grads: List[Tensor]) -> Tuple[Tensor, Tensor, List[Tensor]]:
     """The backward of `lookup` for the segments whose outputs got gradients.
 
     Returns ``(a, b, wgrads)``. Fused: ``a`` is the anchor's (zero) gradient,
@@ -330,6 +381,15 @@ def lookup_backward(handle: int, dim: int, rows: int, ids: List[Tensor], offsets
     reads them), computed before any update; empty unless asked."""
     entry = _entry(handle)
     table = entry.table
+    if grad_mode == FUSED and table_grad and not (weight_grads and weights) and len(grads) == 1:
+        whole = _whole_cpu_source(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
+        if whole is not None and grads[0].device.type == "cpu":
+            try:  # the engine validates everything before it changes anything
+                _fused_step(entry, lambda lr: table._native.apply_gradients(
+                    [(*whole, combiner, 0, _np(grads[0].contiguous()))], lr))
+                return torch.zeros(1), torch.empty(0, dtype=torch.int64), []
+            except (IndexError, ValueError, TypeError):
+                pass  # the general path below raises the error
     parts = _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, True)
     gs = [g.contiguous() for g in grads]
     if combiner == SEQUENCE:
@@ -363,10 +423,6 @@ def lookup_backward(handle: int, dim: int, rows: int, ids: List[Tensor], offsets
     if not table_grad:
         return torch.empty(0, device=device), empty_rows, wgrads
     if grad_mode == FUSED:
-        group = entry.group
-        lr = table.learning_rate()
-        if group is not None and not callable(table.optimizer.learning_rate):
-            lr = float(group["lr"])
         if device.type == "cpu":
             native = []
             for p, g in zip(parts, gs):
@@ -374,12 +430,11 @@ def lookup_backward(handle: int, dim: int, rows: int, ids: List[Tensor], offsets
                     native.append((_np(p.ids), np.array([0, p.ids.shape[0]], np.int64), None, SEQUENCE, 0, _np(g)))
                 else:
                     native.append((_np(p.ids), _np(p.offsets), _engine(p.weights), combiner, 0, _np(g)))
-            table._native.apply_gradients(native, lr)
+            _fused_step(entry, lambda lr: table._native.apply_gradients(native, lr))
         else:  # on the table's GPU, on PyTorch's current stream
-            table._cuda_apply([table._cuda_part(p.ids, p.offsets, p.weights, _COMBINER_NAMES[combiner], 0, g)
-                               for p, g in zip(parts, gs)], lr)
-        if group is not None and callable(table.optimizer.learning_rate):
-            group["lr"] = table.learning_rate()
+            _fused_step(entry, lambda lr: table._cuda_apply(
+                [table._cuda_part(p.ids, p.offsets, p.weights, _COMBINER_NAMES[combiner], 0, g)
+                 for p, g in zip(parts, gs)], lr))
         return torch.zeros(1, device=device), empty_rows, wgrads
 
     # Unfused: one gradient row per id occurrence, as nn.EmbeddingBag's backward gives them.
@@ -399,6 +454,9 @@ def lookup_backward(handle: int, dim: int, rows: int, ids: List[Tensor], offsets
     # (On a GPU, index_add_ sums repeated ids with atomic adds, in no fixed order, unless
     # torch.use_deterministic_algorithms(True).)
     return torch.zeros((rows, dim), device=device).index_add_(0, i, v), empty_rows, wgrads
+
+
+lookup_backward = torch.library.custom_op("embedcore::lookup_backward", mutates_args=())(lookup_backward_impl)
 
 
 @lookup_backward.register_fake
@@ -459,8 +517,9 @@ def _backward(ctx, grads):
     if not used_grads:
         return (None, None, None, *none_lists, [None] * n_w, None, None, None, None, None)
     rows = ctx.table_shape[0] if grad_mode != FUSED else 0
-    a, b, wgrads = lookup_backward(handle, dim, rows, ids, offsets, weights, used_segments, combiner, padding_idx,
-                                   include_last_offset, grad_mode, ctx.table_grad, ctx.weight_grads, used_grads)
+    op = lookup_backward_impl if plain_eager([*used_grads, *ids, *offsets, *weights]) else lookup_backward
+    a, b, wgrads = op(handle, dim, rows, ids, offsets, weights, used_segments, combiner, padding_idx,
+                      include_last_offset, grad_mode, ctx.table_grad, ctx.weight_grads, used_grads)
     if not ctx.table_grad:
         table_grad = None
     elif grad_mode == FUSED:
@@ -475,3 +534,37 @@ def _backward(ctx, grads):
 
 
 lookup.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerLookup(torch.autograd.Function):
+    """``lookup`` with its autograd, without the dispatcher (see
+    ``plain_eager``): the same body, context and backward. The tensors come
+    flat after the other arguments, so that autograd sees the weights."""
+
+    @staticmethod
+    def forward(ctx, anchor, handle, dim, segments, combiner, padding_idx, include_last_offset, grad_mode, counts,
+                *tensors):
+        n_ids, n_off, _ = counts
+        ids, offsets = list(tensors[:n_ids]), list(tensors[n_ids:n_ids + n_off])
+        weights = list(tensors[n_ids + n_off:])
+        inputs = (anchor, handle, dim, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset,
+                  grad_mode)
+        outs = lookup_impl(*inputs)
+        _setup_context(ctx, inputs, outs)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        table_grad, _, _, ids, offsets, weights, *_ = _backward(ctx, list(grads))
+        return (table_grad, *([None] * 8), *ids, *offsets, *weights)
+
+
+def eager_lookup(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offsets: List[Tensor],
+                 weights: List[Tensor], segments: List[int], combiner: int, padding_idx: int,
+                 include_last_offset: bool, grad_mode: int) -> List[Tensor]:
+    """``lookup``, eagerly (callers check ``plain_eager`` first)."""
+    if not torch.is_grad_enabled() or not (anchor.requires_grad or any(w.requires_grad for w in weights)):
+        return lookup_impl(anchor, handle, dim, ids, offsets, weights, segments, combiner, padding_idx,
+                           include_last_offset, grad_mode)
+    return list(_EagerLookup.apply(anchor, handle, dim, segments, combiner, padding_idx, include_last_offset,
+                                   grad_mode, (len(ids), len(offsets), len(weights)), *ids, *offsets, *weights))

@@ -131,3 +131,78 @@ def test_torchrec_kjt_compiled(rng):
         sa, sb = seq(kjt), compiled_seq(kjt)
         assert max_diff(sa["f3"].values(), sb["f3"].values()) == 0
     assert max_diff(eager.embedding_bags["t1"].weight, comp.embedding_bags["t1"].weight) == 0
+
+
+@pytest.mark.parametrize("how", ["fused", "sparse", "dense"])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_eager_fast_path_equals_the_dispatched_ops(rng, monkeypatch, how, mode):
+    """Eagerly, the modules run the ops' bodies and autograd without the
+    dispatcher (_ops.plain_eager); forced through the custom ops instead,
+    outputs, per_sample_weights gradients and updates are the same bits."""
+    from embedcore.adapters.torch import _ops
+
+    w = uniform_weights(rng, ROWS, DIM)
+    kw = {"fused": dict(optimizer=engine_optimizer("adagrad", 0.1)), "sparse": dict(sparse=True),
+          "dense": dict(sparse=False)}[how]
+    batches = [bags(rng, ROWS, BATCH, weighted=True) for _ in range(3)]
+
+    def run(force_ops):
+        with monkeypatch.context() as mp:
+            if force_ops:
+                mp.setattr(_ops, "plain_eager", lambda tensors: False)
+            return steps()
+
+    def steps():
+        m = Model(w, mode=mode, **kw)
+        opts = [torch.optim.SGD(m.top.parameters(), lr=0.1)]
+        if how != "fused":
+            opts.append(torch.optim.SGD([m.emb.weight], lr=0.1))
+        got = []
+        for ids, offsets, psw in batches:
+            for o in opts:
+                o.zero_grad()
+            p = psw.clone().requires_grad_(mode == "sum")
+            m(ids, offsets, p if mode == "sum" else None).backward()
+            for o in opts:
+                o.step()
+            with torch.no_grad():
+                got.append(m.emb(ids, offsets).clone())
+            if mode == "sum":
+                got.append(p.grad.clone())
+        return got + [m.emb.weight.detach().clone()]
+
+    calls = []
+    real = _ops.lookup_impl
+    monkeypatch.setattr(_ops, "lookup_impl", lambda *a: calls.append(1) or real(*a))
+    fast = run(False)
+    assert calls, "the eager path was not taken"
+    calls.clear()
+    slow = run(True)
+    assert not calls, "the forced path called the body directly"
+    assert len(fast) == len(slow)
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
+
+
+def test_tracing_records_the_custom_op(rng):
+    """make_fx / torch.export see embedcore::lookup as one op (the eager fast
+    path steps aside under tracing modes)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    w = uniform_weights(rng, ROWS, DIM)
+    bag = et.EmbeddingBag.from_pretrained(w, mode="sum", include_last_offset=True)
+    ids, offsets, _ = bags(rng, ROWS, BATCH)
+    with torch.no_grad():
+        gm = make_fx(lambda i, o: bag(i, o))(ids, offsets)
+        assert "embedcore.lookup" in str(gm.graph)
+        assert torch.equal(gm(ids, offsets), bag(ids, offsets))
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.bag = bag
+
+            def forward(self, i, o):
+                return self.bag(i, o)
+
+        ep = torch.export.export(M(), (ids, offsets))
+        assert "embedcore.lookup" in str(ep.graph)
