@@ -203,15 +203,18 @@ def _parts(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segm
     return parts
 
 
-def _fused_step(entry: _Entry, apply) -> None:
-    """Runs apply(lr), the engine's step, at the rate of the table's
-    parameter group (a scheduler may have changed it), or of the table's
-    own schedule, which the group then shows."""
+def _fused_rate(entry: _Entry) -> float:
+    """The rate of a fused step: the table's parameter group's (a scheduler
+    may have changed it), or the table's own schedule's."""
     table, group = entry.table, entry.group
-    lr = table.learning_rate()
     if group is not None and not callable(table.optimizer.learning_rate):
-        lr = float(group["lr"])
-    apply(lr)
+        return float(group["lr"])
+    return table.learning_rate()
+
+
+def _fused_stepped(entry: _Entry) -> None:
+    """After a fused step: the group shows the table's scheduled rate."""
+    table, group = entry.table, entry.group
     if group is not None and callable(table.optimizer.learning_rate):
         group["lr"] = table.learning_rate()
 
@@ -345,7 +348,7 @@ def plain_eager(tensors: List[Tensor]) -> bool:
     such as fake tensors). The dispatch costs 0.2-0.5 ms a training step
     warm and about three times that on the cold cache a lookup leaves, as
     much as a Zipf lookup's gap to ``nn.EmbeddingBag`` (docs/torch.md)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._are_functorch_transforms_active():
         return False
     if torch._C._is_torch_function_mode_enabled() or torch.utils._python_dispatch._get_current_dispatch_mode():
         return False
@@ -384,12 +387,15 @@ def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], of
     if grad_mode == FUSED and table_grad and not (weight_grads and weights) and len(grads) == 1:
         whole = _whole_cpu_source(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
         if whole is not None and grads[0].device.type == "cpu":
+            lr = _fused_rate(entry)
             try:  # the engine validates everything before it changes anything
-                _fused_step(entry, lambda lr: table._native.apply_gradients(
-                    [(*whole, combiner, 0, _np(grads[0].contiguous()))], lr))
-                return torch.zeros(1), torch.empty(0, dtype=torch.int64), []
+                table._native.apply_gradients([(*whole, combiner, 0, _np(grads[0].contiguous()))], lr)
+                stepped = True
             except (IndexError, ValueError, TypeError):
-                pass  # the general path below raises the error
+                stepped = False  # nothing changed: the general path below raises the error
+            if stepped:
+                _fused_stepped(entry)
+                return torch.zeros(1), torch.empty(0, dtype=torch.int64), []
     parts = _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, True)
     gs = [g.contiguous() for g in grads]
     if combiner == SEQUENCE:
@@ -423,6 +429,7 @@ def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], of
     if not table_grad:
         return torch.empty(0, device=device), empty_rows, wgrads
     if grad_mode == FUSED:
+        lr = _fused_rate(entry)
         if device.type == "cpu":
             native = []
             for p, g in zip(parts, gs):
@@ -430,11 +437,11 @@ def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], of
                     native.append((_np(p.ids), np.array([0, p.ids.shape[0]], np.int64), None, SEQUENCE, 0, _np(g)))
                 else:
                     native.append((_np(p.ids), _np(p.offsets), _engine(p.weights), combiner, 0, _np(g)))
-            _fused_step(entry, lambda lr: table._native.apply_gradients(native, lr))
+            table._native.apply_gradients(native, lr)
         else:  # on the table's GPU, on PyTorch's current stream
-            _fused_step(entry, lambda lr: table._cuda_apply(
-                [table._cuda_part(p.ids, p.offsets, p.weights, _COMBINER_NAMES[combiner], 0, g)
-                 for p, g in zip(parts, gs)], lr))
+            table._cuda_apply([table._cuda_part(p.ids, p.offsets, p.weights, _COMBINER_NAMES[combiner], 0, g)
+                               for p, g in zip(parts, gs)], lr)
+        _fused_stepped(entry)
         return torch.zeros(1, device=device), empty_rows, wgrads
 
     # Unfused: one gradient row per id occurrence, as nn.EmbeddingBag's backward gives them.
@@ -517,7 +524,9 @@ def _backward(ctx, grads):
     if not used_grads:
         return (None, None, None, *none_lists, [None] * n_w, None, None, None, None, None)
     rows = ctx.table_shape[0] if grad_mode != FUSED else 0
-    op = lookup_backward_impl if plain_eager([*used_grads, *ids, *offsets, *weights]) else lookup_backward
+    # The op when the backward is differentiated (create_graph): it has no formula for that and says so.
+    plain = not torch.is_grad_enabled() and plain_eager([*used_grads, *ids, *offsets, *weights])
+    op = lookup_backward_impl if plain else lookup_backward
     a, b, wgrads = op(handle, dim, rows, ids, offsets, weights, used_segments, combiner, padding_idx,
                       include_last_offset, grad_mode, ctx.table_grad, ctx.weight_grads, used_grads)
     if not ctx.table_grad:

@@ -206,3 +206,19 @@ def test_tracing_records_the_custom_op(rng):
 
         ep = torch.export.export(M(), (ids, offsets))
         assert "embedcore.lookup" in str(ep.graph)
+
+
+def test_fast_path_steps_aside_under_jit_trace_and_vmap():
+    from embedcore.adapters.torch import _ops
+
+    seen = []
+
+    def f(x):
+        seen.append(_ops.plain_eager([x]))
+        return x * 2
+
+    x = torch.arange(4.0)
+    assert _ops.plain_eager([x])
+    torch.jit.trace(f, (x,), check_trace=False)
+    torch.vmap(f)(x.reshape(2, 2))
+    assert seen == [False, False]

@@ -237,3 +237,38 @@ def test_unpooled_training_matches_nn_embedding(rng, name):
     assert torch.equal(fused.weight[0], w[0])
     assert max_diff(coll.embeddings["t"].weight, ref2.weight) <= 1e-5
     assert coll.embeddings["t"].table.step == 5
+
+
+def test_double_backward_through_per_sample_weights_is_refused(rng):
+    """The lookup's backward has no derivative of its own: create_graph
+    raises (PyTorch's "no autograd formula") rather than give a partial one."""
+    m = et.EmbeddingBag(ROWS, DIM, mode="sum", include_last_offset=True)
+    ids, offsets, w = bags(rng, ROWS, BATCH, weighted=True)
+    w = w.clone().requires_grad_()
+    gw, gpsw = torch.autograd.grad(m(ids, offsets, w).pow(3).sum(), [m.weight, w], create_graph=True)
+    with pytest.raises(RuntimeError, match="autograd"):
+        torch.autograd.grad(gw.pow(2).sum() + gpsw.pow(2).sum(), [m.weight, w])
+
+
+def test_fused_step_runs_once_when_the_rate_schedule_fails_after_it(rng):
+    """A schedule that raises while the group's rate is refreshed after the
+    engine's step: that step stays the only one (no retry by the general path)."""
+    calls = []
+
+    def schedule(step):
+        calls.append(step)
+        if step == 1 and calls.count(1) == 1:
+            raise ValueError("schedule failed once")
+        return 0.1
+
+    m = et.EmbeddingBag(ROWS, DIM, mode="sum", include_last_offset=True,
+                        optimizer=ec.optimizers.SGD(learning_rate=schedule))
+    before = m.weight.detach().clone()
+    ids, offsets, _ = bags(rng, ROWS, BATCH)
+    with pytest.raises(ValueError, match="schedule failed once"):
+        m(ids, offsets).sum().backward()
+    assert m.table.step == 1
+    ref = et.EmbeddingBag.from_pretrained(before, freeze=False, mode="sum", include_last_offset=True,
+                                          optimizer=ec.optimizers.SGD(learning_rate=0.1))
+    ref(ids, offsets).sum().backward()
+    assert torch.equal(m.weight.detach(), ref.weight.detach())
