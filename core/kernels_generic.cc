@@ -25,6 +25,17 @@ struct ScalarRows {
     }
     for (int64_t d = 0; d < kCols; ++d) out[d] = acc[d];
   }
+  template <int NV, typename I>
+  static void PoolGroup(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, const int64_t* offsets,
+                        int64_t p0, int64_t p1, const float* weights, int64_t pf_end, int64_t row_bytes) {
+    constexpr int64_t kCols = int64_t(NV) * kLanes;
+    float acc[kCols], s[kCols];
+    for (int64_t p = p0; p < p1; ++p) {
+      Pool<NV>(s, table, dim, c0, ids, offsets[p], offsets[p + 1], weights, pf_end, row_bytes);
+      for (int64_t d = 0; d < kCols; ++d) acc[d] = p == p0 ? s[d] : acc[d] + s[d];
+    }
+    for (int64_t d = 0; d < kCols; ++d) out[d] = acc[d];
+  }
   static void Axpy(float* acc, const T* row, float w, int64_t dim) {
     for (int64_t d = 0; d < dim; ++d) acc[d] += w * ops::ToFloat(row[d]);
   }

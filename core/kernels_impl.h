@@ -90,11 +90,31 @@ void PooledBags(const LookupArgs& a, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) PoolBag<R, T, I>(a, b, a.out + b * a.dim, k_end);
 }
 
-// Each group's first bag is pooled into its output row, each later one into
-// a scratch row that is then added: acc = ((s_0 + s_1) + s_2) + ...
+// Groups of bags: output row g is ((s_0 + s_1) + s_2) + ..., each bag's sum
+// s_p pooled from zero as PoolBag pools it (sum combiner), the first taken as
+// it is. Blocks of columns as in PoolBag, every sum in registers
+// (R::PoolGroup); columns past the last vector one bag at a time.
+template <typename R, int NV, typename T, typename I>
+inline void GroupSmallerBlocks(const LookupArgs& a, const T* table, const I* ids, int64_t p0, int64_t p1,
+                               float* acc, int64_t& c0, int64_t& pf_end) {
+  if constexpr (NV >= 1) {
+    if (a.dim - c0 >= int64_t(NV) * R::kLanes) {
+      R::template PoolGroup<NV>(acc + c0, table, a.dim, c0, ids, a.offsets, p0, p1, a.weights, pf_end,
+                                a.dim * int64_t(sizeof(T)));
+      c0 += int64_t(NV) * R::kLanes;
+      pf_end = 0;
+    }
+    GroupSmallerBlocks<R, NV / 2, T, I>(a, table, ids, p0, p1, acc, c0, pf_end);
+  }
+}
+
 template <typename R, typename T, typename I>
 void GroupedBags(const LookupArgs& a, const int64_t* groups, int64_t g0, int64_t g1) {
+  const T* table = static_cast<const T*>(a.table);
+  const I* ids = static_cast<const I*>(a.ids);
   const int64_t dim = a.dim;
+  const int64_t row_bytes = dim * int64_t(sizeof(T));
+  constexpr int64_t kBlock = int64_t(R::kVectors) * R::kLanes;
   const int64_t k_end = a.offsets[groups[g1]];
   PrefetchFirstRows<T, I>(a, a.offsets[groups[g0]], k_end);
   std::vector<float> part(static_cast<size_t>(dim));
@@ -105,10 +125,24 @@ void GroupedBags(const LookupArgs& a, const int64_t* groups, int64_t g0, int64_t
       for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
       continue;
     }
-    PoolBag<R, T, I>(a, p0, acc, k_end);
-    for (int64_t p = p0 + 1; p < p1; ++p) {
-      PoolBag<R, T, I>(a, p, part.data(), k_end);
-      for (int64_t d = 0; d < dim; ++d) acc[d] += part[size_t(d)];
+    int64_t full = 0, pf_end = k_end;
+    for (; full + kBlock <= dim; full += kBlock, pf_end = 0)
+      R::template PoolGroup<R::kVectors>(acc + full, table, dim, full, ids, a.offsets, p0, p1, a.weights, pf_end,
+                                         row_bytes);
+    GroupSmallerBlocks<R, R::kVectors / 2, T, I>(a, table, ids, p0, p1, acc, full, pf_end);
+    if (pf_end != 0)  // no block ran (dim below one vector)
+      for (int64_t k = a.offsets[p0]; k < a.offsets[p1] && k + kPrefetchDistance < k_end; ++k)
+        PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+    if (full < dim) {  // the last columns, bag by bag as PoolBag sums them
+      const int64_t rest = dim - full;
+      for (int64_t p = p0; p < p1; ++p) {
+        float* s = p == p0 ? acc + full : part.data();
+        for (int64_t d = 0; d < rest; ++d) s[d] = 0.0f;
+        for (int64_t k = a.offsets[p]; k < a.offsets[p + 1]; ++k)
+          R::Axpy(s, table + int64_t(ids[k]) * dim + full, a.weights ? a.weights[k] : 1.0f, rest);
+        if (p != p0)
+          for (int64_t d = 0; d < rest; ++d) acc[full + d] += part[size_t(d)];
+      }
     }
   }
 }

@@ -41,6 +41,35 @@ struct SimdRows {
     for (int j = 0; j < NV; ++j) V::StoreF(out + kLanes * j, s[j]);
   }
 
+  // A group of bags [p0, p1) (p1 > p0), for the NV * kLanes columns from c0:
+  // out[c] = ((s_p0 + s_p0+1) + ...) + s_p1-1, each bag's sum s_p pooled
+  // from zero as Pool pools it; every sum stays in registers.
+  template <int NV, typename I>
+  static void PoolGroup(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, const int64_t* offsets,
+                        int64_t p0, int64_t p1, const float* weights, int64_t pf_end, int64_t row_bytes) {
+    Reg acc[NV], s[NV];
+    for (int64_t p = p0; p < p1; ++p) {
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) s[j] = V::Zero();
+      for (int64_t k = offsets[p]; k < offsets[p + 1]; ++k) {
+        if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+        const T* row = table + int64_t(ids[k]) * dim + c0;
+        if (weights == nullptr) {
+#pragma GCC unroll 16
+          for (int j = 0; j < NV; ++j) s[j] = V::Add(s[j], V::Load(row + kLanes * j));
+        } else {
+          const Reg w = V::Set1(weights[k]);
+#pragma GCC unroll 16
+          for (int j = 0; j < NV; ++j) s[j] = V::Add(s[j], V::Mul(w, V::Load(row + kLanes * j)));
+        }
+      }
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) acc[j] = p == p0 ? s[j] : V::Add(acc[j], s[j]);
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) V::StoreF(out + kLanes * j, acc[j]);
+  }
+
   static void Axpy(float* acc, const T* row, float w, int64_t dim) {
     const Reg wv = V::Set1(w);
     int64_t d = 0;

@@ -24,6 +24,8 @@ import tensorflow as tf
 from tensorflow.python.util import nest  # flatten_with_joined_string_paths: the paths TensorFlow matches features by
 from absl import logging
 
+from embedcore import _embedcore
+
 from ._config import Feature
 from ._pooling import EIGEN4, GROUPED8, SEQUENTIAL, InvalidArgument, bad_id_error, engine_lookup, pooled
 
@@ -72,7 +74,11 @@ def sparse_numpy(f: Feature, table, indices, ids, dense_shape, weights, safe: bo
             np.add.at(out, lin, flat_rows)
         return out.reshape(batch, length, dim), (_bags_of_one(ids, lin) if need_bwd else None)
 
-    if safe:
+    offsets = _clean_rank2_offsets(indices, ids, dense_shape) if safe and weights is None else None
+    if offsets is not None:  # nothing to prune, reorder or refuse: the engine's one pass gave the bags
+        rows = None
+        out_shape = (int(dense_shape[0]), dim)
+    elif safe:
         # safe_embedding_lookup_sparse: rows are the leading dims flattened; ids < 0 pruned, and weights <= 0
         # for mean and sqrtn; bags left empty give zeros.
         rows = _reshaped_rows(indices, dense_shape)
@@ -112,14 +118,33 @@ def sparse_numpy(f: Feature, table, indices, ids, dense_shape, weights, safe: bo
             raise
         nbags = int(rows[-1]) + 1 if rows.size else 0
         out_shape = (nbags, dim)
-    offsets = np.zeros(nbags + 1, np.int64)
-    if rows.size:
-        np.cumsum(np.bincount(rows, minlength=nbags), out=offsets[1:])
+    if offsets is None:
+        offsets = np.zeros(nbags + 1, np.int64)
+        if rows.size:
+            np.cumsum(np.bincount(rows, minlength=nbags), out=offsets[1:])
+    nbags = offsets.shape[0] - 1
     ids = np.ascontiguousarray(ids)
     weights = None if weights is None else np.ascontiguousarray(weights, dtype=np.float32)
     out = pooled(table, ids, offsets, weights, f.table.combiner, GROUPED8 if weights is None else EIGEN4)
     bwd = Backward(ids, offsets, weights, np.arange(nbags, dtype=np.int64)) if need_bwd else None
     return out.reshape(out_shape), bwd
+
+
+def _clean_rank2_offsets(indices, ids, dense_shape) -> Optional[np.ndarray]:
+    """The CSR offsets of the common safe-path input, or None: rank 2, one
+    index per id, no negative id (nothing pruned), every index inside
+    [0, bags) x [0, 2^62) and in row-major order (nothing reordered or
+    refused). One native pass (``csr_from_coo``) instead of the general
+    path's NumPy passes, which handle (and word the errors of) the rest."""
+    if (indices.ndim != 2 or indices.shape[1] != 2 or dense_shape.shape != (2,) or ids.ndim != 1
+            or indices.shape[0] != ids.shape[0] or indices.dtype != np.int64 or dense_shape[0] < 0):
+        return None
+    _check_dense_shape(dense_shape)  # as the general path checks it first
+    if ids.size and int(ids.min()) < 0:
+        return None
+    offsets, _, first_bad, row_major, _ = _embedcore.csr_from_coo(np.ascontiguousarray(indices),
+                                                                  int(dense_shape[0]), 1 << 62)
+    return offsets if first_bad < 0 and row_major else None
 
 
 # TensorFlow's checks of a SparseTensor's indices, in its order and with its messages, done before anything is
