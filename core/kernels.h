@@ -99,6 +99,7 @@ using UpdateFn = void (*)(const Rule& rule, const UpdateArgs& a, int64_t g0, int
 /// with, and the gradient of that output; ids are already validated.
 struct InOrderArgs {
   float* table = nullptr;
+  int64_t rows = 0;
   int64_t dim = 0;
   const void* ids = nullptr;
   const int64_t* offsets = nullptr;  ///< num_bags + 1

@@ -252,22 +252,43 @@ void SgdInOrder(const InOrderArgs& a, int64_t r0, int64_t r1) {
   const int64_t row_bytes = dim * int64_t(sizeof(float));
   const bool pooled = a.combiner != ops::CombinerKind::kNone;
   const int64_t nnz = a.offsets[a.num_bags];
-  for (int64_t b = 0; b < a.num_bags; ++b) {
-    const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
-    const int64_t n = !pooled && len > 0 && k1 - k0 > len ? len : k1 - k0;  // a padded bag drops the rest
-    const float denominator = ops::BagDenominator(a.combiner, k0, k1, a.weights);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t k = k0 + j;
-      if (k + kUpdatePrefetchDistance < nnz) {
-        const int64_t ahead = int64_t(ids[k + kUpdatePrefetchDistance]);
-        if (ahead >= r0 && ahead < r1) PrefetchLines<1>(table + ahead * dim, row_bytes);
+  // Calls fn(row, gradient row, coefficient) for each occurrence, in order.
+  auto each = [&](auto&& fn) {
+    for (int64_t b = 0; b < a.num_bags; ++b) {
+      const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
+      const int64_t n = !pooled && len > 0 && k1 - k0 > len ? len : k1 - k0;  // a padded bag drops the rest
+      const float denominator = ops::BagDenominator(a.combiner, k0, k1, a.weights);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t k = k0 + j;
+        const float* grad = pooled ? a.grads + b * dim : a.grads + (len > 0 ? b * len + j : k) * dim;
+        fn(k, int64_t(ids[k]), grad,
+           ops::BackwardCoefficient(a.combiner, a.weights ? a.weights[k] : 1.0f, denominator));
       }
-      const int64_t row = int64_t(ids[k]);
-      if (row < r0 || row >= r1) continue;
-      const float* grad = pooled ? a.grads + b * dim : a.grads + (len > 0 ? b * len + j : k) * dim;
-      const float c = ops::BackwardCoefficient(a.combiner, a.weights ? a.weights[k] : 1.0f, denominator);
-      R::SubScaled(table + row * dim, grad, c, a.lr, dim);
     }
+  };
+  if (r0 == 0 && r1 == a.rows) {  // every row: straight through
+    each([&](int64_t k, int64_t row, const float* grad, float c) {
+      if (k + kUpdatePrefetchDistance < nnz)
+        PrefetchLines<1>(table + int64_t(ids[k + kUpdatePrefetchDistance]) * dim, row_bytes);
+      R::SubScaled(table + row * dim, grad, c, a.lr, dim);
+    });
+    return;
+  }
+  // A range of rows: first this range's occurrences, in order (a pass with
+  // no branch on the row, which is random), then their updates, prefetching
+  // this range's rows only.
+  static thread_local std::vector<Occurrence> mine;
+  mine.resize(size_t(nnz));
+  int64_t count = 0;
+  each([&](int64_t, int64_t row, const float* grad, float c) {
+    mine[size_t(count)] = Occurrence{uint64_t(row), grad, c};
+    count += row >= r0 && row < r1;
+  });
+  for (int64_t i = 0; i < count; ++i) {
+    if (i + kUpdatePrefetchDistance < count)
+      PrefetchLines<1>(table + int64_t(mine[size_t(i + kUpdatePrefetchDistance)].key) * dim, row_bytes);
+    const Occurrence& o = mine[size_t(i)];
+    R::SubScaled(table + int64_t(o.key) * dim, o.grad, o.coefficient, a.lr, dim);
   }
 }
 

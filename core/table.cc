@@ -464,6 +464,7 @@ void ApplySgdInOrder(const std::vector<GradientPart>& parts, const TableSpec& sp
       if (p.batch.num_bags == 0) continue;
       kernels::InOrderArgs a;
       a.table = values;
+      a.rows = spec.rows;
       a.dim = spec.dim;
       a.ids = p.batch.ids;
       a.offsets = p.batch.offsets;
