@@ -109,6 +109,9 @@ struct InOrderArgs {
   int64_t max_sequence_length = 0;  ///< kNone: 0 flat rows, else padded bags
   const float* grads = nullptr;
   float lr = 0.0f;
+  /// nnz occurrences of room, when the range is not every row (allocated
+  /// by the caller before any row changes).
+  Occurrence* scratch = nullptr;
 };
 
 /// Applies the occurrences of the rows in [r0, r1), in input order.

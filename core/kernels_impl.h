@@ -240,10 +240,10 @@ void UpdateGroups(const Rule& rule, const UpdateArgs& a, int64_t g0, int64_t g1)
 
 // Plain SGD on a float32 table in input order (see ops::SgdInOrderElement):
 // each occurrence of a row in [r0, r1) subtracts lr * (c * g) from the row
-// at once. Every caller scans the whole batch and updates only its rows, so
-// each row sees its occurrences in input order whatever the thread count.
-// The row kUpdatePrefetchDistance occurrences ahead is prefetched when it
-// is in range.
+// at once. Each caller updates only the rows of its range, so each row sees
+// its occurrences in input order whatever the thread count. Over every row
+// the batch is applied straight through; over a range, its occurrences are
+// first collected into a.scratch (see InOrderArgs).
 template <typename R, typename I>
 void SgdInOrder(const InOrderArgs& a, int64_t r0, int64_t r1) {
   float* table = a.table;
@@ -252,7 +252,7 @@ void SgdInOrder(const InOrderArgs& a, int64_t r0, int64_t r1) {
   const int64_t row_bytes = dim * int64_t(sizeof(float));
   const bool pooled = a.combiner != ops::CombinerKind::kNone;
   const int64_t nnz = a.offsets[a.num_bags];
-  // Calls fn(row, gradient row, coefficient) for each occurrence, in order.
+  // Calls fn(k, row, gradient row, coefficient) for each occurrence k, in order.
   auto each = [&](auto&& fn) {
     for (int64_t b = 0; b < a.num_bags; ++b) {
       const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
@@ -277,17 +277,16 @@ void SgdInOrder(const InOrderArgs& a, int64_t r0, int64_t r1) {
   // A range of rows: first this range's occurrences, in order (a pass with
   // no branch on the row, which is random), then their updates, prefetching
   // this range's rows only.
-  static thread_local std::vector<Occurrence> mine;
-  mine.resize(size_t(nnz));
+  Occurrence* mine = a.scratch;
   int64_t count = 0;
   each([&](int64_t, int64_t row, const float* grad, float c) {
-    mine[size_t(count)] = Occurrence{uint64_t(row), grad, c};
+    mine[count] = Occurrence{uint64_t(row), grad, c};
     count += row >= r0 && row < r1;
   });
   for (int64_t i = 0; i < count; ++i) {
     if (i + kUpdatePrefetchDistance < count)
-      PrefetchLines<1>(table + int64_t(mine[size_t(i + kUpdatePrefetchDistance)].key) * dim, row_bytes);
-    const Occurrence& o = mine[size_t(i)];
+      PrefetchLines<1>(table + int64_t(mine[i + kUpdatePrefetchDistance].key) * dim, row_bytes);
+    const Occurrence& o = mine[i];
     R::SubScaled(table + int64_t(o.key) * dim, o.grad, o.coefficient, a.lr, dim);
   }
 }

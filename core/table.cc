@@ -453,13 +453,21 @@ inline float Denominator(Combiner c, int64_t begin, int64_t end, const float* wt
 
 // Plain SGD on a float32 table, in input order (ops::SgdInOrderElement): no
 // sort. The rows split into one range per thread; each thread scans every
-// part and updates the rows of its range.
+// part and updates the rows of its range. The ranges' scratch is allocated
+// first, so that running out of memory changes nothing.
 void ApplySgdInOrder(const std::vector<GradientPart>& parts, const TableSpec& spec, float* values, float lr,
                      const kernels::DTypeKernels& k) {
-  int64_t total = 0;
-  for (const auto& p : parts) total += p.batch.nnz;
+  int64_t total = 0, widest = 0;
+  for (const auto& p : parts) {
+    total += p.batch.nnz;
+    widest = std::max(widest, p.batch.nnz);
+  }
   const int chunks = total * spec.dim >= (int64_t(1) << 16) ? NumChunks(spec.rows, 1) : 1;
-  ParallelChunks(spec.rows, chunks, [&](int, int64_t r0, int64_t r1) {
+  // Kept across calls on this thread (as the sorted path's keys): no page faults per step.
+  static thread_local std::vector<kernels::Occurrence> scratch;
+  scratch.resize(chunks > 1 ? size_t(chunks) * size_t(widest) : 0);
+  kernels::Occurrence* room = scratch.data();  // (a thread_local named in the lambda is each worker's own)
+  ParallelChunks(spec.rows, chunks, [&](int c, int64_t r0, int64_t r1) {
     for (const auto& p : parts) {
       if (p.batch.num_bags == 0) continue;
       kernels::InOrderArgs a;
@@ -474,6 +482,7 @@ void ApplySgdInOrder(const std::vector<GradientPart>& parts, const TableSpec& sp
       a.max_sequence_length = p.shape.max_sequence_length;
       a.grads = p.grads;
       a.lr = lr;
+      a.scratch = room + size_t(c) * size_t(widest);
       k.sgd_in_order[p.batch.id_type == IdType::kInt32 ? 0 : 1](a, r0, r1);
     }
   });
