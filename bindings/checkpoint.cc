@@ -65,6 +65,15 @@ void BindCheckpoint(nb::module_& m) {
       "path"_a, "generation"_a, "prefix"_a, "shard_index"_a, "shard"_a, "row_start"_a, "col_start"_a,
       "include_optimizer"_a, "values_dtype"_a.none() = nb::none(), "Writes and fsyncs one shard's data files; returns its table entry JSON naming them.");
   m.def(
+      "remove_generation",
+      [](const std::string& path, uint64_t generation) {
+        nb::gil_scoped_release release;
+        return RemoveGeneration(path, generation);
+      },
+      "path"_a, "generation"_a,
+      "After a failed save: removes the files of `generation` in `path` unless its MANIFEST is of that generation; "
+      "best effort, returns how many files it removed.");
+  m.def(
       "commit_checkpoint",
       [](const std::string& path, const std::string& manifest_json) {
         nb::gil_scoped_release release;

@@ -568,24 +568,32 @@ void SaveCheckpoint(const std::string& path, const std::vector<TableToSave>& tab
   CheckpointInfo info;
   info.generation = generation;
   info.metadata_json = options.metadata_json;
-  for (size_t i = 0; i < tables.size(); ++i) {
-    const Table& table = *tables[i].table;
-    char prefix[32];
-    std::snprintf(prefix, sizeof(prefix), "t%05zu.", i);
-    // Each data file is durable before the manifest names it.
-    TableEntry e = WriteShardFiles(path, generation, prefix, -1, table, 0, 0, options);
-    e.rows = table.rows();
-    e.dim = table.dim();
-    e.config_json = tables[i].config_json;
-    e.sharding_json = "{\"plan\": \"none\", \"world_size\": 1}";
-    info.tables.push_back(std::move(e));
+  try {
+    for (size_t i = 0; i < tables.size(); ++i) {
+      const Table& table = *tables[i].table;
+      char prefix[32];
+      std::snprintf(prefix, sizeof(prefix), "t%05zu.", i);
+      // Each data file is durable before the manifest names it.
+      TableEntry e = WriteShardFiles(path, generation, prefix, -1, table, 0, 0, options);
+      e.rows = table.rows();
+      e.dim = table.dim();
+      e.config_json = tables[i].config_json;
+      e.sharding_json = "{\"plan\": \"none\", \"world_size\": 1}";
+      info.tables.push_back(std::move(e));
+    }
+    // The commit: the manifest appears by an atomic rename.
+    CommitManifest(path, checkpoint::BuildManifest(info), generation);
+  } catch (...) {
+    // A full disk must not stay full of a save that failed: free what it wrote.
+    RemoveGeneration(path, generation);
+    throw;
   }
-  // The commit: the manifest appears by an atomic rename.
-  CommitManifest(path, checkpoint::BuildManifest(info), generation);
 }
 
 // ---------------------------------------------------------------- read
-CheckpointInfo ReadCheckpointInfo(const std::string& path) {
+namespace {
+// Reads and validates path/MANIFEST alone (not the files it names).
+CheckpointInfo ReadManifest(const std::string& path) {
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) throw CheckpointError(path + ": no such checkpoint directory");
   if (!S_ISDIR(st.st_mode)) throw CheckpointError(path + ": not a checkpoint directory");
@@ -610,9 +618,37 @@ CheckpointInfo ReadCheckpointInfo(const std::string& path) {
     throw CheckpointError(manifest + ": checksum mismatch: the manifest is corrupt");
   CheckpointInfo info = checkpoint::ParseManifest(manifest, json);
   info.path = path;
+  return info;
+}
+}  // namespace
+
+CheckpointInfo ReadCheckpointInfo(const std::string& path) {
+  CheckpointInfo info = ReadManifest(path);
   // Every data file must exist with the stated size (no values are read).
   CheckFilesPresent(path, info);
   return info;
+}
+
+int RemoveGeneration(const std::string& path, uint64_t generation) noexcept {
+  try {
+    // A failure after the manifest's rename (a directory fsync, say) leaves
+    // this generation committed: it is the checkpoint now, keep it. Remove
+    // only when the manifest is positively absent or of another generation.
+    struct stat st;
+    if (::stat(JoinPath(path, checkpoint::kManifestName).c_str(), &st) == 0) {
+      if (ReadManifest(path).generation == generation) return 0;
+    } else if (errno != ENOENT) {
+      return 0;
+    }
+    int removed = 0;
+    for (const std::string& name : ListDirectory(path)) {
+      uint64_t g = 0;
+      if (IsOurFile(name, &g) && g == generation && ::unlink(JoinPath(path, name).c_str()) == 0) ++removed;
+    }
+    return removed;
+  } catch (...) {  // an unreadable manifest: it may be the new one, so nothing is removed
+    return 0;
+  }
 }
 
 void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Table& table, bool load_optimizer) {

@@ -603,6 +603,37 @@ EMBEDCORE_TEST(GenerationsReplaceAtomically) {
   EMBEDCORE_EXPECT_EQ(DirNames(path).size(), size_t(3));  // MANIFEST, u's values, notes.txt
 }
 
+EMBEDCORE_TEST(RemoveGenerationFreesAFailedSaveOnly) {
+  TempDir dir;
+  const std::string path = dir.Sub("ckpt");
+  Table t(Spec("g", 30, 4, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 1));
+  SaveCheckpoint(path, {{&t, "{}"}}, SaveOptions{});
+  const std::vector<std::string> live = DirNames(path);
+  // The committed generation is the checkpoint: never removed.
+  EMBEDCORE_EXPECT_EQ(RemoveGeneration(path, 1), 0);
+  EMBEDCORE_EXPECT(DirNames(path) == live);
+
+  // A failed save of generation 2 left a data file and a temporary manifest;
+  // generation 3's file and a stranger's file are not its.
+  WriteFile(path + "/t00000.values.g000000000002.ecd", {'p'});
+  WriteFile(path + "/t00001.accumulators.s00003.g000000000002.ecd", {'p'});
+  WriteFile(path + "/MANIFEST.tmp.g000000000002", {'x'});
+  WriteFile(path + "/t00000.values.g000000000003.ecd", {'q'});
+  WriteFile(path + "/notes.g000000000002.ecd", {'k'});
+  EMBEDCORE_EXPECT_EQ(RemoveGeneration(path, 2), 3);
+  EMBEDCORE_EXPECT(fs::exists(path + "/t00000.values.g000000000003.ecd"));
+  EMBEDCORE_EXPECT(fs::exists(path + "/notes.g000000000002.ecd"));
+  EMBEDCORE_EXPECT_EQ(DirNames(path).size(), live.size() + 2);
+  EMBEDCORE_EXPECT_NO_THROW(VerifyCheckpoint(ReadCheckpointInfo(path), false));
+
+  // An unreadable manifest may be the failed save's own (committed, then a
+  // later step failed): nothing is removed. No directory: nothing to do.
+  WriteFile(path + "/MANIFEST", {'?'});
+  EMBEDCORE_EXPECT_EQ(RemoveGeneration(path, 3), 0);
+  EMBEDCORE_EXPECT(fs::exists(path + "/t00000.values.g000000000003.ecd"));
+  EMBEDCORE_EXPECT_EQ(RemoveGeneration(dir.Sub("missing"), 1), 0);
+}
+
 // ------------------------------------------------------------ serving
 namespace {
 Batch MakeBatch(const std::vector<int64_t>& ids, const std::vector<int64_t>& offsets) {

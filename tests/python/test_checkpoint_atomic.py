@@ -9,6 +9,7 @@ serve, holding a single k that a save completed or was completing.
 """
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 import embedcore as ec
+from embedcore import _embedcore
 
 ROWS, DIM = 500_000, 64
 KILLS = 20
@@ -212,3 +214,51 @@ def test_a_save_killed_at_any_moment_leaves_a_loadable_checkpoint(path):
                                         f"t00000.values.g{gen:012d}.ecd"], names
     print(f"{KILLS} kills in {elapsed:.0f} s; (delay, saves started, saves done, k loaded): {outcomes}")
     assert elapsed < 120, f"{KILLS} kills took {elapsed:.0f} s"
+
+
+FULL_DISK_CHILD = r"""
+import os, resource, signal, sys
+import numpy as np
+import embedcore as ec
+
+path, limit = sys.argv[1], int(sys.argv[2])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, like a full disk
+configs = [ec.TableConfig(name=n, rows=rows, dim=16, initializer=ec.initializers.Constant(9.0))
+           for n, rows in (("small", 100), ("big", 100_000))]
+emb = ec.Embedding({c.name: ec.FeatureConfig(table=c) for c in configs}, optimizer=ec.optimizers.Adagrad(0.1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+try:
+    ec.save(path, emb)
+except OSError as e:
+    print("failed:", e)
+    sys.exit(0)
+print("saved")
+sys.exit(1)
+"""
+
+
+def test_a_save_that_fails_on_a_full_disk_removes_what_it_wrote(tmp_path):
+    """A save that fails part way (here: writing its largest file past
+    RLIMIT_FSIZE, as a full disk would) raises, keeps the previous checkpoint
+    byte for byte, and removes the files it had written, so that a full disk
+    is not left fuller; the next save succeeds."""
+    path = str(tmp_path / "c")
+    old = ec.Table(name="small", rows=100, dim=16, initializer=ec.initializers.Constant(1.0))
+    ec.save(path, old)
+    before = {n: open(os.path.join(path, n), "rb").read() for n in os.listdir(path)}
+
+    # "small"'s files (about 10 KB each) fit under the limit, "big"'s (6.4 MB) do not.
+    res = subprocess.run([sys.executable, "-c", FULL_DISK_CHILD, path, str(1 << 20)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "failed:" in res.stdout and "write failed" in res.stdout, res.stdout
+    after = {n: open(os.path.join(path, n), "rb").read() for n in os.listdir(path)}
+    assert after == before  # the files "small" had written are gone; the old checkpoint is as it was
+
+    got = ec.Table(name="small", rows=100, dim=16, initializer=ec.initializers.Zeros())
+    ec.load(path, into=got)
+    np.testing.assert_array_equal(got.to_numpy(), np.ones((100, 16), np.float32))
+    ec.save(path, got)
+    manifest = json.loads(_embedcore.read_info(path).manifest_json)
+    named = {f["path"] for t in manifest["tables"] for f in t["values"]}
+    assert set(os.listdir(path)) == named | {"MANIFEST"}

@@ -458,6 +458,14 @@ TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const s
 /// The manifest JSON object of `entry` (a table of `tables` in docs/format.md).
 std::string TableEntryJson(const TableEntry& entry);
 
+/// After a failed save into `path`: removes the files of `generation` there
+/// (data files and a temporary manifest) unless `path`/MANIFEST is of that
+/// generation (the commit happened before the failure; then it is the
+/// checkpoint). Best effort: never throws; returns how many files it
+/// removed. SaveCheckpoint calls it itself; a sharded save calls it on every
+/// rank when any rank failed.
+int RemoveGeneration(const std::string& path, uint64_t generation) noexcept;
+
 /// Validates the manifest `manifest_json` (as a reader would), checks that
 /// every file it names is in `path` with its size, then writes it as
 /// `path`/MANIFEST atomically and removes the files of other generations.

@@ -12,6 +12,7 @@ plan and world size wrote them. All ranks verify before any rank loads.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import List, Optional
@@ -73,7 +74,8 @@ def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Option
             written.append((ti, si, json.loads(entry)))
     except Exception as e:  # noqa: BLE001 - a full disk on one rank fails the save on all
         error = e
-    everything = agree(comm, error, written, step="save: shard files")
+    with _removed_on_failure(path, generation):
+        everything = agree(comm, error, written, step="save: shard files")
 
     error = None
     if comm.rank == 0:
@@ -91,7 +93,21 @@ def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Option
             _embedcore.commit_checkpoint(path, _manifest(generation, tables, metadata))
         except Exception as e:  # noqa: BLE001
             error = e
-    agree(comm, error, step="save: commit")
+    with _removed_on_failure(path, generation):
+        agree(comm, error, step="save: commit")
+
+
+@contextlib.contextmanager
+def _removed_on_failure(path: str, generation: int):
+    """On an exception, removes the files of the failed save's `generation`
+    from `path` (every rank: each may have written some; unless a commit made
+    that generation the checkpoint), then lets the exception go on: a save
+    that failed on a full disk frees what it wrote."""
+    try:
+        yield
+    except BaseException:
+        _embedcore.remove_generation(path, generation)
+        raise
 
 
 def load_sharded(path, emb, include_optimizer: bool = True) -> None:
@@ -143,8 +159,15 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
     manifest = json.loads(info.manifest_json)
     specs = [(t["name"], t["rows"], t["dim"], t["dtype"], len(t["slots"])) for t in manifest["tables"]]
     layout = make_plan(specs, world_size, plan)
-    element = {"float32": 4, "float16": 2, "bfloat16": 2}
     generation = _embedcore.next_generation(dst)
+    with _removed_on_failure(dst, generation):
+        _reshard_into(info, manifest, layout, dst, generation, world_size, max_file_bytes)
+    return layout.describe()
+
+
+def _reshard_into(info, manifest: dict, layout, dst: str, generation: int, world_size: int,
+                  max_file_bytes: int) -> None:
+    element = {"float32": 4, "float16": 2, "bfloat16": 2}
     tables = []
     for k, t in enumerate(manifest["tables"]):
         ts = layout[t["name"]]
@@ -171,4 +194,3 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
         entry["sharding"] = {**ts.to_json(), "world_size": world_size}
         tables.append(entry)
     _embedcore.commit_checkpoint(dst, _manifest(generation, tables, manifest["metadata"]))
-    return layout.describe()
