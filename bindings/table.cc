@@ -49,6 +49,18 @@ NumpyFloat LookupGrouped(const Table& t, const IdArray& ids, const OffsetArray& 
   return NumpyFloat(data, 2, dims, owner);
 }
 
+NumpyFloat LookupSparseSegment(const Table& t, const IdArray& ids, const OffsetArray& offsets, int combiner) {
+  RequireHost(t, "a lookup of NumPy arrays");
+  const Batch batch = MakeBatch(ids, offsets, std::optional<WeightArray>());
+  const size_t dims[2] = {size_t(batch.num_bags), size_t(t.dim())};
+  auto [data, owner] = NewResult<float>(dims[0] * dims[1]);
+  {
+    nb::gil_scoped_release release;
+    t.LookupSparseSegment(batch, ToCombiner(combiner), data);
+  }
+  return NumpyFloat(data, 2, dims, owner);
+}
+
 void LookupInto(const Table& t, const IdArray& ids, const OffsetArray& offsets,
                 const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length,
                 const FloatOut& out) {
@@ -366,6 +378,8 @@ void BindTable(nb::module_& m) {
       .def("lookup_grouped", &LookupGrouped, "ids"_a.noconvert(), "offsets"_a.noconvert(),
            "weights"_a.noconvert().none(), "groups"_a.noconvert(),
            "Sums of groups of bags, each bag summed from zero and each group's bag sums added in order.")
+      .def("lookup_sparse_segment", &LookupSparseSegment, "ids"_a.noconvert(), "offsets"_a.noconvert(),
+           "combiner"_a, "Pools each bag as TensorFlow's CPU sparse_segment_sum / _mean / _sqrt_n do, bit for bit.")
       .def("lookup_into", &LookupInto, "ids"_a.noconvert(), "offsets"_a.noconvert(),
            "weights"_a.noconvert().none(), "combiner"_a, "max_sequence_length"_a, "out"_a.noconvert(),
            "Like lookup, writing into the caller's C-contiguous float32 `out`.")

@@ -355,6 +355,10 @@ void Table::LookupGrouped(const Batch& batch, const int64_t* groups, int64_t num
     throw InvalidArgument("groups must end at the number of bags, " + std::to_string(batch.num_bags) +
                           ", got groups[" + std::to_string(num_groups) + "] = " + std::to_string(groups[num_groups]));
   if (num_groups > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
+  RunGrouped(batch, groups, num_groups, out);
+}
+
+void Table::RunGrouped(const Batch& batch, const int64_t* groups, int64_t num_groups, float* out) const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
   kernels::LookupArgs a;
   a.table = values_.get();
@@ -368,6 +372,50 @@ void Table::LookupGrouped(const Batch& batch, const int64_t* groups, int64_t num
   const auto fn = kernels::ActiveKernels().dtype[int(spec_.dtype)].grouped[batch.id_type == IdType::kInt32 ? 0 : 1];
   const int64_t per_group = num_groups > 0 ? std::max<int64_t>(1, batch.nnz / num_groups) : 1;
   ParallelFor(num_groups, std::max<int64_t>(1, 2048 / per_group), [&](int64_t g0, int64_t g1) { fn(a, groups, g0, g1); });
+}
+
+void Table::LookupSparseSegment(const Batch& batch, Combiner combiner, float* out) const {
+  if (spec_.device >= 0)
+    throw InvalidArgument("table '" + spec_.name + "': lookup_sparse_segment takes host tables only");
+  if (combiner == Combiner::kNone)
+    throw InvalidArgument("lookup_sparse_segment pools bags: combiner must be sum, mean or sqrtn");
+  if (batch.weights != nullptr)
+    throw InvalidArgument("lookup_sparse_segment takes no weights (TensorFlow adds weighted rows in another order)");
+  ValidateBatch(batch, spec_.rows, spec_.name);
+  if (batch.num_bags > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
+  // Each bag becomes a group of sub-bags: [0, r), then runs of 8.
+  std::vector<int64_t> groups(size_t(batch.num_bags) + 1, 0), starts;
+  starts.reserve(size_t(batch.num_bags + batch.nnz / 8 + 1));
+  for (int64_t b = 0; b < batch.num_bags; ++b) {
+    const int64_t begin = batch.offsets[b], n = batch.offsets[b + 1] - begin;
+    starts.push_back(begin);
+    if (n >= 10) {
+      const int64_t r = n % 8 == 0 ? 8 : n % 8 == 1 ? 9 : n % 8;
+      for (int64_t k = r; k < n; k += 8) starts.push_back(begin + k);
+    }
+    groups[size_t(b) + 1] = int64_t(starts.size());
+  }
+  starts.push_back(batch.nnz);
+  Batch sub = batch;
+  sub.offsets = starts.data();
+  sub.num_bags = int64_t(starts.size()) - 1;
+  RunGrouped(sub, groups.data(), batch.num_bags, out);
+  if (combiner == Combiner::kSum) return;
+  const int64_t dim = spec_.dim;
+  ParallelFor(batch.num_bags, std::max<int64_t>(1, 16384 / dim), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = batch.offsets[b + 1] - batch.offsets[b];
+      if (n == 0) continue;  // zeros (div_no_nan)
+      const float den = combiner == Combiner::kMean ? float(n) : std::sqrt(float(n));
+      float* row = out + b * dim;
+      if (n < 10) {
+        const float scale = 1.0f / den;
+        for (int64_t j = 0; j < dim; ++j) row[j] *= scale;
+      } else {
+        for (int64_t j = 0; j < dim; ++j) row[j] /= den;
+      }
+    }
+  });
 }
 
 namespace internal {

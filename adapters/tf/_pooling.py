@@ -15,14 +15,14 @@ no fused multiply-add), which is what TensorFlow's ``unsorted_segment_sum``
   remaining ``n % 4`` rows in order; columns beyond the last full 8-float
   packet are summed in order.
 
-Both are reproduced with the engine's grouped lookup
-(``Table.lookup_grouped``): each "sub-bag" (a group of rows) is summed from
-zero as the engine sums a bag, and the sub-bag sums of a bag are added in
-order; the adapter only computes the grouping. The engine adds and the
-adapter divides floats as TensorFlow's kernels do. ``sparse_segment_mean`` / ``_sqrt_n`` multiply bags of fewer than
-10 ids by the reciprocal of the count (or of its square root) and divide
-longer ones; weighted means divide by the weights' in-order sum
-(``div_no_nan``).
+The first is the engine's ``Table.lookup_sparse_segment``, which also
+divides as ``sparse_segment_mean`` / ``_sqrt_n`` do (bags of fewer than 10
+ids multiplied by the reciprocal of the count or of its square root, longer
+ones divided by it). The second is reproduced with the engine's grouped
+lookup (``Table.lookup_grouped``): each "sub-bag" (a group of rows) is
+summed from zero as the engine sums a bag, and the sub-bag sums of a bag are
+added in order; the adapter only computes the grouping, and divides weighted
+means by the weights' in-order sum (``div_no_nan``) as TensorFlow does.
 """
 from __future__ import annotations
 
@@ -84,22 +84,11 @@ def pooled(table, ids: np.ndarray, offsets: np.ndarray, weights: Optional[np.nda
     longest = int(lengths.max()) if lengths.size else 0
     if order == EIGEN4 and (longest < 16 or table.dim < EIGEN_PACKET):
         return engine_lookup(table, ids, offsets, weights, combiner)
-    if order == GROUPED8:
-        if longest < 10:
-            sums = engine_lookup(table, ids, offsets, weights, "sum")
-        else:
-            sums = _grouped8_sums(table, ids, offsets, weights, lengths)
-        if combiner == "sum":
-            return sums
-        # sparse_segment_mean / _sqrt_n: bags of fewer than 10 ids are multiplied by the reciprocal of
-        # the count (or of its square root), longer ones divided by it.
-        n = lengths.astype(np.float32)
-        den = n if combiner == "mean" else np.sqrt(n)
-        out = _div_no_nan(sums, den)
-        short = np.nonzero((lengths > 0) & (lengths < 10))[0]
-        if short.size:
-            out[short] = sums[short] * (np.float32(1) / den[short])[:, None]
-        return out
+    if order == GROUPED8:  # the engine groups and divides as sparse_segment_sum / _mean / _sqrt_n
+        try:
+            return table.lookup_sparse_segment(ids, offsets, combiner)
+        except IndexError as e:
+            raise bad_id_error(table, ids, None, str(e)) from None
     sums = _eigen4_sums(table, ids, offsets, weights, lengths)
     if combiner == "sum":
         return sums
@@ -127,19 +116,6 @@ def _sum_sub_bags(table, ids, sub_offsets, weights, nsub) -> np.ndarray:
         return table.lookup_grouped(ids, sub_offsets, groups, weights=weights)
     except IndexError as e:
         raise bad_id_error(table, ids, None, str(e)) from None
-
-
-def _grouped8_sums(table, ids, offsets, weights, lengths) -> np.ndarray:
-    n = lengths
-    r = n & 7
-    r = np.where(r == 0, 8, np.where(r == 1, 9, r))
-    long = n >= 10
-    nsub = np.where(long, 1 + (n - r) // 8, 1)
-    bag = np.repeat(np.arange(len(n)), nsub)
-    k = np.arange(bag.size) - np.repeat(_exclusive_cumsum(nsub), nsub)
-    start = offsets[:-1][bag] + np.where(k == 0, 0, r[bag] + 8 * (k - 1))
-    sub_offsets = np.append(start, offsets[-1]).astype(np.int64)
-    return _sum_sub_bags(table, ids, sub_offsets, weights, nsub)
 
 
 def _eigen4_sums(table, ids, offsets, weights, lengths) -> np.ndarray:

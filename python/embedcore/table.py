@@ -262,6 +262,33 @@ class Table(LookupMixin):
         g = as_offsets(groups, "groups")
         return self._native.lookup_grouped(batch.ids, batch.offsets, batch.weights, g)
 
+    def lookup_sparse_segment(self, ids, offsets=None, combiner: str = "sum") -> np.ndarray:
+        """Each bag pooled as TensorFlow's CPU ``sparse_segment_sum`` /
+        ``_mean`` / ``_sqrt_n`` pool it (what a ``tf.SparseTensor`` lookup
+        runs), bit for bit: float32 ``[bags, dim]``.
+
+        ``ids`` and ``offsets`` (or ``ids=Ragged(values, offsets)``) are a
+        CSR batch, unweighted. A bag of ``n >= 10`` ids adds its first ``r``
+        rows (``r = n % 8``, or 8 when that is 0, or 9 when it is 1), then
+        the sum of each following group of 8 (see ``lookup_grouped``);
+        ``mean`` and ``sqrtn`` multiply a bag of fewer than 10 ids by
+        ``1 / n`` (``1 / sqrt(n)``) and divide a longer one by ``n``
+        (``sqrt(n)``); an empty bag gives zeros. CPU tables only.
+        """
+        if getattr(self, "_device", -1) >= 0:
+            raise ValueError(f"table '{self.name}' is on {self.device}: lookup_sparse_segment takes CPU tables only")
+        if combiner not in ("sum", "mean", "sqrtn"):
+            raise ValueError(f"lookup_sparse_segment: combiner must be 'sum', 'mean' or 'sqrtn', got {combiner!r}")
+        if offsets is None and not isinstance(ids, Ragged):
+            raise ValueError("lookup_sparse_segment: give the bags as ids and offsets, or as ids=Ragged(values, offsets)")
+        batch = make_batch(ids, offsets, None)
+        if batch.kind != "ragged":
+            raise ValueError("lookup_sparse_segment takes bags as ids and offsets (CSR) or Ragged, "
+                             f"not {batch.kind} input")
+        if batch.weights is not None:
+            raise ValueError("lookup_sparse_segment takes no weights")
+        return self._native.lookup_sparse_segment(batch.ids, batch.offsets, _COMBINER_CODE[combiner])
+
     # ------------------------------------------------------------ training
     def _gradient_part(self, batch: Batch, combiner, max_sequence_length, grads, where: str = "grads") -> tuple:
         """Checks `grads` against the lookup it belongs to; returns the native part."""

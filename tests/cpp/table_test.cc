@@ -656,6 +656,58 @@ EMBEDCORE_TEST(LookupGroupedEqualsLookupThenAdds) {
   }
 }
 
+EMBEDCORE_TEST(LookupSparseSegmentAddsAndDividesAsTensorFlow) {
+  // Every bag length 0..41 (below 10, n % 8 == 0 and 1, the rest), written out
+  // in TensorFlow's order: rows [0, r), then groups of 8 each summed from zero.
+  std::mt19937 rng(41);
+  Table t(MakeSpec(200, 11));
+  const std::vector<float> w = Values(t);
+  for (bool int32 : {false, true}) {
+    HostBatch hb;
+    hb.int32 = int32;
+    for (int64_t n = 41; n >= 0; --n) {
+      std::vector<int64_t> bag(static_cast<size_t>(n), 0);
+      for (auto& id : bag) id = int64_t(rng() % 200);
+      hb.AddBag(bag);
+    }
+    for (Combiner c : {Combiner::kSum, Combiner::kMean, Combiner::kSqrtn}) {
+      std::vector<float> got(size_t(hb.bags()) * 11, -5.0f);
+      SetNumThreads(3);
+      t.LookupSparseSegment(hb.View(), c, got.data());
+      SetNumThreads(1);
+      for (int64_t b = 0; b < hb.bags(); ++b) {
+        const int64_t begin = hb.offsets[size_t(b)], n = hb.offsets[size_t(b) + 1] - begin;
+        const int64_t r = n < 10 ? n : n % 8 == 0 ? 8 : n % 8 == 1 ? 9 : n % 8;
+        for (int64_t d = 0; d < 11; ++d) {
+          auto row = [&](int64_t k) { return w[size_t(hb.ids[size_t(begin + k)] * 11 + d)]; };
+          float acc = 0.0f;
+          for (int64_t k = 0; k < r; ++k) acc = k == 0 ? row(k) : acc + row(k);
+          for (int64_t g = r; g < n; g += 8) {
+            float part = row(g);
+            for (int64_t k = g + 1; k < g + 8; ++k) part += row(k);
+            acc += part;
+          }
+          if (c != Combiner::kSum && n > 0) {
+            const float den = c == Combiner::kMean ? float(n) : std::sqrt(float(n));
+            acc = n < 10 ? acc * (1.0f / den) : acc / den;
+          }
+          EMBEDCORE_EXPECT_BITS_EQ(got[size_t(b * 11 + d)], acc);
+        }
+      }
+    }
+  }
+  // Weights, unpooled output and a bad id are refused.
+  HostBatch hb;
+  hb.AddBag({1, 2}, {0.5f, 2.0f});
+  hb.weighted = true;
+  std::vector<float> out(11);
+  EMBEDCORE_EXPECT_THROWS(t.LookupSparseSegment(hb.View(), Combiner::kSum, out.data()), InvalidArgument, "weights");
+  hb.weighted = false;
+  EMBEDCORE_EXPECT_THROWS(t.LookupSparseSegment(hb.View(), Combiner::kNone, out.data()), InvalidArgument, "combiner");
+  hb.ids[1] = 200;
+  EMBEDCORE_EXPECT_THROWS(t.LookupSparseSegment(hb.View(), Combiner::kSum, out.data()), OutOfRange, "200");
+}
+
 EMBEDCORE_TEST(StagedCallsOnAHostTableAreTheDirectOnes) {
   // LookupStaged / ApplyGradientsStaged take host arrays for a table anywhere;
   // a host table runs the ordinary calls (a device one: tests/python/test_cuda.py).

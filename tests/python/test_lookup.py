@@ -657,6 +657,69 @@ def test_lookup_grouped_many_threads_and_edges(rng):
     np.testing.assert_array_equal(whole, _grouped_reference(table, ids, offsets, weights, [0, 6000])[2])
 
 
+def _sparse_segment_reference(table, ids, offsets, combiner):
+    """TensorFlow's sparse_segment_sum / _mean / _sqrt_n on CPU, written out
+    in float32: a bag of n >= 10 rows adds rows [0, r) (r = n % 8, 8 when 0,
+    9 when 1) and then each following group of 8 summed from its first row;
+    mean / sqrtn multiply a bag of fewer than 10 by 1 / den, divide longer."""
+    w = table.to_numpy()
+    out = np.zeros((len(offsets) - 1, table.dim), np.float32)
+    for b in range(len(offsets) - 1):
+        rows = w[ids[offsets[b]:offsets[b + 1]]]
+        n = len(rows)
+        if n == 0:
+            continue
+        r = n if n < 10 else (8 if n % 8 == 0 else 9 if n % 8 == 1 else n % 8)
+        acc = rows[0].copy()
+        for k in range(1, r):
+            acc = acc + rows[k]
+        for g in range(r, n, 8):
+            part = rows[g].copy()
+            for k in range(g + 1, g + 8):
+                part = part + rows[k]
+            acc = acc + part
+        if combiner != "sum":
+            den = np.float32(n) if combiner == "mean" else np.sqrt(np.float32(n))
+            acc = acc * (np.float32(1) / den) if n < 10 else acc / den
+        out[b] = acc
+    return out
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lookup_sparse_segment_adds_and_divides_as_tensorflow(rng, combiner, id_dtype, dtype):
+    table = make_table(300, 13, dtype, seed=int(rng.integers(1 << 30)))
+    # Every bag length from 0 to 41: below 10, n % 8 == 0 and == 1, and the rest.
+    lengths = rng.permutation(np.arange(42))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = rng.integers(0, 300, int(offsets[-1])).astype(id_dtype)
+    out = table.lookup_sparse_segment(ids, offsets, combiner)
+    assert out.dtype == np.float32 and out.shape == (42, 13) and out.flags.c_contiguous
+    np.testing.assert_array_equal(out, _sparse_segment_reference(table, ids, offsets, combiner))
+    want, bound = ref.pooled(table.to_numpy(), ids, offsets, None, combiner)
+    assert_pooled(out, want, bound, 1e-6)
+    np.testing.assert_array_equal(table.lookup_sparse_segment(ec.Ragged(ids, offsets), combiner=combiner), out)
+    ec.set_num_threads(3)  # conftest restores the count
+    np.testing.assert_array_equal(table.lookup_sparse_segment(ids, offsets, combiner), out)
+
+
+def test_lookup_sparse_segment_errors(rng):
+    table = make_table(40, 4, seed=2)
+    ids, offsets, _ = random_bags(rng, 40, 6)
+    with pytest.raises(ValueError, match="combiner must be 'sum', 'mean' or 'sqrtn', got 'max'"):
+        table.lookup_sparse_segment(ids, offsets, "max")
+    with pytest.raises(ValueError, match="give the bags as ids and offsets"):
+        table.lookup_sparse_segment(ids)
+    bad = ids.copy()
+    bad[3] = 40
+    with pytest.raises(IndexError, match=r"id 40 at position 3 of ids is out of range \[0, 40\)"):
+        table.lookup_sparse_segment(bad, offsets)
+    with pytest.raises(ValueError, match="offsets"):
+        table.lookup_sparse_segment(ids, offsets[::-1].copy())
+    assert table.lookup_sparse_segment(np.zeros(0, np.int64), np.array([0])).shape == (0, 4)
+
+
 def test_lookup_grouped_errors(rng):
     table = make_table(40, 4, seed=2)
     ids, offsets, _ = random_bags(rng, 40, 6)

@@ -249,6 +249,17 @@ class Table {
   /// a bag's rows in groups (TensorFlow's sparse_segment_sum).
   void LookupGrouped(const Batch& batch, const int64_t* groups, int64_t num_groups, float* out) const;
 
+  /// Pools each bag of `batch` (no weights; host tables) with `combiner`
+  /// (sum, mean or sqrtn) as TensorFlow's CPU sparse_segment_sum / _mean /
+  /// _sqrt_n do, bit for bit: a bag of n >= 10 ids adds its first r rows (r
+  /// = n % 8, or 8 when that is 0, or 9 when it is 1) and then the sum of
+  /// each following group of 8, each group summed in order (LookupGrouped);
+  /// mean and sqrtn then multiply a bag of fewer than 10 ids by 1 / n (1 /
+  /// sqrt(n)) and divide a longer one by n (sqrt(n)); an empty bag gives
+  /// zeros. `out` is [num_bags, dim] float32. A tf.SparseTensor lookup
+  /// (safe_embedding_lookup_sparse) runs these kernels.
+  void LookupSparseSegment(const Batch& batch, Combiner combiner, float* out) const;
+
   /// Applies one optimizer step from the gradients of one or more lookups.
   /// The gradients of every occurrence of an id (across all parts) are summed
   /// in a fixed order before one update of that row, so the result does not
@@ -299,6 +310,9 @@ class Table {
   std::shared_mutex& mutex() const { return mutex_; }
 
  private:
+  // LookupGrouped on a validated batch and groups.
+  void RunGrouped(const Batch& batch, const int64_t* groups, int64_t num_groups, float* out) const;
+
   struct BufferDeleter {
     size_t bytes;
     int device;
