@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -248,10 +249,20 @@ uint64_t PageSize() {
 }
 
 // Verifies the block checksums of a data file that cover payload bytes [lo,
-// hi) (every block: lo = 0, hi = payload). The file is mapped in windows of a
-// few blocks (so the process never holds more than one window of it), read
-// ahead by the kernel, and checksummed in place by the thread pool: no copy,
-// and memory use bounded whatever the file's size.
+// hi) (every block: lo = 0, hi = payload). The blocks are read window by
+// window, each thread of the pool taking a contiguous part of the window and
+// reading it with pread in 1 MiB pieces into its own buffer, which stays in
+// its L2 cache for the checksum: memory use bounded (a buffer per thread)
+// whatever the file's size.
+// Why not mmap windows with posix_fadvise(WILLNEED) ahead (as before):
+// WILLNEED fills the page cache with 4 KiB folios, and every later pass over
+// the cached file (this one warm, the read pass, serving's mappings) then ran
+// 2-2.5x slower; mmap without it reads cold at well under the disk's
+// bandwidth. The kernel's own readahead for read() (POSIX_FADV_SEQUENTIAL
+// doubles its window) fills the cache with large folios and reaches the
+// disk's bandwidth. Measured on Linux
+// 6.18, ext4, 2 threads, a 2 GiB checkpoint: cold 1.6 s as before, the warm
+// pass after it 0.16-0.19 s (mmap + WILLNEED: 0.33-0.57 s).
 void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, uint64_t hi) {
   File file(JoinPath(dir, f.path), O_RDONLY);
   if (file.Size() != f.bytes)
@@ -263,32 +274,34 @@ void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, ui
   if (lo >= hi) return;
   const uint64_t bb = f.block_bytes;
   const uint64_t first = lo / bb * bb, end = std::min(payload, (hi + bb - 1) / bb * bb);
-  const uint64_t window = std::max<uint64_t>(bb, uint64_t(16) << 20);  // whole blocks
+  const uint64_t window = std::max<uint64_t>(bb, uint64_t(64) << 20);  // whole blocks
+  constexpr size_t kPiece = size_t(1) << 20;                            // read per pread; fits in L2
   ::posix_fadvise(file.fd(), off_t(kDataOffset + first), off_t(end - first), POSIX_FADV_SEQUENTIAL);
+  std::vector<std::vector<char>> buffers(size_t(NumChunks(int64_t((window + bb - 1) / bb), 1)));
   for (uint64_t w0 = first; w0 < end; w0 += window) {
-    const size_t len = size_t(std::min(window, end - w0));
-    if (w0 + window < end)  // start reading the next window while this one is checked
-      ::posix_fadvise(file.fd(), off_t(kDataOffset + w0 + window), off_t(std::min(window, end - w0 - window)),
-                      POSIX_FADV_WILLNEED);
-    // Mapped from the page that holds the window's start (pages may be larger than 4 KiB).
-    const uint64_t at = kDataOffset + w0, lead = at % PageSize();
-    void* p = ::mmap(nullptr, len + lead, PROT_READ, MAP_SHARED, file.fd(), off_t(at - lead));
-    if (p == MAP_FAILED) throw IoError(file.path() + ": mmap failed: " + checkpoint::ErrnoText(errno));
-    const char* data = static_cast<const char*>(p) + lead;
+    const uint64_t len = std::min(window, end - w0);
     const uint64_t b0 = w0 / bb;
     const int64_t nb = int64_t((len + bb - 1) / bb);
-    std::atomic<int64_t> bad{-1};
-    ParallelFor(nb, 1, [&](int64_t a, int64_t b) {
+    std::atomic<int64_t> bad{INT64_MAX};  // the first corrupt block of the window
+    ParallelChunks(nb, std::min(NumChunks(nb, 1), int(buffers.size())), [&](int c, int64_t a, int64_t b) {
+      std::vector<char>& buf = buffers[size_t(c)];
+      if (buf.empty()) buf.resize(size_t(std::min<uint64_t>(kPiece, len)));
       for (int64_t i = a; i < b; ++i) {
-        const size_t start = size_t(i) * bb;
-        if (checkpoint::Crc32c(data + start, std::min<size_t>(bb, len - start)) != f.crc32c[size_t(b0 + uint64_t(i))]) {
-          int64_t expected = -1;
-          bad.compare_exchange_strong(expected, int64_t(b0) + i);
+        const uint64_t start = w0 + uint64_t(i) * bb, n = std::min<uint64_t>(bb, len - uint64_t(i) * bb);
+        uint32_t crc = 0;
+        for (uint64_t o = 0; o < n; o += buf.size()) {
+          const size_t m = size_t(std::min<uint64_t>(buf.size(), n - o));
+          file.ReadAt(buf.data(), m, kDataOffset + start + o);
+          crc = checkpoint::Crc32c(buf.data(), m, crc);
+        }
+        if (crc != f.crc32c[size_t(b0 + uint64_t(i))]) {
+          int64_t seen = bad.load();
+          while (int64_t(b0) + i < seen && !bad.compare_exchange_weak(seen, int64_t(b0) + i)) {
+          }
         }
       }
     });
-    ::munmap(p, len + lead);
-    if (bad.load() >= 0) {
+    if (bad.load() != INT64_MAX) {
       const int64_t blk = bad.load();
       throw CheckpointError(file.path() + ": checksum mismatch in block " + std::to_string(blk) + " (bytes " +
                             std::to_string(kDataOffset + uint64_t(blk) * bb) + "..): the file is corrupt");
