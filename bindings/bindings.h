@@ -23,6 +23,7 @@ namespace nb = nanobind;
 void BindTable(nb::module_& m);
 void BindCheckpoint(nb::module_& m);
 void BindDistributed(nb::module_& m);
+void BindNative(nb::module_& m);
 
 using IdArray = nb::ndarray<nb::ro, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using OffsetArray = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;

@@ -47,4 +47,5 @@ NB_MODULE(_embedcore, m) {
   embedcore::bindings::BindTable(m);
   embedcore::bindings::BindDistributed(m);
   embedcore::bindings::BindCheckpoint(m);
+  embedcore::bindings::BindNative(m);
 }

@@ -24,7 +24,7 @@ CooCheck CsrFromCooT(const I* indices, int64_t nnz, int64_t bags, int64_t width,
     prev_bag = bag;
     prev_pos = pos;
     ++offsets[bag + 1];
-    positions[k] = pos;
+    if (positions != nullptr) positions[k] = pos;
   }
   for (int64_t b = 0; b < bags; ++b) offsets[b + 1] += offsets[b];
   check.dense_positions = check.dense_positions && check.row_major;
@@ -36,7 +36,7 @@ CooCheck CsrFromCooT(const I* indices, int64_t nnz, int64_t bags, int64_t width,
 CooCheck CsrFromCoo(const void* indices, IdType index_type, int64_t nnz, int64_t bags, int64_t width,
                     int64_t* offsets, int64_t* positions) {
   if (nnz < 0 || bags < 0 || width < 0) throw InvalidArgument("csr_from_coo: negative size");
-  if (offsets == nullptr || (nnz > 0 && (indices == nullptr || positions == nullptr)))
+  if (offsets == nullptr || (nnz > 0 && indices == nullptr))
     throw InvalidArgument("csr_from_coo: null pointer");
   return index_type == IdType::kInt32
              ? CsrFromCooT(static_cast<const int32_t*>(indices), nnz, bags, width, offsets, positions)

@@ -9,8 +9,9 @@ TensorFlow: it loads in a process that never imports embedcore, in
 TensorFlow Serving, or from C++, and gives TensorFlow's outputs, which the
 adapter matches (``sum`` bit for bit).
 
-Why not a custom TensorFlow op: a compiled op is tied to the ABI of one
-TensorFlow build (the C++ API is not stable), must be shipped and loaded
+Why not the adapter's own kernel (``_native.py``), which lookups run in
+``tf.function``: a compiled op is tied to the ABI of one TensorFlow build
+(the C++ API is not stable), must be shipped and loaded
 (``tf.load_op_library``) wherever the model is served, and TensorFlow
 Serving would need a custom build. Lowering costs a copy of the tables at
 export and TensorFlow's speed in the exported model, but it is exactly

@@ -3,7 +3,9 @@
 
 Each feature is looked up by one engine call (or a few, see
 ``_pooling.py``), run eagerly on NumPy views of the input tensors, or inside
-a graph through ``tf.numpy_function``. ``numpy_function`` rather than
+a graph through ``tf.numpy_function`` (an unweighted rank-2 SparseTensor
+first through the adapter's own kernel, ``_native.py``, which hands what it
+cannot take to that path). ``numpy_function`` rather than
 ``py_function``: its callback gets NumPy views of the input buffers and
 returns arrays, with no eager-tensor round trip, which is all the engine
 needs (CPU tensors; the gradient is given by ``tf.custom_gradient``, so the
@@ -26,12 +28,14 @@ from absl import logging
 
 from embedcore import _embedcore
 
+from . import _native
 from ._config import Feature
 from ._pooling import EIGEN4, GROUPED8, SEQUENTIAL, InvalidArgument, bad_id_error, engine_lookup, pooled
 
 __all__ = ["lookup", "Backward"]
 
 _INT_IDS = (tf.int32, tf.int64)
+_SEGMENT_COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}  # the engine's Combiner codes
 
 
 class Backward:
@@ -428,6 +432,17 @@ def _sparse(f: Feature, table, sp: tf.SparseTensor, weights: Optional[tf.SparseT
     def fn(indices, ids, dense_shape, w):
         return sparse_numpy(f, table, indices, ids, dense_shape, w, safe, sequence, need_bwd)
 
+    op = None
+    if safe and not sequence and rank == 2 and weights is None and not need_bwd and not tf.executing_eagerly():
+        op = _native.sparse_lookup_op()
+    if op is not None:
+        # The kernel pools what needs nothing else; the rest takes the general path, as before.
+        fast, ok = op(sp.indices, sp.values, sp.dense_shape, handle=_native.handle_of(table), dim=table.dim,
+                      combiner=_SEGMENT_COMBINERS[f.table.combiner], name=f"embedcore_lookup_{_op_name(f.label)}")
+        out = tf.cond(ok, lambda: fast,
+                      lambda: _call(fn, [sp.indices, sp.values, sp.dense_shape, None], False, f.label)[0])
+        out.set_shape([None, table.dim])
+        return out, None
     out, bwd = _call(fn, [sp.indices, sp.values, sp.dense_shape, wvalues], need_bwd, f.label)
     if sequence:
         out.set_shape([None, f.max_sequence_length, table.dim])

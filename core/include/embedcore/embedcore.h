@@ -195,7 +195,7 @@ struct CooCheck {
 /// (bag, position) = (indices[2k], indices[2k + 1]), of `index_type`. In one
 /// pass, checks every entry against [0, bags) x [0, width), counts each bag's
 /// entries into `offsets` ([bags + 1], the CSR form of entries in row-major
-/// order) and copies the positions to `positions` ([nnz]).
+/// order) and copies the positions to `positions` ([nnz]; may be null).
 CooCheck CsrFromCoo(const void* indices, IdType index_type, int64_t nnz, int64_t bags, int64_t width,
                     int64_t* offsets, int64_t* positions);
 

@@ -1,0 +1,148 @@
+// Entry points for framework ops compiled apart from this module: the
+// TensorFlow adapter's kernel (adapters/tf/native/sparse_lookup_op.cc) calls
+// the engine through a plain C function whose address Python hands to the op
+// library, and names tables by integer handles, so that a graph never holds
+// a pointer: a handle that is no longer registered is an error, not a crash.
+#include <nanobind/nanobind.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "bindings.h"
+#include "embedcore/embedcore.h"
+
+namespace embedcore::bindings {
+namespace {
+
+using namespace nb::literals;
+
+// The entry points' version; the op library states the one it was written for.
+constexpr int kNativeAbiVersion = 1;
+
+// Status codes of the entry points (the op library maps them to its errors).
+enum Status : int { kOk = 0, kGeneralPath = 1, kOutOfMemory = 2, kFailed = 3 };
+
+struct Registered {
+  const Table* table;
+  nb::object owner;  // keeps the table alive while it is registered
+};
+
+struct Registry {
+  std::shared_mutex mutex;  // shared by running lookups, exclusive to (un)register
+  std::unordered_map<int64_t, Registered> tables;
+  int64_t next = 1;
+};
+
+// Never destroyed: an op may run while the interpreter shuts down, and the
+// owners must not be released without the GIL.
+Registry& GetRegistry() {
+  static Registry* registry = new Registry;
+  return *registry;
+}
+
+void SetError(char* error, int64_t size, const std::string& text) {
+  if (error == nullptr || size <= 0) return;
+  const size_t n = std::min(text.size(), size_t(size - 1));
+  std::memcpy(error, text.data(), n);
+  error[n] = '\0';
+}
+
+// A rank-2 SparseTensor's bags pooled as TensorFlow's safe lookup pools them
+// (Table::LookupSparseSegment), when nothing needs the general path: every
+// index inside [0, bags) x [0, 2^62) and in row-major order, every id inside
+// [0, rows). Otherwise it returns kGeneralPath having written nothing (the
+// ids are validated before any row is read), and the adapter runs its
+// general path (pruning, reordering, TensorFlow's errors).
+int SparseSegmentLookup(int64_t handle, const int64_t* indices, int64_t nnz, const void* ids,
+                                   int ids_int32, int64_t bags, int combiner, float* out, int64_t dim, char* error,
+                                   int64_t error_size) noexcept {
+  try {
+    Registry& r = GetRegistry();
+    std::shared_lock<std::shared_mutex> lock(r.mutex);
+    const auto it = r.tables.find(handle);
+    if (it == r.tables.end()) {
+      SetError(error, error_size,
+               "embedcore table handle " + std::to_string(handle) + " is not registered (its layer was deleted)");
+      return kFailed;
+    }
+    const Table& table = *it->second.table;
+    if (dim != table.dim() || combiner < 0 || combiner > 2 || nnz < 0 || bags < 0) {
+      SetError(error, error_size, "embedcore sparse lookup: bad call for table '" + table.spec().name + "'");
+      return kFailed;
+    }
+    std::vector<int64_t> offsets(size_t(bags) + 1);
+    const CooCheck check = CsrFromCoo(indices, IdType::kInt64, nnz, bags, int64_t(1) << 62, offsets.data(), nullptr);
+    if (check.first_bad >= 0 || !check.row_major) return kGeneralPath;
+    Batch batch;
+    batch.id_type = ids_int32 ? IdType::kInt32 : IdType::kInt64;
+    batch.ids = ids;
+    batch.nnz = nnz;
+    batch.offsets = offsets.data();
+    batch.num_bags = bags;
+    try {
+      table.LookupSparseSegment(batch, Combiner(combiner), out);  // validates the ids before any work
+    } catch (const OutOfRange&) {  // a negative id (pruned) or one past the table (TensorFlow's error)
+      return kGeneralPath;
+    }
+    return kOk;
+  } catch (const std::bad_alloc&) {
+    SetError(error, error_size, "embedcore sparse lookup: out of memory");
+    return kOutOfMemory;
+  } catch (const std::exception& e) {
+    SetError(error, error_size, e.what());
+    return kFailed;
+  } catch (...) {
+    SetError(error, error_size, "embedcore sparse lookup: unknown error");
+    return kFailed;
+  }
+}
+
+}  // namespace
+
+void BindNative(nb::module_& m) {
+  m.def(
+      "register_native_table",
+      [](const Table& table, nb::object owner) {
+        if (table.spec().device >= 0) throw InvalidArgument("native handles name host tables only");
+        Registry& r = GetRegistry();
+        std::unique_lock<std::shared_mutex> lock(r.mutex);
+        const int64_t handle = r.next++;
+        r.tables.emplace(handle, Registered{&table, std::move(owner)});
+        return handle;
+      },
+      "table"_a, "owner"_a,
+      "Registers a host table (kept alive by `owner`) for native entry points; returns its handle.");
+  m.def(
+      "unregister_native_table",
+      [](int64_t handle) {
+        nb::object owner;  // released after the lock, with the GIL held
+        {
+          Registry& r = GetRegistry();
+          nb::gil_scoped_release release;  // running lookups hold the lock without the GIL
+          std::unique_lock<std::shared_mutex> lock(r.mutex);
+          const auto it = r.tables.find(handle);
+          if (it == r.tables.end()) return false;
+          owner = std::move(it->second.owner);
+          r.tables.erase(it);
+        }
+        return true;
+      },
+      "handle"_a, "Unregisters a handle (after every running lookup on it); False if it was not registered.");
+  m.def(
+      "native_entry_points",
+      [] {
+        nb::dict d;
+        d["version"] = kNativeAbiVersion;
+        d["sparse_segment_lookup"] = reinterpret_cast<uintptr_t>(&SparseSegmentLookup);
+        return d;
+      },
+      "Addresses of the C entry points for framework op libraries, and their version.");
+}
+
+}  // namespace embedcore::bindings
