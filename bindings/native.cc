@@ -111,9 +111,13 @@ void BindNative(nb::module_& m) {
       [](const Table& table, nb::object owner) {
         if (table.spec().device >= 0) throw InvalidArgument("native handles name host tables only");
         Registry& r = GetRegistry();
+        // Moves only (no reference count changes) while the GIL is released; if the
+        // insertion throws, `held` is released after the GIL is taken back.
+        nb::object held = std::move(owner);
+        nb::gil_scoped_release release;  // running lookups hold the lock without the GIL
         std::unique_lock<std::shared_mutex> lock(r.mutex);
         const int64_t handle = r.next++;
-        r.tables.emplace(handle, Registered{&table, std::move(owner)});
+        r.tables.emplace(handle, Registered{&table, nb::object()}).first->second.owner = std::move(held);
         return handle;
       },
       "table"_a, "owner"_a,

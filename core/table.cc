@@ -406,7 +406,9 @@ void Table::LookupSparseSegment(const Batch& batch, Combiner combiner, float* ou
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n = batch.offsets[b + 1] - batch.offsets[b];
       if (n == 0) continue;  // zeros (div_no_nan)
-      const float den = combiner == Combiner::kMean ? float(n) : std::sqrt(float(n));
+      // As TensorFlow: static_cast<float>(n), or of sqrt(double(n)) (which a float sqrt misses by an ulp
+      // for some n above 2^24).
+      const float den = combiner == Combiner::kMean ? float(n) : float(std::sqrt(double(n)));
       float* row = out + b * dim;
       if (n < 10) {
         const float scale = 1.0f / den;

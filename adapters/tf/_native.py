@@ -69,8 +69,8 @@ def _compiler() -> str:
     return os.environ.get("CXX") or "c++"
 
 
-def _build() -> str:
-    """Builds the kernel (or finds it built); returns the library's path."""
+def _build(rebuild: bool = False) -> str:
+    """Builds the kernel (or finds it built, unless `rebuild`); returns the library's path."""
     cxx = _compiler()
     if shutil.which(cxx) is None:
         raise NativeOpError(f"no C++ compiler '{cxx}' (set CXX) to build embedcore's TensorFlow kernel")
@@ -82,7 +82,7 @@ def _build() -> str:
                                      cxx.encode(), version.encode()])).hexdigest()[:20]
     directory = cache_dir()
     path = os.path.join(directory, f"tf_sparse_lookup_op-{key}.so")
-    if os.path.exists(path):
+    if os.path.exists(path) and not rebuild:
         return path
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=directory)
@@ -102,7 +102,11 @@ def _build() -> str:
 
 def _load():
     path = _build()
-    module = tf.load_op_library(path)
+    try:
+        module = tf.load_op_library(path)
+    except Exception:  # noqa: BLE001 - a damaged cached library: built again, once
+        path = _build(rebuild=True)
+        module = tf.load_op_library(path)
     entry = _embedcore.native_entry_points()
     if entry["version"] != _ABI_VERSION:
         raise NativeOpError(f"embedcore's entry points are version {entry['version']}, the kernel's "

@@ -85,6 +85,8 @@ def pooled(table, ids: np.ndarray, offsets: np.ndarray, weights: Optional[np.nda
     if order == EIGEN4 and (longest < 16 or table.dim < EIGEN_PACKET):
         return engine_lookup(table, ids, offsets, weights, combiner)
     if order == GROUPED8:  # the engine groups and divides as sparse_segment_sum / _mean / _sqrt_n
+        if weights is not None:
+            raise TypeError("GROUPED8 is the unweighted kernels' order; weighted rows are added as EIGEN4")
         try:
             return table.lookup_sparse_segment(ids, offsets, combiner)
         except IndexError as e:

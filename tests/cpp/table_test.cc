@@ -688,7 +688,7 @@ EMBEDCORE_TEST(LookupSparseSegmentAddsAndDividesAsTensorFlow) {
             acc += part;
           }
           if (c != Combiner::kSum && n > 0) {
-            const float den = c == Combiner::kMean ? float(n) : std::sqrt(float(n));
+            const float den = c == Combiner::kMean ? float(n) : float(std::sqrt(double(n)));
             acc = n < 10 ? acc * (1.0f / den) : acc / den;
           }
           EMBEDCORE_EXPECT_BITS_EQ(got[size_t(b * 11 + d)], acc);

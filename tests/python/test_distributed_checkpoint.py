@@ -570,6 +570,52 @@ def test_a_failed_write_on_one_rank_fails_every_rank_and_keeps_the_previous_chec
     assert sorted(os.listdir(path)) == sorted({f["path"] for _, _, f in manifest_files(m)} | {"MANIFEST"})
 
 
+class Preempted(BaseException):
+    """A rank stopped on its own (a signal handler's SystemExit, an interrupt), outside any agreement."""
+
+
+def test_a_rank_stopped_on_its_own_removes_nothing_while_rank_0_commits(tmp_path, monkeypatch):
+    """Only failures that every rank saw (reported through the agreement)
+    remove a save's files. A rank that stops on its own after the shard
+    files were agreed must not: rank 0 goes on to commit them, and a removal
+    racing that commit could leave a manifest naming deleted files, and the
+    previous checkpoint deleted by the commit."""
+    from embedcore.distributed import _checkpoint as dc
+
+    real_agree, real_commit = dc.agree, _embedcore.commit_checkpoint
+    removed, committed = [], threading.Event()
+    local = threading.local()
+
+    def agree(comm, error, payload=None, *, step):
+        out = real_agree(comm, error, payload, step=step)
+        if step == "save: shard files" and comm.rank == 1:
+            committed.wait(30)  # the commit has happened: a removal now would delete the live checkpoint's files
+            raise Preempted("rank 1 stopped")
+        return out
+
+    def commit(path, manifest_json):
+        real_commit(path, manifest_json)
+        committed.set()
+
+    monkeypatch.setattr(dc, "agree", agree)
+    monkeypatch.setattr(_embedcore, "commit_checkpoint", commit)
+    monkeypatch.setattr(_embedcore, "remove_generation", lambda *a: removed.append((local.rank, a)))
+    path = str(tmp_path / "c")
+
+    def fn(world):
+        local.rank = world.rank
+        emb = ec.Embedding(feature_config(seed=4), world=world, sharding="row_wise")
+        ec.save(path, emb)
+
+    with pytest.raises(Preempted):
+        run_world(2, fn)
+    assert removed == []
+    m = read_manifest(path)
+    assert sorted(os.listdir(path)) == sorted({f["path"] for _, _, f in manifest_files(m)} | {"MANIFEST"})
+    for _, after, error, _ in sharded_load(path, 1, "row_wise"):
+        assert error is None
+
+
 def test_a_failed_commit_fails_every_rank_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, saved):
     path = str(tmp_path / "c")
     shutil.copytree(saved[(2, "row_wise")].path, path)

@@ -679,7 +679,7 @@ def _sparse_segment_reference(table, ids, offsets, combiner):
                 part = part + rows[k]
             acc = acc + part
         if combiner != "sum":
-            den = np.float32(n) if combiner == "mean" else np.sqrt(np.float32(n))
+            den = np.float32(n) if combiner == "mean" else np.float32(np.sqrt(np.float64(n)))
             acc = acc * (np.float32(1) / den) if n < 10 else acc / den
         out[b] = acc
     return out

@@ -229,6 +229,9 @@ def test_build_modes_and_cache(tmp_path):
     stamp = built[0].stat().st_mtime_ns
     out, _ = _run({}, cache)  # the default is auto; the cached library is loaded, not rebuilt
     assert "OP (2, 4)" in out and sorted(cache.iterdir()) == built and built[0].stat().st_mtime_ns == stamp
+    built[0].write_bytes(b"not a library")  # damaged: built again, once
+    out, _ = _run({"EMBEDCORE_TF_OP": "required"}, cache)
+    assert "OP (2, 4)" in out and sorted(cache.iterdir()) == built and built[0].stat().st_size > 1000
 
 
 def test_a_bad_mode_is_refused(monkeypatch):

@@ -19,7 +19,7 @@ from typing import List, Optional
 
 from .. import _embedcore
 from ..checkpoint import FORMAT_VERSION, CheckpointError, _metadata, _optimizer_json, _initializer_json
-from ._comm import agree
+from ._comm import RankFailedError, agree
 from ._plan import make_plan
 
 __all__ = ["save_sharded", "load_sharded", "reshard"]
@@ -74,8 +74,14 @@ def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Option
             written.append((ti, si, json.loads(entry)))
     except Exception as e:  # noqa: BLE001 - a full disk on one rank fails the save on all
         error = e
-    with _removed_on_failure(path, generation):
+    try:
         everything = agree(comm, error, written, step="save: shard files")
+    except BaseException as e:
+        # A failure every rank saw (this rank's own error or another's): no rank commits, so each removes
+        # what the save wrote. Not on anything else (an interrupt on one rank): rank 0 may be committing.
+        if e is error or isinstance(e, RankFailedError):
+            _embedcore.remove_generation(path, generation)
+        raise
 
     error = None
     if comm.rank == 0:
@@ -93,16 +99,18 @@ def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Option
             _embedcore.commit_checkpoint(path, _manifest(generation, tables, metadata))
         except Exception as e:  # noqa: BLE001
             error = e
-    with _removed_on_failure(path, generation):
-        agree(comm, error, step="save: commit")
+            # Rank 0's own commit failed (it alone commits): it removes every rank's files of the save,
+            # unless the manifest's rename happened and a later step failed (then that is the checkpoint).
+            _embedcore.remove_generation(path, generation)
+    agree(comm, error, step="save: commit")
 
 
 @contextlib.contextmanager
 def _removed_on_failure(path: str, generation: int):
-    """On an exception, removes the files of the failed save's `generation`
-    from `path` (every rank: each may have written some; unless a commit made
-    that generation the checkpoint), then lets the exception go on: a save
-    that failed on a full disk frees what it wrote."""
+    """For a single process's save (``reshard``): on an exception, removes the
+    files of its `generation` from `path` (unless the manifest's rename made
+    that generation the checkpoint), then lets the exception go on, so that a
+    save that failed on a full disk frees what it wrote."""
     try:
         yield
     except BaseException:
