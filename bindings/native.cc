@@ -1,7 +1,7 @@
 // Entry points for framework ops compiled apart from this module: the
-// TensorFlow adapter's kernel (adapters/tf/native/sparse_lookup_op.cc) calls
-// the engine through a plain C function whose address Python hands to the op
-// library, and names tables by integer handles, so that a graph never holds
+// TensorFlow adapter's kernels (adapters/tf/native/sparse_lookup_op.cc) call
+// the engine through plain C functions whose addresses Python hands to the op
+// library, and name tables by integer handles, so that a graph never holds
 // a pointer: a handle that is no longer registered is an error, not a crash.
 #include <nanobind/nanobind.h>
 
@@ -23,7 +23,7 @@ namespace {
 using namespace nb::literals;
 
 // The entry points' version; the op library states the one it was written for.
-constexpr int kNativeAbiVersion = 1;
+constexpr int kNativeAbiVersion = 2;
 
 // Status codes of the entry points (the op library maps them to its errors).
 enum Status : int { kOk = 0, kGeneralPath = 1, kOutOfMemory = 2, kFailed = 3 };
@@ -103,6 +103,52 @@ int SparseSegmentLookup(int64_t handle, const int64_t* indices, int64_t nnz, con
   }
 }
 
+// A rank-2 RaggedTensor's bags (CSR: `splits` [bags + 1]) pooled with the
+// engine's own order (Table::Lookup), which is unsorted_segment_sum's. Any
+// input the engine refuses (splits that are not a CSR partition of the ids,
+// an id out of range) returns kGeneralPath having written nothing.
+int RaggedLookup(int64_t handle, const void* ids, int ids_int32, int64_t nnz, const int64_t* splits, int64_t bags,
+                 int combiner, float* out, int64_t dim, char* error, int64_t error_size) noexcept {
+  try {
+    Registry& r = GetRegistry();
+    std::shared_lock<std::shared_mutex> lock(r.mutex);
+    const auto it = r.tables.find(handle);
+    if (it == r.tables.end()) {
+      SetError(error, error_size,
+               "embedcore table handle " + std::to_string(handle) + " is not registered (its layer was deleted)");
+      return kFailed;
+    }
+    const Table& table = *it->second.table;
+    if (dim != table.dim() || combiner < 0 || combiner > 2 || nnz < 0 || bags < 0) {
+      SetError(error, error_size, "embedcore ragged lookup: bad call for table '" + table.spec().name + "'");
+      return kFailed;
+    }
+    Batch batch;
+    batch.id_type = ids_int32 ? IdType::kInt32 : IdType::kInt64;
+    batch.ids = ids;
+    batch.nnz = nnz;
+    batch.offsets = splits;
+    batch.num_bags = bags;
+    try {
+      table.Lookup(batch, OutputShape{Combiner(combiner), 0}, out);  // validates everything before any work
+    } catch (const std::invalid_argument&) {  // splits that are not a partition of the ids
+      return kGeneralPath;
+    } catch (const OutOfRange&) {  // an id outside the table: TensorFlow's error, from the general path
+      return kGeneralPath;
+    }
+    return kOk;
+  } catch (const std::bad_alloc&) {
+    SetError(error, error_size, "embedcore ragged lookup: out of memory");
+    return kOutOfMemory;
+  } catch (const std::exception& e) {
+    SetError(error, error_size, e.what());
+    return kFailed;
+  } catch (...) {
+    SetError(error, error_size, "embedcore ragged lookup: unknown error");
+    return kFailed;
+  }
+}
+
 }  // namespace
 
 void BindNative(nb::module_& m) {
@@ -144,6 +190,7 @@ void BindNative(nb::module_& m) {
         nb::dict d;
         d["version"] = kNativeAbiVersion;
         d["sparse_segment_lookup"] = reinterpret_cast<uintptr_t>(&SparseSegmentLookup);
+        d["ragged_lookup"] = reinterpret_cast<uintptr_t>(&RaggedLookup);
         return d;
       },
       "Addresses of the C entry points for framework op libraries, and their version.");

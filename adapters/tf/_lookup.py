@@ -3,9 +3,9 @@
 
 Each feature is looked up by one engine call (or a few, see
 ``_pooling.py``), run eagerly on NumPy views of the input tensors, or inside
-a graph through ``tf.numpy_function`` (an unweighted rank-2 SparseTensor
-first through the adapter's own kernel, ``_native.py``, which hands what it
-cannot take to that path). ``numpy_function`` rather than
+a graph through ``tf.numpy_function`` (unweighted rank-2 SparseTensor and
+pooled RaggedTensor input first through the adapter's own kernels,
+``_native.py``, which hand what they cannot take to that path). ``numpy_function`` rather than
 ``py_function``: its callback gets NumPy views of the input buffers and
 returns arrays, with no eager-tensor round trip, which is all the engine
 needs (CPU tensors; the gradient is given by ``tf.custom_gradient``, so the
@@ -35,7 +35,7 @@ from ._pooling import EIGEN4, GROUPED8, SEQUENTIAL, InvalidArgument, bad_id_erro
 __all__ = ["lookup", "Backward"]
 
 _INT_IDS = (tf.int32, tf.int64)
-_SEGMENT_COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}  # the engine's Combiner codes
+_SEGMENT_COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}  # the engine's Combiner codes, for the kernels
 
 
 class Backward:
@@ -490,6 +490,17 @@ def _ragged(f: Feature, table, rt: tf.RaggedTensor, weights: Optional[tf.RaggedT
     def fn(values, splits, wv, ws):
         return ragged_numpy(f, table, values, splits, wv, ws, need_bwd)
 
+    op = None
+    if (f.output_shape is None and f.max_sequence_length == 0 and wvalues is None and not need_bwd
+            and not tf.executing_eagerly()):
+        op = _native.ragged_lookup_op()
+    if op is not None:
+        # The kernel pools a valid batch; anything the engine refuses takes the general path, as before.
+        fast, ok = op(rt.values, rt.row_splits, handle=_native.handle_of(table), dim=table.dim,
+                      combiner=_SEGMENT_COMBINERS[f.table.combiner], name=f"embedcore_lookup_{_op_name(f.label)}")
+        out = tf.cond(ok, lambda: fast, lambda: _call(fn, [rt.values, rt.row_splits, None, None], False, f.label)[0])
+        out.set_shape([batch, table.dim])
+        return out, None
     out, bwd = _call(fn, [rt.values, rt.row_splits, wvalues, wsplits], need_bwd, f.label)
     if f.output_shape is not None:
         out.set_shape(list(f.output_shape) + [table.dim])

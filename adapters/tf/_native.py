@@ -1,5 +1,6 @@
-"""The adapter's TensorFlow kernel (``native/sparse_lookup_op.cc``): a
-``tf.SparseTensor`` lookup inside ``tf.function`` without a Python callback.
+"""The adapter's TensorFlow kernels (``native/sparse_lookup_op.cc``):
+``tf.SparseTensor`` and ``tf.RaggedTensor`` lookups inside ``tf.function``
+without a Python callback.
 
 TensorFlow's C++ API is not stable across its releases, so the kernel is not
 shipped compiled: it is built on first use against the TensorFlow in this
@@ -32,10 +33,10 @@ from absl import logging
 
 from embedcore import _embedcore
 
-__all__ = ["sparse_lookup_op", "handle_of", "NativeOpError"]
+__all__ = ["sparse_lookup_op", "ragged_lookup_op", "handle_of", "NativeOpError"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "sparse_lookup_op.cc")
-_ABI_VERSION = 1  # the entry points' version the kernel is written for
+_ABI_VERSION = 2  # the entry points' version the kernels are written for
 
 _lock = threading.Lock()
 _loaded = None  # the op module, False when it cannot be had, None before the first try
@@ -112,15 +113,27 @@ def _load():
         raise NativeOpError(f"embedcore's entry points are version {entry['version']}, the kernel's "
                             f"{_ABI_VERSION}")
     set_entry = ctypes.CDLL(path).embedcore_tf_set_entry  # the same loaded library
-    set_entry.argtypes, set_entry.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int
-    if set_entry(ctypes.c_void_p(entry["sparse_segment_lookup"]), _ABI_VERSION) != 0:
+    set_entry.argtypes, set_entry.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
+    if set_entry(ctypes.c_void_p(entry["sparse_segment_lookup"]), ctypes.c_void_p(entry["ragged_lookup"]),
+                 _ABI_VERSION) != 0:
         raise NativeOpError("embedcore's TensorFlow kernel refused the engine's entry point version")
     return module
 
 
 def sparse_lookup_op():
-    """The kernel's op function (``embedcore_sparse_lookup``), or None when
-    ``EMBEDCORE_TF_OP=off`` or (``auto``) it cannot be built."""
+    """The op function ``embedcore_sparse_lookup``, or None when
+    ``EMBEDCORE_TF_OP=off`` or (``auto``) the kernels cannot be built."""
+    module = _module()
+    return module.embedcore_sparse_lookup if module else None
+
+
+def ragged_lookup_op():
+    """The op function ``embedcore_ragged_lookup``, or None (as above)."""
+    module = _module()
+    return module.embedcore_ragged_lookup if module else None
+
+
+def _module():
     global _loaded
     mode = _mode()
     if mode == "off":
@@ -138,7 +151,7 @@ def sparse_lookup_op():
         elif _loaded is False and mode == "required":
             raise NativeOpError("EMBEDCORE_TF_OP=required, but embedcore's TensorFlow kernel failed to build "
                                 "earlier in this process")
-    return _loaded.embedcore_sparse_lookup if _loaded else None
+    return _loaded or None
 
 
 def handle_of(table) -> int:

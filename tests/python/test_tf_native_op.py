@@ -1,6 +1,7 @@
-"""The TensorFlow adapter's kernel (adapters/tf/native/sparse_lookup_op.cc):
+"""The TensorFlow adapter's kernels (adapters/tf/native/sparse_lookup_op.cc):
 inside tf.function, an unweighted rank-2 tf.SparseTensor lookup runs as the
-op EmbedcoreSparseLookup, with no Python callback. Checked: the graph holds
+op EmbedcoreSparseLookup, and a pooled unweighted tf.RaggedTensor one as
+EmbedcoreRaggedLookup, with no Python callback. Checked: the graph holds
 the op; its outputs equal TensorFlow's (sum bit for bit) and the eager path's
 bit for bit; inputs that need the general path (pruned ids, unordered or
 out-of-shape indices, bad ids, an unknown rank) give what they gave before,
@@ -118,6 +119,47 @@ def test_weighted_sequence_unknown_rank_and_training_keep_the_python_path(rng):
     unknown = tf.function(lambda x: ours({"f": x})["f"], input_signature=[spec])
     assert OP not in [op.type for op in unknown.get_concrete_function().graph.get_operations()]
     np.testing.assert_array_equal(unknown(sp).numpy(), _traced(ours)(sp).numpy())
+
+
+RAGGED_OP = "EmbedcoreRaggedLookup"
+
+
+@pytest.mark.parametrize("combiner", COMBINERS)
+@pytest.mark.parametrize("id_dtype", [tf.int32, tf.int64])
+@pytest.mark.parametrize("splits_dtype", [tf.int32, tf.int64])
+def test_ragged_input_runs_its_kernel_and_equals_tensorflow(rng, combiner, id_dtype, splits_dtype):
+    theirs, ours = pair(_config(combiner), rng)
+    lengths = rng.permutation(np.concatenate([np.arange(41), [0, 0]]))
+    ids = rng.integers(0, ROWS, int(lengths.sum()))
+    splits = np.concatenate([[0], np.cumsum(lengths)])
+    rt = tf.RaggedTensor.from_row_splits(tf.constant(ids, id_dtype), tf.constant(splits, splits_dtype))
+    f = _traced(ours)
+    ops = _ops(f, rt)
+    assert RAGGED_OP in ops and "EagerPyFunc" not in ops
+    graph = f(rt)
+    assert graph.shape == (len(lengths), DIM)
+    assert_same(theirs({"f": rt})["f"], graph, combiner)
+    np.testing.assert_array_equal(graph.numpy(), ours({"f": rt})["f"].numpy())
+
+
+def test_ragged_inputs_for_the_general_path_give_what_they_gave(rng):
+    _, ours = pair(_config("sum"), rng)
+    f = _traced(ours)
+    bad_id = tf.RaggedTensor.from_row_splits(tf.constant([1, ROWS, 2], tf.int64), tf.constant([0, 1, 3], tf.int64))
+    with pytest.raises(tf.errors.InvalidArgumentError) as graph_error:
+        f(bad_id)
+    with pytest.raises(tf.errors.InvalidArgumentError) as eager_error:
+        ours({"f": bad_id})
+    assert f"= {ROWS} is not in [0, {ROWS})" in eager_error.value.message
+    assert eager_error.value.message in graph_error.value.message
+    # Weighted bags, sequences and output_shape keep the Python path.
+    rt = tf.RaggedTensor.from_row_lengths(tf.constant([1, 2, 3, 4], tf.int64), [1, 3])
+    w = tf.RaggedTensor.from_row_lengths(tf.constant([0.5, 1.0, 2.0, 1.0]), [1, 3])
+    weighted = tf.function(lambda x, wt: ours({"f": x}, {"f": wt})["f"])
+    assert RAGGED_OP not in [op.type for op in weighted.get_concrete_function(rt, w).graph.get_operations()]
+    table = E.TableConfig(vocabulary_size=ROWS, dim=DIM, combiner="sum", name="t")
+    _, seq = pair({"f": E.FeatureConfig(table, max_sequence_length=3)}, rng)
+    assert RAGGED_OP not in _ops(_traced(seq), rt)
 
 
 def test_a_handle_whose_table_is_gone_fails_cleanly(rng):

@@ -1,5 +1,6 @@
-// EmbedcoreSparseLookup: a tf.SparseTensor lookup of an embedcore table as a
-// TensorFlow kernel, so that a tf.function runs it without a Python callback.
+// EmbedcoreSparseLookup and EmbedcoreRaggedLookup: tf.SparseTensor and
+// tf.RaggedTensor lookups of an embedcore table as TensorFlow kernels, so
+// that a tf.function runs them without a Python callback.
 //
 // Thin: it checks the shapes TensorFlow gives it, allocates the output and
 // calls the engine through a C entry point of the embedcore module (its
@@ -26,19 +27,42 @@ namespace {
 
 using tensorflow::int64;
 
-// The engine's entry point, version 1 (bindings/native.cc: SparseSegmentLookup).
-using Entry = int (*)(int64_t handle, const int64_t* indices, int64_t nnz, const void* ids, int ids_int32,
-                      int64_t bags, int combiner, float* out, int64_t dim, char* error, int64_t error_size);
-constexpr int kAbiVersion = 1;
+// The engine's entry points, version 2 (bindings/native.cc: SparseSegmentLookup, RaggedLookup).
+using SparseEntry = int (*)(int64_t handle, const int64_t* indices, int64_t nnz, const void* ids, int ids_int32,
+                            int64_t bags, int combiner, float* out, int64_t dim, char* error, int64_t error_size);
+using RaggedEntry = int (*)(int64_t handle, const void* ids, int ids_int32, int64_t nnz, const int64_t* splits,
+                            int64_t bags, int combiner, float* out, int64_t dim, char* error, int64_t error_size);
+constexpr int kAbiVersion = 2;
 enum Status : int { kOk = 0, kGeneralPath = 1, kOutOfMemory = 2, kFailed = 3 };
 
-std::atomic<Entry> g_entry{nullptr};
+std::atomic<SparseEntry> g_sparse{nullptr};
+std::atomic<RaggedEntry> g_ragged{nullptr};
+
+constexpr const char* kNotSet =
+    "the op library was loaded without embedcore's engine; it is loaded by embedcore.adapters.tf";
+
+// Sets `ok`, and the output from the entry's status: kOk and kGeneralPath
+// (the output then holds zeros and is not used) are results, the rest errors.
+void Finish(tensorflow::OpKernelContext* ctx, int status, const char* error, tensorflow::Tensor* out,
+            tensorflow::Tensor* ok) {
+  if (status == kOk) {
+    ok->scalar<bool>()() = true;
+  } else if (status == kGeneralPath) {
+    out->flat<float>().setZero();  // not used (the general path's output is), but never uninitialised
+  } else if (status == kOutOfMemory) {
+    ctx->CtxFailure(tensorflow::errors::ResourceExhausted(error));
+  } else {
+    ctx->CtxFailure(tensorflow::errors::FailedPrecondition(error));
+  }
+}
 
 }  // namespace
 
-extern "C" __attribute__((visibility("default"))) int embedcore_tf_set_entry(void* entry, int version) {
+extern "C" __attribute__((visibility("default"))) int embedcore_tf_set_entry(void* sparse, void* ragged,
+                                                                             int version) {
   if (version != kAbiVersion) return 1;
-  g_entry.store(reinterpret_cast<Entry>(entry));
+  g_sparse.store(reinterpret_cast<SparseEntry>(sparse));
+  g_ragged.store(reinterpret_cast<RaggedEntry>(ragged));
   return 0;
 }
 
@@ -92,11 +116,8 @@ class EmbedcoreSparseLookupOp : public tensorflow::OpKernel {
       ctx->set_output(0, none);
       return;
     }
-    const Entry entry = g_entry.load();
-    OP_REQUIRES(ctx, entry != nullptr,
-                tensorflow::errors::FailedPrecondition(
-                    "EmbedcoreSparseLookup: the op library was loaded without embedcore's engine; "
-                    "it is loaded by embedcore.adapters.tf"));
+    const SparseEntry entry = g_sparse.load();
+    OP_REQUIRES(ctx, entry != nullptr, tensorflow::errors::FailedPrecondition("EmbedcoreSparseLookup: ", kNotSet));
     tensorflow::Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tensorflow::TensorShape({bags, dim_}), &out));
     char error[512] = {0};
@@ -104,15 +125,7 @@ class EmbedcoreSparseLookupOp : public tensorflow::OpKernel {
         entry(handle_, reinterpret_cast<const int64_t*>(indices.flat<int64>().data()), indices.dim_size(0),
               ids.flat<Id>().data(), sizeof(Id) == 4, bags, int(combiner_), out->flat<float>().data(), dim_, error,
               int64_t(sizeof(error)));
-    if (status == kOk) {
-      ok->scalar<bool>()() = true;
-    } else if (status == kGeneralPath) {
-      out->flat<float>().setZero();  // not used (the general path's output is), but never uninitialised
-    } else if (status == kOutOfMemory) {
-      ctx->CtxFailure(tensorflow::errors::ResourceExhausted(error));
-    } else {
-      ctx->CtxFailure(tensorflow::errors::FailedPrecondition(error));
-    }
+    Finish(ctx, status, error, out, ok);
   }
 
  private:
@@ -127,3 +140,85 @@ REGISTER_KERNEL_BUILDER(
 REGISTER_KERNEL_BUILDER(
     Name("EmbedcoreSparseLookup").Device(tensorflow::DEVICE_CPU).TypeConstraint<int64_t>("Tid"),
     EmbedcoreSparseLookupOp<int64_t>);
+
+// EmbedcoreRaggedLookup: a rank-2 tf.RaggedTensor's bags (values, row_splits)
+// pooled by the engine in its own order (unsorted_segment_sum's); `ok` false
+// when the engine refuses the input (row_splits that do not partition the
+// values, ids out of range): the adapter's general path then reports it.
+REGISTER_OP("EmbedcoreRaggedLookup")
+    .Input("values: Tid")
+    .Input("row_splits: Tsplits")
+    .Output("output: float")
+    .Output("ok: bool")
+    .Attr("Tid: {int32, int64}")
+    .Attr("Tsplits: {int32, int64}")
+    .Attr("handle: int")
+    .Attr("dim: int >= 1")
+    .Attr("combiner: int >= 0")
+    .SetIsStateful()
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      c->set_output(0, c->Matrix(c->UnknownDim(), dim));
+      c->set_output(1, c->Scalar());
+      return absl::OkStatus();
+    });
+
+template <typename Id, typename Split>
+class EmbedcoreRaggedLookupOp : public tensorflow::OpKernel {
+ public:
+  explicit EmbedcoreRaggedLookupOp(tensorflow::OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("handle", &handle_));
+    OP_REQUIRES_OK(c, c->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(c, c->GetAttr("combiner", &combiner_));
+  }
+
+  void Compute(tensorflow::OpKernelContext* ctx) override {
+    const tensorflow::Tensor& values = ctx->input(0);
+    const tensorflow::Tensor& splits = ctx->input(1);
+    tensorflow::Tensor* ok = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tensorflow::TensorShape({}), &ok));
+    ok->scalar<bool>()() = false;
+    if (values.dims() != 1 || splits.dims() != 1 || splits.dim_size(0) < 1 ||
+        splits.dim_size(0) - 1 > (int64_t(1) << 40) / dim_) {
+      ctx->set_output(0, tensorflow::Tensor(tensorflow::DT_FLOAT, tensorflow::TensorShape({0, dim_})));
+      return;
+    }
+    const RaggedEntry entry = g_ragged.load();
+    OP_REQUIRES(ctx, entry != nullptr, tensorflow::errors::FailedPrecondition("EmbedcoreRaggedLookup: ", kNotSet));
+    const int64_t bags = splits.dim_size(0) - 1;
+    const int64_t* offsets = nullptr;
+    tensorflow::Tensor wide;  // int32 row_splits, widened
+    if (sizeof(Split) == 8) {
+      offsets = reinterpret_cast<const int64_t*>(splits.flat<Split>().data());
+    } else {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT64, splits.shape(), &wide));
+      const auto in = splits.flat<Split>();
+      auto w = wide.flat<int64>();
+      for (int64_t i = 0; i <= bags; ++i) w(i) = int64_t(in(i));
+      offsets = reinterpret_cast<const int64_t*>(w.data());
+    }
+    tensorflow::Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tensorflow::TensorShape({bags, dim_}), &out));
+    char error[512] = {0};
+    const int status = entry(handle_, values.flat<Id>().data(), sizeof(Id) == 4, values.dim_size(0), offsets, bags,
+                             int(combiner_), out->flat<float>().data(), dim_, error, int64_t(sizeof(error)));
+    Finish(ctx, status, error, out, ok);
+  }
+
+ private:
+  int64_t handle_ = 0;
+  int64_t dim_ = 0;
+  int64_t combiner_ = 0;
+};
+
+#define EMBEDCORE_RAGGED_KERNEL(Id, Split)                                                                 \
+  REGISTER_KERNEL_BUILDER(Name("EmbedcoreRaggedLookup")                                                    \
+                              .Device(tensorflow::DEVICE_CPU)                                              \
+                              .TypeConstraint<Id>("Tid")                                                   \
+                              .TypeConstraint<Split>("Tsplits"),                                           \
+                          EmbedcoreRaggedLookupOp<Id, Split>)
+EMBEDCORE_RAGGED_KERNEL(int32_t, int32_t);
+EMBEDCORE_RAGGED_KERNEL(int32_t, int64_t);
+EMBEDCORE_RAGGED_KERNEL(int64_t, int32_t);
+EMBEDCORE_RAGGED_KERNEL(int64_t, int64_t);
