@@ -53,15 +53,14 @@ void SetError(char* error, int64_t size, const std::string& text) {
   error[n] = '\0';
 }
 
-// A rank-2 SparseTensor's bags pooled as TensorFlow's safe lookup pools them
-// (Table::LookupSparseSegment), when nothing needs the general path: every
-// index inside [0, bags) x [0, 2^62) and in row-major order, every id inside
-// [0, rows). Otherwise it returns kGeneralPath having written nothing (the
-// ids are validated before any row is read), and the adapter runs its
-// general path (pruning, reordering, TensorFlow's errors).
-int SparseSegmentLookup(int64_t handle, const int64_t* indices, int64_t nnz, const void* ids,
-                                   int ids_int32, int64_t bags, int combiner, float* out, int64_t dim, char* error,
-                                   int64_t error_size) noexcept {
+// Runs `lookup(table, batch)` on the registered table `handle` for an entry
+// point named `what`, holding the registry's lock (shared) throughout, and
+// maps the outcome to a status: the general path when `lookup` returns false
+// or the engine refuses the input (std::invalid_argument, OutOfRange: thrown
+// by its validation, before any row is read), errors with their message.
+template <typename Lookup>
+int RunEntry(const char* what, int64_t handle, const void* ids, int ids_int32, int64_t nnz, int64_t bags,
+             int combiner, int64_t dim, char* error, int64_t error_size, Lookup&& lookup) noexcept {
   try {
     Registry& r = GetRegistry();
     std::shared_lock<std::shared_mutex> lock(r.mutex);
@@ -73,34 +72,50 @@ int SparseSegmentLookup(int64_t handle, const int64_t* indices, int64_t nnz, con
     }
     const Table& table = *it->second.table;
     if (dim != table.dim() || combiner < 0 || combiner > 2 || nnz < 0 || bags < 0) {
-      SetError(error, error_size, "embedcore sparse lookup: bad call for table '" + table.spec().name + "'");
+      SetError(error, error_size, std::string("embedcore ") + what + ": bad call for table '" + table.spec().name + "'");
       return kFailed;
     }
-    std::vector<int64_t> offsets(size_t(bags) + 1);
-    const CooCheck check = CsrFromCoo(indices, IdType::kInt64, nnz, bags, int64_t(1) << 62, offsets.data(), nullptr);
-    if (check.first_bad >= 0 || !check.row_major) return kGeneralPath;
     Batch batch;
     batch.id_type = ids_int32 ? IdType::kInt32 : IdType::kInt64;
     batch.ids = ids;
     batch.nnz = nnz;
-    batch.offsets = offsets.data();
     batch.num_bags = bags;
     try {
-      table.LookupSparseSegment(batch, Combiner(combiner), out);  // validates the ids before any work
+      return lookup(table, batch) ? kOk : kGeneralPath;
+    } catch (const std::invalid_argument&) {  // e.g. splits that are not a partition of the ids
+      return kGeneralPath;
     } catch (const OutOfRange&) {  // a negative id (pruned) or one past the table (TensorFlow's error)
       return kGeneralPath;
     }
-    return kOk;
   } catch (const std::bad_alloc&) {
-    SetError(error, error_size, "embedcore sparse lookup: out of memory");
+    SetError(error, error_size, std::string("embedcore ") + what + ": out of memory");
     return kOutOfMemory;
   } catch (const std::exception& e) {
     SetError(error, error_size, e.what());
     return kFailed;
   } catch (...) {
-    SetError(error, error_size, "embedcore sparse lookup: unknown error");
+    SetError(error, error_size, std::string("embedcore ") + what + ": unknown error");
     return kFailed;
   }
+}
+
+// A rank-2 SparseTensor's bags pooled as TensorFlow's safe lookup pools them
+// (Table::LookupSparseSegment), when nothing needs the general path: every
+// index inside [0, bags) x [0, 2^62) and in row-major order, every id inside
+// [0, rows). Otherwise it returns kGeneralPath having written nothing, and
+// the adapter runs its general path (pruning, reordering, TensorFlow's errors).
+int SparseSegmentLookup(int64_t handle, const int64_t* indices, int64_t nnz, const void* ids, int ids_int32,
+                        int64_t bags, int combiner, float* out, int64_t dim, char* error, int64_t error_size) noexcept {
+  return RunEntry("sparse lookup", handle, ids, ids_int32, nnz, bags, combiner, dim, error, error_size,
+                  [&](const Table& table, Batch& batch) {
+                    std::vector<int64_t> offsets(size_t(bags) + 1);
+                    const CooCheck check =
+                        CsrFromCoo(indices, IdType::kInt64, nnz, bags, int64_t(1) << 62, offsets.data(), nullptr);
+                    if (check.first_bad >= 0 || !check.row_major) return false;
+                    batch.offsets = offsets.data();
+                    table.LookupSparseSegment(batch, Combiner(combiner), out);
+                    return true;
+                  });
 }
 
 // A rank-2 RaggedTensor's bags (CSR: `splits` [bags + 1]) pooled with the
@@ -109,44 +124,12 @@ int SparseSegmentLookup(int64_t handle, const int64_t* indices, int64_t nnz, con
 // an id out of range) returns kGeneralPath having written nothing.
 int RaggedLookup(int64_t handle, const void* ids, int ids_int32, int64_t nnz, const int64_t* splits, int64_t bags,
                  int combiner, float* out, int64_t dim, char* error, int64_t error_size) noexcept {
-  try {
-    Registry& r = GetRegistry();
-    std::shared_lock<std::shared_mutex> lock(r.mutex);
-    const auto it = r.tables.find(handle);
-    if (it == r.tables.end()) {
-      SetError(error, error_size,
-               "embedcore table handle " + std::to_string(handle) + " is not registered (its layer was deleted)");
-      return kFailed;
-    }
-    const Table& table = *it->second.table;
-    if (dim != table.dim() || combiner < 0 || combiner > 2 || nnz < 0 || bags < 0) {
-      SetError(error, error_size, "embedcore ragged lookup: bad call for table '" + table.spec().name + "'");
-      return kFailed;
-    }
-    Batch batch;
-    batch.id_type = ids_int32 ? IdType::kInt32 : IdType::kInt64;
-    batch.ids = ids;
-    batch.nnz = nnz;
-    batch.offsets = splits;
-    batch.num_bags = bags;
-    try {
-      table.Lookup(batch, OutputShape{Combiner(combiner), 0}, out);  // validates everything before any work
-    } catch (const std::invalid_argument&) {  // splits that are not a partition of the ids
-      return kGeneralPath;
-    } catch (const OutOfRange&) {  // an id outside the table: TensorFlow's error, from the general path
-      return kGeneralPath;
-    }
-    return kOk;
-  } catch (const std::bad_alloc&) {
-    SetError(error, error_size, "embedcore ragged lookup: out of memory");
-    return kOutOfMemory;
-  } catch (const std::exception& e) {
-    SetError(error, error_size, e.what());
-    return kFailed;
-  } catch (...) {
-    SetError(error, error_size, "embedcore ragged lookup: unknown error");
-    return kFailed;
-  }
+  return RunEntry("ragged lookup", handle, ids, ids_int32, nnz, bags, combiner, dim, error, error_size,
+                  [&](const Table& table, Batch& batch) {
+                    batch.offsets = splits;
+                    table.Lookup(batch, OutputShape{Combiner(combiner), 0}, out);
+                    return true;
+                  });
 }
 
 }  // namespace

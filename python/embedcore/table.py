@@ -249,16 +249,9 @@ class Table(LookupMixin):
         be reproduced bit for bit. Threads split the groups: one huge group
         runs on one thread. CPU tables only.
         """
-        if getattr(self, "_device", -1) >= 0:
-            raise ValueError(f"table '{self.name}' is on {self.device}: lookup_grouped takes CPU tables only")
         if groups is None:
             raise TypeError("lookup_grouped: groups is required")
-        if offsets is None and not isinstance(ids, Ragged):
-            raise ValueError("lookup_grouped: give the bags as ids and offsets, or as ids=Ragged(values, offsets)")
-        batch = make_batch(ids, offsets, weights)
-        if batch.kind != "ragged":
-            raise ValueError("lookup_grouped takes bags as ids and offsets (CSR) or Ragged, "
-                             f"not {batch.kind} input")
+        batch = self._csr_batch("lookup_grouped", ids, offsets, weights)
         g = as_offsets(groups, "groups")
         return self._native.lookup_grouped(batch.ids, batch.offsets, batch.weights, g)
 
@@ -275,19 +268,21 @@ class Table(LookupMixin):
         ``1 / n`` (``1 / sqrt(n)``) and divide a longer one by ``n``
         (``sqrt(n)``); an empty bag gives zeros. CPU tables only.
         """
-        if getattr(self, "_device", -1) >= 0:
-            raise ValueError(f"table '{self.name}' is on {self.device}: lookup_sparse_segment takes CPU tables only")
         if combiner not in ("sum", "mean", "sqrtn"):
             raise ValueError(f"lookup_sparse_segment: combiner must be 'sum', 'mean' or 'sqrtn', got {combiner!r}")
-        if offsets is None and not isinstance(ids, Ragged):
-            raise ValueError("lookup_sparse_segment: give the bags as ids and offsets, or as ids=Ragged(values, offsets)")
-        batch = make_batch(ids, offsets, None)
-        if batch.kind != "ragged":
-            raise ValueError("lookup_sparse_segment takes bags as ids and offsets (CSR) or Ragged, "
-                             f"not {batch.kind} input")
-        if batch.weights is not None:
-            raise ValueError("lookup_sparse_segment takes no weights")
+        batch = self._csr_batch("lookup_sparse_segment", ids, offsets, None)
         return self._native.lookup_sparse_segment(batch.ids, batch.offsets, _COMBINER_CODE[combiner])
+
+    def _csr_batch(self, what: str, ids, offsets, weights) -> Batch:
+        """The CSR batch of a host-only grouped lookup (`what`), checked."""
+        if getattr(self, "_device", -1) >= 0:
+            raise ValueError(f"table '{self.name}' is on {self.device}: {what} takes CPU tables only")
+        if offsets is None and not isinstance(ids, Ragged):
+            raise ValueError(f"{what}: give the bags as ids and offsets, or as ids=Ragged(values, offsets)")
+        batch = make_batch(ids, offsets, weights)
+        if batch.kind != "ragged":
+            raise ValueError(f"{what} takes bags as ids and offsets (CSR) or Ragged, not {batch.kind} input")
+        return batch
 
     # ------------------------------------------------------------ training
     def _gradient_part(self, batch: Batch, combiner, max_sequence_length, grads, where: str = "grads") -> tuple:

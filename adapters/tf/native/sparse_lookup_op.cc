@@ -56,6 +56,45 @@ void Finish(tensorflow::OpKernelContext* ctx, int status, const char* error, ten
   }
 }
 
+// Both ops: `output` [?, dim] and the scalar `ok`.
+absl::Status LookupShape(tensorflow::shape_inference::InferenceContext* c) {
+  int64_t dim;
+  TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+  c->set_output(0, c->Matrix(c->UnknownDim(), dim));
+  c->set_output(1, c->Scalar());
+  return absl::OkStatus();
+}
+
+// Both kernels: the attributes, and `ok` allocated false.
+class LookupKernel : public tensorflow::OpKernel {
+ public:
+  explicit LookupKernel(tensorflow::OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("handle", &handle_));
+    OP_REQUIRES_OK(c, c->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(c, c->GetAttr("combiner", &combiner_));
+  }
+
+ protected:
+  tensorflow::Tensor* AllocateOk(tensorflow::OpKernelContext* ctx) {
+    tensorflow::Tensor* ok = nullptr;
+    const absl::Status status = ctx->allocate_output(1, tensorflow::TensorShape({}), &ok);
+    if (!status.ok()) {
+      ctx->CtxFailure(status);
+      return nullptr;
+    }
+    ok->scalar<bool>()() = false;
+    return ok;
+  }
+  // No rows: the input goes to the general path.
+  void NoRows(tensorflow::OpKernelContext* ctx) const {
+    ctx->set_output(0, tensorflow::Tensor(tensorflow::DT_FLOAT, tensorflow::TensorShape({0, dim_})));
+  }
+
+  int64_t handle_ = 0;
+  int64_t dim_ = 0;
+  int64_t combiner_ = 0;
+};
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) int embedcore_tf_set_entry(void* sparse, void* ragged,
@@ -77,30 +116,19 @@ REGISTER_OP("EmbedcoreSparseLookup")
     .Attr("dim: int >= 1")
     .Attr("combiner: int >= 0")
     .SetIsStateful()  // reads a table that training changes: never constant-folded or merged
-    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
-      int64_t dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
-      c->set_output(0, c->Matrix(c->UnknownDim(), dim));
-      c->set_output(1, c->Scalar());
-      return absl::OkStatus();
-    });
+    .SetShapeFn(LookupShape);
 
 template <typename Id>
-class EmbedcoreSparseLookupOp : public tensorflow::OpKernel {
+class EmbedcoreSparseLookupOp : public LookupKernel {
  public:
-  explicit EmbedcoreSparseLookupOp(tensorflow::OpKernelConstruction* c) : OpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("handle", &handle_));
-    OP_REQUIRES_OK(c, c->GetAttr("dim", &dim_));
-    OP_REQUIRES_OK(c, c->GetAttr("combiner", &combiner_));
-  }
+  using LookupKernel::LookupKernel;
 
   void Compute(tensorflow::OpKernelContext* ctx) override {
     const tensorflow::Tensor& indices = ctx->input(0);
     const tensorflow::Tensor& ids = ctx->input(1);
     const tensorflow::Tensor& dense_shape = ctx->input(2);
-    tensorflow::Tensor* ok = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tensorflow::TensorShape({}), &ok));
-    ok->scalar<bool>()() = false;
+    tensorflow::Tensor* ok = AllocateOk(ctx);
+    if (ok == nullptr) return;
     // Rank 2, one index per id, and a dense shape whose size stays sane; anything else: the general path.
     int64_t bags = -1;
     if (indices.dims() == 2 && indices.dim_size(1) == 2 && ids.dims() == 1 &&
@@ -111,9 +139,8 @@ class EmbedcoreSparseLookupOp : public tensorflow::OpKernel {
           rows <= (int64_t(1) << 40) / dim_)
         bags = rows;
     }
-    const tensorflow::Tensor none(tensorflow::DT_FLOAT, tensorflow::TensorShape({0, dim_}));
     if (bags < 0) {
-      ctx->set_output(0, none);
+      NoRows(ctx);
       return;
     }
     const SparseEntry entry = g_sparse.load();
@@ -127,11 +154,6 @@ class EmbedcoreSparseLookupOp : public tensorflow::OpKernel {
               int64_t(sizeof(error)));
     Finish(ctx, status, error, out, ok);
   }
-
- private:
-  int64_t handle_ = 0;
-  int64_t dim_ = 0;
-  int64_t combiner_ = 0;
 };
 
 REGISTER_KERNEL_BUILDER(
@@ -156,32 +178,21 @@ REGISTER_OP("EmbedcoreRaggedLookup")
     .Attr("dim: int >= 1")
     .Attr("combiner: int >= 0")
     .SetIsStateful()
-    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
-      int64_t dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
-      c->set_output(0, c->Matrix(c->UnknownDim(), dim));
-      c->set_output(1, c->Scalar());
-      return absl::OkStatus();
-    });
+    .SetShapeFn(LookupShape);
 
 template <typename Id, typename Split>
-class EmbedcoreRaggedLookupOp : public tensorflow::OpKernel {
+class EmbedcoreRaggedLookupOp : public LookupKernel {
  public:
-  explicit EmbedcoreRaggedLookupOp(tensorflow::OpKernelConstruction* c) : OpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("handle", &handle_));
-    OP_REQUIRES_OK(c, c->GetAttr("dim", &dim_));
-    OP_REQUIRES_OK(c, c->GetAttr("combiner", &combiner_));
-  }
+  using LookupKernel::LookupKernel;
 
   void Compute(tensorflow::OpKernelContext* ctx) override {
     const tensorflow::Tensor& values = ctx->input(0);
     const tensorflow::Tensor& splits = ctx->input(1);
-    tensorflow::Tensor* ok = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tensorflow::TensorShape({}), &ok));
-    ok->scalar<bool>()() = false;
+    tensorflow::Tensor* ok = AllocateOk(ctx);
+    if (ok == nullptr) return;
     if (values.dims() != 1 || splits.dims() != 1 || splits.dim_size(0) < 1 ||
         splits.dim_size(0) - 1 > (int64_t(1) << 40) / dim_) {
-      ctx->set_output(0, tensorflow::Tensor(tensorflow::DT_FLOAT, tensorflow::TensorShape({0, dim_})));
+      NoRows(ctx);
       return;
     }
     const RaggedEntry entry = g_ragged.load();
@@ -205,11 +216,6 @@ class EmbedcoreRaggedLookupOp : public tensorflow::OpKernel {
                              int(combiner_), out->flat<float>().data(), dim_, error, int64_t(sizeof(error)));
     Finish(ctx, status, error, out, ok);
   }
-
- private:
-  int64_t handle_ = 0;
-  int64_t dim_ = 0;
-  int64_t combiner_ = 0;
 };
 
 #define EMBEDCORE_RAGGED_KERNEL(Id, Split)                                                                 \
