@@ -76,8 +76,8 @@ def worker(threads: int, repeats: int, warmup: int) -> dict:
     def lookup_tf(x):
         return theirs({"f": x})["f"]
 
-    # The adapter without its kernel (EMBEDCORE_TF_OP=off while it traces): the tf.numpy_function path,
-    # to show what the kernel saves on sparse input in the same run.
+    # The adapter without its kernels (EMBEDCORE_TF_OP=off while it traces): the tf.numpy_function path,
+    # to show what the kernels save, in the same run.
     @tf.function
     def lookup_callback(x):
         return ours({"f": x})["f"]

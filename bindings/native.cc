@@ -55,12 +55,16 @@ void SetError(char* error, int64_t size, const std::string& text) {
 
 // Runs `lookup(table, batch)` on the registered table `handle` for an entry
 // point named `what`, holding the registry's lock (shared) throughout, and
-// maps the outcome to a status: the general path when `lookup` returns false
-// or the engine refuses the input (std::invalid_argument, OutOfRange: thrown
-// by its validation, before any row is read), errors with their message.
+// maps the outcome to a status. The call's own arguments are checked first
+// (a wrong dim or combiner, a null pointer where data is due: kFailed, "bad
+// call"); then the general path when `lookup` returns false or the engine
+// refuses the input (std::invalid_argument, OutOfRange: thrown by its
+// validation, before any row is read); other errors with their message.
+// `bag_data` is the indices or splits pointer (never null when called right).
 template <typename Lookup>
-int RunEntry(const char* what, int64_t handle, const void* ids, int ids_int32, int64_t nnz, int64_t bags,
-             int combiner, int64_t dim, char* error, int64_t error_size, Lookup&& lookup) noexcept {
+int RunEntry(const char* what, int64_t handle, const void* ids, int ids_int32, int64_t nnz, const void* bag_data,
+             int64_t bags, int combiner, const float* out, int64_t dim, char* error, int64_t error_size,
+             Lookup&& lookup) noexcept {
   try {
     Registry& r = GetRegistry();
     std::shared_lock<std::shared_mutex> lock(r.mutex);
@@ -71,7 +75,9 @@ int RunEntry(const char* what, int64_t handle, const void* ids, int ids_int32, i
       return kFailed;
     }
     const Table& table = *it->second.table;
-    if (dim != table.dim() || combiner < 0 || combiner > 2 || nnz < 0 || bags < 0) {
+    // A caller's mistake is an error, not the general path: only the input's own problems go there.
+    if (dim != table.dim() || combiner < 0 || combiner > 2 || nnz < 0 || bags < 0 || (nnz > 0 && ids == nullptr) ||
+        (bags > 0 && out == nullptr) || bag_data == nullptr) {
       SetError(error, error_size, std::string("embedcore ") + what + ": bad call for table '" + table.spec().name + "'");
       return kFailed;
     }
@@ -81,7 +87,7 @@ int RunEntry(const char* what, int64_t handle, const void* ids, int ids_int32, i
     batch.nnz = nnz;
     batch.num_bags = bags;
     try {
-      return lookup(table, batch) ? kOk : kGeneralPath;
+      return lookup(table, static_cast<const Batch&>(batch)) ? kOk : kGeneralPath;
     } catch (const std::invalid_argument&) {  // e.g. splits that are not a partition of the ids
       return kGeneralPath;
     } catch (const OutOfRange&) {  // a negative id (pruned) or one past the table (TensorFlow's error)
@@ -106,12 +112,15 @@ int RunEntry(const char* what, int64_t handle, const void* ids, int ids_int32, i
 // the adapter runs its general path (pruning, reordering, TensorFlow's errors).
 int SparseSegmentLookup(int64_t handle, const int64_t* indices, int64_t nnz, const void* ids, int ids_int32,
                         int64_t bags, int combiner, float* out, int64_t dim, char* error, int64_t error_size) noexcept {
-  return RunEntry("sparse lookup", handle, ids, ids_int32, nnz, bags, combiner, dim, error, error_size,
-                  [&](const Table& table, Batch& batch) {
+  // `indices` may be null only with no entries.
+  const void* bag_data = nnz > 0 ? static_cast<const void*>(indices) : static_cast<const void*>(&nnz);
+  return RunEntry("sparse lookup", handle, ids, ids_int32, nnz, bag_data, bags, combiner, out, dim, error, error_size,
+                  [&](const Table& table, const Batch& coo) {
                     std::vector<int64_t> offsets(size_t(bags) + 1);
                     const CooCheck check =
                         CsrFromCoo(indices, IdType::kInt64, nnz, bags, int64_t(1) << 62, offsets.data(), nullptr);
                     if (check.first_bad >= 0 || !check.row_major) return false;
+                    Batch batch = coo;
                     batch.offsets = offsets.data();
                     table.LookupSparseSegment(batch, Combiner(combiner), out);
                     return true;
@@ -124,8 +133,9 @@ int SparseSegmentLookup(int64_t handle, const int64_t* indices, int64_t nnz, con
 // an id out of range) returns kGeneralPath having written nothing.
 int RaggedLookup(int64_t handle, const void* ids, int ids_int32, int64_t nnz, const int64_t* splits, int64_t bags,
                  int combiner, float* out, int64_t dim, char* error, int64_t error_size) noexcept {
-  return RunEntry("ragged lookup", handle, ids, ids_int32, nnz, bags, combiner, dim, error, error_size,
-                  [&](const Table& table, Batch& batch) {
+  return RunEntry("ragged lookup", handle, ids, ids_int32, nnz, splits, bags, combiner, out, dim, error, error_size,
+                  [&](const Table& table, const Batch& csr) {
+                    Batch batch = csr;
                     batch.offsets = splits;
                     table.Lookup(batch, OutputShape{Combiner(combiner), 0}, out);
                     return true;

@@ -27,6 +27,7 @@ from tensorflow.python.util import nest  # flatten_with_joined_string_paths: the
 from absl import logging
 
 from embedcore import _embedcore
+from embedcore.table import _COMBINER_CODE  # the engine's Combiner codes, for the kernels
 
 from . import _native
 from ._config import Feature
@@ -35,7 +36,6 @@ from ._pooling import EIGEN4, GROUPED8, SEQUENTIAL, InvalidArgument, bad_id_erro
 __all__ = ["lookup", "Backward"]
 
 _INT_IDS = (tf.int32, tf.int64)
-_SEGMENT_COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}  # the engine's Combiner codes, for the kernels
 
 
 class Backward:
@@ -438,7 +438,7 @@ def _sparse(f: Feature, table, sp: tf.SparseTensor, weights: Optional[tf.SparseT
     if op is not None:
         # The kernel pools what needs nothing else; the rest takes the general path, as before.
         fast, ok = op(sp.indices, sp.values, sp.dense_shape, handle=_native.handle_of(table), dim=table.dim,
-                      combiner=_SEGMENT_COMBINERS[f.table.combiner], name=f"embedcore_lookup_{_op_name(f.label)}")
+                      combiner=_COMBINER_CODE[f.table.combiner], name=f"embedcore_lookup_{_op_name(f.label)}")
         out = tf.cond(ok, lambda: fast,
                       lambda: _call(fn, [sp.indices, sp.values, sp.dense_shape, None], False, f.label)[0])
         out.set_shape([None, table.dim])
@@ -497,7 +497,7 @@ def _ragged(f: Feature, table, rt: tf.RaggedTensor, weights: Optional[tf.RaggedT
     if op is not None:
         # The kernel pools a valid batch; anything the engine refuses takes the general path, as before.
         fast, ok = op(rt.values, rt.row_splits, handle=_native.handle_of(table), dim=table.dim,
-                      combiner=_SEGMENT_COMBINERS[f.table.combiner], name=f"embedcore_lookup_{_op_name(f.label)}")
+                      combiner=_COMBINER_CODE[f.table.combiner], name=f"embedcore_lookup_{_op_name(f.label)}")
         out = tf.cond(ok, lambda: fast, lambda: _call(fn, [rt.values, rt.row_splits, None, None], False, f.label)[0])
         out.set_shape([batch, table.dim])
         return out, None

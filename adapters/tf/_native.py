@@ -2,19 +2,21 @@
 ``tf.SparseTensor`` and ``tf.RaggedTensor`` lookups inside ``tf.function``
 without a Python callback.
 
-TensorFlow's C++ API is not stable across its releases, so the kernel is not
-shipped compiled: it is built on first use against the TensorFlow in this
+TensorFlow's C++ API is not stable across its releases, so the kernels are
+not shipped compiled: they are built on first use against the TensorFlow in this
 process (``tf.sysconfig`` flags, the C++ compiler ``$CXX`` or ``c++``; about
 10 s), cached under ``$EMBEDCORE_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/embedcore`` or ``~/.cache/embedcore``) by a key of its
 source, TensorFlow's version and flags and the compiler, and loaded with
-``tf.load_op_library``. The kernel only converts: the engine's entry point
-(``_embedcore.native_entry_points``) does the work, on tables named by
+``tf.load_op_library``. The kernels only convert: the engine's entry points
+(``_embedcore.native_entry_points``) do the work, on tables named by
 handles of the engine's registry.
 
-``EMBEDCORE_TF_OP`` chooses: ``auto`` (the default: build it, or warn once
-and use the ``tf.numpy_function`` path when that fails, e.g. no compiler),
-``off`` (never), ``required`` (raise when it cannot be built).
+``EMBEDCORE_TF_OP`` chooses, when a lookup is traced: ``auto`` (the
+default: build them, or warn once and use the ``tf.numpy_function`` path when
+that fails, e.g. no compiler), ``off`` (never), ``required`` (raise
+``NativeOpError`` when they cannot be built); another value raises
+``ValueError``.
 """
 from __future__ import annotations
 
@@ -26,7 +28,6 @@ import subprocess
 import tempfile
 import threading
 import weakref
-from typing import Optional
 
 import tensorflow as tf
 from absl import logging
@@ -48,14 +49,11 @@ class NativeOpError(RuntimeError):
 
 
 def _mode() -> str:
-    mode = os.environ.get("EMBEDCORE_TF_OP", "auto").strip().lower()
-    if mode in ("", "auto"):
-        return "auto"
-    if mode in ("0", "off", "false", "no"):
-        return "off"
-    if mode in ("1", "on", "required", "true", "yes"):
-        return "required"
-    raise ValueError(f"EMBEDCORE_TF_OP must be auto, off or required, got {mode!r}")
+    """EMBEDCORE_TF_OP, read when a lookup is traced (a bad value raises ValueError there)."""
+    mode = os.environ.get("EMBEDCORE_TF_OP", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "off", "required"):
+        raise ValueError(f"EMBEDCORE_TF_OP must be auto, off or required, got {mode!r}")
+    return mode
 
 
 def cache_dir() -> str:
@@ -145,8 +143,8 @@ def _module():
             except Exception as e:  # noqa: BLE001 - any failure to build or load: the Python path
                 if mode == "required":
                     raise NativeOpError(f"EMBEDCORE_TF_OP=required: {e}") from e
-                logging.warning("embedcore: TensorFlow kernel unavailable, SparseTensor lookups in tf.function "
-                                "run through tf.numpy_function: %s", e)
+                logging.warning("embedcore: TensorFlow kernels unavailable, SparseTensor and RaggedTensor lookups "
+                                "in tf.function run through tf.numpy_function: %s", e)
                 _loaded = False
         elif _loaded is False and mode == "required":
             raise NativeOpError("EMBEDCORE_TF_OP=required, but embedcore's TensorFlow kernel failed to build "

@@ -260,9 +260,9 @@ uint64_t PageSize() {
 // 2-2.5x slower; mmap without it reads cold at well under the disk's
 // bandwidth. The kernel's own readahead for read() (POSIX_FADV_SEQUENTIAL
 // doubles its window) fills the cache with large folios and reaches the
-// disk's bandwidth. Measured on Linux
-// 6.18, ext4, 2 threads, a 2 GiB checkpoint: cold 1.6 s as before, the warm
-// pass after it 0.16-0.19 s (mmap + WILLNEED: 0.33-0.57 s).
+// disk's bandwidth. Measured on Linux 6.18, ext4, 2 threads, a 2 GiB
+// checkpoint: cold 1.6 s as before, the warm pass after it 0.16-0.19 s
+// (mmap + WILLNEED: 0.33-0.57 s).
 void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, uint64_t hi) {
   File file(JoinPath(dir, f.path), O_RDONLY);
   if (file.Size() != f.bytes)

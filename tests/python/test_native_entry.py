@@ -107,6 +107,14 @@ def test_an_unregistered_handle_and_a_wrong_call_are_errors(entries, table):
     assert status == FAILED and "bad call for table 't'" in err
     status, _, err = _sparse(sparse, handle, [[0, 0]], np.array([1]), 1, combiner=3)
     assert status == FAILED and "bad call" in err
+    # A caller's null pointer is an error, not the general path.
+    err = ctypes.create_string_buffer(512)
+    ids, splits, idx = np.array([1, 2], np.int64), np.array([0, 2], np.int64), np.zeros((2, 2), np.int64)
+    assert ragged(handle, ids.ctypes.data, 0, 2, splits.ctypes.data, 1, 0, None, 8, ctypes.addressof(err), 512) \
+        == FAILED and "bad call" in err.value.decode()
+    assert ragged(handle, ids.ctypes.data, 0, 2, None, 1, 0, None, 8, ctypes.addressof(err), 512) == FAILED
+    assert sparse(handle, None, 2, ids.ctypes.data, 0, 1, 0, None, 8, ctypes.addressof(err), 512) == FAILED
+    assert sparse(handle, idx.ctypes.data, 2, None, 0, 1, 0, None, 8, ctypes.addressof(err), 512) == FAILED
     assert _embedcore.unregister_native_table(handle)
     status, _, err = _ragged(ragged, handle, np.array([1]), [0, 1])
     assert status == FAILED and "not registered" in err

@@ -11,8 +11,8 @@
 // TensorFlow (tf.sysconfig flags); see _native.py.
 //
 // Outputs: `output` [bags, dim] and `ok`. When the input needs the adapter's
-// general path (indices out of order or outside the dense shape, negative
-// ids, ids out of range, an unusual shape), `ok` is false, `output` holds
+// general path (indices out of order or with a row outside the dense shape,
+// negative ids, ids out of range, an unusual shape), `ok` is false, `output` holds
 // zeros (or no rows) and is not used: the adapter then runs that path
 // (tf.cond), which prunes, reorders and raises TensorFlow's errors.
 #include <atomic>

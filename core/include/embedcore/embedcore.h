@@ -475,9 +475,10 @@ std::string TableEntryJson(const TableEntry& entry);
 /// After a failed save into `path`: removes the files of `generation` there
 /// (data files and a temporary manifest) unless `path`/MANIFEST is of that
 /// generation (the commit happened before the failure; then it is the
-/// checkpoint). Best effort: never throws; returns how many files it
-/// removed. SaveCheckpoint calls it itself; a sharded save calls it on every
-/// rank when any rank failed.
+/// checkpoint) or cannot be read (it may be). Best effort: never throws;
+/// returns how many files it removed. SaveCheckpoint calls it itself; a
+/// sharded save on every rank when the shard-files step failed on any rank
+/// (every rank learns it), and on rank 0 alone when its commit failed.
 int RemoveGeneration(const std::string& path, uint64_t generation) noexcept;
 
 /// Validates the manifest `manifest_json` (as a reader would), checks that
