@@ -1,5 +1,6 @@
 #include "thread_pool.h"
 
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -31,7 +32,15 @@ class Pool {
  public:
   explicit Pool(int threads) : threads_(threads) {
     try {
-      for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { Work(); });
+      for (int i = 1; i < threads; ++i)
+        workers_.emplace_back([this, i] {
+#if defined(__linux__)
+          // Named for top, perf sched and debuggers: "embedcore-1", ... (15 characters at most).
+          const std::string name = "embedcore-" + std::to_string(i);
+          pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+#endif
+          Work();
+        });
     } catch (const std::exception& e) {  // e.g. a process or memory limit: stop the ones started
       const size_t started = workers_.size();
       Stop();

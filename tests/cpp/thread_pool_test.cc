@@ -2,7 +2,11 @@
 // exactly once, in contiguous ordered chunks, from one caller or several at
 // once; exceptions reach the caller and leave the pool usable; the thread
 // count can change while other threads run loops.
+#include <pthread.h>
+
 #include <algorithm>
+#include <chrono>
+#include <string>
 #include <atomic>
 #include <stdexcept>
 #include <thread>
@@ -53,6 +57,22 @@ EMBEDCORE_TEST(SetAndGetNumThreads) {
   EMBEDCORE_EXPECT_THROWS(SetNumThreads(-4), InvalidArgument, "-4");
   EMBEDCORE_EXPECT_EQ(GetNumThreads(), 2);  // a refused call changes nothing
 }
+
+#if defined(__linux__)
+EMBEDCORE_TEST(WorkersAreNamed) {
+  // "embedcore-<i>" in /proc, for top and perf sched: each worker that runs a chunk names itself first.
+  RestoreThreads restore;
+  SetNumThreads(3);
+  std::atomic<int> named{0};
+  ParallelChunks(3, 3, [&](int, int64_t, int64_t) {
+    char name[16] = {0};
+    pthread_getname_np(pthread_self(), name, sizeof(name));
+    if (std::string(name).rfind("embedcore-", 0) == 0) named.fetch_add(1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // so that every thread takes a chunk
+  });
+  EMBEDCORE_EXPECT(named.load() >= 1);
+}
+#endif
 
 EMBEDCORE_TEST(ParallelForCoversEveryIndexOnce) {
   RestoreThreads restore;
