@@ -28,9 +28,26 @@ int DefaultThreads() {
 
 // Workers wait for a job (a function of the chunk index), take chunk indices
 // from an atomic counter, and the caller works alongside them.
+//
+// Workers keep off the calling thread's CPU (Linux). The caller takes chunks
+// itself, so a worker that the scheduler wakes on the caller's CPU only waits
+// there until the caller has taken every chunk: the call then takes one-thread
+// time, as perf sched showed for many 2-thread calls in bench_lookup.py
+// (benchmarks/README.md, "2-thread swings"). Before it hands out a job, the caller
+// allows its workers every CPU of the pool's set but its own one, when it runs
+// on another CPU than at its last call. The pool leaves affinity alone when
+// it has more threads than CPUs or fewer than two CPUs, and stops adjusting it
+// for good once a worker's affinity is not the one it set (someone else pins
+// the workers) or a call fails.
 class Pool {
  public:
   explicit Pool(int threads) : threads_(threads) {
+    spin_ = threads <= DefaultThreads();
+#if defined(__linux__)
+    CPU_ZERO(&cpus_);
+    steer_ = sched_getaffinity(0, sizeof(cpus_), &cpus_) == 0 && CPU_COUNT(&cpus_) >= 2 &&
+             threads <= CPU_COUNT(&cpus_);
+#endif
     try {
       for (int i = 1; i < threads; ++i)
         workers_.emplace_back([this, i] {
@@ -66,12 +83,26 @@ class Pool {
       error_ = nullptr;
       generation_.store(generation_.load() + 1, std::memory_order_release);
     }
+    KeepOffCallerCpu();
     wake_.notify_all();
     Drain(fn, chunks);
+    // Every chunk is taken; the workers finish theirs, which takes at most one
+    // chunk's time. Spin a while before sleeping: a sleeping thread can take
+    // over half a millisecond to run again once woken (perf sched on this VM's
+    // idle vCPUs), a third of a 2-thread Zipf batch.
+    if (spin_) {
+      const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(kCallerSpinMicros);
+      while ((remaining_.load(std::memory_order_acquire) != 0 || active_.load(std::memory_order_acquire) != 0) &&
+             std::chrono::steady_clock::now() < spin_until) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+    }
     std::exception_ptr error;
     {
       std::unique_lock<std::mutex> l(m_);
-      done_.wait(l, [&] { return remaining_.load() == 0 && active_ == 0; });
+      done_.wait(l, [&] { return remaining_.load() == 0 && active_.load() == 0; });
       job_ = nullptr;
       chunks_ = 0;
       error = error_;
@@ -80,6 +111,35 @@ class Pool {
   }
 
  private:
+  // Called with busy_ held: one caller at a time.
+  void KeepOffCallerCpu() {
+#if defined(__linux__)
+    if (!steer_) return;
+    const int cpu = sched_getcpu();
+    if (cpu == caller_cpu_) return;
+    if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &cpus_)) {
+      steer_ = false;
+      return;
+    }
+    cpu_set_t others = cpus_;
+    CPU_CLR(cpu, &others);
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      cpu_set_t now;
+      CPU_ZERO(&now);
+      const pthread_t worker = workers_[i].native_handle();
+      const bool ours = pthread_getaffinity_np(worker, sizeof(now), &now) == 0 &&
+                        CPU_EQUAL(&now, caller_cpu_ < 0 ? &cpus_ : &workers_cpus_);
+      if (!ours || pthread_setaffinity_np(worker, sizeof(others), &others) != 0) {
+        // Give the ones changed in this pass the pool's whole set back, and stop steering.
+        for (size_t j = 0; j < i; ++j) pthread_setaffinity_np(workers_[j].native_handle(), sizeof(cpus_), &cpus_);
+        steer_ = false;
+        return;
+      }
+    }
+    workers_cpus_ = others;
+    caller_cpu_ = cpu;
+#endif
+  }
   void Stop() {
     stopping_.store(true);
     {
@@ -144,14 +204,22 @@ class Pool {
   std::condition_variable wake_, done_;
   const std::function<void(int)>* job_ = nullptr;
   int chunks_ = 0;
-  int active_ = 0;
+  std::atomic<int> active_{0};  // workers in Drain; changed under m_, read by the spinning caller without it
   static constexpr int kSpinMicros = 100;
+  static constexpr int kCallerSpinMicros = 1000;
+  bool spin_ = false;  // no more threads than CPUs: spinning takes no worker's CPU
   std::atomic<uint64_t> generation_{0};  // written under m_, read by spinning workers without it
   bool stop_ = false;
   std::atomic<bool> stopping_{false};
   std::atomic<int> next_{0};
   std::atomic<int> remaining_{0};
   std::exception_ptr error_;
+#if defined(__linux__)
+  cpu_set_t cpus_;          // the CPUs the pool's creator may run on
+  cpu_set_t workers_cpus_;  // what KeepOffCallerCpu last gave the workers
+  int caller_cpu_ = -1;     // the caller's CPU at that time; -1: not yet
+  bool steer_ = false;
+#endif
 };
 
 std::mutex g_pool_mutex;

@@ -1,13 +1,18 @@
 // core/thread_pool.{h,cc}: ParallelFor and ParallelChunks cover every index
 // exactly once, in contiguous ordered chunks, from one caller or several at
 // once; exceptions reach the caller and leave the pool usable; the thread
-// count can change while other threads run loops.
+// count can change while other threads run loops; workers keep off the
+// caller's CPU unless someone else set their affinity.
+#include <dirent.h>
 #include <pthread.h>
+#include <sched.h>
 
 #include <algorithm>
-#include <chrono>
-#include <string>
 #include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -71,6 +76,111 @@ EMBEDCORE_TEST(WorkersAreNamed) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));  // so that every thread takes a chunk
   });
   EMBEDCORE_EXPECT(named.load() >= 1);
+}
+#endif
+
+#if defined(__linux__)
+namespace {
+
+// The kernel's thread ids of the threads named `name` in this process.
+std::vector<pid_t> ThreadsNamed(const std::string& name) {
+  std::vector<pid_t> found;
+  for (int attempt = 0; attempt < 200 && found.empty(); ++attempt) {  // a worker names itself when it starts
+    if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    DIR* dir = opendir("/proc/self/task");
+    if (dir == nullptr) break;
+    while (dirent* e = readdir(dir)) {
+      if (e->d_name[0] == '.') continue;
+      std::ifstream comm(std::string("/proc/self/task/") + e->d_name + "/comm");
+      std::string comm_name;
+      if (std::getline(comm, comm_name) && comm_name == name) found.push_back(pid_t(std::stol(e->d_name)));
+    }
+    closedir(dir);
+  }
+  return found;
+}
+
+cpu_set_t AffinityOf(pid_t tid) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  sched_getaffinity(tid, sizeof(set), &set);
+  return set;
+}
+
+cpu_set_t Only(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  return set;
+}
+
+}  // namespace
+
+EMBEDCORE_TEST(WorkersKeepOffTheCallersCpu) {
+  cpu_set_t all;
+  CPU_ZERO(&all);
+  EMBEDCORE_EXPECT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &all)) cpus.push_back(c);
+  if (cpus.size() < 2) {
+    std::printf("  (skipped: this test needs two CPUs, the process may use %zu)\n", cpus.size());
+    return;
+  }
+  RestoreThreads restore;
+  SetNumThreads(1);
+  SetNumThreads(2);  // a fresh pool, made by this (unpinned) thread: it steers over `all`
+  const std::vector<pid_t> workers = ThreadsNamed("embedcore-1");
+  EMBEDCORE_EXPECT_EQ(workers.size(), size_t(1));
+  if (workers.size() != 1) return;
+  const pid_t worker = workers[0];
+  auto run_on = [&](int cpu) {
+    const cpu_set_t only = Only(cpu);
+    EMBEDCORE_EXPECT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(only), &only), 0);
+    ParallelChunks(2, 2, [](int, int64_t, int64_t) {});
+  };
+  const int a = cpus[0], b = cpus[1];
+  for (int caller : {a, b, a}) {
+    run_on(caller);
+    cpu_set_t expected = all;
+    CPU_CLR(caller, &expected);
+    cpu_set_t got = AffinityOf(worker);
+    EMBEDCORE_EXPECT_MSG(CPU_EQUAL(&got, &expected),
+                         "caller on CPU " << caller << ": the worker may run on " << CPU_COUNT(&got) << " CPUs, CPU "
+                                          << caller << (CPU_ISSET(caller, &got) ? " among them" : " not among them"));
+  }
+  // Someone else pins the worker: the pool leaves it where it was put from then on.
+  const cpu_set_t pinned = Only(a);
+  EMBEDCORE_EXPECT_EQ(sched_setaffinity(worker, sizeof(pinned), &pinned), 0);
+  for (int caller : {b, a}) {
+    run_on(caller);
+    cpu_set_t got = AffinityOf(worker);
+    EMBEDCORE_EXPECT_MSG(CPU_EQUAL(&got, &pinned), "the pool changed a worker pinned by someone else (caller on CPU "
+                                                       << caller << ")");
+  }
+  EMBEDCORE_EXPECT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(all), &all), 0);
+}
+
+EMBEDCORE_TEST(WorkersKeepTheirAffinityWhenThreadsOutnumberCpus) {
+  cpu_set_t all;
+  CPU_ZERO(&all);
+  EMBEDCORE_EXPECT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
+  RestoreThreads restore;
+  const int threads = CPU_COUNT(&all) + 1;
+  SetNumThreads(1);
+  SetNumThreads(threads);
+  int first = 0;
+  while (!CPU_ISSET(first, &all)) ++first;
+  const cpu_set_t only = Only(first);
+  EMBEDCORE_EXPECT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(only), &only), 0);
+  ParallelChunks(threads, threads, [](int, int64_t, int64_t) {});
+  EMBEDCORE_EXPECT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(all), &all), 0);
+  for (int i = 1; i < threads && i < 16; ++i) {
+    for (pid_t worker : ThreadsNamed("embedcore-" + std::to_string(i))) {
+      cpu_set_t got = AffinityOf(worker);
+      EMBEDCORE_EXPECT_MSG(CPU_EQUAL(&got, &all), "worker " << i << " had its affinity changed");
+    }
+  }
 }
 #endif
 
