@@ -222,17 +222,25 @@ def _fused_stepped(entry: _Entry) -> None:
 def _whole_cpu_source(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
                       combiner: int, padding_idx: int, include_last_offset: bool):
     """The most common call, (ids, offsets, weights) as NumPy views for the
-    engine as they are, or None: one CPU source pooled whole, its offsets
-    given with the last one, no padding id. The engine checks ids and
-    offsets itself; the general path (``_parts``) is only needed for the
-    error's message, and for segments, padding ids and sequences."""
-    if (len(segments) != 3 or combiner == SEQUENCE or not include_last_offset or padding_idx >= 0
-            or len(offsets) != 1 or segments[1] != 0):
+    engine (the offsets with the end appended when the caller left it out:
+    a copy of the offsets only), or None: one CPU source pooled whole,
+    int64 offsets, no padding id. The engine checks ids and offsets itself;
+    the general path (``_parts``) is only needed for the error's message,
+    and for segments, padding ids and sequences."""
+    if (len(segments) != 3 or combiner == SEQUENCE or padding_idx >= 0 or len(offsets) != 1
+            or segments[1] != 0):
         return None
     a, off = ids[0], offsets[0]
-    if a.device.type != "cpu" or off.dtype != torch.int64 or segments[2] != off.shape[0] - 1:
+    bags = off.shape[0] - 1 if include_last_offset else off.shape[0]
+    if a.device.type != "cpu" or off.dtype != torch.int64 or segments[2] != bags or a.dim() != 1:
         return None
-    return _np(a), _np(off), (_np(weights[0]) if weights else None)
+    if include_last_offset:
+        off = _np(off)
+    else:
+        given, off = _np(off), np.empty(bags + 1, np.int64)
+        off[:bags] = given
+        off[bags] = a.shape[0]
+    return _np(a), off, (_np(weights[0]) if weights else None)
 
 
 def _bag_of(p: _Part) -> Tensor:
