@@ -256,8 +256,10 @@ class _TableModule(_AdapterModule):
         pad = -1 if self.padding_idx is None else self.padding_idx
         # Eagerly, the op's body and autograd without the dispatcher (the same code and results).
         op = _ops.eager_lookup if _ops.plain_eager([anchor, *ids, *offsets, *weights]) else _ops.lookup
-        return op(anchor, self._handle, self.embedding_dim, ids, offsets, weights, segments, combiner, pad,
-                  include_last_offset, mode)
+        step = _ops.needs_step(mode, weights)
+        outs = op(anchor, self._handle, self.embedding_dim, ids, offsets, weights, segments, combiner, pad,
+                  include_last_offset, mode, step)
+        return outs[:-1] if step else outs  # the step is for the backward
 
     # ------------------------------------------------------------ state
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["SUM", "MEAN", "SQRTN", "SEQUENCE", "FUSED", "SPARSE", "DENSE", "WHOLE", "register", "unregister",
-           "lookup", "lookup_impl", "eager_lookup", "plain_eager", "lookup_backward", "lookup_backward_impl"]
+           "lookup", "lookup_impl", "eager_lookup", "plain_eager", "needs_step", "lookup_backward", "lookup_backward_impl"]
 
 # Combiners (the engine's codes) and gradient modes.
 SUM, MEAN, SQRTN, SEQUENCE = 0, 1, 2, 3
@@ -315,15 +315,34 @@ def _raise_bad_id(table, p: _Part, sources: int, error: IndexError):
 # ------------------------------------------------------------------ forward
 def lookup_impl(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offsets: List[Tensor],
                 weights: List[Tensor], segments: List[int], combiner: int, padding_idx: int,
-                include_last_offset: bool, grad_mode: int) -> List[Tensor]:
+                include_last_offset: bool, grad_mode: int, with_step: bool) -> List[Tensor]:
     """Looks up `segments` (triples: source, first bag, number of bags, or
     WHOLE) of the table `handle`; one float32 output per segment:
-    ``[bags, dim]`` pooled, or ``[ids, dim]`` unpooled.
+    ``[bags, dim]`` pooled, or ``[ids, dim]`` unpooled. With `with_step`
+    (``needs_step``), one more output: the table's step count, an int64
+    scalar on the host, which the backward compares with the table's then.
 
     `anchor` carries autograd: the weight (unfused training) or a one-element
     tensor (fused training); its data is not read. Ids equal to `padding_idx`
     are left out of pooled bags (and of the mean's count), as PyTorch does."""
     table = _entry(handle).table
+    outs = _lookup_outputs(table, dim, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
+    if with_step:
+        outs.append(torch.tensor(table.step, dtype=torch.int64))
+    return outs
+
+
+def needs_step(grad_mode: int, weights: List[Tensor]) -> bool:
+    """Whether ``lookup`` should return the table's step after its outputs
+    (`with_step`): fused training with per-id weights, whose gradient reads
+    the rows in backward, so they must still be the forward's. A value, not
+    a Python attribute of the autograd context, so that the check also runs
+    in a compiled backward."""
+    return grad_mode == FUSED and len(weights) > 0
+
+
+def _lookup_outputs(table, dim: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
+                    segments: List[int], combiner: int, padding_idx: int, include_last_offset: bool) -> List[Tensor]:
     whole = _whole_cpu_source(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
     if whole is not None:
         try:
@@ -365,7 +384,8 @@ def plain_eager(tensors: List[Tensor]) -> bool:
 
 
 @lookup.register_fake
-def _(anchor, handle, dim, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset, grad_mode):
+def _(anchor, handle, dim, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset, grad_mode,
+      with_step):
     outs = []
     for k in range(0, len(segments), 3):
         s, nb = segments[k], segments[k + 2]
@@ -376,6 +396,8 @@ def _(anchor, handle, dim, ids, offsets, weights, segments, combiner, padding_id
         else:
             rows = torch.library.get_ctx().new_dynamic_size()
         outs.append(ids[s].new_empty((rows, dim), dtype=torch.float32))
+    if with_step:
+        outs.append(torch.empty((), dtype=torch.int64))
     return outs
 
 
@@ -383,16 +405,22 @@ def _(anchor, handle, dim, ids, offsets, weights, segments, combiner, padding_id
 def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], offsets: List[Tensor],
                          weights: List[Tensor], segments: List[int], combiner: int, padding_idx: int,
                          include_last_offset: bool, grad_mode: int, table_grad: bool, weight_grads: bool,
-                         grads: List[Tensor]) -> Tuple[Tensor, Tensor, List[Tensor]]:
+                         grads: List[Tensor], forward_step: Optional[Tensor]) -> Tuple[Tensor, Tensor, List[Tensor]]:
     """The backward of `lookup` for the segments whose outputs got gradients.
 
     Returns ``(a, b, wgrads)``. Fused: ``a`` is the anchor's (zero) gradient,
     after the optimizer step. Sparse: ``a`` holds one gradient row per id
     occurrence and ``b`` its row index. Dense: ``a`` is ``[rows, dim]``.
     ``wgrads``: the gradient of each source's weights (zero where no segment
-    reads them), computed before any update; empty unless asked."""
+    reads them), computed before any update; empty unless asked.
+    `forward_step`: the table's step at the forward (``with_step``), when the
+    weights' gradient is asked for; an update since then raises."""
     entry = _entry(handle)
     table = entry.table
+    if forward_step is not None and weight_grads and int(forward_step) != table.step:
+        raise RuntimeError(f"embedcore table '{table.name}' was updated (fused) after this lookup and before its "
+                           "backward, so the gradient of its per-sample weights cannot be computed: look the table "
+                           "up once per backward (one call for all its bags), or train unfused")
     if grad_mode == FUSED and table_grad and not (weight_grads and weights) and len(grads) == 1:
         whole = _whole_cpu_source(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
         if whole is not None and grads[0].device.type == "cpu":
@@ -477,7 +505,7 @@ lookup_backward = torch.library.custom_op("embedcore::lookup_backward", mutates_
 
 @lookup_backward.register_fake
 def _(handle, dim, rows, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset, grad_mode,
-      table_grad, weight_grads, grads):
+      table_grad, weight_grads, grads, forward_step):
     like = grads[0] if grads else ids[0]
     empty_rows = like.new_empty((0,), dtype=torch.int64)
     wgrads = [w.new_empty(w.shape, dtype=torch.float32) for w in weights] if weight_grads and weights else []
@@ -494,7 +522,7 @@ def _(handle, dim, rows, ids, offsets, weights, segments, combiner, padding_idx,
 # ------------------------------------------------------------------ autograd
 def _setup_context(ctx, inputs, output):
     (anchor, handle, dim, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset,
-     grad_mode) = inputs
+     grad_mode, with_step) = inputs
     ctx.set_materialize_grads(False)
     ctx.args = (handle, dim, segments, combiner, padding_idx, include_last_offset, grad_mode)
     ctx.table_shape = tuple(anchor.shape)
@@ -506,10 +534,9 @@ def _setup_context(ctx, inputs, output):
     # the weight makes autograd refuse in-place changes of it (as nn.EmbeddingBag's backward does); fused,
     # the table's step tells whether an update (another lookup's backward) ran since this forward.
     keep_weight = ctx.weight_grads and grad_mode != FUSED
-    ctx.forward_step = None
-    if ctx.weight_grads and grad_mode == FUSED and not torch.compiler.is_compiling():
-        ctx.forward_step = _entry(handle).table.step
-    ctx.save_for_backward(*ids, *offsets, *weights, *([anchor] if keep_weight else []))
+    ctx.with_step = with_step
+    step = [output[-1]] if ctx.with_step and ctx.weight_grads else []
+    ctx.save_for_backward(*ids, *offsets, *weights, *([anchor] if keep_weight else []), *step)
 
 
 def _backward(ctx, grads):
@@ -518,10 +545,9 @@ def _backward(ctx, grads):
     saved = ctx.saved_tensors
     ids, offsets = list(saved[:n_ids]), list(saved[n_ids:n_ids + n_off])
     weights = list(saved[n_ids + n_off:n_ids + n_off + n_w])
-    if ctx.forward_step is not None and _entry(handle).table.step != ctx.forward_step:
-        raise RuntimeError(f"embedcore table '{_entry(handle).table.name}' was updated (fused) after this lookup and "
-                           "before its backward, so the gradient of its per-sample weights cannot be computed: "
-                           "look the table up once per backward (one call for all its bags), or train unfused")
+    forward_step = saved[-1] if ctx.with_step and ctx.weight_grads else None
+    if ctx.with_step:
+        grads = grads[:-1]  # the step's (an integer: none)
     # Only the segments whose outputs were used get a gradient (and an update).
     used_segments: List[int] = []
     used_grads: List[Tensor] = []
@@ -531,13 +557,13 @@ def _backward(ctx, grads):
             used_grads.append(g)
     none_lists = ([None] * n_ids, [None] * n_off)
     if not used_grads:
-        return (None, None, None, *none_lists, [None] * n_w, None, None, None, None, None)
+        return (None, None, None, *none_lists, [None] * n_w, None, None, None, None, None, None)
     rows = ctx.table_shape[0] if grad_mode != FUSED else 0
     # The op when the backward is differentiated (create_graph): it has no formula for that and says so.
     plain = not torch.is_grad_enabled() and plain_eager([*used_grads, *ids, *offsets, *weights])
     op = lookup_backward_impl if plain else lookup_backward
     a, b, wgrads = op(handle, dim, rows, ids, offsets, weights, used_segments, combiner, padding_idx,
-                      include_last_offset, grad_mode, ctx.table_grad, ctx.weight_grads, used_grads)
+                      include_last_offset, grad_mode, ctx.table_grad, ctx.weight_grads, used_grads, forward_step)
     if not ctx.table_grad:
         table_grad = None
     elif grad_mode == FUSED:
@@ -548,7 +574,7 @@ def _backward(ctx, grads):
     else:
         table_grad = a.to(ctx.table_dtype)
     weight_grads = list(wgrads) if ctx.weight_grads else [None] * n_w
-    return (table_grad, None, None, *none_lists, weight_grads, None, None, None, None, None)
+    return (table_grad, None, None, *none_lists, weight_grads, None, None, None, None, None, None)
 
 
 lookup.register_autograd(_backward, setup_context=_setup_context)
@@ -560,13 +586,13 @@ class _EagerLookup(torch.autograd.Function):
     flat after the other arguments, so that autograd sees the weights."""
 
     @staticmethod
-    def forward(ctx, anchor, handle, dim, segments, combiner, padding_idx, include_last_offset, grad_mode, counts,
-                *tensors):
+    def forward(ctx, anchor, handle, dim, segments, combiner, padding_idx, include_last_offset, grad_mode, with_step,
+                counts, *tensors):
         n_ids, n_off, _ = counts
         ids, offsets = list(tensors[:n_ids]), list(tensors[n_ids:n_ids + n_off])
         weights = list(tensors[n_ids + n_off:])
         inputs = (anchor, handle, dim, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset,
-                  grad_mode)
+                  grad_mode, with_step)
         outs = lookup_impl(*inputs)
         _setup_context(ctx, inputs, outs)
         return tuple(outs)
@@ -574,15 +600,16 @@ class _EagerLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         table_grad, _, _, ids, offsets, weights, *_ = _backward(ctx, list(grads))
-        return (table_grad, *([None] * 8), *ids, *offsets, *weights)
+        return (table_grad, *([None] * 9), *ids, *offsets, *weights)
 
 
 def eager_lookup(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offsets: List[Tensor],
                  weights: List[Tensor], segments: List[int], combiner: int, padding_idx: int,
-                 include_last_offset: bool, grad_mode: int) -> List[Tensor]:
+                 include_last_offset: bool, grad_mode: int, with_step: bool) -> List[Tensor]:
     """``lookup``, eagerly (callers check ``plain_eager`` first)."""
     if not torch.is_grad_enabled() or not (anchor.requires_grad or any(w.requires_grad for w in weights)):
         return lookup_impl(anchor, handle, dim, ids, offsets, weights, segments, combiner, padding_idx,
-                           include_last_offset, grad_mode)
+                           include_last_offset, grad_mode, with_step)
     return list(_EagerLookup.apply(anchor, handle, dim, segments, combiner, padding_idx, include_last_offset,
-                                   grad_mode, (len(ids), len(offsets), len(weights)), *ids, *offsets, *weights))
+                                   grad_mode, with_step, (len(ids), len(offsets), len(weights)), *ids, *offsets,
+                                   *weights))

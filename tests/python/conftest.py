@@ -1,10 +1,21 @@
+import atexit
 import os
+import shutil
+import tempfile
 import zlib
 
 import numpy as np
 import pytest
 
 import embedcore as ec
+
+# torch.compile's on-disk caches (TorchInductor's FX graph and AOTAutograd
+# caches) key a graph by its code, not by what its custom ops do: a cache
+# left by another embedcore version would run that version's compiled code.
+# The tests compile into their own directory, removed at exit.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="embedcore-test-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
 
 @pytest.fixture

@@ -184,6 +184,35 @@ def test_eager_fast_path_equals_the_dispatched_ops(rng, monkeypatch, how, mode):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_per_sample_weights_grad_refuses_rows_updated_since_forward(rng, compiled):
+    """Fused, two lookups of one table with weights that require grad: the
+    first backward updates the rows that the second's weight gradient reads,
+    so the second raises, compiled as eagerly (was: compiled, a gradient
+    from the updated rows, silently). One lookup per backward trains."""
+    w = uniform_weights(rng, ROWS, DIM)
+    m = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", optimizer=engine_optimizer("sgd", 0.5))
+    ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 2])
+
+    def twice(p, q):
+        return m(ids, offsets, p).sum() + 2 * m(ids, offsets, q).sum()
+
+    def once(p):
+        return m(ids, offsets, p).sum()
+
+    if compiled:
+        twice, once = torch.compile(twice, fullgraph=True), torch.compile(once, fullgraph=True)
+    p, q = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="was updated .* after this lookup and before its backward"):
+        twice(p, q).backward()
+    before = m.weight.detach().clone()
+    p = torch.ones(3, requires_grad=True)
+    once(p).backward()
+    # d out / d p_k = sum of row k (as it was before the update), and one SGD step of every row.
+    assert max_diff(p.grad, before[ids].sum(1)) <= 1e-6
+    assert not torch.equal(m.weight.detach(), before)
+
+
 def test_tracing_records_the_custom_op(rng):
     """make_fx / torch.export see embedcore::lookup as one op (the eager fast
     path steps aside under tracing modes)."""
