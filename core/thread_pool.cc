@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -20,6 +21,9 @@
 namespace embedcore {
 namespace {
 
+// Whether this thread runs a chunk of a pool's job (nested loops then run serially, on it).
+thread_local bool t_in_job = false;
+
 int DefaultThreads() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
@@ -33,12 +37,14 @@ int DefaultThreads() {
 // itself, so a worker that the scheduler wakes on the caller's CPU only waits
 // there until the caller has taken every chunk: the call then takes one-thread
 // time, as perf sched showed for many 2-thread calls in bench_lookup.py
-// (benchmarks/README.md, "2-thread swings"). Before it hands out a job, the caller
-// allows its workers every CPU of the pool's set but its own one, when it runs
-// on another CPU than at its last call. The pool leaves affinity alone when
-// it has more threads than CPUs or fewer than two CPUs, and stops adjusting it
-// for good once a worker's affinity is not the one it set (someone else pins
-// the workers) or a call fails.
+// (benchmarks/README.md, "2-thread swings"). When it hands out a job on another
+// CPU than at its last steering (at most one steering per 10 ms), the caller
+// allows its workers every CPU of the pool's set (the creating thread's
+// affinity) but its own one. The pool leaves affinity alone when it has more
+// threads than that set has CPUs, or the set has fewer than two, and stops
+// adjusting it for good (giving its workers the whole set back) once a
+// worker's affinity is not the one it gave (someone else pinned it), a call
+// fails, or the caller runs outside the set; in a forked child it only stops.
 class Pool {
  public:
   explicit Pool(int threads) : threads_(threads) {
@@ -47,6 +53,8 @@ class Pool {
     CPU_ZERO(&cpus_);
     steer_ = sched_getaffinity(0, sizeof(cpus_), &cpus_) == 0 && CPU_COUNT(&cpus_) >= 2 &&
              threads <= CPU_COUNT(&cpus_);
+    given_ = cpus_;
+    pid_ = getpid();
 #endif
     try {
       for (int i = 1; i < threads; ++i)
@@ -69,8 +77,12 @@ class Pool {
   int threads() const { return threads_; }
 
   void Run(int chunks, const std::function<void(int)>& fn) {
+    if (t_in_job || chunks <= 1 || workers_.empty()) {  // a loop inside a chunk: this thread runs it
+      for (int i = 0; i < chunks; ++i) fn(i);
+      return;
+    }
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (!busy.owns_lock() || chunks <= 1 || workers_.empty()) {
+    if (!busy.owns_lock()) {  // another caller's job runs: this one runs on its own thread
       for (int i = 0; i < chunks; ++i) fn(i);
       return;
     }
@@ -83,15 +95,19 @@ class Pool {
       error_ = nullptr;
       generation_.store(generation_.load() + 1, std::memory_order_release);
     }
-    KeepOffCallerCpu();
+    const auto start = std::chrono::steady_clock::now();
     wake_.notify_all();
+    KeepOffCallerCpu();  // a worker woken onto the caller's CPU moves off it
     Drain(fn, chunks);
-    // Every chunk is taken; the workers finish theirs, which takes at most one
-    // chunk's time. Spin a while before sleeping: a sleeping thread can take
-    // over half a millisecond to run again once woken (perf sched on this VM's
-    // idle vCPUs), a third of a 2-thread Zipf batch.
+    // Every chunk is taken; the workers finish theirs. Spin a while before
+    // sleeping: a sleeping thread can take over half a millisecond to run
+    // again once woken (perf sched on this VM's idle vCPUs), a third of a
+    // 2-thread Zipf batch. At most 1 ms, and at most as long as the caller
+    // has worked so far (a worker that started late may need more than one
+    // chunk's time), so that spinning never costs more CPU than the work.
     if (spin_) {
-      const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(kCallerSpinMicros);
+      const auto now = std::chrono::steady_clock::now();
+      const auto spin_until = now + std::min(now - start, kCallerSpin);
       while ((remaining_.load(std::memory_order_acquire) != 0 || active_.load(std::memory_order_acquire) != 0) &&
              std::chrono::steady_clock::now() < spin_until) {
 #if defined(__x86_64__)
@@ -117,29 +133,42 @@ class Pool {
     if (!steer_) return;
     const int cpu = sched_getcpu();
     if (cpu == caller_cpu_) return;
-    if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &cpus_)) {
+    const auto now = std::chrono::steady_clock::now();
+    if (caller_cpu_ >= 0 && now - steered_at_ < kSteerInterval) return;  // callers on several CPUs take turns
+    if (getpid() != pid_) {  // a forked child: the workers' handles name no thread of this process
       steer_ = false;
       return;
     }
+    if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &cpus_)) return StopSteering();
+    for (auto& t : workers_)
+      if (!HasAffinity(t, given_)) return StopSteering();
     cpu_set_t others = cpus_;
     CPU_CLR(cpu, &others);
-    for (size_t i = 0; i < workers_.size(); ++i) {
-      cpu_set_t now;
-      CPU_ZERO(&now);
-      const pthread_t worker = workers_[i].native_handle();
-      const bool ours = pthread_getaffinity_np(worker, sizeof(now), &now) == 0 &&
-                        CPU_EQUAL(&now, caller_cpu_ < 0 ? &cpus_ : &workers_cpus_);
-      if (!ours || pthread_setaffinity_np(worker, sizeof(others), &others) != 0) {
-        // Give the ones changed in this pass the pool's whole set back, and stop steering.
-        for (size_t j = 0; j < i; ++j) pthread_setaffinity_np(workers_[j].native_handle(), sizeof(cpus_), &cpus_);
+    for (auto& t : workers_) {
+      if (pthread_setaffinity_np(t.native_handle(), sizeof(others), &others) != 0) {
+        for (auto& u : workers_) pthread_setaffinity_np(u.native_handle(), sizeof(cpus_), &cpus_);
         steer_ = false;
         return;
       }
     }
-    workers_cpus_ = others;
+    given_ = others;
     caller_cpu_ = cpu;
+    steered_at_ = now;
 #endif
   }
+#if defined(__linux__)
+  static bool HasAffinity(std::thread& t, const cpu_set_t& set) {
+    cpu_set_t now;
+    CPU_ZERO(&now);
+    return pthread_getaffinity_np(t.native_handle(), sizeof(now), &now) == 0 && CPU_EQUAL(&now, &set);
+  }
+  // Gives every worker that still has the affinity the pool gave it the pool's whole set back; steers no more.
+  void StopSteering() {
+    for (auto& t : workers_)
+      if (HasAffinity(t, given_)) pthread_setaffinity_np(t.native_handle(), sizeof(cpus_), &cpus_);
+    steer_ = false;
+  }
+#endif
   void Stop() {
     stopping_.store(true);
     {
@@ -150,7 +179,10 @@ class Pool {
     for (auto& t : workers_) t.join();
     workers_.clear();
   }
+  // Runs chunks until none is left to take.
   void Drain(const std::function<void(int)>& fn, int chunks) {
+    const bool was_in_job = t_in_job;
+    t_in_job = true;  // a loop inside a chunk runs on this thread
     for (int i; (i = next_.fetch_add(1)) < chunks;) {
       try {
         fn(i);
@@ -163,6 +195,7 @@ class Pool {
         done_.notify_all();
       }
     }
+    t_in_job = was_in_job;
   }
   void Work() {
     uint64_t seen = 0;
@@ -206,7 +239,7 @@ class Pool {
   int chunks_ = 0;
   std::atomic<int> active_{0};  // workers in Drain; changed under m_, read by the spinning caller without it
   static constexpr int kSpinMicros = 100;
-  static constexpr int kCallerSpinMicros = 1000;
+  static constexpr std::chrono::steady_clock::duration kCallerSpin = std::chrono::milliseconds(1);
   bool spin_ = false;  // no more threads than CPUs: spinning takes no worker's CPU
   std::atomic<uint64_t> generation_{0};  // written under m_, read by spinning workers without it
   bool stop_ = false;
@@ -215,9 +248,12 @@ class Pool {
   std::atomic<int> remaining_{0};
   std::exception_ptr error_;
 #if defined(__linux__)
-  cpu_set_t cpus_;          // the CPUs the pool's creator may run on
-  cpu_set_t workers_cpus_;  // what KeepOffCallerCpu last gave the workers
-  int caller_cpu_ = -1;     // the caller's CPU at that time; -1: not yet
+  cpu_set_t cpus_;         // the CPUs the pool's creator may run on
+  cpu_set_t given_;        // the affinity the workers have from the pool (at first, cpus_)
+  int caller_cpu_ = -1;    // the caller's CPU at the last steering; -1: none yet
+  std::chrono::steady_clock::time_point steered_at_;
+  static constexpr std::chrono::milliseconds kSteerInterval{10};
+  pid_t pid_ = 0;          // the process that started the workers
   bool steer_ = false;
 #endif
 };

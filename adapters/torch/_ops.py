@@ -334,11 +334,11 @@ def lookup_impl(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offset
 
 def needs_step(grad_mode: int, weights: List[Tensor]) -> bool:
     """Whether ``lookup`` should return the table's step after its outputs
-    (`with_step`): fused training with per-id weights, whose gradient reads
-    the rows in backward, so they must still be the forward's. A value, not
-    a Python attribute of the autograd context, so that the check also runs
-    in a compiled backward."""
-    return grad_mode == FUSED and len(weights) > 0
+    (`with_step`): fused training with per-id weights that require grad,
+    whose gradient reads the rows in backward, so they must still be the
+    forward's. A value, not a Python attribute of the autograd context, so
+    that the check also runs in a compiled backward."""
+    return grad_mode == FUSED and torch.is_grad_enabled() and any(w.requires_grad for w in weights)
 
 
 def _lookup_outputs(table, dim: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],

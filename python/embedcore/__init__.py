@@ -22,10 +22,12 @@ def set_num_threads(n: int) -> None:
     """Sets the number of threads the engine's kernels use (results never depend on it).
 
     The calling thread works alongside ``n - 1`` pool threads (named
-    ``embedcore-<i>`` on Linux). While there are no more threads than CPUs,
-    the pool keeps its threads off the CPU the caller runs on (their affinity
-    is every other CPU the process had when the pool started), and leaves
-    them alone once anyone else sets their affinity.
+    ``embedcore-<i>`` on Linux). On Linux, while the thread that starts the
+    pool (this call, or the first lookup) may run on at least two CPUs and
+    on at least ``n``, the pool keeps its threads off the CPU of the thread
+    that calls it (their affinity: every CPU of that set but the caller's,
+    updated at most every 10 ms), and gives them the whole set back for good
+    once anyone else sets their affinity.
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"set_num_threads: n must be an int, got {n!r}")

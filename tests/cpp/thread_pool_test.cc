@@ -6,6 +6,8 @@
 #include <dirent.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -137,6 +139,7 @@ EMBEDCORE_TEST(WorkersKeepOffTheCallersCpu) {
   auto run_on = [&](int cpu) {
     const cpu_set_t only = Only(cpu);
     EMBEDCORE_EXPECT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(only), &only), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(15));  // the pool steers at most once per 10 ms
     ParallelChunks(2, 2, [](int, int64_t, int64_t) {});
   };
   const int a = cpus[0], b = cpus[1];
@@ -159,6 +162,45 @@ EMBEDCORE_TEST(WorkersKeepOffTheCallersCpu) {
                                                        << caller << ")");
   }
   EMBEDCORE_EXPECT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(all), &all), 0);
+}
+
+EMBEDCORE_TEST(AForkedChildKeepsItsOwnAffinity) {
+  // The child has the pool's memory but not its workers (their handles there
+  // name no thread of the child): the pool must not steer by them.
+  cpu_set_t all;
+  CPU_ZERO(&all);
+  EMBEDCORE_EXPECT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &all)) cpus.push_back(c);
+  if (cpus.size() < 2) {
+    std::printf("  (skipped: this test needs two CPUs, the process may use %zu)\n", cpus.size());
+    return;
+  }
+  RestoreThreads restore;
+  SetNumThreads(1);
+  SetNumThreads(2);
+  const cpu_set_t on_a = Only(cpus[0]);
+  EMBEDCORE_EXPECT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(on_a), &on_a), 0);
+  ParallelChunks(2, 2, [](int, int64_t, int64_t) {});  // steers the worker off CPU a
+  EMBEDCORE_EXPECT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(all), &all), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(15));  // the worker sleeps; the next steering may come
+  const pid_t child = fork();
+  if (child == 0) {
+    const cpu_set_t on_b = Only(cpus[1]);
+    if (sched_setaffinity(0, sizeof(on_b), &on_b) != 0) _exit(2);
+    int sum = 0;
+    ParallelChunks(4, 2, [&](int, int64_t begin, int64_t end) { sum += int(end - begin); });
+    cpu_set_t mine;
+    CPU_ZERO(&mine);
+    if (sched_getaffinity(0, sizeof(mine), &mine) != 0) _exit(3);
+    _exit(sum == 4 && CPU_EQUAL(&mine, &on_b) ? 0 : 1);
+  }
+  EMBEDCORE_EXPECT(child > 0);
+  int status = -1;
+  EMBEDCORE_EXPECT_EQ(waitpid(child, &status, 0), child);
+  EMBEDCORE_EXPECT_MSG(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+                       "the forked child's loop failed or its own affinity was changed (status " << status << ")");
 }
 
 EMBEDCORE_TEST(WorkersKeepTheirAffinityWhenThreadsOutnumberCpus) {

@@ -213,9 +213,10 @@ void FreeResult(void* p) noexcept;
 /// The most threads SetNumThreads takes (the pool starts them all at once).
 constexpr int kMaxThreads = 4096;
 /// Sets the number of threads the kernels use, in [1, kMaxThreads]. Results never depend on it.
-/// The caller works alongside n - 1 pool threads. On Linux, while n is at most the number of CPUs,
-/// the pool keeps its threads off the caller's CPU (their affinity: the creating thread's CPUs but
-/// the caller's one), and stops adjusting it once someone else changes a pool thread's affinity.
+/// The caller works alongside n - 1 pool threads. On Linux, while the creating thread may run on at
+/// least two CPUs and at least n, the pool keeps its threads off the caller's CPU (their affinity:
+/// the creating thread's CPUs but the caller's one, updated at most every 10 ms), and gives them
+/// that whole set back for good once someone else changes a pool thread's affinity.
 void SetNumThreads(int n);
 int GetNumThreads();
 
