@@ -70,7 +70,7 @@ def check_ids(t, where: str) -> None:
         raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{where} must be an int32 or int64 tensor, got {t.dtype}")
-    if t.device.type not in ("cpu", "cuda"):
+    if not (t.is_cpu or t.is_cuda):
         raise NotImplementedError(f"{where} is on {t.device}: embedcore takes CPU or CUDA tensors")
 
 
@@ -216,6 +216,7 @@ class _TableModule(_AdapterModule):
         # Fused training: autograd runs the backward through this one-element anchor;
         # its gradient is the output of the op that applies the update.
         self._anchor = torch.zeros(1, requires_grad=True, device=values.device) if fused else None
+        self._frozen_anchor = self._anchor.detach() if fused else None  # no gradient: no update
         self._group = None
         if fused:
             self._group = {"params": [self.weight], "lr": table.learning_rate(), "table": table.name,
@@ -236,22 +237,23 @@ class _TableModule(_AdapterModule):
 
     def _lookup(self, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
                 combiner: int, include_last_offset: bool) -> List[Tensor]:
-        here = self.weight.device
+        weight = self.weight
+        on_cpu = weight.is_cpu  # (cheaper than comparing devices: this runs on caches a lookup left cold)
         for group, what in ((ids, "ids"), (offsets, "offsets"), (weights, "per_sample_weights")):
             for t in group:
-                if t.device != here:
+                if not t.is_cpu if on_cpu else t.device != weight.device:
                     raise RuntimeError(f"Expected all tensors to be on the same device: the table of "
-                                       f"{type(self).__name__} is on {here}, {what} on {t.device}")
-        if not torch.compiler.is_compiling() and self.weight.data_ptr() != self._values_ptr:
+                                       f"{type(self).__name__} is on {weight.device}, {what} on {t.device}")
+        if not torch.compiler.is_compiling() and weight.data_ptr() != self._values_ptr:
             raise RuntimeError(f"{type(self).__name__}: weight no longer views the engine's table (its storage was "
                                "replaced, e.g. by weight.data = ...); the table and the module would disagree. "
                                "Copy values in with weight.copy_() or load_state_dict")
         if self._group is not None:
-            trainable = self.weight.requires_grad and torch.is_grad_enabled()
-            anchor = self._anchor if trainable else self._anchor.detach()
+            trainable = weight.requires_grad and torch.is_grad_enabled()
+            anchor = self._anchor if trainable else self._frozen_anchor
             mode = _ops.FUSED
         else:
-            anchor = self.weight
+            anchor = weight
             mode = _ops.SPARSE if self.sparse else _ops.DENSE
         pad = -1 if self.padding_idx is None else self.padding_idx
         # Eagerly, the op's body and autograd without the dispatcher (the same code and results).

@@ -234,13 +234,14 @@ def _whole_cpu_source(ids: List[Tensor], offsets: List[Tensor], weights: List[Te
     bags = off.shape[0] - 1 if include_last_offset else off.shape[0]
     if a.device.type != "cpu" or off.dtype != torch.int64 or segments[2] != bags or a.dim() != 1:
         return None
+    # (Integer tensors never require grad: numpy() needs no detach.)
     if include_last_offset:
-        off = _np(off)
+        off = off.numpy()
     else:
-        given, off = _np(off), np.empty(bags + 1, np.int64)
+        given, off = off.numpy(), np.empty(bags + 1, np.int64)
         off[:bags] = given
         off[bags] = a.shape[0]
-    return _np(a), off, (_np(weights[0]) if weights else None)
+    return a.numpy(), off, (_np(weights[0]) if weights else None)
 
 
 def _bag_of(p: _Part) -> Tensor:
