@@ -198,6 +198,7 @@ def run_rounds(contenders: Dict[str, Callable[[], Optional[float]]], repeats: in
             for n in names[k:] + names[:k]:
                 if prime:
                     contenders[n]()
+                res = None  # the previous contender's result is freed here, not on this one's clock
                 t0 = time.perf_counter()
                 res = contenders[n]()
                 dt = time.perf_counter() - t0
