@@ -222,6 +222,8 @@ def main() -> int:
                  "vs_torch": ratio(med(nt, d, "torch"), ecs),
                  "vs_fbgemm": ratio(med(nt, d, "fbgemm"), ecs),
                  "vs_tf": ratio(med(nt, d, "tf"), ecs),
+                 # What the machine allows against TensorFlow: the gather limit's rate / TF's.
+                 "limit_vs_tf": ratio(med(nt, d, "tf"), limit(nt, d, "thp")),
                  "vs_numpy": ratio(med(nt, d, "numpy"), ecs),
                  "fp16_vs_fp32": ratio(ecs, med(nt, d, "embedcore_fp16")),
                  "coo_vs_csr": ratio(ecs, med(nt, d, "embedcore_coo"))}
@@ -263,7 +265,8 @@ def main() -> int:
     rcols = [("threads", "thr", None), ("dist", "ids", None),
              ("vs_limit_thp", "ec/limit(THP) time", "{:.2f}x"), ("vs_limit_malloc", "ec/limit(malloc) time", "{:.2f}x"),
              ("vs_torch", "ec vs torch", "{:.2f}x"), ("vs_fbgemm", "ec vs fbgemm", "{:.2f}x"),
-             ("vs_tf", "ec vs TF", "{:.2f}x"), ("vs_numpy", "ec vs numpy", "{:.2f}x"),
+             ("vs_tf", "ec vs TF", "{:.2f}x"), ("limit_vs_tf", "limit vs TF", "{:.2f}x"),
+             ("vs_numpy", "ec vs numpy", "{:.2f}x"),
              ("fp16_vs_fp32", "fp16/fp32", "{:.2f}x"), ("coo_vs_csr", "COO/CSR", "{:.2f}x"), ("ec_vs_1t", "ec 2T/1T", "{:.2f}x"),
              ("fp16_vs_1t", "fp16 2T/1T", "{:.2f}x"), ("limit_thp_vs_1t", "limit 2T/1T", "{:.2f}x"),
              ("torch_vs_1t", "torch 2T/1T", "{:.2f}x"), ("fbgemm_vs_1t", "fbgemm 2T/1T", "{:.2f}x"),
