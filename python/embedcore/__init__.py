@@ -27,7 +27,9 @@ def set_num_threads(n: int) -> None:
     on at least ``n``, the pool keeps its threads off the CPU of the thread
     that calls it (their affinity: every CPU of that set but the caller's,
     updated at most every 10 ms), and gives them the whole set back for good
-    once anyone else sets their affinity.
+    once anyone else sets their affinity. After a job, a pool thread spins
+    for a quarter of the job's time (100 us to 1 ms) before it sleeps, so
+    that back-to-back calls start at once.
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"set_num_threads: n must be an int, got {n!r}")
