@@ -206,7 +206,8 @@ class Pool {
       // a sleeping thread, which takes tens of microseconds and, on this VM's
       // idle vCPUs, sometimes over half a millisecond. A quarter of the last
       // job's time (so at most a quarter more CPU than the work), within
-      // [100 us, 1 ms]: the Python around a 2-thread Zipf lookup of the
+      // [100 us, 1 ms], while there are no more threads than CPUs (else
+      // 100 us): the Python around a 2-thread Zipf lookup of the
       // PyTorch adapter (about 0.1 ms on cold caches) outlasted a fixed 100 us.
       const auto spin_until = std::chrono::steady_clock::now() + spin;
       while (generation_.load(std::memory_order_acquire) == seen && !stopping_.load(std::memory_order_relaxed) &&
@@ -229,7 +230,8 @@ class Pool {
       }
       const auto start = std::chrono::steady_clock::now();
       Drain(*job, chunks);
-      spin = std::clamp((std::chrono::steady_clock::now() - start) / 4, kWorkerSpinMin, kWorkerSpinMax);
+      if (spin_)  // (with more threads than CPUs, a spinning worker would hold a CPU another one needs)
+        spin = std::clamp((std::chrono::steady_clock::now() - start) / 4, kWorkerSpinMin, kWorkerSpinMax);
       {
         std::lock_guard<std::mutex> l(m_);
         --active_;
