@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <condition_variable>
 #include <exception>
 #include <memory>
@@ -23,6 +25,21 @@ namespace {
 
 // Whether this thread runs a chunk of a pool's job (nested loops then run serially, on it).
 thread_local bool t_in_job = false;
+
+// The longest spin of the pool's threads before they sleep: $EMBEDCORE_SPIN_US
+// microseconds (0 to 1,000,000; 0: never spin), else 1 ms. A value that is
+// not a whole number in that range is ignored (the Python package refuses it
+// at import).
+std::chrono::steady_clock::duration SpinLimit() {
+  const std::chrono::steady_clock::duration fallback = std::chrono::milliseconds(1);
+  const char* v = std::getenv("EMBEDCORE_SPIN_US");
+  if (v == nullptr || *v < '0' || *v > '9') return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const long long us = std::strtoll(v, &end, 10);
+  if (errno != 0 || *end != '\0' || us > 1000000) return fallback;
+  return std::chrono::microseconds(us);
+}
 
 int DefaultThreads() {
   cpu_set_t set;
@@ -47,8 +64,8 @@ int DefaultThreads() {
 // fails, or the caller runs outside the set; in a forked child it only stops.
 class Pool {
  public:
-  explicit Pool(int threads) : threads_(threads) {
-    spin_ = threads <= DefaultThreads();
+  explicit Pool(int threads)
+      : threads_(threads), spin_limit_(SpinLimit()), spin_(threads <= DefaultThreads() && spin_limit_.count() > 0) {
 #if defined(__linux__)
     CPU_ZERO(&cpus_);
     steer_ = sched_getaffinity(0, sizeof(cpus_), &cpus_) == 0 && CPU_COUNT(&cpus_) >= 2 &&
@@ -102,12 +119,13 @@ class Pool {
     // Every chunk is taken; the workers finish theirs. Spin a while before
     // sleeping: a sleeping thread can take over half a millisecond to run
     // again once woken (perf sched on this VM's idle vCPUs), a third of a
-    // 2-thread Zipf batch. At most 1 ms, and at most as long as the caller
-    // has worked so far (a worker that started late may need more than one
-    // chunk's time), so that spinning never costs more CPU than the work.
+    // 2-thread Zipf batch. At most the limit (1 ms or $EMBEDCORE_SPIN_US),
+    // and at most as long as the caller has worked so far (a worker that
+    // started late may need more than one chunk's time), so that spinning
+    // never costs more CPU than the work.
     if (spin_) {
       const auto now = std::chrono::steady_clock::now();
-      const auto spin_until = now + std::min(now - start, kCallerSpin);
+      const auto spin_until = now + std::min(now - start, spin_limit_);
       while ((remaining_.load(std::memory_order_acquire) != 0 || active_.load(std::memory_order_acquire) != 0) &&
              std::chrono::steady_clock::now() < spin_until) {
 #if defined(__x86_64__)
@@ -199,16 +217,18 @@ class Pool {
   }
   void Work() {
     uint64_t seen = 0;
-    std::chrono::steady_clock::duration spin = kWorkerSpinMin;
+    const auto shortest = std::min(kWorkerSpinMin, spin_limit_);
+    std::chrono::steady_clock::duration spin = shortest;
     for (;;) {
       // Spin a while before sleeping: back-to-back calls (serving, a benchmark,
       // a loop with a little Python between lookups) then start without waking
       // a sleeping thread, which takes tens of microseconds and, on this VM's
-      // idle vCPUs, sometimes over half a millisecond. A quarter of the last
-      // job's time (so at most a quarter more CPU than the work), within
-      // [100 us, 1 ms], while there are no more threads than CPUs (else
-      // 100 us): the Python around a 2-thread Zipf lookup of the
-      // PyTorch adapter (about 0.1 ms on cold caches) outlasted a fixed 100 us.
+      // idle vCPUs, sometimes over half a millisecond. A quarter of its own
+      // time in the last job (so at most a quarter more CPU than the work),
+      // within [100 us, the limit: 1 ms or $EMBEDCORE_SPIN_US], while there
+      // are no more threads than CPUs (else 100 us at most): the Python around
+      // a 2-thread Zipf lookup of the PyTorch adapter (about 0.1 ms on cold
+      // caches) outlasted a fixed 100 us.
       const auto spin_until = std::chrono::steady_clock::now() + spin;
       while (generation_.load(std::memory_order_acquire) == seen && !stopping_.load(std::memory_order_relaxed) &&
              std::chrono::steady_clock::now() < spin_until) {
@@ -231,7 +251,7 @@ class Pool {
       const auto start = std::chrono::steady_clock::now();
       Drain(*job, chunks);
       if (spin_)  // (with more threads than CPUs, a spinning worker would hold a CPU another one needs)
-        spin = std::clamp((std::chrono::steady_clock::now() - start) / 4, kWorkerSpinMin, kWorkerSpinMax);
+        spin = std::clamp((std::chrono::steady_clock::now() - start) / 4, shortest, spin_limit_);
       {
         std::lock_guard<std::mutex> l(m_);
         --active_;
@@ -249,9 +269,9 @@ class Pool {
   int chunks_ = 0;
   std::atomic<int> active_{0};  // workers in Drain; changed under m_, read by the spinning caller without it
   static constexpr std::chrono::steady_clock::duration kWorkerSpinMin = std::chrono::microseconds(100);
-  static constexpr std::chrono::steady_clock::duration kWorkerSpinMax = std::chrono::milliseconds(1);
-  static constexpr std::chrono::steady_clock::duration kCallerSpin = std::chrono::milliseconds(1);
-  bool spin_ = false;  // no more threads than CPUs: spinning takes no worker's CPU
+  const std::chrono::steady_clock::duration spin_limit_;  // SpinLimit()
+  // No more threads than CPUs and a spin limit above 0: spins may grow to the limit.
+  const bool spin_;
   std::atomic<uint64_t> generation_{0};  // written under m_, read by spinning workers without it
   bool stop_ = false;
   std::atomic<bool> stopping_{false};

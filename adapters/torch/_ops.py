@@ -232,7 +232,8 @@ def _whole_cpu_source(ids: List[Tensor], offsets: List[Tensor], weights: List[Te
         return None
     a, off = ids[0], offsets[0]
     bags = off.shape[0] - 1 if include_last_offset else off.shape[0]
-    if a.device.type != "cpu" or off.dtype != torch.int64 or segments[2] != bags or a.dim() != 1:
+    if (a.device.type != "cpu" or off.dtype != torch.int64 or a.dtype not in (torch.int32, torch.int64)
+            or segments[2] != bags or a.dim() != 1):
         return None
     # (Integer tensors never require grad: numpy() needs no detach.)
     if include_last_offset:

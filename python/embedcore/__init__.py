@@ -18,6 +18,21 @@ __version__ = _embedcore.__version__
 NotCompiledError = _embedcore.NotCompiledError
 
 
+def _check_spin_setting() -> None:
+    """The engine reads $EMBEDCORE_SPIN_US when its pool starts and ignores a
+    value it cannot use; say so here instead."""
+    import os
+    import re
+
+    v = os.environ.get("EMBEDCORE_SPIN_US", "")
+    if v and not (re.fullmatch(r"[0-9]+", v) and int(v) <= 1_000_000):
+        raise ValueError(f"environment variable EMBEDCORE_SPIN_US must be a whole number of microseconds "
+                         f"from 0 to 1000000, got {v!r}")
+
+
+_check_spin_setting()
+
+
 def set_num_threads(n: int) -> None:
     """Sets the number of threads the engine's kernels use (results never depend on it).
 
@@ -27,9 +42,16 @@ def set_num_threads(n: int) -> None:
     on at least ``n``, the pool keeps its threads off the CPU of the thread
     that calls it (their affinity: every CPU of that set but the caller's,
     updated at most every 10 ms), and gives them the whole set back for good
-    once anyone else sets their affinity. After a job, a pool thread spins
-    for a quarter of the job's time (100 us to 1 ms) before it sleeps, so
-    that back-to-back calls start at once.
+    once anyone else sets their affinity.
+
+    Spinning: after a job, a pool thread spins for a quarter of its own time
+    in the job (100 us to 1 ms; at most 100 us with more threads than CPUs)
+    before it sleeps, and the caller spins up to 1 ms (at most as long as it
+    worked) for the pool's last chunks, so that back-to-back calls start at
+    once. That holds a core a little longer after each call; where other
+    threads (a framework's own pool, other ranks) need every core, set the
+    environment variable ``EMBEDCORE_SPIN_US`` (read when the pool starts)
+    to a lower limit in microseconds, or 0 for none.
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"set_num_threads: n must be an int, got {n!r}")

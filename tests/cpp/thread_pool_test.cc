@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 #include <stdexcept>
@@ -201,6 +202,61 @@ EMBEDCORE_TEST(AForkedChildKeepsItsOwnAffinity) {
   EMBEDCORE_EXPECT_EQ(waitpid(child, &status, 0), child);
   EMBEDCORE_EXPECT_MSG(WIFEXITED(status) && WEXITSTATUS(status) == 0,
                        "the forked child's loop failed or its own affinity was changed (status " << status << ")");
+}
+
+// A thread's state letter from /proc (R running, S sleeping, ...), or '?'.
+char ThreadState(pid_t tid) {
+  std::ifstream f("/proc/self/task/" + std::to_string(tid) + "/stat");
+  std::string stat;
+  std::getline(f, stat);
+  const size_t paren = stat.rfind(')');  // "pid (comm) S ..."
+  return paren != std::string::npos && paren + 2 < stat.size() ? stat[paren + 2] : '?';
+}
+
+EMBEDCORE_TEST(NoSpinningWithSpinLimitZero) {
+  // EMBEDCORE_SPIN_US=0 (read when a pool starts): a worker sleeps as soon
+  // as its job is done. By default it would spin a quarter of its time in
+  // the job (here at least 0.5 ms) before it sleeps.
+  cpu_set_t all;
+  CPU_ZERO(&all);
+  sched_getaffinity(0, sizeof(all), &all);
+  if (CPU_COUNT(&all) < 2) {
+    std::printf("  (skipped: this test needs two CPUs)\n");
+    return;
+  }
+  RestoreThreads restore;
+  const char* before = std::getenv("EMBEDCORE_SPIN_US");
+  const std::string saved = before ? before : "";
+  setenv("EMBEDCORE_SPIN_US", "0", 1);
+  SetNumThreads(1);
+  SetNumThreads(2);
+  if (before) {
+    setenv("EMBEDCORE_SPIN_US", saved.c_str(), 1);
+  } else {
+    unsetenv("EMBEDCORE_SPIN_US");
+  }
+  const std::vector<pid_t> workers = ThreadsNamed("embedcore-1");
+  EMBEDCORE_EXPECT_EQ(workers.size(), size_t(1));
+  if (workers.size() != 1 || ThreadState(workers[0]) == '?') return;
+  bool slept_at_once = false;
+  for (int attempt = 0; attempt < 3 && !slept_at_once; ++attempt) {  // (a preempted worker may be late once)
+    std::atomic<int> worker_chunks{0};
+    ParallelChunks(8, 8, [&](int, int64_t, int64_t) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(2);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+      char name[16] = {0};
+      pthread_getname_np(pthread_self(), name, sizeof(name));
+      if (std::string(name) == "embedcore-1") worker_chunks.fetch_add(1);
+    });
+    if (worker_chunks.load() == 0) continue;  // it did not wake in time for a chunk: no spin to look for
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(300);
+    while (!slept_at_once && std::chrono::steady_clock::now() < until) {
+      slept_at_once = ThreadState(workers[0]) == 'S';
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  EMBEDCORE_EXPECT_MSG(slept_at_once, "with EMBEDCORE_SPIN_US=0 the worker was still running 300 us after its job");
 }
 
 EMBEDCORE_TEST(WorkersKeepTheirAffinityWhenThreadsOutnumberCpus) {

@@ -1,4 +1,5 @@
 """Lookups and updates from several Python threads (the engine releases the GIL)."""
+import os
 import threading
 import time
 
@@ -193,3 +194,31 @@ def test_changing_thread_count_during_lookups_and_updates(restore_threads):
         upd[0].apply_gradients(uids, uoffsets, grads, weights=uw)
     assert upd[0].values().tobytes() == upd[1].values().tobytes()
     assert upd[0].slots()["momenta"].tobytes() == upd[1].slots()["momenta"].tobytes()
+
+
+def test_spin_setting_is_checked_and_lookups_agree_without_spinning(tmp_path):
+    """EMBEDCORE_SPIN_US: a bad value is refused at import, naming it; 0
+    (no spinning) changes no result."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, embedcore as ec\n"
+            "ec.set_num_threads(2)\n"
+            "t = ec.Table(name='t', rows=1000, dim=8, initializer=ec.initializers.Uniform(-1, 1, seed=3))\n"
+            "ids = np.random.default_rng(0).integers(0, 1000, 40000)\n"
+            "np.save(r'%s', t.lookup(ids, np.arange(0, 40001, 8)))\n")
+    outs = []
+    for spin in ("0", "1000000", ""):
+        path = tmp_path / f"out{spin or 'default'}.npy"
+        env = dict(os.environ, EMBEDCORE_SPIN_US=spin)
+        r = subprocess.run([sys.executable, "-c", code % path], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        outs.append(np.load(path))
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    for bad in ("-5", "1.5", "abc", "1000001"):
+        env = dict(os.environ, EMBEDCORE_SPIN_US=bad)
+        r = subprocess.run([sys.executable, "-c", "import embedcore"], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode != 0
+        assert "ValueError: environment variable EMBEDCORE_SPIN_US must be a whole number" in r.stderr, r.stderr
+        assert repr(bad) in r.stderr

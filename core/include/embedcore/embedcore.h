@@ -216,7 +216,10 @@ constexpr int kMaxThreads = 4096;
 /// The caller works alongside n - 1 pool threads. On Linux, while the creating thread may run on at
 /// least two CPUs and at least n, the pool keeps its threads off the caller's CPU (their affinity:
 /// the creating thread's CPUs but the caller's one, updated at most every 10 ms), and gives them
-/// that whole set back for good once someone else changes a pool thread's affinity.
+/// that whole set back for good once someone else changes a pool thread's affinity. Pool threads
+/// spin after a job (a quarter of their time in it, 100 us to 1 ms) and the caller for the last
+/// chunks (up to 1 ms) before sleeping; $EMBEDCORE_SPIN_US, read when the pool starts, lowers that
+/// limit (microseconds; 0: no spinning).
 void SetNumThreads(int n);
 int GetNumThreads();
 
