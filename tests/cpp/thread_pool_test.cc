@@ -117,19 +117,24 @@ cpu_set_t Only(int cpu) {
   return set;
 }
 
+// The CPUs this thread may run on, as a set and a list; below two, says the
+// test is skipped and returns false.
+bool AtLeastTwoCpus(cpu_set_t* all, std::vector<int>* cpus) {
+  CPU_ZERO(all);
+  if (sched_getaffinity(0, sizeof(*all), all) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, all)) cpus->push_back(c);
+  if (cpus->size() >= 2) return true;
+  std::printf("  (skipped: this test needs two CPUs, the process may use %zu)\n", cpus->size());
+  return false;
+}
+
 }  // namespace
 
 EMBEDCORE_TEST(WorkersKeepOffTheCallersCpu) {
   cpu_set_t all;
-  CPU_ZERO(&all);
-  EMBEDCORE_EXPECT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
   std::vector<int> cpus;
-  for (int c = 0; c < CPU_SETSIZE; ++c)
-    if (CPU_ISSET(c, &all)) cpus.push_back(c);
-  if (cpus.size() < 2) {
-    std::printf("  (skipped: this test needs two CPUs, the process may use %zu)\n", cpus.size());
-    return;
-  }
+  if (!AtLeastTwoCpus(&all, &cpus)) return;
   RestoreThreads restore;
   SetNumThreads(1);
   SetNumThreads(2);  // a fresh pool, made by this (unpinned) thread: it steers over `all`
@@ -169,15 +174,8 @@ EMBEDCORE_TEST(AForkedChildKeepsItsOwnAffinity) {
   // The child has the pool's memory but not its workers (their handles there
   // name no thread of the child): the pool must not steer by them.
   cpu_set_t all;
-  CPU_ZERO(&all);
-  EMBEDCORE_EXPECT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
   std::vector<int> cpus;
-  for (int c = 0; c < CPU_SETSIZE; ++c)
-    if (CPU_ISSET(c, &all)) cpus.push_back(c);
-  if (cpus.size() < 2) {
-    std::printf("  (skipped: this test needs two CPUs, the process may use %zu)\n", cpus.size());
-    return;
-  }
+  if (!AtLeastTwoCpus(&all, &cpus)) return;
   RestoreThreads restore;
   SetNumThreads(1);
   SetNumThreads(2);
@@ -218,12 +216,8 @@ EMBEDCORE_TEST(NoSpinningWithSpinLimitZero) {
   // as its job is done. By default it would spin a quarter of its time in
   // the job (here at least 0.5 ms) before it sleeps.
   cpu_set_t all;
-  CPU_ZERO(&all);
-  sched_getaffinity(0, sizeof(all), &all);
-  if (CPU_COUNT(&all) < 2) {
-    std::printf("  (skipped: this test needs two CPUs)\n");
-    return;
-  }
+  std::vector<int> cpus;
+  if (!AtLeastTwoCpus(&all, &cpus)) return;
   RestoreThreads restore;
   const char* before = std::getenv("EMBEDCORE_SPIN_US");
   const std::string saved = before ? before : "";
