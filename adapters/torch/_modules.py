@@ -241,7 +241,7 @@ class _TableModule(_AdapterModule):
         on_cpu = weight.is_cpu  # (cheaper than comparing devices: this runs on caches a lookup left cold)
         for group, what in ((ids, "ids"), (offsets, "offsets"), (weights, "per_sample_weights")):
             for t in group:
-                if not t.is_cpu if on_cpu else t.device != weight.device:
+                if (not t.is_cpu) if on_cpu else (t.device != weight.device):
                     raise RuntimeError(f"Expected all tensors to be on the same device: the table of "
                                        f"{type(self).__name__} is on {weight.device}, {what} on {t.device}")
         if not torch.compiler.is_compiling() and weight.data_ptr() != self._values_ptr:
