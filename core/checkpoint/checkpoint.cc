@@ -33,6 +33,7 @@ using checkpoint::kHeaderBytes;
 namespace {
 
 constexpr size_t kChunkBytes = size_t(kBlockBytes) * 8;  // 32 MiB written or read per step
+constexpr size_t kWritePiece = size_t(256) << 10;          // written, then checksummed from L2
 
 checkpoint::FileHeader MakeHeader(checkpoint::FileKind kind) {
   checkpoint::FileHeader h;
@@ -115,10 +116,14 @@ std::vector<std::string> ListDirectory(const std::string& dir) {
 // Writes rows [row0, row0 + rows) of a [*, cols] array of `src_dtype` at `src`
 // as a data file of `dst_dtype`; returns its manifest entry. The file is
 // written but not yet fsynced (SaveCheckpoint syncs every file at the end).
-// A pipeline overlaps the work: while chunk k goes to write(), chunk k+1 is
-// converted (when casting) and checksummed by the thread pool, and writeback
-// of each chunk starts at once (sync_file_range) so that the final fsync is
-// short and the kernel never throttles a burst of dirty pages.
+// The threads of the pool write a chunk's blocks with pwrite, in pieces of
+// kWritePiece bytes, and checksum each piece right after write() has read it,
+// while it is still in the thread's L2 cache: about half the CPU time of a
+// checksum that reads the piece from memory first, and one pass over the
+// table instead of two. When casting (or staging a device table), chunk k+1 is
+// converted on another thread while chunk k is written. Writeback of each
+// chunk starts at once (sync_file_range), so that the final fsync is short and
+// the kernel never throttles a burst of dirty pages.
 FileEntry WriteDataFile(const std::string& dir, const std::string& name, const void* src, DType src_dtype,
                         DType dst_dtype, int64_t row0, int64_t rows, int64_t cols, int src_device = -1) {
   FileEntry f;
@@ -182,35 +187,49 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const v
       });
       chunk = out;
     }
+    return chunk;
+  };
+
+  // Writes chunk k from `chunk` and checksums its blocks.
+  auto write = [&](uint64_t k, const char* chunk) {
+    const uint64_t off = k * kChunkBytes;
+    const size_t n = size_t(std::min<uint64_t>(kChunkBytes, payload - off));
     const uint64_t b0 = off / kBlockBytes;
     ParallelFor(int64_t((n + kBlockBytes - 1) / kBlockBytes), 1, [&](int64_t a, int64_t b) {
       for (int64_t i = a; i < b; ++i) {
-        const size_t start = size_t(i) * kBlockBytes;
-        f.crc32c[b0 + uint64_t(i)] = checkpoint::Crc32c(chunk + start, std::min<size_t>(kBlockBytes, n - start));
+        const size_t start = size_t(i) * kBlockBytes, len = std::min<size_t>(kBlockBytes, n - start);
+        uint32_t crc = 0;
+        for (size_t o = start; o < start + len; o += kWritePiece) {
+          const size_t m = std::min(kWritePiece, start + len - o);
+          file.WriteAt(chunk + o, m, kDataOffset + off + o);
+          crc = checkpoint::Crc32c(chunk + o, m, crc);
+        }
+        f.crc32c[b0 + uint64_t(i)] = crc;
       }
     });
-    return chunk;
+    ::sync_file_range(file.fd(), off_t(kDataOffset + off), off_t(n), SYNC_FILE_RANGE_WRITE);  // a hint
   };
 
   const char* ready = chunks > 0 ? prepare(0) : nullptr;
   for (uint64_t k = 0; k < chunks; ++k) {
-    const uint64_t off = k * kChunkBytes;
-    const size_t n = size_t(std::min<uint64_t>(kChunkBytes, payload - off));
     const char* next = nullptr;
     std::exception_ptr next_error;
     std::thread ahead;
     if (k + 1 < chunks) {
-      ahead = std::thread([&] {
-        try {
-          next = prepare(k + 1);
-        } catch (...) {
-          next_error = std::current_exception();
-        }
-      });
+      if (cast || staged) {
+        ahead = std::thread([&] {
+          try {
+            next = prepare(k + 1);
+          } catch (...) {
+            next_error = std::current_exception();
+          }
+        });
+      } else {
+        next = prepare(k + 1);  // a pointer into the table: nothing to do
+      }
     }
     try {
-      file.WriteAll(ready, n);
-      ::sync_file_range(file.fd(), off_t(kDataOffset + off), off_t(n), SYNC_FILE_RANGE_WRITE);  // a hint
+      write(k, ready);
     } catch (...) {
       if (ahead.joinable()) ahead.join();
       throw;

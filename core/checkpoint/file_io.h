@@ -58,6 +58,21 @@ class File {
       n -= size_t(w);
     }
   }
+  /// Writes n bytes at `offset` (pwrite: threads may write parts of one file at once).
+  void WriteAt(const void* data, size_t n, uint64_t offset) {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t w = ::pwrite(fd_, p, n > (size_t(1) << 30) ? (size_t(1) << 30) : n, off_t(offset));
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        throw IoError(path_ + ": write failed: " + ErrnoText(errno));
+      }
+      if (w == 0) throw IoError(path_ + ": write failed: no byte written");
+      p += w;
+      n -= size_t(w);
+      offset += uint64_t(w);
+    }
+  }
   /// Reads exactly n bytes at `offset`; a short read means the file is truncated.
   void ReadAt(void* data, size_t n, uint64_t offset) const {
     char* p = static_cast<char*>(data);
