@@ -12,20 +12,32 @@ CooCheck CsrFromCooT(const I* indices, int64_t nnz, int64_t bags, int64_t width,
                      int64_t* positions) {
   CooCheck check;
   std::fill(offsets, offsets + bags + 1, int64_t(0));
-  int64_t prev_bag = 0, prev_pos = 0;
+  // The current run of one bag's entries is counted in `count`, stored to
+  // offsets[bag + 1] (the bag's entries so far) when the bag changes: a count
+  // kept in memory made each entry wait for the previous one's store.
+  int64_t prev_bag = 0, prev_pos = 0, count = 0;
   for (int64_t k = 0; k < nnz; ++k) {
     const int64_t bag = int64_t(indices[2 * k]), pos = int64_t(indices[2 * k + 1]);
     if (uint64_t(bag) >= uint64_t(bags) || uint64_t(pos) >= uint64_t(width)) {
       check.first_bad = k;
       return check;
     }
-    if (k > 0 && (bag < prev_bag || (bag == prev_bag && pos < prev_pos))) check.row_major = false;
-    if (pos != offsets[bag + 1]) check.dense_positions = false;  // offsets[bag + 1]: the bag's entries so far
+    if (k == 0 || bag != prev_bag) {
+      if (k > 0) {
+        offsets[prev_bag + 1] = count;
+        if (bag < prev_bag) check.row_major = false;
+      }
+      count = offsets[bag + 1];
+    } else if (pos < prev_pos) {
+      check.row_major = false;
+    }
+    if (pos != count) check.dense_positions = false;
     prev_bag = bag;
     prev_pos = pos;
-    ++offsets[bag + 1];
+    ++count;
     if (positions != nullptr) positions[k] = pos;
   }
+  if (nnz > 0) offsets[prev_bag + 1] = count;
   for (int64_t b = 0; b < bags; ++b) offsets[b + 1] += offsets[b];
   check.dense_positions = check.dense_positions && check.row_major;
   return check;

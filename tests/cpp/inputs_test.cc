@@ -52,6 +52,32 @@ EMBEDCORE_TEST(RowMajorEntriesGiveTheirCsrForm) {
   }
 }
 
+// Entries in any order (bags revisited, repeats): per-bag counts and both
+// flags as a plain per-entry count gives them.
+EMBEDCORE_TEST(EntriesInAnyOrderGiveCountsAndFlags) {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t bags = 1 + int64_t(rng() % 6), width = 1 + int64_t(rng() % 4);
+    std::vector<std::pair<int64_t, int64_t>> entries;
+    const size_t n = rng() % 12;
+    for (size_t k = 0; k < n; ++k) entries.emplace_back(int64_t(rng() % bags), int64_t(rng() % width));
+    if (trial % 2 == 0) std::sort(entries.begin(), entries.end());
+    std::vector<int64_t> seen(size_t(bags), 0);
+    bool dense = true;
+    for (const auto& [b, p] : entries) {
+      if (p != seen[size_t(b)]) dense = false;
+      ++seen[size_t(b)];
+    }
+    const bool row_major = std::is_sorted(entries.begin(), entries.end());
+    std::vector<int64_t> offsets, positions;
+    const CooCheck c = Run<int64_t>(entries, bags, width, offsets, positions);
+    EMBEDCORE_EXPECT_EQ(c.first_bad, -1);
+    EMBEDCORE_EXPECT_EQ(c.row_major, row_major);
+    EMBEDCORE_EXPECT_EQ(c.dense_positions, dense && row_major);
+    for (int64_t b = 0; b < bags; ++b) EMBEDCORE_EXPECT_EQ(offsets[size_t(b) + 1] - offsets[size_t(b)], seen[size_t(b)]);
+  }
+}
+
 EMBEDCORE_TEST(OrderAndBoundsAreReported) {
   std::vector<int64_t> offsets, positions;
   // Out of row-major order: same bag, positions falling; or bags falling.
