@@ -41,6 +41,13 @@ void BindCheckpoint(nb::module_& m) {
       "path"_a, "tables"_a, "include_optimizer"_a, "values_dtype"_a.none(), "metadata_json"_a,
       "Saves (table, config JSON) pairs atomically into the directory `path`.");
 
+  nb::class_<CheckpointLock>(m, "CheckpointLock",
+                             "flock on a checkpoint directory: exclusive for a save (creates the directory), "
+                             "shared for reads; see embedcore.h")
+      .def(nb::init<const std::string&, bool>(), "path"_a, "exclusive"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("held", &CheckpointLock::held)
+      .def("release", &CheckpointLock::Release);
+
   // Sharded checkpoints: each rank writes its shards, one rank commits.
   m.def(
       "next_generation",

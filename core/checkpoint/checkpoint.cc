@@ -1,5 +1,6 @@
 // Checkpoint save, load, verify and memory-mapped serving (format v1).
 #include <dirent.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -56,10 +57,14 @@ std::string HeaderProblem(const checkpoint::FileHeader& h, checkpoint::FileKind 
     return std::string("wrong magic (not an embedcore ") + (kind == checkpoint::FileKind::kData ? "data" : "manifest") +
            " file)";
   if (h.byte_order != checkpoint::kByteOrderMark) return "unknown byte order mark";
-  if (h.header_crc32c != checkpoint::Crc32c(&h, 60)) return "header checksum mismatch";
+  // The version before the checksum: a newer major version may lay out (and
+  // checksum) the rest of its header differently.
+  const bool header_ok = h.header_crc32c == checkpoint::Crc32c(&h, 60);
   if (h.format_major > kFormatMajor)
     return "format version " + std::to_string(h.format_major) + "." + std::to_string(h.format_minor) +
-           " is newer than this library reads (" + std::to_string(kFormatMajor) + ".x); upgrade embedcore";
+           " is newer than this library reads (" + std::to_string(kFormatMajor) + ".x); upgrade embedcore" +
+           (header_ok ? "" : " (or the header is corrupt: its checksum does not match)");
+  if (!header_ok) return "header checksum mismatch";
   if (h.format_major < 1) return "format version 0 was never released";
   if (h.header_bytes != kHeaderBytes) return "unexpected header size " + std::to_string(h.header_bytes);
   if (h.kind != uint8_t(kind)) return "unexpected file kind";
@@ -500,10 +505,41 @@ void CheckFilesPresent(const std::string& path, const CheckpointInfo& info) {
 
 }  // namespace
 
-uint64_t NextGeneration(const std::string& path) {
+namespace {
+void MakeCheckpointDirectory(const std::string& path) {
   if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) throw IoError(path + ": mkdir failed: " + checkpoint::ErrnoText(errno));
   struct stat st;
   if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw IoError(path + ": not a directory");
+}
+}  // namespace
+
+CheckpointLock::CheckpointLock(const std::string& path, bool exclusive) {
+  if (exclusive) MakeCheckpointDirectory(path);  // a save's lock: the directory it saves into
+  int fd;
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) return;  // not a directory (yet): the caller's next step says so
+  int rc;
+  do {
+    rc = ::flock(fd, exclusive ? LOCK_EX : LOCK_SH);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {  // no flock on this filesystem (ENOLCK, EOPNOTSUPP, EBADF on NFS): no lock
+    ::close(fd);
+    return;
+  }
+  fd_ = fd;
+}
+
+CheckpointLock::~CheckpointLock() { Release(); }
+
+void CheckpointLock::Release() noexcept {
+  if (fd_ >= 0) ::close(fd_);  // closing the last descriptor releases the flock
+  fd_ = -1;
+}
+
+uint64_t NextGeneration(const std::string& path) {
+  MakeCheckpointDirectory(path);
   // Above every one present, so no file of the live checkpoint is ever overwritten.
   uint64_t generation = 0;
   for (const std::string& name : ListDirectory(path)) {
@@ -595,6 +631,7 @@ void SaveCheckpoint(const std::string& path, const std::vector<TableToSave>& tab
     if (options.include_optimizer) CheckStep(*t.table);
   }
   checkpoint::ValidateJsonObject(options.metadata_json, "metadata");
+  CheckpointLock lock(path, true);  // no other save in this directory until the commit is done
   const uint64_t generation = NextGeneration(path);
 
   CheckpointInfo info;
@@ -630,7 +667,8 @@ CheckpointInfo ReadManifest(const std::string& path) {
   if (::stat(path.c_str(), &st) != 0) throw CheckpointError(path + ": no such checkpoint directory");
   if (!S_ISDIR(st.st_mode)) throw CheckpointError(path + ": not a checkpoint directory");
   const std::string manifest = JoinPath(path, checkpoint::kManifestName);
-  File file(manifest, O_RDONLY);
+  File file(manifest, O_RDONLY | O_NONBLOCK);  // a FIFO must not block the open
+  file.RequireRegular();
   const uint64_t size = file.Size();
   if (size < kHeaderBytes) throw CheckpointError(manifest + ": truncated (" + std::to_string(size) + " bytes)");
   checkpoint::FileHeader h;
@@ -845,7 +883,9 @@ void TouchRow(const M& m, int64_t row) {
 }
 }  // namespace
 
-MappedCheckpoint::MappedCheckpoint(const std::string& path, Verify verify) : info_(ReadCheckpointInfo(path)) {
+MappedCheckpoint::MappedCheckpoint(const std::string& path, Verify verify) {
+  CheckpointLock lock(path, false);  // while the files are opened: no save's commit removes them meanwhile
+  info_ = ReadCheckpointInfo(path);
   for (const TableEntry& t : info_.tables) {
     auto table = std::make_unique<MappedTable>();
     for (const FileEntry& entry : t.values) {

@@ -41,6 +41,12 @@ class File {
   int fd() const { return fd_; }
   const std::string& path() const { return path_; }
 
+  /// Throws CheckpointError unless this is a regular file (not a directory, FIFO or device).
+  void RequireRegular() const {
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) throw IoError(path_ + ": fstat failed: " + ErrnoText(errno));
+    if (!S_ISREG(st.st_mode)) throw CheckpointError(path_ + ": not a regular file");
+  }
   uint64_t Size() const {
     struct stat st;
     if (::fstat(fd_, &st) != 0) throw IoError(path_ + ": fstat failed: " + ErrnoText(errno));

@@ -386,6 +386,10 @@ bool IsUtf8(const std::string& s) {
 CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
   Reader r(file);
   if (!IsUtf8(text)) throw CheckpointError(file + ": the manifest is not valid UTF-8");
+  // JSON text has no raw NUL (a string holds one as \u0000); the parser would stop at one.
+  if (text.find('\0') != std::string::npos)
+    throw CheckpointError(file + ": the manifest holds a NUL byte at " + std::to_string(text.find('\0')) +
+                          " (not JSON text)");
   Json m;
   try {
     // A real manifest nests a few levels; refuse deep nesting before it costs stack or time.
@@ -469,7 +473,7 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
   const Json& metadata = r.Get(m, "metadata", "manifest");
   if (!metadata.is_object()) r.Fail("manifest.metadata", "must be an object");
   info.metadata_json = metadata.dump();
-  info.manifest_json = m.dump(1);
+  info.manifest_json = text;  // as written: a re-indented dump of a wide, deep manifest could be many times larger
   return info;
 }
 

@@ -9,6 +9,7 @@ leaves the target unchanged).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -175,6 +176,19 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
     _embedcore.save(path, pairs, bool(include_optimizer), values_dtype, json.dumps(_metadata(obj)))
 
 
+@contextlib.contextmanager
+def _locked(path: str, exclusive: bool):
+    """The checkpoint directory's lock (``flock``) for the block: exclusive
+    for a save (creating the directory), shared for a read, so that two
+    saves into one directory run one after the other and a save's commit
+    never removes a file a load is reading (see docs/format.md, Concurrency)."""
+    lock = _embedcore.CheckpointLock(path, exclusive)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def read_info(path):
     """The validated manifest of the checkpoint at `path` (reads no values)."""
     return _embedcore.read_info(os.fsdecode(path))
@@ -194,6 +208,12 @@ def load(path, into, include_optimizer: bool = True) -> None:
     """
     if hasattr(into, "_sharded_load"):  # collective: every rank reads only the blocks it owns
         return into._sharded_load(path, include_optimizer)
+    path = os.fsdecode(path)
+    with _locked(path, exclusive=False):  # no save's commit removes these files meanwhile
+        _load(path, into, include_optimizer)
+
+
+def _load(path: str, into, include_optimizer: bool) -> None:
     info = read_info(path)
     names = list(info.table_names)
     tables = _tables_of(into)

@@ -80,6 +80,13 @@ def _inspect(path: str, as_json: bool) -> int:
 
 
 def _verify(path: str) -> int:
+    from .checkpoint import _locked
+
+    with _locked(os.fsdecode(path), exclusive=False):  # no save's commit removes the files meanwhile
+        return _verify_locked(path)
+
+
+def _verify_locked(path: str) -> int:
     from . import _embedcore
     from .checkpoint import read_info
 

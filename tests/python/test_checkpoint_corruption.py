@@ -310,6 +310,20 @@ def test_newer_major_version_in_a_data_file_header(ckpt, pristine, target):
     assert_serving_fails(ckpt, name)
 
 
+@pytest.mark.parametrize("which", ["MANIFEST", "values"])
+def test_newer_major_version_with_another_header_layout(ckpt, pristine, target, which):
+    """A newer major version may checksum its header differently: the reader
+    says it is newer (and may be corrupt), not only that the checksum fails."""
+    name = pristine["files"][which]
+    raw = (ckpt / name).read_bytes()
+    h = unpack_header(raw)
+    h["major"], h["header_crc"] = 3, 0x12345678
+    (ckpt / name).write_bytes(pack_header(h, seal=False) + raw[HEADER_BYTES:])
+    msg = assert_load_fails(ckpt, target, name, match=f"format version 3.{h['minor']} is newer")
+    assert "or the header is corrupt" in msg
+    assert "newer" in assert_serving_fails(ckpt, name)
+
+
 def test_version_zero_is_refused(ckpt, target):
     m = read_manifest(ckpt)
     m["format_version"] = [0, 9]
@@ -762,6 +776,58 @@ def test_nested_manifest_json_costs_no_more_than_its_size(ckpt):
     _nest_in_manifest(ckpt, "top level", 20_000)
     seconds, grown_mib = _load_and_serve_in_a_child(ckpt)
     assert seconds < 1.0 and grown_mib < 50, f"{seconds:.1f} s, {grown_mib:.0f} MiB for a 40 KB manifest"
+
+
+def test_a_nul_byte_after_the_manifest_json_is_refused(ckpt, target):
+    """Valid JSON, then a NUL and anything: not JSON text (valid checksums)."""
+    write_manifest(ckpt, read_manifest_json(ckpt) + b"\0 trailing garbage")
+    assert_load_fails(ckpt, target, "MANIFEST", match="NUL byte")
+    assert_serving_fails(ckpt, "MANIFEST")
+
+
+def test_manifest_json_is_the_text_as_written(ckpt):
+    """read_info hands back the manifest as it is on disk, not a re-indented
+    dump (which, for a wide array nested 30 deep, was 40x the file)."""
+    text = read_manifest_json(ckpt).decode()
+    wide = "[" * 30 + ",".join(["0"] * 1000) + "]" * 30
+    text = text.replace('"metadata": {', '"metadata": {"x": ' + wide + ", ", 1)
+    write_manifest(ckpt, text.encode())
+    assert ec.checkpoint.read_info(ckpt).manifest_json == text
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_manifest_that_is_not_a_regular_file(tmp_path, kind):
+    """MANIFEST a FIFO (an open() for reading would wait for a writer forever)
+    or a directory: load, serving and verify raise CheckpointError at once,
+    and a save replaces it. In a child, so that a hang fails this test."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    if kind == "fifo":
+        os.mkfifo(path / "MANIFEST")
+    else:
+        (path / "MANIFEST").mkdir()
+    code = f"""
+import embedcore as ec, embedcore.cli, numpy as np
+p = {str(path)!r}
+t = ec.Table(name="t", rows=4, dim=2)
+for call in (lambda: ec.load(p, into=t), lambda: ec.serving.open(p), lambda: ec.checkpoint.read_info(p)):
+    try:
+        call()
+        print("no error")
+    except ec.CheckpointError as e:
+        assert "MANIFEST: not a regular file" in str(e), e
+        print("refused")
+assert embedcore.cli.main(["verify", p]) == 1
+"""
+    r = _run_isolated(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["refused"] * 3, r.stdout
+    if kind == "fifo":  # a directory named MANIFEST cannot be renamed over
+        t = make_table(seed=3)
+        ec.save(path, t)
+        u = make_table(seed=4)
+        ec.load(path, into=u)
+        assert_same_state(u, snapshot(t))
 
 
 SERVING_FORGERIES = [

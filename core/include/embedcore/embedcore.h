@@ -461,8 +461,34 @@ void VerifyTable(const CheckpointInfo& info, const TableEntry& entry, bool inclu
 /// VerifyTable for every table, slots included. Throws CheckpointError.
 void VerifyCheckpoint(const CheckpointInfo& info, bool check_finite);
 
+/// A lock on a checkpoint directory: flock(2) on the directory itself, held
+/// until destroyed or Release(). Saves hold it exclusive from choosing their
+/// generation to the end of their commit; loads, verification and opening for
+/// serving hold it shared while they read. So two saves into one directory run
+/// one after the other, and a save's commit never removes a file a load is
+/// reading. Blocks until granted. An exclusive lock (a save's) creates the
+/// directory when it is missing (IoError when it cannot). Takes no lock when
+/// `path` is not a directory (the call that follows reports that) or the
+/// filesystem has no flock (some network filesystems): then concurrent saves
+/// into one directory are unsafe.
+/// Not reentrant: a thread holding a lock on a directory must not take another
+/// on the same directory.
+class CheckpointLock {
+ public:
+  CheckpointLock(const std::string& path, bool exclusive);
+  ~CheckpointLock();
+  CheckpointLock(const CheckpointLock&) = delete;
+  CheckpointLock& operator=(const CheckpointLock&) = delete;
+  bool held() const { return fd_ >= 0; }
+  void Release() noexcept;
+
+ private:
+  int fd_ = -1;
+};
+
 // Sharded checkpoints: every rank writes its own shards' files, one rank
-// commits the manifest that names them all (see docs/format.md).
+// commits the manifest that names them all (see docs/format.md). Rank 0 holds
+// the exclusive CheckpointLock from NextGeneration to CommitCheckpoint.
 
 /// Creates the directory `path` if needed and returns a generation above
 /// every one present there (in its manifest or in any file name).

@@ -18,7 +18,7 @@ import os
 from typing import List, Optional
 
 from .. import _embedcore
-from ..checkpoint import FORMAT_VERSION, CheckpointError, _metadata, _optimizer_json, _initializer_json
+from ..checkpoint import FORMAT_VERSION, CheckpointError, _locked, _metadata, _optimizer_json, _initializer_json
 from ._comm import RankFailedError, agree
 from ._plan import make_plan
 
@@ -52,8 +52,15 @@ def _merge(base: dict, pieces: List[dict]) -> dict:
 
 
 def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Optional[str] = None) -> None:
-    comm = emb.world
     path = os.fsdecode(path)
+    # Rank 0 holds the directory's lock from the generation to the commit (the other ranks' writes are part
+    # of its save).
+    with (_locked(path, exclusive=True) if emb.world.rank == 0 else contextlib.nullcontext()):
+        _save_sharded(path, emb, include_optimizer, values_dtype)
+
+
+def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optional[str]) -> None:
+    comm = emb.world
     error, generation = None, None
     if comm.rank == 0:
         try:
@@ -119,10 +126,16 @@ def _removed_on_failure(path: str, generation: int):
 
 
 def load_sharded(path, emb, include_optimizer: bool = True) -> None:
+    path = os.fsdecode(path)
+    with _locked(path, exclusive=False):  # no save's commit removes these files meanwhile
+        _load_sharded(path, emb, include_optimizer)
+
+
+def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
     comm = emb.world
     error, plan = None, []
     try:
-        info = _embedcore.read_info(os.fsdecode(path))
+        info = _embedcore.read_info(path)
         names = list(info.table_names)
         for (ti, si), table in sorted(emb._local.items()):
             eff = emb._effective[emb._configs[ti]]
@@ -163,14 +176,40 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
     if isinstance(max_file_bytes, bool) or not isinstance(max_file_bytes, int) or max_file_bytes < 0:
         raise ValueError(f"reshard: max_file_bytes must be an int >= 0, got {max_file_bytes!r}")
     src, dst = os.fsdecode(src), os.fsdecode(dst)
-    info = _embedcore.read_info(src)
-    manifest = json.loads(info.manifest_json)
-    specs = [(t["name"], t["rows"], t["dim"], t["dtype"], len(t["slots"])) for t in manifest["tables"]]
-    layout = make_plan(specs, world_size, plan)
-    generation = _embedcore.next_generation(dst)
-    with _removed_on_failure(dst, generation):
-        _reshard_into(info, manifest, layout, dst, generation, world_size, max_file_bytes)
+
+    def planned():
+        info = _embedcore.read_info(src)
+        manifest = json.loads(info.manifest_json)
+        specs = [(t["name"], t["rows"], t["dim"], t["dtype"], len(t["slots"])) for t in manifest["tables"]]
+        return info, manifest, make_plan(specs, world_size, plan)
+
+    planned()  # bad arguments are refused before dst is created
+    with _reshard_locks(src, dst):
+        info, manifest, layout = planned()  # again: a save may have replaced src meanwhile
+        generation = _embedcore.next_generation(dst)
+        with _removed_on_failure(dst, generation):
+            _reshard_into(info, manifest, layout, dst, generation, world_size, max_file_bytes)
     return layout.describe()
+
+
+@contextlib.contextmanager
+def _reshard_locks(src: str, dst: str):
+    """src's lock shared and dst's exclusive; one exclusive lock when they are
+    one directory (two locks on one directory would wait for each other).
+    Taken in the order of the directories' identities, so that two reshards
+    in opposite directions cannot each hold what the other waits for."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_locked(dst, exclusive=True))  # creates dst: both now exist (or src is missing)
+        try:
+            same = os.path.samefile(src, dst)
+        except OSError:
+            same = False  # src missing: read_info says so
+        if not same:
+            stack.close()
+            key = {p: (st.st_dev, st.st_ino) for p, st in ((p, os.stat(p)) for p in (src, dst) if os.path.isdir(p))}
+            for p in sorted((src, dst), key=lambda p: key.get(p, (0, 0))):
+                stack.enter_context(_locked(p, exclusive=p == dst))
+        yield
 
 
 def _reshard_into(info, manifest: dict, layout, dst: str, generation: int, world_size: int,
