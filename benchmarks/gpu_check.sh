@@ -13,13 +13,15 @@
 # architectures (default: the GPU's own, from nvidia-smi, else 90). The package is
 # built into $PKG (default /tmp/gpu_check_pkg), outside $OUT, which holds only
 # the logs and the JSON. The GPU tests, the NCCL tests and the benchmark are
-# stopped after GPU_TESTS_TIMEOUT (default 200), GPU_NCCL_TIMEOUT (60) and
-# GPU_BENCH_TIMEOUT (240) seconds, so that a hang still leaves time for the rest.
+# stopped after GPU_TESTS_TIMEOUT (default 150), GPU_NCCL_TIMEOUT (45) and
+# GPU_BENCH_TIMEOUT (180) seconds, so that a hang still leaves time for the rest
+# and the whole run, build included, stays under 8 minutes.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1  # output reaches the logs as it happens, also if a time limit stops the run
 START=$SECONDS
 PY=${PYTHON:-python3}
+export PATH="$PATH:/usr/local/cuda/bin"  # where the toolkit usually is, if not on PATH already
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 say() { printf '\n=== [%4ds] %s\n' "$((SECONDS - START))" "$*"; }
@@ -43,16 +45,21 @@ PYEOF
 # The build only reads the header the wheel ships (CMakeLists.txt finds the
 # package with find_spec): its own Python dependency (importlib-resources) is
 # not needed, and an offline machine may not have it, hence --no-deps.
+# Installed into a folder of its own (on PYTHONPATH, which the build's CMake
+# inherits): the machine's Python environment may not be writable.
 if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('nlohmann_json') is None)"; then
-  "$PY" -m pip install -q --no-deps --no-index --find-links .whl nlohmann-json ||
-    "$PY" -m pip install -q --no-deps --retries 0 --timeout 5 nlohmann-json ||
+  DEPS=${DEPS:-/tmp/gpu_check_deps}
+  PIP=("$PY" -m pip install -q --disable-pip-version-check --no-deps --no-compile --target "$DEPS")
+  "${PIP[@]}" --no-index --find-links .whl nlohmann-json ||
+    "${PIP[@]}" --retries 0 --timeout 5 nlohmann-json ||
     { echo "gpu_check: nlohmann-json is missing: put its wheel in .whl/ (see the header)"; exit 1; }
+  export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 PKG=${PKG:-/tmp/gpu_check_pkg}
 say "build the CUDA variant (EMBEDCORE_CUDA=ON, sm_$ARCH) into $PKG"
 rm -rf "$PKG"
-"$PY" -m pip install --no-deps --no-build-isolation --target "$PKG" \
+"$PY" -m pip install --disable-pip-version-check --no-deps --no-build-isolation --target "$PKG" \
   -C cmake.define.EMBEDCORE_CUDA=ON -C "cmake.define.CMAKE_CUDA_ARCHITECTURES=$ARCH" \
   -C build-dir=build/gpu-check . 2>&1 | tee "$OUT/build.log" | tail -3
 export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
@@ -85,17 +92,17 @@ run_tests() {  # name, seconds, pytest arguments...
   return 0
 }
 say "GPU tests (tests/python/test_cuda.py, test_torch_cuda.py: the same bodies on cpu and cuda)"
-run_tests tests "${GPU_TESTS_TIMEOUT:-200}" -k "not nccl" tests/python/test_cuda.py tests/python/test_torch_cuda.py
+run_tests tests "${GPU_TESTS_TIMEOUT:-150}" -k "not nccl" tests/python/test_cuda.py tests/python/test_torch_cuda.py
 say "NCCL tests (world size 1)"
-run_tests tests_nccl "${GPU_NCCL_TIMEOUT:-60}" -k nccl tests/python/test_cuda.py
+run_tests tests_nccl "${GPU_NCCL_TIMEOUT:-45}" -k nccl tests/python/test_cuda.py
 
 say "GPU benchmark W1g (benchmarks/bench_gpu.py)"
 set +e
-timeout --kill-after=10 "${GPU_BENCH_TIMEOUT:-240}" "$PY" benchmarks/bench_gpu.py --json "$OUT/gpu.json" 2>&1 |
+timeout --kill-after=10 "${GPU_BENCH_TIMEOUT:-180}" "$PY" benchmarks/bench_gpu.py --json "$OUT/gpu.json" 2>&1 |
   tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 set -e
-[ "$bench_rc" -eq 124 ] && echo "gpu_check: the benchmark ran past ${GPU_BENCH_TIMEOUT:-240} s and was stopped"
+[ "$bench_rc" -eq 124 ] && echo "gpu_check: the benchmark ran past ${GPU_BENCH_TIMEOUT:-180} s and was stopped"
 
 say "done in $((SECONDS - START)) s; tests exit $tests_rc, benchmark exit $bench_rc"
 [ "$tests_rc" -ne 0 ] && exit "$tests_rc"
