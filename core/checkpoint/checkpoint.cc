@@ -48,6 +48,12 @@ checkpoint::FileHeader MakeHeader(checkpoint::FileKind kind) {
   return h;
 }
 
+std::string FormatFloat(float x) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.9g", double(x));
+  return buf;
+}
+
 void SealHeader(checkpoint::FileHeader& h) { h.header_crc32c = checkpoint::Crc32c(&h, 60); }
 
 // Checks the fixed fields every header shares; returns why it is bad, or "".
@@ -129,8 +135,12 @@ std::vector<std::string> ListDirectory(const std::string& dir) {
 // converted on another thread while chunk k is written. Writeback of each
 // chunk starts at once (sync_file_range), so that the final fsync is short and
 // the kernel never throttles a burst of dirty pages.
-FileEntry WriteDataFile(const std::string& dir, const std::string& name, const void* src, DType src_dtype,
-                        DType dst_dtype, int64_t row0, int64_t rows, int64_t cols, int src_device = -1) {
+// `label` names the array in errors ("table 'x' values"). A value that the
+// cast to `dst_dtype` would make infinite (a float32 beyond float16's range)
+// fails the save.
+FileEntry WriteDataFile(const std::string& dir, const std::string& name, const std::string& label, const void* src,
+                        DType src_dtype, DType dst_dtype, int64_t row0, int64_t rows, int64_t cols,
+                        int src_device = -1) {
   FileEntry f;
   f.path = name;
   f.dtype = dst_dtype;
@@ -167,6 +177,7 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const v
   if (staged) stage[0].resize(kChunkBytes * 2), stage[1].resize(kChunkBytes * 2);  // src_es <= 2 * dst_es
   const auto& load = kernels::ActiveKernels().dtype[int(src_dtype)].load;
   const auto& store = kernels::ActiveKernels().dtype[int(dst_dtype)].store;
+  const auto& load_back = kernels::ActiveKernels().dtype[int(dst_dtype)].load;
   const uint64_t chunks = (payload + kChunkBytes - 1) / kChunkBytes;
 
   // Makes chunk k ready to write: converted (when casting) and checksummed.
@@ -183,11 +194,21 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const v
     if (cast) {
       char* out = buf[k % 2].data();
       ParallelFor(int64_t(n / dst_es), 1 << 16, [&](int64_t a, int64_t b) {
-        float tmp[1024];
+        float tmp[1024], back[1024];
         for (int64_t i = a; i < b; i += 1024) {
           const int64_t m = std::min<int64_t>(1024, b - i);
           load(src_chunk + uint64_t(i) * src_es, tmp, m);
           store(out + size_t(i) * dst_es, tmp, m);
+          load_back(out + size_t(i) * dst_es, back, m);
+          for (int64_t j = 0; j < m; ++j) {
+            if (std::isfinite(back[j]) || !std::isfinite(tmp[j])) continue;
+            const uint64_t e = e0 + uint64_t(i + j);
+            throw InvalidArgument("save: " + label + " hold " + FormatFloat(tmp[j]) + " at row " +
+                                  std::to_string(row0 + int64_t(e / uint64_t(cols))) + ", column " +
+                                  std::to_string(e % uint64_t(cols)) + ", beyond the range of " +
+                                  DTypeName(dst_dtype) + "; export as float32" +
+                                  (dst_dtype == DType::kFloat16 ? " or bfloat16" : ""));
+          }
         }
       });
       chunk = out;
@@ -538,8 +559,28 @@ void CheckpointLock::Release() noexcept {
   fd_ = -1;
 }
 
+namespace {
+// A MANIFEST that is not an embedcore manifest (by its magic; a short or
+// corrupt one of ours may be replaced) belongs to the user: a save would
+// replace it, so it refuses.
+void CheckManifestIsOurs(const std::string& path) {
+  const std::string manifest = JoinPath(path, checkpoint::kManifestName);
+  struct stat st;
+  if (::lstat(manifest.c_str(), &st) != 0) return;  // none yet
+  const std::string refuse = manifest + ": not an embedcore manifest (";
+  const std::string advice = "); a save here would replace it: move it away or save elsewhere";
+  if (!S_ISREG(st.st_mode)) throw CheckpointError(refuse + "not a regular file" + advice);
+  if (st.st_size < 8) return;
+  File file(manifest, O_RDONLY | O_NONBLOCK);
+  char magic[8];
+  file.ReadAt(magic, sizeof(magic), 0);
+  if (std::memcmp(magic, checkpoint::kManifestMagic, 8) != 0) throw CheckpointError(refuse + "another magic" + advice);
+}
+}  // namespace
+
 uint64_t NextGeneration(const std::string& path) {
   MakeCheckpointDirectory(path);
+  CheckManifestIsOurs(path);
   // Above every one present, so no file of the live checkpoint is ever overwritten.
   uint64_t generation = 0;
   for (const std::string& name : ListDirectory(path)) {
@@ -594,8 +635,8 @@ TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const s
   e.sharding_json = "{}";
   e.config_json = "{}";
   auto write = [&](const std::string& array, const void* src, DType src_dtype, DType dst_dtype) {
-    FileEntry f = WriteDataFile(path, prefix + array + tag, src, src_dtype, dst_dtype, 0, spec.rows, spec.dim,
-                                spec.device);
+    FileEntry f = WriteDataFile(path, prefix + array + tag, "table '" + spec.name + "' " + array, src, src_dtype,
+                                dst_dtype, 0, spec.rows, spec.dim, spec.device);
     f.row_start = row_start;
     f.col_start = col_start;
     SyncFile(JoinPath(path, f.path));  // its writeback started as it was written: this is short

@@ -167,13 +167,27 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
     """
     if hasattr(obj, "_sharded_save"):  # collective: every rank writes its own shards
         return obj._sharded_save(path, include_optimizer, values_dtype)
-    path = os.fsdecode(path)
+    path = native_path(path)
     if values_dtype is not None and values_dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"values_dtype must be 'float32', 'float16' or 'bfloat16', got {values_dtype!r}")
     tables = _tables_of(obj)
     configs = {id(t): t.config for t in tables}
     pairs = [(t._native, json.dumps(_table_config_json(configs[id(t)], t))) for t in tables]
     _embedcore.save(path, pairs, bool(include_optimizer), values_dtype, json.dumps(_metadata(obj)))
+
+
+def native_path(path, what: str = "path") -> str:
+    """`path` (str, bytes or os.PathLike) as the str the engine takes; a
+    ValueError names a path with a NUL byte (the system would cut it there)
+    or one whose bytes are not UTF-8 (the engine's paths are UTF-8)."""
+    p = os.fsdecode(path)
+    if "\0" in p:
+        raise ValueError(f"{what} {p!r} contains a NUL byte")
+    try:
+        p.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} {p!r} is not valid UTF-8; embedcore takes UTF-8 paths") from None
+    return p
 
 
 @contextlib.contextmanager
@@ -191,7 +205,7 @@ def _locked(path: str, exclusive: bool):
 
 def read_info(path):
     """The validated manifest of the checkpoint at `path` (reads no values)."""
-    return _embedcore.read_info(os.fsdecode(path))
+    return _embedcore.read_info(native_path(path))
 
 
 def load(path, into, include_optimizer: bool = True) -> None:
@@ -208,7 +222,7 @@ def load(path, into, include_optimizer: bool = True) -> None:
     """
     if hasattr(into, "_sharded_load"):  # collective: every rank reads only the blocks it owns
         return into._sharded_load(path, include_optimizer)
-    path = os.fsdecode(path)
+    path = native_path(path)
     with _locked(path, exclusive=False):  # no save's commit removes these files meanwhile
         _load(path, into, include_optimizer)
 

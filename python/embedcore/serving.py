@@ -12,11 +12,17 @@ Checksums (``verify``):
   The manifest, headers and file sizes are checked on open.
 - ``"eager"``: every block is checksummed on open.
 - ``False``: no data checksums (headers and sizes are still checked).
+
+The mapped files must not be truncated or rewritten in place while they are
+served: touching a page of a truncated mapping ends the process with SIGBUS,
+and bytes rewritten after their block was verified are served unchecked.
+embedcore's own saves do neither (they write new files, rename a new
+manifest and delete the old files, which a served checkpoint keeps reading
+until it is closed); tools that rewrite files in place do.
 """
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Hashable
 from typing import Dict, Optional
 
@@ -24,7 +30,7 @@ import numpy as np
 
 from . import _embedcore
 from . import _nest
-from .checkpoint import CheckpointError, config_from_json
+from .checkpoint import CheckpointError, config_from_json, native_path
 from .config import FeatureConfig
 from .embedding import FeatureLookup
 from .table import LookupMixin, _bfloat16_dtype
@@ -82,7 +88,7 @@ class ServedCheckpoint(FeatureLookup):
     def __init__(self, path, verify=True):
         if not isinstance(verify, Hashable) or verify not in _VERIFY:
             raise ValueError(f"verify must be True, 'lazy', 'eager' or False, got {verify!r}")
-        self._mapped = _embedcore.MappedCheckpoint(os.fsdecode(path), _VERIFY[verify])
+        self._mapped = _embedcore.MappedCheckpoint(native_path(path), _VERIFY[verify])
         try:
             self._describe(self._mapped.info)
         except CheckpointError:

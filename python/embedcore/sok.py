@@ -24,7 +24,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, native_path
 
 __all__ = ["SokVariable", "read_dump", "to_tables", "convert"]
 
@@ -84,7 +84,7 @@ def _keys_as_rows(keys: np.ndarray, where: str) -> np.ndarray:
 
 def read_dump(src, dim: Optional[int] = None, key_dtype: Optional[str] = None) -> Dict[str, SokVariable]:
     """Reads every SOK variable dumped in the directory `src` (v1 and v2)."""
-    src = os.fsdecode(src)
+    src = native_path(src, "src")
     if not os.path.isdir(src):
         raise CheckpointError(f"{src}: not a directory of SOK dump files")
     names = sorted(os.listdir(src))
@@ -188,30 +188,59 @@ def to_tables(variables: Dict[str, SokVariable], rows: Optional[int] = None):
 
     tables = []
     for name, v in variables.items():
+        dim = v.values.shape[1]
+        if rows is None and v.keys.size:
+            implied = int(v.keys.max()) + 1
+            # Keys map to rows: a hashed key (SOK's usual 64-bit keys) would ask for an absurd table.
+            if implied * dim * 4 > max(_MAX_IMPLIED_BYTES, 16 * v.values.nbytes):
+                raise CheckpointError(
+                    f"SOK variable {name!r}: key {implied - 1} makes a table of {implied} rows x {dim} "
+                    f"({implied * dim * 4 / 2**30:.1f} GiB) for {v.keys.size} keys; keys map to rows, so pass "
+                    "rows= (--rows) to size the table on purpose, or map hashed keys to rows first")
         n_rows = rows if rows is not None else (int(v.keys.max()) + 1 if v.keys.size else 1)
         if v.keys.size and int(v.keys.max()) >= n_rows:
             raise CheckpointError(f"SOK variable {name!r}: key {int(v.keys.max())} >= rows {n_rows}")
-        uniq = np.unique(v.keys)
-        if uniq.size != v.keys.size:
+        order = np.argsort(v.keys, kind="stable")
+        keys = v.keys[order]
+        if keys.size > 1 and (keys[1:] == keys[:-1]).any():
             raise CheckpointError(f"SOK variable {name!r}: duplicate keys")
         optimizer = None
         mapping = _SLOT_NAMES.get((v.optimizer or "").lower())
         if v.slots and mapping is not None:
             optimizer = {"adagrad": _opt.Adagrad, "adam": _opt.Adam, "ftrl": _opt.FTRL}[v.optimizer.lower()]()
-        table = Table(TableConfig(name, n_rows, v.values.shape[1], "float32", Zeros(), optimizer, "sum"))
-        full = np.zeros((n_rows, table.dim), np.float32)
-        full[v.keys] = v.values
-        table.assign(full)
+        table = Table(TableConfig(name, n_rows, dim, "float32", Zeros(), optimizer, "sum"))
+        _scatter(keys, v.values[order], table.dim, lambda block, r0: table.assign(block, r0),
+                 lambda r0, r1: np.zeros((r1 - r0, table.dim), np.float32))
         if optimizer is not None:
             for sok_slot, arr in v.slots.items():
                 ours = mapping.get(sok_slot.lower())
                 if ours is None or ours not in table.slot_names:
                     continue
-                full_slot = np.array(table.slots()[ours])  # untouched rows keep their initial value
-                full_slot[v.keys] = arr
-                table.assign_slot(ours, full_slot)
+                slot = table.slots()[ours]  # untouched rows keep their initial value
+                _scatter(keys, arr[order], table.dim, lambda block, r0, ours=ours: table.assign_slot(ours, block, r0),
+                         lambda r0, r1, slot=slot: np.array(slot[r0:r1]))
         tables.append(table)
     return tables
+
+
+_MAX_IMPLIED_BYTES = 1 << 30  # a table a dump of few keys may imply without rows=
+
+
+def _scatter(keys: np.ndarray, values: np.ndarray, dim: int, assign, current) -> None:
+    """Writes values[i] into row keys[i] (keys sorted) through `assign(block,
+    row0)`, a block of at most 64 MiB of rows at a time, and only the blocks
+    that hold keys (`current(r0, r1)` gives a block's rows as they are): no
+    copy of the whole table."""
+    span = max(1, (64 << 20) // (4 * dim))
+    i = 0
+    while i < keys.size:
+        r0 = int(keys[i])
+        j = int(np.searchsorted(keys, r0 + span, side="left"))
+        r1 = int(keys[j - 1]) + 1
+        block = current(r0, r1)
+        block[keys[i:j] - r0] = values[i:j]
+        assign(block, r0)
+        i = j
 
 
 def convert(src, dst, dim: Optional[int] = None, key_dtype: Optional[str] = None, rows: Optional[int] = None,

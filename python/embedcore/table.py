@@ -16,6 +16,10 @@ _COMBINER_CODE = {"sum": 0, "mean": 1, "sqrtn": 2, None: 3}
 _DEFAULT = object()
 
 
+# The smallest magnitude that rounds (to nearest even) to infinity in each narrow storage dtype.
+_ROUNDS_TO_INF = {"float16": 65520.0, "bfloat16": float.fromhex("0x1.ffp+127")}
+
+
 def _bfloat16_dtype():
     try:
         import ml_dtypes  # optional; ships with TensorFlow and JAX
@@ -438,7 +442,9 @@ class Table(LookupMixin):
     def assign(self, values, start_row: int = 0) -> None:
         """Overwrites rows ``[start_row, start_row + len(values))`` (float
         values, rounded to the storage dtype). Values must be finite (a
-        checkpoint holding others fails ``embedcore verify``)."""
+        checkpoint holding others fails ``embedcore verify``), also once
+        rounded: a float16 table takes magnitudes below 65520 (largest
+        65504), a bfloat16 one below about 3.396e38."""
         v = as_float32(values, "values")
         if v.ndim != 2 or v.shape[1] != self.dim:
             raise ValueError(f"table '{self._name}': values must have shape [n, {self.dim}], got {v.shape}")
@@ -448,6 +454,13 @@ class Table(LookupMixin):
             r, c = (int(x) for x in np.argwhere(~finite)[0])
             given = "" if isinstance(values, np.ndarray) and values.dtype == np.float32 else " (as float32)"
             raise ValueError(f"table '{self._name}': values[{r}, {c}] = {v[r, c]}{given} is not finite")
+        limit = _ROUNDS_TO_INF.get(self.dtype)
+        if limit is not None:
+            over = np.abs(v) >= limit
+            if over.any():
+                r, c = (int(x) for x in np.argwhere(over)[0])
+                raise ValueError(f"table '{self._name}': values[{r}, {c}] = {v[r, c]} is beyond the range of its "
+                                 f"storage dtype {self.dtype} (it would round to infinity)")
         self._native.assign_values(start_row, v)
 
     def assign_slot(self, name: str, values, start_row: int = 0) -> None:

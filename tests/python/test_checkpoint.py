@@ -333,6 +333,61 @@ def test_values_only_loads_into_a_table_of_another_optimizer(tmp_path, rng):
 
 
 # ------------------------------------------------------------------ reduced-precision export
+@pytest.mark.parametrize("values_dtype,fits,overflows", [("float16", 65519.0, 65520.0),
+                                                         ("bfloat16", float.fromhex("0x1.fep+127"),
+                                                          float.fromhex("0x1.ffp+127"))])
+def test_an_export_refuses_values_beyond_its_dtype(tmp_path, values_dtype, fits, overflows):
+    """A float32 value that the export dtype would round to infinity fails the
+    save, naming the table, the value and where; the checkpoint already at the
+    path stays as it was. The largest value that rounds to a finite one saves."""
+    t = make_table(rows=50, dim=4)
+    ec.save(tmp_path / "c", t)
+    before = {n: (tmp_path / "c" / n).read_bytes() for n in os.listdir(tmp_path / "c")}
+    v = np.array(t.values())
+    v[31, 2] = -overflows
+    v[7, 1] = fits
+    t.assign(v)
+    with pytest.raises(ValueError, match=rf"table 't' values hold -[0-9.e+]+ at row 31, column 2, beyond the range "
+                                         rf"of {values_dtype}"):
+        ec.save(tmp_path / "c", t, values_dtype=values_dtype)
+    assert {n: (tmp_path / "c" / n).read_bytes() for n in os.listdir(tmp_path / "c")} == before
+    v[31, 2] = fits
+    t.assign(v)
+    ec.save(tmp_path / "c", t, values_dtype=values_dtype)
+    assert np.isfinite(np.asarray(ec.serving.open(tmp_path / "c").tables["t"].values(), np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype,fits,overflows", [("float16", 65519.0, 65520.0),
+                                                  ("bfloat16", float.fromhex("0x1.fep+127"),
+                                                   float.fromhex("0x1.ffp+127"))])
+def test_assign_refuses_what_the_storage_dtype_rounds_to_infinity(dtype, fits, overflows):
+    t = ec.Table(name="n", rows=4, dim=2, dtype=dtype)
+    t.assign(np.array([[fits, -fits]], np.float32), 1)
+    assert np.isfinite(np.asarray(t.values(), np.float32)).all()
+    before = np.asarray(t.values(), np.float32).copy()
+    with pytest.raises(ValueError, match=rf"values\[1, 0\] = -[0-9.e+]+ is beyond the range of its storage dtype "
+                                         rf"{dtype}"):
+        t.assign(np.array([[0, 0], [-overflows, 0]], np.float32), 2)
+    np.testing.assert_array_equal(np.asarray(t.values(), np.float32), before)
+
+
+@pytest.mark.parametrize("bad,match", [("a\0b", "contains a NUL byte"),
+                                       (b"\xff\xfe", "is not valid UTF-8; embedcore takes UTF-8 paths")])
+def test_paths_the_engine_cannot_take_are_refused_by_name(tmp_path, bad, match):
+    """A NUL byte (the system would cut the path there) or bytes that are not
+    UTF-8: ValueError naming the path, from every call that takes one, and
+    nothing created."""
+    path = os.path.join(os.fsencode(tmp_path) if isinstance(bad, bytes) else str(tmp_path), bad)
+    t = make_table(rows=4, dim=2)
+    calls = [lambda: ec.save(path, t), lambda: ec.load(path, into=t), lambda: ec.serving.open(path),
+             lambda: ec.checkpoint.read_info(path), lambda: ec.Saver().dump_to_file(t, path),
+             lambda: ec.sok.convert(path, tmp_path / "out"), lambda: ec.distributed.reshard(path, tmp_path / "o", 2)]
+    for call in calls:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("values_dtype", ["float16", "bfloat16"])
 def test_values_dtype_export_rounds_float32_values(tmp_path, rng, values_dtype):
     ml_dtypes = pytest.importorskip("ml_dtypes")

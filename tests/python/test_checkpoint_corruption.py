@@ -798,8 +798,8 @@ def test_manifest_json_is_the_text_as_written(ckpt):
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
 def test_a_manifest_that_is_not_a_regular_file(tmp_path, kind):
     """MANIFEST a FIFO (an open() for reading would wait for a writer forever)
-    or a directory: load, serving and verify raise CheckpointError at once,
-    and a save replaces it. In a child, so that a hang fails this test."""
+    or a directory: load, serving, verify and a save raise CheckpointError at
+    once. In a child, so that a hang fails this test."""
     path = tmp_path / "ckpt"
     path.mkdir()
     if kind == "fifo":
@@ -818,16 +818,37 @@ for call in (lambda: ec.load(p, into=t), lambda: ec.serving.open(p), lambda: ec.
         assert "MANIFEST: not a regular file" in str(e), e
         print("refused")
 assert embedcore.cli.main(["verify", p]) == 1
+try:
+    ec.save(p, t)
+except ec.CheckpointError as e:
+    assert "MANIFEST: not an embedcore manifest (not a regular file)" in str(e), e
+    print("refused")
 """
     r = _run_isolated(code)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["refused"] * 3, r.stdout
-    if kind == "fifo":  # a directory named MANIFEST cannot be renamed over
-        t = make_table(seed=3)
-        ec.save(path, t)
-        u = make_table(seed=4)
-        ec.load(path, into=u)
-        assert_same_state(u, snapshot(t))
+    assert r.stdout.split() == ["refused"] * 4, r.stdout
+    assert sorted(os.listdir(path)) == ["MANIFEST"]
+
+
+def test_a_save_does_not_replace_a_manifest_that_is_not_ours(tmp_path):
+    """A file named MANIFEST of another tool: the save refuses, and leaves it
+    and everything else as it was. A short one (empty) is replaced."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "MANIFEST").write_bytes(b"my own manifest, not embedcore's")
+    (path / "notes.txt").write_text("mine")
+    with pytest.raises(ec.CheckpointError, match=r"MANIFEST: not an embedcore manifest \(another magic\); a save "
+                                                 r"here would replace it"):
+        ec.save(path, make_table(seed=3))
+    assert (path / "MANIFEST").read_bytes() == b"my own manifest, not embedcore's"
+    assert sorted(os.listdir(path)) == ["MANIFEST", "notes.txt"]
+    (path / "MANIFEST").write_bytes(b"")
+    t = make_table(seed=3)
+    ec.save(path, t)
+    u = make_table(seed=4)
+    ec.load(path, into=u)
+    assert_same_state(u, snapshot(t))
+    assert (path / "notes.txt").read_text() == "mine"
 
 
 SERVING_FORGERIES = [

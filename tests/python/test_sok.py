@@ -313,3 +313,41 @@ def test_v2_variable_names_that_prefix_each_other(tmp_path, rng):
     assert variables["emb"].optimizer == "Adam" and variables["emb-b"].optimizer == "Adam"
     np.testing.assert_array_equal(variables["emb"].slots["m"], m1)
     np.testing.assert_array_equal(variables["emb-b"].slots["m"], m2)
+
+
+def test_a_hashed_key_asks_for_rows(tmp_path, rng, capsys):
+    """SOK keys are often 64-bit hashes: a key far above the number of keys
+    would make a table of terabytes. The import refuses it, saying why and
+    what to pass, before it allocates; with rows= it is a plain bound check."""
+    keys = np.array([3, 2**40, 7], np.int64)
+    write_v2(tmp_path / "sok", "h", keys, rng.standard_normal((3, 8)).astype(np.float32))
+    with pytest.raises(ec.CheckpointError, match=r"key 1099511627776 makes a table of 1099511627777 rows x 8 "
+                                                 r"\(32768\.0 GiB\) for 3 keys; .*rows="):
+        ec.sok.convert(tmp_path / "sok", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert embedcore.cli.main(["convert", "--from", "sok", str(tmp_path / "sok"), str(tmp_path / "out")]) == 1
+    assert "pass rows= (--rows)" in capsys.readouterr().err
+    with pytest.raises(ec.CheckpointError, match="key 1099511627776 >= rows 100"):
+        ec.sok.convert(tmp_path / "sok", tmp_path / "out", rows=100)
+
+
+def test_sparse_keys_over_a_large_table_fill_it_block_by_block(tmp_path, rng):
+    """Keys spread over a table larger than one 64 MiB fill block (and a row
+    range with no key at all): every row lands at its key, the rest stay zero
+    (values) or at the initial accumulator (Adagrad), with no copy of the
+    whole table."""
+    rows, dim = 600_000, 32  # 73 MiB: two fill blocks
+    keys = np.concatenate([rng.choice(100_000, 500, replace=False),
+                           599_999 - rng.choice(np.arange(1, 50_000), 300, replace=False), [599_999]])
+    rng.shuffle(keys)
+    values = rng.standard_normal((keys.size, dim)).astype(np.float32)
+    acc = rng.random((keys.size, dim)).astype(np.float32) + 1
+    write_v2(tmp_path / "sok", "big", keys, values, optimizer="Adagrad", slots={"accum": acc})
+    (table,) = ec.sok.to_tables(ec.sok.read_dump(tmp_path / "sok"))
+    assert table.rows == rows
+    assert_rows_at_keys(table, keys, values)
+    slot = table.slots()["accumulators"]
+    np.testing.assert_array_equal(slot[keys], acc)
+    initial = ec.Table(name="i", rows=1, dim=dim, optimizer=ec.optimizers.Adagrad()).slots()["accumulators"][0]
+    missing = np.setdiff1d(np.arange(rows), keys)
+    np.testing.assert_array_equal(slot[missing], np.broadcast_to(initial, (missing.size, dim)))

@@ -18,7 +18,7 @@ import os
 from typing import List, Optional
 
 from .. import _embedcore
-from ..checkpoint import FORMAT_VERSION, CheckpointError, _locked, _metadata, _optimizer_json, _initializer_json
+from ..checkpoint import FORMAT_VERSION, CheckpointError, _locked, _metadata, native_path, _optimizer_json, _initializer_json
 from ._comm import RankFailedError, agree
 from ._plan import make_plan
 
@@ -52,7 +52,7 @@ def _merge(base: dict, pieces: List[dict]) -> dict:
 
 
 def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Optional[str] = None) -> None:
-    path = os.fsdecode(path)
+    path = native_path(path)
     # Rank 0 holds the directory's lock from the generation to the commit (the other ranks' writes are part
     # of its save).
     with (_locked(path, exclusive=True) if emb.world.rank == 0 else contextlib.nullcontext()):
@@ -126,7 +126,7 @@ def _removed_on_failure(path: str, generation: int):
 
 
 def load_sharded(path, emb, include_optimizer: bool = True) -> None:
-    path = os.fsdecode(path)
+    path = native_path(path)
     with _locked(path, exclusive=False):  # no save's commit removes these files meanwhile
         _load_sharded(path, emb, include_optimizer)
 
@@ -175,7 +175,7 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
         raise ValueError(f"reshard: world_size must be an int in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
     if isinstance(max_file_bytes, bool) or not isinstance(max_file_bytes, int) or max_file_bytes < 0:
         raise ValueError(f"reshard: max_file_bytes must be an int >= 0, got {max_file_bytes!r}")
-    src, dst = os.fsdecode(src), os.fsdecode(dst)
+    src, dst = native_path(src, "src"), native_path(dst, "dst")
 
     def planned():
         info = _embedcore.read_info(src)
