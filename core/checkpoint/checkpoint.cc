@@ -938,7 +938,16 @@ MappedCheckpoint::MappedCheckpoint(const std::string& path, Verify verify) {
       if (m->length != m->file.bytes) throw CheckpointError(m->path + ": size changed since the manifest was read");
       CheckDataHeader(file, m->file);
       void* p = ::mmap(nullptr, m->length, PROT_READ, MAP_SHARED, file.fd(), 0);
-      if (p == MAP_FAILED) throw IoError(m->path + ": mmap failed: " + checkpoint::ErrnoText(errno));
+      if (p == MAP_FAILED) {
+        const int err = errno;
+        size_t files = 0;
+        for (const TableEntry& e : info_.tables) files += e.values.size();
+        throw IoError(m->path + ": mmap failed: " + checkpoint::ErrnoText(err) +
+                      (err == ENOMEM ? " (each of the checkpoint's " + std::to_string(files) +
+                                           " values files is mapped on its own: the process may be at its limit of "
+                                           "mappings, vm.max_map_count; reshard into fewer files)"
+                                     : std::string()));
+      }
       m->base = p;
       m->payload = static_cast<const char*>(p) + kDataOffset;
       m->blocks = m->file.crc32c.size();

@@ -96,6 +96,9 @@ def read_dump(src, dim: Optional[int] = None, key_dtype: Optional[str] = None) -
             out[var] = _read_v1(src, var, dim, key_dtype)
     v2 = [m.group(1) for m in (re.fullmatch(r"(.+)-key", n) for n in names) if m]
     for var in v2:
+        if var in out:
+            raise CheckpointError(f"{src}: variable {var!r} is dumped twice, as SOK v1 ({var}_keys.file) and v2 "
+                                  f"({var}-key); keep one")
         out[var] = _read_v2_var(src, var, names, v2)
     if not out:
         raise CheckpointError(f"{src}: no SOK dump files (<var>_keys.file or <name>-key) found")
@@ -119,9 +122,12 @@ def _read_v1(src: str, var: str, dim: Optional[int], key_dtype: Optional[str]) -
             continue
         n = kb // size
         if n == 0:
-            if vb == 0:
-                candidates.append((kd, dim or 1))
-            continue
+            if vb != 0:
+                raise CheckpointError(f"{kpath}: no keys, but {vpath} holds {vb} bytes of values")
+            candidates = [("int64", dim or 1)]  # no keys: their dtype does not matter
+            break
+        if vb == 0:
+            raise CheckpointError(f"{vpath}: empty, but {kpath} holds {kb} bytes of keys")
         if (vb // 4) % n:
             continue
         d = (vb // 4) // n
@@ -159,6 +165,8 @@ def _read_v2_var(src: str, var: str, names, variables) -> SokVariable:
     if keys.dtype.kind not in "iu":
         raise CheckpointError(f"{kpath}: keys must be integers, got {keys.dtype}")
     _, _, w = _read_v2(wpath, 1)
+    if w.dtype.kind != "f":
+        raise CheckpointError(f"{wpath}: weights must be floats, the header says {w.dtype}")
     n = len(keys)
     if n == 0 or w.size % n:
         if not (n == 0 and w.size == 0):
@@ -170,9 +178,15 @@ def _read_v2_var(src: str, var: str, names, variables) -> SokVariable:
         if _slot_owner(n2, variables) != var:
             continue
         opt, slot = n2[len(var) + 1:].split("-", 1)
-        _, header_slot, s = _read_v2(os.path.join(src, n2), 2)
+        spath = os.path.join(src, n2)
+        _, header_slot, s = _read_v2(spath, 2)
         if s.size != values.size:
-            raise CheckpointError(f"{os.path.join(src, n2)}: {s.size} values, expected {values.size} (one per value)")
+            raise CheckpointError(f"{spath}: {s.size} values, expected {values.size} (one per value)")
+        if var_obj.optimizer not in (None, opt):
+            raise CheckpointError(f"{spath}: optimizer {opt}, but {var!r} also has {var_obj.optimizer} slots; "
+                                  "keep one optimizer's files")
+        if (header_slot or slot) in var_obj.slots:
+            raise CheckpointError(f"{spath}: a second file of slot {header_slot or slot!r} for {var!r}")
         var_obj.optimizer = opt
         var_obj.slots[header_slot or slot] = s.astype(np.float32).reshape(values.shape)
     return var_obj

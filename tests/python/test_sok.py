@@ -248,6 +248,13 @@ BAD_V2 = [
     ("uint64 key past int64", _replace("bad-key", "bad", KEY, "uint64", [0, 1, 2, 3, 4, 2**63 + 5]), "fit"),
     ("weight file missing", lambda src: os.unlink(os.path.join(src, "bad-weight")), "bad-weight"),
     ("slot of another size", _replace("bad-Adam-m", "bad", STATE, "float32", np.zeros(5)), "bad-Adam-m"),
+    ("integer weights", _replace("bad-weight", "bad", VALUES, "int32", np.zeros((6, 4))), "must be floats"),
+    ("a slot of a second optimizer", _replace("bad-Adagrad-accum", "bad", STATE, "float32", np.zeros((6, 4))),
+     "keep one optimizer's files"),
+    ("two files of one slot",  # the header names the slot: bad-Adam-m2 says it is "m" too
+     lambda src: write_v2_file(os.path.join(src, "bad-Adam-m2"), "bad", STATE, "m", np.zeros((6, 4)), "float32"),
+     "a second file of slot 'm'"),
+    ("dumped as v1 and v2", lambda src: write_v1(src, "bad", np.arange(6), np.zeros((6, 3))), "dumped twice"),
 ]
 
 
@@ -272,7 +279,14 @@ BAD_V1 = [
     ("a partial float", _append("v_values.file", b"\1"), "float32"),
     ("sizes that fit no key dtype", _append("v_keys.file", b"\1\2\3"), "do not fit"),
     ("negative key", lambda src: np.array([0, -1, 2], "<i8").tofile(os.path.join(src, "v_keys.file")), "negative"),
+    ("keys without values", _truncate("v_values.file", 0), "empty, but"),
+    ("values without keys", _truncate("v_keys.file", 0), "no keys, but"),
 ]
+
+
+def test_an_empty_v1_dump_needs_no_key_dtype(tmp_path):
+    write_v1(tmp_path / "sok", "e", np.zeros(0, np.int64), np.zeros((0, 3), np.float32))
+    assert ec.sok.read_dump(tmp_path / "sok", dim=3)["e"].values.shape == (0, 3)
 
 
 @pytest.mark.parametrize("label,damage,match", BAD_V1, ids=[x[0] for x in BAD_V1])
