@@ -158,7 +158,7 @@ class Feature:
     string path), table, and TensorFlow's per-feature options."""
 
     def __init__(self, path: str, table: TableSpec, max_sequence_length: int, validate: bool,
-                 output_shape: Optional[Tuple[int, ...]], name: Optional[str]):
+                 output_shape: Optional[Tuple[Optional[int], ...]], name: Optional[str]):
         self.path = path
         self.table = table
         self.max_sequence_length = max_sequence_length
@@ -234,7 +234,9 @@ def features_of(feature_config, optimizer, owner: str) -> Tuple[List[Feature], L
         spec = specs[id(f.table)]
         if _is_tf_feature(f):
             shape = f.output_shape
-            out = tuple(int(d) for d in shape.as_list()) if shape.rank is not None else None
+            # Unknown sizes stay None: TensorFlow ignores output_shape for dense and sparse input and
+            # refuses a partly known one for ragged input (_lookup._ragged).
+            out = tuple(None if d is None else int(d) for d in shape.as_list()) if shape.rank is not None else None
             features.append(Feature(path, spec, int(f.max_sequence_length), bool(f.validate_weights_and_indices),
                                     out, f.name))
         else:

@@ -460,6 +460,8 @@ def _ragged(f: Feature, table, rt: tf.RaggedTensor, weights: Optional[tf.RaggedT
         raise ValueError(f"The values contained by the inputs have type {rt.values.dtype!r} and cannot be processed. "
                          "All values should be indices, either of type `int32` or `int64`")
     batch = rt.shape[0]
+    if f.output_shape is not None and None in f.output_shape:
+        raise ValueError(f"Cannot convert a partially known TensorShape {tuple(f.output_shape)} to a Tensor.")
     pooled_out = f.output_shape is None and f.max_sequence_length == 0
     if f.output_shape is not None and batch is not None:
         wanted = int(np.prod(f.output_shape)) if f.output_shape else 1

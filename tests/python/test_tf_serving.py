@@ -128,6 +128,25 @@ def test_ragged_output_shape(rng, combiner):
         ours({"f": rt})
 
 
+def test_partly_known_output_shape(rng):
+    """output_shape=[None, 4]: TensorFlow's FeatureConfig takes it; its lookup
+    ignores it for dense and sparse input and refuses it for ragged input
+    (ValueError); the adapter does the same (it raised TypeError on
+    construction)."""
+    config, _ = _config("sum", output_shape=[None, 4])
+    theirs, ours = pair(config, rng)
+    dense = tf.constant([[1, 2, 3]], tf.int64)
+    sp, _ = random_sparse(rng, [5], 10, ROWS, 6, neg=False)
+    for x in (dense, sp):
+        expected, actual = _both(theirs, ours, {"f": x})
+        assert_same(expected, actual, "sum")
+    rt, _ = random_ragged(rng, [2, 1, 3, 1], ROWS)
+    with pytest.raises(ValueError, match=r"partially known TensorShape \(None, 4\)"):
+        theirs({"f": rt})
+    with pytest.raises(ValueError, match=r"partially known TensorShape \(None, 4\)"):
+        ours({"f": rt})
+
+
 def test_ragged_output_shape_sequence_ignores_weights(rng):
     # A sequence output_shape ignores the weights, as TensorFlow does: their dtype, row partition and row
     # splits dtype are not checked (they are where the output is pooled).
