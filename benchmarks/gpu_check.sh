@@ -47,13 +47,13 @@ PYEOF
 # not needed, and an offline machine may not have it, hence --no-deps.
 # Installed into a folder of its own (on PYTHONPATH, which the build's CMake
 # inherits): the machine's Python environment may not be writable.
+DEPS=${DEPS:-/tmp/gpu_check_deps}
+export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"  # (a rerun finds what the first run installed)
 if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('nlohmann_json') is None)"; then
-  DEPS=${DEPS:-/tmp/gpu_check_deps}
-  PIP=("$PY" -m pip install -q --disable-pip-version-check --no-deps --no-compile --target "$DEPS")
+  PIP=("$PY" -m pip install -q --disable-pip-version-check --no-deps --no-compile --upgrade --target "$DEPS")
   "${PIP[@]}" --no-index --find-links .whl nlohmann-json ||
     "${PIP[@]}" --retries 0 --timeout 5 nlohmann-json ||
     { echo "gpu_check: nlohmann-json is missing: put its wheel in .whl/ (see the header)"; exit 1; }
-  export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 PKG=${PKG:-/tmp/gpu_check_pkg}

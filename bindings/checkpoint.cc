@@ -42,20 +42,26 @@ void BindCheckpoint(nb::module_& m) {
       "Saves (table, config JSON) pairs atomically into the directory `path`.");
 
   nb::class_<CheckpointLock>(m, "CheckpointLock",
-                             "flock on a checkpoint directory: exclusive for a save (creates the directory), "
-                             "shared for reads; see embedcore.h")
+                             "flock on a checkpoint directory: shared for reads, exclusive for a commit; see "
+                             "embedcore.h")
       .def(nb::init<const std::string&, bool>(), "path"_a, "exclusive"_a, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("held", &CheckpointLock::held)
       .def("release", &CheckpointLock::Release);
 
   // Sharded checkpoints: each rank writes its shards, one rank commits.
+  nb::class_<GenerationClaim>(m, "GenerationClaim",
+                              "A save's claim on a new generation in a checkpoint directory (created when missing), "
+                              "held until release(); see embedcore.h")
+      .def(nb::init<const std::string&>(), "path"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("generation", &GenerationClaim::generation)
+      .def("release", &GenerationClaim::Release);
   m.def(
       "next_generation",
       [](const std::string& path) {
         nb::gil_scoped_release release;
         return NextGeneration(path);
       },
-      "path"_a, "Creates `path` if needed; returns a generation above every one present there.");
+      "path"_a, "Creates `path` if needed; returns a generation above every one present there (claims nothing).");
   m.def(
       "write_shard_files",
       [](const std::string& path, uint64_t generation, const std::string& prefix, int shard_index, const Table& shard,

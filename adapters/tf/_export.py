@@ -156,6 +156,8 @@ def _ragged_with_output_shape(var, inp, w, shim):
     2.21, works eagerly only: it branches in Python on a tensor), with the
     branch taken on the batch size at run time when it is not static."""
     shape = list(shim.output_shape.as_list())
+    if None in shape:  # as TensorFlow's own lookup (and the adapter's) refuses it
+        raise ValueError(f"Cannot convert a partially known TensorShape {tuple(shape)} to a Tensor.")
     wanted = int(np.prod(shape)) if shape else 1
     dim = shim.table.dim
     final = shape + [dim]

@@ -386,6 +386,9 @@ bool IsUtf8(const std::string& s) {
 CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
   Reader r(file);
   if (!IsUtf8(text)) throw CheckpointError(file + ": the manifest is not valid UTF-8");
+  // A byte-order mark: the parser skips one, Python's json (the CLI, reshard, serving's metadata) does not.
+  if (text.compare(0, 3, "\xEF\xBB\xBF") == 0)
+    throw CheckpointError(file + ": the manifest starts with a byte-order mark (not JSON text as written)");
   // JSON text has no raw NUL (a string holds one as \u0000); the parser would stop at one.
   if (text.find('\0') != std::string::npos)
     throw CheckpointError(file + ": the manifest holds a NUL byte at " + std::to_string(text.find('\0')) +

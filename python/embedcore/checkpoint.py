@@ -191,12 +191,12 @@ def native_path(path, what: str = "path") -> str:
 
 
 @contextlib.contextmanager
-def _locked(path: str, exclusive: bool):
-    """The checkpoint directory's lock (``flock``) for the block: exclusive
-    for a save (creating the directory), shared for a read, so that two
-    saves into one directory run one after the other and a save's commit
-    never removes a file a load is reading (see docs/format.md, Concurrency)."""
-    lock = _embedcore.CheckpointLock(path, exclusive)
+def _locked(path: str):
+    """The checkpoint directory's shared lock (``flock``) for the block: a
+    save's commit waits for it before it renames MANIFEST and removes older
+    files, so the files this read opens stay there; it waits only while a
+    commit runs (see docs/format.md, Concurrency)."""
+    lock = _embedcore.CheckpointLock(path, False)
     try:
         yield
     finally:
@@ -223,7 +223,7 @@ def load(path, into, include_optimizer: bool = True) -> None:
     if hasattr(into, "_sharded_load"):  # collective: every rank reads only the blocks it owns
         return into._sharded_load(path, include_optimizer)
     path = native_path(path)
-    with _locked(path, exclusive=False):  # no save's commit removes these files meanwhile
+    with _locked(path):  # no save's commit removes these files meanwhile
         _load(path, into, include_optimizer)
 
 

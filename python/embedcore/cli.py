@@ -82,7 +82,7 @@ def _inspect(path: str, as_json: bool) -> int:
 def _verify(path: str) -> int:
     from .checkpoint import _locked, native_path
 
-    with _locked(native_path(path), exclusive=False):  # no save's commit removes the files meanwhile
+    with _locked(native_path(path)):  # no save's commit removes the files meanwhile
         return _verify_locked(path)
 
 

@@ -59,7 +59,7 @@ def run_threads(targets):
         except BaseException as e:  # noqa: BLE001 - reported by the test
             errors.append(e)
 
-    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in targets]
+    threads = [threading.Thread(target=wrap, args=(fn,), daemon=True) for fn in targets]
     for th in threads:
         th.start()
     for th in threads:
@@ -153,34 +153,62 @@ def test_two_processes_saving_into_one_directory(tmp_path):
     assert any(np.array_equal(u.values(), f) for f in firsts)
 
 
-def test_the_lock_is_shared_by_readers_and_exclusive_for_saves(tmp_path):
-    """Readers do not wait for each other; a save waits for every reader."""
+def test_a_commit_waits_for_a_reader(tmp_path):
+    """While a reader holds the directory's lock, a save writes its files but
+    commits (renames MANIFEST, removes the old files) only once the reader
+    lets go: the files the reader opens stay there."""
     from embedcore import _embedcore
 
     path = tmp_path / "ckpt"
     ec.save(path, make_table(seed=1))
-    r1 = _embedcore.CheckpointLock(str(path), False)
-    r2 = _embedcore.CheckpointLock(str(path), False)  # granted at once (else this test hangs)
-    assert r1.held and r2.held
-    saved = threading.Event()
-    th = threading.Thread(target=lambda: (ec.save(path, make_table(seed=2)), saved.set()))
+    first = named_by_manifest(path)
+    reader = _embedcore.CheckpointLock(str(path), False)
+    assert reader.held
+    done = threading.Event()
+    th = threading.Thread(target=lambda: (ec.save(path, make_table(seed=2)), done.set()), daemon=True)
     th.start()
-    assert not saved.wait(0.5), "a save ran while readers held the lock"
-    r1.release()
-    assert not saved.wait(0.2)
-    r2.release()
-    assert saved.wait(60)
+    assert not done.wait(1.0), "a commit ran while a reader held the lock"
+    assert named_by_manifest(path) == first and first <= our_files(path)
+    assert len(our_files(path)) > len(first), "the waiting save has not written its files"
+    reader.release()
+    assert done.wait(60)
     th.join()
+    assert our_files(path) == named_by_manifest(path)
+    u = make_table(seed=9)
+    ec.load(path, into=u)
+    assert same(state(u), state(make_table(seed=2)))
 
 
-def test_no_lock_where_there_is_no_directory(tmp_path):
+def test_a_commit_keeps_the_files_of_a_save_in_progress(tmp_path):
+    """Two claims get two generations; a commit removes no file of a
+    generation whose claim is held, and does remove those of a claim that was
+    let go (a save that died: the kernel drops its lock)."""
+    from embedcore import _embedcore
+
+    path = tmp_path / "ckpt"
+    ec.save(path, make_table(seed=1))
+    a = _embedcore.GenerationClaim(str(path))
+    b = _embedcore.GenerationClaim(str(path))
+    assert b.generation > a.generation > read_manifest(path)["generation"]
+    for claim in (a, b):  # a data file of each, as a save in progress has
+        (path / f"t00000.values.g{claim.generation:012d}.ecd").write_bytes(b"partial")
+    b.release()  # b died: its claim file stays, unlocked
+    ec.save(path, make_table(seed=2))
+    left = our_files(path) - named_by_manifest(path)
+    assert left == {f"MANIFEST.tmp.g{a.generation:012d}", f"t00000.values.g{a.generation:012d}.ecd"}, left
+    a.release()
+    ec.save(path, make_table(seed=3))
+    assert our_files(path) == named_by_manifest(path)
+
+
+def test_locks_and_claims_where_there_is_no_directory(tmp_path):
     from embedcore import _embedcore
 
     assert not _embedcore.CheckpointLock(str(tmp_path / "missing"), False).held
     (tmp_path / "file").write_text("x")
     assert not _embedcore.CheckpointLock(str(tmp_path / "file"), False).held
-    with pytest.raises(OSError, match="not a directory"):  # a save's lock creates the directory
-        _embedcore.CheckpointLock(str(tmp_path / "file"), True)
-    lock = _embedcore.CheckpointLock(str(tmp_path / "new"), True)
-    assert lock.held and (tmp_path / "new").is_dir()
-    lock.release()
+    with pytest.raises(OSError, match="not a directory"):
+        _embedcore.GenerationClaim(str(tmp_path / "file"))
+    claim = _embedcore.GenerationClaim(str(tmp_path / "new"))  # a save's claim creates the directory
+    assert claim.generation == 1 and (tmp_path / "new" / "MANIFEST.tmp.g000000000001").is_file()
+    claim.release()

@@ -785,6 +785,13 @@ def test_a_nul_byte_after_the_manifest_json_is_refused(ckpt, target):
     assert_serving_fails(ckpt, "MANIFEST")
 
 
+def test_a_byte_order_mark_before_the_manifest_json_is_refused(ckpt, target):
+    """The C++ parser would skip it, Python's json (CLI, reshard) would not."""
+    write_manifest(ckpt, b"\xef\xbb\xbf" + read_manifest_json(ckpt))
+    assert_load_fails(ckpt, target, "MANIFEST", match="byte-order mark")
+    assert_serving_fails(ckpt, "MANIFEST")
+
+
 def test_manifest_json_is_the_text_as_written(ckpt):
     """read_info hands back the manifest as it is on disk, not a re-indented
     dump (which, for a wide array nested 30 deep, was 40x the file)."""

@@ -105,3 +105,17 @@ def test_saved_model_serves_without_embedcore(tmp_path, rng):
     assert set(loaded.files) == set(before)
     for k in before:  # TensorFlow's own ops give the adapter's outputs
         np.testing.assert_array_equal(loaded[k], before[k], err_msg=k)
+
+
+def test_export_refuses_a_partly_known_output_shape_for_ragged_input():
+    """The lowered lookup refuses what TensorFlow's own lookup (and the
+    adapter's engine path) refuses: output_shape [None, 4] for ragged input."""
+    import pytest
+
+    table = E.TableConfig(vocabulary_size=10, dim=4, combiner="sum", name="t")
+    serving = EmbeddingForServing({"f": E.FeatureConfig(table, output_shape=[None, 4])})
+    serving.build()
+    rt = tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)
+    with export_mode():
+        with pytest.raises(ValueError, match=r"partially known TensorShape \(None, 4\)"):
+            tf.function(lambda x: serving({"f": x}))(rt)

@@ -461,18 +461,15 @@ void VerifyTable(const CheckpointInfo& info, const TableEntry& entry, bool inclu
 /// VerifyTable for every table, slots included. Throws CheckpointError.
 void VerifyCheckpoint(const CheckpointInfo& info, bool check_finite);
 
-/// A lock on a checkpoint directory: flock(2) on the directory itself, held
-/// until destroyed or Release(). Saves hold it exclusive from choosing their
-/// generation to the end of their commit; loads, verification and opening for
-/// serving hold it shared while they read. So two saves into one directory run
-/// one after the other, and a save's commit never removes a file a load is
-/// reading. Blocks until granted. An exclusive lock (a save's) creates the
-/// directory when it is missing (IoError when it cannot). Takes no lock when
-/// `path` is not a directory (the call that follows reports that) or the
-/// filesystem has no flock (some network filesystems): then concurrent saves
-/// into one directory are unsafe.
-/// Not reentrant: a thread holding a lock on a directory must not take another
-/// on the same directory.
+/// A checkpoint directory's lock: flock(2) on the directory itself. A commit
+/// holds it exclusive for its rename of MANIFEST and its removal of the other
+/// generations' files (milliseconds); loads, verification and opening for
+/// serving hold it shared while they read (serving: until its files are
+/// mapped). So commits run one at a time, a commit never removes a file that
+/// a load is reading (it waits for the load), and a read waits at most for a
+/// commit. Blocks until granted. Takes no lock when `path` is not a directory
+/// (the call that follows reports that) or the filesystem has no flock (some
+/// network filesystems). Not reentrant.
 class CheckpointLock {
  public:
   CheckpointLock(const std::string& path, bool exclusive);
@@ -486,9 +483,31 @@ class CheckpointLock {
   int fd_ = -1;
 };
 
+/// A save's claim on its generation in `path` (created when missing): the
+/// temporary manifest `MANIFEST.tmp.g<generation>`, created exclusively and
+/// flock'ed until Release() or destruction. Generations above every one
+/// present, so no live file is overwritten; two saves into one directory get
+/// different ones. A commit removes no file of a generation whose claim is
+/// held: saves running at once all complete, and the last commit is the
+/// checkpoint. A CheckpointError when `path`/MANIFEST is not an embedcore
+/// manifest (the save would replace it).
+class GenerationClaim {
+ public:
+  explicit GenerationClaim(const std::string& path);
+  ~GenerationClaim();
+  GenerationClaim(const GenerationClaim&) = delete;
+  GenerationClaim& operator=(const GenerationClaim&) = delete;
+  uint64_t generation() const { return generation_; }
+  void Release() noexcept;
+
+ private:
+  int fd_ = -1;
+  uint64_t generation_ = 0;
+};
+
 // Sharded checkpoints: every rank writes its own shards' files, one rank
 // commits the manifest that names them all (see docs/format.md). Rank 0 holds
-// the exclusive CheckpointLock from NextGeneration to CommitCheckpoint.
+// a GenerationClaim from the start of the save to the end of its commit.
 
 /// Creates the directory `path` if needed and returns a generation above
 /// every one present there (in its manifest or in any file name).

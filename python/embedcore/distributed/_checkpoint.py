@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from typing import List, Optional
 
 from .. import _embedcore
@@ -53,13 +52,12 @@ def _merge(base: dict, pieces: List[dict]) -> dict:
 
 def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Optional[str] = None) -> None:
     path = native_path(path)
-    # Rank 0 holds the directory's lock from the generation to the commit (the other ranks' writes are part
-    # of its save).
-    with (_locked(path, exclusive=True) if emb.world.rank == 0 else contextlib.nullcontext()):
-        _save_sharded(path, emb, include_optimizer, values_dtype)
+    # Rank 0 claims the generation and holds the claim to the end of its commit (every rank's files are of it).
+    with contextlib.ExitStack() as held:
+        _save_sharded(path, emb, include_optimizer, values_dtype, held)
 
 
-def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optional[str]) -> None:
+def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optional[str], held) -> None:
     comm = emb.world
     error, generation = None, None
     if comm.rank == 0:
@@ -67,8 +65,10 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
             if values_dtype is not None and values_dtype not in ("float32", "float16", "bfloat16"):
                 raise ValueError(f"values_dtype must be 'float32', 'float16' or 'bfloat16', got {values_dtype!r}")
             metadata = _metadata(emb)
-            generation = _embedcore.next_generation(path)
-        except Exception as e:  # noqa: BLE001
+            claim = _embedcore.GenerationClaim(path)
+            held.callback(claim.release)
+            generation = claim.generation
+        except Exception as e:  # noqa: BLE001 - every rank learns it (agree)
             error = e
     generation = agree(comm, error, generation, step="save: generation")[0]
 
@@ -127,7 +127,7 @@ def _removed_on_failure(path: str, generation: int):
 
 def load_sharded(path, emb, include_optimizer: bool = True) -> None:
     path = native_path(path)
-    with _locked(path, exclusive=False):  # no save's commit removes these files meanwhile
+    with _locked(path):  # no save's commit removes these files meanwhile
         _load_sharded(path, emb, include_optimizer)
 
 
@@ -184,36 +184,20 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
         return info, manifest, make_plan(specs, world_size, plan)
 
     planned()  # bad arguments are refused before dst is created
-    with _reshard_locks(src, dst):
-        info, manifest, layout = planned()  # again: a save may have replaced src meanwhile
-        generation = _embedcore.next_generation(dst)
-        with _removed_on_failure(dst, generation):
-            _reshard_into(info, manifest, layout, dst, generation, world_size, max_file_bytes)
+    claim = _embedcore.GenerationClaim(dst)
+    try:
+        with _removed_on_failure(dst, claim.generation):
+            with _locked(src):  # src's files stay while they are read (dst's commit below cleans src if same)
+                info, manifest, layout = planned()  # again: a save may have replaced src meanwhile
+                tables = _reshard_into(info, manifest, layout, dst, claim.generation, world_size, max_file_bytes)
+            _embedcore.commit_checkpoint(dst, _manifest(claim.generation, tables, manifest["metadata"]))
+    finally:
+        claim.release()
     return layout.describe()
 
 
-@contextlib.contextmanager
-def _reshard_locks(src: str, dst: str):
-    """src's lock shared and dst's exclusive; one exclusive lock when they are
-    one directory (two locks on one directory would wait for each other).
-    Taken in the order of the directories' identities, so that two reshards
-    in opposite directions cannot each hold what the other waits for."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_locked(dst, exclusive=True))  # creates dst: both now exist (or src is missing)
-        try:
-            same = os.path.samefile(src, dst)
-        except OSError:
-            same = False  # src missing: read_info says so
-        if not same:
-            stack.close()
-            key = {p: (st.st_dev, st.st_ino) for p, st in ((p, os.stat(p)) for p in (src, dst) if os.path.isdir(p))}
-            for p in sorted((src, dst), key=lambda p: key.get(p, (0, 0))):
-                stack.enter_context(_locked(p, exclusive=p == dst))
-        yield
-
-
 def _reshard_into(info, manifest: dict, layout, dst: str, generation: int, world_size: int,
-                  max_file_bytes: int) -> None:
+                  max_file_bytes: int) -> list:
     element = {"float32": 4, "float16": 2, "bfloat16": 2}
     tables = []
     for k, t in enumerate(manifest["tables"]):
@@ -240,4 +224,4 @@ def _reshard_into(info, manifest: dict, layout, dst: str, generation: int, world
         entry = _merge(t, pieces)
         entry["sharding"] = {**ts.to_json(), "world_size": world_size}
         tables.append(entry)
-    _embedcore.commit_checkpoint(dst, _manifest(generation, tables, manifest["metadata"]))
+    return tables
