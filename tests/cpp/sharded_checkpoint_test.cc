@@ -662,3 +662,34 @@ EMBEDCORE_TEST(CommitRemovesOldShardFilesAndKeepsUserFiles) {
   EMBEDCORE_EXPECT_THROWS(WriteShardFiles(path, 42, "t00000.", 100000, whole, 0, 0, SaveOptions{}), InvalidArgument,
                           "shard index");
 }
+
+// GenerationClaim: distinct generations for saves at once, the claim file
+// exclusive and flock'ed; a commit keeps a held claim's files and removes a
+// released one's. CheckpointLock: shared locks coexist; none off a directory.
+EMBEDCORE_TEST(ClaimsKeepSavesInProgressApart) {
+  TempDir dir;
+  const std::string path = dir.Sub("ckpt");
+  GenerationClaim a(path), b(path);  // creates the directory
+  EMBEDCORE_EXPECT_EQ(a.generation(), uint64_t(1));
+  EMBEDCORE_EXPECT_EQ(b.generation(), uint64_t(2));
+  EMBEDCORE_EXPECT(fs::is_regular_file(path + "/MANIFEST.tmp.g000000000001"));
+  WriteFile(path + "/t00000.values.g000000000001.ecd", {'a'});
+  WriteFile(path + "/t00000.values.g000000000002.ecd", {'b'});
+  b.Release();  // a save that died: its claim is no longer locked
+
+  Table t(Spec("w", 8, 4, DType::kFloat32, OptimizerSpec::Kind::kSGD, 1));
+  SaveCheckpoint(path, {{&t, "{}"}}, SaveOptions{});
+  EMBEDCORE_EXPECT_EQ(ReadCheckpointInfo(path).generation, uint64_t(3));
+  EMBEDCORE_EXPECT(fs::exists(path + "/t00000.values.g000000000001.ecd"));  // a's save is in progress
+  EMBEDCORE_EXPECT(fs::exists(path + "/MANIFEST.tmp.g000000000001"));
+  EMBEDCORE_EXPECT(!fs::exists(path + "/t00000.values.g000000000002.ecd"));  // b's is not
+  EMBEDCORE_EXPECT(!fs::exists(path + "/MANIFEST.tmp.g000000000002"));
+  a.Release();
+  SaveCheckpoint(path, {{&t, "{}"}}, SaveOptions{});
+  EMBEDCORE_EXPECT(!fs::exists(path + "/t00000.values.g000000000001.ecd"));
+
+  CheckpointLock r1(path, false), r2(path, false);
+  EMBEDCORE_EXPECT(r1.held() && r2.held());
+  EMBEDCORE_EXPECT(!CheckpointLock(dir.Sub("missing"), false).held());
+  EMBEDCORE_EXPECT_THROWS(GenerationClaim(path + "/MANIFEST"), IoError, "not a directory");
+}
