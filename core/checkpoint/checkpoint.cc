@@ -86,14 +86,19 @@ std::string GenerationTag(uint64_t gen) {
 
 std::string ClaimName(uint64_t generation) { return std::string("MANIFEST.tmp.") + GenerationTag(generation); }
 
-// Whether another save holds the claim on `generation` in `dir` (it is writing
-// that generation's files): its claim file exists and is flock'ed.
-bool ClaimHeld(const std::string& dir, uint64_t generation) {
+// The claim on `generation` in `dir`, for removing that generation's files:
+// -1 when another save holds it (it is writing them: keep them), else a
+// descriptor that holds the claim file's lock until closed (so the save that
+// created it, if still between its create and its flock, waits, then finds the
+// file gone and claims another generation), or -2 when there is no claim file.
+int TakeClaimForRemoval(const std::string& dir, uint64_t generation) {
   const int fd = ::open(JoinPath(dir, ClaimName(generation)).c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) return false;
-  const bool held = ::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
-  ::close(fd);  // releases the lock when this call took it
-  return held;
+  if (fd < 0) return -2;
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;  // locked, or no flock on this filesystem
 }
 
 // Our own file names, exactly: t<5 digits>.<array>[.s<5 digits>].g<generation>.ecd
@@ -517,13 +522,19 @@ void CommitManifest(const std::string& path, const std::string& json, uint64_t g
 
   // Only now remove what the new manifest does not name: other generations and
   // leftovers, but not the files of a save in progress (its claim is held).
-  std::map<uint64_t, bool> in_progress;
+  std::map<uint64_t, std::vector<std::string>> files;
   for (const std::string& name : ListDirectory(path)) {
     uint64_t g = 0;
-    if (!IsOurFile(name, &g) || (g == generation && name.rfind("MANIFEST.tmp.", 0) != 0)) continue;
-    auto it = in_progress.find(g);
-    if (it == in_progress.end()) it = in_progress.emplace(g, g != generation && ClaimHeld(path, g)).first;
-    if (!it->second) ::unlink(JoinPath(path, name).c_str());
+    if (IsOurFile(name, &g) && (g != generation || name.rfind("MANIFEST.tmp.", 0) == 0)) files[g].push_back(name);
+  }
+  for (auto& [g, names] : files) {
+    const int claim = g == generation ? -2 : TakeClaimForRemoval(path, g);
+    if (claim == -1) continue;  // a save in progress
+    // The claim file last (see RemoveGeneration).
+    std::stable_partition(names.begin(), names.end(),
+                          [](const std::string& n) { return n.rfind("MANIFEST.tmp.", 0) != 0; });
+    for (const std::string& name : names) ::unlink(JoinPath(path, name).c_str());
+    if (claim >= 0) ::close(claim);
   }
 }
 
@@ -612,11 +623,35 @@ GenerationClaim::GenerationClaim(const std::string& path) {
     if (fd < 0 && errno == EEXIST) continue;  // another save's
     if (fd < 0) throw IoError(claim + ": create failed: " + checkpoint::ErrnoText(errno));
     // A commit running between the create and the lock may have removed the
-    // file as a leftover: claim another generation then.
+    // file as a leftover: claim another generation then. (Where the filesystem
+    // has no flock the claim is not locked: see docs/format.md.)
+    int rc;
+    do {
+      rc = ::flock(fd, LOCK_EX);
+    } while (rc != 0 && errno == EINTR);
     struct stat mine, there;
-    if (::flock(fd, LOCK_EX) != 0 || ::fstat(fd, &mine) != 0 || ::stat(claim.c_str(), &there) != 0 ||
-        mine.st_ino != there.st_ino) {
+    if (::fstat(fd, &mine) != 0 || ::stat(claim.c_str(), &there) != 0 || mine.st_ino != there.st_ino ||
+        mine.st_dev != there.st_dev) {
       ::close(fd);
+      continue;
+    }
+    // What NextGeneration listed may be stale: a commit since then may have
+    // renamed its own claim on this generation to MANIFEST (the generation is
+    // live, and its files have our names), or files of a later one appeared.
+    // The claim stands only above every generation present but itself.
+    uint64_t newest = 0;
+    for (const std::string& name : ListDirectory(path)) {
+      uint64_t g = 0;
+      if (IsOurFile(name, &g) && name != ClaimName(generation)) newest = std::max(newest, g);
+    }
+    try {
+      newest = std::max(newest, ReadCheckpointInfo(path).generation);
+    } catch (const std::exception&) {
+    }
+    if (newest >= generation) {
+      ::unlink(claim.c_str());
+      ::close(fd);
+      generation = newest;  // the loop goes on above it
       continue;
     }
     fd_ = fd;
@@ -805,8 +840,13 @@ int RemoveGeneration(const std::string& path, uint64_t generation) noexcept {
     } else if (errno != ENOENT) {
       return 0;
     }
+    // The claim file last: while it is there, no other save can claim this
+    // generation and write files of these names.
     int removed = 0;
-    for (const std::string& name : ListDirectory(path)) {
+    std::vector<std::string> names = ListDirectory(path);
+    std::stable_partition(names.begin(), names.end(),
+                          [](const std::string& n) { return n.rfind("MANIFEST.tmp.", 0) != 0; });
+    for (const std::string& name : names) {
       uint64_t g = 0;
       if (IsOurFile(name, &g) && g == generation && ::unlink(JoinPath(path, name).c_str()) == 0) ++removed;
     }
