@@ -94,11 +94,15 @@ std::string ClaimName(uint64_t generation) { return std::string("MANIFEST.tmp.")
 int TakeClaimForRemoval(const std::string& dir, uint64_t generation) {
   const int fd = ::open(JoinPath(dir, ClaimName(generation)).c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return -2;
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+  // Shared: it conflicts with the claim's exclusive lock, and NFS grants it on
+  // a descriptor opened for reading (an exclusive one would need writing).
+  if (::flock(fd, LOCK_SH | LOCK_NB) != 0) {
+    const int err = errno;
+    if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS) return fd;  // no flock here: no claim is locked
     ::close(fd);
-    return -1;
+    return -1;  // held (or unknown: keep the files rather than risk a save's)
   }
-  return fd;  // locked, or no flock on this filesystem
+  return fd;
 }
 
 // Our own file names, exactly: t<5 digits>.<array>[.s<5 digits>].g<generation>.ecd
@@ -752,6 +756,8 @@ void CommitCheckpoint(const std::string& path, const std::string& manifest_json)
 }
 
 void SaveCheckpoint(const std::string& path, const std::vector<TableToSave>& tables, const SaveOptions& options) {
+  if (tables.size() > 99999)  // file names carry the table's index in 5 digits
+    throw InvalidArgument("save: " + std::to_string(tables.size()) + " tables; a checkpoint holds at most 99999");
   std::set<std::string> names;
   for (const TableToSave& t : tables) {
     if (t.table == nullptr) throw InvalidArgument("save: null table");

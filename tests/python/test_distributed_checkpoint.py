@@ -503,6 +503,13 @@ def test_a_failed_write_on_one_rank_fails_every_rank_and_keeps_the_previous_chec
         return entry
 
     monkeypatch.setattr(_embedcore, "write_shard_files", failing)
+    real_remove, removers = _embedcore.remove_generation, []
+
+    def remove(path, generation):
+        removers.append(local.rank)
+        return real_remove(path, generation)
+
+    monkeypatch.setattr(_embedcore, "remove_generation", remove)
     path = str(tmp_path / "c")
     snap = {}
 
@@ -551,6 +558,9 @@ def test_a_failed_write_on_one_rank_fails_every_rank_and_keeps_the_previous_chec
     # previous checkpoint is left.
     assert snap["wrote"], "no rank wrote anything before the failure: the test does not exercise a partial save"
     assert set(snap["after_failure"]) == named | {"MANIFEST"}
+    # By rank 0 alone, which holds the generation's claim: another rank's late removal could hit a later save
+    # that claimed the generation again.
+    assert removers == [0], removers
 
     # It still loads bit for bit (the state of the first save), on another world and plan.
     first = assemble([r[0] for r in results])

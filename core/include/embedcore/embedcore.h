@@ -485,9 +485,10 @@ class CheckpointLock {
 
 /// A save's claim on its generation in `path` (created when missing): the
 /// temporary manifest `MANIFEST.tmp.g<generation>`, created exclusively and
-/// flock'ed until Release() or destruction. Generations above every one
-/// present, so no live file is overwritten; two saves into one directory get
-/// different ones. A commit removes no file of a generation whose claim is
+/// flock'ed until Release() or destruction, and checked again once made: a
+/// generation above every one present (a commit meanwhile may have made the
+/// one first picked live), so no live file is overwritten; two saves into one
+/// directory get different ones. A commit removes no file of a generation whose claim is
 /// held: saves running at once all complete, and the last commit is the
 /// checkpoint. A CheckpointError when `path`/MANIFEST is not an embedcore
 /// manifest (the save would replace it).
@@ -528,9 +529,11 @@ std::string TableEntryJson(const TableEntry& entry);
 /// (data files and a temporary manifest) unless `path`/MANIFEST is of that
 /// generation (the commit happened before the failure; then it is the
 /// checkpoint) or cannot be read (it may be). Best effort: never throws;
-/// returns how many files it removed. SaveCheckpoint calls it itself; a
-/// sharded save on every rank when the shard-files step failed on any rank
-/// (every rank learns it), and on rank 0 alone when its commit failed.
+/// returns how many files it removed, the claim file last. Call it while
+/// holding the generation's GenerationClaim, and from one process only: a
+/// late removal could hit a later save that claimed the generation again.
+/// SaveCheckpoint calls it itself; a sharded save on rank 0 (which holds the
+/// claim) when the shard-files step failed on any rank or its commit failed.
 int RemoveGeneration(const std::string& path, uint64_t generation) noexcept;
 
 /// Validates the manifest `manifest_json` (as a reader would), checks that

@@ -84,9 +84,11 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
     try:
         everything = agree(comm, error, written, step="save: shard files")
     except BaseException as e:
-        # A failure every rank saw (this rank's own error or another's): no rank commits, so each removes
-        # what the save wrote. Not on anything else (an interrupt on one rank): rank 0 may be committing.
-        if e is error or isinstance(e, RankFailedError):
+        # A failure every rank saw (this rank's own error or another's): no rank commits, so rank 0, which holds
+        # the generation's claim, removes what every rank wrote (one remover: another rank's removal could run
+        # late, after the claim is gone and a new save has claimed the generation again). Not on anything else
+        # (an interrupt on one rank): rank 0 may be committing. If rank 0 is gone, the next commit removes them.
+        if comm.rank == 0 and (e is error or isinstance(e, RankFailedError)):
             _embedcore.remove_generation(path, generation)
         raise
 
