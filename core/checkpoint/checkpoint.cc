@@ -202,7 +202,8 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const s
   const auto& load_back = kernels::ActiveKernels().dtype[int(dst_dtype)].load;
   const uint64_t chunks = (payload + kChunkBytes - 1) / kChunkBytes;
 
-  // Makes chunk k ready to write: converted (when casting) and checksummed.
+  // Makes chunk k ready to write: staged to the host (a device table) and
+  // converted (when casting); a pointer into the table otherwise.
   auto prepare = [&](uint64_t k) -> const char* {
     const uint64_t off = k * kChunkBytes;
     const size_t n = size_t(std::min<uint64_t>(kChunkBytes, payload - off));
@@ -612,6 +613,22 @@ void CheckManifestIsOurs(const std::string& path) {
   if (std::memcmp(magic, checkpoint::kManifestMagic, 8) != 0) throw CheckpointError(refuse + "another magic" + advice);
 }
 
+// The newest generation in `path`: in its MANIFEST or in any of our file
+// names but `except` (0 when there is none).
+uint64_t NewestGeneration(const std::string& path, const std::string& except = "") {
+  uint64_t generation = 0;
+  for (const std::string& name : ListDirectory(path)) {
+    uint64_t g = 0;
+    if (IsOurFile(name, &g) && name != except) generation = std::max(generation, g);
+  }
+  try {
+    generation = std::max(generation, ReadCheckpointInfo(path).generation);
+  } catch (const std::exception&) {
+    // No valid checkpoint there yet: nothing to keep.
+  }
+  return generation;
+}
+
 }  // namespace
 
 GenerationClaim::GenerationClaim(const std::string& path) {
@@ -643,15 +660,7 @@ GenerationClaim::GenerationClaim(const std::string& path) {
     // renamed its own claim on this generation to MANIFEST (the generation is
     // live, and its files have our names), or files of a later one appeared.
     // The claim stands only above every generation present but itself.
-    uint64_t newest = 0;
-    for (const std::string& name : ListDirectory(path)) {
-      uint64_t g = 0;
-      if (IsOurFile(name, &g) && name != ClaimName(generation)) newest = std::max(newest, g);
-    }
-    try {
-      newest = std::max(newest, ReadCheckpointInfo(path).generation);
-    } catch (const std::exception&) {
-    }
+    const uint64_t newest = NewestGeneration(path, ClaimName(generation));
     if (newest >= generation) {
       ::unlink(claim.c_str());
       ::close(fd);
@@ -675,16 +684,7 @@ uint64_t NextGeneration(const std::string& path) {
   MakeCheckpointDirectory(path);
   CheckManifestIsOurs(path);
   // Above every one present, so no file of the live checkpoint is ever overwritten.
-  uint64_t generation = 0;
-  for (const std::string& name : ListDirectory(path)) {
-    uint64_t g = 0;
-    if (IsOurFile(name, &g)) generation = std::max(generation, g);
-  }
-  try {
-    generation = std::max(generation, ReadCheckpointInfo(path).generation);
-  } catch (const std::exception&) {
-    // No valid checkpoint there yet: nothing to keep.
-  }
+  const uint64_t generation = NewestGeneration(path);
   if (generation >= checkpoint::kMaxGeneration)
     throw CheckpointError(path + ": generation " + std::to_string(generation) + " is the last the format allows (" +
                           std::to_string(checkpoint::kMaxGeneration) + "); save into a new directory");
