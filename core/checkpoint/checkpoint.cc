@@ -331,7 +331,52 @@ uint64_t PageSize() {
 // disk's bandwidth. Measured on Linux 6.18, ext4, 2 threads, a 2 GiB
 // checkpoint: cold 1.6 s as before, the warm pass after it 0.16-0.19 s
 // (mmap + WILLNEED: 0.33-0.57 s).
-void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, uint64_t hi) {
+//
+// `narrow`, when given, also checks each piece while it is in L2: no value of
+// the columns [narrow->col_lo, narrow->col_hi) (the file's own) that is finite
+// may become infinite when stored as narrow->to, the target table's dtype (a
+// float32 beyond float16's range); the first one fails the load.
+struct NarrowCheck {
+  DType to;
+  int64_t col_lo, col_hi;
+  std::string label;  // "table 'x' values"
+};
+
+// The element index (in the file) of the first value of `m` payload bytes at
+// payload offset `off`, within payload bytes [lo, hi), that `check` refuses;
+// -1 when there is none.
+int64_t FirstOverflow(const FileEntry& f, const NarrowCheck& check, const char* bytes, size_t m, uint64_t off,
+                      uint64_t lo, uint64_t hi) {
+  const size_t es = DTypeSize(f.dtype);
+  if (off < lo) {  // the part of the piece before the range (whole checksum blocks are read)
+    const uint64_t skip = std::min<uint64_t>(lo - off, m);
+    bytes += skip, m -= size_t(skip), off += skip;
+  }
+  if (off + m > hi) m = size_t(hi > off ? hi - off : 0);
+  const auto& load = kernels::ActiveKernels().dtype[int(f.dtype)].load;
+  const auto& store = kernels::ActiveKernels().dtype[int(check.to)].store;
+  const auto& load_back = kernels::ActiveKernels().dtype[int(check.to)].load;
+  const uint64_t e0 = off / es;
+  const int64_t count = int64_t(m / es);
+  float tmp[1024], back[1024];
+  char narrowed[1024 * 4];
+  for (int64_t i = 0; i < count; i += 1024) {
+    const int64_t k = std::min<int64_t>(1024, count - i);
+    load(bytes + size_t(i) * es, tmp, k);
+    store(narrowed, tmp, k);
+    load_back(narrowed, back, k);
+    for (int64_t j = 0; j < k; ++j) {
+      if (std::isfinite(back[j]) || !std::isfinite(tmp[j])) continue;
+      const uint64_t e = e0 + uint64_t(i + j);
+      const int64_t col = int64_t(e % uint64_t(f.cols));
+      if (col >= check.col_lo && col < check.col_hi) return int64_t(e);
+    }
+  }
+  return -1;
+}
+
+void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, uint64_t hi,
+                     const NarrowCheck* narrow = nullptr) {
   File file(JoinPath(dir, f.path), O_RDONLY | O_NONBLOCK);  // a FIFO put there must not block
   if (file.Size() != f.bytes)
     throw CheckpointError(file.path() + ": size " + std::to_string(file.Size()) + " bytes, the manifest says " +
@@ -350,7 +395,13 @@ void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, ui
     const uint64_t len = std::min(window, end - w0);
     const uint64_t b0 = w0 / bb;
     const int64_t nb = int64_t((len + bb - 1) / bb);
-    std::atomic<int64_t> bad{INT64_MAX};  // the first corrupt block of the window
+    std::atomic<int64_t> bad{INT64_MAX};         // the first corrupt block of the window
+    std::atomic<int64_t> too_big{INT64_MAX};     // the first element `narrow` would make infinite
+    auto lower = [](std::atomic<int64_t>& first, int64_t x) {
+      int64_t seen = first.load();
+      while (x < seen && !first.compare_exchange_weak(seen, x)) {
+      }
+    };
     ParallelChunks(nb, std::min(NumChunks(nb, 1), int(buffers.size())), [&](int c, int64_t a, int64_t b) {
       std::vector<char>& buf = buffers[size_t(c)];
       if (buf.empty()) buf.resize(size_t(std::min<uint64_t>(kPiece, len)));
@@ -361,18 +412,29 @@ void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, ui
           const size_t m = size_t(std::min<uint64_t>(buf.size(), n - o));
           file.ReadAt(buf.data(), m, kDataOffset + start + o);
           crc = checkpoint::Crc32c(buf.data(), m, crc);
-        }
-        if (crc != f.crc32c[size_t(b0 + uint64_t(i))]) {
-          int64_t seen = bad.load();
-          while (int64_t(b0) + i < seen && !bad.compare_exchange_weak(seen, int64_t(b0) + i)) {
+          if (narrow) {
+            const int64_t e = FirstOverflow(f, *narrow, buf.data(), m, start + o, lo, hi);
+            if (e >= 0) lower(too_big, e);
           }
         }
+        if (crc != f.crc32c[size_t(b0 + uint64_t(i))]) lower(bad, int64_t(b0) + i);
       }
     });
     if (bad.load() != INT64_MAX) {
       const int64_t blk = bad.load();
       throw CheckpointError(file.path() + ": checksum mismatch in block " + std::to_string(blk) + " (bytes " +
                             std::to_string(kDataOffset + uint64_t(blk) * bb) + "..): the file is corrupt");
+    }
+    if (too_big.load() != INT64_MAX) {
+      const uint64_t e = uint64_t(too_big.load());
+      char raw[4];
+      float x;
+      file.ReadAt(raw, DTypeSize(f.dtype), kDataOffset + e * DTypeSize(f.dtype));  // checksummed above
+      kernels::ActiveKernels().dtype[int(f.dtype)].load(raw, &x, 1);
+      throw CheckpointError(file.path() + ": " + narrow->label + " hold " + FormatFloat(x) + " at row " +
+                            std::to_string(f.row_start + int64_t(e / uint64_t(f.cols))) + ", column " +
+                            std::to_string(f.col_start + int64_t(e % uint64_t(f.cols))) + ", beyond the range of " +
+                            DTypeName(narrow->to) + ", the target table's dtype (it would load as infinity)");
     }
   }
 }
@@ -888,16 +950,21 @@ void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const
                           "load with include_optimizer=False to take the values only");
   const bool slots = load_optimizer && entry.has_optimizer;
   // Only the blocks of the rows this block reads.
-  auto verify_file = [&](const FileEntry& f) {
+  // `to`: the dtype the file's values become; a narrower one is checked for
+  // values that would become infinite.
+  auto verify_file = [&](const FileEntry& f, DType to) {
     int64_t r0, r1, c0, c1;
     if (!Overlap(f, row_start, spec.rows, col_start, spec.dim, &r0, &r1, &c0, &c1)) return;
     const uint64_t row_bytes = uint64_t(f.cols) * DTypeSize(f.dtype);
-    VerifyDataRange(info.path, f, uint64_t(r0 - f.row_start) * row_bytes, uint64_t(r1 - f.row_start) * row_bytes);
+    const bool narrows = f.dtype != to && (DTypeSize(to) < DTypeSize(f.dtype) || to == DType::kFloat16);
+    const NarrowCheck check{to, c0 - f.col_start, c1 - f.col_start, "table '" + entry.name + "' values"};
+    VerifyDataRange(info.path, f, uint64_t(r0 - f.row_start) * row_bytes, uint64_t(r1 - f.row_start) * row_bytes,
+                    narrows ? &check : nullptr);
   };
-  for (const FileEntry& f : entry.values) verify_file(f);
+  for (const FileEntry& f : entry.values) verify_file(f, spec.dtype);
   if (slots)
     for (const auto& files : entry.slots)
-      for (const FileEntry& f : files) verify_file(f);
+      for (const FileEntry& f : files) verify_file(f, DType::kFloat32);
 }
 
 void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,

@@ -218,7 +218,10 @@ def load(path, into, include_optimizer: bool = True) -> None:
         them and the optimizers match); False loads the values only.
 
     Any checkpoint loads into any Table, Embedding or sharded Embedding of
-    the same table shapes, whatever world size and plan saved it.
+    the same table shapes, whatever world size and plan saved it. Values
+    are converted to the target table's dtype; a value that would become
+    infinite (a float32 beyond float16's range) raises ``CheckpointError``
+    naming it, and nothing changes.
     """
     if hasattr(into, "_sharded_load"):  # collective: every rank reads only the blocks it owns
         return into._sharded_load(path, include_optimizer)
@@ -238,8 +241,8 @@ def _load(path: str, into, include_optimizer: bool) -> None:
         k = names.index(t.name)
         _embedcore.check_loadable(info, k, t._native, bool(include_optimizer))
         plan.append((k, t))
-    for k, t in plan:  # everything verified before anything changes
-        _embedcore.verify_table(info, k, bool(include_optimizer), False)
+    for k, t in plan:  # everything verified (and fits the target's dtype) before anything changes
+        _embedcore.verify_table_block(info, k, t._native, 0, 0, bool(include_optimizer))
     for k, t in plan:
         _embedcore.load_table(info, k, t._native, bool(include_optimizer), False)
 

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <memory>
 #include <random>
@@ -478,6 +479,50 @@ EMBEDCORE_TEST(VerifyTableBlockChecksOnlyTheRangeItReads) {
   EMBEDCORE_EXPECT_NO_THROW(verify(info, 0, rows, 0, 256));
   EMBEDCORE_EXPECT_THROWS(verify(info, 0, 1, 255, 2), CheckpointError, right.path);
   EMBEDCORE_EXPECT_THROWS(verify(info, 4000, 96, 256, 256), CheckpointError, right.path);
+}
+
+// A float32 value beyond float16's range fails the load of a float16 block
+// that holds it (naming it), before the block changes; blocks without it load.
+EMBEDCORE_TEST(ABlockOfANarrowerDtypeRefusesOnlyTheValuesItHolds) {
+  TempDir dir;
+  const std::string path = dir.Sub("ckpt");
+  constexpr int64_t rows = 300, dim = 10;
+  Table whole(Spec("w", rows, dim, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 3));
+  Train(whole, 2, 5);
+  std::vector<float> row(dim, 0.25f);
+  row[6] = 70000.0f;
+  row[2] = -std::numeric_limits<float>::infinity();  // already infinite: loads as infinity
+  whole.AssignValues(200, 1, row.data());
+  SaveBlocks(path, whole, {{0, rows, 0, 5}, {0, rows, 5, 5}});
+  const CheckpointInfo info = ReadCheckpointInfo(path);
+  auto block = [&](int64_t r0, int64_t n, int64_t c0, int64_t cols) {
+    auto t = std::make_unique<Table>(Spec("w", n, cols, DType::kFloat16, OptimizerSpec::Kind::kAdagrad, 1));
+    const std::vector<uint8_t> before = RawValues(*t);
+    try {
+      LoadTableBlock(info, info.tables[0], *t, r0, c0, true);
+    } catch (...) {
+      EMBEDCORE_EXPECT(RawValues(*t) == before);
+      throw;
+    }
+    return t;
+  };
+  EMBEDCORE_EXPECT_THROWS(block(0, rows, 0, dim), CheckpointError,
+                          "table 'w' values hold 70000 at row 200, column 6, beyond the range of float16");
+  EMBEDCORE_EXPECT_THROWS(block(150, 60, 6, 1), CheckpointError, "row 200, column 6");
+  EMBEDCORE_EXPECT_THROWS(block(200, 1, 4, 3), CheckpointError, "row 200, column 6");
+  // Rows or columns that miss it load, the infinity included.
+  EMBEDCORE_EXPECT_NO_THROW(block(0, 200, 0, dim));
+  EMBEDCORE_EXPECT_NO_THROW(block(201, 99, 0, dim));
+  EMBEDCORE_EXPECT_NO_THROW(block(200, 1, 7, 3));
+  auto left = block(100, 200, 0, 6);
+  std::vector<float> got(size_t(200 * 6));
+  left->ReadValues(0, 200, got.data());
+  EMBEDCORE_EXPECT(std::isinf(got[100 * 6 + 2]) && got[100 * 6 + 2] < 0);
+  EMBEDCORE_EXPECT_EQ(got[100 * 6 + 5], 0.25f);
+  // A float32 target takes the value as it is.
+  Table wide(Spec("w", rows, dim, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 1));
+  LoadTableBlock(info, info.tables[0], wide, 0, 0, true);
+  EMBEDCORE_EXPECT(RawValues(wide) == RawValues(whole));
 }
 
 // ------------------------------------------------------------ shard tables

@@ -371,6 +371,41 @@ def test_assign_refuses_what_the_storage_dtype_rounds_to_infinity(dtype, fits, o
     np.testing.assert_array_equal(np.asarray(t.values(), np.float32), before)
 
 
+@pytest.mark.parametrize("stored,dtype,fits,overflows", [
+    ("float32", "float16", 65519.0, 65520.0),
+    ("float32", "bfloat16", float.fromhex("0x1.fep+127"), float.fromhex("0x1.ffp+127")),
+    ("bfloat16", "float16", 65280.0, 65536.0)])  # bfloat16 holds no value between
+def test_a_load_refuses_values_its_target_dtype_rounds_to_infinity(tmp_path, stored, dtype, fits, overflows):
+    """Loading into a narrower table converts each value; one that would
+    become infinite raises CheckpointError naming the file, the table, the
+    value and where, before any table of the target changes (here a second
+    table that fits, loaded first). The largest value that fits loads."""
+    t = make_table(rows=50, dim=4, dtype="float32" if stored == "float32" else "bfloat16")
+    ok = make_table("ok", rows=3, dim=2)
+    v = np.asarray(t.values(), np.float32).copy()
+    v[7, 1] = fits
+    v[31, 2] = -overflows
+    v[40, 3] = overflows  # a later one: the first is named
+    t.assign(v)
+    ec.save(tmp_path / "c", [ok, t])
+    target = [make_table("ok", rows=3, dim=2, seed=5), make_table(rows=50, dim=4, dtype=dtype, seed=6)]
+    before = [snapshot(x) for x in target]
+    with pytest.raises(ec.CheckpointError, match=rf"t00001\.values.*: table 't' values hold -[0-9.e+]+ at row 31, "
+                                                 rf"column 2, beyond the range of {dtype}, the target table's dtype"):
+        ec.load(tmp_path / "c", into=target)
+    for x, snap in zip(target, before):
+        assert_same_state(x, snap)
+
+    v[31, 2] = v[40, 3] = fits
+    t.assign(v)
+    ec.save(tmp_path / "c", [ok, t])
+    ec.load(tmp_path / "c", into=target)
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    largest = float(np.float32(fits).astype(np.float16 if dtype == "float16" else ml_dtypes.bfloat16))
+    got = np.asarray(target[1].values(), np.float32)
+    assert np.isfinite(largest) and got[7, 1] == got[31, 2] == got[40, 3] == largest
+
+
 @pytest.mark.parametrize("bad,match", [("a\0b", "contains a NUL byte"),
                                        (b"\xff\xfe", "is not valid UTF-8; embedcore takes UTF-8 paths")])
 def test_paths_the_engine_cannot_take_are_refused_by_name(tmp_path, bad, match):

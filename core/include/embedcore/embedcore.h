@@ -449,7 +449,9 @@ void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Ta
 /// Loads `entry` (from `info`) into `table`. With `verify` (the default),
 /// every checksum is verified before the table changes, so a corrupt
 /// checkpoint leaves it untouched; pass false only after VerifyTable.
-/// Values are converted when the dtypes differ. With `load_optimizer`, slots
+/// Values are converted when the dtypes differ; a finite value that the
+/// table's narrower dtype would make infinite (a float32 beyond float16's
+/// range) throws CheckpointError naming it, before the table changes. With `load_optimizer`, slots
 /// and step are loaded too (the optimizers must match).
 void LoadTable(const CheckpointInfo& info, const TableEntry& entry, Table& table, bool load_optimizer,
                bool verify = true);
@@ -548,7 +550,8 @@ void CommitCheckpoint(const std::string& path, const std::string& manifest_json)
 void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,
                     int64_t col_start, bool load_optimizer, bool verify = true);
 
-/// The checks and checksum verification of LoadTableBlock, without loading:
+/// The checks and checksum verification of LoadTableBlock (the dtype range
+/// check included), without loading:
 /// a sharded load verifies every rank's blocks before any rank changes.
 void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const Table& table, int64_t row_start,
                       int64_t col_start, bool load_optimizer);
