@@ -64,7 +64,13 @@ def dense_numpy(table, ids: np.ndarray, need_bwd: bool):
 def sparse_numpy(f: Feature, table, indices, ids, dense_shape, weights, safe: bool, sequence: bool, need_bwd: bool):
     dim = table.dim
     if weights is not None and weights.shape[0] != ids.shape[0]:
-        raise InvalidArgument(f"feature {f.label}: weights have {weights.shape[0]} values, ids {ids.shape[0]}")
+        if weights.shape[0] == 1 and not safe and not sequence and f.table.combiner == "sum" and dense_shape.size == 2:
+            # Rank 2, fast path: embedding_lookup_sparse multiplies the gathered rows by the weights' values,
+            # broadcasting one value over them all (a count TensorFlow checks only where the shapes are known
+            # when tracing). Rank > 2 gathers the weights by position first, and fails as below.
+            weights = np.broadcast_to(weights, ids.shape)
+        else:
+            raise InvalidArgument(f"feature {f.label}: weights have {weights.shape[0]} values, ids {ids.shape[0]}")
     if sequence:
         # sparse_slice to [batch, L], then scatter_nd: duplicate positions add up.
         length = f.max_sequence_length

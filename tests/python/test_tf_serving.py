@@ -468,6 +468,34 @@ def test_sparse_index_shapes_like_tensorflow(index_pair, name, indices, ids, sha
     _assert_same_outcome(expected, actual, "tf.function")
 
 
+@pytest.mark.parametrize("combiner", COMBINERS)
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("n_weights", [1, 2, 4])
+@pytest.mark.parametrize("dense_shape", [[3, 2], [2, 2, 2]], ids=["rank2", "rank3"])
+def test_weight_counts_unknown_while_tracing_like_tensorflow(rng, combiner, validate, n_weights, dense_shape):
+    # A tf.function whose SparseTensors have unknown shapes: TensorFlow checks the count of weights only
+    # when the graph runs. One weight for several ids is broadcast over them by the rank-2 fast path's sum
+    # (embedding_lookup_sparse multiplies the rows by the weights), and refused by everything else.
+    config, _ = _config(combiner, validate_weights_and_indices=validate)
+    theirs, ours = pair(config, rng)
+    indices = [[0, 0], [0, 1], [2, 0]] if len(dense_shape) == 2 else [[0, 0, 0], [0, 0, 1], [1, 1, 0]]
+    ids = tf.SparseTensor(tf.constant(indices, tf.int64), tf.constant([5, 7, 11], tf.int64), dense_shape)
+    w = tf.SparseTensor(tf.constant(indices[:n_weights] + [[0] * len(dense_shape)] * (n_weights - 3), tf.int64),
+                        tf.constant([0.5, 2.0, 3.0, 1.5][:n_weights]), dense_shape)
+    rank = len(dense_shape)
+    specs = [tf.SparseTensorSpec([None] * rank, tf.int64), tf.SparseTensorSpec([None] * rank, tf.float32)]
+    expected, actual = [
+        _outcome(lambda: tf.function(lambda i, ww: emb({"f": i}, {"f": ww}), input_signature=specs)(ids, w))
+        for emb in (theirs, ours)]
+    if isinstance(expected, Exception):
+        assert type(actual) is type(expected), (expected, actual)
+    else:
+        assert not isinstance(actual, Exception), actual
+        assert_same(expected, actual, combiner)
+    broadcast = n_weights == 1 and not validate and combiner == "sum" and rank == 2
+    assert isinstance(expected, Exception) != broadcast
+
+
 def test_import_embedcore_does_not_import_tensorflow():
     code = "import sys, embedcore, embedcore.adapters; print('tensorflow' in sys.modules, 'keras' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
