@@ -128,7 +128,8 @@ def _convert(args) -> int:
     from . import sok
 
     bar = _progress(1, "convert")
-    names = sok.convert(args.src, args.dst, dim=args.dim, key_dtype=args.key_dtype, rows=args.rows)
+    names = sok.convert(args.src, args.dst, dim=args.dim, key_dtype=args.key_dtype, rows=args.rows,
+                        include_optimizer=not args.no_optimizer)
     if bar is not None:
         bar.update(1)
         bar.close()
@@ -207,7 +208,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--key-dtype", choices=["int64", "uint32"], default=None, help="SOK v1: key type")
     p.add_argument("--rows", type=int, default=None, help="SOK: table rows (default: largest key + 1)")
     p.add_argument("--prefix", default=None, help="tf: object path of the embedding in the checkpoint (default: found)")
-    p.add_argument("--no-optimizer", action="store_true", help="tf: convert values only")
+    p.add_argument("--no-optimizer", action="store_true", help="convert values only (without it, every optimizer "
+                   "slot of the source must convert)")
 
     p = sub.add_parser("reshard", help="rewrite a checkpoint for another number of ranks or sharding plan")
     p.add_argument("src")

@@ -49,6 +49,7 @@ class SokVariable:
     values: np.ndarray
     optimizer: Optional[str] = None
     slots: Dict[str, np.ndarray] = field(default_factory=dict)
+    slot_files: Dict[str, str] = field(default_factory=dict)  # slot name -> the file it came from
 
 
 def _read_v2(path: str, want_kind: int):
@@ -189,13 +190,46 @@ def _read_v2_var(src: str, var: str, names, variables) -> SokVariable:
             raise CheckpointError(f"{spath}: a second file of slot {header_slot or slot!r} for {var!r}")
         var_obj.optimizer = opt
         var_obj.slots[header_slot or slot] = s.astype(np.float32).reshape(values.shape)
+        var_obj.slot_files[header_slot or slot] = spath
     return var_obj
 
 
-def to_tables(variables: Dict[str, SokVariable], rows: Optional[int] = None):
-    """Builds one embedcore Table per variable, row k holding key k's values
-    (and slots, when the optimizer is one embedcore has)."""
+def _optimizer_of(name: str, v: SokVariable):
+    """The embedcore optimizer that takes every slot of `v` (Adagrad, Adam or
+    FTRL, default hyper-parameters), and SOK's slot name for each of its
+    slots; CheckpointError, naming the files, for any slot that would be lost
+    or left at its initial value."""
     from . import optimizers as _opt
+
+    files = ", ".join(f"{v.slot_files.get(s, s)}" for s in v.slots)
+    hint = "convert with include_optimizer=False (--no-optimizer) to take the values alone"
+    mapping = _SLOT_NAMES.get((v.optimizer or "").lower())
+    if mapping is None:
+        raise CheckpointError(f"SOK variable {name!r}: optimizer {v.optimizer} (slots in {files}) has no embedcore "
+                              f"equivalent (embedcore takes Adagrad, Adam and FTRL slots); {hint}")
+    optimizer = {"adagrad": _opt.Adagrad, "adam": _opt.Adam, "ftrl": _opt.FTRL}[v.optimizer.lower()]()
+    ours = {}
+    for sok_slot in v.slots:
+        slot = mapping.get(sok_slot.lower())
+        if slot is None:
+            raise CheckpointError(f"{v.slot_files.get(sok_slot, sok_slot)}: {v.optimizer} slot {sok_slot!r} of SOK "
+                                  f"variable {name!r} is none of {sorted(set(mapping))}; {hint}")
+        if slot in ours:
+            raise CheckpointError(f"SOK variable {name!r}: slots {ours[slot]!r} and {sok_slot!r} are both "
+                                  f"{v.optimizer}'s {slot}; keep one, or {hint}")
+        ours[slot] = sok_slot
+    missing = [s for s in optimizer.slot_names if s not in ours]
+    if missing:
+        raise CheckpointError(f"SOK variable {name!r}: the dump holds {v.optimizer} slot(s) {sorted(v.slots)} "
+                              f"({files}) but not {', '.join(missing)}, which {v.optimizer} needs; {hint}")
+    return optimizer, ours
+
+
+def to_tables(variables: Dict[str, SokVariable], rows: Optional[int] = None, include_optimizer: bool = True):
+    """Builds one embedcore Table per variable, row k holding key k's values,
+    and with `include_optimizer` its optimizer slots (Adagrad, Adam or FTRL,
+    every slot present; CheckpointError otherwise, so that no optimizer state
+    is dropped without a word)."""
     from .config import TableConfig
     from .initializers import Zeros
     from .table import Table
@@ -218,21 +252,15 @@ def to_tables(variables: Dict[str, SokVariable], rows: Optional[int] = None):
         keys = v.keys[order]
         if keys.size > 1 and (keys[1:] == keys[:-1]).any():
             raise CheckpointError(f"SOK variable {name!r}: duplicate keys")
-        optimizer = None
-        mapping = _SLOT_NAMES.get((v.optimizer or "").lower())
-        if v.slots and mapping is not None:
-            optimizer = {"adagrad": _opt.Adagrad, "adam": _opt.Adam, "ftrl": _opt.FTRL}[v.optimizer.lower()]()
+        optimizer, slots = _optimizer_of(name, v) if v.slots and include_optimizer else (None, {})
         table = Table(TableConfig(name, n_rows, dim, "float32", Zeros(), optimizer, "sum"))
         _scatter(keys, v.values[order], table.dim, lambda block, r0: table.assign(block, r0),
                  lambda r0, r1: np.zeros((r1 - r0, table.dim), np.float32))
-        if optimizer is not None:
-            for sok_slot, arr in v.slots.items():
-                ours = mapping.get(sok_slot.lower())
-                if ours is None or ours not in table.slot_names:
-                    continue
-                slot = table.slots()[ours]  # untouched rows keep their initial value
-                _scatter(keys, arr[order], table.dim, lambda block, r0, ours=ours: table.assign_slot(ours, block, r0),
-                         lambda r0, r1, slot=slot: np.array(slot[r0:r1]))
+        for ours, sok_slot in slots.items():
+            slot = table.slots()[ours]  # untouched rows keep their initial value
+            _scatter(keys, v.slots[sok_slot][order], table.dim,
+                     lambda block, r0, ours=ours: table.assign_slot(ours, block, r0),
+                     lambda r0, r1, slot=slot: np.array(slot[r0:r1]))
         tables.append(table)
     return tables
 
@@ -258,13 +286,15 @@ def _scatter(keys: np.ndarray, values: np.ndarray, dim: int, assign, current) ->
 
 
 def convert(src, dst, dim: Optional[int] = None, key_dtype: Optional[str] = None, rows: Optional[int] = None,
-            progress=None) -> list:
+            progress=None, include_optimizer: bool = True) -> list:
     """Converts the SOK dump in `src` into an embedcore checkpoint at `dst`;
-    returns the table names."""
+    returns the table names. `include_optimizer=False` takes the values
+    alone; otherwise a dump's optimizer slots must all map to embedcore's
+    (see ``to_tables``)."""
     from .checkpoint import save
 
     variables = read_dump(src, dim=dim, key_dtype=key_dtype)
-    tables = to_tables(variables, rows=rows)
+    tables = to_tables(variables, rows=rows, include_optimizer=include_optimizer)
     if progress is not None:
         progress(len(tables))
     save(dst, tables if len(tables) > 1 else tables[0])

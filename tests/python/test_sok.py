@@ -3,6 +3,7 @@
 lands at its key, optimizer slots come along, and bad dumps are refused."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -170,6 +171,30 @@ def test_v2_adagrad_slot_keeps_the_initial_accumulator_elsewhere(tmp_path, rng):
     np.testing.assert_array_equal(t.slots()["accumulators"][keys], acc)
     missing = np.setdiff1d(np.arange(64), keys)
     np.testing.assert_array_equal(t.slots()["accumulators"][missing], np.float32(0.1))
+
+
+@pytest.mark.parametrize("optimizer, slots, match", [
+    ("Adagrad", {"acc": 100.0}, r"emb-Adagrad-acc: Adagrad slot 'acc' of SOK variable 'emb' is none of"),
+    ("Adam", {"m": 1.0}, r"the dump holds Adam slot\(s\) \['m'\] \(.*emb-Adam-m\) but not velocities, which "
+                          r"Adam needs"),
+    ("RMSprop", {"ms": 1.0}, r"optimizer RMSprop \(slots in .*emb-RMSprop-ms\) has no embedcore equivalent"),
+    ("Adam", {"m": 1.0, "momenta": 2.0, "v": 3.0}, r"slots 'm' and 'momenta' are both Adam's momenta"),
+], ids=["unknown slot", "missing slot", "unknown optimizer", "two files of one slot"])
+def test_v2_optimizer_state_is_never_dropped_silently(tmp_path, rng, optimizer, slots, match):
+    # Slots that would be lost, or left at their initial values, fail the conversion (naming the files)
+    # and write nothing; --no-optimizer (include_optimizer=False) takes the values alone.
+    keys, values = random_rows(rng, 16, 5, 4)
+    write_v2(tmp_path / "sok", "emb", keys, values, optimizer=optimizer,
+             slots={k: values + x for k, x in slots.items()})
+    with pytest.raises(ec.CheckpointError, match=match + r".*include_optimizer=False \(--no-optimizer\)"):
+        ec.sok.convert(tmp_path / "sok", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    r = run_cli("convert", "--from", "sok", tmp_path / "sok", tmp_path / "out")
+    assert r.returncode == 1 and "CheckpointError" in r.stderr and not (tmp_path / "out").exists()
+    r = run_cli("convert", "--from", "sok", "--no-optimizer", tmp_path / "sok", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(ec.checkpoint.read_info(tmp_path / "out").manifest_json)["tables"][0]["slots"] == {}
+    assert_rows_at_keys(loaded(tmp_path / "out", "emb", 16, 4), keys, values)
 
 
 def test_several_variables_v1_and_v2_in_one_dump(tmp_path, rng, capsys):
