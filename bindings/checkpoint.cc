@@ -223,10 +223,15 @@ void BindCheckpoint(nb::module_& m) {
             if (table >= c.num_tables()) throw OutOfRange("no table " + std::to_string(table));
             const TableEntry& t = c.info().tables[table];
             const size_t shape[2] = {size_t(t.rows), size_t(t.dim)};
-            return NumpyView(const_cast<void*>(c.values(table)), 2, shape, nb::find(&c), nullptr,
+            const void* values;
+            {
+              nb::gil_scoped_release release;  // may checksum the whole file
+              values = c.values(table);
+            }
+            return NumpyView(const_cast<void*>(values), 2, shape, nb::find(&c), nullptr,
                              StorageDLType(t.values[0].dtype));
           },
-          "table"_a, "Read-only view of the mapped values (no checksum check: use lookups to serve).");
+          "table"_a, "Read-only view of the mapped values, every block checksummed first (unless opened unverified).");
 }
 
 }  // namespace embedcore::bindings

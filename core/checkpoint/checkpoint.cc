@@ -1055,6 +1055,19 @@ struct MappedCheckpoint::Mapped {
                           std::to_string(kDataOffset + uint64_t(block) * file.block_bytes) +
                           "..): refusing to serve corrupt rows");
   }
+
+  // EnsureVerified for every block, in parallel; throws for the first bad one.
+  void EnsureAllVerified() const {
+    ParallelFor(int64_t(blocks), 1, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) {
+        try {
+          EnsureVerified(size_t(i));
+        } catch (const CheckpointError&) {
+        }
+      }
+    });
+    for (size_t b = 0; b < blocks; ++b) EnsureVerified(b);
+  }
 };
 
 // A table's mapped values files: one (the usual case, served in place) or
@@ -1143,20 +1156,8 @@ MappedCheckpoint::MappedCheckpoint(const std::string& path, Verify verify) {
   }
   lock.Release();  // every file is mapped: removing them now changes nothing here
   if (verify != Verify::kEager) return;
-  for (const auto& table : tables_) {
-    for (const auto& m : table->files) {
-      Mapped* raw = m.get();
-      ParallelFor(int64_t(m->blocks), 1, [&](int64_t a, int64_t b) {
-        for (int64_t i = a; i < b; ++i) {
-          try {
-            raw->EnsureVerified(size_t(i));
-          } catch (const CheckpointError&) {
-          }
-        }
-      });
-      for (size_t b = 0; b < m->blocks; ++b) m->EnsureVerified(b);  // throws for the first bad block
-    }
-  }
+  for (const auto& table : tables_)
+    for (const auto& m : table->files) m->EnsureAllVerified();
 }
 
 MappedCheckpoint::~MappedCheckpoint() = default;
@@ -1167,6 +1168,7 @@ const void* MappedCheckpoint::values(size_t table) const {
     throw CheckpointError(info_.path + ": table '" + info_.tables[table].name + "' is saved in " +
                           std::to_string(t.files.size()) + " files (a sharded save): it has no single mapped array; "
                           "look rows up, or rewrite it with `embedcore reshard SRC DST --world 1 --max-file-mb 0`");
+  t.files[0]->EnsureAllVerified();  // the whole array is handed out: no corrupt block in it
   return t.files[0]->payload;
 }
 

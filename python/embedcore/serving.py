@@ -7,8 +7,9 @@ may run from many threads. No optimizer state is loaded.
 
 Checksums (``verify``):
 - ``True`` / ``"lazy"`` (default): each 4 MiB block of a values file is
-  checksummed the first time a lookup touches it; a block that fails raises
-  ``CheckpointError`` for every lookup that touches it, and is never served.
+  checksummed the first time a lookup touches it (``ServedTable.values()``
+  touches them all); a block that fails raises ``CheckpointError`` for every
+  lookup that touches it, and is never served.
   The manifest, headers and file sizes are checked on open.
 - ``"eager"``: every block is checksummed on open.
 - ``False``: no data checksums (headers and sizes are still checked).
@@ -64,9 +65,12 @@ class ServedTable(LookupMixin):
         return out
 
     def values(self) -> np.ndarray:
-        """Read-only view of the mapped values, as stored (no checksum check).
-        A table saved in several files (a sharded save) has no single view:
-        ``CheckpointError``; its lookups work as any other's."""
+        """Read-only view of the mapped values, as stored. Unless the
+        checkpoint was opened with ``verify=False``, every block of the table
+        not yet checked is checksummed first (a pass over the file the first
+        time), and a corrupt one raises ``CheckpointError``: no corrupt byte
+        is handed out. A table saved in several files (a sharded save) has no
+        single view: ``CheckpointError``; its lookups work as any other's."""
         v = self._mapped.values(self._index)
         if v.dtype == np.uint16:  # bfloat16 bits
             bf16 = _bfloat16_dtype()

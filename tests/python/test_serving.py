@@ -79,6 +79,14 @@ def test_a_lazy_open_reads_no_values(tmp_path):
         served.tables["t"].lookup(np.array([99_999]), combiner=None)
     served_unchecked = ec.serving.open(tmp_path / "c", verify=False)
     served_unchecked.tables["t"].lookup(np.array([99_999]), combiner=None)  # no checksums: served as stored
+    # values() hands out the whole array: every block is checked first (the first bad one is named).
+    with pytest.raises(ec.CheckpointError, match=rf"{name}: checksum mismatch in block 1 "):
+        served.tables["t"].values()
+    fresh = ec.serving.open(tmp_path / "c")
+    with pytest.raises(ec.CheckpointError, match="block 1 "):
+        fresh.tables["t"].values()
+    np.testing.assert_array_equal(fresh.tables["t"].lookup(np.arange(100), combiner=None), t.values()[:100])
+    assert np.asarray(served_unchecked.tables["t"].values()).tobytes() != np.asarray(t.values()).tobytes()
 
 
 def test_many_threads_serve_a_lazily_verified_checkpoint(tmp_path, rng):

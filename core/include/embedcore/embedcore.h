@@ -574,6 +574,8 @@ class MappedCheckpoint {
   void Lookup(size_t table, const Batch& batch, const OutputShape& shape, float* out) const;
   /// Pointer to the mapped values of `table` (rows x dim of its stored
   /// dtype); a table saved in several files (sharded) has none: CheckpointError.
+  /// Unless opened with Verify::kNone, every block not yet checked is checked
+  /// first (in parallel), and a corrupt one throws CheckpointError.
   const void* values(size_t table) const;
 
  private:
