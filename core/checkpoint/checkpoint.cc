@@ -924,6 +924,22 @@ int RemoveGeneration(const std::string& path, uint64_t generation) noexcept {
   }
 }
 
+namespace {
+// "[a, b]", or "none" for an optimizer without slots (SGD).
+std::string SlotList(const std::vector<std::string>& names) {
+  if (names.empty()) return "none";
+  std::string s = "[";
+  for (size_t i = 0; i < names.size(); ++i) s += (i ? ", " : "") + names[i];
+  return s + "]";
+}
+
+std::string SlotMismatch(const std::string& where, const TableEntry& entry, const TableSpec& spec) {
+  return where + " was saved with optimizer slots " + SlotList(entry.slot_names) +
+         ", the target table's optimizer has slots " + SlotList(spec.optimizer.SlotNames()) +
+         "; load with include_optimizer=False to take the values only";
+}
+}  // namespace
+
 void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Table& table, bool load_optimizer) {
   const TableSpec& spec = table.spec();
   const std::string where = info.path + ": table '" + entry.name + "'";
@@ -932,8 +948,7 @@ void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Ta
                           ", the target table '" + spec.name + "' is " + std::to_string(spec.rows) + " x " +
                           std::to_string(spec.dim));
   if (load_optimizer && entry.has_optimizer && entry.slot_names != spec.optimizer.SlotNames())
-    throw CheckpointError(where + " was saved with optimizer slots that the target table's optimizer lacks; "
-                          "load with include_optimizer=False to take the values only");
+    throw CheckpointError(SlotMismatch(where, entry, spec));
 }
 
 void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const Table& table, int64_t row_start,
@@ -946,8 +961,7 @@ void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const
                           std::to_string(row_start + spec.rows) + ") and columns [" + std::to_string(col_start) +
                           ", " + std::to_string(col_start + spec.dim) + ") for the target '" + spec.name + "'");
   if (load_optimizer && entry.has_optimizer && entry.slot_names != spec.optimizer.SlotNames())
-    throw CheckpointError(where + " was saved with optimizer slots that the target table's optimizer lacks; "
-                          "load with include_optimizer=False to take the values only");
+    throw CheckpointError(SlotMismatch(where, entry, spec));
   const bool slots = load_optimizer && entry.has_optimizer;
   // Only the blocks of the rows this block reads.
   // `to`: the dtype the file's values become; a narrower one is checked for
@@ -979,7 +993,7 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
   const TableSpec& spec = table.spec();
   const bool slots = load_optimizer && entry.has_optimizer;
   if (slots && entry.slot_names != spec.optimizer.SlotNames())
-    throw CheckpointError(info.path + ": table '" + entry.name + "': optimizer slots differ from the target's");
+    throw CheckpointError(SlotMismatch(info.path + ": table '" + entry.name + "'", entry, spec));
   std::unique_lock<std::shared_mutex> lock(table.mutex());
   // Reads the block of `files` into `dst` ([rows, dim] of `dtype`); a device
   // table's block goes through a bounded host buffer.

@@ -324,8 +324,15 @@ def test_values_only_loads_into_a_table_of_another_optimizer(tmp_path, rng):
     ec.save(tmp_path / "c", src)
     other = make_table(optimizer="adam", seed=3)
     before = snapshot(other)
-    with pytest.raises(ec.CheckpointError, match="slots"):
+    with pytest.raises(ec.CheckpointError, match=r"table 't' was saved with optimizer slots \[accumulators\], the "
+                                                 r"target table's optimizer has slots \[momenta, velocities\]"):
         ec.load(tmp_path / "c", into=other)  # the slots do not fit Adam
+    assert_same_state(other, before)
+    sgd = make_table(optimizer="sgd")
+    ec.save(tmp_path / "s", sgd)
+    with pytest.raises(ec.CheckpointError, match=r"saved with optimizer slots none, the target table's optimizer "
+                                                 r"has slots \[momenta, velocities\]; load with include_optimizer"):
+        ec.load(tmp_path / "s", into=other)
     assert_same_state(other, before)
     ec.load(tmp_path / "c", into=other, include_optimizer=False)
     assert other.values().tobytes() == src.values().tobytes()
