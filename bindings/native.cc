@@ -9,6 +9,7 @@
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <random>
 #include <shared_mutex>
 #include <string>
 #include <unordered_map>
@@ -33,10 +34,20 @@ struct Registered {
   nb::object owner;  // keeps the table alive while it is registered
 };
 
+// Handles start at a random value in each process: a graph traced in one
+// process and run in another (a SavedModel saved with a function traced
+// before the save) names no table there, with an error, rather than
+// whichever table the other process registered under the same number.
+int64_t FirstHandle() {
+  std::random_device rd;
+  const uint64_t r = (uint64_t(rd()) << 32) ^ uint64_t(rd());
+  return int64_t(r >> 2) | 1;  // positive, leaving 2^61 handles before any overflow
+}
+
 struct Registry {
   std::shared_mutex mutex;  // shared by running lookups, exclusive to (un)register
   std::unordered_map<int64_t, Registered> tables;
-  int64_t next = 1;
+  int64_t next = FirstHandle();
 };
 
 // Never destroyed: an op may run while the interpreter shuts down, and the
@@ -71,7 +82,9 @@ int RunEntry(const char* what, int64_t handle, const void* ids, int ids_int32, i
     const auto it = r.tables.find(handle);
     if (it == r.tables.end()) {
       SetError(error, error_size,
-               "embedcore table handle " + std::to_string(handle) + " is not registered (its layer was deleted)");
+               "embedcore table handle " + std::to_string(handle) +
+                   " is not registered in this process (its layer was deleted, or the graph was traced in another "
+                   "process: trace functions to export inside embedcore.adapters.tf.export_mode())");
       return kFailed;
     }
     const Table& table = *it->second.table;

@@ -118,10 +118,20 @@ class Embedding(keras.layers.Layer):
         trains = any(t.optimizer is not None for t in emb._tables.values())
         if training is False or not trains:
             return _lookup(inputs, weights, emb._features, emb._tables)
-        return _trainable_lookup(emb, inputs, weights, self._anchor)
+        refusal = None
+        if "mixed_float16" in {self.dtype_policy.name, keras.config.dtype_policy().name}:
+            # compile() then wraps the Keras optimizer in a LossScaleOptimizer, which scales the loss and unscales
+            # only the gradients it applies itself: the engine's update, in the backward pass, would be scaled.
+            refusal = (f"embedcore.adapters.tf.Embedding {self.name!r}: training under the 'mixed_float16' dtype "
+                       "policy is not supported (Keras's loss scaling would reach the engine's update unscaled); "
+                       "train with the 'float32' or 'mixed_bfloat16' policy (no loss scaling)")
+        return _trainable_lookup(emb, inputs, weights, self._anchor, refusal)
 
 
-def _trainable_lookup(emb: EmbeddingForServing, inputs, weights, anchor):
+def _trainable_lookup(emb: EmbeddingForServing, inputs, weights, anchor, refusal: Optional[str] = None):
+    """The lookup, with a backward pass that applies the engine's update; with
+    `refusal`, asking for that gradient raises NotImplementedError(refusal)
+    before anything changes (the forward pass and inference still work)."""
     outputs, backward = _lookup(inputs, weights, emb._features, emb._tables, need_bwd=True)
     flat = tf.nest.flatten(outputs)
     a = tf.convert_to_tensor(anchor)
@@ -129,6 +139,8 @@ def _trainable_lookup(emb: EmbeddingForServing, inputs, weights, anchor):
     @tf.custom_gradient
     def attach(a_value, *outs):
         def grad(*dys):
+            if refusal is not None:
+                raise NotImplementedError(refusal)
             update = _apply(emb, backward, dys)
             with tf.control_dependencies(update):
                 return [tf.zeros_like(a_value)] + [None] * len(outs)

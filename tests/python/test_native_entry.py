@@ -4,6 +4,8 @@ without TensorFlow: the table registry (handles, unregistering), each
 status (a result, "take the general path" having written nothing, an error
 with its message), and results equal to the Python API's."""
 import ctypes
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -102,7 +104,7 @@ def test_an_unregistered_handle_and_a_wrong_call_are_errors(entries, table):
     sparse, ragged = entries
     t, handle = table
     status, _, err = _sparse(sparse, handle + 1000, [[0, 0]], np.array([1]), 1)
-    assert status == FAILED and f"table handle {handle + 1000} is not registered" in err
+    assert status == FAILED and f"table handle {handle + 1000} is not registered in this process" in err
     status, _, err = _ragged(ragged, handle, np.array([1]), [0, 1], dim=4)
     assert status == FAILED and "bad call for table 't'" in err
     status, _, err = _sparse(sparse, handle, [[0, 0]], np.array([1]), 1, combiner=3)
@@ -128,3 +130,13 @@ def test_registration(table):
     assert _embedcore.unregister_native_table(other)
     with pytest.raises(TypeError):
         _embedcore.register_native_table(np.zeros(3), t._native)  # not an engine table
+
+
+def test_handles_differ_from_process_to_process():
+    # A graph traced in one process and run in another (a SavedModel holding the adapter's kernel) must name
+    # no table there, rather than the table registered under the same number: handles start at random.
+    code = ("import embedcore as ec; from embedcore import _embedcore; t = ec.Table(name='t', rows=2, dim=2); "
+            "print(_embedcore.register_native_table(t._native, t._native))")
+    handles = {int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                  timeout=120).stdout) for _ in range(3)}
+    assert len(handles) == 3 and all(h > 1000 for h in handles), handles

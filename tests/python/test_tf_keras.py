@@ -121,3 +121,27 @@ def test_gradient_tape_eager_and_traced(rng):
     with tf.GradientTape() as tape:
         tf.reduce_sum(layer(ids, training=False))
     np.testing.assert_array_equal(engine.values(), before)
+
+
+def test_training_under_loss_scaling_is_refused(rng):
+    # mixed_float16 makes compile() wrap the Keras optimizer in a LossScaleOptimizer, whose loss scale would
+    # reach the engine's update (applied in the backward pass) unscaled: training is refused, naming the
+    # policy, and nothing changes; inference works.
+    previous = keras.config.dtype_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        layer = Embedding(30, 4, optimizer=ec.optimizers.SGD(0.5), table_name="items")
+        inputs = keras.Input(shape=(3,), dtype="int64")
+        model = keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(layer(inputs, training=False)))
+        ids = rng.integers(0, 30, (8, 3))
+        y = rng.standard_normal((8, 3, 4)).astype(np.float32)
+        table = layer._embedcore_tables()[0]
+        before = table.values().copy()
+        np.testing.assert_array_equal(np.asarray(model.predict(ids, verbose=0)), before[ids])
+        train = keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(layer(inputs)))
+        train.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        with pytest.raises(NotImplementedError, match=r"'mixed_float16' dtype policy is not supported"):
+            train.fit(ids, y, batch_size=8, epochs=1, verbose=0)
+        np.testing.assert_array_equal(table.values(), before)
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
