@@ -14,8 +14,11 @@ Writes, under OUT_DIR:
   SHA256SUMS      of every file above (tests/python/test_golden.py checks them)
 
 Everything is deterministic (seeded initializers, fixed batches), and the npz
-is written with fixed zip timestamps, so a rerun with the same library
-version reproduces every byte.
+is written with fixed zip timestamps, so a rerun with the library that made
+them (format 1.0) reproduced every byte. A rerun with a later library does
+not: it writes the current format (1.2: `adagrad_epsilon` in the manifest)
+and its numerics (e.g. SGD's), so the committed files are never regenerated;
+they are what a 1.0 writer wrote, and test_golden.py checks that they load.
 """
 from __future__ import annotations
 
