@@ -163,12 +163,19 @@ void BindCheckpoint(nb::module_& m) {
       "info"_a, "index"_a, "table"_a, "load_optimizer"_a);
   m.def(
       "verify_table",
-      [](const CheckpointInfo& info, size_t index, bool include_slots, bool check_finite) {
+      [](const CheckpointInfo& info, size_t index, bool include_slots, bool check_finite, nb::object progress) {
         if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
+        ProgressFn report;
+        if (!progress.is_none())
+          report = [&progress](uint64_t bytes) {  // on this thread, between parts: takes the GIL back to call
+            nb::gil_scoped_acquire acquire;
+            progress(bytes);
+          };
         nb::gil_scoped_release release;
-        VerifyTable(info, info.tables[index], include_slots, check_finite);
+        VerifyTable(info, info.tables[index], include_slots, check_finite, report);
       },
-      "info"_a, "index"_a, "include_slots"_a, "check_finite"_a);
+      "info"_a, "index"_a, "include_slots"_a, "check_finite"_a, "progress"_a = nb::none(),
+      "Verifies a table's files; `progress(bytes)` (optional) is called after each part of up to 64 MiB.");
   m.def(
       "load_table",
       [](const CheckpointInfo& info, size_t index, Table& table, bool load_optimizer, bool verify) {

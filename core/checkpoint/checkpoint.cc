@@ -376,7 +376,7 @@ int64_t FirstOverflow(const FileEntry& f, const NarrowCheck& check, const char* 
 }
 
 void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, uint64_t hi,
-                     const NarrowCheck* narrow = nullptr) {
+                     const NarrowCheck* narrow = nullptr, const ProgressFn& progress = {}) {
   File file(JoinPath(dir, f.path), O_RDONLY | O_NONBLOCK);  // a FIFO put there must not block
   if (file.Size() != f.bytes)
     throw CheckpointError(file.path() + ": size " + std::to_string(file.Size()) + " bytes, the manifest says " +
@@ -436,11 +436,12 @@ void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, ui
                             std::to_string(f.col_start + int64_t(e % uint64_t(f.cols))) + ", beyond the range of " +
                             DTypeName(narrow->to) + ", the target table's dtype (it would load as infinity)");
     }
+    if (progress) progress(len);
   }
 }
 
-void VerifyDataFile(const std::string& dir, const FileEntry& f) {
-  VerifyDataRange(dir, f, 0, checkpoint::PayloadBytes(f));
+void VerifyDataFile(const std::string& dir, const FileEntry& f, const ProgressFn& progress = {}) {
+  VerifyDataRange(dir, f, 0, checkpoint::PayloadBytes(f), nullptr, progress);
 }
 
 // The rows [*r0, *r1) and columns [*c0, *c1) where a file meets the block
@@ -524,7 +525,7 @@ void ReadDataBlock(const std::string& dir, const FileEntry& f, void* dst, DType 
 }
 
 // Throws naming the first value of a data file that is inf or NaN.
-void CheckFinite(const std::string& dir, const FileEntry& f) {
+void CheckFinite(const std::string& dir, const FileEntry& f, const ProgressFn& progress = {}) {
   File file(JoinPath(dir, f.path), O_RDONLY | O_NONBLOCK);  // a FIFO put there must not block
   const size_t es = DTypeSize(f.dtype);
   const uint64_t elems = uint64_t(f.rows) * uint64_t(f.cols);
@@ -551,6 +552,7 @@ void CheckFinite(const std::string& dir, const FileEntry& f) {
                               std::to_string(f.col_start + int64_t(e % uint64_t(f.cols))) + " is not finite");
       }
     }
+    if (progress) progress(n * es);
   }
 }
 
@@ -1025,10 +1027,11 @@ void LoadTable(const CheckpointInfo& info, const TableEntry& entry, Table& table
   LoadTableBlock(info, entry, table, 0, 0, load_optimizer, verify);
 }
 
-void VerifyTable(const CheckpointInfo& info, const TableEntry& entry, bool include_slots, bool check_finite) {
+void VerifyTable(const CheckpointInfo& info, const TableEntry& entry, bool include_slots, bool check_finite,
+                 const ProgressFn& progress) {
   auto verify = [&](const FileEntry& f) {
-    VerifyDataFile(info.path, f);
-    if (check_finite) CheckFinite(info.path, f);
+    VerifyDataFile(info.path, f, progress);
+    if (check_finite) CheckFinite(info.path, f, progress);
   };
   for (const FileEntry& f : entry.values) verify(f);
   if (include_slots)

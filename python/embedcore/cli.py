@@ -8,15 +8,18 @@ import sys
 from typing import List, Optional
 
 
-def _progress(total: int, desc: str):
-    """A progress bar on a terminal (tqdm), nothing otherwise."""
+def _progress(total: int, desc: str, unit: str = "file"):
+    """A progress bar on a terminal (tqdm), nothing otherwise. unit="B"
+    counts bytes (shown as KiB, MiB, ...)."""
     if not sys.stderr.isatty():
         return None
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc=desc, unit="file", leave=False)
+    if unit == "B":
+        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, leave=False)
 
 
 def _human(n: int) -> str:
@@ -92,14 +95,15 @@ def _verify_locked(path: str) -> int:
 
     info = read_info(path)
     names = list(info.table_names)
-    bar = _progress(len(names), "verify")
-    for i, name in enumerate(names):
-        _embedcore.verify_table(info, i, True, True)
-        if bar is not None:
-            bar.update(1)
+    manifest = json.loads(info.manifest_json)
+    # Bytes: each data file's payload twice (the checksum pass and the finiteness pass).
+    total = 2 * sum(f["bytes"] - 4096 for t in manifest["tables"]
+                    for files in [t["values"], *t["slots"].values()] for f in files)
+    bar = _progress(total, "verify", unit="B")
+    for i in range(len(names)):
+        _embedcore.verify_table(info, i, True, True, None if bar is None else bar.update)
     if bar is not None:
         bar.close()
-    manifest = json.loads(info.manifest_json)
 
     def blocks(files):  # the files' blocks, in any order (the format does not order them)
         return sorted((f["row_start"], f["rows"], f.get("col_start", 0), f["cols"]) for f in files)
@@ -127,12 +131,27 @@ def _convert(args) -> int:
         return 0
     from . import sok
 
-    bar = _progress(1, "convert")
-    names = sok.convert(args.src, args.dst, dim=args.dim, key_dtype=args.key_dtype, rows=args.rows,
-                        include_optimizer=not args.no_optimizer)
-    if bar is not None:
-        bar.update(1)
-        bar.close()
+    from .checkpoint import save
+
+    # sok.convert's steps, with a bar in bytes: the dump's arrays going into the tables, then the save.
+    variables = sok.read_dump(args.src, dim=args.dim, key_dtype=args.key_dtype)
+    slots = not args.no_optimizer
+    arrays = sum(v.values.nbytes + (sum(a.nbytes for a in v.slots.values()) if slots else 0)
+                 for v in variables.values())
+    bar = _progress(arrays, "convert", unit="B")
+    try:
+        tables = sok.to_tables(variables, rows=args.rows, include_optimizer=slots,
+                               progress=None if bar is None else bar.update)
+        if bar is not None:
+            bar.total = arrays + sok.table_bytes(tables)
+            bar.refresh()
+        save(args.dst, tables if len(tables) > 1 else tables[0])
+        if bar is not None:
+            bar.update(sok.table_bytes(tables))
+    finally:
+        if bar is not None:
+            bar.close()
+    names = [t.name for t in tables]
     print(f"converted {len(names)} SOK variable(s) ({', '.join(names)}) into {args.dst}")
     return 0
 

@@ -225,11 +225,13 @@ def _optimizer_of(name: str, v: SokVariable):
     return optimizer, ours
 
 
-def to_tables(variables: Dict[str, SokVariable], rows: Optional[int] = None, include_optimizer: bool = True):
+def to_tables(variables: Dict[str, SokVariable], rows: Optional[int] = None, include_optimizer: bool = True,
+              progress=None):
     """Builds one embedcore Table per variable, row k holding key k's values,
     and with `include_optimizer` its optimizer slots (Adagrad, Adam or FTRL,
     every slot present; CheckpointError otherwise, so that no optimizer state
-    is dropped without a word)."""
+    is dropped without a word). `progress(nbytes)`, when given, is called as
+    each block of values or slots (up to 64 MiB) is written into a table."""
     from .config import TableConfig
     from .initializers import Zeros
     from .table import Table
@@ -255,24 +257,30 @@ def to_tables(variables: Dict[str, SokVariable], rows: Optional[int] = None, inc
         optimizer, slots = _optimizer_of(name, v) if v.slots and include_optimizer else (None, {})
         table = Table(TableConfig(name, n_rows, dim, "float32", Zeros(), optimizer, "sum"))
         _scatter(keys, v.values[order], table.dim, lambda block, r0: table.assign(block, r0),
-                 lambda r0, r1: np.zeros((r1 - r0, table.dim), np.float32))
+                 lambda r0, r1: np.zeros((r1 - r0, table.dim), np.float32), progress)
         for ours, sok_slot in slots.items():
             slot = table.slots()[ours]  # untouched rows keep their initial value
             _scatter(keys, v.slots[sok_slot][order], table.dim,
                      lambda block, r0, ours=ours: table.assign_slot(ours, block, r0),
-                     lambda r0, r1, slot=slot: np.array(slot[r0:r1]))
+                     lambda r0, r1, slot=slot: np.array(slot[r0:r1]), progress)
         tables.append(table)
     return tables
+
+
+def table_bytes(tables) -> int:
+    """The bytes of values and slots of converted (float32) tables."""
+    return sum(t.rows * t.dim * 4 * (1 + len(t.slot_names)) for t in tables)
 
 
 _MAX_IMPLIED_BYTES = 1 << 30  # a table a dump of few keys may imply without rows=
 
 
-def _scatter(keys: np.ndarray, values: np.ndarray, dim: int, assign, current) -> None:
+def _scatter(keys: np.ndarray, values: np.ndarray, dim: int, assign, current, progress=None) -> None:
     """Writes values[i] into row keys[i] (keys sorted) through `assign(block,
     row0)`, a block of at most 64 MiB of rows at a time, and only the blocks
     that hold keys (`current(r0, r1)` gives a block's rows as they are): no
-    copy of the whole table."""
+    copy of the whole table. `progress(nbytes)` gets each block's share of
+    `values`."""
     span = max(1, (64 << 20) // (4 * dim))
     i = 0
     while i < keys.size:
@@ -282,6 +290,8 @@ def _scatter(keys: np.ndarray, values: np.ndarray, dim: int, assign, current) ->
         block = current(r0, r1)
         block[keys[i:j] - r0] = values[i:j]
         assign(block, r0)
+        if progress is not None:
+            progress(int(values[i:j].nbytes))
         i = j
 
 
@@ -290,12 +300,14 @@ def convert(src, dst, dim: Optional[int] = None, key_dtype: Optional[str] = None
     """Converts the SOK dump in `src` into an embedcore checkpoint at `dst`;
     returns the table names. `include_optimizer=False` takes the values
     alone; otherwise a dump's optimizer slots must all map to embedcore's
-    (see ``to_tables``)."""
+    (see ``to_tables``). `progress(nbytes)`, when given, is called with the
+    bytes of the dump's arrays as they go into the tables, then once with the
+    tables' bytes (values and slots) when they are saved."""
     from .checkpoint import save
 
     variables = read_dump(src, dim=dim, key_dtype=key_dtype)
-    tables = to_tables(variables, rows=rows, include_optimizer=include_optimizer)
-    if progress is not None:
-        progress(len(tables))
+    tables = to_tables(variables, rows=rows, include_optimizer=include_optimizer, progress=progress)
     save(dst, tables if len(tables) > 1 else tables[0])
+    if progress is not None:
+        progress(table_bytes(tables))
     return [t.name for t in tables]

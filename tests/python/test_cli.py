@@ -12,6 +12,7 @@ import pytest
 
 import embedcore as ec
 import embedcore.cli
+from embedcore import _embedcore
 from test_checkpoint_forge import flip_byte, read_manifest, train, write_manifest
 
 ENV = dict(os.environ, SKBUILD_EDITABLE_VERBOSE="0")
@@ -282,3 +283,25 @@ def test_memory_error_and_a_huge_world_exit_cleanly(tmp_path, capsys, monkeypatc
     monkeypatch.setattr("embedcore.demo.run", out_of_memory)
     assert embedcore.cli.main(["demo", "--batch-size", str(10**11)]) == 1
     assert capsys.readouterr().err == "embedcore demo: MemoryError: Unable to allocate 745. GiB\n"
+
+
+def test_verify_and_sok_conversion_report_progress_in_bytes(tmp_path):
+    # What the terminal's bars count: verify_table reports each part (up to 64 MiB) of its two passes, so a
+    # single large table advances in steps; to_tables reports each block of the dump it writes.
+    t = ec.Table(name="big", rows=330_000, dim=64, optimizer=ec.optimizers.Adagrad(0.1))  # 2 x 84 MB
+    ec.save(tmp_path / "c", t)
+    info = ec.checkpoint.read_info(tmp_path / "c")
+    parts = []
+    _embedcore.verify_table(info, 0, True, True, parts.append)
+    payload = 2 * 330_000 * 64 * 4
+    assert sum(parts) == 2 * payload and max(parts) <= 64 << 20 and len(parts) >= 8
+    parts.clear()
+    _embedcore.verify_table(info, 0, False, False, parts.append)
+    assert sum(parts) == payload // 2
+
+    keys = np.arange(0, 600_000, 2, dtype=np.int64)
+    variables = {"emb": ec.sok.SokVariable("emb", keys, np.ones((keys.size, 64), np.float32))}
+    parts.clear()
+    (table,) = ec.sok.to_tables(variables, progress=parts.append)
+    assert sum(parts) == keys.size * 64 * 4 and len(parts) >= 2
+    assert ec.sok.table_bytes([table]) == 599_999 * 64 * 4

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <shared_mutex>
 #include <stdexcept>
@@ -456,9 +457,16 @@ void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Ta
 void LoadTable(const CheckpointInfo& info, const TableEntry& entry, Table& table, bool load_optimizer,
                bool verify = true);
 
+/// Called on the calling thread with a count of bytes just processed.
+using ProgressFn = std::function<void(uint64_t bytes)>;
+
 /// Verifies every checksum of one table's files (values, and slots when
-/// `include_slots`); with `check_finite`, also that every number is finite.
-void VerifyTable(const CheckpointInfo& info, const TableEntry& entry, bool include_slots, bool check_finite);
+/// `include_slots`); with `check_finite`, also that every number is finite
+/// (a second pass). `progress`, when set, is called after each part of a
+/// pass (up to 64 MiB) with its bytes: the passes add up to the payload
+/// bytes of the files, twice with `check_finite`.
+void VerifyTable(const CheckpointInfo& info, const TableEntry& entry, bool include_slots, bool check_finite,
+                 const ProgressFn& progress = {});
 
 /// VerifyTable for every table, slots included. Throws CheckpointError.
 void VerifyCheckpoint(const CheckpointInfo& info, bool check_finite);
