@@ -71,6 +71,25 @@ class TableHandle:
         return f"<embedcore table '{self.name}' shape={[self.table.rows, self.table.dim]} dtype=float32>"
 
 
+# As for a tf.Variable: the handle converts to a tensor of its values (a copy; tf.convert_to_tensor, ops taking
+# it), and TensorFlow's operators (table + 1.0, table[3], table @ w) apply to that tensor. == and != keep
+# their identity meaning (handles are dict keys), as TensorFlow's own do outside tf.function.
+tf.register_tensor_conversion_function(
+    TableHandle, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.read_value(), dtype=dtype, name=name))
+
+
+def _forward_operator(op: str):
+    def method(self, *args):
+        return getattr(tf.Tensor, op)(self.read_value(), *args)
+
+    method.__name__ = op
+    return method
+
+
+for _op in tf.Tensor.OVERLOADABLE_OPERATORS - {"__eq__", "__ne__"}:
+    setattr(TableHandle, _op, _forward_operator(_op))
+
+
 class EmbeddingForServing(_AutoTrackable):
     """TensorFlow's ``TPUEmbeddingForServing`` with its tables in the engine.
 

@@ -232,6 +232,30 @@ def test_table_names_and_configs(rng):
         EmbeddingForServing([E.FeatureConfig(t), E.FeatureConfig(E.TableConfig(vocabulary_size=3, dim=2, name="x"))])
 
 
+def test_embedding_tables_act_as_tensors_like_tensorflows_variables(rng):
+    # What code written for TPUEmbeddingForServing does with embedding_tables[cfg]: convert it, compute with
+    # TensorFlow's operators, slice it, look rows up with tf.nn.embedding_lookup, eagerly and in tf.function.
+    config, table = _config("sum")
+    theirs, ours = pair(config, rng)
+    ids = tf.constant([3, 0, 59], tf.int64)
+    uses = {
+        "convert": lambda t: tf.convert_to_tensor(t),
+        "add": lambda t: t + 1.0, "radd": lambda t: 2.0 + t, "mul": lambda t: t * t, "neg": lambda t: -t,
+        "matmul": lambda t: t @ tf.ones([DIM, 2]), "getitem": lambda t: t[3], "slice": lambda t: t[1:4, ::2],
+        "reduce": lambda t: tf.reduce_sum(t, axis=0), "compare": lambda t: t > 0.0,
+        "lookup": lambda t: tf.nn.embedding_lookup(t, ids), "shape": lambda t: tf.shape(t),
+    }
+    for name, use in uses.items():
+        for graph in (False, True):
+            run = tf.function(use) if graph else use
+            expected, actual = run(theirs.embedding_tables[table]), run(ours.embedding_tables[table])
+            assert expected.dtype == actual.dtype and expected.shape == actual.shape, (name, graph)
+            np.testing.assert_array_equal(actual.numpy(), expected.numpy(), err_msg=f"{name} graph={graph}")
+    handle = ours.embedding_tables[table]
+    assert (handle == handle) is True and (handle != handle) is False  # identity, not element-wise
+    assert {handle: 1}[handle] == 1
+
+
 def test_embedcore_configs(rng):
     import embedcore as ec
 
