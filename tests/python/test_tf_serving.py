@@ -292,6 +292,16 @@ def test_edge_inputs(rng, validate):
     assert_same(expected, actual, "mean")
 
 
+@pytest.mark.parametrize("validate", [True, False])
+def test_int16_ids_of_a_sparse_sequence_feature(rng, validate):
+    # TensorFlow gathers a sequence's rows with tf.gather, which takes int16 ids (its pooling ops do not).
+    config, _ = _config("sum", max_sequence_length=3, validate_weights_and_indices=validate)
+    theirs, ours = pair(config, rng)
+    sp = tf.SparseTensor([[0, 0], [0, 2], [2, 1]], tf.constant([4, 59, 0], tf.int16), [3, 3])
+    expected, actual = _both(theirs, ours, {"f": sp})
+    assert_same(expected, actual, "sum")
+
+
 def _error_cases():
     sp = tf.SparseTensor([[0, 0], [0, 1], [2, 0]], tf.constant([1, 2, 3], tf.int64), [4, 3])
     rg = tf.ragged.constant([[1, 2], [], [3]], dtype=tf.int64)
@@ -319,6 +329,12 @@ def _error_cases():
         ("float ids", {}, lambda: ({"a": tf.constant([[1.0]])}, None)),
         ("ragged uint8 ids", {}, lambda: ({"a": tf.ragged.constant([[1]], dtype=tf.uint8)}, None)),
         ("sparse float ids", {}, lambda: ({"a": tf.SparseTensor([[0, 0]], tf.constant([1.0]), [2, 2])}, None)),
+        ("sparse string ids", {}, lambda: ({"a": tf.SparseTensor([[0, 0]], tf.constant(["1"]), [2, 2])}, None)),
+        ("fast path string ids", {"validate_weights_and_indices": False},
+         lambda: ({"a": tf.SparseTensor([[0, 0]], tf.constant(["1"]), [2, 2])}, None)),
+        ("sequence string ids", {"max_sequence_length": 2},
+         lambda: ({"a": tf.SparseTensor([[0, 0]], tf.constant(["1"]), [2, 2])}, None)),
+        ("sparse int16 ids", {}, lambda: ({"a": tf.SparseTensor([[0, 0]], tf.constant([1], tf.int16), [2, 2])}, None)),
         ("fast path rows out of order", {"validate_weights_and_indices": False},
          lambda: ({"a": tf.SparseTensor([[1, 0], [0, 0]], tf.constant([1, 2], tf.int64), [3, 2])}, None)),
         ("ragged weights with int32 row splits", {},
