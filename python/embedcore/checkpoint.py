@@ -61,20 +61,30 @@ def _table_config_json(cfg: TableConfig, table: Table) -> dict:
     }
 
 
-def _structure_json(structure, counter=None):
+def _structure_json(structure, counter=None, items: bool = False):
     """The nest of a feature config, each leaf replaced by its index in
     flattening order (dict keys sorted, as ``_nest`` flattens), so a config
     that holds one FeatureConfig twice names two features; None when a dict
-    key is not a string."""
+    key is not a string. With `items`, dicts are ``{"items": [[key, ...],
+    ...]}`` (in the dict's order), whose keys may also be ints (JSON object
+    keys are strings): the ``structure_items`` record of docs/format.md."""
     counter = itertools.count() if counter is None else counter
     if isinstance(structure, dict):
-        if not all(isinstance(k, str) for k in structure):
+        allowed = (str, int) if items else (str,)
+        if not all(isinstance(k, allowed) and not isinstance(k, bool) for k in structure):
             return None
-        built = {k: _structure_json(structure[k], counter) for k in sorted(structure)}
-        return None if None in built.values() else {"dict": {k: built[k] for k in structure}}
+        try:
+            keys = sorted(structure)
+        except TypeError:  # str and int keys together: no order to flatten in
+            return None
+        built = {k: _structure_json(structure[k], counter, items) for k in keys}
+        if None in built.values():
+            return None
+        return {"items" if items else "dict": [[k, built[k]] for k in structure] if items else
+                {k: built[k] for k in structure}}
     if isinstance(structure, (list, tuple)):
-        items = [_structure_json(v, counter) for v in structure]
-        return None if None in items else {"list" if isinstance(structure, list) else "tuple": items}
+        parts = [_structure_json(v, counter, items) for v in structure]
+        return None if None in parts else {"list" if isinstance(structure, list) else "tuple": parts}
     return {"feature": next(counter)}
 
 
@@ -140,15 +150,20 @@ def _metadata(obj) -> dict:
     if isinstance(obj, Embedding):
         features = obj._features
         structure = _structure_json(obj.feature_config)
-        if _depth(structure) > _MAX_STRUCTURE_DEPTH:
-            raise ValueError(f"save: the feature config nests too deeply to record ({_depth(structure) // 2} levels; "
-                             f"at most {_MAX_STRUCTURE_DEPTH // 2})")
-        return {
+        # Dicts with int keys: recorded as items, which readers before it ignore (they serve the features as a list).
+        structure_items = _structure_json(obj.feature_config, items=True) if structure is None else None
+        if _depth(structure or structure_items) > _MAX_STRUCTURE_DEPTH:
+            raise ValueError(f"save: the feature config nests too deeply to record "
+                             f"({_depth(structure or structure_items) // 2} levels; at most {_MAX_STRUCTURE_DEPTH // 2})")
+        meta = {
             "kind": "embedding",
             "features": [{"name": n, "table": obj._effective[f.table].name, "max_sequence_length": f.max_sequence_length}
                          for n, f in zip(obj._feature_names, features)],
             "structure": structure,
         }
+        if structure_items is not None:
+            meta["structure_items"] = structure_items
+        return meta
     return {"kind": "table"}
 
 

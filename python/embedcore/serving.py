@@ -126,7 +126,7 @@ class ServedCheckpoint(FeatureLookup):
             features = [FeatureConfig(configs[f["table"]], f["max_sequence_length"], f["name"]) for f in meta["features"]]
             self._features = features
             self._feature_names = [f.name for f in features]
-            structure = meta.get("structure")
+            structure = meta.get("structure") or meta.get("structure_items")
             self._feature_config = _rebuild(structure, features, self.path) if structure else features
             # Inputs meet features in flattening order: the structure names each feature once, in that order.
             index = {id(f): i for i, f in enumerate(features)}
@@ -160,6 +160,13 @@ def _rebuild(structure, features, path: str, depth: int = 0):
         raise CheckpointError(f"{path}: manifest metadata.structure is malformed")
     if "dict" in structure:
         return {k: _rebuild(v, features, path, depth + 1) for k, v in structure["dict"].items()}
+    if "items" in structure:  # a dict whose keys may be ints
+        items = structure["items"]
+        if not isinstance(items, list) or not all(
+                isinstance(kv, list) and len(kv) == 2 and isinstance(kv[0], (str, int)) and not isinstance(kv[0], bool)
+                for kv in items):
+            raise CheckpointError(f"{path}: manifest metadata.structure_items is malformed")
+        return {k: _rebuild(v, features, path, depth + 1) for k, v in items}
     if "list" in structure:
         return [_rebuild(v, features, path, depth + 1) for v in structure["list"]]
     if "tuple" in structure:

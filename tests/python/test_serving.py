@@ -176,6 +176,35 @@ def test_a_feature_config_used_twice_serves(tmp_path, rng):
     np.testing.assert_array_equal(got["y"][1], want["y"][1])
 
 
+def test_a_feature_config_with_int_keys_serves_with_them(tmp_path, rng):
+    """Dicts keyed by ints (JSON keys are strings) are recorded as
+    structure_items; the served checkpoint takes the same features the
+    embedding took. The records that cannot be read back are malformed."""
+    a = ec.TableConfig("a", 30, 4, initializer=ec.initializers.Uniform(-1, 1, seed=1))
+    b = ec.TableConfig("b", 30, 4, initializer=ec.initializers.Uniform(-1, 1, seed=2))
+    config = {10: ec.FeatureConfig(a), 2: [ec.FeatureConfig(b), {"s": ec.FeatureConfig(b, max_sequence_length=2)}]}
+    emb = ec.Embedding(config, optimizer=ec.optimizers.SGD(0.1))
+    ec.save(tmp_path / "e", emb)
+    meta = read_manifest(tmp_path / "e")["metadata"]
+    assert meta["structure"] is None
+    assert meta["structure_items"] == {"items": [[10, {"feature": 2}],
+                                                 [2, {"list": [{"feature": 0}, {"items": [["s", {"feature": 1}]]}]}]]}
+    feats = {10: rng.integers(0, 30, 5), 2: [rng.integers(0, 30, (5, 3)), {"s": rng.integers(0, 30, (5, 2))}]}
+    served = ec.serving.open(tmp_path / "e")
+    want, got = emb(feats), served(feats)
+    assert list(served.feature_config) == [10, 2]
+    np.testing.assert_array_equal(got[10], want[10])
+    np.testing.assert_array_equal(got[2][0], want[2][0])
+    np.testing.assert_array_equal(got[2][1]["s"], want[2][1]["s"])
+    m = read_manifest(tmp_path / "e")
+    for bad in ({"items": [[True, {"feature": 0}]]}, {"items": [[1.5, {"feature": 0}]]}, {"items": {"1": 0}},
+                {"items": [[1]]}):
+        m["metadata"]["structure_items"] = bad
+        write_manifest(tmp_path / "e", m)
+        with pytest.raises(ec.CheckpointError, match="metadata.structure_items is malformed"):
+            ec.serving.open(tmp_path / "e")
+
+
 @pytest.mark.parametrize("structure", [
     {"dict": {"x": {"feature": 0}, "y": {"feature": 0}}},  # one feature twice (what writers before wrote)
     {"dict": {"x": {"feature": 1}, "y": {"feature": 1}}},
