@@ -3,7 +3,10 @@ mapped file, from many threads at once, and a server that outlives a newer
 save of its path."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -225,3 +228,39 @@ def test_a_structure_that_does_not_name_each_feature_once_is_refused(tmp_path, s
     with pytest.raises(ec.CheckpointError, match="metadata.structure names features") as e:
         ec.serving.open(tmp_path / "e")
     assert str(tmp_path / "e") in str(e.value)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/<pid>/smaps")
+def test_processes_serving_one_checkpoint_share_its_pages(tmp_path):
+    """The values files are mapped shared, read-only: a second process serving
+    the same checkpoint maps the page-cache pages the first one touched
+    (smaps counts them as Shared_Clean), instead of a copy of its own."""
+    t = make_table(rows=20_000, dim=64)  # 5 MB of values
+    ec.save(tmp_path / "c", t)
+    (entry,) = read_manifest(tmp_path / "c")["tables"]
+    path = str(tmp_path / "c" / entry["values"][0]["path"])
+    here = ec.serving.open(tmp_path / "c")
+    assert float(np.asarray(here.tables["t"].values(), np.float32).sum()) == float(t.values().sum())  # every page
+    code = f"""
+import json, numpy as np, embedcore as ec
+served = ec.serving.open({str(tmp_path / "c")!r})
+v = np.asarray(served.tables["t"].values(), np.float32)
+print(float(v.sum()))
+fields, mine = {{}}, False
+for line in open("/proc/self/smaps"):
+    parts = line.split()
+    if "-" in parts[0] and not parts[0].endswith(":"):
+        mine = parts[-1] == {path!r}
+    elif mine and parts[0] in ("Rss:", "Shared_Clean:", "Private_Clean:", "Private_Dirty:"):
+        fields[parts[0]] = fields.get(parts[0], 0) + int(parts[1]) * 1024
+print(json.dumps(fields))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    total, fields = r.stdout.splitlines()[-2:]
+    fields = json.loads(fields)
+    assert float(total) == float(t.values().sum())
+    payload = 20_000 * 64 * 4
+    assert fields["Shared_Clean:"] >= 0.9 * payload, fields
+    assert fields.get("Private_Dirty:", 0) == 0, fields
+    del here
