@@ -171,3 +171,87 @@ def test_golden_optimizer_configs_round_trip():
         for k, v in fields.items():
             got = getattr(cfg.optimizer, k)
             assert (tuple(got) if isinstance(got, list) else got) == v, (name, k, got)
+
+
+# ---------------------------------------------------------------- format 1.1 and 1.2 (tests/golden/v1_2)
+GOLDEN_12 = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "golden", "v1_2")
+CHECKPOINTS_12 = ["adagrad_epsilon", "row_wise", "column_wise", "int_keys"]
+
+
+@pytest.fixture(scope="module")
+def expected_12():
+    with np.load(os.path.join(GOLDEN_12, "expected.npz"), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def test_v1_2_sha256sums_match_every_golden_file():
+    sums = {}
+    with open(os.path.join(GOLDEN_12, "SHA256SUMS")) as f:
+        for line in f:
+            digest, rel = line.rstrip("\n").split("  ", 1)
+            sums[rel] = digest
+    for rel, digest in sums.items():
+        with open(os.path.join(GOLDEN_12, rel), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == digest, (
+                f"tests/golden/v1_2/{rel} changed: golden checkpoints must never be regenerated or edited")
+    assert {rel.split("/")[0] for rel in sums if "/" in rel} == set(CHECKPOINTS_12)
+    for name in CHECKPOINTS_12:
+        on_disk = {f"{name}/{f}" for f in os.listdir(os.path.join(GOLDEN_12, name))}
+        assert on_disk == {rel for rel in sums if rel.startswith(name + "/")}
+
+
+@pytest.mark.parametrize("name", ["adagrad_epsilon", "row_wise", "column_wise"])
+def test_v1_2_golden_checkpoint_loads_whole_and_serves(name, expected_12):
+    """Into unsharded tables built from the recorded configs: the values,
+    slots and step the training ranks held, bit for bit; and served."""
+    path = os.path.join(GOLDEN_12, name)
+    info = ec.checkpoint.read_info(path)
+    assert tuple(info.format_version) == (1, 2)
+    tables = _tables_from_configs(info)
+    ec.load(path, into=tables if len(tables) > 1 else tables[0])
+    served = ec.serving.open(path, verify="eager")
+    for t in tables:
+        prefix = f"{name}/{t.name}"
+        assert t.to_numpy().tobytes() == expected_12[f"{prefix}/values"].tobytes(), prefix
+        slots = sorted(k.split("/")[-1] for k in expected_12 if k.startswith(prefix + "/slot/"))
+        assert sorted(t.slots()) == slots == ["accumulators"]
+        assert t.slots()["accumulators"].tobytes() == expected_12[f"{prefix}/slot/accumulators"].tobytes(), prefix
+        assert t.step == int(expected_12[f"{prefix}/step"]) == 3
+        ids = np.arange(t.rows)
+        np.testing.assert_array_equal(served.tables[t.name].lookup(ids, combiner=None), expected_12[f"{prefix}/values"])
+    if name == "adagrad_epsilon":  # format 1.1: epsilon outside the square root, restored with the optimizer
+        assert tables[0].optimizer.epsilon == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("name", ["row_wise", "column_wise"])
+@pytest.mark.parametrize("world, plan", [(3, "row_wise"), (2, "column_wise"), (1, "table_wise")])
+def test_v1_2_sharded_golden_loads_on_other_worlds_and_plans(name, world, plan, expected_12):
+    import embedcore.distributed as dist
+
+    path = os.path.join(GOLDEN_12, name)
+    info = ec.checkpoint.read_info(path)
+    configs = {n: ec.checkpoint.config_from_json(json.loads(info.table_config_json(i)))
+               for i, n in enumerate(info.table_names)}
+
+    def rank_main(comm):
+        emb = ec.Embedding({n: ec.FeatureConfig(c) for n, c in configs.items()}, world=comm, sharding=plan)
+        ec.load(path, into=emb)
+        return {n: [(s, np.array(t.to_numpy()), np.array(t.slots()["accumulators"]), t.step) for s, t in shards]
+                for n, shards in emb.local_shards.items()}
+
+    for part in dist.run_local(world, rank_main):
+        for n, shards in part.items():
+            for s, values, acc, step in shards:
+                block = (slice(s.row_start, s.row_start + s.rows), slice(s.col_start, s.col_start + s.cols))
+                assert values.tobytes() == expected_12[f"{name}/{n}/values"][block].tobytes(), (n, s)
+                assert acc.tobytes() == expected_12[f"{name}/{n}/slot/accumulators"][block].tobytes(), (n, s)
+                assert step == 3
+
+
+def test_v1_2_int_keys_golden_serves_its_feature_config(expected_12):
+    served = ec.serving.open(os.path.join(GOLDEN_12, "int_keys"))
+    assert list(served.feature_config) == [3, 1]
+    inputs = {3: expected_12["int_keys/inputs/3"], 1: [expected_12["int_keys/inputs/1"]]}
+    got = served(inputs)
+    np.testing.assert_array_equal(got[3], expected_12["int_keys/lookup/3"])
+    np.testing.assert_array_equal(got[1][0], expected_12["int_keys/lookup/1/0"])
