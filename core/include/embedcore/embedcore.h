@@ -462,9 +462,9 @@ using ProgressFn = std::function<void(uint64_t bytes)>;
 
 /// Verifies every checksum of one table's files (values, and slots when
 /// `include_slots`); with `check_finite`, also that every number is finite
-/// (a second pass). `progress`, when set, is called after each part of a
-/// pass (up to 64 MiB) with its bytes: the passes add up to the payload
-/// bytes of the files, twice with `check_finite`.
+/// (in the same pass, on each piece as it is checksummed). `progress`, when
+/// set, is called after each part (up to 64 MiB) with its bytes: they add up
+/// to the payload bytes of the files.
 void VerifyTable(const CheckpointInfo& info, const TableEntry& entry, bool include_slots, bool check_finite,
                  const ProgressFn& progress = {});
 
