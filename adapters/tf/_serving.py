@@ -27,6 +27,8 @@ class TableHandle:
     ``shape``, ``dtype``, ``name``). ``numpy()`` is a zero-copy read-only
     view of the engine's memory."""
 
+    __array_priority__ = 100  # as tf.Variable's: numpy's operators defer to ours (ndarray + handle is a tensor)
+
     def __init__(self, table: ec.Table, slot: Optional[str] = None):
         self.table = table
         self.slot = slot
@@ -51,8 +53,20 @@ class TableHandle:
         return v if dtype is None else v.astype(dtype)
 
     def read_value(self) -> tf.Tensor:
-        """A tensor holding a copy of the values."""
-        return tf.constant(self.numpy())
+        """A tensor holding a copy of the values, as float32. Inside a
+        graph it reads the values when the graph runs (a stateful
+        ``tf.numpy_function``), as a variable's read does, not when it is
+        traced."""
+        if tf.executing_eagerly():
+            return tf.constant(np.asarray(self.numpy(), np.float32))
+        out = tf.numpy_function(lambda: np.array(self.numpy(), np.float32), [], tf.float32, stateful=True,
+                                name=f"read_{self.table.name}")
+        out.set_shape([self.table.rows, self.table.dim])
+        return out
+
+    def __iter__(self):
+        """Rows, as iterating a variable gives them (eagerly)."""
+        return iter(self.read_value())
 
     value = read_value
 

@@ -73,6 +73,8 @@ def _structure_json(structure, counter=None, items: bool = False):
         allowed = (str, int) if items else (str,)
         if not all(isinstance(k, allowed) and not isinstance(k, bool) for k in structure):
             return None
+        if items and not all(isinstance(k, str) or -2**63 <= k < 2**64 for k in structure):
+            return None  # the manifest's JSON holds 64-bit integers only
         try:
             keys = sorted(structure)
         except TypeError:  # str and int keys together: no order to flatten in
@@ -150,11 +152,14 @@ def _metadata(obj) -> dict:
     if isinstance(obj, Embedding):
         features = obj._features
         structure = _structure_json(obj.feature_config)
-        # Dicts with int keys: recorded as items, which readers before it ignore (they serve the features as a list).
+        if _depth(structure) > _MAX_STRUCTURE_DEPTH:
+            raise ValueError(f"save: the feature config nests too deeply to record ({_depth(structure) // 2} levels; "
+                             f"at most {_MAX_STRUCTURE_DEPTH // 2})")
+        # Dicts with int keys: recorded as items, which readers before it ignore (they serve the features as a
+        # list); left out, as before, where the items would nest too deeply for the manifest.
         structure_items = _structure_json(obj.feature_config, items=True) if structure is None else None
-        if _depth(structure or structure_items) > _MAX_STRUCTURE_DEPTH:
-            raise ValueError(f"save: the feature config nests too deeply to record "
-                             f"({_depth(structure or structure_items) // 2} levels; at most {_MAX_STRUCTURE_DEPTH // 2})")
+        if structure_items is not None and _depth(structure_items) > _MAX_STRUCTURE_DEPTH:
+            structure_items = None
         meta = {
             "kind": "embedding",
             "features": [{"name": n, "table": obj._effective[f.table].name, "max_sequence_length": f.max_sequence_length}

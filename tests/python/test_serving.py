@@ -199,6 +199,15 @@ def test_a_feature_config_with_int_keys_serves_with_them(tmp_path, rng):
     np.testing.assert_array_equal(got[10], want[10])
     np.testing.assert_array_equal(got[2][0], want[2][0])
     np.testing.assert_array_equal(got[2][1]["s"], want[2][1]["s"])
+    # Keys the manifest's 64-bit JSON integers cannot hold, or items nested past its depth: no structure_items
+    # (as before it existed); the features serve as a list.
+    deep = ec.FeatureConfig(a)
+    for _ in range(9):
+        deep = {1: deep}
+    for odd in ({10**20: ec.FeatureConfig(a)}, {-2**70: ec.FeatureConfig(a)}, deep):
+        ec.save(tmp_path / "odd", ec.Embedding(odd, optimizer=ec.optimizers.SGD(0.1)))
+        assert "structure_items" not in read_manifest(tmp_path / "odd")["metadata"]
+        assert isinstance(ec.serving.open(tmp_path / "odd").feature_config, list)
     m = read_manifest(tmp_path / "e")
     for bad in ({"items": [[True, {"feature": 0}]]}, {"items": [[1.5, {"feature": 0}]]}, {"items": {"1": 0}},
                 {"items": [[1]]}):

@@ -254,6 +254,16 @@ def test_embedding_tables_act_as_tensors_like_tensorflows_variables(rng):
     handle = ours.embedding_tables[table]
     assert (handle == handle) is True and (handle != handle) is False  # identity, not element-wise
     assert {handle: 1}[handle] == 1
+    # As a variable's, a traced read happens when the graph runs: later assigns are seen.
+    for h in (theirs.embedding_tables[table], handle):
+        scaled = tf.function(lambda: h * 2.0)
+        np.testing.assert_array_equal(scaled().numpy(), 2.0 * h.numpy())
+        h.assign(np.full((ROWS, DIM), 0.5, np.float32))
+        np.testing.assert_array_equal(scaled().numpy(), np.full((ROWS, DIM), 1.0, np.float32))
+    rows = list(handle)  # iterates rows, as a variable does eagerly
+    assert len(rows) == ROWS and isinstance(rows[0], tf.Tensor) and rows[0].shape == (DIM,)
+    mixed = np.ones(DIM, np.float32) + handle  # numpy defers to the handle, as to a variable
+    assert isinstance(mixed, tf.Tensor) and mixed.shape == (ROWS, DIM)
 
 
 def test_embedcore_configs(rng):
