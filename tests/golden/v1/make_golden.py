@@ -125,10 +125,11 @@ def _save_npz(path, arrays):
             z.writestr(info, buf.getvalue())
 
 
-def sha256sums(root):
-    """(relative path, sha256) of every file of the checkpoints and expected.npz."""
+def sha256sums(root, names=None):
+    """(relative path, sha256) of every file of the checkpoints `names`
+    (default: this script's) and expected.npz."""
     out = []
-    for name in CHECKPOINTS:
+    for name in CHECKPOINTS if names is None else names:
         for f in sorted(os.listdir(os.path.join(root, name))):
             rel = f"{name}/{f}"
             out.append((rel, hashlib.sha256(open(os.path.join(root, rel), "rb").read()).hexdigest()))

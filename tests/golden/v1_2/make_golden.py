@@ -23,12 +23,10 @@ Deterministic: seeded initializers and fixed batches. Not regenerated later
 """
 from __future__ import annotations
 
-import hashlib
-import io
+import importlib.util
 import os
 import shutil
 import sys
-import zipfile
 
 import numpy as np
 
@@ -36,6 +34,10 @@ import embedcore as ec
 import embedcore.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The npz writer (fixed timestamps) and SHA256SUMS of the v1 script.
+_spec = importlib.util.spec_from_file_location("make_golden_v1", os.path.join(HERE, os.pardir, "v1", "make_golden.py"))
+_v1 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_v1)
 CHECKPOINTS = ["adagrad_epsilon", "row_wise", "column_wise", "int_keys"]
 
 
@@ -87,27 +89,6 @@ def _sharded(out, plan):
     return tables
 
 
-def _save_npz(path, arrays):
-    """np.savez, with fixed timestamps and order so the bytes are reproducible."""
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as z:
-        for key in sorted(arrays):
-            buf = io.BytesIO()
-            np.lib.format.write_array(buf, np.asarray(arrays[key]), allow_pickle=False)
-            info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
-            info.external_attr = 0o644 << 16
-            z.writestr(info, buf.getvalue())
-
-
-def sha256sums(root):
-    out = []
-    for name in CHECKPOINTS:
-        for f in sorted(os.listdir(os.path.join(root, name))):
-            rel = f"{name}/{f}"
-            out.append((rel, hashlib.sha256(open(os.path.join(root, rel), "rb").read()).hexdigest()))
-    out.append(("expected.npz", hashlib.sha256(open(os.path.join(root, "expected.npz"), "rb").read()).hexdigest()))
-    return out
-
-
 def int_key_inputs():
     """The fixed batch test_golden.py looks int_keys up with."""
     rng = np.random.default_rng(7)
@@ -148,9 +129,9 @@ def main(out=HERE):
     for k, v in inputs.items():
         expected[f"int_keys/inputs/{k}"] = v if k == 3 else v[0]
 
-    _save_npz(os.path.join(out, "expected.npz"), expected)
+    _v1._save_npz(os.path.join(out, "expected.npz"), expected)
     with open(os.path.join(out, "SHA256SUMS"), "w") as f:
-        for rel, digest in sha256sums(out):
+        for rel, digest in _v1.sha256sums(out, CHECKPOINTS):
             f.write(f"{digest}  {rel}\n")
     print(f"wrote {len(CHECKPOINTS)} golden checkpoints, expected.npz ({len(expected)} arrays) and SHA256SUMS to {out}")
 
