@@ -1,6 +1,6 @@
 // Shared by the tests of the C API (c_api_*_test.cc): checkpoints written with
 // the C++ engine, the engine's own MappedCheckpoint as the reference the C
-// ABI must match bit for bit, temporary directories and file surgery.
+// ABI must match bit for bit (file surgery and temporary directories: fixtures.h).
 //
 // The tests link libembedcore (the shared library under test, of which only
 // the embedcore_* C functions are visible) and the static core (to write
@@ -21,6 +21,7 @@
 
 #include "embedcore/c_api.h"
 #include "embedcore/embedcore.h"
+#include "fixtures.h"
 #include "test_util.h"
 
 namespace c_api_test {
@@ -28,53 +29,14 @@ namespace c_api_test {
 namespace fs = std::filesystem;
 using namespace embedcore;
 
-// A fresh directory under $TMPDIR (or /tmp), removed with everything in it.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl = std::string(base != nullptr && *base != '\0' ? base : "/tmp") + "/embedcore_capi_XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (::mkdtemp(buf.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + tmpl);
-    path = buf.data();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  std::string Sub(const std::string& name) const { return path + "/" + name; }
-};
+using embedcore_test::FlipByte;
+using embedcore_test::ReadFile;
+using embedcore_test::TempDir;
+using embedcore_test::WriteFile;
 
-inline std::vector<char> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-inline void WriteFile(const std::string& path, const std::vector<char>& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), std::streamsize(bytes.size()));
-}
-
-inline void FlipByte(const std::string& path, uint64_t offset) {
-  std::vector<char> b = ReadFile(path);
-  b.at(size_t(offset)) ^= 0x20;
-  WriteFile(path, b);
-}
-
+// A table initialized uniformly in [-1, 1) from `seed`, for SGD.
 inline TableSpec Spec(const std::string& name, int64_t rows, int64_t dim, DType dtype, uint64_t seed) {
-  TableSpec s;
-  s.name = name;
-  s.rows = rows;
-  s.dim = dim;
-  s.dtype = dtype;
-  s.initializer.kind = InitializerSpec::Kind::kUniform;
-  s.initializer.a = -1.0;
-  s.initializer.b = 1.0;
-  s.initializer.seed = seed;
-  return s;
+  return embedcore_test::Spec(name, rows, dim, dtype, OptimizerSpec::Kind::kSGD, seed);
 }
 
 /// The model most tests serve, as embedcore.Embedding saves it: tables

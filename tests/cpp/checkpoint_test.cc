@@ -21,86 +21,20 @@
 #include "checkpoint/format.h"
 #include "checkpoint/manifest.h"
 #include "embedcore/embedcore.h"
+#include "fixtures.h"
 #include "test_util.h"
 
 using namespace embedcore;
 namespace ck = embedcore::checkpoint;
 namespace fs = std::filesystem;
+using embedcore_test::FlipByte;
+using embedcore_test::ReadFile;
+using embedcore_test::Spec;
+using embedcore_test::TempDir;
+using embedcore_test::Train;
+using embedcore_test::WriteFile;
 
 namespace {
-
-// A fresh directory under $TMPDIR (or /tmp), removed with everything in it.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl = std::string(base != nullptr && *base != '\0' ? base : "/tmp") + "/embedcore_ckpt_XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (::mkdtemp(buf.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + tmpl);
-    path = buf.data();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string Sub(const std::string& name) const { return path + "/" + name; }
-};
-
-std::vector<char> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-void WriteFile(const std::string& path, const std::vector<char>& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), std::streamsize(bytes.size()));
-}
-
-void FlipByte(const std::string& path, uint64_t offset) {
-  std::vector<char> b = ReadFile(path);
-  b.at(size_t(offset)) ^= 0x20;
-  WriteFile(path, b);
-}
-
-TableSpec Spec(const std::string& name, int64_t rows, int64_t dim, DType dtype, OptimizerSpec::Kind opt,
-               uint64_t seed) {
-  TableSpec s;
-  s.name = name;
-  s.rows = rows;
-  s.dim = dim;
-  s.dtype = dtype;
-  s.initializer.kind = InitializerSpec::Kind::kUniform;
-  s.initializer.a = -1.0;
-  s.initializer.b = 1.0;
-  s.initializer.seed = seed;
-  s.optimizer.kind = opt;
-  return s;
-}
-
-// A few steps of training, so slots and step are not at their defaults.
-void Train(Table& t, int steps, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int64_t> id(0, t.rows() - 1);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (int s = 0; s < steps; ++s) {
-    std::vector<int64_t> ids(64), offsets(65);
-    for (size_t i = 0; i < 64; ++i) {
-      ids[i] = id(rng);
-      offsets[i + 1] = int64_t(i + 1);
-    }
-    std::vector<float> grads(size_t(64 * t.dim()));
-    for (float& g : grads) g = normal(rng);
-    GradientPart p;
-    p.batch.ids = ids.data();
-    p.batch.nnz = 64;
-    p.batch.offsets = offsets.data();
-    p.batch.num_bags = 64;
-    p.shape.combiner = Combiner::kSum;
-    p.grads = grads.data();
-    t.ApplyGradients({p}, 0.1f);
-  }
-}
 
 std::vector<uint8_t> RawValues(const Table& t) {
   const uint8_t* p = static_cast<const uint8_t*>(t.values());

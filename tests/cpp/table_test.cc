@@ -16,6 +16,7 @@
 #include "embedcore/embedcore.h"
 #include "ops/half.h"
 #include "ops/optimizers.h"
+#include "fixtures.h"
 #include "test_util.h"
 
 using namespace embedcore;
@@ -27,17 +28,7 @@ namespace {
 // ------------------------------------------------------------ helpers
 TableSpec MakeSpec(int64_t rows, int64_t dim, DType dtype = DType::kFloat32,
                    OptimizerSpec::Kind opt = OptimizerSpec::Kind::kSGD, uint64_t seed = 1) {
-  TableSpec s;
-  s.name = "t";
-  s.rows = rows;
-  s.dim = dim;
-  s.dtype = dtype;
-  s.initializer.kind = InitializerSpec::Kind::kUniform;
-  s.initializer.a = -1.0;
-  s.initializer.b = 1.0;
-  s.initializer.seed = seed;
-  s.optimizer.kind = opt;
-  return s;
+  return embedcore_test::Spec("t", rows, dim, dtype, opt, seed);
 }
 
 float StoredToFloat(DType dt, const void* base, int64_t i) {
