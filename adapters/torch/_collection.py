@@ -184,6 +184,21 @@ def _csr(x, where: str) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     return values, offsets, weights
 
 
+def _sequence_ids(features: dict, f: str, table: str) -> Tuple[Tensor, tuple]:
+    """The ids of feature `f` (of `table`) for an EmbeddingCollection, flat,
+    and the shape its output takes before the embedding dimension: the ids'
+    own shape for a tensor, (nnz,) for a jagged input."""
+    if f not in features:
+        raise KeyError(f"EmbeddingCollection: feature {f!r} of table '{table}' is missing from the input (it holds "
+                       f"{sorted(features)})")
+    x = features[f]
+    if isinstance(x, Tensor):
+        check_ids(x, f"features[{f!r}]")
+        return x.reshape(-1), tuple(x.shape)
+    v = _csr(x, f"features[{f!r}]")[0]
+    return v, (v.shape[0],)
+
+
 def _kjt_parts(kjt, features: Sequence[str], owner: str):
     """(values, offsets, weights, stride, {feature: key index}) of a KJT."""
     if getattr(kjt, "variable_stride_per_key", lambda: False)():
@@ -371,16 +386,7 @@ class EmbeddingCollection(_Collection):
         for emb, spec, names in self._tables_and_names():
             ids, shapes, segments = [], [], []
             for i, f in enumerate(spec.features):
-                if f not in features:
-                    raise KeyError(f"EmbeddingCollection: feature {f!r} of table '{spec.name}' is missing from the "
-                                   f"input (it holds {sorted(features)})")
-                x = features[f]
-                if isinstance(x, Tensor):
-                    check_ids(x, f"features[{f!r}]")
-                    v, shape = x.reshape(-1), tuple(x.shape)
-                else:
-                    v = _csr(x, f"features[{f!r}]")[0]
-                    shape = (v.shape[0],)
+                v, shape = _sequence_ids(features, f, spec.name)
                 ids.append(v)
                 shapes.append(shape)
                 segments.extend((i, 0, _ops.WHOLE))

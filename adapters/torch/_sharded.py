@@ -25,8 +25,8 @@ from embedcore.distributed import Comm
 from embedcore.distributed._comm import agree
 
 from ._collection import (EmbeddingBagCollection, EmbeddingCollection, _csr, _embedding_names, _is_kjt,
-                          _jagged_module, _kjt_parts, _specs)
-from ._modules import _table_device, check_ids, check_weights
+                          _jagged_module, _kjt_parts, _sequence_ids, _specs)
+from ._modules import _table_device, check_weights
 from ._ops import _check_offsets
 
 __all__ = ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"]
@@ -335,16 +335,7 @@ class ShardedEmbeddingCollection(_Sharded, EmbeddingCollection):
         names_out = []
         for s, names in zip(self._specs, self._names):
             for f, name in zip(s.features, names):
-                if f not in features:
-                    raise KeyError(f"EmbeddingCollection: feature {f!r} of table '{s.name}' is missing from the "
-                                   f"input (it holds {sorted(features)})")
-                x = features[f]
-                if isinstance(x, Tensor):
-                    check_ids(x, f"features[{f!r}]")
-                    v, shape = x.reshape(-1), tuple(x.shape)
-                else:
-                    v = _csr(x, f"features[{f!r}]")[0]
-                    shape = (v.shape[0],)
+                v, shape = _sequence_ids(features, f, s.name)
                 self._check_device([v], f"features[{f!r}]")
                 r, w = self._singletons(_np(v))
                 inputs.append(r)
