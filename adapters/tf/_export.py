@@ -25,10 +25,11 @@ from typing import Dict
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.util import nest  # flatten_with_joined_string_paths: the paths TensorFlow matches features by
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import save_context
 from tensorflow.python.tpu.tpu_embedding_for_serving import cpu_embedding_lookup
+
+from ._lookup import flatten_inputs
 
 __all__ = ["in_export", "export_mode", "ExportState", "variables", "lookup"]
 
@@ -118,15 +119,7 @@ def lookup(owner, features, weights):
         if f.table.name not in by_name:
             by_name[f.table.name] = _TableShim(f.table)
         shims[path] = _FeatureShim(f, by_name[f.table.name])
-    flat_inputs = nest.flatten_with_joined_string_paths(features)
-    flat_weights = [None] * len(flat_inputs)
-    if weights is not None:
-        tf.nest.assert_same_structure(features, weights)
-        flat_weights = tf.nest.flatten(weights)
-    input_keys = {key for key, _ in flat_inputs}
-    if not input_keys.issubset(shims.keys()):
-        raise ValueError("Inputs are not a subset of feature_config. Inputs keys are {}, but feature_config keys "
-                         "are {}".format(input_keys, shims.keys()))
+    flat_inputs, flat_weights = flatten_inputs(features, weights, shims.keys())
     outputs = []
     for (path, inp), w in zip(flat_inputs, flat_weights):
         shim = shims[path]

@@ -355,19 +355,27 @@ def _op_name(label: str) -> str:
 
 
 # ------------------------------------------------------------------ TensorFlow side: TensorFlow's checks, then the call
-def lookup(inputs, weights, features: Dict[str, Feature], tables: Dict[str, object], need_bwd: bool = False):
-    """``cpu_embedding_lookup`` over engine tables. Returns the outputs in
-    the structure of `inputs` and, when `need_bwd`, a list of
-    ``(feature, backward tensors)``."""
+def flatten_inputs(inputs, weights, keys):
+    """The (path, input) pairs of `inputs` and their weights (None each when
+    `weights` is None), with TensorFlow's checks: the same structure, and no
+    path that is not a feature of `keys`."""
     flat_inputs = nest.flatten_with_joined_string_paths(inputs)
     flat_weights = [None] * len(flat_inputs)
     if weights is not None:
         tf.nest.assert_same_structure(inputs, weights)
         flat_weights = tf.nest.flatten(weights)
     input_keys = {key for key, _ in flat_inputs}
-    if not input_keys.issubset(features.keys()):
+    if not input_keys.issubset(keys):
         raise ValueError("Inputs are not a subset of feature_config. Inputs keys are {}, but feature_config keys "
-                         "are {}".format(input_keys, features.keys()))
+                         "are {}".format(input_keys, keys))
+    return flat_inputs, flat_weights
+
+
+def lookup(inputs, weights, features: Dict[str, Feature], tables: Dict[str, object], need_bwd: bool = False):
+    """``cpu_embedding_lookup`` over engine tables. Returns the outputs in
+    the structure of `inputs` and, when `need_bwd`, a list of
+    ``(feature, backward tensors)``."""
+    flat_inputs, flat_weights = flatten_inputs(inputs, weights, features.keys())
     outputs = []
     backward = []
     for (path, inp), weight in zip(flat_inputs, flat_weights):
