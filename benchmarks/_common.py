@@ -343,6 +343,20 @@ def versions() -> dict:
     return v
 
 
+def print_footer(noise: dict, vers: dict, t_start: float) -> None:
+    """The closing lines of a timed benchmark: a warning naming the cases
+    timed without enough quiet rounds (`noise` as ``run_rounds`` fills it),
+    what was measured (``versions()``), the run's time and load."""
+    noisy = [k for k, v in noise.items() if v["used"] != "quiet"]
+    if noisy:
+        print("WARNING: too few quiet rounds (other processes were busy) while timing " + ", ".join(
+            "/".join(str(x) + ("T" if isinstance(x, int) else "") for x in k) for k in noisy)
+              + "; those figures (2-thread ones above all) are unreliable; rerun on a quiet machine")
+    print(f"embedcore {vers.get('embedcore')} ({vers.get('embedcore_build', {}).get('simd')}), extension sha256 "
+          f"{vers.get('embedcore_extension_sha256')} built {vers.get('embedcore_extension_mtime')}, git {vers.get('git')}")
+    print(f"total time {time.time() - t_start:.0f} s; load average now {os.getloadavg()[0]:.2f}")
+
+
 def write_json(path: str, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=str)

@@ -290,14 +290,7 @@ def main() -> int:
         info = C.describe_ids(ids[d])
         print(f"ids {d}: {info['unique']:,} unique of {info['nnz']:,} ({info['unique_fraction']:.1%}), "
               f"most frequent id x{info['max_count']:,}")
-    noisy = [k for k, v in noise.items() if v["used"] != "quiet"]
-    if noisy:
-        print("WARNING: too few quiet rounds (other processes were busy) while timing " + ", ".join(
-            "/".join(str(x) + ("T" if isinstance(x, int) else "") for x in k) for k in noisy)
-              + "; those figures (2-thread ones above all) are unreliable; rerun on a quiet machine")
-    print(f"embedcore {vers.get('embedcore')} ({vers.get('embedcore_build', {}).get('simd')}), extension sha256 "
-          f"{vers.get('embedcore_extension_sha256')} built {vers.get('embedcore_extension_mtime')}, git {vers.get('git')}")
-    print(f"total time {time.time() - t_start:.0f} s; load average now {os.getloadavg()[0]:.2f}")
+    C.print_footer(noise, vers, t_start)
 
     if args.json:
         C.write_json(args.json, {
