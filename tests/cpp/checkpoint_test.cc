@@ -27,12 +27,7 @@
 using namespace embedcore;
 namespace ck = embedcore::checkpoint;
 namespace fs = std::filesystem;
-using embedcore_test::FlipByte;
-using embedcore_test::ReadFile;
-using embedcore_test::Spec;
-using embedcore_test::TempDir;
-using embedcore_test::Train;
-using embedcore_test::WriteFile;
+using namespace embedcore_test;  // fixtures.h, test_util.h
 
 namespace {
 
