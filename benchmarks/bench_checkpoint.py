@@ -78,6 +78,9 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
 ROWS = 4_000_000
 DIM = 64
 CHUNK = 32 << 20  # bytes per write / read call of the raw baseline (the engine's chunk size too)
@@ -474,25 +477,6 @@ class RawPerFile(Contender):
 
 
 # ---------------------------------------------------------------- output
-def fmt_table(rows: List[dict], columns: List[tuple]) -> str:
-    cells = [[h for _, h, _ in columns]]
-    for r in rows:
-        cells.append(["-" if r.get(k) is None else (f.format(r[k]) if f else str(r[k])) for k, _, f in columns])
-    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    out = []
-    for j, c in enumerate(cells):
-        out.append("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths))))
-        if j == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
-def verdict(value, target, higher_is_better) -> str:
-    if value is None:
-        return "n/a"
-    return "PASS" if (value >= target if higher_is_better else value <= target) else "FAIL"
-
-
 def ratio(a, b):
     return None if a is None or b is None or b == 0 else a / b
 
@@ -767,7 +751,7 @@ def run(args, ec, rows, skip, cache, meter, scratch, start) -> int:
 
     def add(metric, value, target, higher, unit="x", note=""):
         ratios.append({"metric": metric, "value": value, "target": ("≥ " if higher else "≤ ") + f"{target:g}{unit}",
-                       "verdict": verdict(value, target, higher), "note": note})
+                       "verdict": C.verdict(value, target, higher), "note": note})
 
     def series(name, phase):
         if name == "raw" and phase == "cold":  # the disk read limit: the faster of 1 and 2 threads, per round
@@ -823,7 +807,7 @@ def run(args, ec, rows, skip, cache, meter, scratch, start) -> int:
     print(f"load average {load0[0]:.2f} at start, {load1[0]:.2f} at end; {os.cpu_count()} CPUs; "
           + ("PSI 'some' stall share of the run: " + ", ".join(f"{k} {v:.0%}" for k, v in stall.items())
              if stall else "no PSI") + " (other processes compete when these are high)\n")
-    print(fmt_table(table_rows, [
+    print(C.format_table(table_rows, [
         ("contender", "contender", None), ("save", "save s", "{:.2f}"), ("save_gbps", "GB/s", "{:.2f}"),
         ("save_cpu", "user s", "{:.2f}"), ("save_sys", "sys s", "{:.2f}"),
         ("cold", "cold load s", "{:.2f}"), ("cold_gbps", "GB/s", "{:.2f}"),
@@ -846,7 +830,7 @@ def run(args, ec, rows, skip, cache, meter, scratch, start) -> int:
           f"warm {dm['plain_warm']:.2f} s")
     print(f"serving.open: warm opens {', '.join(f'{x:.2f}' for x in opens)} ms; eager open (CRC of the "
           f"{values_payload / 2**30:.2f} GiB values file) {median(eager):.2f} s -> CRC-32C {extras['crc_gbps']:.1f} GB/s\n")
-    print(fmt_table(ratios, [("metric", "ratio / figure", None), ("value", "value", "{:.3f}"),
+    print(C.format_table(ratios, [("metric", "ratio / figure", None), ("value", "value", "{:.3f}"),
                              ("target", "target", None), ("verdict", "", None), ("note", "note", None)]))
     if "safetensors" in samples:
         notes.append("safetensors' load_file maps the file: its 'load extra' is mapped page-cache pages counted in "
