@@ -178,16 +178,6 @@ def test_uncaught_error_aborts_the_job():
     assert seconds < 60, f"the abort took {seconds:.0f} s"
 
 
-def _expected(path: Path) -> dict:
-    """A state the worker wrote: {table: {"values", "slot <k>", "step"}}."""
-    state: dict = {}
-    with np.load(path) as z:
-        for key in z.files:
-            name, k = key.split("/", 1)
-            state.setdefault(name, {})[k] = z[key]
-    return state
-
-
 def _worker_module():
     sys.path.insert(0, str(HERE))
     try:
@@ -254,7 +244,7 @@ def test_checkpoint_across_world_sizes(tmp_path):
     shardings = {t["name"]: t["sharding"] for t in manifest["tables"]}
     assert {(s["plan"], s["world_size"]) for s in shardings.values()} == {("row_wise", 3)}, shardings
     assert {s["rank"] for s in shardings["D"]["shards"]} == {0, 1, 2}, shardings["D"]
-    expected = _expected(tmp_path / "expected.npz")
+    expected = mpi_worker.read_state(str(tmp_path / "expected.npz"))
     assert sorted(expected) == sorted(model.tables)
     for t in model.unsharded(make_opt()).embedding_tables.values():
         # Training moved every table (dense Adam), so equal values below come from the checkpoint.
@@ -268,7 +258,7 @@ def test_checkpoint_across_world_sizes(tmp_path):
     manifest2 = _manifest(ckpt)
     assert manifest2["generation"] > manifest["generation"]
     assert {(t["sharding"]["plan"], t["sharding"]["world_size"]) for t in manifest2["tables"]} == {("column_wise", 2)}
-    expected2 = _expected(tmp_path / "expected2.npz")
+    expected2 = mpi_worker.read_state(str(tmp_path / "expected2.npz"))
     for name in expected:
         assert int(expected2[name]["step"]) == 5, name
         assert not np.array_equal(expected2[name]["values"], expected[name]["values"]), name
