@@ -127,8 +127,14 @@ inline nb::dlpack::dtype StorageDLType(DType d) {
 template <typename T>
 std::pair<T*, nb::capsule> NewResult(size_t n) {
   size_t bytes = 0;
-  if (__builtin_mul_overflow(std::max<size_t>(n, 1), sizeof(T), &bytes)) throw std::bad_alloc();  // MemoryError
-  T* p = static_cast<T*>(AllocateResult(bytes));
+  if (__builtin_mul_overflow(std::max<size_t>(n, 1), sizeof(T), &bytes))
+    throw OutOfMemory("the result (" + std::to_string(n) + " values) cannot be allocated: its size overflows");
+  T* p = nullptr;
+  try {
+    p = static_cast<T*>(AllocateResult(bytes));
+  } catch (const std::bad_alloc& e) {
+    throw OutOfMemory(std::string("the result (") + std::to_string(n) + " values): " + e.what());
+  }
   return {p, nb::capsule(p, [](void* q) noexcept { FreeResult(q); })};
 }
 

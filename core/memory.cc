@@ -1,6 +1,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -13,18 +14,28 @@ namespace {
 constexpr size_t kMmapThreshold = size_t(1) << 21;  // 2 MiB: one huge page
 }
 
+[[noreturn]] void ThrowOutOfMemory(size_t bytes) {
+  static const char* const kUnits[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double x = double(bytes);
+  int u = 0;
+  while (x >= 1024.0 && u < 6) x /= 1024.0, ++u;
+  char human[32];
+  std::snprintf(human, sizeof(human), u == 0 ? "%.0f %s" : "%.1f %s", x, kUnits[u]);
+  throw OutOfMemory("cannot allocate " + std::to_string(bytes) + " bytes (" + human + ")");
+}
+
 void* AllocateZeroed(size_t bytes) {
   if (bytes == 0) bytes = 1;
   if (bytes >= kMmapThreshold) {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) throw std::bad_alloc();
+    if (p == MAP_FAILED) ThrowOutOfMemory(bytes);
 #ifdef MADV_HUGEPAGE
     madvise(p, bytes, MADV_HUGEPAGE);  // a hint; failure is harmless
 #endif
     return p;
   }
   void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-  if (p == nullptr) throw std::bad_alloc();
+  if (p == nullptr) ThrowOutOfMemory(bytes);
   std::memset(p, 0, bytes);
   return p;
 }
@@ -57,10 +68,10 @@ constexpr size_t kHeader = 64;                     // the block's size, and the 
 }  // namespace
 
 void* AllocateResult(size_t bytes) {
-  if (bytes > (size_t(1) << 62)) throw std::bad_alloc();  // and the header and rounding below cannot overflow
+  if (bytes > (size_t(1) << 62)) internal::ThrowOutOfMemory(bytes);  // and the header and rounding below cannot overflow
   if (bytes < kHugeResult) {
     void* p = std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64) + kHeader);
-    if (p == nullptr) throw std::bad_alloc();
+    if (p == nullptr) internal::ThrowOutOfMemory(bytes);
     *static_cast<size_t*>(p) = 0;  // 0: from the heap
     return static_cast<char*>(p) + kHeader;
   }
@@ -68,7 +79,7 @@ void* AllocateResult(size_t bytes) {
   // Accounted (no MAP_NORESERVE): memory the system cannot give fails here, as
   // malloc would, rather than killing the process when it is written.
   void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) throw std::bad_alloc();
+  if (p == MAP_FAILED) internal::ThrowOutOfMemory(bytes);
 #ifdef MADV_HUGEPAGE
   madvise(p, total, MADV_HUGEPAGE);  // a hint; failure is harmless
 #endif

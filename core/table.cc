@@ -228,11 +228,22 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
     }
     return;
   }
-  values_ = BufferPtr(internal::AllocateZeroed(bytes), BufferDeleter{bytes, -1});
+  // Allocation failures name the table and the array.
+  auto allocate = [&](size_t n, const std::string& what) {
+    try {
+      return internal::AllocateZeroed(n);
+    } catch (const std::bad_alloc& e) {
+      throw OutOfMemory("table '" + spec_.name + "': " + what + " (" + std::to_string(spec_.rows) + " x " +
+                        std::to_string(spec_.dim) + "): " + e.what());
+    }
+  };
+  values_ = BufferPtr(allocate(bytes, std::string("its ") + DTypeName(spec_.dtype) + " values"),
+                      BufferDeleter{bytes, -1});
   internal::Initialize(spec_.initializer, spec_.dtype, spec_.rows, spec_.dim, spec_.shard_row_start,
                        spec_.shard_col_start, spec_.full_dim, values_.get());
   for (size_t i = 0; i < names.size(); ++i) {
-    slots_.emplace_back(static_cast<float*>(internal::AllocateZeroed(slot_bytes)), FloatDeleter{slot_bytes, -1});
+    slots_.emplace_back(static_cast<float*>(allocate(slot_bytes, "its slot '" + names[i] + "'")),
+                        FloatDeleter{slot_bytes, -1});
     // Adagrad and FTRL start their accumulators at initial_accumulator_value.
     if (names[i] == "accumulators") {
       float* s = slots_.back().get();

@@ -8,7 +8,9 @@ engine's optimizer applies the sparse update of every touched row, one step
 per table per batch (the gradients of all features that share a table
 summed). So that Keras asks for that gradient at all, the outputs are made to
 depend on one scalar trainable weight (``embedcore_anchor``, always 0, whose
-gradient is 0).
+gradient is 0). In a graph that gradient is the output of the update op, so
+the Keras optimizer's step on the anchor needs the update to run: no graph
+optimization can prune it.
 """
 from __future__ import annotations
 
@@ -142,8 +144,12 @@ def _trainable_lookup(emb: EmbeddingForServing, inputs, weights, anchor, refusal
             if refusal is not None:
                 raise NotImplementedError(refusal)
             update = _apply(emb, backward, dys)
-            with tf.control_dependencies(update):
+            if not update:  # eager: the update ran
                 return [tf.zeros_like(a_value)] + [None] * len(outs)
+            # In a graph, the anchor's gradient (0) is the update's own output: a control dependency alone
+            # was pruned by Grappler in some models (a Dense head trained with Adam), silently.
+            zero = tf.ensure_shape(tf.cast(update[0], a_value.dtype), a_value.shape)
+            return [zero] + [None] * len(outs)
 
         return [tf.identity(o) for o in outs], grad
 

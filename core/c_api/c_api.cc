@@ -78,6 +78,8 @@ int HandleException(const char* function) noexcept {
     return SetLastError(EMBEDCORE_INVALID_ARGUMENT, function, e.what());
   } catch (const embedcore::TypeMismatch& e) {
     return SetLastError(EMBEDCORE_INVALID_ARGUMENT, function, e.what());
+  } catch (const embedcore::OutOfMemory& e) {
+    return SetLastError(EMBEDCORE_OUT_OF_MEMORY, function, e.what());
   } catch (const std::bad_alloc&) {
     return SetLastError(EMBEDCORE_OUT_OF_MEMORY, function, "out of memory");
   } catch (const Json::exception& e) {  // options that are not valid JSON

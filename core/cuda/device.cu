@@ -38,14 +38,15 @@ void* AllocateScratch(size_t bytes, cudaStream_t stream, bool* pooled) {
       return p;
     }
     cudaGetLastError();
-    if (err == cudaErrorMemoryAllocation) throw std::bad_alloc();
+    if (err == cudaErrorMemoryAllocation)
+      throw OutOfMemory("cudaMallocAsync: cannot allocate " + std::to_string(bytes) + " bytes of scratch on the GPU");
     pools_work.store(false, std::memory_order_relaxed);  // e.g. cudaErrorNotSupported: use cudaMalloc from now on
   }
   *pooled = false;
   const cudaError_t err = cudaMalloc(&p, bytes);
   if (err == cudaErrorMemoryAllocation) {
     cudaGetLastError();
-    throw std::bad_alloc();
+    throw OutOfMemory("cudaMalloc: cannot allocate " + std::to_string(bytes) + " bytes of scratch on the GPU");
   }
   EC_CUDA(err);
   return p;
@@ -77,7 +78,8 @@ void* Allocate(size_t bytes, int device) {
   const cudaError_t err = cudaMalloc(&p, bytes);
   if (err == cudaErrorMemoryAllocation) {
     cudaGetLastError();
-    throw std::bad_alloc();
+    throw OutOfMemory("cudaMalloc: cannot allocate " + std::to_string(bytes) + " bytes on GPU " +
+                      std::to_string(device));
   }
   EC_CUDA(err);
   EC_CUDA(cudaMemset(p, 0, bytes));

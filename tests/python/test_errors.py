@@ -195,6 +195,18 @@ def test_huge_sparse_dense_shape_is_a_memory_error(trained):
             trained.lookup(ec.Sparse(np.zeros((0, 2), np.int64), np.zeros(0, np.int64), [bags, 3]), combiner="sum")
 
 
+def test_memory_errors_say_what_and_how_much():
+    """A result or a table beyond the address space (so that no overcommit
+    setting lets the allocation through) is a MemoryError that names what
+    could not be allocated and its size, not a bare std::bad_alloc."""
+    t = ec.Table(name="t", rows=12, dim=6)
+    with pytest.raises(MemoryError, match=r"the result \(\d+ values\): cannot allocate \d+ bytes \(1\.5 PiB\)"):
+        t.lookup(np.array([1, 2]), np.array([0, 1, 2]), combiner=None, max_sequence_length=2**45)
+    with pytest.raises(MemoryError, match=r"table 'huge': its float32 values \(1125899906842624 x 64\): cannot "
+                                          r"allocate 288230376151711744 bytes \(256\.0 PiB\)"):
+        ec.Table(name="huge", rows=2**50, dim=64)
+
+
 def test_sparse_weights_of_another_dense_shape(trained):
     ids = ec.Sparse([[0, 0], [1, 1]], [1, 2], [3, 2])
     with pytest.raises(ValueError, match=r"weights.dense_shape \[5, 9\] differs from ids.dense_shape \[3, 2\]"):

@@ -48,6 +48,34 @@ def test_fit_step_equals_reference(rng, optimizer, reference):
     np.testing.assert_array_equal(table.values(), before)
 
 
+@pytest.mark.parametrize("keras_optimizer", ["adam", "sgd", "rmsprop", "adagrad"])
+def test_fit_with_a_dense_head_trains_the_table(rng, keras_optimizer):
+    """Embedding -> Flatten -> Dense(1) under model.fit with each Keras
+    optimizer: one engine step per batch, equal to the reference update from
+    the gradient that reaches the layer through the Dense kernel. (With a
+    control dependency alone, Grappler pruned the engine's update of this
+    model under Adam, silently.)"""
+    rows, dim, batch, k = 40, 4, 8, 3
+    layer = Embedding(rows, dim, optimizer=ec.optimizers.Adagrad(0.3), table_name="items")
+    inputs = keras.Input(shape=(k,), dtype="int64")
+    dense = keras.layers.Dense(1)
+    model = keras.Model(inputs, dense(keras.layers.Flatten()(layer(inputs))))
+    model.compile(optimizer=keras_optimizer, loss="mse")
+    table = layer._embedcore_tables()[0]
+    expected = ref.TableRef(table.values().copy(), ref.OptimizerRef("adagrad", 0.3))
+    for step in range(3):
+        ids = rng.integers(0, rows, (batch, k))
+        y = rng.standard_normal((batch, 1)).astype(np.float32)
+        kernel, bias = (np.asarray(v, np.float64) for v in dense.get_weights())
+        emb = expected.values[ids].reshape(batch, k * dim)
+        dpred = 2.0 * (emb @ kernel + bias - y) / batch
+        demb = (dpred @ kernel.T).reshape(batch * k, dim)
+        model.fit(ids, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+        assert table.step == step + 1
+        expected.apply(expected.row_grads().add_flat(ids.reshape(-1), None, demb))
+        np.testing.assert_allclose(table.values(), expected.values, rtol=1e-5, atol=1e-6)
+
+
 class SharedTableModel(keras.Model):
     def __init__(self, layer):
         super().__init__()

@@ -51,6 +51,17 @@ class IoError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+/// Memory for a table, a slot or a result cannot be allocated (maps to
+/// MemoryError); the message says what and how many bytes. A std::bad_alloc,
+/// so code that catches that catches this too.
+class OutOfMemory : public std::bad_alloc {
+ public:
+  explicit OutOfMemory(const std::string& what) : what_(std::make_shared<const std::string>(what)) {}
+  const char* what() const noexcept override { return what_->c_str(); }
+
+ private:
+  std::shared_ptr<const std::string> what_;  // shared: copying an exception must not throw
+};
 /// The feature was not compiled into this build (e.g. CUDA).
 class NotCompiled : public std::runtime_error {
  public:
