@@ -14,6 +14,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ._checkpoint import TFCheckpoint, convert_tf_checkpoint, load_tf_checkpoint
 from ._config import optimizer_from_tf
 from ._export import export_mode
+from ._native import NativeOpError
 from ._saver import Saver
 from ._serving import EmbeddingForServing, TableHandle
 
@@ -29,6 +30,7 @@ def __getattr__(name):
 __all__ = [
     "Embedding",
     "EmbeddingForServing",
+    "NativeOpError",
     "Saver",
     "TFCheckpoint",
     "TableHandle",

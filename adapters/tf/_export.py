@@ -110,6 +110,7 @@ class _FeatureShim:
         self.name = f.name
 
 
+@tf.autograph.experimental.do_not_convert  # plain TensorFlow ops: AutoGraph has nothing to convert here
 def lookup(owner, features, weights):
     """The lookup as TensorFlow ops on the export variables."""
     tables = variables(owner)

@@ -371,6 +371,7 @@ def flatten_inputs(inputs, weights, keys):
     return flat_inputs, flat_weights
 
 
+@tf.autograph.experimental.do_not_convert  # plain TensorFlow ops: AutoGraph has nothing to convert here
 def lookup(inputs, weights, features: Dict[str, Feature], tables: Dict[str, object], need_bwd: bool = False):
     """``cpu_embedding_lookup`` over engine tables. Returns the outputs in
     the structure of `inputs` and, when `need_bwd`, a list of

@@ -47,6 +47,10 @@ _handles: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 class NativeOpError(RuntimeError):
     """The kernel could not be built or loaded (``EMBEDCORE_TF_OP=required``)."""
 
+    # AutoGraph re-raises an error from inside a tf.function as its own type only when it can build one from
+    # a message: for a class whose __init__ is Exception's (or a few builtins), else it raises a StagingError.
+    __init__ = Exception.__init__
+
 
 def _mode() -> str:
     """EMBEDCORE_TF_OP, read when a lookup is traced (a bad value raises ValueError there)."""

@@ -84,12 +84,9 @@ def test_ftrl_fused_matches_engine_table(rng):
 
 def test_adagrad_matches_torch_defaults_with_engine_epsilon(rng):
     """PyTorch's Adagrad defaults (accumulators from 0, eps=1e-10 outside the
-    sqrt) need an engine Adagrad option: ``Adagrad(initial_accumulator_value=0,
-    epsilon=1e-10)`` computing ``w -= lr * g / (sqrt(acc) + epsilon)``."""
-    try:
-        opt = ec.optimizers.Adagrad(learning_rate=0.1, initial_accumulator_value=0.0, epsilon=1e-10)
-    except (TypeError, ValueError) as e:
-        pytest.skip(f"the engine's Adagrad has no epsilon option yet: {e}")
+    sqrt) are the engine's ``Adagrad(initial_accumulator_value=0,
+    epsilon=1e-10)``: ``w -= lr * g / (sqrt(acc) + epsilon)``."""
+    opt = ec.optimizers.Adagrad(learning_rate=0.1, initial_accumulator_value=0.0, epsilon=1e-10)
     w = uniform_weights(rng, ROWS, DIM)
     ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, mode="sum", sparse=True,
                                                 include_last_offset=True)
