@@ -118,10 +118,18 @@ class Embedding(keras.layers.Layer):
             return _export.lookup(emb, inputs, weights)
         emb._export.clear()
         trains = any(t.optimizer is not None for t in emb._tables.values())
-        if training is False or not trains:
+        if training is False or not trains or not self.trainable:
+            # (Keras 3 keeps a frozen layer's anchor a trainable tf.Variable, so the tape would still ask it.)
             return _lookup(inputs, weights, emb._features, emb._tables)
         refusal = None
-        if "mixed_float16" in {self.dtype_policy.name, keras.config.dtype_policy().name}:
+        replicas = tf.distribute.get_replica_context()
+        if replicas is not None and replicas.num_replicas_in_sync > 1:
+            # Each replica's backward would update the shared tables on its own, one after the other.
+            refusal = (f"embedcore.adapters.tf.Embedding {self.name!r}: training with "
+                       f"{replicas.num_replicas_in_sync} replicas in sync (tf.distribute) is not supported: each "
+                       "replica would update the tables on its own, in turn; train with one replica and shard the "
+                       "tables with embedcore.distributed instead")
+        elif "mixed_float16" in {self.dtype_policy.name, keras.config.dtype_policy().name}:
             # compile() then wraps the Keras optimizer in a LossScaleOptimizer, which scales the loss and unscales
             # only the gradients it applies itself: the engine's update, in the backward pass, would be scaled.
             refusal = (f"embedcore.adapters.tf.Embedding {self.name!r}: training under the 'mixed_float16' dtype "

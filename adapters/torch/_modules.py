@@ -85,6 +85,19 @@ def check_weights(w, ids: Tensor, where: str) -> None:
         raise ValueError(f"{where} must have the shape of the ids {tuple(ids.shape)}, got {tuple(w.shape)}")
 
 
+def refuse_float16_autocast(device_type: str, owner: str) -> None:
+    """NotImplementedError for fused training under float16 autocast: the
+    update is applied in the backward pass, so a GradScaler's loss scale
+    (float16 AMP's companion) would reach the table unscaled, and a step the
+    scaler skips for inf / NaN would still be taken."""
+    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16:
+        raise NotImplementedError(
+            f"{owner}: fused training under float16 autocast is not supported: the engine updates the table in "
+            "the backward pass, where a GradScaler's loss scale cannot be undone; use bfloat16 autocast (no loss "
+            "scaling), or train unfused (optimizer=None, sparse=True, with a torch.optim optimizer that the "
+            "GradScaler unscales). Inference under float16 autocast works")
+
+
 class _AdapterModule(nn.Module):
     """What every adapter module offers: its tables for ``ec.save`` /
     ``ec.load`` / ``ec.Saver``, and the fused optimizers' state."""
@@ -250,6 +263,8 @@ class _TableModule(_AdapterModule):
                                "Copy values in with weight.copy_() or load_state_dict")
         if self._group is not None:
             trainable = weight.requires_grad and torch.is_grad_enabled()
+            if trainable:
+                refuse_float16_autocast(weight.device.type, type(self).__name__)
             anchor = self._anchor if trainable else self._frozen_anchor
             mode = _ops.FUSED
         else:

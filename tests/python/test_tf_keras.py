@@ -1,6 +1,10 @@
 """embedcore.adapters.tf.Embedding: a Keras layer whose tables live in the
 engine and train with model.fit; one step equals the NumPy reference update
 (tests/python/reference.py) from the layer's output gradient."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -173,3 +177,67 @@ def test_training_under_loss_scaling_is_refused(rng):
         np.testing.assert_array_equal(table.values(), before)
     finally:
         keras.mixed_precision.set_global_policy(previous)
+
+
+def test_a_frozen_layer_does_not_train(rng):
+    """layer.trainable = False (Keras's freezing) stops the engine's updates,
+    also with a trainable head around it and under Adam; the head trains."""
+    layer = Embedding(30, 4, optimizer=ec.optimizers.Adagrad(0.3), table_name="items")
+    inputs = keras.Input(shape=(3,), dtype="int64")
+    dense = keras.layers.Dense(1)
+    model = keras.Model(inputs, dense(keras.layers.Flatten()(layer(inputs))))
+    layer.trainable = False
+    model.compile(optimizer="adam", loss="mse")
+    table = layer._embedcore_tables()[0]
+    before, kernel = table.values().copy(), dense.get_weights()[0].copy()
+    for run_eagerly in (False, True):
+        model.compile(optimizer="adam", loss="mse", run_eagerly=run_eagerly)
+        model.fit(rng.integers(0, 30, (8, 3)), rng.standard_normal((8, 1)).astype(np.float32), verbose=0)
+    assert table.step == 0 and np.array_equal(table.values(), before)
+    assert not np.array_equal(dense.get_weights()[0], kernel)
+    layer.trainable = True
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(rng.integers(0, 30, (8, 3)), rng.standard_normal((8, 1)).astype(np.float32), verbose=0)
+    assert table.step == 1
+
+
+REPLICAS = r"""
+import numpy as np
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+import embedcore as ec
+from embedcore.adapters.tf import Embedding
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    layer = Embedding(30, 4, optimizer=ec.optimizers.SGD(0.1), table_name="items")
+    inputs = keras.Input(shape=(3,), dtype="int64")
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(layer(inputs))))
+    model.compile(optimizer="adam", loss="mse")
+table = layer._embedcore_tables()[0]
+before = table.values().copy()
+x = np.arange(24).reshape(8, 3) % 30
+print("PREDICT", model.predict(x, verbose=0).shape)
+try:
+    model.fit(x, np.zeros((8, 1), np.float32), batch_size=8, verbose=0)
+    print("TRAINED", table.step)
+except NotImplementedError as e:
+    print("REFUSED", table.step, np.array_equal(table.values(), before), e)
+"""
+
+
+def test_training_with_replicas_in_sync_is_refused(tmp_path):
+    """Under a tf.distribute strategy with 2 replicas, each replica's backward
+    would update the shared table in turn (two half-batch steps, the second
+    from values the first changed): training is refused before anything
+    changes; inference works. (A subprocess: the 2 logical CPUs must be set
+    before TensorFlow starts.)"""
+    script = tmp_path / "replicas.py"
+    script.write_text(REPLICAS)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "PREDICT (8, 1)" in res.stdout, res.stdout + res.stderr
+    assert "REFUSED 0 True" in res.stdout and "2 replicas in sync (tf.distribute) is not supported" in res.stdout, \
+        res.stdout + res.stderr

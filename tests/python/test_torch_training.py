@@ -269,3 +269,24 @@ def test_fused_step_runs_once_when_the_rate_schedule_fails_after_it(rng):
                                           optimizer=ec.optimizers.SGD(learning_rate=0.1))
     ref(ids, offsets).sum().backward()
     assert torch.equal(m.weight.detach(), ref.weight.detach())
+
+
+def test_fused_training_under_float16_autocast_is_refused(rng):
+    """A GradScaler would scale the gradient that the fused backward applies
+    (and could not skip a step it finds inf in): fused training under
+    float16 autocast raises before anything changes. Inference under it,
+    and bfloat16 autocast (no loss scaling), work."""
+    w = uniform_weights(rng, ROWS, DIM)
+    bag = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", optimizer=ec.optimizers.SGD(0.1))
+    ids = torch.tensor([[1, 2], [3, 4]])
+    with torch.autocast("cpu", dtype=torch.float16):
+        with pytest.raises(NotImplementedError, match="fused training under float16 autocast is not supported"):
+            bag(ids)
+        with torch.no_grad():
+            np.testing.assert_array_equal(bag(ids).numpy(), (w[[1, 3]] + w[[2, 4]]).numpy())
+    assert np.array_equal(bag.weight.detach().numpy(), w.numpy())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bag(ids).sum().backward()
+    expected = w.clone()
+    expected[[1, 2, 3, 4]] -= 0.1
+    assert max_diff(bag.weight, expected) == 0
