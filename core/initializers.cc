@@ -89,10 +89,14 @@ float InitialValue(const InitializerSpec& spec, int64_t dim, uint64_t index) {
   return 0.0f;
 }
 
+bool LeavesZero(const InitializerSpec& spec) {
+  return spec.kind == InitializerSpec::Kind::kZeros ||
+         (spec.kind == InitializerSpec::Kind::kConstant && spec.a == 0.0 && !std::signbit(spec.a));
+}
+
 void Initialize(const InitializerSpec& spec, DType dtype, int64_t rows, int64_t dim, int64_t row0, int64_t col0,
                 int64_t full_dim, void* data) {
-  if (spec.kind == InitializerSpec::Kind::kZeros) return;  // memory is already zero
-  if (spec.kind == InitializerSpec::Kind::kConstant && spec.a == 0.0 && !std::signbit(spec.a)) return;
+  if (LeavesZero(spec)) return;  // memory is already zero
   switch (dtype) {
     case DType::kFloat32:
       Fill(spec, rows, dim, row0, col0, full_dim, static_cast<float*>(data));

@@ -15,8 +15,13 @@ namespace embedcore::internal {
 /// Zero-filled, 64-byte aligned memory. Large blocks come from mmap (pages
 /// are zero until touched, and transparent huge pages are requested, which
 /// cuts TLB misses of random row gathers); small ones from the heap.
-/// OutOfMemory when it cannot be had.
-void* AllocateZeroed(size_t bytes);
+/// OutOfMemory when it cannot be had. `lazy`: memory that stays zero until
+/// written sparsely (a Zeros table, Adam's moments) is not accounted for
+/// (MAP_NORESERVE), so a table larger than memory whose rows are touched
+/// sparsely can be made; otherwise (memory that is filled at once) the
+/// system refuses here, as malloc would, what it cannot give, rather than
+/// killing the process while it is filled.
+void* AllocateZeroed(size_t bytes, bool lazy);
 void Free(void* p, size_t bytes);
 
 /// Throws OutOfMemory("cannot allocate N bytes (X GiB)").
@@ -25,6 +30,8 @@ void Free(void* p, size_t bytes);
 /// bytes = a * b * c, or InvalidArgument naming `what` if it overflows.
 size_t CheckedBytes(int64_t a, int64_t b, size_t c, const std::string& what);
 
+/// Whether Initialize leaves the memory as it is (zero).
+bool LeavesZero(const InitializerSpec& spec);
 /// Fills [rows, dim] at `data` as elements (row0 + r, col0 + c) of a table
 /// `full_dim` wide (row0 = col0 = 0, full_dim = dim for a whole table).
 void Initialize(const InitializerSpec& spec, DType dtype, int64_t rows, int64_t dim, int64_t row0, int64_t col0,

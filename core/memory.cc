@@ -24,10 +24,11 @@ constexpr size_t kMmapThreshold = size_t(1) << 21;  // 2 MiB: one huge page
   throw OutOfMemory("cannot allocate " + std::to_string(bytes) + " bytes (" + human + ")");
 }
 
-void* AllocateZeroed(size_t bytes) {
+void* AllocateZeroed(size_t bytes, bool lazy) {
   if (bytes == 0) bytes = 1;
   if (bytes >= kMmapThreshold) {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    const int flags = MAP_PRIVATE | MAP_ANONYMOUS | (lazy ? MAP_NORESERVE : 0);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, flags, -1, 0);
     if (p == MAP_FAILED) ThrowOutOfMemory(bytes);
 #ifdef MADV_HUGEPAGE
     madvise(p, bytes, MADV_HUGEPAGE);  // a hint; failure is harmless

@@ -229,20 +229,22 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
     return;
   }
   // Allocation failures name the table and the array.
-  auto allocate = [&](size_t n, const std::string& what) {
+  auto allocate = [&](size_t n, bool lazy, const std::string& what) {
     try {
-      return internal::AllocateZeroed(n);
+      return internal::AllocateZeroed(n, lazy);
     } catch (const std::bad_alloc& e) {
       throw OutOfMemory("table '" + spec_.name + "': " + what + " (" + std::to_string(spec_.rows) + " x " +
                         std::to_string(spec_.dim) + "): " + e.what());
     }
   };
-  values_ = BufferPtr(allocate(bytes, std::string("its ") + DTypeName(spec_.dtype) + " values"),
+  values_ = BufferPtr(allocate(bytes, internal::LeavesZero(spec_.initializer),
+                               std::string("its ") + DTypeName(spec_.dtype) + " values"),
                       BufferDeleter{bytes, -1});
   internal::Initialize(spec_.initializer, spec_.dtype, spec_.rows, spec_.dim, spec_.shard_row_start,
                        spec_.shard_col_start, spec_.full_dim, values_.get());
   for (size_t i = 0; i < names.size(); ++i) {
-    slots_.emplace_back(static_cast<float*>(allocate(slot_bytes, "its slot '" + names[i] + "'")),
+    const bool filled = names[i] == "accumulators" && spec_.optimizer.initial_accumulator_value != 0.0f;
+    slots_.emplace_back(static_cast<float*>(allocate(slot_bytes, !filled, "its slot '" + names[i] + "'")),
                         FloatDeleter{slot_bytes, -1});
     // Adagrad and FTRL start their accumulators at initial_accumulator_value.
     if (names[i] == "accumulators") {

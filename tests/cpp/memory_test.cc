@@ -1,8 +1,11 @@
 // core/memory.cc: zeroed, aligned allocation (heap and mmap paths) and the
 // overflow-checked size computation.
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <limits>
+#include <string>
 
 #include "embedcore/embedcore.h"
 #include "internal.h"
@@ -11,10 +14,11 @@
 using namespace embedcore;
 
 EMBEDCORE_TEST(AllocateZeroedIsZeroAndAligned) {
-  // Below, at and above the 2 MiB mmap threshold, and zero bytes.
+  // Below, at and above the 2 MiB mmap threshold, and zero bytes; accounted and lazy.
+  for (bool lazy : {false, true})
   for (size_t bytes : {size_t(0), size_t(1), size_t(63), size_t(4096), size_t(1) << 21, (size_t(1) << 21) + 5,
                        size_t(3) << 21}) {
-    void* p = internal::AllocateZeroed(bytes);
+    void* p = internal::AllocateZeroed(bytes, lazy);
     EMBEDCORE_EXPECT(p != nullptr);
     EMBEDCORE_EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, uintptr_t(0));
     const unsigned char* c = static_cast<const unsigned char*>(p);
@@ -84,5 +88,35 @@ EMBEDCORE_TEST(TableValueBytes) {
     size_t nonzero = 0;
     for (size_t i = 0; i < t.value_bytes(); ++i) nonzero += v[i] != 0;
     EMBEDCORE_EXPECT_EQ(nonzero, size_t(0));
+  }
+}
+
+namespace {
+// A /proc value: the first number on the line that starts with `key` (or the file's first number).
+uint64_t ProcNumber(const char* path, const std::string& key = "") {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line))
+    if (key.empty() || line.rfind(key, 0) == 0) return std::stoull(line.substr(key.size()));
+  return 0;
+}
+}  // namespace
+
+EMBEDCORE_TEST(AllocationsTheSystemCannotGiveAreRefusedUnlessLazy) {
+  // Four times RAM + swap: under the kernel's heuristic (overcommit 0) or strict (2) accounting an accounted
+  // mapping of it is refused with OutOfMemory naming the size, and under the heuristic a lazy one is made
+  // (its pages are never touched here). Under overcommit 1 everything is granted: nothing to check.
+  const uint64_t mode = ProcNumber("/proc/sys/vm/overcommit_memory");
+  const uint64_t kib = ProcNumber("/proc/meminfo", "MemTotal:") + ProcNumber("/proc/meminfo", "SwapTotal:");
+  if (mode == 1 || kib == 0) {
+    std::printf("  (skipped: overcommit_memory %llu)\n", (unsigned long long)mode);
+    return;
+  }
+  const size_t bytes = size_t(kib) * 1024 * 4;
+  EMBEDCORE_EXPECT_THROWS(internal::AllocateZeroed(bytes, false), OutOfMemory, "cannot allocate " + std::to_string(bytes));
+  if (mode == 0) {
+    void* p = internal::AllocateZeroed(bytes, true);
+    EMBEDCORE_EXPECT(p != nullptr);
+    internal::Free(p, bytes);
   }
 }
