@@ -83,8 +83,12 @@ class Embedding(keras.layers.Layer):
         if feature_config is None:
             if input_dim is None or output_dim is None:
                 raise ValueError("Embedding: give input_dim and output_dim, or feature_config=")
-            table = _TF.TableConfig(vocabulary_size=int(input_dim), dim=int(output_dim), initializer=initializer,
-                                    combiner=combiner, name=table_name or (self.name + "_table"))
+            ours = isinstance(initializer, ec.initializers.Initializer)  # TensorFlow's config takes callables only
+            table = _TF.TableConfig(vocabulary_size=int(input_dim), dim=int(output_dim),
+                                    initializer=None if ours else initializer, combiner=combiner,
+                                    name=table_name or (self.name + "_table"))
+            if ours:
+                table.initializer = initializer  # the engine draws it
             feature_config = _TF.FeatureConfig(table=table)
         elif input_dim is not None or output_dim is not None:
             raise ValueError("Embedding: give input_dim and output_dim, or feature_config=, not both")

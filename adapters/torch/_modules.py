@@ -178,7 +178,9 @@ class _TableModule(_AdapterModule):
 
     def _create(self, name: str, num_embeddings: int, embedding_dim: int, dtype, initializer, optimizer,
                 sparse: bool, padding_idx: Optional[int], weight: Optional[Tensor] = None, init_fn=None,
-                device=None) -> None:
+                device=None, combiner: str = "sum") -> None:
+        """`combiner`: the table's own (what a checkpoint records and serving
+        uses by default); the module passes its mode to every lookup."""
         table_device = _table_device(device)
         for what, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -205,7 +207,7 @@ class _TableModule(_AdapterModule):
         elif initializer is None:
             initializer = ec.initializers.Normal(0.0, 1.0, seed=_torch_seed())  # nn.EmbeddingBag's N(0, 1)
         config = ec.TableConfig(name, self.num_embeddings, self.embedding_dim, _dtype_name(dtype), initializer,
-                                optimizer, "sum")
+                                optimizer, combiner)
         self._attach(ec.Table(config, device=table_device), requires_grad=True)
         with torch.no_grad():
             if weight is not None:
@@ -379,7 +381,7 @@ class EmbeddingBag(_TableModule):
         self.max_norm, self.norm_type, self.scale_grad_by_freq = None, norm_type, False
         self.include_last_offset = bool(include_last_offset)
         self._create(name, num_embeddings, embedding_dim, dtype, initializer, optimizer, sparse, padding_idx,
-                     _weight, _init_fn, device)
+                     _weight, _init_fn, device, combiner=mode)
 
     @classmethod
     def from_pretrained(cls, embeddings: Tensor, freeze: bool = True, max_norm=None, norm_type: float = 2.0,

@@ -235,7 +235,12 @@ def load(path, into, include_optimizer: bool = True) -> None:
     ``CheckpointError`` and leaves `into` exactly as it was.
 
     include_optimizer: also the slots and step count (when the checkpoint has
-        them and the optimizers match); False loads the values only.
+        them and the optimizers match); False loads the values only. A
+        values-only checkpoint (saved with include_optimizer=False) loads its
+        values and leaves the target's slots and step as they are. The
+        optimizers match when they have the same slots; the hyper-parameters
+        (learning rate, betas, ...) stay the target's, so a checkpoint can
+        be fine-tuned with other ones.
 
     Any checkpoint loads into any Table, Embedding or sharded Embedding of
     the same table shapes, whatever world size and plan saved it. Values

@@ -241,3 +241,18 @@ def test_training_with_replicas_in_sync_is_refused(tmp_path):
     assert "PREDICT (8, 1)" in res.stdout, res.stdout + res.stderr
     assert "REFUSED 0 True" in res.stdout and "2 replicas in sync (tf.distribute) is not supported" in res.stdout, \
         res.stdout + res.stderr
+
+
+def test_initializers_of_the_one_table_form():
+    """Embedding(input_dim, output_dim, initializer=...) takes embedcore's
+    initializers (drawn by the engine: the values of an ec.Table with the same
+    initializer) and TensorFlow's (seeded: TensorFlow's own values)."""
+    init = ec.initializers.Uniform(-0.1, 0.1, seed=5)
+    layer = Embedding(50, 4, initializer=init, table_name="t")
+    layer.build()
+    expected = ec.Table(name="t", rows=50, dim=4, initializer=init).values()
+    np.testing.assert_array_equal(layer._embedcore_tables()[0].values(), expected)
+    tf_init = tf.keras.initializers.RandomUniform(-0.1, 0.1, seed=3)
+    layer = Embedding(50, 4, initializer=tf_init, table_name="u")
+    layer.build()
+    np.testing.assert_array_equal(layer._embedcore_tables()[0].values(), tf_init((50, 4)).numpy())

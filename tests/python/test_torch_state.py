@@ -201,6 +201,22 @@ def test_checkpoints_of_modules(rng, tmp_path, how):
     assert torch.equal(model[0].weight, m.weight)
 
 
+def test_checkpoints_record_the_modules_pooling(rng, tmp_path):
+    """A module's mode (a collection's pooling) is its table's combiner: a
+    checkpoint records it, and serving that checkpoint with its default
+    combiner gives the module's output."""
+    bag = et.EmbeddingBag(ROWS, DIM, mode="sqrtn", name="bag", include_last_offset=True)
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(ROWS, DIM, name="a", feature_names=["x"], pooling="mean")])
+    assert bag.table.combiner == "sqrtn" and ebc.embedding_bags["a"].table.combiner == "mean"
+    ids, offsets, _ = bags(rng, ROWS, 6)
+    outputs = {"bag": lambda: bag(ids, offsets), "a": lambda: ebc({"x": (ids, offsets)})["x"]}
+    for module, name in ((bag, "bag"), (ebc, "a")):
+        ec.save(tmp_path / name, module)
+        served = ec.serving.open(tmp_path / name).tables[name]  # looks up with the recorded combiner by default
+        np.testing.assert_allclose(served.lookup(ids.numpy(), offsets.numpy()), outputs[name]().detach().numpy(),
+                                   rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_copies_are_independent_tables(rng, how):
     a = et.EmbeddingBag(ROWS, DIM, mode="sum", optimizer=engine_optimizer("adagrad", 0.1), padding_idx=1)
