@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 import embedcore as ec
+from embedcore.checkpoint import _optimizer_json
 from embedcore.distributed import Comm
 from embedcore.distributed._comm import agree
 
@@ -128,7 +129,7 @@ class _Sharded:
             if any(o is None for o in opts) and any(o is not None for o in opts):
                 raise ValueError(f"{self._owner}: a sharded collection trains every table or none; give every "
                                  "table an optimizer (or the collection's optimizer=), or none for lookups only")
-            desc = [(s.name, s.rows, s.dim, s.dtype, s.pooling, s.features, type(o).__name__)
+            desc = [(s.name, s.rows, s.dim, s.dtype, s.pooling, s.features, _optimizer_json(o))
                     for s, o in zip(specs, opts)]
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             error = e
@@ -203,7 +204,8 @@ class _Sharded:
         try:
             inputs, weights, finish = self._parse(features)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait in the lookup
-            agree(self._world, e, step="lookup: requests")  # pairs with the lookup's first agree on the others; raises e
+            agree(self._world, e, step=self._embedding.step_name("lookup: requests"))  # pairs with the lookup's
+            # first agree on the others; raises e
             raise
         return finish(self._lookup(inputs, weights))
 

@@ -630,6 +630,20 @@ def mode_abort(world) -> None:
     print(f"UNREACHABLE rank {world.rank}: the job was not aborted", flush=True)
 
 
+def mode_rank0_save(world, model: "Model", directory: str) -> None:
+    """Only rank 0 saves (a collective call); the other ranks end the program
+    normally. Their exit meets rank 0's save, which raises
+    CollectiveMismatchError (aborting the job) instead of waiting for them
+    forever."""
+    emb = model.sharded(world, cross_optimizer(), "row_wise")
+    if world.rank == 0:
+        ec.save(os.path.join(directory, "rank0_only"), emb)
+        print("UNREACHABLE rank 0: the save returned", flush=True)
+    else:
+        print(f"rank {world.rank}: ending the program", flush=True)
+        sys.exit(0)
+
+
 def cross_optimizer():
     """The optimizer of the save / restore modes (slots and a step that matters)."""
     return ec.optimizers.Adam(0.01, lazy_adam=False, bias_correction=True)
@@ -685,11 +699,12 @@ def mode_restore(world, chk: Checker, model: Model, directory: str) -> None:
 # ------------------------------------------------------------------ main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("modes", nargs="+", choices=["parity", "train", "fail", "abort", "save", "restore", "inject"])
+    ap.add_argument("modes", nargs="+", choices=["parity", "train", "fail", "abort", "save", "restore", "inject",
+                                                   "rank0_save"])
     ap.add_argument("--dir", help="a directory every rank sees (save / restore; train makes one when absent)")
     args = ap.parse_args(argv)
-    if any(m in ("save", "restore") for m in args.modes) and not args.dir:
-        ap.error("save and restore need --dir")
+    if any(m in ("save", "restore", "rank0_save") for m in args.modes) and not args.dir:
+        ap.error("save, restore and rank0_save need --dir")
 
     world = dist.init("mpi")  # an uncaught exception on any rank aborts the job
     ec.set_num_threads(1)  # N ranks share the machine's cores
@@ -707,6 +722,8 @@ def main(argv=None) -> int:
             mode_fail(world, chk, model, args.dir)
         elif mode == "abort":
             mode_abort(world)
+        elif mode == "rank0_save":
+            mode_rank0_save(world, model, args.dir)
         elif mode == "save":
             mode_save(world, chk, model, args.dir)
         elif mode == "restore":

@@ -1182,7 +1182,62 @@ def test_ranks_in_different_calls_raise_a_named_mismatch_and_change_nothing(W):
         for e, odd in zip(errors, ("apply_gradients: gradients", "save: generation")):
             assert isinstance(e, ed.CollectiveMismatchError), (r, repr(e))
             msg = str(e)
-            assert f"rank {W - 1} in '{odd}'" in msg and "rank 0 in 'lookup: requests'" in msg, msg
+            assert f"rank {W - 1} in '{odd} of embedding 0 (tables T, U)'" in msg, msg
+            assert "rank 0 in 'lookup: requests of embedding 0 (tables T, U)'" in msg, msg
+
+
+def test_two_embeddings_called_in_different_orders_raise_a_named_mismatch():
+    """Two sharded embeddings of one world, looked up in one order on rank 0
+    and the other on rank 1 (e.g. a rank that skips a tower): every rank
+    raises CollectiveMismatchError naming each embedding, before any data
+    moves, instead of serving one embedding's requests from the other's
+    shards."""
+    def fn(world):
+        user = ec.Embedding({"u": ec.FeatureConfig(ec.TableConfig("user", 10, 2))}, opt.SGD(0.1), world=world,
+                            sharding="row_wise")
+        item = ec.Embedding({"i": ec.FeatureConfig(ec.TableConfig("item", 10, 2))}, opt.SGD(0.1), world=world,
+                            sharding="row_wise")
+        first, second = (user, item) if world.rank == 0 else (item, user)
+        try:
+            first({"u" if first is user else "i": np.array([[1], [2]])})
+        except ed.CollectiveMismatchError as e:
+            return str(e)
+        return "no error"
+
+    for msg in _run(2, fn):
+        assert ("rank 0 in 'lookup: requests of embedding 0 (tables user)', rank 1 in 'lookup: requests of "
+                "embedding 1 (tables item)'") in msg, msg
+
+
+def test_ranks_with_other_optimizer_hyper_parameters_are_refused():
+    """Every rank's optimizer must be the same, hyper-parameters included
+    (each shard's owner applies its own): another learning rate on one rank
+    is refused when the embedding is made, on every rank."""
+    def fn(world):
+        lr = 0.05 if world.rank == 0 else 0.5
+        return ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig("t", 10, 2))}, opt.Adagrad(lr), world=world,
+                            sharding="row_wise")
+
+    for e in _run(2, _catching(fn)):
+        assert isinstance(e, ValueError) and "optimizers or plan differ" in str(e), repr(e)
+
+
+def test_ranks_saving_to_different_paths_are_refused_and_write_nothing(tmp_path):
+    """A per-rank path (a timestamp in it) would scatter the shards where rank
+    0 does not commit them: every rank raises ValueError naming each rank's
+    path, and nothing is written."""
+    def fn(world):
+        emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig("t", 10, 2))}, opt.Adagrad(0.1), world=world,
+                           sharding="row_wise")
+        path = tmp_path / f"ckpt_{world.rank}"
+        path.mkdir()
+        ec.save(path, emb)
+
+    errors = _run(2, _catching(fn))
+    for e in errors:
+        assert isinstance(e, ValueError), repr(e)
+        assert f"rank 0 {str(tmp_path / 'ckpt_0')!r}, rank 1 {str(tmp_path / 'ckpt_1')!r}" in str(e), str(e)
+    assert os.listdir(tmp_path / "ckpt_0") == [] and os.listdir(tmp_path / "ckpt_1") == []
 
 
 def test_run_local_a_rank_that_returns_early_does_not_hang_the_others():

@@ -178,6 +178,18 @@ def test_uncaught_error_aborts_the_job():
     assert seconds < 60, f"the abort took {seconds:.0f} s"
 
 
+def test_a_rank_ending_while_another_saves_aborts_the_job(tmp_path):
+    """Only rank 0 saves (a collective call) while rank 1 ends normally: at
+    exit the ranks meet once more, so rank 0's save raises
+    CollectiveMismatchError naming rank 1's exit and the job ends, instead of
+    rank 0 waiting for rank 1 forever."""
+    rc, out, seconds = worker(2, "rank0_save", directory=str(tmp_path))
+    assert rc != 0, out
+    assert "rank 1 in 'exit: the program ended'" in out and "CollectiveMismatchError" in out, out
+    assert "UNREACHABLE" not in out, out
+    assert seconds < 60, f"the job took {seconds:.0f} s to end"
+
+
 def _worker_module():
     sys.path.insert(0, str(HERE))
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from typing import List, Optional
 
 from .. import _embedcore
@@ -70,7 +71,15 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
             generation = claim.generation
         except Exception as e:  # noqa: BLE001 - every rank learns it (agree)
             error = e
-    generation = agree(comm, error, generation, step="save: generation")[0]
+    answers = agree(comm, error, (generation, os.path.abspath(path)), step=emb.step_name("save: generation"))
+    generation = answers[0][0]
+    paths = [p for _, p in answers]
+    if any(p != paths[0] for p in paths):  # every rank's files go where rank 0 commits them
+        if comm.rank == 0:
+            _embedcore.remove_generation(path, generation)  # its claim
+        raise ValueError("save: the ranks gave different paths (" +
+                         ", ".join(f"rank {r} {p!r}" for r, p in enumerate(paths)) +
+                         "): every rank must save to the same directory, which rank 0 commits; nothing was written")
 
     error, written = None, []
     try:
@@ -82,7 +91,7 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
     except Exception as e:  # noqa: BLE001 - a full disk on one rank fails the save on all
         error = e
     try:
-        everything = agree(comm, error, written, step="save: shard files")
+        everything = agree(comm, error, written, step=emb.step_name("save: shard files"))
     except BaseException as e:
         # A failure every rank saw (this rank's own error or another's): no rank commits, so rank 0, which holds
         # the generation's claim, removes what every rank wrote (one remover: another rank's removal could run
@@ -111,7 +120,7 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
             # Rank 0's own commit failed (it alone commits): it removes every rank's files of the save,
             # unless the manifest's rename happened and a later step failed (then that is the checkpoint).
             _embedcore.remove_generation(path, generation)
-    agree(comm, error, step="save: commit")
+    agree(comm, error, step=emb.step_name("save: commit"))
 
 
 @contextlib.contextmanager
@@ -153,7 +162,7 @@ def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
             plan.append((k, table, s))
     except Exception as e:  # noqa: BLE001
         error = e
-    agree(comm, error, step="load: verify")  # every rank's blocks verified before any rank changes
+    agree(comm, error, step=emb.step_name("load: verify"))  # every rank's blocks verified before any rank changes
     error = None
     try:
         for k, table, s in plan:
@@ -161,7 +170,7 @@ def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
                                         False)
     except Exception as e:  # noqa: BLE001
         error = e
-    agree(comm, error, step="load: read")
+    agree(comm, error, step=emb.step_name("load: read"))
 
 
 def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 20) -> str:

@@ -5,6 +5,7 @@ adapter. No backend moves bytes itself: threads share memory, the others
 call an established collective library."""
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 from abc import ABC, abstractmethod
@@ -302,12 +303,34 @@ def _abort_on_uncaught(comm) -> None:
     sys.excepthook = hook
 
 
+EXIT_STEP = "exit: the program ended"
+
+
+def _agree_at_exit(comm: "MPIComm") -> None:
+    """At a normal exit every rank meets once more, so that a rank still in
+    a collective call that the others skipped (a save that only rank 0 makes)
+    meets their exit and raises ``CollectiveMismatchError`` (which aborts the
+    job) instead of waiting for them forever. A rank that meets such a call
+    here aborts the job too, naming it."""
+    if comm._MPI.Is_finalized():
+        return
+    try:
+        agree(comm, None, step=EXIT_STEP)
+    except CollectiveMismatchError as e:
+        print(f"embedcore: rank {comm.rank} of {comm.size} ended while another rank is in a collective call: {e}",
+              file=sys.stderr, flush=True)
+        comm._comm.Abort(1)
+
+
 def init(backend: str = "mpi", **kwargs) -> Comm:
     """The communicator of this process.
 
     ``"mpi"``: ``MPI.COMM_WORLD`` (or ``comm=``), in processes started by
     ``mpiexec -n N``; an uncaught exception on any rank aborts the job
-    (``abort_on_error=False`` to keep MPI's default).
+    (``abort_on_error=False`` to keep MPI's default), and so does a rank
+    still in a collective call (a save) when another ends normally: at
+    exit, the ranks meet once more, so none waits forever for one that has
+    gone.
     ``"nccl"``: GPU ranks (the CUDA build with NCCL): ``init("nccl",
     bootstrap=comm | store=torch_store | file=path, rank=, size=, device=)``;
     NCCL's unique id goes from rank 0 to the others over the bootstrap
@@ -322,6 +345,7 @@ def init(backend: str = "mpi", **kwargs) -> Comm:
             raise TypeError(f"init('mpi'): unexpected arguments {sorted(kwargs)}")
         if abort and comm.size > 1:
             _abort_on_uncaught(comm._comm)
+            atexit.register(_agree_at_exit, comm)  # after mpi4py's MPI_Finalize hook, so it runs before it
         return comm
     if backend == "nccl":
         from ._nccl import init_nccl

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import _device, _embedcore, _nest
+from ..checkpoint import _optimizer_json
 from .._inputs import Batch, as_float32, make_batch
 from ..config import TableConfig
 from ..embedding import Embedding
@@ -130,7 +131,7 @@ class ShardedEmbedding(Embedding):
             # Every rank must build the same embedding: compare what decides routing and values.
             mine = (plan.describe(),
                     [(e.name, e.rows, e.dim, e.dtype, e.combiner, repr(e.initializer),
-                      type(e.optimizer).__name__) for e in (self._effective[c] for c in self._configs)],
+                      _optimizer_json(e.optimizer)) for e in (self._effective[c] for c in self._configs)],
                     [(n, f.max_sequence_length, self._effective[f.table].name)
                      for n, f in zip(self._feature_names, self._features)])
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
@@ -139,8 +140,14 @@ class ShardedEmbedding(Embedding):
         for r, theirs in enumerate(everyone):
             if theirs != mine:
                 raise ValueError(f"Embedding: rank {r} built a different sharded embedding than rank "
-                                 f"{self._world.rank} (tables, features, initializers or plan differ); every rank "
-                                 "must pass the same feature_config, optimizer and sharding")
+                                 f"{self._world.rank} (tables, features, initializers, optimizers or plan differ); "
+                                 "every rank must pass the same feature_config, optimizer and sharding")
+        # The embeddings of a world are numbered in the order they are made (the same on every rank: construction
+        # is agreed), and every later step names its embedding: ranks that call two embeddings in different
+        # orders meet at steps of different names and raise CollectiveMismatchError, before any data moves.
+        index = getattr(self._world, "_embedcore_embeddings", 0)
+        self._world._embedcore_embeddings = index + 1
+        self._tag = f"embedding {index} (tables {', '.join(e.name for e in self._effective.values())})"
         self._plan: ShardingPlan = plan
         # This rank's shards: (table index, shard index) -> Table.
         self._local: Dict[Tuple[int, int], Table] = {}
@@ -210,7 +217,7 @@ class ShardedEmbedding(Embedding):
             counts = [a.size for a in send]
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             error = e
-        all_counts = agree(comm, error, counts, step="lookup: requests")
+        all_counts = agree(comm, error, counts, step=self.step_name("lookup: requests"))
         recv = comm.all_to_all_v(send, [all_counts[j][comm.rank] for j in range(comm.size)])
 
         # Serve: look up what every rank asked this one for.
@@ -220,7 +227,7 @@ class ShardedEmbedding(Embedding):
             answers = [self._serve(j, recv[j], served) for j in range(comm.size)]
         except Exception as e:  # noqa: BLE001
             error, answers = e, None
-        agree(comm, error, step="lookup: answers")
+        agree(comm, error, step=self.step_name("lookup: answers"))
         expect = [0] * comm.size
         for fr in routes:
             for r in fr:
@@ -463,7 +470,7 @@ class ShardedEmbedding(Embedding):
                     for p in parts]
         except Exception as e:  # noqa: BLE001
             error = e
-        agree(comm, error, step="apply_gradients: gradients")
+        agree(comm, error, step=self.step_name("apply_gradients: gradients"))
         routes, shapes, served = self._fwd
         # What each rank will send this one: the rows of the results it served.
         expect = [0] * comm.size
@@ -493,7 +500,11 @@ class ShardedEmbedding(Embedding):
                 table._native.apply_gradients_staged(by_shard[key], rates[key])
         except Exception as e:  # noqa: BLE001
             error = e
-        agree(comm, error, step="apply_gradients: update")
+        agree(comm, error, step=self.step_name("apply_gradients: update"))
+
+    def step_name(self, step: str) -> str:
+        """`step` ("lookup: requests") of this embedding, as ``agree`` compares it across ranks."""
+        return f"{step} of {self._tag}"
 
     # ------------------------------------------------------------ checkpoints
     def _sharded_save(self, path, include_optimizer: bool, values_dtype):
