@@ -242,16 +242,17 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
                       BufferDeleter{bytes, -1});
   internal::Initialize(spec_.initializer, spec_.dtype, spec_.rows, spec_.dim, spec_.shard_row_start,
                        spec_.shard_col_start, spec_.full_dim, values_.get());
+  slots_.reserve(names.size());  // no reallocation between an allocation and its owner
   for (size_t i = 0; i < names.size(); ++i) {
-    const bool filled = names[i] == "accumulators" && spec_.optimizer.initial_accumulator_value != 0.0f;
+    // Adagrad and FTRL start their accumulators at initial_accumulator_value: filled now unless it is +0.
+    const float v0 = spec_.optimizer.initial_accumulator_value;
+    const bool filled = names[i] == "accumulators" && (v0 != 0.0f || std::signbit(v0));
     slots_.emplace_back(static_cast<float*>(allocate(slot_bytes, !filled, "its slot '" + names[i] + "'")),
                         FloatDeleter{slot_bytes, -1});
-    // Adagrad and FTRL start their accumulators at initial_accumulator_value.
-    if (names[i] == "accumulators") {
+    if (filled) {
       float* s = slots_.back().get();
-      const float v = spec_.optimizer.initial_accumulator_value;
       const int64_t n = spec_.rows * spec_.dim;
-      ParallelFor(n, 1 << 16, [&](int64_t a, int64_t b) { std::fill(s + a, s + b, v); });
+      ParallelFor(n, 1 << 16, [&](int64_t a, int64_t b) { std::fill(s + a, s + b, v0); });
     }
   }
 }

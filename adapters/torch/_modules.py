@@ -85,17 +85,44 @@ def check_weights(w, ids: Tensor, where: str) -> None:
         raise ValueError(f"{where} must have the shape of the ids {tuple(ids.shape)}, got {tuple(w.shape)}")
 
 
-def refuse_float16_autocast(device_type: str, owner: str) -> None:
-    """NotImplementedError for fused training under float16 autocast: the
-    update is applied in the backward pass, so a GradScaler's loss scale
-    (float16 AMP's companion) would reach the table unscaled, and a step the
-    scaler skips for inf / NaN would still be taken."""
-    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16:
-        raise NotImplementedError(
-            f"{owner}: fused training under float16 autocast is not supported: the engine updates the table in "
-            "the backward pass, where a GradScaler's loss scale cannot be undone; use bfloat16 autocast (no loss "
-            "scaling), or train unfused (optimizer=None, sparse=True, with a torch.optim optimizer that the "
-            "GradScaler unscales). Inference under float16 autocast works")
+def _float16_autocast(device_type: str) -> bool:
+    """Whether float16 autocast is on for the table's device or the usual
+    model devices (a host table may feed a CUDA model)."""
+    return any(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) == torch.float16
+               for d in {device_type, "cpu", "cuda"})
+
+
+class _RefusedBackward(torch.autograd.Function):
+    """The identity, whose backward raises: outputs of a fused lookup made
+    under float16 autocast. The backward reaches it before the lookup's own,
+    which would apply the update, so nothing changes."""
+
+    @staticmethod
+    def forward(ctx, message: str, *outs):
+        ctx.message = message
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(ctx.message)
+
+
+def refuse_float16_backward(device_type: str, owner: str, outs: List[Tensor]) -> List[Tensor]:
+    """`outs`, made so that a backward through them raises NotImplementedError
+    when the lookup ran under float16 autocast: fused training applies the
+    update in the backward pass, so a GradScaler's loss scale (float16 AMP's
+    companion) would reach the table unscaled, and a step the scaler skips for
+    inf / NaN would still be taken. A forward alone (inference, eval) works.
+    Under torch.compile the refusal comes at the forward."""
+    if not _float16_autocast(device_type):
+        return outs
+    message = (f"{owner}: fused training under float16 autocast is not supported: the engine updates the table "
+               "in the backward pass, where a GradScaler's loss scale cannot be undone; use bfloat16 autocast (no "
+               "loss scaling), or train unfused (optimizer=None, sparse=True, with a torch.optim optimizer that "
+               "the GradScaler unscales). Inference under float16 autocast works (no backward, or torch.no_grad())")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(message)
+    return list(_RefusedBackward.apply(message, *outs))
 
 
 class _AdapterModule(nn.Module):
@@ -265,8 +292,6 @@ class _TableModule(_AdapterModule):
                                "Copy values in with weight.copy_() or load_state_dict")
         if self._group is not None:
             trainable = weight.requires_grad and torch.is_grad_enabled()
-            if trainable:
-                refuse_float16_autocast(weight.device.type, type(self).__name__)
             anchor = self._anchor if trainable else self._frozen_anchor
             mode = _ops.FUSED
         else:
@@ -278,7 +303,10 @@ class _TableModule(_AdapterModule):
         step = _ops.needs_step(mode, weights)
         outs = op(anchor, self._handle, self.embedding_dim, ids, offsets, weights, segments, combiner, pad,
                   include_last_offset, mode, step)
-        return outs[:-1] if step else outs  # the step is for the backward
+        outs = outs[:-1] if step else outs  # the step is for the backward
+        if mode == _ops.FUSED and anchor is self._anchor:
+            outs = refuse_float16_backward(weight.device.type, type(self).__name__, list(outs))
+        return outs
 
     # ------------------------------------------------------------ state
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -27,7 +27,7 @@ from embedcore.distributed._comm import agree
 
 from ._collection import (EmbeddingBagCollection, EmbeddingCollection, _csr, _embedding_names, _is_kjt,
                           _jagged_module, _kjt_parts, _sequence_ids, _specs)
-from ._modules import _table_device, check_weights, refuse_float16_autocast
+from ._modules import _table_device, check_weights, refuse_float16_backward
 from ._ops import _check_offsets
 
 __all__ = ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"]
@@ -215,9 +215,9 @@ class _Sharded:
         self._calls += 1
         if not (self._trainable and torch.is_grad_enabled()):
             return [self._out(o) for o in self._embedding(inputs, weights)]
-        refuse_float16_autocast(self._device.type, type(self).__name__)  # the same on every rank: none waits
         outs = _ShardedLookup.apply(self._anchor, self, inputs, weights)
-        return [o if self._device.type == "cpu" else o.to(self._device) for o in outs]
+        outs = [o if self._device.type == "cpu" else o.to(self._device) for o in outs]
+        return refuse_float16_backward(self._device.type, type(self).__name__, outs)
 
 
 class ShardedEmbeddingBagCollection(_Sharded, EmbeddingBagCollection):

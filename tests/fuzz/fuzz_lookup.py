@@ -43,7 +43,8 @@ OPTIMIZERS = ["sgd", "adagrad", "adam", "ftrl"]
 # A sequence length whose output no machine can allocate (beyond the address
 # space, so no overcommit setting lets it through): a MemoryError that says so.
 HUGE = 1 << 47
-STATS = {"ok": 0, "checked": 0, "refused": 0}  # outcomes so far: succeeded, of which checked by the reference; raised
+STATS = {"ok": 0, "checked": 0, "refused": 0, "memory": 0}  # outcomes so far: succeeded, of which checked by
+# the reference; raised ValueError / TypeError / IndexError; raised MemoryError (an output too large)
 EXTREMES = [-(1 << 63), (1 << 63) - 1, 1 << 31, -(1 << 31) - 1, (1 << 32) + 1]
 
 
@@ -246,6 +247,7 @@ def check(data: bytes) -> None:
     except MemoryError as e:
         if kw.get("max_sequence_length") != HUGE or "allocate" not in str(e):  # ours, or NumPy's
             raise
+        STATS["memory"] += 1
         if not _same(table, before):
             raise AssertionError("a call that raised changed the table")
 

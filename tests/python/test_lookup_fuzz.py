@@ -17,6 +17,14 @@ sys.path.insert(0, FUZZ)
 import fuzz_lookup  # noqa: E402
 
 N_INPUTS, CHUNKS = 3000, 10
+FINDINGS = os.path.join(FUZZ, "findings")  # lookup-*: inputs that once failed, kept as regression tests
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(FINDINGS) if n.startswith("lookup-"))
+                         if os.path.isdir(FINDINGS) else [])
+def test_past_finding(name):
+    with open(os.path.join(FINDINGS, name), "rb") as f:
+        fuzz_lookup.check(f.read())
 
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))

@@ -273,18 +273,27 @@ def test_fused_step_runs_once_when_the_rate_schedule_fails_after_it(rng):
 
 def test_fused_training_under_float16_autocast_is_refused(rng):
     """A GradScaler would scale the gradient that the fused backward applies
-    (and could not skip a step it finds inf in): fused training under
-    float16 autocast raises before anything changes. Inference under it,
-    and bfloat16 autocast (no loss scaling), work."""
+    (and could not skip a step it finds inf in): a backward through a lookup
+    made under float16 autocast raises before the update, and nothing
+    changes. The forward alone (inference, eval mode, no_grad) works, and
+    bfloat16 autocast (no loss scaling) trains."""
     w = uniform_weights(rng, ROWS, DIM)
     bag = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", optimizer=ec.optimizers.SGD(0.1))
     ids = torch.tensor([[1, 2], [3, 4]])
-    with torch.autocast("cpu", dtype=torch.float16):
-        with pytest.raises(NotImplementedError, match="fused training under float16 autocast is not supported"):
-            bag(ids)
-        with torch.no_grad():
-            np.testing.assert_array_equal(bag(ids).numpy(), (w[[1, 3]] + w[[2, 4]]).numpy())
-    assert np.array_equal(bag.weight.detach().numpy(), w.numpy())
+    want = (w[[1, 3]] + w[[2, 4]]).numpy()
+    for device in ("cpu", "cuda"):  # a host table may feed a CUDA model: either autocast counts
+        with torch.autocast(device, dtype=torch.float16, enabled=device == "cpu" or torch.cuda.is_available()):
+            out = bag(ids)
+            np.testing.assert_array_equal(out.detach().numpy(), want)
+            bag.eval()
+            np.testing.assert_array_equal(bag(ids).detach().numpy(), want)
+            bag.train()
+            with torch.no_grad():
+                np.testing.assert_array_equal(bag(ids).numpy(), want)
+        if device == "cpu" or torch.cuda.is_available():
+            with pytest.raises(NotImplementedError, match="fused training under float16 autocast is not supported"):
+                out.sum().backward()
+    assert np.array_equal(bag.weight.detach().numpy(), w.numpy()) and bag.table.step == 0
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bag(ids).sum().backward()
     expected = w.clone()

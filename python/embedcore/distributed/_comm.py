@@ -306,13 +306,19 @@ def _abort_on_uncaught(comm) -> None:
 EXIT_STEP = "exit: the program ended"
 
 
+_exit_checks: set = set()  # the MPI communicators (Fortran handles) whose ranks meet at exit
+
+
 def _agree_at_exit(comm: "MPIComm") -> None:
     """At a normal exit every rank meets once more, so that a rank still in
     a collective call that the others skipped (a save that only rank 0 makes)
     meets their exit and raises ``CollectiveMismatchError`` (which aborts the
     job) instead of waiting for them forever. A rank that meets such a call
-    here aborts the job too, naming it."""
-    if comm._MPI.Is_finalized():
+    here aborts the job too, naming it. A rank that ends early waits here for
+    the others (polling, as in any MPI collective). Nothing to do once MPI is
+    finalized or the communicator freed."""
+    MPI = comm._MPI
+    if MPI.Is_finalized() or comm._comm == MPI.COMM_NULL:
         return
     try:
         agree(comm, None, step=EXIT_STEP)
@@ -320,6 +326,17 @@ def _agree_at_exit(comm: "MPIComm") -> None:
         print(f"embedcore: rank {comm.rank} of {comm.size} ended while another rank is in a collective call: {e}",
               file=sys.stderr, flush=True)
         comm._comm.Abort(1)
+    except MPI.Exception:  # the communicator was freed through another handle: no check, as before
+        pass
+
+
+def _check_at_exit(comm: "MPIComm") -> None:
+    """Registers the exit meeting once per communicator, however many times
+    each rank wraps it (init is not collective)."""
+    key = comm._comm.py2f()
+    if key not in _exit_checks:
+        _exit_checks.add(key)
+        atexit.register(_agree_at_exit, comm)  # after mpi4py's MPI_Finalize hook, so it runs before it
 
 
 def init(backend: str = "mpi", **kwargs) -> Comm:
@@ -345,7 +362,7 @@ def init(backend: str = "mpi", **kwargs) -> Comm:
             raise TypeError(f"init('mpi'): unexpected arguments {sorted(kwargs)}")
         if abort and comm.size > 1:
             _abort_on_uncaught(comm._comm)
-            atexit.register(_agree_at_exit, comm)  # after mpi4py's MPI_Finalize hook, so it runs before it
+            _check_at_exit(comm)
         return comm
     if backend == "nccl":
         from ._nccl import init_nccl
