@@ -21,9 +21,9 @@ Accepted outcomes: success, or ``ValueError``, ``TypeError`` or
 to allocate). Also checked:
 - a lookup never changes the table, and a call that raises leaves it
   exactly as it was (values, every slot, step);
-- a pooled lookup of a float32 table from 1-D ids with offsets or from a
-  ``Ragged`` matches tests/python/reference.py (float64) within the float32
-  rounding bound.
+- a lookup from every form but ``Sparse`` (pooled, flat or padded
+  sequence rows, any storage dtype) matches tests/python/reference.py
+  (float64, from the stored values) within the float32 rounding bound.
 Anything else, another exception type, a crash, a mismatch, is a finding.
 """
 from __future__ import annotations
@@ -166,24 +166,26 @@ def check(data: bytes) -> None:
     ids = _array(fdp, _ints(fdp, nnz, rows), ID_DTYPES if fdp.ConsumeIntInRange(0, 3) == 0 else ["int64", "int32"])
     weights = _weights(fdp, nnz)
     offsets = None
-    oracle = None  # (ids, offsets, weights) when the reference applies
+    oracle = None  # (ids, offsets, weights, width of a dense input) as CSR, where the reference applies
     if form == 0:  # 1-D ids with CSR offsets
         offsets = _offsets(fdp, nnz, batch)
         args = (ids, offsets, weights)
-        oracle = (ids, offsets, weights)
+        oracle = (ids, offsets, weights, None)
     elif form == 1:  # 1-D ids, one per bag
         args = (ids, None, weights)
+        oracle = (ids, np.arange(nnz + 1), weights, None)
     elif form == 2:  # 2-D dense [batch, k]
         k = fdp.ConsumeIntInRange(0, 4)
         n = batch * k
         ids2 = _array(fdp, _ints(fdp, n, rows), ["int64", "int32"]).reshape(batch, k)
         w2 = None if weights is None else _array(fdp, np.ones(n, dtype=object), WEIGHT_DTYPES).reshape(batch, k)
         args = (ids2, None, w2)
+        oracle = (ids2.reshape(-1), np.arange(batch + 1) * k, None if w2 is None else w2.reshape(-1), k)
     elif form == 3:  # Ragged
         offsets = _offsets(fdp, nnz, batch)
         rag_w = None if weights is None else ec.Ragged(weights, offsets)
         args = (ec.Ragged(ids, offsets), None, rag_w)
-        oracle = (ids, offsets, weights)
+        oracle = (ids, offsets, weights, None)
     elif form == 4:  # Sparse [batch, width]
         width = fdp.ConsumeIntInRange(0, 5)
         idx = np.array([[fdp.ConsumeIntInRange(-1, batch), fdp.ConsumeIntInRange(-1, width)] for _ in range(nnz)],
@@ -198,12 +200,14 @@ def check(data: bytes) -> None:
     elif form == 5:  # a Python list
         offsets = _offsets(fdp, nnz, batch)
         args = (ids.tolist(), offsets.tolist(), None if weights is None else weights.tolist())
+        oracle = (ids, offsets, weights, None)
     else:  # PyTorch tensors
         import torch
 
         offsets = _offsets(fdp, nnz, batch)
         args = (torch.from_numpy(np.array(ids)), torch.from_numpy(np.array(offsets)),
                 None if weights is None else torch.from_numpy(np.array(weights)))
+        oracle = (ids, offsets, weights, None)
 
     combiner = fdp.PickValueInList(COMBINERS)
     kw = {} if combiner is _DEFAULT else {"combiner": combiner}
@@ -217,16 +221,8 @@ def check(data: bytes) -> None:
                 shape = fdp.PickValueInList([(batch, dim), (batch, dim), (nnz, dim), (batch, 3, dim), (1,)])
                 kw["out"] = np.zeros(shape, dtype=fdp.PickValueInList(["float32", "float32", "float32", "float64"]))
             got = table.lookup(*args, **kw)
-            if oracle is not None and combiner in (_DEFAULT, "sum", "mean", "sqrtn") and table.dtype == "float32":
-                o_ids, o_offsets, o_weights = oracle
-                with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # NaN / inf weights
-                    want, bound = reference.pooled(table.values(), np.asarray(o_ids, np.int64),
-                                                   np.asarray(o_offsets, np.int64), o_weights,
-                                                   "sum" if combiner is _DEFAULT else combiner)
-                    err = np.abs(got.astype(np.float64) - want)
-                finite = np.isfinite(want) & np.isfinite(bound)
-                if not np.all(err[finite] <= bound[finite] * 1e-5 + 1e-6):
-                    raise AssertionError(f"lookup differs from the reference by {err[finite].max()}")
+            if oracle is not None:
+                _check_against_reference(table, got, oracle, combiner, kw.get("max_sequence_length", 0))
                 STATS["checked"] += 1
             if not _same(table, before):
                 raise AssertionError("a lookup changed the table")
@@ -250,6 +246,34 @@ def check(data: bytes) -> None:
         STATS["memory"] += 1
         if not _same(table, before):
             raise AssertionError("a call that raised changed the table")
+
+
+def _check_against_reference(table, got, oracle, combiner, length) -> None:
+    """A lookup's result against tests/python/reference.py (float64, from the
+    stored values), within the float32 rounding bound: pooled bags, or the
+    rows of a sequence (flat, or padded to `length` / a dense input's width)."""
+    import numpy as np
+
+    import reference
+
+    ids, offsets, weights, width = oracle
+    ids, offsets = np.asarray(ids, np.int64), np.asarray(offsets, np.int64)
+    values = table.to_numpy(0, table.rows)  # the stored values, float32
+    w = None if weights is None else np.asarray(weights, np.float64)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # NaN / inf weights
+        if combiner is not None:
+            want, bound = reference.pooled(values, ids, offsets, w, "sum" if combiner is _DEFAULT else combiner)
+        else:
+            if length == 0 and width is None:
+                want = reference.sequence_flat(values, ids, w)
+            else:
+                want = reference.sequence_padded(values, ids, offsets, w, length or width)
+            bound = np.abs(want)
+        err = np.abs(got.astype(np.float64) - want)
+    finite = np.isfinite(want) & np.isfinite(bound)
+    if got.shape != want.shape or not np.all(err[finite] <= bound[finite] * 1e-5 + 1e-6):
+        raise AssertionError(f"lookup differs from the reference: shape {got.shape} against {want.shape}, "
+                             f"max difference {err[finite].max() if err.size else 0}")
 
 
 def _snapshot(table):

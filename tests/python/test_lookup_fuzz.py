@@ -46,4 +46,4 @@ def test_the_inputs_reach_every_outcome():
     for _ in range(1500):
         fuzz_lookup.check(rng.bytes(int(rng.integers(0, 160))))
     got = {k: fuzz_lookup.STATS[k] - before[k] for k in before}
-    assert got["ok"] >= 250 and got["checked"] >= 20 and got["refused"] >= 250, got
+    assert got["ok"] >= 250 and got["checked"] >= 150 and got["refused"] >= 250, got
