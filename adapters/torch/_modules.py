@@ -100,7 +100,7 @@ class _RefusedBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, message: str, *outs):
         ctx.message = message
-        return tuple(o.view_as(o) for o in outs)
+        return tuple(o.clone() for o in outs)  # (not views: the caller may change them in place)
 
     @staticmethod
     def backward(ctx, *grads):

@@ -222,7 +222,8 @@ def check(data: bytes) -> None:
                 kw["out"] = np.zeros(shape, dtype=fdp.PickValueInList(["float32", "float32", "float32", "float64"]))
             got = table.lookup(*args, **kw)
             if oracle is not None:
-                _check_against_reference(table, got, oracle, combiner, kw.get("max_sequence_length", 0))
+                _check_against_reference(table, got, oracle, combiner, kw.get("max_sequence_length", 0),
+                                         kw.get("out"))
                 STATS["checked"] += 1
             if not _same(table, before):
                 raise AssertionError("a lookup changed the table")
@@ -248,32 +249,51 @@ def check(data: bytes) -> None:
             raise AssertionError("a call that raised changed the table")
 
 
-def _check_against_reference(table, got, oracle, combiner, length) -> None:
+def _check_against_reference(table, got, oracle, combiner, length, out) -> None:
     """A lookup's result against tests/python/reference.py (float64, from the
-    stored values), within the float32 rounding bound: pooled bags, or the
-    rows of a sequence (flat, or padded to `length` / a dense input's width)."""
+    stored values): pooled bags, or the rows of a sequence (flat, or padded to
+    `length` / a dense input's width). The ids must be in range (the engine
+    accepted them), the shape equal, `out` (when given) the result, finite
+    values within the float32 rounding bound, and NaN and infinities where
+    the reference has them. Any failure, the reference's own included, is an
+    AssertionError: a finding, not a refusal."""
     import numpy as np
 
     import reference
 
     ids, offsets, weights, width = oracle
-    ids, offsets = np.asarray(ids, np.int64), np.asarray(offsets, np.int64)
-    values = table.to_numpy(0, table.rows)  # the stored values, float32
-    w = None if weights is None else np.asarray(weights, np.float64)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # NaN / inf weights
-        if combiner is not None:
-            want, bound = reference.pooled(values, ids, offsets, w, "sum" if combiner is _DEFAULT else combiner)
-        else:
-            if length == 0 and width is None:
-                want = reference.sequence_flat(values, ids, w)
+    try:
+        ids, offsets = np.asarray(ids, np.int64), np.asarray(offsets, np.int64)
+        if ids.size and not (ids.min() >= 0 and ids.max() < table.rows):
+            raise AssertionError(f"the lookup accepted ids outside [0, {table.rows}): {ids.min()}..{ids.max()}")
+        if out is not None and got is not out:
+            raise AssertionError("the lookup into out= returned another array")
+        values = table.to_numpy(0, table.rows)  # the stored values, float32
+        w = None if weights is None else np.asarray(weights, np.float64)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # NaN / inf weights
+            if combiner is not None:
+                want, bound = reference.pooled(values, ids, offsets, w, "sum" if combiner is _DEFAULT else combiner)
             else:
-                want = reference.sequence_padded(values, ids, offsets, w, length or width)
-            bound = np.abs(want)
-        err = np.abs(got.astype(np.float64) - want)
-    finite = np.isfinite(want) & np.isfinite(bound)
-    if got.shape != want.shape or not np.all(err[finite] <= bound[finite] * 1e-5 + 1e-6):
-        raise AssertionError(f"lookup differs from the reference: shape {got.shape} against {want.shape}, "
-                             f"max difference {err[finite].max() if err.size else 0}")
+                if length == 0 and width is None:
+                    want = reference.sequence_flat(values, ids, w)
+                else:
+                    want = reference.sequence_padded(values, ids, offsets, w, length or width)
+                bound = np.abs(want)
+        if got.shape != want.shape:
+            raise AssertionError(f"shape {got.shape}, the reference's {want.shape}")
+        got = got.astype(np.float64)
+        finite = np.isfinite(want) & np.isfinite(bound)
+        err = np.abs(got[finite] - want[finite])
+        if not np.all(err <= bound[finite] * 1e-5 + 1e-6):
+            raise AssertionError(f"a difference of {err.max()} from the reference")
+        special = ~np.isfinite(want)
+        if not np.array_equal(got[special], want[special], equal_nan=True):
+            raise AssertionError(f"NaN / infinities differ from the reference's: {got[special]} against "
+                                 f"{want[special]}")
+    except AssertionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the reference failed on what the engine accepted
+        raise AssertionError(f"the reference check failed: {type(e).__name__}: {e}") from e
 
 
 def _snapshot(table):

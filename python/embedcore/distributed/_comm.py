@@ -306,19 +306,18 @@ def _abort_on_uncaught(comm) -> None:
 EXIT_STEP = "exit: the program ended"
 
 
-_exit_checks: set = set()  # the MPI communicators (Fortran handles) whose ranks meet at exit
+_exit_check = []  # the MPIComm of COMM_WORLD whose ranks meet at exit, once registered
 
 
 def _agree_at_exit(comm: "MPIComm") -> None:
-    """At a normal exit every rank meets once more, so that a rank still in
-    a collective call that the others skipped (a save that only rank 0 makes)
-    meets their exit and raises ``CollectiveMismatchError`` (which aborts the
-    job) instead of waiting for them forever. A rank that meets such a call
-    here aborts the job too, naming it. A rank that ends early waits here for
-    the others (polling, as in any MPI collective). Nothing to do once MPI is
-    finalized or the communicator freed."""
-    MPI = comm._MPI
-    if MPI.Is_finalized() or comm._comm == MPI.COMM_NULL:
+    """At a normal exit the ranks of MPI.COMM_WORLD meet once more, so that a
+    rank still in a collective call that the others skipped (a save that only
+    rank 0 makes) meets their exit and raises ``CollectiveMismatchError``
+    (which aborts the job) instead of waiting for them forever. A rank that
+    meets such a call here aborts the job too, naming it. A rank that ends
+    early waits here for the others (polling, as in any MPI collective).
+    Nothing to do once MPI is finalized."""
+    if comm._MPI.Is_finalized():
         return
     try:
         agree(comm, None, step=EXIT_STEP)
@@ -326,16 +325,15 @@ def _agree_at_exit(comm: "MPIComm") -> None:
         print(f"embedcore: rank {comm.rank} of {comm.size} ended while another rank is in a collective call: {e}",
               file=sys.stderr, flush=True)
         comm._comm.Abort(1)
-    except MPI.Exception:  # the communicator was freed through another handle: no check, as before
-        pass
 
 
 def _check_at_exit(comm: "MPIComm") -> None:
-    """Registers the exit meeting once per communicator, however many times
-    each rank wraps it (init is not collective)."""
-    key = comm._comm.py2f()
-    if key not in _exit_checks:
-        _exit_checks.add(key)
+    """Registers the exit meeting once, for MPI.COMM_WORLD only: every rank
+    of the job has it, it cannot be freed, and one meeting cannot be ordered
+    differently on different ranks. (Other communicators may be freed, or
+    wrapped in different orders on different ranks, so they get none.)"""
+    if not _exit_check and comm._comm == comm._MPI.COMM_WORLD:
+        _exit_check.append(comm)
         atexit.register(_agree_at_exit, comm)  # after mpi4py's MPI_Finalize hook, so it runs before it
 
 
@@ -346,8 +344,9 @@ def init(backend: str = "mpi", **kwargs) -> Comm:
     ``mpiexec -n N``; an uncaught exception on any rank aborts the job
     (``abort_on_error=False`` to keep MPI's default), and so does a rank
     still in a collective call (a save) when another ends normally: at
-    exit, the ranks meet once more, so none waits forever for one that has
-    gone.
+    exit, the ranks of ``MPI.COMM_WORLD`` meet once more, so none waits
+    forever for one that has gone (not for a ``comm=`` of your own, which may
+    be freed before exit).
     ``"nccl"``: GPU ranks (the CUDA build with NCCL): ``init("nccl",
     bootstrap=comm | store=torch_store | file=path, rank=, size=, device=)``;
     NCCL's unique id goes from rank 0 to the others over the bootstrap
