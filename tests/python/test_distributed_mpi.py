@@ -185,7 +185,9 @@ def test_a_rank_ending_while_another_saves_aborts_the_job(tmp_path):
     rank 0 waiting for rank 1 forever."""
     rc, out, seconds = worker(2, "rank0_save", directory=str(tmp_path))
     assert rc != 0, out
-    assert "rank 1 in 'exit: the program ended'" in out and "CollectiveMismatchError" in out, out
+    # Rank 0's save or rank 1's exit meeting reports it (whichever aborts the job first; the other may be cut).
+    assert "the ranks are in different collective calls (rank 0 in 'save: generation of embedding 0" in out, out
+    assert "rank 1 in 'exit: the program ended'" in out, out
     assert "UNREACHABLE" not in out, out
     assert seconds < 60, f"the job took {seconds:.0f} s to end"
 
