@@ -9,6 +9,7 @@ fused optimizer applies exactly one update per table and step.
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass, field
@@ -102,6 +103,16 @@ class _Spec:
                 hi = cfg.weight_init_max if getattr(cfg, "weight_init_max", None) is not None else bound
                 self.initializer = ec.initializers.Uniform(lo, hi, seed=_torch_seed())
         self.optimizer = getattr(cfg, "optimizer", None)
+
+
+def _uniform_of(init_fn) -> Optional[ec.initializers.Initializer]:
+    """The engine's Uniform for an init_fn that is ``partial(torch.nn.init.uniform_, a=.., b=..)``
+    (what TorchRec's configs put there when no init_fn is given), else None."""
+    if not (isinstance(init_fn, functools.partial) and init_fn.func is torch.nn.init.uniform_ and not init_fn.args
+            and set(init_fn.keywords) <= {"a", "b"}):
+        return None
+    return ec.initializers.Uniform(float(init_fn.keywords.get("a", 0.0)), float(init_fn.keywords.get("b", 1.0)),
+                                   seed=_torch_seed())
 
 
 def _specs(tables, pooled: bool, owner: str) -> List[_Spec]:
@@ -204,6 +215,9 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
     if getattr(kjt, "variable_stride_per_key", lambda: False)():
         raise NotImplementedError(f"{owner}: KeyedJaggedTensors with a variable batch size per feature are not "
                                   "supported")
+    if getattr(kjt, "inverse_indices_or_none", lambda: None)() is not None:
+        raise NotImplementedError(f"{owner}: KeyedJaggedTensors with inverse_indices (TorchRec's deduplicated "
+                                  "batches, expanded after the lookup) are not supported; give the expanded batch")
     keys = kjt.keys()
     index = {k: i for i, k in enumerate(keys)}
     missing = [f for f in features if f not in index]

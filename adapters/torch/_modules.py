@@ -14,6 +14,7 @@ views them (DLPack, no copy). Training either way:
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import List, Optional
 
@@ -55,6 +56,12 @@ def _table_device(device) -> Optional[str]:
     if d.index is not None:
         return f"cuda:{d.index}"
     return f"cuda:{torch.cuda.current_device() if torch.cuda.is_available() else 0}"  # PyTorch's current device
+
+
+def _replicated() -> bool:
+    """Whether this process is one rank of several (torch.distributed)."""
+    return (not torch.compiler.is_compiling() and torch.distributed.is_available()
+            and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1)
 
 
 def _torch_seed() -> int:
@@ -292,6 +299,14 @@ class _TableModule(_AdapterModule):
                                "Copy values in with weight.copy_() or load_state_dict")
         if self._group is not None:
             trainable = weight.requires_grad and torch.is_grad_enabled()
+            if trainable and not self.__dict__.get("_warned_replicas") and _replicated():
+                self._warned_replicas = True
+                warnings.warn(
+                    f"{type(self).__name__}: fused training in a job of {torch.distributed.get_world_size()} ranks: "
+                    "each rank's engine updates its own copy of the table from its own gradients in the backward, "
+                    "and DistributedDataParallel does not synchronize it, so the copies drift apart. Shard the "
+                    "tables (world=, see docs/torch.md) or, under DDP, train unfused with sparse=False",
+                    RuntimeWarning, stacklevel=3)
             anchor = self._anchor if trainable else self._frozen_anchor
             mode = _ops.FUSED
         else:

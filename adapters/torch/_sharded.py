@@ -26,7 +26,7 @@ from embedcore.distributed import Comm
 from embedcore.distributed._comm import agree
 
 from ._collection import (EmbeddingBagCollection, EmbeddingCollection, _csr, _embedding_names, _is_kjt,
-                          _jagged_module, _kjt_parts, _sequence_ids, _specs)
+                          _jagged_module, _kjt_parts, _sequence_ids, _specs, _uniform_of)
 from ._modules import _table_device, check_weights, refuse_float16_backward
 from ._ops import _check_offsets
 
@@ -121,6 +121,8 @@ class _Sharded:
         desc = None
         try:
             for s in specs:
+                if s.initializer is None:  # TorchRec's configs always hold an init_fn: uniform_ in their bounds
+                    s.initializer = _uniform_of(s.init_fn)
                 if s.initializer is None:
                     raise NotImplementedError(f"{self._owner}: table '{s.name}' has init_fn, which needs the whole "
                                               "table on one rank; give it an initializer= (embedcore.initializers) "
@@ -200,6 +202,8 @@ class _Sharded:
                 raise RuntimeError(f"Expected all tensors to be on the same device: the shards of {self._owner} "
                                    f"are on {self._device}, {where} on {t.device}")
 
+    # A collective step of host work: torch.compile runs it eagerly (a graph break), as it does any opaque call.
+    @torch.compiler.disable
     def forward(self, features):
         try:
             inputs, weights, finish = self._parse(features)

@@ -314,11 +314,23 @@ void CheckCompatible(const embedcore_checkpoint& h, const Snapshot& next) {
                             ", was " + std::to_string(h.table_dims[i]));
   }
   const Snapshot& old = *h.Acquire();
+  for (size_t i = 0; i < info.tables.size(); ++i)  // a caller's COMBINER_DEFAULT means the table's combiner
+    if (next.combiners[i] != old.combiners[i])
+      throw CheckpointError(where + "table '" + h.table_names[i] + "' has combiner " + CombinerName(next.combiners[i]) +
+                            ", was " + CombinerName(old.combiners[i]));
   bool same = next.features.size() == old.features.size();
   for (size_t i = 0; same && i < next.features.size(); ++i)
     same = next.features[i].name == old.features[i].name && next.features[i].table == old.features[i].table &&
            next.features[i].max_sequence_length == old.features[i].max_sequence_length;
   if (!same) throw CheckpointError(where + "its features (names, tables or sequence lengths) differ");
+}
+
+// Refuses an output buffer that overlaps an input array.
+void RequireDisjoint(const float* out, size_t out_bytes, const void* p, size_t bytes, const char* what) {
+  if (p == nullptr || bytes == 0) return;
+  const auto o = reinterpret_cast<uintptr_t>(out), q = reinterpret_cast<uintptr_t>(p);
+  if (o < q + bytes && q < o + out_bytes)
+    throw InvalidArgument(std::string("out overlaps ") + what + ": give the output a buffer of its own");
 }
 
 Batch ToBatch(const embedcore_batch* batch) {
@@ -391,6 +403,12 @@ void Lookup(const Snapshot& s, int64_t table, const embedcore_batch* batch, int3
                           std::to_string(need));
   if (need > 0) RequireNotNull(out, "out");
   RequireAligned<float>(out, "out");
+  if (need > 0) {  // the results would be computed from what was already written
+    const size_t id_bytes = b.id_type == IdType::kInt32 ? 4 : 8;
+    RequireDisjoint(out, size_t(need) * 4, b.ids, size_t(b.nnz) * id_bytes, "batch.ids");
+    RequireDisjoint(out, size_t(need) * 4, b.offsets, size_t(b.num_bags + 1) * 8, "batch.offsets");
+    RequireDisjoint(out, size_t(need) * 4, b.weights, b.weights ? size_t(b.nnz) * 4 : 0, "batch.weights");
+  }
   s.mapped.Lookup(size_t(table), b, shape, out);  // validates ids and offsets before writing
 }
 

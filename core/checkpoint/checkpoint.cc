@@ -28,6 +28,7 @@ namespace embedcore {
 
 using checkpoint::File;
 using checkpoint::JoinPath;
+using checkpoint::ResolvedPath;
 using checkpoint::kBlockBytes;
 using checkpoint::kDataOffset;
 using checkpoint::kHeaderBytes;
@@ -634,7 +635,16 @@ void CheckFilesPresent(const std::string& path, const CheckpointInfo& info) {
 
 namespace {
 void MakeCheckpointDirectory(const std::string& path) {
-  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) throw IoError(path + ": mkdir failed: " + checkpoint::ErrnoText(errno));
+  if (::mkdir(path.c_str(), 0755) == 0) {
+    // The new directory's entry is durable before a commit inside it claims to be.
+    std::string parent = path;
+    while (parent.size() > 1 && parent.back() == '/') parent.pop_back();
+    const size_t slash = parent.rfind('/');
+    parent = slash == std::string::npos ? "." : (slash == 0 ? "/" : parent.substr(0, slash));
+    checkpoint::SyncDirectory(parent);
+  } else if (errno != EEXIST) {
+    throw IoError(path + ": mkdir failed: " + checkpoint::ErrnoText(errno));
+  }
   struct stat st;
   if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw IoError(path + ": not a directory");
 }
@@ -1130,7 +1140,8 @@ void TouchRow(const M& m, int64_t row) {
 }
 }  // namespace
 
-MappedCheckpoint::MappedCheckpoint(const std::string& path, Verify verify) {
+MappedCheckpoint::MappedCheckpoint(const std::string& given, Verify verify) {
+  const std::string path = ResolvedPath(given);  // every file from one directory, whatever a symlink does meanwhile
   CheckpointLock lock(path, false);  // until the files are mapped: no save's commit removes them meanwhile
   info_ = ReadCheckpointInfo(path);
   for (const TableEntry& t : info_.tables) {

@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -113,6 +114,19 @@ class File {
 inline void SyncDirectory(const std::string& dir) {
   File d(dir, O_RDONLY | O_DIRECTORY);
   d.Sync();
+}
+
+/// `path` with its symlinks resolved (realpath), or `path` itself where it
+/// does not resolve (the read then says what is missing). A reader opens
+/// every file of a checkpoint under the one directory it resolved at the
+/// start, so re-pointing a symlink such as /models/current meanwhile cannot
+/// mix the files of two checkpoints.
+inline std::string ResolvedPath(const std::string& path) {
+  char* resolved = ::realpath(path.c_str(), nullptr);
+  if (resolved == nullptr) return path;
+  std::string s(resolved);
+  ::free(resolved);
+  return s;
 }
 
 inline std::string JoinPath(const std::string& dir, const std::string& name) {

@@ -197,6 +197,7 @@ int main(int argc, char** argv) {
                 ckpt.num_features() > 0 ? "features" : "tables", threads, seconds,
                 reload_path.empty() ? "" : ", hot reload meanwhile");
     std::printf("%6s %12s %14s %12s %12s %9s\n", "batch", "requests/s", "examples/s", "p50 (us)", "p99 (us)", "reloads");
+    std::fflush(stdout);
 
     for (int64_t batch = 1; batch <= 512; batch *= 2) {
       std::atomic<bool> stop(false);
@@ -224,6 +225,7 @@ int main(int argc, char** argv) {
       const auto start = Clock::now();
       const auto end = start + std::chrono::duration<double>(seconds);
       bool other = false;
+      std::string reload_error;
       while (Clock::now() < end && failed.load() == 0) {
         if (reload_path.empty()) {
           std::this_thread::sleep_until(end);
@@ -231,12 +233,21 @@ int main(int argc, char** argv) {
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(reload_ms));
         other = !other;
-        ckpt.reload(other ? reload_path : path);
+        try {
+          ckpt.reload(other ? reload_path : path);
+        } catch (const ecs::Error& e) {  // the old checkpoint still serves; the threads must be joined first
+          reload_error = e.what();
+          break;
+        }
         ++reloads;
       }
       stop = true;
       for (std::thread& t : pool) t.join();
       const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+      if (!reload_error.empty()) {
+        std::fprintf(stderr, "serve: reload: %s\n", reload_error.c_str());
+        return 1;
+      }
       if (failed.load() != 0) return 1;
       std::vector<double> all;
       for (const auto& v : latencies) all.insert(all.end(), v.begin(), v.end());

@@ -7,6 +7,7 @@
 // AddressSanitizer sees any write past them).
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <memory>
 #include <random>
 #include <string>
@@ -235,6 +236,30 @@ EMBEDCORE_TEST(OutputBufferTooSmall) {
   // The exact size works.
   Canary exact(2 * 16);
   EXPECT_C_OK(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, exact.data.get(), exact.n));
+}
+
+EMBEDCORE_TEST(OutputOverlappingAnInput) {
+  Served s;
+  OwnedBatch good = Good();
+  // One buffer for the output and an input (a reused scratch area): refused, nothing written.
+  std::vector<float> scratch(64, -12345.0f);
+  embedcore_batch c = good.C();
+  c.weights = scratch.data() + 30;  // the output is scratch[0, 32)
+  std::copy(good.weights.begin(), good.weights.end(), scratch.begin() + 30);
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, scratch.data(), 32),
+                 EMBEDCORE_INVALID_ARGUMENT, "out overlaps batch.weights");
+  for (int i = 0; i < 30; ++i) EMBEDCORE_EXPECT_EQ(scratch[size_t(i)], -12345.0f);
+  std::vector<int64_t> ids_and_out(64, 0);
+  c = good.C();
+  std::copy(good.ids.begin(), good.ids.end(), ids_and_out.begin());
+  c.ids = ids_and_out.data();
+  EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0,
+                                  reinterpret_cast<float*>(ids_and_out.data() + 2), 32),
+                 EMBEDCORE_INVALID_ARGUMENT, "out overlaps batch.ids");
+  // Adjacent buffers are fine.
+  c = good.C();
+  c.weights = scratch.data() + 32;
+  EXPECT_C_OK(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, scratch.data(), 32));
 }
 
 EMBEDCORE_TEST(BadEnumsAndFields) {
@@ -526,6 +551,11 @@ EMBEDCORE_TEST(FailedReloadKeepsServing) {
   SaveModel(s.dir.Sub("dim"), other_dim);
   EXPECT_C_ERROR(embedcore_reload(s.h, s.dir.Sub("dim").c_str(), nullptr), EMBEDCORE_CHECKPOINT_ERROR,
                  "does not match the checkpoint being served: table 'item' has dim 4, was 8");
+  ModelOptions mean_user;  // a caller's EMBEDCORE_COMBINER_DEFAULT would change meaning
+  mean_user.user_combiner = "mean";
+  SaveModel(s.dir.Sub("combiner"), mean_user);
+  EXPECT_C_ERROR(embedcore_reload(s.h, s.dir.Sub("combiner").c_str(), nullptr), EMBEDCORE_CHECKPOINT_ERROR,
+                 "does not match the checkpoint being served: table 'user' has combiner mean, was sum");
   ModelOptions tables_only;
   tables_only.features = false;
   SaveModel(s.dir.Sub("tables"), tables_only);

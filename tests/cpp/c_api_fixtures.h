@@ -55,6 +55,7 @@ struct ModelOptions {
       R"( {"name": "query", "table": "query", "max_sequence_length": 0}])";
   bool features = true;  ///< false: a checkpoint of tables ("kind": "table")
   bool include_optimizer = false;
+  std::string user_combiner = "sum";
 };
 
 inline void SaveModel(const std::string& path, const ModelOptions& o = ModelOptions()) {
@@ -66,7 +67,7 @@ inline void SaveModel(const std::string& path, const ModelOptions& o = ModelOpti
   options.metadata_json = o.features ? R"({"kind": "embedding", "features": )" + o.features_json + "}"
                                      : R"({"kind": "table"})";
   SaveCheckpoint(path,
-                 {{&user, R"({"name": "user", "combiner": "sum"})"},
+                 {{&user, R"({"name": "user", "combiner": ")" + o.user_combiner + R"("})"},
                   {&item, R"({"name": "item", "combiner": "mean"})"},
                   {&query, R"({"name": "query", "combiner": "sqrtn"})"}},
                  options);

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -437,4 +438,36 @@ EMBEDCORE_TEST(ChangingThreadCountWhileLoopsRun) {
   done = true;
   for (auto& c : callers) c.join();
   EMBEDCORE_EXPECT_EQ(wrong.load(), int64_t(0));
+}
+
+// A child forked after the pool started (pre-forked serving workers) has none
+// of its workers: it must still run parallel loops, change the thread count
+// and exit, where the parent's pool's destructor would wait for them forever.
+EMBEDCORE_TEST(ForkedChildRunsAndExits) {
+  embedcore::SetNumThreads(4);
+  std::atomic<int64_t> sum{0};
+  embedcore::ParallelChunks(1000, 4, [&](int, int64_t b, int64_t e) { sum += e - b; });
+  EMBEDCORE_EXPECT_EQ(sum.load(), 1000);
+  const pid_t child = fork();
+  if (child == 0) {
+    std::atomic<int64_t> s{0};
+    embedcore::ParallelChunks(1000, 4, [&](int, int64_t b, int64_t e) { s += e - b; });
+    embedcore::SetNumThreads(2);  // destroys the pool it started (not the parent's)
+    embedcore::ParallelChunks(1000, 2, [&](int, int64_t b, int64_t e) { s += e - b; });
+    std::exit(s.load() == 2000 ? 0 : 3);  // runs the static destructors
+  }
+  EMBEDCORE_EXPECT(child > 0);
+  int status = 0;
+  for (int waited_ms = 0; waited_ms < 20000; waited_ms += 10) {
+    if (waitpid(child, &status, WNOHANG) == child) break;
+    if (waited_ms + 10 >= 20000) {  // hung: kill it and fail
+      kill(child, SIGKILL);
+      waitpid(child, &status, 0);
+      EMBEDCORE_EXPECT_MSG(false, "the forked child hung");
+      return;
+    }
+    usleep(10000);
+  }
+  EMBEDCORE_EXPECT(WIFEXITED(status));
+  EMBEDCORE_EXPECT_EQ(WEXITSTATUS(status), 0);
 }

@@ -212,3 +212,44 @@ def test_locks_and_claims_where_there_is_no_directory(tmp_path):
     claim = _embedcore.GenerationClaim(str(tmp_path / "new"))  # a save's claim creates the directory
     assert claim.generation == 1 and (tmp_path / "new" / "MANIFEST.tmp.g000000000001").is_file()
     claim.release()
+
+
+def test_a_symlink_repointed_during_a_read_does_not_mix_two_checkpoints(tmp_path, monkeypatch):
+    # /models/current re-pointed to a newer checkpoint while a load or a
+    # serving open reads through it: both checkpoints are of generation 1, so
+    # their files have the same names. The read must take every file from the
+    # directory the link named when it began.
+    a, b = make_table(1), make_table(2)
+    ec.save(tmp_path / "a", a)
+    ec.save(tmp_path / "b", b)
+    link = tmp_path / "current"
+    os.symlink(tmp_path / "a", link)
+
+    def repoint():
+        os.unlink(link)
+        os.symlink(tmp_path / "b", link)
+
+    from embedcore import _embedcore
+    verify = _embedcore.verify_table_block
+
+    def verify_then_repoint(*args):  # between the checksum pass and the copy
+        verify(*args)
+        repoint()
+
+    monkeypatch.setattr(_embedcore, "verify_table_block", verify_then_repoint)
+    target = make_table(3)
+    ec.load(link, target)
+    assert same(state(target), state(a))
+    monkeypatch.undo()
+
+    os.unlink(link)
+    os.symlink(tmp_path / "a", link)
+    read_info = ec.checkpoint.read_info
+
+    def read_info_then_repoint(path):  # between the manifest and the files of `verify`
+        info = read_info(path)
+        repoint()
+        return info
+
+    monkeypatch.setattr(ec.checkpoint, "read_info", read_info_then_repoint)
+    assert embedcore.cli.main(["verify", str(link)]) == 0

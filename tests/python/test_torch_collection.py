@@ -264,3 +264,18 @@ def test_kjt_with_bags_not_one_per_key_and_example_is_refused():
                                                      feature_names=["f", "g"])])
     with pytest.raises(ValueError, match="has 3 bags for 2 keys"):
         ec_(kjt)
+
+
+def test_kjt_with_inverse_indices_is_refused(torchrec):
+    """TorchRec expands a deduplicated batch by its inverse_indices after the
+    lookup; the collections do not, so such a KJT is refused, not served
+    at the deduplicated batch size."""
+    kjt = torchrec.KeyedJaggedTensor(keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 4, 5]),
+                                     lengths=torch.tensor([1, 2, 1, 1]),
+                                     inverse_indices=(["f1", "f2"], torch.tensor([[0, 1, 1, 0], [1, 0, 0, 1]])))
+    cfgs = [et.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1"]),
+            et.EmbeddingBagConfig(num_embeddings=50, embedding_dim=6, name="t2", feature_names=["f2"])]
+    with pytest.raises(NotImplementedError, match="inverse_indices"):
+        et.EmbeddingBagCollection(cfgs)(kjt)
+    plain = torchrec.KeyedJaggedTensor(keys=["f1", "f2"], values=kjt.values(), lengths=kjt.lengths())
+    assert et.EmbeddingBagCollection(cfgs)(plain).values().shape == (2, 10)

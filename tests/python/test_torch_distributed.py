@@ -305,3 +305,50 @@ def test_rank_with_no_bags(sharding):
     for s, values in shards:
         assert np.abs(values - w[s.row_start:s.row_start + s.rows, s.col_start:s.col_start + s.cols]).max() <= 1e-6
     assert not torch.equal(w0, ref.embedding_bags["t"].weight.detach())  # the step did change the table
+
+
+def test_sharded_collections_take_torchrec_configs():
+    """TorchRec's configs always hold an init_fn (uniform_ in their weight
+    bounds, filled in by the config): the sharded collections draw that
+    uniform with the engine, within the config's bounds."""
+    torchrec = pytest.importorskip("torchrec")
+    cfg = torchrec.EmbeddingBagConfig(num_embeddings=40, embedding_dim=4, name="t", feature_names=["f"],
+                                      weight_init_min=-0.1, weight_init_max=0.1)
+
+    def fn(world):
+        m = et.EmbeddingBagCollection([cfg], optimizer=ec.optimizers.SGD(0.1), world=world, sharding="row_wise")
+        shard = np.concatenate([t.to_numpy() for _, t in m.embedding.local_shards["t"]])
+        out = m({"f": torch.tensor([[1], [7]])})["f"]
+        return shard, tuple(out.shape)
+
+    shards = run_local(2, fn)
+    values = np.concatenate([s for s, _ in shards])
+    assert values.shape == (40, 4) and [shape for _, shape in shards] == [(2, 4), (2, 4)]
+    assert values.min() >= -0.1 and values.max() <= 0.1 and np.unique(values).size > 100
+    with pytest.raises(NotImplementedError, match="init_fn"):  # any other init_fn needs the whole table
+        run_local(1, lambda world: et.EmbeddingBagCollection(
+            [torchrec.EmbeddingBagConfig(num_embeddings=4, embedding_dim=2, name="t", feature_names=["f"],
+                                         init_fn=torch.nn.init.zeros_)], world=world))
+
+
+def test_sharded_collection_under_torch_compile():
+    """torch.compile (graph breaks allowed) runs the sharded collective
+    lookup eagerly inside the compiled function: same outputs and update."""
+    init = {"initializer": ec.initializers.Uniform(-0.5, 0.5, seed=3)}
+
+    def fn(world, compiled):
+        m = et.EmbeddingBagCollection(_tables(**init), optimizer=ec.optimizers.SGD(0.1), world=world,
+                                      sharding="row_wise")
+        step = lambda feats: sum(o.square().sum() for o in m(feats).values())  # noqa: E731
+        step = torch.compile(step) if compiled else step
+        losses = []
+        for _ in range(2):
+            loss = step(_feats(world.rank))
+            loss.backward()
+            losses.append(float(loss))
+        return losses, [t.to_numpy().copy() for _, t in m.embedding.local_shards["t1"]]
+
+    eager = run_local(2, lambda world: fn(world, False))
+    compiled = run_local(2, lambda world: fn(world, True))
+    for (le, ve), (lc, vc) in zip(eager, compiled):
+        assert le == pytest.approx(lc, rel=1e-6) and all(np.allclose(a, b, atol=1e-6) for a, b in zip(ve, vc))

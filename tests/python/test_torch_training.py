@@ -299,3 +299,30 @@ def test_fused_training_under_float16_autocast_is_refused(rng):
     expected = w.clone()
     expected[[1, 2, 3, 4]] -= 0.1
     assert max_diff(bag.weight, expected) == 0
+
+
+def test_fused_training_in_a_multi_rank_job_warns_once():
+    """Under DDP each rank's engine would update its own copy of a fused,
+    unsharded table from its own gradients: a job of several ranks warns
+    (once per module), a job of one does not. A fake process group stands
+    in for torchrun's ranks."""
+    import warnings
+
+    import torch.distributed as dist
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    m = et.EmbeddingBag(10, 4, optimizer=ec.optimizers.SGD(0.1))
+    ids, offsets = torch.tensor([1, 2]), torch.tensor([0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m(ids, offsets).sum().backward()  # no process group: no warning
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.warns(RuntimeWarning, match="fused training in a job of 2 ranks"):
+            m(ids, offsets).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            m(ids, offsets).sum().backward()  # once per module
+            with torch.no_grad():
+                et.EmbeddingBag(10, 4, optimizer=ec.optimizers.SGD(0.1))(ids, offsets)  # lookups only: no warning
+    finally:
+        dist.destroy_process_group()

@@ -9,7 +9,7 @@
  *     return 1;
  *   }
  *   int64_t ids[] = {3, 17, 17, 42}, offsets[] = {0, 3, 4};
- *   embedcore_batch batch = {0};
+ *   embedcore_batch batch = {0};   (in C++: embedcore_batch batch = {};)
  *   batch.ids = ids; batch.id_type = EMBEDCORE_ID_INT64; batch.nnz = 4;
  *   batch.offsets = offsets; batch.num_bags = 2;
  *   float out[2 * 64];   // [num_bags, dim] for a pooled lookup
@@ -119,7 +119,8 @@ enum embedcore_combiner {
 typedef struct embedcore_checkpoint embedcore_checkpoint;
 
 /** A batch of bags in CSR form: bag b holds ids[offsets[b] .. offsets[b+1]).
- * Zero-initialize it (`embedcore_batch batch = {0};`) and set the fields. */
+ * Zero-initialize it (`embedcore_batch batch = {0};` in C, `= {};` in C++, which
+ * warns about `{0}` under -Wextra) and set the fields. */
 typedef struct embedcore_batch {
   const void* ids;         /**< [nnz] ids of id_type; may be NULL when nnz == 0 */
   const int64_t* offsets;  /**< [num_bags + 1]: offsets[0] == 0, non-decreasing, offsets[num_bags] == nnz */
@@ -218,8 +219,10 @@ EMBEDCORE_C_API int embedcore_reload(embedcore_checkpoint* ckpt, const char* pat
  * the handle may be running or follow. */
 EMBEDCORE_C_API int embedcore_close(embedcore_checkpoint* ckpt);
 
-/** The generation of the checkpoint being served (it grows with every save
- * into a directory; see docs/format.md). */
+/** The generation of the checkpoint being served. Saves one after another
+ * into a directory give growing generations, but overlapping saves may not
+ * (the last commit can carry a lower one): it is not a version counter
+ * (docs/format.md, Concurrency). */
 EMBEDCORE_C_API int embedcore_checkpoint_generation(embedcore_checkpoint* ckpt, uint64_t* out);
 
 /* ------------------------------------------------------------------ tables and features */

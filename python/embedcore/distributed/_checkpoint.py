@@ -18,7 +18,7 @@ import os
 from typing import List, Optional
 
 from .. import _embedcore
-from ..checkpoint import FORMAT_VERSION, CheckpointError, _locked, _metadata, native_path, _optimizer_json, _initializer_json
+from ..checkpoint import FORMAT_VERSION, CheckpointError, _locked, _metadata, native_path, _optimizer_json, _initializer_json, resolved_path
 from ._comm import RankFailedError, agree
 from ._plan import make_plan
 
@@ -137,7 +137,7 @@ def _removed_on_failure(path: str, generation: int):
 
 
 def load_sharded(path, emb, include_optimizer: bool = True) -> None:
-    path = native_path(path)
+    path = resolved_path(native_path(path))
     with _locked(path):  # no save's commit removes these files meanwhile
         _load_sharded(path, emb, include_optimizer)
 
