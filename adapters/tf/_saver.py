@@ -54,15 +54,21 @@ class Saver:
     of tables. ``filepath`` is a directory: an embedcore checkpoint (see
     ``docs/format.md``), written atomically. Each call returns the string
     tensor ``"OK"`` and raises on failure; inside ``tf.function`` it runs
-    when the function runs."""
+    when the function runs. ``dump_to_file`` keeps the other tables already
+    saved in ``filepath`` (see ``embedcore.Saver.dump_to_file``), so
+    variables can be dumped into one directory in turn."""
 
     def dump_to_file(self, var, filepath) -> tf.Tensor:
         target = _target(var)
         return _run(lambda path: ec.Saver().dump_to_file(target, _text(path)), [filepath], "embedcore_dump")
 
-    def restore_from_file(self, var, filepath) -> tf.Tensor:
+    def restore_from_file(self, var, filepath, include_optimizer: bool = True) -> tf.Tensor:
+        """Restores `var`'s tables from `filepath`, with their optimizer
+        state; ``include_optimizer=False`` restores the values alone (as SOK
+        1.x does), into a table of any optimizer."""
         target = _target(var)
-        return _run(lambda path: ec.Saver().restore_from_file(target, _text(path)), [filepath], "embedcore_restore")
+        return _run(lambda path: ec.Saver().restore_from_file(target, _text(path), include_optimizer=include_optimizer),
+                    [filepath], "embedcore_restore")
 
     def load_embedding_values(self, var, tensors) -> tf.Tensor:
         """Fills one table with `tensors` (a ``[rows, dim]`` tensor, or a

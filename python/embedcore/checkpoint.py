@@ -210,6 +210,15 @@ def native_path(path, what: str = "path") -> str:
     return p
 
 
+def resolved_path(path: str) -> str:
+    """`path` with its symlinks resolved, so that a read opens every file in
+    one directory even while a symlink such as /models/current is re-pointed
+    to another checkpoint (where it does not resolve: `path`, and the read
+    says what is missing)."""
+    resolved = os.path.realpath(path)
+    return resolved if os.path.isdir(resolved) else path
+
+
 @contextlib.contextmanager
 def _locked(path: str):
     """The checkpoint directory's shared lock (``flock``) for the block: a
@@ -250,7 +259,7 @@ def load(path, into, include_optimizer: bool = True) -> None:
     """
     if hasattr(into, "_sharded_load"):  # collective: every rank reads only the blocks it owns
         return into._sharded_load(path, include_optimizer)
-    path = native_path(path)
+    path = resolved_path(native_path(path))
     with _locked(path):  # no save's commit removes these files meanwhile
         _load(path, into, include_optimizer)
 
@@ -277,11 +286,123 @@ class Saver:
     ``"OK"`` on success, as SOK's do, and raises on failure."""
 
     def dump_to_file(self, obj, path) -> str:
-        save(path, obj)
+        """Saves `obj`'s tables (with their optimizer state) into the
+        checkpoint directory `path`, keeping the tables of other names
+        already saved there, with their slots: SOK 1.x writes one pair of
+        files per variable, so several variables can be dumped into one
+        directory in turn, and each restored from it. The save is one atomic
+        commit (a failure leaves the previous checkpoint as it was).
+
+        Cost: the kept tables are read back (verified) and written again,
+        block by block (64 MiB at most in memory), on every call; dumping N
+        tables one call each rewrites the earlier ones N times, so pass them
+        in one call (a list, or the Embedding) where you can. A kept table
+        keeps its stored dtype, optimizer state and step, and is rewritten
+        unsharded. A directory whose MANIFEST cannot be read is refused
+        (its tables would be lost): remove it, or replace it with
+        ``embedcore.save``. A sharded Embedding replaces the checkpoint."""
+        if hasattr(obj, "_sharded_save"):
+            save(path, obj)
+            return "OK"
+        path = native_path(path)
+        tables = _tables_of(obj)
+        if not os.path.isfile(os.path.join(path, "MANIFEST")):
+            save(path, obj)
+            return "OK"
+        ours = {t.name for t in tables}
+        if all(n in ours for n in self._existing(path).table_names):
+            save(path, obj)  # nothing else there to keep
+        else:
+            self._save_entries(path, [(t, True) for t in tables], True, _metadata(obj))
         return "OK"
 
-    def restore_from_file(self, obj, path) -> str:
-        load(path, into=obj)
+    @staticmethod
+    def _existing(path: str):
+        """The manifest of the checkpoint a dump adds to; CheckpointError,
+        with what to do, when it cannot be read."""
+        try:
+            return _embedcore.read_info(path)
+        except CheckpointError as e:
+            raise CheckpointError(f"dump_to_file: {e}; the directory holds a checkpoint that cannot be read, whose "
+                                  "other tables a dump keeps: remove it, or replace it with embedcore.save(path, obj)"
+                                  ) from None
+
+    @staticmethod
+    def _save_entries(path: str, tables, keep: bool, metadata: dict, max_block_bytes: int = 64 << 20) -> None:
+        """One atomic save into `path` of `tables`, (Table, include_optimizer)
+        pairs (a table saved without optimizer is values-only), and with
+        `keep` the tables of other names of the checkpoint already there,
+        copied block by block as they are stored (dtype, slots, step). A
+        failure removes what the save wrote and leaves the old checkpoint."""
+        from .distributed._checkpoint import _manifest, _merge
+
+        element = {"float32": 4, "float16": 2, "bfloat16": 2}
+        claim = _embedcore.GenerationClaim(path)
+        generation = claim.generation
+        try:
+            entries = []
+            for t, include_optimizer in tables:
+                entry = json.loads(_embedcore.write_shard_files(path, generation, f"t{len(entries):05d}.", 0,
+                                                                t._native, 0, 0, bool(include_optimizer), None))
+                entry["rows"], entry["dim"] = t.rows, t.dim
+                entry["config"] = _table_config_json(t.config, t)
+                entry["sharding"] = {"plan": "none", "world_size": 1}
+                entries.append(entry)
+            ours = {t.name for t, _ in tables}
+            if keep and os.path.isfile(os.path.join(path, "MANIFEST")):
+                lock = _embedcore.CheckpointLock(path, False)  # no other commit removes its files meanwhile
+                try:
+                    info = Saver._existing(path)
+                    manifest = json.loads(info.manifest_json)
+                    old_meta = manifest.get("metadata") or {}
+                    if metadata.get("kind") == "table" and old_meta.get("kind") == "embedding":
+                        metadata = old_meta  # its features' tables are all still there
+                    for k, t in enumerate(manifest["tables"]):
+                        if t["name"] in ours:
+                            continue
+                        has_opt = bool(info.table_has_optimizer(k))
+                        stored = {f["dtype"] for f in t["values"]}
+                        values_dtype = stored.pop() if len(stored) == 1 else None
+                        if values_dtype == t["dtype"]:
+                            values_dtype = None
+                        row_bytes = t["dim"] * (element.get(values_dtype or t["dtype"], 4) + 4 * len(t["slots"]))
+                        chunk = max(1, max_block_bytes // max(1, row_bytes))
+                        prefix, pieces = f"t{len(entries):05d}.", []
+                        for index, r0 in enumerate(range(0, t["rows"], chunk)):
+                            block = _embedcore.table_like(info, k, min(chunk, t["rows"] - r0), t["dim"])
+                            _embedcore.load_table_block(info, k, block, r0, 0, has_opt, True)
+                            pieces.append(json.loads(_embedcore.write_shard_files(
+                                path, generation, prefix, index, block, r0, 0, has_opt, values_dtype)))
+                            del block
+                        entry = _merge(t, pieces)
+                        entry["sharding"] = {"plan": "none", "world_size": 1}
+                        entries.append(entry)
+                finally:
+                    lock.release()
+            _embedcore.commit_checkpoint(path, _manifest(generation, entries, metadata))
+        except BaseException:
+            _embedcore.remove_generation(path, generation)  # not once the manifest's rename made it the checkpoint
+            raise
+        finally:
+            claim.release()
+
+    def restore_from_file(self, obj, path, include_optimizer: bool = True) -> str:
+        """Loads `obj`'s tables from the checkpoint `path` (``embedcore.load``),
+        with their optimizer slots and step; `include_optimizer=False` takes
+        the values alone, as SOK 1.x's restore does, so a checkpoint of one
+        optimizer restores into a table of another."""
+        try:
+            load(path, into=obj, include_optimizer=include_optimizer)
+        except CheckpointError as e:
+            p = native_path(path)
+            if os.path.isdir(p) and not os.path.exists(os.path.join(p, "MANIFEST")):
+                sok = [n for n in sorted(os.listdir(p)) if n.endswith(("_keys.file", "-key"))]
+                if sok:
+                    raise CheckpointError(
+                        f"{e}; {p} holds no embedcore checkpoint but looks like a SOK dump ({', '.join(sok[:3])}"
+                        f"{', ...' if len(sok) > 3 else ''}): convert it first with `python -m embedcore convert "
+                        f"--from sok {p} DST` (or embedcore.sok.convert) and restore from DST") from None
+            raise
         return "OK"
 
     def load_embedding_values(self, table, arrays) -> str:

@@ -10,7 +10,12 @@ Two layouts are read:
   ``<name>-<Optimizer>-<slot>``, each with a 296-byte header (a 256-byte
   name, a 4-byte big-endian kind: 0 key, 1 values, 2 optimizer state; a
   32-byte slot name; a 4-byte big-endian dtype code: 0 i32, 1 i64, 2 u32,
-  3 u64, 4 f16, 5 f32, 6 f64), then little-endian row-major data.
+  3 u64, 4 f16, 5 f32, 6 f64), then little-endian row-major data. SOK pads
+  the name fields with leading spaces (``rjust``); NUL padding is read too.
+
+Every file of a dump must belong to a variable: a values or slot file
+whose key file is missing, or a slot file of no dumped variable, is refused
+(CheckpointError naming the files) rather than skipped.
 
 Keys are row indices: key ``k`` becomes row ``k`` of the table, whose row
 count is ``max(key) + 1`` unless given.
@@ -20,13 +25,13 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import numpy as np
 
 from .checkpoint import CheckpointError, native_path
 
-__all__ = ["SokVariable", "read_dump", "to_tables", "convert"]
+__all__ = ["SokVariable", "read_dump", "to_tables", "save_tables", "convert"]
 
 _V2_HEADER = 296
 _V2_DTYPES = {0: np.dtype("<i4"), 1: np.dtype("<i8"), 2: np.dtype("<u4"), 3: np.dtype("<u8"),
@@ -52,15 +57,21 @@ class SokVariable:
     slot_files: Dict[str, str] = field(default_factory=dict)  # slot name -> the file it came from
 
 
+def _header_text(field: bytes) -> str:
+    """A v2 header's name field: SOK writes ``name.rjust(n, " ")`` and reads
+    it back with ``.strip()``; NUL padding (other writers) is taken too."""
+    return field.strip(b" \0").split(b"\0", 1)[0].decode("utf-8", "replace").strip(" ")
+
+
 def _read_v2(path: str, want_kind: int):
     size = os.path.getsize(path)
     if size < _V2_HEADER:
         raise CheckpointError(f"{path}: truncated SOK v2 file ({size} bytes, the header alone is {_V2_HEADER})")
     with open(path, "rb") as f:
         header = f.read(_V2_HEADER)
-        name = header[:256].split(b"\0", 1)[0].decode("utf-8", "replace")
+        name = _header_text(header[:256])
         kind = int.from_bytes(header[256:260], "big")
-        slot = header[260:292].split(b"\0", 1)[0].decode("utf-8", "replace")
+        slot = _header_text(header[260:292])
         code = int.from_bytes(header[292:296], "big")
         if kind != want_kind:
             raise CheckpointError(f"{path}: SOK v2 header says kind {kind}, expected {want_kind}")
@@ -100,10 +111,38 @@ def read_dump(src, dim: Optional[int] = None, key_dtype: Optional[str] = None) -
         if var in out:
             raise CheckpointError(f"{src}: variable {var!r} is dumped twice, as SOK v1 ({var}_keys.file) and v2 "
                                   f"({var}-key); keep one")
-        out[var] = _read_v2_var(src, var, names, v2)
+        out[var] = _read_v2_var(src, var, names, v2, dim)
+    used = set()
+    for var, v in out.items():
+        used.update((f"{var}_keys.file", f"{var}_values.file", f"{var}-key", f"{var}-weight"))
+        used.update(os.path.basename(f) for f in v.slot_files.values())
+    stray = [n for n in names if n not in used and _is_dump_file(src, n)]
+    if stray:
+        raise CheckpointError(
+            f"{src}: SOK dump file(s) {', '.join(stray)} belong to no dumped variable (a values or slot file whose "
+            "key file (<var>_keys.file, <name>-key) is missing, or a slot file of a variable not in the dump); "
+            "nothing was converted: restore the missing files, or remove these to convert the rest")
     if not out:
         raise CheckpointError(f"{src}: no SOK dump files (<var>_keys.file or <name>-key) found")
     return out
+
+
+def _is_dump_file(src: str, name: str) -> bool:
+    """Whether `name` is a SOK dump file by its name (v1 values, v2 weights)
+    or, for a v2 optimizer slot (``<name>-<Optimizer>-<slot>``), its header."""
+    if name.endswith(("_values.file", "_keys.file", "-weight", "-key")):
+        return True
+    if not re.fullmatch(r".+-[A-Za-z]+-.+", name):
+        return False
+    path = os.path.join(src, name)
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) < _V2_HEADER:
+            return False
+        with open(path, "rb") as f:
+            header = f.read(_V2_HEADER)
+    except OSError:
+        return False
+    return int.from_bytes(header[256:260], "big") == 2 and int.from_bytes(header[292:296], "big") in _V2_DTYPES
 
 
 def _read_v1(src: str, var: str, dim: Optional[int], key_dtype: Optional[str]) -> SokVariable:
@@ -157,7 +196,7 @@ def _slot_owner(filename: str, variables) -> Optional[str]:
     return max(owners, key=len) if owners else None
 
 
-def _read_v2_var(src: str, var: str, names, variables) -> SokVariable:
+def _read_v2_var(src: str, var: str, names, variables, dim: Optional[int] = None) -> SokVariable:
     kpath = os.path.join(src, f"{var}-key")
     wpath = os.path.join(src, f"{var}-weight")
     if not os.path.exists(wpath):
@@ -172,7 +211,9 @@ def _read_v2_var(src: str, var: str, names, variables) -> SokVariable:
     if n == 0 or w.size % n:
         if not (n == 0 and w.size == 0):
             raise CheckpointError(f"{wpath}: {w.size} values do not split into {n} rows")
-    d = w.size // n if n else 1
+    d = w.size // n if n else (dim or 1)
+    if dim is not None and d != dim:
+        raise CheckpointError(f"{wpath}: rows of {d} values ({w.size} values for {n} keys), but dim={dim} was given")
     values = w.astype(np.float32).reshape(n, d)
     var_obj = SokVariable(var, _keys_as_rows(keys, kpath), values)
     for n2 in names:
@@ -225,19 +266,50 @@ def _optimizer_of(name: str, v: SokVariable):
     return optimizer, ours
 
 
-def to_tables(variables: Dict[str, SokVariable], rows: Optional[int] = None, include_optimizer: bool = True,
-              progress=None):
+def _per_variable(arg, variables, what: str) -> dict:
+    """`arg` (None, one value for every variable, or a dict by variable
+    name) as a dict by variable name; a name of no variable is refused."""
+    if not isinstance(arg, dict):
+        return {name: arg for name in variables}
+    unknown = sorted(set(arg) - set(variables))
+    if unknown:
+        raise CheckpointError(f"{what}: no SOK variable named {', '.join(map(repr, unknown))} in the dump (it holds "
+                              f"{', '.join(map(repr, variables))})")
+    return {name: arg.get(name) for name in variables}
+
+
+def to_tables(variables: Dict[str, SokVariable], rows: Union[None, int, Dict[str, int]] = None,
+              include_optimizer: bool = True, progress=None, names: Optional[Dict[str, str]] = None):
     """Builds one embedcore Table per variable, row k holding key k's values,
     and with `include_optimizer` its optimizer slots (Adagrad, Adam or FTRL,
     every slot present; CheckpointError otherwise, so that no optimizer state
-    is dropped without a word). `progress(nbytes)`, when given, is called as
-    each block of values or slots (up to 64 MiB) is written into a table."""
+    is dropped without a word). A variable without slots (or every one, when
+    `include_optimizer` is False) gets a table without optimizer.
+
+    rows: the tables' row count: one number for every table, or a dict from
+        SOK variable name to rows (variables it leaves out: largest key + 1).
+    names: a dict from SOK variable name to the table's name (others keep
+        the SOK name).
+
+    `progress(nbytes)`, when given, is called as each block of values or
+    slots (up to 64 MiB) is written into a table."""
     from .config import TableConfig
     from .initializers import Zeros
     from .table import Table
 
+    row_counts = _per_variable(rows, variables, "rows")
+    table_names = {name: new or name for name, new in _per_variable(names, variables, "names").items()}
+    for name, new in table_names.items():
+        if not isinstance(new, str) or not new:
+            raise ValueError(f"names: the table name for SOK variable {name!r} must be a non-empty str, got {new!r}")
+    clash = sorted({n for n in table_names.values() if list(table_names.values()).count(n) > 1})
+    if clash:
+        raise ValueError(f"names: two SOK variables would both become table {clash[0]!r}")
     tables = []
     for name, v in variables.items():
+        rows = row_counts[name]
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 1):
+            raise ValueError(f"rows for SOK variable {name!r} must be a positive int, got {rows!r}")
         dim = v.values.shape[1]
         if rows is None and v.keys.size:
             implied = int(v.keys.max()) + 1
@@ -255,7 +327,7 @@ def to_tables(variables: Dict[str, SokVariable], rows: Optional[int] = None, inc
         if keys.size > 1 and (keys[1:] == keys[:-1]).any():
             raise CheckpointError(f"SOK variable {name!r}: duplicate keys")
         optimizer, slots = _optimizer_of(name, v) if v.slots and include_optimizer else (None, {})
-        table = Table(TableConfig(name, n_rows, dim, "float32", Zeros(), optimizer, "sum"))
+        table = Table(TableConfig(table_names[name], n_rows, dim, "float32", Zeros(), optimizer, "sum"))
         _scatter(keys, v.values[order], table.dim, lambda block, r0: table.assign(block, r0),
                  lambda r0, r1: np.zeros((r1 - r0, table.dim), np.float32), progress)
         for ours, sok_slot in slots.items():
@@ -295,19 +367,36 @@ def _scatter(keys: np.ndarray, values: np.ndarray, dim: int, assign, current, pr
         i = j
 
 
-def convert(src, dst, dim: Optional[int] = None, key_dtype: Optional[str] = None, rows: Optional[int] = None,
-            progress=None, include_optimizer: bool = True) -> list:
+def save_tables(dst, tables) -> None:
+    """Saves converted tables into the checkpoint `dst`, atomically: a table
+    with optimizer slots with them (and its step), a table without (its
+    dump had no slots, or they were not taken) values-only, so that it loads
+    into a table of any optimizer, which keeps its own slots."""
+    from .checkpoint import Saver, save
+
+    with_slots = [t.optimizer is not None for t in tables]
+    if all(with_slots) or not any(with_slots):
+        save(dst, tables if len(tables) > 1 else tables[0], include_optimizer=all(with_slots))
+    else:
+        Saver._save_entries(native_path(dst, "dst"), list(zip(tables, with_slots)), False, {"kind": "table"})
+
+
+def convert(src, dst, dim: Optional[int] = None, key_dtype: Optional[str] = None,
+            rows: Union[None, int, Dict[str, int]] = None, progress=None, include_optimizer: bool = True,
+            names: Optional[Dict[str, str]] = None) -> list:
     """Converts the SOK dump in `src` into an embedcore checkpoint at `dst`;
     returns the table names. `include_optimizer=False` takes the values
     alone; otherwise a dump's optimizer slots must all map to embedcore's
-    (see ``to_tables``). `progress(nbytes)`, when given, is called with the
+    (see ``to_tables``). A table without slots is saved values-only (it
+    loads into a table of any optimizer, whose slots stay as they are).
+    `rows` and `names`: see ``to_tables`` (a number or a dict by variable).
+    `dim`, when given, must be every variable's embedding size.
+    `progress(nbytes)`, when given, is called with the
     bytes of the dump's arrays as they go into the tables, then once with the
     tables' bytes (values and slots) when they are saved."""
-    from .checkpoint import save
-
     variables = read_dump(src, dim=dim, key_dtype=key_dtype)
-    tables = to_tables(variables, rows=rows, include_optimizer=include_optimizer, progress=progress)
-    save(dst, tables if len(tables) > 1 else tables[0])
+    tables = to_tables(variables, rows=rows, include_optimizer=include_optimizer, progress=progress, names=names)
+    save_tables(dst, tables)
     if progress is not None:
         progress(table_bytes(tables))
     return [t.name for t in tables]

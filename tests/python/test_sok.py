@@ -25,25 +25,33 @@ def write_v1(src, var, keys, values):
     np.asarray(values, "<f4").tofile(os.path.join(src, f"{var}_values.file"))
 
 
-def v2_header(name: str, kind: int, slot: str, dtype: str) -> bytes:
-    h = name.encode().ljust(256, b"\0") + kind.to_bytes(4, "big") + slot.encode().ljust(32, b"\0") + \
-        V2_CODES[dtype].to_bytes(4, "big")
+def v2_header(name: str, kind: int, slot: str, dtype: str, nul_pad: bool = False) -> bytes:
+    """As SOK 2.x's dump_load.write_file_head writes it: the name fields
+    right-justified with leading spaces (``rjust(n, " ")``); `nul_pad`
+    pads them with trailing NULs instead (other writers)."""
+    if nul_pad:
+        h = name.encode().ljust(256, b"\0") + kind.to_bytes(4, "big") + slot.encode().ljust(32, b"\0")
+    else:
+        h = name.rjust(256, " ").encode() + kind.to_bytes(4, "big") + slot.rjust(32, " ").encode()
+    h += V2_CODES[dtype].to_bytes(4, "big")
     assert len(h) == 296
     return h
 
 
-def write_v2_file(path, name, kind, slot, array, dtype):
+def write_v2_file(path, name, kind, slot, array, dtype, nul_pad=False):
     data = np.ascontiguousarray(np.asarray(array).astype(np.dtype(dtype).newbyteorder("<")))
     with open(path, "wb") as f:
-        f.write(v2_header(name, kind, slot, dtype) + data.tobytes())
+        f.write(v2_header(name, kind, slot, dtype, nul_pad) + data.tobytes())
 
 
-def write_v2(src, var, keys, values, key_dtype="int64", value_dtype="float32", optimizer=None, slots=None):
+def write_v2(src, var, keys, values, key_dtype="int64", value_dtype="float32", optimizer=None, slots=None,
+             nul_pad=False):
+    # SOK leaves the embedding-name field empty (all spaces); the slot name is the optimizer's.
     os.makedirs(src, exist_ok=True)
-    write_v2_file(os.path.join(src, f"{var}-key"), var, KEY, "", keys, key_dtype)
-    write_v2_file(os.path.join(src, f"{var}-weight"), var, VALUES, "", values, value_dtype)
+    write_v2_file(os.path.join(src, f"{var}-key"), "", KEY, "", keys, key_dtype, nul_pad)
+    write_v2_file(os.path.join(src, f"{var}-weight"), "", VALUES, "", values, value_dtype, nul_pad)
     for slot, arr in (slots or {}).items():
-        write_v2_file(os.path.join(src, f"{var}-{optimizer}-{slot}"), var, STATE, slot, arr, "float32")
+        write_v2_file(os.path.join(src, f"{var}-{optimizer}-{slot}"), "", STATE, slot, arr, "float32", nul_pad)
 
 
 def random_rows(rng, rows, n, dim):
@@ -390,3 +398,236 @@ def test_sparse_keys_over_a_large_table_fill_it_block_by_block(tmp_path, rng):
     initial = ec.Table(name="i", rows=1, dim=dim, optimizer=ec.optimizers.Adagrad()).slots()["accumulators"][0]
     missing = np.setdiff1d(np.arange(rows), keys)
     np.testing.assert_array_equal(slot[missing], np.broadcast_to(initial, (missing.size, dim)))
+
+
+# ------------------------------------------------------------------ SOK 2.x headers as SOK writes them
+def test_v2_headers_space_padded_as_sok_writes_them(tmp_path, rng):
+    # dump_load.write_file_head right-justifies the names with spaces ("      m"); read_file_head strips them.
+    keys, values = random_rows(rng, 10, 10, 4)
+    m, v = rng.standard_normal((10, 4)).astype(np.float32), rng.random((10, 4)).astype(np.float32)
+    write_v2(tmp_path / "sok", "Variable_0", keys, values, optimizer="Adam", slots={"m": m, "v": v})
+    assert open(tmp_path / "sok" / "Variable_0-Adam-m", "rb").read(296)[260:292] == b" " * 31 + b"m"
+    var = ec.sok.read_dump(tmp_path / "sok")["Variable_0"]
+    assert sorted(var.slots) == ["m", "v"] and var.name == "Variable_0"
+    assert ec.sok.convert(tmp_path / "sok", tmp_path / "out") == ["Variable_0"]
+    t = loaded(tmp_path / "out", "Variable_0", 10, 4, ec.optimizers.Adam(0.1))
+    np.testing.assert_array_equal(t.slots()["momenta"][keys], m)
+    np.testing.assert_array_equal(t.slots()["velocities"][keys], v)
+
+
+def test_v2_headers_nul_padded(tmp_path, rng):
+    keys, values = random_rows(rng, 12, 6, 3)
+    acc = rng.random((6, 3)).astype(np.float32)
+    write_v2(tmp_path / "sok", "emb", keys, values, optimizer="Adagrad", slots={"accumulator": acc}, nul_pad=True)
+    assert open(tmp_path / "sok" / "emb-Adagrad-accumulator", "rb").read(296)[260:292].endswith(b"\0")
+    assert ec.sok.convert(tmp_path / "sok", tmp_path / "out") == ["emb"]
+    t = loaded(tmp_path / "out", "emb", 12, 3, ec.optimizers.Adagrad(0.1))
+    np.testing.assert_array_equal(t.slots()["accumulators"][keys], acc)
+
+
+# ------------------------------------------------------------------ files of no variable
+ORPHANS = [
+    ("v2 weight and slot without key",
+     lambda src, rng: (write_v2(src, "item", np.arange(6), np.ones((6, 4), np.float32), optimizer="Adagrad",
+                                slots={"accumulator": np.ones((6, 4), np.float32)}), os.unlink(src / "item-key")),
+     ["item-Adagrad-accumulator", "item-weight"]),
+    ("v1 values without keys",
+     lambda src, rng: np.ones((6, 4), "<f4").tofile(src / "item_values.file"), ["item_values.file"]),
+    ("v2 slot of no variable",  # a renamed variable's slot file
+     lambda src, rng: write_v2_file(src / "usr-Adagrad-accumulator", "", STATE, "accumulator",
+                                    np.ones((8, 4)), "float32"),
+     ["usr-Adagrad-accumulator"]),
+]
+
+
+@pytest.mark.parametrize("label,make,files", ORPHANS, ids=[x[0] for x in ORPHANS])
+def test_files_of_no_variable_are_refused(tmp_path, rng, capsys, label, make, files):
+    src = tmp_path / "sok"
+    write_v2(src, "user", np.arange(8), np.ones((8, 4), np.float32))
+    (src / "notes.txt").write_text("not a dump file")  # other files are left alone
+    make(src, rng)
+    for include_optimizer in (True, False):
+        with pytest.raises(ec.CheckpointError, match="belong to no dumped variable") as e:
+            ec.sok.convert(src, tmp_path / "out", include_optimizer=include_optimizer)
+        assert f"file(s) {', '.join(files)} belong" in str(e.value)  # these, and no other
+    assert not (tmp_path / "out").exists()
+    assert embedcore.cli.main(["convert", "--from", "sok", "--no-optimizer", str(src), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert all(f in err for f in files)
+
+
+# ------------------------------------------------------------------ dim, rows and names per table
+def test_v2_dim_is_checked(tmp_path, rng):
+    keys, values = random_rows(rng, 10, 5, 4)
+    write_v2(tmp_path / "sok", "emb", keys, values)
+    assert ec.sok.read_dump(tmp_path / "sok", dim=4)["emb"].values.shape == (5, 4)
+    with pytest.raises(ec.CheckpointError, match=r"emb-weight: rows of 4 values .*dim=8"):
+        ec.sok.convert(tmp_path / "sok", tmp_path / "out", dim=8)
+    assert not (tmp_path / "out").exists()
+
+
+def test_rows_and_names_per_table(tmp_path, rng, capsys):
+    ku, vu = random_rows(rng, 901, 300, 8)
+    ki, vi = random_rows(rng, 41, 30, 8)
+    write_v2(tmp_path / "sok", "user_0", ku, vu)
+    write_v2(tmp_path / "sok", "item_0", ki, vi)
+    names = ec.sok.convert(tmp_path / "sok", tmp_path / "out", rows={"user_0": 1000, "item_0": 50},
+                           names={"item_0": "item"})
+    assert sorted(names) == ["item", "user_0"]
+    assert_rows_at_keys(loaded(tmp_path / "out", "user_0", 1000, 8), ku, vu)
+    assert_rows_at_keys(loaded(tmp_path / "out", "item", 50, 8), ki, vi)
+    # A dict may leave variables out (largest key + 1); a name of no variable is refused.
+    ec.sok.convert(tmp_path / "sok", tmp_path / "out2", rows={"item_0": 50})
+    info = ec.checkpoint.read_info(tmp_path / "out2")
+    assert dict(zip(info.table_names, [info.table_shape(i) for i in range(2)])) == {"user_0": (901, 8),
+                                                                                  "item_0": (50, 8)}
+    with pytest.raises(ec.CheckpointError, match="no SOK variable named 'items_0'"):
+        ec.sok.convert(tmp_path / "sok", tmp_path / "out3", rows={"items_0": 50})
+    with pytest.raises(ValueError, match="would both become table 'user_0'"):
+        ec.sok.convert(tmp_path / "sok", tmp_path / "out3", names={"item_0": "user_0"})
+    assert not (tmp_path / "out3").exists()
+
+    # CLI: --rows NAME=N (repeatable), a plain --rows N for the others, --rename NAME=TABLE.
+    assert embedcore.cli.main(["convert", "--from", "sok", str(tmp_path / "sok"), str(tmp_path / "cli"),
+                               "--rows", "item_0=50", "--rows", "1000", "--rename", "user_0=user"]) == 0
+    info = ec.checkpoint.read_info(tmp_path / "cli")
+    assert dict(zip(info.table_names, [info.table_shape(i) for i in range(2)])) == {"user": (1000, 8),
+                                                                                  "item_0": (50, 8)}
+    assert embedcore.cli.main(["convert", "--from", "sok", str(tmp_path / "sok"), str(tmp_path / "cli2"),
+                               "--rows", "1000"]) == 0  # one number for every table, as before
+    assert ec.checkpoint.read_info(tmp_path / "cli2").table_shape(0) == (1000, 8)
+    capsys.readouterr()
+    for bad in (["--rows", "item_0=x"], ["--rows", "5", "--rows", "6"], ["--rename", "user"]):
+        assert embedcore.cli.main(["convert", "--from", "sok", str(tmp_path / "sok"), str(tmp_path / "bad"),
+                                   *bad]) == 2
+        assert bad[0] in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+# ------------------------------------------------------------------ values-only conversions
+def test_conversions_without_slots_are_values_only(tmp_path, rng):
+    """A dump without slot files (SGD), or converted without them, loads into
+    a table of any optimizer, which keeps its own slots."""
+    keys, values = random_rows(rng, 6, 6, 2)
+    acc = rng.random((6, 2)).astype(np.float32)
+    write_v2(tmp_path / "sgd", "emb", keys, values)
+    write_v2(tmp_path / "adagrad", "emb", keys, values, optimizer="Adagrad", slots={"accumulator": acc})
+    ec.sok.convert(tmp_path / "sgd", tmp_path / "a")
+    ec.sok.convert(tmp_path / "adagrad", tmp_path / "b", include_optimizer=False)
+    assert run_cli("convert", "--from", "sok", "--no-optimizer", tmp_path / "adagrad", tmp_path / "c").returncode == 0
+    for out in ("a", "b", "c"):
+        assert not ec.checkpoint.read_info(tmp_path / out).table_has_optimizer(0)
+        for opt in (ec.optimizers.Adagrad(0.1), ec.optimizers.Adam(0.1), None):
+            t = loaded(tmp_path / out, "emb", 6, 2, opt)
+            assert_rows_at_keys(t, keys, values)
+            if isinstance(opt, ec.optimizers.Adagrad):
+                np.testing.assert_array_equal(t.slots()["accumulators"], np.float32(0.1))
+        t = ec.Table(name="emb", rows=6, dim=2, optimizer=ec.optimizers.Adagrad(0.1))
+        assert ec.Saver().restore_from_file(t, tmp_path / out) == "OK"
+        assert_rows_at_keys(t, keys, values)
+
+
+def test_a_dump_of_tables_with_and_without_slots(tmp_path, rng):
+    keys, values = random_rows(rng, 8, 8, 2)
+    acc = rng.random((8, 2)).astype(np.float32) + 1
+    write_v2(tmp_path / "sok", "a", keys, values, optimizer="Adagrad", slots={"accumulator": acc})
+    write_v2(tmp_path / "sok", "b", keys, values)
+    ec.sok.convert(tmp_path / "sok", tmp_path / "out")
+    info = ec.checkpoint.read_info(tmp_path / "out")
+    has = {n: info.table_has_optimizer(i) for i, n in enumerate(info.table_names)}
+    assert has == {"a": True, "b": False}
+    a = loaded(tmp_path / "out", "a", 8, 2, ec.optimizers.Adagrad(0.1))
+    np.testing.assert_array_equal(a.slots()["accumulators"][keys], acc)
+    assert_rows_at_keys(loaded(tmp_path / "out", "b", 8, 2, ec.optimizers.Adam(0.1)), keys, values)
+
+
+# ------------------------------------------------------------------ Saver, SOK 1.x style
+def _table(name, rows, fill, optimizer="adagrad"):
+    opt = {"adagrad": ec.optimizers.Adagrad(0.1), "adam": ec.optimizers.Adam(0.1), None: None}[optimizer]
+    t = ec.Table(name=name, rows=rows, dim=4, optimizer=opt)
+    t.assign(np.full((rows, 4), fill, np.float32), 0)
+    if opt is not None:
+        t.apply_gradients(np.array([1, 2]), np.array([0, 2]), np.ones((1, 4), np.float32))  # slot state, step 1
+    return t
+
+
+def test_saver_dumps_several_tables_into_one_directory(tmp_path):
+    """SOK 1.x writes files per variable, so users dump each variable into
+    one directory in a loop: every table stays there, with its slots."""
+    saver, d = ec.Saver(), str(tmp_path / "ckpt")
+    user, item, ctx = _table("user", 10, 1.0), _table("item", 20, 2.0, "adam"), _table("ctx", 5, 3.0, None)
+    ec.save(tmp_path / "ctx_only", ctx, include_optimizer=False)
+    for t in (user, item):
+        assert saver.dump_to_file(t, d) == "OK"
+    assert sorted(ec.checkpoint.read_info(d).table_names) == ["item", "user"]
+    item.assign(np.full((20, 4), 5.0, np.float32), 0)  # a newer dump of item replaces it, user stays
+    assert saver.dump_to_file(item, d) == "OK"
+    assert saver.dump_to_file(ctx, d) == "OK"
+    info = ec.checkpoint.read_info(d)
+    assert sorted(info.table_names) == ["ctx", "item", "user"]
+    for src in (user, item):
+        dst = _table(src.name, src.rows, 0.0, "adam" if src.name == "item" else "adagrad")
+        dst.assign(np.zeros((src.rows, 4), np.float32), 0)
+        assert saver.restore_from_file(dst, d) == "OK"
+        np.testing.assert_array_equal(dst.values(), src.values())
+        for k, v in src.slots().items():
+            np.testing.assert_array_equal(dst.slots()[k], v)
+        assert dst.step == src.step == 1
+    files = os.listdir(d)
+    assert len(files) == 1 + 2 + 3 + 1  # MANIFEST, user (values, accumulators), item (+2 slots), ctx: no old files
+
+
+def test_saver_dump_keeps_other_tables_blockwise_and_stored_as_they_were(tmp_path):
+    saver, d = ec.Saver(), str(tmp_path / "ckpt")
+    big = _table("big", 1000, 0.0)
+    big.assign(np.arange(4000, dtype=np.float32).reshape(1000, 4), 0)
+    ec.save(d, big, values_dtype="float16")
+    info = ec.checkpoint.read_info(d)
+    saver._save_entries(d, [(_table("small", 3, 1.0), True)], True, {"kind": "table"}, max_block_bytes=1000)
+    manifest = json.loads(ec.checkpoint.read_info(d).manifest_json)
+    (entry,) = [t for t in manifest["tables"] if t["name"] == "big"]
+    assert len(entry["values"]) > 1 and {f["dtype"] for f in entry["values"]} == {"float16"}
+    back = _table("big", 1000, 9.0)
+    ec.load(d, into=back)
+    np.testing.assert_array_equal(back.values(), big.values().astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(back.slots()["accumulators"], big.slots()["accumulators"])
+    assert info.generation < ec.checkpoint.read_info(d).generation
+
+
+def test_saver_dump_is_atomic(tmp_path):
+    saver, d = ec.Saver(), str(tmp_path / "ckpt")
+    saver.dump_to_file(_table("user", 10, 1.0), d)
+    manifest = open(os.path.join(d, "MANIFEST"), "rb").read()
+    before = sorted(os.listdir(d))
+    # A kept table that cannot be read back: the dump fails, the old checkpoint stays as it was.
+    data = [f for f in before if f.startswith("t00000.values")][0]
+    raw = bytearray(open(os.path.join(d, data), "rb").read())
+    raw[-1] ^= 0xFF
+    open(os.path.join(d, data), "wb").write(bytes(raw))
+    with pytest.raises(ec.CheckpointError):
+        saver.dump_to_file(_table("item", 5, 2.0), d)
+    assert sorted(os.listdir(d)) == before and open(os.path.join(d, "MANIFEST"), "rb").read() == manifest
+    # A MANIFEST that cannot be read: refused (its tables would be lost), nothing written.
+    open(os.path.join(d, "MANIFEST"), "wb").write(b"garbage")
+    with pytest.raises(ec.CheckpointError, match="cannot be read.*embedcore.save"):
+        saver.dump_to_file(_table("item", 5, 2.0), d)
+    assert sorted(os.listdir(d)) == before
+
+
+def test_saver_restore_values_only_and_a_sok_dump(tmp_path, rng):
+    saver, d = ec.Saver(), str(tmp_path / "ckpt")
+    src = _table("emb", 10, 3.0)  # Adagrad
+    saver.dump_to_file(src, d)
+    for opt in ("adam", None):
+        t = _table("emb", 10, 0.0, opt)
+        slots = {k: v.copy() for k, v in t.slots().items()}
+        with pytest.raises(ec.CheckpointError, match="include_optimizer=False"):
+            saver.restore_from_file(t, d)
+        assert saver.restore_from_file(t, d, include_optimizer=False) == "OK"
+        np.testing.assert_array_equal(t.values(), src.values())
+        for k, v in slots.items():
+            np.testing.assert_array_equal(t.slots()[k], v)
+    write_v2(tmp_path / "sok", "emb", np.arange(10), np.ones((10, 4), np.float32))
+    with pytest.raises(ec.CheckpointError, match=r"looks like a SOK dump \(emb-key\).*python -m embedcore convert "
+                                                 r"--from sok"):
+        saver.restore_from_file(_table("emb", 10, 0.0), tmp_path / "sok")

@@ -75,3 +75,21 @@ def test_list_mixing_tables_and_handles(tmp_path, rng):
     emb.embedding_tables[tb].assign(np.zeros((5, 2), np.float32))
     assert tf.function(lambda: Saver().restore_from_file(mixed, path))().numpy() == b"OK"
     np.testing.assert_array_equal(emb.embedding_tables[tb].numpy(), values)
+
+
+def test_restore_values_only_and_dumps_sharing_a_directory(tmp_path, rng):
+    # SOK 1.x restores values only; several variables are dumped into one directory in turn.
+    saver, path = Saver(), str(tmp_path / "dump")
+    layer = _layer()
+    other = Embedding(7, 3, optimizer=ec.optimizers.SGD(0.1), table_name="other")
+    other.build()
+    assert saver.dump_to_file(layer, path).numpy() == b"OK"
+    assert saver.dump_to_file(other, path).numpy() == b"OK"
+    assert sorted(ec.checkpoint.read_info(path).table_names) == ["other", "sok"]
+    adam = Embedding(12, 3, optimizer=ec.optimizers.Adam(0.1), table_name="sok")
+    adam.build()
+    with pytest.raises(ec.CheckpointError, match="include_optimizer=False"):
+        saver.restore_from_file(adam, path)
+    out = tf.function(lambda: saver.restore_from_file(adam, path, include_optimizer=False))()
+    assert out.numpy() == b"OK"
+    np.testing.assert_array_equal(adam._embedcore_tables()[0].values(), layer._embedcore_tables()[0].values())
