@@ -97,8 +97,17 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
         # the generation's claim, removes what every rank wrote (one remover: another rank's removal could run
         # late, after the claim is gone and a new save has claimed the generation again). Not on anything else
         # (an interrupt on one rank): rank 0 may be committing. If rank 0 is gone, the next commit removes them.
-        if comm.rank == 0 and (e is error or isinstance(e, RankFailedError)):
-            _embedcore.remove_generation(path, generation)
+        if e is error or isinstance(e, RankFailedError):  # every rank is here
+            failed = None
+            if comm.rank == 0:
+                try:
+                    _embedcore.remove_generation(path, generation)
+                except Exception as c:  # noqa: BLE001 - the save's own error is the one to raise
+                    failed = c
+            # Every rank waits for the removal before it raises: under MPI an error left uncaught on another
+            # rank aborts the whole job, which would cut rank 0's removal short and leave the files.
+            with contextlib.suppress(Exception):
+                agree(comm, failed, step=emb.step_name("save: removal"))
         raise
 
     error = None
