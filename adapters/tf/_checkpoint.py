@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 import embedcore as ec
 
@@ -44,6 +45,33 @@ _VALUE_KEY = "VARIABLE_VALUE"
 def escape(name: str) -> str:
     """A local name as checkpoint keys spell it."""
     return name.replace(".", "..").replace("/", ".S")
+
+
+def unescape(local: str) -> str:
+    """The local name that checkpoint keys spell as `local` (the inverse of
+    ``escape``, TensorFlow's ``escape_local_name``: ``..`` is ``.``, ``.S``
+    is ``/``)."""
+    out = []
+    i = 0
+    while i < len(local):
+        pair = local[i:i + 2]
+        if pair == "..":
+            out.append(".")
+            i += 2
+        elif pair == ".S":
+            out.append("/")
+            i += 2
+        else:
+            out.append(local[i])
+            i += 1
+    return "".join(out)
+
+
+def _split_slot(name: str) -> Tuple[str, Optional[str]]:
+    """``("table", "accumulators")`` for ``"table/accumulators"`` (a local
+    name whose last component is an optimizer slot), else ``(name, None)``."""
+    base, sep, last = name.rpartition("/")
+    return (base, last) if sep and base and last in SLOT_NAMES else (name, None)
 
 
 def _join(prefix: str, name: str) -> str:
@@ -159,7 +187,7 @@ class TFCheckpoint:
         for key in self.shapes:
             if key.startswith(head) and key.endswith(ATTR):
                 local = key[len(head): -len(ATTR)]
-                if "/" not in local and any(local.endswith(".S" + s) for s in SLOT_NAMES):
+                if "/" not in local and _split_slot(unescape(local))[1] is not None:
                     return True
         return False
 
@@ -169,16 +197,18 @@ class TFCheckpoint:
         layouts = self.layouts(prefix)
         stacked = {s.stacked for s in layouts.values()}
         head = _join(prefix, "") if prefix else ""
-        names = []
+        found = set()
         for key, shape in self.shapes.items():
             if not key.endswith(ATTR) or len(shape) != 2 or not key.startswith(head):
                 continue
             local = key[len(head): -len(ATTR)]
-            if "/" in local or ".S" in local.replace("..", ""):
+            if "/" in local:  # a deeper object's variable (escaped names hold no "/")
                 continue
-            name = local.replace("..", ".")
-            if name not in stacked:
-                names.append(name)
+            found.add(unescape(local))
+        # "<table>/<slot>" is a slot of a table (or stacked variable) stored beside it; a table's own name may
+        # hold "/" ("user/id" is stored as "user.Sid").
+        names = [n for n in found if n not in stacked
+                 and not (_split_slot(n)[1] is not None and _split_slot(n)[0] in found | stacked)]
         return sorted(set(names) | set(layouts))
 
     def slots(self, prefix: str, name: str) -> List[str]:
@@ -360,7 +390,8 @@ _SLOTS_TO_OPTIMIZER = {
 
 
 def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config=None, optimizer=None,
-                          include_optimizer: bool = True, tables: Optional[Sequence[str]] = None) -> List[str]:
+                          include_optimizer: bool = True, tables: Optional[Sequence[str]] = None,
+                          combiner: Optional[str] = None) -> List[str]:
     """Converts the TPU-embedding tables of a TensorFlow checkpoint into an
     embedcore checkpoint at `dst` (``embedcore convert --from tf``).
 
@@ -371,8 +402,17 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
         momenta + velocities: Adam; accumulators + linears: FTRL; none:
         SGD) with default hyper-parameters unless `optimizer` is given.
     tables: only these table names.
+    combiner: without `feature_config`, the combiner written for every
+        table ("sum", "mean" or "sqrtn"; default "mean", the default of
+        TensorFlow's ``TableConfig``: a checkpoint does not record it). With
+        `feature_config`, each table's combiner comes from the config.
 
     Returns the converted table names."""
+    if combiner is not None and combiner not in ("sum", "mean", "sqrtn"):
+        raise ValueError(f"combiner must be 'sum', 'mean' or 'sqrtn', not {combiner!r}")
+    if combiner is not None and feature_config is not None:
+        raise ValueError("combiner= applies without feature_config only: the feature config gives each table's "
+                         "combiner")
     ckpt = TFCheckpoint(src)
     if feature_config is not None:
         from ._serving import EmbeddingForServing
@@ -397,7 +437,8 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
                 kind = _SLOTS_TO_OPTIMIZER.get(tuple(ckpt.slots(prefix, name)))
                 opt = kind() if kind is not None else None
             engine_tables.append(ec.Table(name=name, rows=int(rows), dim=int(dim),
-                                          initializer=ec.initializers.Zeros(), optimizer=opt, combiner="mean"))
+                                          initializer=ec.initializers.Zeros(), optimizer=opt,
+                                          combiner=combiner or "mean"))
     restore_tables(ckpt, engine_tables, prefix, include_optimizer)
     ec.save(dst, engine_tables, include_optimizer=include_optimizer)
     return [t.name for t in engine_tables]
@@ -436,7 +477,27 @@ class EngineVariable(_Trackable):
         return tf.no_op()
 
     def _copy_trackable_to_cpu(self, object_map):
-        object_map[self] = self
+        """For asynchronous checkpoints (``CheckpointOptions(
+        experimental_enable_async_checkpoint=True)``): a snapshot of the
+        values at the save, in a CPU variable that TensorFlow writes in the
+        background while the engine's table keeps changing (as TensorFlow's
+        own variables do). Called eagerly at the first save, and inside a
+        ``tf.function`` at later ones, where the copy is a stateful
+        ``tf.numpy_function`` that runs at each save."""
+        shape = tuple(self._view().shape)
+        if self not in object_map:
+            with tf.init_scope(), tf.device("/CPU:0"):
+                object_map[self] = resource_variable_ops.UninitializedVariable(
+                    shape=shape, dtype=tf.float32, trainable=False, name=self._name())
+        if tf.executing_eagerly():
+            value = tf.constant(np.array(self._view()))  # a copy: the engine's memory keeps changing
+        else:
+            value = tf.numpy_function(lambda: np.array(self._view()), [], tf.float32, stateful=True)
+            value.set_shape(shape)
+        object_map[self].assign(value)
+
+    def _name(self) -> str:
+        return self._table.name if self._slot is None else f"{self._table.name}/{self._slot}"
 
 
 class StackedSink(_Trackable):

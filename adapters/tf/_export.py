@@ -37,6 +37,13 @@ __all__ = ["in_export", "export_mode", "ExportState", "variables", "lookup"]
 _mode = threading.local()
 
 
+class _ModeToken:
+    """An ``export_mode()`` block, active until it exits."""
+
+    def __init__(self):
+        self.active = True
+
+
 def in_export() -> bool:
     """True while ``tf.saved_model.save`` traces functions, or inside
     ``export_mode()``."""
@@ -53,25 +60,51 @@ def export_mode():
         with embedcore.adapters.tf.export_mode():
             model.export(path)
     """
+    token = _ModeToken()
     _mode.depth = getattr(_mode, "depth", 0) + 1
+    _mode.tokens = getattr(_mode, "tokens", []) + [token]
     try:
         yield
     finally:
+        token.active = False
+        _mode.tokens = _mode.tokens[:-1]
         _mode.depth -= 1
 
 
 class ExportState:
     """The ``tf.Variable`` copies of an object's tables for an export. They
-    are made when the export first needs them, refreshed from the engine
-    each time the exporter lists the object's children (once per save), and
-    dropped at the next lookup that runs the engine."""
+    are made when the export first needs them and refreshed from the engine
+    each time the exporter lists the object's children (once per save).
+
+    Once a ``tf.saved_model.save`` has used them they are kept: TensorFlow
+    keeps the functions it traced for a save (they capture the copies) and
+    uses them again in the next save of the same object, which would fail on
+    deleted variables, or (on another thread, during a save) on variables
+    the SavedModel does not track. Copies used only inside ``export_mode()``
+    are dropped at the next lookup that runs the engine after every such
+    block has exited. ``lock`` serializes making, refreshing and dropping
+    them."""
 
     def __init__(self):
         self.vars: Dict[str, tf.Variable] = {}
+        self.kept = False  # a tf.saved_model.save used the copies
+        self.modes = []  # the export_mode() blocks that used them
+        self.lock = threading.RLock()
+
+    def hold(self) -> None:
+        """Records that the current export uses the copies."""
+        if save_context.in_save_context():
+            self.kept = True
+        token = (getattr(_mode, "tokens", None) or [None])[-1]
+        if token is not None and all(t is not token for t in self.modes):
+            self.modes.append(token)
 
     def clear(self) -> None:
-        if self.vars:
-            self.vars = {}
+        if self.vars and not self.kept:
+            with self.lock:
+                self.modes = [t for t in self.modes if t.active]
+                if not self.kept and not self.modes:
+                    self.vars = {}
 
 
 def variables(owner, refresh: bool = False) -> Dict[str, tf.Variable]:
@@ -79,7 +112,8 @@ def variables(owner, refresh: bool = False) -> Dict[str, tf.Variable]:
     current values into variables made earlier."""
     state: ExportState = owner._export
     tables = owner._embedcore_tables()
-    with tf.init_scope():
+    with state.lock, tf.init_scope():
+        state.hold()
         if not state.vars:
             # Made while a tf.function is traced for the save; constructing the ResourceVariable class itself
             # (not tf.Variable) skips the function's variable-creator scope, which refuses new variables after
@@ -89,7 +123,7 @@ def variables(owner, refresh: bool = False) -> Dict[str, tf.Variable]:
         elif refresh:
             for t in tables:
                 state.vars[t.name].assign(t.values())
-    return state.vars
+        return dict(state.vars)
 
 
 class _TableShim:

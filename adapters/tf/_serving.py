@@ -25,13 +25,21 @@ class TableHandle:
     engine's table, with the parts of ``tf.Variable``'s interface that
     serving code uses (``numpy()``, ``read_value()``, ``assign()``,
     ``shape``, ``dtype``, ``name``). ``numpy()`` is a zero-copy read-only
-    view of the engine's memory."""
+    view of the engine's memory.
+
+    While a SavedModel is exported (``tf.saved_model.save``, or inside
+    ``export_mode()``), a table's handle reads, and converts to, the
+    ``tf.Variable`` copy of the table that the export saves with the model,
+    as the adapter's lookups do then, so that TensorFlow's own serving code
+    over ``embedding_tables`` exports a model that loads without
+    embedcore."""
 
     __array_priority__ = 100  # as tf.Variable's: numpy's operators defer to ours (ndarray + handle is a tensor)
 
-    def __init__(self, table: ec.Table, slot: Optional[str] = None):
+    def __init__(self, table: ec.Table, slot: Optional[str] = None, owner=None):
         self.table = table
         self.slot = slot
+        self._owner = owner  # the EmbeddingForServing whose table this is: its export variables
 
     @property
     def name(self) -> str:
@@ -56,13 +64,25 @@ class TableHandle:
         """A tensor holding a copy of the values, as float32. Inside a
         graph it reads the values when the graph runs (a stateful
         ``tf.numpy_function``), as a variable's read does, not when it is
-        traced."""
+        traced (copying the whole table each time it runs). During an export
+        it reads the table's exported variable instead."""
+        if _export.in_export():
+            return self._export_variable().read_value()
         if tf.executing_eagerly():
             return tf.constant(np.asarray(self.numpy(), np.float32))
         out = tf.numpy_function(lambda: np.array(self.numpy(), np.float32), [], tf.float32, stateful=True,
                                 name=f"read_{self.table.name}")
         out.set_shape([self.table.rows, self.table.dim])
         return out
+
+    def _export_variable(self) -> tf.Variable:
+        if self.slot is not None:
+            raise ValueError(f"'{self.name}': an optimizer slot cannot be exported in a SavedModel (only the tables' "
+                             "values are); read it outside the export")
+        if self._owner is None:
+            raise ValueError(f"'{self.name}': a TableHandle made without its EmbeddingForServing cannot be exported; "
+                             "use the handles of its embedding_tables")
+        return _export.variables(self._owner)[self.table.name]
 
     def __iter__(self):
         """Rows, as iterating a variable gives them (eagerly)."""
@@ -160,7 +180,7 @@ class EmbeddingForServing(_AutoTrackable):
     def embedding_tables(self) -> Dict[Any, TableHandle]:
         """Each TableConfig of the feature config, mapped to its table."""
         self._maybe_build()
-        return {s.config: TableHandle(self._tables[s.name]) for s in self._specs}
+        return {s.config: TableHandle(self._tables[s.name], owner=self) for s in self._specs}
 
     @property
     def variables(self) -> Dict[str, Dict[str, TableHandle]]:
@@ -169,8 +189,8 @@ class EmbeddingForServing(_AutoTrackable):
         out = {}
         for s in self._specs:
             t = self._tables[s.name]
-            d = {slot: TableHandle(t, slot) for slot in t.slot_names}
-            d["parameters"] = TableHandle(t)
+            d = {slot: TableHandle(t, slot, owner=self) for slot in t.slot_names}
+            d["parameters"] = TableHandle(t, owner=self)
             out[s.name] = d
         return out
 

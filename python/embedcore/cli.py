@@ -83,9 +83,10 @@ def _inspect(path: str, as_json: bool) -> int:
 
 
 def _verify(path: str) -> int:
-    from .checkpoint import _locked, native_path
+    from .checkpoint import _locked, native_path, resolved_path
 
-    with _locked(native_path(path)):  # no save's commit removes the files meanwhile
+    path = resolved_path(native_path(path))
+    with _locked(path):  # no save's commit removes the files meanwhile
         return _verify_locked(path)
 
 
@@ -126,26 +127,32 @@ def _convert(args) -> int:
         except ImportError as e:
             print(f"embedcore convert: --from tf needs TensorFlow: {e}", file=sys.stderr)
             return 1
-        names = convert_tf_checkpoint(args.src, args.dst, prefix=args.prefix, include_optimizer=not args.no_optimizer)
-        print(f"converted {len(names)} TensorFlow table(s) ({', '.join(names)}) into {args.dst}")
+        names = convert_tf_checkpoint(args.src, args.dst, prefix=args.prefix, include_optimizer=not args.no_optimizer,
+                                      combiner=args.combiner)
+        print(f"converted {len(names)} TensorFlow table(s) ({', '.join(names)}) into {args.dst}, combiner "
+              f"{args.combiner or 'mean'}")
         return 0
     from . import sok
 
-    from .checkpoint import save
-
     # sok.convert's steps, with a bar in bytes: the dump's arrays going into the tables, then the save.
+    try:
+        rows = _name_values(args.rows, "--rows", int, all_allowed=True)
+        names = _name_values(args.rename, "--rename", str)
+    except ValueError as e:
+        print(f"embedcore convert: {e}", file=sys.stderr)
+        return 2
     variables = sok.read_dump(args.src, dim=args.dim, key_dtype=args.key_dtype)
     slots = not args.no_optimizer
     arrays = sum(v.values.nbytes + (sum(a.nbytes for a in v.slots.values()) if slots else 0)
                  for v in variables.values())
     bar = _progress(arrays, "convert", unit="B")
     try:
-        tables = sok.to_tables(variables, rows=args.rows, include_optimizer=slots,
+        tables = sok.to_tables(variables, rows=rows, include_optimizer=slots, names=names,
                                progress=None if bar is None else bar.update)
         if bar is not None:
             bar.total = arrays + sok.table_bytes(tables)
             bar.refresh()
-        save(args.dst, tables if len(tables) > 1 else tables[0])
+        sok.save_tables(args.dst, tables)  # values-only for tables without slots
         if bar is not None:
             bar.update(sok.table_bytes(tables))
     finally:
@@ -154,6 +161,45 @@ def _convert(args) -> int:
     names = [t.name for t in tables]
     print(f"converted {len(names)} SOK variable(s) ({', '.join(names)}) into {args.dst}")
     return 0
+
+
+def _name_values(items, flag: str, kind, all_allowed: bool = False):
+    """`--flag NAME=V` (repeatable) as {NAME: V}; with `all_allowed`, a plain
+    `--flag V` (at most one) is the value of every name not given."""
+    if not items:
+        return None
+    default, named = None, {}
+    for item in items:
+        name, eq, value = item.rpartition("=")
+        if not eq and not all_allowed:
+            raise ValueError(f"{flag} takes NAME=VALUE, got {item!r}")
+        try:
+            v = kind(value)
+        except ValueError:
+            raise ValueError(f"{flag} {item!r}: {value!r} is not a valid {kind.__name__}") from None
+        if not eq:
+            if default is not None:
+                raise ValueError(f"{flag} {item!r}: a plain {flag} N is given twice; give NAME=N per table")
+            default = v
+        elif not name or name in named:
+            raise ValueError(f"{flag} {item!r}: " + ("no name before '='" if not name else f"{name!r} given twice"))
+        else:
+            named[name] = v
+    if not named:
+        return default
+    return named if default is None else _Defaulted(named, default)
+
+
+class _Defaulted(dict):
+    """{NAME: V} whose missing names get a default (a plain --rows N beside
+    --rows NAME=M)."""
+
+    def __init__(self, named, default):
+        super().__init__(named)
+        self.default = default
+
+    def get(self, key, default=None):
+        return super().get(key, self.default)
 
 
 def _reshard(args) -> int:
@@ -225,8 +271,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("dst")
     p.add_argument("--dim", type=int, default=None, help="SOK v1: embedding size, when the file sizes are ambiguous")
     p.add_argument("--key-dtype", choices=["int64", "uint32"], default=None, help="SOK v1: key type")
-    p.add_argument("--rows", type=int, default=None, help="SOK: table rows (default: largest key + 1)")
+    p.add_argument("--rows", action="append", default=None, metavar="[NAME=]N",
+                   help="SOK: table rows (default: largest key + 1): N for every table, or NAME=N for the SOK "
+                   "variable NAME (repeatable; a plain N is then the rows of the others)")
+    p.add_argument("--rename", action="append", default=None, metavar="NAME=TABLE",
+                   help="SOK: save the SOK variable NAME as table TABLE (repeatable)")
     p.add_argument("--prefix", default=None, help="tf: object path of the embedding in the checkpoint (default: found)")
+    p.add_argument("--combiner", choices=["sum", "mean", "sqrtn"], default=None,
+                   help="tf: the combiner written for every table (a TensorFlow checkpoint does not record it; "
+                   "default: mean, TableConfig's default)")
     p.add_argument("--no-optimizer", action="store_true", help="convert values only (without it, every optimizer "
                    "slot of the source must convert)")
 

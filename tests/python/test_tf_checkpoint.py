@@ -229,3 +229,79 @@ def test_convert_to_embedcore(slotted_checkpoint, tmp_path, rng):
         ["u", "v"]
     served = ec.serving.open(tmp_path / "ec2")
     np.testing.assert_array_equal(served.embedding_tables["u"].values(), values["u"])
+
+
+def test_async_checkpoint_saves_the_values_at_save(tmp_path):
+    """With ``experimental_enable_async_checkpoint``, values changed after
+    ``save()`` returns do not reach that checkpoint (a snapshot is taken at
+    the save, as for TensorFlow's variables), at the first save (eager copy)
+    and at later ones (a traced copy)."""
+    table = E.TableConfig(vocabulary_size=50_000, dim=16, combiner="sum", name="t", optimizer=E.Adagrad(0.1))
+    emb = EmbeddingForServing({"a": E.FeatureConfig(table)})
+    handle = emb.embedding_tables[table]
+    acc = emb.variables["t"]["accumulators"]
+    ckpt = tf.train.Checkpoint(embedding=emb)
+    options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+    paths = []
+    for i in range(3):
+        handle.assign(np.full([50_000, 16], float(i + 1), np.float32))
+        acc.assign(np.full([50_000, 16], float(10 * (i + 1)), np.float32))
+        paths.append(ckpt.save(str(tmp_path / "c"), options=options))
+        handle.assign(np.full([50_000, 16], -1.0, np.float32))  # right after save() returned
+        acc.assign(np.full([50_000, 16], 0.5, np.float32))
+    ckpt.sync()
+    for i, p in enumerate(paths):
+        reader = tf.train.load_checkpoint(p)
+        assert np.unique(reader.get_tensor("embedding/t/.ATTRIBUTES/VARIABLE_VALUE")).tolist() == [i + 1]
+        assert np.unique(reader.get_tensor("embedding/t.Saccumulators/.ATTRIBUTES/VARIABLE_VALUE")).tolist() == \
+            [10 * (i + 1)]
+    # and restores into the engine
+    tf.train.Checkpoint(embedding=emb).restore(paths[1]).assert_existing_objects_matched()
+    assert np.unique(handle.numpy()).tolist() == [2]
+
+
+def test_convert_tables_named_with_slashes_and_combiner(tmp_path):
+    """A table whose name holds "/" (stored as ``user.Sid``) is a table, not
+    a slot, and converts with its slots; ``combiner=`` / ``--combiner`` sets
+    the combiner written without a feature config (default "mean")."""
+    clicks = E.TableConfig(vocabulary_size=10, dim=2, combiner="sum", name="clicks")
+    user = E.TableConfig(vocabulary_size=12, dim=3, combiner="sum", name="user/id")
+    dotted = E.TableConfig(vocabulary_size=5, dim=2, combiner="sum", name="a.Sb")
+    theirs = E.TPUEmbeddingForServing({"c": E.FeatureConfig(clicks), "u": E.FeatureConfig(user),
+                                       "d": E.FeatureConfig(dotted)}, E.Adagrad(0.1))
+    theirs.build()
+    written = {}
+    for name, d in theirs.variables.items():
+        for slot, v in d.items():
+            written[(name, slot)] = np.arange(np.prod(v.shape), dtype=np.float32).reshape(v.shape) + len(written)
+            v.assign(written[(name, slot)])
+    path = tf.train.Checkpoint(embedding=theirs).save(str(tmp_path / "tf" / "ckpt"))
+    reader = TFCheckpoint(path)
+    assert reader.table_names("embedding") == ["a.Sb", "clicks", "user/id"]
+    assert reader.slots("embedding", "user/id") == ["accumulators"]
+
+    assert sorted(convert_tf_checkpoint(path, tmp_path / "ec")) == ["a.Sb", "clicks", "user/id"]
+    served = ec.serving.open(tmp_path / "ec")
+    assert {n: t.config.combiner for n, t in served.tables.items()} == dict.fromkeys(["a.Sb", "clicks", "user/id"],
+                                                                                    "mean")
+    t = ec.Table(name="user/id", rows=12, dim=3, optimizer=ec.optimizers.Adagrad())
+    ec.load(tmp_path / "ec", into=t)
+    np.testing.assert_array_equal(t.values(), written[("user/id", "parameters")])
+    np.testing.assert_array_equal(t.slots()["accumulators"], written[("user/id", "accumulators")])
+
+    convert_tf_checkpoint(path, tmp_path / "ec_sum", combiner="sum")
+    served = ec.serving.open(tmp_path / "ec_sum")
+    assert {t.config.combiner for t in served.tables.values()} == {"sum"}
+    np.testing.assert_array_equal(served.tables["clicks"].lookup(np.array([1, 2], np.int64), np.array([0, 2], np.int64)),
+                                  (written[("clicks", "parameters")][1] + written[("clicks", "parameters")][2])[None])
+    with pytest.raises(ValueError, match="combiner"):
+        convert_tf_checkpoint(path, tmp_path / "bad", combiner="max")
+    with pytest.raises(ValueError, match="feature_config"):
+        convert_tf_checkpoint(path, tmp_path / "bad", combiner="sum", feature_config={"c": E.FeatureConfig(clicks)})
+
+    from embedcore.cli import main as cli_main
+
+    assert cli_main(["convert", "--from", "tf", str(path), str(tmp_path / "ec_cli"), "--combiner", "sqrtn"]) == 0
+    served = ec.serving.open(tmp_path / "ec_cli")
+    assert sorted(served.tables) == ["a.Sb", "clicks", "user/id"]
+    assert {t.config.combiner for t in served.tables.values()} == {"sqrtn"}

@@ -119,3 +119,117 @@ def test_export_refuses_a_partly_known_output_shape_for_ragged_input():
     with export_mode():
         with pytest.raises(ValueError, match=r"partially known TensorShape \(None, 4\)"):
             tf.function(lambda x: serving({"f": x}))(rt)
+
+
+HANDLE_LOAD = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+args = json.loads(sys.argv[1])
+m = tf.saved_model.load(args["path"])
+out = {"serve": m.serve({"a": tf.ragged.constant([[1, 2], [], [3]], dtype=tf.int64)})["a"].numpy(),
+       "gather": m.gather(tf.constant([1, 7], tf.int64)).numpy()}
+np.savez(args["out"], **out)
+print(json.dumps({"embedcore_imported": any(k.startswith("embedcore") for k in sys.modules)}))
+"""
+
+
+def test_table_handles_export_as_tensorflow_serving_code_uses_them(tmp_path, rng):
+    """TensorFlow's documented serving pattern over ``embedding_tables``
+    (``serving_embedding_lookup``, ``tf.nn.embedding_lookup`` on a table)
+    exports a SavedModel that serves in a fresh process without embedcore:
+    during the export a handle reads the table's exported variable, not the
+    engine through a ``tf.numpy_function``."""
+    import pytest
+
+    table = E.TableConfig(vocabulary_size=40, dim=4, combiner="sum", name="t")
+    config = {"a": E.FeatureConfig(table)}
+    emb = EmbeddingForServing(config, E.Adagrad(0.1))
+    values = rng.standard_normal((40, 4)).astype(np.float32)
+    emb.embedding_tables[table].assign(values)
+
+    class Model(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding_api = emb
+
+        @tf.function(input_signature=[{"a": tf.RaggedTensorSpec([None, None], tf.int64)}])
+        def serve(self, x):
+            return E.serving_embedding_lookup(x, None, self.embedding_api.embedding_tables, config)
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)])
+        def gather(self, ids):
+            return tf.nn.embedding_lookup(self.embedding_api.embedding_tables[table], ids)
+
+    model = Model()
+    path = str(tmp_path / "saved")
+    tf.saved_model.save(model, path)
+    out = str(tmp_path / "out.npz")
+    proc = subprocess.run([sys.executable, "-c", HANDLE_LOAD, json.dumps({"path": path, "out": out})],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"embedcore_imported": False}
+    loaded = np.load(out)
+    np.testing.assert_array_equal(loaded["serve"], np.stack([values[1] + values[2], np.zeros(4), values[3]]))
+    np.testing.assert_array_equal(loaded["gather"], values[[1, 7]])
+    # Outside an export the handle still reads the engine (the table changed after the save).
+    emb.embedding_tables[table].assign(values + 1)
+    np.testing.assert_array_equal(model.gather(tf.constant([1], tf.int64)).numpy(), values[[1]] + 1)
+    # An optimizer slot has no exported copy: refused, not saved as a graph that cannot load.
+    slot = emb.variables["t"]["accumulators"]
+    with export_mode():
+        with pytest.raises(ValueError, match="slot cannot be exported"):
+            tf.function(lambda: tf.reduce_sum(slot))()
+
+
+def test_export_while_other_threads_serve(tmp_path, rng):
+    """Saves of one model while another thread keeps running eager lookups
+    on the same object all succeed (the lookups used to drop the table
+    copies a save in progress had captured: "untracked resource"), and so do
+    saves after such lookups (TensorFlow reuses the functions traced for the
+    first save); each save holds the values of its time."""
+    import threading
+
+    table = E.TableConfig(vocabulary_size=100, dim=8, combiner="sum", name="t")
+    emb = EmbeddingForServing({"a": E.FeatureConfig(table)})
+
+    class Model(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = emb
+
+        @tf.function(input_signature=[{"a": tf.RaggedTensorSpec([None, None], tf.int64)}])
+        def serve(self, x):
+            return self.emb(x)
+
+    model = Model()
+    x = {"a": tf.ragged.constant([[1, 2, 3], [4]], dtype=tf.int64)}
+    stop = threading.Event()
+    errors = []
+
+    def traffic():
+        try:
+            while not stop.is_set():
+                emb(x)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    try:
+        for i in range(4):
+            tf.saved_model.save(model, str(tmp_path / f"busy{i}"))
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors
+    values = {}
+    for i in range(3):  # save, eager lookup (which used to drop the copies), new values, save again
+        values[i] = rng.standard_normal((100, 8)).astype(np.float32)
+        emb.embedding_tables[table].assign(values[i])
+        emb(x)
+        tf.saved_model.save(model, str(tmp_path / f"seq{i}"))
+    for i in range(3):
+        loaded = tf.saved_model.load(str(tmp_path / f"seq{i}"))
+        np.testing.assert_array_equal(loaded.serve(x)["a"].numpy(),
+                                      np.stack([values[i][1] + values[i][2] + values[i][3], values[i][4]]))
