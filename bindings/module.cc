@@ -23,7 +23,17 @@ NB_MODULE(_embedcore, m) {
     } catch (const embedcore::TypeMismatch& e) {
       PyErr_SetString(PyExc_TypeError, e.what());
     } catch (const embedcore::IoError& e) {
-      PyErr_SetString(PyExc_OSError, e.what());
+      if (e.error_number() == 0) {
+        PyErr_SetString(PyExc_OSError, e.what());
+        return;
+      }
+      // OSError(errno, message) is the errno's subclass (FileNotFoundError for ENOENT, ...) with .errno set,
+      // so code can tell a full disk from a missing directory without reading the message.
+      PyObject* args = Py_BuildValue("(is)", e.error_number(), e.what());
+      if (args != nullptr) {
+        PyErr_SetObject(PyExc_OSError, args);
+        Py_DECREF(args);
+      }
     }
   });
 

@@ -543,7 +543,7 @@ void ReadDataBlock(const std::string& dir, const FileEntry& f, void* dst, DType 
   const uint64_t map_lo = (kDataOffset + src0) / page * page;
   const uint64_t map_hi = kDataOffset + src0 + uint64_t(r1 - r0) * src_row;
   void* p = ::mmap(nullptr, size_t(map_hi - map_lo), PROT_READ, MAP_SHARED, file.fd(), off_t(map_lo));
-  if (p == MAP_FAILED) throw IoError(file.path() + ": mmap failed: " + checkpoint::ErrnoText(errno));
+  if (p == MAP_FAILED) throw IoError(file.path() + ": mmap failed: " + checkpoint::ErrnoText(errno), errno);
   const char* base = static_cast<const char*>(p) + (kDataOffset + src0 - map_lo);
   const int64_t width = c1 - c0;
   ParallelFor(r1 - r0, std::max<int64_t>(1, 4096 / width), [&](int64_t a, int64_t b) {
@@ -592,7 +592,7 @@ void CommitManifest(const std::string& path, const std::string& json, uint64_t g
   // and none while a reader holds it shared.
   CheckpointLock lock(path, true);
   if (::rename(tmp.c_str(), JoinPath(path, checkpoint::kManifestName).c_str()) != 0)
-    throw IoError(tmp + ": rename to MANIFEST failed: " + checkpoint::ErrnoText(errno));
+    throw IoError(tmp + ": rename to MANIFEST failed: " + checkpoint::ErrnoText(errno), errno);
   checkpoint::SyncDirectory(path);
 
   // Only now remove what the new manifest does not name: other generations and
@@ -643,10 +643,10 @@ void MakeCheckpointDirectory(const std::string& path) {
     parent = slash == std::string::npos ? "." : (slash == 0 ? "/" : parent.substr(0, slash));
     checkpoint::SyncDirectory(parent);
   } else if (errno != EEXIST) {
-    throw IoError(path + ": mkdir failed: " + checkpoint::ErrnoText(errno));
+    throw IoError(path + ": mkdir failed: " + checkpoint::ErrnoText(errno), errno);
   }
   struct stat st;
-  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw IoError(path + ": not a directory");
+  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw IoError(path + ": not a directory", ENOTDIR);
 }
 }  // namespace
 
@@ -721,7 +721,7 @@ GenerationClaim::GenerationClaim(const std::string& path) {
       fd = ::open(claim.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     } while (fd < 0 && errno == EINTR);
     if (fd < 0 && errno == EEXIST) continue;  // another save's
-    if (fd < 0) throw IoError(claim + ": create failed: " + checkpoint::ErrnoText(errno));
+    if (fd < 0) throw IoError(claim + ": create failed: " + checkpoint::ErrnoText(errno), errno);
     // A commit running between the create and the lock may have removed the
     // file as a leftover: claim another generation then. (Where the filesystem
     // has no flock the claim is not locked: see docs/format.md.)
@@ -1163,7 +1163,8 @@ MappedCheckpoint::MappedCheckpoint(const std::string& given, Verify verify) {
                       (err == ENOMEM ? " (each of the checkpoint's " + std::to_string(files) +
                                            " values files is mapped on its own: the process may be at its limit of "
                                            "mappings, vm.max_map_count; reshard into fewer files)"
-                                     : std::string()));
+                                     : std::string()),
+                      err);
       }
       m->base = p;
       m->payload = static_cast<const char*>(p) + kDataOffset;

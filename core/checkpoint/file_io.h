@@ -29,7 +29,7 @@ class File {
     if (fd_ < 0) {
       const int err = errno;
       if (err == ENOENT && !(flags & O_CREAT)) throw CheckpointError(path + ": missing file");
-      throw IoError(path + ": open failed: " + ErrnoText(err));
+      throw IoError(path + ": open failed: " + ErrnoText(err), err);
     }
   }
   ~File() {
@@ -45,12 +45,12 @@ class File {
   /// Throws CheckpointError unless this is a regular file (not a directory, FIFO or device).
   void RequireRegular() const {
     struct stat st;
-    if (::fstat(fd_, &st) != 0) throw IoError(path_ + ": fstat failed: " + ErrnoText(errno));
+    if (::fstat(fd_, &st) != 0) throw IoError(path_ + ": fstat failed: " + ErrnoText(errno), errno);
     if (!S_ISREG(st.st_mode)) throw CheckpointError(path_ + ": not a regular file");
   }
   uint64_t Size() const {
     struct stat st;
-    if (::fstat(fd_, &st) != 0) throw IoError(path_ + ": fstat failed: " + ErrnoText(errno));
+    if (::fstat(fd_, &st) != 0) throw IoError(path_ + ": fstat failed: " + ErrnoText(errno), errno);
     return uint64_t(st.st_size);
   }
   void WriteAll(const void* data, size_t n) {
@@ -59,7 +59,7 @@ class File {
       const ssize_t w = ::write(fd_, p, n > (size_t(1) << 30) ? (size_t(1) << 30) : n);
       if (w < 0) {
         if (errno == EINTR) continue;
-        throw IoError(path_ + ": write failed: " + ErrnoText(errno));
+        throw IoError(path_ + ": write failed: " + ErrnoText(errno), errno);
       }
       p += w;
       n -= size_t(w);
@@ -72,7 +72,7 @@ class File {
       const ssize_t w = ::pwrite(fd_, p, n > (size_t(1) << 30) ? (size_t(1) << 30) : n, off_t(offset));
       if (w < 0) {
         if (errno == EINTR) continue;
-        throw IoError(path_ + ": write failed: " + ErrnoText(errno));
+        throw IoError(path_ + ": write failed: " + ErrnoText(errno), errno);
       }
       if (w == 0) throw IoError(path_ + ": write failed: no byte written");
       p += w;
@@ -87,7 +87,7 @@ class File {
       const ssize_t r = ::pread(fd_, p, n > (size_t(1) << 30) ? (size_t(1) << 30) : n, off_t(offset));
       if (r < 0) {
         if (errno == EINTR) continue;
-        throw IoError(path_ + ": read failed: " + ErrnoText(errno));
+        throw IoError(path_ + ": read failed: " + ErrnoText(errno), errno);
       }
       if (r == 0) throw CheckpointError(path_ + ": truncated (ends before byte " + std::to_string(offset + n) + ")");
       p += r;
@@ -96,12 +96,12 @@ class File {
     }
   }
   void Sync() {
-    if (::fsync(fd_) != 0) throw IoError(path_ + ": fsync failed: " + ErrnoText(errno));
+    if (::fsync(fd_) != 0) throw IoError(path_ + ": fsync failed: " + ErrnoText(errno), errno);
   }
   void Close() {
     if (fd_ >= 0 && ::close(fd_) != 0) {
       fd_ = -1;
-      throw IoError(path_ + ": close failed: " + ErrnoText(errno));
+      throw IoError(path_ + ": close failed: " + ErrnoText(errno), errno);
     }
     fd_ = -1;
   }

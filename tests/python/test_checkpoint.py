@@ -3,6 +3,7 @@ training bit for bit, values-only and reduced-precision exports, the Saver
 calls, shape checks, and what a save does to the directory it writes."""
 from __future__ import annotations
 
+import errno
 import os
 
 import numpy as np
@@ -601,8 +602,12 @@ def test_load_and_save_argument_errors(tmp_path):
     (tmp_path / "file").write_bytes(b"x")
     with pytest.raises(ec.CheckpointError):
         ec.load(tmp_path / "file", into=t)
-    with pytest.raises(OSError):
+    with pytest.raises(NotADirectoryError, match="not a directory") as e:
         ec.save(tmp_path / "file", t)  # a file where the directory should be
+    assert e.value.errno == errno.ENOTDIR and str(tmp_path / "file") in str(e.value)
+    with pytest.raises(FileNotFoundError, match="mkdir failed") as e:  # OSError with the call's errno
+        ec.save(tmp_path / "no" / "parent", t)
+    assert e.value.errno == errno.ENOENT and str(tmp_path / "no" / "parent") in str(e.value)
     with pytest.raises(TypeError):
         ec.save(tmp_path / "c", object())
     with pytest.raises(ValueError, match="unique"):

@@ -45,11 +45,19 @@ class CheckpointError : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
 };
-/// An operating-system call on a file failed (maps to OSError): a full disk,
-/// a missing directory, no permission. The message names the file and call.
+/// An operating-system call on a file failed (maps to OSError, with its errno,
+/// so to FileNotFoundError, PermissionError, ... as Python's own calls do): a
+/// full disk, a missing directory, no permission. The message names the file
+/// and call.
 class IoError : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  /// error_number: the failed call's errno (0 where there is none).
+  explicit IoError(const std::string& what, int error_number = 0)
+      : std::runtime_error(what), error_number_(error_number) {}
+  int error_number() const noexcept { return error_number_; }
+
+ private:
+  int error_number_;
 };
 /// Memory for a table, a slot or a result cannot be allocated (maps to
 /// MemoryError); the message says what and how many bytes. A std::bad_alloc,
