@@ -293,7 +293,7 @@ class Pool {
 std::mutex g_pool_mutex;
 std::shared_ptr<Pool> g_pool;
 
-#if defined(__unix__)
+#if defined(__unix__) || defined(__APPLE__)
 // A forked child has none of the parent's workers, and a mutex some other
 // thread held at the fork stays locked in it. The child leaks the parent's
 // pool (its destructor would wait for those workers forever, at exit or in
@@ -302,21 +302,14 @@ void ForgetPoolInChild() {
   new (&g_pool_mutex) std::mutex;
   new (&g_pool) std::shared_ptr<Pool>();  // the parent's pool is never destroyed
 }
-#endif
 
-// Makes a pool of `threads` (before the first one starts, the fork handler
-// is registered).
-std::shared_ptr<Pool> NewPool(int threads) {
-#if defined(__unix__)
-  static const bool registered = pthread_atfork(nullptr, nullptr, ForgetPoolInChild) == 0;
-  (void)registered;
+// Registered when the library loads, before any pool can exist.
+[[maybe_unused]] const bool fork_handler_registered = pthread_atfork(nullptr, nullptr, ForgetPoolInChild) == 0;
 #endif
-  return std::make_shared<Pool>(threads);
-}
 
 std::shared_ptr<Pool> GetPool() {
   std::lock_guard<std::mutex> l(g_pool_mutex);
-  if (!g_pool) g_pool = NewPool(DefaultThreads());
+  if (!g_pool) g_pool = std::make_shared<Pool>(DefaultThreads());
   return g_pool;
 }
 
@@ -331,7 +324,7 @@ void SetNumThreads(int n) {
   {
     std::lock_guard<std::mutex> l(g_pool_mutex);
     if (g_pool && g_pool->threads() == n) return;
-    auto fresh = NewPool(n);  // if it cannot start its threads, the old pool stays
+    auto fresh = std::make_shared<Pool>(n);  // if it cannot start its threads, the old pool stays
     old = std::move(g_pool);
     g_pool = std::move(fresh);
   }

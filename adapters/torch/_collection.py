@@ -115,6 +115,16 @@ def _uniform_of(init_fn) -> Optional[ec.initializers.Initializer]:
                                    seed=_torch_seed())
 
 
+def _check_optimizer_argument(optimizer, owner: str, torchrec_second: str) -> None:
+    """A TypeError for an `optimizer` that is TorchRec's second positional argument (the collections take
+    `optimizer` second, TorchRec's `is_weighted` / `device`)."""
+    if optimizer is None or isinstance(optimizer, ec.optimizers.Optimizer):
+        return
+    raise TypeError(f"{owner}: the second argument is optimizer= (an embedcore.optimizers optimizer or None), got "
+                    f"{optimizer!r}; TorchRec's second argument is {torchrec_second}: pass it by keyword "
+                    f"({torchrec_second}=...)")
+
+
 def _specs(tables, pooled: bool, owner: str) -> List[_Spec]:
     specs = [_Spec(c, pooled, owner) for c in tables]
     if not specs:
@@ -279,6 +289,7 @@ class EmbeddingBagCollection(_Collection):
             raise TypeError(f"{type(self).__name__}: world= shards EmbeddingBagCollection itself, not a subclass")
         super().__init__()
         owner = "EmbeddingBagCollection"
+        _check_optimizer_argument(optimizer, owner, "is_weighted")
         self._specs = _specs(tables, True, owner)
         self._names = _embedding_names(self._specs)
         self._is_weighted = bool(is_weighted)
@@ -370,6 +381,7 @@ class EmbeddingCollection(_Collection):
         if world is not None:
             raise TypeError(f"{type(self).__name__}: world= shards EmbeddingCollection itself, not a subclass")
         super().__init__()
+        _check_optimizer_argument(optimizer, "EmbeddingCollection", "device")
         self._specs = _specs(tables, False, "EmbeddingCollection")
         self._names = _embedding_names(self._specs)
         self._need_indices = bool(need_indices)

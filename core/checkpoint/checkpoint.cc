@@ -641,7 +641,14 @@ void MakeCheckpointDirectory(const std::string& path) {
     while (parent.size() > 1 && parent.back() == '/') parent.pop_back();
     const size_t slash = parent.rfind('/');
     parent = slash == std::string::npos ? "." : (slash == 0 ? "/" : parent.substr(0, slash));
-    checkpoint::SyncDirectory(parent);
+    // Best effort: a parent this process may write but not read (a drop box) cannot be opened to sync.
+    const int fd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+      const int rc = ::fsync(fd);
+      const int err = errno;
+      ::close(fd);
+      if (rc != 0 && err != EINVAL) throw IoError(parent + ": fsync failed: " + checkpoint::ErrnoText(err), err);
+    }
   } else if (errno != EEXIST) {
     throw IoError(path + ": mkdir failed: " + checkpoint::ErrnoText(errno), errno);
   }
@@ -1144,6 +1151,7 @@ MappedCheckpoint::MappedCheckpoint(const std::string& given, Verify verify) {
   const std::string path = ResolvedPath(given);  // every file from one directory, whatever a symlink does meanwhile
   CheckpointLock lock(path, false);  // until the files are mapped: no save's commit removes them meanwhile
   info_ = ReadCheckpointInfo(path);
+  info_.path = given;  // what the caller named (a link such as /models/current stays one)
   for (const TableEntry& t : info_.tables) {
     auto table = std::make_unique<MappedTable>();
     for (const FileEntry& entry : t.values) {

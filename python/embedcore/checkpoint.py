@@ -298,7 +298,10 @@ class Saver:
         tables one call each rewrites the earlier ones N times, so pass them
         in one call (a list, or the Embedding) where you can. A kept table
         keeps its stored dtype, optimizer state and step, and is rewritten
-        unsharded. A directory whose MANIFEST cannot be read is refused
+        unsharded. The features of Embeddings dumped there are kept with
+        their tables (served as one flat list of features). Two dumps into
+        one directory at the same time are not merged: the last commit
+        wins. A directory whose MANIFEST cannot be read is refused
         (its tables would be lost): remove it, or replace it with
         ``embedcore.save``. A sharded Embedding replaces the checkpoint."""
         if hasattr(obj, "_sharded_save"):
@@ -310,8 +313,10 @@ class Saver:
             save(path, obj)
             return "OK"
         ours = {t.name for t in tables}
-        if all(n in ours for n in self._existing(path).table_names):
-            save(path, obj)  # nothing else there to keep
+        info = self._existing(path)
+        old_kind = (json.loads(info.manifest_json).get("metadata") or {}).get("kind")
+        if all(n in ours for n in info.table_names) and (old_kind != "embedding" or isinstance(obj, Embedding)):
+            save(path, obj)  # nothing else there to keep (features included)
         else:
             self._save_entries(path, [(t, True) for t in tables], True, _metadata(obj))
         return "OK"
@@ -355,8 +360,8 @@ class Saver:
                     info = Saver._existing(path)
                     manifest = json.loads(info.manifest_json)
                     old_meta = manifest.get("metadata") or {}
-                    if metadata.get("kind") == "table" and old_meta.get("kind") == "embedding":
-                        metadata = old_meta  # its features' tables are all still there
+                    if old_meta.get("kind") == "embedding":
+                        metadata = Saver._merged_features(metadata, old_meta, ours)
                     for k, t in enumerate(manifest["tables"]):
                         if t["name"] in ours:
                             continue
@@ -385,6 +390,21 @@ class Saver:
             raise
         finally:
             claim.release()
+
+    @staticmethod
+    def _merged_features(new: dict, old: dict, ours: set) -> dict:
+        """The metadata of a dump that keeps the tables of the checkpoint there:
+        the features of `new` (an Embedding's, or none for tables), then those
+        of `old` whose table is kept and whose name is not taken, served as a
+        flat list (no one structure holds both)."""
+        features = list(new.get("features") or [])
+        names = {f["name"] for f in features}
+        features += [f for f in old.get("features") or [] if f["table"] not in ours and f["name"] not in names]
+        if new.get("kind") != "embedding":  # tables: the old features all still have their tables
+            features = list(old.get("features") or [])
+        merged = {k: v for k, v in old.items() if k not in ("features", "structure", "structure_items")}
+        merged.update(kind="embedding", features=features, structure=None)
+        return merged
 
     def restore_from_file(self, obj, path, include_optimizer: bool = True) -> str:
         """Loads `obj`'s tables from the checkpoint `path` (``embedcore.load``),

@@ -921,3 +921,53 @@ def test_bytes_paths_work_sharded_as_unsharded(tmp_path, reference):
     _assert_loads_like_reference(os.fsdecode(dst), reference, 2, "row_wise")
     for rank, (_, _, error, _) in enumerate(sharded_load(dst, 3, "table_wise")):
         assert error is None, f"rank {rank}: {error!r}"
+
+
+def test_ranks_that_read_different_checkpoints_load_nothing(tmp_path, monkeypatch):
+    """A link re-pointed between two ranks' reads of the manifest (or a
+    commit between them) would give each rank the blocks of another
+    checkpoint: the ranks compare what they read, and refuse before any
+    table changes."""
+    import threading
+
+    import embedcore.distributed._checkpoint as dc
+
+    def filled(v):
+        t = ec.Table(ec.TableConfig("t", 8, 2))
+        t.assign(np.full((8, 2), v, np.float32))
+        return t
+
+    ec.save(tmp_path / "v1", filled(1.0))
+    ec.save(tmp_path / "v2", filled(2.0))
+    link = tmp_path / "current"
+    os.symlink(tmp_path / "v1", link)
+    resolve, lock, first_done, calls = dc.resolved_path, threading.Lock(), threading.Event(), []
+
+    def repointed_after_the_first(p):
+        with lock:
+            calls.append(p)
+            first = len(calls) == 1
+        if first:
+            r = resolve(p)
+            os.unlink(link)
+            os.symlink(tmp_path / "v2", link)
+            first_done.set()
+            return r
+        first_done.wait()
+        return resolve(p)
+
+    monkeypatch.setattr(dc, "resolved_path", repointed_after_the_first)
+
+    def fn(world):
+        emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig("t", 8, 2, initializer=ec.initializers.Zeros()))},
+                           world=world, sharding="row_wise")
+        try:
+            ec.load(link, emb)
+            error = None
+        except ec.CheckpointError as e:
+            error = str(e)
+        return error, sorted({float(x) for _, t in emb.local_shards["t"] for x in t.to_numpy().ravel()})
+
+    for error, values in run_local(2, fn):
+        assert error is not None and "the ranks read different checkpoints" in error
+        assert values == [0.0]  # nothing loaded

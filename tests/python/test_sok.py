@@ -631,3 +631,31 @@ def test_saver_restore_values_only_and_a_sok_dump(tmp_path, rng):
     with pytest.raises(ec.CheckpointError, match=r"looks like a SOK dump \(emb-key\).*python -m embedcore convert "
                                                  r"--from sok"):
         saver.restore_from_file(_table("emb", 10, 0.0), tmp_path / "sok")
+
+
+def test_saver_dumps_of_embeddings_keep_each_ones_features(tmp_path):
+    """Two Embeddings dumped into one directory in turn: both keep their
+    features (served by name); a table dumped into an Embedding's
+    checkpoint keeps the features too, whether or not other tables remain."""
+    saver, d = ec.Saver(), str(tmp_path / "ckpt")
+
+    def emb(name):
+        return ec.Embedding({name: ec.FeatureConfig(ec.TableConfig(name, 20, 4), name="f_" + name)},
+                            ec.optimizers.SGD(0.1))
+
+    e1, e2 = emb("x"), emb("y")
+    saver.dump_to_file(e1, d)
+    saver.dump_to_file(e2, d)
+    served = ec.serving.open(d)
+    assert sorted(f.name for f in served.feature_config) == ["f_x", "f_y"]
+    ids = np.array([[1, 3]])
+    names = [f.name for f in served.feature_config]  # a flat list: no one structure holds both
+    out = dict(zip(names, served([ids for _ in names])))
+    np.testing.assert_array_equal(out["f_x"], e1({"x": ids})["x"])
+    np.testing.assert_array_equal(out["f_y"], e2({"y": ids})["y"])
+    for kept in (["x"], ["x", "y"]):  # the shortcut (nothing else kept) and the keep path
+        p = str(tmp_path / ("one" if len(kept) == 1 else "two"))
+        e = ec.Embedding({n: ec.FeatureConfig(ec.TableConfig(n, 20, 4), name="f_" + n) for n in kept})
+        ec.save(p, e)
+        saver.dump_to_file(e.embedding_tables[[c for c in e.embedding_tables if c.name == "x"][0]], p)
+        assert sorted(f.name for f in ec.serving.open(p).feature_config) == sorted("f_" + n for n in kept)

@@ -279,3 +279,12 @@ def test_kjt_with_inverse_indices_is_refused(torchrec):
         et.EmbeddingBagCollection(cfgs)(kjt)
     plain = torchrec.KeyedJaggedTensor(keys=["f1", "f2"], values=kjt.values(), lengths=kjt.lengths())
     assert et.EmbeddingBagCollection(cfgs)(plain).values().shape == (2, 10)
+
+
+def test_torchrec_positional_arguments_are_refused_by_name():
+    """TorchRec's second positional argument is is_weighted (device for
+    EmbeddingCollection); here it is optimizer: the error says so."""
+    with pytest.raises(TypeError, match=r"EmbeddingBagCollection: the second argument is optimizer=.*is_weighted="):
+        et.EmbeddingBagCollection(_configs(), True)
+    with pytest.raises(TypeError, match=r"EmbeddingCollection: the second argument is optimizer=.*device="):
+        et.EmbeddingCollection(_configs(et.EmbeddingConfig), "cpu")

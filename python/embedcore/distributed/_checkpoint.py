@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import zlib
 from typing import List, Optional
 
 from .. import _embedcore
@@ -153,9 +154,10 @@ def load_sharded(path, emb, include_optimizer: bool = True) -> None:
 
 def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
     comm = emb.world
-    error, plan = None, []
+    error, plan, read = None, [], None
     try:
         info = _embedcore.read_info(path)
+        read = (path, zlib.crc32(info.manifest_json.encode()))
         names = list(info.table_names)
         for (ti, si), table in sorted(emb._local.items()):
             eff = emb._effective[emb._configs[ti]]
@@ -171,7 +173,13 @@ def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
             plan.append((k, table, s))
     except Exception as e:  # noqa: BLE001
         error = e
-    agree(comm, error, step=emb.step_name("load: verify"))  # every rank's blocks verified before any rank changes
+    # Every rank's blocks verified before any rank changes, and of one checkpoint: a symlink re-pointed, or a
+    # commit, between two ranks' reads of the manifest would mix two.
+    reads = [r for r in agree(comm, error, read, step=emb.step_name("load: verify"))]
+    if any(r[1] != reads[0][1] for r in reads):  # the manifests (their paths may differ between hosts)
+        raise CheckpointError("load: the ranks read different checkpoints (" +
+                              ", ".join(f"rank {r}: {p!r}" for r, (p, _) in enumerate(reads)) +
+                              "; a link re-pointed or a save committed meanwhile); nothing was loaded, load again")
     error = None
     try:
         for k, table, s in plan:
