@@ -74,7 +74,10 @@ def export_mode():
 class ExportState:
     """The ``tf.Variable`` copies of an object's tables for an export. They
     are made when the export first needs them and refreshed from the engine
-    each time the exporter lists the object's children (once per save).
+    (assigned, the same variables) each time the exporter lists the object's
+    children (once per save), the first time each ``export_mode()`` block
+    uses them, and whenever a lookup has run the engine since the last copy
+    (``clear()`` marks them stale).
 
     Once a ``tf.saved_model.save`` has used them they are kept: TensorFlow
     keeps the functions it traced for a save (they capture the copies) and
@@ -88,41 +91,57 @@ class ExportState:
     def __init__(self):
         self.vars: Dict[str, tf.Variable] = {}
         self.kept = False  # a tf.saved_model.save used the copies
-        self.modes = []  # the export_mode() blocks that used them
+        self.stale = False  # the engine may have changed since the copies were made or refreshed
+        self.modes = []  # the export_mode() blocks that used them (pruned of exited ones by clear())
         self.lock = threading.RLock()
 
-    def hold(self) -> None:
-        """Records that the current export uses the copies."""
+    def hold(self) -> bool:
+        """Records that the current export uses the copies; True when an
+        ``export_mode()`` block uses them for the first time."""
         if save_context.in_save_context():
             self.kept = True
         token = (getattr(_mode, "tokens", None) or [None])[-1]
         if token is not None and all(t is not token for t in self.modes):
             self.modes.append(token)
+            return True
+        return False
 
     def clear(self) -> None:
-        if self.vars and not self.kept:
-            with self.lock:
-                self.modes = [t for t in self.modes if t.active]
-                if not self.kept and not self.modes:
-                    self.vars = {}
+        """Called by each lookup that runs the engine (and each update of a
+        table through its handle): drops the copies when no save keeps them
+        and no ``export_mode()`` block that used them is still open;
+        otherwise marks them stale, to be refreshed at their next use."""
+        if not self.vars or (self.kept and self.stale and not self.modes):
+            return  # nothing to drop, prune or mark (the common case while serving after a save)
+        with self.lock:
+            self.modes = [t for t in self.modes if t.active]
+            if not self.kept and not self.modes:
+                self.vars = {}
+                self.stale = False
+            else:
+                self.stale = True
 
 
 def variables(owner, refresh: bool = False) -> Dict[str, tf.Variable]:
-    """The tables of `owner` as variables. `refresh` copies the tables'
-    current values into variables made earlier."""
+    """The tables of `owner` as variables. Variables made earlier are
+    refreshed with the tables' current values (assigned: the same variables,
+    which functions traced earlier capture) when `refresh`, when the engine
+    may have changed since (a lookup ran it), or at the first use in an
+    ``export_mode()`` block."""
     state: ExportState = owner._export
     tables = owner._embedcore_tables()
     with state.lock, tf.init_scope():
-        state.hold()
+        new_block = state.hold()
         if not state.vars:
             # Made while a tf.function is traced for the save; constructing the ResourceVariable class itself
             # (not tf.Variable) skips the function's variable-creator scope, which refuses new variables after
             # its first trace. The SavedModel tracks them as children of `owner`.
             state.vars = {t.name: resource_variable_ops.ResourceVariable(t.values(), trainable=False, name=t.name)
                           for t in tables}
-        elif refresh:
+        elif refresh or new_block or state.stale:
             for t in tables:
                 state.vars[t.name].assign(t.values())
+        state.stale = False
         return dict(state.vars)
 
 

@@ -97,6 +97,8 @@ class TableHandle:
                              f"{[self.table.rows, self.table.dim]}")
         if self.slot is None:
             self.table.assign(v)
+            if self._owner is not None:
+                self._owner._export.clear()  # its export copies, if any, no longer hold these values
         else:
             self.table.assign_slot(self.slot, v)
         return self

@@ -233,3 +233,58 @@ def test_export_while_other_threads_serve(tmp_path, rng):
         loaded = tf.saved_model.load(str(tmp_path / f"seq{i}"))
         np.testing.assert_array_equal(loaded.serve(x)["a"].numpy(),
                                       np.stack([values[i][1] + values[i][2] + values[i][3], values[i][4]]))
+
+
+def test_export_after_a_save_reads_the_current_values(tmp_path, rng):
+    """After a ``tf.saved_model.save`` the table copies are kept (TensorFlow
+    reuses the functions traced for it), but they follow the engine: a later
+    ``export_mode()`` block (an eager read of a handle, a lookup traced in
+    it) and a later save see the values of their own time, not those of the
+    earlier save; and the blocks that used the copies are not accumulated."""
+    table = E.TableConfig(vocabulary_size=10, dim=2, combiner="sum", name="t")
+    emb = EmbeddingForServing({"a": E.FeatureConfig(table)})
+
+    class Model(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = emb
+
+        @tf.function(input_signature=[{"a": tf.RaggedTensorSpec([None, None], tf.int64)}])
+        def serve(self, x):
+            return self.emb(x)
+
+    model = Model()
+    handle = emb.embedding_tables[table]
+    x = {"a": tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)}
+    spec = {"a": tf.RaggedTensorSpec([None, None], tf.int64)}
+
+    def pooled(v):
+        return np.stack([v[1] + v[2], v[3]])
+
+    values = [rng.standard_normal((10, 2)).astype(np.float32) for _ in range(4)]
+    handle.assign(values[0])
+    tf.saved_model.save(model, str(tmp_path / "s0"))
+    # New values through the handle alone (no engine lookup in between), then through a lookup.
+    handle.assign(values[1])
+    with export_mode():
+        np.testing.assert_array_equal(handle.read_value().numpy(), values[1])
+        f = tf.function(lambda x: emb(x)).get_concrete_function(spec)
+        np.testing.assert_array_equal(f(x)["a"].numpy(), pooled(values[1]))
+    emb.embedding_tables[table].assign(values[2])
+    np.testing.assert_array_equal(emb(x)["a"].numpy(), pooled(values[2]))
+    with export_mode():
+        np.testing.assert_array_equal(handle.read_value().numpy(), values[2])
+        np.testing.assert_array_equal(f(x)["a"].numpy(), pooled(values[2]))  # the function traced earlier too
+    handle.assign(values[3])
+    emb(x)
+    tf.saved_model.save(model, str(tmp_path / "s1"))
+    for name, v in (("s0", values[0]), ("s1", values[3])):
+        loaded = tf.saved_model.load(str(tmp_path / name))
+        np.testing.assert_array_equal(loaded.serve(x)["a"].numpy(), pooled(v))
+    # Exited export_mode() blocks are forgotten at the next engine lookup.
+    for _ in range(5):
+        with export_mode():
+            handle.read_value()
+        emb(x)
+    assert emb._export.modes == []
+    assert emb._export.kept  # the copies stay for the functions TensorFlow keeps
