@@ -182,15 +182,10 @@ def test_table_handles_export_as_tensorflow_serving_code_uses_them(tmp_path, rng
             tf.function(lambda: tf.reduce_sum(slot))()
 
 
-def test_export_while_other_threads_serve(tmp_path, rng):
-    """Saves of one model while another thread keeps running eager lookups
-    on the same object all succeed (the lookups used to drop the table
-    copies a save in progress had captured: "untracked resource"), and so do
-    saves after such lookups (TensorFlow reuses the functions traced for the
-    first save); each save holds the values of its time."""
-    import threading
-
-    table = E.TableConfig(vocabulary_size=100, dim=8, combiner="sum", name="t")
+def _served_model(rows: int, dim: int):
+    """(table, EmbeddingForServing of one sum feature "a", a tf.Module whose
+    ``serve`` looks "a" up: what the export tests save)."""
+    table = E.TableConfig(vocabulary_size=rows, dim=dim, combiner="sum", name="t")
     emb = EmbeddingForServing({"a": E.FeatureConfig(table)})
 
     class Model(tf.Module):
@@ -202,7 +197,18 @@ def test_export_while_other_threads_serve(tmp_path, rng):
         def serve(self, x):
             return self.emb(x)
 
-    model = Model()
+    return table, emb, Model()
+
+
+def test_export_while_other_threads_serve(tmp_path, rng):
+    """Saves of one model while another thread keeps running eager lookups
+    on the same object all succeed (the lookups used to drop the table
+    copies a save in progress had captured: "untracked resource"), and so do
+    saves after such lookups (TensorFlow reuses the functions traced for the
+    first save); each save holds the values of its time."""
+    import threading
+
+    table, emb, model = _served_model(100, 8)
     x = {"a": tf.ragged.constant([[1, 2, 3], [4]], dtype=tf.int64)}
     stop = threading.Event()
     errors = []
@@ -241,19 +247,7 @@ def test_export_after_a_save_reads_the_current_values(tmp_path, rng):
     ``export_mode()`` block (an eager read of a handle, a lookup traced in
     it) and a later save see the values of their own time, not those of the
     earlier save; and the blocks that used the copies are not accumulated."""
-    table = E.TableConfig(vocabulary_size=10, dim=2, combiner="sum", name="t")
-    emb = EmbeddingForServing({"a": E.FeatureConfig(table)})
-
-    class Model(tf.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = emb
-
-        @tf.function(input_signature=[{"a": tf.RaggedTensorSpec([None, None], tf.int64)}])
-        def serve(self, x):
-            return self.emb(x)
-
-    model = Model()
+    table, emb, model = _served_model(10, 2)
     handle = emb.embedding_tables[table]
     x = {"a": tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)}
     spec = {"a": tf.RaggedTensorSpec([None, None], tf.int64)}
