@@ -5,9 +5,11 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -176,6 +178,26 @@ void BindCheckpoint(nb::module_& m) {
       },
       "info"_a, "index"_a, "include_slots"_a, "check_finite"_a, "progress"_a = nb::none(),
       "Verifies a table's files; `progress(bytes)` (optional) is called after each part of up to 64 MiB.");
+  m.def(
+      "load_tables",
+      [](const CheckpointInfo& info, const std::vector<std::tuple<size_t, Table*, int64_t, int64_t>>& items,
+         bool load_optimizer) {
+        for (const auto& [index, table, row_start, col_start] : items) {
+          if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
+          if (table == nullptr) throw InvalidArgument("load_tables: None given as a table");
+        }
+        // One call, without the GIL throughout: an interrupt (Ctrl-C) cannot stop it between two tables.
+        nb::gil_scoped_release release;
+        for (const auto& [index, table, row_start, col_start] : items) {
+          if (row_start < 0)
+            LoadTable(info, info.tables[index], *table, load_optimizer, false);
+          else
+            LoadTableBlock(info, info.tables[index], *table, row_start, col_start, load_optimizer, false);
+        }
+      },
+      "info"_a, "items"_a, "load_optimizer"_a,
+      "Loads, already verified, each (index, table, row_start, col_start) of `items`: the whole table `index` "
+      "where row_start < 0, else the block of it that `table` holds. All in one native call.");
   m.def(
       "load_table",
       [](const CheckpointInfo& info, size_t index, Table& table, bool load_optimizer, bool verify) {

@@ -277,8 +277,8 @@ def _load(path: str, into, include_optimizer: bool) -> None:
         plan.append((k, t))
     for k, t in plan:  # everything verified (and fits the target's dtype) before anything changes
         _embedcore.verify_table_block(info, k, t._native, 0, 0, bool(include_optimizer))
-    for k, t in plan:
-        _embedcore.load_table(info, k, t._native, bool(include_optimizer), False)
+    # One native call for every table: an interrupt cannot leave some tables loaded and others not.
+    _embedcore.load_tables(info, [(k, t._native, -1, 0) for k, t in plan], bool(include_optimizer))
 
 
 class Saver:

@@ -262,3 +262,46 @@ def test_a_save_that_fails_on_a_full_disk_removes_what_it_wrote(tmp_path):
     manifest = json.loads(_embedcore.read_info(path).manifest_json)
     named = {f["path"] for t in manifest["tables"] for f in t["values"]}
     assert set(os.listdir(path)) == named | {"MANIFEST"}
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_load_of_several_tables_loads_all_or_none(tmp_path):
+    # A signal handler that raises (Ctrl-C's KeyboardInterrupt) runs between
+    # two bytecodes: it must not land between two tables' loads. Timers of
+    # several delays put the interrupt in the verify pass, in the loads and
+    # after them; every outcome is the whole checkpoint or the tables untouched.
+    n = 40
+    saved = [ec.Table(name=f"t{i}", rows=2000, dim=16, initializer=ec.initializers.Uniform(-1, 1, seed=i))
+             for i in range(n)]
+    ec.save(tmp_path / "ckpt", saved)
+    before = [np.full((2000, 16), -7.0, np.float32) for _ in range(n)]
+    took_us = 10**9
+    for _ in range(3):  # the load's duration, warm
+        targets = [ec.Table(name=f"t{i}", rows=2000, dim=16) for i in range(n)]
+        start = time.perf_counter()
+        ec.load(tmp_path / "ckpt", targets)
+        took_us = min(took_us, int((time.perf_counter() - start) * 1e6))
+    outcomes = set()
+    previous = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(_Interrupted()))
+    try:
+        for delay_us in range(took_us // 8, took_us * 3 // 2, max(1, took_us // 120)):
+            targets = [ec.Table(name=f"t{i}", rows=2000, dim=16, initializer=ec.initializers.Constant(-7.0))
+                       for i in range(n)]
+            signal.setitimer(signal.ITIMER_REAL, delay_us / 1e6)
+            try:
+                ec.load(tmp_path / "ckpt", targets)
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            except _Interrupted:
+                pass
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            loaded = [np.array_equal(t.values(), s.values()) for t, s in zip(targets, saved)]
+            untouched = [np.array_equal(t.values(), b) for t, b in zip(targets, before)]
+            assert all(loaded) or all(untouched), f"interrupted at {delay_us} us: {sum(loaded)} of {n} tables loaded"
+            outcomes.add(all(loaded))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert outcomes == {True, False}, f"the interrupt never landed {'before' if True in outcomes else 'after'} the load"

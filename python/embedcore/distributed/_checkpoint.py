@@ -182,9 +182,8 @@ def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
                               "; a link re-pointed or a save committed meanwhile); nothing was loaded, load again")
     error = None
     try:
-        for k, table, s in plan:
-            _embedcore.load_table_block(info, k, table._native, s.row_start, s.col_start, bool(include_optimizer),
-                                        False)
+        _embedcore.load_tables(info, [(k, table._native, s.row_start, s.col_start) for k, table, s in plan],
+                               bool(include_optimizer))
     except Exception as e:  # noqa: BLE001
         error = e
     agree(comm, error, step=emb.step_name("load: read"))
