@@ -241,7 +241,9 @@ def load(path, into, include_optimizer: bool = True) -> None:
     """Loads the checkpoint at `path` into a Table or Embedding, matching
     tables by name. Every file the load needs is verified before any table
     changes, so a missing, truncated or corrupt checkpoint raises
-    ``CheckpointError`` and leaves `into` exactly as it was.
+    ``CheckpointError`` and leaves `into` exactly as it was. The tables
+    change in one native call, so an interrupt (Ctrl-C) stops the load
+    before any table changes or takes effect once all have.
 
     include_optimizer: also the slots and step count (when the checkpoint has
         them and the optimizers match); False loads the values only. A
