@@ -150,11 +150,13 @@ void BindCheckpoint(nb::module_& m) {
 
   m.def(
       "read_info",
-      [](const std::string& path) {
+      [](const std::string& path, bool slot_files) {
         nb::gil_scoped_release release;
-        return ReadCheckpointInfo(path);
+        return ReadCheckpointInfo(path, slot_files);
       },
-      "path"_a, "Reads and validates a checkpoint's manifest; reads no values.");
+      "path"_a, "slot_files"_a = true,
+      "Reads and validates a checkpoint's manifest and checks that its files (without `slot_files`: its values "
+      "files) are present with their sizes; reads no values.");
 
   m.def(
       "check_loadable",

@@ -614,7 +614,7 @@ void CommitManifest(const std::string& path, const std::string& json, uint64_t g
 }
 
 // Every data file the manifest names must be present with its stated size.
-void CheckFilesPresent(const std::string& path, const CheckpointInfo& info) {
+void CheckFilesPresent(const std::string& path, const CheckpointInfo& info, bool slot_files = true) {
   auto check = [&](const FileEntry& f) {
     const std::string p = JoinPath(path, f.path);
     struct stat fs;
@@ -626,8 +626,9 @@ void CheckFilesPresent(const std::string& path, const CheckpointInfo& info) {
   };
   for (const TableEntry& t : info.tables) {
     for (const FileEntry& f : t.values) check(f);
-    for (const auto& files : t.slots)
-      for (const FileEntry& f : files) check(f);
+    if (slot_files)
+      for (const auto& files : t.slots)
+        for (const FileEntry& f : files) check(f);
   }
 }
 
@@ -914,10 +915,10 @@ CheckpointInfo ReadManifest(const std::string& path) {
 }
 }  // namespace
 
-CheckpointInfo ReadCheckpointInfo(const std::string& path) {
+CheckpointInfo ReadCheckpointInfo(const std::string& path, bool slot_files) {
   CheckpointInfo info = ReadManifest(path);
   // Every data file must exist with the stated size (no values are read).
-  CheckFilesPresent(path, info);
+  CheckFilesPresent(path, info, slot_files);
   return info;
 }
 
@@ -1150,7 +1151,7 @@ void TouchRow(const M& m, int64_t row) {
 MappedCheckpoint::MappedCheckpoint(const std::string& given, Verify verify) {
   const std::string path = ResolvedPath(given);  // every file from one directory, whatever a symlink does meanwhile
   CheckpointLock lock(path, false);  // until the files are mapped: no save's commit removes them meanwhile
-  info_ = ReadCheckpointInfo(path);
+  info_ = ReadCheckpointInfo(path, /*slot_files=*/false);  // serving reads values only
   info_.path = given;  // what the caller named (a link such as /models/current stays one)
   for (const TableEntry& t : info_.tables) {
     auto table = std::make_unique<MappedTable>();

@@ -232,9 +232,11 @@ def _locked(path: str):
         lock.release()
 
 
-def read_info(path):
-    """The validated manifest of the checkpoint at `path` (reads no values)."""
-    return _embedcore.read_info(native_path(path))
+def read_info(path, slot_files: bool = True):
+    """The validated manifest of the checkpoint at `path` (reads no values);
+    checks that its files are present with their sizes (without
+    `slot_files`: its values files only)."""
+    return _embedcore.read_info(native_path(path), bool(slot_files))
 
 
 def load(path, into, include_optimizer: bool = True) -> None:
@@ -267,7 +269,7 @@ def load(path, into, include_optimizer: bool = True) -> None:
 
 
 def _load(path: str, into, include_optimizer: bool) -> None:
-    info = read_info(path)
+    info = read_info(path, slot_files=include_optimizer)  # a values-only load needs no slot files
     names = list(info.table_names)
     tables = _tables_of(into)
     plan = []

@@ -610,6 +610,23 @@ EMBEDCORE_TEST(MappedLookupsEqualTableLookups) {
   }
 }
 
+EMBEDCORE_TEST(MappedCheckpointNeedsNoSlotFiles) {
+  // Serving reads values only: a checkpoint copied to a serving host without
+  // its slot files opens; reading it for a load of the slots says what is missing.
+  TempDir dir;
+  const std::string path = dir.Sub("serve");
+  Table a(Spec("a", 200, 12, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 1));
+  Train(a, 2, 4);
+  SaveCheckpoint(path, {{&a, "{}"}}, SaveOptions{});
+  const CheckpointInfo info = ReadCheckpointInfo(path);
+  EMBEDCORE_EXPECT_EQ(info.tables[0].slots.size(), size_t(1));
+  EMBEDCORE_EXPECT_EQ(::unlink((path + "/" + info.tables[0].slots[0][0].path).c_str()), 0);
+  MappedCheckpoint m(path, MappedCheckpoint::Verify::kEager);
+  EMBEDCORE_EXPECT(std::memcmp(m.values(0), a.values(), a.value_bytes()) == 0);
+  EMBEDCORE_EXPECT_NO_THROW(ReadCheckpointInfo(path, /*slot_files=*/false));
+  EMBEDCORE_EXPECT_THROWS(ReadCheckpointInfo(path), CheckpointError, "missing file");
+}
+
 EMBEDCORE_TEST(MappedVerification) {
   // 20000 x 64 float32 = 5 MB: two 4 MiB checksum blocks. Corrupt a row in
   // the second block: lazy serving refuses it and serves the first block;

@@ -67,6 +67,28 @@ def test_open_arguments_and_table_checkpoints(tmp_path):
     assert "ServedCheckpoint" in repr(served)
 
 
+def test_serving_and_a_values_only_load_need_no_slot_files(tmp_path, rng):
+    # A trained checkpoint shipped to a serving host without its optimizer
+    # slots (the bulk of an Adam checkpoint) serves and loads its values.
+    t = make_table()
+    train(t, rng, 2)
+    ec.save(tmp_path / "c", t)
+    slot_files = [f for f in os.listdir(tmp_path / "c") if ".accumulators." in f]
+    assert slot_files
+    for f in slot_files:
+        os.remove(tmp_path / "c" / f)
+    served = ec.serving.open(tmp_path / "c", verify="eager").tables["t"]
+    ids = rng.integers(0, 500, 50)
+    np.testing.assert_array_equal(served.lookup(ids, np.array([0, 20, 50])), t.lookup(ids, np.array([0, 20, 50])))
+    fresh = make_table(seed=2)
+    ec.load(tmp_path / "c", fresh, include_optimizer=False)
+    np.testing.assert_array_equal(fresh.values(), t.values())
+    with pytest.raises(ec.CheckpointError, match=f"{slot_files[0]}: missing file"):
+        ec.load(tmp_path / "c", make_table(seed=2))  # the slots are asked for
+    with pytest.raises(ec.CheckpointError, match="missing file"):
+        ec.checkpoint.read_info(tmp_path / "c")  # what `embedcore verify` and `inspect` read
+
+
 def test_a_lazy_open_reads_no_values(tmp_path):
     t = make_table(rows=100_000, dim=32)  # 12.8 MB of values in 4 blocks
     ec.save(tmp_path / "c", t)

@@ -458,9 +458,11 @@ struct CheckpointInfo {
 };
 
 /// Reads and validates the manifest of the checkpoint at `path` and checks
-/// that every data file exists with the size the manifest states. Reads no
+/// that every data file exists with the size the manifest states (without
+/// `slot_files`, only the values files: a read of values alone, a load
+/// without the optimizer or serving, does not need the slots). Reads no
 /// values. Throws CheckpointError naming the file and what is wrong.
-CheckpointInfo ReadCheckpointInfo(const std::string& path);
+CheckpointInfo ReadCheckpointInfo(const std::string& path, bool slot_files = true);
 
 /// Checks that `entry` fits `table` (shape, optimizer slots when
 /// `load_optimizer`); throws CheckpointError otherwise. Reads nothing.

@@ -156,7 +156,7 @@ def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
     comm = emb.world
     error, plan, read = None, [], None
     try:
-        info = _embedcore.read_info(path)
+        info = _embedcore.read_info(path, bool(include_optimizer))
         read = (path, zlib.crc32(info.manifest_json.encode()))
         names = list(info.table_names)
         for (ti, si), table in sorted(emb._local.items()):
