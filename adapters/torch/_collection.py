@@ -21,7 +21,7 @@ from torch import Tensor, nn
 import embedcore as ec
 
 from . import _ops
-from ._modules import (_MODES, Embedding, EmbeddingBag, _AdapterModule, _torch_seed, check_ids,
+from ._modules import (_MODES, Embedding, EmbeddingBag, _AdapterModule, _table_device, _torch_seed, check_ids,
                        check_weights)
 
 __all__ = ["EmbeddingBagConfig", "EmbeddingConfig", "EmbeddingBagCollection", "EmbeddingCollection"]
@@ -247,6 +247,23 @@ class _Collection(_AdapterModule):
     def _tables_and_names(self) -> List[Tuple[Any, _Spec, List[str]]]:
         return list(zip(self._children_list(), self._specs, self._names))
 
+    @property
+    def device(self) -> torch.device:
+        """Where the tables live (TorchRec's ``device``)."""
+        return self._device
+
+    def reset_parameters(self) -> None:
+        """Initializes every table's values again, as TorchRec's: a config's
+        ``init_fn`` is called on the table's weight again (new draws), an
+        ``initializer`` gives the values the table had when built (it is
+        seeded). Optimizer slots and step stay as they are."""
+        for module, spec in zip(self._children_list(), self._specs):
+            if spec.init_fn is not None:
+                with torch.no_grad():
+                    spec.init_fn(module.weight)
+            else:
+                module._table.reset_values()
+
 
 class EmbeddingBagCollection(_Collection):
     """Pooled lookups of several tables, shaped like TorchRec's
@@ -293,6 +310,7 @@ class EmbeddingBagCollection(_Collection):
         self._specs = _specs(tables, True, owner)
         self._names = _embedding_names(self._specs)
         self._is_weighted = bool(is_weighted)
+        self._device = torch.device(_table_device(device) or "cpu")
         self.embedding_bags = nn.ModuleDict()
         for s in self._specs:
             self.embedding_bags[s.name] = EmbeddingBag(
@@ -385,6 +403,7 @@ class EmbeddingCollection(_Collection):
         self._specs = _specs(tables, False, "EmbeddingCollection")
         self._names = _embedding_names(self._specs)
         self._need_indices = bool(need_indices)
+        self._device = torch.device(_table_device(device) or "cpu")
         self.embeddings = nn.ModuleDict()
         for s in self._specs:
             self.embeddings[s.name] = Embedding(
@@ -401,6 +420,17 @@ class EmbeddingCollection(_Collection):
 
     def need_indices(self) -> bool:
         return self._need_indices
+
+    def embedding_names_by_table(self) -> List[List[str]]:
+        """The output names of each table's features, in table order."""
+        return [list(names) for names in self._names]
+
+    def embedding_dim(self) -> int:
+        """The tables' common dimension (TorchRec's collection has one)."""
+        dims = sorted({s.dim for s in self._specs})
+        if len(dims) != 1:
+            raise ValueError(f"EmbeddingCollection: the tables have dimensions {dims}, not one embedding_dim")
+        return dims[0]
 
     def forward(self, features):
         if _is_kjt(features):

@@ -171,6 +171,13 @@ class _Sharded:
                                   "optimizers update the shards inside backward(), with the learning rates of the "
                                   "embedcore optimizers (a callable learning_rate(step) for a schedule)")
 
+    def reset_parameters(self) -> None:
+        """Initializes this rank's shards again: each gets its block of the
+        values its table had when built (the initializers are seeded, so
+        the ranks agree without communicating). Slots and step stay."""
+        for table in self._embedding._local.values():
+            table.reset_values()
+
     def optimizer_state_dict(self) -> dict:
         raise NotImplementedError(f"{self._owner}: the optimizer state of a sharded collection is saved with "
                                   "ec.save(path, module) (collective)")

@@ -165,6 +165,7 @@ class Table(LookupMixin):
         native_opt = optimizer._native() if optimizer is not None else _opt.SGD()._native()
         self._optimizer = optimizer
         self._device = _device.parse_device(device, f"table '{self._name}'")
+        self._placement = tuple(_placement)
         self._native = _embedcore.Table(self._name, config.rows, config.dim, config.dtype,
                                         config.initializer._native(), native_opt, *_placement, self._device)
 
@@ -462,6 +463,20 @@ class Table(LookupMixin):
                 raise ValueError(f"table '{self._name}': values[{r}, {c}] = {v[r, c]} is beyond the range of its "
                                  f"storage dtype {self.dtype} (it would round to infinity)")
         self._native.assign_values(start_row, v)
+
+    def reset_values(self) -> None:
+        """Fills the values with the table's initializer again: the values it
+        had when created (every initializer is seeded; a shard gets those of
+        its block of the whole table). The slots and step stay as they are.
+        Works in blocks of at most 64 MiB beside the table."""
+        row0, col0, full_dim = self._placement
+        rows = max(1, (64 << 20) // (self.dim * np.dtype(np.float32).itemsize))
+        for r in range(0, self.rows, rows):
+            n = min(rows, self.rows - r)
+            block = TableConfig(self._name, n, self.dim, self.dtype, self._config.initializer, None,
+                                self._config.combiner)
+            fresh = Table(block, _placement=(row0 + r, col0, full_dim or self.dim))
+            self._native.assign_raw(r, fresh._native.values())
 
     def assign_slot(self, name: str, values, start_row: int = 0) -> None:
         names = self.slot_names

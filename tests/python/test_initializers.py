@@ -195,3 +195,24 @@ def test_initializer_equality():
     assert init.Uniform(0, 1, seed=2) != init.Uniform(0, 1, seed=3)
     assert hash(init.Normal(seed=1)) == hash(init.Normal(seed=1))
     assert init.Normal(seed=1) != init.TruncatedNormal(seed=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("make", [lambda: ec.initializers.Uniform(-1, 1, seed=3),
+                                  lambda: ec.initializers.TruncatedNormal(0, 1, seed=5),
+                                  lambda: ec.initializers.Constant(0.25), lambda: ec.initializers.Zeros()])
+def test_reset_values_gives_the_values_at_creation(dtype, make):
+    # 70000 x 300 float32 is 80 MiB: more than one 64 MiB block of the reset.
+    t = ec.Table(name="x", rows=70000, dim=300, dtype=dtype, initializer=make(),
+                 optimizer=ec.optimizers.Adagrad(0.1, initial_accumulator_value=0.5))
+    built = t.values().view(np.uint8).copy()
+    t.assign(np.full((70000, 300), 0.5, np.float32))
+    t.assign_slot("accumulators", np.full((3, 300), 2.0, np.float32))
+    t.reset_values()
+    np.testing.assert_array_equal(t.values().view(np.uint8), built)
+    assert t.slots()["accumulators"][0, 0] == 2.0 and t.slots()["accumulators"][3, 0] == 0.5  # slots stay
+    shard = ec.Table._shard(t.config, 1000, 100, 500, 150)  # a shard resets to its block of the whole table
+    shard.assign(np.zeros((1000, 100), np.float32))
+    shard.reset_values()
+    np.testing.assert_array_equal(shard.values().view(np.uint8), built.reshape(70000, -1)[500:1500].reshape(
+        1000, 300, -1)[:, 150:250].reshape(1000, -1))

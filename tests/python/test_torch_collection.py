@@ -1,6 +1,7 @@
 """EmbeddingBagCollection / EmbeddingCollection: dict features in every form,
 and (when TorchRec is installed) KeyedJaggedTensor inputs, EmbeddingBagConfig,
 KeyedTensor / JaggedTensor outputs and state dicts against TorchRec's modules."""
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -251,6 +252,37 @@ def test_configs_are_returned_as_given(torchrec):
     ecfgs = [torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1"])]
     ref, ours = torchrec.EmbeddingCollection(ecfgs), et.EmbeddingCollection(ecfgs)
     assert [c.embedding_dim for c in ours.embedding_configs()] == [c.embedding_dim for c in ref.embedding_configs()]
+
+
+def test_device_names_and_reset_parameters_as_torchrec(torchrec):
+    """device, embedding_names_by_table(), embedding_dim() and
+    reset_parameters() as TorchRec's collections have them."""
+    ecfgs = [torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f2"]),
+             torchrec.EmbeddingConfig(num_embeddings=20, embedding_dim=4, name="t2", feature_names=["f3"])]
+    ref, ours = torchrec.EmbeddingCollection(ecfgs), et.EmbeddingCollection(ecfgs)
+    assert ours.device == ref.device == torch.device("cpu")
+    assert ours.embedding_names_by_table() == ref.embedding_names_by_table() == [["f1", "f2"], ["f3"]]
+    assert ours.embedding_dim() == ref.embedding_dim() == 4
+    with pytest.raises(ValueError, match=r"dimensions \[4, 6\]"):
+        et.EmbeddingCollection([et.EmbeddingConfig(5, 4, name="a"), et.EmbeddingConfig(5, 6, name="b")]).embedding_dim()
+    # A TorchRec config's init_fn draws again, within its bounds (as TorchRec's reset_parameters).
+    bag_cfg = torchrec.EmbeddingBagConfig(num_embeddings=300, embedding_dim=4, name="t", feature_names=["f"],
+                                          weight_init_min=-0.1, weight_init_max=0.1)
+    ebc = et.EmbeddingBagCollection([bag_cfg, et.EmbeddingBagConfig(
+        200, 3, name="u", feature_names=["g"], initializer=ec.initializers.Uniform(-1, 1, seed=4),
+        optimizer=ec.optimizers.Adagrad(0.5))])
+    assert ebc.device == torch.device("cpu")
+    built_u = ebc.embedding_bags["u"].weight.detach().clone()
+    out = ebc({"f": torch.tensor([[1, 2]]), "g": torch.tensor([[3, 4]])})
+    (out["f"].sum() + out["g"].sum()).backward()  # trains u (fused) and leaves its accumulators changed
+    accumulators = ebc.embedding_bags["u"]._table.slots()["accumulators"].copy()
+    with torch.no_grad():
+        ebc.embedding_bags["t"].weight.fill_(5.0)
+    ebc.reset_parameters()
+    t = ebc.embedding_bags["t"].weight.detach()
+    assert float(t.min()) >= -0.1 and float(t.max()) <= 0.1 and torch.unique(t).numel() > 1000
+    assert torch.equal(ebc.embedding_bags["u"].weight.detach(), built_u)  # the seeded initializer's values
+    np.testing.assert_array_equal(ebc.embedding_bags["u"]._table.slots()["accumulators"], accumulators)
 
 
 def test_kjt_with_bags_not_one_per_key_and_example_is_refused():

@@ -331,6 +331,30 @@ def test_sharded_collections_take_torchrec_configs():
                                          init_fn=torch.nn.init.zeros_)], world=world))
 
 
+@pytest.mark.parametrize("sharding", ["row_wise", "column_wise"])
+def test_sharded_reset_parameters_restores_the_built_values(sharding):
+    """Each rank re-initializes its own shards; together they hold the
+    values the unsharded collection is built with."""
+    def tables():
+        return [et.EmbeddingBagConfig(30, 4, name="t", feature_names=["a"],
+                                      initializer=ec.initializers.TruncatedNormal(0, 0.3, seed=7))]
+
+    def fn(world):
+        m = et.EmbeddingBagCollection(tables(), optimizer=ec.optimizers.SGD(1.0), world=world, sharding=sharding)
+        m({"a": torch.tensor([[1, 2, 29]])})["a"].sum().backward()  # trains: the values move
+        trained = [t.to_numpy().copy() for _, t in m.embedding.local_shards["t"]]
+        m.reset_parameters()
+        return trained, [(s, t.to_numpy().copy()) for s, t in m.embedding.local_shards["t"]]
+
+    want = et.EmbeddingBagCollection(tables()).embedding_bags["t"].weight.detach().numpy()
+    results = run_local(2, fn)
+    assert any(not np.array_equal(v, s_v) for trained, shards in results for v, (_, s_v) in zip(trained, shards))
+    for _, shards in results:
+        for s, values in shards:
+            np.testing.assert_array_equal(values, want[s.row_start:s.row_start + s.rows,
+                                                       s.col_start:s.col_start + s.cols])
+
+
 def test_sharded_collection_under_torch_compile():
     """torch.compile (graph breaks allowed) runs the sharded collective
     lookup eagerly inside the compiled function (dynamo tracing into it
