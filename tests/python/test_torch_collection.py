@@ -78,6 +78,37 @@ def test_collection_errors():
         et.EmbeddingBagCollection([et.EmbeddingBagConfig(5, 2)])
 
 
+def test_bags_must_cover_every_value_as_torchrec():
+    """A feature whose offsets or lengths end before its last value is
+    refused (TorchRec's split by lengths refuses it; nn.EmbeddingBag's rule
+    that ids after the last offset belong to no bag is not TorchRec's)."""
+    ebc = et.EmbeddingBagCollection(_configs())
+    ok = (torch.tensor([1]), torch.tensor([0, 1]))
+    short = "features\\['f3'\\]: the offsets \\(or lengths\\) end at 1, but there are 3 values"
+    for feature in ({"values": torch.tensor([1, 2, 3]), "lengths": torch.tensor([1])},
+                    (torch.tensor([1, 2, 3]), torch.tensor([0, 1])), ec.Ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 1]))):
+        with pytest.raises(ValueError, match=short):
+            ebc({"f1": ok, "f2": ok, "f3": feature})
+    with pytest.raises(ValueError, match=r"features\['f3'\]\['lengths'\]\[1\] = -1 is negative"):
+        ebc({"f1": ok, "f2": ok, "f3": {"values": torch.tensor([1, 2]), "lengths": torch.tensor([3, -1])}})
+    ecol = et.EmbeddingCollection([et.EmbeddingConfig(10, 2, name="a", feature_names=["f"])])
+    with pytest.raises(ValueError, match=r"features\['f'\] offsets must be non-decreasing"):
+        ecol({"f": (torch.tensor([1, 2]), torch.tensor([0, 2, 1, 2]))})
+    with pytest.raises(ValueError, match="end at 1, but there are 2 values"):
+        ecol({"f": {"values": torch.tensor([1, 2]), "lengths": torch.tensor([1])}})
+    assert ecol({"f": {"values": torch.tensor([1, 2]), "lengths": torch.tensor([0, 2])}})["f"].shape == (2, 2)
+
+
+def test_kjt_whose_lengths_do_not_cover_its_values_is_refused_as_torchrec(torchrec):
+    kjt = torchrec.KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3, 4]),
+                                     lengths=torch.tensor([1, 1, 1]))
+    with pytest.raises(RuntimeError):
+        torchrec.EmbeddingBagCollection([torchrec.EmbeddingBagConfig(
+            num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f2", "f3"])])(kjt)
+    with pytest.raises(ValueError, match="KeyedJaggedTensor: the offsets \\(or lengths\\) end at 3, but there are 4"):
+        et.EmbeddingBagCollection(_configs())(kjt)
+
+
 def test_bad_id_position_names_the_feature():
     ebc = et.EmbeddingBagCollection(_configs())
     ok = (torch.tensor([1]), torch.tensor([0, 1]))
