@@ -7,6 +7,7 @@ every error.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,6 +18,7 @@ from . import _embedcore
 __all__ = ["Ragged", "Sparse"]
 
 _INT64_MAX = np.iinfo(np.int64).max
+_INT64_MIN = np.iinfo(np.int64).min
 
 
 class Ragged:
@@ -70,6 +72,9 @@ def to_numpy(x, where: str) -> np.ndarray:
     """A NumPy view of `x` (DLPack or buffer protocol), or a converted copy."""
     if isinstance(x, np.ndarray):
         return x
+    if _is_torch_bfloat16(x):
+        # DLPack and NumPy carry no bfloat16: widen it (exactly) in torch, on its device.
+        return to_numpy(x.detach().float(), where)
     if hasattr(x, "__dlpack__") and not isinstance(x, (list, tuple)):
         try:
             return np.from_dlpack(x)
@@ -79,6 +84,29 @@ def to_numpy(x, where: str) -> np.ndarray:
         return np.asarray(x)
     except Exception as e:  # noqa: BLE001 - report what could not be read, and where
         raise TypeError(f"{where} must be an array, got {type(x).__name__}: {e}") from None
+
+
+def _is_torch_bfloat16(x) -> bool:
+    return type(x).__module__.startswith("torch") and str(getattr(x, "dtype", "")) == "torch.bfloat16"
+
+
+def _is_bfloat16(dtype: np.dtype) -> bool:
+    """ml_dtypes' bfloat16 (TensorFlow's and JAX's NumPy arrays): a dtype of kind 'V'."""
+    return dtype.kind == "V" and dtype.name == "bfloat16" and dtype.itemsize == 2
+
+
+def _check_python_ints(x, a: np.ndarray, where: str) -> None:
+    """An object array made from a Python sequence: if it holds ints that do
+    not fit in int64 (which is why NumPy made it an object array), names the
+    first; otherwise returns (and the caller refuses the dtype)."""
+    if isinstance(x, np.ndarray) or a.dtype != object:
+        return
+    flat = a.reshape(-1)
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in flat):
+        return  # not all ints: a dtype error
+    for k, v in enumerate(flat):
+        if not _INT64_MIN <= int(v) <= _INT64_MAX:
+            raise IndexError(f"{where}: value {int(v)} at position {k} does not fit in int64")
 
 
 def as_int_array(x, where: str) -> np.ndarray:
@@ -94,6 +122,7 @@ def as_int_array(x, where: str) -> np.ndarray:
     elif a.size == 0 and a.dtype.kind == "f" and not isinstance(x, np.ndarray):
         a = a.astype(np.int64)  # an empty Python list
     else:
+        _check_python_ints(x, a, where)
         raise TypeError(f"{where} must be an integer array (int32 or int64), got dtype {a.dtype}")
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)  # (ascontiguousarray makes a 0-d array 1-d)
 
@@ -108,10 +137,27 @@ def as_offsets(x, where: str) -> np.ndarray:
 
 
 def as_weights(x, where: str) -> np.ndarray:
+    """float32, C-contiguous. Other float and integer dtypes (bfloat16
+    included) are converted; a finite value that float32 cannot hold (it
+    would become inf) is refused."""
     a = to_numpy(x, where)
+    if _is_bfloat16(a.dtype):
+        return np.ascontiguousarray(a.astype(np.float32))  # exact: bfloat16 is float32's upper half
     if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
         raise TypeError(f"{where} must be a float array, got dtype {a.dtype}")
-    return np.ascontiguousarray(a, dtype=np.float32)
+    with np.errstate(over="ignore"):  # (checked below)
+        w = np.ascontiguousarray(a, dtype=np.float32)
+    if a.dtype.kind == "f" and a.dtype.itemsize > 4:
+        inf = np.isinf(w)
+        if inf.any():
+            bad = (inf & np.isfinite(a)).reshape(-1)
+            if bad.any():
+                k = int(np.argmax(bad))
+                at = f"position {k}" if a.ndim <= 1 else f"index {[int(i) for i in np.unravel_index(k, a.shape)]}"
+                value = float(a.reshape(-1)[k])
+                raise ValueError(f"{where}: value {value!r} at {at} is outside the float32 range "
+                                 f"(it would become {'-' if value < 0 else ''}inf)")
+    return w
 
 
 def as_float32(x, where: str) -> np.ndarray:
@@ -137,6 +183,7 @@ class Batch:
     positions: Optional[np.ndarray] = None  # sparse: position of each id in its bag
     indices: Optional[np.ndarray] = None  # sparse: the caller's coordinates (only for overlap checks)
     dense_positions: bool = False  # sparse: every bag's positions are 0, 1, 2, ... (the CSR batch says it all)
+    order: Optional[np.ndarray] = None  # sparse, reordered row-major: ids[i] is the caller's values[order[i]]
 
     @property
     def num_bags(self) -> int:
@@ -147,7 +194,31 @@ class Batch:
         caller's): what a later ``apply_gradients`` reads cannot change."""
         copy = lambda a: None if a is None else a.copy()  # noqa: E731
         return Batch(copy(self.ids), copy(self.offsets), copy(self.weights), self.kind, self.width,
-                     copy(self.positions), dense_positions=self.dense_positions)
+                     copy(self.positions), dense_positions=self.dense_positions, order=self.order)
+
+
+_ID_POSITION = re.compile(r"(at position )(\d+)( of ids\b)")
+
+
+def in_callers_terms(e: Exception, batch: Optional[Batch] = None, where: Optional[str] = None) -> Exception:
+    """The engine's IndexError / ValueError `e` about a batch in the caller's
+    terms: the position of a bad id in the caller's array (a Sparse batch
+    not in row-major order is reordered before the engine sees it), and,
+    with `where` (a feature), which input it was; `e` itself when nothing
+    changes (subclasses such as CheckpointError are left as they are).
+    Called from an ``except`` clause, so a call that succeeds pays nothing:
+    ``raise in_callers_terms(e, batch) from None``."""
+    if type(e) not in (IndexError, ValueError):
+        return e
+    message = str(e)
+    if batch is not None and batch.order is not None:
+        m = _ID_POSITION.search(message)
+        if m is not None and int(m.group(2)) < len(batch.order):
+            caller = int(batch.order[int(m.group(2))])
+            message = f"{message[:m.start()]}{m.group(1)}{caller}{m.group(3)}{message[m.end():]}"
+    if where is not None:
+        message = f"{where}: {message}"
+    return e if message == str(e) else type(e)(message)
 
 
 def _dense_offsets(batch: int, k: int) -> np.ndarray:
@@ -228,13 +299,14 @@ def make_batch(ids, offsets=None, weights=None, where: str = "ids") -> Batch:
         # Bags are rows; within a row, ids keep the order of their positions.
         given = indices
         offs, positions, row_major, dense = _csr_of_coo(indices, shape, where)
+        order = None
         if not row_major:
             order = np.lexsort(indices.T[::-1])
             indices, values = indices[order], values[order]
             w = None if w is None else w[order]
             offs, positions, _, dense = _csr_of_coo(indices, shape, where)
         return Batch(np.ascontiguousarray(values), offs, w, "sparse", width=int(shape[1]), positions=positions,
-                     indices=given, dense_positions=dense)
+                     indices=given, dense_positions=dense, order=order)
 
     a = as_int_array(ids, where)
     if a.ndim == 0:

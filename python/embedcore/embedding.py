@@ -6,7 +6,7 @@ from typing import Dict, List, Optional
 
 from . import _device, _nest
 from . import optimizers as _opt
-from ._inputs import Batch, Ragged, Sparse, make_batch
+from ._inputs import Batch, Ragged, Sparse, in_callers_terms, make_batch
 from .config import FeatureConfig, TableConfig
 from .table import Table
 
@@ -38,8 +38,12 @@ class FeatureLookup:
         for name, x, w in zip(self._feature_names, flat_inputs, flat_weights):
             batches.append(make_batch(x, None, w, where=f"features[{name!r}]"))
         outputs = []
-        for f, b in zip(self._features, batches):
-            outputs.append(self._table(f)._lookup_batch(b, self._combiner(f), f.max_sequence_length))
+        for name, f, b in zip(self._feature_names, self._features, batches):
+            # The engine's errors (a bad id, bad offsets) name the feature: features may share a table.
+            try:
+                outputs.append(self._table(f)._lookup_batch(b, self._combiner(f), f.max_sequence_length))
+            except (IndexError, ValueError) as e:
+                raise in_callers_terms(e, b, f"features[{name!r}]") from None
         # Kept for apply_gradients, as copies: the caller may reuse its id buffers before the step.
         self._last = [b.owned() for b in batches] if self._trains else batches
         return _nest.pack_as(self._feature_config, outputs)
@@ -135,7 +139,10 @@ class Embedding(FeatureLookup):
                                                                where=f"features[{name!r}]")
             combiner = self._combiner(f)
             length = 0 if combiner is not None else f.max_sequence_length
-            outputs.append(table._cuda_lookup(ids, offsets, weights, combiner, length))
+            try:
+                outputs.append(table._cuda_lookup(ids, offsets, weights, combiner, length))
+            except (IndexError, ValueError) as e:
+                raise in_callers_terms(e, where=f"features[{name!r}]") from None
             parts.append((ids, offsets, weights, combiner, length))
         self._last = parts
         return _nest.pack_as(self._feature_config, outputs)

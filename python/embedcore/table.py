@@ -7,7 +7,7 @@ import numpy as np
 
 from . import _device, _embedcore
 from . import optimizers as _opt
-from ._inputs import Batch, Ragged, as_float32, as_offsets, make_batch
+from ._inputs import Batch, Ragged, as_float32, as_offsets, in_callers_terms, make_batch
 from .config import COMBINERS, TableConfig
 
 __all__ = ["Table"]
@@ -74,16 +74,22 @@ class LookupMixin:
             ``[batch, max_sequence_length, dim]`` (truncated or zero-padded;
             dense and sparse inputs default to their width; sparse inputs
             place each id at its position index).
+        max_sequence_length: with combiner=None, the ``L`` above (0: flat or
+            the input's width); refused with a pooling combiner.
         out: optional C-contiguous float32 array of the output's shape.
 
         Returns float32 ``[batch, dim]`` (pooled) or the sequence shapes above.
         """
         _check_max_sequence_length(max_sequence_length)
-        if getattr(self, "_device", -1) >= 0:
-            return self._cuda_lookup(ids, offsets, weights, self._combiner(combiner), max_sequence_length, out)
-        batch = make_batch(ids, offsets, weights)
         combiner = self._combiner(combiner)
-        return self._lookup_batch(batch, combiner, max_sequence_length, out)
+        _check_sequence_combiner(combiner, max_sequence_length)
+        if getattr(self, "_device", -1) >= 0:
+            return self._cuda_lookup(ids, offsets, weights, combiner, max_sequence_length, out)
+        batch = make_batch(ids, offsets, weights)
+        try:
+            return self._lookup_batch(batch, combiner, max_sequence_length, out)
+        except (IndexError, ValueError) as e:  # a reordered Sparse input: its ids' positions as the caller gave them
+            raise in_callers_terms(e, batch) from None
 
     __call__ = lookup
 
@@ -329,12 +335,16 @@ class Table(LookupMixin):
         if grads is None:
             raise TypeError("apply_gradients() missing the gradients: apply_gradients(ids, offsets, grads)")
         _check_max_sequence_length(max_sequence_length)
+        combiner = self._combiner(combiner)
+        _check_sequence_combiner(combiner, max_sequence_length)
         if self._device >= 0:
-            return self._cuda_apply([self._cuda_part(ids, offsets, weights, self._combiner(combiner),
-                                                     max_sequence_length, grads)])
+            return self._cuda_apply([self._cuda_part(ids, offsets, weights, combiner, max_sequence_length, grads)])
         batch = make_batch(ids, offsets, weights)
-        part = self._gradient_part(batch, self._combiner(combiner), max_sequence_length, grads)
-        self._apply_parts([part])
+        try:
+            part = self._gradient_part(batch, combiner, max_sequence_length, grads)
+            self._apply_parts([part])
+        except (IndexError, ValueError) as e:  # as lookup: a reordered Sparse input's ids at the caller's positions
+            raise in_callers_terms(e, batch) from None
 
     # ------------------------------------------------------------ device tables
     def _cuda_shape(self, ids, offsets, combiner, max_sequence_length) -> tuple:
@@ -505,6 +515,15 @@ def _check_max_sequence_length(value) -> None:
         raise TypeError(f"max_sequence_length must be an int, got {value!r}")
     if value < 0:
         raise ValueError(f"max_sequence_length must be >= 0, got {value}")
+    if value >= 2**63:
+        raise ValueError(f"max_sequence_length must be < 2**63, got {value}")
+
+
+def _check_sequence_combiner(combiner, max_sequence_length) -> None:
+    """A pooled lookup has no sequence length: one given is refused, not ignored."""
+    if combiner is not None and max_sequence_length:
+        raise ValueError(f"max_sequence_length applies to sequence lookups (combiner=None), got "
+                         f"max_sequence_length={max_sequence_length} with combiner {combiner!r}")
 
 
 def _row_index(table: str, name: str, value) -> int:

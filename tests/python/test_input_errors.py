@@ -1,0 +1,205 @@
+"""Input errors named in the caller's terms: a reordered Sparse batch's ids at
+their given positions, the feature of an ec.Embedding / served checkpoint,
+bfloat16 weights accepted, and edge values (huge ints, weights beyond
+float32, max_sequence_length) refused with a message naming them."""
+import re
+
+import numpy as np
+import pytest
+
+import embedcore as ec
+from helpers import assert_unchanged, snapshot
+
+
+def _table(**kw):
+    return ec.Table(name="t", rows=10, dim=2, initializer=ec.initializers.Uniform(-1, 1, seed=3), **kw)
+
+
+# ------------------------------------------------ Sparse ids not in row-major order
+@pytest.mark.parametrize("combiner", ["sum", None])
+def test_sparse_unordered_bad_id_named_at_callers_position(combiner):
+    t = _table()
+    sp = ec.Sparse(indices=[[1, 0], [0, 0], [0, 1]], values=[99, 1, 2], dense_shape=[2, 2])
+    with pytest.raises(IndexError, match=re.escape("table 't': id 99 at position 0 of ids is out of range [0, 10)")):
+        t.lookup(sp, combiner=combiner)
+    sp = ec.Sparse(indices=[[1, 0], [0, 0], [0, 1]], values=[1, 99, 2], dense_shape=[2, 2])
+    with pytest.raises(IndexError, match=re.escape("id 99 at position 1 of ids is out of range")):
+        t.lookup(sp, combiner=combiner)
+    # With gaps (the run-summing sequence path) and past max_sequence_length (dropped but checked).
+    sp = ec.Sparse(indices=[[1, 3], [1, 0], [0, 2]], values=[1, 2, 50], dense_shape=[2, 4])
+    with pytest.raises(IndexError, match=re.escape("id 50 at position 2 of ids is out of range")):
+        t.lookup(sp, combiner=combiner)
+    with pytest.raises(IndexError, match=re.escape("id 50 at position 2 of ids is out of range")):
+        t.lookup(sp, combiner=None, max_sequence_length=1)
+
+
+def test_sparse_row_major_bad_id_position_unchanged():
+    t = _table()
+    sp = ec.Sparse(indices=[[0, 0], [0, 1], [1, 0]], values=[1, 2, 99], dense_shape=[2, 2])
+    with pytest.raises(IndexError, match=re.escape("table 't': id 99 at position 2 of ids is out of range [0, 10)")):
+        t.lookup(sp)
+
+
+def test_sparse_unordered_bad_id_in_apply_gradients():
+    t = _table(optimizer=ec.optimizers.SGD(0.1))
+    before = snapshot(t)
+    sp = ec.Sparse(indices=[[1, 0], [0, 0], [0, 1]], values=[99, 1, 2], dense_shape=[2, 2])
+    with pytest.raises(IndexError, match=re.escape("id 99 at position 0 of ids is out of range [0, 10)")):
+        t.apply_gradients(sp, grads=np.ones((2, 2), np.float32))
+    assert_unchanged(t, before)
+
+
+def test_sparse_unordered_good_batch_unchanged():
+    t = _table()
+    W = t.to_numpy()
+    sp = ec.Sparse(indices=[[1, 0], [0, 1], [0, 0]], values=[4, 5, 6], dense_shape=[2, 2])
+    np.testing.assert_allclose(t.lookup(sp, combiner="sum"), np.stack([W[5] + W[6], W[4]]), rtol=1e-6)
+
+
+# ------------------------------------------------ ec.Embedding / serving: the feature is named
+def _embedding():
+    item = ec.TableConfig("item", rows=20, dim=2)
+    return ec.Embedding({"item": ec.FeatureConfig(item), "hist": ec.FeatureConfig(item, max_sequence_length=3)},
+                        ec.optimizers.SGD(0.1))
+
+
+_GOOD = {"item": np.array([3, 4]), "hist": ec.Ragged(np.array([1, 2, 3]), np.array([0, 2, 3]))}
+
+
+def _check_feature_errors(lookup):
+    with pytest.raises(IndexError, match=re.escape(
+            "features['hist']: table 'item': id 50 at position 2 of ids is out of range [0, 20)")):
+        lookup({**_GOOD, "hist": ec.Ragged(np.array([1, 2, 50]), np.array([0, 2, 3]))})
+    with pytest.raises(IndexError, match=re.escape(
+            "features['item']: table 'item': id 50 at position 1 of ids is out of range [0, 20)")):
+        lookup({**_GOOD, "item": np.array([3, 50])})
+    with pytest.raises(ValueError, match=re.escape("features['hist']: offsets must be non-decreasing")):
+        lookup({**_GOOD, "hist": ec.Ragged(np.array([1, 2, 3]), np.array([0, 4, 3]))})
+    # A Sparse feature not in row-major order: the feature and the id's given position.
+    with pytest.raises(IndexError, match=re.escape(
+            "features['hist']: table 'item': id 77 at position 0 of ids is out of range [0, 20)")):
+        lookup({**_GOOD, "hist": ec.Sparse([[1, 0], [0, 0], [0, 1]], [77, 2, 3], [2, 3])})
+
+
+def test_embedding_engine_errors_name_the_feature():
+    emb = _embedding()
+    _check_feature_errors(emb)
+    assert emb(_GOOD)["hist"].shape == (2, 3, 2)
+
+
+def test_served_checkpoint_engine_errors_name_the_feature(tmp_path):
+    emb = _embedding()
+    ec.checkpoint.save(str(tmp_path / "ckpt"), emb)
+    srv = ec.serving.open(str(tmp_path / "ckpt"))
+    _check_feature_errors(srv)
+    np.testing.assert_array_equal(srv(_GOOD)["hist"], emb(_GOOD)["hist"])
+
+
+def test_embedding_huge_max_sequence_length_names_the_feature():
+    t = ec.TableConfig("t", rows=5, dim=2)
+    emb = ec.Embedding({"s": ec.FeatureConfig(t, max_sequence_length=2**63)})
+    with pytest.raises(ValueError, match=re.escape(
+            "features['s']: max_sequence_length must be < 2**63, got 9223372036854775808")):
+        emb({"s": ec.Ragged(np.array([1]), np.array([0, 1]))})
+
+
+# ------------------------------------------------ bfloat16 weights
+_BF16_VALUES = [1.0, -0.375, 3.0e38, 1.5e-30, 0.0, 7.0]  # each exact in bfloat16 after the cast below
+
+
+def _bf16_reference(t, ids, offs, w32):
+    return t.lookup(ids, offs, weights=w32)
+
+
+def test_numpy_bfloat16_weights_are_exact():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    t = _table(dtype="bfloat16")
+    ids, offs = np.array([1, 2, 3, 4, 5, 6]), np.array([0, 2, 6])
+    w = np.array(_BF16_VALUES, np.float32).astype(ml_dtypes.bfloat16)
+    w32 = w.astype(np.float32)
+    np.testing.assert_array_equal(t.lookup(ids, offs, weights=w), _bf16_reference(t, ids, offs, w32))
+    np.testing.assert_array_equal(t.lookup(ec.Ragged(ids, offs), weights=ec.Ragged(w, offs)),
+                                  _bf16_reference(t, ids, offs, w32))
+    # A strided view is converted as well.
+    wide = np.repeat(w, 2)[::2]
+    np.testing.assert_array_equal(t.lookup(ids, offs, weights=wide), _bf16_reference(t, ids, offs, w32))
+
+
+def test_torch_bfloat16_weights_are_exact():
+    torch = pytest.importorskip("torch")
+    t = _table()
+    ids, offs = np.array([1, 2, 3, 4, 5, 6]), np.array([0, 2, 6])
+    w = torch.tensor(_BF16_VALUES, dtype=torch.float32).to(torch.bfloat16)
+    w32 = w.float().numpy()
+    np.testing.assert_array_equal(t.lookup(torch.from_numpy(ids), torch.from_numpy(offs), weights=w),
+                                  _bf16_reference(t, ids, offs, w32))
+    w.requires_grad_(True)
+    np.testing.assert_array_equal(t.lookup(ids, offs, weights=w), _bf16_reference(t, ids, offs, w32))
+
+
+def test_other_void_dtypes_still_refused():
+    t = _table()
+    with pytest.raises(TypeError, match="weights must be a float array, got dtype"):
+        t.lookup(np.array([1, 2]), np.array([0, 2]), weights=np.zeros(2, "V2"))
+
+
+# ------------------------------------------------ edge values
+def test_max_sequence_length_beyond_int64_is_a_value_error():
+    t = _table()
+    for value in (2**63, np.uint64(2**64 - 1), 2**100):
+        with pytest.raises(ValueError, match=re.escape(f"max_sequence_length must be < 2**63, got {int(value)}")):
+            t.lookup(np.array([1]), np.array([0, 1]), combiner=None, max_sequence_length=value)
+
+
+def test_python_ints_beyond_int64_are_named():
+    t = _table()
+    with pytest.raises(IndexError, match=re.escape("ids: value 1180591620717411303424 at position 0 does not fit "
+                                                   "in int64")):
+        t.lookup([2**70])
+    with pytest.raises(IndexError, match=re.escape(f"ids: value {-2**70} at position 2 does not fit in int64")):
+        t.lookup([1, 2, -2**70], [0, 3])
+    with pytest.raises(IndexError, match=re.escape(f"offsets: value {2**70} at position 1 does not fit in int64")):
+        t.lookup([1, 2], [0, 2**70])
+    # Other object arrays keep their TypeError.
+    with pytest.raises(TypeError, match="got dtype object"):
+        t.lookup(np.array([1], dtype=object))
+    with pytest.raises(TypeError, match="got dtype object"):
+        t.lookup([2**70, "x"])
+
+
+@pytest.mark.parametrize("value", [1e39, -1e300])
+def test_float64_weights_beyond_float32_are_refused(value):
+    t = _table()
+    ids, offs = np.array([1, 2, 3]), np.array([0, 3])
+    sign = "-" if value < 0 else ""
+    with pytest.raises(ValueError, match=re.escape(f"weights: value {value!r} at position 1 is outside the float32 "
+                                                   f"range (it would become {sign}inf)")):
+        t.lookup(ids, offs, weights=np.array([1.0, value, 2.0]))
+    with pytest.raises(ValueError, match=re.escape(f"weights: value {value!r} at index [1, 0] is outside")):
+        t.lookup(ids.reshape(3, 1), weights=np.array([[1.0], [value], [2.0]]))
+
+
+def test_float64_weights_that_round_to_float32_max_are_accepted():
+    t = _table()
+    big = float(np.finfo(np.float32).max) * (1 + 2.0**-30)  # rounds to FLT_MAX, not to inf
+    out = t.lookup(np.array([1]), np.array([0, 1]), weights=np.array([big]), combiner="sum")
+    np.testing.assert_array_equal(out, t.lookup(np.array([1]), np.array([0, 1]),
+                                                weights=np.array([np.finfo(np.float32).max], np.float32),
+                                                combiner="sum"))
+
+
+def test_max_sequence_length_with_a_pooled_combiner_is_refused():
+    t = _table(optimizer=ec.optimizers.SGD(0.1), combiner="mean")
+    before = snapshot(t)
+    ids, offs = np.array([1, 2, 3]), np.array([0, 3])
+    msg = "max_sequence_length applies to sequence lookups (combiner=None), got max_sequence_length=2 with combiner "
+    with pytest.raises(ValueError, match=re.escape(msg + "'sum'")):
+        t.lookup(ids, offs, combiner="sum", max_sequence_length=2)
+    with pytest.raises(ValueError, match=re.escape(msg + "'mean'")):  # the table's default combiner
+        t.lookup(ids, offs, max_sequence_length=2)
+    with pytest.raises(ValueError, match=re.escape(msg + "'mean'")):
+        t.apply_gradients(ids, offs, np.ones((1, 2), np.float32), max_sequence_length=2)
+    assert_unchanged(t, before)
+    # 0 with a combiner, or a length with combiner=None, are fine.
+    assert t.lookup(ids, offs, combiner="sum", max_sequence_length=0).shape == (1, 2)
+    assert t.lookup(ids, offs, combiner=None, max_sequence_length=2).shape == (1, 2, 2)
