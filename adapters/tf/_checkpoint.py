@@ -23,6 +23,7 @@ of the table.
 from __future__ import annotations
 
 import os
+import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -129,7 +130,10 @@ class TFCheckpoint:
             key = _join(prefix, LAYOUTS) + ATTR
             found: Dict[str, StackedTable] = {}
             if key in self.shapes:
-                raw = self._reader.get_tensor(key)
+                try:
+                    raw = self._reader.get_tensor(key)
+                except (tf.errors.OpError, ValueError) as e:
+                    raise self._error(f"cannot read {key}", e) from None
                 raw = raw.item() if isinstance(raw, np.ndarray) else raw
                 if raw:
                     from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
@@ -234,9 +238,27 @@ class TFCheckpoint:
         dtype = self.dtypes[key]
         if dtype != tf.float32:
             raise ValueError(f"{self.path}: {key} holds {dtype.name}, not float32")
-        with tf.device("/CPU:0"):
-            t = tf.raw_ops.RestoreV2(prefix=self.path, tensor_names=[key], shape_and_slices=[spec], dtypes=[dtype])[0]
+        try:
+            with tf.device("/CPU:0"):
+                t = tf.raw_ops.RestoreV2(prefix=self.path, tensor_names=[key], shape_and_slices=[spec],
+                                         dtypes=[dtype])[0]
+        except tf.errors.OpError as e:  # a corrupt or truncated data file: DataLossError, OutOfRangeError, ...
+            raise self._error(f"cannot read {key}", e) from None
         return t.numpy()
+
+    def _error(self, what: str, e: Exception) -> ValueError:
+        """A read of the checkpoint's data failing with TensorFlow's error `e`,
+        as the ValueError that a failed read of its index is (naming the data
+        files the values are in)."""
+        import glob
+
+        data = sorted(glob.glob(glob.escape(self.path) + ".data-*")) or [self.path + ".data-*"]
+        message = getattr(e, "message", None) or str(e)
+        # An eager op's message: "{{function_node ...}} what went wrong [Op:RestoreV2]".
+        message = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", message)
+        message = re.sub(r"\s*\[Op:\w+\]$", "", message)
+        return ValueError(f"{self.path}: cannot read this TensorFlow checkpoint: {what} from "
+                          f"{', '.join(data)}: {type(e).__name__}: {message}")
 
     def read_into(self, prefix: str, name: str, slot: Optional[str], dest: np.ndarray) -> None:
         """Reads table `name` (or its `slot`) into `dest`, a writable

@@ -31,6 +31,15 @@ def _human(n: int) -> str:
 
 
 def _inspect(path: str, as_json: bool) -> int:
+    from .checkpoint import _locked, native_path, resolved_path
+
+    given = native_path(path)
+    path = resolved_path(given)
+    with _locked(path):  # as _verify: no save's commit removes the MANIFEST read meanwhile
+        return _inspect_locked(given, path, as_json)
+
+
+def _inspect_locked(given: str, path: str, as_json: bool) -> int:
     from .checkpoint import read_info
 
     info = read_info(path)
@@ -39,7 +48,7 @@ def _inspect(path: str, as_json: bool) -> int:
         print(json.dumps(manifest, indent=1))
         return 0
     major, minor = info.format_version
-    print(f"checkpoint {info.path}")
+    print(f"checkpoint {given}")
     print(f"  format {major}.{minor}, written by embedcore {info.library_version}, generation {info.generation}")
     # The reader validates what loading and serving use; the metadata and the sharding record are
     # printed as they are, whatever their shape (a '?' for what is missing).
@@ -106,22 +115,50 @@ def _verify_locked(path: str) -> int:
     if bar is not None:
         bar.close()
 
-    def blocks(files):  # the files' blocks, in any order (the format does not order them)
-        return sorted((f["row_start"], f["rows"], f.get("col_start", 0), f["cols"]) for f in files)
-
-    for t in manifest["tables"]:
-        ranges = blocks(t["values"])
-        for slot, files in t["slots"].items():
-            if blocks(files) != ranges:
-                print(f"{path}: table {t['name']}: slot {slot} holds other rows than the values", file=sys.stderr)
-                return 1
+    # Values and every slot hold the same rows: the manifest reader (read_info) refuses an array
+    # whose files do not tile [rows, dim] exactly once, which is all the format asks (docs/format.md);
+    # a slot may be split into other blocks than the values.
     print(f"{path}: OK ({len(names)} table(s); every checksum matches, every value and slot is finite, "
-          "values and slots hold the same rows)")
+          "values and every slot cover the whole table)")
     return 0
 
 
+# The options of each --from format: given with the other format, they would have no effect.
+_CONVERT_OPTIONS = {
+    "sok": (("dim", "--dim"), ("key_dtype", "--key-dtype"), ("rows", "--rows"), ("rename", "--rename")),
+    "tf": (("prefix", "--prefix"), ("combiner", "--combiner")),
+}
+
+
 def _convert(args) -> int:
+    for fmt, options in _CONVERT_OPTIONS.items():
+        for attr, flag in options:
+            if fmt != args.source_format and getattr(args, attr) is not None:
+                print(f"embedcore convert: {flag} is an option of --from {fmt}; --from {args.source_format} "
+                      "does not take it", file=sys.stderr)
+                return 2
+    if args.source_format == "sok":
+        try:
+            rows = _name_values(args.rows, "--rows", int, all_allowed=True)
+            names = _name_values(args.rename, "--rename", str)
+        except ValueError as e:
+            print(f"embedcore convert: {e}", file=sys.stderr)
+            return 2
+        empty = [item for item in args.rename or () if not item.rpartition("=")[2]]
+        if empty:
+            print(f"embedcore convert: --rename {empty[0]!r}: no table name after '='", file=sys.stderr)
+            return 2
+    if os.path.lexists(os.path.join(args.dst, "MANIFEST")) and not args.overwrite:
+        print(f"embedcore convert: {args.dst} already holds a checkpoint; pass --overwrite to replace it",
+              file=sys.stderr)
+        return 1
     if args.source_format == "tf":
+        # Before TensorFlow is imported: its start-up logging (oneDNN, CPU features) is not this command's
+        # output. setdefault: a user's own setting wins. The oneDNN notice is logged whatever the level
+        # unless oneDNN's custom operations are off, which changes nothing here (a conversion restores
+        # tensors, it computes nothing).
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
         try:
             from embedcore.adapters.tf import convert_tf_checkpoint
         except ImportError as e:
@@ -135,12 +172,6 @@ def _convert(args) -> int:
     from . import sok
 
     # sok.convert's steps, with a bar in bytes: the dump's arrays going into the tables, then the save.
-    try:
-        rows = _name_values(args.rows, "--rows", int, all_allowed=True)
-        names = _name_values(args.rename, "--rename", str)
-    except ValueError as e:
-        print(f"embedcore convert: {e}", file=sys.stderr)
-        return 2
     variables = sok.read_dump(args.src, dim=args.dim, key_dtype=args.key_dtype)
     slots = not args.no_optimizer
     arrays = sum(v.values.nbytes + (sum(a.nbytes for a in v.slots.values()) if slots else 0)
@@ -205,23 +236,57 @@ class _Defaulted(dict):
 def _reshard(args) -> int:
     from .distributed import reshard
 
-    plan = args.plan
-    if "=" in plan:
-        items = [item.strip() for item in plan.split(",") if item.strip()]
-        bad = [item for item in items if item.count("=") != 1 or not all(p.strip() for p in item.split("="))]
-        if bad:
-            raise ValueError(f"--plan: {bad[0]!r} is not NAME=PLAN (give one plan, or NAME=PLAN,NAME=PLAN,...)")
-        pairs = [(name.strip(), kind.strip()) for name, kind in (item.split("=") for item in items)]
-        names = [name for name, _ in pairs]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(f"--plan names table {twice[0]!r} more than once")
-        plan = dict(pairs)
+    # A malformed --plan or --max-file-mb is a ValueError (exit 1, as reshard's own checks of --world
+    # and of the plan's kinds and tables; tests/python/test_distributed_checkpoint.py holds to it).
+    plan = _plan_arg(args.plan)
     if args.max_file_mb < 0:
         raise ValueError(f"--max-file-mb must be >= 0, got {args.max_file_mb}")
-    print(reshard(args.src, args.dst, args.world, plan, max_file_bytes=args.max_file_mb << 20))
+    print(_summarized(reshard(args.src, args.dst, args.world, plan, max_file_bytes=args.max_file_mb << 20)))
     print(f"wrote {args.dst}")
     return 0
+
+
+def _plan_arg(plan: str):
+    """--plan: one kind, or NAME=KIND,NAME=KIND,... as a dict (reshard checks
+    the kinds and the table names)."""
+    if "=" not in plan:
+        return plan
+    items = [item.strip() for item in plan.split(",") if item.strip()]
+    bad = [item for item in items if item.count("=") != 1 or not all(p.strip() for p in item.split("="))]
+    if bad:
+        raise ValueError(f"--plan: {bad[0]!r} is not NAME=PLAN (give one plan, or NAME=PLAN,NAME=PLAN,...)")
+    pairs = [(name.strip(), kind.strip()) for name, kind in (item.split("=") for item in items)]
+    names = [name for name, _ in pairs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"--plan names table {twice[0]!r} more than once")
+    return dict(pairs)
+
+
+_LISTED = 8  # a plan description lists at most this many shards, or ranks' bytes, in full
+
+
+def _summarized(description: str) -> str:
+    """reshard's plan description, with the lists of a large world cut short:
+    a table's shards as the first few, '...' and the last; the bytes per rank
+    as min / max / total (the full lists of --world 1048576 are megabytes)."""
+    lines = []
+    for line in description.splitlines():
+        head, sep, rest = line.rpartition(" -> ")
+        if sep and line.startswith("  ") and rest.count(", ") >= _LISTED:
+            shards = rest.split(", ")
+            line = f"{head}{sep}{', '.join(shards[:3])}, ... ({len(shards) - 4} more), {shards[-1]}"
+        head, sep, rest = line.partition("bytes per rank (values + slots): ")
+        if sep and rest.count(", ") >= _LISTED:
+            try:
+                per_rank = [int(b.replace(",", "")) for b in rest.split(", ")]
+            except ValueError:  # not the numbers expected: as it is
+                per_rank = None
+            if per_rank:
+                line = (f"{head}{sep}min {min(per_rank):,}, max {max(per_rank):,}, total {sum(per_rank):,} "
+                        f"over {len(per_rank):,} ranks")
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _cmake_dir() -> int:
@@ -282,6 +347,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "default: mean, TableConfig's default)")
     p.add_argument("--no-optimizer", action="store_true", help="convert values only (without it, every optimizer "
                    "slot of the source must convert)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the checkpoint DST holds (without it, a DST with a checkpoint is refused)")
 
     p = sub.add_parser("reshard", help="rewrite a checkpoint for another number of ranks or sharding plan")
     p.add_argument("src")
@@ -301,30 +368,60 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if args.cmake_dir:
         return _cmake_dir()
+    # convert and reshard create DST: one that did not exist is removed again when the command fails
+    # leaving it empty (an empty directory reads as a checkpoint whose MANIFEST is missing).
+    new_dst = args.dst if args.command in ("convert", "reshard") and not os.path.lexists(args.dst) else None
+    rc = None
     try:
-        if args.command == "demo":
-            from .demo import run
-
-            return run(steps=args.steps, batch_size=args.batch_size, threads=args.threads, seed=args.seed,
-                       checkpoint=args.checkpoint)
-        if args.command == "info":
-            from . import build_info
-
-            print(json.dumps(build_info(), indent=2))
-            return 0
-        if args.command == "inspect":
-            return _inspect(args.path, args.json)
-        if args.command == "verify":
-            return _verify(args.path)
-        if args.command == "convert":
-            return _convert(args)
-        if args.command == "reshard":
-            return _reshard(args)
+        rc = _run(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below
+    except BrokenPipeError:
+        # The reader of stdout is gone (`embedcore inspect CKPT | head -1`). As the Python docs
+        # recommend (library/signal.html, "Note on SIGPIPE"): point stdout at devnull, so that the
+        # interpreter's last flush raises nothing, and exit quietly. The status is 141 (128 + SIGPIPE),
+        # what a shell reports for a command stopped by its pipe closing early (cat, grep).
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # a stdout without a descriptor (a test's capture)
+            pass
+        rc = 141
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"embedcore {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        rc = 1
     except MemoryError as e:  # an argument too large for this machine (--batch-size, --rows)
         print(f"embedcore {args.command}: MemoryError: {e or 'out of memory'}", file=sys.stderr)
-        return 1
-    parser.print_help(sys.stderr)
-    return 2
+        rc = 1
+    finally:
+        if new_dst is not None and rc != 0 and os.path.isdir(new_dst) and not os.path.islink(new_dst):
+            try:
+                os.rmdir(new_dst)  # only an empty directory: never anything else
+            except OSError:
+                pass
+    if rc is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return rc
+
+
+def _run(args) -> Optional[int]:
+    """Runs the subcommand; None for none."""
+    if args.command == "demo":
+        from .demo import run
+
+        return run(steps=args.steps, batch_size=args.batch_size, threads=args.threads, seed=args.seed,
+                   checkpoint=args.checkpoint)
+    if args.command == "info":
+        from . import build_info
+
+        print(json.dumps(build_info(), indent=2))
+        return 0
+    if args.command == "inspect":
+        return _inspect(args.path, args.json)
+    if args.command == "verify":
+        return _verify(args.path)
+    if args.command == "convert":
+        return _convert(args)
+    if args.command == "reshard":
+        return _reshard(args)
+    return None

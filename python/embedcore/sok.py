@@ -298,7 +298,9 @@ def to_tables(variables: Dict[str, SokVariable], rows: Union[None, int, Dict[str
     from .table import Table
 
     row_counts = _per_variable(rows, variables, "rows")
-    table_names = {name: new or name for name, new in _per_variable(names, variables, "names").items()}
+    # None: the SOK name; an empty name is refused below, not taken as None.
+    table_names = {name: name if new is None else new
+                   for name, new in _per_variable(names, variables, "names").items()}
     for name, new in table_names.items():
         if not isinstance(new, str) or not new:
             raise ValueError(f"names: the table name for SOK variable {name!r} must be a non-empty str, got {new!r}")

@@ -254,8 +254,9 @@ def test_verify_accepts_slot_files_listed_in_another_order(tmp_path, capsys):
     write_manifest(path, m)
     assert embedcore.cli.main(["verify", path]) == 0, capsys.readouterr().err
     assert "OK" in capsys.readouterr().out
-    # The control: slot files that tile the rows otherwise than the values are still reported
-    # (the slot file of an unsharded save of the same table, rows [0, 10) in one file).
+    # Slot files that tile the rows otherwise than the values are valid too (docs/format.md asks each
+    # array to tile [rows, dim]): the slot file of an unsharded save of the same table, rows [0, 10)
+    # in one file, beside values in [0, 5) and [5, 10).
     import shutil
 
     whole = ec.Embedding({"f": ec.FeatureConfig(t)}, ec.optimizers.Adam(0.1))
@@ -263,10 +264,16 @@ def test_verify_accepts_slot_files_listed_in_another_order(tmp_path, capsys):
     (whole_entry,) = read_manifest(tmp_path / "whole")["tables"]
     slot_file = whole_entry["slots"]["momenta"][0]
     shutil.copy(tmp_path / "whole" / slot_file["path"], os.path.join(path, "other." + slot_file["path"]))
+    momenta = entry["slots"]["momenta"]
     entry["slots"]["momenta"] = [dict(slot_file, path="other." + slot_file["path"])]
     write_manifest(path, m)
+    assert embedcore.cli.main(["verify", path]) == 0, capsys.readouterr().err
+    # The control: a slot that leaves rows out (one of its two files) is reported.
+    entry["slots"]["momenta"] = [f for f in momenta if f["row_start"] == 0]
+    write_manifest(path, m)
     assert embedcore.cli.main(["verify", path]) == 1
-    assert "table t: slot momenta holds other rows than the values" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "slots.momenta" in err and "covers rows [0, 5) of 10" in err
 
 
 def test_memory_error_and_a_huge_world_exit_cleanly(tmp_path, capsys, monkeypatch, emb_ckpt):
@@ -326,3 +333,250 @@ def test_verify_names_the_first_value_that_is_not_finite_across_parts(tmp_path, 
     ec.save(tmp_path / "c", t)
     assert embedcore.cli.main(["verify", str(tmp_path / "c")]) == 1
     assert "row 69000, column 299 is not finite" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ from the CLI audit
+def _tf_checkpoint(path):
+    """A TensorFlow checkpoint of TPUEmbeddingForServing (one Adagrad table
+    'ta', 20 x 4) at model/embedding; its data file."""
+    tf = pytest.importorskip("tensorflow")
+    E = tf.tpu.experimental.embedding
+    theirs = E.TPUEmbeddingForServing(
+        {"a": E.FeatureConfig(E.TableConfig(vocabulary_size=20, dim=4, name="ta", optimizer=E.Adagrad(0.1)))}, None)
+    theirs.build()
+    root = tf.train.Checkpoint(model=tf.Module())
+    root.model.embedding = theirs
+    prefix = root.save(str(path / "ckpt"))
+    (data,) = [str(path / n) for n in os.listdir(path) if ".data-" in n]
+    return prefix, data
+
+
+def _tf_quiet_env():
+    """ENV without the settings that silence TensorFlow's start-up logging."""
+    return {k: v for k, v in ENV.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")}
+
+
+def test_convert_tf_of_a_corrupt_or_truncated_data_file_is_one_line(tmp_path, capsys):
+    """RestoreV2's DataLossError / OutOfRangeError (a corrupt or truncated
+    .data file) went up as a traceback; they are a ValueError naming the
+    file, as a bad .index is, from the CLI and from load_tf_checkpoint."""
+    prefix, data = _tf_checkpoint(tmp_path / "tf")
+    from embedcore.adapters.tf import EmbeddingForServing, load_tf_checkpoint
+
+    raw = bytearray(open(data, "rb").read())
+    raw[10] ^= 0xFF
+    open(data, "wb").write(raw)
+    assert embedcore.cli.main(["convert", "--from", "tf", prefix, str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("embedcore convert: ValueError: ")
+    assert "DataLossError" in err and data in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()  # and no empty DST left behind
+    os.truncate(data, 10)
+    assert embedcore.cli.main(["convert", "--from", "tf", prefix, str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "OutOfRangeError" in err and data in err
+    import tensorflow as tf
+
+    E = tf.tpu.experimental.embedding
+    ours = EmbeddingForServing({"a": E.FeatureConfig(E.TableConfig(vocabulary_size=20, dim=4, name="ta"))})
+    with pytest.raises(ValueError, match="cannot read this TensorFlow checkpoint: .*" + data):
+        load_tf_checkpoint(prefix, ours, include_optimizer=False)
+
+
+def test_convert_tf_prints_no_tensorflow_start_up_logging(tmp_path):
+    prefix, _ = _tf_checkpoint(tmp_path / "tf")
+    r = subprocess.run([sys.executable, "-m", "embedcore", "convert", "--from", "tf", prefix, str(tmp_path / "out")],
+                       capture_output=True, text=True, env=_tf_quiet_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""  # no oneDNN or cpu_feature_guard lines
+    assert "converted 1 TensorFlow table(s) (ta)" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "embedcore", "convert", "--from", "tf", str(tmp_path / "absent"),
+                        str(tmp_path / "out2")], capture_output=True, text=True, env=_tf_quiet_env(), timeout=300)
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and "cannot read this TensorFlow checkpoint" in r.stderr, r.stderr
+
+
+def test_inspect_takes_the_directory_lock_while_saves_replace_the_checkpoint(tmp_path, capsys):
+    """inspect read the manifest's files without the shared lock that verify
+    takes: a save's commit removing the old generation between the MANIFEST
+    read and the data files' made it fail ('missing file') now and then."""
+    import threading
+    import time
+
+    path = str(tmp_path / "c")
+    tables = [ec.Table(name=f"t{i}", rows=50, dim=4) for i in range(60)]
+    ec.save(path, tables)
+    stop = threading.Event()
+    errors = []
+
+    def saver():
+        try:
+            while not stop.is_set():
+                ec.save(path, tables)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    th = threading.Thread(target=saver)
+    th.start()
+    failures, runs = [], 0
+    try:
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            if embedcore.cli.main(["inspect", path]) != 0:
+                failures.append(capsys.readouterr().err)
+            runs += 1
+    finally:
+        stop.set()
+        th.join()
+    capsys.readouterr()
+    assert not errors
+    assert runs > 20 and not failures, f"{len(failures)} of {runs} failed: {failures[:2]}"
+
+
+def test_verify_accepts_slots_split_into_other_row_blocks_than_the_values(tmp_path, capsys):
+    """docs/format.md asks each array (values, each slot) to tile [rows, dim];
+    a slot in two files [0, 20) + [20, 37) beside values in one file is valid
+    (load and serving take it), and verify said 'holds other rows'."""
+    from test_checkpoint_forge import crc32c, data_header
+
+    path = tmp_path / "c"
+    t = ec.Table(name="a", rows=37, dim=5, optimizer=ec.optimizers.Adagrad(0.1))
+    t.apply_gradients(np.arange(37), None, np.random.default_rng(0).standard_normal((37, 5)).astype(np.float32))
+    ec.save(path, t)
+    m = read_manifest(path)
+    (entry,) = m["tables"][0]["slots"]["accumulators"]
+    payload = open(path / entry["path"], "rb").read()[4096:]
+    files = []
+    for i, (r0, n) in enumerate(((0, 20), (20, 17))):
+        part = payload[r0 * 20:(r0 + n) * 20]
+        name = f"t00000.accumulators.p{i}.g000000000001.ecd"
+        header = data_header("float32", n, 5, len(part), entry["block_bytes"])
+        (path / name).write_bytes(header + b"\0" * (4096 - len(header)) + part)
+        bb = entry["block_bytes"]
+        files.append(dict(entry, path=name, bytes=4096 + len(part), row_start=r0, rows=n,
+                          crc32c=[crc32c(part[j:j + bb]) for j in range(0, len(part), bb)]))
+    os.remove(path / entry["path"])
+    m["tables"][0]["slots"]["accumulators"] = files
+    write_manifest(path, m)
+    t2 = ec.Table(name="a", rows=37, dim=5, optimizer=ec.optimizers.Adagrad(0.1))
+    ec.load(path, t2)  # the engine takes it
+    np.testing.assert_array_equal(t2.slots()["accumulators"], t.slots()["accumulators"])
+    assert embedcore.cli.main(["verify", str(path)]) == 0, capsys.readouterr().err
+    assert "OK" in capsys.readouterr().out
+    # The control: a corrupt slot block is still found.
+    flip_byte(path / files[1]["path"], 4096 + 3, 0x01)
+    assert embedcore.cli.main(["verify", str(path)]) == 1
+    assert files[1]["path"] in capsys.readouterr().err
+
+
+def test_failed_reshard_or_convert_leaves_no_new_empty_destination(tmp_path, capsys, monkeypatch):
+    src = tmp_path / "src"
+    ec.save(src, ec.Table(name="t", rows=100, dim=4))
+    (name,) = [n for n in os.listdir(src) if n.endswith(".ecd")]
+    flip_byte(src / name, 5000, 0x01)  # a corrupt payload: the reshard fails after creating DST
+    assert embedcore.cli.main(["reshard", str(src), str(tmp_path / "new"), "--world", "2"]) == 1
+    assert "checksum" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    # A DST that existed before, even empty, is left as it was; so is a non-empty one.
+    (tmp_path / "empty").mkdir()
+    assert embedcore.cli.main(["reshard", str(src), str(tmp_path / "empty"), "--world", "2"]) == 1
+    assert (tmp_path / "empty").is_dir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    assert embedcore.cli.main(["reshard", str(src), str(tmp_path / "full"), "--world", "2"]) == 1
+    assert os.listdir(tmp_path / "full") == ["keep.txt"]
+    # convert: a SOK conversion whose save fails after creating DST
+    sok = tmp_path / "sok"
+    sok.mkdir()
+    np.array([0, 3], np.int64).tofile(sok / "emb_keys.file")
+    np.ones((2, 4), np.float32).tofile(sok / "emb_values.file")
+    capsys.readouterr()
+
+    def failing_save(dst, tables):
+        os.makedirs(dst, exist_ok=True)
+        raise OSError("disk full")
+
+    monkeypatch.setattr("embedcore.sok.save_tables", failing_save)
+    assert embedcore.cli.main(["convert", "--from", "sok", str(sok), str(tmp_path / "conv"),
+                               "--key-dtype", "int64"]) == 1
+    assert "disk full" in capsys.readouterr().err
+    assert not (tmp_path / "conv").exists()
+
+
+@pytest.mark.parametrize("fmt,option", [
+    ("sok", ["--combiner", "mean"]), ("sok", ["--prefix", "model/embedding"]),
+    ("tf", ["--rows", "5"]), ("tf", ["--rename", "ta=zz"]), ("tf", ["--dim", "99"]), ("tf", ["--key-dtype", "uint32"]),
+])
+def test_convert_refuses_options_of_the_other_format(tmp_path, capsys, fmt, option):
+    # Refused before anything is read (no TensorFlow needed): exit 2, as the other bad options of convert.
+    assert embedcore.cli.main(["convert", "--from", fmt, str(tmp_path / "src"), str(tmp_path / "out"), *option]) == 2
+    other = "tf" if fmt == "sok" else "sok"
+    assert capsys.readouterr().err == (f"embedcore convert: {option[0]} is an option of --from {other}; "
+                                       f"--from {fmt} does not take it\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_an_empty_rename_target(tmp_path, capsys):
+    sok = tmp_path / "sok"
+    sok.mkdir()
+    np.array([0, 3], np.int64).tofile(sok / "emb_keys.file")
+    np.ones((2, 4), np.float32).tofile(sok / "emb_values.file")
+    assert embedcore.cli.main(["convert", "--from", "sok", str(sok), str(tmp_path / "out"), "--key-dtype", "int64",
+                               "--rename", "emb="]) == 2
+    assert "--rename 'emb=': no table name after '='" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    variables = ec.sok.read_dump(sok, key_dtype="int64")
+    with pytest.raises(ValueError, match="must be a non-empty str, got ''"):
+        ec.sok.to_tables(variables, names={"emb": ""})
+
+
+def test_convert_into_a_checkpoint_needs_overwrite(tmp_path, capsys, emb_ckpt):
+    import shutil
+
+    dst = tmp_path / "prod"
+    shutil.copytree(emb_ckpt, dst)
+    before = read_manifest(dst)
+    sok = tmp_path / "sok"
+    sok.mkdir()
+    np.array([0, 3], np.int64).tofile(sok / "emb_keys.file")
+    np.ones((2, 4), np.float32).tofile(sok / "emb_values.file")
+    args = ["convert", "--from", "sok", str(sok), str(dst), "--key-dtype", "int64"]
+    assert embedcore.cli.main(args) == 1
+    assert capsys.readouterr().err == (f"embedcore convert: {dst} already holds a checkpoint; "
+                                       "pass --overwrite to replace it\n")
+    assert read_manifest(dst) == before  # untouched
+    assert embedcore.cli.main(args + ["--overwrite"]) == 0
+    assert list(ec.checkpoint.read_info(dst).table_names) == ["emb"]
+    # An existing directory without a checkpoint needs no --overwrite.
+    (tmp_path / "empty").mkdir()
+    assert embedcore.cli.main(["convert", "--from", "sok", str(sok), str(tmp_path / "empty"),
+                               "--key-dtype", "int64"]) == 0
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(emb_ckpt):
+    """`embedcore inspect CKPT | head -1`: the reader goes away; no
+    BrokenPipeError on stderr, and the status of a command stopped by
+    SIGPIPE (141)."""
+    p = subprocess.Popen([sys.executable, "-m", "embedcore", "inspect", "--json", str(emb_ckpt)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    p.stdout.close()  # before the child writes: its first write finds no reader
+    err = p.stderr.read().decode()
+    p.wait(timeout=120)
+    assert p.returncode == 141, err
+    assert err == ""
+
+
+def test_reshard_summary_of_a_huge_world_is_short(tmp_path, capsys):
+    path = tmp_path / "c"
+    ec.save(path, ec.Table(name="t", rows=40, dim=2))
+    world = 1 << 20
+    assert embedcore.cli.main(["reshard", str(path), str(tmp_path / "r"), "--world", str(world),
+                               "--plan", "row_wise"]) == 0
+    out = capsys.readouterr().out
+    assert len(out) < 1000, len(out)
+    assert "bytes per rank (values + slots): min 0, max 8, total 320 over 1,048,576 ranks" in out
+    assert "row_wise -> " in out and "... (36 more), r1048575:rows[39:40]" in out
+    # A small world is listed in full, as before.
+    assert embedcore.cli.main(["reshard", str(path), str(tmp_path / "r2"), "--world", "2", "--plan", "row_wise"]) == 0
+    out = capsys.readouterr().out
+    assert "row_wise -> r0:rows[0:20], r1:rows[20:40]" in out and "bytes per rank (values + slots): 160, 160" in out
