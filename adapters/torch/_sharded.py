@@ -135,12 +135,20 @@ class _Sharded:
                     for s, o in zip(specs, opts)]
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             error = e
-        everyone = agree(world, error, (desc, [s.initializer for s in specs]), step="Embedding(): construction")
-        for r, (d, _) in enumerate(everyone):
+        # The module's own arguments that change what a rank computes (whether its KJT's weights are pooled,
+        # whether its outputs carry the ids) are compared too; device may differ (each rank its own GPU).
+        args = {k: getattr(self, f"_{k}") for k in ("is_weighted", "need_indices") if hasattr(self, f"_{k}")}
+        everyone = agree(world, error, (desc, args, [s.initializer for s in specs]), step="Embedding(): construction")
+        for r, (d, a, _) in enumerate(everyone):
+            if a != args:
+                k = next(k for k in args if a.get(k) != args[k])
+                raise ValueError(f"{self._owner}: rank {r} built the collection with {k}={a.get(k)!r}, rank "
+                                 f"{world.rank} with {k}={args[k]!r}; every rank must build the collection with "
+                                 "the same arguments")
             if d != desc:
                 raise ValueError(f"{self._owner}: rank {r} built different tables than rank {world.rank}: {d} "
                                  f"against {desc}; every rank must build the collection with the same arguments")
-        initializers = everyone[0][1]
+        initializers = everyone[0][2]
         tables = [ec.TableConfig(s.name, s.rows, s.dim, s.dtype, init, o, s.pooling or "sum")
                   for s, init, o in zip(specs, initializers, opts)]
         self._feature_configs = [ec.FeatureConfig(t, name=n) for t, names in zip(tables, self._names) for n in names]

@@ -22,6 +22,8 @@ sizes), ``all_gather_object`` or ``barrier`` of the group.
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -44,6 +46,12 @@ def _transport_device(group) -> torch.device:
     if "nccl" in name and not any(b in name for b in ("gloo", "mpi", "cpu:")):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# Per process group, the number of sharded embeddings made over it (Comm._embedding_numbering): shared by every
+# TorchComm of the group (init() returns a new object each call), dropped with the group.
+_numbering: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_numbering_lock = threading.Lock()
 
 
 class TorchComm(Comm):
@@ -84,6 +92,17 @@ class TorchComm(Comm):
     def group(self):
         """The ``torch.distributed`` process group (None: the default one)."""
         return self._group
+
+    def _embedding_numbering(self) -> list:
+        """Kept per process group (the default one for ``group=None``), so
+        that every TorchComm of one group, however many ``init()`` made,
+        numbers its embeddings in one sequence."""
+        group = self._group if self._group is not None else dist.group.WORLD
+        with _numbering_lock:
+            holder = _numbering.get(group)
+            if holder is None:
+                holder = _numbering[group] = [0]
+        return holder
 
     def __repr__(self) -> str:
         return (f"<TorchComm torch_backend={self.torch_backend!r} rank={self.rank} size={self.size} "

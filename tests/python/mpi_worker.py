@@ -46,6 +46,14 @@ Modes:
            steps, saves over DIR/ckpt and writes DIR/expected2.npz.
   inject   the first parity case with one output element of the last rank
            perturbed: must report a MISMATCH and exit 1 (the checker can fail).
+  towers   two embeddings with one table name, each built with its own
+           ``dist.init("mpi")`` (two Comm objects over MPI.COMM_WORLD) and one
+           with ``init("mpi", comm=MPI.COMM_WORLD)``, looked up in different
+           orders on different ranks: every rank must raise
+           CollectiveMismatchError naming embeddings 0 and 1 (the numbering
+           belongs to the communicator, not the object), no rank may get the
+           other tower's rows, and the world stays usable. One line per rank:
+           ``TOWERS rank R/N: <outcome>``.
 
 Several modes run in one launch, in order. Without --dir, train and fail use a
 temporary directory rank 0 makes and removes (the ranks share a file system).
@@ -644,6 +652,32 @@ def mode_rank0_save(world, model: "Model", directory: str) -> None:
         sys.exit(0)
 
 
+def mode_towers(world, chk: Checker) -> None:
+    from mpi4py import MPI
+
+    def tower(value, comm):
+        t = ec.TableConfig("emb", 4, 2, initializer=ec.initializers.Uniform(value, value), combiner="sum")
+        return ec.Embedding({"ids": ec.FeatureConfig(t)}, world=comm, sharding="row_wise")
+
+    first_tower = tower(1.0, dist.init("mpi"))
+    base = int(first_tower.step_name("").split("embedding ")[1].split(" ")[0])  # embeddings the other modes made
+    towers = [first_tower, tower(5.0, dist.init("mpi")), tower(9.0, dist.init("mpi", comm=MPI.COMM_WORLD))]
+    x = {"ids": np.array([0, 3])}
+    r = world.rank
+    order = towers if r == 0 else towers[::-1]
+    try:
+        got = [t(x)["ids"] for t in order]
+        outcome = f"no error; tower values {[float(g[0, 0]) for g in got]}"
+    except dist.CollectiveMismatchError as e:
+        outcome = f"CollectiveMismatchError: {e}"
+    print(f"TOWERS rank {r}/{world.size}: {outcome}", flush=True)
+    last = base + len(towers) - 1
+    chk.ok(outcome.startswith("CollectiveMismatchError") and f"embedding {base} (tables emb)" in outcome
+           and f"embedding {last} (tables emb)" in outcome, "towers: a mismatch naming both embeddings", outcome)
+    for value, t in zip((1.0, 5.0, 9.0), towers):  # the same order everywhere: each tower its own rows
+        chk.ok(np.all(t(x)["ids"] == value), f"towers: tower of {value} after the mismatch")
+
+
 def cross_optimizer():
     """The optimizer of the save / restore modes (slots and a step that matters)."""
     return ec.optimizers.Adam(0.01, lazy_adam=False, bias_correction=True)
@@ -700,7 +734,7 @@ def mode_restore(world, chk: Checker, model: Model, directory: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("modes", nargs="+", choices=["parity", "train", "fail", "abort", "save", "restore", "inject",
-                                                   "rank0_save"])
+                                                   "rank0_save", "towers"])
     ap.add_argument("--dir", help="a directory every rank sees (save / restore; train makes one when absent)")
     args = ap.parse_args(argv)
     if any(m in ("save", "restore", "rank0_save") for m in args.modes) and not args.dir:
@@ -722,6 +756,8 @@ def main(argv=None) -> int:
             mode_fail(world, chk, model, args.dir)
         elif mode == "abort":
             mode_abort(world)
+        elif mode == "towers":
+            mode_towers(world, chk)
         elif mode == "rank0_save":
             mode_rank0_save(world, model, args.dir)
         elif mode == "save":

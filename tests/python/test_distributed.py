@@ -1316,3 +1316,31 @@ def test_sparse_sequence_with_repeated_positions_matches_unsharded(sharding):
             np.testing.assert_allclose(got[r], want, rtol=1e-6, atol=1e-6)
         else:
             np.testing.assert_array_equal(got[r].view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("case", ["dim", "learning rate", "max_sequence_length", "plan"])
+def test_a_construction_mismatch_names_the_table_the_field_and_both_values(case):
+    """Every rank holds every rank's description of the embedding, so the
+    ValueError says where they first differ: the table (or feature), the
+    field, and both ranks' values."""
+    def fn(world):
+        odd = world.rank == 1
+        table = ec.TableConfig("user", 100, 32 if odd and case == "dim" else 16, combiner="sum")
+        other = ec.TableConfig("item", 50, 4)
+        seq = 7 if odd and case == "max_sequence_length" else 5
+        lr = 0.5 if odd and case == "learning rate" else 0.05
+        sharding = {"user": "column_wise" if odd and case == "plan" else "row_wise"}
+        return ec.Embedding({"u": ec.FeatureConfig(table), "h": ec.FeatureConfig(other, max_sequence_length=seq)},
+                            opt.Adagrad(lr), world=world, sharding=sharding)
+
+    want = {"dim": ("table 'user' dim", "32", "16"),
+            "learning rate": ("optimizer learning_rate: rank", "0.5", "0.05"),
+            "max_sequence_length": ("feature 'h' max_sequence_length", "7", "5"),
+            "plan": ("table 'user' sharding", "column_wise", "row_wise")}[case]
+    for r, e in enumerate(_run(3, _catching(fn))):
+        assert isinstance(e, ValueError), (r, repr(e))
+        msg = str(e)
+        assert "optimizers or plan differ" in msg and want[0] in msg, msg
+        odd_rank, other_rank = (1, r) if r != 1 else (0, 1)  # each rank names the first rank that differs from it
+        assert f"rank {odd_rank} has " in msg and f"rank {other_rank} has " in msg, msg
+        assert want[1] in msg and want[2] in msg, msg

@@ -971,3 +971,134 @@ def test_ranks_that_read_different_checkpoints_load_nothing(tmp_path, monkeypatc
     for error, values in run_local(2, fn):
         assert error is not None and "the ranks read different checkpoints" in error
         assert values == [0.0]  # nothing loaded
+
+
+# ------------------------------------------------------------------ arguments every rank must agree on
+@pytest.mark.parametrize("arg, values", [
+    ("include_optimizer", (True, False, False)),
+    ("include_optimizer", (False, True, True)),
+    ("values_dtype", (None, "float16", "float16")),
+], ids=["include_optimizer-rank0-only", "include_optimizer-all-but-rank0", "values_dtype"])
+def test_ranks_saving_with_different_arguments_are_refused_and_write_nothing(tmp_path, arg, values):
+    """include_optimizer and values_dtype decide what each rank writes and
+    what rank 0's manifest says of every rank's files: they are compared in
+    the step that compares the path, and every rank raises ValueError naming
+    each rank's value; the previous checkpoint stays, byte for byte."""
+    path = str(tmp_path / "c")
+
+    def first(world):
+        emb = ec.Embedding(feature_config(), world=world, sharding="row_wise")
+        train(emb, world.rank, world.size)
+        ec.save(path, emb)
+
+    run_world(3, first)
+    before = dir_bytes(path)
+
+    def fn(world):
+        emb = ec.Embedding(feature_config(), world=world, sharding="row_wise")
+        train(emb, world.rank, world.size)
+        try:
+            ec.save(path, emb, **{arg: values[world.rank]})
+        except Exception as e:  # noqa: BLE001 - what each rank raised is what is tested
+            return e
+        return None
+
+    listed = ", ".join(f"rank {r} {v!r}" for r, v in enumerate(values))
+    for r, e in enumerate(run_world(3, fn)):
+        assert isinstance(e, ValueError), (r, repr(e))
+        assert f"different {arg} ({listed})" in str(e) and "nothing was written" in str(e), str(e)
+    assert dir_bytes(path) == before
+
+
+def test_ranks_loading_with_different_include_optimizer_are_refused_and_change_nothing(tmp_path):
+    """One rank loading without the optimizer state while the others load it
+    would leave slots of two trainings: every rank raises ValueError naming
+    each rank's value, before any table changes."""
+    path = str(tmp_path / "c")
+
+    def first(world):
+        emb = ec.Embedding(feature_config(), world=world, sharding="row_wise")
+        train(emb, world.rank, world.size)
+        ec.save(path, emb)
+
+    run_world(3, first)
+
+    def fn(world):
+        emb = ec.Embedding(feature_config(seed=100), world=world, sharding="row_wise")
+        before = shard_states(emb)
+        try:
+            ec.load(path, emb, include_optimizer=world.rank != 1)
+            error = None
+        except Exception as e:  # noqa: BLE001
+            error = e
+        return error, before, shard_states(emb)
+
+    for r, (e, before, after) in enumerate(run_world(3, fn)):
+        assert isinstance(e, ValueError), (r, repr(e))
+        assert "different include_optimizer (rank 0 True, rank 1 False, rank 2 True)" in str(e), str(e)
+        for key in before:
+            assert same_state(before[key], after[key]), f"rank {r}: {key} changed"
+
+
+# ------------------------------------------------------------------ reshard while SRC changes
+def test_reshard_reads_src_under_its_lock_from_the_first_read(tmp_path, monkeypatch, saved):
+    """docs/format.md: a reshard's reads hold SRC's shared lock, so that a
+    save committing into SRC meanwhile (which takes it exclusive) cannot
+    remove the files of the manifest it read. Every read of SRC's manifest,
+    the first included, happens while the lock is held."""
+    import fcntl
+
+    src = str(tmp_path / "src")
+    shutil.copytree(saved[(2, "row_wise")].path, src)
+    real = _embedcore.read_info
+    held = []
+
+    def spy(path, *args, **kwargs):
+        if os.path.realpath(path) == os.path.realpath(src):
+            fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a commit takes: free unless a read holds it
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+            finally:
+                os.close(fd)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(_embedcore, "read_info", spy)
+    ec.distributed.reshard(src, str(tmp_path / "dst"), 3, "column_wise")
+    assert held and all(held), f"SRC's manifest read without its lock: {held}"
+
+
+def test_reshard_resolves_a_src_link_once(tmp_path, monkeypatch, saved, reference):
+    """SRC given as a link (/models/current) that a deploy re-points while the
+    reshard runs: the reshard reads the checkpoint the link named when it
+    began (as load, verify and serving do), instead of mixing the manifest
+    of one with the files of the other (a false 'checksum mismatch')."""
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    shutil.copytree(saved[(2, "row_wise")].path, old)
+
+    def other(world):
+        emb = ec.Embedding(feature_config(seed=7), world=world, sharding="column_wise")
+        ec.save(new, emb)
+
+    run_world(3, other)
+    link = tmp_path / "current"
+    os.symlink(old, link)
+    real = _embedcore.load_table_block
+    repointed = []
+
+    def repointing(*args, **kwargs):
+        if not repointed:
+            os.unlink(link)
+            os.symlink(new, link)
+            repointed.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_embedcore, "load_table_block", repointing)
+    dst = str(tmp_path / "dst")
+    ec.distributed.reshard(str(link), dst, 3, "row_wise", max_file_bytes=64)
+    assert repointed
+    monkeypatch.undo()
+    _assert_loads_like_reference(dst, reference, 2, "column_wise")

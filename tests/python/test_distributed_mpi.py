@@ -292,3 +292,17 @@ def test_mpiexec_from_a_fresh_environment():
     rc, out, _ = run_mpi(2, ["-c", code], env=env)
     assert rc == 0, out
     assert sorted(re.findall(r"^hello (\d/\d \[.*\])$", out, re.M)) == ["0/2 [0, 1]", "1/2 [0, 1]"], out
+
+
+def test_two_towers_each_with_its_own_init_called_in_different_orders():
+    """dist.init("mpi") returns a new Comm each call; towers built with one
+    each (and one with comm=MPI.COMM_WORLD) are still numbered in one
+    sequence, so looking them up in different orders on different ranks
+    raises CollectiveMismatchError on every rank instead of silently serving
+    one tower's rows to the other."""
+    rc, out, _ = worker(2, "towers")
+    assert_all_ok(rc, out, 2, "towers", min_checks=4)
+    for r in (0, 1):
+        assert re.search(rf"^TOWERS rank {r}/2: CollectiveMismatchError: the ranks are in different collective "
+                         r"calls \(rank 0 in 'lookup: requests of embedding 0 \(tables emb\)', rank 1 in 'lookup: "
+                         r"requests of embedding 2 \(tables emb\)'\)", out, re.M), out

@@ -377,3 +377,89 @@ def test_sharded_collection_under_torch_compile():
     compiled = run_local(2, lambda world: fn(world, True))
     for (le, ve), (lc, vc) in zip(eager, compiled):
         assert le == pytest.approx(lc, rel=1e-6) and all(np.allclose(a, b, atol=1e-6) for a, b in zip(ve, vc))
+
+
+def test_sharded_collection_ranks_with_other_module_arguments_are_refused():
+    """is_weighted decides whether a rank pools its KJT's weights, and
+    need_indices what its outputs carry: a rank built with another value
+    makes every rank raise ValueError naming the argument and both values,
+    instead of pooling differently in silence."""
+    init = {"initializer": ec.initializers.Uniform(-0.5, 0.5, seed=3)}
+
+    def bags(world):
+        try:
+            et.EmbeddingBagCollection(_tables(**init), is_weighted=world.rank == 0, world=world, sharding="row_wise")
+        except ValueError as e:
+            return str(e)
+        return "built"
+
+    for r, msg in enumerate(run_local(2, bags)):
+        other = 1 - r
+        assert (f"rank {other} built the collection with is_weighted={other == 0}, rank {r} with "
+                f"is_weighted={r == 0}") in msg, msg
+
+    def sequences(world):
+        try:
+            et.EmbeddingCollection([et.EmbeddingConfig(5, 2, name="e", **init)], need_indices=world.rank == 1,
+                                   world=world, sharding="row_wise")
+        except ValueError as e:
+            return str(e)
+        return "built"
+
+    for r, msg in enumerate(run_local(2, sequences)):
+        assert "need_indices=" in msg and "same arguments" in msg, msg
+
+    # The same arguments everywhere: built.
+    assert run_local(2, lambda w: type(et.EmbeddingBagCollection(_tables(**init), is_weighted=True, world=w,
+                                                                 sharding="row_wise")).__name__) == \
+        ["ShardedEmbeddingBagCollection"] * 2
+
+
+TWO_TOWERS = r'''
+import sys
+import numpy as np
+import embedcore as ec
+from embedcore.distributed import CollectiveMismatchError
+from embedcore.adapters.torch import distributed as etd
+
+def tower(value):  # each tower with its own init(): another TorchComm object over the one default group
+    t = ec.TableConfig("emb", 4, 2, initializer=ec.initializers.Uniform(value, value), combiner="sum")
+    return ec.Embedding({"ids": ec.FeatureConfig(t)}, world=etd.init(), sharding="row_wise")
+
+user, item = tower(1.0), tower(5.0)
+r = user.world.rank
+first, second = (user, item) if r == 0 else (item, user)
+x = {"ids": np.array([0, 3])}
+try:
+    a = first(x)["ids"]
+    b = second(x)["ids"]
+    print(f"NO ERROR rank {r}: user tower gave {(a if r == 0 else b).tolist()}", flush=True)
+except CollectiveMismatchError as e:
+    print(f"MISMATCH rank {r}: {e}", flush=True)
+'''
+
+
+def test_two_towers_each_with_its_own_init_called_in_different_orders_raise_a_mismatch(tmp_path):
+    """init() returns a new TorchComm each call: the numbering of the
+    embeddings (which makes each one's steps distinct) belongs to the process
+    group, so two towers called in different orders on the two ranks raise
+    CollectiveMismatchError instead of serving each other's rows."""
+    script = tmp_path / "two_towers.py"
+    script.write_text(TWO_TOWERS)
+    exe = _torchrun()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [exe, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           str(script)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"two towers timed out:\n{out[-6000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    assert "NO ERROR" not in out, out[-6000:]
+    for r in (0, 1):
+        assert (f"MISMATCH rank {r}: the ranks are in different collective calls (rank 0 in 'lookup: requests of "
+                "embedding 0 (tables emb)', rank 1 in 'lookup: requests of embedding 1 (tables emb)')") in out, out

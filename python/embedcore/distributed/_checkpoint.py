@@ -72,15 +72,23 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
             generation = claim.generation
         except Exception as e:  # noqa: BLE001 - every rank learns it (agree)
             error = e
-    answers = agree(comm, error, (generation, os.path.abspath(path)), step=emb.step_name("save: generation"))
+    # The arguments that decide what each rank writes are compared in the same step: every rank's files go
+    # where rank 0 commits them, and rank 0's manifest describes every rank's files (their slots, their dtype).
+    mine = (os.path.abspath(path), bool(include_optimizer), values_dtype)
+    answers = agree(comm, error, (generation, mine), step=emb.step_name("save: generation"))
     generation = answers[0][0]
-    paths = [p for _, p in answers]
-    if any(p != paths[0] for p in paths):  # every rank's files go where rank 0 commits them
+    given = [a for _, a in answers]
+    differ = [(what, [g[i] for g in given]) for i, what in enumerate(("paths", "include_optimizer", "values_dtype"))
+              if any(g[i] != given[0][i] for g in given)]
+    if differ:
         if comm.rank == 0:
             _embedcore.remove_generation(path, generation)  # its claim
-        raise ValueError("save: the ranks gave different paths (" +
-                         ", ".join(f"rank {r} {p!r}" for r, p in enumerate(paths)) +
-                         "): every rank must save to the same directory, which rank 0 commits; nothing was written")
+        what, values = differ[0]
+        raise ValueError(f"save: the ranks gave different {what} (" +
+                         ", ".join(f"rank {r} {v!r}" for r, v in enumerate(values)) +
+                         ("): every rank must save to the same directory, which rank 0 commits" if what == "paths"
+                          else f"): every rank must pass the same {what} to the collective save") +
+                         "; nothing was written")
 
     error, written = None, []
     try:
@@ -175,7 +183,14 @@ def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
         error = e
     # Every rank's blocks verified before any rank changes, and of one checkpoint: a symlink re-pointed, or a
     # commit, between two ranks' reads of the manifest would mix two.
-    reads = [r for r in agree(comm, error, read, step=emb.step_name("load: verify"))]
+    answers = agree(comm, error, (read, bool(include_optimizer)), step=emb.step_name("load: verify"))
+    opts = [o for _, o in answers]
+    if any(o != opts[0] for o in opts):  # some ranks would load slots, the others not: one inconsistent state
+        raise ValueError("load: the ranks gave different include_optimizer (" +
+                         ", ".join(f"rank {r} {o!r}" for r, o in enumerate(opts)) +
+                         "): every rank must pass the same include_optimizer to the collective load; nothing "
+                         "was loaded")
+    reads = [r for r, _ in answers]
     if any(r[1] != reads[0][1] for r in reads):  # the manifests (their paths may differ between hosts)
         raise CheckpointError("load: the ranks read different checkpoints (" +
                               ", ".join(f"rank {r}: {p!r}" for r, (p, _) in enumerate(reads)) +
@@ -203,23 +218,28 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
     if isinstance(max_file_bytes, bool) or not isinstance(max_file_bytes, int) or max_file_bytes < 0:
         raise ValueError(f"reshard: max_file_bytes must be an int >= 0, got {max_file_bytes!r}")
     src, dst = native_path(src, "src"), native_path(dst, "dst")
+    # Resolved once, as load, verify and serving do: every read opens the files of one directory even while a
+    # link such as /models/current is re-pointed to another checkpoint meanwhile.
+    src = resolved_path(src)
 
-    def planned():
-        info = _embedcore.read_info(src)
-        manifest = json.loads(info.manifest_json)
-        specs = [(t["name"], t["rows"], t["dim"], t["dtype"], len(t["slots"])) for t in manifest["tables"]]
-        return info, manifest, make_plan(specs, world_size, plan)
-
-    planned()  # bad arguments are refused before dst is created
-    claim = _embedcore.GenerationClaim(dst)
+    claim = None
     try:
-        with _removed_on_failure(dst, claim.generation):
-            with _locked(src):  # src's files stay while they are read (dst's commit below cleans src if same)
-                info, manifest, layout = planned()  # again: a save may have replaced src meanwhile
+        # src's shared lock from the first read of its manifest to the last read of its files: a save's commit
+        # into src waits for it, so the manifest read and the files read are of one checkpoint. Released before
+        # dst's commit (which takes dst's lock exclusive, and cleans src when it is dst).
+        with _locked(src):
+            info = _embedcore.read_info(src)
+            manifest = json.loads(info.manifest_json)
+            specs = [(t["name"], t["rows"], t["dim"], t["dtype"], len(t["slots"])) for t in manifest["tables"]]
+            layout = make_plan(specs, world_size, plan)  # bad arguments are refused before dst is created
+            claim = _embedcore.GenerationClaim(dst)
+            with _removed_on_failure(dst, claim.generation):
                 tables = _reshard_into(info, manifest, layout, dst, claim.generation, world_size, max_file_bytes)
+        with _removed_on_failure(dst, claim.generation):
             _embedcore.commit_checkpoint(dst, _manifest(claim.generation, tables, manifest["metadata"]))
     finally:
-        claim.release()
+        if claim is not None:
+            claim.release()
     return layout.describe()
 
 

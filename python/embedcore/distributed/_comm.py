@@ -52,6 +52,19 @@ class Comm(ABC):
     def barrier(self) -> None:
         self.all_gather(None)
 
+    def _embedding_numbering(self) -> list:
+        """The number of sharded embeddings made so far over this
+        communicator, as a one-element list that every ``Comm`` over the same
+        underlying communicator shares (``init("mpi")`` called once per tower
+        gives two objects over one ``MPI.COMM_WORLD``): the embeddings' step
+        names must be unique per communicator, whatever object each was made
+        with. A backend whose objects each own their communicator (NCCL, a
+        user's ``Comm``) keeps it on the object, as here."""
+        holder = self.__dict__.get("_embedcore_numbering")
+        if holder is None:
+            holder = self._embedcore_numbering = [0]
+        return holder
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} backend={self.backend!r} rank={self.rank} size={self.size}>"
 
@@ -137,6 +150,7 @@ class _Board:
         self.failure: Optional[tuple] = None  # (rank, exception) of the first rank that failed
         self.departed: Optional[int] = None  # the first rank whose fn returned
         self.lock = threading.Lock()
+        self.numbering = [[0] for _ in range(size)]  # per rank: sharded embeddings made (Comm._embedding_numbering)
 
     def fail(self, rank: int, error: BaseException) -> None:
         with self.lock:
@@ -164,6 +178,9 @@ class LocalComm(Comm):
         self._board = board
         self.rank = rank
         self.size = board.size
+
+    def _embedding_numbering(self) -> list:
+        return self._board.numbering[self.rank]
 
     def _wait(self) -> None:
         try:
@@ -287,6 +304,24 @@ class MPIComm(Comm):
 
     def barrier(self):
         self._comm.Barrier()
+
+    def _embedding_numbering(self) -> list:
+        """Cached on the MPI communicator itself (an MPI attribute), so that
+        every MPIComm over it, however made (``init("mpi")`` per tower,
+        ``comm=MPI.COMM_WORLD``), numbers its embeddings in one sequence; the
+        attribute goes with the communicator when it is freed (a ``Dup()`` is
+        another communicator, with its own)."""
+        global _numbering_keyval
+        if _numbering_keyval is None:
+            _numbering_keyval = self._MPI.Comm.Create_keyval()
+        holder = self._comm.Get_attr(_numbering_keyval)
+        if holder is None:
+            holder = [0]
+            self._comm.Set_attr(_numbering_keyval, holder)
+        return holder
+
+
+_numbering_keyval = None  # the MPI attribute key of MPIComm._embedding_numbering, made on first use
 
 
 def _abort_on_uncaught(comm) -> None:

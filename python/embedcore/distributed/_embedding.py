@@ -59,6 +59,24 @@ def _whole_bags(ts: TableSharding) -> bool:
     return ts.kind != "row_wise" or len(ts.shards) == 1
 
 
+def _first_difference(r: int, theirs: tuple, m: int, mine: tuple) -> str:
+    """Where rank `r`'s construction description first differs from rank
+    `m`'s: the table or feature, the field, and both ranks' values."""
+    for kind, a, b in (("table", theirs[1], mine[1]), ("feature", theirs[2], mine[2])):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                field, u, v = next((fx, vx, vy) for (fx, vx), (_, vy) in zip(x, y) if vx != vy)
+                if isinstance(u, dict) and isinstance(v, dict):  # an optimizer: its class, or its first other field
+                    key = next(k for k in list(v) + list(u) if u.get(k) != v.get(k))
+                    field, u, v = f"{field} {key}", u.get(key), v.get(key)
+                which = repr(dict(y)["name"]) if field != "name" else f"#{i}"
+                return f"{kind} {which} {field}: rank {r} has {u!r}, rank {m} has {v!r}"
+        if len(a) != len(b):
+            return (f"rank {r} has {len(a)} {kind}s {[dict(x)['name'] for x in a]}, rank {m} has {len(b)} "
+                    f"{[dict(y)['name'] for y in b]}")
+    return f"plan: rank {r} has {theirs[0]!r}, rank {m} has {mine[0]!r}"
+
+
 class _Route:
     """What one rank sends one shard's owner for one feature, and how the
     answer goes back into the output."""
@@ -130,9 +148,13 @@ class ShardedEmbedding(Embedding):
             plan = make_plan(specs, self._world.size, sharding)
             # Every rank must build the same embedding: compare what decides routing and values.
             mine = (plan.describe(),
-                    [(e.name, e.rows, e.dim, e.dtype, e.combiner, repr(e.initializer),
-                      _optimizer_json(e.optimizer)) for e in (self._effective[c] for c in self._configs)],
-                    [(n, f.max_sequence_length, self._effective[f.table].name)
+                    [(("name", e.name), ("rows", e.rows), ("dim", e.dim), ("dtype", e.dtype),
+                      ("combiner", e.combiner), ("initializer", repr(e.initializer)),
+                      ("optimizer", _optimizer_json(e.optimizer)),
+                      ("sharding", (plan[e.name].kind, tuple(plan[e.name].shards))))
+                     for e in (self._effective[c] for c in self._configs)],
+                    [(("name", n), ("max_sequence_length", f.max_sequence_length),
+                      ("table", self._effective[f.table].name))
                      for n, f in zip(self._feature_names, self._features)])
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             error = e
@@ -140,13 +162,17 @@ class ShardedEmbedding(Embedding):
         for r, theirs in enumerate(everyone):
             if theirs != mine:
                 raise ValueError(f"Embedding: rank {r} built a different sharded embedding than rank "
-                                 f"{self._world.rank} (tables, features, initializers, optimizers or plan differ); "
-                                 "every rank must pass the same feature_config, optimizer and sharding")
+                                 f"{self._world.rank} (tables, features, initializers, optimizers or plan differ: "
+                                 f"{_first_difference(r, theirs, self._world.rank, mine)}); every rank must pass "
+                                 "the same feature_config, optimizer and sharding")
         # The embeddings of a world are numbered in the order they are made (the same on every rank: construction
         # is agreed), and every later step names its embedding: ranks that call two embeddings in different
-        # orders meet at steps of different names and raise CollectiveMismatchError, before any data moves.
-        index = getattr(self._world, "_embedcore_embeddings", 0)
-        self._world._embedcore_embeddings = index + 1
+        # orders meet at steps of different names and raise CollectiveMismatchError, before any data moves. The
+        # count belongs to the underlying communicator, not to the Comm object: two towers each made with its
+        # own init("mpi") (two objects over one MPI.COMM_WORLD) are still embeddings 0 and 1.
+        numbering = self._world._embedding_numbering()
+        index = numbering[0]
+        numbering[0] = index + 1
         self._tag = f"embedding {index} (tables {', '.join(e.name for e in self._effective.values())})"
         self._plan: ShardingPlan = plan
         # This rank's shards: (table index, shard index) -> Table.
