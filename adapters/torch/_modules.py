@@ -15,7 +15,6 @@ views them (DLPack, no copy). Training either way:
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import List, Optional
 
 import numpy as np
@@ -270,8 +269,10 @@ class _TableModule(_AdapterModule):
         if fused:
             self._group = {"params": [self.weight], "lr": table.learning_rate(), "table": table.name,
                            "optimizer": type(table.optimizer).__name__}
-        self._handle = _ops.register(table, self._group)
-        self._finalizer = weakref.finalize(self, _ops.unregister, self._handle)
+        # Registered while the module or an autograd graph of its lookups can use the table: the graph keeps
+        # the anchors alive (the weight unfused; fused, the group holds the weight, and the anchors stand for it).
+        holders = (self, self._anchor, self._frozen_anchor) if fused else (self, self.weight)
+        self._handle = _ops.register(table, self._group, holders)
 
     # ------------------------------------------------------------ lookup
     @property
@@ -350,7 +351,7 @@ class _TableModule(_AdapterModule):
     def __getstate__(self):
         state = super().__getstate__()
         table = state.pop("_table")
-        for k in ("_handle", "_finalizer", "_slots"):
+        for k in ("_handle", "_slots"):
             state.pop(k, None)
         slots = {k: v.detach().cpu().numpy().copy() for k, v in self._slots.items()}
         state["_table_snapshot"] = (table.config, table.step, slots, None if self._group is None else self._group["lr"],

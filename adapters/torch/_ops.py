@@ -23,6 +23,7 @@ that name the bad value.
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -55,10 +56,35 @@ _REGISTRY: Dict[int, _Entry] = {}
 _HANDLES = itertools.count(1)
 
 
-def register(table, group: Optional[dict] = None) -> int:
+def register(table, group: Optional[dict] = None, holders=()) -> int:
+    """Registers `table`; with `holders`, unregisters it (``release_with``)
+    once they are all collected."""
     handle = next(_HANDLES)
     _REGISTRY[handle] = _Entry(table, group)
+    if holders:
+        release_with(handle, holders)
     return handle
+
+
+def release_with(handle: int, holders) -> None:
+    """Unregisters `handle` once every object of `holders` has been
+    collected: a module and the tensors it passes to ``lookup`` as the anchor
+    (its weight, or its fused anchors), which the autograd graph of a lookup
+    keeps alive (AccumulateGrad nodes, saved tensors) until its backward is
+    done or the graph is freed, as ``nn.EmbeddingBag``'s graph keeps its
+    weight: a backward after ``del module`` still finds the table, and the
+    table is released when neither the module nor any graph can use it. (The
+    holders must not be reachable from the registry's entry, or they would
+    never be collected.)"""
+    finalizers: List[weakref.finalize] = []
+
+    def release():
+        # The last holder's finalizer unregisters (a finalizer is no longer alive when it runs; finalizers
+        # running in two threads at once: the later one to be popped sees none alive).
+        if not any(f.alive for f in finalizers):
+            unregister(handle)
+
+    finalizers.extend(weakref.finalize(h, release) for h in holders)
 
 
 def unregister(handle: int) -> None:
@@ -69,7 +95,8 @@ def _entry(handle: int) -> _Entry:
     try:
         return _REGISTRY[handle]
     except KeyError:
-        raise RuntimeError(f"embedcore table handle {handle} is not registered (its module was deleted)") from None
+        raise RuntimeError(f"embedcore table handle {handle} is not registered (its module, and every "
+                           "autograd graph of its lookups, were deleted)") from None
 
 
 # ------------------------------------------------------------------ inputs
@@ -536,6 +563,8 @@ def _setup_context(ctx, inputs, output):
     # the weight makes autograd refuse in-place changes of it (as nn.EmbeddingBag's backward does); fused,
     # the table's step tells whether an update (another lookup's backward) ran since this forward.
     keep_weight = ctx.weight_grads and grad_mode != FUSED
+    # Fused, the (frozen) anchor keeps the table registered (``release_with``) until this backward has read it.
+    ctx.anchor = anchor if ctx.weight_grads and grad_mode == FUSED else None
     ctx.with_step = with_step
     step = [output[-1]] if ctx.with_step and ctx.weight_grads else []
     ctx.save_for_backward(*ids, *offsets, *weights, *([anchor] if keep_weight else []), *step)

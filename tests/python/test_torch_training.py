@@ -326,3 +326,122 @@ def test_fused_training_in_a_multi_rank_job_warns_once():
                 et.EmbeddingBag(10, 4, optimizer=ec.optimizers.SGD(0.1))(ids, offsets)  # lookups only: no warning
     finally:
         dist.destroy_process_group()
+
+
+def _lookup_then_delete(rng, kind, module_cls, weighted, keep):
+    """A lookup, then (unless `keep`) `del module` and a collection, then its
+    backward. Returns what the backward trained: weight.grad (unfused) or the
+    table's values (fused)."""
+    import gc
+
+    w = uniform_weights(rng, ROWS, DIM)
+    kw = dict(optimizer=ec.optimizers.Adagrad(0.1)) if kind == "fused" else dict(sparse=kind == "sparse")
+    if module_cls is et.EmbeddingBag:
+        m = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True, **kw)
+        ids, offsets, psw = bags(rng, ROWS, BATCH, weighted=weighted)
+        psw = None if psw is None else psw.requires_grad_()
+        out = m(ids, offsets, psw)
+    else:
+        m = et.Embedding.from_pretrained(w, freeze=False, **kw)
+        psw, out = None, m(torch.from_numpy(rng.integers(0, ROWS, size=(BATCH, 3))))
+    weight, table = m.weight, m.table  # (neither keeps a fused module's table registered)
+    if not keep:
+        del m
+        gc.collect()
+    (out * torch.linspace(-1, 1, DIM)).sum().backward()
+    psw_grad = None if psw is None else psw.grad.clone()
+    return (table.values().copy() if kind == "fused" else weight.grad.to_dense().numpy()), psw_grad
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense", "fused"])
+@pytest.mark.parametrize("module_cls", [et.EmbeddingBag, et.Embedding])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_backward_after_the_module_is_deleted_trains_as_with_it(kind, module_cls, weighted):
+    """As nn.EmbeddingBag's graph keeps its weight, a lookup's graph keeps the
+    table registered: `out = m(...); del m; out.sum().backward()` gives the
+    gradient / applies the fused update that it gives with the module alive."""
+    if module_cls is et.Embedding and weighted:
+        pytest.skip("Embedding takes no per-sample weights")
+    got, got_psw = _lookup_then_delete(np.random.default_rng(7), kind, module_cls, weighted, keep=False)
+    want, want_psw = _lookup_then_delete(np.random.default_rng(7), kind, module_cls, weighted, keep=True)
+    np.testing.assert_array_equal(got, want)
+    assert (got_psw is None and want_psw is None) or torch.equal(got_psw, want_psw)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "fused", "fused-frozen"])
+@pytest.mark.parametrize("backward", [True, False])
+def test_the_table_is_released_once_no_module_or_graph_can_use_it(kind, backward):
+    """The table stays registered while the module or a lookup's graph lives,
+    and is released (unregistered, the ec.Table collected) once neither does,
+    whether the backward ran or not."""
+    import gc
+    import weakref
+
+    from embedcore.adapters.torch import _ops
+
+    opt = None if kind == "sparse" else ec.optimizers.SGD(0.1)
+    m = et.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True, optimizer=opt)
+    if kind == "fused-frozen":
+        m.weight.requires_grad = False  # only the per-sample weights' gradient reads the table
+    handle, table = m._handle, weakref.ref(m.table)
+    ids, offsets, psw = bags(np.random.default_rng(3), ROWS, BATCH, weighted=True)
+    out = m(ids, offsets, psw.requires_grad_())
+    del m
+    gc.collect()
+    assert handle in _ops._REGISTRY and table() is not None
+    if backward:
+        out.sum().backward()
+        assert psw.grad is not None
+    del out
+    gc.collect()
+    assert handle not in _ops._REGISTRY and table() is None
+
+
+def test_collections_backward_after_they_are_deleted():
+    import gc
+
+    from embedcore.adapters.torch import _ops
+
+    rng = np.random.default_rng(5)
+    ids, offsets, _ = bags(rng, 30, 4)
+    for optimizer in (None, ec.optimizers.SGD(0.1)):
+        ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(30, 4, name="t", feature_names=["f"])], optimizer)
+        ecol = et.EmbeddingCollection([et.EmbeddingConfig(30, 4, name="s", feature_names=["g"])], optimizer)
+        handles = [ebc.embedding_bags["t"]._handle, ecol.embeddings["s"]._handle]
+        tables = [ebc.embedding_bags["t"].table, ecol.embeddings["s"].table]
+        before = [t.values().copy() for t in tables]
+        loss = ebc({"f": (ids, offsets)})["f"].sum() + ecol({"g": (ids, offsets)})["g"].sum()
+        del ebc, ecol
+        gc.collect()
+        loss.backward()
+        if optimizer is not None:  # the fused update ran
+            assert all(not np.array_equal(t.values(), b) for t, b in zip(tables, before))
+        del loss
+        gc.collect()
+        assert not any(h in _ops._REGISTRY for h in handles)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_compiled_backward_after_the_module_is_deleted(fused):
+    import gc
+
+    torch._dynamo.reset()
+    try:
+        results = []
+        for keep in (True, False):
+            rng = np.random.default_rng(11)
+            w = uniform_weights(rng, ROWS, DIM)
+            kw = dict(optimizer=ec.optimizers.SGD(0.1)) if fused else dict(sparse=True)
+            m = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True, **kw)
+            weight, table = m.weight, m.table
+            compiled = torch.compile(m, fullgraph=True)
+            ids, offsets, _ = bags(rng, ROWS, BATCH)
+            out = compiled(ids, offsets)
+            if not keep:
+                del m, compiled
+                gc.collect()
+            out.sum().backward()
+            results.append(table.values().copy() if fused else weight.grad.to_dense().numpy())
+        np.testing.assert_array_equal(results[0], results[1])
+    finally:
+        torch._dynamo.reset()
