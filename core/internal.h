@@ -39,9 +39,34 @@ void Initialize(const InitializerSpec& spec, DType dtype, int64_t rows, int64_t 
 /// The value of element `index` (row * dim + col); the pure function behind Initialize.
 float InitialValue(const InitializerSpec& spec, int64_t dim, uint64_t index);
 
+/// `batch` with the engine's own copy of its offsets. The ids, offsets and
+/// weights are the caller's memory, read in place; validated offsets that a
+/// caller's thread rewrote before the kernels read them could send the
+/// kernels outside the arrays, so they are copied (num_bags + 1 values, a
+/// small fraction of a lookup's reads) and the copy is validated and used.
+/// (Ids are guarded where they are used instead: kernels::SafeRow.)
+class StableBatch {
+ public:
+  explicit StableBatch(const Batch& batch) : batch_(batch) {
+    if (batch.offsets != nullptr && batch.num_bags >= 0) {
+      offsets_.assign(batch.offsets, batch.offsets + batch.num_bags + 1);
+      batch_.offsets = offsets_.data();
+    }
+  }
+  StableBatch(const StableBatch&) = delete;
+  StableBatch& operator=(const StableBatch&) = delete;
+  const Batch& get() const { return batch_; }
+
+ private:
+  Batch batch_;
+  std::vector<int64_t> offsets_;
+};
+
 /// Runs the lookup kernels over `values` (rows x dim of `dtype`); the batch
 /// is already validated.
-void RunLookup(const void* values, DType dtype, int64_t dim, const Batch& batch, const OutputShape& shape, float* out);
+/// `rows`: the table's (an id outside it reads row 0: see kernels::SafeRow).
+void RunLookup(const void* values, DType dtype, int64_t rows, int64_t dim, const Batch& batch,
+               const OutputShape& shape, float* out);
 
 /// Stable LSD radix sort of `items` by their `key` member, keys < 2^key_bits.
 /// Each pass counts and scatters contiguous chunks of the items on the

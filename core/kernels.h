@@ -41,10 +41,22 @@ template <int kWrite = 0>
   for (; off < bytes; off += 64) __builtin_prefetch(c + off, kWrite, 3);
 }
 
+/// The row an id reads or writes: the id itself when it is in [0, rows),
+/// else row 0. The ids were validated before the kernels run, but they are
+/// the caller's memory, read in place: a caller's thread that rewrites them
+/// meanwhile gets wrong rows, never an access outside the table. (A
+/// compare and a conditional move per row: nothing beside its gather.)
+template <typename I>
+[[gnu::always_inline]] inline int64_t SafeRow(I id, int64_t rows) {
+  return uint64_t(int64_t(id)) < uint64_t(rows) ? int64_t(id) : 0;
+}
+
 /// One lookup, as the kernels see it. `table` holds rows x dim elements of
-/// the storage dtype; ids are already validated.
+/// the storage dtype; ids are already validated (and every row address is
+/// taken through SafeRow); offsets are the engine's own (see StableBatch).
 struct LookupArgs {
   const void* table = nullptr;
+  int64_t rows = 0;
   int64_t dim = 0;
   const void* ids = nullptr;
   int64_t nnz = 0;

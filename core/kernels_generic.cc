@@ -13,25 +13,26 @@ struct ScalarRows {
   static constexpr int kLanes = 4;
   static constexpr int kVectors = 4;
   template <int NV, typename I>
-  static void Pool(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
-                   const float* weights, int64_t pf_end, int64_t row_bytes) {
+  static void Pool(float* out, const T* table, int64_t rows, int64_t dim, int64_t c0, const I* ids, int64_t k0,
+                   int64_t k1, const float* weights, int64_t pf_end, int64_t row_bytes) {
     constexpr int64_t kCols = int64_t(NV) * kLanes;
     float acc[kCols] = {};
     for (int64_t k = k0; k < k1; ++k) {
       if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
-      const T* row = table + int64_t(ids[k]) * dim + c0;
+      const T* row = table + SafeRow(ids[k], rows) * dim + c0;
       const float w = weights ? weights[k] : 1.0f;
       for (int64_t d = 0; d < kCols; ++d) acc[d] += w * ops::ToFloat(row[d]);
     }
     for (int64_t d = 0; d < kCols; ++d) out[d] = acc[d];
   }
   template <int NV, typename I>
-  static void PoolGroup(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, const int64_t* offsets,
-                        int64_t p0, int64_t p1, const float* weights, int64_t pf_end, int64_t row_bytes) {
+  static void PoolGroup(float* out, const T* table, int64_t rows, int64_t dim, int64_t c0, const I* ids,
+                        const int64_t* offsets, int64_t p0, int64_t p1, const float* weights, int64_t pf_end,
+                        int64_t row_bytes) {
     constexpr int64_t kCols = int64_t(NV) * kLanes;
     float acc[kCols], s[kCols];
     for (int64_t p = p0; p < p1; ++p) {
-      Pool<NV>(s, table, dim, c0, ids, offsets[p], offsets[p + 1], weights, pf_end, row_bytes);
+      Pool<NV>(s, table, rows, dim, c0, ids, offsets[p], offsets[p + 1], weights, pf_end, row_bytes);
       for (int64_t d = 0; d < kCols; ++d) acc[d] = p == p0 ? s[d] : acc[d] + s[d];
     }
     for (int64_t d = 0; d < kCols; ++d) out[d] = acc[d];

@@ -2,8 +2,9 @@
 //   R::Axpy(acc, row, w, dim)   acc[d] += w * float(row[d])
 //   R::Scale(out, row, w, dim)  out[d]  = w * float(row[d])
 //   R::Load(row, dst, dim), R::Store(row, src, dim)
-//   R::Pool<NV>(out, table, dim, c0, ids, k0, k1, weights, pf_end, row_bytes)
+//   R::Pool<NV>(out, table, rows, dim, c0, ids, k0, k1, weights, pf_end, row_bytes)
 //       out[c] = sum over k in [k0, k1) of w_k * float(row(ids[k])[c0 + c]),
+//       each row's address through SafeRow(ids[k], rows),
 //       for the NV * R::kLanes columns from c0 (NV a power of two up to
 //       R::kVectors), accumulated in registers; when pf_end > 0 it also
 //       prefetches the row of ids[k + kPrefetchDistance] (< pf_end)
@@ -35,7 +36,8 @@ inline void PoolSmallerBlocks(const LookupArgs& a, const T* table, const I* ids,
                               int64_t& c0, int64_t& pf_end) {
   if constexpr (NV >= 1) {
     if (a.dim - c0 >= int64_t(NV) * R::kLanes) {
-      R::template Pool<NV>(acc + c0, table, a.dim, c0, ids, k0, k1, a.weights, pf_end, a.dim * int64_t(sizeof(T)));
+      R::template Pool<NV>(acc + c0, table, a.rows, a.dim, c0, ids, k0, k1, a.weights, pf_end,
+                           a.dim * int64_t(sizeof(T)));
       c0 += int64_t(NV) * R::kLanes;
       pf_end = 0;
     }
@@ -54,7 +56,7 @@ inline void PoolBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) 
   const int64_t k_end = pf_end;
   int64_t full = 0;
   for (; full + kBlock <= dim; full += kBlock, pf_end = 0)
-    R::template Pool<R::kVectors>(acc + full, table, dim, full, ids, k0, k1, a.weights, pf_end, row_bytes);
+    R::template Pool<R::kVectors>(acc + full, table, a.rows, dim, full, ids, k0, k1, a.weights, pf_end, row_bytes);
   PoolSmallerBlocks<R, R::kVectors / 2, T, I>(a, table, ids, k0, k1, acc, full, pf_end);
   if (pf_end != 0)  // no block ran (dim below one vector): prefetch as the tail loop used to
     for (int64_t k = k0; k < k1 && k + kPrefetchDistance < k_end; ++k)
@@ -62,7 +64,8 @@ inline void PoolBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) 
   if (full < dim) {
     for (int64_t d = full; d < dim; ++d) acc[d] = 0.0f;
     for (int64_t k = k0; k < k1; ++k)
-      R::Axpy(acc + full, table + int64_t(ids[k]) * dim + full, a.weights ? a.weights[k] : 1.0f, dim - full);
+      R::Axpy(acc + full, table + SafeRow(ids[k], a.rows) * dim + full, a.weights ? a.weights[k] : 1.0f,
+              dim - full);
   }
   if (a.combiner == ops::CombinerKind::kSum) return;  // the sum is the result; no denominator
   float sum_w = 0.0f, sum_w2 = 0.0f;
@@ -99,7 +102,7 @@ inline void GroupSmallerBlocks(const LookupArgs& a, const T* table, const I* ids
                                float* acc, int64_t& c0, int64_t& pf_end) {
   if constexpr (NV >= 1) {
     if (a.dim - c0 >= int64_t(NV) * R::kLanes) {
-      R::template PoolGroup<NV>(acc + c0, table, a.dim, c0, ids, a.offsets, p0, p1, a.weights, pf_end,
+      R::template PoolGroup<NV>(acc + c0, table, a.rows, a.dim, c0, ids, a.offsets, p0, p1, a.weights, pf_end,
                                 a.dim * int64_t(sizeof(T)));
       c0 += int64_t(NV) * R::kLanes;
       pf_end = 0;
@@ -127,8 +130,8 @@ void GroupedBags(const LookupArgs& a, const int64_t* groups, int64_t g0, int64_t
     }
     int64_t full = 0, pf_end = k_end;
     for (; full + kBlock <= dim; full += kBlock, pf_end = 0)
-      R::template PoolGroup<R::kVectors>(acc + full, table, dim, full, ids, a.offsets, p0, p1, a.weights, pf_end,
-                                         row_bytes);
+      R::template PoolGroup<R::kVectors>(acc + full, table, a.rows, dim, full, ids, a.offsets, p0, p1, a.weights,
+                                         pf_end, row_bytes);
     GroupSmallerBlocks<R, R::kVectors / 2, T, I>(a, table, ids, p0, p1, acc, full, pf_end);
     if (pf_end != 0)  // no block ran (dim below one vector)
       for (int64_t k = a.offsets[p0]; k < a.offsets[p1] && k + kPrefetchDistance < k_end; ++k)
@@ -139,7 +142,7 @@ void GroupedBags(const LookupArgs& a, const int64_t* groups, int64_t g0, int64_t
         float* s = p == p0 ? acc + full : part.data();
         for (int64_t d = 0; d < rest; ++d) s[d] = 0.0f;
         for (int64_t k = a.offsets[p]; k < a.offsets[p + 1]; ++k)
-          R::Axpy(s, table + int64_t(ids[k]) * dim + full, a.weights ? a.weights[k] : 1.0f, rest);
+          R::Axpy(s, table + SafeRow(ids[k], a.rows) * dim + full, a.weights ? a.weights[k] : 1.0f, rest);
         if (p != p0)
           for (int64_t d = 0; d < rest; ++d) acc[full + d] += part[size_t(d)];
       }
@@ -159,7 +162,8 @@ void PaddedBags(const LookupArgs& a, int64_t b0, int64_t b1) {
     for (int64_t j = 0; j < n; ++j) {
       const int64_t k = begin + j;
       if (j + kPrefetchDistance < n) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
-      R::Scale(a.out + (b * len + j) * dim, table + int64_t(ids[k]) * dim, a.weights ? a.weights[k] : 1.0f, dim);
+      R::Scale(a.out + (b * len + j) * dim, table + SafeRow(ids[k], a.rows) * dim, a.weights ? a.weights[k] : 1.0f,
+               dim);
     }
     for (int64_t j = n; j < len; ++j) {
       float* o = a.out + (b * len + j) * dim;
@@ -178,7 +182,7 @@ void FlatRows(const LookupArgs& a, int64_t k0, int64_t k1) {
     PrefetchRow(table + int64_t(ids[k]) * dim, row_bytes);
   for (int64_t k = k0; k < k1; ++k) {
     if (k + kPrefetchDistance < k1) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
-    R::Scale(a.out + k * dim, table + int64_t(ids[k]) * dim, a.weights ? a.weights[k] : 1.0f, dim);
+    R::Scale(a.out + k * dim, table + SafeRow(ids[k], a.rows) * dim, a.weights ? a.weights[k] : 1.0f, dim);
   }
 }
 
@@ -270,6 +274,9 @@ void SgdInOrder(const InOrderArgs& a, int64_t r0, int64_t r1) {
     each([&](int64_t k, int64_t row, const float* grad, float c) {
       if (k + kUpdatePrefetchDistance < nnz)
         PrefetchLines<1>(table + int64_t(ids[k + kUpdatePrefetchDistance]) * dim, row_bytes);
+      // The ids were validated, but are read in place: one a caller's thread rewrote meanwhile
+      // updates no row (a range below skips it the same way: it is in no range).
+      if (uint64_t(row) >= uint64_t(a.rows)) return;
       R::SubScaled(table + row * dim, grad, c, a.lr, dim);
     });
     return;

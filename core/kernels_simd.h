@@ -16,22 +16,22 @@ struct SimdRows {
   using Reg = typename V::Reg;
 
   template <int NV, typename I>
-  static void Pool(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, int64_t k0, int64_t k1,
-                   const float* weights, int64_t pf_end, int64_t row_bytes) {
+  static void Pool(float* out, const T* table, int64_t rows, int64_t dim, int64_t c0, const I* ids, int64_t k0,
+                   int64_t k1, const float* weights, int64_t pf_end, int64_t row_bytes) {
     Reg s[NV];
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) s[j] = V::Zero();
     if (weights == nullptr) {  // w = 1: 1 * x == x, so the sums are the same bits without the multiply
       for (int64_t k = k0; k < k1; ++k) {
         if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
-        const T* row = table + int64_t(ids[k]) * dim + c0;
+        const T* row = table + SafeRow(ids[k], rows) * dim + c0;
 #pragma GCC unroll 16
         for (int j = 0; j < NV; ++j) s[j] = V::Add(s[j], V::Load(row + kLanes * j));
       }
     } else {
       for (int64_t k = k0; k < k1; ++k) {
         if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
-        const T* row = table + int64_t(ids[k]) * dim + c0;
+        const T* row = table + SafeRow(ids[k], rows) * dim + c0;
         const Reg w = V::Set1(weights[k]);
 #pragma GCC unroll 16
         for (int j = 0; j < NV; ++j) s[j] = V::Add(s[j], V::Mul(w, V::Load(row + kLanes * j)));
@@ -45,15 +45,16 @@ struct SimdRows {
   // out[c] = ((s_p0 + s_p0+1) + ...) + s_p1-1, each bag's sum s_p pooled
   // from zero as Pool pools it; every sum stays in registers.
   template <int NV, typename I>
-  static void PoolGroup(float* out, const T* table, int64_t dim, int64_t c0, const I* ids, const int64_t* offsets,
-                        int64_t p0, int64_t p1, const float* weights, int64_t pf_end, int64_t row_bytes) {
+  static void PoolGroup(float* out, const T* table, int64_t rows, int64_t dim, int64_t c0, const I* ids,
+                        const int64_t* offsets, int64_t p0, int64_t p1, const float* weights, int64_t pf_end,
+                        int64_t row_bytes) {
     Reg acc[NV], s[NV];
     for (int64_t p = p0; p < p1; ++p) {
 #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) s[j] = V::Zero();
       for (int64_t k = offsets[p]; k < offsets[p + 1]; ++k) {
         if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
-        const T* row = table + int64_t(ids[k]) * dim + c0;
+        const T* row = table + SafeRow(ids[k], rows) * dim + c0;
         if (weights == nullptr) {
 #pragma GCC unroll 16
           for (int j = 0; j < NV; ++j) s[j] = V::Add(s[j], V::Load(row + kLanes * j));

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -348,17 +349,22 @@ void Table::Lookup(const Batch& batch, const OutputShape& shape, float* out, uin
                       stream);
     return;
   }
-  ValidateBatch(batch, spec_.rows, spec_.name);
+  const internal::StableBatch stable(batch);
+  ValidateBatch(stable.get(), spec_.rows, spec_.name);
   if (shape.OutputRows(batch) > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
   std::shared_lock<std::shared_mutex> lock(mutex_);
-  internal::RunLookup(values_.get(), spec_.dtype, spec_.dim, batch, shape, out);
+  internal::RunLookup(values_.get(), spec_.dtype, spec_.rows, spec_.dim, stable.get(), shape, out);
 }
 
-void Table::LookupGrouped(const Batch& batch, const int64_t* groups, int64_t num_groups, float* out) const {
+void Table::LookupGrouped(const Batch& given, const int64_t* given_groups, int64_t num_groups, float* out) const {
   if (spec_.device >= 0) throw InvalidArgument("table '" + spec_.name + "': lookup_grouped takes host tables only");
+  const internal::StableBatch stable(given);  // offsets and groups: the engine's copies (see StableBatch)
+  const Batch& batch = stable.get();
   ValidateBatch(batch, spec_.rows, spec_.name);
   if (num_groups < 0) throw InvalidArgument("groups: negative count");
-  if (groups == nullptr) throw InvalidArgument("groups: null pointer");
+  if (given_groups == nullptr) throw InvalidArgument("groups: null pointer");
+  const std::vector<int64_t> copy(given_groups, given_groups + num_groups + 1);
+  const int64_t* groups = copy.data();
   if (groups[0] != 0) throw InvalidArgument("groups[0] must be 0, got " + std::to_string(groups[0]));
   for (int64_t g = 0; g < num_groups; ++g)
     if (groups[g + 1] < groups[g])
@@ -376,6 +382,7 @@ void Table::RunGrouped(const Batch& batch, const int64_t* groups, int64_t num_gr
   std::shared_lock<std::shared_mutex> lock(mutex_);
   kernels::LookupArgs a;
   a.table = values_.get();
+  a.rows = spec_.rows;
   a.dim = spec_.dim;
   a.ids = batch.ids;
   a.nnz = batch.nnz;
@@ -388,13 +395,15 @@ void Table::RunGrouped(const Batch& batch, const int64_t* groups, int64_t num_gr
   ParallelFor(num_groups, std::max<int64_t>(1, 2048 / per_group), [&](int64_t g0, int64_t g1) { fn(a, groups, g0, g1); });
 }
 
-void Table::LookupSparseSegment(const Batch& batch, Combiner combiner, float* out) const {
+void Table::LookupSparseSegment(const Batch& given, Combiner combiner, float* out) const {
   if (spec_.device >= 0)
     throw InvalidArgument("table '" + spec_.name + "': lookup_sparse_segment takes host tables only");
   if (combiner == Combiner::kNone)
     throw InvalidArgument("lookup_sparse_segment pools bags: combiner must be sum, mean or sqrtn");
-  if (batch.weights != nullptr)
+  if (given.weights != nullptr)
     throw InvalidArgument("lookup_sparse_segment takes no weights (TensorFlow adds weighted rows in another order)");
+  const internal::StableBatch stable(given);  // the offsets: the engine's copy (see StableBatch)
+  const Batch& batch = stable.get();
   ValidateBatch(batch, spec_.rows, spec_.name);
   if (batch.num_bags > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
   // Each bag becomes a group of sub-bags: [0, r), then runs of 8.
@@ -435,9 +444,11 @@ void Table::LookupSparseSegment(const Batch& batch, Combiner combiner, float* ou
 }
 
 namespace internal {
-void RunLookup(const void* values, DType dtype, int64_t dim, const Batch& batch, const OutputShape& shape, float* out) {
+void RunLookup(const void* values, DType dtype, int64_t rows, int64_t dim, const Batch& batch,
+               const OutputShape& shape, float* out) {
   kernels::LookupArgs a;
   a.table = values;
+  a.rows = rows;
   a.dim = dim;
   a.ids = batch.ids;
   a.nnz = batch.nnz;
@@ -608,8 +619,8 @@ void CheckStepCanGrow(const std::string& table, int64_t step) {
 }
 }  // namespace
 
-void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate, uintptr_t stream) {
-  for (const auto& p : parts)  // as Lookup refuses it, on every path
+void Table::ApplyGradients(const std::vector<GradientPart>& given, float learning_rate, uintptr_t stream) {
+  for (const auto& p : given)  // as Lookup refuses it, on every path
     if (p.shape.max_sequence_length < 0)
       throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(p.shape.max_sequence_length));
   if (spec_.device >= 0) {
@@ -617,13 +628,17 @@ void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learnin
     std::unique_lock<std::shared_mutex> lock(mutex_);
     std::vector<float*> slots;
     for (auto& s : slots_) slots.push_back(s.get());
-    cuda_impl::ApplyGradients(spec_, values_.get(), slots, step_, parts, learning_rate, spec_.device, stream);
+    cuda_impl::ApplyGradients(spec_, values_.get(), slots, step_, given, learning_rate, spec_.device, stream);
     ++step_;
     return;
   }
-  // Validate everything before touching anything.
+  // Validate everything before touching anything: the offsets as the engine's copies (see StableBatch).
   CheckStepCanGrow(spec_.name, step_);
+  std::vector<std::unique_ptr<internal::StableBatch>> stable;
+  std::vector<GradientPart> parts = given;
   for (size_t i = 0; i < parts.size(); ++i) {
+    stable.push_back(std::make_unique<internal::StableBatch>(given[i].batch));
+    parts[i].batch = stable.back()->get();
     ValidateBatch(parts[i].batch, spec_.rows, spec_.name);
     if (parts[i].shape.OutputRows(parts[i].batch) > 0 && parts[i].grads == nullptr)
       throw InvalidArgument("grads: null pointer");
@@ -651,6 +666,13 @@ void Table::ApplyGradients(const std::vector<GradientPart>& parts, float learnin
     used += p.batch.id_type == IdType::kInt32 ? CollectOccurrences<int32_t>(p, spec_.dim, keys.data() + used)
                                               : CollectOccurrences<int64_t>(p, spec_.dim, keys.data() + used);
   keys.resize(size_t(used));
+  // The ids were validated, but are read in place: a caller's thread may have rewritten them since.
+  // The keys are this step's own copy; refuse the step before any row changes if one is out of range.
+  for (const Occurrence& o : keys)
+    if (o.key >= uint64_t(spec_.rows))
+      throw InvalidArgument("table '" + spec_.name + "': the ids changed while apply_gradients read them (id " +
+                            std::to_string(int64_t(o.key)) + " is out of range [0, " + std::to_string(spec_.rows) +
+                            ")): another thread wrote the ids array during the call; nothing was changed");
   internal::RadixSort(keys, BitWidth(uint64_t(spec_.rows - 1)));
   static thread_local std::vector<int64_t> group_start;
   group_start.clear();
@@ -693,19 +715,24 @@ void Table::LookupStaged(const Batch& batch, const OutputShape& shape, float* ou
   if (spec_.device < 0) return Lookup(batch, shape, out);
   if (shape.combiner == Combiner::kNone && shape.max_sequence_length < 0)
     throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(shape.max_sequence_length));
-  ValidateBatch(batch, spec_.rows, spec_.name);
+  const internal::StableBatch stable(batch);  // validated, then uploaded: the engine's copy of the offsets
+  ValidateBatch(stable.get(), spec_.rows, spec_.name);
   if (shape.OutputRows(batch) > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
   std::shared_lock<std::shared_mutex> lock(mutex_);
-  cuda_impl::LookupFromHost(values_.get(), spec_.dtype, spec_.rows, spec_.dim, spec_.name, batch, shape, out,
+  cuda_impl::LookupFromHost(values_.get(), spec_.dtype, spec_.rows, spec_.dim, spec_.name, stable.get(), shape, out,
                             spec_.device);
 }
 
-void Table::ApplyGradientsStaged(const std::vector<GradientPart>& parts, float learning_rate) {
-  if (spec_.device < 0) return ApplyGradients(parts, learning_rate);
+void Table::ApplyGradientsStaged(const std::vector<GradientPart>& given, float learning_rate) {
+  if (spec_.device < 0) return ApplyGradients(given, learning_rate);
   CheckStepCanGrow(spec_.name, step_);
-  for (const auto& p : parts) {
+  std::vector<std::unique_ptr<internal::StableBatch>> stable;  // validated, then uploaded: see StableBatch
+  std::vector<GradientPart> parts = given;
+  for (auto& p : parts) {
     if (p.shape.max_sequence_length < 0)
       throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(p.shape.max_sequence_length));
+    stable.push_back(std::make_unique<internal::StableBatch>(p.batch));
+    p.batch = stable.back()->get();
     ValidateBatch(p.batch, spec_.rows, spec_.name);
     if (p.shape.OutputRows(p.batch) > 0 && p.grads == nullptr) throw InvalidArgument("grads: null pointer");
   }

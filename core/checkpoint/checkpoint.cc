@@ -1219,21 +1219,26 @@ const void* MappedCheckpoint::values(size_t table) const {
   return t.files[0]->payload;
 }
 
-void MappedCheckpoint::Lookup(size_t table, const Batch& batch, const OutputShape& shape, float* out) const {
+void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShape& shape, float* out) const {
   if (table >= tables_.size()) throw OutOfRange("no table " + std::to_string(table) + " in the checkpoint");
   const MappedTable& mt = *tables_[table];
   const TableEntry& t = info_.tables[table];
+  const internal::StableBatch stable(given);  // the offsets: the engine's copy (see StableBatch)
+  const Batch& batch = stable.get();
   ValidateBatch(batch, t.rows, t.name);
   if (shape.OutputRows(batch) > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
+  // Validated above, but read in place: through SafeRow, an id a caller's thread rewrote meanwhile
+  // reads a wrong row, never outside the table.
   auto id_at = [&](int64_t k) {
-    return batch.id_type == IdType::kInt32 ? int64_t(static_cast<const int32_t*>(batch.ids)[k])
-                                           : static_cast<const int64_t*>(batch.ids)[k];
+    return kernels::SafeRow(batch.id_type == IdType::kInt32 ? int64_t(static_cast<const int32_t*>(batch.ids)[k])
+                                                            : static_cast<const int64_t*>(batch.ids)[k],
+                            t.rows);
   };
   if (mt.single()) {
     // Served in place. Each touched block is checked once (a relaxed load per id afterwards).
     const Mapped& m = *mt.files[0];
     for (int64_t k = 0; k < batch.nnz; ++k) TouchRow(m, id_at(k));
-    internal::RunLookup(m.payload, m.file.dtype, t.dim, batch, shape, out);
+    internal::RunLookup(m.payload, m.file.dtype, t.rows, t.dim, batch, shape, out);
     return;
   }
   // Several files: each occurrence's row is gathered (float32, exact) from the
@@ -1257,7 +1262,7 @@ void MappedCheckpoint::Lookup(size_t table, const Batch& batch, const OutputShap
   Batch gathered = batch;
   gathered.id_type = IdType::kInt64;
   gathered.ids = positions.data();
-  internal::RunLookup(rows.data(), DType::kFloat32, t.dim, gathered, shape, out);
+  internal::RunLookup(rows.data(), DType::kFloat32, batch.nnz, t.dim, gathered, shape, out);
 }
 
 }  // namespace embedcore

@@ -110,6 +110,7 @@ kernels::LookupArgs Args(const RawTable& t, const RandomBatch& b, int id_type, b
                          ops::CombinerKind c, int64_t max_len, float* out) {
   kernels::LookupArgs a;
   a.table = t.bytes.data();
+  a.rows = t.rows;
   a.dim = t.dim;
   a.ids = id_type == 0 ? static_cast<const void*>(b.ids32.data()) : static_cast<const void*>(b.ids64.data());
   a.nnz = b.nnz();
@@ -251,6 +252,39 @@ EMBEDCORE_TEST(PooledEqualsReferenceAndAcrossSets) {
                               (it ? " int64" : " int32"));
             }
           }
+        }
+      }
+    }
+  }
+}
+
+EMBEDCORE_TEST(IdsOutsideTheTableReadRowZero) {
+  // The kernels take each row's address through SafeRow: an id that left
+  // [0, rows) after validation (a caller's thread rewrote it) reads row 0,
+  // never memory outside the table.
+  std::mt19937 rng(7);
+  for (DType dt : kDTypes) {
+    for (int64_t dim : kDims) {
+      const RawTable t = MakeTable(dt, 13, dim, rng);
+      RandomBatch b = MakeBatch(6, 9, t.rows, rng);
+      RandomBatch zeros = b;
+      for (size_t k = 0; k < b.ids64.size(); k += 2) {
+        b.ids64[k] = k % 4 == 0 ? (int64_t(1) << 40) : -5;
+        b.ids32[k] = k % 4 == 0 ? (1 << 30) : -5;
+        zeros.ids64[k] = zeros.ids32[k] = 0;
+      }
+      for (const kernels::KernelSet* set : KernelSets()) {
+        for (int it = 0; it < 2; ++it) {
+          std::vector<float> got(size_t(b.bags() * dim)), want(got.size());
+          set->dtype[int(dt)].pooled[it](Args(t, b, it, true, ops::CombinerKind::kMean, 0, got.data()), 0, b.bags());
+          set->dtype[int(dt)].pooled[it](Args(t, zeros, it, true, ops::CombinerKind::kMean, 0, want.data()), 0,
+                                         zeros.bags());
+          CompareBits(got, want, std::string(set->name) + " outside ids " + DName(dt) + " dim " + std::to_string(dim));
+          std::vector<float> rows(size_t(b.nnz() * dim)), want_rows(rows.size());
+          set->dtype[int(dt)].rows[it](Args(t, b, it, false, ops::CombinerKind::kSum, 0, rows.data()), 0, b.nnz());
+          set->dtype[int(dt)].rows[it](Args(t, zeros, it, false, ops::CombinerKind::kSum, 0, want_rows.data()), 0,
+                                       zeros.nnz());
+          CompareBits(rows, want_rows, std::string(set->name) + " outside ids, rows " + DName(dt));
         }
       }
     }
