@@ -61,28 +61,33 @@ NumpyFloat LookupSparseSegment(const Table& t, const IdArray& ids, const OffsetA
   return NumpyFloat(data, 2, dims, owner);
 }
 
+// InvalidArgument when an array a call reads or writes shares memory with
+// the table it updates or reads (`doing`: "the step updates", "the lookup
+// reads"): a step's result would depend on the order in which rows are
+// written, a lookup's output would overwrite the rows it is reading.
+void CheckNotTableMemory(const Table& t, const void* p, size_t bytes, const char* what,
+                         const char* doing = "the step updates") {
+  const size_t n = size_t(t.rows()) * size_t(t.dim());
+  if (Overlaps(p, bytes, t.values(), n * DTypeSize(t.spec().dtype)))
+    throw InvalidArgument(std::string(what) + " overlaps the values of table '" + t.spec().name + "' that " + doing +
+                          ": pass " + (std::string(what) == "out" ? "a separate output array" : "a copy"));
+  for (size_t s = 0; s < t.spec().optimizer.SlotNames().size(); ++s)
+    if (Overlaps(p, bytes, t.slot(s), n * sizeof(float)))
+      throw InvalidArgument(std::string(what) + " overlaps a slot of table '" + t.spec().name +
+                            (std::string(what) == "out" ? "': pass a separate output array"
+                                                        : "' that the step updates: pass a copy"));
+}
+
 void LookupInto(const Table& t, const IdArray& ids, const OffsetArray& offsets,
                 const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length,
                 const FloatOut& out) {
   RequireHost(t, "a lookup of NumPy arrays");
+  CheckNotTableMemory(t, out.data(), out.size() * sizeof(float), "out", "the lookup reads");
   LookupOut(t.dim(), ids, offsets, weights, combiner, max_sequence_length, out,
             [&](const Batch& b, const OutputShape& s, float* o) { t.Lookup(b, s, o); });
 }
 
 using PartTuple = std::tuple<IdArray, OffsetArray, std::optional<WeightArray>, int, int64_t, FloatIn>;
-
-// InvalidArgument when an input of a step shares memory with the table it
-// updates: the result would depend on the order in which rows are written.
-void CheckNotTableMemory(const Table& t, const void* p, size_t bytes, const char* what) {
-  const size_t n = size_t(t.rows()) * size_t(t.dim());
-  if (Overlaps(p, bytes, t.values(), n * DTypeSize(t.spec().dtype)))
-    throw InvalidArgument(std::string(what) + " overlaps the values of table '" + t.spec().name +
-                          "' that the step updates: pass a copy");
-  for (size_t s = 0; s < t.spec().optimizer.SlotNames().size(); ++s)
-    if (Overlaps(p, bytes, t.slot(s), n * sizeof(float)))
-      throw InvalidArgument(std::string(what) + " overlaps a slot of table '" + t.spec().name +
-                            "' that the step updates: pass a copy");
-}
 
 // The parts of a step on host arrays, checked against the table.
 std::vector<GradientPart> HostParts(const Table& t, const std::vector<PartTuple>& parts) {

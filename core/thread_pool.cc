@@ -292,12 +292,14 @@ class Pool {
 
 std::mutex g_pool_mutex;
 std::shared_ptr<Pool> g_pool;
+std::atomic<int> g_threads_asked{0};  // the last SetNumThreads (0: none), which a forked child keeps
 
 #if defined(__unix__) || defined(__APPLE__)
 // A forked child has none of the parent's workers, and a mutex some other
 // thread held at the fork stays locked in it. The child leaks the parent's
 // pool (its destructor would wait for those workers forever, at exit or in
-// set_num_threads) and starts a pool of its own at its first parallel call.
+// set_num_threads) and starts a pool of its own at its first parallel call,
+// of the size the parent asked for, if it asked.
 void ForgetPoolInChild() {
   new (&g_pool_mutex) std::mutex;
   new (&g_pool) std::shared_ptr<Pool>();  // the parent's pool is never destroyed
@@ -309,7 +311,10 @@ void ForgetPoolInChild() {
 
 std::shared_ptr<Pool> GetPool() {
   std::lock_guard<std::mutex> l(g_pool_mutex);
-  if (!g_pool) g_pool = std::make_shared<Pool>(DefaultThreads());
+  if (!g_pool) {
+    const int asked = g_threads_asked.load(std::memory_order_relaxed);
+    g_pool = std::make_shared<Pool>(asked > 0 ? asked : DefaultThreads());
+  }
   return g_pool;
 }
 
@@ -323,10 +328,14 @@ void SetNumThreads(int n) {
   std::shared_ptr<Pool> old;
   {
     std::lock_guard<std::mutex> l(g_pool_mutex);
-    if (g_pool && g_pool->threads() == n) return;
+    if (g_pool && g_pool->threads() == n) {
+      g_threads_asked.store(n, std::memory_order_relaxed);
+      return;
+    }
     auto fresh = std::make_shared<Pool>(n);  // if it cannot start its threads, the old pool stays
     old = std::move(g_pool);
     g_pool = std::move(fresh);
+    g_threads_asked.store(n, std::memory_order_relaxed);
   }
   // `old` joins its workers here, once running jobs released it.
 }

@@ -450,6 +450,7 @@ EMBEDCORE_TEST(ForkedChildRunsAndExits) {
   EMBEDCORE_EXPECT_EQ(sum.load(), 1000);
   const pid_t child = fork();
   if (child == 0) {
+    if (embedcore::GetNumThreads() != 4) std::exit(4);  // the parent's setting stays (not the CPU count)
     std::atomic<int64_t> s{0};
     embedcore::ParallelChunks(1000, 4, [&](int, int64_t b, int64_t e) { s += e - b; });
     embedcore::SetNumThreads(2);  // destroys the pool it started (not the parent's)

@@ -154,3 +154,22 @@ def test_lookup_results_own_their_memory(rng):
     assert out.flags.writeable and out.flags.c_contiguous
     out[:] = 0  # the caller may write to it; the table is unaffected
     assert not np.all(table.lookup(ids, offsets) == 0)
+
+
+def test_a_lookup_output_in_the_table_s_own_memory_is_refused():
+    """A lookup's `out` inside the table it reads (the torch adapter's weight
+    is a writable view of it) would overwrite rows while other bags read
+    them: results that depended on the thread count. Refused; nothing changes."""
+    t = ec.Table(name="t", rows=100, dim=4, optimizer=ec.optimizers.Adagrad(0.1),
+                 initializer=ec.initializers.Uniform(-1, 1, seed=1))
+    before = t.values().copy()
+    values = np.from_dlpack(t._native.values_mut())
+    slot = np.from_dlpack(dict(t._native.slots_mut())["accumulators"])
+    ids, offsets = np.arange(20) % 100, np.arange(0, 21, 2)
+    with pytest.raises(ValueError, match="out overlaps the values of table 't' that the lookup reads: pass a "
+                                         "separate output array"):
+        t.lookup(ids, offsets, out=values[10:20])
+    with pytest.raises(ValueError, match="out overlaps a slot of table 't': pass a separate output array"):
+        t.lookup(ids, offsets, out=slot[:10])
+    np.testing.assert_array_equal(t.values(), before)
+    assert t.lookup(ids, offsets, out=np.empty((10, 4), np.float32)).shape == (10, 4)
