@@ -4,6 +4,7 @@
 // library, and name tables by integer handles, so that a graph never holds
 // a pointer: a handle that is no longer registered is an error, not a crash.
 #include <nanobind/nanobind.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <cstring>
@@ -56,6 +57,15 @@ Registry& GetRegistry() {
   static Registry* registry = new Registry;
   return *registry;
 }
+
+// fork() waits for running lookups (which hold the lock shared) and makes the
+// lock anew in the child, as it does for the tables' locks (core/table.cc):
+// a lock another thread held would stay held in the child for ever.
+void LockRegistryForFork() { GetRegistry().mutex.lock(); }
+void UnlockRegistryInParent() { GetRegistry().mutex.unlock(); }
+void RenewRegistryLockInChild() { new (&GetRegistry().mutex) std::shared_mutex; }
+[[maybe_unused]] const bool registry_fork_handlers =
+    pthread_atfork(LockRegistryForFork, UnlockRegistryInParent, RenewRegistryLockInChild) == 0;
 
 void SetError(char* error, int64_t size, const std::string& text) {
   if (error == nullptr || size <= 0) return;

@@ -5,7 +5,11 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
+#include <set>
 #include <string>
+
+#include <pthread.h>
 
 #include "embedcore/embedcore.h"
 #include "checkpoint/format.h"
@@ -259,6 +263,50 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
 }
 
 Table::~Table() = default;
+
+// ---------------------------------------------------------------- fork
+// A forked child has only the thread that forked. A table lock that another
+// thread held at the fork (a lookup's, an update's) would stay held in the
+// child for ever, and the child's next update of that table would hang. So
+// fork() waits for the running lookups and updates of every live table: the
+// prepare handler takes each table's lock exclusively, the parent releases
+// them after the fork, and the child, where the locks record the parent's
+// thread as their owner, makes them anew. The child's tables are then each
+// as a whole call left them, never half-updated.
+namespace {
+struct LiveTables {
+  std::mutex mutex;
+  std::set<const Table*> tables;
+};
+LiveTables& Live() {
+  static LiveTables* live = new LiveTables;  // never destroyed: a fork may come during exit
+  return *live;
+}
+void LockTablesForFork() {
+  Live().mutex.lock();
+  for (const Table* t : Live().tables) t->mutex().lock();
+}
+void UnlockTablesInParent() {
+  for (const Table* t : Live().tables) t->mutex().unlock();
+  Live().mutex.unlock();
+}
+void RenewTableLocksInChild() {
+  for (const Table* t : Live().tables) new (&t->mutex()) std::shared_mutex;  // no other thread exists here
+  new (&Live().mutex) std::mutex;
+}
+[[maybe_unused]] const bool table_fork_handlers =
+    pthread_atfork(LockTablesForFork, UnlockTablesInParent, RenewTableLocksInChild) == 0;
+}  // namespace
+
+Table::ForkRegistration::ForkRegistration(const Table* t) : table(t) {
+  std::lock_guard<std::mutex> l(Live().mutex);
+  Live().tables.insert(t);
+}
+
+Table::ForkRegistration::~ForkRegistration() {
+  std::lock_guard<std::mutex> l(Live().mutex);
+  Live().tables.erase(table);
+}
 
 size_t Table::value_bytes() const { return size_t(spec_.rows) * size_t(spec_.dim) * DTypeSize(spec_.dtype); }
 

@@ -280,3 +280,50 @@ def test_ids_and_offsets_rewritten_during_a_call_never_reach_outside_the_arrays(
     assert done.returncode == 0, done.stderr[-2000:]
     calls, errors, finite = done.stdout.split()
     assert int(calls) > 0 and finite == "True"
+
+
+_FORK_DURING_UPDATES = r"""
+import os, signal, threading, time, numpy as np, embedcore as ec
+ec.set_num_threads(1)
+t = ec.Table(name="t", rows=50_000, dim=32, optimizer=ec.optimizers.SGD(0.1), combiner="sum")
+ids = np.random.default_rng(0).integers(0, 50_000, 2_000_000)
+offsets = np.arange(0, 2_000_001, 4)
+grads = np.ones((500_000, 32), np.float32)
+stop = threading.Event()
+def train():
+    while not stop.is_set():
+        t.apply_gradients(ids, offsets, grads)  # almost all of it under the table's exclusive lock
+def look():
+    while not stop.is_set():
+        t.lookup(ids[:200_000], offsets[:50_001])  # under its shared lock
+threads = [threading.Thread(target=train), threading.Thread(target=look)]
+for th in threads:
+    th.start()
+time.sleep(0.3)
+codes = []
+for _ in range(6):
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a hung child ends here
+        before = t.values().copy()
+        t.apply_gradients(np.array([1, 2]), np.array([0, 2]), np.ones((1, 32), np.float32))
+        ok = np.array_equal(t.values()[1], before[1] - 0.1)  # one whole step: rows as a whole call left them
+        os._exit(0 if ok else 3)
+    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    time.sleep(0.05)
+stop.set()
+for th in threads:
+    th.join()
+print(codes)
+"""
+
+
+def test_a_child_forked_during_updates_and_lookups_can_use_the_table(tmp_path):
+    """fork() while other threads update and look up a table: the child
+    neither inherits a held lock (its update hung for ever) nor a
+    half-updated table (fork waits for the running calls)."""
+    script = tmp_path / "fork.py"
+    script.write_text(_FORK_DURING_UPDATES)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str([0] * 6)

@@ -353,11 +353,22 @@ class Table {
   };
   using FloatPtr = std::unique_ptr<float, FloatDeleter>;
 
+  // Lists the table, for its life, among those fork() waits for (table.cc):
+  // a child process never starts with a table lock another thread held.
+  struct ForkRegistration {
+    explicit ForkRegistration(const Table* table);
+    ~ForkRegistration();
+    ForkRegistration(const ForkRegistration&) = delete;
+    ForkRegistration& operator=(const ForkRegistration&) = delete;
+    const Table* table;
+  };
+
   TableSpec spec_;
   BufferPtr values_;
   std::vector<FloatPtr> slots_;
   int64_t step_ = 0;
   mutable std::shared_mutex mutex_;
+  ForkRegistration fork_registration_{this};  // last: listed once mutex_ exists, removed before it goes
 };
 
 // ---------------------------------------------------------------- nccl
