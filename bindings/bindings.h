@@ -6,7 +6,9 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 
+#include <chrono>
 #include <memory>
+#include <thread>
 #include <cstdint>
 #include <algorithm>
 #include <optional>
@@ -19,6 +21,34 @@
 namespace embedcore::bindings {
 
 namespace nb = nanobind;
+
+/// Releases the GIL for the scope, as nb::gil_scoped_release, but never lets
+/// Python end the thread at the scope's end. A daemon thread that comes back
+/// from native work while the interpreter finalizes (the main thread has
+/// returned) is ended by Python inside PyEval_RestoreThread: a pthread_exit
+/// unwinding through a noexcept destructor, so std::terminate aborted the
+/// whole process at exit. Such a thread waits here instead, for the exit to
+/// end the process, as it would have in native code.
+class ReleaseGil {
+ public:
+  ReleaseGil() : state_(PyEval_SaveThread()) {}
+  ~ReleaseGil() {
+    while (Finalizing()) std::this_thread::sleep_for(std::chrono::seconds(1));
+    PyEval_RestoreThread(state_);
+  }
+  ReleaseGil(const ReleaseGil&) = delete;
+  ReleaseGil& operator=(const ReleaseGil&) = delete;
+
+ private:
+  static bool Finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing() != 0;
+#else
+    return _Py_IsFinalizing() != 0;
+#endif
+  }
+  PyThreadState* state_;
+};
 
 void BindTable(nb::module_& m);
 void BindCheckpoint(nb::module_& m);
@@ -152,7 +182,7 @@ NumpyFloat LookupNew(int64_t dim, const IdArray& ids, const OffsetArray& offsets
   for (size_t d : dims) n *= d;
   auto [data, owner] = NewResult<float>(n);
   {
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     lookup(batch, shape, data);
   }
   return NumpyFloat(data, dims.size(), dims.data(), owner);
@@ -175,7 +205,7 @@ void LookupOut(int64_t dim, const IdArray& ids, const OffsetArray& offsets, cons
     for (size_t i = 0; i < dims.size(); ++i) want += (i ? ", " : "") + std::to_string(dims[i]);
     throw InvalidArgument("out must have shape " + want + "]");
   }
-  nb::gil_scoped_release release;
+  ReleaseGil release;
   lookup(batch, shape, out.data());
 }
 

@@ -37,7 +37,7 @@ void BindCheckpoint(nb::module_& m) {
           options.values_dtype = ParseDType(*values_dtype, "values_dtype");
         }
         options.metadata_json = metadata_json;
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         SaveCheckpoint(path, native, options);
       },
       "path"_a, "tables"_a, "include_optimizer"_a, "values_dtype"_a.none(), "metadata_json"_a,
@@ -46,7 +46,7 @@ void BindCheckpoint(nb::module_& m) {
   nb::class_<CheckpointLock>(m, "CheckpointLock",
                              "flock on a checkpoint directory: shared for reads, exclusive for a commit; see "
                              "embedcore.h")
-      .def(nb::init<const std::string&, bool>(), "path"_a, "exclusive"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def(nb::init<const std::string&, bool>(), "path"_a, "exclusive"_a, nb::call_guard<ReleaseGil>())
       .def_prop_ro("held", &CheckpointLock::held)
       .def("release", &CheckpointLock::Release);
 
@@ -54,13 +54,13 @@ void BindCheckpoint(nb::module_& m) {
   nb::class_<GenerationClaim>(m, "GenerationClaim",
                               "A save's claim on a new generation in a checkpoint directory (created when missing), "
                               "held until release(); see embedcore.h")
-      .def(nb::init<const std::string&>(), "path"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def(nb::init<const std::string&>(), "path"_a, nb::call_guard<ReleaseGil>())
       .def_prop_ro("generation", &GenerationClaim::generation)
       .def("release", &GenerationClaim::Release);
   m.def(
       "next_generation",
       [](const std::string& path) {
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         return NextGeneration(path);
       },
       "path"_a, "Creates `path` if needed; returns a generation above every one present there (claims nothing).");
@@ -74,7 +74,7 @@ void BindCheckpoint(nb::module_& m) {
           options.cast_values = true;
           options.values_dtype = ParseDType(*values_dtype, "values_dtype");
         }
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         return TableEntryJson(WriteShardFiles(path, generation, prefix, shard_index, shard, row_start, col_start, options));
       },
       "path"_a, "generation"_a, "prefix"_a, "shard_index"_a, "shard"_a, "row_start"_a, "col_start"_a,
@@ -82,7 +82,7 @@ void BindCheckpoint(nb::module_& m) {
   m.def(
       "remove_generation",
       [](const std::string& path, uint64_t generation) {
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         return RemoveGeneration(path, generation);
       },
       "path"_a, "generation"_a,
@@ -91,7 +91,7 @@ void BindCheckpoint(nb::module_& m) {
   m.def(
       "commit_checkpoint",
       [](const std::string& path, const std::string& manifest_json) {
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         CommitCheckpoint(path, manifest_json);
       },
       "path"_a, "manifest_json"_a, "Validates a manifest and writes it atomically as path/MANIFEST.");
@@ -100,7 +100,7 @@ void BindCheckpoint(nb::module_& m) {
       [](const CheckpointInfo& info, size_t index, Table& table, int64_t row_start, int64_t col_start,
          bool load_optimizer, bool verify) {
         if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         LoadTableBlock(info, info.tables[index], table, row_start, col_start, load_optimizer, verify);
       },
       "info"_a, "index"_a, "table"_a, "row_start"_a, "col_start"_a, "load_optimizer"_a, "verify"_a = true,
@@ -111,7 +111,7 @@ void BindCheckpoint(nb::module_& m) {
       [](const CheckpointInfo& info, size_t index, const Table& table, int64_t row_start, int64_t col_start,
          bool load_optimizer) {
         if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         VerifyTableBlock(info, info.tables[index], table, row_start, col_start, load_optimizer);
       },
       "info"_a, "index"_a, "table"_a, "row_start"_a, "col_start"_a, "load_optimizer"_a);
@@ -122,7 +122,7 @@ void BindCheckpoint(nb::module_& m) {
         const TableEntry& e = info.tables[index];
         TableSpec spec{e.name, rows, dim, e.dtype, InitializerSpec{InitializerSpec::Kind::kZeros}, OptimizerSpec{}};
         if (e.has_optimizer) spec.optimizer = e.optimizer;
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         return new Table(std::move(spec));
       },
       "info"_a, "index"_a, "rows"_a, "dim"_a,
@@ -151,7 +151,7 @@ void BindCheckpoint(nb::module_& m) {
   m.def(
       "read_info",
       [](const std::string& path, bool slot_files) {
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         return ReadCheckpointInfo(path, slot_files);
       },
       "path"_a, "slot_files"_a = true,
@@ -175,7 +175,7 @@ void BindCheckpoint(nb::module_& m) {
             nb::gil_scoped_acquire acquire;
             progress(bytes);
           };
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         VerifyTable(info, info.tables[index], include_slots, check_finite, report);
       },
       "info"_a, "index"_a, "include_slots"_a, "check_finite"_a, "progress"_a = nb::none(),
@@ -189,7 +189,7 @@ void BindCheckpoint(nb::module_& m) {
           if (table == nullptr) throw InvalidArgument("load_tables: None given as a table");
         }
         // One call, without the GIL throughout: an interrupt (Ctrl-C) cannot stop it between two tables.
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         for (const auto& [index, table, row_start, col_start] : items) {
           if (row_start < 0)
             LoadTable(info, info.tables[index], *table, load_optimizer, false);
@@ -204,7 +204,7 @@ void BindCheckpoint(nb::module_& m) {
       "load_table",
       [](const CheckpointInfo& info, size_t index, Table& table, bool load_optimizer, bool verify) {
         if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         LoadTable(info, info.tables[index], table, load_optimizer, verify);
       },
       "info"_a, "index"_a, "table"_a, "load_optimizer"_a, "verify"_a = true,
@@ -213,7 +213,7 @@ void BindCheckpoint(nb::module_& m) {
   m.def(
       "verify",
       [](const CheckpointInfo& info, bool check_finite) {
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         VerifyCheckpoint(info, check_finite);
       },
       "info"_a, "check_finite"_a);
@@ -223,7 +223,7 @@ void BindCheckpoint(nb::module_& m) {
           "__init__",
           [](MappedCheckpoint* self, const std::string& path, int verify) {
             if (verify < 0 || verify > 2) throw InvalidArgument("verify must be 0, 1 or 2");
-            nb::gil_scoped_release release;
+            ReleaseGil release;
             new (self) MappedCheckpoint(path, MappedCheckpoint::Verify(verify));
           },
           "path"_a, "verify"_a)
@@ -256,7 +256,7 @@ void BindCheckpoint(nb::module_& m) {
             const size_t shape[2] = {size_t(t.rows), size_t(t.dim)};
             const void* values;
             {
-              nb::gil_scoped_release release;  // may checksum the whole file
+              ReleaseGil release;  // may checksum the whole file
               values = c.values(table);
             }
             return NumpyView(const_cast<void*>(values), 2, shape, nb::find(&c), nullptr,

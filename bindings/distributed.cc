@@ -30,7 +30,7 @@ void BindDistributed(nb::module_& m) {
           "__init__",
           [](NcclTransport* self, const std::string& library, nb::bytes unique_id, int size, int rank, int device) {
             const std::string id(unique_id.c_str(), unique_id.size());
-            nb::gil_scoped_release release;  // every rank blocks here until all have joined
+            ReleaseGil release;  // every rank blocks here until all have joined
             new (self) NcclTransport(library, id, size, rank, device);
           },
           "library"_a, "unique_id"_a, "size"_a, "rank"_a, "device"_a)
@@ -46,7 +46,7 @@ void BindDistributed(nb::module_& m) {
             for (uint64_t b : recv_bytes) rn += b;
             if (sn != send.size() || rn != recv.size())
               throw InvalidArgument("all_to_all_v_host: the counts do not add up to the buffers' sizes");
-            nb::gil_scoped_release release;
+            ReleaseGil release;
             t.AllToAllVHost(send.data(), send_bytes, recv.data(), recv_bytes);
           },
           "send"_a.noconvert(), "send_bytes"_a, "recv"_a.noconvert(), "recv_bytes"_a,

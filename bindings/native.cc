@@ -176,7 +176,7 @@ void BindNative(nb::module_& m) {
         // Moves only (no reference count changes) while the GIL is released; if the
         // insertion throws, `held` is released after the GIL is taken back.
         nb::object held = std::move(owner);
-        nb::gil_scoped_release release;  // running lookups hold the lock without the GIL
+        ReleaseGil release;  // running lookups hold the lock without the GIL
         std::unique_lock<std::shared_mutex> lock(r.mutex);
         const int64_t handle = r.next++;
         r.tables.emplace(handle, Registered{&table, nb::object()}).first->second.owner = std::move(held);
@@ -190,7 +190,7 @@ void BindNative(nb::module_& m) {
         nb::object owner;  // released after the lock, with the GIL held
         {
           Registry& r = GetRegistry();
-          nb::gil_scoped_release release;  // running lookups hold the lock without the GIL
+          ReleaseGil release;  // running lookups hold the lock without the GIL
           std::unique_lock<std::shared_mutex> lock(r.mutex);
           const auto it = r.tables.find(handle);
           if (it == r.tables.end()) return false;

@@ -43,7 +43,7 @@ NumpyFloat LookupGrouped(const Table& t, const IdArray& ids, const OffsetArray& 
   const size_t dims[2] = {size_t(num_groups), size_t(t.dim())};
   auto [data, owner] = NewResult<float>(dims[0] * dims[1]);
   {
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     t.LookupGrouped(batch, groups.data(), num_groups, data);
   }
   return NumpyFloat(data, 2, dims, owner);
@@ -55,7 +55,7 @@ NumpyFloat LookupSparseSegment(const Table& t, const IdArray& ids, const OffsetA
   const size_t dims[2] = {size_t(batch.num_bags), size_t(t.dim())};
   auto [data, owner] = NewResult<float>(dims[0] * dims[1]);
   {
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     t.LookupSparseSegment(batch, ToCombiner(combiner), data);
   }
   return NumpyFloat(data, 2, dims, owner);
@@ -116,7 +116,7 @@ std::vector<GradientPart> HostParts(const Table& t, const std::vector<PartTuple>
 void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learning_rate) {
   RequireHost(t, "apply_gradients of NumPy arrays");
   const std::vector<GradientPart> native = HostParts(t, parts);
-  nb::gil_scoped_release release;
+  ReleaseGil release;
   t.ApplyGradients(native, learning_rate);
 }
 
@@ -130,7 +130,7 @@ NumpyFloat LookupStaged(const Table& t, const IdArray& ids, const OffsetArray& o
 
 void ApplyGradientsStaged(Table& t, const std::vector<PartTuple>& parts, float learning_rate) {
   const std::vector<GradientPart> native = HostParts(t, parts);
-  nb::gil_scoped_release release;
+  ReleaseGil release;
   t.ApplyGradientsStaged(native, learning_rate);
 }
 
@@ -154,7 +154,7 @@ void LookupCuda(const Table& t, const CudaIdArray& ids, const CudaOffsetArray& o
   const OutputShape shape{ToCombiner(combiner), max_sequence_length};
   const size_t want = size_t(shape.OutputRows(batch)) * size_t(t.dim());
   if (out.size() != want) throw InvalidArgument("out must hold " + std::to_string(want) + " float32 values");
-  nb::gil_scoped_release release;
+  ReleaseGil release;
   t.Lookup(batch, shape, out.data(), stream);
 }
 
@@ -178,7 +178,7 @@ void ApplyGradientsCuda(Table& t, const std::vector<CudaPartTuple>& parts, float
     p.grads = grads.data();
     native.push_back(p);
   }
-  nb::gil_scoped_release release;
+  ReleaseGil release;
   t.ApplyGradients(native, learning_rate, stream);
 }
 
@@ -267,7 +267,7 @@ void BindTable(nb::module_& m) {
         auto [p, own_p] = NewResult<int64_t>(size_t(nnz));
         CooCheck check;
         {
-          nb::gil_scoped_release release;
+          ReleaseGil release;
           check = CsrFromCoo(indices.data(), type, nnz, bags, width, o, p);
         }
         const size_t off_shape[1] = {size_t(bags) + 1}, pos_shape[1] = {size_t(nnz)};
@@ -358,7 +358,7 @@ void BindTable(nb::module_& m) {
             spec.shard_col_start = shard_col_start;
             spec.full_dim = full_dim;
             spec.device = device;
-            nb::gil_scoped_release release;
+            ReleaseGil release;
             new (self) Table(std::move(spec));
           },
           "name"_a, "rows"_a, "dim"_a, "dtype"_a, "initializer"_a, "optimizer"_a, "shard_row_start"_a = 0,
@@ -405,7 +405,7 @@ void BindTable(nb::module_& m) {
           "assign_values",
           [](Table& t, int64_t start_row, const nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>& v) {
             CheckRows(t, v.ndim(), v.shape_ptr(), "values");
-            nb::gil_scoped_release release;
+            ReleaseGil release;
             t.AssignValues(start_row, int64_t(v.shape(0)), v.data());
           },
           "start_row"_a, "values"_a.noconvert())
@@ -415,7 +415,7 @@ void BindTable(nb::module_& m) {
             CheckRows(t, v.ndim(), v.shape_ptr(), "values");
             if (v.dtype() != StorageDLType(t.spec().dtype))
               throw TypeMismatch("raw values must have the table's storage dtype");
-            nb::gil_scoped_release release;
+            ReleaseGil release;
             t.AssignRaw(start_row, int64_t(v.shape(0)), v.data());
           },
           "start_row"_a, "values"_a.noconvert())
@@ -424,7 +424,7 @@ void BindTable(nb::module_& m) {
           [](Table& t, size_t slot, int64_t start_row,
              const nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>& v) {
             CheckRows(t, v.ndim(), v.shape_ptr(), "slot values");
-            nb::gil_scoped_release release;
+            ReleaseGil release;
             t.AssignSlot(slot, start_row, int64_t(v.shape(0)), v.data());
           },
           "slot"_a, "start_row"_a, "values"_a.noconvert())
@@ -434,7 +434,7 @@ void BindTable(nb::module_& m) {
             if (n < 0) throw InvalidArgument("n must be >= 0, got " + std::to_string(n));
             auto [data, owner] = NewResult<float>(size_t(n) * size_t(t.dim()));
             {
-              nb::gil_scoped_release release;
+              ReleaseGil release;
               t.ReadValues(start_row, n, data);
             }
             const size_t shape[2] = {size_t(n), size_t(t.dim())};
