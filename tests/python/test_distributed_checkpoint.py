@@ -974,6 +974,18 @@ def test_ranks_that_read_different_checkpoints_load_nothing(tmp_path, monkeypatc
 
 
 # ------------------------------------------------------------------ arguments every rank must agree on
+def _trained_and_saved_by_three_ranks(tmp_path) -> str:
+    path = str(tmp_path / "c")
+
+    def save(world):
+        emb = ec.Embedding(feature_config(), world=world, sharding="row_wise")
+        train(emb, world.rank, world.size)
+        ec.save(path, emb)
+
+    run_world(3, save)
+    return path
+
+
 @pytest.mark.parametrize("arg, values", [
     ("include_optimizer", (True, False, False)),
     ("include_optimizer", (False, True, True)),
@@ -984,14 +996,7 @@ def test_ranks_saving_with_different_arguments_are_refused_and_write_nothing(tmp
     what rank 0's manifest says of every rank's files: they are compared in
     the step that compares the path, and every rank raises ValueError naming
     each rank's value; the previous checkpoint stays, byte for byte."""
-    path = str(tmp_path / "c")
-
-    def first(world):
-        emb = ec.Embedding(feature_config(), world=world, sharding="row_wise")
-        train(emb, world.rank, world.size)
-        ec.save(path, emb)
-
-    run_world(3, first)
+    path = _trained_and_saved_by_three_ranks(tmp_path)
     before = dir_bytes(path)
 
     def fn(world):
@@ -1014,14 +1019,7 @@ def test_ranks_loading_with_different_include_optimizer_are_refused_and_change_n
     """One rank loading without the optimizer state while the others load it
     would leave slots of two trainings: every rank raises ValueError naming
     each rank's value, before any table changes."""
-    path = str(tmp_path / "c")
-
-    def first(world):
-        emb = ec.Embedding(feature_config(), world=world, sharding="row_wise")
-        train(emb, world.rank, world.size)
-        ec.save(path, emb)
-
-    run_world(3, first)
+    path = _trained_and_saved_by_three_ranks(tmp_path)
 
     def fn(world):
         emb = ec.Embedding(feature_config(seed=100), world=world, sharding="row_wise")
