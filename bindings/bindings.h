@@ -6,6 +6,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <thread>
@@ -23,29 +24,54 @@ namespace embedcore::bindings {
 namespace nb = nanobind;
 
 /// Releases the GIL for the scope, as nb::gil_scoped_release, but never lets
-/// Python end the thread at the scope's end. A daemon thread that comes back
-/// from native work while the interpreter finalizes (the main thread has
-/// returned) is ended by Python inside PyEval_RestoreThread: a pthread_exit
-/// unwinding through a noexcept destructor, so std::terminate aborted the
-/// whole process at exit. Such a thread waits here instead, for the exit to
-/// end the process, as it would have in native code.
+/// Python end the thread at the scope's end. A daemon thread that takes the
+/// GIL back while the interpreter finalizes (the main thread has returned)
+/// is ended by Python inside PyEval_RestoreThread: a pthread_exit unwinding
+/// through a noexcept destructor, so std::terminate aborted the whole process
+/// at exit. So at exit (DrainBeforeExit, an atexit hook, which runs before
+/// finalization starts) the exiting thread waits for the threads already
+/// taking the GIL back; after that, any other thread that comes back from
+/// native work waits here, for the exit to end the process, as it would have
+/// in native code. The exiting thread itself (a __del__ in the last
+/// collection) takes the GIL back as usual.
 class ReleaseGil {
  public:
   ReleaseGil() : state_(PyEval_SaveThread()) {}
   ~ReleaseGil() {
-    while (Finalizing()) std::this_thread::sleep_for(std::chrono::seconds(1));
+    restoring().fetch_add(1);  // seq_cst, as the hook's store and load: it sees us, or we see it
+    if (exiting().load() && PyThread_get_thread_ident() != exit_thread().load()) {
+      restoring().fetch_sub(1);
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
     PyEval_RestoreThread(state_);
+    restoring().fetch_sub(1);
   }
   ReleaseGil(const ReleaseGil&) = delete;
   ReleaseGil& operator=(const ReleaseGil&) = delete;
 
+  /// The atexit hook (called with the GIL held): from now on other threads
+  /// coming back from native work wait; those already taking the GIL back
+  /// get it, and are waited for, before this returns.
+  static void DrainBeforeExit() {
+    exit_thread().store(PyThread_get_thread_ident());
+    exiting().store(true);
+    PyThreadState* state = PyEval_SaveThread();
+    while (restoring().load() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    PyEval_RestoreThread(state);
+  }
+
  private:
-  static bool Finalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
-    return Py_IsFinalizing() != 0;
-#else
-    return _Py_IsFinalizing() != 0;
-#endif
+  static std::atomic<int>& restoring() {
+    static std::atomic<int> n{0};
+    return n;
+  }
+  static std::atomic<bool>& exiting() {
+    static std::atomic<bool> e{false};
+    return e;
+  }
+  static std::atomic<unsigned long>& exit_thread() {
+    static std::atomic<unsigned long> t{0};
+    return t;
   }
   PyThreadState* state_;
 };

@@ -13,6 +13,8 @@ NB_MODULE(_embedcore, m) {
   // Framework tensors that view a table (DLPack) may outlive it until
   // interpreter shutdown; that is not a leak worth a warning.
   nb::set_leak_warnings(false);
+  // At exit, threads coming back from native work wait rather than being ended inside it (see ReleaseGil).
+  nb::module_::import_("atexit").attr("register")(nb::cpp_function([] { embedcore::bindings::ReleaseGil::DrainBeforeExit(); }));
   // InvalidArgument (std::invalid_argument) -> ValueError and OutOfRange
   // (std::out_of_range) -> IndexError come with nanobind; the rest are ours.
   nb::exception<embedcore::NotCompiled>(m, "NotCompiledError", PyExc_RuntimeError);

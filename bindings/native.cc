@@ -51,21 +51,30 @@ struct Registry {
   int64_t next = FirstHandle();
 };
 
-// Never destroyed: an op may run while the interpreter shuts down, and the
-// owners must not be released without the GIL.
-Registry& GetRegistry() {
-  static Registry* registry = new Registry;
-  return *registry;
-}
+Registry& GetRegistry();
 
 // fork() waits for running lookups (which hold the lock shared) and makes the
 // lock anew in the child, as it does for the tables' locks (core/table.cc):
-// a lock another thread held would stay held in the child for ever.
+// a lock another thread held would stay held in the child for ever. A lookup
+// takes this lock, then its table's, so fork must too: prepare handlers run
+// in the reverse order of their registration, and these are registered with
+// the registry, at its first use, after the tables' (registered when the
+// engine loaded).
 void LockRegistryForFork() { GetRegistry().mutex.lock(); }
 void UnlockRegistryInParent() { GetRegistry().mutex.unlock(); }
 void RenewRegistryLockInChild() { new (&GetRegistry().mutex) std::shared_mutex; }
-[[maybe_unused]] const bool registry_fork_handlers =
-    pthread_atfork(LockRegistryForFork, UnlockRegistryInParent, RenewRegistryLockInChild) == 0;
+
+// Never destroyed: an op may run while the interpreter shuts down, and the
+// owners must not be released without the GIL.
+Registry& GetRegistry() {
+  static Registry* registry = [] {
+    Table::EnsureForkHandlers();  // the tables' handlers first (see above)
+    auto* r = new Registry;
+    pthread_atfork(LockRegistryForFork, UnlockRegistryInParent, RenewRegistryLockInChild);
+    return r;
+  }();
+  return *registry;
+}
 
 void SetError(char* error, int64_t size, const std::string& text) {
   if (error == nullptr || size <= 0) return;

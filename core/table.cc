@@ -294,11 +294,15 @@ void RenewTableLocksInChild() {
   for (const Table* t : Live().tables) new (&t->mutex()) std::shared_mutex;  // no other thread exists here
   new (&Live().mutex) std::mutex;
 }
-[[maybe_unused]] const bool table_fork_handlers =
-    pthread_atfork(LockTablesForFork, UnlockTablesInParent, RenewTableLocksInChild) == 0;
 }  // namespace
 
+void Table::EnsureForkHandlers() {
+  static const bool registered = pthread_atfork(LockTablesForFork, UnlockTablesInParent, RenewTableLocksInChild) == 0;
+  (void)registered;
+}
+
 Table::ForkRegistration::ForkRegistration(const Table* t) : table(t) {
+  EnsureForkHandlers();
   std::lock_guard<std::mutex> l(Live().mutex);
   Live().tables.insert(t);
 }

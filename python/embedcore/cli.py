@@ -31,18 +31,17 @@ def _human(n: int) -> str:
 
 
 def _inspect(path: str, as_json: bool) -> int:
-    from .checkpoint import _locked, native_path, resolved_path
+    from .checkpoint import _locked, native_path, read_info, resolved_path
 
     given = native_path(path)
     path = resolved_path(given)
-    with _locked(path):  # as _verify: no save's commit removes the MANIFEST read meanwhile
-        return _inspect_locked(given, path, as_json)
+    with _locked(path):  # as _verify: no save's commit removes the files the manifest names meanwhile
+        info = read_info(path)
+    # Printed after the lock is released: a slow reader of the output (a pager) holds up no save.
+    return _print_inspect(given, info, as_json)
 
 
-def _inspect_locked(given: str, path: str, as_json: bool) -> int:
-    from .checkpoint import read_info
-
-    info = read_info(path)
+def _print_inspect(given: str, info, as_json: bool) -> int:
     manifest = json.loads(info.manifest_json)
     if as_json:
         print(json.dumps(manifest, indent=1))

@@ -580,3 +580,38 @@ def test_reshard_summary_of_a_huge_world_is_short(tmp_path, capsys):
     assert embedcore.cli.main(["reshard", str(path), str(tmp_path / "r2"), "--world", "2", "--plan", "row_wise"]) == 0
     out = capsys.readouterr().out
     assert "row_wise -> r0:rows[0:20], r1:rows[20:40]" in out and "bytes per rank (values + slots): 160, 160" in out
+
+
+def test_inspect_holds_no_lock_while_its_output_waits_for_a_reader(tmp_path):
+    """inspect reads the manifest under the directory's shared lock and
+    prints after releasing it: output that a pager has not read yet (a full
+    pipe) holds up no save's commit (a save waited for the reader)."""
+    import fcntl
+    import select
+    import time
+
+    path = tmp_path / "many"
+    ec.save(path, [ec.Table(name=f"table_{i:04d}", rows=2, dim=2) for i in range(400)])  # > 64 KiB of JSON
+    p = subprocess.Popen([sys.executable, "-m", "embedcore", "inspect", "--json", str(path)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert select.select([p.stdout], [], [], 60)[0], "inspect printed nothing"  # it has started printing
+            deadline = time.monotonic() + 60
+            free = 0
+            while time.monotonic() < deadline and free < 20:  # until it is blocked on the full pipe
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    free += 1
+                except BlockingIOError:
+                    free = 0
+                time.sleep(0.05)
+            assert free >= 20 and p.poll() is None, "inspect held the lock while its output waited"
+        finally:
+            os.close(fd)
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0 and len(json.loads(out)["tables"]) == 400
+    finally:
+        p.kill()

@@ -219,6 +219,16 @@ struct CooCheck {
 CooCheck CsrFromCoo(const void* indices, IdType index_type, int64_t nnz, int64_t bags, int64_t width,
                     int64_t* offsets, int64_t* positions);
 
+/// The row-major order of COO entries that CsrFromCoo checked (all inside
+/// the dense shape) and counted into `offsets`: writes `order` ([nnz]) so
+/// that entry order[i] is the i-th by (bag, position), entries of equal bag
+/// and position in their given order (a stable sort; a counting pass by
+/// bag, then each bag's entries by position), and `positions` ([nnz]) the
+/// entries' positions in that order. Returns whether each bag's positions
+/// are then 0, 1, 2, ... (CooCheck::dense_positions of the sorted entries).
+bool CooRowMajorOrder(const void* indices, IdType index_type, int64_t nnz, int64_t bags, const int64_t* offsets,
+                      int64_t* order, int64_t* positions);
+
 // ---------------------------------------------------------------- result memory
 /// Host memory for results handed to callers (the Python bindings' NumPy
 /// outputs), 64-byte aligned and not initialised. Blocks of 32 MiB and more,
@@ -335,6 +345,12 @@ class Table {
 
   /// Guards values and slots: shared for readers, exclusive for writers.
   std::shared_mutex& mutex() const { return mutex_; }
+
+  /// Registers (once) the fork handlers that take every live table's lock
+  /// before a fork() (see table.cc). A lock taken before a table's, for as
+  /// long as a table lock is held (the native op registry's), must register
+  /// its own handlers after calling this, so that fork takes it first.
+  static void EnsureForkHandlers();
 
  private:
   // LookupGrouped on a validated batch and groups.
