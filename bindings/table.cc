@@ -280,6 +280,35 @@ void BindTable(nb::module_& m) {
       "outside [0, bags) x [0, width) or -1, whether the entries are in row-major order, whether each bag's "
       "positions are 0, 1, 2, ...).");
   m.def(
+      "coo_row_major_order",
+      [](const nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>& indices, int64_t bags,
+         const nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>& offsets) {
+        if (indices.shape(1) != 2) throw InvalidArgument("coo_row_major_order: indices must be [nnz, 2]");
+        IdType type;
+        if (indices.dtype() == nb::dtype<int32_t>())
+          type = IdType::kInt32;
+        else if (indices.dtype() == nb::dtype<int64_t>())
+          type = IdType::kInt64;
+        else
+          throw TypeMismatch("coo_row_major_order: indices must be int32 or int64");
+        if (bags < 0 || int64_t(offsets.shape(0)) != bags + 1)
+          throw InvalidArgument("coo_row_major_order: offsets must hold bags + 1 values");
+        const int64_t nnz = int64_t(indices.shape(0));
+        auto [o, own_o] = NewResult<int64_t>(size_t(nnz));
+        auto [p, own_p] = NewResult<int64_t>(size_t(nnz));
+        bool dense;
+        {
+          ReleaseGil release;
+          dense = CooRowMajorOrder(indices.data(), type, nnz, bags, offsets.data(), o, p);
+        }
+        const size_t shape[1] = {size_t(nnz)};
+        return std::make_tuple(nb::ndarray<nb::numpy, int64_t>(o, 1, shape, own_o),
+                               nb::ndarray<nb::numpy, int64_t>(p, 1, shape, own_p), dense);
+      },
+      "indices"_a.noconvert(), "bags"_a, "offsets"_a.noconvert(),
+      "The stable row-major order of COO entries checked and counted by csr_from_coo (its offsets): (order, "
+      "the positions in that order, whether each bag's positions are then 0, 1, 2, ...).");
+  m.def(
       "bag_denominators",
       [](const OffsetArray& offsets, const std::optional<WeightArray>& weights, int combiner) {
         if (offsets.shape(0) < 1) throw InvalidArgument("offsets must hold at least one value");

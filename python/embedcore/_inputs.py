@@ -300,11 +300,11 @@ def make_batch(ids, offsets=None, weights=None, where: str = "ids") -> Batch:
         given = indices
         offs, positions, row_major, dense = _csr_of_coo(indices, shape, where)
         order = None
-        if not row_major:
-            order = np.lexsort(indices.T[::-1])
-            indices, values = indices[order], values[order]
+        if not row_major:  # a stable sort by (bag, position): a counting pass by bag, then each bag's positions
+            order, positions, dense = _embedcore.coo_row_major_order(np.ascontiguousarray(indices), int(shape[0]),
+                                                                     offs)
+            values = values[order]
             w = None if w is None else w[order]
-            offs, positions, _, dense = _csr_of_coo(indices, shape, where)
         return Batch(np.ascontiguousarray(values), offs, w, "sparse", width=int(shape[1]), positions=positions,
                      indices=given, dense_positions=dense, order=order)
 

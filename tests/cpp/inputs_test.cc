@@ -108,3 +108,42 @@ EMBEDCORE_TEST(OrderAndBoundsAreReported) {
   }
   EMBEDCORE_EXPECT(threw);
 }
+
+EMBEDCORE_TEST(RowMajorOrderIsAStableSortByBagAndPosition) {
+  // Short bags (insertion sort) and one long bag (stable_sort), repeated
+  // positions keeping their input order; int32 and int64 indices.
+  std::mt19937 rng(11);
+  for (int64_t bags : {int64_t(1), int64_t(7), int64_t(300)}) {
+    const int64_t nnz = bags == 1 ? 500 : bags * 9;
+    std::vector<int64_t> idx64(static_cast<size_t>(2 * nnz));
+    for (int64_t k = 0; k < nnz; ++k) {
+      idx64[size_t(2 * k)] = int64_t(rng() % uint64_t(bags));
+      idx64[size_t(2 * k + 1)] = int64_t(rng() % 6);
+    }
+    std::vector<int32_t> idx32(idx64.begin(), idx64.end());
+    std::vector<int64_t> want(static_cast<size_t>(nnz));
+    for (int64_t k = 0; k < nnz; ++k) want[size_t(k)] = k;
+    std::stable_sort(want.begin(), want.end(), [&](int64_t a, int64_t b) {
+      return std::make_pair(idx64[size_t(2 * a)], idx64[size_t(2 * a + 1)]) <
+             std::make_pair(idx64[size_t(2 * b)], idx64[size_t(2 * b + 1)]);
+    });
+    for (int it = 0; it < 2; ++it) {
+      const void* indices = it == 0 ? static_cast<const void*>(idx32.data()) : static_cast<const void*>(idx64.data());
+      const IdType type = it == 0 ? IdType::kInt32 : IdType::kInt64;
+      const size_t n = static_cast<size_t>(nnz);
+      std::vector<int64_t> offsets(static_cast<size_t>(bags) + 1), positions(n), order(n), sorted(n);
+      CsrFromCoo(indices, type, nnz, bags, 6, offsets.data(), positions.data());
+      const bool dense = CooRowMajorOrder(indices, type, nnz, bags, offsets.data(), order.data(), sorted.data());
+      EMBEDCORE_EXPECT(order == want);
+      EMBEDCORE_EXPECT(!dense);  // repeated positions
+      for (int64_t i = 0; i < nnz; ++i) EMBEDCORE_EXPECT_EQ(sorted[size_t(i)], idx64[size_t(2 * order[size_t(i)] + 1)]);
+    }
+  }
+  // Counts that no longer match the entries (rewritten since they were counted) are refused, not overrun.
+  const std::vector<int64_t> idx = {0, 0, 0, 1, 1, 0};
+  const std::vector<int64_t> stale = {0, 1, 3};  // bag 0 counted once, bag 1 twice
+  std::vector<int64_t> order(3), positions(3);
+  EMBEDCORE_EXPECT_THROWS(CooRowMajorOrder(idx.data(), IdType::kInt64, 3, 2, stale.data(), order.data(),
+                                           positions.data()),
+                          InvalidArgument, "changed");
+}
