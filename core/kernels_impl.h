@@ -45,6 +45,27 @@ inline void PoolSmallerBlocks(const LookupArgs& a, const T* table, const I* ids,
   }
 }
 
+// A bag of a table narrower than one vector: the sums in a local array, the
+// prefetch in the same loop (the same additions, in the same order, as the
+// vector path's column tail, so the same bits).
+template <typename R, typename T, typename I>
+inline void PoolNarrowBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) {
+  constexpr int64_t kMax = R::kLanes;
+  const T* table = static_cast<const T*>(a.table);
+  const I* ids = static_cast<const I*>(a.ids);
+  const int64_t dim = a.dim, rows = a.rows;
+  const int64_t row_bytes = dim * int64_t(sizeof(T));
+  const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
+  float s[kMax] = {};
+  for (int64_t k = k0; k < k1; ++k) {
+    if (k + kPrefetchDistance < pf_end) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+    const T* row = table + SafeRow(ids[k], rows) * dim;
+    const float w = a.weights ? a.weights[k] : 1.0f;
+    for (int64_t d = 0; d < dim; ++d) s[d] += w * ops::ToFloat(row[d]);
+  }
+  for (int64_t d = 0; d < dim; ++d) acc[d] = s[d];
+}
+
 template <typename R, typename T, typename I>
 inline void PoolBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) {
   const T* table = static_cast<const T*>(a.table);
@@ -53,19 +74,19 @@ inline void PoolBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) 
   const int64_t row_bytes = dim * int64_t(sizeof(T));
   constexpr int64_t kBlock = int64_t(R::kVectors) * R::kLanes;
   const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
-  const int64_t k_end = pf_end;
-  int64_t full = 0;
-  for (; full + kBlock <= dim; full += kBlock, pf_end = 0)
-    R::template Pool<R::kVectors>(acc + full, table, a.rows, dim, full, ids, k0, k1, a.weights, pf_end, row_bytes);
-  PoolSmallerBlocks<R, R::kVectors / 2, T, I>(a, table, ids, k0, k1, acc, full, pf_end);
-  if (pf_end != 0)  // no block ran (dim below one vector): prefetch as the tail loop used to
-    for (int64_t k = k0; k < k1 && k + kPrefetchDistance < k_end; ++k)
-      PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
-  if (full < dim) {
-    for (int64_t d = full; d < dim; ++d) acc[d] = 0.0f;
-    for (int64_t k = k0; k < k1; ++k)
-      R::Axpy(acc + full, table + SafeRow(ids[k], a.rows) * dim + full, a.weights ? a.weights[k] : 1.0f,
-              dim - full);
+  if (dim < R::kLanes) {
+    PoolNarrowBag<R, T, I>(a, b, acc, pf_end);
+  } else {
+    int64_t full = 0;
+    for (; full + kBlock <= dim; full += kBlock, pf_end = 0)
+      R::template Pool<R::kVectors>(acc + full, table, a.rows, dim, full, ids, k0, k1, a.weights, pf_end, row_bytes);
+    PoolSmallerBlocks<R, R::kVectors / 2, T, I>(a, table, ids, k0, k1, acc, full, pf_end);
+    if (full < dim) {  // the columns past the last vector (a block ran first: the rows are in cache)
+      for (int64_t d = full; d < dim; ++d) acc[d] = 0.0f;
+      for (int64_t k = k0; k < k1; ++k)
+        R::Axpy(acc + full, table + SafeRow(ids[k], a.rows) * dim + full, a.weights ? a.weights[k] : 1.0f,
+                dim - full);
+    }
   }
   if (a.combiner == ops::CombinerKind::kSum) return;  // the sum is the result; no denominator
   float sum_w = 0.0f, sum_w2 = 0.0f;
