@@ -235,8 +235,11 @@ def _sequence_ids(features: dict, f: str, table: str) -> Tuple[Tensor, tuple]:
         check_ids(x, f"features[{f!r}]")
         return x.reshape(-1), tuple(x.shape)
     v, offsets, _ = _csr(x, f"features[{f!r}]")
-    # The offsets shape no output here, but bad ones are a bad input all the same.
-    if not torch.compiler.is_compiling():
+    # The offsets shape no output here, but bad ones are a bad input all the same. (CUDA offsets: checked on
+    # the device, one synchronisation, and copied to the host only for the message.)
+    if not torch.compiler.is_compiling() and (
+            offsets.device.type == "cpu" or
+            bool(((offsets[0] != 0) | (offsets[1:] < offsets[:-1]).any() | (offsets[-1] > v.shape[0])).item())):
         _ops._check_offsets(offsets.cpu().numpy().astype(np.int64, copy=False), v.shape[0],
                             f"features[{f!r}] offsets", False)
     return v, (v.shape[0],)
