@@ -1153,6 +1153,7 @@ MappedCheckpoint::MappedCheckpoint(const std::string& given, Verify verify) {
   CheckpointLock lock(path, false);  // until the files are mapped: no save's commit removes them meanwhile
   info_ = ReadCheckpointInfo(path, /*slot_files=*/false);  // serving reads values only
   info_.path = given;  // what the caller named (a link such as /models/current stays one)
+  lazy_ = verify == Verify::kLazy;
   for (const TableEntry& t : info_.tables) {
     auto table = std::make_unique<MappedTable>();
     for (const FileEntry& entry : t.values) {
@@ -1237,8 +1238,22 @@ void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShap
   if (mt.single()) {
     // Served in place. Each touched block is checked once (a relaxed load per id afterwards).
     const Mapped& m = *mt.files[0];
-    for (int64_t k = 0; k < batch.nnz; ++k) TouchRow(m, id_at(k));
-    internal::RunLookup(m.payload, m.file.dtype, t.rows, t.dim, batch, shape, out);
+    if (!lazy_) {  // every block checked already (or trusted): the kernels read the ids themselves
+      for (int64_t k = 0; k < batch.nnz; ++k) TouchRow(m, id_at(k));
+      internal::RunLookup(m.payload, m.file.dtype, t.rows, t.dim, batch, shape, out);
+      return;
+    }
+    // Lazily checked: the kernels look up exactly the ids whose blocks were checked, read once into
+    // this copy (the caller's ids, read in place, could be rewritten between the check and the kernel).
+    std::vector<int64_t> checked(size_t(batch.nnz));
+    for (int64_t k = 0; k < batch.nnz; ++k) {
+      checked[size_t(k)] = id_at(k);
+      TouchRow(m, checked[size_t(k)]);
+    }
+    Batch copy = batch;
+    copy.id_type = IdType::kInt64;
+    copy.ids = checked.data();
+    internal::RunLookup(m.payload, m.file.dtype, t.rows, t.dim, copy, shape, out);
     return;
   }
   // Several files: each occurrence's row is gathered (float32, exact) from the

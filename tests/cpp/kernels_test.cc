@@ -285,6 +285,18 @@ EMBEDCORE_TEST(IdsOutsideTheTableReadRowZero) {
           set->dtype[int(dt)].rows[it](Args(t, zeros, it, false, ops::CombinerKind::kSum, 0, want_rows.data()), 0,
                                        zeros.nnz());
           CompareBits(rows, want_rows, std::string(set->name) + " outside ids, rows " + DName(dt));
+          std::vector<float> padded(size_t(b.bags() * 4 * dim)), want_padded(padded.size());
+          set->dtype[int(dt)].padded[it](Args(t, b, it, true, ops::CombinerKind::kSum, 4, padded.data()), 0, b.bags());
+          set->dtype[int(dt)].padded[it](Args(t, zeros, it, true, ops::CombinerKind::kSum, 4, want_padded.data()), 0,
+                                         zeros.bags());
+          CompareBits(padded, want_padded, std::string(set->name) + " outside ids, padded " + DName(dt));
+          const std::vector<int64_t> groups = {0, 2, b.bags()};
+          std::vector<float> grouped(size_t(2 * dim)), want_grouped(grouped.size());
+          set->dtype[int(dt)].grouped[it](Args(t, b, it, true, ops::CombinerKind::kSum, 0, grouped.data()),
+                                          groups.data(), 0, 2);
+          set->dtype[int(dt)].grouped[it](Args(t, zeros, it, true, ops::CombinerKind::kSum, 0, want_grouped.data()),
+                                          groups.data(), 0, 2);
+          CompareBits(grouped, want_grouped, std::string(set->name) + " outside ids, grouped " + DName(dt));
         }
       }
     }

@@ -639,6 +639,7 @@ class MappedCheckpoint {
   struct MappedTable;  // a table's files
   CheckpointInfo info_;
   std::vector<std::unique_ptr<MappedTable>> tables_;
+  bool lazy_ = false;  ///< opened with Verify::kLazy: blocks are checked as lookups first touch them
 };
 
 /// What this build contains: version, format versions, compiled features.
