@@ -30,10 +30,12 @@ namespace nb = nanobind;
 /// through a noexcept destructor, so std::terminate aborted the whole process
 /// at exit. So at exit (DrainBeforeExit, an atexit hook, which runs before
 /// finalization starts) the exiting thread waits for the threads already
-/// taking the GIL back; after that, any other thread that comes back from
-/// native work waits here, for the exit to end the process, as it would have
-/// in native code. The exiting thread itself (a __del__ in the last
-/// collection) takes the GIL back as usual.
+/// taking the GIL back; after that, another thread that comes back from
+/// native work waits here while the exit goes on: for good once
+/// finalization has started (the exit ends the process, as it would have in
+/// native code), or, if it has not started within 100 ms (another atexit
+/// hook may be joining this thread), takes the GIL back. The exiting thread
+/// itself (a __del__ in the last collection) takes the GIL back as usual.
 class ReleaseGil {
  public:
   ReleaseGil() : state_(PyEval_SaveThread()) {}
@@ -41,7 +43,9 @@ class ReleaseGil {
     restoring().fetch_add(1);  // seq_cst, as the hook's store and load: it sees us, or we see it
     if (exiting().load() && PyThread_get_thread_ident() != exit_thread().load()) {
       restoring().fetch_sub(1);
-      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+      for (int waited_ms = 0; waited_ms < 100 || Finalizing(); ++waited_ms)
+        std::this_thread::sleep_for(std::chrono::milliseconds(Finalizing() ? 1000 : 1));
+      restoring().fetch_add(1);
     }
     PyEval_RestoreThread(state_);
     restoring().fetch_sub(1);
@@ -60,6 +64,15 @@ class ReleaseGil {
     PyEval_RestoreThread(state);
   }
 
+  /// In a forked child (os.register_at_fork): the threads counted in the
+  /// parent do not exist here, and the exit, if one was under way, is not
+  /// this process's.
+  static void ForgetInChild() {
+    restoring().store(0);
+    exiting().store(false);
+    exit_thread().store(0);
+  }
+
  private:
   static std::atomic<int>& restoring() {
     static std::atomic<int> n{0};
@@ -72,6 +85,13 @@ class ReleaseGil {
   static std::atomic<unsigned long>& exit_thread() {
     static std::atomic<unsigned long> t{0};
     return t;
+  }
+  static bool Finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing() != 0;
+#else
+    return _Py_IsFinalizing() != 0;
+#endif
   }
   PyThreadState* state_;
 };

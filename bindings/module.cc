@@ -14,7 +14,10 @@ NB_MODULE(_embedcore, m) {
   // interpreter shutdown; that is not a leak worth a warning.
   nb::set_leak_warnings(false);
   // At exit, threads coming back from native work wait rather than being ended inside it (see ReleaseGil).
-  nb::module_::import_("atexit").attr("register")(nb::cpp_function([] { embedcore::bindings::ReleaseGil::DrainBeforeExit(); }));
+  nb::module_::import_("atexit").attr("register")(
+      nb::cpp_function([] { embedcore::bindings::ReleaseGil::DrainBeforeExit(); }));
+  nb::module_::import_("os").attr("register_at_fork")(
+      "after_in_child"_a = nb::cpp_function([] { embedcore::bindings::ReleaseGil::ForgetInChild(); }));
   // InvalidArgument (std::invalid_argument) -> ValueError and OutOfRange
   // (std::out_of_range) -> IndexError come with nanobind; the rest are ours.
   nb::exception<embedcore::NotCompiled>(m, "NotCompiledError", PyExc_RuntimeError);

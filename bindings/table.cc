@@ -281,7 +281,7 @@ void BindTable(nb::module_& m) {
       "positions are 0, 1, 2, ...).");
   m.def(
       "coo_row_major_order",
-      [](const nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>& indices, int64_t bags,
+      [](const nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>& indices, int64_t bags, int64_t width,
          const nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>& offsets) {
         if (indices.shape(1) != 2) throw InvalidArgument("coo_row_major_order: indices must be [nnz, 2]");
         IdType type;
@@ -299,13 +299,13 @@ void BindTable(nb::module_& m) {
         bool dense;
         {
           ReleaseGil release;
-          dense = CooRowMajorOrder(indices.data(), type, nnz, bags, offsets.data(), o, p);
+          dense = CooRowMajorOrder(indices.data(), type, nnz, bags, width, offsets.data(), o, p);
         }
         const size_t shape[1] = {size_t(nnz)};
         return std::make_tuple(nb::ndarray<nb::numpy, int64_t>(o, 1, shape, own_o),
                                nb::ndarray<nb::numpy, int64_t>(p, 1, shape, own_p), dense);
       },
-      "indices"_a.noconvert(), "bags"_a, "offsets"_a.noconvert(),
+      "indices"_a.noconvert(), "bags"_a, "width"_a, "offsets"_a.noconvert(),
       "The stable row-major order of COO entries checked and counted by csr_from_coo (its offsets): (order, "
       "the positions in that order, whether each bag's positions are then 0, 1, 2, ...).");
   m.def(

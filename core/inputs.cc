@@ -1,6 +1,7 @@
 // Input forms the engine converts itself: COO bags (TensorFlow's SparseTensor)
 // to the CSR batch the kernels take.
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "embedcore/embedcore.h"
@@ -45,51 +46,63 @@ CooCheck CsrFromCooT(const I* indices, int64_t nnz, int64_t bags, int64_t width,
 }
 
 template <typename I>
-bool CooRowMajorOrderT(const I* indices, int64_t nnz, int64_t bags, const int64_t* offsets, int64_t* order,
-                       int64_t* positions) {
+bool CooRowMajorOrderT(const I* indices, int64_t nnz, int64_t bags, int64_t width, const int64_t* offsets,
+                       int64_t* order, int64_t* positions) {
+  // One pass reads each entry once, by bag (stable): its index and its position. Checked and counted
+  // before, but read in place: a caller's thread may have rewritten them since; the sort below uses
+  // only this pass's copies.
   std::vector<int64_t> next(offsets, offsets + bags);
-  for (int64_t k = 0; k < nnz; ++k) {  // stable by bag
-    // Checked and counted before, but read in place: a caller's thread may have rewritten them since.
+  for (int64_t k = 0; k < nnz; ++k) {
     const uint64_t bag = uint64_t(int64_t(indices[2 * k]));
-    if (bag >= uint64_t(bags) || next[bag] >= offsets[bag + 1])
+    const int64_t pos = int64_t(indices[2 * k + 1]);
+    if (bag >= uint64_t(bags) || next[bag] >= offsets[bag + 1] || uint64_t(pos) >= uint64_t(width))
       throw InvalidArgument("the COO indices changed while they were read (another thread wrote them)");
-    order[next[bag]++] = k;
+    order[next[bag]] = k;
+    positions[next[bag]++] = pos;
   }
-  auto position = [indices](int64_t k) { return int64_t(indices[2 * k + 1]); };
+  // Each bag's entries by position, stably.
+  std::vector<std::pair<int64_t, int64_t>> long_bag;
   for (int64_t b = 0; b < bags; ++b) {
-    int64_t* first = order + offsets[b];
-    int64_t* last = order + offsets[b + 1];
+    const int64_t first = offsets[b], last = offsets[b + 1];
     if (last - first <= 32) {  // insertion sort: stable, and fastest for the usual short bags
-      for (int64_t* i = first + 1; i < last; ++i) {
-        const int64_t k = *i, p = position(k);
-        int64_t* j = i;
-        for (; j > first && position(*(j - 1)) > p; --j) *j = *(j - 1);
-        *j = k;
+      for (int64_t i = first + 1; i < last; ++i) {
+        const int64_t k = order[i], p = positions[i];
+        int64_t j = i;
+        for (; j > first && positions[j - 1] > p; --j) {
+          order[j] = order[j - 1];
+          positions[j] = positions[j - 1];
+        }
+        order[j] = k;
+        positions[j] = p;
       }
     } else {
-      std::stable_sort(first, last, [&](int64_t a, int64_t c) { return position(a) < position(c); });
+      long_bag.clear();
+      for (int64_t i = first; i < last; ++i) long_bag.emplace_back(positions[i], order[i]);
+      std::stable_sort(long_bag.begin(), long_bag.end(),
+                       [](const auto& x, const auto& y) { return x.first < y.first; });
+      for (int64_t i = first; i < last; ++i) {
+        positions[i] = long_bag[size_t(i - first)].first;
+        order[i] = long_bag[size_t(i - first)].second;
+      }
     }
   }
   bool dense = true;
-  for (int64_t b = 0; b < bags; ++b)
-    for (int64_t i = offsets[b]; i < offsets[b + 1]; ++i) {
-      positions[i] = position(order[i]);
-      dense = dense && positions[i] == i - offsets[b];
-    }
+  for (int64_t b = 0; b < bags && dense; ++b)
+    for (int64_t i = offsets[b]; i < offsets[b + 1]; ++i) dense = dense && positions[i] == i - offsets[b];
   return dense;
 }
 
 }  // namespace
 
-bool CooRowMajorOrder(const void* indices, IdType index_type, int64_t nnz, int64_t bags, const int64_t* offsets,
-                      int64_t* order, int64_t* positions) {
+bool CooRowMajorOrder(const void* indices, IdType index_type, int64_t nnz, int64_t bags, int64_t width,
+                      const int64_t* offsets, int64_t* order, int64_t* positions) {
   if (nnz < 0 || bags < 0) throw InvalidArgument("coo_row_major_order: negative size");
   if (offsets == nullptr || (nnz > 0 && (indices == nullptr || order == nullptr || positions == nullptr)))
     throw InvalidArgument("coo_row_major_order: null pointer");
   if (offsets[bags] != nnz) throw InvalidArgument("coo_row_major_order: offsets must end at nnz");
   return index_type == IdType::kInt32
-             ? CooRowMajorOrderT(static_cast<const int32_t*>(indices), nnz, bags, offsets, order, positions)
-             : CooRowMajorOrderT(static_cast<const int64_t*>(indices), nnz, bags, offsets, order, positions);
+             ? CooRowMajorOrderT(static_cast<const int32_t*>(indices), nnz, bags, width, offsets, order, positions)
+             : CooRowMajorOrderT(static_cast<const int64_t*>(indices), nnz, bags, width, offsets, order, positions);
 }
 
 CooCheck CsrFromCoo(const void* indices, IdType index_type, int64_t nnz, int64_t bags, int64_t width,

@@ -302,7 +302,7 @@ def make_batch(ids, offsets=None, weights=None, where: str = "ids") -> Batch:
         order = None
         if not row_major:  # a stable sort by (bag, position): a counting pass by bag, then each bag's positions
             order, positions, dense = _embedcore.coo_row_major_order(np.ascontiguousarray(indices), int(shape[0]),
-                                                                     offs)
+                                                                     int(shape[1]), offs)
             values = values[order]
             w = None if w is None else w[order]
         return Batch(np.ascontiguousarray(values), offs, w, "sparse", width=int(shape[1]), positions=positions,

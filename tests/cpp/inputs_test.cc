@@ -133,7 +133,7 @@ EMBEDCORE_TEST(RowMajorOrderIsAStableSortByBagAndPosition) {
       const size_t n = static_cast<size_t>(nnz);
       std::vector<int64_t> offsets(static_cast<size_t>(bags) + 1), positions(n), order(n), sorted(n);
       CsrFromCoo(indices, type, nnz, bags, 6, offsets.data(), positions.data());
-      const bool dense = CooRowMajorOrder(indices, type, nnz, bags, offsets.data(), order.data(), sorted.data());
+      const bool dense = CooRowMajorOrder(indices, type, nnz, bags, 6, offsets.data(), order.data(), sorted.data());
       EMBEDCORE_EXPECT(order == want);
       EMBEDCORE_EXPECT(!dense);  // repeated positions
       for (int64_t i = 0; i < nnz; ++i) EMBEDCORE_EXPECT_EQ(sorted[size_t(i)], idx64[size_t(2 * order[size_t(i)] + 1)]);
@@ -143,7 +143,11 @@ EMBEDCORE_TEST(RowMajorOrderIsAStableSortByBagAndPosition) {
   const std::vector<int64_t> idx = {0, 0, 0, 1, 1, 0};
   const std::vector<int64_t> stale = {0, 1, 3};  // bag 0 counted once, bag 1 twice
   std::vector<int64_t> order(3), positions(3);
-  EMBEDCORE_EXPECT_THROWS(CooRowMajorOrder(idx.data(), IdType::kInt64, 3, 2, stale.data(), order.data(),
+  EMBEDCORE_EXPECT_THROWS(CooRowMajorOrder(idx.data(), IdType::kInt64, 3, 2, 2, stale.data(), order.data(),
+                                           positions.data()),
+                          InvalidArgument, "changed");
+  const std::vector<int64_t> counts = {0, 2, 3};  // right counts, but a position beyond the width of 1
+  EMBEDCORE_EXPECT_THROWS(CooRowMajorOrder(idx.data(), IdType::kInt64, 3, 2, 1, counts.data(), order.data(),
                                            positions.data()),
                           InvalidArgument, "changed");
 }

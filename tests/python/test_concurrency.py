@@ -407,3 +407,60 @@ def test_forks_during_native_op_lookups_do_not_deadlock(tmp_path):
     script.write_text(_FORK_DURING_NATIVE_LOOKUPS)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+_AT_EXIT = {
+    "a hook registered before the import joins daemon threads in lookups": r"""
+import atexit, threading
+stop = threading.Event()
+workers = []
+def shutdown():  # runs after embedcore's own atexit hook (last registered, first run)
+    stop.set()
+    for w in workers:
+        w.join()
+    print("joined", flush=True)
+atexit.register(shutdown)
+import time, numpy as np, embedcore as ec
+t = ec.Table(name="t", rows=1000, dim=8)
+ids, offsets = np.arange(64) % 1000, np.arange(0, 65, 8)
+def look():
+    while not stop.is_set():
+        t.lookup(ids, offsets)
+for _ in range(2):
+    w = threading.Thread(target=look, daemon=True)
+    w.start()
+    workers.append(w)
+time.sleep(0.05)
+""",
+    "children forked during lookups exit through the interpreter": r"""
+import os, sys, threading, time, numpy as np, embedcore as ec
+t = ec.Table(name="t", rows=1000, dim=8)
+ids, offsets = np.arange(64) % 1000, np.arange(0, 65, 8)
+def look():
+    while True:
+        t.lookup(ids, offsets)
+for _ in range(3):
+    threading.Thread(target=look, daemon=True).start()
+time.sleep(0.05)
+codes = []
+for _ in range(10):
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # atexit hooks run in the child, which has none of the parent's threads
+    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print("joined" if codes == [0] * 10 else codes, flush=True)
+""",
+}
+
+
+@pytest.mark.parametrize("case", list(_AT_EXIT))
+def test_exits_with_threads_in_lookups_end(tmp_path, case):
+    """What ReleaseGil's exit handling must not break: an atexit hook that
+    joins threads in lookups (they wait 100 ms for finalization, then take
+    the GIL back), and forked children that exit normally (the parent's
+    threads counted as taking the GIL back are forgotten in the child; they
+    hung for ever)."""
+    script = tmp_path / "exit.py"
+    script.write_text(_AT_EXIT[case])
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "joined", (done.stdout, done.stderr[-1000:])

@@ -226,8 +226,8 @@ CooCheck CsrFromCoo(const void* indices, IdType index_type, int64_t nnz, int64_t
 /// bag, then each bag's entries by position), and `positions` ([nnz]) the
 /// entries' positions in that order. Returns whether each bag's positions
 /// are then 0, 1, 2, ... (CooCheck::dense_positions of the sorted entries).
-bool CooRowMajorOrder(const void* indices, IdType index_type, int64_t nnz, int64_t bags, const int64_t* offsets,
-                      int64_t* order, int64_t* positions);
+bool CooRowMajorOrder(const void* indices, IdType index_type, int64_t nnz, int64_t bags, int64_t width,
+                      const int64_t* offsets, int64_t* order, int64_t* positions);
 
 // ---------------------------------------------------------------- result memory
 /// Host memory for results handed to callers (the Python bindings' NumPy
