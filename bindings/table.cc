@@ -248,19 +248,20 @@ void CheckRows(const Table& t, size_t ndim, const int64_t* shape, const char* wh
 
 }  // namespace
 
+// The id type of COO `indices` ([nnz, 2], int32 or int64) for the call `what`.
+IdType CooIndexType(const nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>& indices, const char* what) {
+  if (indices.shape(1) != 2) throw InvalidArgument(std::string(what) + ": indices must be [nnz, 2]");
+  if (indices.dtype() == nb::dtype<int32_t>()) return IdType::kInt32;
+  if (indices.dtype() == nb::dtype<int64_t>()) return IdType::kInt64;
+  throw TypeMismatch(std::string(what) + ": indices must be int32 or int64");
+}
+
 void BindTable(nb::module_& m) {
   m.def(
       "csr_from_coo",
       [](const nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>& indices, int64_t bags,
          int64_t width) {
-        if (indices.shape(1) != 2) throw InvalidArgument("csr_from_coo: indices must be [nnz, 2]");
-        IdType type;
-        if (indices.dtype() == nb::dtype<int32_t>())
-          type = IdType::kInt32;
-        else if (indices.dtype() == nb::dtype<int64_t>())
-          type = IdType::kInt64;
-        else
-          throw TypeMismatch("csr_from_coo: indices must be int32 or int64");
+        const IdType type = CooIndexType(indices, "csr_from_coo");
         if (bags < 0 || width < 0) throw InvalidArgument("csr_from_coo: negative dense shape");
         const int64_t nnz = int64_t(indices.shape(0));
         auto [o, own_o] = NewResult<int64_t>(size_t(bags) + 1);
@@ -283,14 +284,7 @@ void BindTable(nb::module_& m) {
       "coo_row_major_order",
       [](const nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>& indices, int64_t bags, int64_t width,
          const nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>& offsets) {
-        if (indices.shape(1) != 2) throw InvalidArgument("coo_row_major_order: indices must be [nnz, 2]");
-        IdType type;
-        if (indices.dtype() == nb::dtype<int32_t>())
-          type = IdType::kInt32;
-        else if (indices.dtype() == nb::dtype<int64_t>())
-          type = IdType::kInt64;
-        else
-          throw TypeMismatch("coo_row_major_order: indices must be int32 or int64");
+        const IdType type = CooIndexType(indices, "coo_row_major_order");
         if (bags < 0 || int64_t(offsets.shape(0)) != bags + 1)
           throw InvalidArgument("coo_row_major_order: offsets must hold bags + 1 values");
         const int64_t nnz = int64_t(indices.shape(0));

@@ -1239,6 +1239,14 @@ def test_ranks_saving_to_different_paths_are_refused_and_write_nothing(tmp_path)
         assert f"rank 0 {str(tmp_path / 'ckpt_0')!r}, rank 1 {str(tmp_path / 'ckpt_1')!r}" in str(e), str(e)
     assert os.listdir(tmp_path / "ckpt_0") == [] and os.listdir(tmp_path / "ckpt_1") == []
 
+    def new_paths(world):  # directories that do not exist yet: none is left behind
+        emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig("t", 10, 2))}, opt.Adagrad(0.1), world=world,
+                           sharding="row_wise")
+        ec.save(tmp_path / f"new_{world.rank}", emb)
+
+    assert all(isinstance(e, ValueError) for e in _run(2, _catching(new_paths)))
+    assert not (tmp_path / "new_0").exists() and not (tmp_path / "new_1").exists()
+
 
 def test_run_local_a_rank_that_returns_early_does_not_hang_the_others():
     """A rank whose fn returns joins no further collective: another rank's

@@ -59,9 +59,17 @@ def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Option
         _save_sharded(path, emb, include_optimizer, values_dtype, held)
 
 
+def _remove_if_created_and_empty(path: str, created: bool) -> None:
+    """A failed save leaves no empty directory it created (rmdir only: never anything else)."""
+    if created:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+
+
 def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optional[str], held) -> None:
     comm = emb.world
     error, generation = None, None
+    created = comm.rank == 0 and not os.path.lexists(path)  # removed again if this save fails (when empty)
     if comm.rank == 0:
         try:
             if values_dtype is not None and values_dtype not in ("float32", "float16", "bfloat16"):
@@ -83,6 +91,7 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
     if differ:
         if comm.rank == 0:
             _embedcore.remove_generation(path, generation)  # its claim
+            _remove_if_created_and_empty(path, created)
         what, values = differ[0]
         raise ValueError(f"save: the ranks gave different {what} (" +
                          ", ".join(f"rank {r} {v!r}" for r, v in enumerate(values)) +
@@ -111,6 +120,7 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
             if comm.rank == 0:
                 try:
                     _embedcore.remove_generation(path, generation)
+                    _remove_if_created_and_empty(path, created)
                 except Exception as c:  # noqa: BLE001 - the save's own error is the one to raise
                     failed = c
             # Every rank waits for the removal before it raises: under MPI an error left uncaught on another
