@@ -10,10 +10,12 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "bindings.h"
@@ -32,6 +34,47 @@ NumpyFloat Lookup(const Table& t, const IdArray& ids, const OffsetArray& offsets
   RequireHost(t, "a lookup of NumPy arrays");
   return LookupNew(t.dim(), ids, offsets, weights, combiner, max_sequence_length,
                    [&](const Batch& b, const OutputShape& s, float* out) { t.Lookup(b, s, out); });
+}
+
+// Lookups of several tables (or several batches of one) in one call: each
+// checked and given its output first, then all run in one release of the GIL.
+// What a collection of many small features pays per feature is then the
+// engine's work, not a call's fixed cost. The first error raises (the caller
+// repeats the lookups one by one to name the feature).
+using LookupCall = std::tuple<const Table*, IdArray, OffsetArray, std::optional<WeightArray>, int, int64_t>;
+
+std::vector<NumpyFloat> LookupMany(const std::vector<LookupCall>& calls) {
+  struct Pending {
+    const Table* table;
+    Batch batch;
+    OutputShape shape;
+    std::vector<size_t> dims;
+    float* out;
+    nb::capsule owner;
+  };
+  std::vector<Pending> pending;
+  pending.reserve(calls.size());
+  for (const auto& [t, ids, offsets, weights, combiner, max_len] : calls) {
+    if (t == nullptr) throw InvalidArgument("lookup_many: a table is None");
+    RequireHost(*t, "a lookup of NumPy arrays");
+    Pending p{t, MakeBatch(ids, offsets, weights), OutputShape{ToCombiner(combiner), max_len}, {}, nullptr, {}};
+    if (p.shape.combiner == Combiner::kNone && max_len < 0)
+      throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(max_len));
+    ValidateBatch(p.batch, t->rows(), t->spec().name);
+    p.dims = OutputDims(p.batch, p.shape, t->dim());
+    size_t n = 1;
+    for (size_t d : p.dims) n *= d;
+    std::tie(p.out, p.owner) = NewResult<float>(n);
+    pending.push_back(std::move(p));
+  }
+  {
+    ReleaseGil release;
+    for (const Pending& p : pending) p.table->Lookup(p.batch, p.shape, p.out);
+  }
+  std::vector<NumpyFloat> results;
+  results.reserve(pending.size());
+  for (Pending& p : pending) results.push_back(NumpyFloat(p.out, p.dims.size(), p.dims.data(), std::move(p.owner)));
+  return results;
 }
 
 NumpyFloat LookupGrouped(const Table& t, const IdArray& ids, const OffsetArray& offsets,
@@ -78,6 +121,48 @@ void CheckNotTableMemory(const Table& t, const void* p, size_t bytes, const char
                                                         : "' that the step updates: pass a copy"));
 }
 
+// LookupMany of pooled lookups into the columns of one C-contiguous float32
+// `out` ([bags, sum of the tables' dims]): call i writes the dim_i columns
+// after those of the calls before it (a collection's concatenated features,
+// with no copy of each output into it). Everything is checked before any
+// lookup writes.
+void LookupManyInto(const std::vector<LookupCall>& calls, const FloatOut& out) {
+  if (out.ndim() != 2) throw InvalidArgument("lookup_many_into: out must be 2-D [bags, columns]");
+  const int64_t bags = int64_t(out.shape(0)), width = int64_t(out.shape(1));
+  std::vector<std::tuple<const Table*, Batch, OutputShape>> pending;
+  pending.reserve(calls.size());
+  int64_t col = 0;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const auto& [t, ids, offsets, weights, combiner, max_len] = calls[i];
+    if (t == nullptr) throw InvalidArgument("lookup_many_into: a table is None");
+    RequireHost(*t, "a lookup of NumPy arrays");
+    CheckNotTableMemory(*t, out.data(), out.nbytes(), "out", "the lookup reads");
+    CheckNoAliasing(ids, offsets, weights, out);
+    const OutputShape shape{ToCombiner(combiner), max_len, width};
+    const Batch batch = MakeBatch(ids, offsets, weights);
+    if (shape.combiner == Combiner::kNone) throw InvalidArgument("lookup_many_into: call " + std::to_string(i) +
+                                                                 " is not pooled");
+    if (batch.num_bags != bags)
+      throw InvalidArgument("lookup_many_into: call " + std::to_string(i) + " has " + std::to_string(batch.num_bags) +
+                            " bags, out has " + std::to_string(bags) + " rows");
+    col += t->dim();
+    if (col > width)
+      throw InvalidArgument("lookup_many_into: the calls' dims add up to more than out's " + std::to_string(width) +
+                            " columns");
+    ValidateBatch(batch, t->rows(), t->spec().name);  // (again in Lookup: nothing is written before all pass)
+    pending.emplace_back(t, batch, shape);
+  }
+  if (col != width)
+    throw InvalidArgument("lookup_many_into: the calls' dims add up to " + std::to_string(col) + ", out has " +
+                          std::to_string(width) + " columns");
+  ReleaseGil release;
+  col = 0;
+  for (const auto& [t, batch, shape] : pending) {
+    t->Lookup(batch, shape, out.data() + col);
+    col += t->dim();
+  }
+}
+
 void LookupInto(const Table& t, const IdArray& ids, const OffsetArray& offsets,
                 const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length,
                 const FloatOut& out) {
@@ -89,24 +174,41 @@ void LookupInto(const Table& t, const IdArray& ids, const OffsetArray& offsets,
 
 using PartTuple = std::tuple<IdArray, OffsetArray, std::optional<WeightArray>, int, int64_t, FloatIn>;
 
-// The parts of a step on host arrays, checked against the table.
-std::vector<GradientPart> HostParts(const Table& t, const std::vector<PartTuple>& parts) {
+// A part's gradient rows as one of its lookup's outputs (pooled: 2-D, rows
+// some stride apart, e.g. a table's columns of a collection's gradient).
+using StridedGrads = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu>;
+using StridedPartTuple = std::tuple<IdArray, OffsetArray, std::optional<WeightArray>, int, int64_t, StridedGrads>;
+
+// The parts of a step on host arrays, checked against the table (grads
+// C-contiguous, or StridedGrads: then a strided pooled part's shape says so).
+template <typename Tuple>
+std::vector<GradientPart> HostParts(const Table& t, const std::vector<Tuple>& parts) {
   std::vector<GradientPart> native;
   native.reserve(parts.size());
   for (size_t i = 0; i < parts.size(); ++i) {
     const auto& [ids, offsets, weights, combiner, max_len, grads] = parts[i];
-    CheckNotTableMemory(t, grads.data(), grads.nbytes(), "grads");
     CheckNotTableMemory(t, ids.data(), ids.nbytes(), "ids");
     CheckNotTableMemory(t, offsets.data(), offsets.nbytes(), "offsets");
     if (weights) CheckNotTableMemory(t, weights->data(), weights->nbytes(), "weights");
     GradientPart p;
     p.batch = MakeBatch(ids, offsets, weights);
     p.shape = OutputShape{ToCombiner(combiner), max_len};
-    const size_t want = size_t(p.shape.OutputRows(p.batch)) * size_t(t.dim());
-    if (grads.size() != want)
-      throw InvalidArgument("grads must hold " + std::to_string(want) + " float32 values (" +
-                            std::to_string(p.shape.OutputRows(p.batch)) + " x " + std::to_string(t.dim()) +
-                            "), got " + std::to_string(grads.size()));
+    const int64_t rows = p.shape.OutputRows(p.batch);
+    const size_t want = size_t(rows) * size_t(t.dim());
+    size_t span = grads.nbytes();  // the bytes the step reads
+    if constexpr (std::is_same_v<Tuple, StridedPartTuple>) {
+      if (int64_t(grads.shape(0)) != rows || int64_t(grads.shape(1)) != t.dim())
+        throw InvalidArgument("grads must be [" + std::to_string(rows) + ", " + std::to_string(t.dim()) + "], got [" +
+                              std::to_string(grads.shape(0)) + ", " + std::to_string(grads.shape(1)) + "]");
+      if (rows > 0 && t.dim() > 1 && grads.stride(1) != 1)
+        throw InvalidArgument("grads: each row's values must be contiguous");
+      if (rows > 1 && grads.stride(0) != t.dim()) p.shape.out_stride = grads.stride(0);  // (checked by the step)
+      if (rows > 0) span = (size_t(rows - 1) * size_t(std::max<int64_t>(grads.stride(0), 0)) + size_t(t.dim())) * 4;
+    } else if (grads.size() != want) {
+      throw InvalidArgument("grads must hold " + std::to_string(want) + " float32 values (" + std::to_string(rows) +
+                            " x " + std::to_string(t.dim()) + "), got " + std::to_string(grads.size()));
+    }
+    CheckNotTableMemory(t, grads.data(), span, "grads");
     p.grads = grads.data();
     native.push_back(p);
   }
@@ -118,6 +220,32 @@ void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learnin
   const std::vector<GradientPart> native = HostParts(t, parts);
   ReleaseGil release;
   t.ApplyGradients(native, learning_rate);
+}
+
+// One optimizer step of several tables (a collection's fused backward) in
+// one call: every table's parts are checked, and their batches validated
+// against their tables, before any table changes; then the steps run in one
+// release of the GIL.
+using TableStep = std::tuple<Table*, std::vector<StridedPartTuple>, float>;
+
+void ApplyGradientsMany(const std::vector<TableStep>& steps) {
+  std::vector<std::vector<GradientPart>> native;
+  native.reserve(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const auto& [t, parts, learning_rate] = steps[i];
+    if (t == nullptr) throw InvalidArgument("apply_gradients_many: a table is None");
+    RequireHost(*t, "apply_gradients of NumPy arrays");
+    for (size_t j = 0; j < i; ++j)
+      if (std::get<0>(steps[j]) == t)
+        throw InvalidArgument("apply_gradients_many: table '" + t->spec().name + "' is given twice");
+    if (!std::isfinite(learning_rate))
+      throw InvalidArgument("table '" + t->spec().name + "': learning_rate must be finite, got " +
+                            std::to_string(learning_rate));
+    native.push_back(HostParts(*t, parts));
+    for (const GradientPart& p : native.back()) ValidateBatch(p.batch, t->rows(), t->spec().name);
+  }
+  ReleaseGil release;
+  for (size_t i = 0; i < steps.size(); ++i) std::get<0>(steps[i])->ApplyGradients(native[i], std::get<2>(steps[i]));
 }
 
 // Host arrays for a table anywhere (a device table stages them): the sharded
@@ -302,6 +430,12 @@ void BindTable(nb::module_& m) {
       "indices"_a.noconvert(), "bags"_a, "width"_a, "offsets"_a.noconvert(),
       "The stable row-major order of COO entries checked and counted by csr_from_coo (its offsets): (order, "
       "the positions in that order, whether each bag's positions are then 0, 1, 2, ...).");
+  m.def("apply_gradients_many", &ApplyGradientsMany, "steps"_a,
+        "Table.apply_gradients of each (table, parts, learning_rate), every table checked before any changes.");
+  m.def("lookup_many_into", &LookupManyInto, "calls"_a, "out"_a.noconvert(),
+        "lookup_many of pooled lookups into consecutive columns of one float32 out [bags, sum of the dims].");
+  m.def("lookup_many", &LookupMany, "calls"_a,
+        "Table.lookup of each (table, ids, offsets, weights, combiner, max_sequence_length), in one call.");
   m.def(
       "bag_denominators",
       [](const OffsetArray& offsets, const std::optional<WeightArray>& weights, int combiner) {

@@ -65,6 +65,7 @@ struct LookupArgs {
   ops::CombinerKind combiner = ops::CombinerKind::kSum;
   int64_t max_sequence_length = 0;
   float* out = nullptr;
+  int64_t out_stride = 0;  ///< pooled: floats from one output row to the next (0: dim)
 };
 
 /// Writes the output rows of bags [b0, b1) (pooled, or padded sequence).
@@ -120,6 +121,7 @@ struct InOrderArgs {
   ops::CombinerKind combiner = ops::CombinerKind::kSum;
   int64_t max_sequence_length = 0;  ///< kNone: 0 flat rows, else padded bags
   const float* grads = nullptr;
+  int64_t grads_stride = 0;  ///< pooled: floats from one gradient row to the next (0: dim)
   float lr = 0.0f;
   /// nnz occurrences of room, when the range is not every row (allocated
   /// by the caller before any row changes).

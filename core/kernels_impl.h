@@ -66,6 +66,18 @@ inline void PoolNarrowBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf
   for (int64_t d = 0; d < dim; ++d) acc[d] = s[d];
 }
 
+// Divides a pooled bag [k0, k1) by its combiner's denominator (mean, sqrtn).
+inline void FinishPooledBag(const LookupArgs& a, int64_t k0, int64_t k1, float* acc) {
+  if (a.combiner == ops::CombinerKind::kSum) return;  // the sum is the result; no denominator
+  float sum_w = 0.0f, sum_w2 = 0.0f;
+  for (int64_t k = k0; k < k1; ++k) {
+    const float w = a.weights ? a.weights[k] : 1.0f;
+    sum_w += w;
+    sum_w2 += w * w;
+  }
+  ops::FinishBag(a.combiner, ops::CombinerDenominator(a.combiner, sum_w, sum_w2), acc, a.dim);
+}
+
 template <typename R, typename T, typename I>
 inline void PoolBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) {
   const T* table = static_cast<const T*>(a.table);
@@ -88,14 +100,24 @@ inline void PoolBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) 
                 dim - full);
     }
   }
-  if (a.combiner == ops::CombinerKind::kSum) return;  // the sum is the result; no denominator
-  float sum_w = 0.0f, sum_w2 = 0.0f;
-  for (int64_t k = k0; k < k1; ++k) {
-    const float w = a.weights ? a.weights[k] : 1.0f;
-    sum_w += w;
-    sum_w2 += w * w;
+  FinishPooledBag(a, k0, k1, acc);
+}
+
+// A table whose rows are exactly NV vectors (dims 16, 32, 64, 128 with
+// AVX-512): each bag is one R::Pool<NV>, as PoolBag pools it (the same bits),
+// in a loop with nothing else per bag. PoolBag's choice of column blocks
+// costs a bag of one id about as much as the id itself.
+template <typename R, int NV, typename T, typename I>
+void PooledBagsOfVectors(const LookupArgs& a, int64_t b0, int64_t b1, int64_t stride, int64_t k_end) {
+  const T* table = static_cast<const T*>(a.table);
+  const I* ids = static_cast<const I*>(a.ids);
+  const int64_t row_bytes = a.dim * int64_t(sizeof(T));
+  for (int64_t b = b0; b < b1; ++b) {
+    float* acc = a.out + b * stride;
+    const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
+    R::template Pool<NV>(acc, table, a.rows, a.dim, 0, ids, k0, k1, a.weights, k_end, row_bytes);
+    FinishPooledBag(a, k0, k1, acc);
   }
-  ops::FinishBag(a.combiner, ops::CombinerDenominator(a.combiner, sum_w, sum_w2), acc, dim);
 }
 
 // Prefetches the rows of the first ids of [k0, k_end). (Always inlined: see PrefetchRow.)
@@ -110,8 +132,15 @@ template <typename T, typename I>
 template <typename R, typename T, typename I>
 void PooledBags(const LookupArgs& a, int64_t b0, int64_t b1) {
   const int64_t k_end = a.offsets[b1];
+  const int64_t stride = a.out_stride > 0 ? a.out_stride : a.dim;
   PrefetchFirstRows<T, I>(a, a.offsets[b0], k_end);
-  for (int64_t b = b0; b < b1; ++b) PoolBag<R, T, I>(a, b, a.out + b * a.dim, k_end);
+  if (a.dim == R::kLanes) return PooledBagsOfVectors<R, 1, T, I>(a, b0, b1, stride, k_end);
+  if (a.dim == 2 * R::kLanes) return PooledBagsOfVectors<R, 2, T, I>(a, b0, b1, stride, k_end);
+  if constexpr (R::kVectors >= 4)
+    if (a.dim == 4 * R::kLanes) return PooledBagsOfVectors<R, 4, T, I>(a, b0, b1, stride, k_end);
+  if constexpr (R::kVectors >= 8)
+    if (a.dim == 8 * R::kLanes) return PooledBagsOfVectors<R, 8, T, I>(a, b0, b1, stride, k_end);
+  for (int64_t b = b0; b < b1; ++b) PoolBag<R, T, I>(a, b, a.out + b * stride, k_end);
 }
 
 // Groups of bags: output row g is ((s_0 + s_1) + s_2) + ..., each bag's sum
@@ -276,6 +305,7 @@ void SgdInOrder(const InOrderArgs& a, int64_t r0, int64_t r1) {
   const int64_t dim = a.dim, len = a.max_sequence_length;
   const int64_t row_bytes = dim * int64_t(sizeof(float));
   const bool pooled = a.combiner != ops::CombinerKind::kNone;
+  const int64_t grads_stride = a.grads_stride > 0 ? a.grads_stride : dim;
   const int64_t nnz = a.offsets[a.num_bags];
   // Calls fn(k, row, gradient row, coefficient) for each occurrence k, in order.
   auto each = [&](auto&& fn) {
@@ -285,7 +315,7 @@ void SgdInOrder(const InOrderArgs& a, int64_t r0, int64_t r1) {
       const float denominator = ops::BagDenominator(a.combiner, k0, k1, a.weights);
       for (int64_t j = 0; j < n; ++j) {
         const int64_t k = k0 + j;
-        const float* grad = pooled ? a.grads + b * dim : a.grads + (len > 0 ? b * len + j : k) * dim;
+        const float* grad = pooled ? a.grads + b * grads_stride : a.grads + (len > 0 ? b * len + j : k) * dim;
         fn(k, int64_t(ids[k]), grad,
            ops::BackwardCoefficient(a.combiner, a.weights ? a.weights[k] : 1.0f, denominator));
       }

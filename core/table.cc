@@ -104,6 +104,16 @@ void OptimizerSpec::Validate() const {
     fail("weight_decay_factor", weight_decay_factor, "must be finite and >= 0");
 }
 
+void CheckOutStride(const OutputShape& shape, int64_t dim, bool device) {
+  if (shape.out_stride == 0) return;
+  if (device) throw InvalidArgument("out_stride: only lookups of host tables write strided outputs");
+  if (shape.combiner == Combiner::kNone)
+    throw InvalidArgument("out_stride: only pooled lookups write strided outputs (a sequence's rows are contiguous)");
+  if (shape.out_stride < dim)
+    throw InvalidArgument("out_stride must be 0 or at least the table's dim " + std::to_string(dim) + ", got " +
+                          std::to_string(shape.out_stride));
+}
+
 int64_t OutputShape::OutputRows(const Batch& batch) const {
   if (combiner != Combiner::kNone) return batch.num_bags;
   if (max_sequence_length <= 0) return batch.nnz;
@@ -395,6 +405,7 @@ void Table::ReadValues(int64_t start_row, int64_t n, float* dst) const {
 void Table::Lookup(const Batch& batch, const OutputShape& shape, float* out, uintptr_t stream) const {
   if (shape.combiner == Combiner::kNone && shape.max_sequence_length < 0)
     throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(shape.max_sequence_length));
+  CheckOutStride(shape, spec_.dim, spec_.device >= 0);
   if (spec_.device >= 0) {  // device pointers: checked on the device
     std::shared_lock<std::shared_mutex> lock(mutex_);
     cuda_impl::Lookup(values_.get(), spec_.dtype, spec_.rows, spec_.dim, spec_.name, batch, shape, out, spec_.device,
@@ -509,6 +520,7 @@ void RunLookup(const void* values, DType dtype, int64_t rows, int64_t dim, const
   a.combiner = ops::CombinerKind(shape.combiner);
   a.max_sequence_length = shape.max_sequence_length;
   a.out = out;
+  a.out_stride = shape.out_stride;
   const auto& k = kernels::ActiveKernels().dtype[int(dtype)];
   const int it = batch.id_type == IdType::kInt32 ? 0 : 1;
   if (shape.combiner == Combiner::kNone && shape.max_sequence_length == 0) {
@@ -608,6 +620,7 @@ void ApplySgdInOrder(const std::vector<GradientPart>& parts, const TableSpec& sp
       a.combiner = ops::CombinerKind(p.shape.combiner);
       a.max_sequence_length = p.shape.max_sequence_length;
       a.grads = p.grads;
+      a.grads_stride = p.shape.out_stride;
       a.lr = lr;
       a.scratch = room + size_t(c) * size_t(widest);
       k.sgd_in_order[p.batch.id_type == IdType::kInt32 ? 0 : 1](a, r0, r1);
@@ -631,11 +644,12 @@ int64_t CollectOccurrences(const GradientPart& p, int64_t dim, Occurrence* occ) 
   };
   if (c != Combiner::kNone || len == 0) {
     const int64_t per_bag = std::max<int64_t>(1, p.batch.nnz / std::max<int64_t>(1, p.batch.num_bags));
+    const int64_t stride = p.shape.out_stride > 0 ? p.shape.out_stride : dim;  // (pooled only: CheckOutStride)
     ParallelFor(p.batch.num_bags, std::max<int64_t>(1, 4096 / per_bag), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const float denominator = Denominator(c, off[b], off[b + 1], wts);
         for (int64_t i = off[b]; i < off[b + 1]; ++i)
-          occ[i] = one(i, denominator, p.grads + (c != Combiner::kNone ? b : i) * dim);
+          occ[i] = one(i, denominator, c != Combiner::kNone ? p.grads + b * stride : p.grads + i * dim);
       }
     });
     return p.batch.nnz;
@@ -672,9 +686,11 @@ void CheckStepCanGrow(const std::string& table, int64_t step) {
 }  // namespace
 
 void Table::ApplyGradients(const std::vector<GradientPart>& given, float learning_rate, uintptr_t stream) {
-  for (const auto& p : given)  // as Lookup refuses it, on every path
+  for (const auto& p : given) {  // as Lookup refuses them, on every path
     if (p.shape.max_sequence_length < 0)
       throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(p.shape.max_sequence_length));
+    CheckOutStride(p.shape, spec_.dim, spec_.device >= 0);
+  }
   if (spec_.device >= 0) {
     CheckStepCanGrow(spec_.name, step_);
     std::unique_lock<std::shared_mutex> lock(mutex_);
@@ -767,6 +783,7 @@ void Table::LookupStaged(const Batch& batch, const OutputShape& shape, float* ou
   if (spec_.device < 0) return Lookup(batch, shape, out);
   if (shape.combiner == Combiner::kNone && shape.max_sequence_length < 0)
     throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(shape.max_sequence_length));
+  CheckOutStride(shape, spec_.dim, true);
   const internal::StableBatch stable(batch);  // validated, then uploaded: the engine's copy of the offsets
   ValidateBatch(stable.get(), spec_.rows, spec_.name);
   if (shape.OutputRows(batch) > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
@@ -783,6 +800,7 @@ void Table::ApplyGradientsStaged(const std::vector<GradientPart>& given, float l
   for (auto& p : parts) {
     if (p.shape.max_sequence_length < 0)
       throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(p.shape.max_sequence_length));
+    CheckOutStride(p.shape, spec_.dim, true);
     stable.push_back(std::make_unique<internal::StableBatch>(p.batch));
     p.batch = stable.back()->get();
     ValidateBatch(p.batch, spec_.rows, spec_.name);

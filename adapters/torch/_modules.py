@@ -15,7 +15,7 @@ views them (DLPack, no copy). Training either way:
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -285,6 +285,29 @@ class _TableModule(_AdapterModule):
         """The engine's table (lookups, checkpoints, serving)."""
         return self._table
 
+    def _anchor_and_mode(self, stacklevel: int = 3) -> Tuple[Tensor, int]:
+        """The tensor that carries this call's autograd and the gradient mode
+        (``_ops.FUSED`` / ``SPARSE`` / ``DENSE``), after the checks every
+        lookup makes: the weight still views the table; fused training of
+        replicas warns."""
+        weight = self.weight
+        if not torch.compiler.is_compiling() and weight.data_ptr() != self._values_ptr:
+            raise RuntimeError(f"{type(self).__name__}: weight no longer views the engine's table (its storage was "
+                               "replaced, e.g. by weight.data = ...); the table and the module would disagree. "
+                               "Copy values in with weight.copy_() or load_state_dict")
+        if self._group is None:
+            return weight, (_ops.SPARSE if self.sparse else _ops.DENSE)
+        trainable = weight.requires_grad and torch.is_grad_enabled()
+        if trainable and not self.__dict__.get("_warned_replicas") and _replicated():
+            self._warned_replicas = True
+            warnings.warn(
+                f"{type(self).__name__}: fused training in a job of {torch.distributed.get_world_size()} ranks: "
+                "each rank's engine updates its own copy of the table from its own gradients in the backward, "
+                "and DistributedDataParallel does not synchronize it, so the copies drift apart. Shard the "
+                "tables (world=, see docs/torch.md) or, under DDP, train unfused with sparse=False",
+                RuntimeWarning, stacklevel=stacklevel)
+        return (self._anchor if trainable else self._frozen_anchor), _ops.FUSED
+
     def _lookup(self, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
                 combiner: int, include_last_offset: bool) -> List[Tensor]:
         weight = self.weight
@@ -294,25 +317,7 @@ class _TableModule(_AdapterModule):
                 if (not t.is_cpu) if on_cpu else (t.device != weight.device):
                     raise RuntimeError(f"Expected all tensors to be on the same device: the table of "
                                        f"{type(self).__name__} is on {weight.device}, {what} on {t.device}")
-        if not torch.compiler.is_compiling() and weight.data_ptr() != self._values_ptr:
-            raise RuntimeError(f"{type(self).__name__}: weight no longer views the engine's table (its storage was "
-                               "replaced, e.g. by weight.data = ...); the table and the module would disagree. "
-                               "Copy values in with weight.copy_() or load_state_dict")
-        if self._group is not None:
-            trainable = weight.requires_grad and torch.is_grad_enabled()
-            if trainable and not self.__dict__.get("_warned_replicas") and _replicated():
-                self._warned_replicas = True
-                warnings.warn(
-                    f"{type(self).__name__}: fused training in a job of {torch.distributed.get_world_size()} ranks: "
-                    "each rank's engine updates its own copy of the table from its own gradients in the backward, "
-                    "and DistributedDataParallel does not synchronize it, so the copies drift apart. Shard the "
-                    "tables (world=, see docs/torch.md) or, under DDP, train unfused with sparse=False",
-                    RuntimeWarning, stacklevel=3)
-            anchor = self._anchor if trainable else self._frozen_anchor
-            mode = _ops.FUSED
-        else:
-            anchor = weight
-            mode = _ops.SPARSE if self.sparse else _ops.DENSE
+        anchor, mode = self._anchor_and_mode(stacklevel=4)
         pad = -1 if self.padding_idx is None else self.padding_idx
         # Eagerly, the op's body and autograd without the dispatcher (the same code and results).
         op = _ops.eager_lookup if _ops.plain_eager([anchor, *ids, *offsets, *weights]) else _ops.lookup

@@ -246,30 +246,65 @@ def _fused_stepped(entry: _Entry) -> None:
         group["lr"] = table.learning_rate()
 
 
-def _whole_cpu_source(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
-                      combiner: int, padding_idx: int, include_last_offset: bool):
-    """The most common call, (ids, offsets, weights) as NumPy views for the
-    engine (the offsets with the end appended when the caller left it out:
-    a copy of the offsets only), or None: one CPU source pooled whole,
-    int64 offsets, no padding id. The engine checks ids and offsets itself;
-    the general path (``_parts``) is only needed for the error's message,
-    and for segments, padding ids and sequences."""
-    if (len(segments) != 3 or combiner == SEQUENCE or padding_idx >= 0 or len(offsets) != 1
-            or segments[1] != 0):
+def _cpu_source(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], include_last_offset: bool):
+    """One CPU source of int32 / int64 ids and int64 offsets as NumPy views
+    ``(ids, offsets with the end, weights or None)``, or None. (A copy of the
+    offsets only when the caller left the end out.)"""
+    if len(offsets) != 1 or len(ids) != 1:
         return None
     a, off = ids[0], offsets[0]
-    bags = off.shape[0] - 1 if include_last_offset else off.shape[0]
-    if (a.device.type != "cpu" or off.dtype != torch.int64 or a.dtype not in (torch.int32, torch.int64)
-            or segments[2] != bags or a.dim() != 1):
+    if a.device.type != "cpu" or off.dtype != torch.int64 or a.dtype not in (torch.int32, torch.int64) or a.dim() != 1:
         return None
     # (Integer tensors never require grad: numpy() needs no detach.)
     if include_last_offset:
         off = off.numpy()
     else:
+        bags = off.shape[0]
         given, off = off.numpy(), np.empty(bags + 1, np.int64)
         off[:bags] = given
         off[bags] = a.shape[0]
     return a.numpy(), off, (_np(weights[0]) if weights else None)
+
+
+def _windows(source, starts: List[int], nb: int):
+    """Windows of `nb` bags of a `_cpu_source`, from each bag of `starts`, as
+    the engine takes them: ``(ids, offsets from 0, weights)`` each, the ids
+    and weights views, the offsets rebased (one NumPy operation for all), or
+    None when a window is empty or outside the source (the general path names
+    what is wrong). The engine checks each window's ids and offsets."""
+    a, off, w = source
+    if off[0] != 0 or nb <= 0 or not starts or min(starts) < 0 or max(starts) + nb > off.shape[0] - 1:
+        return None
+    rebased = off[np.add.outer(np.asarray(starts, np.int64), np.arange(nb + 1))]
+    lo = rebased[:, 0].tolist()
+    hi = rebased[:, -1].tolist()
+    if min(lo) < 0 or max(hi) > a.shape[0] or any(l > h for l, h in zip(lo, hi)):
+        return None
+    rebased -= rebased[:, :1]
+    return [(a[l:h], rebased[k], None if w is None else w[l:h]) for k, (l, h) in enumerate(zip(lo, hi))]
+
+
+def _cpu_windows(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
+                 combiner: int, padding_idx: int, include_last_offset: bool):
+    """The most common calls, as the engine takes them, or None: pooled bags
+    of one CPU source with int64 offsets and no padding id, whole (a module's
+    own call) or in windows of equally many bags (a KeyedJaggedTensor's
+    features). One ``(ids, offsets, weights)`` of NumPy views per segment
+    (see ``_windows``). The engine checks each window's ids and offsets
+    itself; the general path (``_parts``) is only needed for an error's
+    message, and for padding ids, sequences and several sources."""
+    if combiner == SEQUENCE or padding_idx >= 0:
+        return None
+    source = _cpu_source(ids, offsets, weights, include_last_offset)
+    if source is None:
+        return None
+    bags = source[1].shape[0] - 1
+    if len(segments) == 3 and segments[1] == 0 and segments[2] == bags:
+        return [source]
+    nb = segments[2]
+    if any(segments[k] != nb for k in range(2, len(segments), 3)):
+        return None
+    return _windows(source, segments[1::3], nb)
 
 
 def _bag_of(p: _Part) -> Tensor:
@@ -372,10 +407,10 @@ def needs_step(grad_mode: int, weights: List[Tensor]) -> bool:
 
 def _lookup_outputs(table, dim: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
                     segments: List[int], combiner: int, padding_idx: int, include_last_offset: bool) -> List[Tensor]:
-    whole = _whole_cpu_source(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
-    if whole is not None:
+    windows = _cpu_windows(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
+    if windows is not None:
         try:
-            return [torch.from_numpy(table._native.lookup(*whole, combiner, 0))]
+            return [torch.from_numpy(table._native.lookup(*w, combiner, 0)) for w in windows]
         except (IndexError, ValueError, TypeError):
             pass  # the general path below raises the error, with the caller's positions
     name = _COMBINER_NAMES[combiner]
@@ -450,12 +485,13 @@ def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], of
         raise RuntimeError(f"embedcore table '{table.name}' was updated (fused) after this lookup and before its "
                            "backward, so the gradient of its per-sample weights cannot be computed: look the table "
                            "up once per backward (one call for all its bags), or train unfused")
-    if grad_mode == FUSED and table_grad and not (weight_grads and weights) and len(grads) == 1:
-        whole = _whole_cpu_source(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
-        if whole is not None and grads[0].device.type == "cpu":
+    if grad_mode == FUSED and table_grad and not (weight_grads and weights):
+        windows = _cpu_windows(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
+        if windows is not None and all(g.device.type == "cpu" for g in grads):
             lr = _fused_rate(entry)
             try:  # the engine validates everything before it changes anything
-                table._native.apply_gradients([(*whole, combiner, 0, _np(grads[0].contiguous()))], lr)
+                table._native.apply_gradients(
+                    [(*w, combiner, 0, _np(g.contiguous())) for w, g in zip(windows, grads)], lr)
                 stepped = True
             except (IndexError, ValueError, TypeError):
                 stepped = False  # nothing changed: the general path below raises the error
@@ -517,7 +553,8 @@ def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], of
             values.append(g if len(parts) > 1 else g.clone())
         else:
             v = g.index_select(0, _bag_of(p))
-            v.mul_(_coefficients(p, combiner)[:, None])
+            if combiner != SUM or p.weights is not None:  # (a sum's coefficients are ones)
+                v.mul_(_coefficients(p, combiner)[:, None])
             values.append(v)
         index.append(p.ids.to(torch.int64, copy=True))  # a copy: outputs never alias inputs
     v = (values[0] if len(values) == 1 else torch.cat(values)) if values else torch.empty((0, dim), device=device)
@@ -644,3 +681,110 @@ def eager_lookup(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offse
     return list(_EagerLookup.apply(anchor, handle, dim, segments, combiner, padding_idx, include_last_offset,
                                    grad_mode, with_step, (len(ids), len(offsets), len(weights)), *ids, *offsets,
                                    *weights))
+
+
+# ------------------------------------------------------------------ collections
+def collection_lookup(bags, values: Tensor, offsets: Tensor, weights: List[Tensor], segments: List[List[int]],
+                      combiners: List[int]) -> Optional[Tensor]:
+    """The pooled lookups of a collection's tables (`bags`, their modules)
+    on one source (a KeyedJaggedTensor's values, offsets and weights), as one
+    ``[bags, sum of the widths]`` tensor, each table's `segments` in order:
+    one engine call forward (``lookup_many_into``, each table writing its
+    columns of the output) and, for the tables that train
+    fused, one in the backward (``apply_gradients_many``), with the same
+    results, bit for bit, as one ``lookup`` op per table. A DLRM-shaped
+    collection at a small batch would otherwise pay the op's per-table costs
+    once per table.
+
+    None where a table needs the per-table op, which then runs (and raises
+    any error, in the caller's terms): unfused training (gradients for
+    PyTorch optimizers), per-id weights that require grad, GPU tables,
+    offsets that are not int64, tracing or compiling (which must see the op),
+    float16 autocast (its backward refuses fused training), a bad id."""
+    if any(w.requires_grad for w in weights) or not plain_eager([values, offsets, *weights]):
+        return None
+    from ._modules import _float16_autocast
+
+    if _float16_autocast("cpu"):
+        return None
+    windows = _collection_windows(values, offsets, weights, segments, combiners)
+    if windows is None:
+        return None
+    grad_on = torch.is_grad_enabled()
+    calls, plan, anchors, col = [], [], [], 0
+    for i, (bag, combiner, table_windows) in enumerate(zip(bags, combiners, windows)):
+        if not bag.weight.is_cpu:
+            return None
+        anchor, mode = bag._anchor_and_mode(stacklevel=5)
+        trains = grad_on and anchor.requires_grad
+        if trains and mode != FUSED:
+            return None
+        native = bag.table._native
+        calls.extend((native, *w, combiner, 0) for w in table_windows)
+        if trains:
+            anchors.append(anchor)
+            plan.append((bag._handle, i, combiner, bag.embedding_dim, col))
+        col += bag.embedding_dim * len(table_windows)
+    from embedcore import _embedcore
+
+    out = np.empty((segments[0][2], col), np.float32)  # every table writes its columns: no concatenation
+    try:
+        _embedcore.lookup_many_into(calls, out)
+    except (IndexError, ValueError, TypeError):
+        return None  # the per-table op raises it, with the caller's positions
+    if anchors:
+        return _CollectionStep.apply((plan, segments, combiners), out, values, offsets,
+                                     weights[0] if weights else None, *anchors)
+    return torch.from_numpy(out)
+
+
+def _collection_windows(values: Tensor, offsets: Tensor, weights: List[Tensor], segments: List[List[int]],
+                        combiners: List[int]):
+    """`_windows` of each table's segments (all of one source, each of the
+    same number of bags, as a KeyedJaggedTensor's), computed together: a
+    list per table, or None."""
+    source = _cpu_source([values], [offsets], weights, True)
+    if source is None or not segments or SEQUENCE in combiners or not all(segments):
+        return None
+    nb = segments[0][2]
+    if any(segs[k] != nb for segs in segments for k in range(2, len(segs), 3)):
+        return None
+    flat = _windows(source, [b0 for segs in segments for b0 in segs[1::3]], nb)
+    if flat is None:
+        return None
+    out, k = [], 0
+    for segs in segments:
+        out.append(flat[k:k + len(segs) // 3])
+        k += len(segs) // 3
+    return out
+
+
+class _CollectionStep(torch.autograd.Function):
+    """``collection_lookup`` of tables that train fused: the anchors carry
+    autograd as in ``lookup``; the backward applies every table's step."""
+
+    @staticmethod
+    def forward(ctx, how, out, values, offsets, weights, *anchors):
+        ctx.plan, ctx.segments, ctx.combiners = how
+        ctx.save_for_backward(values, offsets, *([] if weights is None else [weights]))
+        return torch.from_numpy(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from embedcore import _embedcore
+
+        values, offsets, *weights = ctx.saved_tensors
+        every = _collection_windows(values, offsets, weights, ctx.segments, ctx.combiners)
+        g = grad.detach().to(torch.float32).contiguous().numpy()
+        steps, entries = [], []
+        for handle, table, combiner, dim, col in ctx.plan:
+            entry = _entry(handle)
+            windows = every[table]
+            parts = [(*w, combiner, 0, g[:, col + k * dim:col + (k + 1) * dim])  # (views: the engine reads strided)
+                     for k, w in enumerate(windows)]
+            steps.append((entry.table._native, parts, _fused_rate(entry)))
+            entries.append(entry)
+        _embedcore.apply_gradients_many(steps)  # every table checked before any changes
+        for entry in entries:
+            _fused_stepped(entry)
+        return (None, None, None, None, None, *(torch.zeros(1) for _ in ctx.plan))

@@ -1224,6 +1224,7 @@ void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShap
   if (table >= tables_.size()) throw OutOfRange("no table " + std::to_string(table) + " in the checkpoint");
   const MappedTable& mt = *tables_[table];
   const TableEntry& t = info_.tables[table];
+  CheckOutStride(shape, t.dim, false);
   const internal::StableBatch stable(given);  // the offsets: the engine's copy (see StableBatch)
   const Batch& batch = stable.get();
   ValidateBatch(batch, t.rows, t.name);

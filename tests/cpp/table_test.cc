@@ -591,6 +591,45 @@ EMBEDCORE_TEST(LookupPooledMatchesReference) {
   }
 }
 
+EMBEDCORE_TEST(PooledLookupWritesItsColumnsOfAWiderOutput) {
+  // out_stride: each bag's row lands at out + b * stride, the same bits as a
+  // contiguous lookup, and no other column is written.
+  std::mt19937 rng(7);
+  for (DType dt : kDTypes) {
+    for (int64_t dim : {1, 8, 13, 64}) {
+      Table t(MakeSpec(200, dim, dt));
+      const HostBatch hb = RandomBatch(rng, 40, 9, t.rows(), true, false);
+      for (Combiner c : {Combiner::kSum, Combiner::kMean, Combiner::kSqrtn}) {
+        const int64_t stride = dim + 5, col = 3;
+        std::vector<float> wide(size_t(hb.bags() * stride + col), -7.0f), want(size_t(hb.bags() * dim));
+        t.Lookup(hb.View(), OutputShape{c, 0, stride}, wide.data() + col);
+        t.Lookup(hb.View(), OutputShape{c, 0}, want.data());
+        int64_t diffs = 0, touched = 0;
+        for (int64_t b = 0; b < hb.bags(); ++b)
+          for (int64_t j = 0; j < stride; ++j) {
+            const float v = wide[size_t(b * stride + col + j)];
+            if (j < dim) diffs += Bits(v) != Bits(want[size_t(b * dim + j)]);
+            else touched += v != -7.0f;
+          }
+        for (int64_t j = 0; j < col; ++j) touched += wide[size_t(j)] != -7.0f;
+        EMBEDCORE_EXPECT_MSG(diffs == 0 && touched == 0, DTypeName(dt) << " dim " << dim << " " << CombinerName(c)
+                                                                       << ": " << diffs << " differ, " << touched
+                                                                       << " written outside");
+      }
+    }
+  }
+  Table t(MakeSpec(10, 4));
+  HostBatch hb;
+  hb.AddBag({1, 2});
+  std::vector<float> out(16, 0.0f);
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(hb.View(), OutputShape{Combiner::kSum, 0, 3}, out.data()), InvalidArgument,
+                          "out_stride must be 0 or at least the table's dim 4, got 3");
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(hb.View(), OutputShape{Combiner::kNone, 0, 8}, out.data()), InvalidArgument,
+                          "only pooled lookups");
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(hb.View(), OutputShape{Combiner::kSum, 0, -1}, out.data()), InvalidArgument,
+                          "out_stride must be 0 or at least");
+}
+
 EMBEDCORE_TEST(LookupSequencesMatchReference) {
   std::mt19937 rng(2);
   for (DType dt : kDTypes) {
@@ -882,6 +921,43 @@ EMBEDCORE_TEST(CommonOptionsMatchReferences) {
       CheckOptimizer(spec, "options kind " + std::to_string(int(kind)) + (decay_times_lr ? " wd*lr" : " wd"), 14);
     }
   }
+}
+
+EMBEDCORE_TEST(PooledGradientsReadWithTheOutputsStride) {
+  // A pooled part's gradient rows out_stride floats apart (a table's columns
+  // of a wider gradient) give the step of the same rows packed, bit for bit:
+  // the in-order SGD path and the sorted path (Adagrad), threads or not.
+  std::mt19937 rng(11);
+  for (OptimizerSpec::Kind opt : {OptimizerSpec::Kind::kSGD, OptimizerSpec::Kind::kAdagrad}) {
+    for (int64_t dim : {1, 8, 21}) {
+      Table packed(MakeSpec(60, dim, DType::kFloat32, opt)), strided(MakeSpec(60, dim, DType::kFloat32, opt));
+      for (Combiner c : {Combiner::kSum, Combiner::kMean}) {
+        HostPart p = RandomPart(rng, packed, c, 0, true, false);
+        const int64_t rows = p.batch.bags(), stride = dim + 7, col = 2;
+        std::vector<float> wide(size_t(rows * stride + col), std::nanf(""));  // NaN wherever a step must not read
+        for (int64_t b = 0; b < rows; ++b)
+          std::memcpy(&wide[size_t(b * stride + col)], &p.grads[size_t(b * dim)], size_t(dim) * sizeof(float));
+        packed.ApplyGradients({p.View()}, 0.1f);
+        strided.ApplyGradients({GradientPart{p.batch.View(), OutputShape{c, 0, stride}, wide.data() + col}}, 0.1f);
+        EMBEDCORE_EXPECT_MSG(CountBitDiffs(Values(packed), Values(strided)) == 0,
+                             "dim " << dim << " " << CombinerName(c) << " opt " << int(opt));
+        for (size_t s = 0; s < packed.num_slots(); ++s)
+          EMBEDCORE_EXPECT(std::memcmp(packed.slot(s), strided.slot(s), size_t(60 * dim) * sizeof(float)) == 0);
+      }
+    }
+  }
+  Table t(MakeSpec(10, 4));
+  HostPart seq;
+  seq.batch.AddBag({1, 2});
+  seq.grads.assign(8, 1.0f);
+  const std::vector<float> before = Values(t);
+  EMBEDCORE_EXPECT_THROWS(t.ApplyGradients({GradientPart{seq.batch.View(), OutputShape{Combiner::kNone, 0, 8},
+                                                        seq.grads.data()}}, 0.1f),
+                          InvalidArgument, "only pooled lookups");
+  EMBEDCORE_EXPECT_THROWS(t.ApplyGradients({GradientPart{seq.batch.View(), OutputShape{Combiner::kSum, 0, 2},
+                                                        seq.grads.data()}}, 0.1f),
+                          InvalidArgument, "out_stride must be 0 or at least");
+  EMBEDCORE_EXPECT(CountBitDiffs(before, Values(t)) == 0 && t.step() == 0);
 }
 
 EMBEDCORE_TEST(RepeatedIdsAreSummedBeforeOneUpdate) {

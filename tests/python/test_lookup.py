@@ -743,3 +743,35 @@ def test_lookup_grouped_errors(rng):
     with pytest.raises(IndexError, match=r"id 40 at position 3 of ids is out of range \[0, 40\)"):
         table.lookup_grouped(bad, offsets, [0, 6])
     np.testing.assert_array_equal(table.to_numpy(), before)
+
+
+def test_lookups_of_several_tables_into_the_columns_of_one_output(rng):
+    """``lookup_many_into`` (a collection's forward): each table's pooled
+    lookup lands in its columns, bit for bit as its own lookup; a bad call
+    anywhere raises before anything is written."""
+    from embedcore import _embedcore
+
+    t1 = ec.Table(name="a", rows=30, dim=3, combiner="mean")
+    t2 = ec.Table(name="b", rows=40, dim=5, combiner="sum")
+    offsets = np.array([0, 2, 2, 7], np.int64)
+    i1, i2 = rng.integers(0, 30, 7), rng.integers(0, 40, 7)
+    w2 = rng.random(7).astype(np.float32)
+    calls = [(t1._native, i1, offsets, None, 1, 0), (t2._native, i2, offsets, w2, 2, 0)]
+    out = np.full((3, 8), -7.0, np.float32)
+    _embedcore.lookup_many_into(calls, out)
+    assert np.array_equal(out[:, :3], t1.lookup(i1, offsets, combiner="mean"))
+    assert np.array_equal(out[:, 3:], t2.lookup(i2, offsets, weights=w2, combiner="sqrtn"))
+
+    out[:] = -7.0
+    bad = [calls[0], (t2._native, np.r_[i2[:6], 40], offsets, None, 0, 0)]
+    with pytest.raises(IndexError, match="table 'b': id 40 at position 6"):
+        _embedcore.lookup_many_into(bad, out)
+    with pytest.raises(ValueError, match="add up to 3, out has 8 columns"):
+        _embedcore.lookup_many_into(calls[:1], out)
+    with pytest.raises(ValueError, match="call 1 has 2 bags, out has 3 rows"):
+        _embedcore.lookup_many_into([calls[0], (t2._native, i2, offsets[:3].copy() * 0, None, 0, 0)], out)
+    with pytest.raises(ValueError, match="call 0 is not pooled"):
+        _embedcore.lookup_many_into([(t1._native, i1, offsets, None, 3, 0), calls[1]], out)
+    with pytest.raises(ValueError, match="overlaps the values of table 'a'"):
+        _embedcore.lookup_many_into(calls, t1._native.values_mut().reshape(-1)[:24].reshape(3, 8))
+    assert (out == -7.0).all()

@@ -459,3 +459,53 @@ def test_set_num_threads_validates(restore_threads):
     with pytest.raises(TypeError):
         ec.set_num_threads(True)
     assert ec.get_num_threads() == restore_threads
+
+
+def test_steps_of_several_tables_in_one_call(rng):
+    """``apply_gradients_many`` (a collection's fused backward): each table's
+    step is its own ``apply_gradients``, bit for bit; a bad part anywhere, a
+    table given twice or a non-finite rate changes no table."""
+    from embedcore import _embedcore
+
+    def tables():
+        return [ec.Table(name=f"t{k}", rows=20, dim=3 + k, optimizer=ec.optimizers.Adam(0.1),
+                         initializer=ec.initializers.Uniform(-1, 1, seed=k)) for k in range(3)]
+
+    def part(t, n, bad=False):
+        ids = rng.integers(0, t.rows, n)
+        if bad:
+            ids[-1] = t.rows
+        offsets = np.array([0, n // 2, n], np.int64)
+        return (ids, offsets, None, 0, 0, rng.standard_normal((2, t.dim)).astype(np.float32))
+
+    ours, ref_tables = tables(), tables()
+    steps = [[part(t, 6), part(t, 4)] for t in ours]
+    _embedcore.apply_gradients_many([(t._native, p, 0.1 * (k + 1)) for k, (t, p) in enumerate(zip(ours, steps))])
+    for k, (t, p) in enumerate(zip(ref_tables, steps)):
+        t._native.apply_gradients(p, 0.1 * (k + 1))
+    for a, b in zip(ours, ref_tables):
+        assert state_bytes(a) == state_bytes(b) and a.step == b.step == 1
+
+    # A pooled part's grads may be a table's columns of a wider gradient (read in place, strided).
+    wide = rng.standard_normal((2, 20)).astype(np.float32)
+    ids, offsets = rng.integers(0, 20, 5), np.array([0, 2, 5], np.int64)
+    _embedcore.apply_gradients_many([(ours[1]._native, [(ids, offsets, None, 0, 0, wide[:, 7:11])], 0.1)])
+    ref_tables[1]._native.apply_gradients([(ids, offsets, None, 0, 0, wide[:, 7:11].copy())], 0.1)
+    assert state_bytes(ours[1]) == state_bytes(ref_tables[1])
+    with pytest.raises(ValueError, match=r"grads must be \[2, 4\], got \[2, 5\]"):
+        _embedcore.apply_gradients_many([(ours[1]._native, [(ids, offsets, None, 0, 0, wide[:, 7:12])], 0.1)])
+    with pytest.raises(ValueError, match="each row's values must be contiguous"):
+        _embedcore.apply_gradients_many([(ours[1]._native, [(ids, offsets, None, 0, 0, wide[:, 0:8:2])], 0.1)])
+    ours[1].step = ref_tables[1].step = 1
+
+    before = [state_bytes(t) for t in ours]
+    bad = [(ours[0]._native, [part(ours[0], 4)], 0.1), (ours[1]._native, [part(ours[1], 4, bad=True)], 0.1)]
+    with pytest.raises(IndexError, match="table 't1'"):
+        _embedcore.apply_gradients_many(bad)
+    twice = [(ours[0]._native, [part(ours[0], 4)], 0.1), (ours[0]._native, [part(ours[0], 4)], 0.1)]
+    with pytest.raises(ValueError, match="table 't0' is given twice"):
+        _embedcore.apply_gradients_many(twice)
+    with pytest.raises(ValueError, match="table 't2': learning_rate must be finite"):
+        _embedcore.apply_gradients_many([(ours[0]._native, [part(ours[0], 4)], 0.1),
+                                         (ours[2]._native, [part(ours[2], 4)], float("nan"))])
+    assert [state_bytes(t) for t in ours] == before and all(t.step == 1 for t in ours)

@@ -184,6 +184,90 @@ def test_kjt_training_matches_torchrec(rng, torchrec):
     assert ours.embedding_bags["t1"].table.step == 5
 
 
+@pytest.mark.parametrize("path", ["collection", "per_table"])
+@pytest.mark.parametrize("pooling", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_kjt_fast_paths_match_the_general_path_bit_for_bit(rng, torchrec, monkeypatch, path, pooling, weighted):
+    """A KJT of int64 offsets is looked up and trained (fused) by every table
+    at once, one engine call forward and one backward ("collection"), or,
+    where that does not apply, by each table's op window by window
+    ("per_table"); int32 offsets take the general path (each table's op, its
+    segments cut out with PyTorch ops). All give the same bits, forward and
+    after fused Adagrad steps, and the fast paths never reach the general
+    one."""
+    from embedcore import _embedcore
+    from embedcore.adapters.torch import _ops
+
+    cfgs = [et.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f3"],
+                                  pooling=pooling),
+            et.EmbeddingBagConfig(num_embeddings=50, embedding_dim=20, name="t2", feature_names=["f2"],
+                                  pooling=pooling)]
+    fast, general = (et.EmbeddingBagCollection(cfgs, is_weighted=weighted, optimizer=ec.optimizers.Adagrad(0.1))
+                     for _ in range(2))
+    general.load_state_dict(fast.state_dict())
+    real_parts, real_many, real_steps = _ops._parts, _embedcore.lookup_many_into, _embedcore.apply_gradients_many
+    calls = []
+    monkeypatch.setattr(_embedcore, "lookup_many_into", lambda c, out: calls.append("lookup") or real_many(c, out))
+    monkeypatch.setattr(_embedcore, "apply_gradients_many", lambda s: calls.append(len(s)) or real_steps(s))
+    if path == "per_table":
+        monkeypatch.setattr(_ops, "collection_lookup", lambda *args: None)
+    for _ in range(3):
+        kjt = _kjt(torchrec, rng, ["f2", "f3", "f1"], {"f1": 30, "f2": 50, "f3": 30}, 7, weighted)
+        kjt32 = torchrec.KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), weights=kjt.weights_or_none(),
+                                           offsets=kjt.offsets().to(torch.int32))
+        g = torch.randn(7, 28)  # f1 and f3 of t1 (dim 4), f2 of t2 (dim 20)
+        monkeypatch.setattr(_ops, "_parts", None)  # the fast paths must not need it
+        a = fast(kjt).values()
+        (a * g).sum().backward()
+        monkeypatch.setattr(_ops, "_parts", real_parts)
+        b = general(kjt32).values()
+        (b * g).sum().backward()
+        assert torch.equal(a, b)
+    assert calls == (["lookup", 2] * 3 if path == "collection" else [])
+    for t in ("t1", "t2"):
+        assert torch.equal(fast.embedding_bags[t].weight, general.embedding_bags[t].weight)
+        for k, v in fast.embedding_bags[t].table.slots().items():
+            assert np.array_equal(v, general.embedding_bags[t].table.slots()[k])
+        assert fast.embedding_bags[t].table.step == general.embedding_bags[t].table.step == 3
+
+
+def test_kjt_collection_path_trains_only_what_trains(rng, torchrec):
+    """In one call of every table: a frozen table (requires_grad False) and a
+    no_grad forward change nothing; the KJT's values changed in place between
+    forward and backward are refused, as by every op; a learning-rate change
+    of a table's parameter group applies to its next step."""
+    cfgs = [et.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1"]),
+            et.EmbeddingBagConfig(num_embeddings=30, embedding_dim=8, name="t2", feature_names=["f2"])]
+    ebc = et.EmbeddingBagCollection(cfgs, optimizer=ec.optimizers.SGD(0.5))
+    ref = et.EmbeddingBagCollection(cfgs)  # unfused: the reference step by hand
+    ref.load_state_dict(ebc.state_dict())
+    ebc.embedding_bags["t1"].weight.requires_grad_(False)
+    kjt = _kjt(torchrec, rng, ["f1", "f2"], {"f1": 30, "f2": 30}, 5)
+    with torch.no_grad():
+        ebc(kjt)
+    g = torch.randn(5, 12)
+    (ebc(kjt).values() * g).sum().backward()
+    (ref(kjt).values() * g).sum().backward()
+    assert torch.equal(ebc.embedding_bags["t1"].weight, ref.embedding_bags["t1"].weight)
+    assert ebc.embedding_bags["t1"].table.step == 0
+    expect = ref.embedding_bags["t2"].weight - 0.5 * ref.embedding_bags["t2"].weight.grad.to_dense()
+    assert max_diff(ebc.embedding_bags["t2"].weight, expect) < 1e-6
+    assert ebc.embedding_bags["t2"].table.step == 1
+
+    before = ebc.embedding_bags["t2"].weight.detach().clone()
+    out = ebc(kjt).values()
+    kjt.values().add_(0)  # an in-place change (its version counter moves)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    assert torch.equal(ebc.embedding_bags["t2"].weight, before)
+
+    group = next(grp for grp in ebc.fused_optimizer.param_groups if grp["table"] == "t2")
+    group["lr"] = 0.0
+    (ebc(kjt).values() * g).sum().backward()
+    assert torch.equal(ebc.embedding_bags["t2"].weight, before)
+    assert ebc.embedding_bags["t2"].table.step == 2
+
+
 def test_embedding_collection_matches_torchrec(rng, torchrec):
     cfgs = [torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f3"]),
             torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t2", feature_names=["f2"])]

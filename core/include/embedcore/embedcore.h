@@ -177,12 +177,21 @@ struct OutputShape {
   /// Only for kNone: 0 gives [nnz, dim]; L > 0 gives [num_bags, L, dim]
   /// (bags truncated or zero-padded to L).
   int64_t max_sequence_length = 0;
+  /// Pooled outputs of host tables: floats from one output row to the next
+  /// (0: dim; else at least dim), so that a lookup writes its columns of a
+  /// wider output, e.g. one feature's of a collection's concatenated outputs.
+  int64_t out_stride = 0;
   /// Number of float rows of `dim` the output holds.
   int64_t OutputRows(const Batch& batch) const;
 };
 
+/// Throws InvalidArgument unless `shape.out_stride` is 0, or at least `dim`
+/// for a pooled lookup of a host table (`device`: a device table's).
+void CheckOutStride(const OutputShape& shape, int64_t dim, bool device);
+
 /// One lookup's worth of gradient: the batch that was looked up, how, and the
-/// gradient of its output ([OutputRows, dim] float32).
+/// gradient of its output ([OutputRows, dim] float32; a pooled part's rows
+/// shape.out_stride floats apart when that is set, as its strided output).
 struct GradientPart {
   Batch batch;
   OutputShape shape;
