@@ -202,8 +202,14 @@ std::vector<GradientPart> HostParts(const Table& t, const std::vector<Tuple>& pa
                               std::to_string(grads.shape(0)) + ", " + std::to_string(grads.shape(1)) + "]");
       if (rows > 0 && t.dim() > 1 && grads.stride(1) != 1)
         throw InvalidArgument("grads: each row's values must be contiguous");
-      if (rows > 1 && grads.stride(0) != t.dim()) p.shape.out_stride = grads.stride(0);  // (checked by the step)
-      if (rows > 0) span = (size_t(rows - 1) * size_t(std::max<int64_t>(grads.stride(0), 0)) + size_t(t.dim())) * 4;
+      if (rows > 1 && grads.stride(0) != t.dim()) {  // rows apart as in the lookup's strided output
+        if (grads.stride(0) < t.dim() || p.shape.combiner == Combiner::kNone)
+          throw InvalidArgument("grads: rows " + std::to_string(grads.stride(0)) + " floats apart; a pooled part's "
+                                "rows may be apart by dim (" + std::to_string(t.dim()) + ") or more, others' by dim");
+        p.shape.out_stride = grads.stride(0);
+      }
+      if (rows > 0) span = (size_t(rows - 1) * size_t(p.shape.out_stride ? p.shape.out_stride : t.dim()) +
+                            size_t(t.dim())) * sizeof(float);
     } else if (grads.size() != want) {
       throw InvalidArgument("grads must hold " + std::to_string(want) + " float32 values (" + std::to_string(rows) +
                             " x " + std::to_string(t.dim()) + "), got " + std::to_string(grads.size()));
@@ -238,11 +244,14 @@ void ApplyGradientsMany(const std::vector<TableStep>& steps) {
     for (size_t j = 0; j < i; ++j)
       if (std::get<0>(steps[j]) == t)
         throw InvalidArgument("apply_gradients_many: table '" + t->spec().name + "' is given twice");
-    if (!std::isfinite(learning_rate))
-      throw InvalidArgument("table '" + t->spec().name + "': learning_rate must be finite, got " +
-                            std::to_string(learning_rate));
     native.push_back(HostParts(*t, parts));
-    for (const GradientPart& p : native.back()) ValidateBatch(p.batch, t->rows(), t->spec().name);
+    try {
+      t->ValidateStep(native.back(), learning_rate);
+    } catch (const InvalidArgument& e) {  // (OutOfRange names the table already)
+      const std::string what = e.what(), name = "table '" + t->spec().name + "'";
+      if (what.find(name) != std::string::npos) throw;
+      throw InvalidArgument(name + ": " + what);
+    }
   }
   ReleaseGil release;
   for (size_t i = 0; i < steps.size(); ++i) std::get<0>(steps[i])->ApplyGradients(native[i], std::get<2>(steps[i]));
@@ -431,7 +440,8 @@ void BindTable(nb::module_& m) {
       "The stable row-major order of COO entries checked and counted by csr_from_coo (its offsets): (order, "
       "the positions in that order, whether each bag's positions are then 0, 1, 2, ...).");
   m.def("apply_gradients_many", &ApplyGradientsMany, "steps"_a,
-        "Table.apply_gradients of each (table, parts, learning_rate), every table checked before any changes.");
+        "Table.apply_gradients of each (table, parts, learning_rate), every table checked before any changes; "
+        "a part's grads are 2-D, a pooled part's rows possibly strided (a table's columns of a wider gradient).");
   m.def("lookup_many_into", &LookupManyInto, "calls"_a, "out"_a.noconvert(),
         "lookup_many of pooled lookups into consecutive columns of one float32 out [bags, sum of the dims].");
   m.def("lookup_many", &LookupMany, "calls"_a,

@@ -685,6 +685,21 @@ void CheckStepCanGrow(const std::string& table, int64_t step) {
 }
 }  // namespace
 
+void Table::ValidateStep(const std::vector<GradientPart>& parts, float learning_rate) const {
+  for (const auto& p : parts) {
+    if (p.shape.max_sequence_length < 0)
+      throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(p.shape.max_sequence_length));
+    CheckOutStride(p.shape, spec_.dim, spec_.device >= 0);
+  }
+  CheckStepCanGrow(spec_.name, step_);
+  if (spec_.device >= 0) return;  // device batches are checked on the device
+  for (const auto& p : parts) {
+    ValidateBatch(p.batch, spec_.rows, spec_.name);
+    if (p.shape.OutputRows(p.batch) > 0 && p.grads == nullptr) throw InvalidArgument("grads: null pointer");
+  }
+  if (!std::isfinite(learning_rate)) throw InvalidArgument("learning_rate must be finite, got " + std::to_string(learning_rate));
+}
+
 void Table::ApplyGradients(const std::vector<GradientPart>& given, float learning_rate, uintptr_t stream) {
   for (const auto& p : given) {  // as Lookup refuses them, on every path
     if (p.shape.max_sequence_length < 0)

@@ -3,9 +3,11 @@ the features that read them, shaped like TorchRec's modules of those names.
 
 Each table is a child module (``embedding_bags.<table>`` /
 ``embeddings.<table>``: an adapter ``EmbeddingBag`` / ``Embedding``), so the
-state dict keys are TorchRec's and a TorchRec state dict loads as is. One
-engine call per table and step looks up every feature of that table, so a
-fused optimizer applies exactly one update per table and step.
+state dict keys are TorchRec's and a TorchRec state dict loads as is. Every
+feature of a table is looked up with the others of that table, so a fused
+optimizer applies exactly one update per table and step; a KeyedJaggedTensor
+is looked up, and trained fused, by one engine call for all the tables
+(``_ops.collection_lookup``) where that applies, else by one op per table.
 """
 from __future__ import annotations
 

@@ -12,6 +12,9 @@ implementations, so a model that uses them compiles without graph breaks):
   the engine's optimizer step (fused), or the table's gradient as a sparse
   (per occurrence, like ``nn.EmbeddingBag(sparse=True)``) or dense tensor.
 
+A collection's tables can also run together, outside the ops, when nothing
+needs to see them (``collection_lookup``: eager, CPU, fused or no training).
+
 Tables are passed by an integer handle into a module-level registry. The
 segments are cut out of their sources with PyTorch ops on the tensors' own
 device, so one code path serves CPU tables and the CUDA build's GPU tables:
@@ -715,7 +718,7 @@ def collection_lookup(bags, values: Tensor, offsets: Tensor, weights: List[Tenso
     for i, (bag, combiner, table_windows) in enumerate(zip(bags, combiners, windows)):
         if not bag.weight.is_cpu:
             return None
-        anchor, mode = bag._anchor_and_mode(stacklevel=5)
+        anchor, mode = bag._anchor_and_mode(stacklevel=4)
         trains = grad_on and anchor.requires_grad
         if trains and mode != FUSED:
             return None

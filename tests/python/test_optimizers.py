@@ -497,6 +497,17 @@ def test_steps_of_several_tables_in_one_call(rng):
     with pytest.raises(ValueError, match="each row's values must be contiguous"):
         _embedcore.apply_gradients_many([(ours[1]._native, [(ids, offsets, None, 0, 0, wide[:, 0:8:2])], 0.1)])
     ours[1].step = ref_tables[1].step = 1
+    before = [state_bytes(t) for t in ours]
+    one_row = np.ones((1, 4), np.float32)
+    for strided in (np.broadcast_to(one_row, (2, 4)), wide[::-1, 7:11]):  # rows 0 or -20 floats apart
+        with pytest.raises(ValueError, match="grads: rows (0|-20) floats apart"):
+            _embedcore.apply_gradients_many([(ours[1]._native, [(ids, offsets, None, 0, 0, strided)], 0.1)])
+    ours[2].step = 2**62  # the last step a checkpoint records: the step limit is checked before any table changes
+    with pytest.raises(ValueError, match="table 't2' is at step"):
+        _embedcore.apply_gradients_many([(ours[0]._native, [part(ours[0], 4)], 0.1),
+                                         (ours[2]._native, [part(ours[2], 4)], 0.1)])
+    ours[2].step = 1
+    assert [state_bytes(t) for t in ours] == before
 
     before = [state_bytes(t) for t in ours]
     bad = [(ours[0]._native, [part(ours[0], 4)], 0.1), (ours[1]._native, [part(ours[1], 4, bad=True)], 0.1)]

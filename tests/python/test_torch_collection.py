@@ -268,6 +268,23 @@ def test_kjt_collection_path_trains_only_what_trains(rng, torchrec):
     assert ebc.embedding_bags["t2"].table.step == 2
 
 
+def test_kjt_collection_step_refused_for_one_table_changes_none(rng, torchrec):
+    """The collection's fused backward checks every table before any steps:
+    one table at the step limit leaves the others as they were (as the
+    per-table ops do)."""
+    cfgs = [et.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name=f"t{k}", feature_names=[f"f{k}"])
+            for k in range(3)]
+    ebc = et.EmbeddingBagCollection(cfgs, optimizer=ec.optimizers.Adagrad(0.1))
+    kjt = _kjt(torchrec, rng, ["f0", "f1", "f2"], {"f0": 30, "f1": 30, "f2": 30}, 4)
+    ebc.embedding_bags["t2"].table.step = 2**62
+    before = {t: m.weight.detach().clone() for t, m in ebc.embedding_bags.items()}
+    with pytest.raises(ValueError, match="table 't2' is at step"):
+        ebc(kjt).values().sum().backward()
+    for t, m in ebc.embedding_bags.items():
+        assert torch.equal(m.weight, before[t]), t
+    assert [ebc.embedding_bags[t].table.step for t in ("t0", "t1")] == [0, 0]
+
+
 def test_embedding_collection_matches_torchrec(rng, torchrec):
     cfgs = [torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f3"]),
             torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t2", feature_names=["f2"])]

@@ -317,6 +317,13 @@ class Table {
   /// Validates everything before changing anything.
   void ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate, uintptr_t stream = 0);
 
+  /// Throws what ApplyGradients(parts, learning_rate) throws before it
+  /// changes anything (shapes, strides, the step limit, ids and offsets of
+  /// host parts, the rate), so that a caller stepping several tables can
+  /// check them all first. (Ids another thread rewrites in between are
+  /// still caught, by the step itself.)
+  void ValidateStep(const std::vector<GradientPart>& parts, float learning_rate) const;
+
   /// Lookup and ApplyGradients of host arrays on a table anywhere: a host
   /// table runs them as above; a device table checks the batch on the host,
   /// copies it (and the gradients) to device memory, runs there and copies
