@@ -103,19 +103,32 @@ inline void PoolBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) 
   FinishPooledBag(a, k0, k1, acc);
 }
 
-// A table whose rows are exactly NV vectors (dims 16, 32, 64, 128 with
-// AVX-512): each bag is one R::Pool<NV>, as PoolBag pools it (the same bits),
-// in a loop with nothing else per bag. PoolBag's choice of column blocks
-// costs a bag of one id about as much as the id itself.
+// A table whose rows are NV whole vectors and a tail of fewer than
+// R::kLanes columns (dims 16 to 143 with AVX-512): each bag is one
+// R::Pool<NV> and the tail summed in a local array, in a loop with nothing
+// else per bag. PoolBag's choice of column blocks cost a bag of one id about
+// as much as the id itself. Every column still adds its rows in id order
+// from zero, as PoolBag adds them (its tail: R::Axpy's scalar loop), so the
+// same bits.
 template <typename R, int NV, typename T, typename I>
 void PooledBagsOfVectors(const LookupArgs& a, int64_t b0, int64_t b1, int64_t stride, int64_t k_end) {
   const T* table = static_cast<const T*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
-  const int64_t row_bytes = a.dim * int64_t(sizeof(T));
+  const int64_t dim = a.dim, full = int64_t(NV) * R::kLanes, tail = dim - full;
+  const int64_t row_bytes = dim * int64_t(sizeof(T));
   for (int64_t b = b0; b < b1; ++b) {
     float* acc = a.out + b * stride;
     const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
-    R::template Pool<NV>(acc, table, a.rows, a.dim, 0, ids, k0, k1, a.weights, k_end, row_bytes);
+    R::template Pool<NV>(acc, table, a.rows, dim, 0, ids, k0, k1, a.weights, k_end, row_bytes);
+    if (tail > 0) {  // (the rows are in cache: Pool fetched them)
+      float s[R::kLanes] = {};
+      for (int64_t k = k0; k < k1; ++k) {
+        const T* row = table + SafeRow(ids[k], a.rows) * dim + full;
+        const float w = a.weights ? a.weights[k] : 1.0f;
+        for (int64_t d = 0; d < tail; ++d) s[d] += w * ops::ToFloat(row[d]);
+      }
+      for (int64_t d = 0; d < tail; ++d) acc[full + d] = s[d];
+    }
     FinishPooledBag(a, k0, k1, acc);
   }
 }
@@ -129,17 +142,29 @@ template <typename T, typename I>
     PrefetchRow(table + int64_t(ids[k]) * a.dim, a.dim * int64_t(sizeof(T)));
 }
 
+// PooledBagsOfVectors for rows of NV <= N (and <= R::kVectors) whole vectors
+// and a tail; false for wider rows. Any blocking of the columns adds each column's rows
+// in id order, so every NV gives PoolBag's bits.
+template <typename R, int N, typename T, typename I>
+bool PooledBagsOfVectorsUpTo(const LookupArgs& a, int64_t b0, int64_t b1, int64_t stride, int64_t k_end) {
+  if constexpr (N >= 1) {
+    if constexpr (N <= R::kVectors) {
+      if (a.dim / R::kLanes == N) {
+        PooledBagsOfVectors<R, N, T, I>(a, b0, b1, stride, k_end);
+        return true;
+      }
+    }
+    return PooledBagsOfVectorsUpTo<R, N - 1, T, I>(a, b0, b1, stride, k_end);
+  }
+  return false;
+}
+
 template <typename R, typename T, typename I>
 void PooledBags(const LookupArgs& a, int64_t b0, int64_t b1) {
   const int64_t k_end = a.offsets[b1];
   const int64_t stride = a.out_stride > 0 ? a.out_stride : a.dim;
   PrefetchFirstRows<T, I>(a, a.offsets[b0], k_end);
-  if (a.dim == R::kLanes) return PooledBagsOfVectors<R, 1, T, I>(a, b0, b1, stride, k_end);
-  if (a.dim == 2 * R::kLanes) return PooledBagsOfVectors<R, 2, T, I>(a, b0, b1, stride, k_end);
-  if constexpr (R::kVectors >= 4)
-    if (a.dim == 4 * R::kLanes) return PooledBagsOfVectors<R, 4, T, I>(a, b0, b1, stride, k_end);
-  if constexpr (R::kVectors >= 8)
-    if (a.dim == 8 * R::kLanes) return PooledBagsOfVectors<R, 8, T, I>(a, b0, b1, stride, k_end);
+  if (PooledBagsOfVectorsUpTo<R, 8, T, I>(a, b0, b1, stride, k_end)) return;
   for (int64_t b = b0; b < b1; ++b) PoolBag<R, T, I>(a, b, a.out + b * stride, k_end);
 }
 

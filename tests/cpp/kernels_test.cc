@@ -201,7 +201,7 @@ std::vector<const kernels::KernelSet*> KernelSets() {
 
 constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
 // Widths below, at and around the 8-float vectors, and a wide one.
-constexpr int64_t kDims[] = {1, 3, 7, 8, 9, 16, 17, 32, 33, 64, 128, 130};  // (16-128: whole vectors, PooledBagsOfVectors)
+constexpr int64_t kDims[] = {1, 3, 7, 8, 9, 16, 17, 24, 32, 33, 48, 64, 128, 130};  // (8-128: whole vectors, PooledBagsOfVectors)
 
 }  // namespace
 
