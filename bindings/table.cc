@@ -234,6 +234,17 @@ void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learnin
 // release of the GIL.
 using TableStep = std::tuple<Table*, std::vector<StridedPartTuple>, float>;
 
+// InvalidArgument when part `p` (of a table of `dim`) reads memory of table `t`.
+void CheckPartNotIn(const Table& t, const GradientPart& p, int64_t dim) {
+  const Batch& b = p.batch;
+  CheckNotTableMemory(t, b.ids, size_t(b.nnz) * (b.id_type == IdType::kInt32 ? 4 : 8), "ids");
+  CheckNotTableMemory(t, b.offsets, size_t(b.num_bags + 1) * sizeof(int64_t), "offsets");
+  if (b.weights) CheckNotTableMemory(t, b.weights, size_t(b.nnz) * sizeof(float), "weights");
+  const int64_t rows = p.shape.OutputRows(b);
+  const int64_t stride = p.shape.out_stride > 0 ? p.shape.out_stride : dim;
+  if (rows > 0) CheckNotTableMemory(t, p.grads, (size_t(rows - 1) * size_t(stride) + size_t(dim)) * sizeof(float), "grads");
+}
+
 void ApplyGradientsMany(const std::vector<TableStep>& steps) {
   std::vector<std::vector<GradientPart>> native;
   native.reserve(steps.size());
@@ -245,6 +256,9 @@ void ApplyGradientsMany(const std::vector<TableStep>& steps) {
       if (std::get<0>(steps[j]) == t)
         throw InvalidArgument("apply_gradients_many: table '" + t->spec().name + "' is given twice");
     native.push_back(HostParts(*t, parts));
+    for (size_t j = 0; j < steps.size(); ++j)  // (its own table: HostParts) a table stepped first would change them
+      if (j != i)
+        for (const GradientPart& p : native.back()) CheckPartNotIn(*std::get<0>(steps[j]), p, t->dim());
     try {
       t->ValidateStep(native.back(), learning_rate);
     } catch (const InvalidArgument& e) {  // (OutOfRange names the table already)

@@ -5,7 +5,7 @@
 //   R::Pool<NV>(out, table, rows, dim, c0, ids, k0, k1, weights, pf_end, row_bytes)
 //       out[c] = sum over k in [k0, k1) of w_k * float(row(ids[k])[c0 + c]),
 //       each row's address through SafeRow(ids[k], rows),
-//       for the NV * R::kLanes columns from c0 (NV a power of two up to
+//       for the NV * R::kLanes columns from c0 (NV from 1 to
 //       R::kVectors), accumulated in registers; when pf_end > 0 it also
 //       prefetches the row of ids[k + kPrefetchDistance] (< pf_end)
 // for each storage type. Included by kernels_generic.cc, kernels_avx2.cc and

@@ -692,12 +692,12 @@ void Table::ValidateStep(const std::vector<GradientPart>& parts, float learning_
     CheckOutStride(p.shape, spec_.dim, spec_.device >= 0);
   }
   CheckStepCanGrow(spec_.name, step_);
-  if (spec_.device >= 0) return;  // device batches are checked on the device
+  if (!std::isfinite(learning_rate)) throw InvalidArgument("learning_rate must be finite, got " + std::to_string(learning_rate));
+  if (spec_.device >= 0) return;  // device batches (device pointers) are checked on the device
   for (const auto& p : parts) {
     ValidateBatch(p.batch, spec_.rows, spec_.name);
     if (p.shape.OutputRows(p.batch) > 0 && p.grads == nullptr) throw InvalidArgument("grads: null pointer");
   }
-  if (!std::isfinite(learning_rate)) throw InvalidArgument("learning_rate must be finite, got " + std::to_string(learning_rate));
 }
 
 void Table::ApplyGradients(const std::vector<GradientPart>& given, float learning_rate, uintptr_t stream) {

@@ -201,7 +201,9 @@ std::vector<const kernels::KernelSet*> KernelSets() {
 
 constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
 // Widths below, at and around the 8-float vectors, and a wide one.
-constexpr int64_t kDims[] = {1, 3, 7, 8, 9, 16, 17, 24, 32, 33, 48, 64, 128, 130};  // (8-128: whole vectors, PooledBagsOfVectors)
+// Each kernel set's tight loop (PooledBagsOfVectors) takes 1-8 whole vectors and a tail: AVX-512 dims 16-143,
+// AVX2 8-71, generic 4-19; the rest take the general column blocks.
+constexpr int64_t kDims[] = {1, 3, 7, 8, 9, 16, 17, 24, 32, 33, 48, 64, 80, 128, 130, 143, 144};
 
 }  // namespace
 

@@ -507,6 +507,19 @@ def test_steps_of_several_tables_in_one_call(rng):
         _embedcore.apply_gradients_many([(ours[0]._native, [part(ours[0], 4)], 0.1),
                                          (ours[2]._native, [part(ours[2], 4)], 0.1)])
     ours[2].step = 1
+    # A part reading another table of the call (which may step first) is refused, as its own table is.
+    in_t0 = ours[0]._native.values_mut().reshape(-1)[:2].view(np.int32)  # two int32 ids 0 (the values' bits)
+    in_t0[:] = 0
+    before = [state_bytes(t) for t in ours]
+    with pytest.raises(ValueError, match="ids overlaps the values of table 't0'"):
+        _embedcore.apply_gradients_many([(ours[0]._native, [part(ours[0], 4)], 0.1),
+                                         (ours[1]._native, [(in_t0, np.array([0, 2], np.int64), None, 0, 0,
+                                                             np.ones((1, 4), np.float32))], 0.1)])
+    with pytest.raises(ValueError, match="grads overlaps the values of table 't1'"):
+        _embedcore.apply_gradients_many([(ours[1]._native, [(ids, offsets, None, 0, 0, wide[:, 7:11])], 0.1),
+                                         (ours[0]._native, [(ids[:2], np.array([0, 1, 2], np.int64), None, 0, 0,
+                                                             ours[1]._native.values_mut().reshape(-1)[:6]
+                                                             .reshape(2, 3))], 0.1)])
     assert [state_bytes(t) for t in ours] == before
 
     before = [state_bytes(t) for t in ours]

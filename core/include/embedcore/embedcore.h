@@ -318,10 +318,11 @@ class Table {
   void ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate, uintptr_t stream = 0);
 
   /// Throws what ApplyGradients(parts, learning_rate) throws before it
-  /// changes anything (shapes, strides, the step limit, ids and offsets of
-  /// host parts, the rate), so that a caller stepping several tables can
+  /// changes anything (shapes, strides, the step limit, the rate; of a host
+  /// table's parts also ids, offsets and grads: a device table's batches are
+  /// checked on the device), so that a caller stepping several tables can
   /// check them all first. (Ids another thread rewrites in between are
-  /// still caught, by the step itself.)
+  /// caught by the step itself, after earlier tables stepped.)
   void ValidateStep(const std::vector<GradientPart>& parts, float learning_rate) const;
 
   /// Lookup and ApplyGradients of host arrays on a table anywhere: a host
