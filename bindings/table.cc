@@ -36,46 +36,8 @@ NumpyFloat Lookup(const Table& t, const IdArray& ids, const OffsetArray& offsets
                    [&](const Batch& b, const OutputShape& s, float* out) { t.Lookup(b, s, out); });
 }
 
-// Lookups of several tables (or several batches of one) in one call: each
-// checked and given its output first, then all run in one release of the GIL.
-// What a collection of many small features pays per feature is then the
-// engine's work, not a call's fixed cost. The first error raises (the caller
-// repeats the lookups one by one to name the feature).
+// One pooled lookup of lookup_many_into: (table, ids, offsets, weights, combiner, max_sequence_length).
 using LookupCall = std::tuple<const Table*, IdArray, OffsetArray, std::optional<WeightArray>, int, int64_t>;
-
-std::vector<NumpyFloat> LookupMany(const std::vector<LookupCall>& calls) {
-  struct Pending {
-    const Table* table;
-    Batch batch;
-    OutputShape shape;
-    std::vector<size_t> dims;
-    float* out;
-    nb::capsule owner;
-  };
-  std::vector<Pending> pending;
-  pending.reserve(calls.size());
-  for (const auto& [t, ids, offsets, weights, combiner, max_len] : calls) {
-    if (t == nullptr) throw InvalidArgument("lookup_many: a table is None");
-    RequireHost(*t, "a lookup of NumPy arrays");
-    Pending p{t, MakeBatch(ids, offsets, weights), OutputShape{ToCombiner(combiner), max_len}, {}, nullptr, {}};
-    if (p.shape.combiner == Combiner::kNone && max_len < 0)
-      throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(max_len));
-    ValidateBatch(p.batch, t->rows(), t->spec().name);
-    p.dims = OutputDims(p.batch, p.shape, t->dim());
-    size_t n = 1;
-    for (size_t d : p.dims) n *= d;
-    std::tie(p.out, p.owner) = NewResult<float>(n);
-    pending.push_back(std::move(p));
-  }
-  {
-    ReleaseGil release;
-    for (const Pending& p : pending) p.table->Lookup(p.batch, p.shape, p.out);
-  }
-  std::vector<NumpyFloat> results;
-  results.reserve(pending.size());
-  for (Pending& p : pending) results.push_back(NumpyFloat(p.out, p.dims.size(), p.dims.data(), std::move(p.owner)));
-  return results;
-}
 
 NumpyFloat LookupGrouped(const Table& t, const IdArray& ids, const OffsetArray& offsets,
                          const std::optional<WeightArray>& weights, const OffsetArray& groups) {
@@ -121,11 +83,12 @@ void CheckNotTableMemory(const Table& t, const void* p, size_t bytes, const char
                                                         : "' that the step updates: pass a copy"));
 }
 
-// LookupMany of pooled lookups into the columns of one C-contiguous float32
-// `out` ([bags, sum of the tables' dims]): call i writes the dim_i columns
-// after those of the calls before it (a collection's concatenated features,
-// with no copy of each output into it). Everything is checked before any
-// lookup writes.
+// Pooled lookups of several tables in one call (what a collection of many
+// small features pays per feature is then the engine's work, not a call's
+// fixed cost), into the columns of one C-contiguous float32 `out` ([bags,
+// sum of the tables' dims]): call i writes the dim_i columns after those of
+// the calls before it (a collection's concatenated features, with no copy of
+// each output into it). Everything is checked before any lookup writes.
 void LookupManyInto(const std::vector<LookupCall>& calls, const FloatOut& out) {
   if (out.ndim() != 2) throw InvalidArgument("lookup_many_into: out must be 2-D [bags, columns]");
   const int64_t bags = int64_t(out.shape(0)), width = int64_t(out.shape(1));
@@ -458,8 +421,6 @@ void BindTable(nb::module_& m) {
         "a part's grads are 2-D, a pooled part's rows possibly strided (a table's columns of a wider gradient).");
   m.def("lookup_many_into", &LookupManyInto, "calls"_a, "out"_a.noconvert(),
         "lookup_many of pooled lookups into consecutive columns of one float32 out [bags, sum of the dims].");
-  m.def("lookup_many", &LookupMany, "calls"_a,
-        "Table.lookup of each (table, ids, offsets, weights, combiner, max_sequence_length), in one call.");
   m.def(
       "bag_denominators",
       [](const OffsetArray& offsets, const std::optional<WeightArray>& weights, int combiner) {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from . import _device, _embedcore, _nest
+from . import _device, _nest
 from . import optimizers as _opt
 from ._inputs import Batch, Ragged, Sparse, in_callers_terms, make_batch
 from .config import FeatureConfig, TableConfig
@@ -37,39 +37,18 @@ class FeatureLookup:
         batches: List[Batch] = []
         for name, x, w in zip(self._feature_names, flat_inputs, flat_weights):
             batches.append(make_batch(x, None, w, where=f"features[{name!r}]"))
-        outputs = self._lookup_many(batches)
-        if outputs is None:
-            outputs = []
-            for name, f, b in zip(self._feature_names, self._features, batches):
-                # The engine's errors (a bad id, bad offsets) name the feature: features may share a table.
-                try:
-                    outputs.append(self._table(f)._lookup_batch(b, self._combiner(f), f.max_sequence_length))
-                except (IndexError, ValueError) as e:
-                    raise in_callers_terms(e, b, f"features[{name!r}]") from None
+        outputs = []
+        for name, f, b in zip(self._feature_names, self._features, batches):
+            # The engine's errors (a bad id, bad offsets) name the feature: features may share a table.
+            try:
+                outputs.append(self._table(f)._lookup_batch(b, self._combiner(f), f.max_sequence_length))
+            except (IndexError, ValueError) as e:
+                raise in_callers_terms(e, b, f"features[{name!r}]") from None
         # Kept for apply_gradients, as copies: the caller may reuse its id buffers before the step.
         self._last = [b.owned() for b in batches] if self._trains else batches
         return _nest.pack_as(self._feature_config, outputs)
 
     embedding_lookup = lookup
-
-    def _lookup_many(self, batches: List[Batch]) -> Optional[list]:
-        """Every feature's output from one native call (``lookup_many``: one
-        release of the GIL, no per-feature call costs), or None where a
-        feature needs more than one call or a lookup raises: the loop in
-        ``lookup`` then looks them up one by one and names the feature."""
-        if len(batches) < 2:
-            return None
-        calls = []
-        try:
-            for f, b in zip(self._features, batches):
-                call = getattr(self._table(f), "_native_call", None)
-                c = call(b, self._combiner(f), f.max_sequence_length) if call is not None else None
-                if c is None:
-                    return None
-                calls.append(c)
-            return _embedcore.lookup_many(calls)
-        except (IndexError, ValueError, TypeError):
-            return None
 
 
 class Embedding(FeatureLookup):

@@ -239,18 +239,6 @@ class Table(LookupMixin):
     def _default_combiner(self) -> str:
         return self._config.combiner
 
-    def _native_call(self, batch: Batch, combiner, max_sequence_length) -> Optional[tuple]:
-        """``_lookup_batch(batch, combiner, max_sequence_length)`` as one
-        native call (``lookup_many`` runs many), or None when it is not one:
-        a GPU table, an empty sequence, a sparse sequence placed by position."""
-        if self._device >= 0:
-            return None
-        length = self._sequence_length(batch, max_sequence_length) if combiner is None else None
-        if combiner is None and (length == 0 or (batch.kind == "sparse" and not batch.dense_positions)):
-            return None
-        native_length = length if combiner is None and length is not None else 0
-        return (self._native, batch.ids, batch.offsets, batch.weights, _COMBINER_CODE[combiner], native_length)
-
     def _native_lookup(self, ids, offsets, weights, code, length, out):
         if out is None:
             return self._native.lookup(ids, offsets, weights, code, length)

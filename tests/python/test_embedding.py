@@ -269,39 +269,3 @@ def test_sequence_feature_with_dense_and_sparse_inputs(rng):
     tref.apply(rg)
     assert_close(table.to_numpy(), tref.values)
     assert_close(table.slots()["accumulators"], tref.slots["accumulators"])
-
-
-def test_every_feature_in_one_native_call_as_one_by_one(rng, monkeypatch):
-    """A lookup of several features runs them in one native call
-    (``lookup_many``); its outputs are each table's own lookup, bit for bit,
-    for every input form; a bad id still names its feature."""
-    from embedcore import embedding as embedding_module
-
-    t1 = ec.TableConfig("t1", rows=40, dim=8, combiner="mean")
-    t2 = ec.TableConfig("t2", rows=60, dim=3, combiner="sqrtn")
-    emb = ec.Embedding({"a": ec.FeatureConfig(t1), "b": ec.FeatureConfig(t2), "c": ec.FeatureConfig(t1),
-                        "d": ec.FeatureConfig(t2, max_sequence_length=5), "e": ec.FeatureConfig(t2)},
-                       ec.optimizers.Adagrad(0.1))
-    values = rng.integers(0, 40, 30)
-    offsets = np.array([0, 3, 3, 9, 20, 30])
-    feats = {"a": ec.Ragged(values, offsets),
-             "b": rng.integers(0, 60, (5, 4)).astype(np.int32),
-             "c": ec.Sparse(np.array([[0, 0], [0, 2], [3, 1], [4, 0]]), np.array([5, 6, 7, 39]), [5, 3]),
-             "d": ec.Ragged(rng.integers(0, 60, 12), np.array([0, 2, 9, 9, 10, 12])),
-             "e": rng.integers(0, 60, 5)}
-    weights = {"a": ec.Ragged(rng.random(30).astype(np.float32), offsets), "b": None, "c": None, "d": None, "e": None}
-    calls = []
-    real = embedding_module._embedcore.lookup_many
-    monkeypatch.setattr(embedding_module._embedcore, "lookup_many", lambda c: calls.append(len(c)) or real(c))
-    out = emb(feats, weights)
-    assert calls == [5]
-    tables = {t.name: t for t in emb.embedding_tables.values()}
-    expect = {"a": tables["t1"].lookup(feats["a"], weights=weights["a"]), "b": tables["t2"].lookup(feats["b"]),
-              "c": tables["t1"].lookup(feats["c"]), "d": tables["t2"].lookup(feats["d"], combiner=None,
-                                                                             max_sequence_length=5),
-              "e": tables["t2"].lookup(feats["e"])}
-    for k in expect:
-        assert out[k].shape == expect[k].shape and np.array_equal(out[k], expect[k]), k
-    feats["e"] = np.array([1, 2, 60, 3, 4])
-    with pytest.raises(IndexError, match=r"features\['e'\]: .*id 60 at position 2"):
-        emb(feats, weights)
