@@ -420,7 +420,8 @@ void BindTable(nb::module_& m) {
         "Table.apply_gradients of each (table, parts, learning_rate), every table checked before any changes; "
         "a part's grads are 2-D, a pooled part's rows possibly strided (a table's columns of a wider gradient).");
   m.def("lookup_many_into", &LookupManyInto, "calls"_a, "out"_a.noconvert(),
-        "lookup_many of pooled lookups into consecutive columns of one float32 out [bags, sum of the dims].");
+        "Pooled Table.lookup of each (table, ids, offsets, weights, combiner, max_sequence_length) into consecutive "
+        "columns of one float32 out [bags, sum of the dims], everything checked before anything is written.");
   m.def(
       "bag_denominators",
       [](const OffsetArray& offsets, const std::optional<WeightArray>& weights, int combiner) {
