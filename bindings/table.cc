@@ -88,7 +88,9 @@ void CheckNotTableMemory(const Table& t, const void* p, size_t bytes, const char
 // fixed cost), into the columns of one C-contiguous float32 `out` ([bags,
 // sum of the tables' dims]): call i writes the dim_i columns after those of
 // the calls before it (a collection's concatenated features, with no copy of
-// each output into it). Everything is checked before any lookup writes.
+// each output into it). Shapes are checked before any lookup runs; each
+// lookup checks its ids as it runs, so a bad id leaves `out` partly written
+// (a collection's own output, then dropped).
 void LookupManyInto(const std::vector<LookupCall>& calls, const FloatOut& out) {
   if (out.ndim() != 2) throw InvalidArgument("lookup_many_into: out must be 2-D [bags, columns]");
   const int64_t bags = int64_t(out.shape(0)), width = int64_t(out.shape(1));
@@ -112,7 +114,6 @@ void LookupManyInto(const std::vector<LookupCall>& calls, const FloatOut& out) {
     if (col > width)
       throw InvalidArgument("lookup_many_into: the calls' dims add up to more than out's " + std::to_string(width) +
                             " columns");
-    ValidateBatch(batch, t->rows(), t->spec().name);  // (again in Lookup: nothing is written before all pass)
     pending.emplace_back(t, batch, shape);
   }
   if (col != width)
@@ -421,7 +422,7 @@ void BindTable(nb::module_& m) {
         "a part's grads are 2-D, a pooled part's rows possibly strided (a table's columns of a wider gradient).");
   m.def("lookup_many_into", &LookupManyInto, "calls"_a, "out"_a.noconvert(),
         "Pooled Table.lookup of each (table, ids, offsets, weights, combiner, max_sequence_length) into consecutive "
-        "columns of one float32 out [bags, sum of the dims], everything checked before anything is written.");
+        "columns of one float32 out [bags, sum of the dims]; a bad id raises with out partly written.");
   m.def(
       "bag_denominators",
       [](const OffsetArray& offsets, const std::optional<WeightArray>& weights, int combiner) {

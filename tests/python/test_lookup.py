@@ -747,8 +747,9 @@ def test_lookup_grouped_errors(rng):
 
 def test_lookups_of_several_tables_into_the_columns_of_one_output(rng):
     """``lookup_many_into`` (a collection's forward): each table's pooled
-    lookup lands in its columns, bit for bit as its own lookup; a bad call
-    anywhere raises before anything is written."""
+    lookup lands in its columns, bit for bit as its own lookup; a call of the
+    wrong shape anywhere raises before anything is written, a bad id names
+    its table."""
     from embedcore import _embedcore
 
     t1 = ec.Table(name="a", rows=30, dim=3, combiner="mean")
@@ -766,6 +767,7 @@ def test_lookups_of_several_tables_into_the_columns_of_one_output(rng):
     bad = [calls[0], (t2._native, np.r_[i2[:6], 40], offsets, None, 0, 0)]
     with pytest.raises(IndexError, match="table 'b': id 40 at position 6"):
         _embedcore.lookup_many_into(bad, out)
+    out[:] = -7.0
     with pytest.raises(ValueError, match="add up to 3, out has 8 columns"):
         _embedcore.lookup_many_into(calls[:1], out)
     with pytest.raises(ValueError, match="call 1 has 2 bags, out has 3 rows"):
