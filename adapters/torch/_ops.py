@@ -310,6 +310,25 @@ def _cpu_windows(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor]
     return _windows(source, segments[1::3], nb)
 
 
+def _window_parts(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
+                  combiner: int, padding_idx: int, include_last_offset: bool) -> Optional[List[_Part]]:
+    """``_parts`` of the calls ``_cpu_windows`` takes (their forward checked
+    them; the saved tensors cannot have changed since), from the NumPy
+    windows, without checking the whole source again; or None."""
+    windows = _cpu_windows(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
+    if windows is None:
+        return None
+    whole = len(windows) == 1 and len(segments) == 3 and segments[1] == 0
+    parts = []
+    for k, (a, off, w) in enumerate(windows):
+        nb = segments[3 * k + 2]
+        start = 0 if whole else int(offsets[0][segments[3 * k + 1]])
+        parts.append(_Part(0, torch.from_numpy(a), torch.from_numpy(off),
+                           None if w is None else weights[0].detach()[start:start + a.shape[0]],
+                           start, a.shape[0], None, nb))
+    return parts
+
+
 def _bag_of(p: _Part) -> Tensor:
     """The bag (output row) of each id of a pooled part."""
     counts = torch.diff(p.offsets)
@@ -501,7 +520,8 @@ def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], of
             if stepped:
                 _fused_stepped(entry)
                 return torch.zeros(1), torch.empty(0, dtype=torch.int64), []
-    parts = _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, True)
+    parts = (_window_parts(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
+             or _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, True))
     gs = [g.contiguous() for g in grads]
     if combiner == SEQUENCE:
         # Unpooled: each id has its own output row; padding ids' rows get no gradient.

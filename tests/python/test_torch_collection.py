@@ -231,6 +231,37 @@ def test_kjt_fast_paths_match_the_general_path_bit_for_bit(rng, torchrec, monkey
         assert fast.embedding_bags[t].table.step == general.embedding_bags[t].table.step == 3
 
 
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("pooling", ["sum", "mean", "sqrtn"])
+def test_kjt_unfused_gradients_from_windows_match_the_general_path(rng, torchrec, sparse, pooling):
+    """Unfused, each table's backward takes its KJT windows as the forward
+    did (int64 offsets) instead of cutting the segments again with PyTorch
+    ops (int32 offsets): the same table and per-id weight gradients, bit for
+    bit."""
+    cfgs = [et.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f3"],
+                                  pooling=pooling),
+            et.EmbeddingBagConfig(num_embeddings=50, embedding_dim=20, name="t2", feature_names=["f2"],
+                                  pooling=pooling)]
+    a, b = (et.EmbeddingBagCollection(cfgs, is_weighted=True, sparse=sparse) for _ in range(2))
+    b.load_state_dict(a.state_dict())
+    kjt = _kjt(torchrec, rng, ["f2", "f3", "f1"], {"f1": 30, "f2": 50, "f3": 30}, 7, True)
+    g = torch.randn(7, 28)
+    grads = []
+    for ebc, off in ((a, kjt.offsets()), (b, kjt.offsets().to(torch.int32))):
+        w = kjt.weights().clone().requires_grad_(True)
+        k = torchrec.KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), weights=w, offsets=off)
+        (ebc(k).values() * g).sum().backward()
+        grads.append((w.grad, {t: ebc.embedding_bags[t].weight.grad for t in ("t1", "t2")}))
+    assert torch.equal(grads[0][0], grads[1][0])
+    for t in ("t1", "t2"):
+        ga, gb = grads[0][1][t], grads[1][1][t]
+        assert ga.is_sparse == gb.is_sparse == sparse
+        if sparse:
+            assert torch.equal(ga._indices(), gb._indices()) and torch.equal(ga._values(), gb._values())
+        else:
+            assert torch.equal(ga, gb)
+
+
 def test_kjt_collection_path_trains_only_what_trains(rng, torchrec):
     """In one call of every table: a frozen table (requires_grad False) and a
     no_grad forward change nothing; the KJT's values changed in place between
