@@ -15,7 +15,6 @@
 #include <optional>
 #include <string>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 #include "bindings.h"
@@ -35,9 +34,6 @@ NumpyFloat Lookup(const Table& t, const IdArray& ids, const OffsetArray& offsets
   return LookupNew(t.dim(), ids, offsets, weights, combiner, max_sequence_length,
                    [&](const Batch& b, const OutputShape& s, float* out) { t.Lookup(b, s, out); });
 }
-
-// One pooled lookup of lookup_many_into: (table, ids, offsets, weights, combiner, max_sequence_length).
-using LookupCall = std::tuple<const Table*, IdArray, OffsetArray, std::optional<WeightArray>, int, int64_t>;
 
 NumpyFloat LookupGrouped(const Table& t, const IdArray& ids, const OffsetArray& offsets,
                          const std::optional<WeightArray>& weights, const OffsetArray& groups) {
@@ -83,41 +79,69 @@ void CheckNotTableMemory(const Table& t, const void* p, size_t bytes, const char
                                                         : "' that the step updates: pass a copy"));
 }
 
-// Pooled lookups of several tables in one call (what a collection of many
-// small features pays per feature is then the engine's work, not a call's
-// fixed cost), into the columns of one C-contiguous float32 `out` ([bags,
-// sum of the tables' dims]): call i writes the dim_i columns after those of
-// the calls before it (a collection's concatenated features, with no copy of
-// each output into it). Shapes are checked before any lookup runs; each
-// lookup checks its ids as it runs, so a bad id leaves `out` partly written
-// (a collection's own output, then dropped).
-void LookupManyInto(const std::vector<LookupCall>& calls, const FloatOut& out) {
-  if (out.ndim() != 2) throw InvalidArgument("lookup_many_into: out must be 2-D [bags, columns]");
+// Bags [first, first + count) of a CSR `source` as a batch of their own: the
+// ids and weights from the window's first id, the offsets rebased to 0 into
+// `rebased` (count + 1 values: the engine copies a batch's offsets anyway).
+Batch WindowOf(const Batch& source, int64_t first, int64_t count, std::vector<int64_t>& rebased) {
+  if (first < 0 || count < 0 || first > source.num_bags - count)
+    throw InvalidArgument("bags [" + std::to_string(first) + ", " + std::to_string(first + count) +
+                          ") are not within the source's " + std::to_string(source.num_bags) + " bags");
+  const int64_t lo = source.offsets[first], hi = source.offsets[first + count];
+  if (lo < 0 || hi < lo || hi > source.nnz)
+    throw InvalidArgument("offsets[" + std::to_string(first) + "] = " + std::to_string(lo) + " and offsets[" +
+                          std::to_string(first + count) + "] = " + std::to_string(hi) + " do not bound ids of the " +
+                          std::to_string(source.nnz) + " given");
+  rebased.resize(size_t(count) + 1);
+  for (int64_t b = 0; b <= count; ++b) rebased[size_t(b)] = source.offsets[first + b] - lo;
+  Batch w = source;
+  w.ids = static_cast<const char*>(source.ids) + lo * (source.id_type == IdType::kInt32 ? 4 : 8);
+  w.nnz = hi - lo;
+  w.offsets = rebased.data();
+  w.num_bags = count;
+  if (source.weights) w.weights = source.weights + lo;
+  return w;
+}
+
+// One lookup of lookup_windows_into: (table, first bag, bags, combiner).
+using SourceWindow = std::tuple<const Table*, int64_t, int64_t, int>;
+
+// Pooled lookups of windows of one CSR source by several tables in one call
+// (a KeyedJaggedTensor's features: what a collection pays per feature is then
+// the engine's work, not a call's or a Python view's fixed cost), into the
+// columns of one C-contiguous float32 `out` ([bags, sum of the tables' dims]):
+// window i writes the dim_i columns after those of the windows before it,
+// with no copy of each output into it. Shapes are checked before any lookup
+// runs; each lookup checks its ids as it runs, so a bad id leaves `out`
+// partly written (a collection's own output, then dropped).
+void LookupWindowsInto(const IdArray& ids, const OffsetArray& offsets, const std::optional<WeightArray>& weights,
+                       const std::vector<SourceWindow>& windows, const FloatOut& out) {
+  if (out.ndim() != 2) throw InvalidArgument("lookup_windows_into: out must be 2-D [bags, columns]");
+  CheckNoAliasing(ids, offsets, weights, out);
+  const Batch source = MakeBatch(ids, offsets, weights);
   const int64_t bags = int64_t(out.shape(0)), width = int64_t(out.shape(1));
+  std::vector<std::vector<int64_t>> rebased(windows.size());
   std::vector<std::tuple<const Table*, Batch, OutputShape>> pending;
-  pending.reserve(calls.size());
+  pending.reserve(windows.size());
   int64_t col = 0;
-  for (size_t i = 0; i < calls.size(); ++i) {
-    const auto& [t, ids, offsets, weights, combiner, max_len] = calls[i];
-    if (t == nullptr) throw InvalidArgument("lookup_many_into: a table is None");
+  for (size_t i = 0; i < windows.size(); ++i) {
+    const auto& [t, first, count, combiner] = windows[i];
+    if (t == nullptr) throw InvalidArgument("lookup_windows_into: a table is None");
     RequireHost(*t, "a lookup of NumPy arrays");
     CheckNotTableMemory(*t, out.data(), out.nbytes(), "out", "the lookup reads");
-    CheckNoAliasing(ids, offsets, weights, out);
-    const OutputShape shape{ToCombiner(combiner), max_len, width};
-    const Batch batch = MakeBatch(ids, offsets, weights);
-    if (shape.combiner == Combiner::kNone) throw InvalidArgument("lookup_many_into: call " + std::to_string(i) +
-                                                                 " is not pooled");
-    if (batch.num_bags != bags)
-      throw InvalidArgument("lookup_many_into: call " + std::to_string(i) + " has " + std::to_string(batch.num_bags) +
+    const OutputShape shape{ToCombiner(combiner), 0, width};
+    if (shape.combiner == Combiner::kNone)
+      throw InvalidArgument("lookup_windows_into: window " + std::to_string(i) + " is not pooled");
+    if (count != bags)
+      throw InvalidArgument("lookup_windows_into: window " + std::to_string(i) + " has " + std::to_string(count) +
                             " bags, out has " + std::to_string(bags) + " rows");
     col += t->dim();
     if (col > width)
-      throw InvalidArgument("lookup_many_into: the calls' dims add up to more than out's " + std::to_string(width) +
-                            " columns");
-    pending.emplace_back(t, batch, shape);
+      throw InvalidArgument("lookup_windows_into: the tables' dims add up to more than out's " +
+                            std::to_string(width) + " columns");
+    pending.emplace_back(t, WindowOf(source, first, count, rebased[i]), shape);
   }
   if (col != width)
-    throw InvalidArgument("lookup_many_into: the calls' dims add up to " + std::to_string(col) + ", out has " +
+    throw InvalidArgument("lookup_windows_into: the tables' dims add up to " + std::to_string(col) + ", out has " +
                           std::to_string(width) + " columns");
   ReleaseGil release;
   col = 0;
@@ -138,47 +162,24 @@ void LookupInto(const Table& t, const IdArray& ids, const OffsetArray& offsets,
 
 using PartTuple = std::tuple<IdArray, OffsetArray, std::optional<WeightArray>, int, int64_t, FloatIn>;
 
-// A part's gradient rows as one of its lookup's outputs (pooled: 2-D, rows
-// some stride apart, e.g. a table's columns of a collection's gradient).
-using StridedGrads = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu>;
-using StridedPartTuple = std::tuple<IdArray, OffsetArray, std::optional<WeightArray>, int, int64_t, StridedGrads>;
-
-// The parts of a step on host arrays, checked against the table (grads
-// C-contiguous, or StridedGrads: then a strided pooled part's shape says so).
-template <typename Tuple>
-std::vector<GradientPart> HostParts(const Table& t, const std::vector<Tuple>& parts) {
+// The parts of a step on host arrays, checked against the table.
+std::vector<GradientPart> HostParts(const Table& t, const std::vector<PartTuple>& parts) {
   std::vector<GradientPart> native;
   native.reserve(parts.size());
   for (size_t i = 0; i < parts.size(); ++i) {
     const auto& [ids, offsets, weights, combiner, max_len, grads] = parts[i];
+    CheckNotTableMemory(t, grads.data(), grads.nbytes(), "grads");
     CheckNotTableMemory(t, ids.data(), ids.nbytes(), "ids");
     CheckNotTableMemory(t, offsets.data(), offsets.nbytes(), "offsets");
     if (weights) CheckNotTableMemory(t, weights->data(), weights->nbytes(), "weights");
     GradientPart p;
     p.batch = MakeBatch(ids, offsets, weights);
     p.shape = OutputShape{ToCombiner(combiner), max_len};
-    const int64_t rows = p.shape.OutputRows(p.batch);
-    const size_t want = size_t(rows) * size_t(t.dim());
-    size_t span = grads.nbytes();  // the bytes the step reads
-    if constexpr (std::is_same_v<Tuple, StridedPartTuple>) {
-      if (int64_t(grads.shape(0)) != rows || int64_t(grads.shape(1)) != t.dim())
-        throw InvalidArgument("grads must be [" + std::to_string(rows) + ", " + std::to_string(t.dim()) + "], got [" +
-                              std::to_string(grads.shape(0)) + ", " + std::to_string(grads.shape(1)) + "]");
-      if (rows > 0 && t.dim() > 1 && grads.stride(1) != 1)
-        throw InvalidArgument("grads: each row's values must be contiguous");
-      if (rows > 1 && grads.stride(0) != t.dim()) {  // rows apart as in the lookup's strided output
-        if (grads.stride(0) < t.dim() || p.shape.combiner == Combiner::kNone)
-          throw InvalidArgument("grads: rows " + std::to_string(grads.stride(0)) + " floats apart; a pooled part's "
-                                "rows may be apart by dim (" + std::to_string(t.dim()) + ") or more, others' by dim");
-        p.shape.out_stride = grads.stride(0);
-      }
-      if (rows > 0) span = (size_t(rows - 1) * size_t(p.shape.out_stride ? p.shape.out_stride : t.dim()) +
-                            size_t(t.dim())) * sizeof(float);
-    } else if (grads.size() != want) {
-      throw InvalidArgument("grads must hold " + std::to_string(want) + " float32 values (" + std::to_string(rows) +
-                            " x " + std::to_string(t.dim()) + "), got " + std::to_string(grads.size()));
-    }
-    CheckNotTableMemory(t, grads.data(), span, "grads");
+    const size_t want = size_t(p.shape.OutputRows(p.batch)) * size_t(t.dim());
+    if (grads.size() != want)
+      throw InvalidArgument("grads must hold " + std::to_string(want) + " float32 values (" +
+                            std::to_string(p.shape.OutputRows(p.batch)) + " x " + std::to_string(t.dim()) +
+                            "), got " + std::to_string(grads.size()));
     p.grads = grads.data();
     native.push_back(p);
   }
@@ -192,39 +193,60 @@ void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learnin
   t.ApplyGradients(native, learning_rate);
 }
 
+// One part of apply_gradients_windows: (first bag, bags, combiner, first column of its gradient).
+using WindowPart = std::tuple<int64_t, int64_t, int, int64_t>;
+using WindowStep = std::tuple<Table*, std::vector<WindowPart>, float>;
+
 // One optimizer step of several tables (a collection's fused backward) in
-// one call: every table's parts are checked, and their batches validated
-// against their tables, before any table changes; then the steps run in one
-// release of the GIL.
-using TableStep = std::tuple<Table*, std::vector<StridedPartTuple>, float>;
-
-// InvalidArgument when part `p` (of a table of `dim`) reads memory of table `t`.
-void CheckPartNotIn(const Table& t, const GradientPart& p, int64_t dim) {
-  const Batch& b = p.batch;
-  CheckNotTableMemory(t, b.ids, size_t(b.nnz) * (b.id_type == IdType::kInt32 ? 4 : 8), "ids");
-  CheckNotTableMemory(t, b.offsets, size_t(b.num_bags + 1) * sizeof(int64_t), "offsets");
-  if (b.weights) CheckNotTableMemory(t, b.weights, size_t(b.nnz) * sizeof(float), "weights");
-  const int64_t rows = p.shape.OutputRows(b);
-  const int64_t stride = p.shape.out_stride > 0 ? p.shape.out_stride : dim;
-  if (rows > 0) CheckNotTableMemory(t, p.grads, (size_t(rows - 1) * size_t(stride) + size_t(dim)) * sizeof(float), "grads");
-}
-
-void ApplyGradientsMany(const std::vector<TableStep>& steps) {
-  std::vector<std::vector<GradientPart>> native;
-  native.reserve(steps.size());
+// one call, from windows of one CSR source (as lookup_windows_into read
+// them) and one float32 gradient [bags, columns] whose rows are contiguous:
+// a part's gradient is its `dim` columns from its first one. Every table is
+// checked (ValidateStep), and no array of the call may lie in any of its
+// tables (a table stepped first would change it), before any table changes;
+// then the steps run in one release of the GIL.
+void ApplyGradientsWindows(const IdArray& ids, const OffsetArray& offsets, const std::optional<WeightArray>& weights,
+                           const std::vector<WindowStep>& steps,
+                           const nb::ndarray<const float, nb::ndim<2>, nb::device::cpu>& grads) {
+  const Batch source = MakeBatch(ids, offsets, weights);
+  const int64_t rows = int64_t(grads.shape(0)), width = int64_t(grads.shape(1));
+  const int64_t stride = rows > 1 ? int64_t(grads.stride(0)) : width;
+  if ((width > 1 && rows > 0 && grads.stride(1) != 1) || stride < width)
+    throw InvalidArgument("apply_gradients_windows: grads must have contiguous rows, each after the one before");
+  const size_t grads_bytes = rows > 0 ? (size_t(rows - 1) * size_t(stride) + size_t(width)) * sizeof(float) : 0;
+  std::vector<std::vector<GradientPart>> native(steps.size());
+  std::vector<std::vector<std::vector<int64_t>>> rebased(steps.size());
   for (size_t i = 0; i < steps.size(); ++i) {
     const auto& [t, parts, learning_rate] = steps[i];
-    if (t == nullptr) throw InvalidArgument("apply_gradients_many: a table is None");
+    if (t == nullptr) throw InvalidArgument("apply_gradients_windows: a table is None");
     RequireHost(*t, "apply_gradients of NumPy arrays");
     for (size_t j = 0; j < i; ++j)
       if (std::get<0>(steps[j]) == t)
-        throw InvalidArgument("apply_gradients_many: table '" + t->spec().name + "' is given twice");
-    native.push_back(HostParts(*t, parts));
-    for (size_t j = 0; j < steps.size(); ++j)  // (its own table: HostParts) a table stepped first would change them
-      if (j != i)
-        for (const GradientPart& p : native.back()) CheckPartNotIn(*std::get<0>(steps[j]), p, t->dim());
+        throw InvalidArgument("apply_gradients_windows: table '" + t->spec().name + "' is given twice");
+    for (const auto& step : steps) {  // (every table of the call: one stepped first would change them)
+      const Table& other = *std::get<0>(step);
+      CheckNotTableMemory(other, ids.data(), ids.nbytes(), "ids");
+      CheckNotTableMemory(other, offsets.data(), offsets.nbytes(), "offsets");
+      if (weights) CheckNotTableMemory(other, weights->data(), weights->nbytes(), "weights");
+      CheckNotTableMemory(other, grads.data(), grads_bytes, "grads");
+    }
+    rebased[i].resize(parts.size());
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const auto& [first, count, combiner, col] = parts[k];
+      const std::string where = "table '" + t->spec().name + "': part " + std::to_string(k);
+      if (count != rows)
+        throw InvalidArgument(where + " has " + std::to_string(count) + " bags, grads has " + std::to_string(rows) +
+                              " rows");
+      if (col < 0 || col > width - t->dim())
+        throw InvalidArgument(where + ": columns [" + std::to_string(col) + ", " + std::to_string(col + t->dim()) +
+                              ") are not within grads' " + std::to_string(width));
+      GradientPart p;
+      p.batch = WindowOf(source, first, count, rebased[i][k]);
+      p.shape = OutputShape{ToCombiner(combiner), 0, stride != t->dim() ? stride : 0};
+      p.grads = grads.data() + col;
+      native[i].push_back(p);
+    }
     try {
-      t->ValidateStep(native.back(), learning_rate);
+      t->ValidateStep(native[i], learning_rate);
     } catch (const InvalidArgument& e) {  // (OutOfRange names the table already)
       const std::string what = e.what(), name = "table '" + t->spec().name + "'";
       if (what.find(name) != std::string::npos) throw;
@@ -417,12 +439,14 @@ void BindTable(nb::module_& m) {
       "indices"_a.noconvert(), "bags"_a, "width"_a, "offsets"_a.noconvert(),
       "The stable row-major order of COO entries checked and counted by csr_from_coo (its offsets): (order, "
       "the positions in that order, whether each bag's positions are then 0, 1, 2, ...).");
-  m.def("apply_gradients_many", &ApplyGradientsMany, "steps"_a,
-        "Table.apply_gradients of each (table, parts, learning_rate), every table checked before any changes; "
-        "a part's grads are 2-D, a pooled part's rows possibly strided (a table's columns of a wider gradient).");
-  m.def("lookup_many_into", &LookupManyInto, "calls"_a, "out"_a.noconvert(),
-        "Pooled Table.lookup of each (table, ids, offsets, weights, combiner, max_sequence_length) into consecutive "
-        "columns of one float32 out [bags, sum of the dims]; a bad id raises with out partly written.");
+  m.def("apply_gradients_windows", &ApplyGradientsWindows, "ids"_a.noconvert(), "offsets"_a.noconvert(),
+        "weights"_a.noconvert().none(), "steps"_a, "grads"_a.noconvert(),
+        "One step of each (table, [(first bag, bags, combiner, first column)], learning_rate) from windows of one "
+        "CSR source and one gradient [bags, columns]; every table checked before any changes.");
+  m.def("lookup_windows_into", &LookupWindowsInto, "ids"_a.noconvert(), "offsets"_a.noconvert(),
+        "weights"_a.noconvert().none(), "windows"_a, "out"_a.noconvert(),
+        "Pooled lookups of windows (table, first bag, bags, combiner) of one CSR source into consecutive columns "
+        "of one float32 out [bags, sum of the dims]; a bad id raises with out partly written.");
   m.def(
       "bag_denominators",
       [](const OffsetArray& offsets, const std::optional<WeightArray>& weights, int combiner) {

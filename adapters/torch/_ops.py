@@ -276,7 +276,7 @@ def _windows(source, starts: List[int], nb: int):
     None when a window is empty or outside the source (the general path names
     what is wrong). The engine checks each window's ids and offsets."""
     a, off, w = source
-    if off[0] != 0 or nb <= 0 or not starts or min(starts) < 0 or max(starts) + nb > off.shape[0] - 1:
+    if off[0] != 0 or nb < 0 or not starts or min(starts) < 0 or max(starts) + nb > off.shape[0] - 1:
         return None
     rebased = off[np.add.outer(np.asarray(starts, np.int64), np.arange(nb + 1))]
     lo = rebased[:, 0].tolist()
@@ -712,9 +712,10 @@ def collection_lookup(bags, values: Tensor, offsets: Tensor, weights: List[Tenso
     """The pooled lookups of a collection's tables (`bags`, their modules)
     on one source (a KeyedJaggedTensor's values, offsets and weights), as one
     ``[bags, sum of the widths]`` tensor, each table's `segments` in order:
-    one engine call forward (``lookup_many_into``, each table writing its
-    columns of the output) and, for the tables that train
-    fused, one in the backward (``apply_gradients_many``), with the same
+    one engine call forward (``lookup_windows_into``: each table reads its
+    windows of the source and writes its columns of the output) and, for the
+    tables that train
+    fused, one in the backward (``apply_gradients_windows``), with the same
     results, bit for bit, as one ``lookup`` op per table. A DLRM-shaped
     collection at a small batch would otherwise pay the op's per-table costs
     once per table.
@@ -730,56 +731,35 @@ def collection_lookup(bags, values: Tensor, offsets: Tensor, weights: List[Tenso
 
     if _float16_autocast("cpu"):
         return None
-    windows = _collection_windows(values, offsets, weights, segments, combiners)
-    if windows is None:
+    source = _cpu_source([values], [offsets], weights, True)
+    if source is None or SEQUENCE in combiners or not segments or not segments[0]:
         return None
     grad_on = torch.is_grad_enabled()
     calls, plan, anchors, col = [], [], [], 0
-    for i, (bag, combiner, table_windows) in enumerate(zip(bags, combiners, windows)):
-        if not bag.weight.is_cpu:
-            return None
+    for i, (bag, segs, combiner) in enumerate(zip(bags, segments, combiners)):
         anchor, mode = bag._anchor_and_mode(stacklevel=4)
+        if not anchor.is_cpu:  # (the weight, or a fused table's anchor: on the table's device)
+            return None
         trains = grad_on and anchor.requires_grad
         if trains and mode != FUSED:
             return None
         native = bag.table._native
-        calls.extend((native, *w, combiner, 0) for w in table_windows)
+        calls.extend((native, segs[k + 1], segs[k + 2], combiner) for k in range(0, len(segs), 3))
         if trains:
             anchors.append(anchor)
             plan.append((bag._handle, i, combiner, bag.embedding_dim, col))
-        col += bag.embedding_dim * len(table_windows)
+        col += bag.embedding_dim * (len(segs) // 3)
     from embedcore import _embedcore
 
     out = np.empty((segments[0][2], col), np.float32)  # every table writes its columns: no concatenation
     try:
-        _embedcore.lookup_many_into(calls, out)
+        _embedcore.lookup_windows_into(*source, calls, out)
     except (IndexError, ValueError, TypeError):
         return None  # the per-table op raises it, with the caller's positions
     if anchors:
-        return _CollectionStep.apply((plan, segments, combiners), out, values, offsets,
+        return _CollectionStep.apply((plan, segments), out, values, offsets,
                                      weights[0] if weights else None, *anchors)
     return torch.from_numpy(out)
-
-
-def _collection_windows(values: Tensor, offsets: Tensor, weights: List[Tensor], segments: List[List[int]],
-                        combiners: List[int]):
-    """`_windows` of each table's segments (all of one source, each of the
-    same number of bags, as a KeyedJaggedTensor's), computed together: a
-    list per table, or None."""
-    source = _cpu_source([values], [offsets], weights, True)
-    if source is None or not segments or SEQUENCE in combiners or not all(segments):
-        return None
-    nb = segments[0][2]
-    if any(segs[k] != nb for segs in segments for k in range(2, len(segs), 3)):
-        return None
-    flat = _windows(source, [b0 for segs in segments for b0 in segs[1::3]], nb)
-    if flat is None:
-        return None
-    out, k = [], 0
-    for segs in segments:
-        out.append(flat[k:k + len(segs) // 3])
-        k += len(segs) // 3
-    return out
 
 
 class _CollectionStep(torch.autograd.Function):
@@ -788,7 +768,7 @@ class _CollectionStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, how, out, values, offsets, weights, *anchors):
-        ctx.plan, ctx.segments, ctx.combiners = how
+        ctx.plan, ctx.segments = how
         ctx.save_for_backward(values, offsets, *([] if weights is None else [weights]))
         return torch.from_numpy(out)
 
@@ -797,17 +777,16 @@ class _CollectionStep(torch.autograd.Function):
         from embedcore import _embedcore
 
         values, offsets, *weights = ctx.saved_tensors
-        every = _collection_windows(values, offsets, weights, ctx.segments, ctx.combiners)
         g = grad.detach().to(torch.float32).contiguous().numpy()
         steps, entries = [], []
         for handle, table, combiner, dim, col in ctx.plan:
             entry = _entry(handle)
-            windows = every[table]
-            parts = [(*w, combiner, 0, g[:, col + k * dim:col + (k + 1) * dim])  # (views: the engine reads strided)
-                     for k, w in enumerate(windows)]
+            segs = ctx.segments[table]
+            parts = [(segs[k + 1], segs[k + 2], combiner, col + k // 3 * dim) for k in range(0, len(segs), 3)]
             steps.append((entry.table._native, parts, _fused_rate(entry)))
             entries.append(entry)
-        _embedcore.apply_gradients_many(steps)  # every table checked before any changes
+        # The windows the forward read (the saved tensors cannot have changed); every table checked before any steps.
+        _embedcore.apply_gradients_windows(*_cpu_source([values], [offsets], weights, True), steps, g)
         for entry in entries:
             _fused_stepped(entry)
-        return (None, None, None, None, None, *(torch.zeros(1) for _ in ctx.plan))
+        return (None, None, None, None, None, *(None for _ in ctx.plan))  # (the anchors' gradients: none needed)

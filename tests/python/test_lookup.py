@@ -745,35 +745,50 @@ def test_lookup_grouped_errors(rng):
     np.testing.assert_array_equal(table.to_numpy(), before)
 
 
-def test_lookups_of_several_tables_into_the_columns_of_one_output(rng):
-    """``lookup_many_into`` (a collection's forward): each table's pooled
-    lookup lands in its columns, bit for bit as its own lookup; a call of the
-    wrong shape anywhere raises before anything is written, a bad id names
-    its table."""
+def test_lookups_of_windows_of_one_source_into_the_columns_of_one_output(rng):
+    """``lookup_windows_into`` (a collection's forward on a KeyedJaggedTensor):
+    each (table, first bag, bags, combiner) window of one CSR source lands in
+    its table's columns, bit for bit as the table's own lookup of those bags;
+    a window or shape that does not fit raises before anything is written, a
+    bad id names its table and its position in the window."""
     from embedcore import _embedcore
 
     t1 = ec.Table(name="a", rows=30, dim=3, combiner="mean")
     t2 = ec.Table(name="b", rows=40, dim=5, combiner="sum")
-    offsets = np.array([0, 2, 2, 7], np.int64)
-    i1, i2 = rng.integers(0, 30, 7), rng.integers(0, 40, 7)
-    w2 = rng.random(7).astype(np.float32)
-    calls = [(t1._native, i1, offsets, None, 1, 0), (t2._native, i2, offsets, w2, 2, 0)]
-    out = np.full((3, 8), -7.0, np.float32)
-    _embedcore.lookup_many_into(calls, out)
-    assert np.array_equal(out[:, :3], t1.lookup(i1, offsets, combiner="mean"))
-    assert np.array_equal(out[:, 3:], t2.lookup(i2, offsets, weights=w2, combiner="sqrtn"))
+    lengths = np.array([2, 0, 5, 1, 3, 0, 4, 2, 2])  # 3 features x 3 bags
+    offsets = np.r_[0, np.cumsum(lengths)].astype(np.int64)
+    ids = rng.integers(0, 30, int(offsets[-1]))
+    w = rng.random(len(ids)).astype(np.float32)
+    windows = [(t1._native, 0, 3, 1), (t2._native, 6, 3, 2), (t1._native, 3, 3, 0)]
+    out = np.full((3, 11), -7.0, np.float32)
+    _embedcore.lookup_windows_into(ids, offsets, w, windows, out)
+    for (t, first, cols, comb) in ((t1, 0, slice(0, 3), "mean"), (t2, 6, slice(3, 8), "sqrtn"),
+                                   (t1, 3, slice(8, 11), "sum")):
+        lo, hi = offsets[first], offsets[first + 3]
+        want = t.lookup(ids[lo:hi], offsets[first:first + 4] - lo, weights=w[lo:hi], combiner=comb)
+        assert np.array_equal(out[:, cols], want)
 
     out[:] = -7.0
-    bad = [calls[0], (t2._native, np.r_[i2[:6], 40], offsets, None, 0, 0)]
-    with pytest.raises(IndexError, match="table 'b': id 40 at position 6"):
-        _embedcore.lookup_many_into(bad, out)
+    bad = ids.copy()
+    bad[offsets[6] + 1] = 40  # the second id of t2's window
+    with pytest.raises(IndexError, match="table 'b': id 40 at position 1"):
+        _embedcore.lookup_windows_into(bad, offsets, w, windows, out)
     out[:] = -7.0
-    with pytest.raises(ValueError, match="add up to 3, out has 8 columns"):
-        _embedcore.lookup_many_into(calls[:1], out)
-    with pytest.raises(ValueError, match="call 1 has 2 bags, out has 3 rows"):
-        _embedcore.lookup_many_into([calls[0], (t2._native, i2, offsets[:3].copy() * 0, None, 0, 0)], out)
-    with pytest.raises(ValueError, match="call 0 is not pooled"):
-        _embedcore.lookup_many_into([(t1._native, i1, offsets, None, 3, 0), calls[1]], out)
+    for wins, message in (
+            (windows[:1], "add up to 3, out has 11 columns"),
+            ([windows[0], (t2._native, 6, 2, 2), windows[2]], "window 1 has 2 bags, out has 3 rows"),
+            ([(t1._native, 0, 3, 3), windows[1], windows[2]], "window 0 is not pooled"),
+            ([(t1._native, 7, 3, 1), windows[1], windows[2]], r"bags \[7, 10\) are not within the source's 9 bags"),
+            ([(t1._native, -1, 3, 1), windows[1], windows[2]], r"bags \[-1, 2\)")):
+        with pytest.raises(ValueError, match=message):
+            _embedcore.lookup_windows_into(ids, offsets, w, wins, out)
+    broken = offsets.copy()
+    broken[3] = 100
+    with pytest.raises(ValueError, match=r"offsets\[0\] = 0 and offsets\[3\] = 100 do not bound ids of the 19 given"):
+        _embedcore.lookup_windows_into(ids, broken, w, windows, out)
     with pytest.raises(ValueError, match="overlaps the values of table 'a'"):
-        _embedcore.lookup_many_into(calls, t1._native.values_mut().reshape(-1)[:24].reshape(3, 8))
+        in_table = t1._native.values_mut().reshape(-1)[:33].reshape(3, 11)
+        _embedcore.lookup_windows_into(ids, offsets, w, windows, in_table)
+    with pytest.raises(ValueError, match="out"):
+        _embedcore.lookup_windows_into(ids, offsets, out.reshape(-1)[:19], windows, out)
     assert (out == -7.0).all()

@@ -462,74 +462,63 @@ def test_set_num_threads_validates(restore_threads):
 
 
 def test_steps_of_several_tables_in_one_call(rng):
-    """``apply_gradients_many`` (a collection's fused backward): each table's
-    step is its own ``apply_gradients``, bit for bit; a bad part anywhere, a
-    table given twice or a non-finite rate changes no table."""
+    """``apply_gradients_windows`` (a collection's fused backward): each
+    table's step from its windows of one CSR source and its columns of one
+    gradient is its own ``apply_gradients`` of those bags, bit for bit; a bad
+    id, window or column anywhere, a table given twice, a non-finite rate, a
+    table at the step limit, or an array inside any table of the call changes
+    no table."""
     from embedcore import _embedcore
 
     def tables():
         return [ec.Table(name=f"t{k}", rows=20, dim=3 + k, optimizer=ec.optimizers.Adam(0.1),
                          initializer=ec.initializers.Uniform(-1, 1, seed=k)) for k in range(3)]
 
-    def part(t, n, bad=False):
-        ids = rng.integers(0, t.rows, n)
-        if bad:
-            ids[-1] = t.rows
-        offsets = np.array([0, n // 2, n], np.int64)
-        return (ids, offsets, None, 0, 0, rng.standard_normal((2, t.dim)).astype(np.float32))
-
-    ours, ref_tables = tables(), tables()
-    steps = [[part(t, 6), part(t, 4)] for t in ours]
-    _embedcore.apply_gradients_many([(t._native, p, 0.1 * (k + 1)) for k, (t, p) in enumerate(zip(ours, steps))])
-    for k, (t, p) in enumerate(zip(ref_tables, steps)):
-        t._native.apply_gradients(p, 0.1 * (k + 1))
-    for a, b in zip(ours, ref_tables):
+    lengths = np.r_[rng.integers(1, 4, 8), 2]  # 4 windows of 2 bags, then one bag more
+    offsets = np.r_[0, np.cumsum(lengths)].astype(np.int64)
+    ids = rng.integers(0, 20, int(offsets[-1]))
+    weights = rng.random(len(ids)).astype(np.float32)
+    grads = rng.standard_normal((2, 20)).astype(np.float32)
+    # t0 (dim 3): bags 0-1, columns 0-2, mean; t1 (dim 4): bags 2-3 at 3-6 and bags 6-7 at 7-10 (sum, one step);
+    # t2 (dim 5): bags 4-5 at 11-15, sqrtn.
+    plan = [[(0, 2, 1, 0)], [(2, 2, 0, 3), (6, 2, 0, 7)], [(4, 2, 2, 11)]]
+    ours, refs = tables(), tables()
+    _embedcore.apply_gradients_windows(ids, offsets, weights,
+                                       [(t._native, p, 0.1 * (k + 1)) for k, (t, p) in enumerate(zip(ours, plan))],
+                                       grads)
+    for k, (t, parts) in enumerate(zip(refs, plan)):
+        native = []
+        for first, count, combiner, col in parts:
+            lo, hi = offsets[first], offsets[first + count]
+            native.append((ids[lo:hi], offsets[first:first + count + 1] - lo, weights[lo:hi], combiner, 0,
+                           np.ascontiguousarray(grads[:, col:col + t.dim])))
+        t._native.apply_gradients(native, 0.1 * (k + 1))
+    for a, b in zip(ours, refs):
         assert state_bytes(a) == state_bytes(b) and a.step == b.step == 1
 
-    # A pooled part's grads may be a table's columns of a wider gradient (read in place, strided).
-    wide = rng.standard_normal((2, 20)).astype(np.float32)
-    ids, offsets = rng.integers(0, 20, 5), np.array([0, 2, 5], np.int64)
-    _embedcore.apply_gradients_many([(ours[1]._native, [(ids, offsets, None, 0, 0, wide[:, 7:11])], 0.1)])
-    ref_tables[1]._native.apply_gradients([(ids, offsets, None, 0, 0, wide[:, 7:11].copy())], 0.1)
-    assert state_bytes(ours[1]) == state_bytes(ref_tables[1])
-    with pytest.raises(ValueError, match=r"grads must be \[2, 4\], got \[2, 5\]"):
-        _embedcore.apply_gradients_many([(ours[1]._native, [(ids, offsets, None, 0, 0, wide[:, 7:12])], 0.1)])
-    with pytest.raises(ValueError, match="each row's values must be contiguous"):
-        _embedcore.apply_gradients_many([(ours[1]._native, [(ids, offsets, None, 0, 0, wide[:, 0:8:2])], 0.1)])
-    ours[1].step = ref_tables[1].step = 1
     before = [state_bytes(t) for t in ours]
-    one_row = np.ones((1, 4), np.float32)
-    for strided in (np.broadcast_to(one_row, (2, 4)), wide[::-1, 7:11]):  # rows 0 or -20 floats apart
-        with pytest.raises(ValueError, match="grads: rows (0|-20) floats apart"):
-            _embedcore.apply_gradients_many([(ours[1]._native, [(ids, offsets, None, 0, 0, strided)], 0.1)])
-    ours[2].step = 2**62  # the last step a checkpoint records: the step limit is checked before any table changes
+    steps = [(t._native, p, 0.1) for t, p in zip(ours, plan)]
+    bad_ids = ids.copy()
+    bad_ids[offsets[8]:] = 20  # the last bag: in no window, so no error
+    _embedcore.apply_gradients_windows(bad_ids, offsets, weights, [], grads)
+    bad_ids[offsets[4]:offsets[6]] = 20  # t2's window
+    with pytest.raises(IndexError, match="table 't2'"):
+        _embedcore.apply_gradients_windows(bad_ids, offsets, weights, steps, grads)
+    for wrong, message in (
+            ([steps[0], (ours[1]._native, [(2, 2, 0, 17)], 0.1)], r"table 't1': part 0: columns \[17, 21\)"),
+            ([steps[0], (ours[1]._native, [(8, 2, 0, 3)], 0.1)], r"bags \[8, 10\) are not within the source's 9"),
+            ([steps[0], (ours[1]._native, [(2, 1, 0, 3)], 0.1)], "part 0 has 1 bags, grads has 2 rows"),
+            ([steps[0], steps[0]], "table 't0' is given twice"),
+            ([steps[0], (ours[2]._native, plan[2], float("nan"))], "table 't2': learning_rate must be finite")):
+        with pytest.raises(ValueError, match=message):
+            _embedcore.apply_gradients_windows(ids, offsets, weights, wrong, grads)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        _embedcore.apply_gradients_windows(ids, offsets, weights, steps, np.asfortranarray(grads))
+    ours[2].step = 2**62  # the last step a checkpoint records
     with pytest.raises(ValueError, match="table 't2' is at step"):
-        _embedcore.apply_gradients_many([(ours[0]._native, [part(ours[0], 4)], 0.1),
-                                         (ours[2]._native, [part(ours[2], 4)], 0.1)])
+        _embedcore.apply_gradients_windows(ids, offsets, weights, steps, grads)
     ours[2].step = 1
-    # A part reading another table of the call (which may step first) is refused, as its own table is.
-    in_t0 = ours[0]._native.values_mut().reshape(-1)[:2].view(np.int32)  # two int32 ids 0 (the values' bits)
-    in_t0[:] = 0
-    before = [state_bytes(t) for t in ours]
-    with pytest.raises(ValueError, match="ids overlaps the values of table 't0'"):
-        _embedcore.apply_gradients_many([(ours[0]._native, [part(ours[0], 4)], 0.1),
-                                         (ours[1]._native, [(in_t0, np.array([0, 2], np.int64), None, 0, 0,
-                                                             np.ones((1, 4), np.float32))], 0.1)])
-    with pytest.raises(ValueError, match="grads overlaps the values of table 't1'"):
-        _embedcore.apply_gradients_many([(ours[1]._native, [(ids, offsets, None, 0, 0, wide[:, 7:11])], 0.1),
-                                         (ours[0]._native, [(ids[:2], np.array([0, 1, 2], np.int64), None, 0, 0,
-                                                             ours[1]._native.values_mut().reshape(-1)[:6]
-                                                             .reshape(2, 3))], 0.1)])
+    in_t0 = ours[0]._native.values_mut().reshape(-1)[:40].reshape(2, 20)  # grads inside t0, which steps first
+    with pytest.raises(ValueError, match="grads overlaps the values of table 't0'"):
+        _embedcore.apply_gradients_windows(ids, offsets, weights, steps, in_t0)
     assert [state_bytes(t) for t in ours] == before
-
-    before = [state_bytes(t) for t in ours]
-    bad = [(ours[0]._native, [part(ours[0], 4)], 0.1), (ours[1]._native, [part(ours[1], 4, bad=True)], 0.1)]
-    with pytest.raises(IndexError, match="table 't1'"):
-        _embedcore.apply_gradients_many(bad)
-    twice = [(ours[0]._native, [part(ours[0], 4)], 0.1), (ours[0]._native, [part(ours[0], 4)], 0.1)]
-    with pytest.raises(ValueError, match="table 't0' is given twice"):
-        _embedcore.apply_gradients_many(twice)
-    with pytest.raises(ValueError, match="table 't2': learning_rate must be finite"):
-        _embedcore.apply_gradients_many([(ours[0]._native, [part(ours[0], 4)], 0.1),
-                                         (ours[2]._native, [part(ours[2], 4)], float("nan"))])
-    assert [state_bytes(t) for t in ours] == before and all(t.step == 1 for t in ours)

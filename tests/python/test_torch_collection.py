@@ -205,10 +205,10 @@ def test_kjt_fast_paths_match_the_general_path_bit_for_bit(rng, torchrec, monkey
     fast, general = (et.EmbeddingBagCollection(cfgs, is_weighted=weighted, optimizer=ec.optimizers.Adagrad(0.1))
                      for _ in range(2))
     general.load_state_dict(fast.state_dict())
-    real_parts, real_many, real_steps = _ops._parts, _embedcore.lookup_many_into, _embedcore.apply_gradients_many
+    real_parts, real_many, real_steps = _ops._parts, _embedcore.lookup_windows_into, _embedcore.apply_gradients_windows
     calls = []
-    monkeypatch.setattr(_embedcore, "lookup_many_into", lambda c, out: calls.append("lookup") or real_many(c, out))
-    monkeypatch.setattr(_embedcore, "apply_gradients_many", lambda s: calls.append(len(s)) or real_steps(s))
+    monkeypatch.setattr(_embedcore, "lookup_windows_into", lambda *a: calls.append("lookup") or real_many(*a))
+    monkeypatch.setattr(_embedcore, "apply_gradients_windows", lambda *a: calls.append(len(a[3])) or real_steps(*a))
     if path == "per_table":
         monkeypatch.setattr(_ops, "collection_lookup", lambda *args: None)
     for _ in range(3):
