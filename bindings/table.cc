@@ -84,8 +84,8 @@ void CheckNotTableMemory(const Table& t, const void* p, size_t bytes, const char
 // `rebased` (count + 1 values: the engine copies a batch's offsets anyway).
 Batch WindowOf(const Batch& source, int64_t first, int64_t count, std::vector<int64_t>& rebased) {
   if (first < 0 || count < 0 || first > source.num_bags - count)
-    throw InvalidArgument("bags [" + std::to_string(first) + ", " + std::to_string(first + count) +
-                          ") are not within the source's " + std::to_string(source.num_bags) + " bags");
+    throw InvalidArgument(std::to_string(count) + " bags from bag " + std::to_string(first) +
+                          " are not within the source's " + std::to_string(source.num_bags) + " bags");
   const int64_t lo = source.offsets[first], hi = source.offsets[first + count];
   if (lo < 0 || hi < lo || hi > source.nnz)
     throw InvalidArgument("offsets[" + std::to_string(first) + "] = " + std::to_string(lo) + " and offsets[" +
@@ -213,22 +213,22 @@ void ApplyGradientsWindows(const IdArray& ids, const OffsetArray& offsets, const
   if ((width > 1 && rows > 0 && grads.stride(1) != 1) || stride < width)
     throw InvalidArgument("apply_gradients_windows: grads must have contiguous rows, each after the one before");
   const size_t grads_bytes = rows > 0 ? (size_t(rows - 1) * size_t(stride) + size_t(width)) * sizeof(float) : 0;
-  std::vector<std::vector<GradientPart>> native(steps.size());
-  std::vector<std::vector<std::vector<int64_t>>> rebased(steps.size());
-  for (size_t i = 0; i < steps.size(); ++i) {
-    const auto& [t, parts, learning_rate] = steps[i];
+  for (size_t i = 0; i < steps.size(); ++i) {  // no array in any table of the call (one stepped first would change it)
+    const Table* t = std::get<0>(steps[i]);
     if (t == nullptr) throw InvalidArgument("apply_gradients_windows: a table is None");
     RequireHost(*t, "apply_gradients of NumPy arrays");
     for (size_t j = 0; j < i; ++j)
       if (std::get<0>(steps[j]) == t)
         throw InvalidArgument("apply_gradients_windows: table '" + t->spec().name + "' is given twice");
-    for (const auto& step : steps) {  // (every table of the call: one stepped first would change them)
-      const Table& other = *std::get<0>(step);
-      CheckNotTableMemory(other, ids.data(), ids.nbytes(), "ids");
-      CheckNotTableMemory(other, offsets.data(), offsets.nbytes(), "offsets");
-      if (weights) CheckNotTableMemory(other, weights->data(), weights->nbytes(), "weights");
-      CheckNotTableMemory(other, grads.data(), grads_bytes, "grads");
-    }
+    CheckNotTableMemory(*t, ids.data(), ids.nbytes(), "ids");
+    CheckNotTableMemory(*t, offsets.data(), offsets.nbytes(), "offsets");
+    if (weights) CheckNotTableMemory(*t, weights->data(), weights->nbytes(), "weights");
+    CheckNotTableMemory(*t, grads.data(), grads_bytes, "grads");
+  }
+  std::vector<std::vector<GradientPart>> native(steps.size());
+  std::vector<std::vector<std::vector<int64_t>>> rebased(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const auto& [t, parts, learning_rate] = steps[i];
     rebased[i].resize(parts.size());
     for (size_t k = 0; k < parts.size(); ++k) {
       const auto& [first, count, combiner, col] = parts[k];
