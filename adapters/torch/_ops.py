@@ -273,8 +273,8 @@ def _windows(source, starts: List[int], nb: int):
     """Windows of `nb` bags of a `_cpu_source`, from each bag of `starts`, as
     the engine takes them: ``(ids, offsets from 0, weights)`` each, the ids
     and weights views, the offsets rebased (one NumPy operation for all), or
-    None when a window is empty or outside the source (the general path names
-    what is wrong). The engine checks each window's ids and offsets."""
+    None when a window is not within the source (the general path names what
+    is wrong). The engine checks each window's ids and offsets."""
     a, off, w = source
     if off[0] != 0 or nb < 0 or not starts or min(starts) < 0 or max(starts) + nb > off.shape[0] - 1:
         return None
@@ -318,11 +318,11 @@ def _window_parts(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor
     windows = _cpu_windows(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
     if windows is None:
         return None
-    whole = len(windows) == 1 and len(segments) == 3 and segments[1] == 0
+    given = offsets[0]  # (without its end when not include_last_offset: bag `bags` starts at the end of the ids)
     parts = []
     for k, (a, off, w) in enumerate(windows):
-        nb = segments[3 * k + 2]
-        start = 0 if whole else int(offsets[0][segments[3 * k + 1]])
+        b0, nb = segments[3 * k + 1], segments[3 * k + 2]
+        start = int(given[b0]) if b0 < given.shape[0] else int(ids[0].shape[0])
         parts.append(_Part(0, torch.from_numpy(a), torch.from_numpy(off),
                            None if w is None else weights[0].detach()[start:start + a.shape[0]],
                            start, a.shape[0], None, nb))
