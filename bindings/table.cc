@@ -69,11 +69,12 @@ NumpyFloat LookupSparseSegment(const Table& t, const IdArray& ids, const OffsetA
 void CheckNotTableMemory(const Table& t, const void* p, size_t bytes, const char* what,
                          const char* doing = "the step updates") {
   const size_t n = size_t(t.rows()) * size_t(t.dim());
+  const size_t slot_n = size_t(t.rows()) * size_t(t.slot_dim());
   if (Overlaps(p, bytes, t.values(), n * DTypeSize(t.spec().dtype)))
     throw InvalidArgument(std::string(what) + " overlaps the values of table '" + t.spec().name + "' that " + doing +
                           ": pass " + (std::string(what) == "out" ? "a separate output array" : "a copy"));
   for (size_t s = 0; s < t.spec().optimizer.SlotNames().size(); ++s)
-    if (Overlaps(p, bytes, t.slot(s), n * sizeof(float)))
+    if (Overlaps(p, bytes, t.slot(s), slot_n * sizeof(float)))
       throw InvalidArgument(std::string(what) + " overlaps a slot of table '" + t.spec().name +
                             (std::string(what) == "out" ? "': pass a separate output array"
                                                         : "' that the step updates: pass a copy"));
@@ -331,7 +332,7 @@ std::vector<std::pair<std::string, DeviceView>> DeviceSlots(Table& t) {
   if (t.device() < 0) throw TypeMismatch("table '" + t.spec().name + "' is in host memory");
   std::vector<std::pair<std::string, DeviceView>> out;
   const auto names = t.spec().optimizer.SlotNames();
-  const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
+  const size_t shape[2] = {size_t(t.rows()), size_t(t.slot_dim())};
   for (size_t i = 0; i < names.size(); ++i)
     out.emplace_back(names[i], DeviceView(t.slot(i), 2, shape, nb::find(&t), nullptr, nb::dtype<float>(),
                                           nb::device::cuda::value, t.device()));
@@ -362,7 +363,7 @@ std::vector<std::pair<std::string, NumpyMut>> SlotsMut(Table& t) {
   RequireHost(t, "a host view");
   std::vector<std::pair<std::string, NumpyMut>> out;
   const auto names = t.spec().optimizer.SlotNames();
-  const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
+  const size_t shape[2] = {size_t(t.rows()), size_t(t.slot_dim())};
   for (size_t i = 0; i < names.size(); ++i)
     out.emplace_back(names[i], NumpyMut(t.slot(i), 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
   return out;
@@ -372,15 +373,16 @@ std::vector<std::pair<std::string, NumpyView>> SlotViews(Table& t) {
   RequireHost(t, "a host view");
   std::vector<std::pair<std::string, NumpyView>> out;
   const auto names = t.spec().optimizer.SlotNames();
-  const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
+  const size_t shape[2] = {size_t(t.rows()), size_t(t.slot_dim())};
   for (size_t i = 0; i < names.size(); ++i)
     out.emplace_back(names[i], NumpyView(t.slot(i), 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
   return out;
 }
 
-void CheckRows(const Table& t, size_t ndim, const int64_t* shape, const char* what) {
-  if (ndim != 2 || shape[1] != t.dim())
-    throw InvalidArgument(std::string(what) + " must have shape [n, " + std::to_string(t.dim()) + "]");
+void CheckRows(const Table& t, size_t ndim, const int64_t* shape, const char* what, int64_t cols = 0) {
+  if (cols == 0) cols = t.dim();
+  if (ndim != 2 || shape[1] != cols)
+    throw InvalidArgument(std::string(what) + " must have shape [n, " + std::to_string(cols) + "]");
 }
 
 }  // namespace
@@ -486,6 +488,7 @@ void BindTable(nb::module_& m) {
   nb::enum_<OptimizerSpec::Kind>(opt, "Kind")
       .value("SGD", OptimizerSpec::Kind::kSGD)
       .value("Adagrad", OptimizerSpec::Kind::kAdagrad)
+      .value("RowwiseAdagrad", OptimizerSpec::Kind::kRowwiseAdagrad)
       .value("Adam", OptimizerSpec::Kind::kAdam)
       .value("FTRL", OptimizerSpec::Kind::kFTRL);
   opt.def(nb::init<>())
@@ -537,6 +540,7 @@ void BindTable(nb::module_& m) {
       .def_prop_ro("dim", &Table::dim)
       .def_prop_ro("dtype", [](const Table& t) { return std::string(DTypeName(t.spec().dtype)); })
       .def_prop_ro("slot_names", [](const Table& t) { return t.spec().optimizer.SlotNames(); })
+      .def_prop_ro("slot_dim", &Table::slot_dim, "Columns of each slot: 1 for row-wise Adagrad, dim otherwise.")
       .def_prop_rw("step", &Table::step, &Table::set_step)
       .def_prop_ro("device", &Table::device)
       .def("lookup_cuda", &LookupCuda, "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(),
@@ -591,7 +595,7 @@ void BindTable(nb::module_& m) {
           "assign_slot",
           [](Table& t, size_t slot, int64_t start_row,
              const nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>& v) {
-            CheckRows(t, v.ndim(), v.shape_ptr(), "slot values");
+            CheckRows(t, v.ndim(), v.shape_ptr(), "slot values", t.slot_dim());
             ReleaseGil release;
             t.AssignSlot(slot, start_row, int64_t(v.shape(0)), v.data());
           },

@@ -141,11 +141,13 @@ struct DTypeKernels {
   StoreFn store;
   UpdateFn<ops::SgdRule> sgd;
   UpdateFn<ops::AdagradRule> adagrad;
+  UpdateFn<ops::RowwiseAdagradRule> rowwise_adagrad;
   UpdateFn<ops::AdamRule> adam;
   UpdateFn<ops::FtrlRule> ftrl;
   InOrderFn sgd_in_order[2];  ///< float32 only (null for the 16-bit types)
   UpdateFn<ops::SgdRule> Update(const ops::SgdRule&) const { return sgd; }
   UpdateFn<ops::AdagradRule> Update(const ops::AdagradRule&) const { return adagrad; }
+  UpdateFn<ops::RowwiseAdagradRule> Update(const ops::RowwiseAdagradRule&) const { return rowwise_adagrad; }
   UpdateFn<ops::AdamRule> Update(const ops::AdamRule&) const { return adam; }
   UpdateFn<ops::FtrlRule> Update(const ops::FtrlRule&) const { return ftrl; }
 };

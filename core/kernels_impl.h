@@ -273,6 +273,7 @@ void UpdateGroups(const Rule& rule, const UpdateArgs& a, int64_t g0, int64_t g1)
   T* table = static_cast<T*>(a.values);
   const int64_t dim = a.dim;
   const int64_t row_bytes = dim * int64_t(sizeof(T));
+  const int64_t slot_dim = Rule::kRowwise ? 1 : dim;  // a row-wise rule keeps one slot value per row
   const Occurrence* occ = a.occurrences;
   const int64_t* start = a.group_start;
   std::vector<float> buffer(size_t(2 * dim));
@@ -283,7 +284,7 @@ void UpdateGroups(const Rule& rule, const UpdateArgs& a, int64_t g0, int64_t g1)
       const Occurrence& ahead = occ[start[g + kUpdatePrefetchDistance]];
       const int64_t r = int64_t(ahead.key);
       PrefetchLines<1>(table + r * dim, row_bytes);
-      for (int s = 0; s < Rule::kSlots; ++s) PrefetchLines<1>(a.slots[s] + r * dim, dim * 4);
+      for (int s = 0; s < Rule::kSlots; ++s) PrefetchLines<1>(a.slots[s] + r * slot_dim, slot_dim * 4);
       PrefetchRow(ahead.grad, dim * 4);
     }
     const int64_t i0 = start[g], i1 = start[g + 1];
@@ -296,8 +297,8 @@ void UpdateGroups(const Rule& rule, const UpdateArgs& a, int64_t g0, int64_t g1)
       R::Load(stored, wide, dim);
       w = wide;
     }
-    float* s0 = Rule::kSlots > 0 ? a.slots[0] + r * dim : nullptr;
-    float* s1 = Rule::kSlots > 1 ? a.slots[1] + r * dim : nullptr;
+    float* s0 = Rule::kSlots > 0 ? a.slots[0] + r * slot_dim : nullptr;
+    float* s1 = Rule::kSlots > 1 ? a.slots[1] + r * slot_dim : nullptr;
     if (i1 - i0 == 1) {
       ops::UpdateRowScaled(rule, a.constants, w, occ[i0].coefficient, occ[i0].grad, s0, s1, dim);
     } else {
@@ -398,6 +399,7 @@ DTypeKernels MakeDTypeKernels() {
   k.store = &StoreRow<R, T>;
   k.sgd = &UpdateGroups<R, T, ops::SgdRule>;
   k.adagrad = &UpdateGroups<R, T, ops::AdagradRule>;
+  k.rowwise_adagrad = &UpdateGroups<R, T, ops::RowwiseAdagradRule>;
   k.adam = &UpdateGroups<R, T, ops::AdamRule>;
   k.ftrl = &UpdateGroups<R, T, ops::FtrlRule>;
   if constexpr (std::is_same_v<T, float>) {

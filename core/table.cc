@@ -65,6 +65,8 @@ std::vector<std::string> OptimizerSpec::SlotNames() const {
       return {};
     case Kind::kAdagrad:
       return {"accumulators"};
+    case Kind::kRowwiseAdagrad:
+      return {"row_accumulators"};
     case Kind::kAdam:
       return {"momenta", "velocities"};
     case Kind::kFTRL:
@@ -79,7 +81,7 @@ void OptimizerSpec::Validate() const {
   };
   if (kind == Kind::kFTRL && !(initial_accumulator_value > 0.0f))
     fail("initial_accumulator_value", initial_accumulator_value, "must be > 0");
-  if (kind == Kind::kAdagrad) {
+  if (kind == Kind::kAdagrad || kind == Kind::kRowwiseAdagrad) {
     if (!(adagrad_epsilon >= 0.0f) || !std::isfinite(adagrad_epsilon))
       fail("epsilon", adagrad_epsilon, "must be finite and >= 0");
     if (!(initial_accumulator_value > 0.0f) && !(initial_accumulator_value == 0.0f && adagrad_epsilon > 0.0f))
@@ -209,7 +211,8 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
   if (spec_.dim < 1) throw InvalidArgument("table '" + spec_.name + "': dim must be >= 1, got " + std::to_string(spec_.dim));
   spec_.optimizer.Validate();
   const size_t bytes = internal::CheckedBytes(spec_.rows, spec_.dim, DTypeSize(spec_.dtype), "table '" + spec_.name + "'");
-  const size_t slot_bytes = internal::CheckedBytes(spec_.rows, spec_.dim, sizeof(float), "table '" + spec_.name + "' slots");
+  const int64_t slot_dim = spec_.optimizer.SlotDim(spec_.dim);
+  const size_t slot_bytes = internal::CheckedBytes(spec_.rows, slot_dim, sizeof(float), "table '" + spec_.name + "' slots");
   if (spec_.full_dim == 0) {
     spec_.full_dim = spec_.dim;
     spec_.shard_row_start = spec_.shard_col_start = 0;
@@ -218,6 +221,11 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
     throw InvalidArgument("table '" + spec_.name + "': shard placement (row " + std::to_string(spec_.shard_row_start) +
                           ", column " + std::to_string(spec_.shard_col_start) + ", full dim " +
                           std::to_string(spec_.full_dim) + ") does not fit its dim " + std::to_string(spec_.dim));
+  if (spec_.optimizer.kind == OptimizerSpec::Kind::kRowwiseAdagrad && spec_.dim != spec_.full_dim)
+    throw InvalidArgument("table '" + spec_.name + "': row-wise Adagrad keeps one accumulator per whole row, so its "
+                          "table cannot be a column shard (columns [" + std::to_string(spec_.shard_col_start) + ", " +
+                          std::to_string(spec_.shard_col_start + spec_.dim) + ") of " + std::to_string(spec_.full_dim) +
+                          "); shard it by rows or whole tables");
   CheckDevice(spec_);
   const int dev = spec_.device;
   const auto names = spec_.optimizer.SlotNames();
@@ -238,22 +246,22 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
     }
     for (size_t i = 0; i < names.size(); ++i) {
       slots_.emplace_back(static_cast<float*>(cuda_impl::Allocate(slot_bytes, dev)), FloatDeleter{slot_bytes, dev});
-      if (names[i] == "accumulators")
-        cuda_impl::Fill(slots_.back().get(), spec_.rows * spec_.dim, spec_.optimizer.initial_accumulator_value, dev);
+      if (names[i] == "accumulators" || names[i] == "row_accumulators")
+        cuda_impl::Fill(slots_.back().get(), spec_.rows * slot_dim, spec_.optimizer.initial_accumulator_value, dev);
     }
     return;
   }
   // Allocation failures name the table and the array.
-  auto allocate = [&](size_t n, bool lazy, const std::string& what) {
+  auto allocate = [&](size_t n, bool lazy, const std::string& what, int64_t cols) {
     try {
       return internal::AllocateZeroed(n, lazy);
     } catch (const std::bad_alloc& e) {
       throw OutOfMemory("table '" + spec_.name + "': " + what + " (" + std::to_string(spec_.rows) + " x " +
-                        std::to_string(spec_.dim) + "): " + e.what());
+                        std::to_string(cols) + "): " + e.what());
     }
   };
   values_ = BufferPtr(allocate(bytes, internal::LeavesZero(spec_.initializer),
-                               std::string("its ") + DTypeName(spec_.dtype) + " values"),
+                               std::string("its ") + DTypeName(spec_.dtype) + " values", spec_.dim),
                       BufferDeleter{bytes, -1});
   internal::Initialize(spec_.initializer, spec_.dtype, spec_.rows, spec_.dim, spec_.shard_row_start,
                        spec_.shard_col_start, spec_.full_dim, values_.get());
@@ -261,12 +269,13 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
   for (size_t i = 0; i < names.size(); ++i) {
     // Adagrad and FTRL start their accumulators at initial_accumulator_value: filled now unless it is +0.
     const float v0 = spec_.optimizer.initial_accumulator_value;
-    const bool filled = names[i] == "accumulators" && (v0 != 0.0f || std::signbit(v0));
-    slots_.emplace_back(static_cast<float*>(allocate(slot_bytes, !filled, "its slot '" + names[i] + "'")),
+    const bool filled =
+        (names[i] == "accumulators" || names[i] == "row_accumulators") && (v0 != 0.0f || std::signbit(v0));
+    slots_.emplace_back(static_cast<float*>(allocate(slot_bytes, !filled, "its slot '" + names[i] + "'", slot_dim)),
                         FloatDeleter{slot_bytes, -1});
     if (filled) {
       float* s = slots_.back().get();
-      const int64_t n = spec_.rows * spec_.dim;
+      const int64_t n = spec_.rows * slot_dim;
       ParallelFor(n, 1 << 16, [&](int64_t a, int64_t b) { std::fill(s + a, s + b, v0); });
     }
   }
@@ -371,11 +380,12 @@ void Table::AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src)
   if (i >= slots_.size()) throw OutOfRange("table '" + spec_.name + "' has no slot " + std::to_string(i));
   CheckRowRange(spec_, start_row, n, "assigned slot");
   std::unique_lock<std::shared_mutex> lock(mutex_);
-  float* dst = slots_[i].get() + start_row * spec_.dim;
+  const int64_t cols = slot_dim();
+  float* dst = slots_[i].get() + start_row * cols;
   if (spec_.device >= 0)
-    cuda_impl::CopyToDevice(dst, src, size_t(n) * spec_.dim * sizeof(float), spec_.device);
+    cuda_impl::CopyToDevice(dst, src, size_t(n) * cols * sizeof(float), spec_.device);
   else
-    std::memcpy(dst, src, size_t(n) * spec_.dim * sizeof(float));
+    std::memcpy(dst, src, size_t(n) * cols * sizeof(float));
 }
 
 void Table::ReadValues(int64_t start_row, int64_t n, float* dst) const {
@@ -773,6 +783,10 @@ void Table::ApplyGradients(const std::vector<GradientPart>& given, float learnin
       break;
     case OptimizerSpec::Kind::kAdagrad:
       UpdateGroups(ops::AdagradRule{learning_rate, o.adagrad_epsilon}, kc, spec_, values, slots, keys, group_start, k);
+      break;
+    case OptimizerSpec::Kind::kRowwiseAdagrad:
+      UpdateGroups(ops::RowwiseAdagradRule{learning_rate, o.adagrad_epsilon}, kc, spec_, values, slots, keys,
+                   group_start, k);
       break;
     case OptimizerSpec::Kind::kAdam: {
       const ops::AdamRule rule = internal::AdamRuleFor(o, learning_rate, step_);

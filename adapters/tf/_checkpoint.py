@@ -36,7 +36,8 @@ __all__ = ["TFCheckpoint", "load_tf_checkpoint", "convert_tf_checkpoint", "Engin
 
 ATTR = "/.ATTRIBUTES/VARIABLE_VALUE"
 LAYOUTS = "_sparse_core_table_layouts"
-SLOT_NAMES = ("accumulators", "momenta", "velocities", "linears")
+# TensorFlow's slot names, and embedcore's row-wise Adagrad's (a [rows, 1] variable).
+SLOT_NAMES = ("accumulators", "momenta", "velocities", "linears", "row_accumulators")
 _BLOCK_BYTES = 32 << 20
 
 _Trackable = tf.__internal__.tracking.Trackable
@@ -276,12 +277,14 @@ class TFCheckpoint:
             n = min(step, shape[0] - r)
             dest[r:r + n] = self._read(key, (r, n))
 
-    def check(self, prefix: str, name: str, slots: Sequence[str]) -> None:
+    def check(self, prefix: str, name: str, slots: Sequence[str], slot_cols: Optional[int] = None) -> None:
         """Raises unless table `name` and its `slots` can be read as
-        ``[rows, dim]`` float32 arrays (reads no values)."""
+        ``[rows, dim]`` float32 arrays (``[rows, slot_cols]`` for the slots
+        when given: row-wise Adagrad's one column); reads no values."""
         layouts = self.layouts(prefix)
-        rows_dim = self.shape(prefix, name)
+        table_shape = self.shape(prefix, name)
         for slot in [None, *slots]:
+            rows_dim = table_shape if slot is None or slot_cols is None else (table_shape[0], slot_cols)
             if name in layouts:
                 s = layouts[name]
                 key = _join(prefix, s.stacked if slot is None else f"{s.stacked}/{slot}") + ATTR
@@ -372,7 +375,7 @@ def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optio
             raise ValueError(f"{ckpt.path}: table '{t.name}' is {list(shape)} in the checkpoint, but "
                              f"{[t.rows, t.dim]} here")
         slots = [s for s in ckpt.slots(prefix, t.name) if s in t.slot_names] if include_optimizer else []
-        ckpt.check(prefix, t.name, slots)
+        ckpt.check(prefix, t.name, slots, t._native.slot_dim)
         plan.append((t, slots))
     for t, slots in plan:
         ckpt.read_into(prefix, t.name, None, _values_view(t))
@@ -408,6 +411,7 @@ _SLOTS_TO_OPTIMIZER = {
     ("accumulators",): ec.optimizers.Adagrad,
     ("momenta", "velocities"): ec.optimizers.Adam,
     ("accumulators", "linears"): ec.optimizers.FTRL,
+    ("row_accumulators",): ec.optimizers.RowWiseAdagrad,
 }
 
 
@@ -421,8 +425,8 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
         embedcore's); gives table names, combiners and optimizers. Without
         it, every table under `prefix` is converted, and each table's
         optimizer kind is read from its slots (accumulators: Adagrad;
-        momenta + velocities: Adam; accumulators + linears: FTRL; none:
-        SGD) with default hyper-parameters unless `optimizer` is given.
+        momenta + velocities: Adam; accumulators + linears: FTRL;
+        row_accumulators: RowWiseAdagrad; none: SGD) with default hyper-parameters unless `optimizer` is given.
     tables: only these table names.
     combiner: without `feature_config`, the combiner written for every
         table ("sum", "mean" or "sqrtn"; default "mean", the default of

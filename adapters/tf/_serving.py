@@ -46,8 +46,13 @@ class TableHandle:
         return self.table.name if self.slot is None else f"{self.table.name}/{self.slot}"
 
     @property
+    def _shape(self) -> list:
+        """[rows, dim]; a row-wise slot's [rows, 1]."""
+        return [self.table.rows, self.table.dim if self.slot is None else self.table._native.slot_dim]
+
+    @property
     def shape(self) -> tf.TensorShape:
-        return tf.TensorShape([self.table.rows, self.table.dim])
+        return tf.TensorShape(self._shape)
 
     @property
     def dtype(self) -> tf.DType:
@@ -72,7 +77,7 @@ class TableHandle:
             return tf.constant(np.asarray(self.numpy(), np.float32))
         out = tf.numpy_function(lambda: np.array(self.numpy(), np.float32), [], tf.float32, stateful=True,
                                 name=f"read_{self.table.name}")
-        out.set_shape([self.table.rows, self.table.dim])
+        out.set_shape(self._shape)
         return out
 
     def _export_variable(self) -> tf.Variable:
@@ -92,9 +97,9 @@ class TableHandle:
 
     def assign(self, value) -> "TableHandle":
         v = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
-        if tuple(v.shape) != (self.table.rows, self.table.dim):
+        if list(v.shape) != self._shape:
             raise ValueError(f"cannot assign a value of shape {list(v.shape)} to '{self.name}' of shape "
-                             f"{[self.table.rows, self.table.dim]}")
+                             f"{self._shape}")
         if self.slot is None:
             self.table.assign(v)
             if self._owner is not None:
@@ -104,7 +109,7 @@ class TableHandle:
         return self
 
     def __repr__(self) -> str:
-        return f"<embedcore table '{self.name}' shape={[self.table.rows, self.table.dim]} dtype=float32>"
+        return f"<embedcore table '{self.name}' shape={self._shape} dtype=float32>"
 
 
 # As for a tf.Variable: the handle converts to a tensor of its values (a copy; tf.convert_to_tensor, ops taking

@@ -220,7 +220,7 @@ class _TableModule(_AdapterModule):
                 raise ValueError(f"{type(self).__name__}: {what} must be a positive int, got {v!r}")
         if optimizer is not None and not isinstance(optimizer, ec.optimizers.Optimizer):
             raise TypeError(f"{type(self).__name__}: optimizer must be an embedcore.optimizers optimizer (SGD, "
-                            f"Adagrad, Adam, FTRL) for fused training, or None, got {optimizer!r}")
+                            f"Adagrad, RowWiseAdagrad, Adam, FTRL) for fused training, or None, got {optimizer!r}")
         self.num_embeddings = int(num_embeddings)
         self.embedding_dim = int(embedding_dim)
         if padding_idx is not None:

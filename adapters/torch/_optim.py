@@ -27,11 +27,13 @@ class FusedOptimizer(torch.optim.Optimizer):
     callable rules instead, and ``"lr"`` then shows its next value.
 
     ``state_dict()``: ``{"state": {"<module path>.weight": {"step": int64
-    tensor, "<slot>": [rows, dim] float32 view of the engine's slot}},
+    tensor, "<slot>": [rows, dim] float32 view of the engine's slot ([rows,
+    1] for row-wise Adagrad)}},
     "param_groups": [{"params": [key], "lr": ..., "table": name, "optimizer":
     class name}]}``. ``load_state_dict`` copies slots into the engine and
     accepts PyTorch's slot names (``sum``, ``exp_avg``, ``exp_avg_sq``) and
-    TorchRec's (``momentum1``, ``momentum2``, also prefixed by the table name).
+    TorchRec's (``momentum1``, ``momentum2``, also prefixed by the table name;
+    row-wise Adagrad's ``[rows]`` ``momentum1`` too).
     """
 
     def __init__(self, module: nn.Module):
@@ -90,6 +92,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     continue
                 slot = self._slot_name(m, name)
                 value = torch.as_tensor(value)
+                if value.dim() == 1 and tuple(m._slots[slot].shape) == (value.numel(), 1):
+                    value = value.unsqueeze(1)  # TorchRec's row-wise momentum1 is [rows]
                 if tuple(value.shape) != tuple(m._slots[slot].shape):
                     raise ValueError(f"{key}: slot {name!r} must have shape {tuple(m._slots[slot].shape)}, "
                                      f"got {tuple(value.shape)}")

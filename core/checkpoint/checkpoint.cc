@@ -814,22 +814,24 @@ TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const s
   e.initializer = spec.initializer;
   e.sharding_json = "{}";
   e.config_json = "{}";
-  auto write = [&](const std::string& array, const void* src, DType src_dtype, DType dst_dtype) {
+  auto write = [&](const std::string& array, const void* src, DType src_dtype, DType dst_dtype, int64_t cols,
+                   int64_t first_col) {
     FileEntry f = WriteDataFile(path, prefix + array + tag, "table '" + spec.name + "' " + array, src, src_dtype,
-                                dst_dtype, 0, spec.rows, spec.dim, spec.device);
+                                dst_dtype, 0, spec.rows, cols, spec.device);
     f.row_start = row_start;
-    f.col_start = col_start;
+    f.col_start = first_col;
     SyncFile(JoinPath(path, f.path));  // its writeback started as it was written: this is short
     return f;
   };
-  e.values.push_back(write("values", shard.values(), spec.dtype, stored));
+  e.values.push_back(write("values", shard.values(), spec.dtype, stored, spec.dim, col_start));
   if (options.include_optimizer) {
     e.has_optimizer = true;
     e.optimizer = spec.optimizer;
     e.step = shard.step();
     e.slot_names = spec.optimizer.SlotNames();
     for (size_t s = 0; s < e.slot_names.size(); ++s)
-      e.slots.push_back({write(e.slot_names[s], shard.slot(s), DType::kFloat32, DType::kFloat32)});
+      e.slots.push_back({write(e.slot_names[s], shard.slot(s), DType::kFloat32, DType::kFloat32, shard.slot_dim(),
+                               shard.slot_dim() == spec.dim ? col_start : 0)});
   }
   return e;
 }
@@ -958,6 +960,14 @@ std::string SlotList(const std::vector<std::string>& names) {
   return s + "]";
 }
 
+// Row-wise slots hold one value per whole row: a block of some columns has none of its own.
+void CheckRowwiseBlock(const std::string& where, const TableEntry& entry, const TableSpec& spec, int64_t col_start) {
+  if (entry.optimizer.SlotDim(entry.dim) == entry.dim || (col_start == 0 && spec.dim == entry.dim)) return;
+  throw CheckpointError(where + " has row-wise slots (one value per row of all " + std::to_string(entry.dim) +
+                        " columns); columns [" + std::to_string(col_start) + ", " + std::to_string(col_start + spec.dim) +
+                        ") cannot take them: load with include_optimizer=False to take the values only");
+}
+
 std::string SlotMismatch(const std::string& where, const TableEntry& entry, const TableSpec& spec) {
   return where + " was saved with optimizer slots " + SlotList(entry.slot_names) +
          ", the target table's optimizer has slots " + SlotList(spec.optimizer.SlotNames()) +
@@ -988,12 +998,15 @@ void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const
   if (load_optimizer && entry.has_optimizer && entry.slot_names != spec.optimizer.SlotNames())
     throw CheckpointError(SlotMismatch(where, entry, spec));
   const bool slots = load_optimizer && entry.has_optimizer;
+  if (slots) CheckRowwiseBlock(where, entry, spec, col_start);
   // Only the blocks of the rows this block reads.
   // `to`: the dtype the file's values become; a narrower one is checked for
-  // values that would become infinite.
-  auto verify_file = [&](const FileEntry& f, DType to) {
+  // values that would become infinite. A row-wise slot's files are one column wide.
+  auto verify_file = [&](const FileEntry& f, DType to, bool rowwise_slot) {
     int64_t r0, r1, c0, c1;
-    if (!Overlap(f, row_start, spec.rows, col_start, spec.dim, &r0, &r1, &c0, &c1)) return;
+    if (!Overlap(f, row_start, spec.rows, rowwise_slot ? 0 : col_start, rowwise_slot ? 1 : spec.dim, &r0, &r1, &c0,
+                 &c1))
+      return;
     const uint64_t row_bytes = uint64_t(f.cols) * DTypeSize(f.dtype);
     const bool narrows = f.dtype != to && (DTypeSize(to) < DTypeSize(f.dtype) || to == DType::kFloat16);
     ValueCheck check;
@@ -1005,10 +1018,11 @@ void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const
     VerifyDataRange(info.path, f, uint64_t(r0 - f.row_start) * row_bytes, uint64_t(r1 - f.row_start) * row_bytes,
                     narrows ? &check : nullptr);
   };
-  for (const FileEntry& f : entry.values) verify_file(f, spec.dtype);
+  for (const FileEntry& f : entry.values) verify_file(f, spec.dtype, false);
+  const bool rowwise = spec.optimizer.SlotDim(spec.dim) != spec.dim || entry.optimizer.SlotDim(entry.dim) != entry.dim;
   if (slots)
     for (const auto& files : entry.slots)
-      for (const FileEntry& f : files) verify_file(f, DType::kFloat32);
+      for (const FileEntry& f : files) verify_file(f, DType::kFloat32, rowwise);
 }
 
 void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,
@@ -1024,28 +1038,31 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
   const bool slots = load_optimizer && entry.has_optimizer;
   if (slots && entry.slot_names != spec.optimizer.SlotNames())
     throw CheckpointError(SlotMismatch(info.path + ": table '" + entry.name + "'", entry, spec));
+  if (slots) CheckRowwiseBlock(info.path + ": table '" + entry.name + "'", entry, spec, col_start);
   std::unique_lock<std::shared_mutex> lock(table.mutex());
-  // Reads the block of `files` into `dst` ([rows, dim] of `dtype`); a device
-  // table's block goes through a bounded host buffer.
-  auto read = [&](const std::vector<FileEntry>& files, void* dst, DType dtype) {
+  // Reads the block of `files` into `dst` ([rows, cols] of `dtype`, from column
+  // first_col); a device table's block goes through a bounded host buffer.
+  auto read = [&](const std::vector<FileEntry>& files, void* dst, DType dtype, int64_t first_col, int64_t cols) {
     if (spec.device < 0) {
-      for (const FileEntry& f : files) ReadDataBlock(info.path, f, dst, dtype, row_start, spec.rows, col_start, spec.dim);
+      for (const FileEntry& f : files) ReadDataBlock(info.path, f, dst, dtype, row_start, spec.rows, first_col, cols);
       return;
     }
-    const size_t row_bytes = size_t(spec.dim) * DTypeSize(dtype);
+    const size_t row_bytes = size_t(cols) * DTypeSize(dtype);
     const int64_t step = std::max<int64_t>(1, int64_t(kChunkBytes / row_bytes));
     std::vector<char> staging(size_t(std::min(step, spec.rows)) * row_bytes);
     for (int64_t r0 = 0; r0 < spec.rows; r0 += step) {
       const int64_t n = std::min(step, spec.rows - r0);
       for (const FileEntry& f : files)
-        ReadDataBlock(info.path, f, staging.data(), dtype, row_start + r0, n, col_start, spec.dim);
+        ReadDataBlock(info.path, f, staging.data(), dtype, row_start + r0, n, first_col, cols);
       cuda_impl::CopyToDevice(static_cast<char*>(dst) + size_t(r0) * row_bytes, staging.data(), size_t(n) * row_bytes,
                               spec.device);
     }
   };
-  read(entry.values, table.values(), spec.dtype);
+  read(entry.values, table.values(), spec.dtype, col_start, spec.dim);
   if (slots) {
-    for (size_t s = 0; s < entry.slots.size(); ++s) read(entry.slots[s], table.slot(s), DType::kFloat32);
+    const int64_t slot_dim = table.slot_dim();
+    for (size_t s = 0; s < entry.slots.size(); ++s)
+      read(entry.slots[s], table.slot(s), DType::kFloat32, slot_dim == spec.dim ? col_start : 0, slot_dim);
     table.set_step(entry.step);
   }
 }

@@ -27,6 +27,8 @@ const char* OptimizerKindName(OptimizerSpec::Kind k) {
       return "sgd";
     case OptimizerSpec::Kind::kAdagrad:
       return "adagrad";
+    case OptimizerSpec::Kind::kRowwiseAdagrad:
+      return "rowwise_adagrad";  // since format 1.3
     case OptimizerSpec::Kind::kAdam:
       return "adam";
     case OptimizerSpec::Kind::kFTRL:
@@ -228,6 +230,7 @@ OptimizerSpec ParseOptimizer(const Reader& r, const Json& j, const std::string& 
   const std::string kind = r.String(j, "kind", where);
   if (kind == "sgd") o.kind = OptimizerSpec::Kind::kSGD;
   else if (kind == "adagrad") o.kind = OptimizerSpec::Kind::kAdagrad;
+  else if (kind == "rowwise_adagrad") o.kind = OptimizerSpec::Kind::kRowwiseAdagrad;  // 1.3
   else if (kind == "adam") o.kind = OptimizerSpec::Kind::kAdam;
   else if (kind == "ftrl") o.kind = OptimizerSpec::Kind::kFTRL;
   else r.Fail(where + ".kind", "is an unknown optimizer '" + kind + "'");
@@ -458,12 +461,14 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
         if (it == slots.end()) r.Fail(where + ".slots", "lack '" + name + "'");
         if (!it->is_array() || it->size() > (1u << 20)) r.Fail(where + ".slots." + name, "must be an array");
         std::vector<FileEntry> files;
+        const int64_t slot_dim = t.optimizer.SlotDim(t.dim);  // [rows, 1] for row-wise Adagrad
         for (size_t k = 0; k < it->size(); ++k) {
-          FileEntry f = ParseFileEntry(r, (*it)[k], where + ".slots." + name + "[" + std::to_string(k) + "]", t.rows, t.dim);
+          FileEntry f = ParseFileEntry(r, (*it)[k], where + ".slots." + name + "[" + std::to_string(k) + "]", t.rows,
+                                       slot_dim);
           if (f.dtype != DType::kFloat32) r.Fail(where + ".slots." + name, "must be float32");
           files.push_back(std::move(f));
         }
-        CheckCoverage(r, files, t.rows, t.dim, where + ".slots." + name);
+        CheckCoverage(r, files, t.rows, slot_dim, where + ".slots." + name);
         t.slot_names.push_back(name);
         t.slots.push_back(std::move(files));
       }

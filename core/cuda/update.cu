@@ -3,7 +3,8 @@
 // radix-sorted stably (CUB), runs of equal ids become groups, and one block
 // per group sums its gradients in input order (a thread per column, the
 // occurrences staged a chunk at a time), then applies the optimizer rule of
-// core/ops/ (the same functors as the CPU loop). With no FMA contraction, the
+// core/ops/ (the same functors as the CPU loop; row-wise Adagrad's row sum
+// in the CPU loop's column order). With no FMA contraction, the
 // result is the CPU engine's, bit for bit.
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_run_length_encode.cuh>
@@ -71,23 +72,49 @@ __device__ float Load(const T* p) {
 // Occurrences a block stages at a time (at most the smallest block, 32 threads).
 constexpr int kStaged = 32;
 
+// Calls f(coefficient, v) for each occurrence of a group, in input order,
+// with v its gradient row's column d (none where d >= dim). The occurrences
+// are staged kStaged at a time: their coefficients and gradient-row pointers
+// go to shared memory (one load chain per thread, all in flight together),
+// then each thread loads its column of the kStaged rows at once. A group of n
+// occurrences waits on memory about n / kStaged times instead of 3 n (Zipf
+// ids put 10^5 occurrences in the hottest group, which one block sums). Every
+// thread of the block calls it: they meet at __syncthreads.
+template <typename F>
+__device__ void ForEachOccurrence(int64_t i0, int64_t i1, int64_t d, int64_t dim, const int64_t* order,
+                                  const float* coefficient, const float* const* grad_row, F&& f) {
+  __shared__ float staged_coefficient[kStaged];
+  __shared__ const float* staged_row[kStaged];
+  for (int64_t c0 = i0; c0 < i1; c0 += kStaged) {
+    const int n = int(i1 - c0 < kStaged ? i1 - c0 : kStaged);
+    __syncthreads();  // the previous chunk is consumed
+    if (int(threadIdx.x) < n) {
+      const int64_t o = order[c0 + threadIdx.x];
+      staged_coefficient[threadIdx.x] = coefficient[o];
+      staged_row[threadIdx.x] = grad_row[o];
+    }
+    __syncthreads();
+    if (d < dim) {
+      float v[kStaged];
+#pragma unroll
+      for (int j = 0; j < kStaged; ++j)
+        if (j < n) v[j] = staged_row[j][d];
+#pragma unroll
+      for (int j = 0; j < kStaged; ++j)
+        if (j < n) f(staged_coefficient[j], v[j]);
+    }
+  }
+}
+
 // One block per group: sum the group's gradients in input order, update the
-// row. The occurrences are staged kStaged at a time: their coefficients and
-// gradient-row pointers go to shared memory (one load chain per thread, all
-// in flight together), then each thread loads its column of the kStaged rows
-// at once and adds them in order. The additions are the same, in the same
-// order, as one occurrence at a time, but a group of n occurrences waits on
-// memory about n / kStaged times instead of 3 n (Zipf ids put 10^5
-// occurrences in the hottest group, which one block sums). With kInOrder
-// (plain SGD on a float32 table) each occurrence is applied to the weight as
-// it comes instead (ops::SgdInOrderElement), as the host does.
+// row. The additions are the same, in the same order, as the host's. With
+// kInOrder (plain SGD on a float32 table) each occurrence is applied to the
+// weight as it comes instead (ops::SgdInOrderElement), as the host does.
 template <typename T, typename Rule, bool kInOrder>
 __global__ void UpdateKernel(Rule rule, ops::StepConstants kc, T* values, float* s0, float* s1, int64_t dim,
                              int64_t rows, const uint64_t* group_key, const int64_t* group_start,
                              const int64_t* group_count, const int* num_groups, const int64_t* order,
                              const float* coefficient, const float* const* grad_row, uint8_t* touched) {
-  __shared__ float staged_coefficient[kStaged];
-  __shared__ const float* staged_row[kStaged];
   for (int64_t g = blockIdx.x; g < *num_groups; g += gridDim.x) {
     const uint64_t key = group_key[g];
     if (key >= uint64_t(rows)) continue;  // dropped occurrences (the same key for the whole block)
@@ -102,31 +129,12 @@ __global__ void UpdateKernel(Rule rule, ops::StepConstants kc, T* values, float*
       if constexpr (kInOrder) {
         if (d < dim) w_in_order = values[row * dim + d];
       }
-      for (int64_t c0 = i0; c0 < i1; c0 += kStaged) {
-        const int n = int(i1 - c0 < kStaged ? i1 - c0 : kStaged);
-        __syncthreads();  // the previous chunk is consumed
-        if (int(threadIdx.x) < n) {
-          const int64_t o = order[c0 + threadIdx.x];
-          staged_coefficient[threadIdx.x] = coefficient[o];
-          staged_row[threadIdx.x] = grad_row[o];
-        }
-        __syncthreads();
-        if (d < dim) {
-          float v[kStaged];
-#pragma unroll
-          for (int j = 0; j < kStaged; ++j)
-            if (j < n) v[j] = staged_row[j][d];
-          if constexpr (kInOrder) {
-#pragma unroll
-            for (int j = 0; j < kStaged; ++j)
-              if (j < n) w_in_order = ops::SgdInOrderElement(w_in_order, rule.lr, staged_coefficient[j], v[j]);
-          } else {
-#pragma unroll
-            for (int j = 0; j < kStaged; ++j)
-              if (j < n) acc += staged_coefficient[j] * v[j];
-          }
-        }
-      }
+      ForEachOccurrence(i0, i1, d, dim, order, coefficient, grad_row, [&](float c, float v) {
+        if constexpr (kInOrder)
+          w_in_order = ops::SgdInOrderElement(w_in_order, rule.lr, c, v);
+        else
+          acc += c * v;
+      });
       if constexpr (kInOrder) {
         if (d < dim) values[row * dim + d] = w_in_order;
       } else if (d < dim) {
@@ -137,6 +145,58 @@ __global__ void UpdateKernel(Rule rule, ops::StepConstants kc, T* values, float*
         values[e] = ops::FromFloat<T>(w);
       }
     }
+  }
+}
+
+// The block size of the update kernels: at least kStaged, at most kMaxUpdateThreads.
+constexpr int kMaxUpdateThreads = 128;
+
+// Row-wise Adagrad, one block per group, in two passes over the group's
+// summed (and clipped) gradient: the first adds its squares in column order
+// (thread 0, as the host loop does) and updates the row's accumulator, the
+// second steps each column with the row's multiplier. The gradient is summed
+// again in the second pass, the same additions in the same order.
+template <typename T>
+__global__ void RowwiseUpdateKernel(ops::RowwiseAdagradRule rule, ops::StepConstants kc, T* values, float* acc_slot,
+                                    int64_t dim, int64_t rows, const uint64_t* group_key, const int64_t* group_start,
+                                    const int64_t* group_count, const int* num_groups, const int64_t* order,
+                                    const float* coefficient, const float* const* grad_row) {
+  __shared__ float squares[kMaxUpdateThreads];
+  __shared__ float multiplier;
+  auto column = [&](int64_t i0, int64_t i1, int64_t d) {
+    float acc = 0.0f;
+    ForEachOccurrence(i0, i1, d, dim, order, coefficient, grad_row, [&](float c, float v) { acc += c * v; });
+    return kc.clip_gradient ? ops::ClipGradient(kc, acc) : acc;
+  };
+  for (int64_t g = blockIdx.x; g < *num_groups; g += gridDim.x) {
+    const uint64_t key = group_key[g];
+    if (key >= uint64_t(rows)) continue;  // dropped occurrences (the same key for the whole block)
+    const int64_t row = int64_t(key);
+    const int64_t i0 = group_start[g], i1 = i0 + group_count[g];
+    float sum_square = 0.0f;  // thread 0's
+    for (int64_t d0 = 0; d0 < dim; d0 += blockDim.x) {
+      const int64_t d = d0 + threadIdx.x;
+      const float gd = column(i0, i1, d);
+      squares[threadIdx.x] = d < dim ? gd * gd : 0.0f;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        const int64_t n = dim - d0 < int64_t(blockDim.x) ? dim - d0 : int64_t(blockDim.x);
+        for (int64_t j = 0; j < n; ++j) sum_square += squares[j];
+      }
+      __syncthreads();  // squares consumed
+    }
+    if (threadIdx.x == 0) multiplier = rule.Multiplier(acc_slot + row, sum_square / float(dim));
+    __syncthreads();
+    const float m = multiplier;
+    for (int64_t d0 = 0; d0 < dim; d0 += blockDim.x) {
+      const int64_t d = d0 + threadIdx.x;
+      const float gd = column(i0, i1, d);
+      if (d < dim) {
+        const int64_t e = row * dim + d;
+        values[e] = ops::FromFloat<T>(ops::RowwiseElement(rule, kc, Load(values + e), gd, m));
+      }
+    }
+    __syncthreads();  // every thread has read `multiplier` before the next group sets it
   }
 }
 
@@ -168,18 +228,26 @@ void Update(const Rule& rule, const ops::StepConstants& kc, const TableSpec& spe
   T* v = static_cast<T*>(values);
   float* s0 = Rule::kSlots > 0 ? slots[0] : nullptr;
   float* s1 = Rule::kSlots > 1 ? slots[1] : nullptr;
-  const int threads = spec.dim >= 128 ? 128 : (spec.dim >= 64 ? 64 : 32);  // >= kStaged
-  Scratch<uint8_t> touched(untouched_too ? size_t(spec.rows) : 0, s);
-  if (untouched_too) EC_CUDA(cudaMemsetAsync(touched.get(), 0, size_t(spec.rows), s));
-  if (groups.capacity > 0)
-    UpdateKernel<T, Rule, kInOrder><<<GridFor(groups.capacity, 1), threads, 0, s>>>(
-        rule, kc, v, s0, s1, spec.dim, spec.rows, groups.key, groups.start, groups.count, groups.num, order,
-        coefficient, grad_row, untouched_too ? touched.get() : nullptr);
-  EC_CUDA(cudaGetLastError());
-  if (untouched_too) {
-    UntouchedKernel<T, Rule><<<GridFor(spec.rows * spec.dim, 256), 256, 0, s>>>(rule, kc, v, s0, s1, spec.dim,
-                                                                                 spec.rows, touched.get());
+  const int threads = spec.dim >= 128 ? kMaxUpdateThreads : (spec.dim >= 64 ? 64 : 32);  // >= kStaged
+  if constexpr (Rule::kRowwise) {
+    if (groups.capacity > 0)
+      RowwiseUpdateKernel<T><<<GridFor(groups.capacity, 1), threads, 0, s>>>(
+          rule, kc, v, s0, spec.dim, spec.rows, groups.key, groups.start, groups.count, groups.num, order,
+          coefficient, grad_row);
     EC_CUDA(cudaGetLastError());
+  } else {
+    Scratch<uint8_t> touched(untouched_too ? size_t(spec.rows) : 0, s);
+    if (untouched_too) EC_CUDA(cudaMemsetAsync(touched.get(), 0, size_t(spec.rows), s));
+    if (groups.capacity > 0)
+      UpdateKernel<T, Rule, kInOrder><<<GridFor(groups.capacity, 1), threads, 0, s>>>(
+          rule, kc, v, s0, s1, spec.dim, spec.rows, groups.key, groups.start, groups.count, groups.num, order,
+          coefficient, grad_row, untouched_too ? touched.get() : nullptr);
+    EC_CUDA(cudaGetLastError());
+    if (untouched_too) {
+      UntouchedKernel<T, Rule><<<GridFor(spec.rows * spec.dim, 256), 256, 0, s>>>(rule, kc, v, s0, s1, spec.dim,
+                                                                                   spec.rows, touched.get());
+      EC_CUDA(cudaGetLastError());
+    }
   }
 }
 
@@ -282,6 +350,10 @@ void ApplyGradients(const TableSpec& spec, void* values, const std::vector<float
       break;
     case OptimizerSpec::Kind::kAdagrad:
       UpdateAnyType(ops::AdagradRule{learning_rate, o.adagrad_epsilon}, kc, spec, values, slots, groups, ord,
+                    coefficient.get(), grad_row.get(), false, s);
+      break;
+    case OptimizerSpec::Kind::kRowwiseAdagrad:
+      UpdateAnyType(ops::RowwiseAdagradRule{learning_rate, o.adagrad_epsilon}, kc, spec, values, slots, groups, ord,
                     coefficient.get(), grad_row.get(), false, s);
       break;
     case OptimizerSpec::Kind::kAdam: {

@@ -11,6 +11,9 @@
 // SGD:     w -= lr * g
 // Adagrad: a += g^2;                 w -= lr * g / (sqrt(a) + eps)             slot: accumulators
 //          (eps = 0 is TensorFlow's; PyTorch's torch.optim.Adagrad adds 1e-10)
+// Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD, TorchRec's default):
+//          a += sum_d(g_d^2) / dim (summed in column order);
+//          w -= (lr / (sqrt(a) + eps)) * g                                      slot: row_accumulators, one per row
 // Adam:    m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
 //          w -= lr_t * m / sqrt(v + eps^2)    (sum_inside_sqrt)
 //          w -= lr_t * m / (sqrt(v) + eps)    (otherwise)                      slots: momenta, velocities
@@ -57,12 +60,14 @@ EMBEDCORE_HD float SgdInOrderElement(float w, float lr, float coefficient, float
 
 struct SgdRule {
   static constexpr int kSlots = 0;
+  static constexpr bool kRowwise = false;  ///< one slot value per element
   float lr;
   EMBEDCORE_HD void operator()(float& w, float g, float*, float*) const { w = w - lr * g; }
 };
 
 struct AdagradRule {
   static constexpr int kSlots = 1;
+  static constexpr bool kRowwise = false;  ///< one slot value per element
   float lr;
   float epsilon;  ///< added outside the square root; 0 for TensorFlow's Adagrad
   EMBEDCORE_HD void operator()(float& w, float g, float* acc, float*) const {
@@ -72,8 +77,25 @@ struct AdagradRule {
   }
 };
 
+/// The rule's per-element part is w -= multiplier * g, with the row's
+/// multiplier from Multiplier(): the row's slot and the mean of its squared
+/// (clipped) gradient.
+struct RowwiseAdagradRule {
+  static constexpr int kSlots = 1;
+  static constexpr bool kRowwise = true;  ///< one slot value per row
+  float lr;
+  float epsilon;  ///< added outside the square root (FBGEMM's eps)
+  EMBEDCORE_HD float Multiplier(float* acc, float mean_square) const {
+    const float a = *acc + mean_square;
+    *acc = a;
+    return lr / (std::sqrt(a) + epsilon);
+  }
+  EMBEDCORE_HD float Step(float w, float g, float multiplier) const { return w - multiplier * g; }
+};
+
 struct AdamRule {
   static constexpr int kSlots = 2;
+  static constexpr bool kRowwise = false;  ///< one slot value per element
   float lr_t;  ///< learning rate, bias-corrected when asked
   float beta_1, beta_2, epsilon;
   bool sum_inside_sqrt;
@@ -89,6 +111,7 @@ struct AdamRule {
 
 struct FtrlRule {
   static constexpr int kSlots = 2;
+  static constexpr bool kRowwise = false;  ///< one slot value per element
   float lr;
   float lr_power;  ///< learning_rate_power, usually -0.5
   float l1, l2, beta;
@@ -139,18 +162,44 @@ EMBEDCORE_HD void UpdateElement(const Rule& rule, const StepConstants& k, float&
   if (k.clip_weight_max) w = ClipWeightMax(k, w);
 }
 
+/// A row-wise rule's step of one element, given its row's multiplier
+/// (Rule::Multiplier) and its clipped gradient: decay, step, weight clipping.
+template <typename Rule>
+EMBEDCORE_HD float RowwiseElement(const Rule& rule, const StepConstants& k, float w, float g, float multiplier) {
+  if (k.weight_decay != 0.0f) w = DecayWeight(k, w);
+  w = rule.Step(w, g, multiplier);
+  if (k.clip_weight_min) w = ClipWeightMin(k, w);
+  if (k.clip_weight_max) w = ClipWeightMax(k, w);
+  return w;
+}
+
 #if !defined(__CUDACC__)
 /// UpdateElement over one row on the host, with the gradient of element d
 /// given by `g(d)` (already clipped): decay, rule and weight clipping are
 /// each their own loop, so that each vectorizes; every element still sees
 /// the steps in UpdateElement's order.
+/// A row-wise rule reads `g` twice (it must give the same values): for the
+/// row's mean square, then for the step; its slot `s0` is the row's one value.
 template <typename Rule, typename Gradient>
 inline void UpdateRowFrom(const Rule& rule, const StepConstants& k, float* __restrict w, const Gradient& g,
                           float* __restrict s0, float* __restrict s1, int64_t dim) {
+  float multiplier = 0.0f;
+  if constexpr (Rule::kRowwise) {
+    float sum_square = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) {
+      const float gd = g(d);
+      sum_square += gd * gd;
+    }
+    multiplier = rule.Multiplier(s0, sum_square / float(dim));
+  }
   if (k.weight_decay != 0.0f)
     for (int64_t d = 0; d < dim; ++d) w[d] = DecayWeight(k, w[d]);
-  for (int64_t d = 0; d < dim; ++d)
-    rule(w[d], g(d), Rule::kSlots > 0 ? s0 + d : nullptr, Rule::kSlots > 1 ? s1 + d : nullptr);
+  if constexpr (Rule::kRowwise) {
+    for (int64_t d = 0; d < dim; ++d) w[d] = rule.Step(w[d], g(d), multiplier);
+  } else {
+    for (int64_t d = 0; d < dim; ++d)
+      rule(w[d], g(d), Rule::kSlots > 0 ? s0 + d : nullptr, Rule::kSlots > 1 ? s1 + d : nullptr);
+  }
   if (k.clip_weight_min)
     for (int64_t d = 0; d < dim; ++d) w[d] = ClipWeightMin(k, w[d]);
   if (k.clip_weight_max)

@@ -49,6 +49,12 @@ def _optimizer_json(opt: Optional[_opt.Optimizer]) -> Optional[dict]:
     return {"class": type(opt).__name__, **fields}
 
 
+def _slot_counts(t: dict) -> Tuple[int, int]:
+    """A manifest table's slots of [rows, dim] and of [rows, 1] (row-wise Adagrad's)."""
+    row_wise = t["optimizer"] is not None and t["optimizer"]["kind"] == "rowwise_adagrad"
+    return (0, len(t["slots"])) if row_wise else (len(t["slots"]), 0)
+
+
 def _table_config_json(cfg: TableConfig, table: Table) -> dict:
     return {
         "name": table.name,
@@ -374,7 +380,8 @@ class Saver:
                         values_dtype = stored.pop() if len(stored) == 1 else None
                         if values_dtype == t["dtype"]:
                             values_dtype = None
-                        row_bytes = t["dim"] * (element.get(values_dtype or t["dtype"], 4) + 4 * len(t["slots"]))
+                        slots, row_slots = _slot_counts(t)
+                        row_bytes = t["dim"] * (element.get(values_dtype or t["dtype"], 4) + 4 * slots) + 4 * row_slots
                         chunk = max(1, max_block_bytes // max(1, row_bytes))
                         prefix, pieces = f"t{len(entries):05d}.", []
                         for index, r0 in enumerate(range(0, t["rows"], chunk)):

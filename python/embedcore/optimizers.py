@@ -23,7 +23,7 @@ from typing import Callable, Union
 
 from . import _embedcore
 
-__all__ = ["Optimizer", "SGD", "Adagrad", "Adam", "FTRL"]
+__all__ = ["Optimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "FTRL"]
 
 LearningRate = Union[float, Callable[[int], float]]
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -155,6 +155,40 @@ class Adagrad(Optimizer):
     def _native(self):
         spec = super()._native()
         spec.kind = _Kind.Adagrad
+        spec.initial_accumulator_value = self.initial_accumulator_value
+        spec.adagrad_epsilon = self.epsilon
+        return spec
+
+
+class RowWiseAdagrad(Optimizer):
+    """Adagrad with one accumulator per row: ``a += mean(g^2)`` over the
+    row's columns, then ``w -= lr * g / (sqrt(a) + epsilon)``. Slot
+    ``row_accumulators`` (shape ``[rows, 1]``) starts at
+    ``initial_accumulator_value``.
+
+    This is FBGEMM's ``EXACT_ROWWISE_ADAGRAD``, TorchRec's default fused
+    optimizer, whose defaults these are (``epsilon=1e-8``, accumulators from
+    0); its slot takes ``1 / dim`` of plain Adagrad's memory. The two agree
+    without weight decay; ``weight_decay_factor`` here decays the weights
+    before the step (FBGEMM's ``DECOUPLED`` mode with
+    ``multiply_weight_decay_factor_by_learning_rate=True``), and FBGEMM's
+    ``L2`` mode, which adds ``wd * w`` to the gradient, has no equivalent. The mean of the
+    squares is summed in column order. A table trained with it cannot be
+    sharded column-wise: the accumulator belongs to the whole row.
+    """
+
+    slot_names = ("row_accumulators",)
+
+    def __init__(self, learning_rate: LearningRate = 0.01, initial_accumulator_value: float = 0.0,
+                 epsilon: float = 1e-8, **kwargs):
+        super().__init__(learning_rate, **kwargs)
+        self.epsilon = _number("RowWiseAdagrad", "epsilon", epsilon, minimum=0)
+        self.initial_accumulator_value = _number("RowWiseAdagrad", "initial_accumulator_value",
+                                                 initial_accumulator_value, minimum=0, strict=self.epsilon == 0)
+
+    def _native(self):
+        spec = super()._native()
+        spec.kind = _Kind.RowwiseAdagrad
         spec.initial_accumulator_value = self.initial_accumulator_value
         spec.adagrad_epsilon = self.epsilon
         return spec

@@ -441,7 +441,8 @@ class Table(LookupMixin):
 
     def slots(self) -> Dict[str, np.ndarray]:
         """Read-only zero-copy float32 views of the slot variables, by name
-        (DLPack tensors in GPU memory for a device table)."""
+        (DLPack tensors in GPU memory for a device table): ``[rows, dim]``,
+        or ``[rows, 1]`` for ``RowWiseAdagrad``'s ``row_accumulators``."""
         if self._device >= 0:
             return dict(self._native.device_slots())
         return dict(self._native.slots())
@@ -493,8 +494,9 @@ class Table(LookupMixin):
         if name not in names:
             raise KeyError(f"table '{self._name}' has no slot {name!r}; its slots are {list(names)}")
         v = as_float32(values, f"slot {name}")
-        if v.ndim != 2 or v.shape[1] != self.dim:
-            raise ValueError(f"table '{self._name}': slot {name} values must have shape [n, {self.dim}], got {v.shape}")
+        cols = self._native.slot_dim  # 1 for row-wise Adagrad
+        if v.ndim != 2 or v.shape[1] != cols:
+            raise ValueError(f"table '{self._name}': slot {name} values must have shape [n, {cols}], got {v.shape}")
         start_row = self._assigned_rows(start_row, len(v), "slot rows")
         _check_slot_values(self._name, name, v)
         self._native.assign_slot(names.index(name), start_row, v)
@@ -534,7 +536,7 @@ def _row_index(table: str, name: str, value) -> int:
 
 
 # Slots that optimizers take square roots of: a negative value would make NaN weights.
-NON_NEGATIVE_SLOTS = ("accumulators", "velocities")
+NON_NEGATIVE_SLOTS = ("accumulators", "row_accumulators", "velocities")
 
 
 def _check_slot_values(table: str, name: str, v: np.ndarray) -> None:

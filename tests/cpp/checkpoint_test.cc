@@ -36,7 +36,9 @@ std::vector<uint8_t> RawValues(const Table& t) {
   return std::vector<uint8_t>(p, p + t.value_bytes());
 }
 
-std::vector<float> SlotCopy(const Table& t, size_t i) { return std::vector<float>(t.slot(i), t.slot(i) + t.rows() * t.dim()); }
+std::vector<float> SlotCopy(const Table& t, size_t i) {
+  return std::vector<float>(t.slot(i), t.slot(i) + t.rows() * t.slot_dim());
+}
 
 struct TableState {
   std::vector<uint8_t> values;
@@ -91,9 +93,9 @@ EMBEDCORE_TEST(RoundTripEveryDtypeAndOptimizer) {
   std::vector<std::unique_ptr<Table>> tables;
   std::vector<TableToSave> to_save;
   const DType dtypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
-  const K kinds[] = {K::kSGD, K::kAdagrad, K::kAdam, K::kFTRL};
+  const K kinds[] = {K::kSGD, K::kAdagrad, K::kAdam, K::kFTRL, K::kRowwiseAdagrad};
   for (int d = 0; d < 3; ++d) {
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < 5; ++k) {
       TableSpec spec = Spec("t" + std::to_string(d) + std::to_string(k), 30 + d * 7 + k, 5 + k, dtypes[d], kinds[k],
                             uint64_t(10 * d + k));
       spec.optimizer.has_clipvalue = k == 2;

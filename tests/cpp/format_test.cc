@@ -41,7 +41,7 @@ EMBEDCORE_TEST(FormatConstants) {
   EMBEDCORE_EXPECT(std::memcmp(ck::kManifestMagic, "ECKPMANI", 8) == 0);
   EMBEDCORE_EXPECT(std::memcmp(ck::kDataMagic, "ECKPDATA", 8) == 0);
   EMBEDCORE_EXPECT_EQ(embedcore::kFormatMajor, 1);
-  EMBEDCORE_EXPECT_EQ(embedcore::kFormatMinor, 2);  // 1.1: optional optimizer.adagrad_epsilon; 1.2: col_start
+  EMBEDCORE_EXPECT_EQ(embedcore::kFormatMinor, 3);  // 1.1: adagrad_epsilon; 1.2: col_start; 1.3: rowwise_adagrad
   EMBEDCORE_EXPECT_EQ(ck::kHeaderBytes, 64u);
   EMBEDCORE_EXPECT_EQ(ck::kDataOffset, uint64_t(4096));
   EMBEDCORE_EXPECT_EQ(ck::kBlockBytes, 4u << 20);

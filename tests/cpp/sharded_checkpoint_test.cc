@@ -175,7 +175,7 @@ EMBEDCORE_TEST(ShardFilesOfColumnBandsAndRowBlocksReloadBitExact) {
 
     const CheckpointInfo info = ReadCheckpointInfo(path);
     EMBEDCORE_EXPECT_EQ(info.format_major, 1);
-    EMBEDCORE_EXPECT_EQ(info.format_minor, 2);
+    EMBEDCORE_EXPECT_EQ(info.format_minor, embedcore::kFormatMinor);
     EMBEDCORE_EXPECT_EQ(info.generation, gen);
     const TableEntry& e = info.tables.at(0);
     EMBEDCORE_EXPECT_EQ(e.values.size(), size_t(4));

@@ -76,7 +76,7 @@ Snapshot Take(Table& t) {
   s.values.assign(v, v + t.value_bytes());
   for (size_t i = 0; i < t.num_slots(); ++i) {
     const float* p = t.slot(i);
-    s.slots.emplace_back(p, p + t.rows() * t.dim());
+    s.slots.emplace_back(p, p + t.rows() * t.slot_dim());
   }
   s.step = t.step();
   return s;
@@ -253,7 +253,7 @@ struct State {
 
 State StateOf(Table& t) {
   State s{Values(t), {}};
-  for (size_t i = 0; i < t.num_slots(); ++i) s.slots.emplace_back(t.slot(i), t.slot(i) + t.rows() * t.dim());
+  for (size_t i = 0; i < t.num_slots(); ++i) s.slots.emplace_back(t.slot(i), t.slot(i) + t.rows() * t.slot_dim());
   return s;
 }
 
@@ -299,6 +299,23 @@ void FunctorStep(const TableSpec& spec, int64_t step_before, const std::map<int6
     case OptimizerSpec::Kind::kAdagrad:
       each(ops::AdagradRule{lr});
       break;
+    case OptimizerSpec::Kind::kRowwiseAdagrad: {
+      // The row's clipped gradient squared and summed in column order, then each element.
+      const ops::RowwiseAdagradRule rule{lr, o.adagrad_epsilon};
+      for (const auto& [row, g] : sums) {
+        std::vector<float> clipped(g);
+        if (k.clip_gradient)
+          for (float& x : clipped) x = ops::ClipGradient(k, x);
+        float sum_square = 0.0f;
+        for (float x : clipped) sum_square += x * x;
+        const float m = rule.Multiplier(&s.slots[0][size_t(row)], sum_square / float(spec.dim));
+        for (int64_t d = 0; d < spec.dim; ++d) {
+          float& w = s.w[size_t(row * spec.dim + d)];
+          w = RoundToStorage(spec.dtype, ops::RowwiseElement(rule, k, w, clipped[size_t(d)], m));
+        }
+      }
+      break;
+    }
     case OptimizerSpec::Kind::kAdam: {
       float lr_t = lr;
       if (o.bias_correction) {
@@ -339,6 +356,9 @@ void FormulaElement(const OptimizerSpec& o, double lr, int64_t t, double& w, dou
     case OptimizerSpec::Kind::kAdagrad:
       s0 += g * g;
       w -= lr * g / std::sqrt(s0);
+      break;
+    case OptimizerSpec::Kind::kRowwiseAdagrad:  // s0: the row's accumulator, already updated (CheckFormulas)
+      w -= lr / (std::sqrt(s0) + double(o.adagrad_epsilon)) * g;
       break;
     case OptimizerSpec::Kind::kAdam: {
       const double b1 = o.beta_1, b2 = o.beta_2, eps = o.epsilon;
@@ -385,22 +405,36 @@ int64_t CheckFormulas(const TableSpec& spec, int64_t step_before, const State& b
     const auto it = sums.find(row);
     const bool touched = it != sums.end();
     const bool moves = touched || (o.kind == OptimizerSpec::Kind::kAdam && !o.lazy_adam);
+    // Row-wise Adagrad: the row's accumulator gains the mean of its clipped squared gradient.
+    const bool rowwise = o.kind == OptimizerSpec::Kind::kRowwiseAdagrad;
+    double row_acc = rowwise ? before.slots[0][size_t(row)] : 0.0;
+    if (rowwise && touched) {
+      double sum_square = 0.0;
+      for (float x : it->second) {
+        const double g = o.has_clipvalue ? std::min(std::max(double(x), double(o.clip_gradient_min)),
+                                                    double(o.clip_gradient_max))
+                                         : double(x);
+        sum_square += g * g;
+      }
+      row_acc += sum_square / double(spec.dim);
+    }
     for (int64_t d = 0; d < spec.dim; ++d) {
       const size_t i = size_t(row * spec.dim + d);
+      const size_t si = rowwise ? size_t(row) : i;  // a row-wise slot holds one value per row
       double w = before.w[i];
-      double s0 = before.slots.size() > 0 ? before.slots[0][i] : 0.0;
-      double s1 = before.slots.size() > 1 ? before.slots[1][i] : 0.0;
+      double s0 = rowwise ? row_acc : before.slots.size() > 0 ? before.slots[0][si] : 0.0;
+      double s1 = before.slots.size() > 1 ? before.slots[1][si] : 0.0;
       if (moves) FormulaElement(o, lr, step_before + 1, w, touched ? it->second[size_t(d)] : 0.0, s0, s1);
       bool ok = embedcore_test::Near(after.w[i], w, rel, abs);
-      if (before.slots.size() > 0) ok = ok && embedcore_test::Near(after.slots[0][i], s0, 1e-4, slot_abs);
-      if (before.slots.size() > 1) ok = ok && embedcore_test::Near(after.slots[1][i], s1, 1e-4, slot_abs);
+      if (before.slots.size() > 0) ok = ok && embedcore_test::Near(after.slots[0][si], s0, 1e-4, slot_abs);
+      if (before.slots.size() > 1) ok = ok && embedcore_test::Near(after.slots[1][si], s1, 1e-4, slot_abs);
       if (!ok && ++bad <= 3)
         embedcore_test::Fail(__FILE__, __LINE__,
                              what + ": row " + std::to_string(row) + " col " + std::to_string(d) + ": w " +
                                  embedcore_test::Show(after.w[i]) + " vs formula " + embedcore_test::Show(w) +
-                                 "; slots " + (after.slots.size() > 0 ? embedcore_test::Show(after.slots[0][i]) : "") +
+                                 "; slots " + (after.slots.size() > 0 ? embedcore_test::Show(after.slots[0][si]) : "") +
                                  " vs " + embedcore_test::Show(s0) + ", " +
-                                 (after.slots.size() > 1 ? embedcore_test::Show(after.slots[1][i]) : "") + " vs " +
+                                 (after.slots.size() > 1 ? embedcore_test::Show(after.slots[1][si]) : "") + " vs " +
                                  embedcore_test::Show(s1));
     }
   }
@@ -872,6 +906,46 @@ EMBEDCORE_TEST(AdagradMatchesReferences) {
   }
 }
 
+EMBEDCORE_TEST(RowwiseAdagradMatchesReferences) {
+  for (DType dt : kDTypes) {
+    for (float eps : {0.0f, 1e-8f, 0.5f}) {
+      TableSpec spec = MakeSpec(40, 9, dt, OptimizerSpec::Kind::kRowwiseAdagrad);
+      spec.optimizer.initial_accumulator_value = 0.3f;
+      spec.optimizer.adagrad_epsilon = eps;
+      CheckOptimizer(spec, std::string("row-wise Adagrad ") + DTypeName(dt) + " eps " + std::to_string(eps), 15);
+    }
+  }
+  // Wide rows: the tail past the kernels' whole vectors, and a row of several column blocks.
+  CheckOptimizer(MakeSpec(20, 133, DType::kFloat32, OptimizerSpec::Kind::kRowwiseAdagrad), "row-wise dim 133", 16);
+}
+
+EMBEDCORE_TEST(RowwiseAdagradSlotIsOneColumn) {
+  TableSpec spec = MakeSpec(12, 7, DType::kFloat32, OptimizerSpec::Kind::kRowwiseAdagrad);
+  spec.optimizer.initial_accumulator_value = 0.25f;
+  Table t(spec);
+  EMBEDCORE_EXPECT_EQ(t.slot_dim(), int64_t(1));
+  EMBEDCORE_EXPECT(t.spec().optimizer.SlotNames() == std::vector<std::string>{"row_accumulators"});
+  for (int64_t r = 0; r < 12; ++r) EMBEDCORE_EXPECT_BITS_EQ(t.slot(0)[r], 0.25f);
+  const float src[2] = {1.5f, 2.5f};
+  t.AssignSlot(0, 10, 2, src);
+  EMBEDCORE_EXPECT_BITS_EQ(t.slot(0)[9], 0.25f);
+  EMBEDCORE_EXPECT_BITS_EQ(t.slot(0)[10], 1.5f);
+  EMBEDCORE_EXPECT_BITS_EQ(t.slot(0)[11], 2.5f);
+  // A column shard cannot hold a whole row's accumulator.
+  TableSpec shard = spec;
+  shard.full_dim = 14;
+  shard.shard_col_start = 7;
+  EMBEDCORE_EXPECT_THROWS(Table{shard}, InvalidArgument, "cannot be a column shard");
+  shard.shard_col_start = 0;
+  shard.full_dim = 7;
+  shard.shard_row_start = 100;  // a row shard can
+  EMBEDCORE_EXPECT_NO_THROW(Table{shard});
+  // As Adagrad: an accumulator from 0 needs epsilon > 0.
+  spec.optimizer.initial_accumulator_value = 0.0f;
+  spec.optimizer.adagrad_epsilon = 0.0f;
+  EMBEDCORE_EXPECT_THROWS(Table{spec}, InvalidArgument, "initial_accumulator_value");
+}
+
 EMBEDCORE_TEST(AdamMatchesReferences) {
   for (DType dt : kDTypes) {
     for (int variant = 0; variant < 4; ++variant) {
@@ -904,7 +978,7 @@ EMBEDCORE_TEST(CommonOptionsMatchReferences) {
   // Gradient clipping, weight decay (plain and times lr) and weight clipping
   // on every optimizer.
   using K = OptimizerSpec::Kind;
-  for (K kind : {K::kSGD, K::kAdagrad, K::kAdam, K::kFTRL}) {
+  for (K kind : {K::kSGD, K::kAdagrad, K::kRowwiseAdagrad, K::kAdam, K::kFTRL}) {
     for (bool decay_times_lr : {false, true}) {
       TableSpec spec = MakeSpec(30, 5, DType::kFloat32, kind);
       OptimizerSpec& o = spec.optimizer;

@@ -208,7 +208,7 @@ class RowGrads:
 class OptimizerRef:
     """Hyper-parameters of one optimizer, named as embedcore.optimizers names them."""
 
-    kind: str  # "sgd", "adagrad", "adam", "ftrl"
+    kind: str  # "sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"
     learning_rate: object = 0.01  # float or callable(step)
     clip_weight_min: Optional[float] = None
     clip_weight_max: Optional[float] = None
@@ -230,14 +230,14 @@ class OptimizerRef:
 
     @property
     def slot_names(self) -> tuple:
-        return {"sgd": (), "adagrad": ("accumulators",), "adam": ("momenta", "velocities"),
-                "ftrl": ("accumulators", "linears")}[self.kind]
+        return {"sgd": (), "adagrad": ("accumulators",), "rowwise_adagrad": ("row_accumulators",),
+                "adam": ("momenta", "velocities"), "ftrl": ("accumulators", "linears")}[self.kind]
 
     def initial_slots(self, rows: int, dim: int) -> Dict[str, np.ndarray]:
         out = {}
         for name in self.slot_names:
-            fill = self.f32("initial_accumulator_value") if name == "accumulators" else 0.0
-            out[name] = np.full((rows, dim), fill, dtype=np.float64)
+            fill = self.f32("initial_accumulator_value") if "accumulators" in name else 0.0
+            out[name] = np.full((rows, 1 if name == "row_accumulators" else dim), fill, dtype=np.float64)
         return out
 
     def lr_at(self, step: int) -> float:
@@ -268,6 +268,10 @@ class OptimizerRef:
             a = slots["accumulators"] + g * g
             slots["accumulators"] = a
             w = w - lr * g / np.sqrt(a)
+        elif self.kind == "rowwise_adagrad":  # FBGEMM's EXACT_ROWWISE_ADAGRAD
+            a = slots["row_accumulators"] + np.mean(g * g, axis=1, keepdims=True)
+            slots["row_accumulators"] = a
+            w = w - (lr / (np.sqrt(a) + self.f32("epsilon"))) * g
         elif self.kind == "adam":
             b1, b2, eps = self.f32("beta_1"), self.f32("beta_2"), self.f32("epsilon")
             m = b1 * slots["momenta"] + (1 - b1) * g

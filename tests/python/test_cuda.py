@@ -26,7 +26,12 @@ def _to(device, a):
 
 
 def _host(x):
-    return x if isinstance(x, np.ndarray) else x.cpu().numpy()
+    """A host copy of NumPy, a torch tensor or a DLPack array (a device table's slots)."""
+    if isinstance(x, np.ndarray):
+        return x
+    import torch
+
+    return (x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)).cpu().numpy()
 
 
 def _table(device, dtype="float32", optimizer=None, rows=97, dim=13, seed=3):
@@ -109,6 +114,7 @@ def _optimizers():
         "adam": ec.optimizers.Adam(0.01),
         "adam_nonlazy": ec.optimizers.Adam(0.01, lazy_adam=False),
         "ftrl": ec.optimizers.FTRL(0.1),
+        "rowwise_adagrad": ec.optimizers.RowWiseAdagrad(0.1, clipvalue=1.5),
     }
 
 
@@ -129,12 +135,15 @@ def test_training_equals_cpu_engine(device, opt, dtype, combiner):
         dev.apply_gradients(_to(device, ids), _to(device, offsets), _to(device, g), weights=_to(device, w),
                             combiner=combiner, max_sequence_length=length)
     np.testing.assert_array_equal(dev.to_numpy(), ref.to_numpy())
+    for name, slot in ref.slots().items():
+        np.testing.assert_array_equal(_host(dev.slots()[name]), slot, err_msg=name)
     assert dev.step == ref.step == 4
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dim", [13, 130, 300])  # under one block of threads, a little over one, several
-def test_hot_ids_train_as_the_cpu_engine(device, dim):
+@pytest.mark.parametrize("opt", ["adam", "rowwise_adagrad"])  # row-wise: a row's sum over column blocks
+def test_hot_ids_train_as_the_cpu_engine(device, dim, opt):
     """Groups of many occurrences (the GPU sums them 32 at a time, in order):
     1000, 33, 32, 31 and 1 occurrences of an id, spread over the batch."""
     rng = np.random.default_rng(5)
@@ -144,13 +153,15 @@ def test_hot_ids_train_as_the_cpu_engine(device, dim):
     offsets[-1] = ids.size
     w = rng.uniform(0.5, 2, ids.size).astype(np.float32)
     g = rng.standard_normal((offsets.size - 1, dim)).astype(np.float32)
-    ref = _table("cpu", optimizer=ec.optimizers.Adam(0.01), dim=dim)
-    dev = _table(device, optimizer=ec.optimizers.Adam(0.01), dim=dim)
+    ref = _table("cpu", optimizer=_optimizers()[opt], dim=dim)
+    dev = _table(device, optimizer=_optimizers()[opt], dim=dim)
     for _ in range(2):
         ref.apply_gradients(ids, offsets, g, weights=w, combiner="sqrtn")
         dev.apply_gradients(_to(device, ids), _to(device, offsets), _to(device, g), weights=_to(device, w),
                             combiner="sqrtn")
     np.testing.assert_array_equal(dev.to_numpy(), ref.to_numpy())
+    for name, slot in ref.slots().items():
+        np.testing.assert_array_equal(_host(dev.slots()[name]), slot, err_msg=name)
 
 
 @needs_gpu

@@ -525,6 +525,32 @@ def test_training_low_precision_tables(rng, dtype, plan):
     _train_and_compare(rng, 3, plan, _optimizers()["adagrad"], dtype=dtype)
 
 
+@pytest.mark.parametrize("plan", ["table_wise", "row_wise", "auto"])
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_rowwise_adagrad_training_equals_unsharded(rng, W, plan):
+    """Row-wise Adagrad's one accumulator per row shards with its row."""
+    _train_and_compare(rng, W, plan, lambda: opt.RowWiseAdagrad(learning_rate=0.2, clipvalue=0.8))
+
+
+def test_rowwise_adagrad_refuses_column_wise_sharding():
+    """The accumulator belongs to the whole row: no rank can hold it for a few columns."""
+    config = _training_setup("float32")
+
+    def fn(world):
+        return ec.Embedding(config, opt.RowWiseAdagrad(0.1), world=world, sharding={"A": "column_wise"})
+
+    for e in _run(2, _catching(fn)):
+        assert isinstance(e, ValueError) and "table 'A'" in str(e) and "column_wise" in str(e), repr(e)
+    with pytest.raises(ValueError, match="table 'A'.*RowWiseAdagrad"):
+        ed.make_plan([("A", 10, 4, "float32", 0, 1)], 2, "column_wise")
+    # The bytes a plan counts: one float per row of a row-wise slot.
+    plan = ed.make_plan([("A", 10, 4, "float32", 0, 1), ("B", 10, 4, "float32", 1, 0)], 2, "table_wise")
+    assert sorted(plan.bytes_per_rank) == [10 * (4 * 4 + 4), 10 * 4 * 8]
+    # A plan built by hand with bytes per element alone, as before row-wise slots.
+    same = ed.ShardingPlan(2, list(plan.tables.values()), {"A": 20, "B": 8})
+    assert sorted(same.bytes_per_rank) == [10 * 4 * 8, 10 * 4 * 20]
+
+
 # ---------------------------------------------------------------------- 3. planner
 def _plan_of(W, config, sharding, optimizer=None):
     plans = _run(W, lambda world: ec.Embedding(config, optimizer, world=world, sharding=sharding).plan)
@@ -675,7 +701,7 @@ def test_sharding_dict_naming_a_table_twice_or_not_by_name_raises_value_error(W)
         with pytest.raises(ValueError, match=needle):
             _run(W, lambda world: ec.Embedding(config, world=world, sharding=sharding))
     with pytest.raises(ValueError, match=r"\[1\]"):
-        ed.make_plan([("users", 10, 2, "float32", 0)], 2, {1: "row_wise"})
+        ed.make_plan([("users", 10, 2, "float32", 0, 0)], 2, {1: "row_wise"})
 
 
 # ---------------------------------------------------------------------- 4. errors

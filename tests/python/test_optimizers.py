@@ -11,12 +11,16 @@ from helpers import COMBINERS, assert_close, make_table, random_bags, snapshot, 
 RTOL, ATOL = 1e-5, 1e-6
 
 _CLASSES = {"sgd": ec.optimizers.SGD, "adagrad": ec.optimizers.Adagrad, "adam": ec.optimizers.Adam,
-            "ftrl": ec.optimizers.FTRL}
+            "ftrl": ec.optimizers.FTRL, "rowwise_adagrad": ec.optimizers.RowWiseAdagrad}
 
 
 def make_optimizer(kind, **kw):
-    """The engine's optimizer and the reference's, from the same arguments."""
-    return _CLASSES[kind](**kw), ref.OptimizerRef(kind, **kw)
+    """The engine's optimizer and the reference's, from the same arguments
+    (row-wise Adagrad's defaults, FBGEMM's, given to the reference)."""
+    opt = _CLASSES[kind](**kw)
+    if kind == "rowwise_adagrad":
+        kw = {"epsilon": opt.epsilon, "initial_accumulator_value": opt.initial_accumulator_value, **kw}
+    return opt, ref.OptimizerRef(kind, **kw)
 
 
 def _decay(step):
@@ -37,6 +41,13 @@ CASES = {
     "adagrad_decay_clip": ("adagrad", dict(learning_rate=_decay, weight_decay_factor=0.3,
                                            multiply_weight_decay_factor_by_learning_rate=True,
                                            clip_weight_min=-0.5, clip_weight_max=0.5)),
+    "rowwise_adagrad": ("rowwise_adagrad", dict(learning_rate=0.1)),
+    "rowwise_adagrad_initial_acc": ("rowwise_adagrad", dict(learning_rate=0.2, initial_accumulator_value=0.5,
+                                                            epsilon=0.0, clipvalue=(-0.4, 0.6))),
+    "rowwise_adagrad_decay_clip": ("rowwise_adagrad", dict(learning_rate=_decay, weight_decay_factor=0.3,
+                                                           multiply_weight_decay_factor_by_learning_rate=True,
+                                                           clip_weight_min=-0.5, clip_weight_max=0.5,
+                                                           epsilon=1e-3)),
     "adam": ("adam", dict(learning_rate=0.05)),
     "adam_non_lazy": ("adam", dict(learning_rate=0.05, lazy_adam=False)),
     "adam_sum_outside_sqrt": ("adam", dict(learning_rate=0.05, sum_inside_sqrt=False, epsilon=1e-3)),
@@ -300,7 +311,8 @@ def test_zero_clipvalue_freezes_sgd():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("case", ["sgd", "adagrad", "adam", "adam_non_lazy", "ftrl_l1_l2", "sgd_clip_weight"])
+@pytest.mark.parametrize("case", ["sgd", "adagrad", "rowwise_adagrad", "adam", "adam_non_lazy", "ftrl_l1_l2",
+                                  "sgd_clip_weight"])
 def test_low_precision_tables(rng, dtype, case):
     """Each step: the reference from the engine's current state, in float64,
     rounded to the storage dtype, must equal the engine's within one unit in
@@ -334,6 +346,7 @@ def test_low_precision_tables(rng, dtype, case):
 
 
 @pytest.mark.parametrize("kind,names", [("sgd", ()), ("adagrad", ("accumulators",)),
+                                        ("rowwise_adagrad", ("row_accumulators",)),
                                         ("adam", ("momenta", "velocities")), ("ftrl", ("accumulators", "linears"))])
 def test_slot_names_and_initial_values(kind, names):
     kw = {} if kind in ("sgd", "adam") else {"initial_accumulator_value": 0.375}
@@ -344,8 +357,9 @@ def test_slot_names_and_initial_values(kind, names):
     slots = table.slots()
     assert tuple(slots) == names
     for name, s in slots.items():
-        assert s.shape == (12, 5) and s.dtype == np.float32 and not s.flags.writeable
-        expected = 0.375 if name == "accumulators" else 0.0
+        cols = 1 if name == "row_accumulators" else 5
+        assert s.shape == (12, cols) and s.dtype == np.float32 and not s.flags.writeable
+        expected = 0.375 if "accumulators" in name else 0.0
         assert np.all(s == np.float32(expected)), name
 
 
@@ -420,7 +434,7 @@ def _workload(dtype):
     rng = np.random.default_rng(1234)
     out = []
     for kind, kw in (("adam", dict(learning_rate=0.01)), ("ftrl", dict(learning_rate=0.1, l1_regularization_strength=0.01)),
-                     ("adam", dict(learning_rate=0.01, lazy_adam=False))):
+                     ("adam", dict(learning_rate=0.01, lazy_adam=False)), ("rowwise_adagrad", dict(learning_rate=0.1))):
         opt = _CLASSES[kind](**kw)
         table = ec.Table(name="det", rows=3000, dim=24, dtype=dtype, optimizer=opt,
                          initializer=ec.initializers.TruncatedNormal(seed=7))

@@ -305,3 +305,33 @@ def test_convert_tables_named_with_slashes_and_combiner(tmp_path):
     served = ec.serving.open(tmp_path / "ec_cli")
     assert sorted(served.tables) == ["a.Sb", "clicks", "user/id"]
     assert {t.config.combiner for t in served.tables.values()} == {"sqrtn"}
+
+
+def test_rowwise_adagrad_slot_is_one_column_through_tf_checkpoints(tmp_path):
+    """A RowWiseAdagrad table's [rows, 1] accumulators: a variable of that
+    shape, saved by tf.train.Checkpoint and restored by it and by
+    load_tf_checkpoint; a [rows, dim] value is refused."""
+    cfg = {"a": E.FeatureConfig(E.TableConfig(vocabulary_size=20, dim=4, name="ta",
+                                              optimizer=ec.optimizers.RowWiseAdagrad(0.1)))}
+    ours = EmbeddingForServing(cfg, None)
+    acc = ours.variables["ta"]["row_accumulators"]
+    assert acc.shape == [20, 1] and acc.read_value().shape == [20, 1]
+    with pytest.raises(ValueError, match=r"shape \[20, 4\].*\[20, 1\]"):
+        acc.assign(np.zeros((20, 4), np.float32))
+    acc.assign(np.arange(20, dtype=np.float32).reshape(20, 1))
+    ours.variables["ta"]["parameters"].assign(np.full((20, 4), 0.5, np.float32))
+    path = tf.train.Checkpoint(embedding=ours).save(str(tmp_path / "ckpt"))
+    assert dict(tf.train.list_variables(path))["embedding/ta.Srow_accumulators/.ATTRIBUTES/VARIABLE_VALUE"] == [20, 1]
+    for restore in ("tf", "load_tf_checkpoint"):
+        back = EmbeddingForServing(cfg, None)
+        if restore == "tf":
+            tf.train.Checkpoint(embedding=back).restore(path).assert_existing_objects_matched()
+        else:
+            load_tf_checkpoint(path, back)
+        assert {k: v.tobytes() for k, v in _state(back).items()} == {k: v.tobytes() for k, v in _state(ours).items()}
+    # Converted without a feature config: the slot names the optimizer.
+    assert convert_tf_checkpoint(path, str(tmp_path / "ec"), combiner="sum") == ["ta"]
+    t = ec.Table(name="ta", rows=20, dim=4, optimizer=ec.optimizers.RowWiseAdagrad(0.1))
+    ec.load(str(tmp_path / "ec"), into=t)
+    np.testing.assert_array_equal(t.slots()["row_accumulators"][:, 0], np.arange(20, dtype=np.float32))
+    np.testing.assert_array_equal(t.to_numpy(), np.full((20, 4), 0.5, np.float32))

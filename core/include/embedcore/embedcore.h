@@ -108,13 +108,15 @@ struct InitializerSpec {
 
 /// The optimizer of a table, with TensorFlow TPU-embedding semantics.
 struct OptimizerSpec {
-  enum class Kind : uint8_t { kSGD = 0, kAdagrad = 1, kAdam = 2, kFTRL = 3 };
+  /// kRowwiseAdagrad: FBGEMM's EXACT_ROWWISE_ADAGRAD (TorchRec's default):
+  /// one accumulator per row, a += mean(g^2) over the row's columns.
+  enum class Kind : uint8_t { kSGD = 0, kAdagrad = 1, kAdam = 2, kFTRL = 3, kRowwiseAdagrad = 4 };
   Kind kind = Kind::kSGD;
-  float initial_accumulator_value = 0.1f;  ///< Adagrad, FTRL
+  float initial_accumulator_value = 0.1f;  ///< Adagrad, row-wise Adagrad, FTRL
   float beta_1 = 0.9f;                     ///< Adam
   float beta_2 = 0.999f;                   ///< Adam
   float epsilon = 1e-7f;                   ///< Adam
-  float adagrad_epsilon = 0.0f;            ///< Adagrad: added outside the sqrt (PyTorch's eps)
+  float adagrad_epsilon = 0.0f;            ///< (row-wise) Adagrad: added outside the sqrt (PyTorch's eps)
   bool lazy_adam = true;        ///< Adam: false also decays untouched rows
   bool sum_inside_sqrt = true;  ///< Adam: m/sqrt(v+eps^2) instead of m/(sqrt(v)+eps)
   bool bias_correction = false; ///< Adam: PyTorch's bias-corrected step (SparseAdam)
@@ -134,8 +136,11 @@ struct OptimizerSpec {
   bool multiply_weight_decay_factor_by_learning_rate = false;
 
   /// Names of the slot variables, TensorFlow's: accumulators, momenta,
-  /// velocities, linears.
+  /// velocities, linears; row-wise Adagrad's row_accumulators.
   std::vector<std::string> SlotNames() const;
+  /// Columns of each slot for a table of `dim` columns: 1 for row-wise
+  /// Adagrad (one float per row), `dim` for the others.
+  int64_t SlotDim(int64_t dim) const { return kind == Kind::kRowwiseAdagrad ? 1 : dim; }
   /// Throws InvalidArgument naming the field when a value is impossible.
   void Validate() const;
 };
@@ -341,17 +346,19 @@ class Table {
   void* values() { return values_.get(); }
   const void* values() const { return values_.get(); }
   size_t value_bytes() const;
-  /// Slot `i` (in OptimizerSpec::SlotNames() order), rows * dim float32.
+  /// Slot `i` (in OptimizerSpec::SlotNames() order), rows * slot_dim() float32.
   float* slot(size_t i) { return slots_.at(i).get(); }
   const float* slot(size_t i) const { return slots_.at(i).get(); }
   size_t num_slots() const { return slots_.size(); }
+  /// Columns of each slot: 1 for row-wise Adagrad, dim() otherwise.
+  int64_t slot_dim() const { return spec_.optimizer.SlotDim(spec_.dim); }
 
   /// Overwrites rows [start_row, start_row + n) from float32 `src` ([n, dim]),
   /// rounding to the storage dtype.
   void AssignValues(int64_t start_row, int64_t n, const float* src);
   /// Overwrites rows from `src` that already holds the storage dtype.
   void AssignRaw(int64_t start_row, int64_t n, const void* src);
-  /// Overwrites rows of slot `i` from float32 `src` ([n, dim]).
+  /// Overwrites rows of slot `i` from float32 `src` ([n, slot_dim()]).
   void AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src);
   /// Copies rows [start_row, start_row + n) as float32 into `dst`.
   void ReadValues(int64_t start_row, int64_t n, float* dst) const;
@@ -437,7 +444,7 @@ class NcclTransport {
 /// The checkpoint format version this library writes; it reads every older
 /// major version and refuses newer ones. See docs/format.md.
 constexpr int kFormatMajor = 1;
-constexpr int kFormatMinor = 2;
+constexpr int kFormatMinor = 3;
 
 struct SaveOptions {
   bool include_optimizer = true;  ///< slots and step; false: values only (a serving export)

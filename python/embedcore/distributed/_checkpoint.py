@@ -19,7 +19,7 @@ import zlib
 from typing import List, Optional
 
 from .. import _embedcore
-from ..checkpoint import FORMAT_VERSION, CheckpointError, _locked, _metadata, native_path, _optimizer_json, _initializer_json, resolved_path
+from ..checkpoint import FORMAT_VERSION, CheckpointError, _locked, _metadata, native_path, _optimizer_json, _initializer_json, resolved_path, _slot_counts
 from ._comm import RankFailedError, agree
 from ._plan import make_plan
 
@@ -240,7 +240,7 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
         with _locked(src):
             info = _embedcore.read_info(src)
             manifest = json.loads(info.manifest_json)
-            specs = [(t["name"], t["rows"], t["dim"], t["dtype"], len(t["slots"])) for t in manifest["tables"]]
+            specs = [(t["name"], t["rows"], t["dim"], t["dtype"], *_slot_counts(t)) for t in manifest["tables"]]
             layout = make_plan(specs, world_size, plan)  # bad arguments are refused before dst is created
             claim = _embedcore.GenerationClaim(dst)
             with _removed_on_failure(dst, claim.generation):
@@ -266,10 +266,11 @@ def _reshard_into(info, manifest: dict, layout, dst: str, generation: int, world
         values_dtype = stored.pop() if len(stored) == 1 else None
         if values_dtype == t["dtype"]:
             values_dtype = None
-        row_bytes_per_col = element[values_dtype or t["dtype"]] + 4 * len(t["slots"])
+        slots, row_slots = _slot_counts(t)
         pieces, index = [], 0
         for s in ts.shards:
-            chunk = s.rows if max_file_bytes == 0 else max(1, max_file_bytes // (s.cols * row_bytes_per_col))
+            row_bytes = s.cols * (element[values_dtype or t["dtype"]] + 4 * slots) + 4 * row_slots
+            chunk = s.rows if max_file_bytes == 0 else max(1, max_file_bytes // row_bytes)
             for r0 in range(s.row_start, s.row_start + s.rows, chunk):
                 n = min(chunk, s.row_start + s.rows - r0)
                 block = _embedcore.table_like(info, k, n, s.cols)

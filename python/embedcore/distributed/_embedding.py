@@ -129,8 +129,10 @@ class ShardedEmbedding(Embedding):
         specs = []
         for cfg in self._configs:
             eff = self._effective[cfg]
-            slots = len(eff.optimizer._native().slot_names) if eff.optimizer is not None else 0
-            specs.append((eff.name, eff.rows, eff.dim, eff.dtype, slots))
+            native = eff.optimizer._native() if eff.optimizer is not None else None
+            slots = len(native.slot_names) if native is not None else 0
+            row_slots = slots if native is not None and native.kind == native.Kind.RowwiseAdagrad else 0
+            specs.append((eff.name, eff.rows, eff.dim, eff.dtype, slots - row_slots, row_slots))
         sharding = self._sharding
         if isinstance(sharding, dict):  # TableConfig keys become names
             named = {}

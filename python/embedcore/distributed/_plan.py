@@ -5,7 +5,8 @@
   (rank r holds rows [r*rows//W, (r+1)*rows//W); a table with fewer rows
   than ranks leaves some ranks without a shard).
 - ``column_wise``: the dimension split into min(W, dim) near-equal column
-  ranges, each on a different rank (the least loaded ones).
+  ranges, each on a different rank (the least loaded ones). Not for a table
+  with row-wise slots (``RowWiseAdagrad``: one accumulator per whole row).
 - ``auto``: per table, the plan that keeps the bytes of values and slots per
   rank balanced: tables are taken largest first; one that fits within half a
   rank's fair share goes table-wise to the least loaded rank, a larger one
@@ -13,7 +14,7 @@
 """
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Sequence
+from typing import Dict, List, NamedTuple, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -49,13 +50,17 @@ class ShardingPlan:
     """The shards of every table over `world_size` ranks, and the bytes of
     values and slots each rank holds."""
 
-    def __init__(self, world_size: int, tables: Sequence[TableSharding], bytes_per_element: Dict[str, int]):
+    def __init__(self, world_size: int, tables: Sequence[TableSharding],
+                 bytes_of: Dict[str, Union[int, Tuple[int, int]]]):
+        """bytes_of: by table name, (bytes per element, bytes per row besides),
+        or the bytes per element alone."""
+        bytes_of = {k: (v, 0) if isinstance(v, (int, np.integer)) else tuple(v) for k, v in bytes_of.items()}
         self.world_size = world_size
         self.tables: Dict[str, TableSharding] = {t.name: t for t in tables}
         load = np.zeros(world_size, np.int64)
         for t in tables:
             for s in t.shards:
-                load[s.rank] += s.rows * s.cols * bytes_per_element[t.name]
+                load[s.rank] += _shard_bytes(s, bytes_of[t.name])
         self.bytes_per_rank: List[int] = [int(b) for b in load]
 
     def __getitem__(self, name: str) -> TableSharding:
@@ -85,9 +90,15 @@ def _split(n: int, parts: int) -> List[tuple]:
     return [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(parts)]
 
 
+def _shard_bytes(s: Shard, bytes_of: Tuple[int, int]) -> int:
+    per_element, per_row = bytes_of
+    return s.rows * (s.cols * per_element + per_row)
+
+
 def make_plan(tables: Sequence[tuple], world_size: int, sharding) -> ShardingPlan:
-    """tables: (name, rows, dim, dtype, num_slots) in order; sharding: a kind
-    or "auto" for every table, or a dict from table name to one."""
+    """tables: (name, rows, dim, dtype, num_slots, num_row_slots) in order
+    (slots of [rows, dim], slots of [rows, 1]); sharding: a kind or "auto"
+    for every table, or a dict from table name to one."""
     if isinstance(sharding, str) or sharding is None:
         kinds = {name: "auto" if sharding is None else sharding for name, *_ in tables}
     elif isinstance(sharding, dict):
@@ -103,9 +114,15 @@ def make_plan(tables: Sequence[tuple], world_size: int, sharding) -> ShardingPla
         if kind not in KINDS + ("auto",):
             raise ValueError(f"sharding of table '{name}' must be one of {KINDS + ('auto',)}, got {kind!r}")
 
+    tables = [tuple(t) + (0,) * (6 - len(t)) for t in tables]  # num_row_slots defaults to 0
+    for name, rows, dim, dtype, slots, row_slots in tables:
+        if row_slots and kinds[name] == "column_wise":
+            raise ValueError(f"sharding of table '{name}': column_wise splits its columns, but its optimizer keeps "
+                             f"one value per whole row (RowWiseAdagrad); use row_wise or table_wise")
     W = world_size
-    element = {name: _ELEMENT_BYTES[dtype] + 4 * slots for name, rows, dim, dtype, slots in tables}
-    total = {name: rows * dim * element[name] for name, rows, dim, dtype, slots in tables}
+    bytes_of = {name: (_ELEMENT_BYTES[dtype] + 4 * slots, 4 * row_slots)
+                for name, rows, dim, dtype, slots, row_slots in tables}
+    total = {name: _shard_bytes(Shard(0, 0, rows, 0, dim), bytes_of[name]) for name, rows, dim, *_ in tables}
     fair = sum(total.values()) / W
     load = [0] * W
 
@@ -115,7 +132,7 @@ def make_plan(tables: Sequence[tuple], world_size: int, sharding) -> ShardingPla
 
     chosen: Dict[str, TableSharding] = {}
     # Largest first, so the greedy placement balances well; ties by name for determinism.
-    for name, rows, dim, dtype, slots in sorted(tables, key=lambda t: (-total[t[0]], t[0])):
+    for name, rows, dim, *_ in sorted(tables, key=lambda t: (-total[t[0]], t[0])):
         kind = kinds[name]
         if kind == "auto":
             kind = "table_wise" if W == 1 or total[name] <= fair / 2 else "row_wise"
@@ -129,6 +146,6 @@ def make_plan(tables: Sequence[tuple], world_size: int, sharding) -> ShardingPla
             ranks = least_loaded(len(pieces))
             shards = [Shard(r, 0, rows, start, n) for r, (start, n) in zip(ranks, pieces)]
         for s in shards:
-            load[s.rank] += s.rows * s.cols * element[name]
+            load[s.rank] += _shard_bytes(s, bytes_of[name])
         chosen[name] = TableSharding(name, rows, dim, kind, tuple(shards))
-    return ShardingPlan(W, [chosen[name] for name, *_ in tables], element)
+    return ShardingPlan(W, [chosen[name] for name, *_ in tables], bytes_of)
