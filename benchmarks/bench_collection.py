@@ -45,10 +45,20 @@ train (forward, backward of ``(out * g).sum()`` with a fixed standard-normal
 - ``fbgemm``: the TBE with ``EmbOptimType.EXACT_SGD`` (learning_rate 0.01),
   fused into its backward.
 
+train_rowwise (the same step with row-wise Adagrad, TorchRec's default fused
+optimizer: lr 0.01, eps 1e-8, accumulators from 0):
+
+- ``embedcore``: the collection with
+  ``optimizer=embedcore.optimizers.RowWiseAdagrad(0.01)``;
+- ``fbgemm``: the TBE with ``EmbOptimType.EXACT_ROWWISE_ADAGRAD``.
+  (TorchRec's unsharded collection has no fused optimizer: no ``torchrec``
+  row here.)
+
 Before timing, every forward is compared with TorchRec's (max |diff| <=
 1e-5) and one training step of every training contender, from the same
 start, with one step of TorchRec + SGD (every table's values, max |diff| <=
-1e-5); the script stops (SystemExit, with the numbers) otherwise. Timing then
+1e-5), and embedcore's row-wise Adagrad step with FBGEMM's (values and
+accumulators); the script stops (SystemExit, with the numbers) otherwise. Timing then
 uses freshly built modules. Interleaved rounds (_common.run_rounds: each
 timed call right after an untimed one of the same contender, the order
 rotated), the load of other processes measured per round and the quiet
@@ -78,8 +88,10 @@ LR = 0.01
 TOL = 1e-5
 MULTIHOT_BATCH = 256
 MULTIHOT_MAX = 20
+EPS = 1e-8  # row-wise Adagrad's (FBGEMM's default)
 CONTENDERS = {"forward": ("embedcore", "torchrec", "fbgemm"),
-              "train": ("embedcore", "embedcore_unfused", "torchrec", "fbgemm")}
+              "train": ("embedcore", "embedcore_unfused", "torchrec", "fbgemm"),
+              "train_rowwise": ("embedcore", "fbgemm")}
 
 
 def table_rows(i: int) -> int:
@@ -157,9 +169,14 @@ def main() -> int:
         specs = [(c.num_embeddings, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU) for c in configs]
         m["fbgemm"] = SplitTableBatchedEmbeddingBagsCodegen(specs, optimizer=EmbOptimType.EXACT_SGD,
                                                             learning_rate=LR, pooling_mode=PoolingMode.SUM)
-        for k in ("ec_fused", "ec_unfused", "torchrec"):
+        m["ec_rowwise"] = et.EmbeddingBagCollection(configs, optimizer=ec.optimizers.RowWiseAdagrad(LR, epsilon=EPS))
+        m["fbgemm_rowwise"] = SplitTableBatchedEmbeddingBagsCodegen(
+            specs, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS,
+            pooling_mode=PoolingMode.SUM)
+        for k in ("ec_fused", "ec_unfused", "torchrec", "ec_rowwise"):
             load([m[k].embedding_bags[n].weight for n in names])
         load(m["fbgemm"].split_embedding_weights())
+        load(m["fbgemm_rowwise"].split_embedding_weights())
         return m
 
     def tables_of(m, name):
@@ -195,6 +212,14 @@ def main() -> int:
 
         def fbgemm_step():
             (m["fbgemm"](kjt.values(), kjt.offsets()) * g).sum().backward()
+
+        if op == "train_rowwise":
+            def ec_rowwise():
+                (m["ec_rowwise"](kjt).values() * g).sum().backward()
+
+            def fbgemm_rowwise():
+                (m["fbgemm_rowwise"](kjt.values(), kjt.offsets()) * g).sum().backward()
+            return {"embedcore": ec_rowwise, "fbgemm": fbgemm_rowwise}
 
         return {"embedcore": ec_fused, "embedcore_unfused": ec_unfused, "torchrec": torchrec_step,
                 "fbgemm": fbgemm_step}
@@ -238,17 +263,32 @@ def main() -> int:
                 raise SystemExit(f"FAILED: {case}: after one SGD step, {name}'s table {names[worst]} differs from "
                                  f"TorchRec + SGD's by {diffs[worst]:.3e} (tolerance {TOL}; the step moved values "
                                  f"by up to {moved:.3e})")
+        rowwise = contenders(m, "train_rowwise", kjt, g)
+        for f in rowwise.values():
+            f()
+        ours = [m["ec_rowwise"].embedding_bags[n] for n in names]
+        fb_tables = m["fbgemm_rowwise"].split_embedding_weights()
+        fb_acc = [a[0] for a in m["fbgemm_rowwise"].split_optimizer_states()]
+        value_diff = max(float((o.weight.detach() - w).abs().max()) for o, w in zip(ours, fb_tables))
+        acc_diff = max(float(np.abs(o._table.slots()["row_accumulators"][:, 0] - a.numpy()).max())
+                       / max(1.0, float(a.abs().max())) for o, a in zip(ours, fb_acc))
+        diff = max(value_diff, acc_diff)
+        checks[f"{case} train_rowwise embedcore"] = diff
+        if not diff <= TOL or not max(float(a.abs().max()) for a in fb_acc) > 0:
+            raise SystemExit(f"FAILED: {case}: after one row-wise Adagrad step, embedcore's tables or accumulators "
+                             f"differ from FBGEMM's by {diff:.3e} (tolerance {TOL}, relative for accumulators)")
         C.log(f"{case}: {nnz} ids; forward max |diff| vs TorchRec "
               + ", ".join(f"{n} {checks[f'{case} forward {n}']:.1e}" for n in CONTENDERS["forward"])
               + "; one SGD step " + ", ".join(f"{n} {checks[f'{case} train {n}']:.1e}"
-                                              for n in ("embedcore", "embedcore_unfused", "fbgemm")))
+                                              for n in ("embedcore", "embedcore_unfused", "fbgemm"))
+              + f"; one row-wise Adagrad step vs FBGEMM {checks[f'{case} train_rowwise embedcore']:.1e}")
         del m
 
     # ------------------------------------------------------------ timing
     results, noise = [], {}
     m = build()  # fresh modules: the checks above stepped theirs
     for case, (kjt, g, nnz) in data.items():
-        for op in ("forward", "train"):
+        for op in ("forward", "train", "train_rowwise"):
             C.log(f"timing {case} {op}: {repeats} rounds ...")
             timing = C.run_rounds(contenders(m, op, kjt, g), repeats, warmup, monitor_pids=[],
                                   max_seconds=max_seconds)
@@ -257,14 +297,16 @@ def main() -> int:
             for n in CONTENDERS[op]:
                 st = C.summarize(timing.kept_samples(n))
                 results.append({"case": case, "op": op, "contender": n, "nnz": nnz, **st,
-                                "ms": st["median_s"] * 1e3, "vs_torchrec": med[n] / med["torchrec"],
+                                "ms": st["median_s"] * 1e3,
+                                "vs_torchrec": med[n] / med["torchrec"] if "torchrec" in med else None,
                                 "vs_fbgemm": med[n] / med["fbgemm"], "rounds": timing.used,
                                 "samples_s": timing.samples[n]})
 
     # ------------------------------------------------------------ report
     total_rows = sum(c.num_embeddings for c in configs)
     print(f"\n{WORKLOAD}: {TABLES} tables x dim {DIM} float32 (1,000 + 3,000 i rows, {total_rows:,} in all), sum;"
-          f" KeyedJaggedTensor, uniform ids; train = forward + backward + SGD (lr {LR}); 1 thread; "
+          f" KeyedJaggedTensor, uniform ids; train = forward + backward + SGD (lr {LR}), train_rowwise the same "
+          f"with row-wise Adagrad (eps {EPS}); 1 thread; "
           f"median of {repeats} interleaved rounds")
     cols = [("case", "case", None), ("op", "op", None), ("contender", "contender", None), ("ms", "ms", "{:.3f}"),
             ("vs_torchrec", "time / torchrec", "{:.2f}x"), ("vs_fbgemm", "time / fbgemm", "{:.2f}x")]
