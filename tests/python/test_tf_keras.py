@@ -28,7 +28,9 @@ def _assert_table(table, expected: ref.TableRef):
     (ec.optimizers.Adagrad(learning_rate=0.5, initial_accumulator_value=0.1), ref.OptimizerRef("adagrad", 0.5)),
     (E.SGD(0.3), ref.OptimizerRef("sgd", 0.3)),
     (E.Adam(0.05), ref.OptimizerRef("adam", 0.05)),
-], ids=["ec-adagrad", "tf-sgd", "tf-adam"])
+    (ec.optimizers.RowWiseAdagrad(learning_rate=0.5, epsilon=1e-3),
+     ref.OptimizerRef("rowwise_adagrad", 0.5, epsilon=1e-3, initial_accumulator_value=0.0)),
+], ids=["ec-adagrad", "tf-sgd", "tf-adam", "ec-rowwise-adagrad"])
 def test_fit_step_equals_reference(rng, optimizer, reference):
     rows, dim, batch, k = 30, 4, 8, 3
     layer = Embedding(rows, dim, optimizer=optimizer, table_name="items")

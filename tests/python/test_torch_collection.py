@@ -187,7 +187,8 @@ def test_kjt_training_matches_torchrec(rng, torchrec):
 @pytest.mark.parametrize("path", ["collection", "per_table"])
 @pytest.mark.parametrize("pooling", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_kjt_fast_paths_match_the_general_path_bit_for_bit(rng, torchrec, monkeypatch, path, pooling, weighted):
+@pytest.mark.parametrize("opt", ["adagrad", "rowwise_adagrad"])
+def test_kjt_fast_paths_match_the_general_path_bit_for_bit(rng, torchrec, monkeypatch, path, pooling, weighted, opt):
     """A KJT of int64 offsets is looked up and trained (fused) by every table
     at once, one engine call forward and one backward ("collection"), or,
     where that does not apply, by each table's op window by window
@@ -202,7 +203,8 @@ def test_kjt_fast_paths_match_the_general_path_bit_for_bit(rng, torchrec, monkey
                                   pooling=pooling),
             et.EmbeddingBagConfig(num_embeddings=50, embedding_dim=20, name="t2", feature_names=["f2"],
                                   pooling=pooling)]
-    fast, general = (et.EmbeddingBagCollection(cfgs, is_weighted=weighted, optimizer=ec.optimizers.Adagrad(0.1))
+    make_opt = {"adagrad": ec.optimizers.Adagrad, "rowwise_adagrad": ec.optimizers.RowWiseAdagrad}[opt]
+    fast, general = (et.EmbeddingBagCollection(cfgs, is_weighted=weighted, optimizer=make_opt(0.1))
                      for _ in range(2))
     general.load_state_dict(fast.state_dict())
     real_parts, real_many, real_steps = _ops._parts, _embedcore.lookup_windows_into, _embedcore.apply_gradients_windows
