@@ -483,6 +483,13 @@ def _second_table_without_files(m):
     return m
 
 
+def _rowwise_over_full_width_slot(m):
+    """Row-wise Adagrad named over the Adagrad slot file ([rows, dim]: a row-wise slot is one column)."""
+    m["tables"][0]["optimizer"]["kind"] = "rowwise_adagrad"
+    m["tables"][0]["slots"] = {"row_accumulators": m["tables"][0]["slots"]["accumulators"]}
+    return m
+
+
 TERA = [
     ("rows 2^31 x dim 2^10 (8 TiB), 1 GiB blocks", _rows(2**31, 2**10, block_bytes=2**30)),
     ("rows 2^40 x dim 2^20", _rows(2**40, 2**20, block_bytes=2**30)),
@@ -524,6 +531,8 @@ FORGED = [
     ("an extra slot", _set(["tables", 0, "slots", "linears"], []), "open"),
     ("slots without an optimizer", _set(["tables", 0, "optimizer"], None), "open"),
     ("unknown optimizer", _set(["tables", 0, "optimizer", "kind"], "lamb"), "open"),
+    ("row-wise Adagrad over Adagrad's slot name", _set(["tables", 0, "optimizer", "kind"], "rowwise_adagrad"), "open"),
+    ("row-wise Adagrad over a full-width slot file", _rowwise_over_full_width_slot, "open"),
     ("invalid optimizer option", _set(["tables", 0, "optimizer", "beta_1"], "high"), "open"),
     ("unknown initializer", _set(["tables", 0, "initializer", "kind"], "orthogonal"), "open"),
     ("negative initializer seed", _set(["tables", 0, "initializer", "seed"], -1), "open"),
