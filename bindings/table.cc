@@ -542,6 +542,13 @@ void BindTable(nb::module_& m) {
       .def_prop_ro("slot_names", [](const Table& t) { return t.spec().optimizer.SlotNames(); })
       .def_prop_ro("slot_dim", &Table::slot_dim, "Columns of each slot: 1 for row-wise Adagrad, dim otherwise.")
       .def_prop_rw("step", &Table::step, &Table::set_step)
+      .def(
+          "set_optimizer",
+          [](Table& t, const OptimizerSpec& o) {
+            ReleaseGil release;  // waits for running calls
+            t.SetOptimizer(o);
+          },
+          "optimizer"_a, "Replaces the optimizer: new slots at their initial values, step 0; the values stay.")
       .def_prop_ro("device", &Table::device)
       .def("lookup_cuda", &LookupCuda, "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(),
            "combiner"_a, "max_sequence_length"_a, "out"_a.noconvert(), "stream"_a,

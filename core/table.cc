@@ -206,13 +206,22 @@ void CheckDevice(const TableSpec& spec) {
 }
 }  // namespace
 
+namespace {
+// Row-wise Adagrad's accumulator belongs to the whole row: no column shard can hold it.
+void CheckOptimizerFits(const TableSpec& spec, const OptimizerSpec& o) {
+  if (o.kind == OptimizerSpec::Kind::kRowwiseAdagrad && spec.dim != spec.full_dim)
+    throw InvalidArgument("table '" + spec.name + "': row-wise Adagrad keeps one accumulator per whole row, so its "
+                          "table cannot be a column shard (columns [" + std::to_string(spec.shard_col_start) + ", " +
+                          std::to_string(spec.shard_col_start + spec.dim) + ") of " + std::to_string(spec.full_dim) +
+                          "); shard it by rows or whole tables");
+}
+}  // namespace
+
 Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDeleter{0, -1}) {
   if (spec_.rows < 1) throw InvalidArgument("table '" + spec_.name + "': rows must be >= 1, got " + std::to_string(spec_.rows));
   if (spec_.dim < 1) throw InvalidArgument("table '" + spec_.name + "': dim must be >= 1, got " + std::to_string(spec_.dim));
   spec_.optimizer.Validate();
   const size_t bytes = internal::CheckedBytes(spec_.rows, spec_.dim, DTypeSize(spec_.dtype), "table '" + spec_.name + "'");
-  const int64_t slot_dim = spec_.optimizer.SlotDim(spec_.dim);
-  const size_t slot_bytes = internal::CheckedBytes(spec_.rows, slot_dim, sizeof(float), "table '" + spec_.name + "' slots");
   if (spec_.full_dim == 0) {
     spec_.full_dim = spec_.dim;
     spec_.shard_row_start = spec_.shard_col_start = 0;
@@ -221,14 +230,9 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
     throw InvalidArgument("table '" + spec_.name + "': shard placement (row " + std::to_string(spec_.shard_row_start) +
                           ", column " + std::to_string(spec_.shard_col_start) + ", full dim " +
                           std::to_string(spec_.full_dim) + ") does not fit its dim " + std::to_string(spec_.dim));
-  if (spec_.optimizer.kind == OptimizerSpec::Kind::kRowwiseAdagrad && spec_.dim != spec_.full_dim)
-    throw InvalidArgument("table '" + spec_.name + "': row-wise Adagrad keeps one accumulator per whole row, so its "
-                          "table cannot be a column shard (columns [" + std::to_string(spec_.shard_col_start) + ", " +
-                          std::to_string(spec_.shard_col_start + spec_.dim) + ") of " + std::to_string(spec_.full_dim) +
-                          "); shard it by rows or whole tables");
+  CheckOptimizerFits(spec_, spec_.optimizer);
   CheckDevice(spec_);
   const int dev = spec_.device;
-  const auto names = spec_.optimizer.SlotNames();
   if (dev >= 0) {
     // On the device: initialised on the host a bounded piece at a time (the
     // same values as a host table), copied over.
@@ -244,41 +248,62 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
       cuda_impl::CopyToDevice(static_cast<char*>(values_.get()) + size_t(r0) * row_bytes, staging.data(),
                               size_t(n) * row_bytes, dev);
     }
-    for (size_t i = 0; i < names.size(); ++i) {
-      slots_.emplace_back(static_cast<float*>(cuda_impl::Allocate(slot_bytes, dev)), FloatDeleter{slot_bytes, dev});
-      if (names[i] == "accumulators" || names[i] == "row_accumulators")
-        cuda_impl::Fill(slots_.back().get(), spec_.rows * slot_dim, spec_.optimizer.initial_accumulator_value, dev);
-    }
-    return;
-  }
-  // Allocation failures name the table and the array.
-  auto allocate = [&](size_t n, bool lazy, const std::string& what, int64_t cols) {
-    try {
-      return internal::AllocateZeroed(n, lazy);
+  } else {
+    try {  // a failed allocation names the table and the array
+      values_ = BufferPtr(internal::AllocateZeroed(bytes, internal::LeavesZero(spec_.initializer)),
+                          BufferDeleter{bytes, -1});
     } catch (const std::bad_alloc& e) {
-      throw OutOfMemory("table '" + spec_.name + "': " + what + " (" + std::to_string(spec_.rows) + " x " +
-                        std::to_string(cols) + "): " + e.what());
+      throw OutOfMemory("table '" + spec_.name + "': its " + DTypeName(spec_.dtype) + " values (" +
+                        std::to_string(spec_.rows) + " x " + std::to_string(spec_.dim) + "): " + e.what());
     }
-  };
-  values_ = BufferPtr(allocate(bytes, internal::LeavesZero(spec_.initializer),
-                               std::string("its ") + DTypeName(spec_.dtype) + " values", spec_.dim),
-                      BufferDeleter{bytes, -1});
-  internal::Initialize(spec_.initializer, spec_.dtype, spec_.rows, spec_.dim, spec_.shard_row_start,
-                       spec_.shard_col_start, spec_.full_dim, values_.get());
-  slots_.reserve(names.size());  // no reallocation between an allocation and its owner
-  for (size_t i = 0; i < names.size(); ++i) {
-    // Adagrad and FTRL start their accumulators at initial_accumulator_value: filled now unless it is +0.
-    const float v0 = spec_.optimizer.initial_accumulator_value;
-    const bool filled =
-        (names[i] == "accumulators" || names[i] == "row_accumulators") && (v0 != 0.0f || std::signbit(v0));
-    slots_.emplace_back(static_cast<float*>(allocate(slot_bytes, !filled, "its slot '" + names[i] + "'", slot_dim)),
-                        FloatDeleter{slot_bytes, -1});
+    internal::Initialize(spec_.initializer, spec_.dtype, spec_.rows, spec_.dim, spec_.shard_row_start,
+                         spec_.shard_col_start, spec_.full_dim, values_.get());
+  }
+  slots_ = NewSlots(spec_.optimizer);
+}
+
+// The slots of optimizer `o` for this table's rows, dim and device, at their
+// initial values: Adagrad's and FTRL's accumulators (row-wise Adagrad's too)
+// at initial_accumulator_value, the others 0.
+std::vector<Table::FloatPtr> Table::NewSlots(const OptimizerSpec& o) const {
+  const int64_t slot_dim = o.SlotDim(spec_.dim);
+  const size_t slot_bytes = internal::CheckedBytes(spec_.rows, slot_dim, sizeof(float), "table '" + spec_.name + "' slots");
+  const auto names = o.SlotNames();
+  const int dev = spec_.device;
+  std::vector<FloatPtr> slots;
+  slots.reserve(names.size());  // no reallocation between an allocation and its owner
+  for (const std::string& name : names) {
+    const float v0 = o.initial_accumulator_value;
+    const bool accumulator = name == "accumulators" || name == "row_accumulators";
+    if (dev >= 0) {
+      slots.emplace_back(static_cast<float*>(cuda_impl::Allocate(slot_bytes, dev)), FloatDeleter{slot_bytes, dev});
+      if (accumulator) cuda_impl::Fill(slots.back().get(), spec_.rows * slot_dim, v0, dev);
+      continue;
+    }
+    const bool filled = accumulator && (v0 != 0.0f || std::signbit(v0));  // else left as the zero pages
+    try {
+      slots.emplace_back(static_cast<float*>(internal::AllocateZeroed(slot_bytes, !filled)),
+                         FloatDeleter{slot_bytes, -1});
+    } catch (const std::bad_alloc& e) {
+      throw OutOfMemory("table '" + spec_.name + "': its slot '" + name + "' (" + std::to_string(spec_.rows) + " x " +
+                        std::to_string(slot_dim) + "): " + e.what());
+    }
     if (filled) {
-      float* s = slots_.back().get();
-      const int64_t n = spec_.rows * slot_dim;
-      ParallelFor(n, 1 << 16, [&](int64_t a, int64_t b) { std::fill(s + a, s + b, v0); });
+      float* s = slots.back().get();
+      ParallelFor(spec_.rows * slot_dim, 1 << 16, [&](int64_t a, int64_t b) { std::fill(s + a, s + b, v0); });
     }
   }
+  return slots;
+}
+
+void Table::SetOptimizer(const OptimizerSpec& optimizer) {
+  optimizer.Validate();
+  CheckOptimizerFits(spec_, optimizer);
+  std::vector<FloatPtr> slots = NewSlots(optimizer);  // allocated first: running out of memory changes nothing
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  spec_.optimizer = optimizer;
+  slots_.swap(slots);
+  step_ = 0;
 }
 
 Table::~Table() = default;

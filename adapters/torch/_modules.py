@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 import embedcore as ec
 
-from . import _ops
+from . import _ops, _optim
 
 __all__ = ["EmbeddingBag", "Embedding", "tables_of"]
 
@@ -258,12 +258,19 @@ class _TableModule(_AdapterModule):
             values = values.view(torch.bfloat16)  # carried as its uint16 bits
         self.weight = nn.Parameter(values, requires_grad=requires_grad)
         self._values_ptr = values.data_ptr()
+        self._training_state()
+
+    def _training_state(self) -> None:
+        """The slots' views, the anchors, the parameter group and the
+        registration of the table's current optimizer (or of none)."""
+        table = self._table
+        host = table.device == "cpu"
         self._slots = {n: torch.from_dlpack(v)
                        for n, v in (table._native.slots_mut() if host else table._native.device_slots())}
         fused = table.optimizer is not None
         # Fused training: autograd runs the backward through this one-element anchor;
         # its gradient is the output of the op that applies the update.
-        self._anchor = torch.zeros(1, requires_grad=True, device=values.device) if fused else None
+        self._anchor = torch.zeros(1, requires_grad=True, device=self.weight.device) if fused else None
         self._frozen_anchor = self._anchor.detach() if fused else None  # no gradient: no update
         self._group = None
         if fused:
@@ -273,6 +280,22 @@ class _TableModule(_AdapterModule):
         # the anchors alive (the weight unfused; fused, the group holds the weight, and the anchors stand for it).
         holders = (self, self._anchor, self._frozen_anchor) if fused else (self, self.weight)
         self._handle = _ops.register(table, self._group, holders)
+
+    def _fuse_in_backward_optimizer(self, weight: Tensor) -> bool:
+        """Trains the table fused with the engine's equal of the optimizer
+        that ``apply_optimizer_in_backward`` gave `weight` (TorchRec's way to
+        ask for a fused optimizer), if it gave one: the table takes that
+        optimizer (new slots, step 0) and the weight gets no gradient from
+        then on, so the hook that would run the PyTorch optimizer never
+        fires. True when it did. (Not while torch.compile traces: a module
+        compiled before its first eager call trains unfused.)"""
+        optimizer = _optim.engine_optimizer(weight, type(self).__name__)
+        if optimizer is None:
+            return False
+        self._table.set_optimizer(optimizer)
+        self._training_state()  # the old registration stays for graphs made before (released with them)
+        self._from_in_backward = True
+        return True
 
     # ------------------------------------------------------------ lookup
     @property
@@ -291,12 +314,18 @@ class _TableModule(_AdapterModule):
         lookup makes: the weight still views the table; fused training of
         replicas warns."""
         weight = self._parameters["weight"]  # (self.weight: nn.Module.__getattr__, a microsecond; 26 in a DLRM step)
-        if not torch.compiler.is_compiling() and weight.data_ptr() != self._values_ptr:
+        compiling = torch.compiler.is_compiling()  # (neither data_ptr nor a tensor's __dict__ is traceable)
+        if not compiling and weight.data_ptr() != self._values_ptr:
             raise RuntimeError(f"{type(self).__name__}: weight no longer views the engine's table (its storage was "
                                "replaced, e.g. by weight.data = ...); the table and the module would disagree. "
                                "Copy values in with weight.copy_() or load_state_dict")
-        if self._group is None:
+        if self._group is None and (compiling or "_optimizer_classes" not in weight.__dict__
+                                    or not self._fuse_in_backward_optimizer(weight)):
             return weight, (_ops.SPARSE if self.sparse else _ops.DENSE)
+        if not compiling and "_optimizer_classes" in weight.__dict__ and not self.__dict__.get("_from_in_backward"):
+            raise ValueError(f"{type(self).__name__}: table '{self._table.name}' trains with optimizer= "
+                             f"{type(self._table.optimizer).__name__}, and apply_optimizer_in_backward named "
+                             f"another for its weight; give one of them")
         trainable = weight.requires_grad and torch.is_grad_enabled()
         if trainable and not self.__dict__.get("_warned_replicas") and _replicated():
             self._warned_replicas = True

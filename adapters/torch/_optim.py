@@ -1,15 +1,78 @@
 """``FusedOptimizer``: the engine optimizers of fused tables, shaped like
-TorchRec's ``fused_optimizer`` (a ``torch.optim.Optimizer``)."""
+TorchRec's ``fused_optimizer`` (a ``torch.optim.Optimizer``); and the engine
+optimizer equal to the one ``apply_optimizer_in_backward`` gives a weight."""
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+import embedcore as ec
 from embedcore.table import NON_NEGATIVE_SLOTS
 
 __all__ = ["FusedOptimizer"]
+
+# The in-backward optimizers the engine has, by qualified class name: (its
+# default learning rate, the engine optimizer from the learning rate and the
+# remaining keyword arguments). Each updates only the rows with a nonzero
+# gradient, as the engine does; options that would change that, or that the
+# engine lacks, are refused (_options).
+_IN_BACKWARD = {
+    "torch.optim.sgd.SGD": (1e-3, lambda lr, o: ec.optimizers.SGD(lr)),
+    "torch.optim.adagrad.Adagrad": (1e-2, lambda lr, o: ec.optimizers.Adagrad(
+        lr, initial_accumulator_value=o.pop("initial_accumulator_value", 0.0), epsilon=o.pop("eps", 1e-10))),
+    "torchrec.optim.rowwise_adagrad.RowWiseAdagrad": (1e-2, lambda lr, o: ec.optimizers.RowWiseAdagrad(
+        lr, initial_accumulator_value=o.pop("initial_accumulator_value", 0.0), epsilon=o.pop("eps", 1e-10))),
+    "torch.optim.sparse_adam.SparseAdam": (1e-3, lambda lr, o: ec.optimizers.Adam(
+        lr, *_betas(o.pop("betas", (0.9, 0.999))), epsilon=o.pop("eps", 1e-8), bias_correction=True,
+        sum_inside_sqrt=False)),
+}
+# Options that change nothing at these values; None: at any value (implementation switches, and
+# dampening, which does nothing without momentum).
+_NEUTRAL = {"momentum": 0, "dampening": None, "nesterov": False, "weight_decay": 0, "maximize": False,
+            "foreach": None, "differentiable": None, "fused": None, "capturable": None}
+
+
+def _betas(betas) -> Tuple[float, float]:
+    b1, b2 = betas
+    return float(b1), float(b2)
+
+
+def engine_optimizer(param: torch.Tensor, owner: str) -> Optional[ec.optimizers.Optimizer]:
+    """The engine optimizer equal to the one that
+    ``torch.distributed.optim._apply_optimizer_in_backward`` (TorchRec's
+    ``apply_optimizer_in_backward``) recorded on `param`, or None when it
+    recorded none. NotImplementedError, naming it, for an optimizer or an
+    option the engine does not have."""
+    classes = param.__dict__.get("_optimizer_classes")
+    if not classes:
+        return None
+    kwargs_list = param.__dict__.get("_optimizer_kwargs") or [{}]
+    if len(classes) != 1:
+        raise NotImplementedError(f"{owner}: apply_optimizer_in_backward gave the weight {len(classes)} optimizers "
+                                  f"({[c.__name__ for c in classes]}); the engine trains a table with one")
+    cls = classes[0]
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if name not in _IN_BACKWARD:
+        raise NotImplementedError(
+            f"{owner}: apply_optimizer_in_backward({cls.__name__}, ...) has no engine equivalent; the engine fuses "
+            "torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam and torchrec.optim.RowWiseAdagrad "
+            "(or pass optimizer= an embedcore.optimizers optimizer)")
+    options = dict(kwargs_list[0])
+    default_lr, make = _IN_BACKWARD[name]
+    lr = float(options.pop("lr", default_lr))
+    lr_decay = float(options.pop("lr_decay", 0.0))
+    # Adagrad's lr / (1 + (t - 1) lr_decay) at its step t = the engine's step + 1.
+    learning_rate = lr if lr_decay == 0.0 else (lambda step: lr / (1.0 + step * lr_decay))
+    optimizer = make(learning_rate, options)
+    changed = {k: v for k, v in options.items()
+               if k not in _NEUTRAL or (_NEUTRAL[k] is not None and v != _NEUTRAL[k])}
+    if changed:
+        raise NotImplementedError(f"{owner}: apply_optimizer_in_backward({cls.__name__}, ...) with {changed}: the "
+                                  "engine's optimizer has no such option (weight_decay, for one, would move every "
+                                  "row at every step); pass optimizer= an embedcore.optimizers optimizer instead")
+    return optimizer
 
 # Other names a slot goes by: PyTorch's optimizers and FBGEMM / TorchRec's
 # ("momentum1" / "momentum2": the optimizer's first / second slot).

@@ -213,6 +213,20 @@ class Table(LookupMixin):
     def optimizer(self) -> Optional[_opt.Optimizer]:
         return self._optimizer
 
+    def set_optimizer(self, optimizer: _opt.Optimizer) -> None:
+        """Replaces the table's optimizer: its slots start anew at their
+        initial values and the step count at 0; the values stay. (The
+        PyTorch adapter uses it to fuse the optimizer that
+        ``apply_optimizer_in_backward`` names.) Waits for running lookups
+        and updates; an impossible optimizer raises before anything changes."""
+        if not isinstance(optimizer, _opt.Optimizer):
+            raise TypeError(f"table '{self._name}': optimizer must be an embedcore.optimizers.Optimizer, "
+                            f"got {optimizer!r}")
+        self._native.set_optimizer(optimizer._native())
+        c = self._config
+        self._config = TableConfig(c.name, c.rows, c.dim, c.dtype, c.initializer, optimizer, c.combiner)
+        self._optimizer = optimizer
+
     @property
     def step(self) -> int:
         """Optimizer steps applied so far."""

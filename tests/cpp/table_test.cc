@@ -946,6 +946,43 @@ EMBEDCORE_TEST(RowwiseAdagradSlotIsOneColumn) {
   EMBEDCORE_EXPECT_THROWS(Table{spec}, InvalidArgument, "initial_accumulator_value");
 }
 
+EMBEDCORE_TEST(SetOptimizerKeepsValuesAndStartsFreshSlots) {
+  Table t(MakeSpec(20, 6, DType::kFloat32, OptimizerSpec::Kind::kAdam));
+  embedcore_test::Train(t, 2, 3);  // Adam's slots and step away from their initial values
+  const std::vector<float> values = Values(t);
+  OptimizerSpec rowwise;
+  rowwise.kind = OptimizerSpec::Kind::kRowwiseAdagrad;
+  rowwise.initial_accumulator_value = 0.75f;
+  t.SetOptimizer(rowwise);
+  EMBEDCORE_EXPECT(Values(t) == values);
+  EMBEDCORE_EXPECT_EQ(t.step(), int64_t(0));
+  EMBEDCORE_EXPECT_EQ(t.num_slots(), size_t(1));
+  EMBEDCORE_EXPECT_EQ(t.slot_dim(), int64_t(1));
+  for (int64_t r = 0; r < 20; ++r) EMBEDCORE_EXPECT_BITS_EQ(t.slot(0)[r], 0.75f);
+  // It trains as a table built with it.
+  TableSpec spec = MakeSpec(20, 6, DType::kFloat32, OptimizerSpec::Kind::kRowwiseAdagrad);
+  spec.optimizer = rowwise;
+  Table fresh(spec);
+  std::vector<float> v32(values);
+  fresh.AssignRaw(0, 20, v32.data());
+  embedcore_test::Train(t, 2, 9);
+  embedcore_test::Train(fresh, 2, 9);
+  EMBEDCORE_EXPECT(Take(t) == Take(fresh));
+  // Refused before anything changes: an invalid optimizer, row-wise slots on a column shard.
+  const Snapshot before = Take(t);
+  OptimizerSpec bad;
+  bad.kind = OptimizerSpec::Kind::kAdam;
+  bad.beta_1 = 1.5f;
+  EMBEDCORE_EXPECT_THROWS(t.SetOptimizer(bad), InvalidArgument, "beta_1");
+  EMBEDCORE_EXPECT(Take(t) == before);
+  TableSpec shard_spec = MakeSpec(20, 3, DType::kFloat32, OptimizerSpec::Kind::kSGD);
+  shard_spec.full_dim = 6;
+  shard_spec.shard_col_start = 3;
+  Table shard(shard_spec);
+  EMBEDCORE_EXPECT_THROWS(shard.SetOptimizer(rowwise), InvalidArgument, "cannot be a column shard");
+  EMBEDCORE_EXPECT_EQ(shard.num_slots(), size_t(0));
+}
+
 EMBEDCORE_TEST(AdamMatchesReferences) {
   for (DType dt : kDTypes) {
     for (int variant = 0; variant < 4; ++variant) {

@@ -536,3 +536,34 @@ def test_steps_of_several_tables_in_one_call(rng):
     with pytest.raises(ValueError, match="grads overlaps the values of table 't0'"):
         _embedcore.apply_gradients_windows(ids, offsets, weights, steps, in_t0)
     assert [state_bytes(t) for t in ours] == before
+
+# ----------------------------------------------------------------- set_optimizer
+def test_set_optimizer_keeps_values_and_starts_fresh_slots(rng):
+    table = make_table(30, 5, optimizer=ec.optimizers.Adam(0.05), seed=4)
+    for _ in range(2):
+        ids, offsets, w = random_bags(rng, 30, 8, weighted=True)
+        table.apply_gradients(ids, offsets, column_signed_grads(rng, (8, 5)), weights=w)
+    values = table.to_numpy().copy()
+    opt, ropt = make_optimizer("rowwise_adagrad", learning_rate=0.2, initial_accumulator_value=0.5)
+    table.set_optimizer(opt)
+    assert table.optimizer is opt and table.config.optimizer is opt and table.step == 0
+    np.testing.assert_array_equal(table.to_numpy(), values)
+    assert table.slot_names == ("row_accumulators",)
+    np.testing.assert_array_equal(table.slots()["row_accumulators"], np.full((30, 1), 0.5, np.float32))
+    tref = ref.TableRef(values, ropt)
+    ids, offsets, w = random_bags(rng, 30, 8, weighted=True)
+    grads = column_signed_grads(rng, (8, 5))
+    table.apply_gradients(ids, offsets, grads, weights=w)
+    tref.apply(tref.row_grads().add_pooled(ids, offsets, w, "mean", grads))
+    _compare(table, tref, "after set_optimizer")
+    # Refused before anything changes.
+    before = snapshot(table)
+    with pytest.raises(TypeError, match="optimizer must be"):
+        table.set_optimizer("adagrad")
+    shard = ec.Table._shard(ec.TableConfig("s", 30, 5, optimizer=ec.optimizers.SGD(0.1)), 30, 2, 0, 3)  # cols [3, 5)
+    with pytest.raises(ValueError, match="cannot be a column shard"):
+        shard.set_optimizer(ec.optimizers.RowWiseAdagrad(0.1))
+    assert type(shard.optimizer) is ec.optimizers.SGD and shard.slot_names == ()
+    after = snapshot(table)
+    np.testing.assert_array_equal(after["values"], before["values"])
+    assert after["step"] == before["step"]

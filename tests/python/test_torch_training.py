@@ -443,3 +443,93 @@ def test_compiled_backward_after_the_module_is_deleted(fused):
         np.testing.assert_array_equal(results[0], results[1])
     finally:
         torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ apply_optimizer_in_backward
+def _in_backward(cls, params, kwargs):
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    _apply_optimizer_in_backward(cls, params, kwargs)
+
+
+def _rowwise_adagrad():
+    return pytest.importorskip("torchrec.optim.rowwise_adagrad", reason="torchrec is not installed").RowWiseAdagrad
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad_lr_decay", "rowwise_adagrad", "sparse_adam"])
+def test_apply_optimizer_in_backward_trains_fused_as_pytorch(rng, name):
+    """TorchRec's way to ask for a fused optimizer: the first lookup after
+    apply_optimizer_in_backward trains the table fused with the engine's
+    equal of that optimizer, which ends as PyTorch's in-backward optimizer on
+    nn.EmbeddingBag (sparse gradients for SparseAdam, dense for the others)."""
+    cls, kwargs = {
+        "sgd": (torch.optim.SGD, {"lr": 0.1}),
+        "adagrad_lr_decay": (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.05, "initial_accumulator_value": 0.1}),
+        "rowwise_adagrad": (_rowwise_adagrad() if name == "rowwise_adagrad" else None, {"lr": 0.1, "eps": 1e-8}),
+        "sparse_adam": (torch.optim.SparseAdam, {"lr": 0.01, "betas": (0.8, 0.99)}),
+    }[name]
+    w = uniform_weights(rng, ROWS, DIM)
+    kw = dict(freeze=False, mode="sum", include_last_offset=True)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), sparse=name == "sparse_adam", **kw)
+    ours = et.EmbeddingBag.from_pretrained(w, **kw)
+    for m in (ref, ours):
+        _in_backward(cls, m.parameters(), kwargs)
+    assert not ours.fused
+    _train(rng, [(ref, None), (ours, None)], 4, "sum", weighted=True)
+    assert ours.fused and ours.table.step == 4 and ours.weight.grad is None
+    assert max_diff(ours.weight, ref.weight) <= 1e-5
+    assert type(et.FusedOptimizer(ours).param_groups[0]["optimizer"]) is str
+
+
+def test_apply_optimizer_in_backward_on_a_torchrec_collection(rng):
+    """The TorchRec recipe, unchanged but for the module: a KJT collection
+    with RowWiseAdagrad in backward equals TorchRec's own collection."""
+    torchrec = pytest.importorskip("torchrec")
+    RowWiseAdagrad = _rowwise_adagrad()
+    cfgs = [torchrec.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1"]),
+            torchrec.EmbeddingBagConfig(num_embeddings=20, embedding_dim=8, name="t2", feature_names=["f2"])]
+    theirs = torchrec.EmbeddingBagCollection(tables=cfgs, device=torch.device("cpu"))
+    ours = et.EmbeddingBagCollection(cfgs)
+    ours.load_state_dict(theirs.state_dict())
+    for m in (theirs, ours):
+        _in_backward(RowWiseAdagrad, m.parameters(), {"lr": 0.05})
+    for _ in range(3):
+        values, lengths = [], []
+        for rows in (30, 20):
+            ids, offsets, _ = bags(rng, rows, 6)
+            values.append(ids)
+            lengths.append(offsets.diff())
+        kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2"], values=torch.cat(values),
+                                                           lengths=torch.cat(lengths))
+        g = torch.randn(6, 12)
+        for m in (theirs, ours):
+            (m(kjt).values() * g).sum().backward()
+    for t in ("t1", "t2"):
+        assert max_diff(ours.embedding_bags[t].weight, theirs.embedding_bags[t].weight) <= 1e-5
+        assert ours.embedding_bags[t].table.step == 3
+    state = ours.fused_optimizer.state_dict()["state"]
+    assert tuple(state["embedding_bags.t1.weight"]["row_accumulators"].shape) == (30, 1)
+
+
+def test_apply_optimizer_in_backward_refusals_leave_the_table_unfused(rng):
+    w = uniform_weights(rng, ROWS, DIM)
+    ids, offsets, _ = bags(rng, ROWS, 4)
+    for cls, kwargs, match in [(torch.optim.Adam, {"lr": 0.1}, "Adam.*no engine equivalent"),
+                               (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "momentum"),
+                               (torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 0.01}, "weight_decay")]:
+        m = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True)
+        _in_backward(cls, m.parameters(), kwargs)
+        with pytest.raises(NotImplementedError, match=match):
+            m(ids, offsets)
+        assert not m.fused and m.table.optimizer is None and torch.equal(m.weight, w)
+    m = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True)
+    _in_backward(torch.optim.SGD, m.parameters(), {"lr": 0.1})
+    _in_backward(torch.optim.Adagrad, m.parameters(), {"lr": 0.1})
+    with pytest.raises(NotImplementedError, match="2 optimizers"):
+        m(ids, offsets)
+    # Already fused by optimizer=: the two would disagree.
+    m = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True,
+                                        optimizer=ec.optimizers.SGD(0.1))
+    _in_backward(torch.optim.Adagrad, m.parameters(), {"lr": 0.1})
+    with pytest.raises(ValueError, match="optimizer= SGD.*apply_optimizer_in_backward"):
+        m(ids, offsets)

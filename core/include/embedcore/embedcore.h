@@ -366,6 +366,11 @@ class Table {
   /// Number of optimizer steps applied so far (part of the optimizer state).
   int64_t step() const { return step_; }
   void set_step(int64_t step) { step_ = step; }
+  /// Replaces the optimizer (its hyper-parameters and slots): new slots at
+  /// their initial values, step 0; the values stay. Waits for running calls.
+  /// Throws InvalidArgument for an impossible optimizer, OutOfMemory, before
+  /// anything changes.
+  void SetOptimizer(const OptimizerSpec& optimizer);
 
   /// Guards values and slots: shared for readers, exclusive for writers.
   std::shared_mutex& mutex() const { return mutex_; }
@@ -392,6 +397,7 @@ class Table {
     void operator()(float* p) const;
   };
   using FloatPtr = std::unique_ptr<float, FloatDeleter>;
+  std::vector<FloatPtr> NewSlots(const OptimizerSpec& optimizer) const;
 
   // Lists the table, for its life, among those fork() waits for (table.cc):
   // a child process never starts with a table lock another thread held.
