@@ -222,6 +222,8 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
   if (spec_.dim < 1) throw InvalidArgument("table '" + spec_.name + "': dim must be >= 1, got " + std::to_string(spec_.dim));
   spec_.optimizer.Validate();
   const size_t bytes = internal::CheckedBytes(spec_.rows, spec_.dim, DTypeSize(spec_.dtype), "table '" + spec_.name + "'");
+  internal::CheckedBytes(spec_.rows, spec_.optimizer.SlotDim(spec_.dim), sizeof(float),
+                         "table '" + spec_.name + "' slots");  // before any allocation (NewSlots checks it again)
   if (spec_.full_dim == 0) {
     spec_.full_dim = spec_.dim;
     spec_.shard_row_start = spec_.shard_col_start = 0;
@@ -299,6 +301,10 @@ std::vector<Table::FloatPtr> Table::NewSlots(const OptimizerSpec& o) const {
 void Table::SetOptimizer(const OptimizerSpec& optimizer) {
   optimizer.Validate();
   CheckOptimizerFits(spec_, optimizer);
+  if (!spec_.optimizer.SlotNames().empty())  // views of them (slots(), slots_mut()) would dangle
+    throw InvalidArgument("table '" + spec_.name + "': its optimizer keeps slots; set_optimizer replaces the "
+                          "optimizer of a table without slots only (SGD, or none): copy the values into a new "
+                          "table instead");
   std::vector<FloatPtr> slots = NewSlots(optimizer);  // allocated first: running out of memory changes nothing
   std::unique_lock<std::shared_mutex> lock(mutex_);
   spec_.optimizer = optimizer;

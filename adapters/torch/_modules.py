@@ -14,6 +14,7 @@ views them (DLPack, no copy). Training either way:
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import List, Optional, Tuple
 
@@ -27,6 +28,7 @@ from . import _ops, _optim
 
 __all__ = ["EmbeddingBag", "Embedding", "tables_of"]
 
+_FUSE_LOCK = threading.Lock()  # see _TableModule._fuse_in_backward_optimizer
 _MODES = {"sum": _ops.SUM, "mean": _ops.MEAN, "sqrtn": _ops.SQRTN}
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
            "float32": "float32", "float16": "float16", "bfloat16": "bfloat16", None: "float32"}
@@ -147,8 +149,10 @@ class _AdapterModule(nn.Module):
         ``step()`` and ``zero_grad()`` do nothing: updates run in backward()."""
         from ._optim import FusedOptimizer
 
+        fuse_pending(self)
         opt = self.__dict__.get("_fused_optimizer_cache")
-        if opt is None:
+        fused = [m for m in self.modules() if isinstance(m, _TableModule) and m.fused]
+        if opt is None or [m for _, m in opt._entries] != fused:  # (a table fused since it was made)
             opt = FusedOptimizer(self)
             self.__dict__["_fused_optimizer_cache"] = opt
         return opt
@@ -156,6 +160,7 @@ class _AdapterModule(nn.Module):
     def optimizer_state_dict(self) -> dict:
         """The fused optimizers' state: ``{"state": {weight key: {"step",
         slot: tensor view}}, "param_groups": [...]}`` (empty when unfused)."""
+        fuse_pending(self)
         if not any(isinstance(m, _TableModule) and m.fused for m in self.modules()):
             return {"state": {}, "param_groups": []}
         return self.fused_optimizer.state_dict()
@@ -262,7 +267,9 @@ class _TableModule(_AdapterModule):
 
     def _training_state(self) -> None:
         """The slots' views, the anchors, the parameter group and the
-        registration of the table's current optimizer (or of none)."""
+        registration of the table's current optimizer (or of none); the
+        group last, as another thread's lookup takes it to mean the rest is
+        there."""
         table = self._table
         host = table.device == "cpu"
         self._slots = {n: torch.from_dlpack(v)
@@ -272,30 +279,53 @@ class _TableModule(_AdapterModule):
         # its gradient is the output of the op that applies the update.
         self._anchor = torch.zeros(1, requires_grad=True, device=self.weight.device) if fused else None
         self._frozen_anchor = self._anchor.detach() if fused else None  # no gradient: no update
-        self._group = None
+        group = None
         if fused:
-            self._group = {"params": [self.weight], "lr": table.learning_rate(), "table": table.name,
-                           "optimizer": type(table.optimizer).__name__}
+            group = {"params": [self.weight], "lr": table.learning_rate(), "table": table.name,
+                     "optimizer": type(table.optimizer).__name__}
         # Registered while the module or an autograd graph of its lookups can use the table: the graph keeps
         # the anchors alive (the weight unfused; fused, the group holds the weight, and the anchors stand for it).
         holders = (self, self._anchor, self._frozen_anchor) if fused else (self, self.weight)
-        self._handle = _ops.register(table, self._group, holders)
+        self._handle = _ops.register(table, group, holders)
+        self._group = group
 
     def _fuse_in_backward_optimizer(self, weight: Tensor) -> bool:
         """Trains the table fused with the engine's equal of the optimizer
         that ``apply_optimizer_in_backward`` gave `weight` (TorchRec's way to
         ask for a fused optimizer), if it gave one: the table takes that
-        optimizer (new slots, step 0) and the weight gets no gradient from
-        then on, so the hook that would run the PyTorch optimizer never
-        fires. True when it did. (Not while torch.compile traces: a module
-        compiled before its first eager call trains unfused.)"""
-        optimizer = _optim.engine_optimizer(weight, type(self).__name__)
-        if optimizer is None:
-            return False
-        self._table.set_optimizer(optimizer)
-        self._training_state()  # the old registration stays for graphs made before (released with them)
-        self._from_in_backward = True
-        return True
+        optimizer (new slots, step 0) and lookups give the weight no
+        gradient from then on, so the hook that would run the PyTorch
+        optimizer does not fire; a gradient the weight gets otherwise
+        (weight tying, a penalty on it), which neither optimizer would
+        apply, raises in backward. True when the table trains fused.
+
+        Not once PyTorch's optimizer has stepped the weight (a module that
+        torch.compile traced before any eager call trains unfused, where the
+        switch is not traceable): its state would be lost, so that optimizer
+        goes on training the table."""
+        with _FUSE_LOCK:  # two threads' first lookups: one converts
+            if self._group is not None:
+                return True
+            if _optim.stepped(weight):
+                return False
+            owner = type(self).__name__
+            optimizer = _optim.engine_optimizer(weight, owner)
+            if optimizer is None:
+                return False
+            self._table.set_optimizer(optimizer)
+            self._training_state()  # the old registration stays for graphs made before (released with them)
+            self._from_in_backward = True
+            message = (f"{owner}: table '{self._table.name}' trains fused with the engine's "
+                       f"{type(optimizer).__name__} (from apply_optimizer_in_backward), which steps on its lookups' "
+                       "gradients; its weight got a gradient of its own (weight tying, or a penalty on the weight), "
+                       "which neither that optimizer nor PyTorch's would apply. Keep the weight out of other terms "
+                       "of the loss, or train it unfused (pass sparse=False and no apply_optimizer_in_backward)")
+
+            def refuse(grad):
+                raise RuntimeError(message)
+
+            weight.register_hook(refuse)
+            return True
 
     # ------------------------------------------------------------ lookup
     @property
@@ -411,6 +441,18 @@ class _TableModule(_AdapterModule):
         table.step = step
         if lr is not None:
             self._group["lr"] = lr
+
+
+def fuse_pending(module: nn.Module) -> None:
+    """Fuses, now, every table of `module` whose weight
+    ``apply_optimizer_in_backward`` gave an optimizer (as its next lookup
+    would), so that its optimizer state exists before the first step: to
+    load a checkpoint's, or to hand to a learning-rate scheduler."""
+    for m in module.modules():
+        if isinstance(m, _TableModule) and m._group is None:
+            weight = m._parameters["weight"]
+            if "_optimizer_classes" in weight.__dict__:
+                m._fuse_in_backward_optimizer(weight)
 
 
 def tables_of(module: nn.Module) -> List[ec.Table]:

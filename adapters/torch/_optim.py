@@ -34,9 +34,28 @@ _NEUTRAL = {"momentum": 0, "dampening": None, "nesterov": False, "weight_decay":
             "foreach": None, "differentiable": None, "fused": None, "capturable": None}
 
 
+class _LrDecay:
+    """Adagrad's ``lr / (1 + (t - 1) lr_decay)`` at its step t = the engine's step + 1 (a class, not a
+    closure: a module holding it pickles)."""
+
+    def __init__(self, lr: float, decay: float):
+        self.lr, self.decay = lr, decay
+
+    def __call__(self, step: int) -> float:
+        return self.lr / (1.0 + step * self.decay)
+
+
 def _betas(betas) -> Tuple[float, float]:
     b1, b2 = betas
     return float(b1), float(b2)
+
+
+def stepped(param: torch.Tensor) -> bool:
+    """Whether an optimizer ``apply_optimizer_in_backward`` gave `param` has
+    taken a step (its state counts one; Adagrad makes its state, at step 0,
+    when it is made; SGD keeps none, and has none to lose)."""
+    return any(float(st.get("step", 0)) > 0 for opt in param.__dict__.get("_in_backward_optimizers", ())
+               for st in opt.state.values())
 
 
 def engine_optimizer(param: torch.Tensor, owner: str) -> Optional[ec.optimizers.Optimizer]:
@@ -63,15 +82,14 @@ def engine_optimizer(param: torch.Tensor, owner: str) -> Optional[ec.optimizers.
     default_lr, make = _IN_BACKWARD[name]
     lr = float(options.pop("lr", default_lr))
     lr_decay = float(options.pop("lr_decay", 0.0))
-    # Adagrad's lr / (1 + (t - 1) lr_decay) at its step t = the engine's step + 1.
-    learning_rate = lr if lr_decay == 0.0 else (lambda step: lr / (1.0 + step * lr_decay))
-    optimizer = make(learning_rate, options)
+    optimizer = make(lr if lr_decay == 0.0 else _LrDecay(lr, lr_decay), options)
     changed = {k: v for k, v in options.items()
                if k not in _NEUTRAL or (_NEUTRAL[k] is not None and v != _NEUTRAL[k])}
     if changed:
         raise NotImplementedError(f"{owner}: apply_optimizer_in_backward({cls.__name__}, ...) with {changed}: the "
                                   "engine's optimizer has no such option (weight_decay, for one, would move every "
                                   "row at every step); pass optimizer= an embedcore.optimizers optimizer instead")
+    optimizer.learning_rate_at(0)  # a rate float32 cannot hold raises here, before the table changes
     return optimizer
 
 # Other names a slot goes by: PyTorch's optimizers and FBGEMM / TorchRec's
@@ -100,7 +118,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, module: nn.Module):
-        from ._modules import _TableModule
+        from ._modules import _TableModule, fuse_pending
+
+        fuse_pending(module)  # the tables apply_optimizer_in_backward asked to fuse, before their first lookup
 
         self._entries: List[Tuple[str, _TableModule]] = []
         for prefix, m in module.named_modules():

@@ -1040,6 +1040,8 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
     throw CheckpointError(SlotMismatch(info.path + ": table '" + entry.name + "'", entry, spec));
   if (slots) CheckRowwiseBlock(info.path + ": table '" + entry.name + "'", entry, spec, col_start);
   std::unique_lock<std::shared_mutex> lock(table.mutex());
+  if (slots && entry.slot_names != spec.optimizer.SlotNames())  // again: Table::SetOptimizer may have run since
+    throw CheckpointError(SlotMismatch(info.path + ": table '" + entry.name + "'", entry, spec));
   // Reads the block of `files` into `dst` ([rows, cols] of `dtype`, from column
   // first_col); a device table's block goes through a bounded host buffer.
   auto read = [&](const std::vector<FileEntry>& files, void* dst, DType dtype, int64_t first_col, int64_t cols) {

@@ -214,11 +214,13 @@ class Table(LookupMixin):
         return self._optimizer
 
     def set_optimizer(self, optimizer: _opt.Optimizer) -> None:
-        """Replaces the table's optimizer: its slots start anew at their
-        initial values and the step count at 0; the values stay. (The
-        PyTorch adapter uses it to fuse the optimizer that
-        ``apply_optimizer_in_backward`` names.) Waits for running lookups
-        and updates; an impossible optimizer raises before anything changes."""
+        """Gives a table without slots (no optimizer, or SGD) `optimizer`:
+        its slots start at their initial values and the step count at 0;
+        the values stay. (The PyTorch adapter uses it to fuse the optimizer
+        that ``apply_optimizer_in_backward`` names.) Waits for running
+        lookups and updates. A table whose optimizer has slots is refused
+        (views of its slots would dangle: copy its values into a new table
+        instead), as is an impossible optimizer, before anything changes."""
         if not isinstance(optimizer, _opt.Optimizer):
             raise TypeError(f"table '{self._name}': optimizer must be an embedcore.optimizers.Optimizer, "
                             f"got {optimizer!r}")

@@ -947,8 +947,8 @@ EMBEDCORE_TEST(RowwiseAdagradSlotIsOneColumn) {
 }
 
 EMBEDCORE_TEST(SetOptimizerKeepsValuesAndStartsFreshSlots) {
-  Table t(MakeSpec(20, 6, DType::kFloat32, OptimizerSpec::Kind::kAdam));
-  embedcore_test::Train(t, 2, 3);  // Adam's slots and step away from their initial values
+  Table t(MakeSpec(20, 6, DType::kFloat32, OptimizerSpec::Kind::kSGD));
+  embedcore_test::Train(t, 2, 3);  // values and step away from their initial values
   const std::vector<float> values = Values(t);
   OptimizerSpec rowwise;
   rowwise.kind = OptimizerSpec::Kind::kRowwiseAdagrad;
@@ -968,13 +968,20 @@ EMBEDCORE_TEST(SetOptimizerKeepsValuesAndStartsFreshSlots) {
   embedcore_test::Train(t, 2, 9);
   embedcore_test::Train(fresh, 2, 9);
   EMBEDCORE_EXPECT(Take(t) == Take(fresh));
-  // Refused before anything changes: an invalid optimizer, row-wise slots on a column shard.
+  // Refused before anything changes: a table with slots (pointers to them would dangle), an invalid
+  // optimizer, row-wise slots on a column shard.
   const Snapshot before = Take(t);
+  const float* slot = t.slot(0);
+  EMBEDCORE_EXPECT_THROWS(t.SetOptimizer(OptimizerSpec{}), InvalidArgument, "keeps slots");
+  EMBEDCORE_EXPECT(Take(t) == before);
+  EMBEDCORE_EXPECT(t.slot(0) == slot);
+  Table plain(MakeSpec(20, 6, DType::kFloat32, OptimizerSpec::Kind::kSGD));
+  const Snapshot plain_before = Take(plain);
   OptimizerSpec bad;
   bad.kind = OptimizerSpec::Kind::kAdam;
   bad.beta_1 = 1.5f;
-  EMBEDCORE_EXPECT_THROWS(t.SetOptimizer(bad), InvalidArgument, "beta_1");
-  EMBEDCORE_EXPECT(Take(t) == before);
+  EMBEDCORE_EXPECT_THROWS(plain.SetOptimizer(bad), InvalidArgument, "beta_1");
+  EMBEDCORE_EXPECT(Take(plain) == plain_before);
   TableSpec shard_spec = MakeSpec(20, 3, DType::kFloat32, OptimizerSpec::Kind::kSGD);
   shard_spec.full_dim = 6;
   shard_spec.shard_col_start = 3;

@@ -539,7 +539,7 @@ def test_steps_of_several_tables_in_one_call(rng):
 
 # ----------------------------------------------------------------- set_optimizer
 def test_set_optimizer_keeps_values_and_starts_fresh_slots(rng):
-    table = make_table(30, 5, optimizer=ec.optimizers.Adam(0.05), seed=4)
+    table = make_table(30, 5, optimizer=ec.optimizers.SGD(0.05), seed=4)
     for _ in range(2):
         ids, offsets, w = random_bags(rng, 30, 8, weighted=True)
         table.apply_gradients(ids, offsets, column_signed_grads(rng, (8, 5)), weights=w)
@@ -556,8 +556,13 @@ def test_set_optimizer_keeps_values_and_starts_fresh_slots(rng):
     table.apply_gradients(ids, offsets, grads, weights=w)
     tref.apply(tref.row_grads().add_pooled(ids, offsets, w, "mean", grads))
     _compare(table, tref, "after set_optimizer")
-    # Refused before anything changes.
+    # Refused before anything changes: a table with slots (views of them would dangle), not an optimizer,
+    # row-wise slots on a column shard.
     before = snapshot(table)
+    view = table.slots()["row_accumulators"]
+    with pytest.raises(ValueError, match="keeps slots"):
+        table.set_optimizer(ec.optimizers.Adagrad(0.1))
+    np.testing.assert_array_equal(view, before["slots"]["row_accumulators"])
     with pytest.raises(TypeError, match="optimizer must be"):
         table.set_optimizer("adagrad")
     shard = ec.Table._shard(ec.TableConfig("s", 30, 5, optimizer=ec.optimizers.SGD(0.1)), 30, 2, 0, 3)  # cols [3, 5)
@@ -566,4 +571,5 @@ def test_set_optimizer_keeps_values_and_starts_fresh_slots(rng):
     assert type(shard.optimizer) is ec.optimizers.SGD and shard.slot_names == ()
     after = snapshot(table)
     np.testing.assert_array_equal(after["values"], before["values"])
-    assert after["step"] == before["step"]
+    np.testing.assert_array_equal(after["slots"]["row_accumulators"], before["slots"]["row_accumulators"])
+    assert after["step"] == before["step"] and type(table.optimizer) is ec.optimizers.RowWiseAdagrad

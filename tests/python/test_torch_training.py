@@ -533,3 +533,80 @@ def test_apply_optimizer_in_backward_refusals_leave_the_table_unfused(rng):
     _in_backward(torch.optim.Adagrad, m.parameters(), {"lr": 0.1})
     with pytest.raises(ValueError, match="optimizer= SGD.*apply_optimizer_in_backward"):
         m(ids, offsets)
+
+
+def test_apply_optimizer_in_backward_state_exists_before_the_first_lookup(rng):
+    """TorchRec's order: apply_optimizer_in_backward, then restore the fused
+    optimizer's state, then train; a parent's fused_optimizer made before a
+    table fused is made anew."""
+    w = uniform_weights(rng, ROWS, DIM)
+    kw = dict(freeze=False, mode="sum", include_last_offset=True)
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = et.EmbeddingBag.from_pretrained(w, optimizer=ec.optimizers.SGD(0.1), **kw)
+            self.b = et.EmbeddingBag.from_pretrained(w, **kw)
+
+    model = Two()
+    assert list(et.FusedOptimizer(model).state_dict()["state"]) == ["a.weight"]
+    early = model.a.fused_optimizer  # made while only `a` trains fused
+    _in_backward(torch.optim.Adagrad, model.b.parameters(), {"lr": 0.1})
+    opt = et.FusedOptimizer(model)  # fuses b now
+    assert model.b.fused and list(opt.state_dict()["state"]) == ["a.weight", "b.weight"]
+    acc = torch.full((ROWS, DIM), 0.5)
+    opt.load_state_dict({"state": {"b.weight": {"sum": acc, "step": 7}}})
+    assert model.b.table.step == 7 and np.array_equal(model.b.table.slots()["accumulators"], acc.numpy())
+    assert early is model.a.fused_optimizer
+    c = et.EmbeddingBag.from_pretrained(w, **kw)
+    _in_backward(torch.optim.Adagrad, c.parameters(), {"lr": 0.1})
+    assert list(c.optimizer_state_dict()["state"]) == ["weight"] and c.fused
+
+
+def test_apply_optimizer_in_backward_leaves_a_table_pytorch_already_stepped_to_pytorch(rng):
+    """Once PyTorch's optimizer holds state for the weight (a module compiled
+    before any eager call trains unfused), the table is not converted: that
+    state would be lost."""
+    w = uniform_weights(rng, ROWS, DIM)
+    m = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True, sparse=True)
+    _in_backward(torch.optim.Adagrad, m.parameters(), {"lr": 0.1})
+    m.weight._in_backward_optimizers[0].state[m.weight]["step"] = torch.tensor(3.0)  # as after three steps
+    ids, offsets, _ = bags(rng, ROWS, 4)
+    (m(ids, offsets) * torch.randn(4, DIM)).sum().backward()
+    assert not m.fused and m.table.optimizer is None and not torch.equal(m.weight, w)
+
+
+def test_apply_optimizer_in_backward_refuses_a_gradient_of_the_weight_itself(rng):
+    w = uniform_weights(rng, ROWS, DIM)
+    m = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True)
+    _in_backward(torch.optim.Adagrad, m.parameters(), {"lr": 0.1})
+    ids, offsets, _ = bags(rng, ROWS, 4)
+    (m(ids, offsets) * torch.randn(4, DIM)).sum().backward()
+    assert m.fused and m.table.step == 1
+    with pytest.raises(RuntimeError, match="weight got a gradient of its own"):
+        ((m(ids, offsets) ** 2).sum() + (m.weight ** 2).sum()).backward()
+
+
+def test_apply_optimizer_in_backward_with_lr_decay_pickles(rng):
+    import pickle
+
+    w = uniform_weights(rng, ROWS, DIM)
+    kw = dict(freeze=False, mode="sum", include_last_offset=True)
+    m = et.EmbeddingBag.from_pretrained(w, **kw)
+    _in_backward(_rowwise_adagrad(), m.parameters(), {"lr": 0.1, "lr_decay": 0.5})
+    _train(rng, [(m, None)], 2, "sum")
+    copy = pickle.loads(pickle.dumps(m))
+    assert copy.fused and copy.table.step == 2 and copy.table.learning_rate() == pytest.approx(0.1 / 2)
+    _train(np.random.default_rng(5), [(m, None)], 2, "sum")
+    _train(np.random.default_rng(5), [(copy, None)], 2, "sum")
+    assert torch.equal(copy.weight, m.weight)
+
+
+def test_apply_optimizer_in_backward_rate_float32_cannot_hold_changes_nothing(rng):
+    w = uniform_weights(rng, ROWS, DIM)
+    m = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True)
+    _in_backward(torch.optim.SGD, m.parameters(), {"lr": 1e39})
+    ids, offsets, _ = bags(rng, ROWS, 4)
+    with pytest.raises(ValueError, match="overflows float32"):
+        m(ids, offsets)
+    assert not m.fused and m.table.optimizer is None

@@ -366,10 +366,11 @@ class Table {
   /// Number of optimizer steps applied so far (part of the optimizer state).
   int64_t step() const { return step_; }
   void set_step(int64_t step) { step_ = step; }
-  /// Replaces the optimizer (its hyper-parameters and slots): new slots at
+  /// Replaces the optimizer of a table without slots (SGD): new slots at
   /// their initial values, step 0; the values stay. Waits for running calls.
-  /// Throws InvalidArgument for an impossible optimizer, OutOfMemory, before
-  /// anything changes.
+  /// Throws InvalidArgument for a table whose optimizer has slots (pointers
+  /// to them, slot(i), would dangle) or an impossible optimizer, and
+  /// OutOfMemory, before anything changes.
   void SetOptimizer(const OptimizerSpec& optimizer);
 
   /// Guards values and slots: shared for readers, exclusive for writers.
