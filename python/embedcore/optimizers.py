@@ -135,7 +135,29 @@ class SGD(Optimizer):
         return spec
 
 
-class Adagrad(Optimizer):
+class _Accumulating(Optimizer):
+    """Adagrad and its row-wise variant: an accumulator of squared gradients
+    from ``initial_accumulator_value``, ``epsilon`` outside its square root
+    (an accumulator may start at 0 only with ``epsilon > 0``)."""
+
+    _kind = None  # the engine's OptimizerSpec.Kind
+
+    def __init__(self, learning_rate: LearningRate, initial_accumulator_value: float, epsilon: float, **kwargs):
+        super().__init__(learning_rate, **kwargs)
+        name = type(self).__name__
+        self.epsilon = _number(name, "epsilon", epsilon, minimum=0)
+        self.initial_accumulator_value = _number(name, "initial_accumulator_value", initial_accumulator_value,
+                                                 minimum=0, strict=self.epsilon == 0)
+
+    def _native(self):
+        spec = super()._native()
+        spec.kind = self._kind
+        spec.initial_accumulator_value = self.initial_accumulator_value
+        spec.adagrad_epsilon = self.epsilon
+        return spec
+
+
+class Adagrad(_Accumulating):
     """``a += g^2; w -= lr * g / (sqrt(a) + epsilon)``; slot ``accumulators``
     starts at ``initial_accumulator_value``.
 
@@ -144,54 +166,36 @@ class Adagrad(Optimizer):
     """
 
     slot_names = ("accumulators",)
+    _kind = _Kind.Adagrad
 
     def __init__(self, learning_rate: LearningRate = 0.001, initial_accumulator_value: float = 0.1,
                  epsilon: float = 0.0, **kwargs):
-        super().__init__(learning_rate, **kwargs)
-        self.epsilon = _number("Adagrad", "epsilon", epsilon, minimum=0)
-        self.initial_accumulator_value = _number("Adagrad", "initial_accumulator_value",
-                                                 initial_accumulator_value, minimum=0, strict=self.epsilon == 0)
-
-    def _native(self):
-        spec = super()._native()
-        spec.kind = _Kind.Adagrad
-        spec.initial_accumulator_value = self.initial_accumulator_value
-        spec.adagrad_epsilon = self.epsilon
-        return spec
+        super().__init__(learning_rate, initial_accumulator_value, epsilon, **kwargs)
 
 
-class RowWiseAdagrad(Optimizer):
+class RowWiseAdagrad(_Accumulating):
     """Adagrad with one accumulator per row: ``a += mean(g^2)`` over the
-    row's columns, then ``w -= lr * g / (sqrt(a) + epsilon)``. Slot
-    ``row_accumulators`` (shape ``[rows, 1]``) starts at
+    row's columns (summed in column order), then ``w -= lr * g / (sqrt(a) +
+    epsilon)``. Slot ``row_accumulators`` (shape ``[rows, 1]``) starts at
     ``initial_accumulator_value``.
 
     This is FBGEMM's ``EXACT_ROWWISE_ADAGRAD``, TorchRec's default fused
     optimizer, whose defaults these are (``epsilon=1e-8``, accumulators from
     0); its slot takes ``1 / dim`` of plain Adagrad's memory. The two agree
-    without weight decay; ``weight_decay_factor`` here decays the weights
+    without weight decay: ``weight_decay_factor`` here decays the weights
     before the step (FBGEMM's ``DECOUPLED`` mode with
     ``multiply_weight_decay_factor_by_learning_rate=True``), and FBGEMM's
-    ``L2`` mode, which adds ``wd * w`` to the gradient, has no equivalent. The mean of the
-    squares is summed in column order. A table trained with it cannot be
-    sharded column-wise: the accumulator belongs to the whole row.
+    ``L2`` mode, which adds ``wd * w`` to the gradient, has no equivalent. A
+    table trained with it cannot be sharded column-wise: the accumulator
+    belongs to the whole row.
     """
 
     slot_names = ("row_accumulators",)
+    _kind = _Kind.RowwiseAdagrad
 
     def __init__(self, learning_rate: LearningRate = 0.01, initial_accumulator_value: float = 0.0,
                  epsilon: float = 1e-8, **kwargs):
-        super().__init__(learning_rate, **kwargs)
-        self.epsilon = _number("RowWiseAdagrad", "epsilon", epsilon, minimum=0)
-        self.initial_accumulator_value = _number("RowWiseAdagrad", "initial_accumulator_value",
-                                                 initial_accumulator_value, minimum=0, strict=self.epsilon == 0)
-
-    def _native(self):
-        spec = super()._native()
-        spec.kind = _Kind.RowwiseAdagrad
-        spec.initial_accumulator_value = self.initial_accumulator_value
-        spec.adagrad_epsilon = self.epsilon
-        return spec
+        super().__init__(learning_rate, initial_accumulator_value, epsilon, **kwargs)
 
 
 class Adam(Optimizer):

@@ -223,12 +223,12 @@ def test_v1_2_golden_checkpoint_loads_whole_and_serves(name, expected_12):
         assert tables[0].optimizer.epsilon == pytest.approx(1e-3)
 
 
-@pytest.mark.parametrize("name", ["row_wise", "column_wise"])
-@pytest.mark.parametrize("world, plan", [(3, "row_wise"), (2, "column_wise"), (1, "table_wise")])
-def test_v1_2_sharded_golden_loads_on_other_worlds_and_plans(name, world, plan, expected_12):
+def _loaded_shards(path, world, plan, slot):
+    """Every rank's (shard, values, `slot`, step) of each table, by table
+    name, after `world` ranks built an Embedding from the checkpoint's
+    recorded configs, sharded by `plan`, and loaded it."""
     import embedcore.distributed as dist
 
-    path = os.path.join(GOLDEN_12, name)
     info = ec.checkpoint.read_info(path)
     configs = {n: ec.checkpoint.config_from_json(json.loads(info.table_config_json(i)))
                for i, n in enumerate(info.table_names)}
@@ -236,10 +236,16 @@ def test_v1_2_sharded_golden_loads_on_other_worlds_and_plans(name, world, plan, 
     def rank_main(comm):
         emb = ec.Embedding({n: ec.FeatureConfig(c) for n, c in configs.items()}, world=comm, sharding=plan)
         ec.load(path, into=emb)
-        return {n: [(s, np.array(t.to_numpy()), np.array(t.slots()["accumulators"]), t.step) for s, t in shards]
+        return {n: [(s, np.array(t.to_numpy()), np.array(t.slots()[slot]), t.step) for s, t in shards]
                 for n, shards in emb.local_shards.items()}
 
-    for part in dist.run_local(world, rank_main):
+    return dist.run_local(world, rank_main)
+
+
+@pytest.mark.parametrize("name", ["row_wise", "column_wise"])
+@pytest.mark.parametrize("world, plan", [(3, "row_wise"), (2, "column_wise"), (1, "table_wise")])
+def test_v1_2_sharded_golden_loads_on_other_worlds_and_plans(name, world, plan, expected_12):
+    for part in _loaded_shards(os.path.join(GOLDEN_12, name), world, plan, "accumulators"):
         for n, shards in part.items():
             for s, values, acc, step in shards:
                 block = (slice(s.row_start, s.row_start + s.rows), slice(s.col_start, s.col_start + s.cols))
@@ -301,20 +307,7 @@ def test_v1_3_rowwise_adagrad_golden_loads_whole_and_serves(expected_13):
 
 @pytest.mark.parametrize("world, plan", [(3, "row_wise"), (1, "table_wise")])
 def test_v1_3_rowwise_adagrad_golden_loads_on_other_worlds(world, plan, expected_13):
-    import embedcore.distributed as dist
-
-    path = os.path.join(GOLDEN_13, "rowwise_adagrad")
-    info = ec.checkpoint.read_info(path)
-    configs = {n: ec.checkpoint.config_from_json(json.loads(info.table_config_json(i)))
-               for i, n in enumerate(info.table_names)}
-
-    def rank_main(comm):
-        emb = ec.Embedding({n: ec.FeatureConfig(c) for n, c in configs.items()}, world=comm, sharding=plan)
-        ec.load(path, into=emb)
-        return {n: [(s, np.array(t.to_numpy()), np.array(t.slots()["row_accumulators"]), t.step) for s, t in shards]
-                for n, shards in emb.local_shards.items()}
-
-    for part in dist.run_local(world, rank_main):
+    for part in _loaded_shards(os.path.join(GOLDEN_13, "rowwise_adagrad"), world, plan, "row_accumulators"):
         for n, shards in part.items():
             for s, values, acc, step in shards:
                 rows = slice(s.row_start, s.row_start + s.rows)
