@@ -59,10 +59,13 @@ def _table_device(device) -> Optional[str]:
     return f"cuda:{torch.cuda.current_device() if torch.cuda.is_available() else 0}"  # PyTorch's current device
 
 
+_DISTRIBUTED = torch.distributed.is_available()
+
+
 def _replicated() -> bool:
-    """Whether this process is one rank of several (torch.distributed)."""
-    return (not torch.compiler.is_compiling() and torch.distributed.is_available()
-            and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1)
+    """Whether this process is one rank of several (torch.distributed).
+    (Not while torch.compile traces: the caller checks.)"""
+    return _DISTRIBUTED and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
 def _torch_seed() -> int:
@@ -343,21 +346,27 @@ class _TableModule(_AdapterModule):
         (``_ops.FUSED`` / ``SPARSE`` / ``DENSE``), after the checks every
         lookup makes: the weight still views the table; fused training of
         replicas warns."""
-        weight = self._parameters["weight"]  # (self.weight: nn.Module.__getattr__, a microsecond; 26 in a DLRM step)
-        compiling = torch.compiler.is_compiling()  # (neither data_ptr nor a tensor's __dict__ is traceable)
-        if not compiling and weight.data_ptr() != self._values_ptr:
-            raise RuntimeError(f"{type(self).__name__}: weight no longer views the engine's table (its storage was "
-                               "replaced, e.g. by weight.data = ...); the table and the module would disagree. "
-                               "Copy values in with weight.copy_() or load_state_dict")
-        if self._group is None and (compiling or "_optimizer_classes" not in weight.__dict__
-                                    or not self._fuse_in_backward_optimizer(weight)):
-            return weight, (_ops.SPARSE if self.sparse else _ops.DENSE)
-        if not compiling and "_optimizer_classes" in weight.__dict__ and not self.__dict__.get("_from_in_backward"):
+        # (About a microsecond a call: 26 calls in a DLRM-shaped step. self.weight would be nn.Module's
+        # __getattr__, a microsecond on its own.)
+        weight = self._parameters["weight"]
+        compiling = torch.compiler.is_compiling()
+        in_backward = False  # whether apply_optimizer_in_backward named an optimizer for the weight
+        if not compiling:  # (neither data_ptr nor a tensor's __dict__ is traceable)
+            if weight.data_ptr() != self._values_ptr:
+                raise RuntimeError(f"{type(self).__name__}: weight no longer views the engine's table (its storage "
+                                   "was replaced, e.g. by weight.data = ...); the table and the module would "
+                                   "disagree. Copy values in with weight.copy_() or load_state_dict")
+            in_backward = "_optimizer_classes" in weight.__dict__
+        if self._group is None:
+            if not (in_backward and self._fuse_in_backward_optimizer(weight)):
+                return weight, (_ops.SPARSE if self.sparse else _ops.DENSE)
+        elif in_backward and not self.__dict__.get("_from_in_backward"):
             raise ValueError(f"{type(self).__name__}: table '{self._table.name}' trains with optimizer= "
                              f"{type(self._table.optimizer).__name__}, and apply_optimizer_in_backward named "
                              f"another for its weight; give one of them")
-        trainable = weight.requires_grad and torch.is_grad_enabled()
-        if trainable and not self.__dict__.get("_warned_replicas") and _replicated():
+        if not (weight.requires_grad and torch.is_grad_enabled()):
+            return self._frozen_anchor, _ops.FUSED
+        if not compiling and not self.__dict__.get("_warned_replicas") and _replicated():
             self._warned_replicas = True
             warnings.warn(
                 f"{type(self).__name__}: fused training in a job of {torch.distributed.get_world_size()} ranks: "
@@ -365,7 +374,7 @@ class _TableModule(_AdapterModule):
                 "and DistributedDataParallel does not synchronize it, so the copies drift apart. Shard the "
                 "tables (world=, see docs/torch.md) or, under DDP, train unfused with sparse=False",
                 RuntimeWarning, stacklevel=stacklevel)
-        return (self._anchor if trainable else self._frozen_anchor), _ops.FUSED
+        return self._anchor, _ops.FUSED
 
     def _lookup(self, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
                 combiner: int, include_last_offset: bool) -> List[Tensor]:
