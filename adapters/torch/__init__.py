@@ -17,7 +17,9 @@ Modules over embedcore tables, in the shapes PyTorch users know:
   runs models that use them;
 - tables sharded over the ranks of a ``torch.distributed`` process group
   (``distributed.init()`` under ``torchrun``, then
-  ``EmbeddingBagCollection(..., world=comm, sharding="row_wise")``).
+  ``EmbeddingBagCollection(..., world=comm, sharding="row_wise")``);
+- ``convert_state_dict``: the tables of a saved state dict (TorchRec's
+  collections' included) as an embedcore checkpoint, to serve without PyTorch.
 
 Importing this package imports PyTorch; ``import embedcore`` does not.
 """
@@ -26,6 +28,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("embedcore.adapters.torch needs PyTorch: pip install torch") from e
 
+from ._convert import convert_state_dict
 from ._collection import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from ._modules import Embedding, EmbeddingBag, tables_of
 from ._optim import FusedOptimizer
@@ -42,6 +45,7 @@ __all__ = [
     "FusedOptimizer",
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
+    "convert_state_dict",
     "distributed",
     "tables_of",
 ]

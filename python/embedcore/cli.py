@@ -122,20 +122,20 @@ def _verify_locked(path: str) -> int:
     return 0
 
 
-# The options of each --from format: given with the other format, they would have no effect.
+# The --from formats that take each option: given with another format, it would have no effect.
 _CONVERT_OPTIONS = {
-    "sok": (("dim", "--dim"), ("key_dtype", "--key-dtype"), ("rows", "--rows"), ("rename", "--rename")),
-    "tf": (("prefix", "--prefix"), ("combiner", "--combiner")),
+    ("dim", "--dim"): ("sok",), ("key_dtype", "--key-dtype"): ("sok",), ("rows", "--rows"): ("sok",),
+    ("rename", "--rename"): ("sok",), ("prefix", "--prefix"): ("tf", "torch"),
+    ("combiner", "--combiner"): ("tf", "torch"),
 }
 
 
 def _convert(args) -> int:
-    for fmt, options in _CONVERT_OPTIONS.items():
-        for attr, flag in options:
-            if fmt != args.source_format and getattr(args, attr) is not None:
-                print(f"embedcore convert: {flag} is an option of --from {fmt}; --from {args.source_format} "
-                      "does not take it", file=sys.stderr)
-                return 2
+    for (attr, flag), formats in _CONVERT_OPTIONS.items():
+        if args.source_format not in formats and getattr(args, attr) is not None:
+            print(f"embedcore convert: {flag} is an option of --from {' and '.join(formats)}; --from "
+                  f"{args.source_format} does not take it", file=sys.stderr)
+            return 2
     if args.source_format == "sok":
         try:
             rows = _name_values(args.rows, "--rows", int, all_allowed=True)
@@ -167,6 +167,16 @@ def _convert(args) -> int:
                                       combiner=args.combiner)
         print(f"converted {len(names)} TensorFlow table(s) ({', '.join(names)}) into {args.dst}, combiner "
               f"{args.combiner or 'mean'}")
+        return 0
+    if args.source_format == "torch":
+        try:
+            from embedcore.adapters.torch import convert_state_dict
+        except ImportError as e:
+            print(f"embedcore convert: --from torch needs PyTorch: {e}", file=sys.stderr)
+            return 1
+        names = convert_state_dict(args.src, args.dst, prefix=args.prefix, combiner=args.combiner or "sum")
+        print(f"converted {len(names)} PyTorch table(s) ({', '.join(names)}) into {args.dst}, values only, "
+              f"pooled tables with combiner {args.combiner or 'sum'}")
         return 0
     from . import sok
 
@@ -329,8 +339,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = sub.add_parser("verify", help="check every checksum, that values are finite and slots match")
     p.add_argument("path")
     p = sub.add_parser("convert", help="convert another format into an embedcore checkpoint")
-    p.add_argument("--from", dest="source_format", required=True, choices=["sok", "tf"],
-                   help="sok: SparseOperationKit dump files; tf: a tf.train.Checkpoint of TPUEmbedding")
+    p.add_argument("--from", dest="source_format", required=True, choices=["sok", "tf", "torch"],
+                   help="sok: SparseOperationKit dump files; tf: a tf.train.Checkpoint of TPUEmbedding; torch: "
+                   "a file of torch.save(model.state_dict()) holding TorchRec collections (values only)")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--dim", type=int, default=None, help="SOK v1: embedding size, when the file sizes are ambiguous")
@@ -340,10 +351,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "variable NAME (repeatable; a plain N is then the rows of the others)")
     p.add_argument("--rename", action="append", default=None, metavar="NAME=TABLE",
                    help="SOK: save the SOK variable NAME as table TABLE (repeatable)")
-    p.add_argument("--prefix", default=None, help="tf: object path of the embedding in the checkpoint (default: found)")
+    p.add_argument("--prefix", default=None, help="tf: object path of the embedding in the checkpoint (default: "
+                   "found); torch: module path of the collection, before '.embedding_bags' (default: every one)")
     p.add_argument("--combiner", choices=["sum", "mean", "sqrtn"], default=None,
-                   help="tf: the combiner written for every table (a TensorFlow checkpoint does not record it; "
-                   "default: mean, TableConfig's default)")
+                   help="tf, torch: the combiner written for every pooled table (neither format records it; "
+                   "default: tf mean, TableConfig's default; torch sum, TorchRec's)")
     p.add_argument("--no-optimizer", action="store_true", help="convert values only (without it, every optimizer "
                    "slot of the source must convert)")
     p.add_argument("--overwrite", action="store_true",

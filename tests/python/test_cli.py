@@ -506,12 +506,13 @@ def test_failed_reshard_or_convert_leaves_no_new_empty_destination(tmp_path, cap
 @pytest.mark.parametrize("fmt,option", [
     ("sok", ["--combiner", "mean"]), ("sok", ["--prefix", "model/embedding"]),
     ("tf", ["--rows", "5"]), ("tf", ["--rename", "ta=zz"]), ("tf", ["--dim", "99"]), ("tf", ["--key-dtype", "uint32"]),
+    ("torch", ["--rows", "5"]),
 ])
 def test_convert_refuses_options_of_the_other_format(tmp_path, capsys, fmt, option):
     # Refused before anything is read (no TensorFlow needed): exit 2, as the other bad options of convert.
     assert embedcore.cli.main(["convert", "--from", fmt, str(tmp_path / "src"), str(tmp_path / "out"), *option]) == 2
-    other = "tf" if fmt == "sok" else "sok"
-    assert capsys.readouterr().err == (f"embedcore convert: {option[0]} is an option of --from {other}; "
+    others = "tf and torch" if fmt == "sok" else "sok"
+    assert capsys.readouterr().err == (f"embedcore convert: {option[0]} is an option of --from {others}; "
                                        f"--from {fmt} does not take it\n")
     assert not (tmp_path / "out").exists()
 
@@ -615,3 +616,24 @@ def test_inspect_holds_no_lock_while_its_output_waits_for_a_reader(tmp_path):
         assert p.returncode == 0 and len(json.loads(out)["tables"]) == 400
     finally:
         p.kill()
+
+
+def test_convert_torch_state_dict(tmp_path, capsys):
+    """--from torch: the tables of a torch.save'd state dict, values only; --prefix and --combiner apply,
+    the SOK options are refused, a file without tables fails in one line and leaves no DST behind."""
+    torch = pytest.importorskip("torch")
+    w = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    torch.save({"model.ebc.embedding_bags.user.weight": w, "model.head.weight": torch.ones(1, 2)},
+               tmp_path / "m.pt")
+    argv = ["convert", "--from", "torch", str(tmp_path / "m.pt"), str(tmp_path / "out")]
+    assert embedcore.cli.main(argv + ["--prefix", "model.ebc", "--combiner", "mean"]) == 0
+    assert "converted 1 PyTorch table(s) (user)" in capsys.readouterr().out
+    served = ec.serving.open(tmp_path / "out")
+    np.testing.assert_array_equal(served.tables["user"].values(), w.numpy())
+    np.testing.assert_array_equal(served.tables["user"].lookup(np.array([0, 2]), np.array([0, 2])), [[2.0, 3.0]])
+    assert embedcore.cli.main(argv + ["--dim", "2"]) == 2
+    assert "--dim is an option of --from sok" in capsys.readouterr().err
+    torch.save({"head.weight": torch.ones(1, 2)}, tmp_path / "none.pt")
+    assert embedcore.cli.main(["convert", "--from", "torch", str(tmp_path / "none.pt"), str(tmp_path / "out2")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no table weights" in err and not (tmp_path / "out2").exists()

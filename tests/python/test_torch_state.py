@@ -317,3 +317,85 @@ def test_optimizer_state_from_torch_adagrad(rng):
     _continues_as_torch(rng, ours, ref, opt)
     with pytest.raises(ValueError, match="step must be an int"):
         ours.load_optimizer_state_dict({"state": {"weight": {"step": torch.tensor(2.5)}}})
+
+
+# ------------------------------------------------------------------ convert_state_dict
+def _torchrec_model(torchrec):
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sparse = torchrec.EmbeddingBagCollection(tables=[
+                torchrec.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1"]),
+                torchrec.EmbeddingBagConfig(num_embeddings=20, embedding_dim=8, name="t2", feature_names=["f2"])],
+                device=torch.device("cpu"))
+            self.seq = torchrec.EmbeddingCollection(tables=[
+                torchrec.EmbeddingConfig(num_embeddings=15, embedding_dim=4, name="s1", feature_names=["q"])],
+                device=torch.device("cpu"))
+            self.dense = torch.nn.Linear(4, 1)
+
+    torch.manual_seed(0)
+    model = Model()
+    with torch.no_grad():  # a 16-bit table too: its bits must survive
+        model.seq.embeddings["s1"].weight.data = model.seq.embeddings["s1"].weight.to(torch.bfloat16)
+    return model
+
+
+def test_convert_state_dict_serves_torchrec_collections(tmp_path, rng):
+    """torch.save(model.state_dict()) of a TorchRec model -> a checkpoint
+    that ec.serving serves: the pooled lookups of TorchRec's forward, and
+    every table's values bit for bit in its dtype."""
+    torchrec = pytest.importorskip("torchrec")
+    model = _torchrec_model(torchrec)
+    src = tmp_path / "model.pt"
+    torch.save(model.state_dict(), src)
+    assert et.convert_state_dict(src, tmp_path / "ckpt") == ["t1", "t2", "s1"]
+    served = ec.serving.open(tmp_path / "ckpt", verify="eager")
+    for name, w in [("t1", model.sparse.embedding_bags["t1"].weight), ("t2", model.sparse.embedding_bags["t2"].weight),
+                    ("s1", model.seq.embeddings["s1"].weight)]:
+        got = np.asarray(served.tables[name].values())
+        bits = w.detach().view(torch.int16 if w.element_size() == 2 else torch.int32).numpy()
+        assert got.dtype.itemsize == w.element_size() and got.tobytes() == bits.tobytes(), name
+    ids1, off1, _ = bags(rng, 30, 6)
+    ids2, off2, _ = bags(rng, 20, 6)
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2"], values=torch.cat([ids1, ids2]),
+                                                       lengths=torch.cat([off1.diff(), off2.diff()]))
+    with torch.no_grad():
+        want = model.sparse(kjt).to_dict()
+    np.testing.assert_allclose(served.tables["t1"].lookup(ids1.numpy(), off1.numpy()), want["f1"].numpy(),
+                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(served.tables["t2"].lookup(ids2.numpy(), off2.numpy()), want["f2"].numpy(),
+                               rtol=1e-6, atol=1e-7)
+    # One collection by its module path; the combiner given.
+    assert et.convert_state_dict(src, tmp_path / "seq", prefix="seq", combiner="mean") == ["s1"]
+    assert et.convert_state_dict(src, tmp_path / "sparse", prefix="sparse", combiner="mean") == ["t1", "t2"]
+    got = ec.serving.open(tmp_path / "sparse").tables["t1"].lookup(ids1.numpy(), off1.numpy())  # pooled: mean
+    lengths = off1.diff().numpy()
+    long = lengths >= 2
+    assert long.any()
+    np.testing.assert_allclose(got[long], want["f1"].numpy()[long] / lengths[long, None], rtol=1e-6, atol=1e-7)
+
+
+def test_convert_state_dict_refusals_write_nothing(tmp_path):
+    torchrec = pytest.importorskip("torchrec")
+    model = _torchrec_model(torchrec)
+    state = model.state_dict()
+    cases = {
+        "two tables of one name": ({**state, **{f"other.{k}": v for k, v in state.items() if "sparse." in k}},
+                                   "both tables named 't1'.*prefix"),
+        "no tables": ({"dense.weight": torch.zeros(1, 4)}, "no table weights.*'dense.weight'"),
+        "not finite": ({"embedding_bags.t.weight": torch.tensor([[0.0, float("nan")]])},
+                       r"embedding_bags.t.weight, rows from 0: .*values\[0, 1\] = nan is not finite"),
+        "1-D": ({"embedding_bags.t.weight": torch.zeros(3)}, "1-D"),
+        "not a dict": ([1, 2], "holds a list, not a state dict"),
+    }
+    for label, (content, match) in cases.items():
+        src = tmp_path / f"{label}.pt"
+        torch.save(content, src)
+        with pytest.raises(ValueError, match=match):
+            et.convert_state_dict(src, tmp_path / label)
+        assert not (tmp_path / label / "MANIFEST").exists(), label
+    (tmp_path / "garbage.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="cannot read it as a PyTorch state dict"):
+        et.convert_state_dict(tmp_path / "garbage.pt", tmp_path / "g")
+    with pytest.raises(ValueError, match="no table weights under the module 'nope'"):
+        et.convert_state_dict(tmp_path / "no tables.pt", tmp_path / "g", prefix="nope")
