@@ -15,40 +15,71 @@ import embedcore as ec
 
 __all__ = ["convert_state_dict"]
 
-# TorchRec's state dict keys of a table: <module path>.embedding_bags.<table>.weight (EmbeddingBagCollection)
-# or <module path>.embeddings.<table>.weight (EmbeddingCollection).
-_TABLE_KEY = re.compile(r"^(?:(?P<module>.*)\.)?(?P<kind>embedding_bags|embeddings)\.(?P<table>[^.]+)\.weight$")
+# A TorchRec collection's tables in a state dict: <module>.embedding_bags.<table>.weight
+# (EmbeddingBagCollection) or <module>.embeddings.<table>.weight (EmbeddingCollection), and nothing else
+# under <module>.<kind>. (a module named `embeddings` that holds anything else is no collection).
+_UNDER_KIND = re.compile(r"^(?:(?P<module>.*)\.)?(?P<kind>embedding_bags|embeddings)\.(?P<rest>.+)$")
+_TABLE = re.compile(r"^(?P<table>[^.]+)\.weight$")
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _CHUNK_BYTES = 64 << 20  # rows converted to float32 at a time
+_SHARDED = ("a sharded state dict: save the unsharded module's state dict, or gather each table's shards into "
+            "one tensor first")
+
+
+def _not_a_table(key: str, value) -> Optional[str]:
+    """Why `value` cannot be a table's weight (None when it can)."""
+    if not isinstance(value, torch.Tensor):
+        return f"{key} is a {type(value).__name__}, not a tensor"
+    if value.dim() != 2 or value.dtype not in _DTYPES:
+        return f"{key} is a {value.dim()}-D {value.dtype} tensor, not a 2-D float32, float16 or bfloat16 table"
+    return None
 
 
 def _tables(state: Mapping, path: str, prefix: Optional[str]) -> List[Tuple[str, str, str, torch.Tensor]]:
-    """(key, table name, kind, weight) of every table under `prefix` (a
-    module path; None: anywhere), checked before any table is made."""
-    found, names = [], {}
+    """(key, table name, kind, weight) of every collection's table (under
+    `prefix`, a module path; None: every collection), checked before any
+    table is made."""
+    groups = {}  # (module, kind) -> [(key, rest, value)]
     for key, value in state.items():
-        m = _TABLE_KEY.match(key) if isinstance(key, str) else None
-        if m is None or (prefix is not None and (m["module"] or "") != prefix):
+        m = _UNDER_KIND.match(key) if isinstance(key, str) else None
+        if m is not None and (prefix is None or (m["module"] or "") == prefix):
+            groups.setdefault((m["module"] or "", m["kind"]), []).append((key, m["rest"], value))
+    found, names, skipped = [], {}, []
+    for (module, kind), items in groups.items():
+        where = f"{module + '.' if module else ''}{kind}"
+        why = next((f"{key} is not <table>.weight" for key, rest, _ in items if not _TABLE.match(rest)), None)
+        why = why or next((w for key, _, value in items for w in [_not_a_table(key, value)] if w), None)
+        if why is not None:
+            if prefix is not None:
+                raise ValueError(f"{path}: {where} is not a TorchRec collection's tables: {why}")
+            skipped.append(f"{where} ({why})")
             continue
-        if not isinstance(value, torch.Tensor) or type(value).__name__ == "ShardedTensor":
-            raise ValueError(f"{path}: {key} is a {type(value).__name__}, not a tensor (a sharded state dict: "
-                             "save the unsharded module's state dict, or gather its shards to one tensor)")
-        if value.dim() != 2 or value.dtype not in _DTYPES:
-            raise ValueError(f"{path}: {key} is a {value.dim()}-D {value.dtype} tensor; a table's weight is 2-D "
-                             "float32, float16 or bfloat16")
-        if value.device.type == "meta":
-            raise ValueError(f"{path}: {key} is on the meta device (it holds no values)")
-        if m["table"] in names:
-            raise ValueError(f"{path}: {names[m['table']]} and {key} are both tables named '{m['table']}'; convert "
-                             "one collection at a time with prefix= (--prefix), the module path before "
-                             "'.embedding_bags' / '.embeddings'")
-        names[m["table"]] = key
-        found.append((key, m["table"], m["kind"], value))
+        parent = module.rpartition(".")[0] if module.endswith("_embedding_bag_collection") else None
+        if parent is not None:
+            processors = [k for k in state if isinstance(k, str)
+                          and k.startswith(f"{parent + '.' if parent else ''}_feature_processors.")]
+            if processors:
+                raise ValueError(f"{path}: {where} belongs to a FeatureProcessedEmbeddingBagCollection, whose "
+                                 f"feature processors ({', '.join(processors[:3])}) weight each id before pooling; "
+                                 "a served table pools the rows alone, so its lookups would differ")
+        for key, rest, value in items:
+            if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.layout != torch.strided:
+                raise ValueError(f"{path}: {key} is a {type(value).__name__} ({value.layout}): {_SHARDED}")
+            if value.device.type == "meta":
+                raise ValueError(f"{path}: {key} is on the meta device (it holds no values)")
+            table = _TABLE.match(rest)["table"]
+            if table in names:
+                raise ValueError(f"{path}: {names[table]} and {key} are both tables named '{table}'; convert one "
+                                 "collection at a time with prefix= (--prefix), the module path before "
+                                 "'.embedding_bags' / '.embeddings'")
+            names[table] = key
+            found.append((key, table, kind, value))
     if not found:
         where = f" under the module '{prefix}'" if prefix is not None else ""
         some = ", ".join(repr(k) for k in list(state)[:5])
         raise ValueError(f"{path}: no table weights{where} (keys <module>.embedding_bags.<table>.weight or "
-                         f"<module>.embeddings.<table>.weight); its first keys: {some or 'none'}")
+                         f"<module>.embeddings.<table>.weight); its first keys: {some or 'none'}"
+                         + (f"; not tables: {'; '.join(skipped)}" if skipped else ""))
     return found
 
 
@@ -74,7 +105,11 @@ def convert_state_dict(src, dst, prefix: Optional[str] = None, combiner: str = "
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a file torch cannot read, in the caller's terms
-        raise ValueError(f"{path}: cannot read it as a PyTorch state dict: {type(e).__name__}: {e}") from None
+        text = str(e)
+        if "sharded_tensor" in text or "ShardedTensor" in text or "DTensor" in text:
+            raise ValueError(f"{path}: holds sharded tensors: {_SHARDED}") from None
+        raise ValueError(f"{path}: cannot read it as a PyTorch state dict: {type(e).__name__}: "
+                         f"{text.splitlines()[0] if text else ''}") from None
     if not isinstance(state, Mapping):
         raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict (write it with "
                          "torch.save(model.state_dict()))")

@@ -316,8 +316,8 @@ class _TableModule(_AdapterModule):
             if optimizer is None:
                 return False
             self._table.set_optimizer(optimizer)
+            self._from_in_backward = True  # before the group appears: another thread's lookup may see it at once
             self._training_state()  # the old registration stays for graphs made before (released with them)
-            self._from_in_backward = True
             message = (f"{owner}: table '{self._table.name}' trains fused with the engine's "
                        f"{type(optimizer).__name__} (from apply_optimizer_in_backward), which steps on its lookups' "
                        "gradients; its weight got a gradient of its own (weight tying, or a penalty on the weight), "
@@ -327,7 +327,8 @@ class _TableModule(_AdapterModule):
             def refuse(grad):
                 raise RuntimeError(message)
 
-            weight.register_hook(refuse)
+            if weight.requires_grad:  # (a frozen weight gets no gradient, and takes no hook)
+                weight.register_hook(refuse)
             return True
 
     # ------------------------------------------------------------ lookup

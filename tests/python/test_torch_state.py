@@ -399,3 +399,68 @@ def test_convert_state_dict_refusals_write_nothing(tmp_path):
         et.convert_state_dict(tmp_path / "garbage.pt", tmp_path / "g")
     with pytest.raises(ValueError, match="no table weights under the module 'nope'"):
         et.convert_state_dict(tmp_path / "no tables.pt", tmp_path / "g", prefix="nope")
+
+
+def test_convert_state_dict_takes_only_collections_and_refuses_what_it_cannot_serve(tmp_path):
+    """Modules named `embeddings` that are not collections (a transformer's,
+    an nn.Sequential) are skipped; a FeatureProcessedEmbeddingBagCollection
+    (position weights before pooling) is refused, as are sharded tensors."""
+    import subprocess
+    import sys
+    import textwrap
+
+    torchrec = pytest.importorskip("torchrec")
+
+    class Text(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.word_embeddings = torch.nn.Embedding(10, 4)
+            self.LayerNorm = torch.nn.LayerNorm(4)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sparse = torchrec.EmbeddingBagCollection(tables=[torchrec.EmbeddingBagConfig(
+                num_embeddings=10, embedding_dim=4, name="t1", feature_names=["f1"])], device=torch.device("cpu"))
+            self.text = torch.nn.Module()
+            self.text.embeddings = Text()
+            self.embeddings = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+
+    torch.save(Model().state_dict(), tmp_path / "m.pt")
+    assert et.convert_state_dict(tmp_path / "m.pt", tmp_path / "m") == ["t1"]
+    with pytest.raises(ValueError, match=r"text.embeddings is not a TorchRec collection's tables: .*LayerNorm"):
+        et.convert_state_dict(tmp_path / "m.pt", tmp_path / "m2", prefix="text")
+
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    ebc = torchrec.EmbeddingBagCollection(tables=[torchrec.EmbeddingBagConfig(
+        num_embeddings=10, embedding_dim=4, name="t1", feature_names=["f1"])], is_weighted=True,
+        device=torch.device("cpu"))
+    torch.save(FeatureProcessedEmbeddingBagCollection(ebc, PositionWeightedModuleCollection({"f1": 10})).state_dict(),
+               tmp_path / "fp.pt")
+    with pytest.raises(ValueError, match="FeatureProcessedEmbeddingBagCollection.*position_weights"):
+        et.convert_state_dict(tmp_path / "fp.pt", tmp_path / "fp")
+    assert not (tmp_path / "fp" / "MANIFEST").exists()
+
+    # Sharded tensors (a process group of one, in a child process).
+    script = textwrap.dedent(f"""
+        import os, torch, torch.distributed as dist
+        import embedcore.adapters.torch as et
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        from torch.distributed._shard.sharded_tensor import empty
+        from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+        from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+        cases = {{"sharded": empty(ChunkShardingSpec(dim=0, placements=["rank:0/cpu"]), 4, 3),
+                  "dtensor": distribute_tensor(torch.ones(4, 3), init_device_mesh("cpu", (1,)), [Shard(0)])}}
+        for label, value in cases.items():
+            torch.save({{"ebc.embedding_bags.t.weight": value}}, f"{tmp_path}/{{label}}.pt")
+            try:
+                et.convert_state_dict(f"{tmp_path}/{{label}}.pt", f"{tmp_path}/{{label}}")
+            except ValueError as e:
+                print(label, "refused:", "a sharded state dict" in str(e), os.path.exists(f"{tmp_path}/{{label}}/MANIFEST"))
+        dist.destroy_process_group()
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert "sharded refused: True False" in r.stdout and "dtensor refused: True False" in r.stdout, r.stdout + r.stderr

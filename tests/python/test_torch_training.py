@@ -610,3 +610,13 @@ def test_apply_optimizer_in_backward_rate_float32_cannot_hold_changes_nothing(rn
     with pytest.raises(ValueError, match="overflows float32"):
         m(ids, offsets)
     assert not m.fused and m.table.optimizer is None
+
+
+def test_apply_optimizer_in_backward_then_frozen_fuses_without_training(rng):
+    w = uniform_weights(rng, ROWS, DIM)
+    m = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True)
+    _in_backward(torch.optim.Adagrad, m.parameters(), {"lr": 0.1})
+    m.weight.requires_grad_(False)
+    ids, offsets, _ = bags(rng, ROWS, 4)
+    out = m(ids, offsets)  # the table fuses; the frozen weight takes no hook and no step
+    assert m.fused and not out.requires_grad and m.table.step == 0 and torch.equal(m.weight, w)
