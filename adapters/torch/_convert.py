@@ -1,7 +1,8 @@
 """``convert_state_dict``: the embedding tables of a PyTorch state dict
 (``torch.save(model.state_dict())`` of a model that holds TorchRec's
-collections, or this adapter's) as an embedcore checkpoint, to serve them
-without PyTorch (``embedcore convert --from torch``)."""
+collections, or this adapter's, or a ``torch.distributed.checkpoint``
+directory of one) as an embedcore checkpoint, to serve them without PyTorch
+(``embedcore convert --from torch``)."""
 from __future__ import annotations
 
 import os
@@ -83,12 +84,64 @@ def _tables(state: Mapping, path: str, prefix: Optional[str]) -> List[Tuple[str,
     return found
 
 
+def _load(path: str) -> Mapping:
+    """The state dict that torch.save wrote to the file `path`."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a file torch cannot read, in the caller's terms
+        text = str(e)
+        if "sharded_tensor" in text or "ShardedTensor" in text or "DTensor" in text:
+            raise ValueError(f"{path}: holds sharded tensors: {_SHARDED}") from None
+        raise ValueError(f"{path}: cannot read it as a PyTorch state dict: {type(e).__name__}: "
+                         f"{text.splitlines()[0] if text else ''}") from None
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict (write it with "
+                         "torch.save(model.state_dict()))")
+    return state
+
+
+class _Object:
+    """A value of a distributed checkpoint other than a tensor (left unread)."""
+
+
+def _dcp_state(path: str) -> dict:
+    """The state dict of the torch.distributed.checkpoint (DCP) directory
+    `path`, as one process reads it: every tensor under a module named
+    `embedding_bags` or `embeddings` whole (whatever shards wrote it), the
+    other keys as _Object."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - in the caller's terms
+        raise ValueError(f"{path}: cannot read it as a torch.distributed.checkpoint directory: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    state, tensors = {}, {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata) and _UNDER_KIND.match(key):
+            tensors[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        state[key] = tensors.get(key, _Object())
+    if tensors:
+        with warnings.catch_warnings():  # (one process and no process group: DCP says so, and reads it all)
+            warnings.simplefilter("ignore")
+            try:
+                dcp.load(tensors, checkpoint_id=path)
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"{path}: cannot read its tables: {type(e).__name__}: {e}") from None
+    return state
+
+
 def convert_state_dict(src, dst, prefix: Optional[str] = None, combiner: str = "sum") -> List[str]:
-    """Converts the embedding tables of the state dict that
-    ``torch.save(model.state_dict())`` wrote to `src` into an embedcore
-    checkpoint at `dst` (values only: a state dict holds no optimizer
-    state), each table's values bit for bit in its own dtype (float32,
-    float16 or bfloat16). Returns the table names.
+    """Converts the embedding tables of a model's state dict into an
+    embedcore checkpoint at `dst`, values only (each table's bit for bit in
+    its own dtype: float32, float16 or bfloat16); returns the table names.
+    `src`: the file ``torch.save(model.state_dict())`` wrote, or the
+    directory of a ``torch.distributed.checkpoint`` (DCP) save, TorchRec's
+    format for sharded training: one process reads each table whole,
+    whatever shards and ranks wrote it.
 
     The tables are the keys ``<module>.embedding_bags.<table>.weight`` (an
     ``EmbeddingBagCollection``'s, TorchRec's or this adapter's: written with
@@ -102,17 +155,12 @@ def convert_state_dict(src, dst, prefix: Optional[str] = None, combiner: str = "
     if combiner not in ("sum", "mean", "sqrtn"):
         raise ValueError(f"combiner must be 'sum', 'mean' or 'sqrtn', not {combiner!r}")
     path = os.fspath(src)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - a file torch cannot read, in the caller's terms
-        text = str(e)
-        if "sharded_tensor" in text or "ShardedTensor" in text or "DTensor" in text:
-            raise ValueError(f"{path}: holds sharded tensors: {_SHARDED}") from None
-        raise ValueError(f"{path}: cannot read it as a PyTorch state dict: {type(e).__name__}: "
-                         f"{text.splitlines()[0] if text else ''}") from None
-    if not isinstance(state, Mapping):
-        raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict (write it with "
-                         "torch.save(model.state_dict()))")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise ValueError(f"{path}: a directory, but no torch.distributed.checkpoint (it has no .metadata)")
+        state = _dcp_state(path)
+    else:
+        state = _load(path)
     tables = []
     for key, name, kind, value in _tables(state, path, prefix):
         rows, dim = (int(n) for n in value.shape)

@@ -341,7 +341,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = sub.add_parser("convert", help="convert another format into an embedcore checkpoint")
     p.add_argument("--from", dest="source_format", required=True, choices=["sok", "tf", "torch"],
                    help="sok: SparseOperationKit dump files; tf: a tf.train.Checkpoint of TPUEmbedding; torch: "
-                   "a file of torch.save(model.state_dict()) holding TorchRec collections (values only)")
+                   "a file of torch.save(model.state_dict()) or a torch.distributed.checkpoint directory holding TorchRec "
+                   "collections (values only)")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--dim", type=int, default=None, help="SOK v1: embedding size, when the file sizes are ambiguous")

@@ -3,6 +3,7 @@ engine's memory, load_state_dict from PyTorch modules, the fused optimizers'
 state, ec.save / ec.load / Saver, copies and pickles."""
 import copy
 import gc
+import os
 import pickle
 
 import numpy as np
@@ -340,14 +341,26 @@ def _torchrec_model(torchrec):
     return model
 
 
-def test_convert_state_dict_serves_torchrec_collections(tmp_path, rng):
-    """torch.save(model.state_dict()) of a TorchRec model -> a checkpoint
-    that ec.serving serves: the pooled lookups of TorchRec's forward, and
-    every table's values bit for bit in its dtype."""
+@pytest.mark.parametrize("saved_by", ["torch.save", "dcp.save"])
+def test_convert_state_dict_serves_torchrec_collections(tmp_path, rng, saved_by):
+    """torch.save(model.state_dict()) of a TorchRec model, or a
+    torch.distributed.checkpoint of it -> a checkpoint that ec.serving
+    serves: the pooled lookups of TorchRec's forward, and every table's
+    values bit for bit in its dtype."""
+    import warnings
+
     torchrec = pytest.importorskip("torchrec")
     model = _torchrec_model(torchrec)
-    src = tmp_path / "model.pt"
-    torch.save(model.state_dict(), src)
+    if saved_by == "torch.save":
+        src = tmp_path / "model.pt"
+        torch.save(model.state_dict(), src)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        src = tmp_path / "dcp"
+        with warnings.catch_warnings():  # (no process group: DCP saves as one process, and says so)
+            warnings.simplefilter("ignore")
+            dcp.save(model.state_dict(), checkpoint_id=src)
     assert et.convert_state_dict(src, tmp_path / "ckpt") == ["t1", "t2", "s1"]
     served = ec.serving.open(tmp_path / "ckpt", verify="eager")
     for name, w in [("t1", model.sparse.embedding_bags["t1"].weight), ("t2", model.sparse.embedding_bags["t2"].weight),
@@ -464,3 +477,43 @@ def test_convert_state_dict_takes_only_collections_and_refuses_what_it_cannot_se
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
     assert "sharded refused: True False" in r.stdout and "dtensor refused: True False" in r.stdout, r.stdout + r.stderr
+
+
+def test_convert_state_dict_of_a_checkpoint_two_ranks_saved_sharded(tmp_path):
+    """A torch.distributed.checkpoint that two ranks wrote, each its rows of a
+    ShardedTensor (how TorchRec's row-wise sharded tables save): one process
+    converts each table whole."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "save.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+        import torch.distributed.checkpoint as dcp
+
+        def rank(r, path, port):
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=r, world_size=2)
+            from torch.distributed._shard.sharded_tensor import empty
+            from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+            st = empty(ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"]), 7, 3)
+            for shard in st.local_shards():
+                o, n = shard.metadata.shard_offsets[0], shard.tensor.shape[0]
+                shard.tensor.copy_(torch.arange(o * 3, (o + n) * 3, dtype=torch.float32).reshape(n, 3))
+            dcp.save({"model.ebc.embedding_bags.t.weight": st, "model.head.weight": torch.ones(2)}, checkpoint_id=path)
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            mp.spawn(rank, args=(sys.argv[1], 29000 + os.getpid() % 1000), nprocs=2)
+    """))
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "dcp")], capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(tmp_path / "dcp")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert et.convert_state_dict(tmp_path / "dcp", tmp_path / "ckpt") == ["t"]
+    np.testing.assert_array_equal(ec.serving.open(tmp_path / "ckpt").tables["t"].values(),
+                                  np.arange(21, dtype=np.float32).reshape(7, 3))
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ValueError, match="no torch.distributed.checkpoint"):
+        et.convert_state_dict(tmp_path / "plain", tmp_path / "x")
