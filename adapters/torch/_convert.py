@@ -85,9 +85,16 @@ def _tables(state: Mapping, path: str, prefix: Optional[str]) -> List[Tuple[str,
 
 
 def _load(path: str) -> Mapping:
-    """The state dict that torch.save wrote to the file `path`."""
+    """The state dict that torch.save wrote to the file `path`, memory-mapped
+    (tables are read a chunk at a time, not all at once) unless the file is
+    in torch.save's legacy format, which cannot be."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a file torch cannot read, in the caller's terms
         text = str(e)
         if "sharded_tensor" in text or "ShardedTensor" in text or "DTensor" in text:
