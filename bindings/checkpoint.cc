@@ -143,7 +143,12 @@ void BindCheckpoint(nb::module_& m) {
       .def("table_shape",
            [](const CheckpointInfo& i, size_t k) { return std::make_pair(i.tables.at(k).rows, i.tables.at(k).dim); })
       .def("table_config_json", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).config_json; })
-      .def("table_has_optimizer", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).has_optimizer; })
+      .def("table_has_optimizer",  // saved with an optimizer, known to this reader or not
+           [](const CheckpointInfo& i, size_t k) {
+             return i.tables.at(k).has_optimizer || !i.tables.at(k).unknown_optimizer.empty();
+           })
+      .def("table_unknown_optimizer",  // "" unless a newer writer's optimizer
+           [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).unknown_optimizer; })
       .def("table_dtype", [](const CheckpointInfo& i, size_t k) { return std::string(DTypeName(i.tables.at(k).dtype)); })
       .def("table_step", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).step; })
       .def("table_sharding_json", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).sharding_json; });

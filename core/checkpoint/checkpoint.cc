@@ -968,6 +968,16 @@ void CheckRowwiseBlock(const std::string& where, const TableEntry& entry, const 
                         ") cannot take them: load with include_optimizer=False to take the values only");
 }
 
+// A table saved with an optimizer this reader does not know: its state cannot be loaded.
+void CheckKnownOptimizer(const std::string& where, const TableEntry& entry, bool load_optimizer) {
+  if (!load_optimizer || entry.unknown_optimizer.empty()) return;
+  throw CheckpointError(where + " was saved with optimizer '" + entry.unknown_optimizer +
+                        "', which this reader (embedcore " EMBEDCORE_VERSION_STRING ", format " +
+                        std::to_string(kFormatMajor) + "." + std::to_string(kFormatMinor) +
+                        ") does not know; load with include_optimizer=False to take the values only, "
+                        "or upgrade embedcore");
+}
+
 std::string SlotMismatch(const std::string& where, const TableEntry& entry, const TableSpec& spec) {
   return where + " was saved with optimizer slots " + SlotList(entry.slot_names) +
          ", the target table's optimizer has slots " + SlotList(spec.optimizer.SlotNames()) +
@@ -982,6 +992,7 @@ void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Ta
     throw CheckpointError(where + " is " + std::to_string(entry.rows) + " x " + std::to_string(entry.dim) +
                           ", the target table '" + spec.name + "' is " + std::to_string(spec.rows) + " x " +
                           std::to_string(spec.dim));
+  CheckKnownOptimizer(where, entry, load_optimizer);
   if (load_optimizer && entry.has_optimizer && entry.slot_names != spec.optimizer.SlotNames())
     throw CheckpointError(SlotMismatch(where, entry, spec));
 }
@@ -995,6 +1006,7 @@ void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const
                           "; it has no block of rows [" + std::to_string(row_start) + ", " +
                           std::to_string(row_start + spec.rows) + ") and columns [" + std::to_string(col_start) +
                           ", " + std::to_string(col_start + spec.dim) + ") for the target '" + spec.name + "'");
+  CheckKnownOptimizer(where, entry, load_optimizer);
   if (load_optimizer && entry.has_optimizer && entry.slot_names != spec.optimizer.SlotNames())
     throw CheckpointError(SlotMismatch(where, entry, spec));
   const bool slots = load_optimizer && entry.has_optimizer;
@@ -1034,6 +1046,7 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
              col_start > entry.dim - table.dim()) {
     throw CheckpointError(info.path + ": table '" + entry.name + "' has no such block");
   }
+  CheckKnownOptimizer(info.path + ": table '" + entry.name + "'", entry, load_optimizer);
   const TableSpec& spec = table.spec();
   const bool slots = load_optimizer && entry.has_optimizer;
   if (slots && entry.slot_names != spec.optimizer.SlotNames())

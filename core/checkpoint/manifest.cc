@@ -225,6 +225,32 @@ Json OptimizerJson(const OptimizerSpec& o) {
   return j;
 }
 
+bool IsKnownOptimizer(const Reader& r, const Json& j, const std::string& where) {
+  const std::string kind = r.String(j, "kind", where);
+  return kind == "sgd" || kind == "adagrad" || kind == "rowwise_adagrad" || kind == "adam" || kind == "ftrl";
+}
+
+// The slots of an optimizer this reader does not know: each an array of
+// [rows, width] float32 files, at most as wide as the table, that tile it.
+void ParseUnknownSlots(const Reader& r, const Json& slots, TableEntry* t, const std::string& where) {
+  if (slots.size() > 64) r.Fail(where, "lists more than 64 slots");
+  for (auto it = slots.begin(); it != slots.end(); ++it) {
+    const std::string slot_where = where + "." + it.key();
+    if (!it->is_array() || it->empty() || it->size() > (1u << 20)) r.Fail(slot_where, "must be a non-empty array");
+    std::vector<FileEntry> files;
+    int64_t width = 0;
+    for (size_t k = 0; k < it->size(); ++k) {
+      FileEntry f = ParseFileEntry(r, (*it)[k], slot_where + "[" + std::to_string(k) + "]", t->rows, t->dim);
+      if (f.dtype != DType::kFloat32) r.Fail(slot_where, "must be float32");
+      width = std::max(width, f.col_start + f.cols);
+      files.push_back(std::move(f));
+    }
+    CheckCoverage(r, files, t->rows, width, slot_where);
+    t->slot_names.push_back(it.key());
+    t->slots.push_back(std::move(files));
+  }
+}
+
 OptimizerSpec ParseOptimizer(const Reader& r, const Json& j, const std::string& where) {
   OptimizerSpec o;
   const std::string kind = r.String(j, "kind", where);
@@ -310,6 +336,9 @@ Json ParseObject(const std::string& text, const std::string& what) {
 }  // namespace
 
 static Json TableJson(const TableEntry& t) {
+  if (!t.unknown_optimizer.empty())  // never written as something else
+    throw InvalidArgument("table '" + t.name + "': its optimizer '" + t.unknown_optimizer +
+                          "' is unknown to this version; it cannot be saved");
   Json tj;
   tj["name"] = t.name;
   tj["rows"] = t.rows;
@@ -442,6 +471,11 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
     t.initializer = ParseInitializer(r, r.Get(tj, "initializer", where), where + ".initializer");
     const Json& opt = r.Get(tj, "optimizer", where);
     t.has_optimizer = !opt.is_null();
+    if (t.has_optimizer && !IsKnownOptimizer(r, opt, where + ".optimizer")) {
+      // A newer writer's optimizer: the values stay readable (serving, values-only loads, verify).
+      t.has_optimizer = false;
+      t.unknown_optimizer = r.String(opt, "kind", where + ".optimizer");
+    }
     if (t.has_optimizer) t.optimizer = ParseOptimizer(r, opt, where + ".optimizer");
     t.step = r.Int(tj, "step", where, 0, kMaxStep);
     const Json& sharding = r.Get(tj, "sharding", where);
@@ -453,8 +487,11 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
     CheckCoverage(r, t.values, t.rows, t.dim, where + ".values");
     const Json& slots = r.Get(tj, "slots", where);
     if (!slots.is_object()) r.Fail(where + ".slots", "must be an object");
-    const std::vector<std::string> expected = t.has_optimizer ? t.optimizer.SlotNames() : std::vector<std::string>{};
-    if (!slots.empty() || t.has_optimizer) {
+    if (!t.unknown_optimizer.empty()) {
+      ParseUnknownSlots(r, slots, &t, where + ".slots");
+    } else if (const std::vector<std::string> expected =
+                   t.has_optimizer ? t.optimizer.SlotNames() : std::vector<std::string>{};
+               !slots.empty() || t.has_optimizer) {
       if (slots.size() != expected.size()) r.Fail(where + ".slots", "do not match the optimizer's slots");
       for (const std::string& name : expected) {
         auto it = slots.find(name);

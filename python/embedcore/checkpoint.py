@@ -386,7 +386,11 @@ class Saver:
                         prefix, pieces = f"t{len(entries):05d}.", []
                         for index, r0 in enumerate(range(0, t["rows"], chunk)):
                             block = _embedcore.table_like(info, k, min(chunk, t["rows"] - r0), t["dim"])
-                            _embedcore.load_table_block(info, k, block, r0, 0, has_opt, True)
+                            try:
+                                _embedcore.load_table_block(info, k, block, r0, 0, has_opt, True)
+                            except CheckpointError as e:  # e.g. an optimizer this version does not know
+                                raise CheckpointError(f"dump_to_file keeps the other tables of {path} with their "
+                                                      f"optimizer state: {e}") from None
                             pieces.append(json.loads(_embedcore.write_shard_files(
                                 path, generation, prefix, index, block, r0, 0, has_opt, values_dtype)))
                             del block

@@ -250,7 +250,8 @@ def _reshard(args) -> int:
     plan = _plan_arg(args.plan)
     if args.max_file_mb < 0:
         raise ValueError(f"--max-file-mb must be >= 0, got {args.max_file_mb}")
-    print(_summarized(reshard(args.src, args.dst, args.world, plan, max_file_bytes=args.max_file_mb << 20)))
+    print(_summarized(reshard(args.src, args.dst, args.world, plan, max_file_bytes=args.max_file_mb << 20,
+                              include_optimizer=not args.no_optimizer)))
     print(f"wrote {args.dst}")
     return 0
 
@@ -371,6 +372,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--max-file-mb", type=int, default=64,
                    help="largest piece read and written at once, in MiB of values and slots (bounds memory; "
                         "0: one file per shard)")
+    p.add_argument("--no-optimizer", action="store_true",
+                   help="write the values only (also takes a table whose optimizer this version does not know)")
 
     args = parser.parse_args(argv)
     if args.version:

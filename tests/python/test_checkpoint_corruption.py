@@ -530,7 +530,10 @@ FORGED = [
     ("slots missing for the optimizer", _set(["tables", 0, "slots"], {}), "open"),
     ("an extra slot", _set(["tables", 0, "slots", "linears"], []), "open"),
     ("slots without an optimizer", _set(["tables", 0, "optimizer"], None), "open"),
-    ("unknown optimizer", _set(["tables", 0, "optimizer", "kind"], "lamb"), "open"),
+    # An optimizer this reader does not know is read as a newer writer's: test_checkpoint_newer_optimizer.py.
+    ("a newer optimizer whose slot is wider than the table",
+     lambda m: _set(["tables", 0, "slots", "accumulators", 0, "cols"], DIM + 1)(
+         _set(["tables", 0, "optimizer", "kind"], "lamb")(m)), "open"),
     ("row-wise Adagrad over Adagrad's slot name", _set(["tables", 0, "optimizer", "kind"], "rowwise_adagrad"), "open"),
     ("row-wise Adagrad over a full-width slot file", _rowwise_over_full_width_slot, "open"),
     ("invalid optimizer option", _set(["tables", 0, "optimizer", "beta_1"], "high"), "open"),

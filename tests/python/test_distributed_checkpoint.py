@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -869,6 +870,24 @@ def test_reshard_rejects_bad_arguments(tmp_path, saved, kwargs):
         ec.distributed.reshard(src, dst, args["world_size"], args["plan"], max_file_bytes=args["max_file_bytes"])
     assert not dst.exists(), "a rejected reshard created its destination"
     assert dir_bytes(src) == src_before
+
+
+@pytest.mark.parametrize("world,max_file_bytes", [(1, 4), (100_001, 0)])
+def test_reshard_refuses_more_pieces_than_file_names_hold_before_writing(tmp_path, world, max_file_bytes):
+    """100,001 one-row pieces: refused at once, naming the way out, rather than failing at piece 100,000."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    table = ec.Table(name="t", rows=100_001, dim=1, initializer=ec.initializers.Uniform(-1, 1, seed=4))
+    ec.save(src, table)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"table 't' would be written in 100001 pieces, over 99999: raise "
+                                         r"max_file_bytes"):
+        ec.distributed.reshard(src, dst, world, "row_wise", max_file_bytes=max_file_bytes)
+    assert time.perf_counter() - t0 < 10, "refused only after writing"
+    assert not dst.exists()
+    if world == 1:
+        ec.distributed.reshard(src, dst, 1, "row_wise", max_file_bytes=8)  # 50,001 pieces fit
+        served = ec.serving.open(dst).tables["t"].lookup(np.arange(100_001), combiner=None)
+        np.testing.assert_array_equal(served, table.values())
 
 
 def test_reshard_of_no_checkpoint_raises_checkpoint_error(tmp_path):

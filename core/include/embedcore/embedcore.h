@@ -495,6 +495,11 @@ struct TableEntry {
   DType dtype = DType::kFloat32;  ///< the table's dtype when saved
   bool has_optimizer = false;
   OptimizerSpec optimizer;
+  /// The kind of an optimizer this reader does not know (a newer writer's):
+  /// then has_optimizer is false, `slot_names` / `slots` list its slot files
+  /// (read as arrays of some width, for verifying), and a load of its
+  /// optimizer state is refused; its values load, serve and verify.
+  std::string unknown_optimizer;
   int64_t step = 0;
   InitializerSpec initializer;
   std::vector<FileEntry> values;

@@ -214,14 +214,19 @@ def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
     agree(comm, error, step=emb.step_name("load: read"))
 
 
-def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 20) -> str:
+def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 20,
+            include_optimizer: bool = True) -> str:
     """Rewrites the checkpoint `src` as `dst` laid out for `world_size` ranks
     under `plan` (a kind, "auto", or a dict by table name), without a training
     job: each table block is read, verified and written in pieces of at most
     `max_file_bytes` of values and slots (0: one file per shard), so memory
     stays bounded whatever the table size. Any world size and plan can load
     any checkpoint; resharding lays the files out so that each rank reads
-    whole files. `dst` may be `src` (replaced atomically). Returns the plan's
+    whole files. `dst` may be `src` (replaced atomically).
+    `include_optimizer=False` writes the values alone (a values-only
+    checkpoint, as ``save(..., include_optimizer=False)`` makes); it also
+    takes the values of a table whose optimizer this version does not know,
+    which a reshard with its optimizer state refuses. Returns the plan's
     description."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"reshard: world_size must be an int in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
@@ -240,8 +245,22 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
         with _locked(src):
             info = _embedcore.read_info(src)
             manifest = json.loads(info.manifest_json)
+            for k, name in enumerate(info.table_names):
+                if include_optimizer and info.table_unknown_optimizer(k):
+                    raise CheckpointError(
+                        f"{src}: table '{name}' was saved with optimizer '{info.table_unknown_optimizer(k)}', which "
+                        f"this version does not know; reshard with include_optimizer=False (--no-optimizer) to take "
+                        f"the values only, or upgrade embedcore")
+            if not include_optimizer:  # every table as a values-only save writes it
+                manifest["tables"] = [{**t, "optimizer": None, "slots": {}, "step": 0} for t in manifest["tables"]]
             specs = [(t["name"], t["rows"], t["dim"], t["dtype"], *_slot_counts(t)) for t in manifest["tables"]]
             layout = make_plan(specs, world_size, plan)  # bad arguments are refused before dst is created
+            for t in manifest["tables"]:
+                count = sum(-(-s.rows // _rows_per_piece(t, s, max_file_bytes)) for s in layout[t["name"]].shards)
+                if count > _MAX_PIECES:
+                    raise ValueError(f"reshard: table '{t['name']}' would be written in {count} pieces, over "
+                                     f"{_MAX_PIECES}: raise max_file_bytes ({max_file_bytes}; --max-file-mb) or "
+                                     f"lower world_size ({world_size})")
             claim = _embedcore.GenerationClaim(dst)
             with _removed_on_failure(dst, claim.generation):
                 tables = _reshard_into(info, manifest, layout, dst, claim.generation, world_size, max_file_bytes)
@@ -253,32 +272,48 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
     return layout.describe()
 
 
+_MAX_PIECES = 99999  # a piece's number is 5 digits of its file names
+
+
+def _stored_dtype(t: dict) -> Optional[str]:
+    """The dtype a table's values files store when it is not the table's
+    (an export may store float32 as float16): kept by a reshard."""
+    stored = {f["dtype"] for f in t["values"]}
+    values_dtype = stored.pop() if len(stored) == 1 else None
+    return None if values_dtype == t["dtype"] else values_dtype
+
+
+def _rows_per_piece(t: dict, s, max_file_bytes: int) -> int:
+    """Rows of shard `s` of table `t` that a reshard writes in one piece:
+    at most `max_file_bytes` of values and slots (0: the whole shard)."""
+    element = {"float32": 4, "float16": 2, "bfloat16": 2}
+    slots, row_slots = _slot_counts(t)
+    row_bytes = s.cols * (element[_stored_dtype(t) or t["dtype"]] + 4 * slots) + 4 * row_slots
+    return s.rows if max_file_bytes == 0 else max(1, max_file_bytes // row_bytes)
+
+
+def _pieces(t: dict, ts, max_file_bytes: int):
+    """The (shard, first row, rows) pieces a reshard writes of table `t` laid out as `ts`."""
+    for s in ts.shards:
+        chunk = _rows_per_piece(t, s, max_file_bytes)
+        for r0 in range(s.row_start, s.row_start + s.rows, chunk):
+            yield s, r0, min(chunk, s.row_start + s.rows - r0)
+
+
 def _reshard_into(info, manifest: dict, layout, dst: str, generation: int, world_size: int,
                   max_file_bytes: int) -> list:
-    element = {"float32": 4, "float16": 2, "bfloat16": 2}
     tables = []
     for k, t in enumerate(manifest["tables"]):
         ts = layout[t["name"]]
         has_opt = t["optimizer"] is not None
-        # An export may store values in another dtype than the table's (float32
-        # saved as float16): keep what is stored, and size the pieces by it.
-        stored = {f["dtype"] for f in t["values"]}
-        values_dtype = stored.pop() if len(stored) == 1 else None
-        if values_dtype == t["dtype"]:
-            values_dtype = None
-        slots, row_slots = _slot_counts(t)
-        pieces, index = [], 0
-        for s in ts.shards:
-            row_bytes = s.cols * (element[values_dtype or t["dtype"]] + 4 * slots) + 4 * row_slots
-            chunk = s.rows if max_file_bytes == 0 else max(1, max_file_bytes // row_bytes)
-            for r0 in range(s.row_start, s.row_start + s.rows, chunk):
-                n = min(chunk, s.row_start + s.rows - r0)
-                block = _embedcore.table_like(info, k, n, s.cols)
-                _embedcore.load_table_block(info, k, block, r0, s.col_start, has_opt, True)
-                pieces.append(json.loads(_embedcore.write_shard_files(dst, generation, f"t{k:05d}.", index, block,
-                                                                      r0, s.col_start, has_opt, values_dtype)))
-                index += 1
-                del block
+        values_dtype = _stored_dtype(t)
+        pieces = []
+        for index, (s, r0, n) in enumerate(_pieces(t, ts, max_file_bytes)):
+            block = _embedcore.table_like(info, k, n, s.cols)
+            _embedcore.load_table_block(info, k, block, r0, s.col_start, has_opt, True)
+            pieces.append(json.loads(_embedcore.write_shard_files(dst, generation, f"t{k:05d}.", index, block,
+                                                                  r0, s.col_start, has_opt, values_dtype)))
+            del block
         entry = _merge(t, pieces)
         entry["sharding"] = {**ts.to_json(), "world_size": world_size}
         tables.append(entry)
