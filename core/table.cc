@@ -1,6 +1,7 @@
 // The host table: storage, validation, lookup and the sparse optimizer step.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -8,6 +9,7 @@
 #include <new>
 #include <set>
 #include <string>
+#include <utility>
 
 #include <pthread.h>
 
@@ -77,8 +79,21 @@ std::vector<std::string> OptimizerSpec::SlotNames() const {
 
 void OptimizerSpec::Validate() const {
   auto fail = [](const std::string& field, double v, const char* why) {
-    throw InvalidArgument("optimizer " + field + " " + why + ", got " + std::to_string(v));
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.9g", v);  // 1e-46 reads as 0 once float32, not as "0.000000"
+    throw InvalidArgument("optimizer " + field + " " + why + ", got " + buf);
   };
+  // Every option is a float32 the manifest records as a JSON number: none may be infinite or NaN.
+  const std::pair<const char*, float> options[] = {
+      {"initial_accumulator_value", initial_accumulator_value}, {"beta_1", beta_1}, {"beta_2", beta_2},
+      {"epsilon", epsilon}, {"adagrad_epsilon", adagrad_epsilon}, {"learning_rate_power", learning_rate_power},
+      {"l1_regularization_strength", l1}, {"l2_regularization_strength", l2}, {"beta", beta},
+      {"clip_weight_min", has_clip_weight_min ? clip_weight_min : 0.0f},
+      {"clip_weight_max", has_clip_weight_max ? clip_weight_max : 0.0f},
+      {"clipvalue min", has_clipvalue ? clip_gradient_min : 0.0f},
+      {"clipvalue max", has_clipvalue ? clip_gradient_max : 0.0f}, {"weight_decay_factor", weight_decay_factor}};
+  for (const auto& [field, v] : options)
+    if (!std::isfinite(v)) fail(field, v, "must be finite (within float32's range)");
   if (kind == Kind::kFTRL && !(initial_accumulator_value > 0.0f))
     fail("initial_accumulator_value", initial_accumulator_value, "must be > 0");
   if (kind == Kind::kAdagrad || kind == Kind::kRowwiseAdagrad) {

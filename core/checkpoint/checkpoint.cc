@@ -693,11 +693,14 @@ void CheckManifestIsOurs(const std::string& path) {
   const std::string refuse = manifest + ": not an embedcore manifest (";
   const std::string advice = "); a save here would replace it: move it away or save elsewhere";
   if (!S_ISREG(st.st_mode)) throw CheckpointError(refuse + "not a regular file" + advice);
-  if (st.st_size < 8) return;
+  // A shorter file is ours only if it starts as ours would (no embedcore
+  // writer leaves one: a manifest appears whole, by rename).
+  const size_t n = size_t(std::min<off_t>(st.st_size, 8));
+  if (n == 0) return;
   File file(manifest, O_RDONLY | O_NONBLOCK);
   char magic[8];
-  file.ReadAt(magic, sizeof(magic), 0);
-  if (std::memcmp(magic, checkpoint::kManifestMagic, 8) != 0) throw CheckpointError(refuse + "another magic" + advice);
+  file.ReadAt(magic, n, 0);
+  if (std::memcmp(magic, checkpoint::kManifestMagic, n) != 0) throw CheckpointError(refuse + "another magic" + advice);
 }
 
 // The newest generation in `path`: in its MANIFEST or in any of our file

@@ -319,6 +319,11 @@ class Saver:
             return "OK"
         path = native_path(path)
         tables = _tables_of(obj)
+        seen = set()
+        for t in tables:  # as save refuses them, before anything is written
+            if t.name in seen:
+                raise ValueError(f"dump_to_file: two tables are named {t.name!r}; names must be unique")
+            seen.add(t.name)
         if not os.path.isfile(os.path.join(path, "MANIFEST")):
             save(path, obj)
             return "OK"
@@ -412,11 +417,18 @@ class Saver:
         the features of `new` (an Embedding's, or none for tables), then those
         of `old` whose table is kept and whose name is not taken, served as a
         flat list (no one structure holds both)."""
+        kept = old.get("features") or []
+        if not isinstance(kept, list) or not all(
+                isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("table"), str)
+                for f in kept):
+            raise CheckpointError("dump_to_file: the checkpoint there has malformed metadata.features (a list of "
+                                  "objects with a 'name' and a 'table' expected), which a dump would keep: remove "
+                                  "it, or dump into another directory")
         features = list(new.get("features") or [])
         names = {f["name"] for f in features}
-        features += [f for f in old.get("features") or [] if f["table"] not in ours and f["name"] not in names]
+        features += [f for f in kept if f["table"] not in ours and f["name"] not in names]
         if new.get("kind") != "embedding":  # tables: the old features all still have their tables
-            features = list(old.get("features") or [])
+            features = list(kept)
         merged = {k: v for k, v in old.items() if k not in ("features", "structure", "structure_items")}
         merged.update(kind="embedding", features=features, structure=None)
         return merged

@@ -19,6 +19,8 @@ carry TensorFlow's names. Common options:
 from __future__ import annotations
 
 import math
+
+import numpy as np
 from typing import Callable, Union
 
 from . import _embedcore
@@ -39,11 +41,18 @@ def _number(owner: str, name: str, value, *, minimum=None, strict=False) -> floa
         v = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{owner}: {name} must be a number, got {value!r}") from None
+    except OverflowError:  # an int beyond float64
+        raise ValueError(f"{owner}: {name} must be within float32's range (+-{_FLOAT32_MAX:.7g}), "
+                         f"got an int of {len(str(abs(value)))} digits") from None
     if not math.isfinite(v):
         raise ValueError(f"{owner}: {name} must be finite, got {value!r}")
+    if abs(v) > _FLOAT32_MAX:  # the engine keeps options as float32: this would become infinite
+        raise ValueError(f"{owner}: {name} must be within float32's range (+-{_FLOAT32_MAX:.7g}), got {value!r}")
     if minimum is not None and (v < minimum or (strict and v == minimum)):
         op = ">" if strict else ">="
         raise ValueError(f"{owner}: {name} must be {op} {minimum}, got {value!r}")
+    if strict and minimum == 0 and float(np.float32(v)) == 0.0:
+        raise ValueError(f"{owner}: {name} must be > 0, got {value!r}, which is 0 as a float32")
     return v
 
 
@@ -147,7 +156,7 @@ class _Accumulating(Optimizer):
         name = type(self).__name__
         self.epsilon = _number(name, "epsilon", epsilon, minimum=0)
         self.initial_accumulator_value = _number(name, "initial_accumulator_value", initial_accumulator_value,
-                                                 minimum=0, strict=self.epsilon == 0)
+                                                 minimum=0, strict=float(np.float32(self.epsilon)) == 0)
 
     def _native(self):
         spec = super()._native()

@@ -564,6 +564,17 @@ EMBEDCORE_TEST(ConstructorValidation) {
        "clipvalue"},
       {K::kSGD, [](OptimizerSpec& o) { o.weight_decay_factor = -0.1f; }, "weight_decay_factor"},
       {K::kSGD, [](OptimizerSpec& o) { o.weight_decay_factor = std::nanf(""); }, "weight_decay_factor"},
+      // Whatever the optimizer, no option may be infinite: a manifest could not record it.
+      {K::kSGD, [](OptimizerSpec& o) { o.l2 = INFINITY; }, "l2_regularization_strength must be finite"},
+      {K::kFTRL, [](OptimizerSpec& o) { o.learning_rate_power = -INFINITY; }, "learning_rate_power must be finite"},
+      {K::kSGD,
+       [](OptimizerSpec& o) {
+         o.has_clipvalue = true;
+         o.clip_gradient_min = -INFINITY;
+         o.clip_gradient_max = INFINITY;
+       },
+       "clipvalue min must be finite (within float32's range), got -inf"},
+      {K::kAdagrad, [](OptimizerSpec& o) { o.initial_accumulator_value = 1e-46f; }, "got 0"},
   };
   for (const Bad& b : bad) {
     TableSpec spec = MakeSpec(4, 4, DType::kFloat32, b.kind);

@@ -11,7 +11,7 @@ import pytest
 
 import embedcore as ec
 import embedcore.cli
-from test_checkpoint_forge import assert_same_state, read_manifest, snapshot, train
+from test_checkpoint_forge import assert_same_state, read_manifest, snapshot, train, write_manifest
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -500,6 +500,31 @@ def test_saver_dump_and_restore(tmp_path, rng):
 
     with pytest.raises(ec.CheckpointError):
         saver.restore_from_file(dst, str(tmp_path / "nothing-here"))
+
+
+@pytest.mark.parametrize("features", ["abc", ["abc"], [{"name": 5, "table": "t"}], [{"name": "f"}]])
+def test_saver_dump_refuses_to_keep_malformed_features(tmp_path, features):
+    """A checkpoint there whose metadata.features (which a dump keeps) is malformed: a CheckpointError
+    naming it, and the checkpoint stays as it was."""
+    path = tmp_path / "c"
+    ec.save(path, make_embedding(seed=0))
+    m = read_manifest(path)
+    m["metadata"]["features"] = features
+    write_manifest(path, m)
+    before = {n: (path / n).read_bytes() for n in os.listdir(path)}
+    with pytest.raises(ec.CheckpointError, match=r"dump_to_file: the checkpoint there has malformed "
+                                                 r"metadata.features"):
+        ec.Saver().dump_to_file(make_table(name="other"), str(path))
+    assert {n: (path / n).read_bytes() for n in os.listdir(path)} == before
+
+
+def test_saver_dump_refuses_two_tables_of_one_name_before_writing(tmp_path):
+    path = tmp_path / "c"
+    ec.save(path, make_table(name="kept"))
+    before = sorted(os.listdir(path))
+    with pytest.raises(ValueError, match="dump_to_file: two tables are named 'a'"):
+        ec.Saver().dump_to_file([make_table(name="a"), make_table(name="a", seed=2)], str(path))
+    assert sorted(os.listdir(path)) == before
 
 
 def test_saver_load_embedding_values(rng):

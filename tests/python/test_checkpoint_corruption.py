@@ -537,6 +537,8 @@ FORGED = [
     ("row-wise Adagrad over Adagrad's slot name", _set(["tables", 0, "optimizer", "kind"], "rowwise_adagrad"), "open"),
     ("row-wise Adagrad over a full-width slot file", _rowwise_over_full_width_slot, "open"),
     ("invalid optimizer option", _set(["tables", 0, "optimizer", "beta_1"], "high"), "open"),
+    ("an option beyond float32 (inf once read)", _set(["tables", 0, "optimizer", "epsilon"], 1e300), "open"),
+    ("clipvalue beyond float32", _set(["tables", 0, "optimizer", "clipvalue"], [-1e300, 1e300]), "open"),
     ("unknown initializer", _set(["tables", 0, "initializer", "kind"], "orthogonal"), "open"),
     ("negative initializer seed", _set(["tables", 0, "initializer", "seed"], -1), "open"),
     ("values not a list", _set(["tables", 0, "values"], {"path": "x"}), "open"),
@@ -857,7 +859,7 @@ except ec.CheckpointError as e:
 
 def test_a_save_does_not_replace_a_manifest_that_is_not_ours(tmp_path):
     """A file named MANIFEST of another tool: the save refuses, and leaves it
-    and everything else as it was. A short one (empty) is replaced."""
+    and everything else as it was. An empty one, or the start of ours, is replaced."""
     path = tmp_path / "ckpt"
     path.mkdir()
     (path / "MANIFEST").write_bytes(b"my own manifest, not embedcore's")
@@ -867,6 +869,14 @@ def test_a_save_does_not_replace_a_manifest_that_is_not_ours(tmp_path):
         ec.save(path, make_table(seed=3))
     assert (path / "MANIFEST").read_bytes() == b"my own manifest, not embedcore's"
     assert sorted(os.listdir(path)) == ["MANIFEST", "notes.txt"]
+    # Shorter than the magic: refused too, unless it is how ours starts.
+    for short in (b"v1.0\n", b"x"):
+        (path / "MANIFEST").write_bytes(short)
+        with pytest.raises(ec.CheckpointError, match=r"another magic"):
+            ec.save(path, make_table(seed=3))
+        assert (path / "MANIFEST").read_bytes() == short
+    (path / "MANIFEST").write_bytes(b"ECKP")
+    ec.save(path, make_table(seed=3))
     (path / "MANIFEST").write_bytes(b"")
     t = make_table(seed=3)
     ec.save(path, t)

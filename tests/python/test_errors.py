@@ -577,6 +577,37 @@ def test_bad_optimizer_hyper_parameters(make):
         make()
 
 
+@pytest.mark.parametrize("make,match", [
+    (lambda: opt.FTRL(0.1, learning_rate_power=-1e39), "learning_rate_power must be within float32's range"),
+    (lambda: opt.FTRL(0.1, l2_regularization_strength=1e39), "l2_regularization_strength must be within"),
+    (lambda: opt.SGD(0.1, clipvalue=(-1e39, 1e39)), "clipvalue must be within float32's range"),
+    (lambda: opt.SGD(1e39), "learning_rate must be within"),
+    (lambda: opt.SGD(10**400), "learning_rate must be within float32's range .* an int of 401 digits"),
+    (lambda: opt.Adagrad(0.1, initial_accumulator_value=1e39), "initial_accumulator_value must be within"),
+    (lambda: opt.Adam(0.1, epsilon=1e39), "epsilon must be within"),
+    # Positive, but 0 once the engine holds it as a float32.
+    (lambda: opt.Adagrad(0.1, initial_accumulator_value=1e-46), "got 1e-46, which is 0 as a float32"),
+    (lambda: opt.FTRL(0.1, initial_accumulator_value=1e-46), "got 1e-46, which is 0 as a float32"),
+    (lambda: opt.Adagrad(0.1, initial_accumulator_value=0, epsilon=1e-50), "initial_accumulator_value must be > 0"),
+])
+def test_options_a_float32_cannot_hold(make, match):
+    """The engine keeps every option as a float32, and a checkpoint records
+    it: an option that would become infinite (or 0 where 0 is refused) is an
+    error naming it when the optimizer is made, not a save that fails later."""
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_the_largest_float32_options_save_and_load(tmp_path):
+    o = opt.FTRL(0.1, learning_rate_power=-3.4e38, l2_regularization_strength=3.4e38, clipvalue=(-3.4e38, 3.4e38))
+    table = make_table(6, 2, optimizer=o)
+    table.apply_gradients(np.array([1]), grads=np.ones((1, 2), np.float32))
+    ec.save(tmp_path / "c", table)
+    again = make_table(6, 2, optimizer=o)
+    ec.load(tmp_path / "c", into=again)
+    np.testing.assert_array_equal(again.values(), table.values())
+
+
 def test_ftrl_learning_rates_it_cannot_divide_by():
     """FTRL's update divides by the learning rate (unless the linear slot is
     multiplied by it): a rate, or a schedule's rate, of 0 or one whose inverse
