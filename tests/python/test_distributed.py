@@ -800,6 +800,28 @@ def _concat_grads(grads):
     return {k: np.concatenate([g[k] for g in grads]) for k in grads[0]}
 
 
+@pytest.mark.parametrize("bad", ["a foreign TableConfig", "a table named twice"])
+def test_a_bad_sharding_dict_on_one_rank_fails_every_rank(bad):
+    """The sharding= checks run inside the agreed construction step: the rank
+    whose dict is bad raises ValueError, the others RankFailedError, none waits."""
+    config, _ = _error_setup("row_wise")
+    seen = [None] * 2
+
+    def fn(world):
+        sharding = {"T": "row_wise"}
+        if world.rank == 1:
+            sharding = ({ec.TableConfig("elsewhere", 4, 2): "row_wise"} if bad == "a foreign TableConfig"
+                        else {"T": "row_wise", config["f"].table: "table_wise"})
+        try:
+            ec.Embedding(config, world=world, sharding=sharding)
+        except Exception as e:  # noqa: BLE001
+            seen[world.rank] = e
+
+    _run(2, fn)
+    assert isinstance(seen[1], ValueError) and "sharding names" in str(seen[1]), repr(seen[1])
+    assert isinstance(seen[0], ed.RankFailedError) and "sharding names" in str(seen[0]), repr(seen[0])
+
+
 @pytest.mark.parametrize("bad_rank", ["first", "last"])
 @pytest.mark.parametrize("W", [2, 3, 4])
 def test_bad_id_uncaught_run_local_reraises_the_failing_ranks_error(W, bad_rank):

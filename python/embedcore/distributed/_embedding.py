@@ -123,6 +123,21 @@ class ShardedEmbedding(Embedding):
         super().__init__(feature_config, optimizer)
 
     # ------------------------------------------------------------ layout
+    def _named_sharding(self):
+        """`sharding=`, its TableConfig keys as table names."""
+        if not isinstance(self._sharding, dict):
+            return self._sharding
+        named = {}
+        for k, v in self._sharding.items():
+            if isinstance(k, TableConfig):
+                if k not in self._effective:
+                    raise ValueError(f"sharding names a TableConfig that no feature uses: {k!r}")
+                k = self._effective[k].name
+            if k in named:
+                raise ValueError(f"sharding names table {k!r} twice (by name and by TableConfig)")
+            named[k] = v
+        return named
+
     def _build_tables(self) -> None:
         self._configs: List[TableConfig] = list(self._effective)
         self._table_index = {cfg: i for i, cfg in enumerate(self._configs)}
@@ -133,21 +148,9 @@ class ShardedEmbedding(Embedding):
             slots = len(native.slot_names) if native is not None else 0
             row_slots = slots if native is not None and native.kind == native.Kind.RowwiseAdagrad else 0
             specs.append((eff.name, eff.rows, eff.dim, eff.dtype, slots - row_slots, row_slots))
-        sharding = self._sharding
-        if isinstance(sharding, dict):  # TableConfig keys become names
-            named = {}
-            for k, v in sharding.items():
-                if isinstance(k, TableConfig):
-                    if k not in self._effective:
-                        raise ValueError(f"sharding names a TableConfig that no feature uses: {k!r}")
-                    k = self._effective[k].name
-                if k in named:
-                    raise ValueError(f"sharding names table {k!r} twice (by name and by TableConfig)")
-                named[k] = v
-            sharding = named
         error, plan, mine = None, None, None
-        try:
-            plan = make_plan(specs, self._world.size, sharding)
+        try:  # every check inside: a rank that fails must still tell the others
+            plan = make_plan(specs, self._world.size, self._named_sharding())
             # Every rank must build the same embedding: compare what decides routing and values.
             mine = (plan.describe(),
                     [(("name", e.name), ("rows", e.rows), ("dim", e.dim), ("dtype", e.dtype),
