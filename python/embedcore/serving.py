@@ -123,6 +123,10 @@ class ServedCheckpoint(FeatureLookup):
         if meta.get("kind") == "embedding" and meta.get("features"):
             if not isinstance(meta["features"], list):
                 raise CheckpointError(f"{self.path}: manifest metadata.features must be a list")
+            for i, f in enumerate(meta["features"]):  # as the C API checks them
+                if not (isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("table"), str)):
+                    raise CheckpointError(f"{self.path}: manifest metadata.features[{i}] must be an object with a "
+                                          f"string name and table, got {f!r}")
             features = [FeatureConfig(configs[f["table"]], f["max_sequence_length"], f["name"]) for f in meta["features"]]
             self._features = features
             self._feature_names = [f.name for f in features]

@@ -896,6 +896,8 @@ SERVING_FORGERIES = [
     ("feature of an unknown table", ["metadata"], {"kind": "embedding", "features": [
         {"name": "f", "table": "nope", "max_sequence_length": 0}]}),
     ("feature list not a list", ["metadata"], {"kind": "embedding", "features": 5}),
+    ("feature name not a string", ["metadata"], {"kind": "embedding", "features": [
+        {"name": 5, "table": "t", "max_sequence_length": 0}]}),
     ("structure naming feature 9 of 1", ["metadata"], {"kind": "embedding", "structure": {"feature": 9},
                                                        "features": [{"name": "f", "table": "t",
                                                                      "max_sequence_length": 0}]}),
@@ -904,6 +906,15 @@ SERVING_FORGERIES = [
                                                                  "max_sequence_length": 0}]}),
     ("metadata nesting 1,000 arrays", ["metadata", "x"], "DEEP"),
 ]
+
+
+def test_serving_refuses_a_feature_name_that_is_not_a_string(ckpt):
+    """As the C API does (its features are looked up by name)."""
+    m = read_manifest(ckpt)
+    m["metadata"] = {"kind": "embedding", "features": [{"name": 5, "table": "t", "max_sequence_length": 0}]}
+    write_manifest(ckpt, m)
+    with pytest.raises(ec.CheckpointError, match=r"metadata.features\[0\] must be an object with a string name"):
+        ec.serving.open(ckpt)
 
 
 @pytest.mark.parametrize("label,path,value", SERVING_FORGERIES, ids=[x[0] for x in SERVING_FORGERIES])
