@@ -298,6 +298,15 @@ class TFCheckpoint:
             if self.dtypes[key] != tf.float32:
                 raise ValueError(f"{self.path}: {key} holds {self.dtypes[key].name}, not float32")
 
+    def verify(self, prefix: str, name: str, slots: Sequence[str], shapes: Dict[Optional[str], Tuple[int, int]]) -> None:
+        """Reads table `name` and its `slots` block by block as ``read_into``
+        does, discarding the values: raises (naming the tensor and the data
+        files) unless every block the restore reads can be read, in the
+        memory of one block. `shapes`: the destination shape of the table
+        (key None) and of each slot."""
+        for slot in [None, *slots]:
+            self.read_into(prefix, name, slot, _sink(shapes[slot]))
+
     def _read_stacked(self, prefix: str, s: StackedTable, slot: Optional[str], dest: np.ndarray) -> None:
         key = _join(prefix, s.stacked if slot is None else f"{s.stacked}/{slot}") + ATTR
         if key not in self.shapes:
@@ -349,6 +358,13 @@ def unstack(s: StackedTable, shape: Tuple[int, int], read, dest: np.ndarray) -> 
             dest[i::cores][:count] = read((k * per_shard + s.offset, count), (0, s.dim))
 
 
+def _sink(shape: Tuple[int, int]) -> np.ndarray:
+    """A writable float32 array of `shape` whose elements all share one
+    float: writing a block into it keeps nothing (``verify``'s reads)."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=tuple(shape), strides=(0, 0),
+                                           writeable=True)
+
+
 # ------------------------------------------------------------------ into engine tables
 def _values_view(table: ec.Table) -> np.ndarray:
     if table.dtype != "float32":
@@ -361,10 +377,15 @@ def _slot_view(table: ec.Table, slot: str) -> np.ndarray:
 
 
 def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optional[str] = None,
-                   include_optimizer: bool = True) -> str:
+                   include_optimizer: bool = True, verify: bool = True) -> str:
     """Reads every table (and, with `include_optimizer`, the slots the
     checkpoint has and the table's optimizer uses) of `tables` from `ckpt`.
-    Every shape is checked before any table changes. Returns the prefix."""
+    Every shape and dtype is checked before any table changes, and, with
+    `verify`, every block that the restore reads is read once first and
+    discarded (a truncated or corrupt data file raises ValueError naming
+    the tensor and the files, with every table unchanged: the restore is
+    all or nothing, at the cost of reading the values twice). Returns the
+    prefix."""
     names = [t.name for t in tables]
     prefix = ckpt.find_prefix(names, prefix)
     plan = []
@@ -377,6 +398,10 @@ def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optio
         slots = [s for s in ckpt.slots(prefix, t.name) if s in t.slot_names] if include_optimizer else []
         ckpt.check(prefix, t.name, slots, t._native.slot_dim)
         plan.append((t, slots))
+    if verify:
+        for t, slots in plan:
+            ckpt.verify(prefix, t.name, slots,
+                        {None: _values_view(t).shape, **{s: _slot_view(t, s).shape for s in slots}})
     for t, slots in plan:
         ckpt.read_into(prefix, t.name, None, _values_view(t))
         for s in slots:
@@ -427,7 +452,9 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
         optimizer kind is read from its slots (accumulators: Adagrad;
         momenta + velocities: Adam; accumulators + linears: FTRL;
         row_accumulators: RowWiseAdagrad; none: SGD) with default hyper-parameters unless `optimizer` is given.
-    tables: only these table names.
+    tables: only these table names (a str is one name); a name that is not
+        in `feature_config` (or, without it, in the checkpoint) raises
+        ValueError.
     combiner: without `feature_config`, the combiner written for every
         table ("sum", "mean" or "sqrtn"; default "mean", the default of
         TensorFlow's ``TableConfig``: a checkpoint does not record it). With
@@ -439,6 +466,15 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
     if combiner is not None and feature_config is not None:
         raise ValueError("combiner= applies without feature_config only: the feature config gives each table's "
                          "combiner")
+    if isinstance(tables, str):
+        tables = [tables]  # one table name (not its characters)
+    elif tables is not None:
+        tables = list(tables)
+        bad = [n for n in tables if not isinstance(n, str)]
+        if bad:
+            raise TypeError(f"tables= takes table names (str), got {bad[0]!r} ({type(bad[0]).__name__})")
+        if not tables:
+            raise ValueError("tables= is empty: give at least one table name (or None for every table)")
     ckpt = TFCheckpoint(src)
     if feature_config is not None:
         from ._serving import EmbeddingForServing
@@ -447,6 +483,10 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
         emb.build()
         engine_tables = list(emb._embedcore_tables())
         if tables is not None:
+            known = [t.name for t in engine_tables]
+            unknown = [n for n in tables if n not in known]
+            if unknown:
+                raise ValueError(f"tables=: no table {unknown} in feature_config (its tables: {known})")
             engine_tables = [t for t in engine_tables if t.name in set(tables)]
     else:
         prefix = ckpt.find_prefix(tables, prefix)
@@ -465,7 +505,8 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
             engine_tables.append(ec.Table(name=name, rows=int(rows), dim=int(dim),
                                           initializer=ec.initializers.Zeros(), optimizer=opt,
                                           combiner=combiner or "mean"))
-    restore_tables(ckpt, engine_tables, prefix, include_optimizer)
+    # Fresh tables, written to dst only after every read succeeded: no need to read the values twice.
+    restore_tables(ckpt, engine_tables, prefix, include_optimizer, verify=False)
     ec.save(dst, engine_tables, include_optimizer=include_optimizer)
     return [t.name for t in engine_tables]
 

@@ -92,7 +92,8 @@ class Embedding(keras.layers.Layer):
             feature_config = _TF.FeatureConfig(table=table)
         elif input_dim is not None or output_dim is not None:
             raise ValueError("Embedding: give input_dim and output_dim, or feature_config=, not both")
-        self._config_args = dict(input_dim=input_dim, output_dim=output_dim, combiner=combiner, table_name=table_name)
+        self._config_args = dict(input_dim=input_dim, output_dim=output_dim, combiner=combiner, table_name=table_name,
+                                 optimizer=optimizer, initializer=initializer)
         self.embedding = EmbeddingForServing(feature_config, optimizer)
         self.supports_jit = False  # the lookup is a NumPy callback, which XLA cannot compile
         self._anchor = None
@@ -110,10 +111,27 @@ class Embedding(keras.layers.Layer):
         return self.embedding._embedcore_tables()
 
     def get_config(self):
+        """Keras's config (``model.save``, ``keras.models.clone_model``) of
+        an ``Embedding(input_dim, output_dim, ...)`` layer, with its
+        optimizer and initializer (as JSON), so that ``from_config`` builds
+        a layer that trains as this one does. An optimizer whose learning
+        rate is a schedule (a callable), or an initializer that is neither
+        embedcore's nor a Keras one, cannot be written: ValueError."""
         config = super().get_config()
         if self._config_args["input_dim"] is not None:
-            config.update(self._config_args)
+            args = dict(self._config_args)
+            args["optimizer"] = _optimizer_config(self.name, args["optimizer"])
+            args["initializer"] = _initializer_config(self.name, args["initializer"])
+            config.update(args)
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        where = f"Embedding.from_config ({config.get('name')!r})"
+        config["optimizer"] = _optimizer_from_config(where, config.get("optimizer"))
+        config["initializer"] = _initializer_from_config(where, config.get("initializer"))
+        return cls(**config)
 
     def call(self, inputs, weights=None, training=None):
         emb = self.embedding
@@ -190,3 +208,71 @@ def _apply(emb: EmbeddingForServing, backward, dys) -> list:
         run(*[t.numpy() for t in tensors])
         return []
     return [tf.numpy_function(run, tensors, tf.float32, name="embedcore_apply_gradients")]
+
+
+# ------------------------------------------------------------------ get_config / from_config
+def _optimizer_config(layer: str, opt) -> Optional[dict]:
+    """`opt` (embedcore's or TensorFlow's, or None) as JSON: embedcore's
+    optimizer with its options, as checkpoints record it."""
+    from embedcore.checkpoint import _optimizer_json
+
+    from ._config import optimizer_from_tf
+
+    ours = optimizer_from_tf(opt)
+    if ours is not None and callable(ours.learning_rate):
+        raise ValueError(f"embedcore.adapters.tf.Embedding {layer!r}: get_config cannot write the optimizer "
+                         f"{type(opt).__name__} whose learning rate is a schedule ({ours.learning_rate!r}, a "
+                         "callable); a layer built from the config would not train as this one does. Give a float "
+                         "learning rate, or rebuild the layer with its optimizer instead of from its config")
+    return _optimizer_json(ours)
+
+
+def _initializer_config(layer: str, init) -> Optional[dict]:
+    """`init` as JSON: embedcore's ({"class": ..., options}) or Keras's
+    (``keras.initializers.serialize``)."""
+    if init is None:
+        return None
+    if isinstance(init, ec.initializers.Initializer):
+        from embedcore.checkpoint import _initializer_json
+
+        return _initializer_json(init)
+    if isinstance(init, keras.initializers.Initializer):
+        return {"keras": keras.initializers.serialize(init)}
+    raise ValueError(f"embedcore.adapters.tf.Embedding {layer!r}: get_config cannot write the initializer {init!r} "
+                     "(only embedcore and Keras initializers are serializable); a layer built from the config would "
+                     "start from other values")
+
+
+def _optimizer_from_config(where: str, d) -> Optional[ec.optimizers.Optimizer]:
+    if d is None or isinstance(d, ec.optimizers.Optimizer):
+        return d
+    if not isinstance(d, dict) or not isinstance(d.get("class"), str):
+        raise ValueError(f"{where}: optimizer must be an embedcore optimizer's config ({{'class': ..., options}}) "
+                         f"or None, got {d!r}")
+    d = dict(d)
+    name = d.pop("class")
+    kind = getattr(ec.optimizers, name, None)
+    if not (isinstance(kind, type) and issubclass(kind, ec.optimizers.Optimizer)):
+        raise ValueError(f"{where}: unknown optimizer class {name!r} (embedcore.optimizers has no such optimizer)")
+    if d.get("learning_rate") is None or "learning_rate_schedule" in d:
+        raise ValueError(f"{where}: optimizer {name} has no learning rate (a schedule cannot be restored)")
+    try:
+        return kind(**d)
+    except TypeError as e:
+        raise ValueError(f"{where}: bad options for optimizer {name}: {e}") from None
+
+
+def _initializer_from_config(where: str, d):
+    if d is None or not isinstance(d, dict):
+        return d  # None, or an initializer object given directly
+    if "keras" in d:
+        return keras.initializers.deserialize(d["keras"])
+    d = dict(d)
+    name = d.pop("class", None)
+    kind = getattr(ec.initializers, name, None) if isinstance(name, str) else None
+    if not (isinstance(kind, type) and issubclass(kind, ec.initializers.Initializer)):
+        raise ValueError(f"{where}: unknown initializer {name!r} (not an embedcore.initializers class)")
+    try:
+        return kind(**d)
+    except TypeError as e:
+        raise ValueError(f"{where}: bad options for initializer {name}: {e}") from None

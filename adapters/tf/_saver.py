@@ -32,13 +32,20 @@ def _text(x) -> str:
 
 def _run(fn: Callable, tensors: Sequence, name: str) -> tf.Tensor:
     """Runs ``fn(*arrays)`` now (eagerly) or when the graph runs (a stateful
-    ``tf.numpy_function``); returns a string tensor "OK"."""
+    ``tf.numpy_function``); returns a string tensor "OK". Eagerly its errors
+    raise as they are; in a graph every error (an OSError too) raises as
+    ``InvalidArgumentError``."""
     if tf.executing_eagerly():
         fn(*[t.numpy() if hasattr(t, "numpy") else t for t in tensors])
         return tf.constant("OK")
 
     def run(*arrays):
-        fn(*arrays)
+        try:
+            fn(*arrays)
+        except OSError as e:
+            # TensorFlow turns a callback's ValueError into InvalidArgumentError (as for every other failure here),
+            # but an OSError into UnknownError: raise it as the ValueError, keeping its message (the file).
+            raise ValueError(f"{type(e).__name__}: {e}") from e
         return np.array(b"OK", dtype=object)
 
     out = tf.numpy_function(run, [tf.convert_to_tensor(t) for t in tensors], tf.string, name=name)

@@ -62,8 +62,18 @@ class TableHandle:
         return self.table.values() if self.slot is None else self.table.slots()[self.slot]
 
     def __array__(self, dtype=None, copy=None):
+        """NumPy 2's protocol: ``np.array(handle)`` / ``np.asarray(handle)``
+        return a copy of the values (a snapshot, writable, as for a
+        ``tf.Variable``); only ``copy=False`` returns the zero-copy read-only
+        view of ``numpy()``, and raises ValueError (as NumPy does) when
+        `dtype` would need a conversion."""
         v = self.numpy()
-        return v if dtype is None else v.astype(dtype)
+        if copy is False:
+            if dtype is not None and np.dtype(dtype) != v.dtype:
+                raise ValueError(f"'{self.name}': cannot convert the table's {v.dtype} values to {np.dtype(dtype)} "
+                                 "without a copy (copy=False)")
+            return v
+        return np.array(v, dtype=dtype, copy=True)
 
     def read_value(self) -> tf.Tensor:
         """A tensor holding a copy of the values, as float32. Inside a

@@ -335,3 +335,71 @@ def test_rowwise_adagrad_slot_is_one_column_through_tf_checkpoints(tmp_path):
     ec.load(str(tmp_path / "ec"), into=t)
     np.testing.assert_array_equal(t.slots()["row_accumulators"][:, 0], np.arange(20, dtype=np.float32))
     np.testing.assert_array_equal(t.to_numpy(), np.full((20, 4), 0.5, np.float32))
+
+
+def _two_table_config():
+    return {"x": E.FeatureConfig(E.TableConfig(vocabulary_size=1000, dim=16, name="a", optimizer=E.Adagrad(0.1))),
+            "y": E.FeatureConfig(E.TableConfig(vocabulary_size=1000, dim=16, name="b", optimizer=E.Adagrad(0.1)))}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bit_flip"])
+def test_damaged_data_file_changes_no_table(tmp_path, rng, damage):
+    # A data file that fails to read part-way (a tensor past its end, or a checksum mismatch) is found before any
+    # table is written: every table and slot keeps its values (was: the tables read before that tensor restored).
+    import glob
+    import os
+
+    theirs = E.TPUEmbeddingForServing(_two_table_config(), None)
+    theirs.build()
+    for d in theirs.variables.values():
+        for v in d.values():
+            v.assign(rng.standard_normal(v.shape).astype(np.float32))
+    path = tf.train.Checkpoint(embedding=theirs).save(str(tmp_path / "tf" / "ckpt"))
+    (data,) = glob.glob(path + ".data-*")
+    size = os.path.getsize(data)
+    with open(data, "r+b") as f:  # 5000 bytes from the end: inside the last 64 KB tensor
+        if damage == "truncated":
+            f.truncate(size - 5000)
+        else:
+            f.seek(size - 5000)
+            byte = f.read(1)
+            f.seek(size - 5000)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    # The reference: TensorFlow's own reader refuses one table or slot and reads the others.
+    reader, failed = tf.train.load_checkpoint(path), []
+    for key in reader.get_variable_to_shape_map():
+        try:
+            reader.get_tensor(key)
+        except (tf.errors.OpError, IndexError, ValueError):
+            failed.append(key)
+    failed = [k for k in failed if k.startswith("embedding/")]  # (a truncation loses the object graph too)
+    assert len(failed) == 1, failed
+    ours = EmbeddingForServing(_two_table_config())
+    ours.build()
+    before = _state(ours)
+    assert len(before) == 4  # a, b and their accumulators
+    with pytest.raises(ValueError, match="cannot read this TensorFlow checkpoint") as info:
+        load_tf_checkpoint(path, ours)
+    assert data in str(info.value) and failed[0] in str(info.value)
+    after = _state(ours)
+    for k, v in before.items():
+        np.testing.assert_array_equal(after[k], v, err_msg=f"{k} changed")
+
+
+def test_convert_tables_names(slotted_checkpoint, tmp_path):
+    path, written = slotted_checkpoint
+    # A str is one table name, not its characters.
+    assert convert_tf_checkpoint(path, tmp_path / "one", prefix="model/embedding", tables="ta") == ["ta"]
+    np.testing.assert_array_equal(ec.checkpoint.read_info(str(tmp_path / "one")).table_names, ["ta"])
+    assert convert_tf_checkpoint(path, tmp_path / "one_fc", feature_config=_slotted_config(), tables="tb") == ["tb"]
+    # A name the checkpoint / feature config does not hold is a ValueError naming it, with or without a config.
+    with pytest.raises(ValueError, match="typo"):
+        convert_tf_checkpoint(path, tmp_path / "bad1", prefix="model/embedding", tables=["ta", "typo"])
+    with pytest.raises(ValueError, match="typo"):
+        convert_tf_checkpoint(path, tmp_path / "bad2", feature_config=_slotted_config(), tables=["ta", "typo"])
+    with pytest.raises(ValueError, match="typo"):
+        convert_tf_checkpoint(path, tmp_path / "bad3", feature_config=_slotted_config(), tables=["typo"])
+    with pytest.raises(TypeError, match="tables="):
+        convert_tf_checkpoint(path, tmp_path / "bad4", feature_config=_slotted_config(), tables=[3])
+    for bad in ("bad1", "bad2", "bad3", "bad4"):
+        assert not (tmp_path / bad).exists()

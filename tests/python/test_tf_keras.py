@@ -258,3 +258,50 @@ def test_initializers_of_the_one_table_form():
     layer = Embedding(50, 4, initializer=tf_init, table_name="u")
     layer.build()
     np.testing.assert_array_equal(layer._embedcore_tables()[0].values(), tf_init((50, 4)).numpy())
+
+
+@pytest.mark.parametrize("optimizer", [ec.optimizers.Adagrad(0.5, initial_accumulator_value=0.2, clipvalue=1.0),
+                                       E.Adam(0.05), ec.optimizers.RowWiseAdagrad(0.3)],
+                         ids=["ec-adagrad", "tf-adam", "ec-rowwise-adagrad"])
+@pytest.mark.parametrize("initializer", [None, ec.initializers.Uniform(-0.1, 0.1, seed=5),
+                                         keras.initializers.RandomNormal(0.0, 0.3, seed=4)],
+                         ids=["default", "ec-uniform", "keras-normal"])
+def test_config_round_trip_keeps_optimizer_and_initializer(rng, optimizer, initializer):
+    # from_config(get_config()) / clone_model build a layer with the same table values that trains as the
+    # original does (was: no optimizer, so the clone's table silently never trained).
+    import json
+
+    layer = Embedding(30, 4, optimizer=optimizer, initializer=initializer, combiner="sum", table_name="items")
+    config = json.loads(json.dumps(layer.get_config()))  # as model.save writes it
+    clone = Embedding.from_config(config)
+    inputs = keras.Input(shape=(3,), dtype="int64")
+    model = keras.Model(inputs, layer(inputs))
+    cloned = keras.models.clone_model(model)
+    clone.build()
+    originals = [layer._embedcore_tables()[0], clone._embedcore_tables()[0], cloned.layers[-1]._embedcore_tables()[0]]
+    for t in originals[1:]:
+        assert repr(t.optimizer) == repr(originals[0].optimizer)
+        np.testing.assert_array_equal(t.values(), originals[0].values())
+    ids = rng.integers(0, 30, (8, 3))
+    dy = rng.standard_normal((8, 3, 4)).astype(np.float32)
+    for lay in (layer, clone, cloned.layers[-1]):
+        with tf.GradientTape() as tape:
+            out = lay(tf.constant(ids), training=True)
+            loss = tf.reduce_sum(out * dy)
+        tape.gradient(loss, lay.trainable_weights)
+    for t in originals[1:]:
+        assert t.step == originals[0].step == 1
+        np.testing.assert_array_equal(t.values(), originals[0].values())
+
+
+def test_config_of_unserializable_optimizer_or_initializer_is_refused():
+    layer = Embedding(10, 4, optimizer=ec.optimizers.SGD(lambda step: 0.1 / (1 + step)), table_name="t")
+    with pytest.raises(ValueError, match="schedule"):
+        layer.get_config()
+    layer = Embedding(10, 4, optimizer=ec.optimizers.SGD(0.1), table_name="t",
+                      initializer=lambda shape, dtype=None: tf.zeros(shape, dtype))
+    with pytest.raises(ValueError, match="initializer"):
+        layer.get_config()
+    config = Embedding(10, 4, optimizer=ec.optimizers.SGD(0.1), table_name="t").get_config()
+    with pytest.raises(ValueError, match="NoSuchOptimizer"):
+        Embedding.from_config({**config, "optimizer": {"class": "NoSuchOptimizer", "learning_rate": 0.1}})

@@ -93,3 +93,16 @@ def test_restore_values_only_and_dumps_sharing_a_directory(tmp_path, rng):
     out = tf.function(lambda: saver.restore_from_file(adam, path, include_optimizer=False))()
     assert out.numpy() == b"OK"
     np.testing.assert_array_equal(adam._embedcore_tables()[0].values(), layer._embedcore_tables()[0].values())
+
+
+def test_file_error_in_a_graph_is_invalid_argument(tmp_path):
+    # A failed file operation raises OSError eagerly and, like every other error, InvalidArgumentError inside
+    # tf.function, naming the file (was: UnknownError).
+    cfg = E.TableConfig(vocabulary_size=4, dim=2, name="t")
+    emb = EmbeddingForServing({"f": E.FeatureConfig(cfg)})
+    path = str(tmp_path / "no_such_parent" / "x")
+    with pytest.raises(OSError, match="no_such_parent"):
+        Saver().dump_to_file(emb, path)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="no_such_parent"):
+        tf.function(lambda p: Saver().dump_to_file(emb, p))(tf.constant(path))
+    assert not (tmp_path / "no_such_parent").exists()

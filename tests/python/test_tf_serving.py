@@ -551,3 +551,31 @@ def test_import_embedcore_does_not_import_tensorflow():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-2:] == ["False", "False"]
+
+
+@pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword")  # tf.Variable's
+def test_array_protocol_copies_like_numpy(rng):
+    # np.array / np.asarray of a handle follow NumPy 2's copy= as for an ndarray or a tf.Variable: a writable
+    # snapshot unless copy=False, which is the read-only view (was: the live view, whatever copy= said).
+    config, table = _config("sum")
+    emb = EmbeddingForServing(config)
+    values = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    handle = emb.embedding_tables[table]
+    handle.assign(values)
+    variable = tf.Variable(values)
+    for convert in (np.array, np.asarray, lambda x: np.asarray(x, copy=True), lambda x: np.array(x, np.float64)):
+        ours, theirs = convert(handle), convert(variable)
+        assert ours.dtype == theirs.dtype and ours.flags.writeable == theirs.flags.writeable
+        np.testing.assert_array_equal(ours, theirs)
+        assert not np.shares_memory(ours, handle.numpy())
+        handle.assign(values + 1)  # the snapshot keeps the values it was taken with
+        np.testing.assert_array_equal(ours, theirs)
+        handle.assign(values)
+    view = np.asarray(handle, copy=False)
+    assert np.shares_memory(view, handle.numpy()) and not view.flags.writeable
+    np.testing.assert_array_equal(np.asarray(handle, dtype=np.float32, copy=False), values)
+    # A conversion that needs a copy: NumPy's own ValueError for an ndarray, and ours.
+    with pytest.raises(ValueError):
+        np.asarray(values, dtype=np.float64, copy=False)
+    with pytest.raises(ValueError, match="'t'.*copy=False"):
+        np.asarray(handle, dtype=np.float64, copy=False)
