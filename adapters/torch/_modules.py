@@ -136,6 +136,18 @@ def refuse_float16_backward(device_type: str, owner: str, outs: List[Tensor]) ->
     return list(_RefusedBackward.apply(message, *outs))
 
 
+def _copyable(src, dst) -> bool:
+    """Whether ``copy_`` copies a dense tensor of dtype `src` into one of
+    `dst` (it refuses quantized and bit-field dtypes, among others)."""
+    if src in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+        return False
+    try:
+        torch.empty(1, dtype=dst).copy_(torch.zeros(1, dtype=src))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
 class _AdapterModule(nn.Module):
     """What every adapter module offers: its tables for ``ec.save`` /
     ``ec.load`` / ``ec.Saver``, and the fused optimizers' state."""
@@ -175,7 +187,8 @@ class _AdapterModule(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``, with every table's weight checked
-        (present when `strict`, of the table's shape) before any table is
+        (present when `strict`, a dense tensor of the table's shape, with data,
+        of a dtype ``copy_`` converts) before any table is
         written: PyTorch copies module by module and reports errors at the
         end, which would leave the tables loaded up to the bad one. With
         `strict`, unexpected keys are refused first too."""
@@ -196,6 +209,12 @@ class _AdapterModule(nn.Module):
                                        f'state_dict: "{key}". (No table was changed.)')
                 continue
             value = state_dict[key]
+            if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.is_nested):
+                # copy_ refuses these (after earlier tables were written)
+                layout = "nested" if value.is_nested else str(value.layout)
+                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: {key} is a "
+                                   f"{layout} tensor; a table's weight loads from a dense (torch.strided) one "
+                                   f"(e.g. value.to_dense()). (No table was changed.)")
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(m.weight.shape):
                 got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: size mismatch for "
@@ -204,6 +223,11 @@ class _AdapterModule(nn.Module):
             if value.device.type == "meta":  # copy_ would fail on it, after earlier tables were written
                 raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: {key} is on the meta "
                                    "device (it holds no data). (No table was changed.)")
+            if not _copyable(value.dtype, m.weight.dtype):
+                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: {key} has dtype "
+                                   f"{value.dtype}, which cannot be copied into the table's {m.weight.dtype} weight"
+                                   f"{' (dequantize it first)' if value.is_quantized else ''}. (No table was "
+                                   "changed.)")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __getstate__(self):
@@ -367,6 +391,17 @@ class _TableModule(_AdapterModule):
                              f"another for its weight; give one of them")
         if not (weight.requires_grad and torch.is_grad_enabled()):
             return self._frozen_anchor, _ops.FUSED
+        if not compiling:
+            # A rate the update cannot use raises now, before any backward: with dict inputs each table has its
+            # own backward, and the others would step before this one's raised. (Not traced: a compiled graph
+            # would guard on the rate's value, and recompile whenever a scheduler changed it; its backward
+            # still checks.) A group's rate is checked again only once it is another object (a scheduler's).
+            group = self._group
+            lr = None if group is None else group.get("lr")
+            if lr is None or lr is not self.__dict__.get("_checked_lr"):
+                _ops.fused_rate(self._table, group)
+                if lr is not None and not callable(self._table.optimizer.learning_rate):
+                    self.__dict__["_checked_lr"] = lr
         if not compiling and not self.__dict__.get("_warned_replicas") and _replicated():
             self._warned_replicas = True
             warnings.warn(

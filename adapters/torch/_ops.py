@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["SUM", "MEAN", "SQRTN", "SEQUENCE", "FUSED", "SPARSE", "DENSE", "WHOLE", "register", "unregister",
-           "lookup", "lookup_impl", "eager_lookup", "plain_eager", "needs_step", "lookup_backward", "lookup_backward_impl"]
+           "fused_rate", "lookup", "lookup_impl", "eager_lookup", "plain_eager", "needs_step", "lookup_backward", "lookup_backward_impl"]
 
 # Combiners (the engine's codes) and gradient modes.
 SUM, MEAN, SQRTN, SEQUENCE = 0, 1, 2, 3
@@ -233,13 +233,42 @@ def _parts(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segm
     return parts
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def fused_rate(table, group: Optional[dict]) -> float:
+    """The rate of `table`'s next fused step: its parameter group's "lr" (a
+    scheduler or ``load_state_dict`` may have changed it), or the table's own
+    schedule's; checked, with an error naming the table (``TypeError`` /
+    ``ValueError``) for a rate the engine's update cannot use. The modules
+    call it in the forward too, so that a bad rate fails before any backward
+    (one per table with dict inputs) has stepped any table."""
+    if group is None or callable(table.optimizer.learning_rate):
+        try:
+            return table.learning_rate()
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"table '{table.name}': {e}") from None
+    lr = group["lr"]
+    try:
+        if isinstance(lr, (bool, str, bytes)):
+            raise TypeError
+        v = float(lr)
+    except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of several elements)
+        raise TypeError(f"table '{table.name}': the learning rate of its fused optimizer's param group "
+                        f"(\"lr\") must be a number, got {lr!r}") from None
+    if not abs(v) <= _FLOAT32_MAX:  # (NaN too)
+        raise ValueError(f"table '{table.name}': the learning rate of its fused optimizer's param group (\"lr\") "
+                         f"must be finite and within float32's range, got {lr!r}")
+    try:
+        table.optimizer._check_learning_rate(v, f"learning rate {v!r} (its param group's \"lr\")")
+    except ValueError as e:
+        raise ValueError(f"table '{table.name}': {e}") from None
+    return v
+
+
 def _fused_rate(entry: _Entry) -> float:
-    """The rate of a fused step: the table's parameter group's (a scheduler
-    may have changed it), or the table's own schedule's."""
-    table, group = entry.table, entry.group
-    if group is not None and not callable(table.optimizer.learning_rate):
-        return float(group["lr"])
-    return table.learning_rate()
+    """The rate of a fused step (``fused_rate``)."""
+    return fused_rate(entry.table, entry.group)
 
 
 def _fused_stepped(entry: _Entry) -> None:
@@ -259,14 +288,23 @@ def _cpu_source(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
     if a.device.type != "cpu" or off.dtype != torch.int64 or a.dtype not in (torch.int32, torch.int64) or a.dim() != 1:
         return None
     # (Integer tensors never require grad: numpy() needs no detach.)
+    a_np, w_np = a.numpy(), (_np(weights[0]) if weights else None)
     if include_last_offset:
         off = off.numpy()
+        if not off.shape[0]:
+            return None
+        end = int(off[-1])
+        if 0 <= end < a_np.shape[0]:
+            # The ids after the last offset belong to no bag (as in nn.EmbeddingBag): the source ends there, so
+            # that every window, forward and backward, holds only its bags' ids.
+            a_np = a_np[:end]
+            w_np = None if w_np is None else w_np[:end]
     else:
         bags = off.shape[0]
         given, off = off.numpy(), np.empty(bags + 1, np.int64)
         off[:bags] = given
         off[bags] = a.shape[0]
-    return a.numpy(), off, (_np(weights[0]) if weights else None)
+    return a_np, off, w_np
 
 
 def _windows(source, starts: List[int], nb: int):

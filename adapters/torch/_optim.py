@@ -3,6 +3,7 @@ TorchRec's ``fused_optimizer`` (a ``torch.optim.Optimizer``); and the engine
 optimizer equal to the one ``apply_optimizer_in_backward`` gives a weight."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -144,8 +145,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             groups.append({**{k: v for k, v in m._group.items() if k != "params"}, "params": [key]})
         return {"state": state, "param_groups": groups}
 
-    def _slot_name(self, m, name: str) -> str:
+    def _slot_name(self, m, key: str, name) -> str:
         names = m._table.slot_names
+        if not isinstance(name, str):
+            raise TypeError(f"{key}: a slot name must be a str, got {name!r}")
         short = name.rsplit(".", 1)[-1]
         if short in names:
             return short
@@ -153,16 +156,47 @@ class FusedOptimizer(torch.optim.Optimizer):
             return _ALIASES[short]
         if short in ("momentum1", "momentum2") and len(names) >= int(short[-1]):
             return names[int(short[-1]) - 1]
-        raise KeyError(f"table '{m._table.name}' ({type(m._table.optimizer).__name__}) has no slot {name!r}; "
-                       f"its slots are {list(names)}")
+        raise ValueError(f"{key}: table '{m._table.name}' ({type(m._table.optimizer).__name__}) has no slot "
+                         f"{name!r}; its slots are {list(names)}")
+
+    def _checked_lr(self, m, where: str, lr) -> float:
+        """A param group's "lr" as loaded: a finite number >= 0 that the
+        table's optimizer can use."""
+        table = m._table
+        try:
+            if isinstance(lr, (bool, str, bytes)):
+                raise TypeError
+            v = float(lr)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{where} (table '{table.name}'): lr must be a number, got {lr!r}") from None
+        if not 0.0 <= v <= 3.4028234663852886e38:  # (NaN fails too)
+            raise ValueError(f"{where} (table '{table.name}'): lr must be finite, >= 0 and within float32's range, "
+                             f"got {lr!r}")
+        try:
+            table.optimizer._check_learning_rate(v, f"lr {v!r}")
+        except ValueError as e:
+            raise ValueError(f"{where} (table '{table.name}'): {e}") from None
+        return v
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Checks everything (keys, slot names, shapes, values, steps, rates:
+        ``ValueError`` / ``TypeError`` naming the key or group) before any
+        table changes."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"an optimizer state_dict must be a dict with \"state\" and/or \"param_groups\", "
+                            f"got {type(state_dict).__name__}")
         by_key = dict(self._entries)
+        states = state_dict.get("state", {})
+        if not isinstance(states, Mapping):
+            raise TypeError(f"state_dict[\"state\"] must be a dict of weight key -> dict of slots, got {states!r}")
         plan = []
-        for key, s in state_dict.get("state", {}).items():
+        for key, s in states.items():
             if key not in by_key:
-                raise KeyError(f"optimizer state for {key!r}, which is not a fused table of this module "
-                               f"(those are {list(by_key)})")
+                raise ValueError(f"optimizer state for {key!r}, which is not a fused table of this module "
+                                 f"(those are {list(by_key)})")
+            if not isinstance(s, Mapping):
+                raise TypeError(f"{key}: its optimizer state must be a dict of slot name -> tensor (and \"step\"), "
+                                f"got {s!r}")
             m = by_key[key]
             for name, value in s.items():
                 if name == "step":
@@ -173,8 +207,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"{key}: step must be an int in [0, 2**62], got {value!r}")
                     plan.append((m, None, step))
                     continue
-                slot = self._slot_name(m, name)
-                value = torch.as_tensor(value)
+                slot = self._slot_name(m, key, name)
+                if value is None or isinstance(value, (str, bytes)):
+                    raise TypeError(f"{key}: slot {name!r} must be a tensor (or array) of floats, got {value!r}")
+                try:
+                    value = torch.as_tensor(value)
+                except (TypeError, ValueError, RuntimeError) as e:
+                    raise TypeError(f"{key}: slot {name!r} must be a tensor (or array) of floats, got "
+                                    f"{type(value).__name__} ({e})") from None
+                if value.layout != torch.strided:
+                    raise TypeError(f"{key}: slot {name!r} must be a dense (strided) tensor, got {value.layout}")
                 if value.dim() == 1 and tuple(m._slots[slot].shape) == (value.numel(), 1):
                     value = value.unsqueeze(1)  # TorchRec's row-wise momentum1 is [rows]
                 if tuple(value.shape) != tuple(m._slots[slot].shape):
@@ -182,17 +224,27 @@ class FusedOptimizer(torch.optim.Optimizer):
                                      f"got {tuple(value.shape)}")
                 if not value.is_floating_point():
                     raise TypeError(f"{key}: slot {name!r} must hold real floats, got {value.dtype}")
+                if value.device.type == "meta":
+                    raise ValueError(f"{key}: slot {name!r} is on the meta device (it holds no data)")
                 if not torch.isfinite(value).all():
                     raise ValueError(f"{key}: slot {name!r} holds NaN or infinite values")
                 if slot in NON_NEGATIVE_SLOTS and value.numel() and float(value.min()) < 0:
                     raise ValueError(f"{key}: slot {name!r} must be >= 0 (the optimizer takes its square root), "
                                      f"got {float(value.min())}")
                 plan.append((m, slot, value))
+        groups = state_dict.get("param_groups", [])
+        if not isinstance(groups, (list, tuple)):
+            raise TypeError(f"state_dict[\"param_groups\"] must be a list of dicts, got {groups!r}")
         lrs = []
-        for g in state_dict.get("param_groups", []):
-            for key in g.get("params", []):
-                if key in by_key and "lr" in g:
-                    lrs.append((by_key[key], float(g["lr"])))
+        for i, g in enumerate(groups):
+            if not isinstance(g, Mapping):
+                raise TypeError(f"param_groups[{i}] must be a dict, got {g!r}")
+            params = g.get("params", [])
+            if not isinstance(params, (list, tuple)):
+                raise TypeError(f"param_groups[{i}][\"params\"] must be a list of weight keys, got {params!r}")
+            for key in params:
+                if isinstance(key, str) and key in by_key and "lr" in g:
+                    lrs.append((by_key[key], self._checked_lr(by_key[key], f"param_groups[{i}]", g["lr"])))
         # Everything checked; now change the tables.
         with torch.no_grad():
             for m, slot, value in plan:

@@ -485,3 +485,51 @@ def test_torchrec_positional_arguments_are_refused_by_name():
         et.EmbeddingBagCollection(_configs(), True)
     with pytest.raises(TypeError, match=r"EmbeddingCollection: the second argument is optimizer=.*device="):
         et.EmbeddingCollection(_configs(et.EmbeddingConfig), "cpu")
+
+
+@pytest.mark.parametrize("form", ["dict", "kjt", "kjt_int32_offsets"])
+def test_features_outside_the_loss_step_only_with_kjt_inputs(rng, torchrec, form):
+    """Which tables step when only feature a's output reaches the loss
+    (docs/torch.md). Dict input: one output per feature; b's gets no gradient
+    and its table does not step. KJT input: one KeyedTensor; b's columns get
+    zero gradients and its table steps with them, as TorchRec's fused tables
+    do (FBGEMM's TBE runs its optimizer on every looked-up row: with
+    EXACT_ADAGRAD and eps=0 the unused table's rows become 0/0 = NaN). The
+    reference: nn.EmbeddingBag(sparse=True) tables with SparseAdam, b's
+    output given zero gradients (or none)."""
+    cfgs = [et.EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t1", feature_names=["a"]),
+            et.EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t2", feature_names=["b"])]
+    ebc = et.EmbeddingBagCollection(cfgs, optimizer=ec.optimizers.Adam(0.1, bias_correction=True,
+                                                                        sum_inside_sqrt=False, epsilon=1e-8))
+    refs = {n: torch.nn.EmbeddingBag.from_pretrained(ebc.embedding_bags[n].weight.detach().clone(), freeze=False,
+                                                     mode="sum", sparse=True) for n in ("t1", "t2")}
+    opts = {n: torch.optim.SparseAdam([r.weight], lr=0.1) for n, r in refs.items()}
+    ids = {"a": torch.tensor([1, 2]), "b": torch.tensor([3, 4])}
+
+    def forward():
+        if form == "dict":
+            return ebc(ids)
+        values, lengths = torch.cat([ids["a"], ids["b"]]), torch.ones(4, dtype=torch.int64)
+        if form == "kjt":
+            return ebc(torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["a", "b"], values=values, lengths=lengths))
+        return ebc(torchrec.KeyedJaggedTensor(keys=["a", "b"], values=values, lengths=lengths,
+                                              offsets=torch.arange(5, dtype=torch.int32)))
+
+    zero_grads_step_b = form != "dict"
+    for both in (True, False, False):  # a first step of both tables, so that Adam's slots hold something
+        out = forward()
+        (out["a"].sum() + (out["b"].sum() if both else 0)).backward()
+        for n, key in (("t1", "a"), ("t2", "b")):
+            if n == "t1" or both or zero_grads_step_b:
+                opts[n].zero_grad()
+                (refs[n](ids[key], torch.tensor([0, 1])).sum() * (1.0 if n == "t1" or both else 0.0)).backward()
+                opts[n].step()
+    for n in ("t1", "t2"):
+        assert max_diff(ebc.embedding_bags[n].weight, refs[n].weight) <= 1e-5, n
+    assert ebc.embedding_bags["t1"].table.step == 3
+    assert ebc.embedding_bags["t2"].table.step == (3 if zero_grads_step_b else 1)
+    if zero_grads_step_b:  # the zero gradients moved b's rows (Adam's first moment decays, not to zero)
+        before = ebc.embedding_bags["t2"].weight.detach().clone()
+        forward()["a"].sum().backward()
+        assert not torch.equal(ebc.embedding_bags["t2"].weight[3:5], before[3:5])
+        assert torch.equal(ebc.embedding_bags["t2"].weight[5:], before[5:])

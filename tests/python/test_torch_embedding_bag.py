@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 import embedcore as ec  # noqa: E402
 import embedcore.adapters.torch as et  # noqa: E402
-from torch_helpers import bags, max_diff, uniform_weights  # noqa: E402
+from torch_helpers import bags, engine_optimizer, max_diff, torch_optimizer, uniform_weights  # noqa: E402
 
 ROWS, DIM = 40, 6
 
@@ -65,6 +65,49 @@ def test_include_last_offset_ignores_trailing_ids(rng):
     ids = torch.tensor([1, 2, 3, 4, 5])
     offsets = torch.tensor([0, 2, 3])  # ids 3 and 4 belong to no bag, as in PyTorch
     assert max_diff(ours(ids, offsets), ref(ids, offsets)) <= 1e-6
+
+
+@pytest.mark.parametrize("offsets_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("mode,weighted", [("sum", False), ("mean", False), ("sum", True)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_include_last_offset_trailing_ids_train(rng, offsets_dtype, mode, weighted, fused):
+    """Ids after the last offset belong to no bag, in the backward too (was,
+    with int64 offsets: every backward raised, unfused "allocated size does
+    not match required size", fused "offsets must end at len(ids)"). The
+    reference is nn.EmbeddingBag with torch.optim on the ids that are in
+    bags: on CPU its own backward gives the trailing ids' rows (and
+    per_sample_weights) gradients from uninitialised memory."""
+    w = uniform_weights(rng, ROWS, DIM)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, mode=mode, include_last_offset=True)
+    ours = et.EmbeddingBag.from_pretrained(w, freeze=False, mode=mode, include_last_offset=True,
+                                           optimizer=engine_optimizer("adagrad", 0.3) if fused else None)
+    opt = torch_optimizer("adagrad", [ref.weight], 0.3)
+    ids = torch.tensor([1, 2, 3, 2, 7, 9, 30, 31])
+    offsets = torch.tensor([0, 2, 2, 5], dtype=offsets_dtype)  # ids 9, 30, 31 are in no bag
+    psw = torch.tensor([0.5, 1.5, 2.0, 0.25, 1.0, 3.0, 4.0, 5.0]) if weighted else None
+    g = torch.from_numpy(rng.standard_normal((3, DIM)).astype(np.float32))
+    for _ in range(2):
+        p1 = psw[:5].clone().requires_grad_() if weighted else None
+        p2 = psw.clone().requires_grad_() if weighted else None
+        expected = ref(ids[:5], offsets.long(), p1)
+        out = ours(ids, offsets, p2)
+        assert max_diff(out, expected) <= 1e-6
+        opt.zero_grad()
+        (expected * g).sum().backward()
+        (out * g).sum().backward()
+        opt.step()
+        if weighted:
+            assert max_diff(p2.grad[:5], p1.grad) <= 1e-5
+            assert torch.equal(p2.grad[5:], torch.zeros(3))
+        if fused:
+            assert max_diff(ours.weight, ref.weight) <= 1e-5
+        else:
+            assert max_diff(ours.weight.grad, ref.weight.grad) <= 1e-6
+            with torch.no_grad():
+                ours.weight.copy_(ref.weight)
+            ours.weight.grad = None
+    if fused:
+        assert ours.table.step == 2
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean"])

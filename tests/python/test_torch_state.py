@@ -119,9 +119,9 @@ def test_optimizer_state_from_sparse_adam(rng):
 
 def test_optimizer_state_errors():
     m = et.EmbeddingBag(ROWS, DIM, optimizer=ec.optimizers.Adagrad(0.1))
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="'nope.weight', which is not a fused table"):
         m.load_optimizer_state_dict({"state": {"nope.weight": {}}})
-    with pytest.raises(KeyError, match="no slot"):
+    with pytest.raises(ValueError, match="weight: table .* has no slot 'momenta'"):
         m.load_optimizer_state_dict({"state": {"weight": {"momenta": torch.zeros(ROWS, DIM)}}})
     with pytest.raises(ValueError, match="shape"):
         m.load_optimizer_state_dict({"state": {"weight": {"accumulators": torch.zeros(3, DIM)}}})
@@ -161,6 +161,95 @@ def test_a_bad_optimizer_state_changes_no_table(bad_b, exc, match):
     for n, (step, acc) in before.items():
         assert ebc.embedding_bags[n].table.step == step
         np.testing.assert_array_equal(ebc.embedding_bags[n].table.slots()["accumulators"], acc)
+
+
+@pytest.mark.parametrize("lr, exc, match", [
+    (float("nan"), ValueError, "lr must be finite, >= 0"),
+    (float("inf"), ValueError, "lr must be finite, >= 0"),
+    (-0.1, ValueError, "lr must be finite, >= 0"),
+    (1e39, ValueError, "lr must be .*float32's range"),
+    ("0.1", TypeError, "lr must be a number"),
+    (None, TypeError, "lr must be a number"),
+])
+def test_a_bad_learning_rate_loads_into_no_table(lr, exc, match):
+    """load_state_dict refuses a rate the update cannot use, naming the group
+    and its table, before any table or group changes (was: NaN loaded, and
+    every later backward failed)."""
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 3, name="a"), et.EmbeddingBagConfig(10, 3, name="b")],
+                                    optimizer=ec.optimizers.Adagrad(0.1))
+    sd = ebc.optimizer_state_dict()
+    sd = {"state": {"embedding_bags.a.weight": {"step": torch.tensor(4)}},
+          "param_groups": [dict(sd["param_groups"][0], lr=0.5), dict(sd["param_groups"][1], lr=lr)]}
+    with pytest.raises(exc, match=r"param_groups\[1\] \(table 'b'\): " + match):
+        ebc.load_optimizer_state_dict(sd)
+    assert [g["lr"] for g in ebc.fused_optimizer.param_groups] == [pytest.approx(0.1)] * 2
+    assert ebc.embedding_bags["a"].table.step == 0
+    sd["param_groups"][1]["lr"] = 0.25
+    ebc.load_optimizer_state_dict(sd)
+    assert [g["lr"] for g in ebc.fused_optimizer.param_groups] == [0.5, 0.25]
+    assert ebc.embedding_bags["a"].table.step == 4
+
+
+@pytest.mark.parametrize("sd, exc, match", [
+    (None, TypeError, "must be a dict"),
+    ({"state": None}, TypeError, r'state_dict\["state"\] must be a dict'),
+    ({"state": {"weight": None}}, TypeError, "weight: its optimizer state must be a dict"),
+    ({"state": {"weight": {"accumulators": "zeros"}}}, TypeError, "weight: slot 'accumulators' must be a tensor"),
+    ({"state": {"weight": {"accumulators": None}}}, TypeError, "weight: slot 'accumulators' must be a tensor"),
+    ({"state": {"weight": {"accumulators": [["a"] * DIM] * ROWS}}}, TypeError, "slot 'accumulators' must be a"),
+    ({"state": {"weight": {"accumulators": torch.ones(ROWS, DIM).to_sparse()}}}, TypeError, "dense"),
+    ({"state": {"weight": {3: torch.ones(ROWS, DIM)}}}, TypeError, "weight: a slot name must be a str"),
+    ({"state": {"other.weight": {}}}, ValueError, "'other.weight', which is not a fused table"),
+    ({"state": {"weight": {"momenta": torch.ones(ROWS, DIM)}}}, ValueError, "weight: table .* has no slot 'momenta'"),
+    ({"param_groups": None}, TypeError, r'state_dict\["param_groups"\] must be a list'),
+    ({"param_groups": [None]}, TypeError, r"param_groups\[0\] must be a dict"),
+    ({"param_groups": [{"params": "weight", "lr": 1.0}]}, TypeError, r'param_groups\[0\]\["params"\] must be a list'),
+])
+def test_malformed_optimizer_state_is_refused_naming_it(sd, exc, match):
+    """Malformed optimizer state raises ValueError / TypeError naming the
+    key (was: AttributeError, KeyError, or torch.as_tensor's own error), and
+    changes nothing."""
+    m = et.EmbeddingBag(ROWS, DIM, optimizer=ec.optimizers.Adagrad(0.1))
+    full = {"state": {"weight": {"step": torch.tensor(2), "accumulators": torch.full((ROWS, DIM), 3.0)}},
+            "param_groups": [{"params": ["weight"], "lr": 0.5}]}
+    if isinstance(sd, dict):
+        sd = {**full, **sd} if "state" not in sd else {**sd, "param_groups": full["param_groups"]}
+    with pytest.raises(exc, match=match):
+        m.load_optimizer_state_dict(sd)
+    assert m.table.step == 0 and m.fused_optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert float(m.table.slots()["accumulators"].max()) == pytest.approx(0.1)
+
+
+def test_a_bad_learning_rate_fails_in_the_forward_before_any_table_steps():
+    """Dict inputs give each table its own backward: a rate set bad (NaN, by
+    hand, a scheduler or a load) raised only in its table's, after the other
+    tables had stepped, without naming the table. The forward now checks
+    every fused table's rate and names the table."""
+    cfgs = [et.EmbeddingBagConfig(num_embeddings=10, embedding_dim=3, name="t1", feature_names=["fa"]),
+            et.EmbeddingBagConfig(num_embeddings=10, embedding_dim=3, name="t2", feature_names=["fb"])]
+    ebc = et.EmbeddingBagCollection(cfgs, optimizer=ec.optimizers.Adagrad(0.1))
+    inputs = {"fa": torch.tensor([1, 2]), "fb": torch.tensor([3, 4])}
+    before = {n: ebc.embedding_bags[n].table.to_numpy().copy() for n in ("t1", "t2")}
+    for bad, exc in ((float("nan"), ValueError), (float("inf"), ValueError), ("fast", TypeError)):
+        ebc.fused_optimizer.param_groups[0]["lr"] = bad
+        with pytest.raises(exc, match="table 't1'.*param group"):
+            ebc(inputs)
+        for n, values in before.items():
+            np.testing.assert_array_equal(ebc.embedding_bags[n].table.to_numpy(), values)
+            assert ebc.embedding_bags[n].table.step == 0
+    with torch.no_grad():  # no training, no update: the rate is not used
+        ebc(inputs)
+    # Set bad between forward and backward: the backward names the table too.
+    ebc.fused_optimizer.param_groups[0]["lr"] = 0.1
+    out = ebc(inputs)
+    ebc.fused_optimizer.param_groups[0]["lr"] = float("nan")
+    with pytest.raises(ValueError, match="table 't1'"):
+        out["fa"].sum().backward()
+    assert ebc.embedding_bags["t1"].table.step == 0
+    ebc.fused_optimizer.param_groups[0]["lr"] = 0.1
+    out = ebc(inputs)
+    (out["fa"].sum() + out["fb"].sum()).backward()
+    assert [ebc.embedding_bags[n].table.step for n in ("t1", "t2")] == [1, 1]
 
 
 @pytest.mark.parametrize("how", ["save_load", "saver"])
@@ -287,6 +376,38 @@ def test_a_meta_tensor_changes_no_table():
     ebc.load_state_dict({"embedding_bags.a.weight": torch.ones(10, 3, dtype=torch.int64),  # ints cast, as PyTorch
                          "embedding_bags.b.weight": torch.ones(10, 3)})
     assert (ebc.embedding_bags["a"].table.to_numpy() == 1).all()
+
+
+@pytest.mark.parametrize("bad", ["sparse_coo", "sparse_csr", "quantized", "bits16"])
+def test_a_weight_copy_refuses_changes_no_table(bad):
+    """A weight of the right shape that copy_ refuses (a sparse layout, a
+    quantized or bit-field dtype) is refused, naming its key, before table a
+    is written (was: a loaded, then PyTorch's error for b)."""
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(4, 2, name="a"), et.EmbeddingBagConfig(5, 2, name="b")])
+    before = {n: ebc.embedding_bags[n].table.to_numpy().copy() for n in ("a", "b")}
+    good = torch.ones(5, 2)
+    value = {"sparse_coo": lambda: good.to_sparse(), "sparse_csr": lambda: good.to_sparse_csr(),
+             "quantized": lambda: torch.quantize_per_tensor(good, 0.1, 0, torch.quint8),
+             "bits16": lambda: torch.zeros(5, 2, dtype=torch.bits16)}[bad]
+    with pytest.warns(UserWarning) if bad == "quantized" else _no_warning():
+        sd = {"embedding_bags.a.weight": torch.ones(4, 2), "embedding_bags.b.weight": value()}
+    expect = "torch.sparse_coo tensor" if bad == "sparse_coo" else "torch.sparse_csr tensor" if bad == "sparse_csr" \
+        else "has dtype torch.quint8.*dequantize" if bad == "quantized" else "has dtype torch.bits16"
+    with pytest.raises(RuntimeError, match=f"embedding_bags.b.weight.*{expect}.*No table was changed"):
+        ebc.load_state_dict(sd)
+    with pytest.raises(RuntimeError, match="No table was changed"):
+        ebc.load_state_dict(sd, strict=False)
+    for n, values in before.items():
+        np.testing.assert_array_equal(ebc.embedding_bags[n].table.to_numpy(), values)
+    sd["embedding_bags.b.weight"] = good  # and a dense one loads
+    ebc.load_state_dict(sd)
+    assert (ebc.embedding_bags["b"].table.to_numpy() == 1).all()
+
+
+def _no_warning():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def test_unexpected_key_changes_no_table():
