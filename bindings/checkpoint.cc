@@ -107,6 +107,13 @@ void BindCheckpoint(nb::module_& m) {
       "Loads the block of table `index` that `table` holds (a shard), reading only the files that meet it.");
 
   m.def(
+      "crc32c",
+      [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> data, uint32_t crc) {
+        ReleaseGil release;
+        return Crc32c(data.data(), data.shape(0), crc);
+      },
+      "data"_a, "crc"_a = 0, "CRC-32C of a 1-D uint8 array, continuing `crc`.");
+  m.def(
       "verify_table_block",
       [](const CheckpointInfo& info, size_t index, const Table& table, int64_t row_start, int64_t col_start,
          bool load_optimizer) {

@@ -16,9 +16,11 @@ under that object's path ``P``:
   are the tables interleaved over the SparseCores, each table's shards
   rotated and its rows and columns padded.
 
-Values are read in row blocks (``RestoreV2`` with a slice spec) straight into
-the engine's tables, so a restore needs a block of memory, not a second copy
-of the table.
+Values are read in row blocks straight into the engine's tables, so a
+restore needs a block of memory, not a second copy of the table: from the
+data files directly (``_bundle.Bundle``; ``RestoreV2`` would read a whole
+stored tensor for every block), or, for a tensor saved as slices,
+``RestoreV2`` with a slice spec.
 """
 from __future__ import annotations
 
@@ -28,9 +30,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
+from google.protobuf.message import DecodeError
 from tensorflow.python.ops import resource_variable_ops
 
 import embedcore as ec
+
+from ._bundle import Bundle, BundleError
 
 __all__ = ["TFCheckpoint", "load_tf_checkpoint", "convert_tf_checkpoint", "EngineVariable"]
 
@@ -123,6 +128,10 @@ class TFCheckpoint:
         self.shapes: Dict[str, list] = self._reader.get_variable_to_shape_map()
         self.dtypes = self._reader.get_variable_to_dtype_map()
         self._layouts: Dict[str, Dict[str, StackedTable]] = {}
+        try:  # rows read straight from the data files (RestoreV2 reads a whole tensor for every slice)
+            self._bundle: Optional[Bundle] = Bundle(self.path)
+        except (ValueError, OSError, DecodeError):  # BundleError, or an index this reader does not parse
+            self._bundle = None  # every read through RestoreV2
 
     # -------------------------------------------------------------- where the embedding is
     def layouts(self, prefix: str) -> Dict[str, StackedTable]:
@@ -233,7 +242,17 @@ class TFCheckpoint:
         return tuple(self.shapes[_join(prefix, name) + ATTR])
 
     # -------------------------------------------------------------- reading values
+    def _plain(self, key: str) -> bool:
+        """Whether `key` is read from its data file directly (``Bundle``)."""
+        return self._bundle is not None and self._bundle.plain(key) == tuple(self.shapes.get(key, ()))
+
     def _read(self, key: str, rows: Tuple[int, int], cols: Optional[Tuple[int, int]] = None) -> np.ndarray:
+        if self._plain(key):
+            try:
+                block = self._bundle.read_rows(key, *rows)
+            except OSError as e:
+                raise self._error(f"cannot read {key}", e) from None
+            return block if cols is None else block[:, cols[0]:cols[0] + cols[1]]
         full = self.shapes[key]
         spec = f"{full[0]} {full[1]} {rows[0]},{rows[1]}:" + (f"{cols[0]},{cols[1]}" if cols else "-")
         dtype = self.dtypes[key]
@@ -304,8 +323,17 @@ class TFCheckpoint:
         files) unless every block the restore reads can be read, in the
         memory of one block. `shapes`: the destination shape of the table
         (key None) and of each slot."""
+        layouts = self.layouts(prefix)
         for slot in [None, *slots]:
-            self.read_into(prefix, name, slot, _sink(shapes[slot]))
+            base = layouts[name].stacked if name in layouts else name
+            key = _join(prefix, base if slot is None else f"{base}/{slot}") + ATTR
+            if self._plain(key):  # its checksum, streaming its bytes (the row reads do not check it)
+                try:
+                    self._bundle.verify(key)
+                except OSError as e:
+                    raise self._error(f"cannot read {key}", e) from None
+            else:  # RestoreV2 checks what it reads
+                self.read_into(prefix, name, slot, _sink(shapes[slot]))
 
     def _read_stacked(self, prefix: str, s: StackedTable, slot: Optional[str], dest: np.ndarray) -> None:
         key = _join(prefix, s.stacked if slot is None else f"{s.stacked}/{slot}") + ATTR
@@ -505,8 +533,7 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
             engine_tables.append(ec.Table(name=name, rows=int(rows), dim=int(dim),
                                           initializer=ec.initializers.Zeros(), optimizer=opt,
                                           combiner=combiner or "mean"))
-    # Fresh tables, written to dst only after every read succeeded: no need to read the values twice.
-    restore_tables(ckpt, engine_tables, prefix, include_optimizer, verify=False)
+    restore_tables(ckpt, engine_tables, prefix, include_optimizer)  # checksums verified before the reads
     ec.save(dst, engine_tables, include_optimizer=include_optimizer)
     return [t.name for t in engine_tables]
 

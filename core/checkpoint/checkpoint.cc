@@ -841,6 +841,8 @@ TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const s
 
 std::string TableEntryJson(const TableEntry& entry) { return checkpoint::TableEntryJson(entry); }
 
+uint32_t Crc32c(const void* data, size_t n, uint32_t crc) { return checkpoint::Crc32c(data, n, crc); }
+
 void CommitCheckpoint(const std::string& path, const std::string& manifest_json) {
   const CheckpointInfo info = checkpoint::ParseManifest(JoinPath(path, "MANIFEST (to commit)"), manifest_json);
   CheckFilesPresent(path, info);

@@ -76,6 +76,9 @@ EMBEDCORE_TEST(Crc32cKnownValues) {
   EMBEDCORE_EXPECT_EQ(ck::Crc32c(dec.data(), 32), 0x113FDB5Cu);
   EMBEDCORE_EXPECT_EQ(ck::Crc32cPortable(zeros.data(), 32), 0x8A9136AAu);
   EMBEDCORE_EXPECT_EQ(ck::Crc32cPortable(dec.data(), 32), 0x113FDB5Cu);
+  // The public one (embedcore.h), continuing a CRC over pieces.
+  EMBEDCORE_EXPECT_EQ(embedcore::Crc32c(check, 9), 0xE3069283u);
+  EMBEDCORE_EXPECT_EQ(embedcore::Crc32c(check + 4, 5, embedcore::Crc32c(check, 4)), 0xE3069283u);
 }
 
 EMBEDCORE_TEST(Crc32cHardwareEqualsPortable) {

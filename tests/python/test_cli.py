@@ -357,9 +357,9 @@ def _tf_quiet_env():
 
 
 def test_convert_tf_of_a_corrupt_or_truncated_data_file_is_one_line(tmp_path, capsys):
-    """RestoreV2's DataLossError / OutOfRangeError (a corrupt or truncated
-    .data file) went up as a traceback; they are a ValueError naming the
-    file, as a bad .index is, from the CLI and from load_tf_checkpoint."""
+    """A corrupt or truncated .data file (once RestoreV2's DataLossError /
+    OutOfRangeError, a traceback) is a ValueError naming the file and the
+    tensor, as a bad .index is, from the CLI and from load_tf_checkpoint."""
     prefix, data = _tf_checkpoint(tmp_path / "tf")
     from embedcore.adapters.tf import EmbeddingForServing, load_tf_checkpoint
 
@@ -369,12 +369,13 @@ def test_convert_tf_of_a_corrupt_or_truncated_data_file_is_one_line(tmp_path, ca
     assert embedcore.cli.main(["convert", "--from", "tf", prefix, str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("embedcore convert: ValueError: ")
-    assert "DataLossError" in err and data in err and "Traceback" not in err
+    assert "checksum mismatch in model/embedding/ta/.ATTRIBUTES/VARIABLE_VALUE" in err and data in err
+    assert "Traceback" not in err
     assert not (tmp_path / "out").exists()  # and no empty DST left behind
     os.truncate(data, 10)
     assert embedcore.cli.main(["convert", "--from", "tf", prefix, str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "OutOfRangeError" in err and data in err
+    assert err.count("\n") == 1 and f"{data}: truncated: model/embedding/ta/.ATTRIBUTES/VARIABLE_VALUE" in err
     import tensorflow as tf
 
     E = tf.tpu.experimental.embedding

@@ -619,6 +619,11 @@ TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const s
 /// The manifest JSON object of `entry` (a table of `tables` in docs/format.md).
 std::string TableEntryJson(const TableEntry& entry);
 
+/// CRC-32C (Castagnoli) of `n` bytes, continuing `crc` (0 to start): the
+/// checksum of the format's files (docs/format.md), and of TensorFlow's
+/// checkpoints. Uses the CPU's instruction where it has one.
+uint32_t Crc32c(const void* data, size_t n, uint32_t crc = 0);
+
 /// After a failed save into `path`: removes the files of `generation` there
 /// (data files and a temporary manifest) unless `path`/MANIFEST is of that
 /// generation (the commit happened before the failure; then it is the
