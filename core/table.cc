@@ -913,11 +913,15 @@ BuildInfo GetBuildInfo() {
 namespace kernels {
 const KernelSet& ActiveKernels() {
   static const KernelSet* active = [] {
+    // A cap on the choice: generic, avx2 or avx512 (the best the CPU has, as when unset).
     const char* force = std::getenv("EMBEDCORE_KERNELS");
-    const bool generic = force != nullptr && std::string(force) == "generic";
+    const std::string cap = force != nullptr ? force : "";
+    if (!cap.empty() && cap != "generic" && cap != "avx2" && cap != "avx512")
+      throw InvalidArgument("EMBEDCORE_KERNELS must be generic, avx2 or avx512 (or unset), got '" + cap + "'");
+    const bool generic = cap == "generic";
 #if defined(__x86_64__)
     const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    const bool want_avx2 = force != nullptr && std::string(force) == "avx2";
+    const bool want_avx2 = cap == "avx2";
     if (!generic && !want_avx2 && Avx512Kernels() != nullptr && avx2 && __builtin_cpu_supports("avx512f"))
       return Avx512Kernels();
     if (!generic && Avx2Kernels() != nullptr && avx2) return Avx2Kernels();

@@ -102,6 +102,10 @@ class _ShardedLookup(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------ modules
+class _NoFusedOptimizer(AttributeError):
+    pass
+
+
 class _Sharded:
     """What both sharded collections share: one sharded ``ec.Embedding``."""
 
@@ -175,9 +179,16 @@ class _Sharded:
 
     @property
     def fused_optimizer(self):
-        raise NotImplementedError(f"{self._owner}: a sharded collection has no fused_optimizer object; its "
-                                  "optimizers update the shards inside backward(), with the learning rates of the "
-                                  "embedcore optimizers (a callable learning_rate(step) for a schedule)")
+        # An AttributeError (hasattr() is False: there is none), whose message nn.Module.__getattr__ would
+        # replace with its own: the property's own error is raised from __getattr__ below.
+        raise _NoFusedOptimizer
+
+    def __getattr__(self, name: str):
+        if name == "fused_optimizer":
+            raise AttributeError(f"{self._owner}: a sharded collection has no fused_optimizer object; its "
+                                 "optimizers update the shards inside backward(), with the learning rates of the "
+                                 "embedcore optimizers (a callable learning_rate(step) for a schedule)")
+        return super().__getattr__(name)
 
     def reset_parameters(self) -> None:
         """Initializes this rank's shards again: each gets its block of the

@@ -121,7 +121,7 @@ void CheckFileName(const std::string& name, const std::string& where, const Read
   const bool bad = name.empty() || name == "." || name == ".." || name.size() > 255 ||
                    name.find('/') != std::string::npos || name.find('\\') != std::string::npos ||
                    name.find('\0') != std::string::npos || name.rfind("..", 0) == 0;
-  if (bad) r.Fail(where, "'" + name + "' is not a plain file name inside the checkpoint (absolute, '..' or '/')");
+  if (bad) r.Fail(where, "'" + name + "' is not a plain file name inside the checkpoint (absolute, '..', '/' or '\\')");
 }
 
 Json FileEntryJson(const FileEntry& f) {

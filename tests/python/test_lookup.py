@@ -569,6 +569,29 @@ np.savez(sys.argv[1], **saved)
 """
 
 
+@pytest.mark.parametrize("value,simd", [("avx512", None), ("", None), ("bogus", "error"), ("GENERIC", "error")])
+def test_kernels_cap_values(value, simd):
+    """EMBEDCORE_KERNELS takes generic, avx2 or avx512 (no cap: the best the
+    CPU has, as when unset); anything else is a ValueError at the first use
+    of the kernels, naming the value, not a silent choice."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import embedcore as ec\ntry:\n    print(ec.build_info()['simd'])\n"
+            "except ValueError as e:\n    print('ValueError', e)")
+    unset = {k: v for k, v in os.environ.items() if k != "EMBEDCORE_KERNELS"}
+    best = subprocess.run([sys.executable, "-c", code], env=unset, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], env=dict(unset, EMBEDCORE_KERNELS=value), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    if simd == "error":
+        assert r.stdout.strip() == (f"ValueError EMBEDCORE_KERNELS must be generic, avx2 or avx512 (or unset), "
+                                    f"got '{value}'"), r.stdout
+    else:
+        assert r.stdout == best.stdout and "ValueError" not in r.stdout
+
+
 @pytest.mark.parametrize("cap", ["generic", "avx2"])
 def test_capped_kernels_match_reference(tmp_path, cap):
     """EMBEDCORE_KERNELS=generic selects the portable kernels (used where AVX2

@@ -690,7 +690,7 @@ struct BuildInfo {
   std::string cuda_architectures;   ///< e.g. "80;90" (CUDA build)
   int cuda_devices = 0;             ///< devices the CUDA runtime sees now (0 without CUDA)
   bool nccl = false;
-  bool mpi = false;
+  bool mpi = false;  ///< always false: the library has no MPI (Python's distributed backend uses mpi4py)
   std::string simd;  ///< kernels selected at run time: "avx512", "avx2+f16c" or "generic"
   std::string compiler;
 };
