@@ -480,6 +480,10 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
         optimizer kind is read from its slots (accumulators: Adagrad;
         momenta + velocities: Adam; accumulators + linears: FTRL;
         row_accumulators: RowWiseAdagrad; none: SGD) with default hyper-parameters unless `optimizer` is given.
+    include_optimizer: also the optimizer state. Every slot the checkpoint
+        holds for a converted table must be one its optimizer (inferred,
+        `optimizer`, or the feature config's) keeps: otherwise ValueError,
+        naming them, before anything is written.
     tables: only these table names (a str is one name); a name that is not
         in `feature_config` (or, without it, in the checkpoint) raises
         ValueError.
@@ -533,6 +537,17 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
             engine_tables.append(ec.Table(name=name, rows=int(rows), dim=int(dim),
                                           initializer=ec.initializers.Zeros(), optimizer=opt,
                                           combiner=combiner or "mean"))
+    if include_optimizer:  # a conversion drops no optimizer state silently
+        prefix = ckpt.find_prefix([t.name for t in engine_tables], prefix)
+        for t in engine_tables:
+            stored = ckpt.slots(prefix, t.name)
+            dropped = [s for s in stored if s not in t.slot_names]
+            if dropped:
+                have = type(t.optimizer).__name__ if t.optimizer is not None else "none"
+                raise ValueError(f"{ckpt.path}: table '{t.name}' has optimizer slots {stored} in the checkpoint; its "
+                                 f"optimizer here ({have}) would drop {dropped}: give optimizer= (or a feature "
+                                 "config whose table has one) that keeps them, or include_optimizer=False "
+                                 "(--no-optimizer) to convert the values only")
     restore_tables(ckpt, engine_tables, prefix, include_optimizer)  # checksums verified before the reads
     ec.save(dst, engine_tables, include_optimizer=include_optimizer)
     return [t.name for t in engine_tables]

@@ -231,6 +231,32 @@ def test_convert_to_embedcore(slotted_checkpoint, tmp_path, rng):
     np.testing.assert_array_equal(served.embedding_tables["u"].values(), values["u"])
 
 
+def test_convert_refuses_to_drop_optimizer_state(slotted_checkpoint, tmp_path):
+    """A table whose checkpoint slots the conversion's optimizer would not keep
+    (a feature config without optimizers; optimizer= of another kind):
+    ValueError naming them, nothing written; include_optimizer=False takes
+    the values."""
+    path, written = slotted_checkpoint
+    rows, dim = written[("ta", "parameters")].shape
+    config = {"a": E.FeatureConfig(E.TableConfig(vocabulary_size=rows, dim=dim, name="ta"))}
+    dst = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"table 'ta' has optimizer slots \['accumulators'\] in the checkpoint; "
+                                         r"its optimizer here \(none\) would drop \['accumulators'\]"):
+        convert_tf_checkpoint(path, dst, feature_config=config)
+    with pytest.raises(ValueError, match=r"table 'tc' has optimizer slots \['momenta', 'velocities'\].*"
+                                         r"\(Adagrad\) would drop"):
+        convert_tf_checkpoint(path, dst, prefix="model/embedding", optimizer=ec.optimizers.Adagrad(0.1), tables="tc")
+    assert not dst.exists()
+    assert convert_tf_checkpoint(path, dst, feature_config=config, include_optimizer=False) == ["ta"]
+    np.testing.assert_array_equal(ec.serving.open(dst).tables["ta"].values(), written[("ta", "parameters")])
+    # With the optimizer in the feature config, the slots convert.
+    config = {"a": E.FeatureConfig(E.TableConfig(vocabulary_size=rows, dim=dim, name="ta", optimizer=E.Adagrad(0.1)))}
+    assert convert_tf_checkpoint(path, tmp_path / "with", feature_config=config) == ["ta"]
+    t = ec.Table(name="ta", rows=rows, dim=dim, optimizer=ec.optimizers.Adagrad(0.1))
+    ec.load(tmp_path / "with", into=t)
+    np.testing.assert_array_equal(t.slots()["accumulators"], written[("ta", "accumulators")])
+
+
 def test_async_checkpoint_saves_the_values_at_save(tmp_path):
     """With ``experimental_enable_async_checkpoint``, values changed after
     ``save()`` returns do not reach that checkpoint (a snapshot is taken at
