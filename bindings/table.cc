@@ -194,6 +194,33 @@ void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learnin
   t.ApplyGradients(native, learning_rate);
 }
 
+// Several tables' steps (an Embedding's) in one call: every table's parts are
+// checked (ValidateStep) before any table changes, and the steps run in one
+// release of the GIL, so that an interrupt (Ctrl-C) cannot fall between two
+// tables' steps.
+using TableStep = std::tuple<Table*, std::vector<PartTuple>, float>;
+void ApplyGradientsMany(const std::vector<TableStep>& steps) {
+  std::vector<std::vector<GradientPart>> native;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    Table* t = std::get<0>(steps[i]);
+    if (t == nullptr) throw InvalidArgument("apply_gradients_many: a table is None");
+    RequireHost(*t, "apply_gradients of NumPy arrays");
+    for (size_t j = 0; j < i; ++j)
+      if (std::get<0>(steps[j]) == t)
+        throw InvalidArgument("apply_gradients_many: table '" + t->spec().name + "' is given twice");
+    native.push_back(HostParts(*t, std::get<1>(steps[i])));
+    try {
+      t->ValidateStep(native.back(), std::get<2>(steps[i]));
+    } catch (const InvalidArgument& e) {  // (OutOfRange names the table already)
+      const std::string what = e.what(), name = "table '" + t->spec().name + "'";
+      if (what.find(name) != std::string::npos) throw;
+      throw InvalidArgument(name + ": " + what);
+    }
+  }
+  ReleaseGil release;
+  for (size_t i = 0; i < steps.size(); ++i) std::get<0>(steps[i])->ApplyGradients(native[i], std::get<2>(steps[i]));
+}
+
 // One part of apply_gradients_windows: (first bag, bags, combiner, first column of its gradient).
 using WindowPart = std::tuple<int64_t, int64_t, int, int64_t>;
 using WindowStep = std::tuple<Table*, std::vector<WindowPart>, float>;
@@ -441,6 +468,8 @@ void BindTable(nb::module_& m) {
       "indices"_a.noconvert(), "bags"_a, "width"_a, "offsets"_a.noconvert(),
       "The stable row-major order of COO entries checked and counted by csr_from_coo (its offsets): (order, "
       "the positions in that order, whether each bag's positions are then 0, 1, 2, ...).");
+  m.def("apply_gradients_many", &ApplyGradientsMany, "steps"_a,
+        "(table, parts, learning_rate) steps of several tables, every one checked before any runs, in one call.");
   m.def("apply_gradients_windows", &ApplyGradientsWindows, "ids"_a.noconvert(), "offsets"_a.noconvert(),
         "weights"_a.noconvert().none(), "steps"_a, "grads"_a.noconvert(),
         "One step of each (table, [(first bag, bags, combiner, first column)], learning_rate) from windows of one "
@@ -588,6 +617,13 @@ void BindTable(nb::module_& m) {
             t.AssignValues(start_row, int64_t(v.shape(0)), v.data());
           },
           "start_row"_a, "values"_a.noconvert())
+      .def(
+          "reset_values",
+          [](Table& t) {
+            ReleaseGil release;
+            t.ResetValues();
+          },
+          "The initializer's values again, in one call (slots and step stay).")
       .def(
           "assign_raw",
           [](Table& t, int64_t start_row, const nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>& v) {

@@ -251,9 +251,26 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
   CheckDevice(spec_);
   const int dev = spec_.device;
   if (dev >= 0) {
+    values_ = BufferPtr(cuda_impl::Allocate(bytes, dev), BufferDeleter{bytes, dev});
+    InitializeValues(false);
+  } else {
+    try {  // a failed allocation names the table and the array
+      values_ = BufferPtr(internal::AllocateZeroed(bytes, internal::LeavesZero(spec_.initializer)),
+                          BufferDeleter{bytes, -1});
+    } catch (const std::bad_alloc& e) {
+      throw OutOfMemory("table '" + spec_.name + "': its " + DTypeName(spec_.dtype) + " values (" +
+                        std::to_string(spec_.rows) + " x " + std::to_string(spec_.dim) + "): " + e.what());
+    }
+    InitializeValues(true);
+  }
+  slots_ = NewSlots(spec_.optimizer);
+}
+
+void Table::InitializeValues(bool zeroed) {
+  const int dev = spec_.device;
+  if (dev >= 0) {
     // On the device: initialised on the host a bounded piece at a time (the
     // same values as a host table), copied over.
-    values_ = BufferPtr(cuda_impl::Allocate(bytes, dev), BufferDeleter{bytes, dev});
     const size_t row_bytes = size_t(spec_.dim) * DTypeSize(spec_.dtype);
     const int64_t step = StagingRows(row_bytes);
     std::vector<char> staging(size_t(std::min(step, spec_.rows)) * row_bytes);
@@ -265,18 +282,21 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
       cuda_impl::CopyToDevice(static_cast<char*>(values_.get()) + size_t(r0) * row_bytes, staging.data(),
                               size_t(n) * row_bytes, dev);
     }
-  } else {
-    try {  // a failed allocation names the table and the array
-      values_ = BufferPtr(internal::AllocateZeroed(bytes, internal::LeavesZero(spec_.initializer)),
-                          BufferDeleter{bytes, -1});
-    } catch (const std::bad_alloc& e) {
-      throw OutOfMemory("table '" + spec_.name + "': its " + DTypeName(spec_.dtype) + " values (" +
-                        std::to_string(spec_.rows) + " x " + std::to_string(spec_.dim) + "): " + e.what());
-    }
-    internal::Initialize(spec_.initializer, spec_.dtype, spec_.rows, spec_.dim, spec_.shard_row_start,
-                         spec_.shard_col_start, spec_.full_dim, values_.get());
+    return;
   }
-  slots_ = NewSlots(spec_.optimizer);
+  if (!zeroed && internal::LeavesZero(spec_.initializer)) {  // Initialize writes nothing for these
+    char* v = static_cast<char*>(values_.get());
+    const int64_t bytes = spec_.rows * spec_.dim * int64_t(DTypeSize(spec_.dtype));
+    ParallelFor(bytes, 1 << 20, [&](int64_t a, int64_t b) { std::memset(v + a, 0, size_t(b - a)); });
+    return;
+  }
+  internal::Initialize(spec_.initializer, spec_.dtype, spec_.rows, spec_.dim, spec_.shard_row_start,
+                       spec_.shard_col_start, spec_.full_dim, values_.get());
+}
+
+void Table::ResetValues() {
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  InitializeValues(false);
 }
 
 // The slots of optimizer `o` for this table's rows, dim and device, at their
@@ -316,12 +336,21 @@ std::vector<Table::FloatPtr> Table::NewSlots(const OptimizerSpec& o) const {
 void Table::SetOptimizer(const OptimizerSpec& optimizer) {
   optimizer.Validate();
   CheckOptimizerFits(spec_, optimizer);
-  if (!spec_.optimizer.SlotNames().empty())  // views of them (slots(), slots_mut()) would dangle
-    throw InvalidArgument("table '" + spec_.name + "': its optimizer keeps slots; set_optimizer replaces the "
-                          "optimizer of a table without slots only (SGD, or none): copy the values into a new "
-                          "table instead");
+  // Views of a table's slots (slots(), slots_mut()) would dangle: only a table without slots takes another
+  // optimizer. Checked before the allocation, and again under the lock (two calls may race).
+  auto refuse_slots = [&] {
+    if (!spec_.optimizer.SlotNames().empty())
+      throw InvalidArgument("table '" + spec_.name + "': its optimizer keeps slots; set_optimizer replaces the "
+                            "optimizer of a table without slots only (SGD, or none): copy the values into a new "
+                            "table instead");
+  };
+  {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    refuse_slots();
+  }
   std::vector<FloatPtr> slots = NewSlots(optimizer);  // allocated first: running out of memory changes nothing
   std::unique_lock<std::shared_mutex> lock(mutex_);
+  refuse_slots();
   spec_.optimizer = optimizer;
   slots_.swap(slots);
   step_ = 0;
@@ -784,14 +813,15 @@ void Table::ApplyGradients(const std::vector<GradientPart>& given, float learnin
   }
   if (!std::isfinite(learning_rate)) throw InvalidArgument("learning_rate must be finite, got " + std::to_string(learning_rate));
 
-  const OptimizerSpec& o = spec_.optimizer;
-  const ops::StepConstants kc = internal::StepConstantsFor(o, learning_rate);
   const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
-  if (o.kind == OptimizerSpec::Kind::kSGD && spec_.dtype == DType::kFloat32 && ops::PlainStep(kc)) {
+  {  // The optimizer is read under the lock: SetOptimizer may replace it meanwhile.
     std::unique_lock<std::shared_mutex> lock(mutex_);
-    ApplySgdInOrder(parts, spec_, static_cast<float*>(values_.get()), learning_rate, k);
-    ++step_;
-    return;
+    const ops::StepConstants kc = internal::StepConstantsFor(spec_.optimizer, learning_rate);
+    if (spec_.optimizer.kind == OptimizerSpec::Kind::kSGD && spec_.dtype == DType::kFloat32 && ops::PlainStep(kc)) {
+      ApplySgdInOrder(parts, spec_, static_cast<float*>(values_.get()), learning_rate, k);
+      ++step_;
+      return;
+    }
   }
 
   // Every occurrence, keyed by id, in input order; a stable sort groups them.
@@ -820,6 +850,8 @@ void Table::ApplyGradients(const std::vector<GradientPart>& given, float learnin
   group_start.push_back(int64_t(keys.size()));
 
   std::unique_lock<std::shared_mutex> lock(mutex_);
+  const OptimizerSpec& o = spec_.optimizer;  // (SetOptimizer only ever gives an SGD table slots: any path fits)
+  const ops::StepConstants kc = internal::StepConstantsFor(o, learning_rate);
   std::vector<float*> slots;
   for (auto& s : slots_) slots.push_back(s.get());
   void* values = values_.get();

@@ -87,6 +87,15 @@ std::string GenerationTag(uint64_t gen) {
 
 std::string ClaimName(uint64_t generation) { return std::string("MANIFEST.tmp.") + GenerationTag(generation); }
 
+// Unlocked explicitly, then closed: a process forked while the lock was held
+// shares its open file description, and closing ours alone would leave the
+// flock held until the child exits (a child that then locks the directory
+// itself would wait on the lock it inherited, forever).
+void ReleaseFlock(int fd) noexcept {
+  ::flock(fd, LOCK_UN);
+  ::close(fd);
+}
+
 // The claim on `generation` in `dir`, for removing that generation's files:
 // -1 when another save holds it (it is writing them: keep them), else a
 // descriptor that holds the claim file's lock until closed (so the save that
@@ -609,7 +618,7 @@ void CommitManifest(const std::string& path, const std::string& json, uint64_t g
     std::stable_partition(names.begin(), names.end(),
                           [](const std::string& n) { return n.rfind("MANIFEST.tmp.", 0) != 0; });
     for (const std::string& name : names) ::unlink(JoinPath(path, name).c_str());
-    if (claim >= 0) ::close(claim);
+    if (claim >= 0) ReleaseFlock(claim);
   }
 }
 
@@ -678,7 +687,7 @@ CheckpointLock::CheckpointLock(const std::string& path, bool exclusive) {
 CheckpointLock::~CheckpointLock() { Release(); }
 
 void CheckpointLock::Release() noexcept {
-  if (fd_ >= 0) ::close(fd_);  // closing the last descriptor releases the flock
+  if (fd_ >= 0) ReleaseFlock(fd_);
   fd_ = -1;
 }
 
@@ -766,7 +775,7 @@ GenerationClaim::GenerationClaim(const std::string& path) {
 GenerationClaim::~GenerationClaim() { Release(); }
 
 void GenerationClaim::Release() noexcept {
-  if (fd_ >= 0) ::close(fd_);
+  if (fd_ >= 0) ReleaseFlock(fd_);
   fd_ = -1;
 }
 

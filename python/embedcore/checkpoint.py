@@ -328,7 +328,8 @@ class Saver:
             save(path, obj)
             return "OK"
         ours = {t.name for t in tables}
-        info = self._existing(path)
+        with _locked(path):  # a commit meanwhile would remove the files the manifest names
+            info = self._existing(path)
         old_kind = (json.loads(info.manifest_json).get("metadata") or {}).get("kind")
         if all(n in ours for n in info.table_names) and (old_kind != "embedding" or isinstance(obj, Embedding)):
             save(path, obj)  # nothing else there to keep (features included)

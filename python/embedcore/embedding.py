@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from . import _device, _nest
+from . import _device, _embedcore, _nest
 from . import optimizers as _opt
 from ._inputs import Batch, Ragged, Sparse, in_callers_terms, make_batch
 from .config import FeatureConfig, TableConfig
@@ -197,5 +197,6 @@ class Embedding(FeatureLookup):
         for cfg in parts:
             self._tables[cfg]._check_step(every, every_name)
         rates = {cfg: self._tables[cfg].learning_rate() for cfg in parts}
-        for cfg, table_parts in parts.items():
-            self._tables[cfg]._apply_parts(table_parts, rates[cfg])
+        # One native call: every table's step checked before any runs, and no interrupt between two tables.
+        _embedcore.apply_gradients_many([(self._tables[cfg]._native, table_parts, rates[cfg])
+                                         for cfg, table_parts in parts.items()])

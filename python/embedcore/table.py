@@ -1,6 +1,7 @@
 """``embedcore.Table``: one embedding table held by the native engine."""
 from __future__ import annotations
 
+import threading
 from typing import Dict, Optional
 
 import numpy as np
@@ -14,6 +15,9 @@ __all__ = ["Table"]
 
 _COMBINER_CODE = {"sum": 0, "mean": 1, "sqrtn": 2, None: 3}
 _DEFAULT = object()
+# Striped locks that make reading a schedule's rate and stepping one, per table (a lock object per table
+# would not deepcopy or pickle with it).
+_SCHEDULE_LOCKS = [threading.Lock() for _ in range(64)]
 
 
 # The smallest magnitude that rounds (to nearest even) to infinity in each narrow storage dtype.
@@ -406,9 +410,10 @@ class Table(LookupMixin):
         return (ids, offsets, weights, _COMBINER_CODE[combiner], int(max_sequence_length), g, ref)
 
     def _cuda_apply(self, parts, learning_rate: Optional[float] = None) -> None:
-        lr = self.learning_rate() if learning_rate is None else learning_rate
         stream = _device.current_stream(parts[0][-1]) if parts else 0
-        self._native.apply_gradients_cuda([p[:-1] for p in parts], lr, stream)
+        with _SCHEDULE_LOCKS[id(self) % len(_SCHEDULE_LOCKS)]:  # (as _apply_parts)
+            lr = self.learning_rate() if learning_rate is None else learning_rate
+            self._native.apply_gradients_cuda([p[:-1] for p in parts], lr, stream)
 
     def _check_step(self, parts, names) -> None:
         """What the native step would refuse after earlier tables of the same
@@ -427,6 +432,12 @@ class Table(LookupMixin):
                                      "pass a copy")
 
     def _apply_parts(self, parts, learning_rate: Optional[float] = None) -> None:
+        if learning_rate is None and self._optimizer is not None and callable(self._optimizer.learning_rate):
+            # A schedule's rate depends on the step: reading it and stepping are one, for threads that update
+            # this table at once (the native step takes the table's lock only for its own part).
+            with _SCHEDULE_LOCKS[id(self) % len(_SCHEDULE_LOCKS)]:
+                self._native.apply_gradients(parts, self.learning_rate())
+            return
         lr = self.learning_rate() if learning_rate is None else learning_rate
         self._native.apply_gradients(parts, lr)
 
@@ -495,15 +506,9 @@ class Table(LookupMixin):
         """Fills the values with the table's initializer again: the values it
         had when created (every initializer is seeded; a shard gets those of
         its block of the whole table). The slots and step stay as they are.
-        Works in blocks of at most 64 MiB beside the table."""
-        row0, col0, full_dim = self._placement
-        rows = max(1, (64 << 20) // (self.dim * np.dtype(np.float32).itemsize))
-        for r in range(0, self.rows, rows):
-            n = min(rows, self.rows - r)
-            block = TableConfig(self._name, n, self.dim, self.dtype, self._config.initializer, None,
-                                self._config.combiner)
-            fresh = Table(block, _placement=(row0 + r, col0, full_dim or self.dim))
-            self._native.assign_raw(r, fresh._native.values())
+        One native call, under the table's lock: lookups see the old values
+        or the new ones, and an interrupt (Ctrl-C) comes before or after it."""
+        self._native.reset_values()
 
     def assign_slot(self, name: str, values, start_row: int = 0) -> None:
         names = self.slot_names

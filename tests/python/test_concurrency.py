@@ -464,3 +464,183 @@ def test_exits_with_threads_in_lookups_end(tmp_path, case):
     script.write_text(_AT_EXIT[case])
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "joined", (done.stdout, done.stderr[-1000:])
+
+
+def test_racing_set_optimizer_calls_one_wins():
+    """Two threads give one SGD table slots at once: exactly one succeeds, the
+    other is refused (the table keeps slots); no slot view ever dangles."""
+    for trial in range(20):
+        t = make_table(20_000, 16, optimizer=ec.optimizers.SGD(0.1), seed=trial)
+        outcomes, barrier = [], threading.Barrier(2)
+
+        def give(opt):
+            def run():
+                barrier.wait()
+                try:
+                    t.set_optimizer(opt)
+                    outcomes.append(type(opt).__name__)
+                except ValueError as e:
+                    assert "keeps slots" in str(e), e
+                    outcomes.append("refused")
+            return run
+
+        _run_threads([give(ec.optimizers.Adagrad(0.1)), give(ec.optimizers.Adam(0.01))])
+        assert sorted(outcomes)[1] == "refused" and sorted(outcomes)[0] in ("Adagrad", "Adam"), outcomes
+        winner = outcomes[0] if outcomes[0] != "refused" else outcomes[1]
+        assert type(t.optimizer).__name__ == winner
+        assert sorted(t.slots()) == sorted(t.optimizer.slot_names)
+        for v in t.slots().values():
+            assert np.isfinite(v).all()
+
+
+def test_apply_gradients_racing_set_optimizer_ends_in_a_serial_state():
+    """set_optimizer(Adagrad) and apply_gradients queued behind a long lookup:
+    the end state is one of the two serial orders' (step 1 with the
+    accumulators updated, or step 0 with fresh accumulators), never an SGD
+    step counted against Adagrad's fresh slots."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 2000, 400_000)
+    offsets = np.arange(0, 400_001, 4)
+    for trial in range(12):
+        t = make_table(2000, 64, optimizer=ec.optimizers.SGD(0.1), seed=trial)
+        before = np.array(t.values())
+        grad = np.ones((1, 64), np.float32)
+        started = threading.Event()
+
+        def long_lookup():
+            started.set()
+            t.lookup(ids, offsets)
+
+        def swap():
+            started.wait()
+            time.sleep(0.001)
+            t.set_optimizer(ec.optimizers.Adagrad(0.1, initial_accumulator_value=0.1))
+
+        def step():
+            started.wait()
+            time.sleep(0.002)
+            t.apply_gradients(np.array([7]), None, grad)
+
+        _run_threads([long_lookup, swap, step])
+        acc = t.slots()["accumulators"][7]
+        moved = not np.array_equal(t.values()[7], before[7])
+        if t.step == 1:  # set_optimizer first, then the step: Adagrad's
+            assert np.allclose(acc, 1.1) and moved, (trial, acc[:3])
+        else:  # the step first (SGD's), then set_optimizer reset the step and made fresh slots
+            assert t.step == 0 and np.allclose(acc, 0.1) and moved, (trial, t.step, acc[:3])
+
+
+def test_a_schedules_rate_and_its_step_are_one():
+    """Two threads stepping a table whose learning rate is a schedule: each
+    step's rate is the one for the steps before it (0, then 1), as serially."""
+    seen, lock = [], threading.Lock()
+
+    def schedule(step):
+        with lock:
+            seen.append(step)
+        time.sleep(0.01)  # the other thread's step would read the same count meanwhile
+        return 1.0
+
+    for _ in range(5):
+        seen.clear()
+        t = make_table(10, 2, optimizer=ec.optimizers.SGD(schedule))
+        t.assign(np.zeros((10, 2), np.float32))
+        step = lambda: t.apply_gradients(np.array([1]), None, np.ones((1, 2), np.float32))  # noqa: E731
+        _run_threads([step, step])
+        assert sorted(seen) == [0, 1] and t.step == 2
+        np.testing.assert_array_equal(t.values()[1], [-2.0, -2.0])
+
+
+_INTERRUPTED = r"""
+import _thread, sys, threading, numpy as np, embedcore as ec
+kind, delay = sys.argv[1], float(sys.argv[2])
+init = ec.initializers.Uniform(-1, 1, seed=3)
+if kind == "embedding":
+    tables = {n: ec.TableConfig(n, 400_000, 64, initializer=init, optimizer=ec.optimizers.Adam(0.01)) for n in "ab"}
+    emb = ec.Embedding({n: ec.FeatureConfig(c) for n, c in tables.items()})
+    ids = np.random.default_rng(0).integers(0, 400_000, 200_000)
+    out = emb({"a": ids, "b": ids})
+    grads = {k: np.ones_like(v) for k, v in out.items()}
+    threading.Timer(delay, _thread.interrupt_main).start()
+    try:
+        for _ in range(20):
+            emb.apply_gradients(grads)
+    except KeyboardInterrupt:
+        pass
+    steps = {t.name: t.step for t in emb.embedding_tables.values()}
+    print(int(steps["a"] == steps["b"]), steps)
+else:
+    t = ec.Table(name="t", rows=1_500_000, dim=32, initializer=init)
+    first = np.array(t.values()[[0, -1]])
+    t.assign(np.zeros((1_500_000, 32), np.float32))
+    threading.Timer(delay, _thread.interrupt_main).start()
+    try:
+        for _ in range(50):
+            t.reset_values()
+            t.assign(np.zeros((1_500_000, 32), np.float32))
+    except KeyboardInterrupt:
+        pass
+    v = t.values()
+    whole = (np.array_equal(v[[0, -1]], first) or not (v[[0, -1]].any()))
+    print(int(whole), "")
+"""
+
+
+@pytest.mark.parametrize("kind", ["embedding", "reset_values"])
+def test_an_interrupt_never_falls_inside_a_multi_table_step_or_a_reset(tmp_path, kind):
+    """Ctrl-C (KeyboardInterrupt) while an Embedding steps its tables or a
+    table resets its values: each is one native call, so the interrupt comes
+    before or after it, never between two tables or two blocks."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(_INTERRUPTED)
+    for delay in (0.05, 0.13, 0.31):
+        r = subprocess.run([sys.executable, str(script), kind, str(delay)], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.split()[0] == "1", r.stdout
+
+
+_FORK_DURING_SAVES = r"""
+import os, sys, threading, numpy as np, embedcore as ec
+path = sys.argv[1]
+t = ec.Table(name="t", rows=20_000, dim=16, initializer=ec.initializers.Uniform(-1, 1, seed=1))
+ec.save(path, t)
+stop = threading.Event()
+def saves():
+    while not stop.is_set():
+        ec.save(path, t)
+threading.Thread(target=saves, daemon=True).start()
+hung = 0
+for i in range(8):
+    pid = os.fork()
+    if pid == 0:  # the child opens and saves the checkpoint its parent keeps saving
+        try:
+            ec.serving.open(path).tables["t"].lookup(np.array([1]))
+            ec.save(path, t)
+        finally:
+            os._exit(0)
+    for _ in range(400):  # 20 s
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        threading.Event().wait(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        hung += 1
+stop.set()
+print(hung)
+"""
+
+
+def test_a_child_forked_during_a_save_does_not_wait_on_the_lock_it_inherited(tmp_path):
+    """A child forked while its parent's save held the directory's lock
+    shares that lock; the parent unlocks it explicitly when its commit ends,
+    so the child's own open and save of the directory go through (they used
+    to wait for ever on the inherited lock)."""
+    script = tmp_path / "fork_saves.py"
+    script.write_text(_FORK_DURING_SAVES)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "0", r.stdout

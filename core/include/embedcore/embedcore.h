@@ -372,6 +372,9 @@ class Table {
   /// to them, slot(i), would dangle) or an impossible optimizer, and
   /// OutOfMemory, before anything changes.
   void SetOptimizer(const OptimizerSpec& optimizer);
+  /// Fills the values with the initializer again (the values the table was
+  /// made with), in one exclusive hold of the lock; slots and step stay.
+  void ResetValues();
 
   /// Guards values and slots: shared for readers, exclusive for writers.
   std::shared_mutex& mutex() const { return mutex_; }
@@ -399,6 +402,8 @@ class Table {
   };
   using FloatPtr = std::unique_ptr<float, FloatDeleter>;
   std::vector<FloatPtr> NewSlots(const OptimizerSpec& optimizer) const;
+  // Writes the initializer's values into values_ (zeroed: its memory is zero already).
+  void InitializeValues(bool zeroed);
 
   // Lists the table, for its life, among those fork() waits for (table.cc):
   // a child process never starts with a table lock another thread held.
