@@ -197,7 +197,8 @@ void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learnin
 // Several tables' steps (an Embedding's) in one call: every table's parts are
 // checked (ValidateStep) before any table changes, and the steps run in one
 // release of the GIL, so that an interrupt (Ctrl-C) cannot fall between two
-// tables' steps.
+// tables' steps. (Ids that another thread rewrites meanwhile can still make a
+// later table refuse its step after earlier ones ran: the caller's race.)
 using TableStep = std::tuple<Table*, std::vector<PartTuple>, float>;
 void ApplyGradientsMany(const std::vector<TableStep>& steps) {
   std::vector<std::vector<GradientPart>> native;
@@ -388,21 +389,43 @@ NumpyMut ValuesMut(Table& t) {
 }
 std::vector<std::pair<std::string, NumpyMut>> SlotsMut(Table& t) {
   RequireHost(t, "a host view");
+  // The names and the slots read as one, under the table's lock (set_optimizer may be replacing both), with
+  // the GIL released while it is taken: the lock is held only to copy them (the slots, once there, stay).
+  std::vector<std::string> names;
+  std::vector<float*> slots;
+  int64_t slot_dim = 0;
+  {
+    ReleaseGil release;
+    std::shared_lock<std::shared_mutex> lock(t.mutex());
+    names = t.spec().optimizer.SlotNames();
+    for (size_t i = 0; i < names.size(); ++i) slots.push_back(t.slot(i));
+    slot_dim = t.slot_dim();
+  }
   std::vector<std::pair<std::string, NumpyMut>> out;
-  const auto names = t.spec().optimizer.SlotNames();
-  const size_t shape[2] = {size_t(t.rows()), size_t(t.slot_dim())};
+  const size_t shape[2] = {size_t(t.rows()), size_t(slot_dim)};
   for (size_t i = 0; i < names.size(); ++i)
-    out.emplace_back(names[i], NumpyMut(t.slot(i), 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
+    out.emplace_back(names[i], NumpyMut(slots[i], 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
   return out;
 }
 
 std::vector<std::pair<std::string, NumpyView>> SlotViews(Table& t) {
   RequireHost(t, "a host view");
+  // The names and the slots read as one, under the table's lock (set_optimizer may be replacing both), with
+  // the GIL released while it is taken: the lock is held only to copy them (the slots, once there, stay).
+  std::vector<std::string> names;
+  std::vector<float*> slots;
+  int64_t slot_dim = 0;
+  {
+    ReleaseGil release;
+    std::shared_lock<std::shared_mutex> lock(t.mutex());
+    names = t.spec().optimizer.SlotNames();
+    for (size_t i = 0; i < names.size(); ++i) slots.push_back(t.slot(i));
+    slot_dim = t.slot_dim();
+  }
   std::vector<std::pair<std::string, NumpyView>> out;
-  const auto names = t.spec().optimizer.SlotNames();
-  const size_t shape[2] = {size_t(t.rows()), size_t(t.slot_dim())};
+  const size_t shape[2] = {size_t(t.rows()), size_t(slot_dim)};
   for (size_t i = 0; i < names.size(); ++i)
-    out.emplace_back(names[i], NumpyView(t.slot(i), 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
+    out.emplace_back(names[i], NumpyView(slots[i], 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
   return out;
 }
 

@@ -128,6 +128,7 @@ class TFCheckpoint:
         self.shapes: Dict[str, list] = self._reader.get_variable_to_shape_map()
         self.dtypes = self._reader.get_variable_to_dtype_map()
         self._layouts: Dict[str, Dict[str, StackedTable]] = {}
+        self._verified: set = set()  # tensors whose checksums verify() checked
         try:  # rows read straight from the data files (RestoreV2 reads a whole tensor for every slice)
             self._bundle: Optional[Bundle] = Bundle(self.path)
         except (ValueError, OSError, DecodeError):  # BundleError, or an index this reader does not parse
@@ -328,10 +329,13 @@ class TFCheckpoint:
             base = layouts[name].stacked if name in layouts else name
             key = _join(prefix, base if slot is None else f"{base}/{slot}") + ATTR
             if self._plain(key):  # its checksum, streaming its bytes (the row reads do not check it)
+                if key in self._verified:  # (a stacked variable holds several tables)
+                    continue
                 try:
                     self._bundle.verify(key)
                 except OSError as e:
                     raise self._error(f"cannot read {key}", e) from None
+                self._verified.add(key)
             else:  # RestoreV2 checks what it reads
                 self.read_into(prefix, name, slot, _sink(shapes[slot]))
 

@@ -142,7 +142,9 @@ def _copyable(src, dst) -> bool:
     if src in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4):
         return False
     try:
-        torch.empty(1, dtype=dst).copy_(torch.zeros(1, dtype=src))
+        with warnings.catch_warnings():  # (complex to real warns of the imaginary part: copy_ will say so once)
+            warnings.simplefilter("ignore")
+            torch.empty(1, dtype=dst).copy_(torch.zeros(1, dtype=src))
     except (RuntimeError, NotImplementedError, TypeError):
         return False
     return True
@@ -396,12 +398,15 @@ class _TableModule(_AdapterModule):
             # own backward, and the others would step before this one's raised. (Not traced: a compiled graph
             # would guard on the rate's value, and recompile whenever a scheduler changed it; its backward
             # still checks.) A group's rate is checked again only once it is another object (a scheduler's).
+            # (Only a float is remembered: a tensor rate may change in place.)
             group = self._group
             lr = None if group is None else group.get("lr")
-            if lr is None or lr is not self.__dict__.get("_checked_lr"):
+            optimizer = self._table.optimizer
+            cached = self.__dict__.get("_checked_lr")
+            if cached is None or cached[0] is not lr or cached[1] is not optimizer:
                 _ops.fused_rate(self._table, group)
-                if lr is not None and not callable(self._table.optimizer.learning_rate):
-                    self.__dict__["_checked_lr"] = lr
+                if type(lr) is float and not callable(optimizer.learning_rate):
+                    self.__dict__["_checked_lr"] = (lr, optimizer)
         if not compiling and not self.__dict__.get("_warned_replicas") and _replicated():
             self._warned_replicas = True
             warnings.warn(

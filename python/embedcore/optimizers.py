@@ -19,9 +19,9 @@ carry TensorFlow's names. Common options:
 from __future__ import annotations
 
 import math
+from typing import Callable, Union
 
 import numpy as np
-from typing import Callable, Union
 
 from . import _embedcore
 
@@ -41,9 +41,9 @@ def _number(owner: str, name: str, value, *, minimum=None, strict=False) -> floa
         v = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{owner}: {name} must be a number, got {value!r}") from None
-    except OverflowError:  # an int beyond float64
-        raise ValueError(f"{owner}: {name} must be within float32's range (+-{_FLOAT32_MAX:.7g}), "
-                         f"got an int of {len(str(abs(value)))} digits") from None
+    except OverflowError:  # (an int or a fraction beyond float64)
+        raise ValueError(f"{owner}: {name} must be within float32's range (+-{_FLOAT32_MAX:.7g}), got a value "
+                         f"too large even for float64 ({type(value).__name__})") from None
     if not math.isfinite(v):
         raise ValueError(f"{owner}: {name} must be finite, got {value!r}")
     if abs(v) > _FLOAT32_MAX:  # the engine keeps options as float32: this would become infinite

@@ -1,7 +1,9 @@
 """``embedcore.Table``: one embedding table held by the native engine."""
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from typing import Dict, Optional
 
 import numpy as np
@@ -15,9 +17,17 @@ __all__ = ["Table"]
 
 _COMBINER_CODE = {"sum": 0, "mean": 1, "sqrtn": 2, None: 3}
 _DEFAULT = object()
-# Striped locks that make reading a schedule's rate and stepping one, per table (a lock object per table
-# would not deepcopy or pickle with it).
-_SCHEDULE_LOCKS = [threading.Lock() for _ in range(64)]
+# The tables that have a schedule lock (Table._schedule_lock()), renewed in a forked child: a lock that
+# another thread of the parent held at the fork would be held there for ever.
+_SCHEDULED = weakref.WeakSet()
+
+
+def _renew_schedule_locks() -> None:
+    for t in list(_SCHEDULED):
+        t.__dict__["_step_lock"] = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_schedule_locks)
 
 
 # The smallest magnitude that rounds (to nearest even) to infinity in each narrow storage dtype.
@@ -411,7 +421,7 @@ class Table(LookupMixin):
 
     def _cuda_apply(self, parts, learning_rate: Optional[float] = None) -> None:
         stream = _device.current_stream(parts[0][-1]) if parts else 0
-        with _SCHEDULE_LOCKS[id(self) % len(_SCHEDULE_LOCKS)]:  # (as _apply_parts)
+        with self._schedule_lock():  # (as _apply_parts)
             lr = self.learning_rate() if learning_rate is None else learning_rate
             self._native.apply_gradients_cuda([p[:-1] for p in parts], lr, stream)
 
@@ -431,11 +441,19 @@ class Table(LookupMixin):
                     raise ValueError(f"{name} overlaps {what} of table '{self._name}' that the step updates: "
                                      "pass a copy")
 
+    def _schedule_lock(self) -> threading.Lock:
+        """This table's lock that makes reading a schedule's rate and stepping one."""
+        lock = self.__dict__.get("_step_lock")
+        if lock is None:
+            lock = self.__dict__.setdefault("_step_lock", threading.Lock())
+            _SCHEDULED.add(self)
+        return lock
+
     def _apply_parts(self, parts, learning_rate: Optional[float] = None) -> None:
         if learning_rate is None and self._optimizer is not None and callable(self._optimizer.learning_rate):
             # A schedule's rate depends on the step: reading it and stepping are one, for threads that update
             # this table at once (the native step takes the table's lock only for its own part).
-            with _SCHEDULE_LOCKS[id(self) % len(_SCHEDULE_LOCKS)]:
+            with self._schedule_lock():
                 self._native.apply_gradients(parts, self.learning_rate())
             return
         lr = self.learning_rate() if learning_rate is None else learning_rate

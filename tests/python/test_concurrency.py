@@ -644,3 +644,41 @@ def test_a_child_forked_during_a_save_does_not_wait_on_the_lock_it_inherited(tmp
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "0", r.stdout
+
+
+_FORK_DURING_SCHEDULED_STEPS = r"""
+import os, signal, threading, numpy as np, embedcore as ec
+big = ec.Table(name="big", rows=200_000, dim=64, optimizer=ec.optimizers.Adagrad(lambda step: 0.1))
+ids = np.random.default_rng(0).integers(0, 200_000, 200_000)
+grads = np.ones((200_000, 64), np.float32)
+stop = threading.Event()
+def steps():
+    while not stop.is_set():
+        big.apply_gradients(ids, None, grads)
+threading.Thread(target=steps, daemon=True).start()
+hung = 0
+for i in range(6):
+    threading.Event().wait(0.02)
+    pid = os.fork()
+    if pid == 0:  # a scheduled step of its own table, and of the one the parent's thread was stepping
+        signal.alarm(20)
+        small = ec.Table(name="small", rows=10, dim=2, optimizer=ec.optimizers.SGD(lambda step: 0.5))
+        small.apply_gradients(np.array([1]), None, np.ones((1, 2), np.float32))
+        big.apply_gradients(np.array([1]), None, np.ones((1, 64), np.float32))
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    hung += status != 0
+stop.set()
+print(hung)
+"""
+
+
+def test_a_child_forked_during_scheduled_steps_can_step(tmp_path):
+    """The lock that makes a schedule's rate and its step one is renewed in a
+    forked child: one the parent's thread held at the fork would be held
+    there for ever."""
+    script = tmp_path / "fork_schedule.py"
+    script.write_text(_FORK_DURING_SCHEDULED_STEPS)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "0", r.stdout
