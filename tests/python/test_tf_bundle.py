@@ -150,3 +150,32 @@ def test_the_checksum_and_the_end_of_the_file_are_checked(sharded, tmp_path):
     os.truncate(data, e.offset + e.size - 4)
     with pytest.raises(OSError, match=f"truncated: {key} needs bytes up to {e.offset + e.size}"):
         b.read_rows(key, 0, b.plain(key)[0])
+
+
+def test_a_stacked_variable_is_checksummed_once(tmp_path, monkeypatch):
+    """A SparseCore checkpoint stacks several tables in one variable: the
+    restore checks its checksum once, not once per table in it."""
+    import collections
+
+    from test_tf_checkpoint import _sparsecore_checkpoint
+
+    E = tf.tpu.experimental.embedding
+    from embedcore.adapters.tf import EmbeddingForServing
+
+    shapes = {"sa": (37, 5), "sb": (100, 8), "sc": (20, 3)}
+    path, values, accumulators = _sparsecore_checkpoint(str(tmp_path / "ck"), np.random.default_rng(0), shapes)
+    calls = collections.Counter()
+    verify = _bundle.Bundle.verify
+
+    def counting(self, key):
+        calls[key] += 1
+        return verify(self, key)
+
+    monkeypatch.setattr(_bundle.Bundle, "verify", counting)
+    ours = EmbeddingForServing({n: E.FeatureConfig(E.TableConfig(vocabulary_size=r, dim=d, name=n))
+                                for n, (r, d) in shapes.items()}, E.Adagrad(0.1))
+    load_tf_checkpoint(path, ours)
+    assert calls and set(calls.values()) == {1}, dict(calls)
+    for n in shapes:
+        np.testing.assert_array_equal(ours.variables[n]["parameters"].numpy(), values[n])
+        np.testing.assert_array_equal(ours.variables[n]["accumulators"].numpy(), accumulators[n])
