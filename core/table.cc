@@ -452,9 +452,9 @@ void Table::AssignRaw(int64_t start_row, int64_t n, const void* src) {
 }
 
 void Table::AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src) {
-  if (i >= slots_.size()) throw OutOfRange("table '" + spec_.name + "' has no slot " + std::to_string(i));
   CheckRowRange(spec_, start_row, n, "assigned slot");
-  std::unique_lock<std::shared_mutex> lock(mutex_);
+  std::unique_lock<std::shared_mutex> lock(mutex_);  // (set_optimizer may be giving the table its slots)
+  if (i >= slots_.size()) throw OutOfRange("table '" + spec_.name + "' has no slot " + std::to_string(i));
   const int64_t cols = slot_dim();
   float* dst = slots_[i].get() + start_row * cols;
   if (spec_.device >= 0)
