@@ -194,6 +194,17 @@ void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learnin
   t.ApplyGradients(native, learning_rate);
 }
 
+// Table::ValidateStep, its error naming the table (OutOfRange names it already).
+void ValidateNamed(const Table& t, const std::vector<GradientPart>& parts, float learning_rate) {
+  try {
+    t.ValidateStep(parts, learning_rate);
+  } catch (const InvalidArgument& e) {
+    const std::string what = e.what(), name = "table '" + t.spec().name + "'";
+    if (what.find(name) != std::string::npos) throw;
+    throw InvalidArgument(name + ": " + what);
+  }
+}
+
 // Several tables' steps (an Embedding's) in one call: every table's parts are
 // checked (ValidateStep) before any table changes, and the steps run in one
 // release of the GIL, so that an interrupt (Ctrl-C) cannot fall between two
@@ -210,13 +221,7 @@ void ApplyGradientsMany(const std::vector<TableStep>& steps) {
       if (std::get<0>(steps[j]) == t)
         throw InvalidArgument("apply_gradients_many: table '" + t->spec().name + "' is given twice");
     native.push_back(HostParts(*t, std::get<1>(steps[i])));
-    try {
-      t->ValidateStep(native.back(), std::get<2>(steps[i]));
-    } catch (const InvalidArgument& e) {  // (OutOfRange names the table already)
-      const std::string what = e.what(), name = "table '" + t->spec().name + "'";
-      if (what.find(name) != std::string::npos) throw;
-      throw InvalidArgument(name + ": " + what);
-    }
+    ValidateNamed(*t, native.back(), std::get<2>(steps[i]));
   }
   ReleaseGil release;
   for (size_t i = 0; i < steps.size(); ++i) std::get<0>(steps[i])->ApplyGradients(native[i], std::get<2>(steps[i]));
@@ -274,13 +279,7 @@ void ApplyGradientsWindows(const IdArray& ids, const OffsetArray& offsets, const
       p.grads = grads.data() + col;
       native[i].push_back(p);
     }
-    try {
-      t->ValidateStep(native[i], learning_rate);
-    } catch (const InvalidArgument& e) {  // (OutOfRange names the table already)
-      const std::string what = e.what(), name = "table '" + t->spec().name + "'";
-      if (what.find(name) != std::string::npos) throw;
-      throw InvalidArgument(name + ": " + what);
-    }
+    ValidateNamed(*t, native[i], learning_rate);
   }
   ReleaseGil release;
   for (size_t i = 0; i < steps.size(); ++i) std::get<0>(steps[i])->ApplyGradients(native[i], std::get<2>(steps[i]));
@@ -387,45 +386,41 @@ NumpyMut ValuesMut(Table& t) {
   const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
   return NumpyMut(t.values(), 2, shape, nb::find(&t), nullptr, StorageDLType(t.spec().dtype));
 }
+// A table's slot names, pointers and width, read as one under its lock
+// (set_optimizer may be replacing them), with the GIL released while it is
+// taken; the lock is held only to copy them (the slots, once there, stay).
+struct SlotList {
+  std::vector<std::string> names;
+  std::vector<float*> data;
+  int64_t slot_dim = 0;
+};
+SlotList ListSlots(Table& t) {
+  SlotList out;
+  ReleaseGil release;
+  std::shared_lock<std::shared_mutex> lock(t.mutex());
+  out.names = t.spec().optimizer.SlotNames();
+  for (size_t i = 0; i < out.names.size(); ++i) out.data.push_back(t.slot(i));
+  out.slot_dim = t.slot_dim();
+  return out;
+}
+
 std::vector<std::pair<std::string, NumpyMut>> SlotsMut(Table& t) {
   RequireHost(t, "a host view");
-  // The names and the slots read as one, under the table's lock (set_optimizer may be replacing both), with
-  // the GIL released while it is taken: the lock is held only to copy them (the slots, once there, stay).
-  std::vector<std::string> names;
-  std::vector<float*> slots;
-  int64_t slot_dim = 0;
-  {
-    ReleaseGil release;
-    std::shared_lock<std::shared_mutex> lock(t.mutex());
-    names = t.spec().optimizer.SlotNames();
-    for (size_t i = 0; i < names.size(); ++i) slots.push_back(t.slot(i));
-    slot_dim = t.slot_dim();
-  }
+  const SlotList slots = ListSlots(t);
   std::vector<std::pair<std::string, NumpyMut>> out;
-  const size_t shape[2] = {size_t(t.rows()), size_t(slot_dim)};
-  for (size_t i = 0; i < names.size(); ++i)
-    out.emplace_back(names[i], NumpyMut(slots[i], 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
+  const size_t shape[2] = {size_t(t.rows()), size_t(slots.slot_dim)};
+  for (size_t i = 0; i < slots.names.size(); ++i)
+    out.emplace_back(slots.names[i], NumpyMut(slots.data[i], 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
   return out;
 }
 
 std::vector<std::pair<std::string, NumpyView>> SlotViews(Table& t) {
   RequireHost(t, "a host view");
-  // The names and the slots read as one, under the table's lock (set_optimizer may be replacing both), with
-  // the GIL released while it is taken: the lock is held only to copy them (the slots, once there, stay).
-  std::vector<std::string> names;
-  std::vector<float*> slots;
-  int64_t slot_dim = 0;
-  {
-    ReleaseGil release;
-    std::shared_lock<std::shared_mutex> lock(t.mutex());
-    names = t.spec().optimizer.SlotNames();
-    for (size_t i = 0; i < names.size(); ++i) slots.push_back(t.slot(i));
-    slot_dim = t.slot_dim();
-  }
+  const SlotList slots = ListSlots(t);
   std::vector<std::pair<std::string, NumpyView>> out;
-  const size_t shape[2] = {size_t(t.rows()), size_t(slot_dim)};
-  for (size_t i = 0; i < names.size(); ++i)
-    out.emplace_back(names[i], NumpyView(slots[i], 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
+  const size_t shape[2] = {size_t(t.rows()), size_t(slots.slot_dim)};
+  for (size_t i = 0; i < slots.names.size(); ++i)
+    out.emplace_back(slots.names[i], NumpyView(slots.data[i], 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
   return out;
 }
 

@@ -236,6 +236,26 @@ def _parts(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segm
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
+def checked_rate(table, lr, where: str, minimum: Optional[float] = None) -> float:
+    """`lr` as a float that `table`'s fused update can use: ``TypeError`` /
+    ``ValueError`` naming `where` otherwise (NaN, infinity, a value beyond
+    float32's range or below `minimum`, a rate the optimizer refuses)."""
+    try:
+        if isinstance(lr, (bool, str, bytes)):
+            raise TypeError
+        v = float(lr)
+    except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of several elements)
+        raise TypeError(f"{where} must be a number, got {lr!r}") from None
+    if not (-_FLOAT32_MAX if minimum is None else minimum) <= v <= _FLOAT32_MAX:  # (NaN fails too)
+        at_least = "" if minimum is None else f", >= {minimum:g}"
+        raise ValueError(f"{where} must be finite{at_least} and within float32's range, got {lr!r}")
+    try:
+        table.optimizer._check_learning_rate(v, f"learning rate {v!r}")
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return v
+
+
 def fused_rate(table, group: Optional[dict]) -> float:
     """The rate of `table`'s next fused step: its parameter group's "lr" (a
     scheduler or ``load_state_dict`` may have changed it), or the table's own
@@ -248,22 +268,8 @@ def fused_rate(table, group: Optional[dict]) -> float:
             return table.learning_rate()
         except (TypeError, ValueError) as e:
             raise type(e)(f"table '{table.name}': {e}") from None
-    lr = group["lr"]
-    try:
-        if isinstance(lr, (bool, str, bytes)):
-            raise TypeError
-        v = float(lr)
-    except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of several elements)
-        raise TypeError(f"table '{table.name}': the learning rate of its fused optimizer's param group "
-                        f"(\"lr\") must be a number, got {lr!r}") from None
-    if not abs(v) <= _FLOAT32_MAX:  # (NaN too)
-        raise ValueError(f"table '{table.name}': the learning rate of its fused optimizer's param group (\"lr\") "
-                         f"must be finite and within float32's range, got {lr!r}")
-    try:
-        table.optimizer._check_learning_rate(v, f"learning rate {v!r} (its param group's \"lr\")")
-    except ValueError as e:
-        raise ValueError(f"table '{table.name}': {e}") from None
-    return v
+    return checked_rate(table, group["lr"], f"table '{table.name}': the learning rate of its fused optimizer's param "
+                                            "group (\"lr\")")
 
 
 def _fused_rate(entry: _Entry) -> float:

@@ -12,6 +12,8 @@ from torch import nn
 import embedcore as ec
 from embedcore.table import NON_NEGATIVE_SLOTS
 
+from . import _ops
+
 __all__ = ["FusedOptimizer"]
 
 # The in-backward optimizers the engine has, by qualified class name: (its
@@ -162,21 +164,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _checked_lr(self, m, where: str, lr) -> float:
         """A param group's "lr" as loaded: a finite number >= 0 that the
         table's optimizer can use."""
-        table = m._table
-        try:
-            if isinstance(lr, (bool, str, bytes)):
-                raise TypeError
-            v = float(lr)
-        except (TypeError, ValueError, RuntimeError):
-            raise TypeError(f"{where} (table '{table.name}'): lr must be a number, got {lr!r}") from None
-        if not 0.0 <= v <= 3.4028234663852886e38:  # (NaN fails too)
-            raise ValueError(f"{where} (table '{table.name}'): lr must be finite, >= 0 and within float32's range, "
-                             f"got {lr!r}")
-        try:
-            table.optimizer._check_learning_rate(v, f"lr {v!r}")
-        except ValueError as e:
-            raise ValueError(f"{where} (table '{table.name}'): {e}") from None
-        return v
+        return _ops.checked_rate(m._table, lr, f"{where} (table '{m._table.name}'): lr", minimum=0.0)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Checks everything (keys, slot names, shapes, values, steps, rates:
