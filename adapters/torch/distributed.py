@@ -21,7 +21,9 @@ sizes), ``all_gather_object`` or ``barrier`` of the group.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
 import weakref
 from typing import List, Optional, Sequence
@@ -167,6 +169,11 @@ def init(backend: Optional[str] = None, **kwargs) -> TorchComm:
         from ``LOCAL_RANK`` first. Other keyword arguments go to
         ``torch.distributed.init_process_group`` (e.g. ``timeout=``). When the
         group already exists they must be absent (or name its backend).
+
+    A group this call starts is destroyed at interpreter exit, unless the
+    script destroyed it first: a gloo group left to the interpreter's teardown
+    can abort the process after the script's last line ("terminate called
+    without an active exception").
     """
     if not dist.is_available():
         raise RuntimeError("embedcore.adapters.torch.distributed.init(): this PyTorch was built without "
@@ -189,4 +196,18 @@ def init(backend: Optional[str] = None, **kwargs) -> TorchComm:
     if "nccl" in backend.lower() and "gloo" not in backend.lower() and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, **kwargs)
+    atexit.register(_destroy_at_exit, weakref.ref(dist.group.WORLD))  # weak: a group the script destroys goes
     return TorchComm()
+
+
+def _destroy_at_exit(started: "weakref.ref") -> None:
+    """Destroys the default group ``init()`` started, if it is still the
+    default one. Exiting without ``destroy_process_group`` leaves the group's
+    worker threads to static destruction, after the interpreter is gone; a
+    process that had finished its work then dies of SIGABRT."""
+    if not dist.is_initialized() or dist.group.WORLD is not started():
+        return  # destroyed by the script (and perhaps another group started): not ours to end
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - at exit, a failed teardown is reported, not raised
+        print(f"embedcore: destroying the process group at exit failed: {type(e).__name__}: {e}", file=sys.stderr)

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -417,8 +418,10 @@ def test_sharded_collection_ranks_with_other_module_arguments_are_refused():
 
 
 TWO_TOWERS = r'''
+import atexit
 import sys
 import numpy as np
+import torch.distributed as dist
 import embedcore as ec
 from embedcore.distributed import CollectiveMismatchError
 from embedcore.adapters.torch import distributed as etd
@@ -427,6 +430,9 @@ def tower(value):  # each tower with its own init(): another TorchComm object ov
     t = ec.TableConfig("emb", 4, 2, initializer=ec.initializers.Uniform(value, value), combiner="sum")
     return ec.Embedding({"ids": ec.FeatureConfig(t)}, world=etd.init(), sharding="row_wise")
 
+# Registered before init(), so it runs after init()'s own exit hook (atexit is last in, first out).
+atexit.register(lambda: print(f"AT EXIT rank {dist.get_rank() if dist.is_initialized() else r}: "
+                              f"initialised={dist.is_initialized()}", flush=True))
 user, item = tower(1.0), tower(5.0)
 r = user.world.rank
 first, second = (user, item) if r == 0 else (item, user)
@@ -464,3 +470,26 @@ def test_two_towers_each_with_its_own_init_called_in_different_orders_raise_a_mi
     for r in (0, 1):
         assert (f"MISMATCH rank {r}: the ranks are in different collective calls (rank 0 in 'lookup: requests of "
                 "embedding 0 (tables emb)', rank 1 in 'lookup: requests of embedding 1 (tables emb)')") in out, out
+        # The group init() started was destroyed at exit, before the interpreter's teardown (a gloo group left
+        # to it once aborted a rank there: "terminate called without an active exception").
+        assert f"AT EXIT rank {r}: initialised=False" in out, out
+
+
+def test_init_destroys_at_exit_only_the_group_it_started(tmp_path):
+    """A group the script destroyed itself, and the one it started next, are
+    not init()'s to end: the exit hook leaves the second one alone."""
+    script = textwrap.dedent("""
+        import atexit, os, sys
+        import torch.distributed as dist
+        from embedcore.adapters.torch import distributed as etd
+        atexit.register(lambda: print("AT EXIT initialised", dist.is_initialized(), flush=True))
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+        etd.init()
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+        print("second group started", flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", script, str(_free_port()), str(_free_port())], capture_output=True,
+                       text=True, timeout=TIMEOUT_S)
+    assert "second group started" in r.stdout, r.stdout + r.stderr
+    assert "AT EXIT initialised True" in r.stdout, r.stdout + r.stderr  # (torch's own teardown ends it later)
