@@ -95,7 +95,7 @@ def restore(contender: str, path: str, rows: int, dim: int) -> dict:
         emb.build()
         t = emb._embedcore_tables()[0]
         t.assign(np.zeros((rows, dim), np.float32))  # touched, as TensorFlow's
-        t.assign_slot("accumulators", np.zeros((rows, dim), np.float32))
+        t.assign_slot("accumulators", np.full((rows, dim), 0.1, np.float32))
         rss = _rss()
         t0 = time.perf_counter()
         load_tf_checkpoint(path, emb)

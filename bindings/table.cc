@@ -588,6 +588,15 @@ void BindTable(nb::module_& m) {
       .def_prop_ro("dtype", [](const Table& t) { return std::string(DTypeName(t.spec().dtype)); })
       .def_prop_ro("slot_names", [](const Table& t) { return t.spec().optimizer.SlotNames(); })
       .def_prop_ro("slot_dim", &Table::slot_dim, "Columns of each slot: 1 for row-wise Adagrad, dim otherwise.")
+      .def(
+          "slot_lower_bound",
+          [](const Table& t, size_t slot) {
+            const OptimizerSpec::SlotBound b = t.spec().optimizer.SlotLowerBound(slot);
+            return std::make_tuple(b.bounded, b.minimum, b.strict, b.bounded ? b.Describe() : std::string());
+          },
+          "slot"_a,
+          "(bounded, minimum, strict, description): the least value slot `slot` may hold (OptimizerSpec::"
+          "SlotLowerBound), which assign_slot and loads check.")
       .def_prop_rw("step", &Table::step, &Table::set_step)
       .def(
           "set_optimizer",

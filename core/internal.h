@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,14 @@
 #include "thread_pool.h"
 
 namespace embedcore::internal {
+
+/// `x` with the 9 significant digits that tell every float32 apart ("1e-46"
+/// is not "0.000000"), for messages.
+inline std::string FormatFloat(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.9g", x);
+  return buf;
+}
 
 /// Zero-filled, 64-byte aligned memory. Large blocks come from mmap (pages
 /// are zero until touched, and transparent huge pages are requested, which

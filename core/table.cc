@@ -77,11 +77,36 @@ std::vector<std::string> OptimizerSpec::SlotNames() const {
   return {};
 }
 
+OptimizerSpec::SlotBound OptimizerSpec::SlotLowerBound(size_t i) const {
+  SlotBound b;
+  const std::vector<std::string> names = SlotNames();
+  if (i >= names.size()) return b;
+  if (names[i] == "accumulators" || names[i] == "row_accumulators") {
+    b.bounded = true;
+    if (kind == Kind::kFTRL) {
+      b.strict = true;
+      b.reason = "FTRL divides by a power of the accumulator: 0 makes a zero gradient's step 0 / 0";
+    } else if (adagrad_epsilon == 0.0f) {
+      b.strict = true;
+      b.reason = "with epsilon 0 the step divides by the accumulator's square root, so 0 makes a zero gradient's "
+                 "step 0 / 0; an optimizer with epsilon > 0 takes 0";
+    } else {
+      b.reason = "the step divides by its square root";
+    }
+  } else if (names[i] == "velocities") {
+    b.bounded = true;
+    b.reason = "the step divides by its square root";
+  }
+  return b;
+}
+
+std::string OptimizerSpec::SlotBound::Describe() const {
+  return std::string(strict ? "> " : ">= ") + internal::FormatFloat(minimum) + " (" + reason + ")";
+}
+
 void OptimizerSpec::Validate() const {
   auto fail = [](const std::string& field, double v, const char* why) {
-    char buf[32];
-    std::snprintf(buf, sizeof(buf), "%.9g", v);  // 1e-46 reads as 0 once float32, not as "0.000000"
-    throw InvalidArgument("optimizer " + field + " " + why + ", got " + buf);
+    throw InvalidArgument("optimizer " + field + " " + why + ", got " + internal::FormatFloat(v));
   };
   // Every option is a float32 the manifest records as a JSON number: none may be infinite or NaN.
   const std::pair<const char*, float> options[] = {
@@ -456,6 +481,12 @@ void Table::AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src)
   std::unique_lock<std::shared_mutex> lock(mutex_);  // (set_optimizer may be giving the table its slots)
   if (i >= slots_.size()) throw OutOfRange("table '" + spec_.name + "' has no slot " + std::to_string(i));
   const int64_t cols = slot_dim();
+  const OptimizerSpec::SlotBound bound = spec_.optimizer.SlotLowerBound(i);
+  for (int64_t k = 0; k < n * cols; ++k)
+    if (!std::isfinite(src[k]) || !bound.Admits(src[k]))
+      throw InvalidArgument("table '" + spec_.name + "': slot " + spec_.optimizer.SlotNames()[i] + " value " +
+                            internal::FormatFloat(src[k]) + " at flat index " + std::to_string(k) + " is not " +
+                            (std::isfinite(src[k]) ? bound.Describe() : std::string("finite")));
   float* dst = slots_[i].get() + start_row * cols;
   if (spec_.device >= 0)
     cuda_impl::CopyToDevice(dst, src, size_t(n) * cols * sizeof(float), spec_.device);

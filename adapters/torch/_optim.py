@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import embedcore as ec
-from embedcore.table import NON_NEGATIVE_SLOTS
+from embedcore.table import slot_problem
 
 from . import _ops
 
@@ -216,9 +216,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{key}: slot {name!r} is on the meta device (it holds no data)")
                 if not torch.isfinite(value).all():
                     raise ValueError(f"{key}: slot {name!r} holds NaN or infinite values")
-                if slot in NON_NEGATIVE_SLOTS and value.numel() and float(value.min()) < 0:
-                    raise ValueError(f"{key}: slot {name!r} must be >= 0 (the optimizer takes its square root), "
-                                     f"got {float(value.min())}")
+                problem = slot_problem(m._table, slot, float(value.min())) if value.numel() else None
+                if problem is not None:
+                    raise ValueError(f"{key}: slot {name!r} {problem}")
                 plan.append((m, slot, value))
         groups = state_dict.get("param_groups", [])
         if not isinstance(groups, (list, tuple)):

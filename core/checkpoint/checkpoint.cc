@@ -27,6 +27,7 @@
 namespace embedcore {
 
 using checkpoint::File;
+using internal::FormatFloat;
 using checkpoint::JoinPath;
 using checkpoint::ResolvedPath;
 using checkpoint::kBlockBytes;
@@ -48,12 +49,6 @@ checkpoint::FileHeader MakeHeader(checkpoint::FileKind kind) {
   h.header_bytes = kHeaderBytes;
   h.kind = uint8_t(kind);
   return h;
-}
-
-std::string FormatFloat(float x) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.9g", double(x));
-  return buf;
 }
 
 void SealHeader(checkpoint::FileHeader& h) { h.header_crc32c = checkpoint::Crc32c(&h, 60); }
@@ -350,8 +345,9 @@ uint64_t PageSize() {
 // the verification.
 struct ValueCheck {
   bool finite = false;
-  bool narrow = false;
+  bool narrow = false;  // values are read as float32 and stored as `to`, and checked against `bound`
   DType to = DType::kFloat32;
+  OptimizerSpec::SlotBound bound;  // a slot's: the target optimizer's domain
   int64_t col_lo = 0, col_hi = INT64_MAX;
   std::string label;  // "table 'x' values"
 };
@@ -408,7 +404,7 @@ int64_t FirstBadValue(const FileEntry& f, const ValueCheck& check, const char* b
     store(narrowed, tmp, k);
     load_back(narrowed, back, k);
     for (int64_t j = 0; j < k; ++j) {
-      const bool bad = std::isfinite(tmp[j]) ? !std::isfinite(back[j]) : check.finite;
+      const bool bad = std::isfinite(tmp[j]) ? !std::isfinite(back[j]) || !check.bound.Admits(tmp[j]) : check.finite;
       if (bad && in_columns(e0 + uint64_t(i + j))) return int64_t(e0) + i + j;
     }
   }
@@ -474,6 +470,10 @@ void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, ui
       const std::string at = "row " + std::to_string(f.row_start + int64_t(e / uint64_t(f.cols))) + ", column " +
                              std::to_string(f.col_start + int64_t(e % uint64_t(f.cols)));
       if (!std::isfinite(x)) throw CheckpointError(file.path() + ": value at " + at + " is not finite");
+      if (!check->bound.Admits(x))
+        throw CheckpointError(file.path() + ": " + check->label + " hold " + FormatFloat(x) + " at " + at +
+                              "; the target table's optimizer needs them " + check->bound.Describe() +
+                              ": load with include_optimizer=False, or into a table whose optimizer takes them");
       throw CheckpointError(file.path() + ": " + check->label + " hold " + FormatFloat(x) + " at " + at +
                             ", beyond the range of " + DTypeName(check->to) +
                             ", the target table's dtype (it would load as infinity)");
@@ -1028,7 +1028,10 @@ void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const
   // Only the blocks of the rows this block reads.
   // `to`: the dtype the file's values become; a narrower one is checked for
   // values that would become infinite. A row-wise slot's files are one column wide.
-  auto verify_file = [&](const FileEntry& f, DType to, bool rowwise_slot) {
+  // A slot's values are also checked against the target optimizer's domain (an accumulator of 0 saved with
+  // epsilon > 0 is not one Adagrad with epsilon 0 can step from).
+  auto verify_file = [&](const FileEntry& f, DType to, bool rowwise_slot, const std::string& label,
+                         const OptimizerSpec::SlotBound& bound) {
     int64_t r0, r1, c0, c1;
     if (!Overlap(f, row_start, spec.rows, rowwise_slot ? 0 : col_start, rowwise_slot ? 1 : spec.dim, &r0, &r1, &c0,
                  &c1))
@@ -1038,17 +1041,20 @@ void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const
     ValueCheck check;
     check.narrow = true;
     check.to = to;
+    check.bound = bound;
     check.col_lo = c0 - f.col_start;
     check.col_hi = c1 - f.col_start;
-    check.label = "table '" + entry.name + "' values";
+    check.label = label;
     VerifyDataRange(info.path, f, uint64_t(r0 - f.row_start) * row_bytes, uint64_t(r1 - f.row_start) * row_bytes,
-                    narrows ? &check : nullptr);
+                    narrows || bound.bounded ? &check : nullptr);
   };
-  for (const FileEntry& f : entry.values) verify_file(f, spec.dtype, false);
+  for (const FileEntry& f : entry.values) verify_file(f, spec.dtype, false, "table '" + entry.name + "' values", {});
   const bool rowwise = spec.optimizer.SlotDim(spec.dim) != spec.dim || entry.optimizer.SlotDim(entry.dim) != entry.dim;
   if (slots)
-    for (const auto& files : entry.slots)
-      for (const FileEntry& f : files) verify_file(f, DType::kFloat32, rowwise);
+    for (size_t i = 0; i < entry.slots.size(); ++i)
+      for (const FileEntry& f : entry.slots[i])
+        verify_file(f, DType::kFloat32, rowwise, "table '" + entry.name + "' slot " + entry.slot_names[i],
+                    spec.optimizer.SlotLowerBound(i));
 }
 
 void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,

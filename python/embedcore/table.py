@@ -537,7 +537,8 @@ class Table(LookupMixin):
         if v.ndim != 2 or v.shape[1] != cols:
             raise ValueError(f"table '{self._name}': slot {name} values must have shape [n, {cols}], got {v.shape}")
         start_row = self._assigned_rows(start_row, len(v), "slot rows")
-        _check_slot_values(self._name, name, v)
+        # The engine refuses (naming the first) a value that is not finite or is outside the slot's domain
+        # for the table's optimizer (slot_problem).
         self._native.assign_slot(names.index(name), start_row, v)
 
     def _assigned_rows(self, start_row, n: int, what: str) -> int:
@@ -574,18 +575,15 @@ def _row_index(table: str, name: str, value) -> int:
     return int(value)
 
 
-# Slots that optimizers take square roots of: a negative value would make NaN weights.
-NON_NEGATIVE_SLOTS = ("accumulators", "row_accumulators", "velocities")
-
-
-def _check_slot_values(table: str, name: str, v: np.ndarray) -> None:
-    if not np.isfinite(v).all():
-        k = int(np.argmax(~np.isfinite(v).reshape(-1)))
-        raise ValueError(f"table '{table}': slot {name} value {v.reshape(-1)[k]} at flat index {k} is not finite")
-    if name in NON_NEGATIVE_SLOTS and v.size and float(v.min()) < 0:
-        k = int(np.argmax(v.reshape(-1) < 0))
-        raise ValueError(f"table '{table}': slot {name} must be >= 0 (the optimizer takes its square root), got "
-                         f"{v.reshape(-1)[k]} at flat index {k}")
+def slot_problem(table: "Table", name: str, smallest: float) -> Optional[str]:
+    """Why slot `name` of `table` cannot hold values whose least is
+    `smallest` (an accumulator below 0, or at 0 where the optimizer's step
+    would divide 0 by 0), or None: the engine's rule, which
+    ``assign_slot`` and loads apply too."""
+    bounded, minimum, strict, description = table._native.slot_lower_bound(table.slot_names.index(name))
+    if bounded and not (smallest > minimum if strict else smallest >= minimum):
+        return f"must be {description}, got {smallest}"
+    return None
 
 
 def _describe(x) -> str:

@@ -930,6 +930,47 @@ EMBEDCORE_TEST(RowwiseAdagradMatchesReferences) {
   CheckOptimizer(MakeSpec(20, 133, DType::kFloat32, OptimizerSpec::Kind::kRowwiseAdagrad), "row-wise dim 133", 16);
 }
 
+// The slots' domains: accumulators and velocities are square-rooted (>= 0);
+// an accumulator of 0 where nothing is added to its root (Adagrad with
+// epsilon 0, FTRL) makes a zero gradient's step 0 / 0, so it must be > 0.
+// AssignSlot refuses a value outside them and changes nothing.
+EMBEDCORE_TEST(AssignSlotKeepsSlotsInTheOptimizersDomain) {
+  struct Case {
+    OptimizerSpec::Kind kind;
+    float adagrad_epsilon;
+    size_t slot;
+    float refused, accepted;
+    const char* message;
+  };
+  const Case cases[] = {
+      {OptimizerSpec::Kind::kAdagrad, 0.0f, 0, 0.0f, 1e-30f, "slot accumulators value 0 at flat index 4 is not > 0"},
+      {OptimizerSpec::Kind::kAdagrad, 1e-10f, 0, -1e-30f, 0.0f, "is not >= 0"},
+      {OptimizerSpec::Kind::kRowwiseAdagrad, 0.0f, 0, 0.0f, 1.0f, "slot row_accumulators value 0 at flat index"},
+      {OptimizerSpec::Kind::kRowwiseAdagrad, 1e-8f, 0, -2.0f, 0.0f, "is not >= 0"},
+      {OptimizerSpec::Kind::kFTRL, 1e-10f, 0, 0.0f, 1e-30f, "FTRL divides by a power of the accumulator"},
+      {OptimizerSpec::Kind::kFTRL, 0.0f, 1, std::nanf(""), -5.0f, "slot linears value nan"},  // linears: any value
+      {OptimizerSpec::Kind::kAdam, 0.0f, 1, -1.0f, 0.0f, "slot velocities value -1 at flat index 4 is not >= 0"},
+      {OptimizerSpec::Kind::kAdam, 0.0f, 0, INFINITY, -3.0f, "slot momenta value inf"},  // momenta: any value
+  };
+  for (const Case& c : cases) {
+    TableSpec spec = MakeSpec(6, 4, DType::kFloat32, c.kind);
+    spec.optimizer.adagrad_epsilon = c.adagrad_epsilon;
+    Table t(spec);
+    const int64_t cols = t.slot_dim();
+    std::vector<float> src(size_t(2 * cols), 0.5f);
+    src[size_t(std::min<int64_t>(4, 2 * cols - 1))] = c.refused;
+    const Snapshot before = Take(t);
+    EMBEDCORE_EXPECT_THROWS(t.AssignSlot(c.slot, 1, 2, src.data()), InvalidArgument,
+                            cols == 1 ? "slot row_accumulators value" : c.message);
+    EMBEDCORE_EXPECT(Take(t) == before);
+    src[size_t(std::min<int64_t>(4, 2 * cols - 1))] = c.accepted;
+    EMBEDCORE_EXPECT_NO_THROW(t.AssignSlot(c.slot, 1, 2, src.data()));
+    const OptimizerSpec::SlotBound b = spec.optimizer.SlotLowerBound(c.slot);
+    EMBEDCORE_EXPECT(b.Admits(c.accepted) && !(b.bounded && b.Admits(c.refused)));
+  }
+  EMBEDCORE_EXPECT(!OptimizerSpec{}.SlotLowerBound(0).bounded);  // SGD has no slots
+}
+
 EMBEDCORE_TEST(RowwiseAdagradSlotIsOneColumn) {
   TableSpec spec = MakeSpec(12, 7, DType::kFloat32, OptimizerSpec::Kind::kRowwiseAdagrad);
   spec.optimizer.initial_accumulator_value = 0.25f;
@@ -1237,6 +1278,8 @@ EMBEDCORE_TEST(AssignAndReadValues) {
     EMBEDCORE_EXPECT_THROWS(t.AssignRaw(0, 7, raw.data()), OutOfRange, "do not fit");
     EMBEDCORE_EXPECT_THROWS(t.AssignSlot(0, 6, 1, slot.data()), OutOfRange, "do not fit");
     EMBEDCORE_EXPECT_THROWS(t.AssignSlot(2, 0, 1, slot.data()), OutOfRange, "no slot 2");
+    const std::vector<float> nan = {1, std::nanf(""), 3};
+    EMBEDCORE_EXPECT_THROWS(t.AssignSlot(0, 0, 1, nan.data()), InvalidArgument, "value nan at flat index 1 is not finite");
     EMBEDCORE_EXPECT_THROWS(t.ReadValues(0, -1, got.data()), OutOfRange, "do not fit");
     EMBEDCORE_EXPECT_THROWS(t.ReadValues(int64_t(1) << 62, 1, got.data()), OutOfRange, "do not fit");
     EMBEDCORE_EXPECT_NO_THROW(t.AssignValues(6, 0, src.data()));

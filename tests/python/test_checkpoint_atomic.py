@@ -38,6 +38,7 @@ t = ec.Table(name="big", rows=rows, dim=dim, initializer=ec.initializers.Zeros()
              optimizer=ec.optimizers.Adagrad(0.1))
 buf = np.zeros((rows, dim), np.float32)
 t.assign(buf)  # touch every page before the clock starts
+buf.fill(0.5)  # (Adagrad with epsilon 0 takes no accumulator of 0)
 t.assign_slot("accumulators", buf)
 print("ready", flush=True)
 if sys.stdin.readline().strip() != "go":

@@ -713,9 +713,65 @@ def test_slot_values_an_optimizer_cannot_use_are_refused(trained):
     """Slots must be finite, and those the optimizer takes the square root of
     (Adagrad's accumulators, Adam's velocities) non-negative."""
     s = snapshot(trained)
-    with pytest.raises(ValueError, match="slot velocities must be >= 0 .* got -1.0 at flat index 1"):
+    with pytest.raises(ValueError, match=r"slot velocities value -1 at flat index 1 is not >= 0 \(the step divides"):
         trained.assign_slot("velocities", np.array([[0.0, -1.0, 0.0, 0.0]], np.float32))
     with pytest.raises(ValueError, match="slot momenta value nan at flat index 2 is not finite"):
         trained.assign_slot("momenta", np.array([[0.0, 1.0, np.nan, 0.0]], np.float32))
     assert_unchanged(trained, s)
     trained.assign_slot("momenta", np.array([[0.0, -1.0, 0.5, 0.0]], np.float32))  # momenta may be negative
+
+
+@pytest.mark.parametrize("optimizer, slot, refused, why", [
+    (opt.Adagrad(0.1), "accumulators", 0.0, "with epsilon 0 the step divides"),
+    (opt.RowWiseAdagrad(0.1, epsilon=0.0, initial_accumulator_value=0.1), "row_accumulators", 0.0,
+     "with epsilon 0 the step divides"),
+    (opt.FTRL(0.1), "accumulators", 0.0, "FTRL divides by a power of the accumulator"),
+    (opt.Adagrad(0.1, epsilon=1e-10), "accumulators", -1e-30, "the step divides by its square root"),
+])
+def test_accumulators_of_0_are_refused_where_the_step_would_divide_0_by_0(tmp_path, optimizer, slot, refused, why):
+    """An accumulator of 0 is refused wherever the optimizer's constructor
+    refuses initial_accumulator_value=0: a zero gradient element (a weight of
+    0, a feature outside the loss) would step the weight by 0 / 0 (NaN). The
+    same state through assign_slot and through a checkpoint load is refused,
+    naming the slot, and changes nothing; values alone still load."""
+    t = make_table(6, 4, optimizer=optimizer, name="t")
+    cols = t._native.slot_dim
+    s = snapshot(t)
+    bad = np.full((2, cols), 0.5, np.float32)
+    bad[1, cols - 1] = refused
+    op = ">=" if refused < 0 else ">"
+    with pytest.raises(ValueError, match=f"table 't': slot {slot} value {refused:g} at flat index {2 * cols - 1} is "
+                                         f"not {op} 0 \\({why}"):
+        t.assign_slot(slot, bad)
+    assert_unchanged(t, s)
+
+    # A checkpoint holding such a value (written into the engine's memory, as a bug or another writer might).
+    src = make_table(6, 4, optimizer=optimizer, name="t", seed=5)
+    np.from_dlpack(dict(src._native.slots_mut())[slot])[3, cols - 1] = refused
+    ec.save(tmp_path / "ck", src)
+    with pytest.raises(ec.CheckpointError, match=f"table 't' slot {slot} hold {refused:g} at row 3, column "
+                                                 f"{cols - 1}; the target table's optimizer needs them {op} 0"):
+        ec.load(tmp_path / "ck", into=t)
+    assert_unchanged(t, s)
+    ec.load(tmp_path / "ck", into=t, include_optimizer=False)
+    np.testing.assert_array_equal(t.to_numpy(), src.to_numpy())
+
+
+def test_a_checkpoint_whose_accumulators_start_at_0_loads_only_where_epsilon_allows(tmp_path):
+    """PyTorch's Adagrad (accumulators from 0, eps 1e-10) saved, then loaded
+    into TensorFlow's (epsilon 0): refused, where it used to load and turn
+    every zero gradient element into NaN. Into an optimizer with epsilon > 0
+    it loads, and trains as the table it came from."""
+    torch_like = opt.Adagrad(0.1, initial_accumulator_value=0.0, epsilon=1e-10)
+    src = make_table(4, 2, optimizer=torch_like, name="t")
+    grads = np.array([[0.0, 1e-30], [0.5, 0.0]], np.float32)
+    ec.save(tmp_path / "ck", src)
+    tf_like = make_table(4, 2, optimizer=opt.Adagrad(0.1), name="t")
+    with pytest.raises(ec.CheckpointError, match="slot accumulators hold 0 at row 0, column 0.*needs them > 0"):
+        ec.load(tmp_path / "ck", into=tf_like)
+    same = make_table(4, 2, optimizer=torch_like, name="t", seed=9)
+    ec.load(tmp_path / "ck", into=same)
+    for t in (src, same):
+        t.apply_gradients(np.array([0, 1]), np.array([0, 1, 2]), grads)
+    np.testing.assert_array_equal(same.to_numpy(), src.to_numpy())
+    assert np.isfinite(same.to_numpy()).all()

@@ -131,6 +131,20 @@ def test_optimizer_state_errors():
         et.EmbeddingBag(ROWS, DIM).fused_optimizer
 
 
+def test_torch_adagrad_state_loads_where_epsilon_allows_accumulators_of_0(rng):
+    """PyTorch's Adagrad state (sums from 0) loads into the fused Adagrad
+    that torch.optim.Adagrad maps to (epsilon 1e-10), and training continues
+    as PyTorch's would."""
+    ref, opt = _torch_trained(rng, lambda p: torch.optim.Adagrad(p, lr=0.1))
+    ours = et.EmbeddingBag(ROWS, DIM, optimizer=ec.optimizers.Adagrad(0.1, initial_accumulator_value=0.0,
+                                                                        epsilon=1e-10))
+    ours.load_state_dict(ref.state_dict())
+    st = opt.state_dict()["state"][0]
+    assert float(st["sum"].min()) == 0.0  # rows no batch touched
+    ours.load_optimizer_state_dict({"state": {"weight": st}})
+    _continues_as_torch(rng, ours, ref, opt)
+
+
 def test_collection_optimizer_state_keys():
     ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 3, name="a"), et.EmbeddingBagConfig(10, 3, name="b")],
                                     optimizer=ec.optimizers.Adagrad(0.1))
@@ -147,6 +161,11 @@ def test_collection_optimizer_state_keys():
     ({"step": 2**70}, ValueError, "step must be an int"),
     ({"accumulators": torch.full((10, 3), float("nan"))}, ValueError, "NaN or infinite"),
     ({"accumulators": torch.zeros((10, 3), dtype=torch.complex64)}, TypeError, "real floats"),
+    # torch.optim.Adagrad's state (sums from 0, its eps 1e-10) into Adagrad with epsilon 0: a zero gradient
+    # element would then step by 0 / 0 (NaN).
+    ({"accumulators": torch.zeros((10, 3))}, ValueError,
+     r"embedding_bags.b.weight: slot 'accumulators' must be > 0 \(with epsilon 0 the step divides .*got 0.0"),
+    ({"accumulators": torch.full((10, 3), -1.0)}, ValueError, r"slot 'accumulators' must be > 0 .*got -1.0"),
 ])
 def test_a_bad_optimizer_state_changes_no_table(bad_b, exc, match):
     """Every table's state is checked before any table changes."""

@@ -141,6 +141,21 @@ struct OptimizerSpec {
   /// Columns of each slot for a table of `dim` columns: 1 for row-wise
   /// Adagrad (one float per row), `dim` for the others.
   int64_t SlotDim(int64_t dim) const { return kind == Kind::kRowwiseAdagrad ? 1 : dim; }
+  /// The least value slot `i` may hold, the update's domain: accumulators
+  /// and velocities are square-rooted (>= 0), and an accumulator of 0 makes
+  /// a zero gradient 0 / 0 where nothing is added to its root (Adagrad with
+  /// epsilon 0, FTRL): there they must be > 0, as initial_accumulator_value.
+  struct SlotBound {
+    bool bounded = false;  ///< false: any value (momenta, linears)
+    float minimum = 0.0f;
+    bool strict = false;  ///< true: > minimum, else >= minimum
+    const char* reason = "";  ///< why, for messages
+    /// Whether `v` is within the bound (NaN is not).
+    bool Admits(float v) const { return !bounded || (strict ? v > minimum : v >= minimum); }
+    /// "> 0 (why)" or ">= 0 (why)".
+    std::string Describe() const;
+  };
+  SlotBound SlotLowerBound(size_t i) const;
   /// Throws InvalidArgument naming the field when a value is impossible.
   void Validate() const;
 };
@@ -358,7 +373,9 @@ class Table {
   void AssignValues(int64_t start_row, int64_t n, const float* src);
   /// Overwrites rows from `src` that already holds the storage dtype.
   void AssignRaw(int64_t start_row, int64_t n, const void* src);
-  /// Overwrites rows of slot `i` from float32 `src` ([n, slot_dim()]).
+  /// Overwrites rows of slot `i` from float32 `src` ([n, slot_dim()]):
+  /// finite values within the slot's OptimizerSpec::SlotLowerBound, else
+  /// InvalidArgument naming the first other one, and nothing changes.
   void AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src);
   /// Copies rows [start_row, start_row + n) as float32 into `dst`.
   void ReadValues(int64_t start_row, int64_t n, float* dst) const;
