@@ -19,10 +19,41 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 #include "embedcore/embedcore.h"
 
 namespace embedcore {
 namespace {
+
+// The caller's floating-point mode (MXCSR on x86: flush-to-zero, denormals-
+// are-zero, rounding), which a job's chunks run in on every thread: a
+// caller whose mode flushes subnormals (TensorFlow's executor threads do)
+// gets the same bits whichever thread computes a row. (Other architectures:
+// the workers' default mode.)
+struct FloatMode {
+#if defined(__x86_64__) || defined(__i386__)
+  static constexpr unsigned kControl = 0xFFC0u;  // the control bits; 0..5 are the exception flags
+  unsigned csr = 0;
+  static FloatMode Current() { return FloatMode{_mm_getcsr()}; }
+  // Sets this mode on the calling thread; returns the one it had.
+  FloatMode Enter() const {
+    const FloatMode before = Current();
+    if ((before.csr ^ csr) & kControl) _mm_setcsr((before.csr & ~kControl) | (csr & kControl));
+    return before;
+  }
+  void Restore() const {
+    if ((_mm_getcsr() ^ csr) & kControl) _mm_setcsr((_mm_getcsr() & ~kControl) | (csr & kControl));
+  }
+#else
+  static FloatMode Current() { return {}; }
+  FloatMode Enter() const { return {}; }
+  void Restore() const {}
+#endif
+};
+
 
 // Whether this thread runs a chunk of a pool's job (nested loops then run serially, on it).
 thread_local bool t_in_job = false;
@@ -107,6 +138,7 @@ class Pool {
     {
       std::lock_guard<std::mutex> l(m_);
       job_ = &fn;
+      job_mode_ = FloatMode::Current();
       chunks_ = chunks;
       next_.store(0);
       remaining_.store(chunks);
@@ -238,6 +270,7 @@ class Pool {
 #endif
       }
       const std::function<void(int)>* job;
+      FloatMode mode;
       int chunks;
       {
         std::unique_lock<std::mutex> l(m_);
@@ -245,12 +278,15 @@ class Pool {
         if (stop_) return;
         seen = generation_.load();
         job = job_;
+        mode = job_mode_;
         chunks = chunks_;
         if (job == nullptr) continue;
         ++active_;
       }
       const auto start = std::chrono::steady_clock::now();
+      const FloatMode own = mode.Enter();
       Drain(*job, chunks);
+      own.Restore();
       if (spin_)  // (with more threads than CPUs, a spinning worker would hold a CPU another one needs)
         spin = std::clamp((std::chrono::steady_clock::now() - start) / 4, shortest, spin_limit_);
       {
@@ -267,6 +303,7 @@ class Pool {
   std::mutex m_;
   std::condition_variable wake_, done_;
   const std::function<void(int)>* job_ = nullptr;
+  FloatMode job_mode_;  // the caller's, for the job's chunks
   int chunks_ = 0;
   std::atomic<int> active_{0};  // workers in Drain; changed under m_, read by the spinning caller without it
   static constexpr std::chrono::steady_clock::duration kWorkerSpinMin = std::chrono::microseconds(100);

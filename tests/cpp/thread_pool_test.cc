@@ -472,3 +472,46 @@ EMBEDCORE_TEST(ForkedChildRunsAndExits) {
   EMBEDCORE_EXPECT(WIFEXITED(status));
   EMBEDCORE_EXPECT_EQ(WEXITSTATUS(status), 0);
 }
+
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+
+// Every chunk of a job runs in the caller's floating-point mode (MXCSR:
+// flush-to-zero, denormals-are-zero, rounding), whichever thread takes it:
+// a caller that flushes subnormals (TensorFlow's executor threads do) gets
+// the same bits from pool threads started in the default mode. The workers
+// go back to their own mode after the job.
+EMBEDCORE_TEST(ChunksRunInTheCallersFloatMode) {
+  RestoreThreads restore;
+  SetNumThreads(4);
+  ParallelChunks(4, 4, [](int, int64_t, int64_t) {});  // the workers start in the default mode
+  const unsigned saved = _mm_getcsr();
+  constexpr unsigned kFlush = 0x8040u;  // FTZ | DAZ
+  for (const unsigned mode : {saved | kFlush, saved & ~kFlush}) {
+    _mm_setcsr(mode);
+    const std::thread::id caller = std::this_thread::get_id();
+    // Each chunk waits (up to 2 s) until another thread has taken one, so that workers run chunks.
+    std::atomic<int> on_workers{0}, wrong{0};
+    ParallelChunks(64, 4, [&](int, int64_t, int64_t) {
+      if ((_mm_getcsr() & 0xFFC0u) != (mode & 0xFFC0u)) ++wrong;
+      if (std::this_thread::get_id() != caller) ++on_workers;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+      while (on_workers.load() == 0 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    });
+    EMBEDCORE_EXPECT_MSG(on_workers.load() > 0, "no worker took a chunk");
+    EMBEDCORE_EXPECT_EQ(wrong.load(), 0);
+    // A denormal sum on every thread: flushed to 0 in the flushing mode, kept otherwise.
+    volatile float tiny = 1e-40f;
+    std::vector<float> sums(64);
+    ParallelFor(64, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) sums[size_t(i)] = tiny + tiny;
+    });
+    for (float x : sums) EMBEDCORE_EXPECT_EQ(x == 0.0f, (mode & kFlush) == kFlush);
+  }
+  _mm_setcsr(saved);
+  // Back in their own mode: a job from a caller in the default mode sees it.
+  std::atomic<int> wrong{0};
+  ParallelChunks(64, 4, [&](int, int64_t, int64_t) { wrong += (_mm_getcsr() & 0xFFC0u) != (saved & 0xFFC0u); });
+  EMBEDCORE_EXPECT_EQ(wrong.load(), 0);
+}
+#endif
