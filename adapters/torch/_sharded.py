@@ -14,6 +14,8 @@ every rank calls them, in the same order.
 """
 from __future__ import annotations
 
+import ast
+import re
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -231,13 +233,40 @@ class _Sharded:
     # A collective step of host work: torch.compile runs it eagerly (a graph break), as it does any opaque call.
     @torch.compiler.disable
     def forward(self, features):
+        self._kjt_starts = None
         try:
             inputs, weights, finish = self._parse(features)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait in the lookup
             agree(self._world, e, step=self._embedding.step_name("lookup: requests"))  # pairs with the lookup's
             # first agree on the others; raises e
             raise
-        return finish(self._lookup(inputs, weights))
+        try:
+            outs = self._lookup(inputs, weights)
+        except IndexError as e:
+            raise self._in_kjt_terms(e) from None
+        return finish(outs)
+
+    def _note_kjt_starts(self, offsets: np.ndarray, keys: List[int], stride: int) -> None:
+        """Where each feature's ids start in the KeyedJaggedTensor's values(),
+        by the engine's feature names, for errors in the caller's terms."""
+        self._kjt_starts = {c.name: int(offsets[k * stride]) for c, k in zip(self._feature_configs, keys)}
+
+    _ID_AT = re.compile(r"^features\[(.+?)\]: id (-?\d+) at position (\d+) ")
+
+    def _in_kjt_terms(self, e: IndexError) -> IndexError:
+        """A bad id's error with its position in the KeyedJaggedTensor's
+        values() (docs/torch.md), where the sharded lookup names the position
+        in its feature; `e` itself for dict input."""
+        m = self._ID_AT.match(str(e))
+        if self._kjt_starts is None or m is None:
+            return e
+        try:
+            start = self._kjt_starts[ast.literal_eval(m.group(1))]
+        except (KeyError, ValueError, SyntaxError):
+            return e
+        message = str(e)
+        return IndexError(f"{message[:m.start(3)]}{int(m.group(3)) + start} of the KeyedJaggedTensor's values() "
+                          f"{message[m.end():]}")
 
     def _lookup(self, inputs: list, weights: list) -> List[Tensor]:
         """One collective lookup of every feature; outputs carry autograd to
@@ -292,6 +321,7 @@ class ShardedEmbeddingBagCollection(_Sharded, EmbeddingBagCollection):
                     r, fw = _kjt_feature(ids, off, w, index[f], stride)
                     inputs.append(r)
                     weights.append(fw)
+            self._note_kjt_starts(off, [index[f] for s in self._specs for f in s.features], stride)
             return inputs, weights, lambda outs: _jagged_module().KeyedTensor(
                 keys=names, length_per_key=self._dims, values=torch.cat(outs, dim=1))
         if not isinstance(features, dict):
@@ -355,6 +385,7 @@ class ShardedEmbeddingCollection(_Sharded, EmbeddingCollection):
                     inputs.append(self._singletons(np.asarray(r.values))[0])
                     weights.append(None)
                     keys.append((name, k, np.asarray(r.values) if self._need_indices else None))
+            self._note_kjt_starts(off, [k for _, k, _ in keys], stride)
             def finish(outs):
                 return {name: jt.JaggedTensor(values=r, lengths=lengths[k * stride:(k + 1) * stride],
                                               weights=None if v is None else self._out(v.copy()))

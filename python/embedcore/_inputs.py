@@ -43,6 +43,10 @@ class Ragged:
             raise ValueError(f"lengths must be >= 0, got {int(lengths[k])} at position {k}")
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
+        wrapped = offsets[1:] < offsets[:-1]  # (lengths are >= 0: only a sum past int64 decreases)
+        if wrapped.any():
+            k = int(np.argmax(wrapped))
+            raise ValueError(f"lengths add up to more than int64 holds (2**63 - 1) by position {k}")
         return cls(values, offsets)
 
     def __repr__(self) -> str:
@@ -70,8 +74,8 @@ class Sparse:
 # ------------------------------------------------------------------ arrays
 def to_numpy(x, where: str) -> np.ndarray:
     """A NumPy view of `x` (DLPack or buffer protocol), or a converted copy."""
-    if isinstance(x, np.ndarray):
-        return x
+    if isinstance(x, np.ndarray):  # a subclass (np.matrix keeps 2 dimensions through reshape): its plain array
+        return x if type(x) is np.ndarray else np.asarray(x)
     if _is_torch_bfloat16(x):
         # DLPack and NumPy carry no bfloat16: widen it (exactly) in torch, on its device.
         return to_numpy(x.detach().float(), where)

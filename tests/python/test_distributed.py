@@ -896,6 +896,23 @@ def test_a_rank_that_left_with_its_error_does_not_leave_the_others_hanging():
     assert isinstance(seen["retry"], ed.RankFailedError) and "rank 1 of 2" in str(seen["retry"]), seen
 
 
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
+def test_a_bad_id_of_a_reordered_sparse_input_is_named_at_the_callers_position(sharding):
+    """A Sparse input whose indices are not row-major is reordered before the
+    lookup; the error names the id's position in the values the caller
+    gave, as the unsharded lookup does."""
+    sp = ec.Sparse(indices=[[1, 0], [0, 0], [0, 1]], values=[1, 8, 2], dense_shape=[2, 2])  # 8 is values[1]
+    config = {"f": ec.FeatureConfig(ec.TableConfig("a", 7, 4, combiner="sum"))}
+    with pytest.raises(IndexError, match="id 8 at position 1 of ids"):
+        ec.Embedding(config)({"f": sp})
+
+    def fn(world):
+        with pytest.raises(IndexError, match=r"features\['f'\]: id 8 at position 1 is out of range"):
+            ec.Embedding(config, world=world, sharding=sharding)({"f": sp})
+
+    _run(1, fn)
+
+
 def test_bad_ids_on_two_ranks_name_the_first():
     config, _ = _error_setup("table_wise")
 

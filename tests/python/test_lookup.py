@@ -189,6 +189,20 @@ def test_ragged_from_lengths_errors():
     with pytest.raises(TypeError, match="lengths must be an integer array"):
         ec.Ragged.from_lengths(np.array([1, 2]), [1.0, 1.0])
     np.testing.assert_array_equal(ec.Ragged.from_lengths(np.zeros(0, np.int64), []).offsets, [0])
+    # Lengths whose sum passes int64 (the offsets would wrap to negative values).
+    with pytest.raises(ValueError, match=r"lengths add up to more than int64 holds \(2\*\*63 - 1\) by position 1"):
+        ec.Ragged.from_lengths(np.array([1, 2]), np.array([2**62, 2**62, 2**62, 2**62 - 2], np.int64))
+
+
+def test_array_subclasses_are_read_as_their_plain_arrays():
+    """An np.matrix (which stays 2-D through reshape) or another ndarray
+    subclass is read as its plain array, as NumPy's own functions read it."""
+    table = make_table(10, 3)
+    ids = np.array([[1, 2], [3, 4]])
+    want = table.lookup(ids)
+    np.testing.assert_array_equal(table.lookup(np.matrix(ids)), want)
+    np.testing.assert_array_equal(table.lookup(ids, weights=np.matrix(np.ones((2, 2)))), want)
+    np.testing.assert_array_equal(table.lookup(np.array([1, 2, 3, 4]), np.matrix([[0, 2, 4]]).A1), want)
 
 
 @pytest.mark.parametrize("weighted", [False, True])

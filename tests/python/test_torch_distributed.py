@@ -417,6 +417,26 @@ def test_sharded_collection_ranks_with_other_module_arguments_are_refused():
         ["ShardedEmbeddingBagCollection"] * 2
 
 
+@pytest.mark.parametrize("collection", ["EmbeddingBagCollection", "EmbeddingCollection"])
+def test_a_bad_id_of_a_kjt_is_named_at_its_position_in_values(collection):
+    """As unsharded (docs/torch.md): the position of a bad id is the one in
+    the KeyedJaggedTensor's values(), not in its feature's slice."""
+    kjt_type = pytest.importorskip("torchrec.sparse.jagged_tensor").KeyedJaggedTensor
+    kjt = kjt_type(keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 11]), lengths=torch.tensor([1, 1, 1, 1]))
+    make = getattr(et, collection)
+    config = (et.EmbeddingBagConfig if collection == "EmbeddingBagCollection" else et.EmbeddingConfig)(
+        num_embeddings=10, embedding_dim=4, name="t", feature_names=["f1", "f2"])
+    with pytest.raises(IndexError, match="id 11 at position 3 of ids"):
+        make([config])(kjt)
+
+    def fn(world):
+        with pytest.raises(IndexError, match=r"features\['f2'\]: id 11 at position 3 of the KeyedJaggedTensor's "
+                                             r"values\(\) is out of range for table 't'"):
+            make([config], world=world, sharding="row_wise")(kjt)
+
+    run_local(2, fn)
+
+
 TWO_TOWERS = r'''
 import atexit
 import sys

@@ -336,7 +336,8 @@ class ShardedEmbedding(Embedding):
                 lo, hi = int(ids.min()), int(ids.max())
                 if lo < 0 or hi >= eff.rows:
                     bad = lo if lo < 0 else hi
-                    pos = int(np.flatnonzero(ids == bad)[0])
+                    at = np.flatnonzero(ids == bad)
+                    pos = int((at if b.order is None else b.order[at]).min())  # in the caller's order
                     raise IndexError(f"{where}: id {bad} at position {pos} is out of range for table "
                                      f"'{eff.name}' with {eff.rows} rows")
             combiner = self._combiner(f)
