@@ -645,6 +645,7 @@ void CheckFilesPresent(const std::string& path, const CheckpointInfo& info, bool
 
 namespace {
 void MakeCheckpointDirectory(const std::string& path) {
+  if (path.empty()) throw InvalidArgument("the checkpoint path is empty (\".\" names the current directory)");
   if (::mkdir(path.c_str(), 0755) == 0) {
     // The new directory's entry is durable before a commit inside it claims to be.
     std::string parent = path;
@@ -728,6 +729,47 @@ uint64_t NewestGeneration(const std::string& path, const std::string& except = "
   return generation;
 }
 
+// Removes what saves that died left (a save killed part way: its files and
+// claim, which no MANIFEST names and no save holds), so that a save into a
+// directory they filled is not refused for want of the space they take; the
+// next commit would remove them, but a save that cannot complete never
+// commits. Best effort, and only while no reader or commit holds the
+// directory's lock (taken without waiting): a reader holds it shared through
+// its reads, so no file is removed under one. Keeps the generation MANIFEST
+// names, `own`, and every one whose claim is held (a save in progress, also
+// another rank's files of a sharded save, whose claim rank 0 holds); nothing
+// when MANIFEST exists but cannot be read (which generation is live is
+// unknown then).
+void RemoveDeadSaves(const std::string& path, uint64_t own) noexcept {
+  const int dir = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir < 0) return;
+  if (::flock(dir, LOCK_EX | LOCK_NB) != 0) {
+    ::close(dir);
+    return;
+  }
+  try {
+    uint64_t live = 0;
+    struct stat st;
+    if (::lstat(JoinPath(path, checkpoint::kManifestName).c_str(), &st) == 0) live = ReadCheckpointInfo(path).generation;
+    std::map<uint64_t, std::vector<std::string>> files;
+    for (const std::string& name : ListDirectory(path)) {
+      uint64_t g = 0;
+      if (IsOurFile(name, &g) && g != live && g != own) files[g].push_back(name);
+    }
+    for (auto& [g, names] : files) {
+      const int claim = TakeClaimForRemoval(path, g);
+      if (claim == -1) continue;  // a save in progress
+      std::stable_partition(names.begin(), names.end(),  // the claim file last (see RemoveGeneration)
+                            [](const std::string& n) { return n.rfind("MANIFEST.tmp.", 0) != 0; });
+      for (const std::string& name : names) ::unlink(JoinPath(path, name).c_str());
+      if (claim >= 0) ReleaseFlock(claim);
+    }
+  } catch (const std::exception&) {
+    // A MANIFEST that cannot be read, a directory that cannot be listed: nothing removed.
+  }
+  ReleaseFlock(dir);
+}
+
 }  // namespace
 
 GenerationClaim::GenerationClaim(const std::string& path) {
@@ -768,6 +810,7 @@ GenerationClaim::GenerationClaim(const std::string& path) {
     }
     fd_ = fd;
     generation_ = generation;
+    RemoveDeadSaves(path, generation);
     return;
   }
 }
@@ -902,6 +945,7 @@ void SaveCheckpoint(const std::string& path, const std::vector<TableToSave>& tab
 namespace {
 // Reads and validates path/MANIFEST alone (not the files it names).
 CheckpointInfo ReadManifest(const std::string& path) {
+  if (path.empty()) throw InvalidArgument("the checkpoint path is empty (\".\" names the current directory)");
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) throw CheckpointError(path + ": no such checkpoint directory");
   if (!S_ISDIR(st.st_mode)) throw CheckpointError(path + ": not a checkpoint directory");

@@ -199,7 +199,20 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
     tables = _tables_of(obj)
     configs = {id(t): t.config for t in tables}
     pairs = [(t._native, json.dumps(_table_config_json(configs[id(t)], t))) for t in tables]
-    _embedcore.save(path, pairs, bool(include_optimizer), values_dtype, json.dumps(_metadata(obj)))
+    metadata = json.dumps(_metadata(obj))
+    created = not os.path.lexists(path)
+    try:
+        _embedcore.save(path, pairs, bool(include_optimizer), values_dtype, metadata)
+    except BaseException:
+        _remove_if_created_and_empty(path, created)
+        raise
+
+
+def _remove_if_created_and_empty(path: str, created: bool) -> None:
+    """A failed save leaves no empty directory it created (rmdir only: never anything else)."""
+    if created:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
 
 def native_path(path, what: str = "path") -> str:
@@ -207,6 +220,8 @@ def native_path(path, what: str = "path") -> str:
     ValueError names a path with a NUL byte (the system would cut it there)
     or one whose bytes are not UTF-8 (the engine's paths are UTF-8)."""
     p = os.fsdecode(path)
+    if p == "":  # (the system's calls refuse it; os.path.realpath would make it the current directory)
+        raise ValueError(f'{what} is empty ("." names the current directory)')
     if "\0" in p:
         raise ValueError(f"{what} {p!r} contains a NUL byte")
     try:

@@ -4,6 +4,7 @@ calls, shape checks, and what a save does to the directory it writes."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 
 import numpy as np
@@ -717,6 +718,73 @@ def test_leftovers_of_an_interrupted_save_are_ignored_then_removed(tmp_path, rng
     assert ec.checkpoint.read_info(path).generation == 8  # above every generation present
     assert checkpoint_files(path) == ["MANIFEST", "t00000.accumulators.g000000000008.ecd",
                                       "t00000.values.g000000000008.ecd"]
+
+
+def test_a_save_that_fails_still_removes_what_dead_saves_left(tmp_path):
+    """Leftovers of a save that died are removed when the next save claims
+    its generation, not only at its commit: a save that cannot complete (a
+    disk they filled) must not be refused for ever. The live generation and
+    a save in progress (its claim held) keep their files."""
+    path = tmp_path / "c"
+    t = make_table(optimizer="adagrad")
+    ec.save(path, t)
+    live = checkpoint_files(path)
+    for name in ("MANIFEST.tmp.g000000000007", "t00000.values.g000000000007.ecd"):  # a save that died
+        (path / name).write_bytes(b"x" * 1000)
+    in_progress = ["MANIFEST.tmp.g000000000008", "t00000.values.g000000000008.ecd"]
+    held = os.open(path / in_progress[0], os.O_WRONLY | os.O_CREAT)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a claim, held as a saving process holds it
+        (path / in_progress[1]).write_bytes(b"y")
+        bad = t.to_numpy().copy()
+        bad[3, 1] = 1e6  # beyond float16: this save fails after its claim, before any commit
+        t.assign(bad)
+        with pytest.raises(ValueError, match="beyond the range of float16"):
+            ec.save(path, t, values_dtype="float16")
+        assert checkpoint_files(path) == sorted(live + in_progress)
+    finally:
+        os.close(held)
+    back = make_table(optimizer="adagrad", seed=4)
+    ec.load(path, into=back)  # the live checkpoint, untouched
+
+
+def test_a_failed_save_or_reshard_removes_the_directory_it_created(tmp_path):
+    t = make_table()
+    bad = t.to_numpy().copy()
+    bad[0, 0] = 1e6
+    t.assign(bad)
+    with pytest.raises(ValueError, match="beyond the range of float16"):
+        ec.save(tmp_path / "new", t, values_dtype="float16")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()  # a directory that was there stays
+    with pytest.raises(ValueError, match="beyond the range of float16"):
+        ec.save(tmp_path / "kept", t, values_dtype="float16")
+    assert (tmp_path / "kept").is_dir()
+    t.assign(np.zeros_like(bad))
+    ec.save(tmp_path / "src", t)
+    with open(tmp_path / "src" / "t00000.values.g000000000001.ecd", "r+b") as f:  # a flipped payload byte:
+        f.seek(-1, os.SEEK_END)  # found by the checksums while the reshard reads, after dst is made
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    with pytest.raises(ec.CheckpointError, match="checksum mismatch"):
+        ec.distributed.reshard(tmp_path / "src", tmp_path / "out", 2)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("call", ["save", "load", "serve", "restore_from_file", "dump_to_file", "reshard"])
+def test_an_empty_path_is_refused(tmp_path, monkeypatch, call):
+    """"" is no path (os.path.realpath would make it the current directory,
+    which would then be read or written)."""
+    t = make_table()
+    ec.save(tmp_path, t)
+    monkeypatch.chdir(tmp_path)  # a checkpoint there, which "" must not reach
+    calls = {"save": lambda: ec.save("", t), "load": lambda: ec.load("", into=t),
+             "serve": lambda: ec.serving.open(""), "restore_from_file": lambda: ec.Saver().restore_from_file(t, ""),
+             "dump_to_file": lambda: ec.Saver().dump_to_file(t, ""),
+             "reshard": lambda: ec.distributed.reshard("", tmp_path / "out", 2)}
+    with pytest.raises(ValueError, match=r'is empty \("\." names the current directory\)'):
+        calls[call]()
 
 
 def test_save_leaves_user_files_that_only_resemble_data_files(tmp_path):

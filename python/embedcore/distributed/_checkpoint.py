@@ -19,7 +19,8 @@ import zlib
 from typing import List, Optional
 
 from .. import _embedcore
-from ..checkpoint import FORMAT_VERSION, CheckpointError, _locked, _metadata, native_path, _optimizer_json, _initializer_json, resolved_path, _slot_counts
+from ..checkpoint import (FORMAT_VERSION, CheckpointError, _initializer_json, _locked, _metadata, _optimizer_json,
+                          _remove_if_created_and_empty, _slot_counts, native_path, resolved_path)
 from ._comm import RankFailedError, agree
 from ._plan import make_plan
 
@@ -57,13 +58,6 @@ def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Option
     # Rank 0 claims the generation and holds the claim to the end of its commit (every rank's files are of it).
     with contextlib.ExitStack() as held:
         _save_sharded(path, emb, include_optimizer, values_dtype, held)
-
-
-def _remove_if_created_and_empty(path: str, created: bool) -> None:
-    """A failed save leaves no empty directory it created (rmdir only: never anything else)."""
-    if created:
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
 
 
 def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optional[str], held) -> None:
@@ -238,6 +232,7 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
     src = resolved_path(src)
 
     claim = None
+    created = not os.path.lexists(dst)  # removed again if the reshard fails (when empty)
     try:
         # src's shared lock from the first read of its manifest to the last read of its files: a save's commit
         # into src waits for it, so the manifest read and the files read are of one checkpoint. Released before
@@ -266,6 +261,12 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
                 tables = _reshard_into(info, manifest, layout, dst, claim.generation, world_size, max_file_bytes)
         with _removed_on_failure(dst, claim.generation):
             _embedcore.commit_checkpoint(dst, _manifest(claim.generation, tables, manifest["metadata"]))
+    except BaseException:
+        if claim is not None:
+            claim.release()
+            claim = None
+        _remove_if_created_and_empty(dst, created)
+        raise
     finally:
         if claim is not None:
             claim.release()
