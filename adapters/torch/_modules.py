@@ -312,6 +312,8 @@ class _TableModule(_AdapterModule):
         if fused:
             group = {"params": [self.weight], "lr": table.learning_rate(), "table": table.name,
                      "optimizer": type(table.optimizer).__name__}
+            if self.__dict__.get("_lr_decay"):  # an in-backward Adagrad's (_ops.fused_rate applies it)
+                group["lr_decay"] = self._lr_decay
         # Registered while the module or an autograd graph of its lookups can use the table: the graph keeps
         # the anchors alive (the weight unfused; fused, the group holds the weight, and the anchors stand for it).
         holders = (self, self._anchor, self._frozen_anchor) if fused else (self, self.weight)
@@ -338,10 +340,12 @@ class _TableModule(_AdapterModule):
             if _optim.stepped(weight):
                 return False
             owner = type(self).__name__
-            optimizer = _optim.engine_optimizer(weight, owner)
-            if optimizer is None:
+            found = _optim.engine_optimizer(weight, owner)
+            if found is None:
                 return False
+            optimizer, lr_decay = found
             self._table.set_optimizer(optimizer)
+            self._lr_decay = lr_decay  # (the group made below keeps it)
             self._from_in_backward = True  # before the group appears: another thread's lookup may see it at once
             self._training_state()  # the old registration stays for graphs made before (released with them)
             message = (f"{owner}: table '{self._table.name}' trains fused with the engine's "

@@ -258,8 +258,9 @@ def checked_rate(table, lr, where: str, minimum: Optional[float] = None) -> floa
 
 def fused_rate(table, group: Optional[dict]) -> float:
     """The rate of `table`'s next fused step: its parameter group's "lr" (a
-    scheduler or ``load_state_dict`` may have changed it), or the table's own
-    schedule's; checked, with an error naming the table (``TypeError`` /
+    scheduler or ``load_state_dict`` may have changed it; with the group's
+    "lr_decay", PyTorch's Adagrad rate ``lr / (1 + (t - 1) lr_decay)``), or
+    the table's own schedule's; checked, with an error naming the table (``TypeError`` /
     ``ValueError``) for a rate the engine's update cannot use. The modules
     call it in the forward too, so that a bad rate fails before any backward
     (one per table with dict inputs) has stepped any table."""
@@ -268,8 +269,10 @@ def fused_rate(table, group: Optional[dict]) -> float:
             return table.learning_rate()
         except (TypeError, ValueError) as e:
             raise type(e)(f"table '{table.name}': {e}") from None
-    return checked_rate(table, group["lr"], f"table '{table.name}': the learning rate of its fused optimizer's param "
-                                            "group (\"lr\")")
+    lr = checked_rate(table, group["lr"], f"table '{table.name}': the learning rate of its fused optimizer's param "
+                                          "group (\"lr\")")
+    # An in-backward Adagrad's lr_decay: PyTorch's step t is the engine's step + 1.
+    return lr / (1.0 + table.step * group["lr_decay"]) if "lr_decay" in group else lr
 
 
 def _fused_rate(entry: _Entry) -> float:

@@ -37,17 +37,6 @@ _NEUTRAL = {"momentum": 0, "dampening": None, "nesterov": False, "weight_decay":
             "foreach": None, "differentiable": None, "fused": None, "capturable": None}
 
 
-class _LrDecay:
-    """Adagrad's ``lr / (1 + (t - 1) lr_decay)`` at its step t = the engine's step + 1 (a class, not a
-    closure: a module holding it pickles)."""
-
-    def __init__(self, lr: float, decay: float):
-        self.lr, self.decay = lr, decay
-
-    def __call__(self, step: int) -> float:
-        return self.lr / (1.0 + step * self.decay)
-
-
 def _betas(betas) -> Tuple[float, float]:
     b1, b2 = betas
     return float(b1), float(b2)
@@ -61,12 +50,14 @@ def stepped(param: torch.Tensor) -> bool:
                for st in opt.state.values())
 
 
-def engine_optimizer(param: torch.Tensor, owner: str) -> Optional[ec.optimizers.Optimizer]:
+def engine_optimizer(param: torch.Tensor, owner: str) -> Optional[Tuple[ec.optimizers.Optimizer, float]]:
     """The engine optimizer equal to the one that
     ``torch.distributed.optim._apply_optimizer_in_backward`` (TorchRec's
-    ``apply_optimizer_in_backward``) recorded on `param`, or None when it
-    recorded none. NotImplementedError, naming it, for an optimizer or an
-    option the engine does not have."""
+    ``apply_optimizer_in_backward``) recorded on `param`, and its Adagrad
+    ``lr_decay`` (0 without one; the param group keeps it, as PyTorch's
+    does, and ``_ops.fused_rate`` applies it to the group's current "lr"),
+    or None when it recorded none. NotImplementedError, naming it, for an
+    optimizer or an option the engine does not have."""
     classes = param.__dict__.get("_optimizer_classes")
     if not classes:
         return None
@@ -85,7 +76,7 @@ def engine_optimizer(param: torch.Tensor, owner: str) -> Optional[ec.optimizers.
     default_lr, make = _IN_BACKWARD[name]
     lr = float(options.pop("lr", default_lr))
     lr_decay = float(options.pop("lr_decay", 0.0))
-    optimizer = make(lr if lr_decay == 0.0 else _LrDecay(lr, lr_decay), options)
+    optimizer = make(lr, options)
     changed = {k: v for k, v in options.items()
                if k not in _NEUTRAL or (_NEUTRAL[k] is not None and v != _NEUTRAL[k])}
     if changed:
@@ -93,7 +84,7 @@ def engine_optimizer(param: torch.Tensor, owner: str) -> Optional[ec.optimizers.
                                   "engine's optimizer has no such option (weight_decay, for one, would move every "
                                   "row at every step); pass optimizer= an embedcore.optimizers optimizer instead")
     optimizer.learning_rate_at(0)  # a rate float32 cannot hold raises here, before the table changes
-    return optimizer
+    return optimizer, lr_decay
 
 # Other names a slot goes by: PyTorch's optimizers and FBGEMM / TorchRec's
 # ("momentum1" / "momentum2": the optimizer's first / second slot).
@@ -107,8 +98,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     nothing, so the object can sit beside a dense optimizer in a training
     loop. One param group per table, with its ``"lr"``: a float learning
     rate set here (by hand or by a ``torch.optim.lr_scheduler``) is the one
-    the next update uses; a schedule given to the embedcore optimizer as a
-    callable rules instead, and ``"lr"`` then shows its next value.
+    the next update uses (decayed as PyTorch's Adagrad decays it when the
+    group has an in-backward Adagrad's ``"lr_decay"``); a schedule given to
+    the embedcore optimizer as a callable rules instead, and ``"lr"`` then
+    shows its next value.
 
     ``state_dict()``: ``{"state": {"<module path>.weight": {"step": int64
     tensor, "<slot>": [rows, dim] float32 view of the engine's slot ([rows,

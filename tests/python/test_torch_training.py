@@ -596,10 +596,34 @@ def test_apply_optimizer_in_backward_with_lr_decay_pickles(rng):
     _in_backward(_rowwise_adagrad(), m.parameters(), {"lr": 0.1, "lr_decay": 0.5})
     _train(rng, [(m, None)], 2, "sum")
     copy = pickle.loads(pickle.dumps(m))
-    assert copy.fused and copy.table.step == 2 and copy.table.learning_rate() == pytest.approx(0.1 / 2)
+    group = copy.fused_optimizer.param_groups[0]
+    assert copy.fused and copy.table.step == 2 and (group["lr"], group["lr_decay"]) == (0.1, 0.5)
     _train(np.random.default_rng(5), [(m, None)], 2, "sum")
     _train(np.random.default_rng(5), [(copy, None)], 2, "sum")
     assert torch.equal(copy.weight, m.weight)
+
+
+def test_apply_optimizer_in_backward_lr_decay_follows_the_groups_lr_as_pytorch(rng):
+    """Adagrad's lr_decay applies to the param group's current "lr", as a
+    scheduler or a hand sets it: PyTorch's steps, and PyTorch's group."""
+    w = uniform_weights(rng, ROWS, DIM)
+    kw = dict(freeze=False, mode="sum", include_last_offset=True)
+    kwargs = {"lr": 0.5, "lr_decay": 0.1, "initial_accumulator_value": 0.1}
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), **kw)
+    ref_opt = torch.optim.Adagrad(ref.parameters(), **kwargs)
+    ours = et.EmbeddingBag.from_pretrained(w, **kw)
+    _in_backward(torch.optim.Adagrad, ours.parameters(), kwargs)
+    opts = (ref_opt, ours.fused_optimizer)
+    schedulers = [torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.5) for o in opts]
+    for step in range(4):
+        _train(rng, list(zip((ref, ours), opts)), 1, "sum", weighted=True)
+        for s in schedulers:
+            s.step()
+        if step == 2:
+            for o in opts:
+                o.param_groups[0]["lr"] = 0.3  # by hand
+        assert ours.fused_optimizer.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+        assert max_diff(ours.weight, ref.weight) <= 1e-5
 
 
 def test_apply_optimizer_in_backward_rate_float32_cannot_hold_changes_nothing(rng):
