@@ -17,7 +17,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -162,7 +161,7 @@ def _is_kjt(x) -> bool:
 
 def _csr(x, where: str) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """One pooled feature as (values, offsets with batch + 1 entries, weights)."""
-    weights = None
+    weights = lengths = None
     jt = _jagged_module()
     if isinstance(x, Tensor):
         check_ids(x, where)
@@ -188,9 +187,6 @@ def _csr(x, where: str) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         else:
             lengths = x["lengths"]
             check_ids(lengths, f"{where}['lengths']")
-            if not torch.compiler.is_compiling() and lengths.dim() == 1 and bool((lengths < 0).any()):
-                k = int(torch.nonzero(lengths < 0)[0])
-                raise ValueError(f"{where}['lengths'][{k}] = {int(lengths[k])} is negative")
             offsets = torch.cat([lengths.new_zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
     elif isinstance(x, ec.Ragged):
         values, offsets = x.values, x.offsets
@@ -206,23 +202,11 @@ def _csr(x, where: str) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         raise ValueError(f"{where}: values and offsets must be 1-D, got {values.dim()}-D and {offsets.dim()}-D")
     if offsets.shape[0] < 1:
         raise ValueError(f"{where}: offsets must hold batch + 1 values, got none")
-    _check_end(values, offsets, where)
     if weights is not None:
         check_weights(weights, values, f"{where} weights")
+    # The data's checks (the lookup's errors would not name the feature), at run time under torch.compile too.
+    values = _ops.checked_values(values, offsets if lengths is None else lengths, where, lengths is not None)
     return values, offsets, weights
-
-
-def _check_end(values: Tensor, offsets: Tensor, where: str) -> None:
-    """A collection's jagged input covers its values exactly, as TorchRec's
-    (its split by lengths refuses the rest): no value after the last bag.
-    (Only the end: the lookup checks the offsets themselves. Not while
-    torch.compile traces: the end is data the trace does not know.)"""
-    if torch.compiler.is_compiling():
-        return
-    end = int(offsets[-1])
-    if end != values.shape[0]:
-        raise ValueError(f"{where}: the offsets (or lengths) end at {end}, but there are {values.shape[0]} values; "
-                         "a collection's bags must cover every value")
 
 
 def _sequence_ids(features: dict, f: str, table: str) -> Tuple[Tensor, tuple]:
@@ -236,14 +220,7 @@ def _sequence_ids(features: dict, f: str, table: str) -> Tuple[Tensor, tuple]:
     if isinstance(x, Tensor):
         check_ids(x, f"features[{f!r}]")
         return x.reshape(-1), tuple(x.shape)
-    v, offsets, _ = _csr(x, f"features[{f!r}]")
-    # The offsets shape no output here, but bad ones are a bad input all the same. (CUDA offsets: checked on
-    # the device, one synchronisation, and copied to the host only for the message.)
-    if not torch.compiler.is_compiling() and (
-            offsets.device.type == "cpu" or
-            bool(((offsets[0] != 0) | (offsets[1:] < offsets[:-1]).any() | (offsets[-1] > v.shape[0])).item())):
-        _ops._check_offsets(offsets.cpu().numpy().astype(np.int64, copy=False), v.shape[0],
-                            f"features[{f!r}] offsets", False)
+    v, _, _ = _csr(x, f"features[{f!r}]")  # (the offsets shape no output here, but _csr checked them)
     return v, (v.shape[0],)
 
 
@@ -267,7 +244,7 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
     if offsets.shape[0] - 1 != stride * len(keys):
         raise ValueError(f"{owner}: the KeyedJaggedTensor has {offsets.shape[0] - 1} bags for {len(keys)} keys; "
                          f"with batch size {stride} it needs {stride * len(keys)} (one per key and example)")
-    _check_end(values, offsets, f"{owner}: the KeyedJaggedTensor")
+    values = _ops.checked_values(values, offsets, f"{owner}: the KeyedJaggedTensor")
     return values, offsets, kjt.weights_or_none(), stride, index
 
 

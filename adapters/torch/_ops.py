@@ -1,6 +1,6 @@
 """The engine's lookup and update as ``torch.library`` custom ops.
 
-Two ops, opaque to ``torch.compile`` (which sees only their fake
+Three ops, opaque to ``torch.compile`` (which sees only their fake
 implementations, so a model that uses them compiles without graph breaks):
 
 - ``embedcore::lookup``: looks up *segments* of one table: each segment is a
@@ -11,6 +11,8 @@ implementations, so a model that uses them compiles without graph breaks):
   gradients of the per-id weights (when they require grad) and then either
   the engine's optimizer step (fused), or the table's gradient as a sparse
   (per occurrence, like ``nn.EmbeddingBag(sparse=True)``) or dense tensor.
+- ``embedcore::checked_values``: the checks of a collection's jagged input
+  (``checked_values``), run at run time where the lookup is traced.
 
 A collection's tables can also run together, outside the ops, when nothing
 needs to see them (``collection_lookup``: eager, CPU, fused or no training).
@@ -34,7 +36,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["SUM", "MEAN", "SQRTN", "SEQUENCE", "FUSED", "SPARSE", "DENSE", "WHOLE", "register", "unregister",
-           "fused_rate", "lookup", "lookup_impl", "eager_lookup", "plain_eager", "needs_step", "lookup_backward", "lookup_backward_impl"]
+           "fused_rate", "checked_values", "lookup", "lookup_impl", "eager_lookup", "plain_eager", "needs_step",
+           "lookup_backward", "lookup_backward_impl"]
 
 # Combiners (the engine's codes) and gradient modes.
 SUM, MEAN, SQRTN, SEQUENCE = 0, 1, 2, 3
@@ -160,6 +163,53 @@ def _check_offsets(off: np.ndarray, n: int, where: str, appended: bool) -> None:
                          f"{where}[{k + 1}] = {int(off[k + 1])}")
     if off[-1] > n:
         raise ValueError(f"{where}[-1] = {int(off[-1])} is greater than the number of ids ({n})")
+
+
+def _check_jagged(values: Tensor, offsets: Tensor, where: str, lengths: bool) -> None:
+    """Raises the error for a collection's jagged input `where` whose offsets
+    (or, with `lengths`, lengths) are bad or do not end at its last value:
+    a collection's bags cover every value, as TorchRec's (its split by
+    lengths refuses the rest; nn.EmbeddingBag's rule that ids after the last
+    offset belong to no bag is not TorchRec's)."""
+    n = int(values.shape[0])
+    if offsets.device.type != "cpu":  # checked on the device (one synchronisation), on the host for the message
+        o = offsets.to(torch.int64)
+        bad = ((o < 0).any() | (o.sum() != n)) if lengths else ((o[0] != 0) | (o[1:] < o[:-1]).any() | (o[-1] != n))
+        if not bool(bad.item()):
+            return
+    off = offsets.detach().cpu().numpy().astype(np.int64, copy=False)
+    if lengths:
+        if (off < 0).any():
+            k = int(np.argmax(off < 0))
+            raise ValueError(f"{where}['lengths'][{k}] = {int(off[k])} is negative")
+        off = np.concatenate([np.zeros(1, np.int64), np.cumsum(off)])
+    if int(off[-1]) != n:
+        raise ValueError(f"{where}: the offsets (or lengths) end at {int(off[-1])}, but there are {n} values; a "
+                         "collection's bags must cover every value")
+    _check_offsets(off, n, f"{where} offsets", False)
+
+
+def checked_values(values: Tensor, offsets: Tensor, where: str, lengths: bool = False) -> Tensor:
+    """`values` once ``_check_jagged`` passes: checked now when eager, else
+    by the op ``embedcore::checked_values`` at run time (a compiled graph
+    holds no data to check when traced), which returns a copy for the
+    lookup to use (an op's output may not alias its input, and an output
+    nothing used would be dropped from the graph, with its check)."""
+    if plain_eager([values, offsets]):
+        _check_jagged(values, offsets, where, lengths)
+        return values
+    return _checked_values(values, offsets, where, lengths)
+
+
+@torch.library.custom_op("embedcore::checked_values", mutates_args=())
+def _checked_values(values: Tensor, offsets: Tensor, where: str, lengths: bool) -> Tensor:
+    _check_jagged(values, offsets, where, lengths)
+    return values.clone()
+
+
+@_checked_values.register_fake
+def _(values, offsets, where, lengths):
+    return torch.empty_like(values)
 
 
 def _source_offsets(ids: Tensor, offsets: Tensor, include_last_offset: bool, s: int) -> Tensor:

@@ -103,6 +103,43 @@ def test_collection_dict_compiled_training(rng):
         assert comp.embedding_bags[t].table.step == 3
 
 
+def _error(f, *args):
+    try:
+        f(*args)
+    except Exception as e:  # noqa: BLE001 (the test compares whatever is raised)
+        return type(e), str(e)
+    return None
+
+
+def test_collection_input_errors_compiled_as_eager():
+    """Checks that need the data (offsets and lengths of dict features and
+    KJTs) run at run time in a compiled graph, with eager's errors: a
+    feature whose bags leave values out is refused, not cut short."""
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 3, name="t", feature_names=["f1", "f2"])])
+    ecol = et.EmbeddingCollection([et.EmbeddingConfig(10, 3, name="s", feature_names=["f2"])])
+    ok = (torch.tensor([1, 2]), torch.tensor([0, 2]))
+    bad = {"uncovered": (torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2])),
+           "uncovered lengths": {"values": torch.tensor([1, 2, 3]), "lengths": torch.tensor([1, 1])},
+           "negative lengths": {"values": torch.tensor([1, 2]), "lengths": torch.tensor([3, -1])},
+           "decreasing": (torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1, 3])),
+           "not from 0": (torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3]))}
+    for module in (ebc, ecol):
+        compiled = torch.compile(lambda f2, m=module: m({"f1": ok, "f2": f2}), backend="aot_eager", fullgraph=True)
+        for name, f2 in bad.items():
+            expected = _error(module, {"f1": ok, "f2": f2})
+            assert expected is not None and expected[0] is ValueError and "features['f2']" in expected[1], name
+            assert _error(compiled, f2) == expected, name
+        good = (torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3]))
+        assert all(torch.equal(a, b) for a, b in zip(compiled(good).values(), module({"f1": ok, "f2": good}).values()))
+    torchrec = pytest.importorskip("torchrec")
+    kjt = torchrec.KeyedJaggedTensor(keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 4]),
+                                     lengths=torch.tensor([1, 1, 1, 0]))
+    for module in (ebc, ecol):
+        expected = _error(module, kjt)
+        assert expected is not None and "KeyedJaggedTensor: the offsets (or lengths) end at 3" in expected[1]
+        assert _error(torch.compile(module, backend="aot_eager", fullgraph=True), kjt) == expected
+
+
 def test_torchrec_kjt_compiled(rng):
     torchrec = pytest.importorskip("torchrec")
     cfgs = [torchrec.EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name="t1", feature_names=["f1", "f2"]),
