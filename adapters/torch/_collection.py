@@ -187,6 +187,9 @@ def _csr(x, where: str) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         else:
             lengths = x["lengths"]
             check_ids(lengths, f"{where}['lengths']")
+            if lengths.dim() != 1:
+                raise ValueError(f"{where}['lengths'] must be 1-D (one length per bag), got shape "
+                                 f"{tuple(lengths.shape)}")
             offsets = torch.cat([lengths.new_zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
     elif isinstance(x, ec.Ragged):
         values, offsets = x.values, x.offsets

@@ -99,6 +99,21 @@ def test_bags_must_cover_every_value_as_torchrec():
     assert ecol({"f": {"values": torch.tensor([1, 2]), "lengths": torch.tensor([0, 2])}})["f"].shape == (2, 2)
 
 
+def test_bad_lengths_and_offsets_name_the_feature():
+    """As the sharded collections: a ValueError naming the feature, not a
+    raw torch error or the lookup's "source 1"."""
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 2, name="t", feature_names=["f1", "f2"])])
+    ok = (torch.tensor([1, 2]), torch.tensor([0, 2]))
+    for lengths in (torch.tensor([[1, 2]]), torch.tensor(3)):
+        with pytest.raises(ValueError, match=r"features\['f2'\]\['lengths'\] must be 1-D"):
+            ebc({"f1": ok, "f2": {"values": torch.tensor([1, 2, 3]), "lengths": lengths}})
+    with pytest.raises(ValueError, match=r"features\['f2'\] offsets must be non-decreasing: "
+                                         r"features\['f2'\] offsets\[1\] = 2 > features\['f2'\] offsets\[2\] = 1"):
+        ebc({"f1": ok, "f2": (torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1, 3]))})
+    with pytest.raises(ValueError, match=r"features\['f2'\] offsets\[0\] must be 0"):
+        ebc({"f1": ok, "f2": (torch.tensor([1, 2, 3]), torch.tensor([1, 3]))})
+
+
 def test_kjt_whose_lengths_do_not_cover_its_values_is_refused_as_torchrec(torchrec):
     kjt = torchrec.KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3, 4]),
                                      lengths=torch.tensor([1, 1, 1]))
