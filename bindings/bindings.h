@@ -33,9 +33,13 @@ namespace nb = nanobind;
 /// taking the GIL back; after that, another thread that comes back from
 /// native work waits here while the exit goes on: for good once
 /// finalization has started (the exit ends the process, as it would have in
-/// native code), or, if it has not started within 100 ms (another atexit
-/// hook may be joining this thread), takes the GIL back. The exiting thread
-/// itself (a __del__ in the last collection) takes the GIL back as usual.
+/// native code), or, if it has not started within 2 s (another atexit hook
+/// may be joining this thread), takes the GIL back. The bound is long
+/// because a thread blocked on the GIL when finalization starts is ended
+/// there, and atexit hooks registered before embedcore's (which run after
+/// it) may hold the GIL a while (100 ms was too short on a busy machine).
+/// The exiting thread itself (a __del__ in the last collection) takes the
+/// GIL back as usual.
 class ReleaseGil {
  public:
   ReleaseGil() : state_(PyEval_SaveThread()) {}
@@ -43,7 +47,7 @@ class ReleaseGil {
     restoring().fetch_add(1);  // seq_cst, as the hook's store and load: it sees us, or we see it
     if (exiting().load() && PyThread_get_thread_ident() != exit_thread().load()) {
       restoring().fetch_sub(1);
-      for (int waited_ms = 0; waited_ms < 100 || Finalizing(); ++waited_ms)
+      for (int waited_ms = 0; waited_ms < kExitWaitMs || Finalizing(); ++waited_ms)
         std::this_thread::sleep_for(std::chrono::milliseconds(Finalizing() ? 1000 : 1));
       restoring().fetch_add(1);
     }
@@ -74,6 +78,7 @@ class ReleaseGil {
   }
 
  private:
+  static constexpr int kExitWaitMs = 2000;  // (in 1 ms sleeps: a little longer)
   static std::atomic<int>& restoring() {
     static std::atomic<int> n{0};
     return n;

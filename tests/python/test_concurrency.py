@@ -432,6 +432,22 @@ for _ in range(2):
     workers.append(w)
 time.sleep(0.05)
 """,
+    "a hook registered before the import holds the GIL while daemon threads are in lookups": r"""
+import atexit, sys, time
+# How long sum() over a range holds the GIL here (one C call: no switch), scaled to about 0.7 s.
+start = time.perf_counter(); sum(range(10**6)); n = int(10**6 * 0.7 / (time.perf_counter() - start))
+atexit.register(sum, range(n))  # runs after embedcore's own atexit hook, holding the GIL throughout
+atexit.register(print, "joined", flush=True)  # (runs first: the exit's last Python output)
+import threading, numpy as np, embedcore as ec
+t = ec.Table(name="t", rows=1000, dim=8)
+ids, offsets = np.arange(64) % 1000, np.arange(0, 65, 8)
+def look():
+    while True:
+        t.lookup(ids, offsets)
+for _ in range(3):
+    threading.Thread(target=look, daemon=True).start()
+time.sleep(0.05)
+""",
     "children forked during lookups exit through the interpreter": r"""
 import os, sys, threading, time, numpy as np, embedcore as ec
 t = ec.Table(name="t", rows=1000, dim=8)
@@ -456,10 +472,13 @@ print("joined" if codes == [0] * 10 else codes, flush=True)
 @pytest.mark.parametrize("case", list(_AT_EXIT))
 def test_exits_with_threads_in_lookups_end(tmp_path, case):
     """What ReleaseGil's exit handling must not break: an atexit hook that
-    joins threads in lookups (they wait 100 ms for finalization, then take
-    the GIL back), and forked children that exit normally (the parent's
-    threads counted as taking the GIL back are forgotten in the child; they
-    hung for ever)."""
+    joins threads in lookups (they wait 2 s for finalization, then take the
+    GIL back); one that holds the GIL for 0.7 s while threads come back from
+    lookups (a thread blocked on the GIL when finalization starts is ended
+    there: the process aborted, "terminate called without an active
+    exception", when they waited only 100 ms); and forked children that
+    exit normally (the parent's threads counted as taking the GIL back are
+    forgotten in the child; they hung for ever)."""
     script = tmp_path / "exit.py"
     script.write_text(_AT_EXIT[case])
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
@@ -561,8 +580,8 @@ if kind == "embedding":
     ids = np.random.default_rng(0).integers(0, 400_000, 200_000)
     out = emb({"a": ids, "b": ids})
     grads = {k: np.ones_like(v) for k, v in out.items()}
-    threading.Timer(delay, _thread.interrupt_main).start()
-    try:
+    try:  # (started inside: on a busy machine the interrupt may come at once)
+        threading.Timer(delay, _thread.interrupt_main).start()
         for _ in range(20):
             emb.apply_gradients(grads)
     except KeyboardInterrupt:
@@ -573,8 +592,8 @@ else:
     t = ec.Table(name="t", rows=1_500_000, dim=32, initializer=init)
     first = np.array(t.values()[[0, -1]])
     t.assign(np.zeros((1_500_000, 32), np.float32))
-    threading.Timer(delay, _thread.interrupt_main).start()
     try:
+        threading.Timer(delay, _thread.interrupt_main).start()
         for _ in range(50):
             t.reset_values()
             t.assign(np.zeros((1_500_000, 32), np.float32))
