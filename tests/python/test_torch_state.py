@@ -600,8 +600,7 @@ def test_convert_state_dict_takes_only_collections_and_refuses_what_it_cannot_se
     script = textwrap.dedent(f"""
         import os, torch, torch.distributed as dist
         import embedcore.adapters.torch as et
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
         from torch.distributed._shard.sharded_tensor import empty
         from torch.distributed._shard.sharding_spec import ChunkShardingSpec
         from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
@@ -632,9 +631,8 @@ def test_convert_state_dict_of_a_checkpoint_two_ranks_saved_sharded(tmp_path):
         import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
         import torch.distributed.checkpoint as dcp
 
-        def rank(r, path, port):
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            dist.init_process_group("gloo", rank=r, world_size=2)
+        def rank(r, path, store):  # (a file store: no port that another job may hold)
+            dist.init_process_group("gloo", init_method="file://" + store, rank=r, world_size=2)
             from torch.distributed._shard.sharded_tensor import empty
             from torch.distributed._shard.sharding_spec import ChunkShardingSpec
             st = empty(ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"]), 7, 3)
@@ -645,10 +643,10 @@ def test_convert_state_dict_of_a_checkpoint_two_ranks_saved_sharded(tmp_path):
             dist.destroy_process_group()
 
         if __name__ == "__main__":
-            mp.spawn(rank, args=(sys.argv[1], 29000 + os.getpid() % 1000), nprocs=2)
+            mp.spawn(rank, args=(sys.argv[1], sys.argv[2]), nprocs=2)
     """))
-    r = subprocess.run([sys.executable, str(script), str(tmp_path / "dcp")], capture_output=True, text=True,
-                       timeout=240)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "dcp"), str(tmp_path / "store")],
+                       capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(tmp_path / "dcp")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert et.convert_state_dict(tmp_path / "dcp", tmp_path / "ckpt") == ["t"]
