@@ -33,8 +33,10 @@ def slotted_checkpoint(tmp_path, rng):
     theirs = E.TPUEmbeddingForServing(_slotted_config(), None)
     theirs.build()
     for d in theirs.variables.values():
-        for v in d.values():
-            v.assign(rng.standard_normal(v.shape).astype(np.float32))
+        for name, v in d.items():
+            x = rng.standard_normal(v.shape).astype(np.float32)
+            # Accumulators and velocities as training leaves them: > 0 (a load refuses what the optimizer cannot use).
+            v.assign(np.abs(x) + np.float32(0.1) if name in ("accumulators", "velocities") else x)
     root = tf.train.Checkpoint(model=tf.Module())
     root.model.embedding = theirs
     path = root.save(str(tmp_path / "tf" / "ckpt"))
