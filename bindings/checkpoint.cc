@@ -98,13 +98,15 @@ void BindCheckpoint(nb::module_& m) {
   m.def(
       "load_table_block",
       [](const CheckpointInfo& info, size_t index, Table& table, int64_t row_start, int64_t col_start,
-         bool load_optimizer, bool verify) {
+         bool load_optimizer, bool verify, bool slot_domain) {
         if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
         ReleaseGil release;
-        LoadTableBlock(info, info.tables[index], table, row_start, col_start, load_optimizer, verify);
+        LoadTableBlock(info, info.tables[index], table, row_start, col_start, load_optimizer, verify, slot_domain);
       },
       "info"_a, "index"_a, "table"_a, "row_start"_a, "col_start"_a, "load_optimizer"_a, "verify"_a = true,
-      "Loads the block of table `index` that `table` holds (a shard), reading only the files that meet it.");
+      "slot_domain"_a = true,
+      "Loads the block of table `index` that `table` holds (a shard), reading only the files that meet it; "
+      "slot_domain=False keeps slot values outside the optimizer's domain (a copy of the state as stored).");
 
   m.def(
       "crc32c",

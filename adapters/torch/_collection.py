@@ -207,8 +207,10 @@ def _csr(x, where: str) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         raise ValueError(f"{where}: offsets must hold batch + 1 values, got none")
     if weights is not None:
         check_weights(weights, values, f"{where} weights")
-    # The data's checks (the lookup's errors would not name the feature), at run time under torch.compile too.
-    values = _ops.checked_values(values, offsets if lengths is None else lengths, where, lengths is not None)
+    # The data's checks (the lookup's errors would not name the feature), at run time under torch.compile too;
+    # none for a tensor of ids, whose offsets are made here.
+    if not isinstance(x, Tensor):
+        values = _ops.checked_values(values, offsets if lengths is None else lengths, where, lengths is not None)
     return values, offsets, weights
 
 

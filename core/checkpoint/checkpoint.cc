@@ -345,9 +345,9 @@ uint64_t PageSize() {
 // the verification.
 struct ValueCheck {
   bool finite = false;
-  bool narrow = false;  // values are read as float32 and stored as `to`, and checked against `bound`
+  bool narrow = false;  // values are read as float32 and stored as `to` (a narrower dtype): none may overflow
   DType to = DType::kFloat32;
-  OptimizerSpec::SlotBound bound;  // a slot's: the target optimizer's domain
+  OptimizerSpec::SlotBound bound;  // a slot's (float32, never narrowed): the target optimizer's domain
   int64_t col_lo = 0, col_hi = INT64_MAX;
   std::string label;  // "table 'x' values"
 };
@@ -381,6 +381,25 @@ int64_t FirstBadValue(const FileEntry& f, const ValueCheck& check, const char* b
     const int64_t col = int64_t(e % uint64_t(f.cols));
     return col >= check.col_lo && col < check.col_hi;
   };
+  if (!check.narrow && check.bound.bounded) {  // a slot's domain: a branch-free scan of each 1024 values (NaN fails)
+    const auto& load = kernels::ActiveKernels().dtype[int(f.dtype)].load;
+    const float minimum = check.bound.minimum;
+    float tmp[1024];
+    for (int64_t i = 0; i < count; i += 1024) {
+      const int64_t k = std::min<int64_t>(1024, count - i);
+      load(bytes + size_t(i) * es, tmp, k);
+      bool any = false;
+      if (check.bound.strict) {
+        for (int64_t j = 0; j < k; ++j) any |= !(tmp[j] > minimum);
+      } else {
+        for (int64_t j = 0; j < k; ++j) any |= !(tmp[j] >= minimum);
+      }
+      if (!any) continue;
+      for (int64_t j = 0; j < k; ++j)
+        if (!check.bound.Admits(tmp[j]) && in_columns(e0 + uint64_t(i + j))) return int64_t(e0) + i + j;
+    }
+    return -1;
+  }
   if (!check.narrow) {  // finiteness only: a branch-free scan of each 1024 values, then the values of a bad one
     for (int64_t i = 0; i < count; i += 1024) {
       const int64_t k = std::min<int64_t>(1024, count - i);
@@ -404,7 +423,7 @@ int64_t FirstBadValue(const FileEntry& f, const ValueCheck& check, const char* b
     store(narrowed, tmp, k);
     load_back(narrowed, back, k);
     for (int64_t j = 0; j < k; ++j) {
-      const bool bad = std::isfinite(tmp[j]) ? !std::isfinite(back[j]) || !check.bound.Admits(tmp[j]) : check.finite;
+      const bool bad = std::isfinite(tmp[j]) ? !std::isfinite(back[j]) : check.finite;
       if (bad && in_columns(e0 + uint64_t(i + j))) return int64_t(e0) + i + j;
     }
   }
@@ -1056,7 +1075,7 @@ void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Ta
 }
 
 void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const Table& table, int64_t row_start,
-                      int64_t col_start, bool load_optimizer) {
+                      int64_t col_start, bool load_optimizer, bool slot_domain) {
   const TableSpec& spec = table.spec();
   const std::string where = info.path + ": table '" + entry.name + "'";
   if (row_start < 0 || col_start < 0 || row_start > entry.rows - spec.rows || col_start > entry.dim - spec.dim)
@@ -1083,7 +1102,7 @@ void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const
     const uint64_t row_bytes = uint64_t(f.cols) * DTypeSize(f.dtype);
     const bool narrows = f.dtype != to && (DTypeSize(to) < DTypeSize(f.dtype) || to == DType::kFloat16);
     ValueCheck check;
-    check.narrow = true;
+    check.narrow = narrows;
     check.to = to;
     check.bound = bound;
     check.col_lo = c0 - f.col_start;
@@ -1098,14 +1117,14 @@ void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const
     for (size_t i = 0; i < entry.slots.size(); ++i)
       for (const FileEntry& f : entry.slots[i])
         verify_file(f, DType::kFloat32, rowwise, "table '" + entry.name + "' slot " + entry.slot_names[i],
-                    spec.optimizer.SlotLowerBound(i));
+                    slot_domain ? spec.optimizer.SlotLowerBound(i) : OptimizerSpec::SlotBound{});
 }
 
 void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,
-                    int64_t col_start, bool load_optimizer, bool verify) {
+                    int64_t col_start, bool load_optimizer, bool verify, bool slot_domain) {
   // Verify everything this block reads first: a corrupt checkpoint must leave the table as it was.
   if (verify) {
-    VerifyTableBlock(info, entry, table, row_start, col_start, load_optimizer);
+    VerifyTableBlock(info, entry, table, row_start, col_start, load_optimizer, slot_domain);
   } else if (row_start < 0 || col_start < 0 || row_start > entry.rows - table.rows() ||
              col_start > entry.dim - table.dim()) {
     throw CheckpointError(info.path + ": table '" + entry.name + "' has no such block");

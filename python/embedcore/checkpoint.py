@@ -408,7 +408,8 @@ class Saver:
                         for index, r0 in enumerate(range(0, t["rows"], chunk)):
                             block = _embedcore.table_like(info, k, min(chunk, t["rows"] - r0), t["dim"])
                             try:
-                                _embedcore.load_table_block(info, k, block, r0, 0, has_opt, True)
+                                _embedcore.load_table_block(info, k, block, r0, 0, has_opt, True,
+                                                            slot_domain=False)  # kept as stored
                             except CheckpointError as e:  # e.g. an optimizer this version does not know
                                 raise CheckpointError(f"dump_to_file keeps the other tables of {path} with their "
                                                       f"optimizer state: {e}") from None

@@ -237,9 +237,11 @@ def _read_v2_var(src: str, var: str, names, variables, dim: Optional[int] = None
 
 def _optimizer_of(name: str, v: SokVariable):
     """The embedcore optimizer that takes every slot of `v` (Adagrad, Adam or
-    FTRL, default hyper-parameters), and SOK's slot name for each of its
-    slots; CheckpointError, naming the files, for any slot that would be lost
-    or left at its initial value."""
+    FTRL, default hyper-parameters but Adagrad's epsilon: Keras's 1e-7, as
+    the Keras Adagrad that SOK's optimizers wrap adds, so accumulators of 0
+    convert), and SOK's slot name for each of its slots; CheckpointError,
+    naming the files, for any slot that would be lost or left at its initial
+    value."""
     from . import optimizers as _opt
 
     files = ", ".join(f"{v.slot_files.get(s, s)}" for s in v.slots)
@@ -248,7 +250,8 @@ def _optimizer_of(name: str, v: SokVariable):
     if mapping is None:
         raise CheckpointError(f"SOK variable {name!r}: optimizer {v.optimizer} (slots in {files}) has no embedcore "
                               f"equivalent (embedcore takes Adagrad, Adam and FTRL slots); {hint}")
-    optimizer = {"adagrad": _opt.Adagrad, "adam": _opt.Adam, "ftrl": _opt.FTRL}[v.optimizer.lower()]()
+    optimizer = {"adagrad": lambda: _opt.Adagrad(epsilon=1e-7), "adam": _opt.Adam,
+                 "ftrl": _opt.FTRL}[v.optimizer.lower()]()
     ours = {}
     for sok_slot in v.slots:
         slot = mapping.get(sok_slot.lower())

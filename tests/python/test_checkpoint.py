@@ -748,6 +748,24 @@ def test_a_save_that_fails_still_removes_what_dead_saves_left(tmp_path):
     ec.load(path, into=back)  # the live checkpoint, untouched
 
 
+def test_state_outside_the_optimizers_domain_is_copied_as_stored(tmp_path):
+    """Accumulators of 0 under Adagrad with epsilon 0 (which earlier versions
+    could save) are refused by a load that would train from them, but a
+    reshard and a save that keeps the table copy them as they are."""
+    t = make_table(optimizer="adagrad", name="a")
+    np.from_dlpack(dict(t._native.slots_mut())["accumulators"])[2, 1] = 0.0  # (as an earlier version let it be)
+    ec.save(tmp_path / "old", t)
+    with pytest.raises(ec.CheckpointError, match="slot accumulators hold 0 at row 2, column 1"):
+        ec.load(tmp_path / "old", into=make_table(optimizer="adagrad", name="a", seed=3))
+    ec.distributed.reshard(tmp_path / "old", tmp_path / "two", 2)
+    ec.Saver().dump_to_file(make_table(name="b"), tmp_path / "old")  # keeps table "a"
+    for path in (tmp_path / "two", tmp_path / "old"):
+        back = ec.Table(name="a", rows=t.rows, dim=t.dim, optimizer=ec.optimizers.Adagrad(0.1, epsilon=1e-9))
+        ec.load(path, into=back)
+        np.testing.assert_array_equal(back.slots()["accumulators"], t.slots()["accumulators"])
+    assert embedcore.cli.main(["verify", str(tmp_path / "old")]) == 0  # sound as stored
+
+
 def test_a_failed_save_or_reshard_removes_the_directory_it_created(tmp_path):
     t = make_table()
     bad = t.to_numpy().copy()

@@ -400,6 +400,24 @@ def test_sparse_keys_over_a_large_table_fill_it_block_by_block(tmp_path, rng):
     np.testing.assert_array_equal(slot[missing], np.broadcast_to(initial, (missing.size, dim)))
 
 
+def test_v2_adagrad_accumulators_of_0_convert_as_keras_adagrads(tmp_path, rng):
+    """SOK's Adagrad is Keras's, which adds epsilon (1e-7) and so may hold
+    accumulators of 0: they convert (into Adagrad(epsilon=1e-7)); a load
+    into an Adagrad with epsilon 0, whose step would divide 0 by 0, refuses
+    them, and include_optimizer=False takes the values."""
+    keys, values = random_rows(rng, 64, 10, 4)
+    acc = rng.random((10, 4)).astype(np.float32)
+    acc[2, 1] = 0.0
+    write_v2(tmp_path / "sok", "emb", keys, values, optimizer="Adagrad", slots={"accum": acc})
+    assert ec.sok.convert(tmp_path / "sok", tmp_path / "out") == ["emb"]
+    t = loaded(tmp_path / "out", "emb", 64, 4, ec.optimizers.Adagrad(0.1, epsilon=1e-7))
+    np.testing.assert_array_equal(t.slots()["accumulators"][keys], acc)
+    strict = ec.Table(name="emb", rows=64, dim=4, optimizer=ec.optimizers.Adagrad(0.1))
+    with pytest.raises(ec.CheckpointError, match="slot accumulators hold 0 at row .* needs them > 0"):
+        ec.load(tmp_path / "out", into=strict)
+    ec.load(tmp_path / "out", into=strict, include_optimizer=False)
+
+
 # ------------------------------------------------------------------ SOK 2.x headers as SOK writes them
 def test_v2_headers_space_padded_as_sok_writes_them(tmp_path, rng):
     # dump_load.write_file_head right-justifies the names with spaces ("      m"); read_file_head strips them.

@@ -665,15 +665,19 @@ void CommitCheckpoint(const std::string& path, const std::string& manifest_json)
 /// Loads the block of `entry` that `table` holds: rows [row_start, row_start +
 /// table.rows()) and columns [col_start, col_start + table.dim()), reading only
 /// the byte ranges of the files that overlap it. Like LoadTable, verifies the
-/// checksums of everything it reads before `table` changes.
+/// checksums of everything it reads before `table` changes, and that its
+/// slot values are in the domain of `table`'s optimizer
+/// (OptimizerSpec::SlotLowerBound); `slot_domain` false skips that check,
+/// for copies that keep the state as it is stored (reshard, a save that
+/// keeps another table).
 void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,
-                    int64_t col_start, bool load_optimizer, bool verify = true);
+                    int64_t col_start, bool load_optimizer, bool verify = true, bool slot_domain = true);
 
 /// The checks and checksum verification of LoadTableBlock (the dtype range
 /// check included), without loading:
 /// a sharded load verifies every rank's blocks before any rank changes.
 void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const Table& table, int64_t row_start,
-                      int64_t col_start, bool load_optimizer);
+                      int64_t col_start, bool load_optimizer, bool slot_domain = true);
 
 /// A checkpoint opened read-only for serving: each table's values files are
 /// memory-mapped (opening reads no values; processes share the pages). With

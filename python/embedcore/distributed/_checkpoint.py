@@ -311,7 +311,7 @@ def _reshard_into(info, manifest: dict, layout, dst: str, generation: int, world
         pieces = []
         for index, (s, r0, n) in enumerate(_pieces(t, ts, max_file_bytes)):
             block = _embedcore.table_like(info, k, n, s.cols)
-            _embedcore.load_table_block(info, k, block, r0, s.col_start, has_opt, True)
+            _embedcore.load_table_block(info, k, block, r0, s.col_start, has_opt, True, slot_domain=False)  # as stored
             pieces.append(json.loads(_embedcore.write_shard_files(dst, generation, f"t{k:05d}.", index, block,
                                                                   r0, s.col_start, has_opt, values_dtype)))
             del block
