@@ -54,7 +54,6 @@ struct FloatMode {
 #endif
 };
 
-
 // Whether this thread runs a chunk of a pool's job (nested loops then run serially, on it).
 thread_local bool t_in_job = false;
 

@@ -27,12 +27,12 @@
 namespace embedcore {
 
 using checkpoint::File;
-using internal::FormatFloat;
 using checkpoint::JoinPath;
 using checkpoint::ResolvedPath;
 using checkpoint::kBlockBytes;
 using checkpoint::kDataOffset;
 using checkpoint::kHeaderBytes;
+using internal::FormatFloat;
 
 namespace {
 
@@ -108,6 +108,25 @@ int TakeClaimForRemoval(const std::string& dir, uint64_t generation) {
     return -1;  // held (or unknown: keep the files rather than risk a save's)
   }
   return fd;
+}
+
+// Removes our `files` (by generation) but those of a save in progress (its
+// claim held), each generation's claim file last, while this process holds
+// the claim (see RemoveGeneration); `own`'s claim is the caller's, not taken.
+void RemoveUnclaimed(const std::string& path, std::map<uint64_t, std::vector<std::string>>& files, uint64_t own) {
+  for (auto& [g, names] : files) {
+    const int claim = g == own ? -2 : TakeClaimForRemoval(path, g);
+    if (claim == -1) continue;  // a save in progress
+    std::stable_partition(names.begin(), names.end(),
+                          [](const std::string& n) { return n.rfind("MANIFEST.tmp.", 0) != 0; });
+    for (const std::string& name : names) ::unlink(JoinPath(path, name).c_str());
+    if (claim >= 0) ReleaseFlock(claim);
+  }
+}
+
+// "" is no path: the system refuses it, and a caller resolving it first would make it the current directory.
+void CheckPathGiven(const std::string& path) {
+  if (path.empty()) throw InvalidArgument("the checkpoint path is empty (\".\" names the current directory)");
 }
 
 // Our own file names, exactly: t<5 digits>.<array>[.s<5 digits>].g<generation>.ecd
@@ -630,15 +649,7 @@ void CommitManifest(const std::string& path, const std::string& json, uint64_t g
     uint64_t g = 0;
     if (IsOurFile(name, &g) && (g != generation || name.rfind("MANIFEST.tmp.", 0) == 0)) files[g].push_back(name);
   }
-  for (auto& [g, names] : files) {
-    const int claim = g == generation ? -2 : TakeClaimForRemoval(path, g);
-    if (claim == -1) continue;  // a save in progress
-    // The claim file last (see RemoveGeneration).
-    std::stable_partition(names.begin(), names.end(),
-                          [](const std::string& n) { return n.rfind("MANIFEST.tmp.", 0) != 0; });
-    for (const std::string& name : names) ::unlink(JoinPath(path, name).c_str());
-    if (claim >= 0) ReleaseFlock(claim);
-  }
+  RemoveUnclaimed(path, files, generation);
 }
 
 // Every data file the manifest names must be present with its stated size.
@@ -664,7 +675,7 @@ void CheckFilesPresent(const std::string& path, const CheckpointInfo& info, bool
 
 namespace {
 void MakeCheckpointDirectory(const std::string& path) {
-  if (path.empty()) throw InvalidArgument("the checkpoint path is empty (\".\" names the current directory)");
+  CheckPathGiven(path);
   if (::mkdir(path.c_str(), 0755) == 0) {
     // The new directory's entry is durable before a commit inside it claims to be.
     std::string parent = path;
@@ -775,14 +786,7 @@ void RemoveDeadSaves(const std::string& path, uint64_t own) noexcept {
       uint64_t g = 0;
       if (IsOurFile(name, &g) && g != live && g != own) files[g].push_back(name);
     }
-    for (auto& [g, names] : files) {
-      const int claim = TakeClaimForRemoval(path, g);
-      if (claim == -1) continue;  // a save in progress
-      std::stable_partition(names.begin(), names.end(),  // the claim file last (see RemoveGeneration)
-                            [](const std::string& n) { return n.rfind("MANIFEST.tmp.", 0) != 0; });
-      for (const std::string& name : names) ::unlink(JoinPath(path, name).c_str());
-      if (claim >= 0) ReleaseFlock(claim);
-    }
+    RemoveUnclaimed(path, files, own);
   } catch (const std::exception&) {
     // A MANIFEST that cannot be read, a directory that cannot be listed: nothing removed.
   }
@@ -964,7 +968,7 @@ void SaveCheckpoint(const std::string& path, const std::vector<TableToSave>& tab
 namespace {
 // Reads and validates path/MANIFEST alone (not the files it names).
 CheckpointInfo ReadManifest(const std::string& path) {
-  if (path.empty()) throw InvalidArgument("the checkpoint path is empty (\".\" names the current directory)");
+  CheckPathGiven(path);
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) throw CheckpointError(path + ": no such checkpoint directory");
   if (!S_ISDIR(st.st_mode)) throw CheckpointError(path + ": not a checkpoint directory");

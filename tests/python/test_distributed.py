@@ -909,7 +909,12 @@ def test_a_bad_id_of_a_reordered_sparse_input_is_named_at_the_callers_position(s
     def fn(world):
         with pytest.raises(IndexError, match=r"features\['f'\]: id 8 at position 1 is out of range"):
             ec.Embedding(config, world=world, sharding=sharding)({"f": sp})
+        # Several bad ids: the first in the caller's order, as unsharded (not the smallest or the largest).
+        with pytest.raises(IndexError, match=r"id 9 at position 0 is out of range"):
+            ec.Embedding(config, world=world, sharding=sharding)({"f": np.array([9, -1, 3])})
 
+    with pytest.raises(IndexError, match="id 9 at position 0 of ids"):
+        ec.Embedding(config)({"f": np.array([9, -1, 3])})
     _run(1, fn)
 
 

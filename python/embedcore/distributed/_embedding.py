@@ -334,11 +334,11 @@ class ShardedEmbedding(Embedding):
                                  f"= {off[-1]}")
             if ids.size:
                 lo, hi = int(ids.min()), int(ids.max())
-                if lo < 0 or hi >= eff.rows:
-                    bad = lo if lo < 0 else hi
-                    at = np.flatnonzero(ids == bad)
-                    pos = int((at if b.order is None else b.order[at]).min())  # in the caller's order
-                    raise IndexError(f"{where}: id {bad} at position {pos} is out of range for table "
+                if lo < 0 or hi >= eff.rows:  # the first bad id in the caller's order, as the unsharded lookup names
+                    at = np.flatnonzero((ids < 0) | (ids >= eff.rows))
+                    k = int(np.argmin(at if b.order is None else b.order[at]))
+                    pos = int(at[k] if b.order is None else b.order[at[k]])
+                    raise IndexError(f"{where}: id {int(ids[at[k]])} at position {pos} is out of range for table "
                                      f"'{eff.name}' with {eff.rows} rows")
             combiner = self._combiner(f)
             ts = self._sharding_of(self._table_index[f.table])
