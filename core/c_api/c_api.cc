@@ -7,13 +7,16 @@
 // and by the engine (ids, offsets, checksums) before anything is written.
 //
 // Hot reload: a handle holds its snapshot (the mapped checkpoint and what was
-// parsed from its manifest) in a std::shared_ptr swapped atomically. Each
-// lookup takes its own reference for its whole duration, so it sees one
-// checkpoint from start to end, and the old mapping is released (munmap) when
-// the last lookup that holds it returns.
+// parsed from its manifest) in a std::shared_ptr, copied and swapped under the
+// handle's own mutex. Each lookup takes its own reference for its whole
+// duration, so it sees one checkpoint from start to end, and the old mapping
+// is released (munmap) when the last lookup that holds it returns.
+//
+// Fork: a handler registered with pthread_atfork takes every handle's locks
+// before a fork and makes them anew in the child, so a child never starts
+// with a lock held by a thread it does not have.
 #include "embedcore/c_api.h"
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -23,8 +26,11 @@
 #include <mutex>
 #include <new>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
+
+#include <pthread.h>
 
 #include "embedcore/embedcore.h"
 
@@ -262,7 +268,18 @@ struct Snapshot {
 // The handle. Names and dims never change over its life (a reload must keep
 // them), so the strings handed out stay valid until embedcore_close.
 struct embedcore_checkpoint {
-  std::shared_ptr<const Snapshot> current;  // only through std::atomic_load / std::atomic_store
+  embedcore_checkpoint();  // registered for fork (see LockHandlesForFork)
+  ~embedcore_checkpoint();
+  embedcore_checkpoint(const embedcore_checkpoint&) = delete;
+  embedcore_checkpoint& operator=(const embedcore_checkpoint&) = delete;
+
+  // The mutex, not std::atomic_load / std::atomic_store: those lock a mutex of
+  // libstdc++'s own pool, which a fork can leave locked in the child (by a
+  // thread the child does not have) and which no fork handler can reach. It
+  // is held only to copy or swap the pointer, never while a snapshot is
+  // opened or destroyed, so lookups never wait for a reload.
+  mutable std::mutex current_mutex;
+  std::shared_ptr<const Snapshot> current;  // guarded by current_mutex
   std::mutex reload_mutex;                  // one reload at a time
   MappedCheckpoint::Verify verify = MappedCheckpoint::Verify::kLazy;  // guarded by reload_mutex
   std::string directory;  // absolute path of the served checkpoint, for reload(NULL); guarded by reload_mutex
@@ -270,8 +287,64 @@ struct embedcore_checkpoint {
   std::vector<int64_t> table_dims;
   std::vector<std::string> feature_names;
 
-  std::shared_ptr<const Snapshot> Acquire() const { return std::atomic_load(&current); }
+  std::shared_ptr<const Snapshot> Acquire() const {
+    std::lock_guard<std::mutex> lock(current_mutex);
+    return current;
+  }
+  // Serves `next`; returns the snapshot it replaces, for the caller to
+  // release outside the lock (releasing the last reference unmaps it).
+  std::shared_ptr<const Snapshot> Swap(std::shared_ptr<const Snapshot> next) {
+    std::lock_guard<std::mutex> lock(current_mutex);
+    current.swap(next);
+    return next;
+  }
 };
+
+namespace {
+
+// ---------------------------------------------------------------- fork
+// A forked child has only the thread that forked. A handle's lock that
+// another thread held at the fork (a lookup copying the current snapshot's
+// pointer) would stay held in the child for ever, and the child's first call
+// on the handle would hang. So fork() takes every live handle's locks: the
+// prepare handler locks them, the parent releases them after the fork, and
+// the child, where the locks record the parent's thread as their owner, makes
+// them anew (as core/table.cc does for the engine's tables).
+struct LiveHandles {
+  std::mutex mutex;
+  std::set<embedcore_checkpoint*> handles;
+};
+LiveHandles& Live() {
+  static LiveHandles* live = new LiveHandles;  // never destroyed: a fork may come during exit
+  return *live;
+}
+void LockHandlesForFork() {
+  Live().mutex.lock();
+  for (embedcore_checkpoint* h : Live().handles) h->current_mutex.lock();
+}
+void UnlockHandlesInParent() {
+  for (embedcore_checkpoint* h : Live().handles) h->current_mutex.unlock();
+  Live().mutex.unlock();
+}
+void RenewHandleLocksInChild() {
+  for (embedcore_checkpoint* h : Live().handles) new (&h->current_mutex) std::mutex;  // no other thread exists here
+  new (&Live().mutex) std::mutex;
+}
+
+}  // namespace
+
+embedcore_checkpoint::embedcore_checkpoint() {
+  static const bool registered =
+      pthread_atfork(LockHandlesForFork, UnlockHandlesInParent, RenewHandleLocksInChild) == 0;
+  (void)registered;
+  std::lock_guard<std::mutex> lock(Live().mutex);
+  Live().handles.insert(this);
+}
+
+embedcore_checkpoint::~embedcore_checkpoint() {
+  std::lock_guard<std::mutex> lock(Live().mutex);  // before the members (the locks) are destroyed
+  Live().handles.erase(this);
+}
 
 namespace {
 
@@ -468,7 +541,7 @@ EMBEDCORE_C_API_EXPORT int embedcore_open(const char* path, const char* options_
   }
   for (const Feature& f : snapshot->features) handle->feature_names.push_back(f.name);
   handle->verify = verify;
-  std::atomic_store(&handle->current, std::shared_ptr<const Snapshot>(std::move(snapshot)));
+  handle->Swap(std::move(snapshot));
   *out = handle.release();
   EMBEDCORE_API_END();
 }
@@ -485,8 +558,8 @@ EMBEDCORE_C_API_EXPORT int embedcore_reload(embedcore_checkpoint* ckpt, const ch
   auto next = std::make_shared<const Snapshot>(where, verify);
   CheckCompatible(h, *next);
   // Lookups running on the old snapshot keep their reference; the last one
-  // to return releases it (and its mappings).
-  std::atomic_store(&h.current, std::shared_ptr<const Snapshot>(std::move(next)));
+  // to return releases it (and its mappings), here if none is running.
+  h.Swap(std::move(next));
   h.verify = verify;
   h.directory = std::move(directory);
   EMBEDCORE_API_END();
