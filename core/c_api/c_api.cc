@@ -13,8 +13,8 @@
 // is released (munmap) when the last lookup that holds it returns.
 //
 // Fork: a handler registered with pthread_atfork takes every handle's locks
-// before a fork and makes them anew in the child, so a child never starts
-// with a lock held by a thread it does not have.
+// before a fork (waiting for reloads in progress) and makes them anew in the
+// child, so a child never starts with a lock held by a thread it does not have.
 #include "embedcore/c_api.h"
 
 #include <cstddef>
@@ -305,11 +305,16 @@ namespace {
 // ---------------------------------------------------------------- fork
 // A forked child has only the thread that forked. A handle's lock that
 // another thread held at the fork (a lookup copying the current snapshot's
-// pointer) would stay held in the child for ever, and the child's first call
-// on the handle would hang. So fork() takes every live handle's locks: the
-// prepare handler locks them, the parent releases them after the fork, and
-// the child, where the locks record the parent's thread as their owner, makes
-// them anew (as core/table.cc does for the engine's tables).
+// pointer, a reload) would stay held in the child for ever, and the child's
+// first call on the handle (or first reload) would hang. So fork() takes
+// every live handle's locks, the reload lock first, which waits for a reload
+// in progress to finish (the child then has the handle as a whole reload
+// left it, never a half-assigned directory): the prepare handler locks them,
+// the parent releases them after the fork, and the child, where the locks
+// record the parent's thread as their owner, makes them anew (as
+// core/table.cc does for the engine's tables). A reload takes the current
+// lock under its reload lock, never the other way round, so the order here
+// cannot deadlock with it.
 struct LiveHandles {
   std::mutex mutex;
   std::set<embedcore_checkpoint*> handles;
@@ -320,14 +325,23 @@ LiveHandles& Live() {
 }
 void LockHandlesForFork() {
   Live().mutex.lock();
-  for (embedcore_checkpoint* h : Live().handles) h->current_mutex.lock();
+  for (embedcore_checkpoint* h : Live().handles) {
+    h->reload_mutex.lock();
+    h->current_mutex.lock();
+  }
 }
 void UnlockHandlesInParent() {
-  for (embedcore_checkpoint* h : Live().handles) h->current_mutex.unlock();
+  for (embedcore_checkpoint* h : Live().handles) {
+    h->current_mutex.unlock();
+    h->reload_mutex.unlock();
+  }
   Live().mutex.unlock();
 }
 void RenewHandleLocksInChild() {
-  for (embedcore_checkpoint* h : Live().handles) new (&h->current_mutex) std::mutex;  // no other thread exists here
+  for (embedcore_checkpoint* h : Live().handles) {  // no other thread exists here
+    new (&h->current_mutex) std::mutex;
+    new (&h->reload_mutex) std::mutex;
+  }
   new (&Live().mutex) std::mutex;
 }
 

@@ -123,3 +123,45 @@ EMBEDCORE_TEST(ForkWhileLookingUp) {
   EMBEDCORE_EXPECT_EQ(failures.load(), int64_t(0));
   EXPECT_C_OK(embedcore_close(h));
 }
+
+// A thread reloads without pause (between two checkpoints) while others look
+// up: a fork waits for the reload in progress, so the child's reload neither
+// hangs on the reload lock nor re-opens a half-assigned directory, and its
+// handle serves one checkpoint in full before and after.
+EMBEDCORE_TEST(ForkWhileReloading) {
+  TempDir dir;
+  ModelOptions a, b;
+  a.seed = 1;
+  b.seed = 2;
+  SaveModel(dir.Sub("a"), a);
+  SaveModel(dir.Sub("b"), b);
+  const Probe probe({dir.Sub("a"), dir.Sub("b")});
+  EXPECT_C_OK(embedcore_set_num_threads(1));
+  embedcore_checkpoint* h = nullptr;
+  EXPECT_C_OK(embedcore_open(dir.Sub("a").c_str(), nullptr, &h));
+  std::atomic<bool> stop(false);
+  std::atomic<int64_t> reloads(0), failures(0);
+  std::vector<std::thread> threads;
+  threads.emplace_back([&] {
+    for (int i = 0; !stop.load(std::memory_order_relaxed); ++i) {
+      const std::string next = dir.Sub(i % 2 == 0 ? "b" : "a");
+      failures += embedcore_reload(h, next.c_str(), nullptr) != EMBEDCORE_OK;
+      ++reloads;
+    }
+  });
+  threads.emplace_back([&] {
+    while (!stop.load(std::memory_order_relaxed)) failures += !probe.Serves(h);
+  });
+  while (reloads.load() < 10) std::this_thread::yield();
+
+  ForkRepeatedly(300 / kScale, [&] {
+    return probe.Serves(h) && embedcore_reload(h, nullptr, nullptr) == EMBEDCORE_OK && probe.Serves(h) &&
+           embedcore_close(h) == EMBEDCORE_OK;
+  });
+
+  stop = true;
+  for (auto& t : threads) t.join();
+  EMBEDCORE_EXPECT_EQ(failures.load(), int64_t(0));
+  EMBEDCORE_EXPECT(reloads.load() > 10);
+  EXPECT_C_OK(embedcore_close(h));
+}

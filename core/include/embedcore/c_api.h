@@ -36,6 +36,9 @@
  * - Thread safety: every call on a checkpoint handle may run from any number
  *   of threads at once, including embedcore_reload(), except
  *   embedcore_close(), which must be the handle's last call.
+ * - fork(): handles opened before a fork serve in the child too. A fork
+ *   waits for the reloads in progress, so the child never starts with a
+ *   handle's lock held by a thread it does not have (docs/c_api.md).
  *
  * The checkpoint format is specified in docs/format.md; this API is described
  * in docs/c_api.md.
