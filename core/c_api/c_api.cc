@@ -157,21 +157,44 @@ int64_t MulChecked(int64_t a, int64_t b, const char* what) {
 }
 
 // ---------------------------------------------------------------- options
+// Options nest a level or two. Deeper nesting is refused while parsing, as
+// the manifest's is (core/checkpoint/manifest.cc): dumping a value for a
+// message recurses once per level, and 64 KiB of brackets overflowed the stack.
+constexpr int kMaxOptionsDepth = 32;
+
+// `text` cut to `max` bytes (at a UTF-8 character boundary) with "..." after:
+// a message names the bad value or key, but need not repeat 64 KiB of it.
+std::string Excerpt(std::string text, size_t max = 80) {
+  if (text.size() <= max) return text;
+  while (max > 0 && (static_cast<unsigned char>(text[max]) & 0xC0) == 0x80) --max;
+  text.resize(max);
+  return text + "...";
+}
+
+// A JSON value for a message (depth-capped by the parse, so dump() is safe).
+std::string Excerpt(const Json& value) {
+  return Excerpt(value.dump(-1, ' ', false, Json::error_handler_t::replace));
+}
+
 MappedCheckpoint::Verify ParseVerify(const char* options_json, MappedCheckpoint::Verify fallback) {
   if (options_json == nullptr) return fallback;
   const size_t len = std::strlen(options_json);
   if (len > (size_t(1) << 16)) throw InvalidArgument("options_json: longer than 64 KiB");
   Json o;
   try {
-    o = Json::parse(options_json, options_json + len);
+    o = Json::parse(options_json, options_json + len, [](int depth, Json::parse_event_t, Json&) {
+      if (depth > kMaxOptionsDepth)
+        throw InvalidArgument("options_json: nests deeper than " + std::to_string(kMaxOptionsDepth) + " levels");
+      return true;
+    });
   } catch (const Json::parse_error& e) {
-    throw InvalidArgument(std::string("options_json: not valid JSON: ") + e.what());
+    throw InvalidArgument(std::string("options_json: not valid JSON: ") + Excerpt(e.what(), 200));
   }
-  if (!o.is_object()) throw InvalidArgument("options_json must be a JSON object, got " + o.dump());
+  if (!o.is_object()) throw InvalidArgument("options_json must be a JSON object, got " + Excerpt(o));
   MappedCheckpoint::Verify verify = fallback;
   for (auto it = o.begin(); it != o.end(); ++it) {
     if (it.key() != "verify")
-      throw InvalidArgument("options_json: unknown option '" + it.key() + "' (known: verify)");
+      throw InvalidArgument("options_json: unknown option '" + Excerpt(it.key()) + "' (known: verify)");
     const Json& v = it.value();
     if (v.is_boolean()) {
       verify = v.get<bool>() ? MappedCheckpoint::Verify::kLazy : MappedCheckpoint::Verify::kNone;
@@ -183,7 +206,7 @@ MappedCheckpoint::Verify ParseVerify(const char* options_json, MappedCheckpoint:
       verify = MappedCheckpoint::Verify::kNone;
     } else {
       throw InvalidArgument("options_json: verify must be \"lazy\", \"eager\", \"none\", true or false, got " +
-                            v.dump());
+                            Excerpt(v));
     }
   }
   return verify;

@@ -5,6 +5,7 @@
 // message that says what is wrong, never crashes, and never writes to the
 // caller's buffer (outputs here are heap blocks of the exact size, so
 // AddressSanitizer sees any write past them).
+#include <pthread.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -399,6 +400,90 @@ EMBEDCORE_TEST(BadOptions) {
   const std::string huge(70000, ' ');
   EXPECT_OPEN_ERROR(path, huge.c_str(), EMBEDCORE_INVALID_ARGUMENT, "longer than 64 KiB");
   EXPECT_C_ERROR(embedcore_reload(s.h, nullptr, "{\"verify\": 3}"), EMBEDCORE_INVALID_ARGUMENT, "got 3");
+}
+
+namespace {
+
+// embedcore_open on a thread of its own with a 256 KiB stack (a server's
+// request threads may have small ones): its status and message.
+struct SmallStackOpen {
+  std::string path, options, message;
+  int status = -1;
+  static void* Run(void* self) {
+    auto* o = static_cast<SmallStackOpen*>(self);
+    embedcore_checkpoint* h = nullptr;
+    o->status = embedcore_open(o->path.c_str(), o->options.c_str(), &h);
+    o->message = o->status == EMBEDCORE_OK ? "" : embedcore_last_error();
+    embedcore_close(h);
+    return nullptr;
+  }
+  SmallStackOpen(std::string p, std::string opts) : path(std::move(p)), options(std::move(opts)) {
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 256 << 10);
+    pthread_t t;
+    if (pthread_create(&t, &attr, Run, this) != 0) throw std::runtime_error("pthread_create failed");
+    pthread_join(t, nullptr);
+    pthread_attr_destroy(&attr);
+  }
+};
+
+std::string Nested(const std::string& open, const std::string& close, int depth) {
+  std::string s = "{\"verify\": ";
+  for (int i = 0; i < depth; ++i) s += open;
+  for (int i = 0; i < depth; ++i) s += close;
+  return s + "}";
+}
+
+}  // namespace
+
+// Options nested deeply (well under the 64 KiB limit) are refused while they
+// are parsed, before a message dumps them (which recursed once per level and
+// overflowed the stack), and a message quotes at most a short excerpt of a
+// long bad value or key.
+EMBEDCORE_TEST(DeepOrLongOptions) {
+  Served s;
+  const std::string path = s.dir.Sub("m");
+  const struct {
+    const char *open, *close;
+    int depth;
+  } nested[] = {{"[", "]", 33}, {"[", "]", 8000}, {"[", "]", 32000}, {"{\"a\": ", "}", 33}, {"{\"a\": ", "}", 9000}};
+  for (const auto& n : nested) {
+    const std::string options = Nested(n.open, n.close, n.depth);
+    EMBEDCORE_EXPECT(options.size() <= size_t(1) << 16);
+    const SmallStackOpen o(path, options);
+    EMBEDCORE_EXPECT_MSG(o.status == EMBEDCORE_INVALID_ARGUMENT, n.open << " x " << n.depth << ": " << o.status);
+    EMBEDCORE_EXPECT_MSG(o.message == "embedcore_open: options_json: nests deeper than 32 levels",
+                         n.open << " x " << n.depth << ": " << o.message);
+  }
+  // At the limit: parsed, and refused as a value.
+  const SmallStackOpen at_limit(path, Nested("[", "]", 32));
+  EMBEDCORE_EXPECT_EQ(at_limit.status, EMBEDCORE_INVALID_ARGUMENT);
+  EMBEDCORE_EXPECT_MSG(at_limit.message.find("true or false, got [[[[") != std::string::npos, at_limit.message);
+
+  const std::string x(60000, 'x');
+  const std::pair<std::string, std::string> cases[] = {
+      {"{\"verify\": \"" + x + "\"}", "verify must be \"lazy\", \"eager\", \"none\", true or false, got \"xxxx"},
+      {"{\"" + x + "\": 1}", "unknown option 'xxxx"},
+      {"{\"verify\": \"" + x, "options_json: not valid JSON"},  // unterminated: nlohmann quotes what it read
+      {"[\"" + x + "\"]", "options_json must be a JSON object, got [\"xxxx"},
+  };
+  for (const auto& c : cases) {
+    int status = -1;
+    const std::string m = Open(path, c.first.c_str(), &status);
+    EMBEDCORE_EXPECT_EQ(status, EMBEDCORE_INVALID_ARGUMENT);
+    EMBEDCORE_EXPECT_MSG(m.size() < 400 && m.find(c.second) != std::string::npos,
+                         m.size() << " bytes: " << m.substr(0, 300));
+  }
+  std::string wide = "{\"verify\": [1";
+  for (int i = 0; i < 20000; ++i) wide += ",1";
+  wide += "]}";
+  int status = -1;
+  const std::string m = Open(path, wide.c_str(), &status);
+  EMBEDCORE_EXPECT_EQ(status, EMBEDCORE_INVALID_ARGUMENT);
+  EMBEDCORE_EXPECT_MSG(m.size() < 400 && m.find("got [1,1,1,") != std::string::npos,
+                       m.size() << " bytes: " << m.substr(0, 300));
+  EMBEDCORE_EXPECT_MSG(m.size() > 3 && m.compare(m.size() - 3, 3, "...") == 0, m.substr(0, 300));  // cut short
 }
 
 EMBEDCORE_TEST(MissingOrNotACheckpoint) {

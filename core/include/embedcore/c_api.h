@@ -32,7 +32,8 @@
  * - Strings are UTF-8, NUL-terminated. A string returned by the library is
  *   owned by it; how long it stays valid is stated with each function.
  * - Options are JSON objects passed as strings (NULL: all defaults); an
- *   unknown key is an error, so a typo never goes unnoticed.
+ *   unknown key is an error, so a typo never goes unnoticed. At most 64 KiB,
+ *   nested at most 32 levels deep.
  * - Thread safety: every call on a checkpoint handle may run from any number
  *   of threads at once, including embedcore_reload(), except
  *   embedcore_close(), which must be the handle's last call.
