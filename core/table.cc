@@ -194,6 +194,7 @@ void CheckIds(const I* ids, int64_t nnz, int64_t rows, const std::string& table)
 
 void ValidateBatch(const Batch& batch, int64_t rows, const std::string& table) {
   if (batch.nnz < 0 || batch.num_bags < 0) throw InvalidArgument("ids: negative length");
+  internal::CheckBatchCounts(batch);  // before off[batch.num_bags] is read
   if (batch.nnz > 0 && batch.ids == nullptr) throw InvalidArgument("ids: null pointer");
   if (batch.offsets == nullptr) throw InvalidArgument("offsets: null pointer");
   const int64_t* off = batch.offsets;

@@ -443,6 +443,24 @@ void RequireDisjoint(const float* out, size_t out_bytes, const void* p, size_t b
     throw InvalidArgument(std::string("out overlaps ") + what + ": give the output a buffer of its own");
 }
 
+// The batch's counts: >= 0, and sizes that fit in int64. An array of more
+// than INT64_MAX / 8 - 1 elements (the offsets' (num_bags + 1) x 8 bytes)
+// cannot be in memory, and the sizes computed from such a count (to check
+// overlaps, to copy the offsets) would overflow.
+void CheckCounts(const embedcore_batch* batch) {
+  if (batch->nnz < 0) throw InvalidArgument("batch.nnz must be >= 0, got " + std::to_string(batch->nnz));
+  if (batch->num_bags < 0) throw InvalidArgument("batch.num_bags must be >= 0, got " + std::to_string(batch->num_bags));
+  constexpr int64_t kMaxCount = INT64_MAX / 8 - 1;  // as the engine's (core/internal.h: kMaxBatchCount)
+  if (batch->nnz > kMaxCount)
+    throw InvalidArgument("batch.nnz = " + std::to_string(batch->nnz) +
+                          " is a size that overflows int64 (nnz x 8 bytes of ids); at most " +
+                          std::to_string(kMaxCount));
+  if (batch->num_bags > kMaxCount)
+    throw InvalidArgument("batch.num_bags = " + std::to_string(batch->num_bags) +
+                          " is a size that overflows int64 ((num_bags + 1) x 8 bytes of offsets); at most " +
+                          std::to_string(kMaxCount));
+}
+
 Batch ToBatch(const embedcore_batch* batch) {
   RequireObject(batch, "batch");
   Batch b;
@@ -457,8 +475,7 @@ Batch ToBatch(const embedcore_batch* batch) {
                           std::to_string(batch->id_type));
   }
   if (batch->reserved != 0) throw InvalidArgument("batch.reserved must be 0 (zero-initialize the struct)");
-  if (batch->nnz < 0) throw InvalidArgument("batch.nnz must be >= 0, got " + std::to_string(batch->nnz));
-  if (batch->num_bags < 0) throw InvalidArgument("batch.num_bags must be >= 0, got " + std::to_string(batch->num_bags));
+  CheckCounts(batch);
   if (batch->nnz > 0 && batch->ids == nullptr) throw InvalidArgument("batch.ids: null pointer");
   RequireNotNull(batch->offsets, "batch.offsets");
   RequireAligned<int64_t>(batch->offsets, "batch.offsets");
@@ -489,7 +506,8 @@ OutputShape ToShape(const Snapshot& s, int64_t table, int32_t combiner, int64_t 
   return shape;
 }
 
-// Floats a lookup writes, overflow-checked (num_bags and nnz already >= 0).
+// Floats a lookup writes, overflow-checked (num_bags and nnz already checked
+// by CheckCounts), their size in bytes included.
 int64_t OutputFloats(const Snapshot& s, int64_t table, const Batch& b, const OutputShape& shape) {
   int64_t rows;
   if (shape.combiner != Combiner::kNone) {
@@ -499,7 +517,9 @@ int64_t OutputFloats(const Snapshot& s, int64_t table, const Batch& b, const Out
   } else {
     rows = b.nnz;
   }
-  return MulChecked(rows, s.mapped.info().tables[size_t(table)].dim, "output size (rows x dim)");
+  const int64_t floats = MulChecked(rows, s.mapped.info().tables[size_t(table)].dim, "output size (rows x dim)");
+  MulChecked(floats, int64_t(sizeof(float)), "output bytes (floats x 4)");
+  return floats;
 }
 
 void Lookup(const Snapshot& s, int64_t table, const embedcore_batch* batch, int32_t combiner,
@@ -727,8 +747,7 @@ EMBEDCORE_C_API_EXPORT int embedcore_lookup_size(embedcore_checkpoint* ckpt, int
   const std::shared_ptr<const Snapshot> s = Handle(ckpt).Acquire();
   CheckTable(*s, table);
   RequireObject(batch, "batch");
-  if (batch->nnz < 0) throw InvalidArgument("batch.nnz must be >= 0, got " + std::to_string(batch->nnz));
-  if (batch->num_bags < 0) throw InvalidArgument("batch.num_bags must be >= 0, got " + std::to_string(batch->num_bags));
+  CheckCounts(batch);
   Batch b;
   b.nnz = batch->nnz;
   b.num_bags = batch->num_bags;

@@ -213,7 +213,31 @@ EMBEDCORE_TEST(OffsetsThatDoNotFit) {
   int64_t n = 0;
   EXPECT_C_ERROR(embedcore_lookup_size(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, &n), EMBEDCORE_INVALID_ARGUMENT,
                  "overflows int64");
-  EMBEDCORE_EXPECT(out.Untouched());
+  // Counts whose arrays cannot exist, even for an unpooled lookup, whose
+  // output does not depend on num_bags: refused before any pointer is
+  // computed from them (offsets + num_bags + 1 overflowed, or wrapped round
+  // into the array, and the offsets were read far past their end).
+  Canary rows(4 * 16);  // room for the unpooled output, [nnz, dim]
+  for (const int64_t bags : {INT64_MAX, int64_t(1) << 61, INT64_MAX / 8}) {
+    c = good.C();
+    c.num_bags = bags;
+    const std::string what = "batch.num_bags = " + std::to_string(bags) + " is a size that overflows int64";
+    EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_NONE, 0, rows.data.get(), rows.n),
+                   EMBEDCORE_INVALID_ARGUMENT, what);
+    EXPECT_C_ERROR(embedcore_lookup_feature(s.h, 0, &c, out.data.get(), out.n), EMBEDCORE_INVALID_ARGUMENT, what);
+    EXPECT_C_ERROR(embedcore_lookup_size(s.h, 0, &c, EMBEDCORE_COMBINER_NONE, 0, &n), EMBEDCORE_INVALID_ARGUMENT,
+                   what);
+    c = good.C();
+    c.nnz = bags;
+    EXPECT_C_ERROR(embedcore_lookup(s.h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                   EMBEDCORE_INVALID_ARGUMENT, "batch.nnz = " + std::to_string(bags) + " is a size that overflows");
+  }
+  // An output whose floats fit in int64 but whose bytes do not.
+  c = good.C();
+  c.nnz = int64_t(1) << 58;  // x 16 (user's dim) = 2^62 floats, 2^64 bytes
+  EXPECT_C_ERROR(embedcore_lookup_size(s.h, 0, &c, EMBEDCORE_COMBINER_NONE, 0, &n), EMBEDCORE_INVALID_ARGUMENT,
+                 "output bytes (floats x 4): 4611686018427387904 x 4 overflows int64");
+  EMBEDCORE_EXPECT(out.Untouched() && rows.Untouched());
 }
 
 EMBEDCORE_TEST(OutputBufferTooSmall) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "embedcore/embedcore.h"
+#include "internal.h"
 #include "ops/half.h"
 #include "ops/optimizers.h"
 #include "fixtures.h"
@@ -902,6 +903,24 @@ EMBEDCORE_TEST(LookupValidation) {
   // ValidateBatch is public too.
   EMBEDCORE_EXPECT_THROWS(ValidateBatch(hb.View(), 10, "named"), OutOfRange, "table 'named'");
   EMBEDCORE_EXPECT_NO_THROW(ValidateBatch(ok.View(), 10, "named"));
+  // Counts that no array can have are refused before any pointer is computed
+  // from them: offsets + num_bags + 1 overflowed (INT64_MAX) or wrapped round
+  // to a pointer inside the array (2^61 x 8 bytes), then offsets were read far
+  // past their end.
+  for (const int64_t n : {INT64_MAX, int64_t(1) << 61, internal::kMaxBatchCount + 1}) {
+    b = ok.View();
+    b.num_bags = n;
+    const std::string bags = "num_bags = " + std::to_string(n) + " is a size that overflows int64";
+    EMBEDCORE_EXPECT_THROWS(t.Lookup(b, (OutputShape{Combiner::kNone, 0}), out.data()), InvalidArgument, bags);
+    EMBEDCORE_EXPECT_THROWS(t.Lookup(b, sum, out.data()), InvalidArgument, bags);
+    EMBEDCORE_EXPECT_THROWS(ValidateBatch(b, 10, "named"), InvalidArgument, bags);
+    b = ok.View();
+    b.nnz = n;
+    const std::string ids = "nnz = " + std::to_string(n) + " is a size that overflows int64";
+    EMBEDCORE_EXPECT_THROWS(t.Lookup(b, (OutputShape{Combiner::kNone, 0}), out.data()), InvalidArgument, ids);
+    EMBEDCORE_EXPECT_THROWS(ValidateBatch(b, 10, "named"), InvalidArgument, ids);
+  }
+  EMBEDCORE_EXPECT(out == sentinel);
 }
 
 // ------------------------------------------------------------ updates

@@ -79,7 +79,8 @@
 enum embedcore_status {
   EMBEDCORE_OK = 0,
   /** A malformed argument: a null pointer, offsets that do not fit the ids,
-   * an unknown enum value or option, an output buffer that is too small. */
+   * an unknown enum value or option, an output buffer that is too small, a
+   * size that overflows. */
   EMBEDCORE_INVALID_ARGUMENT = 1,
   /** An id outside [0, rows) of its table, or a table / feature index or
    * name that does not exist. */
@@ -129,8 +130,8 @@ typedef struct embedcore_batch {
   const void* ids;         /**< [nnz] ids of id_type; may be NULL when nnz == 0 */
   const int64_t* offsets;  /**< [num_bags + 1]: offsets[0] == 0, non-decreasing, offsets[num_bags] == nnz */
   const float* weights;    /**< [nnz] per-id weights, or NULL (all 1) */
-  int64_t nnz;             /**< number of ids, >= 0 */
-  int64_t num_bags;        /**< number of bags, >= 0 */
+  int64_t nnz;             /**< number of ids, in [0, INT64_MAX / 8 - 1] */
+  int64_t num_bags;        /**< number of bags, in [0, INT64_MAX / 8 - 1] (a larger count's array size overflows) */
   int32_t id_type;         /**< enum embedcore_id_type */
   int32_t reserved;        /**< must be 0 */
 } embedcore_batch;

@@ -220,7 +220,8 @@ struct GradientPart {
 
 /// Validates a batch against a table of `rows` rows; throws OutOfRange for an
 /// id outside [0, rows) (naming `table`, the id and its position) and
-/// InvalidArgument for malformed offsets.
+/// InvalidArgument for malformed offsets, or an nnz or num_bags above
+/// INT64_MAX / 8 - 1 (no array is that large), refused before the offsets are read.
 void ValidateBatch(const Batch& batch, int64_t rows, const std::string& table);
 
 /// The number each bag's weighted sum is divided by under `combiner` (sum_w
