@@ -215,9 +215,11 @@ EMBEDCORE_C_API int embedcore_open(const char* path, const char* options_json, e
  * never a mix; a lookup that started before the swap finishes on the old one,
  * whose mapping is released when its last such lookup returns.
  *
- * The new checkpoint must have the same tables (names, in the same order, and
- * dims) and the same features as the one served; rows and storage dtypes may
- * differ. On any error the handle keeps serving the old checkpoint. */
+ * The new checkpoint must have the same tables (names, in the same order,
+ * dims and combiners: EMBEDCORE_COMBINER_DEFAULT and feature lookups use the
+ * table's) and the same features (names, tables and max_sequence_length) as
+ * the one served, else EMBEDCORE_CHECKPOINT_ERROR; rows and storage dtypes
+ * may differ. On any error the handle keeps serving the old checkpoint. */
 EMBEDCORE_C_API int embedcore_reload(embedcore_checkpoint* ckpt, const char* path, const char* options_json);
 
 /** Releases the handle (NULL is allowed and does nothing). No other call on

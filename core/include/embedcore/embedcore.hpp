@@ -240,8 +240,9 @@ class Checkpoint {
   embedcore_checkpoint* get() const { return h_; }
 
   /// Swaps to a newer checkpoint while other threads go on looking up: the
-  /// same directory ("") or another one with the same tables and features.
-  /// On error (an exception) the old checkpoint is still served.
+  /// same directory ("") or another one with the same tables (names in the
+  /// same order, dims and combiners) and features (embedcore_reload in
+  /// c_api.h). On error (an exception) the old checkpoint is still served.
   void reload(const std::string& path = std::string()) const {
     Check(embedcore_reload(Handle(), path.empty() ? nullptr : path.c_str(), nullptr));
   }
