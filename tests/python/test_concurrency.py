@@ -409,6 +409,19 @@ def test_forks_during_native_op_lookups_do_not_deadlock(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+# Three daemon threads looking up without end, for the exit scripts below.
+_DAEMON_LOOKUPS = r"""
+import threading, time, numpy as np, embedcore as ec
+t = ec.Table(name="t", rows=1000, dim=8)
+ids, offsets = np.arange(64) % 1000, np.arange(0, 65, 8)
+def look():
+    while True:
+        t.lookup(ids, offsets)
+for _ in range(3):
+    threading.Thread(target=look, daemon=True).start()
+time.sleep(0.05)
+"""
+
 _AT_EXIT = {
     "a hook registered before the import joins daemon threads in lookups": r"""
 import atexit, threading
@@ -438,26 +451,9 @@ import atexit, sys, time
 start = time.perf_counter(); sum(range(10**6)); n = int(10**6 * 0.7 / (time.perf_counter() - start))
 atexit.register(sum, range(n))  # runs after embedcore's own atexit hook, holding the GIL throughout
 atexit.register(print, "joined", flush=True)  # (runs first: the exit's last Python output)
-import threading, numpy as np, embedcore as ec
-t = ec.Table(name="t", rows=1000, dim=8)
-ids, offsets = np.arange(64) % 1000, np.arange(0, 65, 8)
-def look():
-    while True:
-        t.lookup(ids, offsets)
-for _ in range(3):
-    threading.Thread(target=look, daemon=True).start()
-time.sleep(0.05)
-""",
-    "children forked during lookups exit through the interpreter": r"""
-import os, sys, threading, time, numpy as np, embedcore as ec
-t = ec.Table(name="t", rows=1000, dim=8)
-ids, offsets = np.arange(64) % 1000, np.arange(0, 65, 8)
-def look():
-    while True:
-        t.lookup(ids, offsets)
-for _ in range(3):
-    threading.Thread(target=look, daemon=True).start()
-time.sleep(0.05)
+""" + _DAEMON_LOOKUPS,
+    "children forked during lookups exit through the interpreter": _DAEMON_LOOKUPS + r"""
+import os, sys
 codes = []
 for _ in range(10):
     pid = os.fork()
