@@ -554,6 +554,20 @@ def mode_fail(world, chk: Checker, model: Model, directory) -> None:
     want = ref(*gb.part(0, num_bags, "weighted"))
     compare_outputs(chk, model, emb, got, want, lo, hi, "fail: lookup after two failed", row_tol=TRAIN_TOL)
 
+    # 4. A batch over the exchange limit (MPI counts are C ints; lowered here
+    # to 1 element): every rank raises before the exchange, none waits in it.
+    world.max_exchange_elements = 1
+    try:
+        msg = chk.expect_error(lambda: emb(feats, weights), ValueError,
+                               ["rank 0 would send", "all_to_all_v exchange", "split the batch"],
+                               "over the exchange limit: every rank")
+    finally:
+        del world.max_exchange_elements  # the class's limit again
+    print(f"FAILCASE rank {r}/{n}: a batch over the exchange limit -> {msg}", flush=True)
+    got = emb(feats, weights)
+    compare_outputs(chk, model, emb, got, want, lo, hi, "fail: lookup after the one over the limit",
+                    row_tol=TRAIN_TOL)
+
     root, own = shared_dir(world, directory)
     checkpoint_failures(world, chk, model, emb, os.path.join(root, "fail-ckpt"))
     release_dir(world, root, own)

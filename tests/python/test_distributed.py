@@ -1010,6 +1010,48 @@ def test_apply_gradients_before_any_lookup(W):
         assert unchanged
 
 
+@pytest.mark.parametrize("exchange", ["requests", "answers", "gradients"])
+def test_an_exchange_over_the_backends_limit_fails_every_rank_before_it_starts(exchange):
+    """A backend with a limit on one exchange (MPI: C int counts): a batch
+    over it on one rank fails every rank before the exchange, whichever side
+    (the sender or the receiver) is over, so no rank waits in an exchange the
+    others skip, and the next call works. Only rank 0 has bags: it sends the
+    requests, receives the answers, then sends the gradients (to whichever
+    rank holds the table, itself included: a rank's share of its own batch
+    goes through the exchange too)."""
+    config = {"f": ec.FeatureConfig(ec.TableConfig("A", 50, 8)), "g": ec.FeatureConfig(ec.TableConfig("B", 50, 8))}
+    big = np.arange(40) % 50  # 40 bags of one id: 40 * 8 = 320 answer and gradient elements, ~90 request elements
+    # The limits that let the earlier exchanges of the call through and stop this one.
+    limit = {"requests": 60, "answers": 200, "gradients": 10_000}[exchange]
+
+    def fn(world):
+        emb = ec.Embedding(config, opt.SGD(0.5), world=world, sharding="table_wise")
+        world.max_exchange_elements = limit
+        ids = big if world.rank == 0 else np.zeros(0, np.int64)
+        batch = {"f": ec.Ragged.from_lengths(ids, np.ones(ids.size, np.int64)),
+                 "g": ec.Ragged.from_lengths(np.zeros(0, np.int64), np.zeros(0, np.int64))}
+        before = _snapshot_bytes(emb)
+        error = None
+        try:
+            out = emb(batch)
+            if exchange == "gradients":
+                world.max_exchange_elements = 200
+                emb.apply_gradients({k: np.ones_like(v) for k, v in out.items()})
+        except Exception as e:  # noqa: BLE001
+            error = e
+        unchanged = before == _snapshot_bytes(emb)
+        world.max_exchange_elements = None
+        small = {k: ec.Ragged.from_lengths(np.array([1]), np.array([1])) for k in config}
+        return error, unchanged, emb(small)["f"].shape
+
+    results = _run(2, fn)
+    for rank, (error, unchanged, shape) in enumerate(results):
+        assert isinstance(error, (ValueError, ed.RankFailedError)), (rank, repr(error))
+        text = str(error)
+        assert f"({exchange})" in text and "all_to_all_v exchange" in text and "split the batch" in text, text
+        assert unchanged and shape == (1, 8)
+
+
 @pytest.mark.parametrize("failure", ["last_step", "schedule"])
 def test_a_step_one_table_refuses_changes_no_table_on_any_rank(failure):
     """One rank's table refuses the step (at the last step a checkpoint

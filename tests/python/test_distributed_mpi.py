@@ -139,6 +139,7 @@ def test_sharded_matches_unsharded_and_fails_cleanly(n):
         ("bad id on rank 1", {1}, "IndexError", "out of range for table 'A'"),
         ("bad gradient on rank 1", {1}, "ValueError", "grads['pB'] must have shape"),
         (f"bad ids on ranks {sorted({0, n - 1})}", {0, n - 1}, "IndexError", "id -1 at position 0"),
+        ("a batch over the exchange limit", set(range(n)), "ValueError", "rank 0 would send"),
         ("save failing on rank 1", {1}, "OSError", "simulated full disk"),
         ("load of a file corrupt in rank 1's blocks", {1}, "CheckpointError", "checksum mismatch"),
     ]

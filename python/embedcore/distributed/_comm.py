@@ -40,6 +40,9 @@ class Comm(ABC):
     rank: int
     size: int
     backend: str
+    #: The most elements one ``all_to_all_v`` may send from, or receive into,
+    #: one rank (in all, and to or from one peer); None: no limit.
+    max_exchange_elements: Optional[int] = None
 
     @abstractmethod
     def all_to_all_v(self, send: Sequence[np.ndarray], recv_counts: Optional[Sequence[int]] = None) -> List[np.ndarray]:
@@ -67,6 +70,24 @@ class Comm(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} backend={self.backend!r} rank={self.rank} size={self.size}>"
+
+    def check_exchange(self, send_counts: Sequence[int], recv_counts: Sequence[int], what: str,
+                       rank: Optional[int] = None) -> None:
+        """Raises ValueError when an exchange's counts (in elements) exceed
+        ``max_exchange_elements`` on `rank` (this one by default). The
+        sharded calls check before the agree that precedes each exchange (or,
+        where the counts are agreed, on every rank alike), so that every rank
+        hears of it instead of waiting in an exchange the others skip."""
+        limit = self.max_exchange_elements
+        if limit is None:
+            return
+        for side, counts in (("send", send_counts), ("receive", recv_counts)):
+            total = int(sum(int(c) for c in counts))
+            if total > limit:
+                who = "this rank" if rank is None else f"rank {rank}"
+                raise ValueError(f"{what}: {who} would {side} {total:,} elements in one all_to_all_v exchange, over "
+                                 f"the {self.backend} backend's limit of {limit:,} (MPI counts are C ints); split "
+                                 "the batch")
 
     # -------------------------------------------------------------- helpers for backends
     def _check_send(self, send: Sequence[np.ndarray]) -> np.dtype:
@@ -264,6 +285,7 @@ class MPIComm(Comm):
     """A communicator over MPI (mpi4py): ``Alltoallv`` and ``allgather``."""
 
     backend = "mpi"
+    max_exchange_elements = 2 ** 31 - 1  # counts and displacements are C ints, in elements of the arrays' dtype
 
     def __init__(self, comm=None):
         try:
@@ -286,21 +308,33 @@ class MPIComm(Comm):
             recv_counts = np.empty(self.size, np.int64)
             self._comm.Alltoall(send_counts, recv_counts)
         recv_counts = np.asarray(recv_counts, np.int64)
-        # Bytes, so that any dtype travels; MPI counts are C ints.
-        item = dtype.itemsize
-        sendbuf = np.concatenate(send).view(np.uint8) if send_counts.sum() else np.zeros(0, np.uint8)
-        recvbuf = np.empty(int(recv_counts.sum()) * item, np.uint8)
-        sc, rc = send_counts * item, recv_counts * item
-        if max(sc.max(initial=0), rc.max(initial=0), sendbuf.size, recvbuf.size) >= 2 ** 31:
-            raise ValueError("all_to_all_v: over 2 GiB in one exchange; split the batch")
+        # In elements of the arrays' dtype (MPI counts are C ints); a dtype MPI
+        # has no type for travels as bytes. The sharded calls check the
+        # limit on every rank before they exchange (check_exchange); this is
+        # the last guard for a direct call.
+        mpi_type, per = self._mpi_type(dtype)  # per: MPI elements per array element
+        sc, rc = send_counts * per, recv_counts * per
+        self.check_exchange(sc, rc, "all_to_all_v")
+        sendbuf = np.concatenate(send) if send_counts.sum() else np.zeros(0, dtype)
+        recvbuf = np.empty(int(recv_counts.sum()), dtype)
         sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
         rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
-        MPI = self._MPI
-        self._comm.Alltoallv([sendbuf, (sc.astype(np.int32), sd.astype(np.int32)), MPI.BYTE],
-                             [recvbuf, (rc.astype(np.int32), rd.astype(np.int32)), MPI.BYTE])
-        out = recvbuf.view(dtype)
+        self._comm.Alltoallv([sendbuf.view(np.uint8) if per > 1 else sendbuf, (sc.astype(np.int32), sd.astype(np.int32)),
+                              mpi_type],
+                             [recvbuf.view(np.uint8) if per > 1 else recvbuf, (rc.astype(np.int32), rd.astype(np.int32)),
+                              mpi_type])
+        out = recvbuf
         bounds = np.concatenate([[0], np.cumsum(recv_counts)])
         return [out[bounds[j]:bounds[j + 1]] for j in range(self.size)]
+
+    def _mpi_type(self, dtype: np.dtype):
+        """The MPI datatype of `dtype`'s elements and how many of them make
+        one element: (its own type, 1), or (bytes, itemsize) when MPI has none."""
+        types = getattr(self._MPI, "_typedict", {})  # mpi4py's NumPy type codes -> predefined datatypes
+        predefined = types.get(dtype.char) if dtype.isnative else None
+        if predefined is not None and predefined.Get_size() == dtype.itemsize:
+            return predefined, 1
+        return self._MPI.BYTE, dtype.itemsize
 
     def all_gather(self, obj):
         return self._comm.allgather(obj)

@@ -195,6 +195,9 @@ class ShardedEmbedding(Embedding):
         agree(self._world, error, step="Embedding(): shards")
         self._tables = {}
         self._fwd = None  # the last forward pass, for apply_gradients
+        # A wrapper's translation of a lookup's input error into its caller's terms (the torch
+        # adapter: positions in a KeyedJaggedTensor's values()), applied before the other ranks hear it.
+        self._caller_terms = None
 
     @property
     def world(self) -> Comm:
@@ -247,22 +250,26 @@ class ShardedEmbedding(Embedding):
             send = [_pack(ints[d], floats[d]) for d in range(comm.size)]
             counts = [a.size for a in send]
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
-            error = e
+            error = e if self._caller_terms is None else self._caller_terms(e)
         all_counts = agree(comm, error, counts, step=self.step_name("lookup: requests"))
+        for j in range(comm.size):  # on every rank alike, from the agreed counts: all raise, or none
+            comm.check_exchange(all_counts[j], [all_counts[i][j] for i in range(comm.size)],
+                                "Embedding lookup (requests)", rank=j)
         recv = comm.all_to_all_v(send, [all_counts[j][comm.rank] for j in range(comm.size)])
 
         # Serve: look up what every rank asked this one for.
         error = None
         served: Dict[tuple, tuple] = {}
-        try:
-            answers = [self._serve(j, recv[j], served) for j in range(comm.size)]
-        except Exception as e:  # noqa: BLE001
-            error, answers = e, None
-        agree(comm, error, step=self.step_name("lookup: answers"))
-        expect = [0] * comm.size
+        expect = [0] * comm.size  # what each rank will send this one
         for fr in routes:
             for r in fr:
                 expect[r.shard.rank] += r.n_out * r.shard.cols
+        try:
+            answers = [self._serve(j, recv[j], served) for j in range(comm.size)]
+            comm.check_exchange([a.size for a in answers], expect, "Embedding lookup (answers)")
+        except Exception as e:  # noqa: BLE001
+            error, answers = e, None
+        agree(comm, error, step=self.step_name("lookup: answers"))
         back = comm.all_to_all_v(answers, expect)
 
         # Assemble this rank's outputs.
@@ -500,15 +507,16 @@ class ShardedEmbedding(Embedding):
                     parts[s.rank].append(rows.reshape(-1))
             send = [np.concatenate(p).astype(np.float32, copy=False) if p else np.zeros(0, np.float32)
                     for p in parts]
+            # What each rank will send this one: the rows of the results it served.
+            expect = [0] * comm.size
+            for (fi, si, j), (ids, offsets, w, code) in self._fwd[2].items():
+                cols = self._sharding_of(self._table_index[self._features[fi].table]).shards[si].cols
+                expect[j] += (offsets.size - 1 if code != _NONE else ids.size) * cols
+            comm.check_exchange([a.size for a in send], expect, "Embedding.apply_gradients (gradients)")
         except Exception as e:  # noqa: BLE001
             error = e
         agree(comm, error, step=self.step_name("apply_gradients: gradients"))
         routes, shapes, served = self._fwd
-        # What each rank will send this one: the rows of the results it served.
-        expect = [0] * comm.size
-        for (fi, si, j), (ids, offsets, w, code) in served.items():
-            cols = self._sharding_of(self._table_index[self._features[fi].table]).shards[si].cols
-            expect[j] += (offsets.size - 1 if code != _NONE else ids.size) * cols
         recv = comm.all_to_all_v(send, expect)
 
         error = None
