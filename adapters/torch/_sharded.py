@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import re
+import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -144,7 +145,7 @@ class _Sharded:
         # The module's own arguments that change what a rank computes (whether its KJT's weights are pooled,
         # whether its outputs carry the ids) are compared too; device may differ (each rank its own GPU).
         args = {k: getattr(self, f"_{k}") for k in ("is_weighted", "need_indices") if hasattr(self, f"_{k}")}
-        everyone = agree(world, error, (desc, args, [s.initializer for s in specs]), step="Embedding(): construction")
+        everyone = agree(world, error, (desc, args, [s.initializer for s in specs]), step=f"{self._owner}(): construction")
         for r, (d, a, _) in enumerate(everyone):
             if a != args:
                 k = next(k for k in args if a.get(k) != args[k])
@@ -159,6 +160,8 @@ class _Sharded:
                   for s, init, o in zip(specs, initializers, opts)]
         self._feature_configs = [ec.FeatureConfig(t, name=n) for t, names in zip(tables, self._names) for n in names]
         self._embedding = ec.Embedding(self._feature_configs, world=world, sharding=sharding, device=shard_device)
+        terms = weakref.WeakMethod(self._in_kjt_terms)  # (no cycle: the module goes when its last user does)
+        self._embedding._caller_terms = lambda e: e if terms() is None else terms()(e)
         self._world = world
         self._trainable = opts[0] is not None
         self._anchor = torch.zeros(1, requires_grad=True)  # carries autograd to the sharded update
@@ -191,6 +194,15 @@ class _Sharded:
                                  "optimizers update the shards inside backward(), with the learning rates of the "
                                  "embedcore optimizers (a callable learning_rate(step) for a schedule)")
         return super().__getattr__(name)
+
+    def requires_grad_(self, requires_grad: bool = True):
+        """``requires_grad_(False)`` freezes the tables (lookups no longer
+        train; every rank must freeze alike, as every rank calls backward()),
+        as it freezes the unsharded module's weights. The module holds no
+        parameters, so a parent's ``requires_grad_`` or a loop over
+        ``parameters()`` does not reach it: call this on the module itself."""
+        self._anchor.requires_grad_(requires_grad)
+        return super().requires_grad_(requires_grad)
 
     def reset_parameters(self) -> None:
         """Initializes this rank's shards again: each gets its block of the
@@ -240,11 +252,7 @@ class _Sharded:
             agree(self._world, e, step=self._embedding.step_name("lookup: requests"))  # pairs with the lookup's
             # first agree on the others; raises e
             raise
-        try:
-            outs = self._lookup(inputs, weights)
-        except IndexError as e:
-            raise self._in_kjt_terms(e) from None
-        return finish(outs)
+        return finish(self._lookup(inputs, weights))
 
     def _note_kjt_starts(self, offsets: np.ndarray, keys: List[int], stride: int) -> None:
         """Where each feature's ids start in the KeyedJaggedTensor's values(),
@@ -253,11 +261,12 @@ class _Sharded:
 
     _ID_AT = re.compile(r"^features\[(.+?)\]: id (-?\d+) at position (\d+) ")
 
-    def _in_kjt_terms(self, e: IndexError) -> IndexError:
+    def _in_kjt_terms(self, e: Exception) -> Exception:
         """A bad id's error with its position in the KeyedJaggedTensor's
         values() (docs/torch.md), where the sharded lookup names the position
-        in its feature; `e` itself for dict input."""
-        m = self._ID_AT.match(str(e))
+        in its feature; `e` itself for dict input. The sharded lookup applies
+        it before the other ranks hear of the error (``_caller_terms``)."""
+        m = self._ID_AT.match(str(e)) if isinstance(e, IndexError) else None
         if self._kjt_starts is None or m is None:
             return e
         try:
@@ -272,7 +281,7 @@ class _Sharded:
         """One collective lookup of every feature; outputs carry autograd to
         the sharded update when the tables train and grad is enabled."""
         self._calls += 1
-        if not (self._trainable and torch.is_grad_enabled()):
+        if not (self._trainable and self._anchor.requires_grad and torch.is_grad_enabled()):
             return [self._out(o) for o in self._embedding(inputs, weights)]
         outs = _ShardedLookup.apply(self._anchor, self, inputs, weights)
         outs = [o if self._device.type == "cpu" else o.to(self._device) for o in outs]

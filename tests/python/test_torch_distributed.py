@@ -274,6 +274,64 @@ def test_sharded_ids_out_of_range_on_one_rank():
     assert any(run_local(2, fn))  # the step after the failure trained
 
 
+def test_ranks_building_different_kinds_of_sharded_object_raise_a_mismatch():
+    """One rank builds a sharded EmbeddingBagCollection, the other an
+    ec.Embedding, an EmbeddingCollection or the other collection: every rank
+    raises CollectiveMismatchError naming what each one builds."""
+    from embedcore.distributed import CollectiveMismatchError
+
+    def build(kind, world):
+        if kind == "ebc":
+            return et.EmbeddingBagCollection(_tables(), world=world, sharding="row_wise")
+        if kind == "ec":
+            return et.EmbeddingCollection([et.EmbeddingConfig(20, 4, name="t1", feature_names=["a"])], world=world,
+                                          sharding="row_wise")
+        return ec.Embedding({"a": ec.FeatureConfig(ec.TableConfig("t1", 20, 4))}, world=world, sharding="row_wise")
+
+    for other in ("embedding", "ec"):
+        def fn(world):
+            try:
+                build("ebc" if world.rank == 0 else other, world)
+            except CollectiveMismatchError as e:
+                return str(e)
+            return "built"
+
+        for message in run_local(2, fn):
+            assert "EmbeddingBagCollection(): construction" in message, message
+            assert ("Embedding(): construction" if other == "embedding" else "EmbeddingCollection(): construction") \
+                in message.replace("EmbeddingBagCollection", ""), message
+
+
+def test_a_frozen_sharded_collection_does_not_train_as_the_unsharded_one():
+    """requires_grad_(False) on the module stops its tables' updates (the
+    outputs need no grad, so backward() of a head after it leaves them), as
+    it does for the unsharded module; requires_grad_(True) trains again."""
+    def fn(world):
+        m = et.EmbeddingBagCollection(_tables(), optimizer=ec.optimizers.SGD(0.5), world=world, sharding="row_wise")
+        head = torch.nn.Linear(sum(c.embedding_dim for c in _tables()), 1)
+
+        def step():
+            out = m(_feats(world.rank))
+            head(torch.cat([out[k] for k in sorted(out)], 1)).sum().backward()
+            return out
+
+        def shards():
+            return [t.to_numpy().copy() for _, s in sorted(m.embedding.local_shards.items()) for _, t in s]
+
+        before = shards()
+        assert m.requires_grad_(False) is m
+        frozen = step()
+        frozen_kept = all(np.array_equal(a, b) for a, b in zip(before, shards()))
+        m.requires_grad_(True)
+        step()
+        trained = any(not np.array_equal(a, b) for a, b in zip(before, shards()))
+        return frozen_kept, trained, all(not o.requires_grad for o in frozen.values())
+
+    assert run_local(2, fn) == [(True, True, True)] * 2
+    unsharded = et.EmbeddingBagCollection(_tables(), optimizer=ec.optimizers.SGD(0.5)).requires_grad_(False)
+    assert all(not o.requires_grad for o in unsharded(_feats(0)).values())
+
+
 @pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise"])
 def test_rank_with_no_bags(sharding):
     """A rank whose part of the batch is empty still takes part; the result
@@ -435,6 +493,20 @@ def test_a_bad_id_of_a_kjt_is_named_at_its_position_in_values(collection):
             make([config], world=world, sharding="row_wise")(kjt)
 
     run_local(2, fn)
+
+    # The bad id on rank 1 only: rank 0's RankFailedError quotes the same position.
+    good = kjt_type(keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
+
+    def one_bad(world):
+        module = make([config], world=world, sharding="row_wise")
+        with pytest.raises(Exception) as info:
+            module(kjt if world.rank == 1 else good)
+        return type(info.value).__name__, str(info.value)
+
+    where = "id 11 at position 3 of the KeyedJaggedTensor's values() is out of range for table 't'"
+    (kind0, message0), (kind1, message1) = run_local(2, one_bad)
+    assert (kind0, kind1) == ("RankFailedError", "IndexError"), (message0, message1)
+    assert where in message1 and message0 == f"rank 1 of 2 failed: IndexError: {message1}", (message0, message1)
 
 
 TWO_TOWERS = r'''
