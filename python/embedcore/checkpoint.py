@@ -111,7 +111,10 @@ def config_from_json(d: dict) -> TableConfig:
 def _config_from_json(d: dict) -> TableConfig:
     if not isinstance(d, dict):
         raise CheckpointError(f"table config must be an object, got {type(d).__name__}")
-    init_d = dict(d.get("initializer") or {"class": "TruncatedNormal"})
+    init_d = d.get("initializer") or {"class": "TruncatedNormal"}
+    if not isinstance(init_d, dict) or not isinstance(init_d.get("class"), str):
+        raise CheckpointError(f"initializer must be an object with a string 'class', got {init_d!r}")
+    init_d = dict(init_d)
     init_cls = getattr(_init, init_d.pop("class"), None)
     if init_cls is None or not isinstance(init_cls, type) or not issubclass(init_cls, _init.Initializer):
         raise CheckpointError(f"unknown initializer in checkpoint: {d.get('initializer')!r}")

@@ -41,6 +41,9 @@ def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0, c
             raise ValueError(f"demo: {name} must be >= 1, got {value}")
     if seed < 0:
         raise ValueError(f"demo: seed must be >= 0, got {seed}")
+    if checkpoint is not None:  # before training, not after it: "" is no directory to keep the model in
+        from .checkpoint import native_path
+        checkpoint = native_path(checkpoint, "demo: checkpoint")
     if threads is not None:
         ec.set_num_threads(threads)
     rng = np.random.default_rng(seed)
@@ -106,7 +109,7 @@ def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0, c
     # Save the model, reopen it for serving (memory-mapped, no optimizer) and
     # check that serving returns what training returns.
     with tempfile.TemporaryDirectory() as tmp:
-        path = checkpoint or os.path.join(tmp, "ctr-model")
+        path = os.path.join(tmp, "ctr-model") if checkpoint is None else checkpoint
         t0 = time.perf_counter()
         ec.save(path, emb)
         save_ms = (time.perf_counter() - t0) * 1e3

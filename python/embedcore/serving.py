@@ -112,7 +112,10 @@ class ServedCheckpoint(FeatureLookup):
             if not isinstance(cfg_json, dict):
                 raise CheckpointError(f"{info.path}: table {name!r} has a malformed config")
             rows, dim = info.table_shape(i)  # the manifest's shape is authoritative
-            cfg = config_from_json({**cfg_json, "name": name, "rows": rows, "dim": dim, "optimizer": None})
+            try:
+                cfg = config_from_json({**cfg_json, "name": name, "rows": rows, "dim": dim, "optimizer": None})
+            except CheckpointError as e:
+                raise CheckpointError(f"{info.path}: table {name!r}: {e}") from None
             configs[name] = cfg
             self.tables[name] = ServedTable(self._mapped, i, cfg, manifest_tables[i]["values"][0]["dtype"])
         self._by_config = {id(c): self.tables[n] for n, c in configs.items()}

@@ -476,7 +476,12 @@ class Table(LookupMixin):
     def to_numpy(self, start_row: int = 0, num_rows: Optional[int] = None) -> np.ndarray:
         """A float32 copy of rows ``[start_row, start_row + num_rows)``."""
         start_row = _row_index(self._name, "start_row", start_row)
-        n = self.rows - start_row if num_rows is None else _row_index(self._name, "num_rows", num_rows)
+        if num_rows is None:
+            if not 0 <= start_row <= self.rows:
+                raise IndexError(f"table '{self._name}': start_row {start_row} is outside [0, {self.rows}]")
+            n = self.rows - start_row
+        else:
+            n = _row_index(self._name, "num_rows", num_rows)
         if n < 0:
             raise ValueError(f"table '{self._name}': num_rows must be >= 0, got {n}")
         if start_row < 0 or start_row + n > self.rows:
@@ -531,7 +536,7 @@ class Table(LookupMixin):
     def assign_slot(self, name: str, values, start_row: int = 0) -> None:
         names = self.slot_names
         if name not in names:
-            raise KeyError(f"table '{self._name}' has no slot {name!r}; its slots are {list(names)}")
+            raise ValueError(f"table '{self._name}' has no slot {name!r}; its slots are {list(names)}")
         v = as_float32(values, f"slot {name}")
         cols = self._native.slot_dim  # 1 for row-wise Adagrad
         if v.ndim != 2 or v.shape[1] != cols:

@@ -917,6 +917,22 @@ def test_serving_refuses_a_feature_name_that_is_not_a_string(ckpt):
         ec.serving.open(ckpt)
 
 
+@pytest.mark.parametrize("config,what", [
+    ({"initializer": {"class": "Weird"}}, "unknown initializer"),
+    ({"initializer": {"mean": 0.0}}, "initializer must be an object with a string 'class'"),
+    ({"initializer": {"class": "Uniform", "low": "x"}}, "low must be a number"),
+    ({"combiner": "max"}, "combiner must be one of"),
+], ids=["unknown initializer", "initializer without class", "initializer argument", "combiner"])
+def test_serving_names_the_checkpoint_and_the_table_of_a_malformed_config(ckpt, config, what):
+    m = read_manifest(ckpt)
+    m["tables"][0]["config"].update(config)
+    write_manifest(ckpt, m)
+    with pytest.raises(ec.CheckpointError) as info:
+        ec.serving.open(ckpt)
+    message = str(info.value)
+    assert message.startswith(f"{os.path.abspath(ckpt)}: table 't': ") and what in message, message
+
+
 @pytest.mark.parametrize("label,path,value", SERVING_FORGERIES, ids=[x[0] for x in SERVING_FORGERIES])
 def test_serving_refuses_forged_configs_with_checkpoint_error(ckpt, label, path, value):
     """serving.open reads the table configs and feature metadata that a load

@@ -158,7 +158,8 @@ def test_demo(tmp_path):
 @pytest.mark.parametrize("args,match", [(["--steps", "0"], "demo: steps must be >= 1, got 0"),
                                         (["--steps", "-3"], "demo: steps must be >= 1, got -3"),
                                         (["--batch-size", "0"], "demo: batch_size must be >= 1, got 0"),
-                                        (["--seed", "-1"], "demo: seed must be >= 0, got -1")])
+                                        (["--seed", "-1"], "demo: seed must be >= 0, got -1"),
+                                        (["--checkpoint", ""], 'demo: checkpoint is empty ("." names the current')])
 def test_demo_arguments(capsys, args, match):
     assert embedcore.cli.main(["demo", *args]) == 1
     assert f"embedcore demo: ValueError: {match}" in capsys.readouterr().err

@@ -514,6 +514,13 @@ def test_assign_errors(trained):
         trained.assign_slot("momenta", np.ones((2, 4), np.float32), start_row=19)
     with pytest.raises(IndexError):
         trained.to_numpy(15, 6)
+    # Without num_rows: the start row is named, not the num_rows it implies.
+    for bad in (21, -1):
+        with pytest.raises(IndexError, match=rf"table 'clicks': start_row {bad} is outside \[0, 20\]"):
+            trained.to_numpy(bad)
+    assert trained.to_numpy(20).shape == (0, 4)
+    with pytest.raises(ValueError, match=r"table 'clicks' has no slot 'momentum'; its slots are \['momenta', "):
+        trained.assign_slot("momentum", np.ones((2, 4), np.float32))
     assert_unchanged(trained, s)
 
 

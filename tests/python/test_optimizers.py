@@ -407,7 +407,7 @@ def test_assign_slot_round_trip(rng):
     lin = rng.normal(size=(4, 3)).astype(np.float32)
     table.assign_slot("linears", lin, start_row=2)
     np.testing.assert_array_equal(table.slots()["linears"][2:6], lin)
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match=r"table 't' has no slot 'momenta'; its slots are \['accumulators', 'linears'\]"):
         table.assign_slot("momenta", lin)
     # An update continues from the assigned state.
     tref = ref.TableRef(table.to_numpy(), ropt, slots={k: np.array(v) for k, v in table.slots().items()})
