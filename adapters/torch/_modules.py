@@ -150,9 +150,21 @@ def _copyable(src, dst) -> bool:
     return True
 
 
+class _NoFusedOptimizer(AttributeError):
+    """A module without a fused optimizer has no ``fused_optimizer``
+    attribute (``hasattr`` is False, as for TorchRec's modules); the
+    module's ``__getattr__`` then raises the message."""
+
+
 class _AdapterModule(nn.Module):
     """What every adapter module offers: its tables for ``ec.save`` /
     ``ec.load`` / ``ec.Saver``, and the fused optimizers' state."""
+
+    def __getattr__(self, name: str):
+        if name == "fused_optimizer":  # the property raised _NoFusedOptimizer: say why
+            raise AttributeError(f"{type(self).__name__} has no fused_optimizer: none of its tables trains fused "
+                                 "(give it an embedcore optimizer, or use apply_optimizer_in_backward)")
+        return super().__getattr__(name)
 
     def _embedcore_tables(self) -> List[ec.Table]:
         return [m._table for m in self.modules() if isinstance(m, _TableModule)]
@@ -169,6 +181,8 @@ class _AdapterModule(nn.Module):
         fuse_pending(self)
         opt = self.__dict__.get("_fused_optimizer_cache")
         fused = [m for m in self.modules() if isinstance(m, _TableModule) and m.fused]
+        if not fused:
+            raise _NoFusedOptimizer
         if opt is None or [m for _, m in opt._entries] != fused:  # (a table fused since it was made)
             opt = FusedOptimizer(self)
             self.__dict__["_fused_optimizer_cache"] = opt
@@ -185,6 +199,10 @@ class _AdapterModule(nn.Module):
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         """Loads slots, step counts and learning rates saved by
         ``optimizer_state_dict()`` (copied into the engine's memory)."""
+        fuse_pending(self)
+        if not any(isinstance(m, _TableModule) and m.fused for m in self.modules()):
+            raise ValueError(f"{type(self).__name__} has no table trained fused (give it an embedcore optimizer): "
+                             "it takes no optimizer state")
         self.fused_optimizer.load_state_dict(state_dict)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -217,8 +235,12 @@ class _AdapterModule(nn.Module):
                 raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: {key} is a "
                                    f"{layout} tensor; a table's weight loads from a dense (torch.strided) one "
                                    f"(e.g. value.to_dense()). (No table was changed.)")
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(m.weight.shape):
-                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            if not isinstance(value, torch.Tensor):  # PyTorch's own words for it
+                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: While copying the "
+                                   f'parameter named "{key}", expected torch.Tensor or Tensor-like object from '
+                                   f"checkpoint but received {type(value)}. (No table was changed.)")
+            if tuple(value.shape) != tuple(m.weight.shape):
+                got = tuple(value.shape)
                 raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: size mismatch for "
                                    f"{key}: copying a param with shape {got} from checkpoint, the shape in current "
                                    f"model is {tuple(m.weight.shape)}. (No table was changed.)")

@@ -209,6 +209,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{key}: slot {name!r} is on the meta device (it holds no data)")
                 if not torch.isfinite(value).all():
                     raise ValueError(f"{key}: slot {name!r} holds NaN or infinite values")
+                if value.dtype != torch.float32:  # the slot's dtype: a wider value may not fit
+                    wide = value
+                    value = value.to(torch.float32)
+                    if not torch.isfinite(value).all():
+                        bad = int(torch.nonzero(~torch.isfinite(value.reshape(-1)))[0])
+                        raise ValueError(f"{key}: slot {name!r} holds {float(wide.reshape(-1)[bad])!r} at flat "
+                                         f"index {bad}, beyond float32's range (the slot's dtype)")
                 problem = slot_problem(m._table, slot, float(value.min())) if value.numel() else None
                 if problem is not None:
                     raise ValueError(f"{key}: slot {name!r} {problem}")

@@ -30,7 +30,7 @@ from embedcore.distributed._comm import agree
 
 from ._collection import (EmbeddingBagCollection, EmbeddingCollection, _csr, _embedding_names, _is_kjt,
                           _jagged_module, _kjt_parts, _sequence_ids, _specs, _uniform_of)
-from ._modules import _table_device, check_weights, refuse_float16_backward
+from ._modules import _NoFusedOptimizer, _table_device, check_weights, refuse_float16_backward
 from ._ops import _check_offsets
 
 __all__ = ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"]
@@ -105,10 +105,6 @@ class _ShardedLookup(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------ modules
-class _NoFusedOptimizer(AttributeError):
-    pass
-
-
 class _Sharded:
     """What both sharded collections share: one sharded ``ec.Embedding``."""
 

@@ -52,6 +52,10 @@ def test_load_from_torch_modules(rng, source, assign):
     assert np.array_equal(m.table.values(), ref.weight.detach().numpy())
     with pytest.raises(RuntimeError, match="size mismatch"):
         m.load_state_dict({"weight": torch.zeros(ROWS + 1, DIM)})
+    # Not a tensor: said so, in PyTorch's words (not as a size mismatch).
+    with pytest.raises(RuntimeError, match=r"expected torch.Tensor or Tensor-like object from checkpoint but received "
+                                           r"<class 'numpy.ndarray'>. \(No table was changed.\)"):
+        m.load_state_dict({"weight": np.zeros((ROWS, DIM), np.float32)})
 
 
 def test_conversions_that_would_detach_are_refused():
@@ -127,7 +131,7 @@ def test_optimizer_state_errors():
         m.load_optimizer_state_dict({"state": {"weight": {"accumulators": torch.zeros(3, DIM)}}})
     assert float(m.table.slots()["accumulators"].min()) == pytest.approx(0.1)  # nothing changed
     assert et.EmbeddingBag(ROWS, DIM).optimizer_state_dict() == {"state": {}, "param_groups": []}
-    with pytest.raises(ValueError):
+    with pytest.raises(AttributeError):  # hasattr() is False (below)
         et.EmbeddingBag(ROWS, DIM).fused_optimizer
 
 
@@ -220,6 +224,9 @@ def test_a_bad_learning_rate_loads_into_no_table(lr, exc, match):
     ({"state": {"weight": {3: torch.ones(ROWS, DIM)}}}, TypeError, "weight: a slot name must be a str"),
     ({"state": {"other.weight": {}}}, ValueError, "'other.weight', which is not a fused table"),
     ({"state": {"weight": {"momenta": torch.ones(ROWS, DIM)}}}, ValueError, "weight: table .* has no slot 'momenta'"),
+    ({"state": {"weight": {"accumulators": torch.full((ROWS, DIM), 0.5, dtype=torch.float64).index_fill_(
+        1, torch.tensor([1]), 1e39)}}}, ValueError,
+     r"weight: slot 'accumulators' holds 1e\+39 at flat index 1, beyond float32's range"),
     ({"param_groups": None}, TypeError, r'state_dict\["param_groups"\] must be a list'),
     ({"param_groups": [None]}, TypeError, r"param_groups\[0\] must be a dict"),
     ({"param_groups": [{"params": "weight", "lr": 1.0}]}, TypeError, r'param_groups\[0\]\["params"\] must be a list'),
@@ -655,3 +662,36 @@ def test_convert_state_dict_of_a_checkpoint_two_ranks_saved_sharded(tmp_path):
     (tmp_path / "plain").mkdir()
     with pytest.raises(ValueError, match="no torch.distributed.checkpoint"):
         et.convert_state_dict(tmp_path / "plain", tmp_path / "x")
+
+
+def test_a_module_without_fused_tables_has_no_fused_optimizer_attribute():
+    """As TorchRec's modules: hasattr() is False (it was a ValueError, which
+    broke hasattr, inspect.getmembers and torch.jit.trace's attribute scan),
+    and the AttributeError says why; loading optimizer state is refused."""
+    import inspect
+
+    weight = torch.randn(5, 2)
+    for m in (et.EmbeddingBag.from_pretrained(weight.clone(), mode="sum"), et.Embedding(5, 2),
+              et.EmbeddingBagCollection([et.EmbeddingBagConfig(5, 2, name="t", feature_names=["f"])])):
+        assert not hasattr(m, "fused_optimizer")
+        with pytest.raises(AttributeError, match="has no fused_optimizer: none of its tables trains fused"):
+            m.fused_optimizer
+        assert inspect.getmembers(m)
+        assert m.optimizer_state_dict() == {"state": {}, "param_groups": []}
+        with pytest.raises(ValueError, match="has no table trained fused .* it takes no optimizer state"):
+            m.load_optimizer_state_dict({"state": {}, "param_groups": []})
+    fused = et.Embedding(5, 2, optimizer=ec.optimizers.SGD(0.1))
+    assert hasattr(fused, "fused_optimizer")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = et.Embedding.from_pretrained(weight.clone())
+            self.lin = torch.nn.Linear(2, 1)
+
+        def forward(self, ids):
+            return self.lin(self.emb(ids))
+
+    model, ids = Model(), torch.tensor([1, 2, 3])
+    traced = torch.jit.trace(model, (ids,))
+    torch.testing.assert_close(traced(torch.tensor([4, 0])), model(torch.tensor([4, 0])))
