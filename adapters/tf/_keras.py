@@ -21,6 +21,8 @@ import numpy as np
 import tensorflow as tf
 
 import embedcore as ec
+from embedcore._inputs import make_batch
+from embedcore.table import apply_gradients_many
 
 from . import _export
 from ._lookup import Backward, lookup as _lookup, unpack_bwd
@@ -32,9 +34,11 @@ _TF = tf.tpu.experimental.embedding
 
 
 def apply_numpy(tables: Dict[str, ec.Table], parts_by_table: Dict[str, list]) -> None:
-    """One optimizer step per table. Each part is ``(Backward, dy)``; its bags
-    are concatenated into one batch, so that repeated ids (across features
-    too) are summed before the update."""
+    """One optimizer step per table, all or nothing (a step one table refuses
+    changes none). Each part is ``(Backward, dy)``; its bags are
+    concatenated into one batch, so that repeated ids (across features too)
+    are summed before the update."""
+    steps = []
     for name, parts in parts_by_table.items():
         table = tables[name]
         ids, offsets, weights, grads = [], [np.zeros(1, np.int64)], [], []
@@ -50,8 +54,12 @@ def apply_numpy(tables: Dict[str, ec.Table], parts_by_table: Dict[str, list]) ->
         all_ids = np.concatenate(ids) if len(ids) > 1 else ids[0]
         if all_ids.size == 0:
             continue
-        table.apply_gradients(np.ascontiguousarray(all_ids), np.concatenate(offsets), np.concatenate(grads),
-                              weights=np.concatenate(weights) if any_w else None, combiner=table.combiner)
+        batch = make_batch(np.ascontiguousarray(all_ids), np.concatenate(offsets),
+                           np.concatenate(weights) if any_w else None)
+        where = f"the gradient of table '{name}'"
+        steps.append((table, [table._gradient_part(batch, table.combiner, 0, np.concatenate(grads), where)], [where]))
+    if steps:
+        apply_gradients_many(steps)
 
 
 class Embedding(keras.layers.Layer):
@@ -116,13 +124,18 @@ class Embedding(keras.layers.Layer):
         optimizer and initializer (as JSON), so that ``from_config`` builds
         a layer that trains as this one does. An optimizer whose learning
         rate is a schedule (a callable), or an initializer that is neither
-        embedcore's nor a Keras one, cannot be written: ValueError."""
+        embedcore's nor a Keras one, cannot be written: ValueError. Nor can
+        a ``feature_config=`` layer's (ValueError), rather than a config
+        that ``from_config`` could not build."""
         config = super().get_config()
-        if self._config_args["input_dim"] is not None:
-            args = dict(self._config_args)
-            args["optimizer"] = _optimizer_config(self.name, args["optimizer"])
-            args["initializer"] = _initializer_config(self.name, args["initializer"])
-            config.update(args)
+        if self._config_args["input_dim"] is None:
+            raise ValueError(f"Embedding layer {self.name!r}: a layer made with feature_config= has no Keras config "
+                             "(model.save, clone_model): build it in code, and keep its tables with "
+                             "tf.train.Checkpoint or embedcore.save")
+        args = dict(self._config_args)
+        args["optimizer"] = _optimizer_config(self.name, args["optimizer"])
+        args["initializer"] = _initializer_config(self.name, args["initializer"])
+        config.update(args)
         return config
 
     @classmethod

@@ -8,7 +8,7 @@ from . import _device, _embedcore, _nest
 from . import optimizers as _opt
 from ._inputs import Batch, Ragged, Sparse, in_callers_terms, make_batch
 from .config import FeatureConfig, TableConfig
-from .table import Table
+from .table import Table, apply_gradients_many
 
 __all__ = ["Embedding"]
 
@@ -190,13 +190,5 @@ class Embedding(FeatureLookup):
             part = table._gradient_part(b, self._combiner(f), f.max_sequence_length, g, where=f"grads[{name!r}]")
             parts.setdefault(f.table, []).append(part)
             names.setdefault(f.table, []).append(f"grads[{name!r}]")
-        # Every check above, what each native step would refuse (gradients that view a table this step
-        # updates, in any of the parts), and each learning rate, before any table changes.
-        every = [p for table_parts in parts.values() for p in table_parts]
-        every_name = [n for table_names in names.values() for n in table_names]
-        for cfg in parts:
-            self._tables[cfg]._check_step(every, every_name)
-        rates = {cfg: self._tables[cfg].learning_rate() for cfg in parts}
-        # One native call: every table's step checked before any runs, and no interrupt between two tables.
-        _embedcore.apply_gradients_many([(self._tables[cfg]._native, table_parts, rates[cfg])
-                                         for cfg, table_parts in parts.items()])
+        # Every check above, then every table's (apply_gradients_many), before any table changes.
+        apply_gradients_many([(self._tables[cfg], table_parts, names[cfg]) for cfg, table_parts in parts.items()])

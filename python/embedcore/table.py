@@ -557,6 +557,22 @@ class Table(LookupMixin):
 _MAX_STEP = 2**62  # the last step a checkpoint records (docs/format.md)
 
 
+def apply_gradients_many(steps) -> None:
+    """One optimizer step of several host tables, all or nothing. `steps`:
+    ``(table, parts, names)`` per table (its native gradient parts, from
+    ``Table._gradient_part``, and what to call each in an error). Every
+    check, on every table (the last step a checkpoint records, gradients
+    that view a table this step updates, each learning rate), comes before
+    any table changes; then one native call (every table's step checked
+    before any runs, and no interrupt between two tables)."""
+    every = [p for _, parts, _ in steps for p in parts]
+    every_name = [n for _, _, names in steps for n in names]
+    for table, _, _ in steps:
+        table._check_step(every, every_name)
+    rates = [table.learning_rate() for table, _, _ in steps]
+    _embedcore.apply_gradients_many([(table._native, parts, rate) for (table, parts, _), rate in zip(steps, rates)])
+
+
 def _check_max_sequence_length(value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"max_sequence_length must be an int, got {value!r}")

@@ -157,6 +157,38 @@ def test_gradient_tape_eager_and_traced(rng):
     np.testing.assert_array_equal(engine.values(), before)
 
 
+def test_a_step_one_table_refuses_changes_no_table():
+    """Table "b"'s FTRL refuses its learning rate of 0 (the update divides by
+    it): the step raises, eagerly and in a graph, and table "a", whose SGD
+    step would have run first, is unchanged too."""
+    rate = tf.Variable(0.1)
+    config = {"a": E.FeatureConfig(E.TableConfig(4, 2, name="a", initializer=tf.constant_initializer(1.0),
+                                                 optimizer=E.SGD(0.5))),
+              "b": E.FeatureConfig(E.TableConfig(4, 2, name="b", initializer=tf.constant_initializer(1.0),
+                                                 optimizer=E.FTRL(learning_rate=lambda: rate)))}
+    layer = Embedding(feature_config=config)
+    layer.build()
+    x = {"a": tf.constant([[1]], tf.int64), "b": tf.constant([[2]], tf.int64)}
+
+    def step():
+        with tf.GradientTape() as tape:
+            out = layer(x, training=True)
+            loss = tf.reduce_sum(out["a"]) + tf.reduce_sum(out["b"])
+        return tape.gradient(loss, layer.trainable_weights)
+
+    tables = {t.name: t for t in layer._embedcore_tables()}
+    for run in (step, tf.function(step)):
+        rate.assign(0.1)
+        run()  # a step both tables take
+        rate.assign(0.0)
+        before = {name: (t.to_numpy(), t.step) for name, t in tables.items()}
+        with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="FTRL: learning rate 0.0"):
+            run()
+        for name, t in tables.items():
+            np.testing.assert_array_equal(t.to_numpy(), before[name][0])
+            assert t.step == before[name][1], name
+
+
 def test_training_under_loss_scaling_is_refused(rng):
     # mixed_float16 makes compile() wrap the Keras optimizer in a LossScaleOptimizer, whose loss scale would
     # reach the engine's update (applied in the backward pass) unscaled: training is refused, naming the
@@ -301,6 +333,13 @@ def test_config_of_unserializable_optimizer_or_initializer_is_refused():
     layer = Embedding(10, 4, optimizer=ec.optimizers.SGD(0.1), table_name="t",
                       initializer=lambda shape, dtype=None: tf.zeros(shape, dtype))
     with pytest.raises(ValueError, match="initializer"):
+        layer.get_config()
+    # A feature_config= layer: refused, not written as a config from_config cannot build (was: saved, then
+    # load_model failed with "give input_dim and output_dim, or feature_config=").
+    table = E.TableConfig(vocabulary_size=5, dim=2, name="t2")
+    layer = Embedding(feature_config={"f": E.FeatureConfig(table)}, name="featured")
+    with pytest.raises(ValueError, match="Embedding layer 'featured': a layer made with feature_config= has no "
+                                         "Keras config"):
         layer.get_config()
     config = Embedding(10, 4, optimizer=ec.optimizers.SGD(0.1), table_name="t").get_config()
     with pytest.raises(ValueError, match="NoSuchOptimizer"):
