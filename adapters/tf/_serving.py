@@ -124,7 +124,8 @@ class TableHandle:
 
 # As for a tf.Variable: the handle converts to a tensor of its values (a copy; tf.convert_to_tensor, ops taking
 # it), and TensorFlow's operators (table + 1.0, table[3], table @ w) apply to that tensor. == and != keep
-# their identity meaning (handles are dict keys), as TensorFlow's own do outside tf.function.
+# Python's identity meaning, and handles hash (each table has one handle: dict keys work), where TensorFlow's
+# variables compare elementwise and are unhashable (use .ref() there).
 tf.register_tensor_conversion_function(
     TableHandle, lambda v, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(v.read_value(), dtype=dtype, name=name))
 
@@ -197,7 +198,7 @@ class EmbeddingForServing(_AutoTrackable):
     def embedding_tables(self) -> Dict[Any, TableHandle]:
         """Each TableConfig of the feature config, mapped to its table."""
         self._maybe_build()
-        return {s.config: TableHandle(self._tables[s.name], owner=self) for s in self._specs}
+        return {s.config: self._handle(s.name, None) for s in self._specs}
 
     @property
     def variables(self) -> Dict[str, Dict[str, TableHandle]]:
@@ -206,10 +207,20 @@ class EmbeddingForServing(_AutoTrackable):
         out = {}
         for s in self._specs:
             t = self._tables[s.name]
-            d = {slot: TableHandle(t, slot, owner=self) for slot in t.slot_names}
-            d["parameters"] = TableHandle(t, owner=self)
+            d = {slot: self._handle(s.name, slot) for slot in t.slot_names}
+            d["parameters"] = self._handle(s.name, None)
             out[s.name] = d
         return out
+
+    def _handle(self, name: str, slot: Optional[str]) -> TableHandle:
+        """The one handle of a table (or of one of its slots): every access
+        returns the same object, so that handles compare and hash as the
+        same table."""
+        handles = self.__dict__.setdefault("_handles", {})
+        h = handles.get((name, slot))
+        if h is None or h.table is not self._tables[name]:
+            h = handles[(name, slot)] = TableHandle(self._tables[name], slot, owner=self)
+        return h
 
     def _embedcore_tables(self) -> List[ec.Table]:
         self._maybe_build()

@@ -227,6 +227,13 @@ def test_table_names_and_configs(rng):
     assert set(ours.embedding_tables) == set(ours_tables)
     assert sorted(ours.variables["table_0"]) == ["accumulators", "parameters"]
     assert ours.embedding_tables[ours_tables[0]].shape == (10, 2)
+    # One handle per table (and slot): every access gives the same object, so handles compare and key dicts.
+    handle = ours.embedding_tables[ours_tables[0]]
+    name = ours_tables[0].name
+    assert ours.embedding_tables[ours_tables[0]] is handle and ours.variables[name]["parameters"] is handle
+    assert ours.variables[name]["accumulators"] is ours.variables[name]["accumulators"]
+    assert handle == ours.embedding_tables[ours_tables[0]] and handle != ours.embedding_tables[ours_tables[1]]
+    assert {handle: 1}[ours.variables[name]["parameters"]] == 1
     with pytest.raises(ValueError, match="unique"):
         t = E.TableConfig(vocabulary_size=3, dim=2, name="x")
         EmbeddingForServing([E.FeatureConfig(t), E.FeatureConfig(E.TableConfig(vocabulary_size=3, dim=2, name="x"))])
