@@ -34,7 +34,7 @@ void BindCheckpoint(nb::module_& m) {
         options.include_optimizer = include_optimizer;
         if (values_dtype) {
           options.cast_values = true;
-          options.values_dtype = ParseDType(*values_dtype, "values_dtype");
+          options.values_dtype = ParseValuesDType(*values_dtype, "values_dtype");
         }
         options.metadata_json = metadata_json;
         ReleaseGil release;
@@ -72,7 +72,7 @@ void BindCheckpoint(nb::module_& m) {
         options.include_optimizer = include_optimizer;
         if (values_dtype) {
           options.cast_values = true;
-          options.values_dtype = ParseDType(*values_dtype, "values_dtype");
+          options.values_dtype = ParseValuesDType(*values_dtype, "values_dtype");
         }
         ReleaseGil release;
         return TableEntryJson(WriteShardFiles(path, generation, prefix, shard_index, shard, row_start, col_start, options));
@@ -263,10 +263,28 @@ void BindCheckpoint(nb::module_& m) {
           "table"_a, "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(), "combiner"_a,
           "max_sequence_length"_a, "out"_a.noconvert())
       .def(
+          "dequantized_values",
+          [](MappedCheckpoint& c, size_t table) {
+            if (table >= c.num_tables()) throw OutOfRange("no table " + std::to_string(table));
+            const TableEntry& t = c.info().tables[table];
+            const size_t shape[2] = {size_t(t.rows), size_t(t.dim)};
+            auto [data, owner] = NewResult<float>(shape[0] * shape[1]);
+            {
+              ReleaseGil release;  // may checksum the whole file
+              c.ReadValues(table, data);
+            }
+            return NumpyFloat(data, 2, shape, owner);
+          },
+          "table"_a,
+          "A new float32 [rows, dim] array of the values, converted from their stored dtype (uint8_rowwise: "
+          "dequantized), every block checksummed first (unless opened unverified).")
+      .def(
           "values",
           [](MappedCheckpoint& c, size_t table) {
             if (table >= c.num_tables()) throw OutOfRange("no table " + std::to_string(table));
             const TableEntry& t = c.info().tables[table];
+            if (t.values[0].dtype == DType::kUInt8Rowwise)
+              throw InvalidArgument("table '" + t.name + "' is stored as uint8_rowwise: use dequantized_values");
             const size_t shape[2] = {size_t(t.rows), size_t(t.dim)};
             const void* values;
             {

@@ -14,6 +14,7 @@
 #include "embedcore/embedcore.h"
 #include "ops/combiners.h"
 #include "ops/optimizers.h"
+#include "rowwise8.h"
 
 namespace embedcore::kernels {
 
@@ -151,9 +152,20 @@ struct DTypeKernels {
   UpdateFn<ops::AdamRule> Update(const ops::AdamRule&) const { return adam; }
   UpdateFn<ops::FtrlRule> Update(const ops::FtrlRule&) const { return ftrl; }
 };
+/// The lookup kernels of uint8_rowwise rows (a served checkpoint's values:
+/// dim codes, then a float32 scale and bias; see rowwise8.h), dequantized
+/// inside the gather: a pooled bag's column is sum_k (w_k * s_k) * q_k, from
+/// zero in id order, plus sum_k w_k * b_k (from zero, in id order); a row on
+/// its own (sequences) is (w * s) * q + w * b. Indexed [id type].
+struct Rowwise8Kernels {
+  BagsFn pooled[2];
+  BagsFn padded[2];
+  RowsFn rows[2];
+};
 struct KernelSet {
   const char* name;
-  DTypeKernels dtype[3];  ///< indexed by DType
+  DTypeKernels dtype[3];  ///< indexed by DType (the table dtypes)
+  Rowwise8Kernels rowwise8;
 };
 
 const KernelSet& GenericKernels();

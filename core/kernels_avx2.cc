@@ -33,6 +33,9 @@ struct Avx2 {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
+  static Reg LoadU8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static void Store(float* p, Reg v) { _mm256_storeu_ps(p, v); }
   static void Store(ops::F16* p, Reg v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
@@ -68,6 +71,7 @@ KernelSet Make() {
   s.dtype[int(DType::kFloat32)] = MakeDTypeKernels<Avx2Rows<float>, float>();
   s.dtype[int(DType::kFloat16)] = MakeDTypeKernels<Avx2Rows<ops::F16>, ops::F16>();
   s.dtype[int(DType::kBFloat16)] = MakeDTypeKernels<Avx2Rows<ops::BF16>, ops::BF16>();
+  s.rowwise8 = MakeRowwise8Kernels<Avx2Rows<float>>();
   return s;
 }
 

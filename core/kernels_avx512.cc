@@ -36,6 +36,9 @@ struct Avx512 {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
+  static Reg LoadU8(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
   static void Store(float* p, Reg v) { _mm512_storeu_ps(p, v); }
   static void Store(ops::F16* p, Reg v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
@@ -68,6 +71,7 @@ KernelSet Make() {
   s.dtype[int(DType::kFloat32)] = MakeDTypeKernels<Avx512Rows<float>, float>();
   s.dtype[int(DType::kFloat16)] = MakeDTypeKernels<Avx512Rows<ops::F16>, ops::F16>();
   s.dtype[int(DType::kBFloat16)] = MakeDTypeKernels<Avx512Rows<ops::BF16>, ops::BF16>();
+  s.rowwise8 = MakeRowwise8Kernels<Avx512Rows<float>>();
   return s;
 }
 

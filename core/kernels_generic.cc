@@ -46,6 +46,24 @@ struct ScalarRows {
   static void SubScaled(float* w, const float* g, float c, float lr, int64_t dim) {
     for (int64_t d = 0; d < dim; ++d) w[d] = ops::SgdInOrderElement(w[d], lr, c, g[d]);
   }
+  // uint8_rowwise rows: as SimdRows::PoolQ8 and ScaleQ8, the same operations.
+  template <int NV, typename I>
+  static void PoolQ8(float* out, const uint8_t* table, int64_t rows, int64_t dim, int64_t c0, const I* ids,
+                     int64_t k0, int64_t k1, const float* weights, int64_t pf_end) {
+    constexpr int64_t kCols = int64_t(NV) * kLanes;
+    const int64_t rb = dim + rowwise8::kExtraBytes;
+    float acc[kCols] = {};
+    for (int64_t k = k0; k < k1; ++k) {
+      if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
+      const uint8_t* row = table + SafeRow(ids[k], rows) * rb;
+      const float a = (weights ? weights[k] : 1.0f) * rowwise8::Scale(row, dim);
+      for (int64_t d = 0; d < kCols; ++d) acc[d] += a * float(row[c0 + d]);
+    }
+    for (int64_t d = 0; d < kCols; ++d) out[d] = acc[d];
+  }
+  static void ScaleQ8(float* out, const uint8_t* q, float a, float c, int64_t dim) {
+    for (int64_t d = 0; d < dim; ++d) out[d] = a * float(q[d]) + c;
+  }
   static void Load(const T* row, float* dst, int64_t dim) {
     for (int64_t d = 0; d < dim; ++d) dst[d] = ops::ToFloat(row[d]);
   }
@@ -62,6 +80,7 @@ KernelSet Make() {
   s.dtype[int(DType::kFloat32)] = MakeDTypeKernels<ScalarRows<float>, float>();
   s.dtype[int(DType::kFloat16)] = MakeDTypeKernels<ScalarRows<ops::F16>, ops::F16>();
   s.dtype[int(DType::kBFloat16)] = MakeDTypeKernels<ScalarRows<ops::BF16>, ops::BF16>();
+  s.rowwise8 = MakeRowwise8Kernels<ScalarRows<float>>();
   return s;
 }
 

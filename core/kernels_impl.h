@@ -375,6 +375,113 @@ void SgdInOrder(const InOrderArgs& a, int64_t r0, int64_t r1) {
   }
 }
 
+// ---------------------------------------------------------------- uint8_rowwise rows
+// A served checkpoint's 8-bit rows (rowwise8.h), dequantized inside the
+// gather (Rowwise8Kernels): a pooled column is acc = 0 + a_0 q_0 + a_1 q_1 +
+// ... with a_k = w_k * s_k, in id order, then acc + B with B = 0 + w_0 b_0 +
+// w_1 b_1 + ...; a single row is a q + w b. The column blocks are PoolBag's;
+// every column sees the same operations in the same order in every kernel set.
+
+template <typename R, int NV, typename I>
+inline void PoolQ8SmallerBlocks(const LookupArgs& a, const uint8_t* table, const I* ids, int64_t k0, int64_t k1,
+                                float* acc, int64_t& c0, int64_t& pf_end) {
+  if constexpr (NV >= 1) {
+    if (a.dim - c0 >= int64_t(NV) * R::kLanes) {
+      R::template PoolQ8<NV>(acc + c0, table, a.rows, a.dim, c0, ids, k0, k1, a.weights, pf_end);
+      c0 += int64_t(NV) * R::kLanes;
+      pf_end = 0;
+    }
+    PoolQ8SmallerBlocks<R, NV / 2, I>(a, table, ids, k0, k1, acc, c0, pf_end);
+  }
+}
+
+template <typename R, typename I>
+void PooledBagsQ8(const LookupArgs& a, int64_t b0, int64_t b1) {
+  const uint8_t* table = static_cast<const uint8_t*>(a.table);
+  const I* ids = static_cast<const I*>(a.ids);
+  const int64_t dim = a.dim, rb = dim + rowwise8::kExtraBytes;
+  const int64_t k_end = a.offsets[b1];
+  const int64_t stride = a.out_stride > 0 ? a.out_stride : dim;
+  constexpr int64_t kBlock = int64_t(R::kVectors) * R::kLanes;
+  for (int64_t k = a.offsets[b0]; k < a.offsets[b0] + kPrefetchDistance && k < k_end; ++k)
+    PrefetchRow(table + int64_t(ids[k]) * rb, rb);
+  for (int64_t b = b0; b < b1; ++b) {
+    float* acc = a.out + b * stride;
+    const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
+    int64_t c0 = 0, pf_end = k_end;
+    for (; c0 + kBlock <= dim; c0 += kBlock, pf_end = 0)
+      R::template PoolQ8<R::kVectors>(acc + c0, table, a.rows, dim, c0, ids, k0, k1, a.weights, pf_end);
+    PoolQ8SmallerBlocks<R, R::kVectors / 2, I>(a, table, ids, k0, k1, acc, c0, pf_end);
+    if (c0 < dim) {  // the columns past the last vector
+      for (int64_t d = c0; d < dim; ++d) acc[d] = 0.0f;
+      for (int64_t k = k0; k < k1; ++k) {
+        if (k + kPrefetchDistance < pf_end) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
+        const uint8_t* row = table + SafeRow(ids[k], a.rows) * rb;
+        const float w = (a.weights ? a.weights[k] : 1.0f) * rowwise8::Scale(row, dim);
+        for (int64_t d = c0; d < dim; ++d) acc[d] = acc[d] + w * float(row[d]);
+      }
+    }
+    float bias = 0.0f;  // the rows are in cache
+    for (int64_t k = k0; k < k1; ++k) {
+      const uint8_t* row = table + SafeRow(ids[k], a.rows) * rb;
+      bias = bias + (a.weights ? a.weights[k] : 1.0f) * rowwise8::Bias(row, dim);
+    }
+    for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] + bias;
+    FinishPooledBag(a, k0, k1, acc);
+  }
+}
+
+// out = (w s) q + w b for one row.
+template <typename R>
+[[gnu::always_inline]] inline void ScaleRowQ8(float* out, const uint8_t* row, float w, int64_t dim) {
+  R::ScaleQ8(out, row, w * rowwise8::Scale(row, dim), w * rowwise8::Bias(row, dim), dim);
+}
+
+template <typename R, typename I>
+void PaddedBagsQ8(const LookupArgs& a, int64_t b0, int64_t b1) {
+  const uint8_t* table = static_cast<const uint8_t*>(a.table);
+  const I* ids = static_cast<const I*>(a.ids);
+  const int64_t dim = a.dim, len = a.max_sequence_length, rb = dim + rowwise8::kExtraBytes;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t begin = a.offsets[b];
+    const int64_t n = a.offsets[b + 1] - begin < len ? a.offsets[b + 1] - begin : len;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t k = begin + j;
+      if (j + kPrefetchDistance < n) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
+      ScaleRowQ8<R>(a.out + (b * len + j) * dim, table + SafeRow(ids[k], a.rows) * rb,
+                    a.weights ? a.weights[k] : 1.0f, dim);
+    }
+    for (int64_t j = n; j < len; ++j) {
+      float* o = a.out + (b * len + j) * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] = 0.0f;
+    }
+  }
+}
+
+template <typename R, typename I>
+void FlatRowsQ8(const LookupArgs& a, int64_t k0, int64_t k1) {
+  const uint8_t* table = static_cast<const uint8_t*>(a.table);
+  const I* ids = static_cast<const I*>(a.ids);
+  const int64_t dim = a.dim, rb = dim + rowwise8::kExtraBytes;
+  for (int64_t k = k0; k < k1 && k < k0 + kPrefetchDistance; ++k) PrefetchRow(table + int64_t(ids[k]) * rb, rb);
+  for (int64_t k = k0; k < k1; ++k) {
+    if (k + kPrefetchDistance < k1) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
+    ScaleRowQ8<R>(a.out + k * dim, table + SafeRow(ids[k], a.rows) * rb, a.weights ? a.weights[k] : 1.0f, dim);
+  }
+}
+
+template <typename R>
+Rowwise8Kernels MakeRowwise8Kernels() {
+  Rowwise8Kernels k;
+  k.pooled[0] = &PooledBagsQ8<R, int32_t>;
+  k.pooled[1] = &PooledBagsQ8<R, int64_t>;
+  k.padded[0] = &PaddedBagsQ8<R, int32_t>;
+  k.padded[1] = &PaddedBagsQ8<R, int64_t>;
+  k.rows[0] = &FlatRowsQ8<R, int32_t>;
+  k.rows[1] = &FlatRowsQ8<R, int64_t>;
+  return k;
+}
+
 template <typename R, typename T>
 void LoadRow(const void* row, float* dst, int64_t dim) {
   R::Load(static_cast<const T*>(row), dst, dim);

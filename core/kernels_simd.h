@@ -5,6 +5,7 @@
 //   LoadF(const float*), StoreF(float*, r)
 //   Load(const T*), Store(T*, r) for T in float, F16, BF16: kLanes stored
 //       elements as floats, and back (round to nearest, ties to even)
+//   LoadU8(const uint8_t*): kLanes bytes as floats (uint8_rowwise codes)
 // Included by kernels_avx2.cc and kernels_avx512.cc after their target
 // pragma, inside an anonymous namespace, so each ISA gets its own code.
 
@@ -90,6 +91,33 @@ struct SimdRows {
     for (; d + kLanes <= dim; d += kLanes)
       V::StoreF(w + d, V::Sub(V::LoadF(w + d), V::Mul(lrv, V::Mul(cv, V::LoadF(g + d)))));
     for (; d < dim; ++d) w[d] = ops::SgdInOrderElement(w[d], lr, c, g[d]);
+  }
+  // uint8_rowwise rows (rows of dim + 8 bytes; see Rowwise8Kernels): for the
+  // NV * kLanes columns from c0, out[c] = sum over k of (w_k * s_k) * q_k[c0 + c].
+  template <int NV, typename I>
+  static void PoolQ8(float* out, const uint8_t* table, int64_t rows, int64_t dim, int64_t c0, const I* ids,
+                     int64_t k0, int64_t k1, const float* weights, int64_t pf_end) {
+    const int64_t rb = dim + rowwise8::kExtraBytes;
+    Reg s[NV];
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) s[j] = V::Zero();
+    for (int64_t k = k0; k < k1; ++k) {
+      if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
+      const uint8_t* row = table + SafeRow(ids[k], rows) * rb;
+      const Reg a = V::Set1((weights ? weights[k] : 1.0f) * rowwise8::Scale(row, dim));
+      row += c0;
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) s[j] = V::Add(s[j], V::Mul(a, V::LoadU8(row + kLanes * j)));
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) V::StoreF(out + kLanes * j, s[j]);
+  }
+  // out[d] = a * q[d] + c
+  static void ScaleQ8(float* out, const uint8_t* q, float a, float c, int64_t dim) {
+    const Reg av = V::Set1(a), cv = V::Set1(c);
+    int64_t d = 0;
+    for (; d + kLanes <= dim; d += kLanes) V::StoreF(out + d, V::Add(V::Mul(av, V::LoadU8(q + d)), cv));
+    for (; d < dim; ++d) out[d] = a * float(q[d]) + c;
   }
   static void Load(const T* row, float* dst, int64_t dim) {
     int64_t d = 0;

@@ -26,7 +26,20 @@
 namespace embedcore {
 
 // ---------------------------------------------------------------- small helpers
-size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kUInt8Rowwise:
+      return 1;
+    default:
+      return 2;
+  }
+}
+
+uint64_t RowBytes(DType dtype, int64_t cols) {
+  return dtype == DType::kUInt8Rowwise ? uint64_t(cols) + 8 : uint64_t(cols) * DTypeSize(dtype);
+}
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
@@ -36,6 +49,8 @@ const char* DTypeName(DType dtype) {
       return "float16";
     case DType::kBFloat16:
       return "bfloat16";
+    case DType::kUInt8Rowwise:
+      return "uint8_rowwise";
   }
   return "?";
 }
@@ -44,7 +59,17 @@ DType ParseDType(const std::string& name, const char* where) {
   if (name == "float32") return DType::kFloat32;
   if (name == "float16") return DType::kFloat16;
   if (name == "bfloat16") return DType::kBFloat16;
-  throw InvalidArgument(std::string(where) + " must be 'float32', 'float16' or 'bfloat16', got '" + name + "'");
+  throw InvalidArgument(std::string(where) + " must be 'float32', 'float16' or 'bfloat16', got '" + name + "'" +
+                        (name == "uint8_rowwise" ? " (uint8_rowwise is an export format of checkpoints, "
+                                                   "save(..., values_dtype='uint8_rowwise'), not a table dtype)"
+                                                 : ""));
+}
+
+DType ParseValuesDType(const std::string& name, const char* where) {
+  if (name == "uint8_rowwise") return DType::kUInt8Rowwise;
+  if (name == "float32" || name == "float16" || name == "bfloat16") return ParseDType(name, where);
+  throw InvalidArgument(std::string(where) + " must be 'float32', 'float16', 'bfloat16' or 'uint8_rowwise', got '" +
+                        name + "'");
 }
 
 const char* CombinerName(Combiner c) {
@@ -261,6 +286,9 @@ void CheckOptimizerFits(const TableSpec& spec, const OptimizerSpec& o) {
 Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDeleter{0, -1}) {
   if (spec_.rows < 1) throw InvalidArgument("table '" + spec_.name + "': rows must be >= 1, got " + std::to_string(spec_.rows));
   if (spec_.dim < 1) throw InvalidArgument("table '" + spec_.name + "': dim must be >= 1, got " + std::to_string(spec_.dim));
+  if (!IsTableDType(spec_.dtype))
+    throw InvalidArgument("table '" + spec_.name + "': dtype " + DTypeName(spec_.dtype) +
+                          " is an export format of checkpoints, not a table dtype (float32, float16 or bfloat16)");
   spec_.optimizer.Validate();
   const size_t bytes = internal::CheckedBytes(spec_.rows, spec_.dim, DTypeSize(spec_.dtype), "table '" + spec_.name + "'");
   internal::CheckedBytes(spec_.rows, spec_.optimizer.SlotDim(spec_.dim), sizeof(float),
@@ -638,14 +666,22 @@ void RunLookup(const void* values, DType dtype, int64_t rows, int64_t dim, const
   a.max_sequence_length = shape.max_sequence_length;
   a.out = out;
   a.out_stride = shape.out_stride;
-  const auto& k = kernels::ActiveKernels().dtype[int(dtype)];
   const int it = batch.id_type == IdType::kInt32 ? 0 : 1;
+  kernels::RowsFn rows_fn;
+  kernels::BagsFn padded_fn, pooled_fn;
+  if (dtype == DType::kUInt8Rowwise) {  // a served checkpoint's 8-bit rows
+    const auto& k = kernels::ActiveKernels().rowwise8;
+    rows_fn = k.rows[it], padded_fn = k.padded[it], pooled_fn = k.pooled[it];
+  } else {
+    const auto& k = kernels::ActiveKernels().dtype[int(dtype)];
+    rows_fn = k.rows[it], padded_fn = k.padded[it], pooled_fn = k.pooled[it];
+  }
   if (shape.combiner == Combiner::kNone && shape.max_sequence_length == 0) {
-    auto fn = k.rows[it];
+    auto fn = rows_fn;
     ParallelFor(batch.nnz, 2048, [&](int64_t k0, int64_t k1) { fn(a, k0, k1); });
     return;
   }
-  auto fn = shape.combiner == Combiner::kNone ? k.padded[it] : k.pooled[it];
+  auto fn = shape.combiner == Combiner::kNone ? padded_fn : pooled_fn;
   // Chunks of about 2048 ids keep the per-chunk overhead small.
   const int64_t per_bag = batch.num_bags > 0 ? std::max<int64_t>(1, batch.nnz / batch.num_bags) : 1;
   ParallelFor(batch.num_bags, std::max<int64_t>(1, 2048 / per_bag), [&](int64_t b0, int64_t b1) { fn(a, b0, b1); });

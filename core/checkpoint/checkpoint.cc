@@ -22,6 +22,7 @@
 #include "cuda/cuda_impl.h"
 #include "internal.h"
 #include "kernels.h"
+#include "rowwise8.h"
 #include "thread_pool.h"
 
 namespace embedcore {
@@ -170,6 +171,64 @@ std::vector<std::string> ListDirectory(const std::string& dir) {
   return names;
 }
 
+// The payload of a uint8_rowwise data file (rowwise8.h): `rows` rows of
+// `cols` values of `src_dtype` at `base` (device memory of `src_device` when
+// >= 0), quantized and written a chunk of kChunkBytes at a time, each chunk
+// from the rows that cover its bytes (a row across a chunk's end is
+// quantized for both: the same bytes); checksums into f->crc32c. A row that
+// cannot be quantized (a value not finite, a range beyond float32) fails
+// the save, naming it.
+void WriteRowwise8Payload(File& file, FileEntry* f, const std::string& label, const char* base, DType src_dtype,
+                          int64_t row0, int64_t rows, int64_t cols, int src_device) {
+  const uint64_t payload = checkpoint::PayloadBytes(*f);
+  const uint64_t rb = RowBytes(DType::kUInt8Rowwise, cols);
+  const size_t src_row = size_t(cols) * DTypeSize(src_dtype);
+  const uint64_t most_rows = kChunkBytes / rb + 2;  // rows that cover one chunk's bytes
+  std::vector<char> buf(size_t(most_rows * rb)), stage;
+  if (src_device >= 0) stage.resize(size_t(most_rows) * src_row);
+  const auto& load = kernels::ActiveKernels().dtype[int(src_dtype)].load;
+  for (uint64_t off = 0; off < payload; off += kChunkBytes) {
+    const size_t n = size_t(std::min<uint64_t>(kChunkBytes, payload - off));
+    const int64_t ra = int64_t(off / rb), rz = std::min<int64_t>(rows, int64_t((off + n + rb - 1) / rb));
+    const char* src = base + size_t(ra) * src_row;
+    if (src_device >= 0) {
+      cuda_impl::CopyToHost(stage.data(), src, size_t(rz - ra) * src_row, src_device);
+      src = stage.data();
+    }
+    ParallelFor(rz - ra, std::max<int64_t>(1, 16384 / cols), [&](int64_t a, int64_t b) {
+      std::vector<float> tmp(static_cast<size_t>(cols));
+      for (int64_t i = a; i < b; ++i) {
+        const float* row = reinterpret_cast<const float*>(src + size_t(i) * src_row);
+        if (src_dtype != DType::kFloat32) {
+          load(src + size_t(i) * src_row, tmp.data(), cols);
+          row = tmp.data();
+        }
+        int64_t col = -1;
+        if (const char* problem = rowwise8::RowProblem(row, cols, &col)) {
+          const std::string r = std::to_string(row0 + ra + i);
+          if (col >= 0)
+            throw InvalidArgument("save: " + label + " hold " + FormatFloat(row[col]) + " at row " + r + ", column " +
+                                  std::to_string(col) + ": a uint8_rowwise export takes finite values only");
+          throw InvalidArgument("save: " + label + " row " + r + " " + problem +
+                                ", which uint8_rowwise cannot hold (its scale would not be finite); export as "
+                                "float32");
+        }
+        rowwise8::QuantizeRow8(row, cols, reinterpret_cast<uint8_t*>(buf.data()) + size_t(i) * rb);
+      }
+    });
+    const char* chunk = buf.data() + (off - uint64_t(ra) * rb);
+    const uint64_t b0 = off / kBlockBytes;
+    ParallelFor(int64_t((n + kBlockBytes - 1) / kBlockBytes), 1, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) {
+        const size_t start = size_t(i) * kBlockBytes, len = std::min<size_t>(kBlockBytes, n - start);
+        file.WriteAt(chunk + start, len, kDataOffset + off + start);
+        f->crc32c[b0 + uint64_t(i)] = checkpoint::Crc32c(chunk + start, len);
+      }
+    });
+    ::sync_file_range(file.fd(), off_t(kDataOffset + off), off_t(n), SYNC_FILE_RANGE_WRITE);  // a hint
+  }
+}
+
 // Writes rows [row0, row0 + rows) of a [*, cols] array of `src_dtype` at `src`
 // as a data file of `dst_dtype`; returns its manifest entry. The file is
 // written but not yet fsynced (SaveCheckpoint syncs every file at the end).
@@ -216,6 +275,11 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const s
 
   const size_t src_es = DTypeSize(src_dtype), dst_es = DTypeSize(dst_dtype);
   const char* base = static_cast<const char*>(src) + size_t(row0) * size_t(cols) * src_es;
+  if (dst_dtype == DType::kUInt8Rowwise) {
+    WriteRowwise8Payload(file, &f, label, base, src_dtype, row0, rows, cols, src_device);
+    file.Close();
+    return f;
+  }
   const bool cast = src_dtype != dst_dtype;
   const bool staged = src_device >= 0;  // a device table: each chunk is copied to the host first
   std::vector<char> buf[2], stage[2];
@@ -449,9 +513,73 @@ int64_t FirstBadValue(const FileEntry& f, const ValueCheck& check, const char* b
   return -1;
 }
 
+// The rows [r0, r1) of a uint8_rowwise file (checksummed already): each
+// row's scale and bias must be finite (always: a row without them has no
+// values), and with check->finite or check->narrow every dequantized value
+// finite, as float32 or (narrow) as check->to, the target table's dtype.
+// The first failing row fails, naming it.
+void CheckRowwise8Rows(const File& file, const FileEntry& f, int64_t r0, int64_t r1, const ValueCheck* check) {
+  const uint64_t rb = RowBytes(f.dtype, f.cols);
+  const bool values = check != nullptr && (check->finite || check->narrow);
+  const DType to = check != nullptr && check->narrow ? check->to : DType::kFloat32;
+  const int64_t per_piece = std::max<int64_t>(1, int64_t((uint64_t(1) << 20) / rb));
+  std::atomic<int64_t> bad_row{INT64_MAX}, bad_col{-1};
+  std::mutex bad_mutex;
+  const int64_t pieces = (r1 - r0 + per_piece - 1) / per_piece;
+  ParallelFor(pieces, 1, [&](int64_t a, int64_t b) {
+    std::vector<char> raw(size_t(std::min<int64_t>(per_piece, r1 - r0)) * rb);
+    std::vector<float> deq(size_t(f.cols)), back(size_t(f.cols));
+    std::vector<char> narrowed(size_t(f.cols) * 4);
+    const auto& store = kernels::ActiveKernels().dtype[int(to)].store;
+    const auto& load_back = kernels::ActiveKernels().dtype[int(to)].load;
+    for (int64_t p = a; p < b; ++p) {
+      const int64_t p0 = r0 + p * per_piece, p1 = std::min(r1, p0 + per_piece);
+      file.ReadAt(raw.data(), size_t(uint64_t(p1 - p0) * rb), kDataOffset + uint64_t(p0 - f.row_start) * rb);
+      for (int64_t r = p0; r < p1; ++r) {
+        const uint8_t* row = reinterpret_cast<const uint8_t*>(raw.data()) + uint64_t(r - p0) * rb;
+        int64_t col = -2;  // -1: the scale or bias; >= 0: a value
+        if (!std::isfinite(rowwise8::Scale(row, f.cols)) || !std::isfinite(rowwise8::Bias(row, f.cols))) {
+          col = -1;
+        } else if (values) {
+          rowwise8::DequantizeRow8(row, f.cols, deq.data());
+          const float* v = deq.data();
+          if (to != DType::kFloat32) {
+            store(narrowed.data(), deq.data(), f.cols);
+            load_back(narrowed.data(), back.data(), f.cols);
+            v = back.data();
+          }
+          for (int64_t d = 0; d < f.cols && col == -2; ++d)
+            if (!std::isfinite(v[d])) col = d;
+        }
+        if (col == -2) continue;
+        std::lock_guard<std::mutex> hold(bad_mutex);
+        if (r < bad_row.load()) bad_row = r, bad_col = col;
+        break;
+      }
+    }
+  });
+  if (bad_row.load() == INT64_MAX) return;
+  const int64_t r = bad_row.load(), col = bad_col.load();
+  float scale_bias[2];
+  file.ReadAt(scale_bias, 8, kDataOffset + uint64_t(r - f.row_start) * rb + uint64_t(f.cols));
+  const std::string at = "row " + std::to_string(r);
+  if (col == -1)
+    throw CheckpointError(file.path() + ": uint8_rowwise " + at + " has scale " + FormatFloat(scale_bias[0]) +
+                          " and bias " + FormatFloat(scale_bias[1]) + "; both must be finite (corrupt)");
+  const std::string label = check->label.empty() ? "values" : check->label;
+  if (to == DType::kFloat32)
+    throw CheckpointError(file.path() + ": " + label + " (uint8_rowwise) at " + at + ", column " + std::to_string(col) +
+                          " dequantize to a value that is not finite");
+  throw CheckpointError(file.path() + ": " + label + " (uint8_rowwise) at " + at + ", column " + std::to_string(col) +
+                        " dequantize beyond the range of " + DTypeName(to) +
+                        ", the target table's dtype (it would load as infinity)");
+}
+
 void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, uint64_t hi,
                      const ValueCheck* check = nullptr, const ProgressFn& progress = {}) {
   File file(JoinPath(dir, f.path), O_RDONLY | O_NONBLOCK);  // a FIFO put there must not block
+  const ValueCheck* value_check = check;
+  if (f.dtype == DType::kUInt8Rowwise) check = nullptr;  // its rows are checked after the checksums
   if (file.Size() != f.bytes)
     throw CheckpointError(file.path() + ": size " + std::to_string(file.Size()) + " bytes, the manifest says " +
                           std::to_string(f.bytes) + (file.Size() < f.bytes ? " (truncated)" : ""));
@@ -518,6 +646,10 @@ void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, ui
     }
     if (progress) progress(len);
   }
+  if (f.dtype == DType::kUInt8Rowwise) {
+    const uint64_t rb = RowBytes(f.dtype, f.cols);
+    CheckRowwise8Rows(file, f, f.row_start + int64_t(lo / rb), f.row_start + int64_t((hi + rb - 1) / rb), value_check);
+  }
 }
 
 // Every checksum of a data file; with `check_finite`, in the same pass,
@@ -548,6 +680,27 @@ void ReadDataBlock(const std::string& dir, const FileEntry& f, void* dst, DType 
   if (!Overlap(f, row0, rows, col0, cols, &r0, &r1, &c0, &c1)) return;
   File file(JoinPath(dir, f.path), O_RDONLY | O_NONBLOCK);  // a FIFO put there must not block
   const size_t src_es = DTypeSize(f.dtype), dst_es = DTypeSize(dst_dtype);
+  if (f.dtype == DType::kUInt8Rowwise) {  // whole rows: read, dequantize, store the block's columns
+    const uint64_t rb = RowBytes(f.dtype, f.cols);
+    const int64_t per_piece = std::max<int64_t>(1, int64_t(kChunkBytes / 4 / rb));
+    const auto& store = kernels::ActiveKernels().dtype[int(dst_dtype)].store;
+    char* out = static_cast<char*>(dst);
+    ParallelFor((r1 - r0 + per_piece - 1) / per_piece, 1, [&](int64_t a, int64_t b) {
+      std::vector<char> raw(size_t(std::min<int64_t>(per_piece, r1 - r0)) * rb);
+      std::vector<float> f32(static_cast<size_t>(f.cols));
+      for (int64_t p = a; p < b; ++p) {
+        const int64_t p0 = r0 + p * per_piece, p1 = std::min(r1, p0 + per_piece);
+        file.ReadAt(raw.data(), size_t(uint64_t(p1 - p0) * rb), kDataOffset + uint64_t(p0 - f.row_start) * rb);
+        for (int64_t r = p0; r < p1; ++r) {
+          rowwise8::DequantizeRow8(reinterpret_cast<const uint8_t*>(raw.data()) + uint64_t(r - p0) * rb, f.cols,
+                                   f32.data());
+          store(out + (size_t(r - row0) * size_t(cols) + size_t(c0 - col0)) * dst_es, f32.data() + (c0 - f.col_start),
+                c1 - c0);
+        }
+      }
+    });
+    return;
+  }
   const auto& load = kernels::ActiveKernels().dtype[int(f.dtype)].load;
   const auto& store = kernels::ActiveKernels().dtype[int(dst_dtype)].store;
   const uint64_t src_row = uint64_t(f.cols) * src_es;
@@ -879,11 +1032,17 @@ TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const s
   }
   DType stored = spec.dtype;
   if (options.cast_values) {
-    if (spec.dtype != DType::kFloat32 && options.values_dtype != spec.dtype)
+    if (spec.dtype != DType::kFloat32 && options.values_dtype != spec.dtype &&
+        options.values_dtype != DType::kUInt8Rowwise)
       throw InvalidArgument("save: only float32 tables can be cast on export; '" + spec.name + "' is " +
                             DTypeName(spec.dtype));
     stored = options.values_dtype;
   }
+  if (stored == DType::kUInt8Rowwise && (col_start != 0 || spec.dim != spec.full_dim))
+    throw InvalidArgument("save: table '" + spec.name + "' is a column shard (columns [" + std::to_string(col_start) +
+                          ", " + std::to_string(col_start + spec.dim) + ") of " + std::to_string(spec.full_dim) +
+                          "): values_dtype 'uint8_rowwise' stores whole rows (one scale and bias per row); save "
+                          "column-wise shards as float32, float16 or bfloat16, or shard the table by rows");
   TableEntry e;
   e.name = spec.name;
   e.rows = spec.rows;
@@ -1103,8 +1262,10 @@ void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const
     if (!Overlap(f, row_start, spec.rows, rowwise_slot ? 0 : col_start, rowwise_slot ? 1 : spec.dim, &r0, &r1, &c0,
                  &c1))
       return;
-    const uint64_t row_bytes = uint64_t(f.cols) * DTypeSize(f.dtype);
-    const bool narrows = f.dtype != to && (DTypeSize(to) < DTypeSize(f.dtype) || to == DType::kFloat16);
+    const uint64_t row_bytes = RowBytes(f.dtype, f.cols);
+    // uint8_rowwise rows always: their values are computed (scale * code + bias), and must be finite in `to`.
+    const bool narrows = f.dtype != to && (DTypeSize(to) < DTypeSize(f.dtype) || to == DType::kFloat16 ||
+                                           f.dtype == DType::kUInt8Rowwise);
     ValueCheck check;
     check.narrow = narrows;
     check.to = to;
@@ -1244,6 +1405,7 @@ struct MappedCheckpoint::MappedTable {
     std::vector<int64_t> row_starts;
   };
   std::vector<Band> bands;
+  bool all_rowwise8 = false;  ///< every file uint8_rowwise (so whole rows: one band)
 
   bool single() const { return files.size() == 1; }
 
@@ -1256,10 +1418,20 @@ struct MappedCheckpoint::MappedTable {
 };
 
 namespace {
+// Row `row` of a mapped file as float32 (its `cols` values; uint8_rowwise dequantized).
+template <typename M>
+void LoadMappedRow(const M& m, int64_t row, float* dst) {
+  const char* p = m.payload + uint64_t(row - m.file.row_start) * RowBytes(m.file.dtype, m.file.cols);
+  if (m.file.dtype == DType::kUInt8Rowwise)
+    rowwise8::DequantizeRow8(reinterpret_cast<const uint8_t*>(p), m.file.cols, dst);
+  else
+    kernels::ActiveKernels().dtype[int(m.file.dtype)].load(p, dst, m.file.cols);
+}
+
 // Verifies (once) the checksum blocks that hold row `row` of a mapped file.
 template <typename M>
 void TouchRow(const M& m, int64_t row) {
-  const uint64_t row_bytes = uint64_t(m.file.cols) * DTypeSize(m.file.dtype);
+  const uint64_t row_bytes = RowBytes(m.file.dtype, m.file.cols);
   const uint64_t r = uint64_t(row - m.file.row_start);
   const uint64_t first = r * row_bytes / m.file.block_bytes;
   const uint64_t last = (r * row_bytes + row_bytes - 1) / m.file.block_bytes;
@@ -1319,6 +1491,8 @@ MappedCheckpoint::MappedCheckpoint(const std::string& given, Verify verify) {
                 [](const Mapped* a, const Mapped* b) { return a->file.row_start < b->file.row_start; });
       for (const Mapped* m : band.files) band.row_starts.push_back(m->file.row_start);
     }
+    table->all_rowwise8 = std::all_of(table->files.begin(), table->files.end(),
+                                      [](const auto& m) { return m->file.dtype == DType::kUInt8Rowwise; });
     tables_.push_back(std::move(table));
   }
   lock.Release();  // every file is mapped: removing them now changes nothing here
@@ -1337,6 +1511,20 @@ const void* MappedCheckpoint::values(size_t table) const {
                           "look rows up, or rewrite it with `embedcore reshard SRC DST --world 1 --max-file-mb 0`");
   t.files[0]->EnsureAllVerified();  // the whole array is handed out: no corrupt block in it
   return t.files[0]->payload;
+}
+
+void MappedCheckpoint::ReadValues(size_t table, float* out) const {
+  if (table >= tables_.size()) throw OutOfRange("no table " + std::to_string(table) + " in the checkpoint");
+  const MappedTable& t = *tables_[table];
+  const int64_t dim = info_.tables[table].dim;
+  for (const auto& m : t.files) m->EnsureAllVerified();  // nothing corrupt handed out
+  for (const auto& m : t.files) {
+    ParallelFor(m->file.rows, std::max<int64_t>(1, 16384 / m->file.cols), [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r)
+        LoadMappedRow(*m, m->file.row_start + r,
+                      out + size_t(m->file.row_start + r) * size_t(dim) + size_t(m->file.col_start));
+    });
+  }
 }
 
 void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShape& shape, float* out) const {
@@ -1379,24 +1567,34 @@ void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShap
   // Several files: each occurrence's row is gathered (float32, exact) from the
   // files that hold its columns, then the same kernel pools the gathered rows
   // in the same order, so the result is the single-file result, bit for bit.
-  std::vector<float> rows(size_t(batch.nnz) * size_t(t.dim));
-  const auto& kernels = kernels::ActiveKernels();
-  for (const auto& band : mt.bands) {
-    for (int64_t k = 0; k < batch.nnz; ++k) {
-      const int64_t id = id_at(k);
-      const Mapped& m = mt.FileOf(band, id);
-      TouchRow(m, id);
-      const size_t es = DTypeSize(m.file.dtype);
-      kernels.dtype[int(m.file.dtype)].load(m.payload + size_t(id - m.file.row_start) * size_t(m.file.cols) * es,
-                                            rows.data() + size_t(k) * size_t(t.dim) + size_t(band.col_start),
-                                            band.cols);
-    }
-  }
   std::vector<int64_t> positions(size_t(batch.nnz));
   for (int64_t k = 0; k < batch.nnz; ++k) positions[size_t(k)] = k;
   Batch gathered = batch;
   gathered.id_type = IdType::kInt64;
   gathered.ids = positions.data();
+  if (mt.all_rowwise8) {
+    // uint8_rowwise files (whole rows, one band): each occurrence's stored row is gathered as it is, and the
+    // 8-bit kernel pools the gathered rows, so the result is the single-file result, bit for bit.
+    const uint64_t rb = RowBytes(DType::kUInt8Rowwise, t.dim);
+    std::vector<char> raw(size_t(uint64_t(batch.nnz) * rb));
+    for (int64_t k = 0; k < batch.nnz; ++k) {
+      const int64_t id = id_at(k);
+      const Mapped& m = mt.FileOf(mt.bands[0], id);
+      TouchRow(m, id);
+      std::memcpy(raw.data() + uint64_t(k) * rb, m.payload + uint64_t(id - m.file.row_start) * rb, size_t(rb));
+    }
+    internal::RunLookup(raw.data(), DType::kUInt8Rowwise, batch.nnz, t.dim, gathered, shape, out);
+    return;
+  }
+  std::vector<float> rows(size_t(batch.nnz) * size_t(t.dim));
+  for (const auto& band : mt.bands) {
+    for (int64_t k = 0; k < batch.nnz; ++k) {
+      const int64_t id = id_at(k);
+      const Mapped& m = mt.FileOf(band, id);
+      TouchRow(m, id);
+      LoadMappedRow(m, id, rows.data() + size_t(k) * size_t(t.dim) + size_t(band.col_start));
+    }
+  }
   internal::RunLookup(rows.data(), DType::kFloat32, batch.nnz, t.dim, gathered, shape, out);
 }
 

@@ -29,12 +29,12 @@ struct FileHeader {
   uint32_t byte_order;      ///< kByteOrderMark
   uint32_t header_bytes;    ///< 64
   uint8_t kind;             ///< FileKind
-  uint8_t dtype;            ///< data: DType code (0 float32, 1 float16, 2 bfloat16); manifest: 0
+  uint8_t dtype;            ///< data: DType code (0 float32, 1 float16, 2 bfloat16, 3 uint8_rowwise); manifest: 0
   uint16_t reserved;        ///< 0
   int64_t rows;             ///< data: rows in this file; manifest: 0
   int64_t cols;             ///< data: columns per row; manifest: 0
   uint64_t payload_offset;  ///< data: 4096; manifest: 64
-  uint64_t payload_bytes;   ///< data: rows * cols * dtype size; manifest: JSON length
+  uint64_t payload_bytes;   ///< data: rows * RowBytes(dtype, cols); manifest: JSON length
   uint32_t aux;             ///< data: checksum block size; manifest: CRC-32C of the JSON
   uint32_t header_crc32c;   ///< CRC-32C of bytes [0, 60)
 };

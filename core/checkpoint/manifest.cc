@@ -110,10 +110,13 @@ class Reader {
   std::string file_;
 };
 
-DType ParseStoredDType(const Reader& r, const std::string& s, const std::string& where) {
+// A table's dtype (the manifest's table "dtype"), or with `file` a data
+// file's, which may also be uint8_rowwise (since 1.4).
+DType ParseStoredDType(const Reader& r, const std::string& s, const std::string& where, bool file = false) {
   if (s == "float32") return DType::kFloat32;
   if (s == "float16") return DType::kFloat16;
   if (s == "bfloat16") return DType::kBFloat16;
+  if (s == "uint8_rowwise" && file) return DType::kUInt8Rowwise;
   r.Fail(where, "has unknown dtype '" + s + "'");
 }
 
@@ -143,7 +146,7 @@ FileEntry ParseFileEntry(const Reader& r, const Json& j, const std::string& wher
   FileEntry f;
   f.path = r.String(j, "path", where);
   CheckFileName(f.path, where + ".path", r);
-  f.dtype = ParseStoredDType(r, r.String(j, "dtype", where), where + ".dtype");
+  f.dtype = ParseStoredDType(r, r.String(j, "dtype", where), where + ".dtype", /*file=*/true);
   // Every file holds at least one row: no writer makes an empty one, and
   // serving finds a row's file by its row_start.
   f.row_start = r.Int(j, "row_start", where, 0, table_rows - 1);
@@ -153,7 +156,17 @@ FileEntry ParseFileEntry(const Reader& r, const Json& j, const std::string& wher
   f.cols = r.Int(j, "cols", where, 1, dim - f.col_start);
   f.block_bytes = uint32_t(r.Int(j, "block_bytes", where, kMinBlockBytes, kMaxBlockBytes));
   if (f.block_bytes & (f.block_bytes - 1)) r.Fail(where + ".block_bytes", "must be a power of two");
-  const uint64_t payload = PayloadBytes(f);  // no overflow: rows, cols bounded by the table's checked size
+  // uint8_rowwise: whole rows only, each a scale and bias for all its columns (format 1.4).
+  if (f.dtype == DType::kUInt8Rowwise && (f.col_start != 0 || f.cols != dim))
+    r.Fail(where, "is uint8_rowwise with columns [" + std::to_string(f.col_start) + ", " +
+                      std::to_string(f.col_start + f.cols) + ") of " + std::to_string(dim) +
+                      "; a uint8_rowwise file holds whole rows (col_start 0, cols = dim)");
+  // No overflow: rows, cols bounded by the table's checked size (rows * dim * 4 bytes, and
+  // rows * (cols + 8) <= rows * cols * 9 for a uint8_rowwise file, which the check below bounds).
+  if (f.dtype == DType::kUInt8Rowwise &&
+      (unsigned __int128)uint64_t(f.rows) * (uint64_t(f.cols) + 8) > (unsigned __int128)INT64_MAX)
+    r.Fail(where, "has rows x (cols + 8) too large to address");
+  const uint64_t payload = PayloadBytes(f);
   f.bytes = uint64_t(r.Int(j, "bytes", where, 0, INT64_MAX));
   if (f.bytes != kDataOffset + payload)
     r.Fail(where + ".bytes", "= " + std::to_string(f.bytes) + " does not fit " + std::to_string(f.rows) + " x " +
@@ -362,7 +375,7 @@ static Json TableJson(const TableEntry& t) {
   return tj;
 }
 
-uint64_t PayloadBytes(const FileEntry& f) { return uint64_t(f.rows) * uint64_t(f.cols) * DTypeSize(f.dtype); }
+uint64_t PayloadBytes(const FileEntry& f) { return uint64_t(f.rows) * RowBytes(f.dtype, f.cols); }
 
 std::string BuildManifest(const CheckpointInfo& info) {
   Json m;

@@ -7,7 +7,7 @@
 
 namespace embedcore::checkpoint {
 
-/// Bytes of a data file's payload: rows * cols * dtype size.
+/// Bytes of a data file's payload: rows * RowBytes(dtype, cols).
 uint64_t PayloadBytes(const FileEntry& f);
 /// The manifest JSON of `info` (its tables, generation and metadata).
 std::string BuildManifest(const CheckpointInfo& info);

@@ -156,6 +156,8 @@ void Lookup(const void* table, DType dtype, int64_t rows, int64_t dim, const std
       i32 ? Launch<ops::BF16, int32_t>(table, dim, batch, shape, out, s)
           : Launch<ops::BF16, int64_t>(table, dim, batch, shape, out, s);
       break;
+    case DType::kUInt8Rowwise:  // a checkpoint file's dtype only (served on the host), never a table's
+      throw InvalidArgument("table '" + name + "': uint8_rowwise values have no device lookup (serve them on the CPU)");
   }
   EC_CUDA(cudaStreamSynchronize(s));
 }

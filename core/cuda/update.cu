@@ -262,6 +262,8 @@ void UpdateAnyType(const Rule& rule, const ops::StepConstants& kc, const TableSp
       return Update<ops::F16>(rule, kc, spec, values, slots, groups, order, coefficient, grad_row, untouched_too, s);
     case DType::kBFloat16:
       return Update<ops::BF16>(rule, kc, spec, values, slots, groups, order, coefficient, grad_row, untouched_too, s);
+    case DType::kUInt8Rowwise:  // a checkpoint file's dtype only, never a table's (Table refuses it)
+      throw InvalidArgument("table '" + spec.name + "': uint8_rowwise is not a table dtype");
   }
 }
 

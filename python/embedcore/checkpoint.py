@@ -189,6 +189,17 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
         False writes the values only (a serving export).
     values_dtype: "float16" or "bfloat16" stores float32 values rounded to
         that dtype (an export option; slots stay float32).
+        "uint8_rowwise" stores each row (of a table of any dtype) as FBGEMM's
+        Fused8BitRowwise / TorchRec's INT8 rows do: ``dim`` uint8 codes, then
+        a float32 scale and bias (value = scale * code + bias), a quarter of
+        float32's bytes, with FBGEMM's rounding bit for bit
+        (``torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized``). Served by
+        ``embedcore.serving.open`` (dequantized in the lookup) and loadable
+        into tables of any dtype (dequantized); lossy, so ``reshard`` and
+        ``Saver.dump_to_file`` refuse to copy it. A row holding NaN or an
+        infinity, or whose range (max - min) overflows float32, fails the
+        save (``ValueError`` naming the table and the row) and leaves `path`
+        as it was. Format 1.4: older readers refuse such a checkpoint.
 
     The save is atomic: the previous checkpoint at `path` stays loadable until
     the new one is complete and durable. A sharded Embedding is saved by every
@@ -197,8 +208,7 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
     if hasattr(obj, "_sharded_save"):  # collective: every rank writes its own shards
         return obj._sharded_save(path, include_optimizer, values_dtype)
     path = native_path(path)
-    if values_dtype is not None and values_dtype not in ("float32", "float16", "bfloat16"):
-        raise ValueError(f"values_dtype must be 'float32', 'float16' or 'bfloat16', got {values_dtype!r}")
+    _check_values_dtype(values_dtype)
     tables = _tables_of(obj)
     configs = {id(t): t.config for t in tables}
     pairs = [(t._native, json.dumps(_table_config_json(configs[id(t)], t))) for t in tables]
@@ -209,6 +219,20 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
     except BaseException:
         _remove_if_created_and_empty(path, created)
         raise
+
+
+VALUES_DTYPES = ("float32", "float16", "bfloat16", "uint8_rowwise")
+
+
+def _check_values_dtype(values_dtype) -> None:
+    if values_dtype is not None and (not isinstance(values_dtype, str) or values_dtype not in VALUES_DTYPES):
+        raise ValueError(f"values_dtype must be 'float32', 'float16', 'bfloat16' or 'uint8_rowwise', got "
+                         f"{values_dtype!r}")
+
+
+def _quantized_tables(manifest: dict) -> List[str]:
+    """The tables of a manifest whose values files are uint8_rowwise."""
+    return [t["name"] for t in manifest["tables"] if any(f["dtype"] == "uint8_rowwise" for f in t["values"])]
 
 
 def _remove_if_created_and_empty(path: str, created: bool) -> None:
@@ -309,6 +333,17 @@ def _load(path: str, into, include_optimizer: bool) -> None:
     _embedcore.load_tables(info, [(k, t._native, -1, 0) for k, t in plan], bool(include_optimizer))
 
 
+def _refuse_quantized_kept(path: str, manifest: dict, ours: set) -> None:
+    """A dump keeps the other tables there as stored: a uint8_rowwise table
+    would be dequantized and quantized again, which does not give its rows
+    back (the codes of a row of a tiny range, for one), so it is refused."""
+    kept = [n for n in _quantized_tables(manifest) if n not in ours]
+    if kept:
+        raise CheckpointError(f"dump_to_file: {path} holds table '{kept[0]}' stored as uint8_rowwise (a lossy export), "
+                              "which a dump would have to keep by quantizing it again; dump into another directory, "
+                              "or save the tables together with embedcore.save")
+
+
 class Saver:
     """SOK's ``sok.Saver`` calls over embedcore checkpoints. Each returns
     ``"OK"`` on success, as SOK's do, and raises on failure."""
@@ -348,7 +383,9 @@ class Saver:
         ours = {t.name for t in tables}
         with _locked(path):  # a commit meanwhile would remove the files the manifest names
             info = self._existing(path)
-        old_kind = (json.loads(info.manifest_json).get("metadata") or {}).get("kind")
+        old_manifest = json.loads(info.manifest_json)
+        old_kind = (old_manifest.get("metadata") or {}).get("kind")
+        _refuse_quantized_kept(path, old_manifest, ours)
         if all(n in ours for n in info.table_names) and (old_kind != "embedding" or isinstance(obj, Embedding)):
             save(path, obj)  # nothing else there to keep (features included)
         else:
@@ -393,6 +430,7 @@ class Saver:
                 try:
                     info = Saver._existing(path)
                     manifest = json.loads(info.manifest_json)
+                    _refuse_quantized_kept(path, manifest, ours)
                     old_meta = manifest.get("metadata") or {}
                     if old_meta.get("kind") == "embedding":
                         metadata = Saver._merged_features(metadata, old_meta, ours)

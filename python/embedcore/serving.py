@@ -52,7 +52,7 @@ class ServedTable(LookupMixin):
         self.name = config.name
         self.rows = config.rows
         self.dim = config.dim
-        self.dtype = stored_dtype  # as the values files store it
+        self.dtype = stored_dtype  # as the values files store it ("uint8_rowwise": 8-bit rows, dequantized on lookup)
 
     @property
     def _default_combiner(self) -> str:
@@ -70,7 +70,17 @@ class ServedTable(LookupMixin):
         not yet checked is checksummed first (a pass over the file the first
         time), and a corrupt one raises ``CheckpointError``: no corrupt byte
         is handed out. A table saved in several files (a sharded save) has no
-        single view: ``CheckpointError``; its lookups work as any other's."""
+        single view: ``CheckpointError``; its lookups work as any other's.
+
+        A table stored as ``uint8_rowwise`` (``dtype``) has no float view:
+        this returns a new float32 ``[rows, dim]`` array of its dequantized
+        values, ``scale * code + bias`` rounded once, the bits of
+        ``torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat`` (also of a
+        sharded save). Lookups dequantize inside the pooling instead (in
+        float32, ``sum (w * scale) * code + sum w * bias``), so a lookup may
+        differ from a sum of these rows in the last bits."""
+        if self.dtype == "uint8_rowwise":
+            return self._mapped.dequantized_values(self._index)
         v = self._mapped.values(self._index)
         if v.dtype == np.uint16:  # bfloat16 bits
             bf16 = _bfloat16_dtype()

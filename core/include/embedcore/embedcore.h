@@ -77,17 +77,31 @@ class NotCompiled : public std::runtime_error {
 };
 
 // ---------------------------------------------------------------- dtypes
-/// Storage dtype of a table's values. Arithmetic is always float32.
-enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+/// Storage dtype of a table's values (float32, float16, bfloat16), or of a
+/// checkpoint's values files, which may also be kUInt8Rowwise (format 1.4):
+/// FBGEMM's fused 8-bit row-wise quantization, each row `cols` uint8 codes
+/// then a float32 scale and a float32 bias (value = scale * code + bias). It
+/// is an export format only, never a table's dtype (Table refuses it).
+/// Arithmetic is always float32.
+enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kUInt8Rowwise = 3 };
 /// Integer type of a lookup's ids.
 enum class IdType : uint8_t { kInt32 = 0, kInt64 = 1 };
 
-/// Size in bytes of one element of `dtype`.
+/// Size in bytes of one element of `dtype` (kUInt8Rowwise: 1, its codes;
+/// its rows also hold 8 bytes of scale and bias: see RowBytes).
 size_t DTypeSize(DType dtype);
-/// "float32", "float16" or "bfloat16".
+/// Bytes of one stored row of `cols` values of `dtype`: cols * DTypeSize,
+/// or cols + 8 for kUInt8Rowwise.
+uint64_t RowBytes(DType dtype, int64_t cols);
+/// Whether a table may hold `dtype` (float32, float16, bfloat16).
+inline bool IsTableDType(DType dtype) { return dtype != DType::kUInt8Rowwise; }
+/// "float32", "float16", "bfloat16" or "uint8_rowwise".
 const char* DTypeName(DType dtype);
-/// Parses a dtype name; throws InvalidArgument naming `where` otherwise.
+/// Parses a table dtype name; throws InvalidArgument naming `where` otherwise.
 DType ParseDType(const std::string& name, const char* where = "dtype");
+/// Parses the dtype of an export's values files (a table dtype or
+/// "uint8_rowwise"); throws InvalidArgument naming `where` otherwise.
+DType ParseValuesDType(const std::string& name, const char* where = "values_dtype");
 
 /// How the rows of one bag become one output row.
 /// kNone keeps the rows (sequence features).
@@ -474,11 +488,13 @@ class NcclTransport {
 /// The checkpoint format version this library writes; it reads every older
 /// major version and refuses newer ones. See docs/format.md.
 constexpr int kFormatMajor = 1;
-constexpr int kFormatMinor = 3;
+constexpr int kFormatMinor = 4;
 
 struct SaveOptions {
   bool include_optimizer = true;  ///< slots and step; false: values only (a serving export)
   bool cast_values = false;       ///< store float32 values as `values_dtype`
+  /// With cast_values: float16 / bfloat16 (from float32 tables), or
+  /// kUInt8Rowwise (from tables of any dtype; whole rows only: no column shard).
   DType values_dtype = DType::kFloat32;
   std::string metadata_json = "{}";  ///< a JSON object kept verbatim as "metadata"
 };
@@ -697,10 +713,16 @@ class MappedCheckpoint {
   /// Thread-safe; same contract as Table::Lookup.
   void Lookup(size_t table, const Batch& batch, const OutputShape& shape, float* out) const;
   /// Pointer to the mapped values of `table` (rows x dim of its stored
-  /// dtype); a table saved in several files (sharded) has none: CheckpointError.
+  /// dtype; uint8_rowwise: rows of dim + 8 bytes); a table saved in several
+  /// files (sharded) has none: CheckpointError.
   /// Unless opened with Verify::kNone, every block not yet checked is checked
   /// first (in parallel), and a corrupt one throws CheckpointError.
   const void* values(size_t table) const;
+  /// Writes the values of `table` as float32 to `out` ([rows, dim]): each
+  /// value converted from its stored dtype (uint8_rowwise: scale * code +
+  /// bias rounded once, as FBGEMM's Fused8BitRowwiseQuantizedToFloat); the
+  /// blocks checked as values() checks them. Any table, sharded or not.
+  void ReadValues(size_t table, float* out) const;
 
  private:
   struct Mapped;       // one mapped data file

@@ -19,8 +19,9 @@ import zlib
 from typing import List, Optional
 
 from .. import _embedcore
-from ..checkpoint import (FORMAT_VERSION, CheckpointError, _initializer_json, _locked, _metadata, _optimizer_json,
-                          _remove_if_created_and_empty, _slot_counts, native_path, resolved_path)
+from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_values_dtype, _initializer_json, _locked, _metadata,
+                          _optimizer_json, _quantized_tables, _remove_if_created_and_empty, _slot_counts, native_path,
+                          resolved_path)
 from ._comm import RankFailedError, agree
 from ._plan import make_plan
 
@@ -66,8 +67,17 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
     created = comm.rank == 0 and not os.path.lexists(path)  # removed again if this save fails (when empty)
     if comm.rank == 0:
         try:
-            if values_dtype is not None and values_dtype not in ("float32", "float16", "bfloat16"):
-                raise ValueError(f"values_dtype must be 'float32', 'float16' or 'bfloat16', got {values_dtype!r}")
+            _check_values_dtype(values_dtype)
+            if values_dtype == "uint8_rowwise":  # whole rows: each file's rows carry their scale and bias
+                for ti, cfg in enumerate(emb._configs):
+                    split = [s for s in emb._sharding_of(ti).shards if s.cols != emb._effective[cfg].dim]
+                    if split:
+                        raise ValueError(
+                            f"save: table '{emb._effective[cfg].name}' is sharded column-wise (a shard holds columns "
+                            f"[{split[0].col_start}, {split[0].col_start + split[0].cols}) of "
+                            f"{emb._effective[cfg].dim}); values_dtype 'uint8_rowwise' stores whole rows (one scale "
+                            f"and bias per row): save it as float32, float16 or bfloat16, or shard it by rows or "
+                            f"whole tables")
             metadata = _metadata(emb)
             claim = _embedcore.GenerationClaim(path)
             held.callback(claim.release)
@@ -240,6 +250,12 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
         with _locked(src):
             info = _embedcore.read_info(src)
             manifest = json.loads(info.manifest_json)
+            quantized = _quantized_tables(manifest)
+            if quantized:
+                raise CheckpointError(
+                    f"reshard: {src}: table '{quantized[0]}' is stored as uint8_rowwise (a lossy export); a reshard "
+                    f"would dequantize and quantize it again, which does not give its rows back: export the trained "
+                    f"table again with the layout you need (save_sharded / save with values_dtype='uint8_rowwise')")
             for k, name in enumerate(info.table_names):
                 if include_optimizer and info.table_unknown_optimizer(k):
                     raise CheckpointError(
