@@ -35,6 +35,11 @@
 #include "embedcore/embedcore.h"
 
 // The ABI's structs, pinned (a change is a new EMBEDCORE_C_ABI_VERSION).
+static_assert(int(embedcore::DType::kFloat32) == EMBEDCORE_DTYPE_FLOAT32 &&
+                  int(embedcore::DType::kFloat16) == EMBEDCORE_DTYPE_FLOAT16 &&
+                  int(embedcore::DType::kBFloat16) == EMBEDCORE_DTYPE_BFLOAT16 &&
+                  int(embedcore::DType::kUInt8Rowwise) == EMBEDCORE_DTYPE_UINT8_ROWWISE,
+              "embedcore_dtype codes are the engine's DType codes (embedcore_describe_table copies them)");
 static_assert(sizeof(embedcore_batch) == 48 && offsetof(embedcore_batch, nnz) == 24 &&
                   offsetof(embedcore_batch, num_bags) == 32 && offsetof(embedcore_batch, id_type) == 40 &&
                   offsetof(embedcore_batch, reserved) == 44,

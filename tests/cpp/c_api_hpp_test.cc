@@ -121,3 +121,22 @@ EMBEDCORE_TEST(MovesTransferTheHandle) {
   c.reload("", ecs::Verify::kNone);
   EMBEDCORE_EXPECT_EQ(c.num_features(), 4);
 }
+
+// A checkpoint of 8-bit row-wise values (format 1.4) through embedcore.hpp: its dtype, and the engine's lookups.
+EMBEDCORE_TEST(Uint8RowwiseTables) {
+  TempDir dir;
+  Table t(Spec("q", 40, 12, DType::kFloat32, 3));
+  SaveOptions options;
+  options.cast_values = true;
+  options.values_dtype = DType::kUInt8Rowwise;
+  SaveCheckpoint(dir.Sub("q"), {{&t, R"({"name": "q", "combiner": "sqrtn"})"}}, options);
+  const ecs::Checkpoint ckpt(dir.Sub("q"));
+  EMBEDCORE_EXPECT(ckpt.tables().at(0).dtype == ecs::DType::kUInt8Rowwise);
+  EMBEDCORE_EXPECT_EQ(std::string(ecs::DTypeName(ckpt.tables().at(0).dtype)), std::string("uint8_rowwise"));
+  const MappedCheckpoint ref(dir.Sub("q"), MappedCheckpoint::Verify::kLazy);
+  std::mt19937_64 rng(5);
+  const OwnedBatch b = OwnedBatch::Random(rng, 40, 7, 6);
+  const ecs::Batch weighted(b.ids.data(), int64_t(b.ids.size()), b.offsets.data(), int64_t(b.offsets.size()) - 1,
+                            b.weights.data());
+  EMBEDCORE_EXPECT(SameBits(ckpt.lookup(0, weighted), Reference(ref, 0, b.Engine(true), Combiner::kSqrtn)));
+}

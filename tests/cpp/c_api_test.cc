@@ -338,3 +338,73 @@ EMBEDCORE_TEST(ConcurrentLookups) {
   for (auto& t : threads) t.join();
   EMBEDCORE_EXPECT_EQ(wrong.load(), 0);
 }
+
+// A checkpoint exported with 8-bit row-wise values (format 1.4) serves through the C ABI: the table says
+// EMBEDCORE_DTYPE_UINT8_ROWWISE, and every lookup is the kernels' arithmetic on the stored codes, scales and
+// biases, spelled out here: a pooled column (0 + sum (w s) q) + (0 + sum w b), a row alone (w s) q + w b.
+// A reload swaps in another such checkpoint (or a float32 one) while the handle serves.
+EMBEDCORE_TEST(Uint8RowwiseCheckpointsServeAndReload) {
+  TempDir dir;
+  SaveOptions q8;
+  q8.cast_values = true;
+  q8.values_dtype = DType::kUInt8Rowwise;
+  q8.include_optimizer = false;
+  auto save = [&](const std::string& path, uint64_t seed, const SaveOptions& options) {
+    Table a(Spec("a", 70, 19, DType::kFloat32, seed));
+    Table b(Spec("b", 30, 64, DType::kFloat16, seed + 1));
+    SaveCheckpoint(path, {{&a, R"({"name": "a", "combiner": "sum"})"}, {&b, R"({"name": "b", "combiner": "mean"})"}},
+                   options);
+  };
+  save(dir.Sub("m"), 1, q8);
+  Handle h(dir.Sub("m"));
+  auto check = [&](const std::string& path) {
+    const MappedCheckpoint ref(path, MappedCheckpoint::Verify::kNone);
+    std::mt19937_64 rng(11);
+    for (int64_t t = 0; t < 2; ++t) {
+      embedcore_table_info info;
+      EMBEDCORE_EXPECT_EQ(embedcore_describe_table(h.h, t, &info), EMBEDCORE_OK);
+      EMBEDCORE_EXPECT_EQ(info.dtype, int32_t(EMBEDCORE_DTYPE_UINT8_ROWWISE));
+      const int64_t dim = info.dim, rb = dim + 8;
+      const uint8_t* rows = static_cast<const uint8_t*>(ref.values(size_t(t)));
+      auto scale = [&](int64_t id) { float s; std::memcpy(&s, rows + id * rb + dim, 4); return s; };
+      auto bias = [&](int64_t id) { float s; std::memcpy(&s, rows + id * rb + dim + 4, 4); return s; };
+      const OwnedBatch b = OwnedBatch::Random(rng, info.rows, 9, 7);
+      for (int weighted = 0; weighted < 2; ++weighted) {
+        for (int int32 = 0; int32 < 2; ++int32) {
+          const std::vector<float> sum = CLookup(h.h, t, b.C(weighted, int32), EMBEDCORE_COMBINER_SUM);
+          const std::vector<float> flat = CLookup(h.h, t, b.C(weighted, int32), EMBEDCORE_COMBINER_NONE);
+          for (size_t bag = 0; bag + 1 < b.offsets.size(); ++bag) {
+            for (int64_t d = 0; d < dim; ++d) {
+              float acc = 0.0f, bsum = 0.0f;
+              for (int64_t k = b.offsets[bag]; k < b.offsets[bag + 1]; ++k) {
+                const float w = weighted ? b.weights[size_t(k)] : 1.0f;
+                const int64_t id = b.ids[size_t(k)];
+                acc = acc + (w * scale(id)) * float(rows[id * rb + d]);
+                bsum = bsum + w * bias(id);
+                EMBEDCORE_EXPECT_BITS_EQ(flat[size_t(k * dim + d)],
+                                         (w * scale(id)) * float(rows[id * rb + d]) + w * bias(id));
+              }
+              EMBEDCORE_EXPECT_BITS_EQ(sum[bag * size_t(dim) + size_t(d)], acc + bsum);
+            }
+          }
+          for (int32_t c : {EMBEDCORE_COMBINER_MEAN, EMBEDCORE_COMBINER_SQRTN, EMBEDCORE_COMBINER_NONE}) {
+            const Combiner e = c == EMBEDCORE_COMBINER_MEAN ? Combiner::kMean
+                               : c == EMBEDCORE_COMBINER_SQRTN ? Combiner::kSqrtn : Combiner::kNone;
+            EMBEDCORE_EXPECT(SameBits(CLookup(h.h, t, b.C(weighted, int32), c, c == EMBEDCORE_COMBINER_NONE ? 3 : 0),
+                                      Reference(ref, size_t(t), b.Engine(weighted, int32), e,
+                                                c == EMBEDCORE_COMBINER_NONE ? 3 : 0)));
+          }
+        }
+      }
+    }
+  };
+  check(dir.Sub("m"));
+  save(dir.Sub("m2"), 7, q8);
+  EMBEDCORE_EXPECT_EQ(embedcore_reload(h.h, dir.Sub("m2").c_str(), nullptr), EMBEDCORE_OK);
+  check(dir.Sub("m2"));
+  save(dir.Sub("f32"), 7, SaveOptions{});  // the storage dtype may change on reload
+  EMBEDCORE_EXPECT_EQ(embedcore_reload(h.h, dir.Sub("f32").c_str(), nullptr), EMBEDCORE_OK);
+  embedcore_table_info info;
+  EMBEDCORE_EXPECT_EQ(embedcore_describe_table(h.h, 1, &info), EMBEDCORE_OK);
+  EMBEDCORE_EXPECT_EQ(info.dtype, int32_t(EMBEDCORE_DTYPE_FLOAT16));
+}

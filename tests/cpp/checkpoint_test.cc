@@ -8,8 +8,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <fstream>
@@ -22,6 +24,7 @@
 #include "checkpoint/manifest.h"
 #include "embedcore/embedcore.h"
 #include "fixtures.h"
+#include "rowwise8.h"
 #include "test_util.h"
 
 using namespace embedcore;
@@ -193,6 +196,155 @@ EMBEDCORE_TEST(ValuesOnlyExportAndCast) {
   cast.values_dtype = DType::kBFloat16;
   EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("bad_cast"), {{&half, "{}"}}, cast), InvalidArgument,
                           "only float32 tables can be cast");
+}
+
+// ------------------------------------------------------------ uint8_rowwise (format 1.4)
+namespace {
+std::vector<uint8_t> Payload(const std::string& dir, const FileEntry& f) {
+  const std::vector<char> raw = ReadFile(dir + "/" + f.path);
+  return std::vector<uint8_t>(raw.begin() + ck::kDataOffset, raw.end());
+}
+SaveOptions Rowwise8Export(bool include_optimizer = false) {
+  SaveOptions o;
+  o.include_optimizer = include_optimizer;
+  o.cast_values = true;
+  o.values_dtype = DType::kUInt8Rowwise;
+  return o;
+}
+}  // namespace
+
+EMBEDCORE_TEST(Rowwise8ExportLayoutAndRounding) {
+  TempDir dir;
+  // Rows whose codes are known: 0..255 step 1 (scale 1: the epsilon vanishes in 255 + 1e-8), a constant row
+  // (codes 0, scale 0), a two-value row (0 and 255), ties of the rounding (half-way codes round to even).
+  const int64_t dim = 256;
+  Table t(Spec("q", 4, dim, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 1));
+  std::vector<float> v(size_t(4 * dim));
+  for (int64_t d = 0; d < dim; ++d) {
+    v[size_t(d)] = float(d) - 100.0f;
+    v[size_t(dim + d)] = 2.5f;
+    v[size_t(2 * dim + d)] = d % 2 ? 3.0f : -1.0f;
+    v[size_t(3 * dim + d)] = d == 0 ? 0.0f : (d == 1 ? 255.0f : float(d % 6) * 0.5f);  // scale 1: x.5 ties
+  }
+  t.AssignValues(0, 4, v.data());
+  SaveCheckpoint(dir.Sub("c"), {{&t, "{}"}}, Rowwise8Export(true));
+  const CheckpointInfo info = ReadCheckpointInfo(dir.Sub("c"));
+  EMBEDCORE_EXPECT_EQ(info.format_major, 1);
+  EMBEDCORE_EXPECT_EQ(info.format_minor, 4);
+  const FileEntry& f = info.tables.at(0).values.at(0);
+  EMBEDCORE_EXPECT(f.dtype == DType::kUInt8Rowwise);
+  EMBEDCORE_EXPECT(info.tables.at(0).dtype == DType::kFloat32);
+  EMBEDCORE_EXPECT_EQ(f.bytes, uint64_t(4096 + 4 * (dim + 8)));
+  EMBEDCORE_EXPECT_EQ(std::string(DTypeName(f.dtype)), std::string("uint8_rowwise"));
+  const std::vector<char> raw = ReadFile(dir.Sub("c") + "/" + f.path);
+  ck::FileHeader h;
+  std::memcpy(&h, raw.data(), sizeof(h));
+  EMBEDCORE_EXPECT_EQ(int(h.dtype), 3);
+  EMBEDCORE_EXPECT_EQ(h.payload_bytes, uint64_t(4 * (dim + 8)));
+  const std::vector<uint8_t> p = Payload(dir.Sub("c"), f);
+  const int64_t rb = dim + 8;
+  for (int64_t d = 0; d < dim; ++d) {
+    EMBEDCORE_EXPECT_EQ(int(p[size_t(d)]), int(d));
+    EMBEDCORE_EXPECT_EQ(int(p[size_t(rb + d)]), 0);
+    EMBEDCORE_EXPECT_EQ(int(p[size_t(2 * rb + d)]), d % 2 ? 255 : 0);
+    const float x = v[size_t(3 * dim + d)];
+    EMBEDCORE_EXPECT_EQ(int(p[size_t(3 * rb + d)]), int(std::nearbyint(x)));  // 0.5 -> 0, 1.5 -> 2, 2.5 -> 2
+  }
+  EMBEDCORE_EXPECT_BITS_EQ(rowwise8::Scale(&p[0], dim), 1.0f);
+  EMBEDCORE_EXPECT_BITS_EQ(rowwise8::Bias(&p[0], dim), -100.0f);
+  EMBEDCORE_EXPECT_BITS_EQ(rowwise8::Scale(&p[size_t(rb)], dim), 0.0f);
+  EMBEDCORE_EXPECT_BITS_EQ(rowwise8::Bias(&p[size_t(rb)], dim), 2.5f);
+  EMBEDCORE_EXPECT_BITS_EQ(rowwise8::Scale(&p[size_t(2 * rb)], dim), 4.0f / 255.0f);
+  EMBEDCORE_EXPECT_EQ(int(p[size_t(3 * rb + 3)]), 2);  // 1.5 rounds to even
+  EMBEDCORE_EXPECT_EQ(int(p[size_t(3 * rb + 5)]), 2);  // 2.5 rounds to even
+  // Slots stay float32; the whole checkpoint loads: values dequantized (one rounding), slots as saved.
+  EMBEDCORE_EXPECT(info.tables.at(0).slots.at(0).at(0).dtype == DType::kFloat32);
+  VerifyCheckpoint(info, true);
+  for (DType to : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    Table back(Spec("q", 4, dim, to, OptimizerSpec::Kind::kAdagrad, 9));
+    LoadTable(info, info.tables.at(0), back, true);
+    std::vector<float> want(size_t(4 * dim)), got(size_t(4 * dim));
+    for (int64_t r = 0; r < 4; ++r) rowwise8::DequantizeRow8(&p[size_t(r * rb)], dim, &want[size_t(r * dim)]);
+    Table rounded(Spec("q", 4, dim, to, OptimizerSpec::Kind::kSGD, 9));
+    rounded.AssignValues(0, 4, want.data());
+    EMBEDCORE_EXPECT(RawValues(back) == RawValues(rounded));
+    EMBEDCORE_EXPECT(SlotCopy(back, 0) == SlotCopy(t, 0));
+  }
+  // Served: values() are the stored rows; ReadValues dequantizes.
+  const MappedCheckpoint m(dir.Sub("c"), MappedCheckpoint::Verify::kEager);
+  EMBEDCORE_EXPECT(std::memcmp(m.values(0), p.data(), p.size()) == 0);
+  std::vector<float> served(size_t(4 * dim));
+  m.ReadValues(0, served.data());
+  EMBEDCORE_EXPECT_BITS_EQ(served[5], -95.0f);
+  EMBEDCORE_EXPECT_BITS_EQ(served[size_t(dim + 7)], 2.5f);
+  EMBEDCORE_EXPECT_BITS_EQ(served[size_t(2 * dim + 1)], std::fmaf(255.0f, 4.0f / 255.0f, -1.0f));
+}
+
+EMBEDCORE_TEST(Rowwise8RefusalsChangeNothing) {
+  TempDir dir;
+  // Not a table dtype.
+  EMBEDCORE_EXPECT_THROWS(Table(Spec("t", 4, 4, DType::kUInt8Rowwise, OptimizerSpec::Kind::kSGD, 1)), InvalidArgument,
+                          "uint8_rowwise is an export format of checkpoints, not a table dtype");
+  EMBEDCORE_EXPECT_THROWS(ParseDType("uint8_rowwise"), InvalidArgument, "not a table dtype");
+  EMBEDCORE_EXPECT(ParseValuesDType("uint8_rowwise") == DType::kUInt8Rowwise);
+  EMBEDCORE_EXPECT_THROWS(ParseValuesDType("int8"), InvalidArgument, "'uint8_rowwise', got 'int8'");
+  Table t(Spec("t", 30, 5, DType::kFloat32, OptimizerSpec::Kind::kSGD, 1));
+  SaveCheckpoint(dir.Sub("c"), {{&t, "{}"}}, Rowwise8Export());
+  const std::vector<std::string> before = DirNames(dir.Sub("c"));
+  const std::vector<char> manifest = ReadFile(dir.Sub("c") + "/MANIFEST");
+  // A value that is not finite, a range beyond float32.
+  Table bad(Spec("t", 30, 5, DType::kFloat32, OptimizerSpec::Kind::kSGD, 1));
+  static_cast<float*>(bad.values())[17 * 5 + 2] = std::numeric_limits<float>::quiet_NaN();
+  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("c"), {{&bad, "{}"}}, Rowwise8Export()), InvalidArgument,
+                          "table 't' values hold nan at row 17, column 2");
+  static_cast<float*>(bad.values())[17 * 5 + 2] = 3e38f;
+  static_cast<float*>(bad.values())[17 * 5 + 3] = -3e38f;
+  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("c"), {{&bad, "{}"}}, Rowwise8Export()), InvalidArgument,
+                          "table 't' values row 17 spans a range (max - min) beyond float32");
+  EMBEDCORE_EXPECT(DirNames(dir.Sub("c")) == before);
+  EMBEDCORE_EXPECT(ReadFile(dir.Sub("c") + "/MANIFEST") == manifest);
+  // A column shard: whole rows only.
+  TableSpec shard = Spec("t", 30, 3, DType::kFloat32, OptimizerSpec::Kind::kSGD, 1);
+  shard.full_dim = 5;
+  shard.shard_col_start = 2;
+  Table cols(shard);
+  const uint64_t g = NextGeneration(dir.Sub("s"));
+  EMBEDCORE_EXPECT_THROWS(WriteShardFiles(dir.Sub("s"), g, "t00000.", 1, cols, 0, 2, Rowwise8Export()),
+                          InvalidArgument, "is a column shard (columns [2, 5) of 5)");
+  // 16-bit tables quantize what they hold.
+  Table half(Spec("h", 6, 9, DType::kFloat16, OptimizerSpec::Kind::kSGD, 4));
+  SaveCheckpoint(dir.Sub("h"), {{&half, "{}"}}, Rowwise8Export());
+  const CheckpointInfo info = ReadCheckpointInfo(dir.Sub("h"));
+  const std::vector<uint8_t> p = Payload(dir.Sub("h"), info.tables.at(0).values.at(0));
+  std::vector<float> held(6 * 9);
+  half.ReadValues(0, 6, held.data());
+  std::vector<uint8_t> want(6 * 17);
+  for (int r = 0; r < 6; ++r) rowwise8::QuantizeRow8(&held[size_t(r * 9)], 9, &want[size_t(r * 17)]);
+  EMBEDCORE_EXPECT(p == want);
+}
+
+EMBEDCORE_TEST(Rowwise8ForgedFilesAreRefused) {
+  TempDir dir;
+  Table t(Spec("t", 20, 4, DType::kFloat32, OptimizerSpec::Kind::kSGD, 2));
+  SaveCheckpoint(dir.Sub("c"), {{&t, "{}"}}, Rowwise8Export());
+  CheckpointInfo info = ReadCheckpointInfo(dir.Sub("c"));
+  FileEntry& f = info.tables.at(0).values.at(0);
+  // Row 9's scale made infinite, its checksum made to match: verify and load refuse it, naming the row.
+  std::vector<char> raw = ReadFile(dir.Sub("c") + "/" + f.path);
+  const float inf = std::numeric_limits<float>::infinity();
+  std::memcpy(&raw[size_t(ck::kDataOffset + 9 * 12 + 4)], &inf, 4);
+  WriteFile(dir.Sub("c") + "/" + f.path, raw);
+  f.crc32c[0] = Crc32c(raw.data() + ck::kDataOffset, raw.size() - ck::kDataOffset);
+  EMBEDCORE_EXPECT_THROWS(VerifyCheckpoint(info, false), CheckpointError, "uint8_rowwise row 9 has scale inf");
+  Table target(Spec("t", 20, 4, DType::kFloat32, OptimizerSpec::Kind::kSGD, 5));
+  const TableState before = StateOf(target);
+  EMBEDCORE_EXPECT_THROWS(LoadTable(info, info.tables.at(0), target, false), CheckpointError, "row 9 has scale inf");
+  EMBEDCORE_EXPECT(StateOf(target) == before);
+  // A manifest that gives a uint8_rowwise file part of the columns is refused by the reader.
+  CheckpointInfo wide = info;
+  wide.tables.at(0).dim = 6;
+  EMBEDCORE_EXPECT_THROWS(ck::ParseManifest("m", ck::BuildManifest(wide)), CheckpointError,
+                          "a uint8_rowwise file holds whole rows");
 }
 
 EMBEDCORE_TEST(LoadConvertsBetweenDtypes) {

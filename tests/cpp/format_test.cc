@@ -41,7 +41,11 @@ EMBEDCORE_TEST(FormatConstants) {
   EMBEDCORE_EXPECT(std::memcmp(ck::kManifestMagic, "ECKPMANI", 8) == 0);
   EMBEDCORE_EXPECT(std::memcmp(ck::kDataMagic, "ECKPDATA", 8) == 0);
   EMBEDCORE_EXPECT_EQ(embedcore::kFormatMajor, 1);
-  EMBEDCORE_EXPECT_EQ(embedcore::kFormatMinor, 3);  // 1.1: adagrad_epsilon; 1.2: col_start; 1.3: rowwise_adagrad
+  // 1.1: adagrad_epsilon; 1.2: col_start; 1.3: rowwise_adagrad; 1.4: the uint8_rowwise data file dtype
+  EMBEDCORE_EXPECT_EQ(embedcore::kFormatMinor, 4);
+  EMBEDCORE_EXPECT_EQ(int(embedcore::DType::kUInt8Rowwise), 3);  // the header's dtype code
+  EMBEDCORE_EXPECT_EQ(embedcore::RowBytes(embedcore::DType::kUInt8Rowwise, 5), uint64_t(13));  // codes, scale, bias
+  EMBEDCORE_EXPECT_EQ(embedcore::RowBytes(embedcore::DType::kFloat16, 5), uint64_t(10));
   EMBEDCORE_EXPECT_EQ(ck::kHeaderBytes, 64u);
   EMBEDCORE_EXPECT_EQ(ck::kDataOffset, uint64_t(4096));
   EMBEDCORE_EXPECT_EQ(ck::kBlockBytes, 4u << 20);

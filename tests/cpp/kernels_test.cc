@@ -73,6 +73,8 @@ RawTable MakeTable(DType dtype, int64_t rows, int64_t dim, std::mt19937& rng) {
         t.values[size_t(i)] = ops::BFloat16ToFloat(h);
         break;
       }
+      case DType::kUInt8Rowwise:  // no table dtype: MakeRowwise8Table
+        break;
     }
   }
   return t;
@@ -255,6 +257,130 @@ EMBEDCORE_TEST(PooledEqualsReferenceAndAcrossSets) {
             }
           }
         }
+      }
+    }
+  }
+}
+
+namespace {
+// A uint8_rowwise table (rows of dim codes, a float32 scale and bias), as
+// rowwise8::QuantizeRow8 makes it from random rows of varied scale and offset.
+RawTable MakeRowwise8Table(int64_t rows, int64_t dim, std::mt19937& rng) {
+  RawTable t{DType::kUInt8Rowwise, rows, dim, std::vector<uint8_t>(size_t(rows * (dim + 8))), {}};
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> scale(0.01f, 20.0f), offset(-5.0f, 5.0f);
+  std::vector<float> row(static_cast<size_t>(dim));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float s = scale(rng), o = offset(rng);
+    for (float& x : row) x = s * normal(rng) + o;
+    rowwise8::QuantizeRow8(row.data(), dim, &t.bytes[size_t(r * (dim + 8))]);
+  }
+  return t;
+}
+
+// The kernels' arithmetic, spelled out: a pooled column is (0 + a_0 q_0 + a_1 q_1 + ...) + (0 + c_0 + c_1 + ...)
+// with a_k = w_k * scale_k and c_k = w_k * bias_k, in id order, then / the denominator; a row alone is a q + c.
+std::vector<float> RefRowwise8(const RawTable& t, const RandomBatch& b, bool weighted, ops::CombinerKind c,
+                               int64_t len) {
+  const int64_t dim = t.dim, rb = dim + 8;
+  auto row = [&](int64_t k) { return &t.bytes[size_t(b.ids64[k] * rb)]; };
+  auto w_of = [&](int64_t k) { return weighted ? b.weights[k] : 1.0f; };
+  auto one = [&](int64_t k, float* out) {
+    const float a = w_of(k) * rowwise8::Scale(row(k), dim), cc = w_of(k) * rowwise8::Bias(row(k), dim);
+    for (int64_t d = 0; d < dim; ++d) out[d] = a * float(row(k)[d]) + cc;
+  };
+  if (c == ops::CombinerKind::kNone) {
+    if (len == 0) {
+      std::vector<float> out(size_t(b.nnz() * dim));
+      for (int64_t k = 0; k < b.nnz(); ++k) one(k, &out[size_t(k * dim)]);
+      return out;
+    }
+    std::vector<float> out(size_t(b.bags() * len * dim), 0.0f);
+    for (int64_t bag = 0; bag < b.bags(); ++bag)
+      for (int64_t j = 0; j < len && b.offsets[bag] + j < b.offsets[bag + 1]; ++j)
+        one(b.offsets[bag] + j, &out[size_t((bag * len + j) * dim)]);
+    return out;
+  }
+  std::vector<float> out(size_t(b.bags() * dim));
+  for (int64_t bag = 0; bag < b.bags(); ++bag) {
+    float* acc = &out[size_t(bag * dim)];
+    float bias = 0.0f, sw = 0.0f, sw2 = 0.0f;
+    for (int64_t k = b.offsets[bag]; k < b.offsets[bag + 1]; ++k) {
+      const float w = w_of(k), a = w * rowwise8::Scale(row(k), dim);
+      for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] + a * float(row(k)[d]);
+      bias = bias + w * rowwise8::Bias(row(k), dim);
+      sw += w;
+      sw2 += w * w;
+    }
+    for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] + bias;
+    if (c == ops::CombinerKind::kSum) continue;
+    const float den = c == ops::CombinerKind::kMean ? sw : std::sqrt(sw2);
+    for (int64_t d = 0; d < dim; ++d) acc[d] = den == 0.0f ? 0.0f : acc[d] / den;
+  }
+  return out;
+}
+}  // namespace
+
+// Every kernel set's 8-bit row-wise lookups (served uint8_rowwise checkpoints) give the reference's bits.
+EMBEDCORE_TEST(Rowwise8LookupsEqualReferenceAndAcrossSets) {
+  std::mt19937 rng(88);
+  for (int64_t dim : kDims) {
+    const RawTable t = MakeRowwise8Table(61, dim, rng);
+    const RandomBatch b = MakeBatch(37, 11, t.rows, rng);
+    for (const kernels::KernelSet* set : KernelSets()) {
+      for (int it = 0; it < 2; ++it) {
+        for (bool weighted : {false, true}) {
+          const std::string what = std::string(set->name) + " rowwise8 dim " + std::to_string(dim) +
+                                   (weighted ? " weighted" : "") + (it ? " int64" : " int32");
+          for (ops::CombinerKind c : {ops::CombinerKind::kSum, ops::CombinerKind::kMean, ops::CombinerKind::kSqrtn}) {
+            const std::vector<float> want = RefRowwise8(t, b, weighted, c, 0);
+            std::vector<float> got(want.size(), -7.0f);
+            const auto a = Args(t, b, it, weighted, c, 0, got.data());
+            set->rowwise8.pooled[it](a, 0, b.bags() / 3);  // in two calls, as ParallelFor splits them
+            set->rowwise8.pooled[it](a, b.bags() / 3, b.bags());
+            CompareBits(got, want, what + " pooled " + std::to_string(int(c)));
+          }
+          const std::vector<float> flat = RefRowwise8(t, b, weighted, ops::CombinerKind::kNone, 0);
+          std::vector<float> got(flat.size(), -7.0f);
+          set->rowwise8.rows[it](Args(t, b, it, weighted, ops::CombinerKind::kNone, 0, got.data()), 0, b.nnz());
+          CompareBits(got, flat, what + " rows");
+          const std::vector<float> padded = RefRowwise8(t, b, weighted, ops::CombinerKind::kNone, 4);
+          std::vector<float> got_padded(padded.size(), -7.0f);
+          set->rowwise8.padded[it](Args(t, b, it, weighted, ops::CombinerKind::kNone, 4, got_padded.data()), 0,
+                                   b.bags());
+          CompareBits(got_padded, padded, what + " padded");
+        }
+      }
+    }
+  }
+}
+
+// A pooled output's rows strided apart (a collection's concatenated outputs), and ids outside the table read row 0.
+EMBEDCORE_TEST(Rowwise8StridedOutputsAndOutsideIds) {
+  std::mt19937 rng(5);
+  for (int64_t dim : {int64_t(3), int64_t(16), int64_t(130)}) {
+    const RawTable t = MakeRowwise8Table(13, dim, rng);
+    RandomBatch b = MakeBatch(9, 6, t.rows, rng);
+    RandomBatch zeros = b;
+    for (size_t k = 0; k < b.ids64.size(); k += 2) {
+      b.ids64[k] = k % 4 == 0 ? (int64_t(1) << 40) : -5;
+      b.ids32[k] = k % 4 == 0 ? (1 << 30) : -5;
+      zeros.ids64[k] = zeros.ids32[k] = 0;
+    }
+    const std::vector<float> want = RefRowwise8(t, zeros, true, ops::CombinerKind::kMean, 0);
+    for (const kernels::KernelSet* set : KernelSets()) {
+      for (int it = 0; it < 2; ++it) {
+        const int64_t stride = dim + 5;
+        std::vector<float> wide(size_t(b.bags() * stride), -3.0f);
+        auto a = Args(t, b, it, true, ops::CombinerKind::kMean, 0, wide.data());
+        a.out_stride = stride;
+        set->rowwise8.pooled[it](a, 0, b.bags());
+        std::vector<float> got;
+        for (int64_t bag = 0; bag < b.bags(); ++bag) {
+          got.insert(got.end(), wide.begin() + bag * stride, wide.begin() + bag * stride + dim);
+          for (int64_t d = dim; d < stride; ++d) EMBEDCORE_EXPECT_BITS_EQ(wide[size_t(bag * stride + d)], -3.0f);
+        }
+        CompareBits(got, want, std::string(set->name) + " rowwise8 strided, outside ids, dim " + std::to_string(dim));
       }
     }
   }

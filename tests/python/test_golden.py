@@ -314,3 +314,70 @@ def test_v1_3_rowwise_adagrad_golden_loads_on_other_worlds(world, plan, expected
                 assert values.tobytes() == expected_13[f"rowwise_adagrad/{n}/values"][rows].tobytes(), (n, s)
                 assert acc.tobytes() == expected_13[f"rowwise_adagrad/{n}/slot/row_accumulators"][rows].tobytes()
                 assert step == 3
+
+
+# ---------------------------------------------------------------- format 1.4 (tests/golden/v1_4)
+GOLDEN_14 = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "golden", "v1_4")
+
+
+@pytest.fixture(scope="module")
+def expected_14():
+    with np.load(os.path.join(GOLDEN_14, "expected.npz"), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def test_v1_4_sha256sums_match_every_golden_file():
+    with open(os.path.join(GOLDEN_14, "SHA256SUMS")) as f:
+        sums = dict(reversed(line.rstrip("\n").split("  ", 1)) for line in f)
+    for rel, digest in sums.items():
+        with open(os.path.join(GOLDEN_14, rel), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == digest, (
+                f"tests/golden/v1_4/{rel} changed: golden checkpoints must never be regenerated or edited")
+    on_disk = {f"uint8_rowwise/{f}" for f in os.listdir(os.path.join(GOLDEN_14, "uint8_rowwise"))}
+    assert on_disk | {"expected.npz"} == set(sums)
+
+
+def test_v1_4_uint8_rowwise_golden_holds_fbgemm_s_rows_loads_and_serves(expected_14):
+    """uint8_rowwise values files (FBGEMM's rows, bit for bit) saved by 2
+    row-wise ranks with Adagrad's slots: served dequantized, and loaded into
+    tables of the recorded configs (float32 and float16), slots bit for bit."""
+    path = os.path.join(GOLDEN_14, "uint8_rowwise")
+    info = ec.checkpoint.read_info(path)
+    assert tuple(info.format_version) == (1, 4)
+    manifest = json.loads(info.manifest_json)
+    for t in manifest["tables"]:
+        name = t["name"]
+        rows = b"".join(open(os.path.join(path, f["path"]), "rb").read()[4096:]
+                        for f in sorted(t["values"], key=lambda f: f["row_start"]))
+        assert {f["dtype"] for f in t["values"]} == {"uint8_rowwise"} and len(t["values"]) == 2
+        assert rows == expected_14[f"uint8_rowwise/{name}/fbgemm_rows"].tobytes(), name
+    tables = _tables_from_configs(info)
+    assert {t.name: t.dtype for t in tables} == {"user": "float32", "item": "float16"}
+    ec.load(path, into=tables)
+    served = ec.serving.open(path, verify="eager")
+    for t in tables:
+        prefix = f"uint8_rowwise/{t.name}"
+        deq = expected_14[f"{prefix}/fbgemm_dequantized"]
+        assert served.tables[t.name].dtype == "uint8_rowwise"
+        assert served.tables[t.name].values().tobytes() == deq.tobytes(), prefix
+        want = deq if t.dtype == "float32" else deq.astype(np.float16).astype(np.float32)
+        assert t.to_numpy().tobytes() == want.tobytes(), prefix
+        assert t.slots()["accumulators"].tobytes() == expected_14[f"{prefix}/slot/accumulators"].tobytes(), prefix
+        assert t.step == int(expected_14[f"{prefix}/step"]) == 3
+        one = served.tables[t.name].lookup(np.arange(t.rows), combiner=None)  # scale * code + bias: within an ulp
+        np.testing.assert_allclose(one, deq, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("world, plan", [(3, "row_wise"), (2, "column_wise"), (1, "table_wise")])
+def test_v1_4_uint8_rowwise_golden_loads_on_other_worlds(world, plan, expected_14):
+    for part in _loaded_shards(os.path.join(GOLDEN_14, "uint8_rowwise"), world, plan, "accumulators"):
+        for n, shards in part.items():
+            deq = expected_14[f"uint8_rowwise/{n}/fbgemm_dequantized"]
+            if n == "item":
+                deq = deq.astype(np.float16).astype(np.float32)
+            for s, values, acc, step in shards:
+                block = (slice(s.row_start, s.row_start + s.rows), slice(s.col_start, s.col_start + s.cols))
+                assert values.astype(np.float32).tobytes() == np.ascontiguousarray(deq[block]).tobytes(), (n, s)
+                assert acc.tobytes() == np.ascontiguousarray(
+                    expected_14[f"uint8_rowwise/{n}/slot/accumulators"][block]).tobytes()
+                assert step == 3

@@ -101,7 +101,11 @@ enum embedcore_status {
 enum embedcore_dtype {
   EMBEDCORE_DTYPE_FLOAT32 = 0,
   EMBEDCORE_DTYPE_FLOAT16 = 1,  /**< IEEE binary16 */
-  EMBEDCORE_DTYPE_BFLOAT16 = 2
+  EMBEDCORE_DTYPE_BFLOAT16 = 2,
+  /** 8-bit row-wise quantized (checkpoint format 1.4): each row's uint8 codes,
+   * then a float32 scale and bias (FBGEMM's Fused8BitRowwise); lookups
+   * dequantize, value = scale * code + bias. */
+  EMBEDCORE_DTYPE_UINT8_ROWWISE = 3
 };
 
 /** Integer type of a batch's ids. */

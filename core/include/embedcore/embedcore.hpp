@@ -84,7 +84,8 @@ inline void Check(int status) {
 enum class DType : int32_t {
   kFloat32 = EMBEDCORE_DTYPE_FLOAT32,
   kFloat16 = EMBEDCORE_DTYPE_FLOAT16,
-  kBFloat16 = EMBEDCORE_DTYPE_BFLOAT16
+  kBFloat16 = EMBEDCORE_DTYPE_BFLOAT16,
+  kUInt8Rowwise = EMBEDCORE_DTYPE_UINT8_ROWWISE  ///< 8-bit row-wise quantized rows (format 1.4)
 };
 enum class Combiner : int32_t {
   kDefault = EMBEDCORE_COMBINER_DEFAULT,  ///< the table's, as saved
@@ -104,6 +105,8 @@ inline const char* DTypeName(DType d) {
       return "float16";
     case DType::kBFloat16:
       return "bfloat16";
+    case DType::kUInt8Rowwise:
+      return "uint8_rowwise";
   }
   return "?";
 }
