@@ -42,6 +42,15 @@ template <int kWrite = 0>
   for (; off < bytes; off += 64) __builtin_prefetch(c + off, kWrite, 3);
 }
 
+/// Prefetches every cache line of an 8-bit row-wise row (`rb` = dim + 8
+/// bytes at `row`, rarely aligned): from the line holding its first byte to
+/// the one holding its last, where its scale and bias are (PrefetchLines
+/// from `row` could stop a line short of them).
+[[gnu::always_inline]] inline void PrefetchRowQ8(const uint8_t* row, int64_t rb) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t(63);
+  PrefetchLines(reinterpret_cast<const void*>(first), int64_t(reinterpret_cast<uintptr_t>(row) + uintptr_t(rb) - first));
+}
+
 /// The row an id reads or writes: the id itself when it is in [0, rows),
 /// else row 0. The ids were validated before the kernels run, but they are
 /// the caller's memory, read in place: a caller's thread that rewrites them

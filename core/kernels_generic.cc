@@ -54,7 +54,7 @@ struct ScalarRows {
     const int64_t rb = dim + rowwise8::kExtraBytes;
     float acc[kCols] = {};
     for (int64_t k = k0; k < k1; ++k) {
-      if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
+      if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
       const uint8_t* row = table + SafeRow(ids[k], rows) * rb;
       const float a = (weights ? weights[k] : 1.0f) * rowwise8::Scale(row, dim);
       for (int64_t d = 0; d < kCols; ++d) acc[d] += a * float(row[c0 + d]);

@@ -404,7 +404,7 @@ void PooledBagsQ8(const LookupArgs& a, int64_t b0, int64_t b1) {
   const int64_t stride = a.out_stride > 0 ? a.out_stride : dim;
   constexpr int64_t kBlock = int64_t(R::kVectors) * R::kLanes;
   for (int64_t k = a.offsets[b0]; k < a.offsets[b0] + kPrefetchDistance && k < k_end; ++k)
-    PrefetchRow(table + int64_t(ids[k]) * rb, rb);
+    PrefetchRowQ8(table + int64_t(ids[k]) * rb, rb);
   for (int64_t b = b0; b < b1; ++b) {
     float* acc = a.out + b * stride;
     const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
@@ -415,7 +415,7 @@ void PooledBagsQ8(const LookupArgs& a, int64_t b0, int64_t b1) {
     if (c0 < dim) {  // the columns past the last vector
       for (int64_t d = c0; d < dim; ++d) acc[d] = 0.0f;
       for (int64_t k = k0; k < k1; ++k) {
-        if (k + kPrefetchDistance < pf_end) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
+        if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
         const uint8_t* row = table + SafeRow(ids[k], a.rows) * rb;
         const float w = (a.weights ? a.weights[k] : 1.0f) * rowwise8::Scale(row, dim);
         for (int64_t d = c0; d < dim; ++d) acc[d] = acc[d] + w * float(row[d]);
@@ -447,7 +447,7 @@ void PaddedBagsQ8(const LookupArgs& a, int64_t b0, int64_t b1) {
     const int64_t n = a.offsets[b + 1] - begin < len ? a.offsets[b + 1] - begin : len;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t k = begin + j;
-      if (j + kPrefetchDistance < n) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
+      if (j + kPrefetchDistance < n) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
       ScaleRowQ8<R>(a.out + (b * len + j) * dim, table + SafeRow(ids[k], a.rows) * rb,
                     a.weights ? a.weights[k] : 1.0f, dim);
     }
@@ -463,9 +463,9 @@ void FlatRowsQ8(const LookupArgs& a, int64_t k0, int64_t k1) {
   const uint8_t* table = static_cast<const uint8_t*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
   const int64_t dim = a.dim, rb = dim + rowwise8::kExtraBytes;
-  for (int64_t k = k0; k < k1 && k < k0 + kPrefetchDistance; ++k) PrefetchRow(table + int64_t(ids[k]) * rb, rb);
+  for (int64_t k = k0; k < k1 && k < k0 + kPrefetchDistance; ++k) PrefetchRowQ8(table + int64_t(ids[k]) * rb, rb);
   for (int64_t k = k0; k < k1; ++k) {
-    if (k + kPrefetchDistance < k1) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
+    if (k + kPrefetchDistance < k1) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
     ScaleRowQ8<R>(a.out + k * dim, table + SafeRow(ids[k], a.rows) * rb, a.weights ? a.weights[k] : 1.0f, dim);
   }
 }

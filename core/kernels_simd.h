@@ -102,7 +102,7 @@ struct SimdRows {
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) s[j] = V::Zero();
     for (int64_t k = k0; k < k1; ++k) {
-      if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
+      if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
       const uint8_t* row = table + SafeRow(ids[k], rows) * rb;
       const Reg a = V::Set1((weights ? weights[k] : 1.0f) * rowwise8::Scale(row, dim));
       row += c0;
