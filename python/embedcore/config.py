@@ -46,7 +46,9 @@ class TableConfig:
         self.rows = _positive_int(owner, "rows", rows)
         self.dim = _positive_int(owner, "dim", dim)
         if dtype not in DTYPES:
-            raise ValueError(f"{owner}: dtype must be one of {DTYPES}, got {dtype!r}")
+            raise ValueError(f"{owner}: dtype must be one of {DTYPES}, got {dtype!r}" +
+                             (" (an export format of checkpoints: save(..., values_dtype='uint8_rowwise'), not a "
+                              "table dtype)" if dtype == "uint8_rowwise" else ""))
         self.dtype = dtype
         if initializer is not None and not isinstance(initializer, _init.Initializer):
             raise TypeError(f"{owner}: initializer must be an embedcore.initializers.Initializer, got {initializer!r}")

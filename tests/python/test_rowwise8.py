@@ -254,7 +254,8 @@ def poke(table, row: int, col: int, value: float) -> None:
 
 
 def test_it_is_no_table_dtype_and_bad_values_dtypes_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'float16', 'bfloat16'\), got "
+                                         r"'uint8_rowwise' \(an export format of checkpoints"):
         ec.Table(name="t", rows=4, dim=2, dtype="uint8_rowwise")
     t = table_with(np.ones((4, 2), np.float32))
     for bad in ("uint8", "int8", "UINT8_ROWWISE", 3):
