@@ -32,6 +32,8 @@ static const char* dtype_name(int32_t dtype) {
       return "float16";
     case EMBEDCORE_DTYPE_BFLOAT16:
       return "bfloat16";
+    case EMBEDCORE_DTYPE_UINT8_ROWWISE:
+      return "uint8_rowwise";
     default:
       return "?";
   }

@@ -426,3 +426,28 @@ def test_sharded_saves_and_loads(tmp_path, rng):
             np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
             for r0, n, c0, cols, block in blocks:  # each rank's block: the dequantized values, exactly
                 assert block.tobytes() == np.ascontiguousarray(deq[r0:r0 + n, c0:c0 + cols]).tobytes()
+
+
+def test_a_served_embedding_takes_its_features(tmp_path, rng):
+    user = ec.TableConfig("user", rows=40, dim=8, combiner="sum")
+    item = ec.TableConfig("item", rows=90, dim=13, combiner="mean")
+    emb = ec.Embedding({"user": ec.FeatureConfig(user), "item": ec.FeatureConfig(item),
+                        "history": ec.FeatureConfig(item, max_sequence_length=3)}, ec.optimizers.SGD(0.1))
+    ec.save(tmp_path / "c", emb, include_optimizer=False, values_dtype="uint8_rowwise")
+    served = ec.serving.open(tmp_path / "c")
+    assert {n: t.dtype for n, t in served.tables.items()} == {"user": "uint8_rowwise", "item": "uint8_rowwise"}
+    features = {"user": np.array([1, 2, 39]), "item": np.array([[0, 5], [89, 89]]),
+                "history": ec.Ragged(np.array([4, 5, 6, 7, 8]), np.array([0, 1, 5]))}
+    out = served(features)
+    np.testing.assert_array_equal(out["user"], served.tables["user"].lookup(features["user"]))
+    np.testing.assert_array_equal(out["item"], served.tables["item"].lookup(features["item"], combiner="mean"))
+    hist = out["history"]
+    assert hist.shape == (2, 3, 13) and not hist[0, 1:].any()
+    rows = served.tables["item"].lookup(np.array([4, 5, 6, 7]), combiner=None)
+    np.testing.assert_array_equal(hist[0, 0], rows[0])
+    np.testing.assert_array_equal(hist[1], rows[1:4])
+    # Against the trained tables: the dequantized values, within the quantization step of each row.
+    for name, table in (("user", emb.embedding_tables[user]), ("item", emb.embedding_tables[item])):
+        v = np.asarray(table.values())
+        step = (v.max(1) - v.min(1)) / 255
+        assert (np.abs(served.tables[name].values() - v) <= step[:, None] * 0.5 + 1e-6).all()
