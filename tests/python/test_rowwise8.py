@@ -451,3 +451,30 @@ def test_a_served_embedding_takes_its_features(tmp_path, rng):
         v = np.asarray(table.values())
         step = (v.max(1) - v.min(1)) / 255
         assert (np.abs(served.tables[name].values() - v) <= step[:, None] * 0.5 + 1e-6).all()
+
+
+def test_a_corrupt_block_is_refused_lazily_and_eagerly(tmp_path, rng):
+    # 40,000 rows of 121 + 8 bytes: two checksum blocks of 4 MiB; row 32,513 (bytes 4,194,177 to 4,194,305)
+    # straddles them.
+    values = rng.standard_normal((40_000, 121)).astype(np.float32)
+    ec.save(tmp_path / "c", table_with(values), values_dtype="uint8_rowwise")
+    (entry,) = read_manifest(tmp_path / "c")["tables"][0]["values"]
+    assert len(entry["crc32c"]) == 2
+    with open(tmp_path / "c" / entry["path"], "r+b") as f:  # a code of row 35,000, in the second block
+        f.seek(DATA_OFFSET + 35_000 * 129 + 7)
+        b = f.read(1)
+        f.seek(DATA_OFFSET + 35_000 * 129 + 7)
+        f.write(bytes([b[0] ^ 0x10]))
+    served = ec.serving.open(tmp_path / "c").tables["t"]  # lazy
+    assert served.lookup(np.array([0, 32_512]), np.array([0, 2]), combiner="sum").shape == (1, 121)
+    for row in (35_000, 32_513):
+        with pytest.raises(ec.CheckpointError, match="checksum mismatch in block 1"):
+            served.lookup(np.array([row]))
+    with pytest.raises(ec.CheckpointError, match="checksum mismatch in block 1"):
+        served.values()
+    with pytest.raises(ec.CheckpointError, match="checksum mismatch in block 1"):
+        ec.serving.open(tmp_path / "c", verify="eager")
+    target = table_with(np.zeros((40_000, 121), np.float32))
+    with pytest.raises(ec.CheckpointError, match="checksum mismatch in block 1"):
+        ec.load(tmp_path / "c", target)
+    assert not np.asarray(target.values()).any()

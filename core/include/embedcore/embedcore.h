@@ -573,9 +573,12 @@ void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Ta
 /// Loads `entry` (from `info`) into `table`. With `verify` (the default),
 /// every checksum is verified before the table changes, so a corrupt
 /// checkpoint leaves it untouched; pass false only after VerifyTable.
-/// Values are converted when the dtypes differ; a finite value that the
-/// table's narrower dtype would make infinite (a float32 beyond float16's
-/// range) throws CheckpointError naming it, before the table changes. With `load_optimizer`, slots
+/// Values are converted when the dtypes differ (uint8_rowwise files:
+/// dequantized, scale * code + bias rounded once, then to the table's
+/// dtype); a finite value that the table's narrower dtype would make
+/// infinite (a float32 beyond float16's range), or a uint8_rowwise row whose
+/// scale or bias is not finite, throws CheckpointError naming it, before the
+/// table changes. With `load_optimizer`, slots
 /// and step are loaded too (the optimizers must match).
 void LoadTable(const CheckpointInfo& info, const TableEntry& entry, Table& table, bool load_optimizer,
                bool verify = true);
