@@ -382,16 +382,18 @@ void SgdInOrder(const InOrderArgs& a, int64_t r0, int64_t r1) {
 // w_1 b_1 + ...; a single row is a q + w b. The column blocks are PoolBag's;
 // every column sees the same operations in the same order in every kernel set.
 
+// The first block pass (pf_end != 0: it also prefetches) sums the biases into *bias too.
 template <typename R, int NV, typename I>
 inline void PoolQ8SmallerBlocks(const LookupArgs& a, const uint8_t* table, const I* ids, int64_t k0, int64_t k1,
-                                float* acc, int64_t& c0, int64_t& pf_end) {
+                                float* acc, int64_t& c0, int64_t& pf_end, float*& bias) {
   if constexpr (NV >= 1) {
     if (a.dim - c0 >= int64_t(NV) * R::kLanes) {
-      R::template PoolQ8<NV>(acc + c0, table, a.rows, a.dim, c0, ids, k0, k1, a.weights, pf_end);
+      R::template PoolQ8<NV>(acc + c0, table, a.rows, a.dim, c0, ids, k0, k1, a.weights, pf_end, bias);
       c0 += int64_t(NV) * R::kLanes;
       pf_end = 0;
+      bias = nullptr;
     }
-    PoolQ8SmallerBlocks<R, NV / 2, I>(a, table, ids, k0, k1, acc, c0, pf_end);
+    PoolQ8SmallerBlocks<R, NV / 2, I>(a, table, ids, k0, k1, acc, c0, pf_end, bias);
   }
 }
 
@@ -409,22 +411,21 @@ void PooledBagsQ8(const LookupArgs& a, int64_t b0, int64_t b1) {
     float* acc = a.out + b * stride;
     const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
     int64_t c0 = 0, pf_end = k_end;
-    for (; c0 + kBlock <= dim; c0 += kBlock, pf_end = 0)
-      R::template PoolQ8<R::kVectors>(acc + c0, table, a.rows, dim, c0, ids, k0, k1, a.weights, pf_end);
-    PoolQ8SmallerBlocks<R, R::kVectors / 2, I>(a, table, ids, k0, k1, acc, c0, pf_end);
-    if (c0 < dim) {  // the columns past the last vector
+    float bias = 0.0f;
+    float* bias_to = &bias;  // the first pass over the bag's rows sums their biases as well
+    for (; c0 + kBlock <= dim; c0 += kBlock, pf_end = 0, bias_to = nullptr)
+      R::template PoolQ8<R::kVectors>(acc + c0, table, a.rows, dim, c0, ids, k0, k1, a.weights, pf_end, bias_to);
+    PoolQ8SmallerBlocks<R, R::kVectors / 2, I>(a, table, ids, k0, k1, acc, c0, pf_end, bias_to);
+    if (c0 < dim) {  // the columns past the last vector (and the biases when no block ran)
       for (int64_t d = c0; d < dim; ++d) acc[d] = 0.0f;
       for (int64_t k = k0; k < k1; ++k) {
         if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
         const uint8_t* row = table + SafeRow(ids[k], a.rows) * rb;
-        const float w = (a.weights ? a.weights[k] : 1.0f) * rowwise8::Scale(row, dim);
-        for (int64_t d = c0; d < dim; ++d) acc[d] = acc[d] + w * float(row[d]);
+        const float w = a.weights ? a.weights[k] : 1.0f;
+        const float s = w * rowwise8::Scale(row, dim);
+        if (bias_to != nullptr) bias = bias + w * rowwise8::Bias(row, dim);
+        for (int64_t d = c0; d < dim; ++d) acc[d] = acc[d] + s * float(row[d]);
       }
-    }
-    float bias = 0.0f;  // the rows are in cache
-    for (int64_t k = k0; k < k1; ++k) {
-      const uint8_t* row = table + SafeRow(ids[k], a.rows) * rb;
-      bias = bias + (a.weights ? a.weights[k] : 1.0f) * rowwise8::Bias(row, dim);
     }
     for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] + bias;
     FinishPooledBag(a, k0, k1, acc);
