@@ -184,8 +184,13 @@ class TFCheckpoint:
         if names:
             found = [p for p in self.prefixes() if all(self._has(p, n) for n in names)]
             if not found:
-                raise ValueError(f"{self.path}: no object holds the tables {sorted(names)}; objects with 2-D "
-                                 f"variables: {self.prefixes()}")
+                # Name what is missing: the tables no object holds, else (each held somewhere) that no one holds all.
+                nowhere = sorted(n for n in names if not any(self._has(p, n) for p in self.prefixes()))
+                if nowhere:
+                    raise ValueError(f"{self.path}: no object holds the table(s) {nowhere}; objects with 2-D "
+                                     f"variables: {self.prefixes()}")
+                raise ValueError(f"{self.path}: no one object holds all the tables {sorted(names)}; objects with "
+                                 f"2-D variables: {self.prefixes()}: convert them one object (prefix=) at a time")
         else:
             found = [p for p in self.prefixes() if self.layouts(p) or self._has_slots(p)]
             if not found and len(self.prefixes()) == 1:

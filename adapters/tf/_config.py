@@ -80,9 +80,10 @@ def _schedule(fn: Callable[[], Any]) -> Callable[[int], float]:
 
 
 # ------------------------------------------------------------------ initializers
-def _seed_of(init) -> Optional[int]:
-    seed = getattr(init, "seed", None)
-    return None if seed is None else int(seed)
+def _seeded(init) -> bool:
+    """Whether a Keras / TensorFlow initializer has a seed: an int, or a
+    ``keras.random.SeedGenerator`` (whose values it reproduces too)."""
+    return getattr(init, "seed", None) is not None
 
 
 def initializer_from_tf(init, name: str, dim: int) -> Tuple[Optional[ec.initializers.Initializer], Optional[Callable]]:
@@ -104,7 +105,7 @@ def initializer_from_tf(init, name: str, dim: int) -> Tuple[Optional[ec.initiali
         return ec.initializers.Constant(1.0), None
     if cls == "Constant" and np.ndim(getattr(init, "value", None)) == 0:
         return ec.initializers.Constant(float(init.value)), None
-    if _seed_of(init) is None and hasattr(init, "seed"):
+    if not _seeded(init) and hasattr(init, "seed"):
         seed = _name_seed(name)
         if cls == "TruncatedNormal" and hasattr(init, "stddev"):
             return ec.initializers.TruncatedNormal(float(init.mean), float(init.stddev), seed=seed), None

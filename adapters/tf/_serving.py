@@ -106,7 +106,23 @@ class TableHandle:
     value = read_value
 
     def assign(self, value) -> "TableHandle":
-        v = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+        """Writes `value` into the table (or slot), as ``tf.Variable.assign``
+        does: eagerly at once; inside a graph (``tf.function``) when the
+        graph runs, each time (a stateful ``tf.numpy_function``)."""
+        if not tf.executing_eagerly():
+            value = tf.convert_to_tensor(value, tf.float32)
+            if not value.shape.is_compatible_with(self._shape):
+                raise ValueError(f"cannot assign a value of shape {value.shape.as_list()} to '{self.name}' of shape "
+                                 f"{self._shape}")
+            def write(v):
+                self._assign_numpy(v)
+                return []
+
+            tf.numpy_function(write, [value], [], stateful=True, name=f"assign_{self.table.name}")
+            return self
+        return self._assign_numpy(value.numpy() if hasattr(value, "numpy") else np.asarray(value))
+
+    def _assign_numpy(self, v) -> "TableHandle":
         if list(v.shape) != self._shape:
             raise ValueError(f"cannot assign a value of shape {list(v.shape)} to '{self.name}' of shape "
                              f"{self._shape}")

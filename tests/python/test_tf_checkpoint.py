@@ -429,5 +429,8 @@ def test_convert_tables_names(slotted_checkpoint, tmp_path):
         convert_tf_checkpoint(path, tmp_path / "bad3", feature_config=_slotted_config(), tables=["typo"])
     with pytest.raises(TypeError, match="tables="):
         convert_tf_checkpoint(path, tmp_path / "bad4", feature_config=_slotted_config(), tables=[3])
-    for bad in ("bad1", "bad2", "bad3", "bad4"):
+    # Without prefix= or a config: only the missing name is named (was: every name given).
+    with pytest.raises(ValueError, match=r"no object holds the table\(s\) \['typo'\];"):
+        convert_tf_checkpoint(path, tmp_path / "bad5", tables=["ta", "typo"])
+    for bad in ("bad1", "bad2", "bad3", "bad4", "bad5"):
         assert not (tmp_path / bad).exists()

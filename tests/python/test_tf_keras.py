@@ -290,6 +290,22 @@ def test_initializers_of_the_one_table_form():
     layer = Embedding(50, 4, initializer=tf_init, table_name="u")
     layer.build()
     np.testing.assert_array_equal(layer._embedcore_tables()[0].values(), tf_init((50, 4)).numpy())
+    # Seeded with a keras.random.SeedGenerator (was: a TypeError from int(seed)): TensorFlow's own values,
+    # as TPUEmbeddingForServing gives them.
+    from embedcore.adapters.tf import EmbeddingForServing
+
+    def generated():
+        return keras.initializers.RandomNormal(seed=keras.random.SeedGenerator(1))
+
+    theirs = E.TPUEmbeddingForServing({"f": E.FeatureConfig(E.TableConfig(6, 2, name="g", initializer=generated()))},
+                                      None)
+    theirs.build()
+    ours = EmbeddingForServing({"f": E.FeatureConfig(E.TableConfig(6, 2, name="g", initializer=generated()))})
+    np.testing.assert_array_equal(ours._embedcore_tables()[0].values(),
+                                  next(iter(theirs.embedding_tables.values())).numpy())
+    layer = Embedding(6, 2, initializer=keras.initializers.GlorotUniform(seed=keras.random.SeedGenerator(2)))
+    layer.build()
+    assert layer._embedcore_tables()[0].values().std() > 0
 
 
 @pytest.mark.parametrize("optimizer", [ec.optimizers.Adagrad(0.5, initial_accumulator_value=0.2, clipvalue=1.0),

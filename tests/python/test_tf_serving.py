@@ -267,6 +267,17 @@ def test_embedding_tables_act_as_tensors_like_tensorflows_variables(rng):
         np.testing.assert_array_equal(scaled().numpy(), 2.0 * h.numpy())
         h.assign(np.full((ROWS, DIM), 0.5, np.float32))
         np.testing.assert_array_equal(scaled().numpy(), np.full((ROWS, DIM), 1.0, np.float32))
+    # And an assign traced into a graph happens each time the graph runs, from a tensor or a constant
+    # (was: a symbolic tensor raised, and a constant was written once, while tracing).
+    for h in (theirs.embedding_tables[table], handle):
+        from_tensor = tf.function(lambda: h.assign(tf.fill([ROWS, DIM], 2.0)))
+        from_constant = tf.function(lambda: h.assign(np.full((ROWS, DIM), 3.0, np.float32)))
+        for reset, value in ((from_tensor, 2.0), (from_constant, 3.0), (from_tensor, 2.0), (from_constant, 3.0)):
+            h.assign(np.zeros((ROWS, DIM), np.float32))
+            reset()
+            np.testing.assert_array_equal(h.numpy(), np.full((ROWS, DIM), value, np.float32))
+    with pytest.raises(ValueError, match="cannot assign a value of shape"):
+        tf.function(lambda: handle.assign(tf.zeros([ROWS + 1, DIM])))()
     rows = list(handle)  # iterates rows, as a variable does eagerly
     assert len(rows) == ROWS and isinstance(rows[0], tf.Tensor) and rows[0].shape == (DIM,)
     mixed = np.ones(DIM, np.float32) + handle  # numpy defers to the handle, as to a variable
