@@ -248,7 +248,10 @@ class _Sharded:
             agree(self._world, e, step=self._embedding.step_name("lookup: requests"))  # pairs with the lookup's
             # first agree on the others; raises e
             raise
-        return finish(self._lookup(inputs, weights))
+        try:
+            return finish(self._lookup(inputs, weights))
+        finally:  # the positions belong to this call's KeyedJaggedTensor only (not to module.embedding's calls)
+            self._kjt_starts = None
 
     def _note_kjt_starts(self, offsets: np.ndarray, keys: List[int], stride: int) -> None:
         """Where each feature's ids start in the KeyedJaggedTensor's values(),

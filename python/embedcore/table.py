@@ -1,6 +1,7 @@
 """``embedcore.Table``: one embedding table held by the native engine."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -569,8 +570,16 @@ def apply_gradients_many(steps) -> None:
     every_name = [n for _, _, names in steps for n in names]
     for table, _, _ in steps:
         table._check_step(every, every_name)
-    rates = [table.learning_rate() for table, _, _ in steps]
-    _embedcore.apply_gradients_many([(table._native, parts, rate) for (table, parts, _), rate in zip(steps, rates)])
+    # A schedule's rate depends on the step: reading it and stepping are one (as in Table._apply_parts), for
+    # threads that train these tables at once; the scheduled tables' locks are taken in one order (no deadlock).
+    scheduled = sorted({id(t): t for t, _, _ in steps if t._optimizer is not None
+                        and callable(t._optimizer.learning_rate)}.items())
+    with contextlib.ExitStack() as held:
+        for _, table in scheduled:
+            held.enter_context(table._schedule_lock())
+        rates = [table.learning_rate() for table, _, _ in steps]
+        _embedcore.apply_gradients_many([(table._native, parts, rate)
+                                         for (table, parts, _), rate in zip(steps, rates)])
 
 
 def _check_max_sequence_length(value) -> None:

@@ -554,6 +554,11 @@ def mode_fail(world, chk: Checker, model: Model, directory) -> None:
     want = ref(*gb.part(0, num_bags, "weighted"))
     compare_outputs(chk, model, emb, got, want, lo, hi, "fail: lookup after two failed", row_tol=TRAIN_TOL)
 
+    # An exchange of another byte order arrives as its values (in this machine's order; was: byte-swapped).
+    got = world.all_to_all_v([(np.arange(3) + r).astype(">f4") for _ in range(n)])
+    chk.ok(all(np.array_equal(g, np.arange(3, dtype=np.float32) + j) and g.dtype.isnative for j, g in enumerate(got)),
+           "fail: a big-endian float32 exchange arrives as its values", repr(got))
+
     # 4. A batch over the exchange limit (MPI counts are C ints; lowered here
     # to 1 element): every rank raises before the exchange, none waits in it.
     world.max_exchange_elements = 1

@@ -566,6 +566,43 @@ def test_a_schedules_rate_and_its_step_are_one():
         np.testing.assert_array_equal(t.values()[1], [-2.0, -2.0])
 
 
+def test_a_multi_table_steps_rates_and_steps_are_one():
+    """The same for the all-or-nothing step of several tables (the Keras
+    layer's and ec.Embedding's), with two threads stepping two scheduled
+    tables in opposite orders: each table's rates are those of its steps 0
+    and 1, and neither thread waits for the other for ever."""
+    from embedcore._inputs import make_batch
+    from embedcore.table import apply_gradients_many
+
+    seen, lock = {"t": [], "u": []}, threading.Lock()
+
+    def schedule(name):
+        def rate(step):
+            with lock:
+                seen[name].append(step)
+            time.sleep(0.01)
+            return 1.0 if step == 0 else 0.5
+        return rate
+
+    for _ in range(3):
+        tables = {n: make_table(10, 2, optimizer=ec.optimizers.SGD(schedule(n)), name=n) for n in "tu"}
+        for t in tables.values():
+            t.assign(np.zeros((10, 2), np.float32))
+        seen["t"].clear()
+        seen["u"].clear()
+
+        def part(t):
+            return t._gradient_part(make_batch(np.array([1]), None, None), "sum", 0, np.ones((1, 2), np.float32))
+
+        def steps(order):
+            return lambda: apply_gradients_many([(tables[n], [part(tables[n])], ["g"]) for n in order])
+
+        _run_threads([steps("tu"), steps("ut")])
+        for n, t in tables.items():
+            assert sorted(seen[n]) == [0, 1] and t.step == 2, (n, seen)
+            np.testing.assert_array_equal(t.values()[1], [-1.5, -1.5])
+
+
 _INTERRUPTED = r"""
 import _thread, sys, threading, numpy as np, embedcore as ec
 kind, delay = sys.argv[1], float(sys.argv[2])

@@ -508,6 +508,19 @@ def test_a_bad_id_of_a_kjt_is_named_at_its_position_in_values(collection):
     assert (kind0, kind1) == ("RankFailedError", "IndexError"), (message0, message1)
     assert where in message1 and message0 == f"rank 1 of 2 failed: IndexError: {message1}", (message0, message1)
 
+    # A KeyedJaggedTensor's positions are that call's only: a later direct lookup through module.embedding
+    # names the position in its own input.
+    def later(world):
+        module = make([config], world=world, sharding="row_wise")
+        module(good)
+        with pytest.raises(IndexError) as info:
+            module.embedding([ec.Ragged.from_lengths(np.array([1]), np.array([1])),
+                              ec.Ragged.from_lengths(np.array([99]), np.array([1]))])
+        return str(info.value)
+
+    for message in run_local(2, later):
+        assert "id 99 at position 0 is out of range" in message and "KeyedJaggedTensor" not in message, message
+
 
 TWO_TOWERS = r'''
 import atexit

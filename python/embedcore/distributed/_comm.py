@@ -302,6 +302,8 @@ class MPIComm(Comm):
 
     def all_to_all_v(self, send, recv_counts=None):
         dtype = self._check_send(send)
+        if not dtype.isnative:  # values travel (and come back) in this machine's byte order
+            dtype = dtype.newbyteorder("=")
         send = [np.ascontiguousarray(a, dtype=dtype).reshape(-1) for a in send]
         send_counts = np.array([a.size for a in send], np.int64)
         if recv_counts is None:

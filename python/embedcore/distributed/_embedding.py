@@ -252,9 +252,11 @@ class ShardedEmbedding(Embedding):
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             error = e if self._caller_terms is None else self._caller_terms(e)
         all_counts = agree(comm, error, counts, step=self.step_name("lookup: requests"))
-        for j in range(comm.size):  # on every rank alike, from the agreed counts: all raise, or none
-            comm.check_exchange(all_counts[j], [all_counts[i][j] for i in range(comm.size)],
-                                "Embedding lookup (requests)", rank=j)
+        if comm.max_exchange_elements is not None:  # on every rank alike, from the agreed counts: all raise, or none
+            matrix = np.asarray(all_counts, np.int64)  # [sender, receiver]
+            sent, received = matrix.sum(axis=1), matrix.sum(axis=0)
+            for j in np.flatnonzero((sent > comm.max_exchange_elements) | (received > comm.max_exchange_elements)):
+                comm.check_exchange([sent[j]], [received[j]], "Embedding lookup (requests)", rank=int(j))
         recv = comm.all_to_all_v(send, [all_counts[j][comm.rank] for j in range(comm.size)])
 
         # Serve: look up what every rank asked this one for.
@@ -266,7 +268,7 @@ class ShardedEmbedding(Embedding):
                 expect[r.shard.rank] += r.n_out * r.shard.cols
         try:
             answers = [self._serve(j, recv[j], served) for j in range(comm.size)]
-            comm.check_exchange([a.size for a in answers], expect, "Embedding lookup (answers)")
+            comm.check_exchange([a.size for a in answers], expect, "Embedding lookup (answers)", rank=comm.rank)
         except Exception as e:  # noqa: BLE001
             error, answers = e, None
         agree(comm, error, step=self.step_name("lookup: answers"))
@@ -512,7 +514,8 @@ class ShardedEmbedding(Embedding):
             for (fi, si, j), (ids, offsets, w, code) in self._fwd[2].items():
                 cols = self._sharding_of(self._table_index[self._features[fi].table]).shards[si].cols
                 expect[j] += (offsets.size - 1 if code != _NONE else ids.size) * cols
-            comm.check_exchange([a.size for a in send], expect, "Embedding.apply_gradients (gradients)")
+            comm.check_exchange([a.size for a in send], expect, "Embedding.apply_gradients (gradients)",
+                                rank=comm.rank)
         except Exception as e:  # noqa: BLE001
             error = e
         agree(comm, error, step=self.step_name("apply_gradients: gradients"))
