@@ -245,7 +245,9 @@ void WriteRowwise8Payload(File& file, FileEntry* f, const std::string& label, co
 // fails the save.
 FileEntry WriteDataFile(const std::string& dir, const std::string& name, const std::string& label, const void* src,
                         DType src_dtype, DType dst_dtype, int64_t row0, int64_t rows, int64_t cols,
-                        int src_device = -1) {
+                        int src_device = -1, int64_t named_row0 = -1, int64_t named_col0 = 0) {
+  // Errors name rows and columns of the whole table: a shard's file names its local row 0 `named_row0`.
+  const int64_t first_named = named_row0 >= 0 ? named_row0 : row0;
   FileEntry f;
   f.path = name;
   f.dtype = dst_dtype;
@@ -276,7 +278,7 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const s
   const size_t src_es = DTypeSize(src_dtype), dst_es = DTypeSize(dst_dtype);
   const char* base = static_cast<const char*>(src) + size_t(row0) * size_t(cols) * src_es;
   if (dst_dtype == DType::kUInt8Rowwise) {
-    WriteRowwise8Payload(file, &f, label, base, src_dtype, row0, rows, cols, src_device);
+    WriteRowwise8Payload(file, &f, label, base, src_dtype, first_named, rows, cols, src_device);
     file.Close();
     return f;
   }
@@ -315,8 +317,8 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const s
             if (std::isfinite(back[j]) || !std::isfinite(tmp[j])) continue;
             const uint64_t e = e0 + uint64_t(i + j);
             throw InvalidArgument("save: " + label + " hold " + FormatFloat(tmp[j]) + " at row " +
-                                  std::to_string(row0 + int64_t(e / uint64_t(cols))) + ", column " +
-                                  std::to_string(e % uint64_t(cols)) + ", beyond the range of " +
+                                  std::to_string(first_named + int64_t(e / uint64_t(cols))) + ", column " +
+                                  std::to_string(named_col0 + int64_t(e % uint64_t(cols))) + ", beyond the range of " +
                                   DTypeName(dst_dtype) + "; export as float32" +
                                   (dst_dtype == DType::kFloat16 ? " or bfloat16" : ""));
           }
@@ -1054,7 +1056,7 @@ TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const s
   auto write = [&](const std::string& array, const void* src, DType src_dtype, DType dst_dtype, int64_t cols,
                    int64_t first_col) {
     FileEntry f = WriteDataFile(path, prefix + array + tag, "table '" + spec.name + "' " + array, src, src_dtype,
-                                dst_dtype, 0, spec.rows, cols, spec.device);
+                                dst_dtype, 0, spec.rows, cols, spec.device, row_start, first_col);
     f.row_start = row_start;
     f.col_start = first_col;
     SyncFile(JoinPath(path, f.path));  // its writeback started as it was written: this is short

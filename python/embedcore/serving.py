@@ -77,8 +77,11 @@ class ServedTable(LookupMixin):
         values, ``scale * code + bias`` rounded once, the bits of
         ``torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat`` (also of a
         sharded save). Lookups dequantize inside the pooling instead (in
-        float32, ``sum (w * scale) * code + sum w * bias``), so a lookup may
-        differ from a sum of these rows in the last bits."""
+        float32, ``sum (w * scale) * code + sum w * bias``, also for one id
+        or a sequence), so a lookup may differ from these rows by a rounding
+        of ``|scale * code| + |bias|`` (about 1e-7 of the row's magnitude):
+        where the bias cancels the scaled code, in more than the result's
+        last bits."""
         if self.dtype == "uint8_rowwise":
             return self._mapped.dequantized_values(self._index)
         v = self._mapped.values(self._index)

@@ -1119,3 +1119,36 @@ def test_reshard_resolves_a_src_link_once(tmp_path, monkeypatch, saved, referenc
     assert repointed
     monkeypatch.undo()
     _assert_loads_like_reference(dst, reference, 2, "column_wise")
+
+
+@pytest.mark.parametrize("values_dtype,sharding,where", [
+    ("uint8_rowwise", "row_wise", "values row 77 "),  # a range beyond float32's: no finite scale
+    ("float16", "row_wise", "at row 77, column 3,"),
+    ("float16", "column_wise", "at row 77, column 3,"),
+])
+def test_a_sharded_export_that_fails_names_the_tables_row_and_column(tmp_path, values_dtype, sharding, where):
+    """The rank holding the bad value names it by the table's row and column,
+    not by its shard's (was: row 27 of rank 1's rows [50, 100), and the
+    column within a column-wise shard)."""
+    values = np.zeros((100, 6), np.float32)
+    if values_dtype == "uint8_rowwise":
+        values[77, [0, 3]] = (-3e38, 3e38)
+    else:
+        values[77, 3] = 1e5  # beyond float16's 65504
+    path = str(tmp_path / "export")
+
+    def export(world):
+        emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig("t", 100, 6))}, world=world, sharding=sharding)
+        for s, table in emb.local_shards["t"]:
+            table.assign(values[s.row_start:s.row_start + s.rows, s.col_start:s.col_start + s.cols])
+        try:
+            ec.save(path, emb, include_optimizer=False, values_dtype=values_dtype)
+        except (ValueError, ec.distributed.RankFailedError) as e:
+            return type(e).__name__, str(e)
+        return None
+
+    results = run_world(2, export)
+    owner = 1 if sharding == "row_wise" else [r for r, (kind, _) in enumerate(results) if kind == "ValueError"][0]
+    kind, message = results[owner]
+    assert kind == "ValueError" and "table 't'" in message and where in message, message
+    assert not os.path.exists(path)
