@@ -154,7 +154,7 @@ def test_checkpoint_round_trip_and_manifest(rng, tmp_path):
     path = str(tmp_path / "ckpt")
     ec.save(path, t)
     m = json.loads(ec.checkpoint.read_info(path).manifest_json)
-    assert m["format_version"] == list(ec.FORMAT_VERSION) == [1, 3]
+    assert m["format_version"] == list(ec.FORMAT_VERSION) and tuple(ec.FORMAT_VERSION) >= (1, 3)  # the kind since 1.3
     entry = m["tables"][0]
     assert entry["optimizer"]["kind"] == "rowwise_adagrad"
     files = entry["slots"]["row_accumulators"]
