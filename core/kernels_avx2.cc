@@ -1,4 +1,4 @@
-// The AVX2 + F16C build of the row kernels, called only after a CPUID
+// The AVX2 + F16C (+ FMA, for the 8-bit rows) build of the row kernels, called only after a CPUID
 // check. The target is switched on by a pragma after the includes, so shared
 // inline functions (ops/half.h) keep their portable code, and everything
 // compiled for AVX2 here has internal linkage: no AVX2 code can leak into the
@@ -11,7 +11,7 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #define EMBEDCORE_HAVE_AVX2_KERNELS 1
 #pragma GCC push_options
-#pragma GCC target("avx2,f16c")
+#pragma GCC target("avx2,f16c,fma")
 
 namespace embedcore::kernels {
 namespace {
@@ -25,6 +25,7 @@ struct Avx2 {
   static Reg Add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
   static Reg Sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
   static Reg Mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
+  static Reg Fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c, rounded once
   static Reg LoadF(const float* p) { return _mm256_loadu_ps(p); }
   static void StoreF(float* p, Reg v) { _mm256_storeu_ps(p, v); }
   static Reg Load(const float* p) { return _mm256_loadu_ps(p); }

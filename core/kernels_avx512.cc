@@ -2,7 +2,8 @@
 // types), called only after a CPUID check: the AVX2 code with twice the
 // vector width, so rows that are already in cache (hot ids) are added twice
 // as fast. It computes the same float32 operations in the same order as the
-// other sets (no FMA contraction), so it gives the same bits. As in
+// other sets (no FMA contraction; the 8-bit rows use explicit FMAs, as all
+// sets do), so it gives the same bits. As in
 // kernels_avx2.cc, the target is switched on after the includes and all code
 // here has internal linkage.
 #include <immintrin.h>
@@ -12,7 +13,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx2,f16c,prfchw")
+#pragma GCC target("avx512f,avx2,f16c,fma,prfchw")
 
 namespace embedcore::kernels {
 namespace {
@@ -26,6 +27,7 @@ struct Avx512 {
   static Reg Add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
   static Reg Sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
   static Reg Mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+  static Reg Fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, rounded once
   static Reg LoadF(const float* p) { return _mm512_loadu_ps(p); }
   static void StoreF(float* p, Reg v) { _mm512_storeu_ps(p, v); }
   static Reg Load(const float* p) { return _mm512_loadu_ps(p); }

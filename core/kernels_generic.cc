@@ -49,24 +49,21 @@ struct ScalarRows {
   // uint8_rowwise rows: as SimdRows::PoolQ8 and ScaleQ8, the same operations.
   template <int NV, typename I>
   static void PoolQ8(float* out, const uint8_t* table, int64_t rows, int64_t dim, int64_t c0, const I* ids,
-                     int64_t k0, int64_t k1, const float* weights, int64_t pf_end, float* bias) {
+                     int64_t k0, int64_t k1, const float* weights, int64_t pf_end) {
     constexpr int64_t kCols = int64_t(NV) * kLanes;
     const int64_t rb = dim + rowwise8::kExtraBytes;
     float acc[kCols] = {};
-    float b = 0.0f;
     for (int64_t k = k0; k < k1; ++k) {
       if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
       const uint8_t* row = table + SafeRow(ids[k], rows) * rb;
       const float w = weights ? weights[k] : 1.0f;
-      const float a = w * rowwise8::Scale(row, dim);
-      if (bias != nullptr) b = b + w * rowwise8::Bias(row, dim);
-      for (int64_t d = 0; d < kCols; ++d) acc[d] += a * float(row[c0 + d]);
+      const float a = w * rowwise8::Scale(row, dim), b = w * rowwise8::Bias(row, dim);
+      for (int64_t d = 0; d < kCols; ++d) acc[d] = std::fma(a, float(row[c0 + d]), acc[d] + b);
     }
     for (int64_t d = 0; d < kCols; ++d) out[d] = acc[d];
-    if (bias != nullptr) *bias = b;
   }
   static void ScaleQ8(float* out, const uint8_t* q, float a, float c, int64_t dim) {
-    for (int64_t d = 0; d < dim; ++d) out[d] = a * float(q[d]) + c;
+    for (int64_t d = 0; d < dim; ++d) out[d] = std::fma(a, float(q[d]), c);
   }
   static void Load(const T* row, float* dst, int64_t dim) {
     for (int64_t d = 0; d < dim; ++d) dst[d] = ops::ToFloat(row[d]);

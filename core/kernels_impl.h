@@ -377,23 +377,23 @@ void SgdInOrder(const InOrderArgs& a, int64_t r0, int64_t r1) {
 
 // ---------------------------------------------------------------- uint8_rowwise rows
 // A served checkpoint's 8-bit rows (rowwise8.h), dequantized inside the
-// gather (Rowwise8Kernels): a pooled column is acc = 0 + a_0 q_0 + a_1 q_1 +
-// ... with a_k = w_k * s_k, in id order, then acc + B with B = 0 + w_0 b_0 +
-// w_1 b_1 + ...; a single row is a q + w b. The column blocks are PoolBag's;
-// every column sees the same operations in the same order in every kernel set.
+// gather (Rowwise8Kernels), as FBGEMM's 8-bit bags: a pooled column starts at
+// 0 and takes, for each id k in order, acc = fma(w_k s_k, q_k, acc + w_k b_k)
+// (one rounding for the product and the sum); a single row is
+// fma(w s, q, w b), which is the dequantized value when w = 1. The column
+// blocks are PoolBag's; every column sees the same operations in the same
+// order in every kernel set.
 
-// The first block pass (pf_end != 0: it also prefetches) sums the biases into *bias too.
 template <typename R, int NV, typename I>
 inline void PoolQ8SmallerBlocks(const LookupArgs& a, const uint8_t* table, const I* ids, int64_t k0, int64_t k1,
-                                float* acc, int64_t& c0, int64_t& pf_end, float*& bias) {
+                                float* acc, int64_t& c0, int64_t& pf_end) {
   if constexpr (NV >= 1) {
     if (a.dim - c0 >= int64_t(NV) * R::kLanes) {
-      R::template PoolQ8<NV>(acc + c0, table, a.rows, a.dim, c0, ids, k0, k1, a.weights, pf_end, bias);
+      R::template PoolQ8<NV>(acc + c0, table, a.rows, a.dim, c0, ids, k0, k1, a.weights, pf_end);
       c0 += int64_t(NV) * R::kLanes;
       pf_end = 0;
-      bias = nullptr;
     }
-    PoolQ8SmallerBlocks<R, NV / 2, I>(a, table, ids, k0, k1, acc, c0, pf_end, bias);
+    PoolQ8SmallerBlocks<R, NV / 2, I>(a, table, ids, k0, k1, acc, c0, pf_end);
   }
 }
 
@@ -410,29 +410,25 @@ void PooledBagsQ8(const LookupArgs& a, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     float* acc = a.out + b * stride;
     const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
-    int64_t c0 = 0, pf_end = k_end;
-    float bias = 0.0f;
-    float* bias_to = &bias;  // the first pass over the bag's rows sums their biases as well
-    for (; c0 + kBlock <= dim; c0 += kBlock, pf_end = 0, bias_to = nullptr)
-      R::template PoolQ8<R::kVectors>(acc + c0, table, a.rows, dim, c0, ids, k0, k1, a.weights, pf_end, bias_to);
-    PoolQ8SmallerBlocks<R, R::kVectors / 2, I>(a, table, ids, k0, k1, acc, c0, pf_end, bias_to);
-    if (c0 < dim) {  // the columns past the last vector (and the biases when no block ran)
+    int64_t c0 = 0, pf_end = k_end;  // the first pass over the bag's rows prefetches the next bags' rows
+    for (; c0 + kBlock <= dim; c0 += kBlock, pf_end = 0)
+      R::template PoolQ8<R::kVectors>(acc + c0, table, a.rows, dim, c0, ids, k0, k1, a.weights, pf_end);
+    PoolQ8SmallerBlocks<R, R::kVectors / 2, I>(a, table, ids, k0, k1, acc, c0, pf_end);
+    if (c0 < dim) {  // the columns past the last vector
       for (int64_t d = c0; d < dim; ++d) acc[d] = 0.0f;
       for (int64_t k = k0; k < k1; ++k) {
         if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
         const uint8_t* row = table + SafeRow(ids[k], a.rows) * rb;
         const float w = a.weights ? a.weights[k] : 1.0f;
-        const float s = w * rowwise8::Scale(row, dim);
-        if (bias_to != nullptr) bias = bias + w * rowwise8::Bias(row, dim);
-        for (int64_t d = c0; d < dim; ++d) acc[d] = acc[d] + s * float(row[d]);
+        const float s = w * rowwise8::Scale(row, dim), bias = w * rowwise8::Bias(row, dim);
+        for (int64_t d = c0; d < dim; ++d) acc[d] = std::fma(s, float(row[d]), acc[d] + bias);
       }
     }
-    for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] + bias;
     FinishPooledBag(a, k0, k1, acc);
   }
 }
 
-// out = (w s) q + w b for one row.
+// out = fma(w s, q, w b) for one row.
 template <typename R>
 [[gnu::always_inline]] inline void ScaleRowQ8(float* out, const uint8_t* row, float w, int64_t dim) {
   R::ScaleQ8(out, row, w * rowwise8::Scale(row, dim), w * rowwise8::Bias(row, dim), dim);

@@ -93,36 +93,33 @@ struct SimdRows {
     for (; d < dim; ++d) w[d] = ops::SgdInOrderElement(w[d], lr, c, g[d]);
   }
   // uint8_rowwise rows (rows of dim + 8 bytes; see Rowwise8Kernels): for the
-  // NV * kLanes columns from c0, out[c] = sum over k of (w_k * s_k) * q_k[c0 + c];
-  // with `bias`, also *bias = sum over k of w_k * b_k (from 0, in id order).
+  // NV * kLanes columns from c0, out[c] = fma(w_k s_k, q_k[c0 + c], out[c] + w_k b_k)
+  // over k in id order, from 0.
   template <int NV, typename I>
   static void PoolQ8(float* out, const uint8_t* table, int64_t rows, int64_t dim, int64_t c0, const I* ids,
-                     int64_t k0, int64_t k1, const float* weights, int64_t pf_end, float* bias) {
+                     int64_t k0, int64_t k1, const float* weights, int64_t pf_end) {
     const int64_t rb = dim + rowwise8::kExtraBytes;
     Reg s[NV];
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) s[j] = V::Zero();
-    float b = 0.0f;
     for (int64_t k = k0; k < k1; ++k) {
       if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
       const uint8_t* row = table + SafeRow(ids[k], rows) * rb;
       const float w = weights ? weights[k] : 1.0f;
-      const Reg a = V::Set1(w * rowwise8::Scale(row, dim));
-      if (bias != nullptr) b = b + w * rowwise8::Bias(row, dim);
+      const Reg a = V::Set1(w * rowwise8::Scale(row, dim)), b = V::Set1(w * rowwise8::Bias(row, dim));
       row += c0;
 #pragma GCC unroll 16
-      for (int j = 0; j < NV; ++j) s[j] = V::Add(s[j], V::Mul(a, V::LoadU8(row + kLanes * j)));
+      for (int j = 0; j < NV; ++j) s[j] = V::Fma(a, V::LoadU8(row + kLanes * j), V::Add(s[j], b));
     }
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) V::StoreF(out + kLanes * j, s[j]);
-    if (bias != nullptr) *bias = b;
   }
-  // out[d] = a * q[d] + c
+  // out[d] = fma(a, q[d], c)
   static void ScaleQ8(float* out, const uint8_t* q, float a, float c, int64_t dim) {
     const Reg av = V::Set1(a), cv = V::Set1(c);
     int64_t d = 0;
-    for (; d + kLanes <= dim; d += kLanes) V::StoreF(out + d, V::Add(V::Mul(av, V::LoadU8(q + d)), cv));
-    for (; d < dim; ++d) out[d] = a * float(q[d]) + c;
+    for (; d + kLanes <= dim; d += kLanes) V::StoreF(out + d, V::Fma(av, V::LoadU8(q + d), cv));
+    for (; d < dim; ++d) out[d] = std::fma(a, float(q[d]), c);
   }
   static void Load(const T* row, float* dst, int64_t dim) {
     int64_t d = 0;

@@ -1020,7 +1020,8 @@ const KernelSet& ActiveKernels() {
       throw InvalidArgument("EMBEDCORE_KERNELS must be generic, avx2 or avx512 (or unset), got '" + cap + "'");
     const bool generic = cap == "generic";
 #if defined(__x86_64__)
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    const bool avx2 =
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
     const bool want_avx2 = cap == "avx2";
     if (!generic && !want_avx2 && Avx512Kernels() != nullptr && avx2 && __builtin_cpu_supports("avx512f"))
       return Avx512Kernels();

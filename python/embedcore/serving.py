@@ -76,12 +76,11 @@ class ServedTable(LookupMixin):
         this returns a new float32 ``[rows, dim]`` array of its dequantized
         values, ``scale * code + bias`` rounded once, the bits of
         ``torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat`` (also of a
-        sharded save). Lookups dequantize inside the pooling instead (in
-        float32, ``sum (w * scale) * code + sum w * bias``, also for one id
-        or a sequence), so a lookup may differ from these rows by a rounding
-        of ``|scale * code| + |bias|`` (about 1e-7 of the row's magnitude):
-        where the bias cancels the scaled code, in more than the result's
-        last bits."""
+        sharded save). Lookups dequantize inside the pooling instead, as
+        FBGEMM's 8-bit bags do and with their bits: each id adds
+        ``fma(w * scale, code, acc + w * bias)``; one id alone (a sequence
+        or per-id lookup) gives ``fma(w * scale, code, w * bias)``, these
+        rows' bits when ``w`` is 1."""
         if self.dtype == "uint8_rowwise":
             return self._mapped.dequantized_values(self._index)
         v = self._mapped.values(self._index)

@@ -375,16 +375,15 @@ EMBEDCORE_TEST(Uint8RowwiseCheckpointsServeAndReload) {
           const std::vector<float> flat = CLookup(h.h, t, b.C(weighted, int32), EMBEDCORE_COMBINER_NONE);
           for (size_t bag = 0; bag + 1 < b.offsets.size(); ++bag) {
             for (int64_t d = 0; d < dim; ++d) {
-              float acc = 0.0f, bsum = 0.0f;
+              float acc = 0.0f;  // FBGEMM's 8-bit bag: fma(w * scale, code, acc + w * bias), id after id
               for (int64_t k = b.offsets[bag]; k < b.offsets[bag + 1]; ++k) {
                 const float w = weighted ? b.weights[size_t(k)] : 1.0f;
                 const int64_t id = b.ids[size_t(k)];
-                acc = acc + (w * scale(id)) * float(rows[id * rb + d]);
-                bsum = bsum + w * bias(id);
+                acc = std::fma(w * scale(id), float(rows[id * rb + d]), acc + w * bias(id));
                 EMBEDCORE_EXPECT_BITS_EQ(flat[size_t(k * dim + d)],
-                                         (w * scale(id)) * float(rows[id * rb + d]) + w * bias(id));
+                                         std::fma(w * scale(id), float(rows[id * rb + d]), w * bias(id)));
               }
-              EMBEDCORE_EXPECT_BITS_EQ(sum[bag * size_t(dim) + size_t(d)], acc + bsum);
+              EMBEDCORE_EXPECT_BITS_EQ(sum[bag * size_t(dim) + size_t(d)], acc);
             }
           }
           for (int32_t c : {EMBEDCORE_COMBINER_MEAN, EMBEDCORE_COMBINER_SQRTN, EMBEDCORE_COMBINER_NONE}) {

@@ -278,8 +278,9 @@ RawTable MakeRowwise8Table(int64_t rows, int64_t dim, std::mt19937& rng) {
   return t;
 }
 
-// The kernels' arithmetic, spelled out: a pooled column is (0 + a_0 q_0 + a_1 q_1 + ...) + (0 + c_0 + c_1 + ...)
-// with a_k = w_k * scale_k and c_k = w_k * bias_k, in id order, then / the denominator; a row alone is a q + c.
+// The kernels' arithmetic (FBGEMM's 8-bit bags), spelled out: a pooled column starts at 0 and takes
+// acc = fma(a_k, q_k, acc + c_k) with a_k = w_k * scale_k and c_k = w_k * bias_k, in id order, then / the
+// denominator; a row alone is fma(a, q, c).
 std::vector<float> RefRowwise8(const RawTable& t, const RandomBatch& b, bool weighted, ops::CombinerKind c,
                                int64_t len) {
   const int64_t dim = t.dim, rb = dim + 8;
@@ -287,7 +288,7 @@ std::vector<float> RefRowwise8(const RawTable& t, const RandomBatch& b, bool wei
   auto w_of = [&](int64_t k) { return weighted ? b.weights[k] : 1.0f; };
   auto one = [&](int64_t k, float* out) {
     const float a = w_of(k) * rowwise8::Scale(row(k), dim), cc = w_of(k) * rowwise8::Bias(row(k), dim);
-    for (int64_t d = 0; d < dim; ++d) out[d] = a * float(row(k)[d]) + cc;
+    for (int64_t d = 0; d < dim; ++d) out[d] = std::fma(a, float(row(k)[d]), cc);
   };
   if (c == ops::CombinerKind::kNone) {
     if (len == 0) {
@@ -304,15 +305,13 @@ std::vector<float> RefRowwise8(const RawTable& t, const RandomBatch& b, bool wei
   std::vector<float> out(size_t(b.bags() * dim));
   for (int64_t bag = 0; bag < b.bags(); ++bag) {
     float* acc = &out[size_t(bag * dim)];
-    float bias = 0.0f, sw = 0.0f, sw2 = 0.0f;
+    float sw = 0.0f, sw2 = 0.0f;
     for (int64_t k = b.offsets[bag]; k < b.offsets[bag + 1]; ++k) {
-      const float w = w_of(k), a = w * rowwise8::Scale(row(k), dim);
-      for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] + a * float(row(k)[d]);
-      bias = bias + w * rowwise8::Bias(row(k), dim);
+      const float w = w_of(k), a = w * rowwise8::Scale(row(k), dim), cc = w * rowwise8::Bias(row(k), dim);
+      for (int64_t d = 0; d < dim; ++d) acc[d] = std::fma(a, float(row(k)[d]), acc[d] + cc);
       sw += w;
       sw2 += w * w;
     }
-    for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] + bias;
     if (c == ops::CombinerKind::kSum) continue;
     const float den = c == ops::CombinerKind::kMean ? sw : std::sqrt(sw2);
     for (int64_t d = 0; d < dim; ++d) acc[d] = den == 0.0f ? 0.0f : acc[d] / den;

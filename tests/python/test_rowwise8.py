@@ -162,11 +162,9 @@ def test_served_lookups_match_the_dequantized_table(tmp_path, rng, dim, verify):
             close(st.lookup(ids, offsets, w, combiner=combiner), reference(deq, ids, offsets, w, combiner, q))
     close(st.lookup(ids, offsets), reference(deq, ids, offsets, None, "mean", q))  # the table's combiner
     np.testing.assert_array_equal(st.lookup(ids.astype(np.int32), offsets), st.lookup(ids, offsets))
-    # A row on its own is scale * code + bias (two roundings: within an ulp of its terms of FBGEMM's one).
+    # A row on its own is fma(scale, code, bias): FBGEMM's dequantized row, bit for bit.
     one = st.lookup(np.arange(700), combiner=None)
-    sb = q[:, dim:].copy().view(np.float32)
-    terms = np.abs(q[:, :dim] * sb[:, :1].astype(np.float64)) + np.abs(sb[:, 1:])
-    assert (np.abs(one.astype(np.float64) - deq) <= 2 ** -23 * terms).all()
+    assert one.tobytes() == deq.tobytes()
     np.testing.assert_array_equal(st.lookup(np.arange(700), combiner="sum"), one)
     dense = ids[:60].reshape(20, 3)
     seq = st.lookup(dense, combiner=None, max_sequence_length=4)
@@ -182,6 +180,31 @@ def test_served_lookups_match_the_dequantized_table(tmp_path, rng, dim, verify):
     np.testing.assert_array_equal(out, st.lookup(ids, offsets, combiner="sum"))
     with pytest.raises(IndexError):
         st.lookup(np.array([700]))
+
+
+@pytest.mark.parametrize("dim", [1, 3, 16, 33, 64, 128, 200])
+def test_pooled_lookups_are_fbgemm_s_8_bit_bags_bit_for_bit(tmp_path, rng, dim):
+    # FBGEMM's 8-bit bag kernel (PyTorch's quantized embedding_bag_byte_rowwise_offsets over FBGEMM's rows):
+    # each id adds fma(w * scale, code, acc + w * bias), in order; so does every embedcore kernel set.
+    values = (rng.standard_normal((500, dim)) * rng.uniform(0.01, 10, (500, 1)) + rng.normal(0, 2, (500, 1)))
+    values = values.astype(np.float32)
+    ec.save(tmp_path / "c", table_with(values), values_dtype="uint8_rowwise")
+    st = ec.serving.open(tmp_path / "c").tables["t"]
+    q = torch.from_numpy(fbgemm_quantize(values))
+    ids = rng.integers(0, 500, 3000)
+    offsets = np.sort(np.r_[0, rng.integers(0, 3000, 200), 3000])  # with empty bags
+    for w in (None, rng.uniform(-2, 2, 3000).astype(np.float32)):
+        want = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
+            q, torch.from_numpy(ids), torch.from_numpy(offsets), False, 0, False,
+            None if w is None else torch.from_numpy(w), None, True).numpy()
+        got = st.lookup(ids, offsets, w, combiner="sum")
+        assert got.tobytes() == want.tobytes(), np.abs(got - want).max()
+    # One id with a weight: fma(w * scale, code, w * bias), as FBGEMM's bag of one.
+    w1 = np.float32(-1.75)
+    want = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
+        q, torch.from_numpy(ids[:5]), torch.arange(6), False, 0, False, torch.full((5,), w1), None, True).numpy()
+    got = st.lookup(ids[:5], weights=np.full(5, w1), combiner=None)
+    assert got.tobytes() == want.tobytes()
 
 
 _KERNEL_SCRIPT = """
