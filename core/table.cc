@@ -468,11 +468,27 @@ void CheckRowRange(const TableSpec& spec, int64_t start_row, int64_t n, const ch
     throw OutOfRange("table '" + spec.name + "': " + what + " rows [" + std::to_string(start_row) + ", " +
                      std::to_string(start_row + n) + ") do not fit in [0, " + std::to_string(spec.rows) + ")");
 }
+
+// True when [a, a + a_bytes) and [b, b + b_bytes) share a byte.
+bool Overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
+}
 }  // namespace
 
 void Table::AssignValues(int64_t start_row, int64_t n, const float* src) {
   CheckRowRange(spec_, start_row, n, "assigned");
   std::unique_lock<std::shared_mutex> lock(mutex_);
+  // A source that overlaps the rows it is written to (a view of the table's own rows, shifted) is copied
+  // first, as NumPy's and PyTorch's assignments do: every row gets the source as it was before the call.
+  std::vector<float> copy;
+  if (spec_.device < 0 && Overlap(src, size_t(n) * size_t(spec_.dim) * sizeof(float),
+                                  static_cast<char*>(values_.get()) + size_t(start_row) * size_t(spec_.dim) *
+                                                                          DTypeSize(spec_.dtype),
+                                  size_t(n) * size_t(spec_.dim) * DTypeSize(spec_.dtype))) {
+    copy.assign(src, src + size_t(n) * size_t(spec_.dim));
+    src = copy.data();
+  }
   const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
   const size_t es = DTypeSize(spec_.dtype);
   if (spec_.device >= 0) {  // rounded on the host, a bounded piece at a time
@@ -502,7 +518,7 @@ void Table::AssignRaw(int64_t start_row, int64_t n, const void* src) {
   if (spec_.device >= 0)
     cuda_impl::CopyToDevice(dst, src, size_t(n) * row_bytes, spec_.device);
   else
-    std::memcpy(dst, src, size_t(n) * row_bytes);
+    std::memmove(dst, src, size_t(n) * row_bytes);  // the source may be the table's own rows, shifted
 }
 
 void Table::AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src) {
@@ -520,7 +536,7 @@ void Table::AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src)
   if (spec_.device >= 0)
     cuda_impl::CopyToDevice(dst, src, size_t(n) * cols * sizeof(float), spec_.device);
   else
-    std::memcpy(dst, src, size_t(n) * cols * sizeof(float));
+    std::memmove(dst, src, size_t(n) * cols * sizeof(float));  // the source may be the slot's own rows, shifted
 }
 
 void Table::ReadValues(int64_t start_row, int64_t n, float* dst) const {

@@ -5,6 +5,8 @@ pooling or as sequences, sparse optimizers with TensorFlow TPU-embedding
 semantics, all in a C++ core that releases the GIL and uses every core.
 ``import embedcore`` needs only NumPy.
 """
+import numbers
+
 from . import _embedcore
 from . import initializers, optimizers
 from ._inputs import Ragged, Sparse
@@ -53,8 +55,9 @@ def set_num_threads(n: int) -> None:
     environment variable ``EMBEDCORE_SPIN_US`` (read when the pool starts)
     to a lower limit in microseconds, or 0 for none.
     """
-    if isinstance(n, bool) or not isinstance(n, int):
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):  # NumPy's integers too, as the other int args
         raise TypeError(f"set_num_threads: n must be an int, got {n!r}")
+    n = int(n)
     if n < 1:
         raise ValueError(f"set_num_threads: n must be >= 1, got {n}")
     if n > 4096:  # the engine's kMaxThreads: its pool starts every thread at once

@@ -990,6 +990,33 @@ EMBEDCORE_TEST(AssignSlotKeepsSlotsInTheOptimizersDomain) {
   EMBEDCORE_EXPECT(!OptimizerSpec{}.SlotLowerBound(0).bounded);  // SGD has no slots
 }
 
+// A source that is the table's own rows, shifted, assigns them as they were before the call (NumPy's
+// `a[2:7] = a[0:5]`), with rows enough for several parallel chunks.
+EMBEDCORE_TEST(AssignFromTheTablesOwnShiftedRows) {
+  for (DType dt : {DType::kFloat32, DType::kFloat16}) {
+    Table t(MakeSpec(5000, 3, dt, OptimizerSpec::Kind::kAdagrad));
+    std::vector<float> rows(5000 * 3);
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = float(i % 1000);
+    t.AssignValues(0, 5000, rows.data());
+    for (size_t i = 0; i < rows.size(); ++i) t.slot(0)[i] = float(i % 1000) + 1.0f;
+    std::vector<float> before(5000 * 3), after(5000 * 3);
+    t.ReadValues(0, 5000, before.data());
+    const std::vector<float> slot_before(t.slot(0), t.slot(0) + 5000 * 3);
+    if (dt == DType::kFloat32) {
+      t.AssignValues(1, 4999, static_cast<const float*>(t.values()));  // every row one down
+    } else {
+      t.AssignRaw(1, 4999, t.values());
+    }
+    t.AssignSlot(0, 0, 4999, t.slot(0) + 3);  // every slot row one up
+    t.ReadValues(0, 5000, after.data());
+    for (int64_t r = 1; r < 5000; ++r)
+      for (int64_t c = 0; c < 3; ++c) {
+        EMBEDCORE_EXPECT_BITS_EQ(after[size_t(r * 3 + c)], before[size_t((r - 1) * 3 + c)]);
+        EMBEDCORE_EXPECT_BITS_EQ(t.slot(0)[(r - 1) * 3 + c], slot_before[size_t(r * 3 + c)]);
+      }
+  }
+}
+
 EMBEDCORE_TEST(RowwiseAdagradSlotIsOneColumn) {
   TableSpec spec = MakeSpec(12, 7, DType::kFloat32, OptimizerSpec::Kind::kRowwiseAdagrad);
   spec.optimizer.initial_accumulator_value = 0.25f;

@@ -269,10 +269,18 @@ def test_threads_that_cannot_start_raise_and_keep_the_pool():
 
 def test_thread_counts_out_of_range():
     before = ec.get_num_threads()
-    for bad, match in ((0, ">= 1"), (10**8, "<= 4096")):
+    for bad, match in ((0, ">= 1"), (10**8, "<= 4096"), (np.int64(0), ">= 1")):
         with pytest.raises(ValueError, match=match):
             ec.set_num_threads(bad)
+    for bad in (2.0, "2", True, None):
+        with pytest.raises(TypeError, match="n must be an int"):
+            ec.set_num_threads(bad)
     assert ec.get_num_threads() == before
+
+
+def test_thread_count_of_a_numpy_integer(restore_threads):
+    ec.set_num_threads(np.int64(2))  # as the other int arguments take NumPy's integers
+    assert ec.get_num_threads() == 2
 
 
 def test_assigned_values_must_be_finite(trained):

@@ -418,6 +418,21 @@ def test_assign_slot_round_trip(rng):
     _compare(table, tref)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_assign_from_the_table_s_own_shifted_rows(threads, restore_threads):
+    # NumPy's a[1:] = a[:-1]: every row gets the source as it was before the call (the view was read while
+    # the rows it shows were being written; the result depended on the threads' timing).
+    ec.set_num_threads(threads)
+    table = make_table(20000, 2, optimizer=ec.optimizers.Adagrad(0.1))
+    table.assign(np.arange(40000, dtype=np.float32).reshape(20000, 2) % 997)
+    table.assign_slot("accumulators", np.arange(40000, dtype=np.float32).reshape(20000, 2) % 997 + 1)
+    values, acc = table.to_numpy(), table.slots()["accumulators"].copy()
+    table.assign(table.values()[:-1], start_row=1)
+    table.assign_slot("accumulators", table.slots()["accumulators"][1:], start_row=0)
+    np.testing.assert_array_equal(table.to_numpy()[1:], values[:-1])
+    np.testing.assert_array_equal(table.slots()["accumulators"][:-1], acc[1:])
+
+
 def test_empty_update_counts_a_step():
     table = make_table(10, 3, optimizer=ec.optimizers.Adagrad(0.1))
     before = snapshot(table)

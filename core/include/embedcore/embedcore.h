@@ -384,7 +384,9 @@ class Table {
   int64_t slot_dim() const { return spec_.optimizer.SlotDim(spec_.dim); }
 
   /// Overwrites rows [start_row, start_row + n) from float32 `src` ([n, dim]),
-  /// rounding to the storage dtype.
+  /// rounding to the storage dtype. Here and in AssignRaw / AssignSlot, `src`
+  /// may be the table's own rows (shifted): each row gets `src` as it was
+  /// before the call, as NumPy's slice assignment.
   void AssignValues(int64_t start_row, int64_t n, const float* src);
   /// Overwrites rows from `src` that already holds the storage dtype.
   void AssignRaw(int64_t start_row, int64_t n, const void* src);
