@@ -65,9 +65,11 @@ _TORCHREC_DTYPES = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
 
 
 class _Spec:
-    """A table config, ours or TorchRec's, normalised."""
+    """A table config, ours or TorchRec's, normalised. Without `build` (a
+    served table: its checkpoint has the values and their dtype), the dtype
+    and initial values are not read (and PyTorch's generator not drawn)."""
 
-    def __init__(self, cfg, pooled: bool, owner: str):
+    def __init__(self, cfg, pooled: bool, owner: str, build: bool = True):
         for attr in ("num_embeddings", "embedding_dim", "name"):
             if not hasattr(cfg, attr):
                 raise TypeError(f"{owner}: tables must be EmbeddingBagConfig / EmbeddingConfig (embedcore's or "
@@ -79,14 +81,6 @@ class _Spec:
         self.rows = int(cfg.num_embeddings)
         self.dim = int(cfg.embedding_dim)
         self.features = list(getattr(cfg, "feature_names", None) or [cfg.name])
-        if hasattr(cfg, "data_type"):  # TorchRec's DataType
-            v = getattr(cfg.data_type, "value", cfg.data_type)
-            if v not in _TORCHREC_DTYPES:
-                raise ValueError(f"{owner}: table '{self.name}' has data_type {cfg.data_type}; embedcore tables are "
-                                 "FP32, FP16 or BF16")
-            self.dtype = _TORCHREC_DTYPES[v]
-        else:
-            self.dtype = getattr(cfg, "dtype", "float32")
         self.pooling = None
         if pooled:
             p = getattr(cfg, "pooling", "sum")
@@ -95,6 +89,19 @@ class _Spec:
                 raise ValueError(f"{owner}: table '{self.name}' has pooling {p!r}; use sum, mean or sqrtn "
                                  "(unpooled tables belong in an EmbeddingCollection)")
             self.pooling = p
+        self.dtype = self.initializer = self.init_fn = self.optimizer = None
+        if build:
+            self._build_options(cfg, owner)
+
+    def _build_options(self, cfg, owner: str) -> None:
+        if hasattr(cfg, "data_type"):  # TorchRec's DataType
+            v = getattr(cfg.data_type, "value", cfg.data_type)
+            if v not in _TORCHREC_DTYPES:
+                raise ValueError(f"{owner}: table '{self.name}' has data_type {cfg.data_type}; embedcore tables are "
+                                 "FP32, FP16 or BF16")
+            self.dtype = _TORCHREC_DTYPES[v]
+        else:
+            self.dtype = getattr(cfg, "dtype", "float32")
         self.initializer = getattr(cfg, "initializer", None)
         self.init_fn = None
         if self.initializer is None:
@@ -127,8 +134,8 @@ def _check_optimizer_argument(optimizer, owner: str, torchrec_second: str) -> No
                     f"({torchrec_second}=...)")
 
 
-def _specs(tables, pooled: bool, owner: str) -> List[_Spec]:
-    specs = [_Spec(c, pooled, owner) for c in tables]
+def _specs(tables, pooled: bool, owner: str, build: bool = True) -> List[_Spec]:
+    specs = [_Spec(c, pooled, owner, build) for c in tables]
     if not specs:
         raise ValueError(f"{owner}: no tables given")
     names = [s.name for s in specs]
@@ -214,12 +221,12 @@ def _csr(x, where: str) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     return values, offsets, weights
 
 
-def _sequence_ids(features: dict, f: str, table: str) -> Tuple[Tensor, tuple]:
+def _sequence_ids(features: dict, f: str, table: str, owner: str = "EmbeddingCollection") -> Tuple[Tensor, tuple]:
     """The ids of feature `f` (of `table`) for an EmbeddingCollection, flat,
     and the shape its output takes before the embedding dimension: the ids'
     own shape for a tensor, (nnz,) for a jagged input."""
     if f not in features:
-        raise KeyError(f"EmbeddingCollection: feature {f!r} of table '{table}' is missing from the input (it holds "
+        raise KeyError(f"{owner}: feature {f!r} of table '{table}' is missing from the input (it holds "
                        f"{sorted(features)})")
     x = features[f]
     if isinstance(x, Tensor):
@@ -253,7 +260,151 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
     return values, offsets, kjt.weights_or_none(), stride, index
 
 
+# ------------------------------------------------------------------ TorchRec's interface
+class _PooledInterface:
+    """``forward`` and TorchRec's accessors of the pooled collections
+    (``EmbeddingBagCollection``, ``ServedEmbeddingBagCollection``): the inputs taken apart into sources
+    and segments (as ``_ops.lookup`` takes them), each table looked up by
+    ``_table_lookup(i, ids, offsets, weights, segments, combiner)`` (one
+    output per segment), the outputs named and ordered as TorchRec's.
+    Subclasses set ``_specs``, ``_names``, ``_dims``, ``_is_weighted`` and
+    ``_check_input(features)`` (checks before any lookup)."""
+
+    _owner = "EmbeddingBagCollection"
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def embedding_bag_configs(self) -> list:
+        """The table configs as given (TorchRec's or this module's)."""
+        return [s.config for s in self._specs]
+
+    def forward(self, features):
+        if _is_kjt(features):
+            self._check_input(features)
+            return self._forward_kjt(features)
+        if not isinstance(features, dict):
+            raise TypeError(f"{self._owner} takes a dict of features or a TorchRec KeyedJaggedTensor, got "
+                            f"{type(features).__name__}")
+        self._check_input(features)
+        out: Dict[str, Tensor] = {}
+        for i, (spec, names) in enumerate(zip(self._specs, self._names)):
+            ids, offsets, weights, segments = [], [], [], []
+            for k, f in enumerate(spec.features):
+                if f not in features:
+                    raise KeyError(f"{self._owner}: feature {f!r} of table '{spec.name}' is missing from "
+                                   f"the input (it holds {sorted(features)})")
+                v, o, w = _csr(features[f], f"features[{f!r}]")
+                ids.append(v)
+                offsets.append(o)
+                weights.append(w)
+                segments.extend((k, 0, o.shape[0] - 1))
+            if all(w is None for w in weights):
+                weights = []
+            else:
+                weights = [w if w is not None else torch.ones(v.shape, dtype=torch.float32, device=v.device)
+                           for v, w in zip(ids, weights)]
+            out.update(zip(names, self._table_lookup(i, ids, offsets, weights, segments, _MODES[spec.pooling])))
+        return out
+
+    def _keys(self) -> List[str]:
+        return [n for names in self._names for n in names]
+
+    def _kjt_segments(self, kjt):
+        """(values, offsets, weights, segments by table, combiners by table) of a KJT."""
+        all_features = [f for s in self._specs for f in s.features]
+        values, offsets, kjt_weights, stride, index = _kjt_parts(kjt, all_features, self._owner)
+        weights: List[Tensor] = []
+        if self._is_weighted:
+            if kjt_weights is None:
+                raise ValueError(f"{self._owner}(is_weighted=True) needs a KeyedJaggedTensor with weights")
+            check_weights(kjt_weights, values, "KeyedJaggedTensor weights")
+            weights = [kjt_weights]
+        segments = [[x for f in spec.features for x in (0, index[f] * stride, stride)] for spec in self._specs]
+        return values, offsets, weights, segments, [_MODES[spec.pooling] for spec in self._specs]
+
+    def _forward_kjt(self, kjt):
+        return self._lookup_kjt(*self._kjt_segments(kjt))
+
+    def _lookup_kjt(self, values, offsets, weights, segments, combiners):
+        """A ``KeyedTensor`` of each table's lookup of its segments of a KJT."""
+        pooled: List[Tensor] = []
+        for i, (segs, combiner) in enumerate(zip(segments, combiners)):
+            pooled.extend(self._table_lookup(i, [values], [offsets], weights, segs, combiner))
+        return _jagged_module().KeyedTensor(keys=self._keys(), length_per_key=self._dims,
+                                            values=torch.cat(pooled, dim=1))
+
+
+class _SequenceInterface:
+    """``forward`` and TorchRec's accessors of the unpooled collections (``EmbeddingCollection``,
+    ``ServedEmbeddingCollection``), as ``_PooledInterface``'s (subclasses set
+    ``_specs``, ``_names``, ``_need_indices``)."""
+
+    _owner = "EmbeddingCollection"
+
+    def embedding_configs(self) -> list:
+        """The table configs as given (TorchRec's or this module's)."""
+        return [s.config for s in self._specs]
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def embedding_names_by_table(self) -> List[List[str]]:
+        """The output names of each table's features, in table order."""
+        return [list(names) for names in self._names]
+
+    def embedding_dim(self) -> int:
+        """The tables' common dimension (TorchRec's collection has one)."""
+        dims = sorted({s.dim for s in self._specs})
+        if len(dims) != 1:
+            raise ValueError(f"{self._owner}: the tables have dimensions {dims}, not one embedding_dim")
+        return dims[0]
+
+    def forward(self, features):
+        if _is_kjt(features):
+            self._check_input(features)
+            return self._forward_kjt(features)
+        if not isinstance(features, dict):
+            raise TypeError(f"{self._owner} takes a dict of features or a TorchRec KeyedJaggedTensor, got "
+                            f"{type(features).__name__}")
+        self._check_input(features)
+        out: Dict[str, Tensor] = {}
+        for i, (spec, names) in enumerate(zip(self._specs, self._names)):
+            ids, shapes, segments = [], [], []
+            for k, f in enumerate(spec.features):
+                v, shape = _sequence_ids(features, f, spec.name, self._owner)
+                ids.append(v)
+                shapes.append(shape)
+                segments.extend((k, 0, _ops.WHOLE))
+            results = self._table_lookup(i, ids, [], [], segments, _ops.SEQUENCE)
+            for name, r, shape in zip(names, results, shapes):
+                out[name] = r.reshape(*shape, spec.dim)
+        return out
+
+    def _forward_kjt(self, kjt):
+        jt = _jagged_module()
+        all_features = [f for s in self._specs for f in s.features]
+        values, offsets, _, stride, index = _kjt_parts(kjt, all_features, self._owner)
+        lengths = kjt.lengths()
+        out = {}
+        for i, (spec, names) in enumerate(zip(self._specs, self._names)):
+            segments: List[int] = []
+            for f in spec.features:
+                segments.extend((0, index[f] * stride, stride))
+            results = self._table_lookup(i, [values], [offsets], [], segments, _ops.SEQUENCE)
+            for f, name, r in zip(spec.features, names, results):
+                k = index[f]
+                ids = None
+                if self._need_indices:
+                    ids = values[offsets[k * stride]:offsets[(k + 1) * stride]]
+                out[name] = jt.JaggedTensor(values=r, lengths=lengths[k * stride:(k + 1) * stride], weights=ids)
+        return out
+
+
 class _Collection(_AdapterModule):
+    def _check_input(self, features) -> None:
+        pass  # (the lookups check what they take)
+
     def _tables_and_names(self) -> List[Tuple[Any, _Spec, List[str]]]:
         return list(zip(self._children_list(), self._specs, self._names))
 
@@ -275,7 +426,7 @@ class _Collection(_AdapterModule):
                 module._table.reset_values()
 
 
-class EmbeddingBagCollection(_Collection):
+class EmbeddingBagCollection(_PooledInterface, _Collection):
     """Pooled lookups of several tables, shaped like TorchRec's
     ``EmbeddingBagCollection``.
 
@@ -332,65 +483,20 @@ class EmbeddingBagCollection(_Collection):
     def _children_list(self):
         return list(self.embedding_bags.values())
 
-    def is_weighted(self) -> bool:
-        return self._is_weighted
-
-    def embedding_bag_configs(self) -> list:
-        """The table configs as given (TorchRec's or this module's)."""
-        return [s.config for s in self._specs]
-
-    def forward(self, features):
-        if _is_kjt(features):
-            return self._forward_kjt(features)
-        if not isinstance(features, dict):
-            raise TypeError("EmbeddingBagCollection takes a dict of features or a TorchRec KeyedJaggedTensor, got "
-                            f"{type(features).__name__}")
-        out: Dict[str, Tensor] = {}
-        for bag, spec, names in self._tables_and_names():
-            ids, offsets, weights, segments = [], [], [], []
-            for i, f in enumerate(spec.features):
-                if f not in features:
-                    raise KeyError(f"EmbeddingBagCollection: feature {f!r} of table '{spec.name}' is missing from "
-                                   f"the input (it holds {sorted(features)})")
-                v, o, w = _csr(features[f], f"features[{f!r}]")
-                ids.append(v)
-                offsets.append(o)
-                weights.append(w)
-                segments.extend((i, 0, o.shape[0] - 1))
-            if all(w is None for w in weights):
-                weights = []
-            else:
-                weights = [w if w is not None else torch.ones(v.shape, dtype=torch.float32, device=v.device)
-                           for v, w in zip(ids, weights)]
-            results = bag._lookup(ids, offsets, weights, segments, _MODES[spec.pooling], True)
-            out.update(zip(names, results))
-        return out
+    def _table_lookup(self, i: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
+                      segments: List[int], combiner: int) -> List[Tensor]:
+        return self.embedding_bags[self._specs[i].name]._lookup(ids, offsets, weights, segments, combiner, True)
 
     def _forward_kjt(self, kjt):
-        jt = _jagged_module()
-        all_features = [f for s in self._specs for f in s.features]
-        values, offsets, kjt_weights, stride, index = _kjt_parts(kjt, all_features, "EmbeddingBagCollection")
-        weights: List[Tensor] = []
-        if self._is_weighted:
-            if kjt_weights is None:
-                raise ValueError("EmbeddingBagCollection(is_weighted=True) needs a KeyedJaggedTensor with weights")
-            check_weights(kjt_weights, values, "KeyedJaggedTensor weights")
-            weights = [kjt_weights]
-        keys = [n for names in self._names for n in names]
-        bags = self._children_list()
-        segments = [[x for f in spec.features for x in (0, index[f] * stride, stride)] for spec in self._specs]
-        combiners = [_MODES[spec.pooling] for spec in self._specs]
+        values, offsets, weights, segments, combiners = self._kjt_segments(kjt)
         # Every table in one engine call (each table's op otherwise: the same results, bit for bit).
-        fused = _ops.collection_lookup(bags, values, offsets, weights, segments, combiners)
-        if fused is not None:
-            return jt.KeyedTensor(keys=keys, length_per_key=self._dims, values=fused)
-        pooled: List[Tensor] = []
-        for bag, segs, combiner in zip(bags, segments, combiners):
-            pooled.extend(bag._lookup([values], [offsets], weights, segs, combiner, True))
-        return jt.KeyedTensor(keys=keys, length_per_key=self._dims, values=torch.cat(pooled, dim=1))
+        fused = _ops.collection_lookup(self._children_list(), values, offsets, weights, segments, combiners)
+        if fused is None:
+            return self._lookup_kjt(values, offsets, weights, segments, combiners)
+        return _jagged_module().KeyedTensor(keys=self._keys(), length_per_key=self._dims, values=fused)
 
 
-class EmbeddingCollection(_Collection):
+class EmbeddingCollection(_SequenceInterface, _Collection):
     """Unpooled (sequence) lookups of several tables, shaped like TorchRec's
     ``EmbeddingCollection``: one embedding row per id.
 
@@ -428,58 +534,6 @@ class EmbeddingCollection(_Collection):
     def _children_list(self):
         return list(self.embeddings.values())
 
-    def embedding_configs(self) -> list:
-        """The table configs as given (TorchRec's or this module's)."""
-        return [s.config for s in self._specs]
-
-    def need_indices(self) -> bool:
-        return self._need_indices
-
-    def embedding_names_by_table(self) -> List[List[str]]:
-        """The output names of each table's features, in table order."""
-        return [list(names) for names in self._names]
-
-    def embedding_dim(self) -> int:
-        """The tables' common dimension (TorchRec's collection has one)."""
-        dims = sorted({s.dim for s in self._specs})
-        if len(dims) != 1:
-            raise ValueError(f"EmbeddingCollection: the tables have dimensions {dims}, not one embedding_dim")
-        return dims[0]
-
-    def forward(self, features):
-        if _is_kjt(features):
-            return self._forward_kjt(features)
-        if not isinstance(features, dict):
-            raise TypeError("EmbeddingCollection takes a dict of features or a TorchRec KeyedJaggedTensor, got "
-                            f"{type(features).__name__}")
-        out: Dict[str, Tensor] = {}
-        for emb, spec, names in self._tables_and_names():
-            ids, shapes, segments = [], [], []
-            for i, f in enumerate(spec.features):
-                v, shape = _sequence_ids(features, f, spec.name)
-                ids.append(v)
-                shapes.append(shape)
-                segments.extend((i, 0, _ops.WHOLE))
-            results = emb._lookup(ids, [], [], segments, _ops.SEQUENCE, True)
-            for name, r, shape in zip(names, results, shapes):
-                out[name] = r.reshape(*shape, spec.dim)
-        return out
-
-    def _forward_kjt(self, kjt):
-        jt = _jagged_module()
-        all_features = [f for s in self._specs for f in s.features]
-        values, offsets, _, stride, index = _kjt_parts(kjt, all_features, "EmbeddingCollection")
-        lengths = kjt.lengths()
-        out = {}
-        for emb, spec, names in self._tables_and_names():
-            segments: List[int] = []
-            for f in spec.features:
-                segments.extend((0, index[f] * stride, stride))
-            results = emb._lookup([values], [offsets], [], segments, _ops.SEQUENCE, True)
-            for f, name, r in zip(spec.features, names, results):
-                k = index[f]
-                ids = None
-                if self._need_indices:
-                    ids = values[offsets[k * stride]:offsets[(k + 1) * stride]]
-                out[name] = jt.JaggedTensor(values=r, lengths=lengths[k * stride:(k + 1) * stride], weights=ids)
-        return out
+    def _table_lookup(self, i: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
+                      segments: List[int], combiner: int) -> List[Tensor]:
+        return self.embeddings[self._specs[i].name]._lookup(ids, offsets, weights, segments, combiner, True)
