@@ -19,7 +19,10 @@ Modules over embedcore tables, in the shapes PyTorch users know:
   (``distributed.init()`` under ``torchrun``, then
   ``EmbeddingBagCollection(..., world=comm, sharding="row_wise")``);
 - ``convert_state_dict``: the tables of a saved state dict (TorchRec's
-  collections' included) as an embedcore checkpoint, to serve without PyTorch.
+  collections' included) as an embedcore checkpoint, to serve without PyTorch;
+- ``ServedEmbeddingBagCollection`` / ``ServedEmbeddingCollection``: a
+  checkpoint served memory-mapped (any stored dtype, 8-bit rows included) in
+  TorchRec's inference shape, KeyedJaggedTensor in, KeyedTensor out.
 
 Importing this package imports PyTorch; ``import embedcore`` does not.
 """
@@ -32,6 +35,7 @@ from ._convert import convert_state_dict
 from ._collection import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from ._modules import Embedding, EmbeddingBag, tables_of
 from ._optim import FusedOptimizer
+from ._serving import ServedEmbeddingBagCollection, ServedEmbeddingCollection
 from ._sharded import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
 from . import distributed
 
@@ -43,6 +47,8 @@ __all__ = [
     "EmbeddingCollection",
     "EmbeddingConfig",
     "FusedOptimizer",
+    "ServedEmbeddingBagCollection",
+    "ServedEmbeddingCollection",
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
     "convert_state_dict",

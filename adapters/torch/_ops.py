@@ -1,6 +1,6 @@
 """The engine's lookup and update as ``torch.library`` custom ops.
 
-Three ops, opaque to ``torch.compile`` (which sees only their fake
+Four ops, opaque to ``torch.compile`` (which sees only their fake
 implementations, so a model that uses them compiles without graph breaks):
 
 - ``embedcore::lookup``: looks up *segments* of one table: each segment is a
@@ -13,6 +13,8 @@ implementations, so a model that uses them compiles without graph breaks):
   (per occurrence, like ``nn.EmbeddingBag(sparse=True)``) or dense tensor.
 - ``embedcore::checked_values``: the checks of a collection's jagged input
   (``checked_values``), run at run time where the lookup is traced.
+- ``embedcore::served_lookup``: ``lookup`` of a served (memory-mapped,
+  read-only) table, without autograd (``ServedEmbeddingBagCollection``).
 
 A collection's tables can also run together, outside the ops, when nothing
 needs to see them (``collection_lookup``: eager, CPU, fused or no training).
@@ -37,7 +39,7 @@ from torch import Tensor
 
 __all__ = ["SUM", "MEAN", "SQRTN", "SEQUENCE", "FUSED", "SPARSE", "DENSE", "WHOLE", "register", "unregister",
            "fused_rate", "checked_values", "lookup", "lookup_impl", "eager_lookup", "plain_eager", "needs_step",
-           "lookup_backward", "lookup_backward_impl"]
+           "lookup_backward", "lookup_backward_impl", "served_lookup", "served_lookup_impl"]
 
 # Combiners (the engine's codes) and gradient modes.
 SUM, MEAN, SQRTN, SEQUENCE = 0, 1, 2, 3
@@ -49,24 +51,27 @@ WHOLE = -1  # a segment's bag count meaning "every id of its source, unpooled" (
 # ------------------------------------------------------------------ registry
 class _Entry:
     """A registered table and, when it trains fused, its parameter group (whose
-    "lr" a learning-rate scheduler may change)."""
+    "lr" a learning-rate scheduler may change); a served table's the names of
+    its features, which its errors name (segment k reads ``features[k]``)."""
 
-    __slots__ = ("table", "group")
+    __slots__ = ("table", "group", "features")
 
-    def __init__(self, table, group):
+    def __init__(self, table, group, features=None):
         self.table = table
         self.group = group
+        self.features = features
 
 
 _REGISTRY: Dict[int, _Entry] = {}
 _HANDLES = itertools.count(1)
 
 
-def register(table, group: Optional[dict] = None, holders=()) -> int:
-    """Registers `table`; with `holders`, unregisters it (``release_with``)
-    once they are all collected."""
+def register(table, group: Optional[dict] = None, holders=(), features: Optional[List[str]] = None) -> int:
+    """Registers `table` (an ``ec.Table``, or a served one: ``served_lookup``);
+    with `holders`, unregisters it (``release_with``) once they are all
+    collected."""
     handle = next(_HANDLES)
-    _REGISTRY[handle] = _Entry(table, group)
+    _REGISTRY[handle] = _Entry(table, group, features)
     if holders:
         release_with(handle, holders)
     return handle
@@ -489,15 +494,20 @@ def _engine_lookup(table, p: _Part, combiner: Optional[str]) -> Tensor:
     return _tensor(table.lookup(_engine(p.ids), _engine(p.offsets), _engine(p.weights), combiner=combiner))
 
 
-def _raise_bad_id(table, p: _Part, sources: int, error: IndexError):
+def _raise_bad_id(table, p: _Part, sources: int, error: IndexError, feature: Optional[str] = None):
     """Re-raises the engine's out-of-range error with the id's position in
     the tensor the caller gave (the engine sees the segment, without the
-    padding ids): e.g. in a KJT's values, or after dropped padding ids."""
+    padding ids): e.g. in a KJT's values, or after dropped padding ids; and
+    the feature whose id it is, when known."""
     bad = torch.nonzero((p.ids < 0) | (p.ids >= table.rows)).flatten()
     if not bad.shape[0]:
         raise error
     k = int(bad[0])
     pos = p.start + (int(p.keep[k]) if p.keep is not None else k)
+    if feature is not None:
+        where = "the KeyedJaggedTensor's values" if sources == 1 else f"features[{feature!r}]'s ids"
+        raise IndexError(f"table '{table.name}', feature {feature!r}: id {int(p.ids[k])} at position {pos} of "
+                         f"{where} is out of range [0, {table.rows})") from None
     where = "ids" if sources == 1 else f"the ids of input {p.source} (the table's feature_names[{p.source}])"
     raise IndexError(f"table '{table.name}': id {int(p.ids[k])} at position {pos} of {where} is out of range "
                      f"[0, {table.rows})") from None
@@ -533,22 +543,28 @@ def needs_step(grad_mode: int, weights: List[Tensor]) -> bool:
 
 
 def _lookup_outputs(table, dim: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
-                    segments: List[int], combiner: int, padding_idx: int, include_last_offset: bool) -> List[Tensor]:
+                    segments: List[int], combiner: int, padding_idx: int, include_last_offset: bool,
+                    features: Optional[List[str]] = None) -> List[Tensor]:
+    """The outputs of `lookup`, from `table` (an ``ec.Table`` or a served
+    table); an id out of range raises ``IndexError`` naming the table, the
+    id, its position in the caller's tensor and (`features`: segment k's
+    is ``features[k]``) its feature."""
     windows = _cpu_windows(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
     if windows is not None:
         try:
-            return [torch.from_numpy(table._native.lookup(*w, combiner, 0)) for w in windows]
+            return [torch.from_numpy(table._native_lookup(*w, combiner, 0, None)) for w in windows]
         except (IndexError, ValueError, TypeError):
             pass  # the general path below raises the error, with the caller's positions
     name = _COMBINER_NAMES[combiner]
     outs = []
-    for p in _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, combiner != SEQUENCE):
+    parts = _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, combiner != SEQUENCE)
+    for k, p in enumerate(parts):
         rows = int(p.ids.shape[0]) if combiner == SEQUENCE else p.num_bags
         if rows:  # the engine's own output buffer, wrapped without a copy
             try:
                 out = _engine_lookup(table, p, name)
             except IndexError as e:
-                _raise_bad_id(table, p, len(ids), e)
+                _raise_bad_id(table, p, len(ids), e, None if features is None else features[k])
             outs.append(out)
         else:
             outs.append(torch.empty((0, dim), dtype=torch.float32, device=p.ids.device))
@@ -577,6 +593,13 @@ def plain_eager(tensors: List[Tensor]) -> bool:
 @lookup.register_fake
 def _(anchor, handle, dim, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset, grad_mode,
       with_step):
+    outs = _fake_outputs(dim, ids, segments, combiner)
+    if with_step:
+        outs.append(torch.empty((), dtype=torch.int64))
+    return outs
+
+
+def _fake_outputs(dim: int, ids: List[Tensor], segments: List[int], combiner: int) -> List[Tensor]:
     outs = []
     for k in range(0, len(segments), 3):
         s, nb = segments[k], segments[k + 2]
@@ -587,9 +610,26 @@ def _(anchor, handle, dim, ids, offsets, weights, segments, combiner, padding_id
         else:
             rows = torch.library.get_ctx().new_dynamic_size()
         outs.append(ids[s].new_empty((rows, dim), dtype=torch.float32))
-    if with_step:
-        outs.append(torch.empty((), dtype=torch.int64))
     return outs
+
+
+# ------------------------------------------------------------------ serving
+def served_lookup_impl(handle: int, dim: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
+                       segments: List[int], combiner: int) -> List[Tensor]:
+    """``lookup`` of a served table (an ``embedcore.serving`` table,
+    memory-mapped and read-only, registered with its features' names): the
+    same segments and float32 outputs, whatever the stored dtype; no
+    autograd (callers pass weights detached)."""
+    entry = _entry(handle)
+    return _lookup_outputs(entry.table, dim, ids, offsets, weights, segments, combiner, -1, True, entry.features)
+
+
+served_lookup = torch.library.custom_op("embedcore::served_lookup", mutates_args=())(served_lookup_impl)
+
+
+@served_lookup.register_fake
+def _(handle, dim, ids, offsets, weights, segments, combiner):
+    return _fake_outputs(dim, ids, segments, combiner)
 
 
 # ------------------------------------------------------------------ backward

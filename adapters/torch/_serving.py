@@ -1,0 +1,185 @@
+"""``ServedEmbeddingBagCollection`` and ``ServedEmbeddingCollection``: a
+checkpoint served in TorchRec's inference shape, as TorchRec's
+``QuantEmbeddingBagCollection`` / ``QuantEmbeddingCollection`` serve a model
+after ``quantize_inference_model``: a ``KeyedJaggedTensor`` (or the dicts the
+training collections take) in, a ``KeyedTensor`` / ``{name: JaggedTensor}``
+(or dicts) out.
+
+Every lookup is ``embedcore.serving``'s, on the checkpoint's memory-mapped
+tables, of any stored dtype (float32, float16, bfloat16, uint8_rowwise),
+through the op ``embedcore::served_lookup``. The inputs are taken apart, and
+the outputs named, by the training collections' own code
+(``_collection._PooledInterface`` / ``_SequenceInterface``), so a served
+module gives what the training collection it was saved from gives, bit for
+bit. No parameters, no autograd, CPU only.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+import embedcore as ec
+from embedcore.serving import ServedCheckpoint
+
+from . import _ops
+from ._collection import (EmbeddingBagConfig, EmbeddingConfig, _embedding_names, _is_kjt, _jagged_module,
+                          _PooledInterface, _SequenceInterface, _specs)
+
+__all__ = ["ServedEmbeddingBagCollection", "ServedEmbeddingCollection"]
+
+
+class _ServedCollection(nn.Module):
+    """What both served collections share: the checkpoint, the tables checked
+    against it, the input checks, the lookup."""
+
+    def _serve(self, path, tables: Optional[Sequence], verify, pooled: bool) -> None:
+        owner = self._owner
+        if isinstance(path, ServedCheckpoint):
+            self.checkpoint = path
+        elif isinstance(path, (str, bytes, os.PathLike)):
+            self.checkpoint = ec.serving.open(path, verify=verify)
+        else:
+            raise TypeError(f"{owner}: path must be a checkpoint directory or an embedcore.serving.ServedCheckpoint, "
+                            f"got {type(path).__name__}")
+        if tables is None:
+            tables = _configs_of_features(self.checkpoint, pooled, owner)
+        self._specs = _specs(tables, pooled, owner, build=False)
+        self._names = _embedding_names(self._specs)
+        self._features = {f for s in self._specs for f in s.features}
+        self._handles: List[int] = []
+        for spec in self._specs:
+            table = self._checked_table(spec, pooled)
+            # Unregistered once this module is collected (outputs are the engine's buffers: they need no table).
+            self._handles.append(_ops.register(table, holders=(self,), features=spec.features))
+
+    def _checked_table(self, spec, pooled: bool):
+        """The served table of `spec`, whose shape and pooling must be the checkpoint's."""
+        where = f"{self._owner}: table '{spec.name}'"
+        tables = self.checkpoint.tables
+        if spec.name not in tables:
+            raise ValueError(f"{where} is not in the checkpoint {self.checkpoint.path} (it holds {list(tables)})")
+        t = tables[spec.name]
+        if (spec.rows, spec.dim) != (t.rows, t.dim):
+            raise ValueError(f"{where} has num_embeddings={spec.rows}, embedding_dim={spec.dim}; the checkpoint's is "
+                             f"{t.rows} x {t.dim}")
+        if pooled and spec.pooling != t.config.combiner:
+            raise ValueError(f"{where} has pooling {spec.pooling!r}; the checkpoint's table pools with "
+                             f"{t.config.combiner!r} (its combiner): give its pooling")
+        return t
+
+    @property
+    def device(self) -> torch.device:
+        """Where the lookups run: the CPU (TorchRec's ``device``)."""
+        return torch.device("cpu")
+
+    def _check_input(self, features) -> None:
+        """Refuses features no table reads (ValueError) and tensors off the CPU (TypeError)."""
+        if _is_kjt(features):
+            what, keys = "the KeyedJaggedTensor", list(features.keys())
+            tensors = [("values()", features.values()), ("lengths()", features.lengths_or_none()),
+                       ("offsets()", features.offsets_or_none()), ("weights()", features.weights_or_none())]
+        else:
+            what, keys = "the input", list(features)
+            tensors = [(f"[{k!r}]", t) for k, x in features.items() for t in _tensors_of(x)]
+        unknown = [k for k in keys if k not in self._features]
+        if unknown:
+            raise ValueError(f"{self._owner}: {what} has features {unknown} that no table of this module reads (it "
+                             f"serves {sorted(self._features)})")
+        for name, t in tensors:
+            if isinstance(t, Tensor) and not t.is_cpu:
+                raise TypeError(f"{self._owner}: {what}{name} is on {t.device}; serving runs on the CPU (the "
+                                "checkpoint's memory-mapped tables): give CPU tensors (.cpu())")
+
+    def _table_lookup(self, i: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
+                      segments: List[int], combiner: int) -> List[Tensor]:
+        weights = [w.detach() for w in weights]
+        # Eagerly, the op's body without the dispatcher (the same code and results).
+        op = _ops.served_lookup_impl if _ops.plain_eager([*ids, *offsets, *weights]) else _ops.served_lookup
+        return op(self._handles[i], self._specs[i].dim, ids, offsets, weights, segments, combiner)
+
+    def extra_repr(self) -> str:
+        return f"{self.checkpoint.path!r}, tables={[s.name for s in self._specs]}"
+
+
+def _tensors_of(x) -> list:
+    """The tensors of one dict feature (any form ``_collection._csr`` takes)."""
+    jt = _jagged_module()
+    if isinstance(x, Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return list(x.values())
+    if isinstance(x, (tuple, list)):
+        return list(x)
+    if isinstance(x, ec.Ragged):
+        return [x.values, x.offsets]
+    if jt is not None and isinstance(x, jt.JaggedTensor):
+        return [x.values(), x.lengths_or_none(), x.offsets_or_none(), x.weights_or_none()]
+    return []
+
+
+def _configs_of_features(served: ServedCheckpoint, pooled: bool, owner: str) -> list:
+    """The tables of a checkpoint that records features (an ``ec.Embedding``'s):
+    pooled features (``max_sequence_length == 0``) or sequence ones, by table
+    in the checkpoint's order, each table's in the features' order."""
+    if served.feature_config is None:
+        raise ValueError(f"{owner}: the checkpoint {served.path} records tables, not features (only a checkpoint "
+                         "of an embedcore Embedding does): pass tables=[...]")
+    by_table: Dict[str, List[str]] = {}
+    for name, f in zip(served._feature_names, served._features):
+        if (f.max_sequence_length == 0) == pooled:
+            by_table.setdefault(f.table.name, []).append(name)
+    if not by_table:
+        kind = "pooled features (max_sequence_length 0)" if pooled else "sequence features (max_sequence_length > 0)"
+        raise ValueError(f"{owner}: the checkpoint {served.path} records no {kind}: pass tables=[...]")
+    if pooled:
+        return [EmbeddingBagConfig(t.rows, t.dim, name=n, feature_names=by_table[n], pooling=t.config.combiner)
+                for n, t in served.tables.items() if n in by_table]
+    return [EmbeddingConfig(t.rows, t.dim, name=n, feature_names=by_table[n])
+            for n, t in served.tables.items() if n in by_table]
+
+
+class ServedEmbeddingBagCollection(_PooledInterface, _ServedCollection):
+    """Pooled lookups of a served checkpoint, shaped like TorchRec's
+    ``EmbeddingBagCollection`` (and its inference twin,
+    ``QuantEmbeddingBagCollection``).
+
+    path: a checkpoint directory (opened with ``embedcore.serving.open(path,
+        verify)``), or an opened ``ServedCheckpoint`` (shared, one mapping).
+    tables: ``EmbeddingBagConfig`` (this adapter's or TorchRec's, any
+        ``data_type``: the checkpoint's dtype rules); each names a table of
+        the checkpoint, of its shape and pooling (its combiner), else
+        ``ValueError``. None: the pooled features a checkpoint of an
+        ``ec.Embedding`` records, by table.
+    is_weighted: use a ``KeyedJaggedTensor``'s weights (TorchRec's flag).
+
+    ``forward`` takes and gives what ``EmbeddingBagCollection`` does (a
+    ``KeyedJaggedTensor`` -> ``KeyedTensor``; a dict -> dict), with its
+    values for the same tables, bit for bit: float32 outputs whatever the
+    stored dtype. ``checkpoint``: the ``ServedCheckpoint``."""
+
+    _owner = "ServedEmbeddingBagCollection"
+
+    def __init__(self, path, tables: Optional[Sequence] = None, is_weighted: bool = False, *, verify=True):
+        super().__init__()
+        self._serve(path, tables, verify, True)
+        self._is_weighted = bool(is_weighted)
+        self._dims = [s.dim for s, names in zip(self._specs, self._names) for _ in names]
+
+
+class ServedEmbeddingCollection(_SequenceInterface, _ServedCollection):
+    """Unpooled (sequence) lookups of a served checkpoint, shaped like
+    TorchRec's ``EmbeddingCollection`` (``QuantEmbeddingCollection``): one
+    row per id. Arguments as ``ServedEmbeddingBagCollection`` (``tables``:
+    ``EmbeddingConfig``, no pooling to check; None: the sequence features of
+    an ``ec.Embedding``'s checkpoint), and ``need_indices`` (TorchRec's: the
+    output ``JaggedTensor``'s weights are its ids)."""
+
+    _owner = "ServedEmbeddingCollection"
+
+    def __init__(self, path, tables: Optional[Sequence] = None, need_indices: bool = False, *, verify=True):
+        super().__init__()
+        self._serve(path, tables, verify, False)
+        self._need_indices = bool(need_indices)
