@@ -37,8 +37,10 @@ class _ServedCollection(nn.Module):
 
     def _serve(self, path, tables: Optional[Sequence], verify, pooled: bool) -> None:
         owner = self._owner
+        self._verify = verify
         if isinstance(path, ServedCheckpoint):
             self.checkpoint = path
+            self._verify = None  # (unknown: as it was opened)
         elif isinstance(path, (str, bytes, os.PathLike)):
             self.checkpoint = ec.serving.open(path, verify=verify)
         else:
@@ -49,11 +51,29 @@ class _ServedCollection(nn.Module):
         self._specs = _specs(tables, pooled, owner, build=False)
         self._names = _embedding_names(self._specs)
         self._features = {f for s in self._specs for f in s.features}
-        self._handles: List[int] = []
-        for spec in self._specs:
-            table = self._checked_table(spec, pooled)
-            # Unregistered once this module is collected (outputs are the engine's buffers: they need no table).
-            self._handles.append(_ops.register(table, holders=(self,), features=spec.features))
+        self._register()
+
+    def _register(self) -> None:
+        pooled = self._specs[0].pooling is not None
+        # Unregistered once this module is collected (outputs are the engine's buffers: they need no table).
+        self._handles = [_ops.register(self._checked_table(spec, pooled), holders=(self,), features=spec.features)
+                         for spec in self._specs]
+
+    def __getstate__(self):
+        """Pickles and copies hold the checkpoint's path: ``__setstate__``
+        opens it again (with the module's `verify`; True for a module given
+        a ``ServedCheckpoint``) and checks the tables against it again."""
+        state = dict(super().__getstate__())
+        state["checkpoint"] = str(self.checkpoint.path)
+        del state["_handles"]
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        path = state.pop("checkpoint")
+        super().__setstate__(state)
+        self.checkpoint = ec.serving.open(path, verify=True if self._verify is None else self._verify)
+        self._register()
 
     def _checked_table(self, spec, pooled: bool):
         """The served table of `spec`, whose shape and pooling must be the checkpoint's."""

@@ -4,6 +4,8 @@ collections the checkpoints were saved from (KeyedJaggedTensors and dicts,
 weights, poolings, stored dtypes), with TorchRec's own modules (float, and
 its INT8 QuantEmbeddingBagCollection against uint8_rowwise exports), from
 threads and under torch.compile; and their errors."""
+import copy
+import pickle
 import threading
 
 import numpy as np
@@ -346,3 +348,15 @@ def test_torch_compile_fullgraph_gives_eager_results(tmp_path, rng, torchrec):
     bad = {**x, "f2": torch.tensor([99])}
     with pytest.raises(IndexError, match="id 99"):
         compiled(bad)
+
+
+def test_pickle_and_deepcopy_open_the_checkpoint_again(tmp_path, rng, torchrec):
+    cfgs = _configs(et.EmbeddingConfig)
+    served = et.ServedEmbeddingCollection(_saved(tmp_path, et.EmbeddingCollection(cfgs)), cfgs, verify="eager")
+    kjt = _kjt(torchrec, rng, ["f1", "f2", "f3"], 30, 5)
+    want = served(kjt)
+    for other in (pickle.loads(pickle.dumps(served)), copy.deepcopy(served)):
+        assert other.checkpoint is not served.checkpoint and other._verify == "eager"
+        got = other(kjt)
+        for k in want:
+            _assert_same(got[k].values(), want[k].values())
