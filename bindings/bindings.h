@@ -12,6 +12,7 @@
 #include <thread>
 #include <cstdint>
 #include <algorithm>
+#include <functional>
 #include <optional>
 #include <utility>
 #include <string>
@@ -138,6 +139,24 @@ Batch MakeBatch(const Ids& ids, const Offsets& offsets, const std::optional<Weig
   }
   return b;
 }
+
+/// One window of LookupWindows: `count` bags from bag `first` of the source, pooled with `combiner`
+/// by a table of `dim` columns.
+struct SourceWindow {
+  int64_t dim, first, count;
+  int combiner;
+};
+
+/// Pooled lookups of windows of one CSR source (a KeyedJaggedTensor's
+/// features) into consecutive columns of one C-contiguous float32 `out`
+/// ([bags, sum of the dims]): window i writes its dim_i columns after those
+/// of the windows before it, by `lookup(i, window batch, shape, first
+/// column)`. Shapes are checked before any lookup runs, and the lookups run
+/// in one release of the GIL; a bad id leaves `out` partly written. (Table
+/// and served tables alike: lookup_windows_into.)
+void LookupWindows(const IdArray& ids, const OffsetArray& offsets, const std::optional<WeightArray>& weights,
+                   const std::vector<SourceWindow>& windows, const FloatOut& out,
+                   const std::function<void(size_t, const Batch&, const OutputShape&, float*)>& lookup);
 
 // CUDA arrays (DLPack from PyTorch, CuPy, ...), for device tables.
 using CudaIdArray = nb::ndarray<nb::ro, nb::ndim<1>, nb::c_contig, nb::device::cuda>;

@@ -263,6 +263,27 @@ void BindCheckpoint(nb::module_& m) {
           "table"_a, "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(), "combiner"_a,
           "max_sequence_length"_a, "out"_a.noconvert())
       .def(
+          "lookup_windows_into",
+          [](const MappedCheckpoint& c, const IdArray& ids, const OffsetArray& offsets,
+             const std::optional<WeightArray>& weights, const std::vector<std::tuple<size_t, int64_t, int64_t, int>>& windows,
+             const FloatOut& out) {
+            std::vector<SourceWindow> shapes;
+            shapes.reserve(windows.size());
+            for (const auto& [table, first, count, combiner] : windows) {
+              if (table >= c.num_tables()) throw OutOfRange("no table " + std::to_string(table));
+              shapes.push_back({c.info().tables[table].dim, first, count, combiner});
+            }
+            LookupWindows(ids, offsets, weights, shapes, out,
+                          [&](size_t i, const Batch& b, const OutputShape& s, float* o) {
+                            c.Lookup(std::get<0>(windows[i]), b, s, o);
+                          });
+          },
+          "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(), "windows"_a,
+          "out"_a.noconvert(),
+          "Pooled lookups of windows (table, first bag, bags, combiner) of one CSR source into consecutive columns "
+          "of one float32 out [bags, sum of the dims] (lookup_windows_into's, of served tables); a bad id raises "
+          "with out partly written.")
+      .def(
           "dequantized_values",
           [](MappedCheckpoint& c, size_t table) {
             if (table >= c.num_tables()) throw OutOfRange("no table " + std::to_string(table));

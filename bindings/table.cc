@@ -104,52 +104,22 @@ Batch WindowOf(const Batch& source, int64_t first, int64_t count, std::vector<in
 }
 
 // One lookup of lookup_windows_into: (table, first bag, bags, combiner).
-using SourceWindow = std::tuple<const Table*, int64_t, int64_t, int>;
+using TableWindow = std::tuple<const Table*, int64_t, int64_t, int>;
 
-// Pooled lookups of windows of one CSR source by several tables in one call
-// (a KeyedJaggedTensor's features: what a collection pays per feature is then
-// the engine's work, not a call's or a Python view's fixed cost), into the
-// columns of one C-contiguous float32 `out` ([bags, sum of the tables' dims]):
-// window i writes the dim_i columns after those of the windows before it,
-// with no copy of each output into it. Shapes are checked before any lookup
-// runs; each lookup checks its ids as it runs, so a bad id leaves `out`
-// partly written (a collection's own output, then dropped).
+// LookupWindows by host tables (a collection's KeyedJaggedTensor).
 void LookupWindowsInto(const IdArray& ids, const OffsetArray& offsets, const std::optional<WeightArray>& weights,
-                       const std::vector<SourceWindow>& windows, const FloatOut& out) {
-  if (out.ndim() != 2) throw InvalidArgument("lookup_windows_into: out must be 2-D [bags, columns]");
-  CheckNoAliasing(ids, offsets, weights, out);
-  const Batch source = MakeBatch(ids, offsets, weights);
-  const int64_t bags = int64_t(out.shape(0)), width = int64_t(out.shape(1));
-  std::vector<std::vector<int64_t>> rebased(windows.size());
-  std::vector<std::tuple<const Table*, Batch, OutputShape>> pending;
-  pending.reserve(windows.size());
-  int64_t col = 0;
-  for (size_t i = 0; i < windows.size(); ++i) {
-    const auto& [t, first, count, combiner] = windows[i];
+                       const std::vector<TableWindow>& windows, const FloatOut& out) {
+  std::vector<SourceWindow> shapes;
+  shapes.reserve(windows.size());
+  for (const auto& [t, first, count, combiner] : windows) {
     if (t == nullptr) throw InvalidArgument("lookup_windows_into: a table is None");
     RequireHost(*t, "a lookup of NumPy arrays");
     CheckNotTableMemory(*t, out.data(), out.nbytes(), "out", "the lookup reads");
-    const OutputShape shape{ToCombiner(combiner), 0, width};
-    if (shape.combiner == Combiner::kNone)
-      throw InvalidArgument("lookup_windows_into: window " + std::to_string(i) + " is not pooled");
-    if (count != bags)
-      throw InvalidArgument("lookup_windows_into: window " + std::to_string(i) + " has " + std::to_string(count) +
-                            " bags, out has " + std::to_string(bags) + " rows");
-    col += t->dim();
-    if (col > width)
-      throw InvalidArgument("lookup_windows_into: the tables' dims add up to more than out's " +
-                            std::to_string(width) + " columns");
-    pending.emplace_back(t, WindowOf(source, first, count, rebased[i]), shape);
+    shapes.push_back({t->dim(), first, count, combiner});
   }
-  if (col != width)
-    throw InvalidArgument("lookup_windows_into: the tables' dims add up to " + std::to_string(col) + ", out has " +
-                          std::to_string(width) + " columns");
-  ReleaseGil release;
-  col = 0;
-  for (const auto& [t, batch, shape] : pending) {
-    t->Lookup(batch, shape, out.data() + col);
-    col += t->dim();
-  }
+  LookupWindows(ids, offsets, weights, shapes, out, [&](size_t i, const Batch& b, const OutputShape& s, float* o) {
+    std::get<0>(windows[i])->Lookup(b, s, o);
+  });
 }
 
 void LookupInto(const Table& t, const IdArray& ids, const OffsetArray& offsets,
@@ -683,6 +653,42 @@ void BindTable(nb::module_& m) {
             return NumpyFloat(data, 2, shape, owner);
           },
           "start_row"_a, "n"_a, "Rows [start_row, start_row + n) as a new float32 array.");
+}
+
+void LookupWindows(const IdArray& ids, const OffsetArray& offsets, const std::optional<WeightArray>& weights,
+                   const std::vector<SourceWindow>& windows, const FloatOut& out,
+                   const std::function<void(size_t, const Batch&, const OutputShape&, float*)>& lookup) {
+  if (out.ndim() != 2) throw InvalidArgument("lookup_windows_into: out must be 2-D [bags, columns]");
+  CheckNoAliasing(ids, offsets, weights, out);
+  const Batch source = MakeBatch(ids, offsets, weights);
+  const int64_t bags = int64_t(out.shape(0)), width = int64_t(out.shape(1));
+  std::vector<std::vector<int64_t>> rebased(windows.size());
+  std::vector<std::pair<Batch, OutputShape>> pending;
+  pending.reserve(windows.size());
+  int64_t col = 0;
+  for (size_t i = 0; i < windows.size(); ++i) {
+    const SourceWindow& w = windows[i];
+    const OutputShape shape{ToCombiner(w.combiner), 0, width};
+    if (shape.combiner == Combiner::kNone)
+      throw InvalidArgument("lookup_windows_into: window " + std::to_string(i) + " is not pooled");
+    if (w.count != bags)
+      throw InvalidArgument("lookup_windows_into: window " + std::to_string(i) + " has " + std::to_string(w.count) +
+                            " bags, out has " + std::to_string(bags) + " rows");
+    col += w.dim;
+    if (col > width)
+      throw InvalidArgument("lookup_windows_into: the tables' dims add up to more than out's " +
+                            std::to_string(width) + " columns");
+    pending.emplace_back(WindowOf(source, w.first, w.count, rebased[i]), shape);
+  }
+  if (col != width)
+    throw InvalidArgument("lookup_windows_into: the tables' dims add up to " + std::to_string(col) + ", out has " +
+                          std::to_string(width) + " columns");
+  ReleaseGil release;
+  col = 0;
+  for (size_t i = 0; i < pending.size(); ++i) {
+    lookup(i, pending[i].first, pending[i].second, out.data() + col);
+    col += windows[i].dim;
+  }
 }
 
 }  // namespace embedcore::bindings

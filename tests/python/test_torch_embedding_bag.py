@@ -37,7 +37,8 @@ def test_import_embedcore_does_not_import_torch():
 
 def test_exports():
     assert set(et.__all__) == {"Embedding", "EmbeddingBag", "EmbeddingBagCollection", "EmbeddingBagConfig",
-                               "EmbeddingCollection", "EmbeddingConfig", "FusedOptimizer", "ShardedEmbeddingBagCollection",
+                               "EmbeddingCollection", "EmbeddingConfig", "FusedOptimizer", "ServedEmbeddingBagCollection",
+                               "ServedEmbeddingCollection", "ShardedEmbeddingBagCollection",
                                "ShardedEmbeddingCollection", "convert_state_dict", "distributed", "tables_of"}
     assert all(hasattr(et, n) for n in et.__all__)
 

@@ -360,3 +360,20 @@ def test_pickle_and_deepcopy_open_the_checkpoint_again(tmp_path, rng, torchrec):
         got = other(kjt)
         for k in want:
             _assert_same(got[k].values(), want[k].values())
+
+
+@pytest.mark.parametrize("pooling", ["sum", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_one_engine_call_for_all_tables_gives_the_ops_bits(tmp_path, rng, torchrec, monkeypatch, pooling, weighted):
+    """A KJT is looked up by one engine call for every table (eager, int64
+    offsets); the per-table ops (compiled, int32 offsets, errors) give the same bits."""
+    cfgs = _configs(pooling=pooling)
+    served = et.ServedEmbeddingBagCollection(_saved(tmp_path, et.EmbeddingBagCollection(cfgs)), cfgs,
+                                             is_weighted=weighted)
+    kjts = [_kjt(torchrec, rng, ["f3", "f1", "f2"], 30, b, weighted) for b in (9, 1, 0)]
+    fast = [served(k).values() for k in kjts]
+    calls = []
+    monkeypatch.setattr(type(served), "_lookup_windows", lambda *a: calls.append(1))
+    for k, want in zip(kjts, fast):
+        _assert_same(served(k).values(), want)
+    assert len(calls) == len(kjts)
