@@ -265,8 +265,8 @@ void BindCheckpoint(nb::module_& m) {
       .def(
           "lookup_windows_into",
           [](const MappedCheckpoint& c, const IdArray& ids, const OffsetArray& offsets,
-             const std::optional<WeightArray>& weights, const std::vector<std::tuple<size_t, int64_t, int64_t, int>>& windows,
-             const FloatOut& out) {
+             const std::optional<WeightArray>& weights,
+             const std::vector<std::tuple<size_t, int64_t, int64_t, int>>& windows, const FloatOut& out) {
             std::vector<SourceWindow> shapes;
             shapes.reserve(windows.size());
             for (const auto& [table, first, count, combiner] : windows) {

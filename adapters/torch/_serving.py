@@ -7,7 +7,9 @@ training collections take) in, a ``KeyedTensor`` / ``{name: JaggedTensor}``
 
 Every lookup is ``embedcore.serving``'s, on the checkpoint's memory-mapped
 tables, of any stored dtype (float32, float16, bfloat16, uint8_rowwise),
-through the op ``embedcore::served_lookup``. The inputs are taken apart, and
+through the op ``embedcore::served_lookup`` (one per table), or, for a
+KeyedJaggedTensor's pooled tables, one engine call for all of them
+(``MappedCheckpoint.lookup_windows_into``). The inputs are taken apart, and
 the outputs named, by the training collections' own code
 (``_collection._PooledInterface`` / ``_SequenceInterface``), so a served
 module gives what the training collection it was saved from gives, bit for

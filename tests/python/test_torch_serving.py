@@ -70,8 +70,8 @@ def _kjt(torchrec, rng, keys, rows, batch, weighted=False, lengths_dtype=torch.i
     n = int(sum(int(x.sum()) for x in lengths))
     v = torch.from_numpy(rng.integers(0, rows, size=n))
     w = torch.from_numpy(rng.uniform(0.5, 2.0, size=n).astype(np.float32)) if weighted else None
-    return torchrec.KeyedJaggedTensor.from_lengths_sync(keys=keys, values=v, lengths=torch.cat(lengths).to(lengths_dtype),
-                                                        weights=w)
+    return torchrec.KeyedJaggedTensor.from_lengths_sync(keys=keys, values=v, weights=w,
+                                                        lengths=torch.cat(lengths).to(lengths_dtype))
 
 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
