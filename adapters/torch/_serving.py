@@ -101,7 +101,9 @@ class _ServedCollection(nn.Module):
         return torch.device("cpu")
 
     def _check_input(self, features) -> None:
-        """Refuses features no table reads (ValueError) and tensors off the CPU (TypeError)."""
+        """Refuses tensors off the CPU (TypeError). Features no table reads are
+        ignored, as TorchRec's collections (its quantized ones included) and
+        the training collections ignore them: one KJT may feed several modules."""
         if _is_kjt(features):
             what, keys = "the KeyedJaggedTensor", list(features.keys())
             tensors = [("values()", features.values()), ("lengths()", features.lengths_or_none()),
@@ -109,10 +111,6 @@ class _ServedCollection(nn.Module):
         else:
             what, keys = "the input", list(features)
             tensors = [(f"[{k!r}]", t) for k, x in features.items() for t in _tensors_of(x)]
-        unknown = [k for k in keys if k not in self._features]
-        if unknown:
-            raise ValueError(f"{self._owner}: {what} has features {unknown} that no table of this module reads (it "
-                             f"serves {sorted(self._features)})")
         for name, t in tensors:
             if isinstance(t, Tensor) and not t.is_cpu:
                 raise TypeError(f"{self._owner}: {what}{name} is on {t.device}; serving runs on the CPU (the "

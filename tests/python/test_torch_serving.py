@@ -254,12 +254,17 @@ def test_input_errors(tmp_path, torchrec):
     path = _saved(tmp_path, et.EmbeddingBagCollection(_configs()))
     served = et.ServedEmbeddingBagCollection(path, _configs())
     ok = {"f1": torch.tensor([1]), "f2": torch.tensor([2]), "f3": torch.tensor([3])}
-    with pytest.raises(ValueError, match=r"has features \['zz'\] that no table of this module reads"):
-        served({**ok, "zz": torch.tensor([1])})
-    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3", "zz"], values=torch.arange(4),
+    # Features no table reads are ignored, as TorchRec's collections and the training ones ignore them.
+    with_extra, want = served({**ok, "zz": torch.tensor([1])}), served(ok)
+    assert with_extra.keys() == want.keys()
+    for k in want:
+        assert torch.equal(with_extra[k], want[k])
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1", "zz", "f2", "f3"],
+                                                       values=torch.tensor([1, 99, 2, 3]),
                                                        lengths=torch.ones(4, dtype=torch.int64))
-    with pytest.raises(ValueError, match=r"KeyedJaggedTensor has features \['zz'\]"):
-        served(kjt)
+    plain = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3]),
+                                                         lengths=torch.ones(3, dtype=torch.int64))
+    assert torch.equal(served(kjt).values(), served(plain).values())
     with pytest.raises(KeyError, match="'f3' of table 't1' is missing"):  # as the training collection
         served({"f1": torch.tensor([1]), "f2": torch.tensor([2])})
     with pytest.raises(IndexError, match=r"table 't1', feature 'f3': id 40 at position 2 of the "
@@ -281,7 +286,7 @@ def test_input_errors(tmp_path, torchrec):
     with pytest.raises(TypeError, match="takes a dict of features or a TorchRec KeyedJaggedTensor"):
         served([torch.tensor([1])])
     with pytest.raises(ValueError, match=r"ServedEmbeddingBagCollection\(is_weighted=True\) needs"):
-        et.ServedEmbeddingBagCollection(path, _configs(), is_weighted=True)(kjt.permute([0, 1, 2]))
+        et.ServedEmbeddingBagCollection(path, _configs(), is_weighted=True)(plain.permute([0, 1, 2]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
