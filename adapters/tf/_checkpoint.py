@@ -462,9 +462,7 @@ def load_tf_checkpoint(path, into, prefix: Optional[str] = None, include_optimiz
     Returns the prefix used."""
     from embedcore.checkpoint import _tables_of
 
-    build = getattr(into, "_maybe_build", None)
-    if callable(build):
-        build()
+    # (_embedcore_tables() builds the adapter's objects; a Keras layer's _maybe_build is Keras's, with arguments.)
     return restore_tables(TFCheckpoint(path), _tables_of(into), prefix, include_optimizer)
 
 
