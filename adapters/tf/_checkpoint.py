@@ -10,6 +10,9 @@ under that object's path ``P``:
 - ``P/<table>.S<slot>/.ATTRIBUTES/VARIABLE_VALUE``: its optimizer slots
   (``/`` in a name is escaped as ``.S``): accumulators, momenta,
   velocities, linears;
+- in the adapter's own checkpoints, ``P/<table>/.ATTRIBUTES/step``: the
+  table's optimizer step (``Table.step``, an int64 scalar) beside its
+  values (TensorFlow's TPU embeddings keep no step per table);
 - for SparseCore training (``TPUEmbeddingV2``): ``P/_sparse_core_table_layouts``
   (a serialized ``SparseCoreTableLayouts``) and one stacked variable per
   group of tables, ``P/<stacked>`` (and ``P/<stacked>.S<slot>``), whose rows
@@ -24,6 +27,7 @@ stored tensor for every block), or, for a tensor saved as slices,
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -32,14 +36,17 @@ import numpy as np
 import tensorflow as tf
 from google.protobuf.message import DecodeError
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.training.saving import saveable_object
 
 import embedcore as ec
+from embedcore.table import _MAX_STEP
 
 from ._bundle import Bundle, BundleError
 
-__all__ = ["TFCheckpoint", "load_tf_checkpoint", "convert_tf_checkpoint", "EngineVariable"]
+__all__ = ["TFCheckpoint", "load_tf_checkpoint", "convert_tf_checkpoint", "EngineVariable", "TableVariable"]
 
 ATTR = "/.ATTRIBUTES/VARIABLE_VALUE"
+STEP_ATTR = "/.ATTRIBUTES/step"  # a table's optimizer step, beside its values (the adapter's checkpoints)
 LAYOUTS = "_sparse_core_table_layouts"
 # TensorFlow's slot names, and embedcore's row-wise Adagrad's (a [rows, 1] variable).
 SLOT_NAMES = ("accumulators", "momenta", "velocities", "linears", "row_accumulators")
@@ -47,6 +54,7 @@ _BLOCK_BYTES = 32 << 20
 
 _Trackable = tf.__internal__.tracking.Trackable
 _VALUE_KEY = "VARIABLE_VALUE"
+_STEP_KEY = "step"
 
 
 def escape(name: str) -> str:
@@ -241,6 +249,25 @@ class TFCheckpoint:
                 out.append(s)
         return out
 
+    def step(self, prefix: str, name: str) -> Optional[int]:
+        """The optimizer step stored for table `name` (the adapter's own
+        checkpoints), or None where the checkpoint has none (TensorFlow's
+        TPU embeddings', the adapter's before it saved the step). Raises
+        ValueError for a step that is not an int64 scalar in [0, 2**62]."""
+        key = _join(prefix, name) + STEP_ATTR
+        if key not in self.shapes:
+            return None
+        if list(self.shapes[key]) != [] or self.dtypes[key] != tf.int64:
+            raise ValueError(f"{self.path}: {key} holds {self.dtypes[key].name} {list(self.shapes[key])}, not an "
+                             "int64 scalar")
+        try:
+            value = int(self._reader.get_tensor(key))
+        except (tf.errors.OpError, ValueError) as e:
+            raise self._error(f"cannot read {key}", e) from None
+        if not 0 <= value <= _MAX_STEP:
+            raise ValueError(f"{self.path}: {key} is {value}, not a step in [0, 2**62]")
+        return value
+
     def shape(self, prefix: str, name: str) -> Tuple[int, int]:
         layouts = self.layouts(prefix)
         if name in layouts:
@@ -416,7 +443,8 @@ def _slot_view(table: ec.Table, slot: str) -> np.ndarray:
 def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optional[str] = None,
                    include_optimizer: bool = True, verify: bool = True) -> str:
     """Reads every table (and, with `include_optimizer`, the slots the
-    checkpoint has and the table's optimizer uses) of `tables` from `ckpt`.
+    checkpoint has and the table's optimizer uses, and the step where the
+    checkpoint has one) of `tables` from `ckpt`.
     Every shape and dtype is checked before any table changes, and, with
     `verify`, every block that the restore reads is read once first and
     discarded (a truncated or corrupt data file raises ValueError naming
@@ -434,15 +462,18 @@ def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optio
                              f"{[t.rows, t.dim]} here")
         slots = [s for s in ckpt.slots(prefix, t.name) if s in t.slot_names] if include_optimizer else []
         ckpt.check(prefix, t.name, slots, t._native.slot_dim)
-        plan.append((t, slots))
+        step = ckpt.step(prefix, t.name) if include_optimizer else None  # read (and checked) before any change
+        plan.append((t, slots, step))
     if verify:
-        for t, slots in plan:
+        for t, slots, _ in plan:
             ckpt.verify(prefix, t.name, slots,
                         {None: _values_view(t).shape, **{s: _slot_view(t, s).shape for s in slots}})
-    for t, slots in plan:
+    for t, slots, step in plan:
         ckpt.read_into(prefix, t.name, None, _values_view(t))
         for s in slots:
             ckpt.read_into(prefix, t.name, s, _slot_view(t, s))
+        if step is not None:
+            t.step = step
     return prefix
 
 
@@ -457,7 +488,9 @@ def load_tf_checkpoint(path, into, prefix: Optional[str] = None, include_optimiz
         checkpoint (e.g. ``"embedding"`` or ``"model/embedding"``); found
         from the table names when omitted.
     include_optimizer: also the optimizer slots that the checkpoint holds
-        and the tables' optimizers use.
+        and the tables' optimizers use, and each table's optimizer step
+        where the checkpoint holds one (the adapter's own checkpoints;
+        elsewhere the step stays as it is).
 
     Returns the prefix used."""
     from embedcore.checkpoint import _tables_of
@@ -487,10 +520,12 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
         optimizer kind is read from its slots (accumulators: Adagrad;
         momenta + velocities: Adam; accumulators + linears: FTRL;
         row_accumulators: RowWiseAdagrad; none: SGD) with default hyper-parameters unless `optimizer` is given.
-    include_optimizer: also the optimizer state. Every slot the checkpoint
-        holds for a converted table must be one its optimizer (inferred,
-        `optimizer`, or the feature config's) keeps: otherwise ValueError,
-        naming them, before anything is written.
+    include_optimizer: also the optimizer state: the slots, and the step
+        where the checkpoint holds one (the adapter's own checkpoints; else
+        0). Every slot the checkpoint holds for a converted table must be
+        one its optimizer (inferred, `optimizer`, or the feature config's)
+        keeps: otherwise ValueError, naming them, before anything is
+        written.
     tables: only these table names (a str is one name); a name that is not
         in `feature_config` (or, without it, in the checkpoint) raises
         ValueError.
@@ -568,9 +603,29 @@ def _as_tensor(view: np.ndarray) -> tf.Tensor:
         return tf.constant(view)
 
 
+def _copy_into(dest: np.ndarray, value: tf.Tensor, what: str) -> None:
+    if tuple(value.shape) != dest.shape:
+        raise ValueError(f"cannot restore '{what}': the checkpoint holds shape {list(value.shape)}, the table is "
+                         f"{list(dest.shape)}")
+    np.copyto(dest, value.numpy())
+
+
+def _snapshot(read, dtypes, shapes) -> list:
+    """``read()`` (copies of engine state, as NumPy arrays) as tensors: now
+    when eager, else (inside a ``tf.function``) a stateful
+    ``tf.numpy_function`` that runs each time the graph does."""
+    if tf.executing_eagerly():
+        return [tf.constant(a) for a in read()]
+    values = tf.numpy_function(read, [], list(dtypes), stateful=True)
+    for v, shape in zip(values, shapes):
+        v.set_shape(shape)
+    return values
+
+
 class EngineVariable(_Trackable):
-    """A table's values (or one slot) as a checkpointed variable: saved
-    under the name TensorFlow gives it, restored into the engine."""
+    """One slot of a table as a checkpointed variable: saved under the name
+    TensorFlow gives it, restored into the engine. (A table's values, with
+    its step: ``TableVariable``.)"""
 
     def __init__(self, table: ec.Table, slot: Optional[str] = None):
         self._table = table
@@ -583,13 +638,7 @@ class EngineVariable(_Trackable):
         return {_VALUE_KEY: _as_tensor(np.asarray(self._view()))}
 
     def _restore_from_tensors(self, restored_tensors):
-        value = restored_tensors[_VALUE_KEY]
-        dest = self._view()
-        if tuple(value.shape) != dest.shape:
-            what = self._table.name if self._slot is None else f"{self._table.name}/{self._slot}"
-            raise ValueError(f"cannot restore '{what}': the checkpoint holds shape {list(value.shape)}, the table is "
-                             f"{list(dest.shape)}")
-        np.copyto(dest, value.numpy())
+        _copy_into(self._view(), restored_tensors[_VALUE_KEY], self._name())
         return tf.no_op()
 
     def _copy_trackable_to_cpu(self, object_map):
@@ -605,15 +654,93 @@ class EngineVariable(_Trackable):
             with tf.init_scope(), tf.device("/CPU:0"):
                 object_map[self] = resource_variable_ops.UninitializedVariable(
                     shape=shape, dtype=tf.float32, trainable=False, name=self._name())
-        if tf.executing_eagerly():
-            value = tf.constant(np.array(self._view()))  # a copy: the engine's memory keeps changing
-        else:
-            value = tf.numpy_function(lambda: np.array(self._view()), [], tf.float32, stateful=True)
-            value.set_shape(shape)
-        object_map[self].assign(value)
+        # a copy: the engine's memory keeps changing
+        object_map[self].assign(_snapshot(lambda: [np.array(self._view())], [tf.float32], [shape])[0])
 
     def _name(self) -> str:
         return self._table.name if self._slot is None else f"{self._table.name}/{self._slot}"
+
+
+class TableVariable(_Trackable):
+    """A table's values and its optimizer step (``Table.step``) as one
+    checkpointed object: ``<name>/.ATTRIBUTES/VARIABLE_VALUE`` (what
+    TensorFlow's ``TPUEmbeddingForServing`` restores as the table's
+    variable) and ``<name>/.ATTRIBUTES/step`` (an int64 scalar), both
+    restored into the engine, so that training resumes where it stopped (a
+    learning-rate schedule's position, Adam's bias correction).
+
+    They are TensorFlow's per-attribute saveables
+    (``_gather_saveables_for_checkpoint``), not ``_serialize_to_tensors``:
+    TensorFlow restores those attribute by attribute, so a checkpoint
+    without the step (the adapter's before it saved one, or TensorFlow's
+    TPU embeddings') restores the values, leaves the step as it is, and
+    passes ``assert_consumed`` / ``assert_existing_objects_matched``,
+    where ``_serialize_to_tensors`` would ask it for both keys
+    (``NotFoundError``). TensorFlow's own variables skip the step
+    attribute."""
+
+    def __init__(self, table: ec.Table):
+        self._table = table
+
+    def _gather_saveables_for_checkpoint(self):
+        return {key: functools.partial(_TableSaveable, self, key) for key in (_VALUE_KEY, _STEP_KEY)}
+
+    def _read(self, key: str) -> tf.Tensor:
+        if key == _STEP_KEY:
+            with tf.device("/CPU:0"):
+                return tf.constant(self._table.step, tf.int64)
+        return _as_tensor(np.asarray(_values_view(self._table)))
+
+    def _restore(self, key: str, value: tf.Tensor) -> None:
+        if key == _VALUE_KEY:
+            _copy_into(_values_view(self._table), value, self._table.name)
+        elif value.shape.rank != 0:
+            raise ValueError(f"cannot restore the step of '{self._table.name}': the checkpoint holds shape "
+                             f"{list(value.shape)}, not a scalar")
+        else:
+            self._table.step = int(value.numpy())  # ValueError (naming the table) outside [0, 2**62]
+
+    def _copy_trackable_to_cpu(self, object_map):
+        """``EngineVariable._copy_trackable_to_cpu``, for the values and the
+        step (read together)."""
+        shape = tuple(_values_view(self._table).shape)
+        if self not in object_map:
+            with tf.init_scope(), tf.device("/CPU:0"):
+                object_map[self] = _TableSnapshot(
+                    resource_variable_ops.UninitializedVariable(shape=shape, dtype=tf.float32, trainable=False,
+                                                                name=self._table.name),
+                    resource_variable_ops.UninitializedVariable(shape=(), dtype=tf.int64, trainable=False,
+                                                                name=f"{self._table.name}/step"))
+        values, step = _snapshot(lambda: [np.array(_values_view(self._table)), np.int64(self._table.step)],
+                                 [tf.float32, tf.int64], [shape, ()])
+        object_map[self].values.assign(values)
+        object_map[self].step.assign(step)
+
+
+class _TableSaveable(saveable_object.SaveableObject):
+    """One attribute (`key`) of a ``TableVariable``."""
+
+    def __init__(self, owner: TableVariable, key: str, name: str):
+        self._owner, self._key = owner, key
+        # The tensor now (a save calls the factory when it saves; a restore, for the dtype and device only): the
+        # values a zero-copy view of the table, both on the CPU device of the other tensors TensorFlow saves.
+        spec = saveable_object.SaveSpec(owner._read(key), "", name)
+        super().__init__(self, [spec], name)  # its own op: TensorFlow refuses two saveables of one op
+
+    def restore(self, restored_tensors, restored_shapes):
+        self._owner._restore(self._key, restored_tensors[0])
+        return tf.no_op()
+
+
+class _TableSnapshot(_Trackable):
+    """What an asynchronous checkpoint writes for a ``TableVariable``: CPU
+    copies of its values and step, under the same keys."""
+
+    def __init__(self, values, step):
+        self.values, self.step = values, step
+
+    def _serialize_to_tensors(self):
+        return {_VALUE_KEY: self.values.read_value(), _STEP_KEY: self.step.read_value()}
 
 
 class StackedSink(_Trackable):

@@ -172,7 +172,8 @@ class EmbeddingForServing(_AutoTrackable):
 
     Checkpoints: ``tf.train.Checkpoint(embedding=this).restore(path)``
     restores a checkpoint of TensorFlow's ``TPUEmbedding`` /
-    ``TPUEmbeddingForServing`` (and saves one TensorFlow can read);
+    ``TPUEmbeddingForServing`` (and saves one TensorFlow can read, with each
+    table's optimizer step beside its values, so that training resumes);
     ``load_tf_checkpoint(path, into=this)`` does the same with bounded memory
     and also reads SparseCore-stacked tables. ``embedcore.save(path, this)``
     writes an embedcore checkpoint. ``tf.saved_model.save`` exports the
@@ -263,7 +264,7 @@ class EmbeddingForServing(_AutoTrackable):
                 children = {}
                 for s in self._specs:
                     t = self._tables[s.name]
-                    children[s.name] = _checkpoint.EngineVariable(t)
+                    children[s.name] = _checkpoint.TableVariable(t)  # its values and step
                     for slot in t.slot_names:
                         children[f"{s.name}/{slot}"] = _checkpoint.EngineVariable(t, slot)
                 self._children = children

@@ -260,10 +260,10 @@ def test_convert_refuses_to_drop_optimizer_state(slotted_checkpoint, tmp_path):
 
 
 def test_async_checkpoint_saves_the_values_at_save(tmp_path):
-    """With ``experimental_enable_async_checkpoint``, values changed after
-    ``save()`` returns do not reach that checkpoint (a snapshot is taken at
-    the save, as for TensorFlow's variables), at the first save (eager copy)
-    and at later ones (a traced copy)."""
+    """With ``experimental_enable_async_checkpoint``, values (and steps)
+    changed after ``save()`` returns do not reach that checkpoint (a
+    snapshot is taken at the save, as for TensorFlow's variables), at the
+    first save (eager copy) and at later ones (a traced copy)."""
     table = E.TableConfig(vocabulary_size=50_000, dim=16, combiner="sum", name="t", optimizer=E.Adagrad(0.1))
     emb = EmbeddingForServing({"a": E.FeatureConfig(table)})
     handle = emb.embedding_tables[table]
@@ -274,18 +274,21 @@ def test_async_checkpoint_saves_the_values_at_save(tmp_path):
     for i in range(3):
         handle.assign(np.full([50_000, 16], float(i + 1), np.float32))
         acc.assign(np.full([50_000, 16], float(10 * (i + 1)), np.float32))
+        handle.table.step = 100 * (i + 1)
         paths.append(ckpt.save(str(tmp_path / "c"), options=options))
         handle.assign(np.full([50_000, 16], -1.0, np.float32))  # right after save() returned
         acc.assign(np.full([50_000, 16], 0.5, np.float32))
+        handle.table.step = 7
     ckpt.sync()
     for i, p in enumerate(paths):
         reader = tf.train.load_checkpoint(p)
         assert np.unique(reader.get_tensor("embedding/t/.ATTRIBUTES/VARIABLE_VALUE")).tolist() == [i + 1]
         assert np.unique(reader.get_tensor("embedding/t.Saccumulators/.ATTRIBUTES/VARIABLE_VALUE")).tolist() == \
             [10 * (i + 1)]
+        assert reader.get_tensor("embedding/t/.ATTRIBUTES/step") == 100 * (i + 1)
     # and restores into the engine
-    tf.train.Checkpoint(embedding=emb).restore(paths[1]).assert_existing_objects_matched()
-    assert np.unique(handle.numpy()).tolist() == [2]
+    tf.train.Checkpoint(embedding=emb).restore(paths[1]).assert_consumed()
+    assert np.unique(handle.numpy()).tolist() == [2] and handle.table.step == 200
 
 
 def test_convert_tables_named_with_slashes_and_combiner(tmp_path):
@@ -434,3 +437,126 @@ def test_convert_tables_names(slotted_checkpoint, tmp_path):
         convert_tf_checkpoint(path, tmp_path / "bad5", tables=["ta", "typo"])
     for bad in ("bad1", "bad2", "bad3", "bad4", "bad5"):
         assert not (tmp_path / bad).exists()
+
+
+def _train_steps(layer, batches):
+    """One engine step per batch (the gradient of sum(outputs ** 2))."""
+    for ids in batches:
+        with tf.GradientTape() as tape:
+            y = layer(tf.constant(ids), training=True)
+            loss = tf.reduce_sum(y * y)
+        tape.gradient(loss, layer.trainable_variables)
+
+
+def _engine_state(layer):
+    t = layer._embedcore_tables()[0]
+    return t.to_numpy().tobytes(), {k: v.tobytes() for k, v in t.slots().items()}, t.step
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda: ec.optimizers.SGD(lambda step: 0.1 / (1 + step)),  # a schedule: the step is its position
+    lambda: ec.optimizers.Adam(0.05, bias_correction=True),
+    lambda: ec.optimizers.Adagrad(0.1),
+    lambda: ec.optimizers.FTRL(0.1),
+], ids=["sgd-schedule", "adam-bias-correction", "adagrad", "ftrl"])
+def test_keras_layer_resumes_from_tf_checkpoint(tmp_path, rng, make_optimizer):
+    """tf.train.Checkpoint of the Keras layer saves each table's optimizer
+    step beside its values and slots: a layer rebuilt and restored from it
+    trains on bit for bit as the uninterrupted one (values, slots, step),
+    where a step restored as 0 restarted the schedule and Adam's bias
+    correction. load_tf_checkpoint and convert_tf_checkpoint read the step
+    too (with the optimizer state)."""
+    from embedcore.adapters.tf import Embedding
+
+    def make():
+        layer = Embedding(40, 4, table_name="items", optimizer=make_optimizer(), combiner="sum")
+        layer(tf.zeros([1, 3], tf.int64))
+        return layer
+
+    batches = [rng.integers(0, 40, (5, 3)) for _ in range(5)]
+    a = make()
+    _train_steps(a, batches[:3])
+    path = tf.train.Checkpoint(layer=a).save(str(tmp_path / "ckpt"))
+    assert dict(tf.train.list_variables(path))["layer/embedding/items/.ATTRIBUTES/step"] == []
+    assert tf.train.load_checkpoint(path).get_tensor("layer/embedding/items/.ATTRIBUTES/step") == 3
+
+    b = make()
+    tf.train.Checkpoint(layer=b).restore(path).assert_consumed()
+    assert _engine_state(b) == _engine_state(a) and b._embedcore_tables()[0].step == 3
+    _train_steps(a, batches[3:])  # the uninterrupted run
+    _train_steps(b, batches[3:])  # the resumed one
+    assert _engine_state(b) == _engine_state(a) and a._embedcore_tables()[0].step == 5
+
+    # The bounded-memory reader and the conversion take the step with the optimizer state.
+    c = make()
+    load_tf_checkpoint(path, c)
+    assert c._embedcore_tables()[0].step == 3
+    d = make()
+    d._embedcore_tables()[0].step = 7
+    load_tf_checkpoint(path, d, include_optimizer=False)  # values only: slots and step stay
+    assert d._embedcore_tables()[0].step == 7
+    assert convert_tf_checkpoint(path, tmp_path / "ec", prefix="layer/embedding", optimizer=make_optimizer(),
+                                 combiner="sum") == ["items"]
+    e = make()
+    ec.load(tmp_path / "ec", into=e)
+    assert e._embedcore_tables()[0].step == 3
+
+
+def test_checkpoint_without_step_restores_and_keeps_the_step(tmp_path, monkeypatch):
+    """A checkpoint written before the adapter saved the step (a table's
+    values alone under its name, as TensorFlow's TPU embeddings write
+    them) restores the values and slots, leaves the step as it is, and
+    passes assert_consumed / assert_existing_objects_matched; its tables
+    restore into TensorFlow's TPUEmbeddingForServing, and the adapter's
+    checkpoints with the step do too."""
+    from embedcore.adapters.tf import _checkpoint
+
+    cfg = _slotted_config()
+    ours = EmbeddingForServing(cfg, None)
+    for d in ours.variables.values():
+        for name, v in d.items():
+            v.assign(np.full(v.shape, 0.5 if name != "parameters" else -1.5, np.float32))
+    for t in ours._embedcore_tables():
+        t.step = 4
+    with monkeypatch.context() as m:  # the adapter's checkpoints before the step
+        m.setattr(_checkpoint, "TableVariable", _checkpoint.EngineVariable)
+        old = tf.train.Checkpoint(embedding=EmbeddingForServing(cfg, None))
+        old.embedding._maybe_build()
+        for t, src in zip(old.embedding._embedcore_tables(), ours._embedcore_tables()):
+            t._native.values_mut()[...] = src.to_numpy()
+            for k, v in src.slots().items():
+                dict(t._native.slots_mut())[k][...] = v
+        old_path = old.save(str(tmp_path / "old" / "ckpt"))
+    assert not any(k.endswith("/step") for k, _ in tf.train.list_variables(old_path))
+    for check in ("assert_consumed", "assert_existing_objects_matched"):
+        back = EmbeddingForServing(cfg, None)
+        for t in back._embedcore_tables():
+            t.step = 9
+        getattr(tf.train.Checkpoint(embedding=back).restore(old_path), check)()
+        assert {k: v.tobytes() for k, v in _state(back).items()} == {k: v.tobytes() for k, v in _state(ours).items()}
+        assert [t.step for t in back._embedcore_tables()] == [9, 9, 9]
+    back = EmbeddingForServing(cfg, None)
+    load_tf_checkpoint(old_path, back)
+    assert [t.step for t in back._embedcore_tables()] == [0, 0, 0]
+
+    new_path = tf.train.Checkpoint(embedding=ours).save(str(tmp_path / "new" / "ckpt"))
+    theirs = E.TPUEmbeddingForServing(cfg, None)
+    theirs.build()
+    tf.train.Checkpoint(embedding=theirs).restore(new_path).assert_consumed()  # the step attribute is skipped
+    assert {k: v.tobytes() for k, v in _state(theirs).items()} == {k: v.tobytes() for k, v in _state(ours).items()}
+
+
+def test_a_bad_step_in_a_checkpoint_is_refused(tmp_path, monkeypatch):
+    from embedcore.adapters.tf import _checkpoint
+
+    cfg = {"a": E.FeatureConfig(E.TableConfig(vocabulary_size=5, dim=2, name="ta", optimizer=E.Adam(0.1)))}
+    with monkeypatch.context() as m:
+        m.setattr(_checkpoint.TableVariable, "_read", lambda self, key: tf.constant(
+            -1 if key == "step" else np.zeros((5, 2), np.float32), tf.int64 if key == "step" else tf.float32))
+        path = tf.train.Checkpoint(embedding=EmbeddingForServing(cfg, None)).save(str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="ta.*step"):
+        tf.train.Checkpoint(embedding=EmbeddingForServing(cfg, None)).restore(path)
+    back = EmbeddingForServing(cfg, None)
+    with pytest.raises(ValueError, match=r"step.*-1"):
+        load_tf_checkpoint(path, back)
+    assert back._embedcore_tables()[0].step == 0
