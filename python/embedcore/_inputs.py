@@ -140,10 +140,10 @@ def as_offsets(x, where: str) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-def as_weights(x, where: str) -> np.ndarray:
-    """float32, C-contiguous. Other float and integer dtypes (bfloat16
-    included) are converted; a finite value that float32 cannot hold (it
-    would become inf) is refused."""
+def as_float32(x, where: str) -> np.ndarray:
+    """float32, C-contiguous (weights, gradients, assigned values). Other
+    float and integer dtypes (bfloat16 included) are converted; a finite
+    value that float32 cannot hold (it would become inf) is refused."""
     a = to_numpy(x, where)
     if _is_bfloat16(a.dtype):
         return np.ascontiguousarray(a.astype(np.float32))  # exact: bfloat16 is float32's upper half
@@ -164,11 +164,7 @@ def as_weights(x, where: str) -> np.ndarray:
     return w
 
 
-def as_float32(x, where: str) -> np.ndarray:
-    a = to_numpy(x, where)
-    if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
-        raise TypeError(f"{where} must be a float array, got dtype {a.dtype}")
-    return np.ascontiguousarray(a, dtype=np.float32)
+as_weights = as_float32
 
 
 # ------------------------------------------------------------------ batches

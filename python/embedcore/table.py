@@ -252,7 +252,9 @@ class Table(LookupMixin):
     @step.setter
     def step(self, value: int) -> None:
         # 2**62: the most a checkpoint records (docs/format.md), far from where the int64 count overflows.
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= 2**62:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"table '{self._name}': step must be an int in [0, 2**62], got {value!r}")
+        if not 0 <= value <= 2**62:
             raise ValueError(f"table '{self._name}': step must be an int in [0, 2**62], got {value!r}")
         self._native.step = int(value)
 

@@ -293,7 +293,7 @@ def test_assigned_values_must_be_finite(trained):
         trained.assign(bad, 1)
     big = np.zeros((1, trained.dim), np.float64)
     big[0, 0] = 1e300  # inf as float32
-    with pytest.raises(ValueError, match=r"values\[0, 0\] = inf \(as float32\) is not finite"):
+    with pytest.raises(ValueError, match=r"values: value 1e\+300 at index \[0, 0\] is outside the float32 range"):
         trained.assign(big)
     full = np.zeros((trained.rows, trained.dim), np.float32)
     full[-1, -1] = -np.inf
@@ -504,10 +504,26 @@ def test_lookup_arguments(trained):
 
 
 def test_table_step_setter(trained):
-    for bad in (-1, 1.5, True, "3"):
-        with pytest.raises(ValueError):
+    with pytest.raises(ValueError):
+        trained.step = -1
+    for bad in (1.5, True, "3"):  # not ints: TypeError, as the other int arguments
+        with pytest.raises(TypeError):
             trained.step = bad
     assert trained.step == 1
+
+
+def test_float64_gradients_beyond_float32_are_refused(trained):
+    # As weights are: a gradient of 1e300 would become inf (then NaN rows); nothing changes.
+    before = trained.to_numpy(), {k: v.copy() for k, v in trained.slots().items()}, trained.step
+    grads = np.ones((2, trained.dim))
+    grads[1, 0] = -1e300
+    with pytest.raises(ValueError, match=r"grads: value -1e\+300 at index \[1, 0\] is outside the float32 range "
+                                         r"\(it would become -inf\)"):
+        trained.apply_gradients(np.array([0, 1]), grads=grads, combiner=None)
+    np.testing.assert_array_equal(trained.to_numpy(), before[0])
+    for k, v in trained.slots().items():
+        np.testing.assert_array_equal(v, before[1][k])
+    assert trained.step == before[2]
 
 
 def test_assign_errors(trained):
