@@ -192,7 +192,7 @@ MappedCheckpoint::Verify ParseVerify(const char* options_json, MappedCheckpoint:
         throw InvalidArgument("options_json: nests deeper than " + std::to_string(kMaxOptionsDepth) + " levels");
       return true;
     });
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // a syntax error, or a number beyond double (out_of_range)
     throw InvalidArgument(std::string("options_json: not valid JSON: ") + Excerpt(e.what(), 200));
   }
   if (!o.is_object()) throw InvalidArgument("options_json must be a JSON object, got " + Excerpt(o));

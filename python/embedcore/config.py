@@ -42,6 +42,12 @@ class TableConfig:
             raise TypeError(f"{owner}: rows and dim are required")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"{owner}: name must be a str, got {name!r}")
+        if name is not None:
+            try:  # checkpoints record names as UTF-8 (a str from undecodable bytes holds lone surrogates)
+                name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{owner}: name is not valid UTF-8 text (a str decoded from undecodable bytes, "
+                                 "such as a file name); checkpoints record table names as UTF-8") from None
         self.name = name
         self.rows = _positive_int(owner, "rows", rows)
         self.dim = _positive_int(owner, "dim", dim)

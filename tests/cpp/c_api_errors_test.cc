@@ -419,6 +419,8 @@ EMBEDCORE_TEST(BadOptions) {
   EXPECT_OPEN_ERROR(path, "{\"verify\": ", EMBEDCORE_INVALID_ARGUMENT,
                     "embedcore_open: options_json: not valid JSON: [json.exception.parse_error");
   EXPECT_OPEN_ERROR(path, "", EMBEDCORE_INVALID_ARGUMENT, "options_json: not valid JSON");
+  EXPECT_OPEN_ERROR(path, "{\"verify\": 1e999}", EMBEDCORE_INVALID_ARGUMENT,
+                    "embedcore_open: options_json: not valid JSON: [json.exception.out_of_range");
   EXPECT_C_ERROR(embedcore_reload(s.h, nullptr, "{verify: 1}"), EMBEDCORE_INVALID_ARGUMENT,
                  "embedcore_reload: options_json: not valid JSON");
   const std::string huge(70000, ' ');

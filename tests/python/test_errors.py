@@ -512,6 +512,13 @@ def test_table_step_setter(trained):
     assert trained.step == 1
 
 
+def test_table_names_must_be_utf8():
+    # A name from undecodable bytes (os.fsdecode of a file name) holds lone surrogates: not UTF-8 text.
+    with pytest.raises(ValueError, match=r"TableConfig 'emb\\udcff': name is not valid UTF-8 text"):
+        ec.Table(name="emb\udcff", rows=3, dim=2)
+    assert ec.Table(name="émb ✓", rows=3, dim=2).name == "émb ✓"
+
+
 def test_float64_gradients_beyond_float32_are_refused(trained):
     # As weights are: a gradient of 1e300 would become inf (then NaN rows); nothing changes.
     before = trained.to_numpy(), {k: v.copy() for k, v in trained.slots().items()}, trained.step
