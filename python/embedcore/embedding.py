@@ -2,7 +2,6 @@
 features, shaped like TensorFlow's ``TPUEmbedding``."""
 from __future__ import annotations
 
-import threading
 from typing import Dict, List, Optional
 
 from . import _device, _embedcore, _nest
@@ -45,8 +44,8 @@ class FeatureLookup:
                 outputs.append(self._table(f)._lookup_batch(b, self._combiner(f), f.max_sequence_length))
             except (IndexError, ValueError) as e:
                 raise in_callers_terms(e, b, f"features[{name!r}]") from None
-        if self._trains:  # kept for apply_gradients, as copies: the caller may reuse its id buffers before the step
-            self._remember([b.owned() for b in batches])
+        # Kept for apply_gradients, as copies: the caller may reuse its id buffers before the step.
+        self._last = [b.owned() for b in batches] if self._trains else batches
         return _nest.pack_as(self._feature_config, outputs)
 
     embedding_lookup = lookup
@@ -123,9 +122,7 @@ class Embedding(FeatureLookup):
             self._effective[cfg] = TableConfig(name, cfg.rows, cfg.dim, cfg.dtype, cfg.initializer,
                                                cfg.optimizer if cfg.optimizer is not None else optimizer, cfg.combiner)
         self._build_tables()
-        # The batches of each thread's last lookup, for that thread's apply_gradients: a lookup from another
-        # thread (an evaluation, a server) between a lookup and its step does not change what the step updates.
-        self._last = threading.local()
+        self._last = None  # (batches) of the last lookup, for apply_gradients
         self._trains = any(c.optimizer is not None for c in self._effective.values())
 
     def _build_tables(self) -> None:
@@ -147,7 +144,7 @@ class Embedding(FeatureLookup):
             except (IndexError, ValueError) as e:
                 raise in_callers_terms(e, where=f"features[{name!r}]") from None
             parts.append((ids, offsets, weights, combiner, length))
-        self._remember(parts)
+        self._last = parts
         return _nest.pack_as(self._feature_config, outputs)
 
     @property
@@ -166,21 +163,15 @@ class Embedding(FeatureLookup):
     def _table(self, f: FeatureConfig) -> Table:
         return self._tables[f.table]
 
-    def _remember(self, batches) -> None:
-        self._last.batches = batches
-
     def apply_gradients(self, grads) -> None:
-        """One optimizer step per table from the gradients of the last lookup
-        made by this thread (each thread steps what it looked up last)."""
-        last = getattr(self._last, "batches", None)
-        if last is None:
-            raise ValueError("Embedding.apply_gradients: call the embedding on a batch first (in this thread: "
-                             "each thread steps its own last lookup)")
+        """One optimizer step per table from the gradients of the last lookup."""
+        if self._last is None:
+            raise ValueError("Embedding.apply_gradients: call the embedding on a batch first")
         flat_grads = _nest.flatten_up_to(self._feature_config, grads, "grads")
         if self._device >= 0:
             cuda_parts: Dict[TableConfig, list] = {}
             for name, f, (ids, offsets, weights, combiner, length), g in zip(
-                    self._feature_names, self._features, last, flat_grads):
+                    self._feature_names, self._features, self._last, flat_grads):
                 table = self._table(f)
                 if table.optimizer is None:
                     raise ValueError(f"Embedding.apply_gradients: table '{table.name}' has no optimizer")
@@ -191,7 +182,7 @@ class Embedding(FeatureLookup):
             return
         parts: Dict[TableConfig, list] = {}
         names: Dict[TableConfig, list] = {}
-        for name, f, b, g in zip(self._feature_names, self._features, last, flat_grads):
+        for name, f, b, g in zip(self._feature_names, self._features, self._last, flat_grads):
             table = self._table(f)
             if table.optimizer is None:
                 raise ValueError(f"Embedding.apply_gradients: table '{table.name}' has no optimizer "

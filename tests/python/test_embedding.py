@@ -1,7 +1,5 @@
 """ec.Embedding: nested feature configs, shared tables, sequence features,
 table naming, and all-or-nothing gradient application."""
-import threading
-
 import numpy as np
 import pytest
 
@@ -225,44 +223,6 @@ def test_apply_gradients_before_lookup():
     emb = ec.Embedding([ec.FeatureConfig(ec.TableConfig(rows=3, dim=2))], opt.SGD(0.1))
     with pytest.raises(ValueError):
         emb.apply_gradients([np.zeros((1, 2), np.float32)])
-
-
-def test_each_thread_steps_its_own_last_lookup():
-    # Thread A looks up id 0; thread B looks up id 5 (an evaluation) before A's step: A's step updates row 0.
-    cfg = ec.TableConfig("t", rows=10, dim=2, initializer=ec.initializers.Zeros())
-    emb = ec.Embedding({"f": ec.FeatureConfig(cfg)}, optimizer=ec.optimizers.SGD(1.0))
-    a_looked, b_looked, errors = threading.Event(), threading.Event(), []
-
-    def thread_a():
-        try:
-            out = emb({"f": np.array([0])})
-            a_looked.set()
-            assert b_looked.wait(30)
-            emb.apply_gradients({"f": np.ones_like(out["f"])})
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    def thread_b():
-        assert a_looked.wait(30)
-        emb({"f": np.array([5])})
-        b_looked.set()
-
-    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    v = emb.embedding_tables[cfg].to_numpy()
-    np.testing.assert_array_equal(v[0], [-1, -1])
-    np.testing.assert_array_equal(v[5], [0, 0])
-    # A thread that never looked up has nothing to step, whatever the others did.
-    failed = []
-    t = threading.Thread(target=lambda: failed.append(pytest.raises(ValueError, emb.apply_gradients,
-                                                                    {"f": np.ones((1, 2), np.float32)})))
-    t.start()
-    t.join(60)
-    assert "call the embedding on a batch first (in this thread" in str(failed[0].value)
 
 
 def test_no_optimizer_anywhere():
