@@ -145,6 +145,8 @@ def as_float32(x, where: str) -> np.ndarray:
     float and integer dtypes (bfloat16 included) are converted; a finite
     value that float32 cannot hold (it would become inf) is refused."""
     a = to_numpy(x, where)
+    if a.dtype == np.float32:  # the hot path (gradients, weights): nothing to convert or check
+        return a if a.flags.c_contiguous and a.ndim > 0 else np.ascontiguousarray(a)  # (0-d made 1-d)
     if _is_bfloat16(a.dtype):
         return np.ascontiguousarray(a.astype(np.float32))  # exact: bfloat16 is float32's upper half
     if a.dtype.kind not in "fiu" or a.dtype == np.bool_:

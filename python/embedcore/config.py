@@ -22,6 +22,17 @@ def _positive_int(owner: str, name: str, value) -> int:
     return v
 
 
+def _check_utf8(owner: str, name) -> None:
+    """Checkpoints record table and feature names as UTF-8: a str decoded from
+    undecodable bytes (a file name, with lone surrogates) is refused."""
+    if isinstance(name, str):
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{owner}: name is not valid UTF-8 text (a str decoded from undecodable bytes, such as "
+                             "a file name); checkpoints record names as UTF-8") from None
+
+
 class TableConfig:
     """One embedding table: ``rows x dim`` values of ``dtype``.
 
@@ -42,12 +53,7 @@ class TableConfig:
             raise TypeError(f"{owner}: rows and dim are required")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"{owner}: name must be a str, got {name!r}")
-        if name is not None:
-            try:  # checkpoints record names as UTF-8 (a str from undecodable bytes holds lone surrogates)
-                name.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(f"{owner}: name is not valid UTF-8 text (a str decoded from undecodable bytes, "
-                                 "such as a file name); checkpoints record table names as UTF-8") from None
+        _check_utf8(owner, name)
         self.name = name
         self.rows = _positive_int(owner, "rows", rows)
         self.dim = _positive_int(owner, "dim", dim)
@@ -92,6 +98,7 @@ class FeatureConfig:
             raise ValueError(f"FeatureConfig {name!r}: max_sequence_length must be >= 0, got {max_sequence_length}")
         self.table = table
         self.max_sequence_length = int(max_sequence_length)
+        _check_utf8(f"FeatureConfig {name!r}", name)
         self.name = name
 
     def __repr__(self) -> str:

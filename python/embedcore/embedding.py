@@ -66,7 +66,12 @@ class Embedding(FeatureLookup):
     their structure, and applies one optimizer step per table, the gradients
     of all features that share a table summed together. Everything is checked
     before any table changes (gradients that view a table the step updates
-    are refused: pass a copy).
+    are refused: pass a copy). "Last" is the embedding's last lookup from any
+    thread, as ``TPUEmbedding``'s (a framework may run the lookup and the
+    step on different threads: ``tf.numpy_function``, PyTorch's backward): a
+    lookup that must not be stepped, such as an evaluation from another
+    thread while this one trains, goes through the tables themselves
+    (``emb.embedding_tables[config].lookup(...)``) or a served checkpoint.
 
     ``world=`` (a communicator from ``embedcore.distributed``) and
     ``sharding=`` ("table_wise", "row_wise", "column_wise", "auto", or a dict

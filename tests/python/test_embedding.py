@@ -1,5 +1,7 @@
 """ec.Embedding: nested feature configs, shared tables, sequence features,
 table naming, and all-or-nothing gradient application."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -223,6 +225,18 @@ def test_apply_gradients_before_lookup():
     emb = ec.Embedding([ec.FeatureConfig(ec.TableConfig(rows=3, dim=2))], opt.SGD(0.1))
     with pytest.raises(ValueError):
         emb.apply_gradients([np.zeros((1, 2), np.float32)])
+
+
+def test_the_step_takes_the_last_lookup_of_any_thread():
+    # Frameworks run a lookup and its step on different threads (tf.numpy_function in a tf.function, PyTorch's
+    # backward on a device thread): the step takes the embedding's last lookup, whichever thread made it.
+    cfg = ec.TableConfig("t", rows=10, dim=2, initializer=ec.initializers.Zeros())
+    emb = ec.Embedding({"f": ec.FeatureConfig(cfg)}, optimizer=ec.optimizers.SGD(1.0))
+    out = emb({"f": np.array([3])})
+    t = threading.Thread(target=emb.apply_gradients, args=({"f": np.ones_like(out["f"])},))
+    t.start()
+    t.join(60)
+    np.testing.assert_array_equal(emb.embedding_tables[cfg].to_numpy()[3], [-1, -1])
 
 
 def test_no_optimizer_anywhere():

@@ -517,6 +517,8 @@ def test_table_names_must_be_utf8():
     with pytest.raises(ValueError, match=r"TableConfig 'emb\\udcff': name is not valid UTF-8 text"):
         ec.Table(name="emb\udcff", rows=3, dim=2)
     assert ec.Table(name="émb ✓", rows=3, dim=2).name == "émb ✓"
+    with pytest.raises(ValueError, match=r"FeatureConfig 'feat\\udcff': name is not valid UTF-8 text"):
+        ec.FeatureConfig(ec.TableConfig("t", rows=3, dim=2), name="feat\udcff")
 
 
 def test_float64_gradients_beyond_float32_are_refused(trained):
