@@ -89,6 +89,31 @@ float InitialValue(const InitializerSpec& spec, int64_t dim, uint64_t index) {
   return 0.0f;
 }
 
+double LargestStandardNormal() {
+  // sqrt(-2 log(u1)) is largest at Open01's smallest value, 2^-54 (about
+  // 8.6524), and |cos| <= 1: every draw of StandardNormal is within it, as
+  // computed (sqrt and the product round monotonically).
+  return std::sqrt(-2.0 * std::log(Open01(0)));
+}
+
+double InitialBound(const InitializerSpec& spec, int64_t dim) {
+  using Kind = InitializerSpec::Kind;
+  const double stddev = spec.b > 0 ? spec.b : 1.0 / std::sqrt(double(dim));
+  switch (spec.kind) {
+    case Kind::kZeros:
+      return 0.0;
+    case Kind::kConstant:
+      return std::fabs(spec.a);
+    case Kind::kUniform:
+      return std::max(std::fabs(spec.a), std::fabs(spec.b));
+    case Kind::kNormal:
+      return std::fabs(spec.a) + stddev * LargestStandardNormal();
+    case Kind::kTruncatedNormal:
+      return std::fabs(spec.a) + stddev * 2.0;
+  }
+  return 0.0;
+}
+
 bool LeavesZero(const InitializerSpec& spec) {
   return spec.kind == InitializerSpec::Kind::kZeros ||
          (spec.kind == InitializerSpec::Kind::kConstant && spec.a == 0.0 && !std::signbit(spec.a));

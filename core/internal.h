@@ -47,6 +47,14 @@ void Initialize(const InitializerSpec& spec, DType dtype, int64_t rows, int64_t 
                 int64_t full_dim, void* data);
 /// The value of element `index` (row * dim + col); the pure function behind Initialize.
 float InitialValue(const InitializerSpec& spec, int64_t dim, uint64_t index);
+/// The largest |z| of the engine's standard normal draws (Box-Muller at
+/// Open01's smallest value, 2^-54): sqrt(108 ln 2), about 8.6524.
+double LargestStandardNormal();
+/// The largest magnitude of the values `spec` gives a table `dim` wide (its
+/// full width), before rounding to the table's dtype: Constant |value|,
+/// Uniform max(|low|, |high|), Normal |mean| + LargestStandardNormal() *
+/// stddev, TruncatedNormal |mean| + 2 stddev (stddev 0: 1/sqrt(dim)).
+double InitialBound(const InitializerSpec& spec, int64_t dim);
 
 /// The most ids (nnz) or bags (num_bags) a batch may hold: its arrays' sizes
 /// in bytes, (num_bags + 1) x 8 for the offsets and nnz x 8 for int64 ids,

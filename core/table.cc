@@ -283,6 +283,56 @@ void CheckOptimizerFits(const TableSpec& spec, const OptimizerSpec& o) {
 }
 }  // namespace
 
+namespace {
+// The initializer's values must be finite in the table's dtype (a table, and
+// so a checkpoint, holds finite values only): refused when the largest
+// magnitude it can give (internal::InitialBound) rounds to infinity there,
+// e.g. float16 Constant(70000) or float32 Normal(0, 1e38).
+void CheckInitializerFits(const TableSpec& spec) {
+  using Kind = InitializerSpec::Kind;
+  const InitializerSpec& init = spec.initializer;
+  const double bound = internal::InitialBound(init, spec.full_dim);
+  const float as_float = float(bound);
+  const auto& k = kernels::ActiveKernels().dtype[int(spec.dtype)];
+  char stored[4];
+  float back;
+  k.store(stored, &as_float, 1);
+  k.load(stored, &back, 1);
+  if (std::isfinite(back)) return;
+  const double stddev = init.b > 0 ? init.b : 1.0 / std::sqrt(double(spec.full_dim));
+  std::string name, how;
+  switch (init.kind) {
+    case Kind::kZeros:
+      name = "Zeros()";
+      break;
+    case Kind::kConstant:
+      name = "Constant(value=" + internal::FormatFloat(init.a) + ")";
+      how = "|value|";
+      break;
+    case Kind::kUniform:
+      name = "Uniform(low=" + internal::FormatFloat(init.a) + ", high=" + internal::FormatFloat(init.b) + ")";
+      how = "max(|low|, |high|)";
+      break;
+    case Kind::kNormal:
+    case Kind::kTruncatedNormal:
+      name = std::string(init.kind == Kind::kNormal ? "Normal" : "TruncatedNormal") +
+             "(mean=" + internal::FormatFloat(init.a) + ", stddev=" + internal::FormatFloat(stddev) +
+             (init.b > 0 ? ")" : " = 1/sqrt(dim))");
+      how = init.kind == Kind::kNormal
+                ? "|mean| + " + internal::FormatFloat(internal::LargestStandardNormal()) +
+                      " stddev, the largest of its normal draws"
+                : "|mean| + 2 stddev";
+      break;
+  }
+  const char* largest = spec.dtype == DType::kFloat16 ? "65504" : spec.dtype == DType::kBFloat16 ? "3.38953139e+38"
+                                                                                                  : "3.40282347e+38";
+  throw InvalidArgument("table '" + spec.name + "': initializer " + name + " gives values up to " +
+                        internal::FormatFloat(bound) + " in magnitude (" + how + "), which round to infinity in its "
+                        "dtype " + DTypeName(spec.dtype) + " (largest finite value " + largest +
+                        "); a table holds finite values only: choose a smaller initializer or a wider dtype");
+}
+}  // namespace
+
 Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDeleter{0, -1}) {
   if (spec_.rows < 1) throw InvalidArgument("table '" + spec_.name + "': rows must be >= 1, got " + std::to_string(spec_.rows));
   if (spec_.dim < 1) throw InvalidArgument("table '" + spec_.name + "': dim must be >= 1, got " + std::to_string(spec_.dim));
@@ -302,6 +352,7 @@ Table::Table(TableSpec spec) : spec_(std::move(spec)), values_(nullptr, BufferDe
                           ", column " + std::to_string(spec_.shard_col_start) + ", full dim " +
                           std::to_string(spec_.full_dim) + ") does not fit its dim " + std::to_string(spec_.dim));
   CheckOptimizerFits(spec_, spec_.optimizer);
+  CheckInitializerFits(spec_);
   CheckDevice(spec_);
   const int dev = spec_.device;
   if (dev >= 0) {

@@ -589,6 +589,76 @@ EMBEDCORE_TEST(ConstructorValidation) {
   EMBEDCORE_EXPECT_NO_THROW(Table{ok});
 }
 
+// An initializer whose values could round to infinity in the table's dtype
+// is refused (a table, and its checkpoint, holds finite values only): by the
+// largest magnitude it can give, Normal's from the largest draw of its
+// Box-Muller (Open01's smallest value, 2^-54).
+EMBEDCORE_TEST(InitializersBeyondTheDtypeAreRefused) {
+  using K = InitializerSpec::Kind;
+  EMBEDCORE_EXPECT_NEAR(internal::LargestStandardNormal(), std::sqrt(108.0 * std::log(2.0)), 1e-15, 0.0);  // 8.6522
+  auto spec = [](DType dtype, K kind, double a, double b, int64_t dim = 4) {
+    TableSpec s = MakeSpec(64, dim, dtype);
+    s.initializer.kind = kind;
+    s.initializer.a = a;
+    s.initializer.b = b;
+    return s;
+  };
+  struct Case {
+    DType dtype;
+    K kind;
+    double a, b;
+    const char* message;  // nullptr: accepted
+  };
+  const double z = internal::LargestStandardNormal();
+  const Case cases[] = {
+      {DType::kFloat16, K::kConstant, 70000, 0,
+       "table 't': initializer Constant(value=70000) gives values up to 70000 in magnitude (|value|), which round "
+       "to infinity in its dtype float16 (largest finite value 65504)"},
+      {DType::kFloat16, K::kConstant, -65520, 0, "Constant(value=-65520)"},  // the tie rounds to infinity
+      {DType::kFloat16, K::kConstant, -65519.99, 0, nullptr},                 // rounds to -65504
+      {DType::kBFloat16, K::kConstant, 70000, 0, nullptr},
+      {DType::kFloat32, K::kConstant, 1e300, 0, "Constant(value=1e+300) gives values up to 1e+300"},
+      {DType::kFloat16, K::kUniform, -1e5, 1e5, "Uniform(low=-100000, high=100000) gives values up to 100000 in "
+                                                "magnitude (max(|low|, |high|))"},
+      {DType::kFloat16, K::kUniform, -70000, 1, "Uniform(low=-70000, high=1)"},
+      {DType::kFloat16, K::kUniform, -65504, 65504, nullptr},
+      {DType::kFloat32, K::kNormal, 0, 1e38,
+       "Normal(mean=0, stddev=1e+38) gives values up to 8.65216132e+38 in magnitude (|mean| + 8.65216132 stddev, "
+       "the largest of its normal draws), which round to infinity in its dtype float32"},
+      {DType::kFloat32, K::kNormal, 0, 3.4e38 / z, nullptr},
+      {DType::kFloat32, K::kNormal, 0, 3.41e38 / z, "Normal(mean=0, stddev="},
+      {DType::kFloat16, K::kNormal, 65000, 61, "|mean| + 8.65216132 stddev"},  // 65527.8: infinity (from 65520 on)
+      {DType::kFloat16, K::kNormal, 65000, 60, nullptr},                          // 65519.1 rounds to 65504
+      {DType::kFloat16, K::kNormal, 65516, 0, "Normal(mean=65516, stddev=0.5 = 1/sqrt(dim))"},  // dim 4: 65520.3
+      {DType::kFloat16, K::kTruncatedNormal, 65000, 300, "TruncatedNormal(mean=65000, stddev=300) gives values up to "
+                                                         "65600 in magnitude (|mean| + 2 stddev)"},
+      {DType::kFloat16, K::kTruncatedNormal, -65000, 250, nullptr},
+      {DType::kBFloat16, K::kTruncatedNormal, 0, 1.7e38, "bfloat16 (largest finite value 3.38953139e+38)"},
+      {DType::kFloat32, K::kZeros, 0, 0, nullptr},
+  };
+  for (const Case& c : cases) {
+    const TableSpec s = spec(c.dtype, c.kind, c.a, c.b);
+    if (c.message == nullptr) {
+      Table t(s);  // every value finite
+      std::vector<float> v(size_t(64 * 4));
+      t.ReadValues(0, 64, v.data());
+      for (float x : v) EMBEDCORE_EXPECT(std::isfinite(x));
+    } else {
+      EMBEDCORE_EXPECT_THROWS(Table{s}, InvalidArgument, c.message);
+    }
+  }
+  // The default stddev is of the whole table's width, as its values are: a column shard 2 wide of a table
+  // 100 wide draws with stddev 0.1 (65519.87 rounds to 65504), a table 2 wide with 0.707 (65525.1: infinity).
+  TableSpec shard = spec(DType::kFloat16, K::kNormal, 65519, 0, 2);
+  shard.full_dim = 100;
+  shard.shard_col_start = 10;
+  EMBEDCORE_EXPECT_NO_THROW(Table{shard});
+  EMBEDCORE_EXPECT_THROWS(Table{spec(DType::kFloat16, K::kNormal, 65519, 0, 2)}, InvalidArgument,
+                          "Normal(mean=65519, stddev=0.707106781 = 1/sqrt(dim))");
+  shard.initializer.a = 65519.2;  // 65520.07: infinity
+  EMBEDCORE_EXPECT_THROWS(Table{shard}, InvalidArgument, "Normal(mean=65519.2, stddev=0.1 = 1/sqrt(dim))");
+}
+
 EMBEDCORE_TEST(OutputRows) {
   HostBatch hb;
   hb.AddBag({1, 2, 3});

@@ -216,3 +216,70 @@ def test_reset_values_gives_the_values_at_creation(dtype, make):
     shard.reset_values()
     np.testing.assert_array_equal(shard.values().view(np.uint8), built.reshape(70000, -1)[500:1500].reshape(
         1000, 300, -1)[:, 150:250].reshape(1000, -1))
+
+
+# ------------------------------------------------------------------ values beyond the table's dtype
+@pytest.mark.parametrize("dtype,make,message", [
+    ("float16", lambda: init.Constant(70000.0),
+     r"table 't': initializer Constant\(value=70000\) gives values up to 70000 in magnitude \(\|value\|\), which "
+     r"round to infinity in its dtype float16 \(largest finite value 65504\)"),
+    ("float16", lambda: init.Uniform(-1e5, 1e5, seed=0),
+     r"Uniform\(low=-100000, high=100000\) gives values up to 100000 in magnitude \(max\(\|low\|, \|high\|\)\)"),
+    ("float32", lambda: init.Normal(0, 1e38),
+     r"Normal\(mean=0, stddev=1e\+38\) gives values up to 8.65216132e\+38 in magnitude \(\|mean\| \+ 8.65216132 "
+     r"stddev, the largest of its normal draws\), which round to infinity in its dtype float32"),
+    ("float32", lambda: init.Constant(1e300), r"Constant\(value=1e\+300\)"),
+    ("bfloat16", lambda: init.TruncatedNormal(0, 1.7e38), r"\(\|mean\| \+ 2 stddev\), which round to infinity in its "
+                                                          r"dtype bfloat16"),
+])
+def test_an_initializer_beyond_the_dtype_is_refused(dtype, make, message):
+    """Was: the table started with infinite rows (assign refuses the same
+    values, and the table's checkpoint could not be saved)."""
+    with pytest.raises(ValueError, match=message):
+        ec.Table(name="t", rows=1000, dim=2, dtype=dtype, initializer=make())
+    cfg = ec.TableConfig("t", 1000, 2, dtype, make())
+    with pytest.raises(ValueError, match=message):
+        ec.Embedding({"f": ec.FeatureConfig(cfg)})
+
+
+@pytest.mark.parametrize("dtype,make", [
+    ("float16", lambda: init.Constant(65519.0)),  # rounds to 65504
+    ("float16", lambda: init.Uniform(-65504, 65504, seed=2)),
+    ("float16", lambda: init.TruncatedNormal(65000, 250, seed=2)),
+    ("float16", lambda: init.Normal(65000, 60, seed=2)),  # 65000 + 8.6522 * 60 = 65519.1
+    ("bfloat16", lambda: init.Constant(70000.0)),
+    ("float32", lambda: init.Normal(0, 3.4e38 / 8.652161319605298, seed=2)),
+])
+def test_an_initializer_within_the_dtype_is_taken(dtype, make):
+    t = ec.Table(name="t", rows=5000, dim=4, dtype=dtype, initializer=make())
+    assert np.isfinite(t.to_numpy()).all()
+
+
+def test_the_refusal_reaches_every_rank_and_the_adapters():
+    from embedcore.distributed import RankFailedError, run_local
+
+    def build(world):
+        try:
+            ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig("t", 100, 6, "float16", init.Constant(1e5))),
+                          "g": ec.FeatureConfig(ec.TableConfig("u", 100, 6))}, world=world, sharding="table_wise")
+        except (ValueError, RankFailedError) as e:
+            return type(e).__name__, str(e)
+        return None
+
+    results = run_local(2, build)
+    assert all(r is not None and "initializer Constant(value=100000)" in r[1] for r in results), results
+    assert "ValueError" in [kind for kind, _ in results]
+
+
+def test_the_torch_and_tf_adapters_refuse_it():
+    torch = pytest.importorskip("torch")
+    from embedcore.adapters import torch as ect
+
+    with pytest.raises(ValueError, match=r"table 'embedding_bag': initializer Constant\(value=70000\)"):
+        ect.EmbeddingBag(10, 4, dtype=torch.float16, initializer=init.Constant(70000.0))
+    tf = pytest.importorskip("tensorflow")
+    from embedcore.adapters.tf import Embedding
+
+    layer = Embedding(10, 4, initializer=tf.keras.initializers.Constant(1e300))
+    with pytest.raises(ValueError, match=r"initializer Constant\(value=1e\+300\) gives values up to 1e\+300"):
+        layer(np.array([[1]]))
