@@ -1032,14 +1032,10 @@ TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const s
     std::snprintf(buf, sizeof(buf), ".s%05d", shard_index);
     tag = buf + tag;
   }
-  DType stored = spec.dtype;
-  if (options.cast_values) {
-    if (spec.dtype != DType::kFloat32 && options.values_dtype != spec.dtype &&
-        options.values_dtype != DType::kUInt8Rowwise)
-      throw InvalidArgument("save: only float32 tables can be cast on export; '" + spec.name + "' is " +
-                            DTypeName(spec.dtype));
-    stored = options.values_dtype;
-  }
+  // Any table dtype is stored as any values dtype: widened exactly (float16 or
+  // bfloat16 as float32), or rounded (a value beyond the stored dtype's range
+  // fails the save, naming it).
+  const DType stored = options.cast_values ? options.values_dtype : spec.dtype;
   if (stored == DType::kUInt8Rowwise && (col_start != 0 || spec.dim != spec.full_dim))
     throw InvalidArgument("save: table '" + spec.name + "' is a column shard (columns [" + std::to_string(col_start) +
                           ", " + std::to_string(col_start + spec.dim) + ") of " + std::to_string(spec.full_dim) +

@@ -187,9 +187,12 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
     include_optimizer: slots, step count and optimizer hyper-parameters, so
         that training resumed from the checkpoint continues bit-identically;
         False writes the values only (a serving export).
-    values_dtype: "float16" or "bfloat16" stores float32 values rounded to
-        that dtype (an export option; slots stay float32).
-        "uint8_rowwise" stores each row (of a table of any dtype) as FBGEMM's
+    values_dtype: the dtype the values are stored as, from a table of any
+        dtype (an export option; slots stay float32). "float32" widens
+        float16 and bfloat16 values exactly (they load back bit for bit into
+        a table of their dtype); "float16" or "bfloat16" rounds the values to
+        that dtype, and a value beyond its range (float16's 65504) fails the
+        save, naming it. "uint8_rowwise" stores each row (of a table of any dtype) as FBGEMM's
         Fused8BitRowwise / TorchRec's INT8 rows do: ``dim`` uint8 codes, then
         a float32 scale and bias (value = scale * code + bias), a quarter of
         float32's bytes, with FBGEMM's rounding bit for bit

@@ -189,13 +189,44 @@ EMBEDCORE_TEST(ValuesOnlyExportAndCast) {
     EMBEDCORE_EXPECT(RawValues(same) == RawValues(rounded));
     EMBEDCORE_EXPECT_EQ(f32.step(), int64_t(0));
   }
-  // Only float32 tables can be cast.
-  Table half(Spec("h", 4, 4, DType::kFloat16, OptimizerSpec::Kind::kSGD, 1));
-  SaveOptions cast;
-  cast.cast_values = true;
-  cast.values_dtype = DType::kBFloat16;
-  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("bad_cast"), {{&half, "{}"}}, cast), InvalidArgument,
-                          "only float32 tables can be cast");
+}
+
+// Tables of any dtype are cast on export: 16-bit values widened to float32
+// exactly (and loaded back into a table of their dtype bit for bit), bfloat16
+// rounded to float16 where it fits, refused (naming the value) where not.
+EMBEDCORE_TEST(SixteenBitTablesAreCastOnExport) {
+  TempDir dir;
+  SaveOptions widen;
+  widen.include_optimizer = false;
+  widen.cast_values = true;
+  widen.values_dtype = DType::kFloat32;
+  for (DType from : {DType::kFloat16, DType::kBFloat16}) {
+    Table half(Spec("h", 50, 7, from, OptimizerSpec::Kind::kAdagrad, 1));
+    Train(half, 2, 3);
+    const std::string path = dir.Sub(std::string("wide_") + DTypeName(from));
+    SaveCheckpoint(path, {{&half, "{}"}}, widen);
+    const CheckpointInfo info = ReadCheckpointInfo(path);
+    const FileEntry& f = info.tables.at(0).values.at(0);
+    EMBEDCORE_EXPECT(f.dtype == DType::kFloat32);
+    EMBEDCORE_EXPECT(info.tables.at(0).dtype == from);
+    std::vector<float> held(50 * 7), stored(50 * 7);
+    half.ReadValues(0, 50, held.data());
+    const std::vector<char> raw = ReadFile(path + "/" + f.path);
+    std::memcpy(stored.data(), raw.data() + ck::kDataOffset, stored.size() * 4);
+    EMBEDCORE_EXPECT(stored == held);
+    Table back(Spec("h", 50, 7, from, OptimizerSpec::Kind::kSGD, 9));
+    LoadTable(info, info.tables.at(0), back, false);
+    EMBEDCORE_EXPECT(RawValues(back) == RawValues(half));
+    VerifyCheckpoint(info, true);
+  }
+  Table bf(Spec("b", 4, 3, DType::kBFloat16, OptimizerSpec::Kind::kSGD, 1));
+  SaveOptions narrow = widen;
+  narrow.values_dtype = DType::kFloat16;
+  SaveCheckpoint(dir.Sub("bf_to_half"), {{&bf, "{}"}}, narrow);
+  const std::vector<float> big = {1, 2, 3, 4, 5, 6, 7, 7e4f, 9, 10, 11, 12};
+  bf.AssignValues(0, 4, big.data());
+  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("bf_to_half"), {{&bf, "{}"}}, narrow), InvalidArgument,
+                          "table 'b' values hold 70144 at row 2, column 1, beyond the range of float16");
 }
 
 // ------------------------------------------------------------ uint8_rowwise (format 1.4)

@@ -474,11 +474,61 @@ def test_values_dtype_checks(tmp_path):
     t = make_table(dtype="float16")
     with pytest.raises(ValueError, match="values_dtype"):
         ec.save(tmp_path / "a", t, values_dtype="int8")
-    with pytest.raises(ValueError):
-        ec.save(tmp_path / "b", t, values_dtype="bfloat16")  # only float32 tables are cast
-    assert not (tmp_path / "b" / "MANIFEST").exists()
+    assert not (tmp_path / "a").exists()
+    ec.save(tmp_path / "b", t, values_dtype="bfloat16")  # any table dtype is cast (float16 rounded to bfloat16)
+    assert read_manifest(tmp_path / "b")["tables"][0]["values"][0]["dtype"] == "bfloat16"
+    rounded = make_table(dtype="bfloat16")
+    rounded.assign(t.to_numpy())
+    wide = make_table(seed=5)
+    ec.load(tmp_path / "b", into=wide)
+    np.testing.assert_array_equal(wide.to_numpy(), rounded.to_numpy())
     ec.save(tmp_path / "c", t, values_dtype="float16")  # its own dtype: a plain save
     assert read_manifest(tmp_path / "c")["tables"][0]["values"][0]["dtype"] == "float16"
+    # bfloat16 to float16: refused only for a value beyond float16's range, named.
+    b = make_table(dtype="bfloat16", rows=20, dim=3)
+    ec.save(tmp_path / "d", b, values_dtype="float16")
+    v = b.to_numpy().astype(np.float32)
+    v[13, 2] = 7e4
+    b.assign(v)
+    with pytest.raises(ValueError, match=r"table 't' values hold 70144 at row 13, column 2, beyond the range of "
+                                         r"float16"):
+        ec.save(tmp_path / "d", b, values_dtype="float16")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_16_bit_table_exports_as_float32_exactly(tmp_path, rng, dtype):
+    """values_dtype="float32" widens a float16 / bfloat16 table's values: the
+    files hold exactly the widened values, load back bit for bit into a table
+    of the table's dtype, serve the same lookups, and a reshard keeps them
+    float32. (Was refused: only float32 tables could be cast.)"""
+    t = make_table(rows=300, dim=7, dtype=dtype, optimizer="adagrad")
+    train(t, rng, 3)
+    ec.save(tmp_path / "c", t, values_dtype="float32")
+    (entry,) = read_manifest(tmp_path / "c")["tables"]
+    assert entry["dtype"] == dtype and {f["dtype"] for f in entry["values"]} == {"float32"}
+    assert all(f["dtype"] == "float32" for files in entry["slots"].values() for f in files)
+    widened = t.to_numpy().astype(np.float32)
+    served = ec.serving.open(tmp_path / "c").tables["t"]
+    assert served.values().dtype == np.float32
+    assert served.values().tobytes() == widened.tobytes()
+    assert embedcore.cli.main(["verify", str(tmp_path / "c")]) == 0
+    back = make_table(rows=300, dim=7, dtype=dtype, optimizer="adagrad", seed=8)
+    ec.load(tmp_path / "c", into=back)
+    assert_tables_equal(back, t)
+    ids = rng.integers(0, 300, 40)
+    offsets = np.arange(0, 41, 4)
+    np.testing.assert_array_equal(served.lookup(ids, offsets), t.lookup(ids, offsets))
+    ec.distributed.reshard(tmp_path / "c", tmp_path / "r", 2, max_file_bytes=4096)
+    (entry,) = read_manifest(tmp_path / "r")["tables"]
+    assert len(entry["values"]) > 2 and {f["dtype"] for f in entry["values"]} == {"float32"}
+    wide = make_table(rows=300, dim=7, optimizer="adagrad", seed=9)
+    ec.load(tmp_path / "r", into=wide)
+    assert wide.values().tobytes() == widened.tobytes()
+    np.testing.assert_array_equal(ec.serving.open(tmp_path / "r").tables["t"].lookup(ids, offsets),
+                                  t.lookup(ids, offsets))
+    back2 = make_table(rows=300, dim=7, dtype=dtype, optimizer="adagrad", seed=9)
+    ec.load(tmp_path / "r", into=back2)
+    assert_tables_equal(back2, t)
 
 
 # ------------------------------------------------------------------ Saver

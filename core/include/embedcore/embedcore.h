@@ -494,9 +494,11 @@ constexpr int kFormatMinor = 4;
 
 struct SaveOptions {
   bool include_optimizer = true;  ///< slots and step; false: values only (a serving export)
-  bool cast_values = false;       ///< store float32 values as `values_dtype`
-  /// With cast_values: float16 / bfloat16 (from float32 tables), or
-  /// kUInt8Rowwise (from tables of any dtype; whole rows only: no column shard).
+  bool cast_values = false;       ///< store the values as `values_dtype`
+  /// With cast_values, from a table of any dtype: float32 (16-bit values
+  /// widened exactly), float16 / bfloat16 (rounded; a value beyond the
+  /// dtype's range fails the save), or kUInt8Rowwise (whole rows only: no
+  /// column shard).
   DType values_dtype = DType::kFloat32;
   std::string metadata_json = "{}";  ///< a JSON object kept verbatim as "metadata"
 };
