@@ -171,6 +171,61 @@ std::vector<std::string> ListDirectory(const std::string& dir) {
   return names;
 }
 
+// Whether the element at `p` (of `dtype`) is inf or NaN, from its bits.
+inline bool NotFinite(const char* p, DType dtype) {
+  if (dtype == DType::kFloat32) {
+    uint32_t u;
+    std::memcpy(&u, p, 4);
+    return (u & 0x7f800000u) == 0x7f800000u;
+  }
+  uint16_t u;
+  std::memcpy(&u, p, 2);
+  return dtype == DType::kFloat16 ? (u & 0x7c00u) == 0x7c00u : (u & 0x7f80u) == 0x7f80u;
+}
+
+// The index of the first of the `n` elements of `dtype` (float32, float16 or
+// bfloat16) at `p` that is inf or NaN (every exponent bit set); -1 when all
+// are finite. A branch-free scan of each 4096 elements, which the compiler
+// vectorizes, then the elements of a bad one.
+template <typename U>
+int64_t FirstNotFiniteBits(const char* p, int64_t n, U exponent) {
+  for (int64_t i = 0; i < n; i += 4096) {
+    const int64_t k = std::min<int64_t>(4096, n - i);
+    const char* q = p + size_t(i) * sizeof(U);
+    U any = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      U u;
+      std::memcpy(&u, q + size_t(j) * sizeof(U), sizeof(U));
+      any |= U((u & exponent) == exponent);
+    }
+    if (any == 0) continue;
+    for (int64_t j = 0; j < k; ++j) {
+      U u;
+      std::memcpy(&u, q + size_t(j) * sizeof(U), sizeof(U));
+      if ((u & exponent) == exponent) return i + j;
+    }
+  }
+  return -1;
+}
+int64_t FirstNotFinite(const char* p, int64_t n, DType dtype) {
+  if (dtype == DType::kFloat32) return FirstNotFiniteBits<uint32_t>(p, n, 0x7f800000u);
+  return FirstNotFiniteBits<uint16_t>(p, n, dtype == DType::kFloat16 ? uint16_t(0x7c00u) : uint16_t(0x7f80u));
+}
+
+// Lowers `a` to `v` when `v` is below it.
+void AtomicMin(std::atomic<uint64_t>& a, uint64_t v) {
+  uint64_t cur = a.load(std::memory_order_relaxed);
+  while (v < cur && !a.compare_exchange_weak(cur, v, std::memory_order_relaxed)) {
+  }
+}
+
+// What a save says of a value that is not finite: a checkpoint holds finite
+// values and slots only (embedcore verify calls any other value corrupt).
+std::string NotFiniteProblem(const std::string& label, float value, const std::string& at) {
+  return "save: " + label + " hold " + FormatFloat(value) + " at " + at +
+         ": a checkpoint holds finite values only (a training step that diverged?)";
+}
+
 // The payload of a uint8_rowwise data file (rowwise8.h): `rows` rows of
 // `cols` values of `src_dtype` at `base` (device memory of `src_device` when
 // >= 0), quantized and written a chunk of kChunkBytes at a time, each chunk
@@ -195,27 +250,34 @@ void WriteRowwise8Payload(File& file, FileEntry* f, const std::string& label, co
       cuda_impl::CopyToHost(stage.data(), src, size_t(rz - ra) * src_row, src_device);
       src = stage.data();
     }
+    // The first row of the chunk that cannot be quantized fails the save.
+    std::atomic<uint64_t> bad{UINT64_MAX};
+    auto row_of = [&](int64_t i, std::vector<float>& tmp) {
+      const float* row = reinterpret_cast<const float*>(src + size_t(i) * src_row);
+      if (src_dtype == DType::kFloat32) return row;
+      load(src + size_t(i) * src_row, tmp.data(), cols);
+      return static_cast<const float*>(tmp.data());
+    };
     ParallelFor(rz - ra, std::max<int64_t>(1, 16384 / cols), [&](int64_t a, int64_t b) {
       std::vector<float> tmp(static_cast<size_t>(cols));
       for (int64_t i = a; i < b; ++i) {
-        const float* row = reinterpret_cast<const float*>(src + size_t(i) * src_row);
-        if (src_dtype != DType::kFloat32) {
-          load(src + size_t(i) * src_row, tmp.data(), cols);
-          row = tmp.data();
-        }
+        const float* row = row_of(i, tmp);
         int64_t col = -1;
-        if (const char* problem = rowwise8::RowProblem(row, cols, &col)) {
-          const std::string r = std::to_string(row0 + ra + i);
-          if (col >= 0)
-            throw InvalidArgument("save: " + label + " hold " + FormatFloat(row[col]) + " at row " + r + ", column " +
-                                  std::to_string(col) + ": a uint8_rowwise export takes finite values only");
-          throw InvalidArgument("save: " + label + " row " + r + " " + problem +
-                                ", which uint8_rowwise cannot hold (its scale would not be finite); export as "
-                                "float32");
-        }
+        if (rowwise8::RowProblem(row, cols, &col) != nullptr) return AtomicMin(bad, uint64_t(i));
         rowwise8::QuantizeRow8(row, cols, reinterpret_cast<uint8_t*>(buf.data()) + size_t(i) * rb);
       }
     });
+    if (bad.load() != UINT64_MAX) {
+      std::vector<float> tmp(static_cast<size_t>(cols));
+      const float* row = row_of(int64_t(bad.load()), tmp);
+      int64_t col = -1;
+      const char* problem = rowwise8::RowProblem(row, cols, &col);
+      const std::string r = std::to_string(row0 + ra + int64_t(bad.load()));
+      if (col >= 0)
+        throw InvalidArgument(NotFiniteProblem(label, row[col], "row " + r + ", column " + std::to_string(col)));
+      throw InvalidArgument("save: " + label + " row " + r + " " + problem +
+                            ", which uint8_rowwise cannot hold (its scale would not be finite); export as float32");
+    }
     const char* chunk = buf.data() + (off - uint64_t(ra) * rb);
     const uint64_t b0 = off / kBlockBytes;
     ParallelFor(int64_t((n + kBlockBytes - 1) / kBlockBytes), 1, [&](int64_t a, int64_t b) {
@@ -240,9 +302,12 @@ void WriteRowwise8Payload(File& file, FileEntry* f, const std::string& label, co
 // converted on another thread while chunk k is written. Writeback of each
 // chunk starts at once (sync_file_range), so that the final fsync is short and
 // the kernel never throttles a burst of dirty pages.
-// `label` names the array in errors ("table 'x' values"). A value that the
-// cast to `dst_dtype` would make infinite (a float32 beyond float16's range)
-// fails the save.
+// `label` names the array in errors ("table 'x' values"). A value that is
+// not finite fails the save (a checkpoint holds finite values only), as does
+// one that the cast to `dst_dtype` would make infinite (a float32 beyond
+// float16's range); both are found while the piece that holds them is in
+// cache (as the cast converts it, or after its checksum), and the first in
+// the file is named, by the table's row and column.
 FileEntry WriteDataFile(const std::string& dir, const std::string& name, const std::string& label, const void* src,
                         DType src_dtype, DType dst_dtype, int64_t row0, int64_t rows, int64_t cols,
                         int src_device = -1, int64_t named_row0 = -1, int64_t named_col0 = 0) {
@@ -289,8 +354,20 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const s
   if (staged) stage[0].resize(kChunkBytes * 2), stage[1].resize(kChunkBytes * 2);  // src_es <= 2 * dst_es
   const auto& load = kernels::ActiveKernels().dtype[int(src_dtype)].load;
   const auto& store = kernels::ActiveKernels().dtype[int(dst_dtype)].store;
-  const auto& load_back = kernels::ActiveKernels().dtype[int(dst_dtype)].load;
   const uint64_t chunks = (payload + kChunkBytes - 1) / kChunkBytes;
+
+  // Fails the save on element `e` of the file, `src_e` in the table's dtype:
+  // not finite, or (a finite value) beyond the range of dst_dtype.
+  auto refuse = [&](uint64_t e, const char* src_e) {
+    float v;
+    load(src_e, &v, 1);
+    const std::string at = "row " + std::to_string(first_named + int64_t(e / uint64_t(cols))) + ", column " +
+                           std::to_string(named_col0 + int64_t(e % uint64_t(cols)));
+    if (!std::isfinite(v)) throw InvalidArgument(NotFiniteProblem(label, v, at));
+    throw InvalidArgument("save: " + label + " hold " + FormatFloat(v) + " at " + at + ", beyond the range of " +
+                          DTypeName(dst_dtype) + "; export as float32" +
+                          (dst_dtype == DType::kFloat16 ? " or bfloat16" : ""));
+  };
 
   // Makes chunk k ready to write: staged to the host (a device table) and
   // converted (when casting); a pointer into the table otherwise.
@@ -305,35 +382,35 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const s
     }
     const char* chunk = src_chunk;
     if (cast) {
+      // A stored value that is not finite (inf or NaN held, or a finite one
+      // rounded to infinity) fails the save: the first of the chunk is named.
       char* out = buf[k % 2].data();
+      std::atomic<uint64_t> bad{UINT64_MAX};
       ParallelFor(int64_t(n / dst_es), 1 << 16, [&](int64_t a, int64_t b) {
-        float tmp[1024], back[1024];
+        float tmp[1024];
         for (int64_t i = a; i < b; i += 1024) {
           const int64_t m = std::min<int64_t>(1024, b - i);
           load(src_chunk + uint64_t(i) * src_es, tmp, m);
           store(out + size_t(i) * dst_es, tmp, m);
-          load_back(out + size_t(i) * dst_es, back, m);
-          for (int64_t j = 0; j < m; ++j) {
-            if (std::isfinite(back[j]) || !std::isfinite(tmp[j])) continue;
-            const uint64_t e = e0 + uint64_t(i + j);
-            throw InvalidArgument("save: " + label + " hold " + FormatFloat(tmp[j]) + " at row " +
-                                  std::to_string(first_named + int64_t(e / uint64_t(cols))) + ", column " +
-                                  std::to_string(named_col0 + int64_t(e % uint64_t(cols))) + ", beyond the range of " +
-                                  DTypeName(dst_dtype) + "; export as float32" +
-                                  (dst_dtype == DType::kFloat16 ? " or bfloat16" : ""));
-          }
+          const int64_t j = FirstNotFinite(out + size_t(i) * dst_es, m, dst_dtype);
+          if (j >= 0) return AtomicMin(bad, uint64_t(i + j));  // (later values of this range are after it)
         }
       });
+      if (bad.load() != UINT64_MAX) refuse(e0 + bad.load(), src_chunk + bad.load() * src_es);
       chunk = out;
     }
     return chunk;
   };
 
-  // Writes chunk k from `chunk` and checksums its blocks.
+  // Writes chunk k from `chunk` and checksums its blocks; without a cast
+  // (which checked the values as it converted them), checks each piece's
+  // values right after its checksum, from L2: the first value of the chunk
+  // that is not finite fails the save.
   auto write = [&](uint64_t k, const char* chunk) {
     const uint64_t off = k * kChunkBytes;
     const size_t n = size_t(std::min<uint64_t>(kChunkBytes, payload - off));
     const uint64_t b0 = off / kBlockBytes;
+    std::atomic<uint64_t> bad{UINT64_MAX};
     ParallelFor(int64_t((n + kBlockBytes - 1) / kBlockBytes), 1, [&](int64_t a, int64_t b) {
       for (int64_t i = a; i < b; ++i) {
         const size_t start = size_t(i) * kBlockBytes, len = std::min<size_t>(kBlockBytes, n - start);
@@ -342,10 +419,14 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const s
           const size_t m = std::min(kWritePiece, start + len - o);
           file.WriteAt(chunk + o, m, kDataOffset + off + o);
           crc = checkpoint::Crc32c(chunk + o, m, crc);
+          if (cast) continue;
+          const int64_t j = FirstNotFinite(chunk + o, int64_t(m / dst_es), dst_dtype);
+          if (j >= 0) return AtomicMin(bad, uint64_t(o / dst_es) + uint64_t(j));  // (this range's later values are after it)
         }
         f.crc32c[b0 + uint64_t(i)] = crc;
       }
     });
+    if (bad.load() != UINT64_MAX) refuse(off / dst_es + bad.load(), chunk + bad.load() * dst_es);
     ::sync_file_range(file.fd(), off_t(kDataOffset + off), off_t(n), SYNC_FILE_RANGE_WRITE);  // a hint
   };
 
@@ -436,18 +517,6 @@ struct ValueCheck {
   int64_t col_lo = 0, col_hi = INT64_MAX;
   std::string label;  // "table 'x' values"
 };
-
-// Whether the element at `p` (of `dtype`) is inf or NaN, from its bits.
-inline bool NotFinite(const char* p, DType dtype) {
-  if (dtype == DType::kFloat32) {
-    uint32_t u;
-    std::memcpy(&u, p, 4);
-    return (u & 0x7f800000u) == 0x7f800000u;
-  }
-  uint16_t u;
-  std::memcpy(&u, p, 2);
-  return dtype == DType::kFloat16 ? (u & 0x7c00u) == 0x7c00u : (u & 0x7f80u) == 0x7f80u;
-}
 
 // The element index (in the file) of the first value of `m` payload bytes at
 // payload offset `off`, within payload bytes [lo, hi), that `check` refuses;

@@ -204,9 +204,16 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
         save (``ValueError`` naming the table and the row) and leaves `path`
         as it was. Format 1.4: older readers refuse such a checkpoint.
 
+    A checkpoint holds finite values and slots only: a value or slot that is
+    inf or NaN (a training step that diverged?) fails the save with a
+    ``ValueError`` naming the table, the array (``values`` or the slot), the
+    value and its row and column in the table.
+
     The save is atomic: the previous checkpoint at `path` stays loadable until
-    the new one is complete and durable. A sharded Embedding is saved by every
-    rank at once (each writes its own shards; see ``embedcore.distributed``).
+    the new one is complete and durable, and a save that fails leaves `path`
+    as it was. A sharded Embedding is saved by every rank at once (each
+    writes its own shards; see ``embedcore.distributed``); a failure on any
+    rank fails the save on every rank.
     """
     if hasattr(obj, "_sharded_save"):  # collective: every rank writes its own shards
         return obj._sharded_save(path, include_optimizer, values_dtype)
@@ -357,7 +364,9 @@ class Saver:
         already saved there, with their slots: SOK 1.x writes one pair of
         files per variable, so several variables can be dumped into one
         directory in turn, and each restored from it. The save is one atomic
-        commit (a failure leaves the previous checkpoint as it was).
+        commit (a failure leaves the previous checkpoint as it was); as
+        ``save``, it refuses values or slots that are not finite, of `obj`'s
+        tables or of the kept ones.
 
         Cost: the kept tables are read back (verified) and written again,
         block by block (64 MiB at most in memory), on every call; dumping N

@@ -24,6 +24,7 @@
 #include "checkpoint/manifest.h"
 #include "embedcore/embedcore.h"
 #include "fixtures.h"
+#include "kernels.h"
 #include "rowwise8.h"
 #include "test_util.h"
 
@@ -227,6 +228,72 @@ EMBEDCORE_TEST(SixteenBitTablesAreCastOnExport) {
   bf.AssignValues(0, 4, big.data());
   EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("bf_to_half"), {{&bf, "{}"}}, narrow), InvalidArgument,
                           "table 'b' values hold 70144 at row 2, column 1, beyond the range of float16");
+}
+
+// A checkpoint holds finite values and slots only: a save that meets inf or
+// NaN (values or a slot, stored as they are or cast, in a whole table or a
+// shard) refuses, naming the first in the file by the table's row and column,
+// and the directory keeps the checkpoint it had.
+EMBEDCORE_TEST(ValuesThatAreNotFiniteFailTheSave) {
+  TempDir dir;
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  Table good(Spec("t", 30000, 40, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 1));
+  SaveCheckpoint(dir.Sub("c"), {{&good, "{}"}}, SaveOptions{});
+  const std::vector<std::string> before = DirNames(dir.Sub("c"));
+  const std::vector<char> manifest = ReadFile(dir.Sub("c") + "/MANIFEST");
+  auto unchanged = [&] {
+    EMBEDCORE_EXPECT(DirNames(dir.Sub("c")) == before);
+    EMBEDCORE_EXPECT(ReadFile(dir.Sub("c") + "/MANIFEST") == manifest);
+  };
+  SaveOptions f16, rowwise8;
+  f16.cast_values = rowwise8.cast_values = true;
+  f16.values_dtype = DType::kFloat16;
+  rowwise8.values_dtype = DType::kUInt8Rowwise;
+  rowwise8.include_optimizer = false;
+  const std::string tail = ": a checkpoint holds finite values only (a training step that diverged?)";
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (float bad : {nan, inf, -inf}) {
+      Table t(Spec("t", 30000, 40, dtype, OptimizerSpec::Kind::kAdagrad, 1));
+      // Two values, in two blocks of 4 MiB (two threads) in float32, in two pieces of 256 KiB in 16 bits: the
+      // first is named.
+      char* v = static_cast<char*>(t.values());
+      const size_t es = DTypeSize(dtype);
+      auto poke = [&](int64_t row, int64_t col, float x) {
+        kernels::ActiveKernels().dtype[int(dtype)].store(v + size_t(row * 40 + col) * es, &x, 1);
+      };
+      poke(29000, 1, bad);
+      poke(1234, 37, bad);
+      const std::string what = "table 't' values hold " + std::string(std::isnan(bad) ? "nan" : bad > 0 ? "inf" : "-inf") +
+                               " at row 1234, column 37" + tail;
+      EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("c"), {{&t, "{}"}}, SaveOptions{}), InvalidArgument, what);
+      unchanged();
+      for (const SaveOptions* cast : {&f16, &rowwise8}) {
+        if (cast == &f16 && dtype == DType::kFloat16) continue;  // (no cast)
+        EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("c"), {{&t, "{}"}}, *cast), InvalidArgument,
+                                "at row 1234, column 37" + tail);
+        unchanged();
+      }
+    }
+  }
+  // A slot: named by its name; values only, the save goes through.
+  Table slot(Spec("t", 30000, 40, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 1));
+  slot.slot(0)[77 * 40 + 5] = nan;
+  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("c"), {{&slot, "{}"}}, SaveOptions{}), InvalidArgument,
+                          "table 't' accumulators hold nan at row 77, column 5" + tail);
+  unchanged();
+  SaveOptions values_only;
+  values_only.include_optimizer = false;
+  EMBEDCORE_EXPECT_NO_THROW(SaveCheckpoint(dir.Sub("v"), {{&slot, "{}"}}, values_only));
+  // A shard's file names the whole table's row and column.
+  TableSpec spec = Spec("t", 100, 6, DType::kFloat32, OptimizerSpec::Kind::kSGD, 1);
+  spec.full_dim = 10;
+  spec.shard_row_start = 500;
+  spec.shard_col_start = 4;
+  Table shard(spec);
+  static_cast<float*>(shard.values())[30 * 6 + 2] = -inf;
+  const uint64_t g = NextGeneration(dir.Sub("s"));
+  EMBEDCORE_EXPECT_THROWS(WriteShardFiles(dir.Sub("s"), g, "t00000.", 3, shard, 500, 4, SaveOptions{}),
+                          InvalidArgument, "table 't' values hold -inf at row 530, column 6" + tail);
 }
 
 // ------------------------------------------------------------ uint8_rowwise (format 1.4)

@@ -531,6 +531,98 @@ def test_a_16_bit_table_exports_as_float32_exactly(tmp_path, rng, dtype):
     assert_tables_equal(back2, t)
 
 
+# ------------------------------------------------------------------ values that are not finite
+def _poke(table, row: int, col: int, value: float) -> None:
+    """Writes `value` into a table's memory, as a diverged training step could leave it (assign refuses it)."""
+    v = table._native.values_mut()
+    if table.dtype == "bfloat16":  # uint16 bits: the upper half of the float32
+        v[row, col] = np.array([value], np.float32).view(np.uint32)[0] >> 16
+    else:
+        v[row, col] = value
+
+
+def _directory(path) -> dict:
+    return {n: (path / n).read_bytes() for n in sorted(os.listdir(path))}
+
+
+def test_a_training_step_that_overflows_fails_the_save(tmp_path):
+    """float16 60000 - lr * -10000 rounds to infinity: the step takes it (as
+    TensorFlow's would), but the save refuses it, naming where it is, and the
+    checkpoint already at the path stays as it was. (Was: saved and loaded,
+    then called corrupt by `embedcore verify`.)"""
+    cfg = ec.TableConfig("item", rows=4, dim=2, dtype="float16", initializer=ec.initializers.Constant(60000.0))
+    emb = ec.Embedding({"f": ec.FeatureConfig(cfg)}, optimizer=ec.optimizers.SGD(1.0))
+    ec.save(tmp_path / "c", emb)
+    before = _directory(tmp_path / "c")
+    emb({"f": np.array([1])})
+    emb.apply_gradients({"f": np.array([[-10000.0, 0.0]], np.float32)})
+    assert np.isinf(emb.embedding_tables[cfg].to_numpy()[1, 0])
+    match = (r"^save: table 'item' values hold inf at row 1, column 0: a checkpoint holds finite values only \(a "
+             r"training step that diverged\?\)$")
+    with pytest.raises(ValueError, match=match):
+        ec.save(tmp_path / "c", emb)
+    assert _directory(tmp_path / "c") == before
+    with pytest.raises(ValueError, match=match):
+        ec.Saver().dump_to_file(emb, tmp_path / "c")
+    assert _directory(tmp_path / "c") == before
+    with pytest.raises(ValueError, match=match):
+        ec.save(tmp_path / "new", emb)
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("how", ["save", "values_only", "float16", "bfloat16", "float32", "uint8_rowwise", "dump"])
+def test_a_save_refuses_values_that_are_not_finite(tmp_path, dtype, bad, how):
+    """Every writer, whatever it stores: the first value that is not finite in
+    the file is named by row and column; nothing at the path changes."""
+    t = make_table(rows=5000, dim=30, dtype=dtype)
+    ec.save(tmp_path / "c", t)
+    before = _directory(tmp_path / "c")
+    _poke(t, 4321, 17, bad)  # in a later piece (of 256 KiB) than the next one
+    _poke(t, 1234, 29, bad)
+    calls = {"save": lambda: ec.save(tmp_path / "c", t),
+             "values_only": lambda: ec.save(tmp_path / "c", t, include_optimizer=False),
+             "dump": lambda: ec.Saver().dump_to_file(t, tmp_path / "c")}
+    call = calls.get(how, lambda: ec.save(tmp_path / "c", t, include_optimizer=False, values_dtype=how))
+    shown = "nan" if np.isnan(bad) else "inf" if bad > 0 else "-inf"
+    with pytest.raises(ValueError, match=rf"^save: table 't' values hold {shown} at row 1234, column 29: a "
+                                         r"checkpoint holds finite values only"):
+        call()
+    assert _directory(tmp_path / "c") == before
+
+
+@pytest.mark.parametrize("optimizer,slot", [("adagrad", "accumulators"), ("adam", "velocities"), ("ftrl", "linears")])
+def test_a_save_refuses_slots_that_are_not_finite(tmp_path, optimizer, slot):
+    t = make_table(rows=50, dim=4, optimizer=optimizer)
+    ec.save(tmp_path / "c", t)
+    before = _directory(tmp_path / "c")
+    np.from_dlpack(dict(t._native.slots_mut())[slot])[33, 3] = np.nan  # (assign_slot refuses it)
+    with pytest.raises(ValueError, match=rf"table 't' {slot} hold nan at row 33, column 3: a checkpoint holds finite "
+                                         r"values only"):
+        ec.save(tmp_path / "c", t)
+    assert _directory(tmp_path / "c") == before
+    ec.save(tmp_path / "v", t, include_optimizer=False)  # the values alone are sound
+    assert embedcore.cli.main(["verify", str(tmp_path / "v")]) == 0
+
+
+def test_a_dump_refuses_a_kept_table_that_is_not_finite(tmp_path):
+    """A table another version saved with an infinity (forged here) is not
+    copied by a dump that keeps it, nor by a reshard."""
+    from test_cli import forge_value
+
+    a = make_table(name="a", rows=30, dim=4)
+    ec.save(tmp_path / "c", a)
+    forge_value(tmp_path / "c", "a", "values", 21, 3, np.inf)
+    before = _directory(tmp_path / "c")
+    with pytest.raises(ValueError, match=r"table 'a' values hold inf at row 21, column 3: a checkpoint holds finite"):
+        ec.Saver().dump_to_file(make_table(name="b"), tmp_path / "c")
+    assert _directory(tmp_path / "c") == before
+    with pytest.raises(ValueError, match=r"table 'a' values hold inf at row 21, column 3"):
+        ec.distributed.reshard(tmp_path / "c", tmp_path / "r", 2)
+    assert not (tmp_path / "r").exists()
+
+
 # ------------------------------------------------------------------ Saver
 def test_saver_dump_and_restore(tmp_path, rng):
     saver = ec.Saver()

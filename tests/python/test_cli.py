@@ -105,23 +105,39 @@ def test_verify_corrupt(tmp_path, emb_ckpt):
     assert r.stdout == ""
 
 
+def forge_value(ckpt, table: str, array: str, row: int, col: int, value: float) -> None:
+    """Writes `value` at (row, col) of `array` ("values" or a slot's name) of
+    `table` in its (single) file and re-seals the file's checksums: what a
+    writer of an older version could have saved (no save writes a value that
+    is not finite now)."""
+    manifest = read_manifest(ckpt)
+    (t,) = [t for t in manifest["tables"] if t["name"] == table]
+    (entry,) = t["values"] if array == "values" else t["slots"][array]
+    dtype = entry["dtype"]
+    if dtype == "bfloat16":  # uint16 bits: the upper half of the float32
+        raw = (np.array([value], np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    else:
+        raw = np.array([value], dtype).tobytes()
+    path = os.path.join(ckpt, entry["path"])
+    with open(path, "r+b") as f:
+        f.seek(4096 + (row * entry["cols"] + col) * len(raw))
+        f.write(raw)
+        f.seek(4096)
+        data = np.frombuffer(f.read(), np.uint8)
+    bb = entry["block_bytes"]
+    entry["crc32c"] = [_embedcore.crc32c(data[i:i + bb]) for i in range(0, len(data), bb)]
+    write_manifest(ckpt, manifest)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("where,value", [("values", np.nan), ("values", np.inf), ("values", -np.inf),
                                          ("slot", np.nan)])
 def test_verify_finds_values_that_are_not_finite(tmp_path, capsys, dtype, where, value):
     t = ec.Table(name="t", rows=50, dim=3, dtype=dtype, optimizer=ec.optimizers.Adagrad(0.1))
     train(t, np.random.default_rng(1), 1)
-    if where == "values":
-        # assign refuses what is not finite too: write the engine's memory directly.
-        v = t._native.values_mut()
-        if dtype == "bfloat16":  # uint16 bits: the upper half of the float32
-            v[17] = np.array([value], np.float32).view(np.uint32)[0] >> 16
-        else:
-            v[17] = value
-    else:
-        # assign_slot refuses what is not finite: write the engine's memory directly, as a bug might.
-        np.from_dlpack(dict(t._native.slots_mut())["accumulators"])[17] = value
     ec.save(tmp_path / "c", t)
+    # A save refuses what is not finite (so do assign and assign_slot): forged, as an older version could save it.
+    forge_value(tmp_path / "c", "t", "values" if where == "values" else "accumulators", 17, 0, value)
     (entry,) = read_manifest(tmp_path / "c")["tables"]
     name = entry["values"][0]["path"] if where == "values" else entry["slots"]["accumulators"][0]["path"]
     assert embedcore.cli.main(["verify", str(tmp_path / "c")]) == 1
@@ -323,23 +339,26 @@ def test_verify_and_sok_conversion_report_progress_in_bytes(tmp_path):
 
 def test_verify_names_the_first_value_that_is_not_finite_across_parts(tmp_path, capsys):
     # Values checked piece by piece in the checksum pass, on several threads: across pieces, blocks and
-    # 64 MiB parts, the first bad value in the file is the one named.
+    # 64 MiB parts, the first bad value in the file is the one named. (Forged: no save writes them.)
     t = ec.Table(name="t", rows=70_000, dim=300)  # 84 MB: two parts of the pass
-    v = t._native.values_mut()
-    v[69_000, 299] = np.nan  # in the second part
-    v[40_000, 5] = -np.inf   # in a later piece than the next one, same part
-    v[3_000, 7] = np.inf     # the first
     ec.save(tmp_path / "c", t)
+    forge_value(tmp_path / "c", "t", "values", 69_000, 299, np.nan)  # in the second part
+    forge_value(tmp_path / "c", "t", "values", 40_000, 5, -np.inf)   # in a later piece than the next one, same part
+    forge_value(tmp_path / "c", "t", "values", 3_000, 7, np.inf)     # the first
     assert embedcore.cli.main(["verify", str(tmp_path / "c")]) == 1
     assert "row 3000, column 7 is not finite" in capsys.readouterr().err
-    v[3_000, 7] = 0.0
-    ec.save(tmp_path / "c", t)
+    forge_value(tmp_path / "c", "t", "values", 3_000, 7, 0.0)
     assert embedcore.cli.main(["verify", str(tmp_path / "c")]) == 1
     assert "row 40000, column 5 is not finite" in capsys.readouterr().err
-    v[40_000, 5] = 0.0
-    ec.save(tmp_path / "c", t)
+    forge_value(tmp_path / "c", "t", "values", 40_000, 5, 0.0)
     assert embedcore.cli.main(["verify", str(tmp_path / "c")]) == 1
     assert "row 69000, column 299 is not finite" in capsys.readouterr().err
+    # A save of the same values refuses them, naming the first.
+    v = t._native.values_mut()
+    v[69_000, 299] = np.nan
+    v[40_000, 5] = -np.inf
+    with pytest.raises(ValueError, match="table 't' values hold -inf at row 40000, column 5: a checkpoint holds"):
+        ec.save(tmp_path / "c", t)
 
 
 # ------------------------------------------------------------------ from the CLI audit

@@ -1152,3 +1152,38 @@ def test_a_sharded_export_that_fails_names_the_tables_row_and_column(tmp_path, v
     kind, message = results[owner]
     assert kind == "ValueError" and "table 't'" in message and where in message, message
     assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("sharding", ["row_wise", "column_wise", "table_wise"])
+@pytest.mark.parametrize("values_dtype", [None, "float16"])
+def test_a_sharded_save_of_a_value_that_is_not_finite_fails_on_every_rank(tmp_path, sharding, values_dtype):
+    """The rank that holds the NaN names it by the table's row and column; every
+    rank raises, as for any other save error, and the checkpoint already there
+    stays as it was."""
+    values = np.arange(600, dtype=np.float32).reshape(100, 6) / 600
+    path = str(tmp_path / "c")
+
+    def save(world):
+        emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig("t", 100, 6))}, world=world, sharding=sharding)
+        for s, table in emb.local_shards.get("t", []):
+            table.assign(values[s.row_start:s.row_start + s.rows, s.col_start:s.col_start + s.cols])
+        ec.save(path, emb)
+        before = {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}  # (rank 0's: before
+        # its next save claims a generation, which the other ranks wait for)
+        for s, table in emb.local_shards.get("t", []):
+            for r, c in ((77, 3), (90, 5)):  # the first in the rank's file is named
+                if s.row_start <= r < s.row_start + s.rows and s.col_start <= c < s.col_start + s.cols:
+                    table._native.values_mut()[r - s.row_start, c - s.col_start] = np.nan
+        try:
+            ec.save(path, emb, include_optimizer=values_dtype is None, values_dtype=values_dtype)
+        except (ValueError, RankFailedError) as e:
+            return before, type(e).__name__, str(e)
+        return before, None, None
+
+    results = run_world(2, save)
+    assert all(kind is not None for _, kind, _ in results), results
+    owners = [m for _, kind, m in results if kind == "ValueError" and "hold nan" in m]
+    assert owners and all("table 't' values hold nan at row 77, column 3: a checkpoint holds finite values only"
+                          in m for m in owners), results
+    before = results[0][0]
+    assert {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))} == before

@@ -642,11 +642,16 @@ def test_options_a_float32_cannot_hold(make, match):
 def test_the_largest_float32_options_save_and_load(tmp_path):
     o = opt.FTRL(0.1, learning_rate_power=-3.4e38, l2_regularization_strength=3.4e38, clipvalue=(-3.4e38, 3.4e38))
     table = make_table(6, 2, optimizer=o)
-    table.apply_gradients(np.array([1]), grads=np.ones((1, 2), np.float32))
+    table.step = 1
     ec.save(tmp_path / "c", table)
     again = make_table(6, 2, optimizer=o)
     ec.load(tmp_path / "c", into=again)
     np.testing.assert_array_equal(again.values(), table.values())
+    assert again.step == 1 and again.optimizer == o
+    # A step with them overflows (the row becomes NaN): a checkpoint holds finite values only.
+    table.apply_gradients(np.array([1]), grads=np.ones((1, 2), np.float32))
+    with pytest.raises(ValueError, match=r"table 't' values hold -?nan at row 1, column 0: a checkpoint holds finite"):
+        ec.save(tmp_path / "c", table)
 
 
 def test_ftrl_learning_rates_it_cannot_divide_by():

@@ -244,8 +244,8 @@ def test_rows_that_cannot_be_quantized_fail_the_save_and_change_nothing(tmp_path
     before = sorted(os.listdir(tmp_path / "c"))
     with open(tmp_path / "c" / "MANIFEST", "rb") as f:
         manifest = f.read()
-    for bad, match in [(np.nan, r"table 'item' values hold nan at row 42, column 3: a uint8_rowwise export takes "
-                                r"finite values only"),
+    for bad, match in [(np.nan, r"table 'item' values hold nan at row 42, column 3: a checkpoint holds finite "
+                                r"values only"),
                        (np.inf, r"table 'item' values hold inf at row 42, column 3"),
                        (-np.inf, r"table 'item' values hold -inf at row 42, column 3")]:
         t2 = table_with(values, name="item")

@@ -514,6 +514,11 @@ struct TableToSave {
 /// rename. A save killed at any moment leaves the previous checkpoint at
 /// `path` loadable; files of older generations are removed afterwards.
 /// Each table is read under its shared lock (lookups go on meanwhile).
+/// A checkpoint holds finite values and slots only: a value or slot that is
+/// inf or NaN (a training step that diverged) throws InvalidArgument naming
+/// the table, the array, the value and its row and column; as on any other
+/// failure, the save's files are removed and the checkpoint at `path` stays
+/// as it was.
 void SaveCheckpoint(const std::string& path, const std::vector<TableToSave>& tables, const SaveOptions& options);
 
 /// One data file of a checkpoint: rows [row_start, row_start + rows) and
@@ -659,6 +664,9 @@ uint64_t NextGeneration(const std::string& path);
 /// `prefix` (`t<5 digits>.`) and tagged with shard number `shard_index` and
 /// `generation`, and fsyncs them. Returns their entries (values, and the slots
 /// and step when options.include_optimizer) for the manifest; names no manifest.
+/// A value or slot that is not finite throws InvalidArgument (as
+/// SaveCheckpoint), naming the row and column of the logical table; the
+/// caller removes what the save wrote (RemoveGeneration).
 TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const std::string& prefix, int shard_index,
                            const Table& shard, int64_t row_start, int64_t col_start, const SaveOptions& options);
 
