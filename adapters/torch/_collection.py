@@ -256,7 +256,9 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
     if offsets.shape[0] - 1 != stride * len(keys):
         raise ValueError(f"{owner}: the KeyedJaggedTensor has {offsets.shape[0] - 1} bags for {len(keys)} keys; "
                          f"with batch size {stride} it needs {stride * len(keys)} (one per key and example)")
-    values = _ops.checked_values(values, offsets, f"{owner}: the KeyedJaggedTensor")
+    lengths = kjt.lengths_or_none()  # (checked as given: a negative length is named as such)
+    values = (_ops.checked_values(values, lengths, f"{owner}: the KeyedJaggedTensor", True) if lengths is not None
+              else _ops.checked_values(values, offsets, f"{owner}: the KeyedJaggedTensor"))
     return values, offsets, kjt.weights_or_none(), stride, index
 
 
@@ -404,9 +406,6 @@ class _SequenceInterface:
 class _Collection(_AdapterModule):
     def _check_input(self, features) -> None:
         pass  # (the lookups check what they take)
-
-    def _tables_and_names(self) -> List[Tuple[Any, _Spec, List[str]]]:
-        return list(zip(self._children_list(), self._specs, self._names))
 
     @property
     def device(self) -> torch.device:

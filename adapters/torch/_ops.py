@@ -14,7 +14,7 @@ implementations, so a model that uses them compiles without graph breaks):
 - ``embedcore::checked_values``: the checks of a collection's jagged input
   (``checked_values``), run at run time where the lookup is traced.
 - ``embedcore::served_lookup``: ``lookup`` of a served (memory-mapped,
-  read-only) table, without autograd (``ServedEmbeddingBagCollection``).
+  read-only) table, without autograd (the served collections).
 
 A collection's tables can also run together, outside the ops, when nothing
 needs to see them (``collection_lookup``: eager, CPU, fused or no training).
@@ -164,8 +164,9 @@ def _check_offsets(off: np.ndarray, n: int, where: str, appended: bool) -> None:
     d = np.diff(off)
     if (d < 0).any():
         k = int(np.argmax(d < 0))
-        raise ValueError(f"{where} must be non-decreasing: {where}[{k}] = {int(off[k])} > "
-                         f"{where}[{k + 1}] = {int(off[k + 1])}")
+        name = where.rpartition(": ")[2]  # (without the owner's prefix, said once)
+        raise ValueError(f"{where} must be non-decreasing: {name}[{k}] = {int(off[k])} > "
+                         f"{name}[{k + 1}] = {int(off[k + 1])}")
     if off[-1] > n:
         raise ValueError(f"{where}[-1] = {int(off[-1])} is greater than the number of ids ({n})")
 

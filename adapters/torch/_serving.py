@@ -40,15 +40,17 @@ class _ServedCollection(nn.Module):
 
     def _serve(self, path, tables: Optional[Sequence], verify, pooled: bool) -> None:
         owner = self._owner
-        self._verify = verify
+        self._verify = verify  # for a copy's or pickle's opening (a ServedCheckpoint given: True, unknown)
         if isinstance(path, ServedCheckpoint):
             self.checkpoint = path
-            self._verify = None  # (unknown: as it was opened)
+            self._verify = True
         elif isinstance(path, (str, bytes, os.PathLike)):
             self.checkpoint = ec.serving.open(path, verify=verify)
         else:
             raise TypeError(f"{owner}: path must be a checkpoint directory or an embedcore.serving.ServedCheckpoint, "
                             f"got {type(path).__name__}")
+        # Absolute, as the checkpoint opened it: a pickle or copy opens it again from any working directory.
+        self._path = os.path.abspath(str(self.checkpoint.path))
         if tables is None:
             tables = _configs_of_features(self.checkpoint, pooled, owner)
         self._specs = _specs(tables, pooled, owner, build=False)
@@ -65,11 +67,12 @@ class _ServedCollection(nn.Module):
                          for t, spec in zip(tables, self._specs)]
 
     def __getstate__(self):
-        """Pickles and copies hold the checkpoint's path: ``__setstate__``
-        opens it again (with the module's `verify`; True for a module given
-        a ``ServedCheckpoint``) and checks the tables against it again."""
+        """Pickles and copies hold the checkpoint's absolute path:
+        ``__setstate__`` opens it again (with the module's `verify`; True for
+        a module given a ``ServedCheckpoint``) and checks the tables against
+        it again."""
         state = dict(super().__getstate__())
-        state["checkpoint"] = str(self.checkpoint.path)
+        state["checkpoint"] = self._path
         del state["_handles"]
         return state
 
@@ -77,11 +80,14 @@ class _ServedCollection(nn.Module):
         state = dict(state)
         path = state.pop("checkpoint")
         super().__setstate__(state)
-        self.checkpoint = ec.serving.open(path, verify=True if self._verify is None else self._verify)
+        self.checkpoint = ec.serving.open(path, verify=self._verify)
         self._register()
 
     def _checked_table(self, spec, pooled: bool):
-        """The served table of `spec`, whose shape and pooling must be the checkpoint's."""
+        """The served table of `spec`, whose shape must be the checkpoint's.
+        The pooling is the config's, as in TorchRec (a converted state dict
+        records none: its tables all carry ``convert_state_dict``'s one
+        ``combiner=``)."""
         where = f"{self._owner}: table '{spec.name}'"
         tables = self.checkpoint.tables
         if spec.name not in tables:
@@ -90,9 +96,6 @@ class _ServedCollection(nn.Module):
         if (spec.rows, spec.dim) != (t.rows, t.dim):
             raise ValueError(f"{where} has num_embeddings={spec.rows}, embedding_dim={spec.dim}; the checkpoint's is "
                              f"{t.rows} x {t.dim}")
-        if pooled and spec.pooling != t.config.combiner:
-            raise ValueError(f"{where} has pooling {spec.pooling!r}; the checkpoint's table pools with "
-                             f"{t.config.combiner!r} (its combiner): give its pooling")
         return t
 
     @property
@@ -105,12 +108,12 @@ class _ServedCollection(nn.Module):
         ignored, as TorchRec's collections (its quantized ones included) and
         the training collections ignore them: one KJT may feed several modules."""
         if _is_kjt(features):
-            what, keys = "the KeyedJaggedTensor", list(features.keys())
+            what = "the KeyedJaggedTensor"
             tensors = [("values()", features.values()), ("lengths()", features.lengths_or_none()),
                        ("offsets()", features.offsets_or_none()), ("weights()", features.weights_or_none())]
         else:
-            what, keys = "the input", list(features)
-            tensors = [(f"[{k!r}]", t) for k, x in features.items() for t in _tensors_of(x)]
+            what = "the input"
+            tensors = [(f"[{k!r}]", t) for k, x in features.items() if k in self._features for t in _tensors_of(x)]
         for name, t in tensors:
             if isinstance(t, Tensor) and not t.is_cpu:
                 raise TypeError(f"{self._owner}: {what}{name} is on {t.device}; serving runs on the CPU (the "

@@ -240,13 +240,25 @@ def test_tables_are_checked_against_the_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=r"table 't2' has num_embeddings=51, embedding_dim=6; the checkpoint's is "
                                          r"50 x 6"):
         et.ServedEmbeddingBagCollection(path, [cls(51, 6, name="t2")])
-    with pytest.raises(ValueError, match=r"table 't1' has pooling 'mean'; the checkpoint's table pools with 'sum'"):
-        et.ServedEmbeddingBagCollection(path, [cls(30, 4, name="t1", pooling="mean")])
     with pytest.raises(TypeError, match="path must be a checkpoint directory"):
         et.ServedEmbeddingBagCollection(3, [cls(30, 4, name="t1")])
     # A subset of the tables serves; an EmbeddingCollection checks no pooling.
     et.ServedEmbeddingBagCollection(path, [cls(50, 6, name="t2")])
     et.ServedEmbeddingCollection(path, [et.EmbeddingConfig(30, 4, name="t1")])
+
+
+def test_the_configs_pooling_serves_a_converted_state_dict_of_mixed_poolings(tmp_path, rng, torchrec):
+    # A state dict records no pooling: convert_state_dict gives every table one combiner; the served module
+    # pools as its configs say, as TorchRec does, so a model with a SUM and a MEAN table serves as it trained.
+    configs = [et.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1"]),
+               et.EmbeddingBagConfig(num_embeddings=50, embedding_dim=6, name="t2", feature_names=["f2"],
+                                     pooling="mean")]
+    trained = et.EmbeddingBagCollection(configs)
+    torch.save(trained.state_dict(), tmp_path / "model.pt")
+    et.convert_state_dict(tmp_path / "model.pt", tmp_path / "c", combiner="sum")
+    served = et.ServedEmbeddingBagCollection(tmp_path / "c", configs)
+    kjt = _kjt(torchrec, rng, ["f1", "f2"], 30, 5)
+    _assert_same(served(kjt).values(), trained(kjt).values())
 
 
 # ------------------------------------------------------------------ errors
@@ -281,6 +293,11 @@ def test_input_errors(tmp_path, torchrec):
         served({**ok, "f2": torch.tensor([1.0])})
     with pytest.raises(TypeError, match="must be float32"):
         served({**ok, "f2": (torch.tensor([1]), torch.tensor([0, 1]), torch.tensor([1.0], dtype=torch.float64))})
+    served({**ok, "dense": torch.tensor([1.0], device="meta")})  # a feature no table reads: ignored, anywhere
+    with pytest.raises(ValueError, match=r"ServedEmbeddingBagCollection: the KeyedJaggedTensor\['lengths'\]\[1\] "
+                                         r"= -1 is negative"):
+        served(torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3]),
+                                                            lengths=torch.tensor([2, -1, 2])))
     with pytest.raises(TypeError, match=r"the input\['f2'\] is on meta; serving runs on the CPU"):
         served({**ok, "f2": torch.tensor([1], device="meta")})
     with pytest.raises(TypeError, match="takes a dict of features or a TorchRec KeyedJaggedTensor"):
@@ -365,6 +382,20 @@ def test_pickle_and_deepcopy_open_the_checkpoint_again(tmp_path, rng, torchrec):
         got = other(kjt)
         for k in want:
             _assert_same(got[k].values(), want[k].values())
+    # Opened by a relative path: a pickle loads from any working directory (it holds the absolute path).
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        monkeypatch.chdir(tmp_path)
+        rel = et.ServedEmbeddingCollection("c", cfgs)
+        data = pickle.dumps(rel)
+        monkeypatch.chdir("/")
+        _assert_same(pickle.loads(data)(kjt)["f1"].values(), want["f1"].values())
+    finally:
+        monkeypatch.undo()
+    # A module given a ServedCheckpoint, and one opened with verify=False, reopen as they were opened.
+    given = et.ServedEmbeddingCollection(ec.serving.open(tmp_path / "c", verify=False), cfgs)
+    assert copy.deepcopy(given)._verify is True
+    assert copy.deepcopy(et.ServedEmbeddingCollection(tmp_path / "c", cfgs, verify=False))._verify is False
 
 
 @pytest.mark.parametrize("pooling", ["sum", "sqrtn"])
