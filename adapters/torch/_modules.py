@@ -310,12 +310,18 @@ class _TableModule(_AdapterModule):
             if padding_idx is not None and weight is None:
                 self.weight[padding_idx].fill_(0)
 
-    def _attach(self, table: ec.Table, requires_grad: bool) -> None:
-        self._table = table
-        host = table.device == "cpu"
-        values = torch.from_dlpack(table._native.values_mut() if host else table._native.device_values())
+    def _engine_values(self) -> Tensor:
+        """A tensor viewing the table's values in the engine's memory."""
+        table = self._table
+        values = torch.from_dlpack(table._native.values_mut() if table.device == "cpu"
+                                   else table._native.device_values())
         if table.dtype == "bfloat16" and values.dtype != torch.bfloat16:
             values = values.view(torch.bfloat16)  # carried as its uint16 bits
+        return values
+
+    def _attach(self, table: ec.Table, requires_grad: bool) -> None:
+        self._table = table
+        values = self._engine_values()
         self.weight = nn.Parameter(values, requires_grad=requires_grad)
         self._values_ptr = values.data_ptr()
         self._training_state()
@@ -336,8 +342,11 @@ class _TableModule(_AdapterModule):
         self._frozen_anchor = self._anchor.detach() if fused else None  # no gradient: no update
         group = None
         if fused:
-            group = {"params": [self.weight], "lr": table.learning_rate(), "table": table.name,
-                     "optimizer": type(table.optimizer).__name__}
+            # Fused from apply_optimizer_in_backward: that optimizer's own param group, so that its "lr" (set by
+            # hand or by a scheduler on param._in_backward_optimizers, TorchRec's recipe) is the one the steps use,
+            # as fused_optimizer's is: both show one group.
+            group = self._in_backward_group() or {"params": [self.weight], "lr": table.learning_rate()}
+            group.update(table=table.name, optimizer=type(table.optimizer).__name__)
             if self.__dict__.get("_lr_decay"):  # an in-backward Adagrad's (_ops.fused_rate applies it)
                 group["lr_decay"] = self._lr_decay
         # Registered while the module or an autograd graph of its lookups can use the table: the graph keeps
@@ -345,6 +354,15 @@ class _TableModule(_AdapterModule):
         holders = (self, self._anchor, self._frozen_anchor) if fused else (self, self.weight)
         self._handle = _ops.register(table, group, holders)
         self._group = group
+
+    def _in_backward_group(self) -> Optional[dict]:
+        """The param group of the apply_optimizer_in_backward optimizer this
+        table was fused from, or None."""
+        if not self.__dict__.get("_from_in_backward"):
+            return None
+        groups = [g for opt in self.weight.__dict__.get("_in_backward_optimizers", ()) for g in opt.param_groups
+                  if any(p is self.weight for p in g["params"])]
+        return groups[0] if len(groups) == 1 else None
 
     def _fuse_in_backward_optimizer(self, weight: Tensor) -> bool:
         """Trains the table fused with the engine's equal of the optimizer
@@ -484,12 +502,21 @@ class _TableModule(_AdapterModule):
     def _apply(self, fn, recurse=True):
         if "_table" in self.__dict__:
             w = self.weight
+            ptr = w.data_ptr()
             out = fn(w)
-            if out is not w and (out.data_ptr() != w.data_ptr() or out.dtype != w.dtype or out.device != w.device):
+            if w.data_ptr() != ptr:  # fn moved the weight's storage in place (a parent's share_memory())
+                w.data = self._engine_values()
+                self.share_memory()  # raises, saying why
+            if out is not w and (out.dtype != w.dtype or out.device != w.device):
                 raise NotImplementedError(
                     f"{type(self).__name__}: the table lives in embedcore's memory ({w.dtype}, {w.device}) and cannot "
                     f"be converted to {out.dtype} on {out.device}; choose the dtype and device when creating the "
                     "module")
+            if out is not w and out.data_ptr() != ptr:
+                raise NotImplementedError(
+                    f"{type(self).__name__}: the table lives in embedcore's memory and cannot be moved to new memory "
+                    "(to_empty(), or a function that returns a copy); share or reload a checkpoint (ec.save / "
+                    "ec.load / ec.serving.open) instead")
         return super()._apply(fn, recurse)
 
     def __getstate__(self):

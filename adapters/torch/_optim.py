@@ -109,8 +109,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     "param_groups": [{"params": [key], "lr": ..., "table": name, "optimizer":
     class name}]}``. ``load_state_dict`` copies slots into the engine and
     accepts PyTorch's slot names (``sum``, ``exp_avg``, ``exp_avg_sq``) and
-    TorchRec's (``momentum1``, ``momentum2``, also prefixed by the table name;
-    row-wise Adagrad's ``[rows]`` ``momentum1`` too).
+    TorchRec's (``momentum1``, ``momentum2``, or its fused modules'
+    ``momentum_1``, ``momentum_2``, also prefixed by the table name;
+    row-wise Adagrad's ``[rows]`` ``momentum1`` too), under the weight's key
+    or, as TorchRec's fused modules key it, a key it ends with
+    (``"<table>.weight"``).
     """
 
     def __init__(self, module: nn.Module):
@@ -149,6 +152,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             return short
         if short in _ALIASES and _ALIASES[short] in names:
             return _ALIASES[short]
+        short = {"momentum_1": "momentum1", "momentum_2": "momentum2"}.get(short, short)  # TorchRec's fused modules'
         if short in ("momentum1", "momentum2") and len(names) >= int(short[-1]):
             return names[int(short[-1]) - 1]
         raise ValueError(f"{key}: table '{m._table.name}' ({type(m._table.optimizer).__name__}) has no slot "
@@ -172,9 +176,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"state_dict[\"state\"] must be a dict of weight key -> dict of slots, got {states!r}")
         plan = []
         for key, s in states.items():
-            if key not in by_key:
-                raise ValueError(f"optimizer state for {key!r}, which is not a fused table of this module "
-                                 f"(those are {list(by_key)})")
+            if key not in by_key:  # TorchRec's fused modules key a table's state "<table>.weight"
+                ends = [k for k in by_key if isinstance(key, str) and k.endswith("." + key)]
+                if len(ends) != 1:
+                    raise ValueError(f"optimizer state for {key!r}, which is not a fused table of this module "
+                                     f"(those are {list(by_key)})")
+                key = ends[0]
             if not isinstance(s, Mapping):
                 raise TypeError(f"{key}: its optimizer state must be a dict of slot name -> tensor (and \"step\"), "
                                 f"got {s!r}")

@@ -158,6 +158,11 @@ def test_collection_optimizer_state_keys():
     # TorchRec's slot names (prefixed by the table) load too.
     ebc.load_optimizer_state_dict({"state": {"embedding_bags.b.weight": {"b.momentum1": torch.full((10, 3), 7.0)}}})
     assert float(ebc.embedding_bags["b"].table.slots()["accumulators"].min()) == 7.0
+    # TorchRec's fused modules' (FusedEmbeddingBagCollection): "<table>.weight" keys, "momentum_1" slots.
+    ebc.load_optimizer_state_dict({"state": {"b.weight": {"b.weight.momentum_1": torch.full((10, 3), 5.0)}}})
+    assert float(ebc.embedding_bags["b"].table.slots()["accumulators"].max()) == 5.0
+    with pytest.raises(ValueError, match=r"optimizer state for 'c.weight', which is not a fused table"):
+        ebc.load_optimizer_state_dict({"state": {"c.weight": {"momentum_1": torch.full((10, 3), 5.0)}}})
 
 
 @pytest.mark.parametrize("bad_b, exc, match", [
@@ -365,6 +370,17 @@ def test_weight_cut_off_from_the_table_is_refused(rng):
         m.share_memory()
     ids, offsets, _ = bags(rng, ROWS, 4)
     m(ids, offsets)  # still attached
+    # A parent's share_memory() (nn.Module's: in place, through _apply) and to_empty() are refused too, and
+    # leave the module attached (share_memory had moved the weight, and every later lookup failed).
+    parent = torch.nn.Sequential(m, torch.nn.Linear(DIM, 1))
+    with pytest.raises(NotImplementedError, match="cannot be moved to shared memory"):
+        parent.share_memory()
+    with pytest.raises(NotImplementedError, match=r"cannot be moved to new memory \(to_empty"):
+        parent.to_empty(device="cpu")
+    before = m.table.to_numpy().copy()
+    m(ids, offsets).sum().backward()  # attached: the fused step moves the table and the weight sees it
+    assert not np.array_equal(m.table.to_numpy(), before)
+    np.testing.assert_array_equal(m.weight.detach().numpy(), m.table.to_numpy())
     m.weight.data = m.weight.data.clone()
     with pytest.raises(RuntimeError, match="weight no longer views the engine's table"):
         m(ids, offsets)

@@ -481,6 +481,30 @@ def test_apply_optimizer_in_backward_trains_fused_as_pytorch(rng, name):
     assert type(et.FusedOptimizer(ours).param_groups[0]["optimizer"]) is str
 
 
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_apply_optimizer_in_backward_s_rate_changes_are_followed(rng, name):
+    """TorchRec's recipe schedules the in-backward optimizers
+    (param._in_backward_optimizers): a fused table steps with their rate,
+    which fused_optimizer shows too (the rate was read once, at fusing)."""
+    cls, kwargs = {"sgd": (torch.optim.SGD, {"lr": 0.1}),
+                   "adagrad": (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1})}[name]
+    w = uniform_weights(rng, ROWS, DIM)
+    kw = dict(freeze=False, mode="sum", include_last_offset=True)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), **kw)
+    ours = et.EmbeddingBag.from_pretrained(w, **kw)
+    schedulers = []
+    for m in (ref, ours):
+        _in_backward(cls, m.parameters(), kwargs)
+        schedulers += [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.1) for o in m.weight._in_backward_optimizers]
+    for _ in range(3):
+        _train(rng, [(ref, None), (ours, None)], 1, "sum", weighted=False)
+        for sch in schedulers:
+            sch.step()
+    assert ours.fused and ours.table.step == 3
+    assert et.FusedOptimizer(ours).param_groups[0]["lr"] == pytest.approx(1e-4)
+    assert max_diff(ours.weight, ref.weight) <= 1e-6
+
+
 def test_apply_optimizer_in_backward_on_a_torchrec_collection(rng):
     """The TorchRec recipe, unchanged but for the module: a KJT collection
     with RowWiseAdagrad in backward equals TorchRec's own collection."""
