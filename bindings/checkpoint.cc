@@ -8,6 +8,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -160,6 +161,11 @@ void BindCheckpoint(nb::module_& m) {
            [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).unknown_optimizer; })
       .def("table_dtype", [](const CheckpointInfo& i, size_t k) { return std::string(DTypeName(i.tables.at(k).dtype)); })
       .def("table_step", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).step; })
+      .def("table_padding_idx",  // config.padding_idx (format 1.5); None without one
+           [](const CheckpointInfo& i, size_t k) -> std::optional<int64_t> {
+             const int64_t p = i.tables.at(k).padding_idx;
+             return p < 0 ? std::nullopt : std::optional<int64_t>(p);
+           })
       .def("table_sharding_json", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).sharding_json; });
 
   m.def(

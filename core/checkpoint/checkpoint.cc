@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -1495,6 +1496,49 @@ void LoadMappedRow(const M& m, int64_t row, float* dst) {
     kernels::ActiveKernels().dtype[int(m.file.dtype)].load(p, dst, m.file.cols);
 }
 
+// The batch without the occurrences of `padding` (an id ValidateBatch took), or `batch` itself when it has
+// none: what a pooled lookup of a table with a padding_idx pools (torch.nn.EmbeddingBag's padding_idx). The
+// ids kept are read once (a caller's thread may rewrite them meanwhile) and through SafeRow, into `ids`; the
+// bags' offsets and weights into `offsets` and `weights`.
+template <typename T>
+const Batch& WithoutPaddingOf(const Batch& batch, const T* given, int64_t padding, int64_t rows, Batch* unpadded,
+                              std::vector<int64_t>* ids, std::vector<int64_t>* offsets, std::vector<float>* weights) {
+  if (padding > int64_t(std::numeric_limits<T>::max()) ||
+      std::find(given, given + batch.nnz, T(padding)) == given + batch.nnz)
+    return batch;  // no padding id: the caller's batch, as for a table without one
+  ids->resize(size_t(batch.nnz));
+  offsets->resize(size_t(batch.num_bags) + 1);
+  if (batch.weights) weights->resize(size_t(batch.nnz));
+  int64_t n = 0;
+  (*offsets)[0] = 0;
+  for (int64_t b = 0; b < batch.num_bags; ++b) {
+    for (int64_t k = batch.offsets[b]; k < batch.offsets[b + 1]; ++k) {
+      const int64_t id = int64_t(given[k]);
+      if (id == padding) continue;
+      (*ids)[size_t(n)] = kernels::SafeRow(id, rows);
+      if (batch.weights) (*weights)[size_t(n)] = batch.weights[k];
+      ++n;
+    }
+    (*offsets)[size_t(b) + 1] = n;
+  }
+  unpadded->id_type = IdType::kInt64;
+  unpadded->ids = ids->data();
+  unpadded->nnz = n;
+  unpadded->offsets = offsets->data();
+  unpadded->num_bags = batch.num_bags;
+  unpadded->weights = batch.weights ? weights->data() : nullptr;
+  return *unpadded;
+}
+
+const Batch& WithoutPadding(const Batch& batch, int64_t padding, int64_t rows, Batch* unpadded,
+                            std::vector<int64_t>* ids, std::vector<int64_t>* offsets, std::vector<float>* weights) {
+  return batch.id_type == IdType::kInt32
+             ? WithoutPaddingOf(batch, static_cast<const int32_t*>(batch.ids), padding, rows, unpadded, ids, offsets,
+                                weights)
+             : WithoutPaddingOf(batch, static_cast<const int64_t*>(batch.ids), padding, rows, unpadded, ids, offsets,
+                                weights);
+}
+
 // Verifies (once) the checksum blocks that hold row `row` of a mapped file.
 template <typename M>
 void TouchRow(const M& m, int64_t row) {
@@ -1600,9 +1644,16 @@ void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShap
   const TableEntry& t = info_.tables[table];
   CheckOutStride(shape, t.dim, false);
   const internal::StableBatch stable(given);  // the offsets: the engine's copy (see StableBatch)
-  const Batch& batch = stable.get();
-  ValidateBatch(batch, t.rows, t.name);
-  if (shape.OutputRows(batch) > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
+  ValidateBatch(stable.get(), t.rows, t.name);
+  if (shape.OutputRows(stable.get()) > 0 && out == nullptr) throw InvalidArgument("out: null pointer");
+  // A table with a padding_idx: pooled bags without it (the bags, and so the output's shape, stay).
+  Batch unpadded;
+  std::vector<int64_t> unpadded_ids, unpadded_offsets;
+  std::vector<float> unpadded_weights;
+  const Batch& batch = t.padding_idx >= 0 && shape.combiner != Combiner::kNone
+                           ? WithoutPadding(stable.get(), t.padding_idx, t.rows, &unpadded, &unpadded_ids,
+                                            &unpadded_offsets, &unpadded_weights)
+                           : stable.get();
   // Validated above, but read in place: through SafeRow, an id a caller's thread rewrote meanwhile
   // reads a wrong row, never outside the table.
   auto id_at = [&](int64_t k) {

@@ -526,6 +526,9 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
     const Json& config = r.Get(tj, "config", where);
     if (!config.is_object()) r.Fail(where + ".config", "must be an object");
     t.config_json = config.dump();
+    // Since 1.5: a PyTorch module's padding_idx, which serving leaves out of pooled bags.
+    if (auto it = config.find("padding_idx"); it != config.end() && !it->is_null())
+      t.padding_idx = r.IntValue(*it, where + ".config.padding_idx", 0, t.rows - 1);
     info.tables.push_back(std::move(t));
   }
   const Json& metadata = r.Get(m, "metadata", "manifest");

@@ -56,6 +56,7 @@ struct ModelOptions {
   bool features = true;  ///< false: a checkpoint of tables ("kind": "table")
   bool include_optimizer = false;
   std::string user_combiner = "sum";
+  int64_t item_padding_idx = -1;  ///< >= 0: item's config records it (a PyTorch module's padding_idx, format 1.5)
 };
 
 inline void SaveModel(const std::string& path, const ModelOptions& o = ModelOptions()) {
@@ -68,7 +69,9 @@ inline void SaveModel(const std::string& path, const ModelOptions& o = ModelOpti
                                      : R"({"kind": "table"})";
   SaveCheckpoint(path,
                  {{&user, R"({"name": "user", "combiner": ")" + o.user_combiner + R"("})"},
-                  {&item, R"({"name": "item", "combiner": "mean"})"},
+                  {&item, o.item_padding_idx < 0 ? std::string(R"({"name": "item", "combiner": "mean"})")
+                                                 : R"({"name": "item", "combiner": "mean", "padding_idx": )" +
+                                                       std::to_string(o.item_padding_idx) + "}"},
                   {&query, R"({"name": "query", "combiner": "sqrtn"})"}},
                  options);
 }

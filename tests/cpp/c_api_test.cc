@@ -241,6 +241,87 @@ EMBEDCORE_TEST(FeatureLookupsAreTheServedCheckpoints) {
   }
 }
 
+// A table whose config has a padding_idx (a PyTorch module's): its pooled lookups, table and feature, leave
+// the padding id out of the bags (torch.nn.EmbeddingBag), which equals the same checkpoint without it looked
+// up on the bags without the padding ids; per-id and sequence lookups give its row (torch.nn.Embedding).
+EMBEDCORE_TEST(PaddingIdxIsLeftOutOfPooledBags) {
+  TempDir dir;
+  ModelOptions padded;
+  padded.item_padding_idx = 7;
+  SaveModel(dir.Sub("padded"), padded);
+  SaveModel(dir.Sub("plain"));  // the same values
+  const CheckpointInfo padded_info = ReadCheckpointInfo(dir.Sub("padded"));
+  const CheckpointInfo plain_info = ReadCheckpointInfo(dir.Sub("plain"));
+  EMBEDCORE_EXPECT_EQ(padded_info.tables.at(1).padding_idx, 7);
+  EMBEDCORE_EXPECT_EQ(padded_info.tables.at(0).padding_idx, -1);
+  EMBEDCORE_EXPECT_EQ(plain_info.tables.at(1).padding_idx, -1);
+  Handle h(dir.Sub("padded"));
+  const MappedCheckpoint ref(dir.Sub("plain"), MappedCheckpoint::Verify::kLazy);
+  std::mt19937_64 rng(5);
+  for (int trial = 0; trial < 6; ++trial) {
+    OwnedBatch b = OwnedBatch::Random(rng, 40, 3 + trial * 5, 8);
+    for (size_t k = 0; k < b.ids.size(); k += 3) b.ids[k] = b.ids32[k] = 7;
+    if (b.offsets.size() > 2 && trial % 2 == 0) {  // a bag of padding ids only: zeros
+      for (int64_t k = b.offsets[1]; k < b.offsets[2]; ++k) b.ids[size_t(k)] = b.ids32[size_t(k)] = 7;
+    }
+    OwnedBatch kept;  // the bags without the padding ids
+    kept.offsets.push_back(0);
+    for (size_t bag = 0; bag + 1 < b.offsets.size(); ++bag) {
+      for (int64_t k = b.offsets[bag]; k < b.offsets[bag + 1]; ++k) {
+        if (b.ids[size_t(k)] == 7) continue;
+        kept.ids.push_back(b.ids[size_t(k)]);
+        kept.ids32.push_back(b.ids32[size_t(k)]);
+        kept.weights.push_back(b.weights[size_t(k)]);
+      }
+      kept.offsets.push_back(int64_t(kept.ids.size()));
+    }
+    for (int weighted = 0; weighted < 2; ++weighted) {
+      for (int int32 = 0; int32 < 2; ++int32) {
+        const embedcore_batch c = b.C(weighted, int32);
+        const struct {
+          int32_t code;
+          Combiner engine;
+        } pooled[] = {{EMBEDCORE_COMBINER_SUM, Combiner::kSum},
+                      {EMBEDCORE_COMBINER_MEAN, Combiner::kMean},
+                      {EMBEDCORE_COMBINER_SQRTN, Combiner::kSqrtn},
+                      {EMBEDCORE_COMBINER_DEFAULT, Combiner::kMean}};
+        for (const auto& k : pooled)
+          EMBEDCORE_EXPECT_MSG(SameBits(CLookup(h.h, 1, c, k.code), Reference(ref, 1, kept.Engine(weighted, int32),
+                                                                              k.engine)),
+                               "trial " << trial << " combiner " << k.code << " weighted " << weighted);
+        for (const int64_t length : {int64_t(0), int64_t(5)})
+          EMBEDCORE_EXPECT(SameBits(CLookup(h.h, 1, c, EMBEDCORE_COMBINER_NONE, length),
+                                    Reference(ref, 1, b.Engine(weighted, int32), Combiner::kNone, length)));
+        // The other tables have none: every id pooled.
+        EMBEDCORE_EXPECT(SameBits(CLookup(h.h, 0, c, EMBEDCORE_COMBINER_SUM),
+                                  Reference(ref, 0, b.Engine(weighted, int32), Combiner::kSum)));
+        // Features: item (pooled mean) leaves it out; history (item, a sequence of 5) gives its row.
+        for (const auto& [feature, want] :
+             {std::make_pair(int64_t(1), Reference(ref, 1, kept.Engine(weighted, int32), Combiner::kMean)),
+              std::make_pair(int64_t(2), Reference(ref, 1, b.Engine(weighted, int32), Combiner::kNone, 5))}) {
+          std::vector<float> got(want.size());
+          EXPECT_C_OK(embedcore_lookup_feature(h.h, feature, &c, got.data(), int64_t(got.size())));
+          EMBEDCORE_EXPECT_MSG(SameBits(got, want), "feature " << feature << " trial " << trial);
+        }
+      }
+    }
+  }
+}
+
+// A padding_idx outside [0, rows), or not an integer, is a malformed manifest.
+EMBEDCORE_TEST(MalformedPaddingIdxIsRefused) {
+  TempDir dir;
+  ModelOptions bad;
+  bad.item_padding_idx = 300;  // item has 300 rows
+  bool refused = false;
+  try {
+    SaveModel(dir.Sub("m"), bad);  // the writer checks its manifest as a reader would
+  } catch (const std::exception& e) {
+    refused = std::string(e.what()).find("tables[1].config.padding_idx") != std::string::npos;
+  }
+  EMBEDCORE_EXPECT(refused);
+}
+
 EMBEDCORE_TEST(LookupSize) {
   TempDir dir;
   SaveModel(dir.Sub("m"));

@@ -328,7 +328,8 @@ EMBEDCORE_TEST(Rowwise8ExportLayoutAndRounding) {
   SaveCheckpoint(dir.Sub("c"), {{&t, "{}"}}, Rowwise8Export(true));
   const CheckpointInfo info = ReadCheckpointInfo(dir.Sub("c"));
   EMBEDCORE_EXPECT_EQ(info.format_major, 1);
-  EMBEDCORE_EXPECT_EQ(info.format_minor, 4);
+  EMBEDCORE_EXPECT(info.format_minor >= 4);  // the dtype since 1.4
+  EMBEDCORE_EXPECT_EQ(info.format_minor, embedcore::kFormatMinor);
   const FileEntry& f = info.tables.at(0).values.at(0);
   EMBEDCORE_EXPECT(f.dtype == DType::kUInt8Rowwise);
   EMBEDCORE_EXPECT(info.tables.at(0).dtype == DType::kFloat32);

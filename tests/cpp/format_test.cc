@@ -41,8 +41,9 @@ EMBEDCORE_TEST(FormatConstants) {
   EMBEDCORE_EXPECT(std::memcmp(ck::kManifestMagic, "ECKPMANI", 8) == 0);
   EMBEDCORE_EXPECT(std::memcmp(ck::kDataMagic, "ECKPDATA", 8) == 0);
   EMBEDCORE_EXPECT_EQ(embedcore::kFormatMajor, 1);
-  // 1.1: adagrad_epsilon; 1.2: col_start; 1.3: rowwise_adagrad; 1.4: the uint8_rowwise data file dtype
-  EMBEDCORE_EXPECT_EQ(embedcore::kFormatMinor, 4);
+  // 1.1: adagrad_epsilon; 1.2: col_start; 1.3: rowwise_adagrad; 1.4: the uint8_rowwise data file dtype;
+  // 1.5: config.padding_idx
+  EMBEDCORE_EXPECT_EQ(embedcore::kFormatMinor, 5);
   EMBEDCORE_EXPECT_EQ(int(embedcore::DType::kUInt8Rowwise), 3);  // the header's dtype code
   EMBEDCORE_EXPECT_EQ(embedcore::RowBytes(embedcore::DType::kUInt8Rowwise, 5), uint64_t(13));  // codes, scale, bias
   EMBEDCORE_EXPECT_EQ(embedcore::RowBytes(embedcore::DType::kFloat16, 5), uint64_t(10));

@@ -490,7 +490,7 @@ class NcclTransport {
 /// The checkpoint format version this library writes; it reads every older
 /// major version and refuses newer ones. See docs/format.md.
 constexpr int kFormatMajor = 1;
-constexpr int kFormatMinor = 4;
+constexpr int kFormatMinor = 5;
 
 struct SaveOptions {
   bool include_optimizer = true;  ///< slots and step; false: values only (a serving export)
@@ -555,6 +555,10 @@ struct TableEntry {
   std::vector<std::vector<FileEntry>> slots;  ///< per slot name
   std::string config_json;  ///< as given to SaveCheckpoint
   std::string sharding_json;
+  /// `config.padding_idx` (format 1.5, optional; -1 when absent or null): an
+  /// id that pooled served lookups leave out of their bags, as
+  /// torch.nn.EmbeddingBag's padding_idx (MappedCheckpoint::Lookup).
+  int64_t padding_idx = -1;
 };
 
 /// A parsed, validated manifest.
@@ -725,7 +729,11 @@ class MappedCheckpoint {
 
   const CheckpointInfo& info() const { return info_; }
   size_t num_tables() const { return tables_.size(); }
-  /// Thread-safe; same contract as Table::Lookup.
+  /// Thread-safe; same contract as Table::Lookup. A table whose config has a
+  /// `padding_idx` (TableEntry::padding_idx) leaves that id out of pooled
+  /// bags (sum, mean, sqrtn: out of the sums and of the denominators, its
+  /// weight ignored), as torch.nn.EmbeddingBag does; unpooled lookups
+  /// (Combiner::kNone) give its row, as torch.nn.Embedding does.
   void Lookup(size_t table, const Batch& batch, const OutputShape& shape, float* out) const;
   /// Pointer to the mapped values of `table` (rows x dim of its stored
   /// dtype; uint8_rowwise: rows of dim + 8 bytes); a table saved in several
