@@ -168,7 +168,7 @@ class _AdapterModule(nn.Module):
         return super().__getattr__(name)
 
     def _embedcore_tables(self) -> List[ec.Table]:
-        return [m._table for m in self.modules() if isinstance(m, _TableModule)]
+        return tables_of(self)
 
     @property
     def fused_optimizer(self):
@@ -310,6 +310,13 @@ class _TableModule(_AdapterModule):
             if padding_idx is not None and weight is None:
                 self.weight[padding_idx].fill_(0)
 
+    def _record_padding(self) -> None:
+        """Gives the table the module's current padding_idx, which checkpoints
+        record (config.padding_idx), serving leaves out of pooled bags as this
+        module does, and ``ec.load`` checks."""
+        pad = self.__dict__.get("padding_idx")
+        self._table._padding_idx = None if pad is None else int(pad) % self.num_embeddings
+
     def _engine_values(self) -> Tensor:
         """A tensor viewing the table's values in the engine's memory."""
         table = self._table
@@ -321,6 +328,7 @@ class _TableModule(_AdapterModule):
 
     def _attach(self, table: ec.Table, requires_grad: bool) -> None:
         self._table = table
+        self._record_padding()
         values = self._engine_values()
         self.weight = nn.Parameter(values, requires_grad=requires_grad)
         self._values_ptr = values.data_ptr()
@@ -565,7 +573,12 @@ def fuse_pending(module: nn.Module) -> None:
 def tables_of(module: nn.Module) -> List[ec.Table]:
     """The embedcore tables of every adapter module inside `module`, for
     ``ec.save(path, tables_of(model))`` / ``ec.load(path, into=...)``."""
-    return [m._table for m in module.modules() if isinstance(m, _TableModule)]
+    tables = []
+    for m in module.modules():
+        if isinstance(m, _TableModule):
+            m._record_padding()
+            tables.append(m._table)
+    return tables
 
 
 class EmbeddingBag(_TableModule):

@@ -56,7 +56,7 @@ def _slot_counts(t: dict) -> Tuple[int, int]:
 
 
 def _table_config_json(cfg: TableConfig, table: Table) -> dict:
-    return {
+    config = {
         "name": table.name,
         "rows": cfg.rows,
         "dim": cfg.dim,
@@ -65,6 +65,26 @@ def _table_config_json(cfg: TableConfig, table: Table) -> dict:
         "initializer": _initializer_json(cfg.initializer),
         "optimizer": _optimizer_json(table.optimizer),
     }
+    if table._padding_idx is not None:  # format 1.5: serving leaves it out of pooled bags
+        config["padding_idx"] = int(table._padding_idx)
+    return config
+
+
+def _check_padding(info, k: int, table: Table) -> None:
+    """Refuses to load table `k` of a checkpoint that records a padding_idx
+    (a PyTorch module's, format 1.5) into `table` unless the table's own is
+    the same: its lookups would pool the padding rows that the checkpoint's
+    served lookups leave out, and a save of it would lose the record. A
+    checkpoint without one (every one before 1.5) loads anywhere."""
+    saved = info.table_padding_idx(k)
+    if saved is None or saved == table._padding_idx:
+        return
+    ours = "none" if table._padding_idx is None else table._padding_idx
+    raise CheckpointError(
+        f"{info.path}: table '{table.name}' was saved with padding_idx {saved} (its pooled lookups leave id {saved} "
+        f"out of their bags), the table loaded into has padding_idx {ours}: load it into a PyTorch module made "
+        f"with padding_idx={saved} (embedcore.adapters.torch.EmbeddingBag / Embedding), or serve it "
+        f"(embedcore.serving.open); nothing was loaded")
 
 
 def _structure_json(structure, counter=None, items: bool = False):
@@ -204,6 +224,10 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
         save (``ValueError`` naming the table and the row) and leaves `path`
         as it was. Format 1.4: older readers refuse such a checkpoint.
 
+    A table of a PyTorch adapter module made with ``padding_idx`` records it
+    (format 1.5): serving leaves that id out of the table's pooled bags, as
+    the module does (docs/torch.md, State).
+
     A checkpoint holds finite values and slots only: a value or slot that is
     inf or NaN (a training step that diverged?) fails the save with a
     ``ValueError`` naming the table, the array (``values`` or the slot), the
@@ -317,7 +341,9 @@ def load(path, into, include_optimizer: bool = True) -> None:
     the same table shapes, whatever world size and plan saved it. Values
     are converted to the target table's dtype; a value that would become
     infinite (a float32 beyond float16's range) raises ``CheckpointError``
-    naming it, and nothing changes.
+    naming it, and nothing changes. A table saved with a ``padding_idx`` (a
+    PyTorch module's) loads only into a table of the same one (a module made
+    with it); any other target raises ``CheckpointError`` and nothing changes.
     """
     if hasattr(into, "_sharded_load"):  # collective: every rank reads only the blocks it owns
         return into._sharded_load(path, include_optimizer)
@@ -335,6 +361,7 @@ def _load(path: str, into, include_optimizer: bool) -> None:
         if t.name not in names:
             raise CheckpointError(f"{info.path}: has no table '{t.name}' (it holds {names})")
         k = names.index(t.name)
+        _check_padding(info, k, t)
         _embedcore.check_loadable(info, k, t._native, bool(include_optimizer))
         plan.append((k, t))
     for k, t in plan:  # everything verified (and fits the target's dtype) before anything changes

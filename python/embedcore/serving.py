@@ -53,6 +53,10 @@ class ServedTable(LookupMixin):
         self.rows = config.rows
         self.dim = config.dim
         self.dtype = stored_dtype  # as the values files store it ("uint8_rowwise": 8-bit rows, dequantized on lookup)
+        # A PyTorch module's padding_idx (format 1.5), or None: pooled lookups leave that id out of their bags
+        # (the sums and the mean's / sqrtn's denominators), as torch.nn.EmbeddingBag does; per-id and sequence
+        # lookups give its row, as torch.nn.Embedding does. The engine applies it (MappedCheckpoint::Lookup).
+        self.padding_idx = mapped.info.table_padding_idx(index)
 
     @property
     def _default_combiner(self) -> str:

@@ -172,6 +172,12 @@ class Table(LookupMixin):
     holds off new ones, so no lookup sees a half-updated row.
     """
 
+    # An id that the pooled lookups of the module owning this table leave out of their bags (a PyTorch
+    # adapter module's padding_idx, which that module applies): checkpoints record it (config.padding_idx,
+    # format 1.5) and serving honours it; a load takes a checkpoint that records one only into a table whose
+    # own is the same. The table's own lookups do not read it.
+    _padding_idx: Optional[int] = None
+
     def __init__(self, config: Optional[TableConfig] = None, *, device=None, _placement: tuple = (0, 0, 0),
                  **kwargs):
         if config is None:

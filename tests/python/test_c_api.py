@@ -197,6 +197,36 @@ def test_lookups_equal_python_serving(lib, tmp_path, rng):
     h.close()
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_padding_idx_of_a_torch_module_is_left_out_of_bags(lib, tmp_path, rng, mode):
+    """A PyTorch EmbeddingBag(padding_idx=...) saved with ec.save: the C
+    lookups give the module's (and torch.nn.EmbeddingBag's) bags, without the
+    padding id; per-id lookups give its row, as torch.nn.Embedding."""
+    torch = pytest.importorskip("torch")
+    import embedcore.adapters.torch as et
+
+    W = torch.from_numpy(rng.uniform(-1, 1, (30, 8)).astype(np.float32))  # padding row 3 is not zero
+    bag = et.EmbeddingBag.from_pretrained(W, mode=mode, padding_idx=3, include_last_offset=True, name="emb")
+    ref = torch.nn.EmbeddingBag.from_pretrained(W, mode=mode, padding_idx=3, include_last_offset=True)
+    ec.save(tmp_path / "m", bag)
+    h = Handle(lib, tmp_path / "m")
+    ids, offsets, weights = _batch(rng, 30, 40, 8)
+    ids[::3] = 3
+    ids[offsets[5]:offsets[6]] = 3
+    for w in (None, weights) if mode == "sum" else (None,):  # PyTorch's per_sample_weights: sum only
+        status, got = h.lookup(0, ids, offsets, w)
+        assert status == OK, got
+        tw = None if w is None else torch.from_numpy(w)
+        want = bag(torch.from_numpy(ids), torch.from_numpy(offsets), tw).detach().numpy()
+        assert got.tobytes() == want.tobytes()
+        np.testing.assert_allclose(got, ref(torch.from_numpy(ids), torch.from_numpy(offsets), tw).numpy(),
+                                   rtol=1e-6, atol=1e-6)
+    status, got = h.lookup(0, ids, offsets, combiner=COMBINERS[None])
+    assert status == OK, got
+    np.testing.assert_array_equal(got, W.numpy()[ids])
+    h.close()
+
+
 def test_errors_through_ctypes(lib, tmp_path):
     path = tmp_path / "m"
     _model(path, rows=(100, 50, 20))

@@ -19,9 +19,9 @@ import zlib
 from typing import List, Optional
 
 from .. import _embedcore
-from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_values_dtype, _initializer_json, _locked, _metadata,
-                          _optimizer_json, _quantized_tables, _remove_if_created_and_empty, _slot_counts, native_path,
-                          resolved_path)
+from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_padding, _check_values_dtype, _initializer_json,
+                          _locked, _metadata, _optimizer_json, _quantized_tables, _remove_if_created_and_empty,
+                          _slot_counts, native_path, resolved_path)
 from ._comm import RankFailedError, agree
 from ._plan import make_plan
 
@@ -190,6 +190,7 @@ def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
                 rows, dim = info.table_shape(k)
                 raise CheckpointError(f"{info.path}: table '{eff.name}' is {rows} x {dim}, the embedding's is "
                                       f"{eff.rows} x {eff.dim}")
+            _check_padding(info, k, table)
             s = emb._sharding_of(ti).shards[si]
             _embedcore.verify_table_block(info, k, table._native, s.row_start, s.col_start, bool(include_optimizer))
             plan.append((k, table, s))
