@@ -381,3 +381,50 @@ def test_v1_4_uint8_rowwise_golden_loads_on_other_worlds(world, plan, expected_1
                 assert acc.tobytes() == np.ascontiguousarray(
                     expected_14[f"uint8_rowwise/{n}/slot/accumulators"][block]).tobytes()
                 assert step == 3
+
+
+# ---------------------------------------------------------------- format 1.5 (tests/golden/v1_5)
+GOLDEN_15 = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "golden", "v1_5")
+
+
+@pytest.fixture(scope="module")
+def expected_15():
+    with np.load(os.path.join(GOLDEN_15, "expected.npz"), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def test_v1_5_sha256sums_match_every_golden_file():
+    with open(os.path.join(GOLDEN_15, "SHA256SUMS")) as f:
+        sums = dict(reversed(line.rstrip("\n").split("  ", 1)) for line in f)
+    for rel, digest in sums.items():
+        with open(os.path.join(GOLDEN_15, rel), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == digest, (
+                f"tests/golden/v1_5/{rel} changed: golden checkpoints must never be regenerated or edited")
+    on_disk = {f"padding_idx/{f}" for f in os.listdir(os.path.join(GOLDEN_15, "padding_idx"))}
+    assert on_disk | {"expected.npz"} == set(sums)
+
+
+def test_v1_5_padding_idx_golden_serves_torch_s_bags(expected_15):
+    """Tables of PyTorch modules made with padding_idx (config.padding_idx):
+    served bags leave the padding id out as torch.nn.EmbeddingBag does (a
+    padding row that is not zero), per-id lookups give the padding rows as
+    torch.nn.Embedding does; values load into tables of the same padding_idx."""
+    path = os.path.join(GOLDEN_15, "padding_idx")
+    info = ec.checkpoint.read_info(path)
+    assert tuple(info.format_version) == (1, 5)
+    served = ec.serving.open(path, verify="eager")
+    bag, seq = served.tables["bag"], served.tables["seq"]
+    assert (bag.padding_idx, seq.padding_idx) == (2, 0)
+    e = expected_15
+    np.testing.assert_allclose(bag.lookup(e["ids"], e["offsets"]), e["bag/torch_mean"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(bag.lookup(e["ids"], e["offsets"], e["weights"], combiner="sum"),
+                               e["bag/torch_sum_weighted"], rtol=1e-6, atol=1e-6)
+    assert not bag.lookup(e["ids"], e["offsets"])[2].any()  # padding ids only
+    np.testing.assert_array_equal(seq.lookup(e["seq_ids"], combiner=None), e["seq/torch_rows"])
+    for name in ("bag", "seq"):
+        t = ec.Table(name=name, rows=served.tables[name].rows, dim=served.tables[name].dim)
+        with pytest.raises(ec.CheckpointError, match=f"table '{name}' was saved with padding_idx"):
+            ec.load(path, into=t)
+        t._padding_idx = served.tables[name].padding_idx  # as a PyTorch module made with it gives its table
+        ec.load(path, into=t)
+        assert t.to_numpy().tobytes() == e[f"{name}/values"].tobytes()
