@@ -256,9 +256,11 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
     if offsets.shape[0] - 1 != stride * len(keys):
         raise ValueError(f"{owner}: the KeyedJaggedTensor has {offsets.shape[0] - 1} bags for {len(keys)} keys; "
                          f"with batch size {stride} it needs {stride * len(keys)} (one per key and example)")
-    lengths = kjt.lengths_or_none()  # (checked as given: a negative length is named as such)
-    values = (_ops.checked_values(values, lengths, f"{owner}: the KeyedJaggedTensor", True) if lengths is not None
-              else _ops.checked_values(values, offsets, f"{owner}: the KeyedJaggedTensor"))
+    where = f"{owner}: the KeyedJaggedTensor"
+    lengths = kjt.lengths_or_none()
+    if lengths is not None and _ops.plain_eager([lengths]) and bool((lengths < 0).any()):
+        _ops.checked_values(values, lengths, where, True)  # raises, naming the negative length as such
+    values = _ops.checked_values(values, offsets, where)  # the offsets the lookup reads
     return values, offsets, kjt.weights_or_none(), stride, index
 
 

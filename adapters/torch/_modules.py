@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import List, Optional, Tuple
 
@@ -264,6 +265,17 @@ class _AdapterModule(nn.Module):
         return state
 
 
+def _same_option(a, b) -> bool:
+    """Whether two values of an optimizer option are the same (a tensor only as the same object)."""
+    if a is b:
+        return True
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return False
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_option(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 class _TableModule(_AdapterModule):
     """One engine table; ``weight`` views its values."""
 
@@ -349,19 +361,52 @@ class _TableModule(_AdapterModule):
         self._anchor = torch.zeros(1, requires_grad=True, device=self.weight.device) if fused else None
         self._frozen_anchor = self._anchor.detach() if fused else None  # no gradient: no update
         group = None
+        ib = self._in_backward_group() if fused else None
         if fused:
-            # Fused from apply_optimizer_in_backward: that optimizer's own param group, so that its "lr" (set by
-            # hand or by a scheduler on param._in_backward_optimizers, TorchRec's recipe) is the one the steps use,
-            # as fused_optimizer's is: both show one group.
-            group = self._in_backward_group() or {"params": [self.weight], "lr": table.learning_rate()}
-            group.update(table=table.name, optimizer=type(table.optimizer).__name__)
+            group = {"params": [self.weight], "lr": table.learning_rate(), "table": table.name,
+                     "optimizer": type(table.optimizer).__name__}
             if self.__dict__.get("_lr_decay"):  # an in-backward Adagrad's (_ops.fused_rate applies it)
                 group["lr_decay"] = self._lr_decay
+            if ib is not None:  # its rate rules from now on, with fused_optimizer's (_sync_in_backward)
+                group["lr"] = ib["lr"]
+                made = (self.weight.__dict__.get("_optimizer_kwargs") or [{}])[0]  # what the engine's was made with
+                self._ib_seen = (ib["lr"], {k: made.get(k, v) for k, v in ib.items() if k not in ("params", "lr")})
         # Registered while the module or an autograd graph of its lookups can use the table: the graph keeps
         # the anchors alive (the weight unfused; fused, the group holds the weight, and the anchors stand for it).
         holders = (self, self._anchor, self._frozen_anchor) if fused else (self, self.weight)
-        self._handle = _ops.register(table, group, holders)
+        sync = weakref.WeakMethod(self._sync_in_backward) if ib is not None else None
+        self._handle = _ops.register(table, group, holders, sync=sync)
         self._group = group
+
+    def _sync_in_backward(self) -> None:
+        """Before a fused step of a table fused from apply_optimizer_in_backward
+        (TorchRec's recipe, whose schedulers step ``param._in_backward_optimizers``):
+        a rate set on that optimizer (by hand, by a scheduler, by its
+        ``load_state_dict``, which replaces its groups) becomes the fused
+        group's, and a rate set on ``fused_optimizer`` shows on it, so both
+        optimizers show the one rate the steps use. Its other options are
+        the engine optimizer's, made once: a change of one (a scheduler that
+        cycles momentum or betas) raises ``ValueError`` rather than being
+        ignored."""
+        ib, group = self._in_backward_group(), self._group
+        if ib is None or group is None:
+            return
+        seen_lr, options = self._ib_seen
+        for k, v in options.items():
+            now = ib.get(k, v)
+            if not _same_option(now, v):
+                raise ValueError(
+                    f"{type(self).__name__}: table '{self._table.name}' trains fused with the engine's "
+                    f"{type(self._table.optimizer).__name__}, made from apply_optimizer_in_backward's optimizer "
+                    f"with {k}={v!r}; that optimizer's {k} is now {now!r}, which the engine's does not follow (only "
+                    "its lr): keep it (a scheduler: cycle_momentum=False), or pass optimizer= an embedcore "
+                    "optimizer")
+        lr = ib["lr"]
+        if not _same_option(lr, seen_lr):
+            group["lr"] = lr  # set on the in-backward optimizer
+        else:
+            ib["lr"] = group["lr"]  # set on fused_optimizer, or on neither
+        self._ib_seen = (group["lr"], options)
 
     def _in_backward_group(self) -> Optional[dict]:
         """The param group of the apply_optimizer_in_backward optimizer this
@@ -407,7 +452,8 @@ class _TableModule(_AdapterModule):
                        "of the loss, or train it unfused (pass sparse=False and no apply_optimizer_in_backward)")
 
             def refuse(grad):
-                raise RuntimeError(message)
+                if grad is not None:  # (compiled autograd may call the hook without one)
+                    raise RuntimeError(message)
 
             if weight.requires_grad:  # (a frozen weight gets no gradient, and takes no hook)
                 weight.register_hook(refuse)
@@ -455,6 +501,7 @@ class _TableModule(_AdapterModule):
             # would guard on the rate's value, and recompile whenever a scheduler changed it; its backward
             # still checks.) A group's rate is checked again only once it is another object (a scheduler's).
             # (Only a float is remembered: a tensor rate may change in place.)
+            self._sync_in_backward()
             group = self._group
             lr = None if group is None else group.get("lr")
             optimizer = self._table.optimizer

@@ -54,24 +54,26 @@ class _Entry:
     "lr" a learning-rate scheduler may change); a served table's the names of
     its features, which its errors name (segment k reads ``features[k]``)."""
 
-    __slots__ = ("table", "group", "features")
+    __slots__ = ("table", "group", "features", "sync")
 
-    def __init__(self, table, group, features=None):
+    def __init__(self, table, group, features=None, sync=None):
         self.table = table
         self.group = group
         self.features = features
+        self.sync = sync  # a weakref.WeakMethod called before each fused step (the module's _sync_in_backward)
 
 
 _REGISTRY: Dict[int, _Entry] = {}
 _HANDLES = itertools.count(1)
 
 
-def register(table, group: Optional[dict] = None, holders=(), features: Optional[List[str]] = None) -> int:
+def register(table, group: Optional[dict] = None, holders=(), features: Optional[List[str]] = None,
+             sync=None) -> int:
     """Registers `table` (an ``ec.Table``, or a served one: ``served_lookup``);
     with `holders`, unregisters it (``release_with``) once they are all
     collected."""
     handle = next(_HANDLES)
-    _REGISTRY[handle] = _Entry(table, group, features)
+    _REGISTRY[handle] = _Entry(table, group, features, sync)
     if holders:
         release_with(handle, holders)
     return handle
@@ -340,7 +342,10 @@ def fused_rate(table, group: Optional[dict]) -> float:
 
 
 def _fused_rate(entry: _Entry) -> float:
-    """The rate of a fused step (``fused_rate``)."""
+    """The rate of a fused step (``fused_rate``), after the entry's sync."""
+    sync = entry.sync() if entry.sync is not None else None
+    if sync is not None:
+        sync()
     return fused_rate(entry.table, entry.group)
 
 

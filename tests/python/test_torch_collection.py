@@ -122,6 +122,16 @@ def test_kjt_whose_lengths_do_not_cover_its_values_is_refused_as_torchrec(torchr
             num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f2", "f3"])])(kjt)
     with pytest.raises(ValueError, match="KeyedJaggedTensor: the offsets \\(or lengths\\) end at 3, but there are 4"):
         et.EmbeddingBagCollection(_configs())(kjt)
+    # Lengths and offsets given apart, the offsets short of the values: the offsets the lookup reads are checked.
+    kjt = torchrec.KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.arange(1, 7),
+                                     lengths=torch.tensor([2, 1, 2]), offsets=torch.tensor([0, 2, 3, 5]))
+    with pytest.raises(ValueError, match="the offsets \\(or lengths\\) end at 5, but there are 6 values"):
+        et.EmbeddingBagCollection(_configs())(kjt)
+    # A negative length is named as such.
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3]),
+                                                       lengths=torch.tensor([2, -1, 2]))
+    with pytest.raises(ValueError, match=r"the KeyedJaggedTensor\['lengths'\]\[1\] = -1 is negative"):
+        et.EmbeddingBagCollection(_configs())(kjt)
 
 
 def test_bad_id_position_names_the_feature():

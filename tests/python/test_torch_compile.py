@@ -1,6 +1,7 @@
 """torch.compile(fullgraph=True) over models that use the PyTorch adapter's
 modules: no graph breaks (fullgraph raises on any), and the same results as
 eager for inference and for fused and unfused training."""
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -288,3 +289,35 @@ def test_fast_path_steps_aside_under_jit_trace_and_vmap():
     torch.jit.trace(f, (x,), check_trace=False)
     torch.vmap(f)(x.reshape(2, 2))
     assert seen == [False, False]
+
+
+@pytest.mark.parametrize("first", ["eager call", "fused_optimizer"])
+def test_apply_optimizer_in_backward_then_compiled_steps_the_table(first):
+    """docs/torch.md's recipe: fuse (one eager call, or fused_optimizer), then
+    compile. The compiled backward steps the table as the eager one does (the
+    weight's hook that refuses a gradient of its own was called without one
+    under compile, and raised)."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    ids, off = torch.tensor([1, 2, 3, 1, 5]), torch.tensor([0, 2])
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = et.EmbeddingBag(10, 4, mode="sum")
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, i, o):
+            return self.lin(self.emb(i, o))
+
+    m = M()
+    _apply_optimizer_in_backward(torch.optim.SGD, m.emb.parameters(), {"lr": 0.1})
+    if first == "eager call":
+        m(ids, off).sum().backward()
+    else:
+        assert m.emb.fused_optimizer is not None
+    assert m.emb.fused
+    before, step = m.emb.table.to_numpy().copy(), m.emb.table.step
+    torch.compile(m)(ids, off).sum().backward()
+    assert m.emb.table.step == step + 1
+    assert not np.array_equal(m.emb.table.to_numpy(), before)

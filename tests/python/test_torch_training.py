@@ -501,8 +501,35 @@ def test_apply_optimizer_in_backward_s_rate_changes_are_followed(rng, name):
         for sch in schedulers:
             sch.step()
     assert ours.fused and ours.table.step == 3
-    assert et.FusedOptimizer(ours).param_groups[0]["lr"] == pytest.approx(1e-4)
     assert max_diff(ours.weight, ref.weight) <= 1e-6
+    # The in-backward optimizer's load_state_dict replaces its groups: their rate is still the one followed.
+    for m in (ref, ours):
+        opt = m.weight._in_backward_optimizers[0]
+        opt.load_state_dict(opt.state_dict())
+        opt.param_groups[0]["lr"] = 0.0
+    before = ours.table.to_numpy().copy()
+    _train(rng, [(ref, None), (ours, None)], 1, "sum", weighted=False)
+    np.testing.assert_array_equal(ours.table.to_numpy(), before)
+    assert et.FusedOptimizer(ours).param_groups[0]["lr"] == 0.0  # fused_optimizer shows the rate followed
+    # A rate set on fused_optimizer shows on the in-backward optimizer too.
+    et.FusedOptimizer(ours).param_groups[0]["lr"] = 0.05
+    _train(rng, [(ours, None)], 1, "sum", weighted=False)
+    assert ours.weight._in_backward_optimizers[0].param_groups[0]["lr"] == 0.05
+
+
+def test_apply_optimizer_in_backward_option_changes_are_refused(rng):
+    """The engine's optimizer follows the in-backward optimizer's lr only: a
+    scheduler cycling its betas raises, before any table steps, rather than
+    being ignored."""
+    ours = et.EmbeddingBag(ROWS, DIM, mode="sum", include_last_offset=True)
+    _in_backward(torch.optim.SparseAdam, ours.parameters(), {"lr": 0.01, "betas": (0.9, 0.999)})
+    _train(rng, [(ours, None)], 1, "sum", weighted=False)
+    ours.weight._in_backward_optimizers[0].param_groups[0]["betas"] = (0.85, 0.999)
+    before = ours.table.to_numpy().copy()
+    with pytest.raises(ValueError, match=r"made from apply_optimizer_in_backward's optimizer with betas=\(0.9, "
+                                         r"0.999\); that optimizer's betas is now \(0.85, 0.999\)"):
+        _train(rng, [(ours, None)], 1, "sum", weighted=False)
+    np.testing.assert_array_equal(ours.table.to_numpy(), before)
 
 
 def test_apply_optimizer_in_backward_on_a_torchrec_collection(rng):
