@@ -158,6 +158,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise ValueError(f"{key}: table '{m._table.name}' ({type(m._table.optimizer).__name__}) has no slot "
                          f"{name!r}; its slots are {list(names)}")
 
+    @staticmethod
+    def _weight_key(by_key: dict, key, what: str) -> str:
+        """The fused table's key that `key` names: itself, or, as TorchRec's
+        fused modules key a table ("<table>.weight"), the one key ending with it."""
+        if key in by_key:
+            return key
+        ends = [k for k in by_key if isinstance(key, str) and k.endswith("." + key)]
+        if len(ends) == 1:
+            return ends[0]
+        raise ValueError(f"{what} {key!r}, which " +
+                         (f"names several fused tables ({ends}): give the full key" if ends else
+                          "is not a fused table of this module") + f" (those are {list(by_key)})")
+
     def _checked_lr(self, m, where: str, lr) -> float:
         """A param group's "lr" as loaded: a finite number >= 0 that the
         table's optimizer can use."""
@@ -176,12 +189,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"state_dict[\"state\"] must be a dict of weight key -> dict of slots, got {states!r}")
         plan = []
         for key, s in states.items():
-            if key not in by_key:  # TorchRec's fused modules key a table's state "<table>.weight"
-                ends = [k for k in by_key if isinstance(key, str) and k.endswith("." + key)]
-                if len(ends) != 1:
-                    raise ValueError(f"optimizer state for {key!r}, which is not a fused table of this module "
-                                     f"(those are {list(by_key)})")
-                key = ends[0]
+            key = self._weight_key(by_key, key, "optimizer state for")
             if not isinstance(s, Mapping):
                 raise TypeError(f"{key}: its optimizer state must be a dict of slot name -> tensor (and \"step\"), "
                                 f"got {s!r}")
@@ -238,7 +246,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             if not isinstance(params, (list, tuple)):
                 raise TypeError(f"param_groups[{i}][\"params\"] must be a list of weight keys, got {params!r}")
             for key in params:
-                if isinstance(key, str) and key in by_key and "lr" in g:
+                if isinstance(key, str) and "lr" in g:
+                    key = self._weight_key(by_key, key, f"param_groups[{i}] names")
                     lrs.append((by_key[key], self._checked_lr(by_key[key], f"param_groups[{i}]", g["lr"])))
         # Everything checked; now change the tables.
         with torch.no_grad():

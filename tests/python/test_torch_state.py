@@ -163,6 +163,12 @@ def test_collection_optimizer_state_keys():
     assert float(ebc.embedding_bags["b"].table.slots()["accumulators"].max()) == 5.0
     with pytest.raises(ValueError, match=r"optimizer state for 'c.weight', which is not a fused table"):
         ebc.load_optimizer_state_dict({"state": {"c.weight": {"momentum_1": torch.full((10, 3), 5.0)}}})
+    ebc.load_optimizer_state_dict({"param_groups": [{"params": ["b.weight"], "lr": 0.5}]})  # a group keyed so too
+    assert ebc.fused_optimizer.param_groups[1]["lr"] == 0.5
+    two = torch.nn.ModuleDict({"x": ebc, "y": et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 3, name="b")],
+                                                                        optimizer=ec.optimizers.Adagrad(0.1))})
+    with pytest.raises(ValueError, match=r"'b.weight', which names several fused tables"):
+        et.FusedOptimizer(two).load_state_dict({"state": {"b.weight": {"momentum_1": torch.ones((10, 3))}}})
 
 
 @pytest.mark.parametrize("bad_b, exc, match", [
