@@ -265,7 +265,19 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
 
 
 # ------------------------------------------------------------------ TorchRec's interface
-class _PooledInterface:
+class _Interface:
+    """``forward`` of every collection: a KJT (``_forward_kjt``) or a dict
+    of features (``_forward_dict``), checked first by ``_check_input``."""
+
+    def forward(self, features):
+        if not _is_kjt(features) and not isinstance(features, dict):
+            raise TypeError(f"{self._owner} takes a dict of features or a TorchRec KeyedJaggedTensor, got "
+                            f"{type(features).__name__}")
+        self._check_input(features)
+        return self._forward_kjt(features) if _is_kjt(features) else self._forward_dict(features)
+
+
+class _PooledInterface(_Interface):
     """``forward`` and TorchRec's accessors of the pooled collections
     (``EmbeddingBagCollection``, ``ServedEmbeddingBagCollection``): the inputs taken apart into sources
     and segments (as ``_ops.lookup`` takes them), each table looked up by
@@ -283,14 +295,7 @@ class _PooledInterface:
         """The table configs as given (TorchRec's or this module's)."""
         return [s.config for s in self._specs]
 
-    def forward(self, features):
-        if _is_kjt(features):
-            self._check_input(features)
-            return self._forward_kjt(features)
-        if not isinstance(features, dict):
-            raise TypeError(f"{self._owner} takes a dict of features or a TorchRec KeyedJaggedTensor, got "
-                            f"{type(features).__name__}")
-        self._check_input(features)
+    def _forward_dict(self, features: dict) -> Dict[str, Tensor]:
         out: Dict[str, Tensor] = {}
         for i, (spec, names) in enumerate(zip(self._specs, self._names)):
             ids, offsets, weights, segments = [], [], [], []
@@ -339,7 +344,7 @@ class _PooledInterface:
                                             values=torch.cat(pooled, dim=1))
 
 
-class _SequenceInterface:
+class _SequenceInterface(_Interface):
     """``forward`` and TorchRec's accessors of the unpooled collections (``EmbeddingCollection``,
     ``ServedEmbeddingCollection``), as ``_PooledInterface``'s (subclasses set
     ``_specs``, ``_names``, ``_need_indices``)."""
@@ -364,14 +369,7 @@ class _SequenceInterface:
             raise ValueError(f"{self._owner}: the tables have dimensions {dims}, not one embedding_dim")
         return dims[0]
 
-    def forward(self, features):
-        if _is_kjt(features):
-            self._check_input(features)
-            return self._forward_kjt(features)
-        if not isinstance(features, dict):
-            raise TypeError(f"{self._owner} takes a dict of features or a TorchRec KeyedJaggedTensor, got "
-                            f"{type(features).__name__}")
-        self._check_input(features)
+    def _forward_dict(self, features: dict) -> Dict[str, Tensor]:
         out: Dict[str, Tensor] = {}
         for i, (spec, names) in enumerate(zip(self._specs, self._names)):
             ids, shapes, segments = [], [], []
