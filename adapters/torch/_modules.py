@@ -369,7 +369,10 @@ class _TableModule(_AdapterModule):
                 group["lr_decay"] = self._lr_decay
             if ib is not None:  # its rate rules from now on, with fused_optimizer's (_sync_in_backward)
                 group["lr"] = ib["lr"]
-                made = (self.weight.__dict__.get("_optimizer_kwargs") or [{}])[0]  # what the engine's was made with
+                # What the engine's optimizer was made with (apply_optimizer_in_backward's kwargs over the
+                # optimizer's defaults: its `defaults`), not the group's values now, which a scheduler or a hand
+                # may have changed before this first lookup: such a change is refused at once.
+                made = self._in_backward_defaults()
                 self._ib_seen = (ib["lr"], {k: made.get(k, v) for k, v in ib.items() if k not in ("params", "lr")})
         # Registered while the module or an autograd graph of its lookups can use the table: the graph keeps
         # the anchors alive (the weight unfused; fused, the group holds the weight, and the anchors stand for it).
@@ -416,6 +419,11 @@ class _TableModule(_AdapterModule):
         groups = [g for opt in self.weight.__dict__.get("_in_backward_optimizers", ()) for g in opt.param_groups
                   if any(p is self.weight for p in g["params"])]
         return groups[0] if len(groups) == 1 else None
+
+    def _in_backward_defaults(self) -> dict:
+        """The options the apply_optimizer_in_backward optimizer was made with."""
+        opts = self.weight.__dict__.get("_in_backward_optimizers", ())
+        return dict(opts[0].defaults) if len(opts) == 1 else {}
 
     def _fuse_in_backward_optimizer(self, weight: Tensor) -> bool:
         """Trains the table fused with the engine's equal of the optimizer
@@ -530,7 +538,7 @@ class _TableModule(_AdapterModule):
                     raise RuntimeError(f"Expected all tensors to be on the same device: the table of "
                                        f"{type(self).__name__} is on {weight.device}, {what} on {t.device}")
         anchor, mode = self._anchor_and_mode(stacklevel=4)
-        pad = -1 if self.padding_idx is None else self.padding_idx
+        pad = -1 if self.padding_idx is None else int(self.padding_idx) % self.num_embeddings  # (-1: the last row)
         # Eagerly, the op's body and autograd without the dispatcher (the same code and results).
         op = _ops.eager_lookup if _ops.plain_eager([anchor, *ids, *offsets, *weights]) else _ops.lookup
         step = _ops.needs_step(mode, weights)

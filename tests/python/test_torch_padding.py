@@ -186,3 +186,17 @@ def test_a_malformed_padding_idx_is_refused(tmp_path, rng, bad):
     write_manifest(tmp_path / "c", m)
     assert ec.serving.open(tmp_path / "c").tables["emb"].padding_idx is None
     assert json.loads(json.dumps(m))["format_version"] == list(ec.FORMAT_VERSION)
+
+
+def test_a_negative_padding_idx_set_after_construction_is_the_last_row(tmp_path, rng):
+    # nn.EmbeddingBag's forward takes padding_idx=-1 set later as the last row; so do the module and its checkpoint.
+    W = uniform_weights(rng, ROWS, DIM)
+    ref = torch.nn.EmbeddingBag.from_pretrained(W.clone(), mode="sum")
+    ours = et.EmbeddingBag.from_pretrained(W, mode="sum")
+    ref.padding_idx = ours.padding_idx = -1
+    ids = torch.tensor([ROWS - 1, 1, ROWS - 1, 2])
+    offsets = torch.tensor([0, 2])
+    np.testing.assert_allclose(_np(ours(ids, offsets)), _np(ref(ids, offsets)), rtol=1e-6)
+    served = _served(tmp_path, ours)
+    assert served.padding_idx == ROWS - 1
+    np.testing.assert_array_equal(served.lookup(ids.numpy(), np.array([0, 2, 4])), _np(ours(ids, offsets)))

@@ -530,6 +530,14 @@ def test_apply_optimizer_in_backward_option_changes_are_refused(rng):
                                          r"0.999\); that optimizer's betas is now \(0.85, 0.999\)"):
         _train(rng, [(ours, None)], 1, "sum", weighted=False)
     np.testing.assert_array_equal(ours.table.to_numpy(), before)
+    # Changed before the first lookup (the engine's optimizer is made from the kwargs): refused at that lookup.
+    fresh = et.EmbeddingBag(ROWS, DIM, mode="sum", include_last_offset=True)
+    _in_backward(torch.optim.SparseAdam, fresh.parameters(), {"lr": 0.01})
+    fresh.weight._in_backward_optimizers[0].param_groups[0]["betas"] = (0.5, 0.9)
+    before = fresh.table.to_numpy().copy()
+    with pytest.raises(ValueError, match=r"with betas=\(0.9, 0.999\); that optimizer's betas is now \(0.5, 0.9\)"):
+        _train(rng, [(fresh, None)], 1, "sum", weighted=False)
+    np.testing.assert_array_equal(fresh.table.to_numpy(), before)
 
 
 def test_apply_optimizer_in_backward_on_a_torchrec_collection(rng):
