@@ -32,7 +32,7 @@ import pytest
 import embedcore as ec
 import embedcore.cli
 from embedcore import _embedcore
-from embedcore.distributed import RankFailedError, Shard, run_local
+from embedcore.distributed import CollectiveMismatchError, RankFailedError, Shard, run_local
 from test_checkpoint_forge import DATA_OFFSET, flip_byte, read_manifest
 
 WORLDS = (1, 2, 3, 4)
@@ -1032,6 +1032,39 @@ def test_ranks_saving_with_different_arguments_are_refused_and_write_nothing(tmp
         assert isinstance(e, ValueError), (r, repr(e))
         assert f"different {arg} ({listed})" in str(e) and "nothing was written" in str(e), str(e)
     assert dir_bytes(path) == before
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-directory", "over-a-checkpoint"])
+@pytest.mark.parametrize("other", ["lookup", "raises"])
+def test_a_save_other_ranks_do_not_join_leaves_the_directory_as_it_was(tmp_path, existing, other):
+    """Rank 0 saves while rank 1 looks up (CollectiveMismatchError on both) or
+    fails outside embedcore (rank 0's save raises RankFailedError): rank 0 had
+    claimed the save's generation, and drops the claim, so the path is left as
+    it was (no claim file beside the checkpoint, no new directory)."""
+    path = _trained_and_saved_by_three_ranks(tmp_path) if existing else str(tmp_path / "new")
+    before = dir_bytes(path) if existing else None
+
+    def fn(world):
+        emb = ec.Embedding(feature_config(), world=world, sharding="row_wise")
+        if world.rank == 1:
+            if other == "raises":
+                raise RuntimeError("rank 1's own error")
+            with pytest.raises(CollectiveMismatchError):
+                emb({"a": np.array([1]), "b": np.array([2])})
+            return None
+        with pytest.raises(CollectiveMismatchError if other == "lookup" else RankFailedError):
+            ec.save(path, emb)
+        return None
+
+    if other == "raises":
+        with pytest.raises(RuntimeError, match="rank 1's own error"):
+            run_world(2, fn)
+    else:
+        run_world(2, fn)
+    if existing:
+        assert dir_bytes(path) == before
+    else:
+        assert not os.path.lexists(path)
 
 
 def test_ranks_loading_with_different_include_optimizer_are_refused_and_change_nothing(tmp_path):

@@ -87,7 +87,15 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
     # The arguments that decide what each rank writes are compared in the same step: every rank's files go
     # where rank 0 commits them, and rank 0's manifest describes every rank's files (their slots, their dtype).
     mine = (os.path.abspath(path), bool(include_optimizer), values_dtype)
-    answers = agree(comm, error, (generation, mine), step=emb.step_name("save: generation"))
+    try:
+        answers = agree(comm, error, (generation, mine), step=emb.step_name("save: generation"))
+    except Exception:  # every rank fails here, before any rank writes: rank 0 drops its claim (and a new directory)
+        if comm.rank == 0:
+            with contextlib.suppress(Exception):
+                if generation is not None:
+                    _embedcore.remove_generation(path, generation)
+                _remove_if_created_and_empty(path, created)
+        raise
     generation = answers[0][0]
     given = [a for _, a in answers]
     differ = [(what, [g[i] for g in given]) for i, what in enumerate(("paths", "include_optimizer", "values_dtype"))
