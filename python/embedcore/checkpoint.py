@@ -452,6 +452,7 @@ class Saver:
         from .distributed._checkpoint import _manifest, _merge
 
         element = {"float32": 4, "float16": 2, "bfloat16": 2}
+        created = not os.path.lexists(path)  # removed again if this save fails (when empty)
         claim = _embedcore.GenerationClaim(path)
         generation = claim.generation
         try:
@@ -504,6 +505,8 @@ class Saver:
             _embedcore.commit_checkpoint(path, _manifest(generation, entries, metadata))
         except BaseException:
             _embedcore.remove_generation(path, generation)  # not once the manifest's rename made it the checkpoint
+            claim.release()
+            _remove_if_created_and_empty(path, created)
             raise
         finally:
             claim.release()

@@ -559,6 +559,35 @@ def test_a_dump_of_tables_with_and_without_slots(tmp_path, rng):
     assert_rows_at_keys(loaded(tmp_path / "out", "b", 8, 2, ec.optimizers.Adam(0.1)), keys, values)
 
 
+FULL_DISK_CONVERT = r"""
+import resource, signal, sys
+import embedcore as ec
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, like a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    ec.sok.convert(sys.argv[1], sys.argv[2])
+except OSError as e:
+    print("failed:", e)
+    sys.exit(0)
+sys.exit(1)
+"""
+
+
+def test_a_conversion_of_tables_with_and_without_slots_that_fails_leaves_no_directory(tmp_path, rng):
+    """A dump mixing variables with and without slots is written in one commit
+    of its own; failing part way (a full disk: here a file-size limit), it
+    removes the destination it made, as every failed save does."""
+    keys, values = random_rows(rng, 100_000, 100_000, 16)  # 6.4 MB of values: past the 1 MiB limit
+    write_v2(tmp_path / "sok", "a", keys[:8], values[:8], optimizer="Adagrad",
+             slots={"accumulator": np.ones((8, 16), np.float32)})
+    write_v2(tmp_path / "sok", "b", keys, values)
+    res = subprocess.run([sys.executable, "-c", FULL_DISK_CONVERT, str(tmp_path / "sok"), str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "failed:" in res.stdout, res.stdout + res.stderr
+    assert not os.path.lexists(tmp_path / "out"), os.listdir(tmp_path / "out")
+
+
 # ------------------------------------------------------------------ Saver, SOK 1.x style
 def _table(name, rows, fill, optimizer="adagrad"):
     opt = {"adagrad": ec.optimizers.Adagrad(0.1), "adam": ec.optimizers.Adam(0.1), None: None}[optimizer]
