@@ -182,7 +182,24 @@ def _read_v1(src: str, var: str, dim: Optional[int], key_dtype: Optional[str]) -
     kd, d = candidates[0]
     keys = np.fromfile(kpath, dtype="<i8" if kd == "int64" else "<u4")
     values = np.fromfile(vpath, dtype="<f4").reshape(len(keys), d) if len(keys) else np.zeros((0, d), np.float32)
-    return SokVariable(var, _keys_as_rows(keys, kpath), values)
+    return SokVariable(var, _keys_as_rows(keys, kpath), _finite_float32(values, vpath, keys))
+
+
+def _finite_float32(rows: np.ndarray, path: str, keys: np.ndarray) -> np.ndarray:
+    """A dump file's rows (one per key) as float32, or CheckpointError naming
+    the file, the key, the column and the value of the first that is not
+    finite, or not once made float32 (a float64 beyond float32's range): a
+    checkpoint holds finite values only."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = rows.astype(np.float32, copy=False)
+    bad = ~np.isfinite(out)
+    if bad.any():
+        i, c = (int(x) for x in np.argwhere(bad)[0])
+        v = rows[i, c]
+        why = "is not finite" if not np.isfinite(v) else "overflows float32"
+        raise CheckpointError(f"{path}: the value {float(v)!r} of key {int(keys[i])} (column {c}) {why}; a checkpoint "
+                              "holds finite values only")
+    return out
 
 
 def _slot_owner(filename: str, variables) -> Optional[str]:
@@ -214,7 +231,7 @@ def _read_v2_var(src: str, var: str, names, variables, dim: Optional[int] = None
     d = w.size // n if n else (dim or 1)
     if dim is not None and d != dim:
         raise CheckpointError(f"{wpath}: rows of {d} values ({w.size} values for {n} keys), but dim={dim} was given")
-    values = w.astype(np.float32).reshape(n, d)
+    values = _finite_float32(w.reshape(n, d), wpath, keys)
     var_obj = SokVariable(var, _keys_as_rows(keys, kpath), values)
     for n2 in names:
         if _slot_owner(n2, variables) != var:
@@ -230,7 +247,7 @@ def _read_v2_var(src: str, var: str, names, variables, dim: Optional[int] = None
         if (header_slot or slot) in var_obj.slots:
             raise CheckpointError(f"{spath}: a second file of slot {header_slot or slot!r} for {var!r}")
         var_obj.optimizer = opt
-        var_obj.slots[header_slot or slot] = s.astype(np.float32).reshape(values.shape)
+        var_obj.slots[header_slot or slot] = _finite_float32(s.reshape(values.shape), spath, keys)
         var_obj.slot_files[header_slot or slot] = spath
     return var_obj
 

@@ -151,6 +151,35 @@ def test_v2_keys_and_weights_of_every_dtype(tmp_path, rng, key_dtype, value_dtyp
     assert_rows_at_keys(loaded(tmp_path / "out", "var", 300, 7), keys, values)
 
 
+@pytest.mark.parametrize("where, bad, dtype, why", [
+    ("weight", np.inf, "float32", "inf of key 9 (column 1) is not finite"),
+    ("weight", 1e300, "float64", "1e+300 of key 9 (column 1) overflows float32"),
+    ("Adagrad-accumulator", np.nan, "float32", "nan of key 9 (column 1) is not finite"),
+    ("v1", -np.inf, "float32", "-inf of key 9 (column 1) is not finite"),
+])
+def test_values_a_checkpoint_cannot_hold_are_refused_naming_the_key_and_file(tmp_path, where, bad, dtype, why):
+    """A value or slot that is not finite (or a float64 past float32's range)
+    is refused as the dump is read, naming its file, key and column, before
+    anything is written (a checkpoint holds finite values only)."""
+    keys = np.array([5, 9, 2])
+    values = np.arange(9, dtype=np.float64).reshape(3, 3)  # dim 3: v1 sizes fit int64 keys only
+    acc = np.ones((3, 3))
+    (acc if where == "Adagrad-accumulator" else values)[1, 1] = bad
+    if where == "v1":
+        write_v1(tmp_path / "sok", "emb", keys.astype(np.int64), values.astype(np.float32))
+        file = "emb_values.file"
+    else:
+        os.makedirs(tmp_path / "sok")
+        write_v2_file(tmp_path / "sok" / "emb-key", "", KEY, "", keys, "int64")
+        write_v2_file(tmp_path / "sok" / "emb-weight", "", VALUES, "", values, dtype)
+        write_v2_file(tmp_path / "sok" / "emb-Adagrad-accumulator", "", STATE, "accumulator", acc, "float32")
+        file = f"emb-{where}"
+    with pytest.raises(ec.CheckpointError) as e:
+        ec.sok.convert(tmp_path / "sok", tmp_path / "out")
+    assert f"{tmp_path / 'sok' / file}: the value {why}" in str(e.value), str(e.value)
+    assert not os.path.lexists(tmp_path / "out")
+
+
 def test_v2_adam_slots(tmp_path, rng):
     keys, values = random_rows(rng, 128, 40, 8)
     m = rng.standard_normal((40, 8)).astype(np.float32)
