@@ -220,8 +220,8 @@ class _Sharded:
         raise TypeError(f"{self._owner}: a sharded collection has no whole tables on one rank; use "
                         "ec.save(path, module) / ec.load(path, into=module) on every rank")
 
-    def _sharded_save(self, path, include_optimizer: bool, values_dtype):
-        return self._embedding._sharded_save(path, include_optimizer, values_dtype)
+    def _sharded_save(self, path, include_optimizer: bool, values_dtype, keep: bool = False):
+        return self._embedding._sharded_save(path, include_optimizer, values_dtype, keep)
 
     def _sharded_load(self, path, include_optimizer: bool):
         return self._embedding._sharded_load(path, include_optimizer)

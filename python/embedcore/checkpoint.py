@@ -405,9 +405,10 @@ class Saver:
         one directory at the same time are not merged: the last commit
         wins. A directory whose MANIFEST cannot be read is refused
         (its tables would be lost): remove it, or replace it with
-        ``embedcore.save``. A sharded Embedding replaces the checkpoint."""
+        ``embedcore.save``. A sharded Embedding is dumped by every rank at
+        once (its collective save), rank 0 keeping the other tables."""
         if hasattr(obj, "_sharded_save"):
-            save(path, obj)
+            obj._sharded_save(path, True, None, keep=True)
             return "OK"
         path = native_path(path)
         tables = _tables_of(obj)
@@ -449,9 +450,8 @@ class Saver:
         `keep` the tables of other names of the checkpoint already there,
         copied block by block as they are stored (dtype, slots, step). A
         failure removes what the save wrote and leaves the old checkpoint."""
-        from .distributed._checkpoint import _manifest, _merge
+        from .distributed._checkpoint import _manifest
 
-        element = {"float32": 4, "float16": 2, "bfloat16": 2}
         created = not os.path.lexists(path)  # removed again if this save fails (when empty)
         claim = _embedcore.GenerationClaim(path)
         generation = claim.generation
@@ -464,44 +464,10 @@ class Saver:
                 entry["config"] = _table_config_json(t.config, t)
                 entry["sharding"] = {"plan": "none", "world_size": 1}
                 entries.append(entry)
-            ours = {t.name for t, _ in tables}
-            if keep and os.path.isfile(os.path.join(path, "MANIFEST")):
-                lock = _embedcore.CheckpointLock(path, False)  # no other commit removes its files meanwhile
-                try:
-                    info = Saver._existing(path)
-                    manifest = json.loads(info.manifest_json)
-                    _refuse_quantized_kept(path, manifest, ours)
-                    old_meta = manifest.get("metadata") or {}
-                    if old_meta.get("kind") == "embedding":
-                        metadata = Saver._merged_features(metadata, old_meta, ours)
-                    for k, t in enumerate(manifest["tables"]):
-                        if t["name"] in ours:
-                            continue
-                        has_opt = bool(info.table_has_optimizer(k))
-                        stored = {f["dtype"] for f in t["values"]}
-                        values_dtype = stored.pop() if len(stored) == 1 else None
-                        if values_dtype == t["dtype"]:
-                            values_dtype = None
-                        slots, row_slots = _slot_counts(t)
-                        row_bytes = t["dim"] * (element.get(values_dtype or t["dtype"], 4) + 4 * slots) + 4 * row_slots
-                        chunk = max(1, max_block_bytes // max(1, row_bytes))
-                        prefix, pieces = f"t{len(entries):05d}.", []
-                        for index, r0 in enumerate(range(0, t["rows"], chunk)):
-                            block = _embedcore.table_like(info, k, min(chunk, t["rows"] - r0), t["dim"])
-                            try:
-                                _embedcore.load_table_block(info, k, block, r0, 0, has_opt, True,
-                                                            slot_domain=False)  # kept as stored
-                            except CheckpointError as e:  # e.g. an optimizer this version does not know
-                                raise CheckpointError(f"dump_to_file keeps the other tables of {path} with their "
-                                                      f"optimizer state: {e}") from None
-                            pieces.append(json.loads(_embedcore.write_shard_files(
-                                path, generation, prefix, index, block, r0, 0, has_opt, values_dtype)))
-                            del block
-                        entry = _merge(t, pieces)
-                        entry["sharding"] = {"plan": "none", "world_size": 1}
-                        entries.append(entry)
-                finally:
-                    lock.release()
+            if keep:
+                kept, metadata = Saver._kept_entries(path, generation, {t.name for t, _ in tables}, len(entries),
+                                                     metadata, max_block_bytes)
+                entries += kept
             _embedcore.commit_checkpoint(path, _manifest(generation, entries, metadata))
         except BaseException:
             _embedcore.remove_generation(path, generation)  # not once the manifest's rename made it the checkpoint
@@ -510,6 +476,63 @@ class Saver:
             raise
         finally:
             claim.release()
+
+    @staticmethod
+    def _kept_entries(path: str, generation: int, ours: set, first: int, metadata: dict,
+                      max_block_bytes: int = 64 << 20):
+        """The tables of the checkpoint at `path` whose names are not in
+        `ours`, copied into the files of `generation` (the caller's claim) as
+        table entries `first`, `first + 1`, ...: block by block as they are
+        stored (dtype, slots, step), with the metadata that keeps their
+        features beside `metadata`'s. Returns (entries, metadata); nothing to
+        keep (no checkpoint there, or only tables of `ours` and features of an
+        Embedding's save) gives ([], metadata)."""
+        from .distributed._checkpoint import _merge
+
+        if not os.path.isfile(os.path.join(path, "MANIFEST")):
+            return [], metadata
+        element = {"float32": 4, "float16": 2, "bfloat16": 2}
+        entries = []
+        lock = _embedcore.CheckpointLock(path, False)  # no other commit removes its files meanwhile
+        try:
+            info = Saver._existing(path)
+            manifest = json.loads(info.manifest_json)
+            old_meta = manifest.get("metadata") or {}
+            if (all(t["name"] in ours for t in manifest["tables"])
+                    and (old_meta.get("kind") != "embedding" or metadata.get("kind") == "embedding")):
+                return [], metadata
+            _refuse_quantized_kept(path, manifest, ours)
+            if old_meta.get("kind") == "embedding":
+                metadata = Saver._merged_features(metadata, old_meta, ours)
+            for k, t in enumerate(manifest["tables"]):
+                if t["name"] in ours:
+                    continue
+                has_opt = bool(info.table_has_optimizer(k))
+                stored = {f["dtype"] for f in t["values"]}
+                values_dtype = stored.pop() if len(stored) == 1 else None
+                if values_dtype == t["dtype"]:
+                    values_dtype = None
+                slots, row_slots = _slot_counts(t)
+                row_bytes = t["dim"] * (element.get(values_dtype or t["dtype"], 4) + 4 * slots) + 4 * row_slots
+                chunk = max(1, max_block_bytes // max(1, row_bytes))
+                prefix, pieces = f"t{first + len(entries):05d}.", []
+                for index, r0 in enumerate(range(0, t["rows"], chunk)):
+                    block = _embedcore.table_like(info, k, min(chunk, t["rows"] - r0), t["dim"])
+                    try:
+                        _embedcore.load_table_block(info, k, block, r0, 0, has_opt, True,
+                                                    slot_domain=False)  # kept as stored
+                    except CheckpointError as e:  # e.g. an optimizer this version does not know
+                        raise CheckpointError(f"dump_to_file keeps the other tables of {path} with their "
+                                              f"optimizer state: {e}") from None
+                    pieces.append(json.loads(_embedcore.write_shard_files(
+                        path, generation, prefix, index, block, r0, 0, has_opt, values_dtype)))
+                    del block
+                entry = _merge(t, pieces)
+                entry["sharding"] = {"plan": "none", "world_size": 1}
+                entries.append(entry)
+        finally:
+            lock.release()
+        return entries, metadata
 
     @staticmethod
     def _merged_features(new: dict, old: dict, ours: set) -> dict:

@@ -1067,6 +1067,41 @@ def test_a_save_other_ranks_do_not_join_leaves_the_directory_as_it_was(tmp_path,
         assert not os.path.lexists(path)
 
 
+@pytest.mark.parametrize("plan", ["row_wise", "column_wise"])
+def test_a_sharded_dump_to_file_keeps_the_other_tables_there(tmp_path, plan):
+    """Saver.dump_to_file of a sharded Embedding, as of an unsharded one,
+    keeps the tables of other names dumped into the directory before (SOK 1.x
+    dumps several variables into one directory in turn), with their slots and
+    step: the sharded tables restore from it bit for bit, and so do the
+    others. Its own tables there are replaced."""
+    path = str(tmp_path / "dump")
+    saver = ec.Saver()
+    user = ec.Table(name="user", rows=6, dim=3, optimizer=ec.optimizers.Adagrad(0.1),
+                    initializer=ec.initializers.Uniform(-1, 1, seed=5))
+    user.apply_gradients(np.array([1, 4]), np.array([0, 1, 2]), np.ones((2, 3), np.float32))
+    saver.dump_to_file(user, path)
+    stale = ec.Table(name="a", rows=SHAPES["a"][0], dim=SHAPES["a"][1], dtype=DTYPE["a"],
+                     initializer=ec.initializers.Constant(7.0))
+    saver.dump_to_file(stale, path)  # replaced by the sharded table "a"
+
+    def fn(world):
+        emb = ec.Embedding(feature_config(), world=world, sharding=plan)
+        train(emb, world.rank, world.size)
+        assert saver.dump_to_file(emb, path) == "OK"
+        again = ec.Embedding(feature_config(seed=100), world=world, sharding=plan)
+        assert saver.restore_from_file(again, path) == "OK"
+        return shard_states(emb), shard_states(again)
+
+    for mine, restored in run_world(2, fn):
+        assert mine.keys() == restored.keys()
+        for key in mine:
+            assert_state(restored[key], mine[key], f"rank's shard {key}")
+    assert sorted(ec.checkpoint.read_info(path).table_names) == ["a", "b", "user"]
+    got = ec.Table(name="user", rows=6, dim=3, optimizer=ec.optimizers.Adagrad(0.1))
+    saver.restore_from_file(got, path)
+    assert_state(state(got), state(user), "the kept table")
+
+
 def test_ranks_loading_with_different_include_optimizer_are_refused_and_change_nothing(tmp_path):
     """One rank loading without the optimizer state while the others load it
     would leave slots of two trainings: every rank raises ValueError naming

@@ -54,14 +54,17 @@ def _merge(base: dict, pieces: List[dict]) -> dict:
     return out
 
 
-def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Optional[str] = None) -> None:
+def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Optional[str] = None,
+                 keep: bool = False) -> None:
+    """`keep`: the tables of other names of a checkpoint at `path` stay in it
+    (``Saver.dump_to_file``), copied by rank 0 into the new generation."""
     path = native_path(path)
     # Rank 0 claims the generation and holds the claim to the end of its commit (every rank's files are of it).
     with contextlib.ExitStack() as held:
-        _save_sharded(path, emb, include_optimizer, values_dtype, held)
+        _save_sharded(path, emb, include_optimizer, values_dtype, keep, held)
 
 
-def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optional[str], held) -> None:
+def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optional[str], keep: bool, held) -> None:
     comm = emb.world
     error, generation = None, None
     created = comm.rank == 0 and not os.path.lexists(path)  # removed again if this save fails (when empty)
@@ -154,6 +157,12 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
                 entry["sharding"] = {**emb._sharding_of(ti).to_json(), "world_size": comm.size}
                 entry["config"] = _config_json(eff)
                 tables.append(entry)
+            if keep:
+                from ..checkpoint import Saver
+
+                kept, metadata = Saver._kept_entries(path, generation, {t["name"] for t in tables}, len(tables),
+                                                     metadata)
+                tables += kept
             _embedcore.commit_checkpoint(path, _manifest(generation, tables, metadata))
         except Exception as e:  # noqa: BLE001
             error = e

@@ -550,10 +550,10 @@ class ShardedEmbedding(Embedding):
         return f"{step} of {self._tag}"
 
     # ------------------------------------------------------------ checkpoints
-    def _sharded_save(self, path, include_optimizer: bool, values_dtype):
+    def _sharded_save(self, path, include_optimizer: bool, values_dtype, keep: bool = False):
         from ._checkpoint import save_sharded
 
-        save_sharded(path, self, include_optimizer, values_dtype)
+        save_sharded(path, self, include_optimizer, values_dtype, keep)
 
     def _sharded_load(self, path, include_optimizer: bool):
         from ._checkpoint import load_sharded
