@@ -231,7 +231,7 @@ void ValidateBatch(const Batch& batch, int64_t rows, const std::string& table) {
                             "] = " + std::to_string(off[b + 1]));
   }
   if (off[batch.num_bags] != batch.nnz)
-    throw InvalidArgument("offsets must end at len(ids) = " + std::to_string(batch.nnz) + ", got offsets[" +
+    throw InvalidArgument("offsets must end at the number of ids, " + std::to_string(batch.nnz) + ", got offsets[" +
                           std::to_string(batch.num_bags) + "] = " + std::to_string(off[batch.num_bags]));
   if (batch.id_type == IdType::kInt32) {
     CheckIds(static_cast<const int32_t*>(batch.ids), batch.nnz, rows, table);

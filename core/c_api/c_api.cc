@@ -678,7 +678,7 @@ EMBEDCORE_C_API_EXPORT int embedcore_find_table(embedcore_checkpoint* ckpt, cons
       return EMBEDCORE_OK;
     }
   }
-  throw embedcore::OutOfRange(std::string("no table named '") + name + "' in the checkpoint");
+  throw embedcore::OutOfRange("no table named '" + Excerpt(std::string(name)) + "' in the checkpoint");
   EMBEDCORE_API_END();
 }
 
@@ -716,7 +716,7 @@ EMBEDCORE_C_API_EXPORT int embedcore_find_feature(embedcore_checkpoint* ckpt, co
       return EMBEDCORE_OK;
     }
   }
-  throw embedcore::OutOfRange(std::string("no feature named '") + name + "' in the checkpoint" +
+  throw embedcore::OutOfRange("no feature named '" + Excerpt(std::string(name)) + "' in the checkpoint" +
                               (h.feature_names.empty() ? " (it holds tables, not features)" : ""));
   EMBEDCORE_API_END();
 }

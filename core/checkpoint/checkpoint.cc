@@ -928,7 +928,16 @@ CheckpointLock::CheckpointLock(const std::string& path, bool exclusive) {
   do {
     fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   } while (fd < 0 && errno == EINTR);
-  if (fd < 0) return;  // not a directory: the caller's next step says so
+  if (fd < 0) {
+    // Without the lock a reader could map files a commit removes meanwhile:
+    // a directory it may search but not read (mode 711) is refused, not
+    // served unlocked. Not a directory (or none): the caller's next step says so.
+    if (errno == EACCES || errno == EPERM)
+      throw IoError(path + ": cannot open the directory to lock it: " + checkpoint::ErrnoText(errno) +
+                        " (a checkpoint's readers and writers need read permission on it)",
+                    errno);
+    return;
+  }
   int rc;
   do {
     rc = ::flock(fd, exclusive ? LOCK_EX : LOCK_SH);
@@ -1197,7 +1206,11 @@ namespace {
 CheckpointInfo ReadManifest(const std::string& path) {
   CheckPathGiven(path);
   struct stat st;
-  if (::stat(path.c_str(), &st) != 0) throw CheckpointError(path + ": no such checkpoint directory");
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ENOENT || err == ENOTDIR) throw CheckpointError(path + ": no such checkpoint directory");
+    throw IoError(path + ": " + checkpoint::ErrnoText(err), err);  // EACCES, ENAMETOOLONG, ELOOP, ...
+  }
   if (!S_ISDIR(st.st_mode)) throw CheckpointError(path + ": not a checkpoint directory");
   const std::string manifest = JoinPath(path, checkpoint::kManifestName);
   File file(manifest, O_RDONLY | O_NONBLOCK);  // a FIFO must not block the open

@@ -456,18 +456,20 @@ class Saver:
         claim = _embedcore.GenerationClaim(path)
         generation = claim.generation
         try:
+            names = [t.name for t, _ in tables]
+            order = Saver._dump_order(path, names) if keep else {n: i for i, n in enumerate(names)}
             entries = []
             for t, include_optimizer in tables:
-                entry = json.loads(_embedcore.write_shard_files(path, generation, f"t{len(entries):05d}.", 0,
+                entry = json.loads(_embedcore.write_shard_files(path, generation, f"t{order[t.name]:05d}.", 0,
                                                                 t._native, 0, 0, bool(include_optimizer), None))
                 entry["rows"], entry["dim"] = t.rows, t.dim
                 entry["config"] = _table_config_json(t.config, t)
                 entry["sharding"] = {"plan": "none", "world_size": 1}
-                entries.append(entry)
+                entries.append((order[t.name], entry))
             if keep:
-                kept, metadata = Saver._kept_entries(path, generation, {t.name for t, _ in tables}, len(entries),
-                                                     metadata, max_block_bytes)
+                kept, metadata = Saver._kept_entries(path, generation, set(names), order, metadata, max_block_bytes)
                 entries += kept
+            entries = [e for _, e in sorted(entries, key=lambda pair: pair[0])]
             _embedcore.commit_checkpoint(path, _manifest(generation, entries, metadata))
         except BaseException:
             _embedcore.remove_generation(path, generation)  # not once the manifest's rename made it the checkpoint
@@ -478,21 +480,35 @@ class Saver:
             claim.release()
 
     @staticmethod
-    def _kept_entries(path: str, generation: int, ours: set, first: int, metadata: dict,
+    def _dump_order(path: str, names) -> dict:
+        """{table name: index} of a dump of the tables `names` that keeps the
+        others at `path`: the checkpoint's tables in its order (each of
+        `names` in its place), then the new ones. A dump that rewrites tables
+        already there keeps the order, so a server reloads it (the C API's
+        reload requires the same tables in the same order)."""
+        old = []
+        if os.path.isfile(os.path.join(path, "MANIFEST")):
+            with _locked(path):
+                old = list(Saver._existing(path).table_names)
+        return {n: i for i, n in enumerate(old + [n for n in names if n not in old])}
+
+    @staticmethod
+    def _kept_entries(path: str, generation: int, ours: set, order: dict, metadata: dict,
                       max_block_bytes: int = 64 << 20):
         """The tables of the checkpoint at `path` whose names are not in
-        `ours`, copied into the files of `generation` (the caller's claim) as
-        table entries `first`, `first + 1`, ...: block by block as they are
-        stored (dtype, slots, step), with the metadata that keeps their
-        features beside `metadata`'s. Returns (entries, metadata); nothing to
-        keep (no checkpoint there, or only tables of `ours` and features of an
-        Embedding's save) gives ([], metadata)."""
+        `ours`, copied into the files of `generation` (the caller's claim),
+        block by block as they are stored (dtype, slots, step), with the
+        metadata that keeps their features beside `metadata`'s. Returns
+        ([(index, entry)], metadata), the index `order`'s (``_dump_order``; a
+        table it does not name, saved there since, comes after them all);
+        nothing to keep (no checkpoint there, or only tables of `ours` and
+        features of an Embedding's save) gives ([], metadata)."""
         from .distributed._checkpoint import _merge
 
         if not os.path.isfile(os.path.join(path, "MANIFEST")):
             return [], metadata
         element = {"float32": 4, "float16": 2, "bfloat16": 2}
-        entries = []
+        entries, later = [], max(order.values(), default=-1) + 1
         lock = _embedcore.CheckpointLock(path, False)  # no other commit removes its files meanwhile
         try:
             info = Saver._existing(path)
@@ -515,7 +531,10 @@ class Saver:
                 slots, row_slots = _slot_counts(t)
                 row_bytes = t["dim"] * (element.get(values_dtype or t["dtype"], 4) + 4 * slots) + 4 * row_slots
                 chunk = max(1, max_block_bytes // max(1, row_bytes))
-                prefix, pieces = f"t{first + len(entries):05d}.", []
+                position = order.get(t["name"])
+                if position is None:
+                    position, later = later, later + 1
+                prefix, pieces = f"t{position:05d}.", []
                 for index, r0 in enumerate(range(0, t["rows"], chunk)):
                     block = _embedcore.table_like(info, k, min(chunk, t["rows"] - r0), t["dim"])
                     try:
@@ -529,7 +548,7 @@ class Saver:
                     del block
                 entry = _merge(t, pieces)
                 entry["sharding"] = {"plan": "none", "world_size": 1}
-                entries.append(entry)
+                entries.append((position, entry))
         finally:
             lock.release()
         return entries, metadata
@@ -537,8 +556,9 @@ class Saver:
     @staticmethod
     def _merged_features(new: dict, old: dict, ours: set) -> dict:
         """The metadata of a dump that keeps the tables of the checkpoint there:
-        the features of `new` (an Embedding's, or none for tables), then those
-        of `old` whose table is kept and whose name is not taken, served as a
+        the features of `old` whose table is kept, in their order, each that a
+        feature of `new` (an Embedding's, or none for tables) names again
+        replaced in its place by it, then `new`'s other features; served as a
         flat list (no one structure holds both)."""
         kept = old.get("features") or []
         if not isinstance(kept, list) or not all(
@@ -547,11 +567,13 @@ class Saver:
             raise CheckpointError("dump_to_file: the checkpoint there has malformed metadata.features (a list of "
                                   "objects with a 'name' and a 'table' expected), which a dump would keep: remove "
                                   "it, or dump into another directory")
-        features = list(new.get("features") or [])
-        names = {f["name"] for f in features}
-        features += [f for f in kept if f["table"] not in ours and f["name"] not in names]
         if new.get("kind") != "embedding":  # tables: the old features all still have their tables
             features = list(kept)
+        else:  # in the old order: a feature dumped again (or taking a kept one's name) in its place, new ones last
+            fresh = {f["name"]: f for f in new.get("features") or []}
+            features = [fresh.pop(f["name"]) if f["name"] in fresh else f for f in kept
+                        if f["name"] in fresh or f["table"] not in ours]
+            features += list(fresh.values())
         merged = {k: v for k, v in old.items() if k not in ("features", "structure", "structure_items")}
         merged.update(kind="embedding", features=features, structure=None)
         return merged

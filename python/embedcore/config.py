@@ -24,8 +24,12 @@ def _positive_int(owner: str, name: str, value) -> int:
 
 def _check_utf8(owner: str, name) -> None:
     """Checkpoints record table and feature names as UTF-8: a str decoded from
-    undecodable bytes (a file name, with lone surrogates) is refused."""
+    undecodable bytes (a file name, with lone surrogates) is refused, and so
+    is a NUL character (C strings end there: the C API could not name it)."""
     if isinstance(name, str):
+        if "\0" in name:
+            raise ValueError(f"{owner}: name has a NUL character at position {name.index(chr(0))}; names are "
+                             "served by the C API as C strings, which end there")
         try:
             name.encode("utf-8")
         except UnicodeEncodeError:

@@ -7,8 +7,13 @@
 // AddressSanitizer sees any write past them).
 #include <pthread.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -172,8 +177,8 @@ EMBEDCORE_TEST(OffsetsThatDoNotFit) {
   } cases[] = {
       {{1, 2, 4}, "offsets[0] must be 0, got 1"},
       {{0, 3, 2, 4}, "offsets must be non-decreasing: offsets[1] = 3 > offsets[2] = 2"},
-      {{0, 2, 3}, "offsets must end at len(ids) = 4, got offsets[2] = 3"},
-      {{0, 2, 5}, "offsets must end at len(ids) = 4, got offsets[2] = 5"},
+      {{0, 2, 3}, "offsets must end at the number of ids, 4, got offsets[2] = 3"},
+      {{0, 2, 5}, "offsets must end at the number of ids, 4, got offsets[2] = 5"},
       {{0, -1, 4}, "non-decreasing"},
       {{0, 9, 4}, "non-decreasing"},
   };
@@ -324,6 +329,10 @@ EMBEDCORE_TEST(BadEnumsAndFields) {
   int64_t index = -7;
   EXPECT_C_ERROR(embedcore_find_table(s.h, "users", &index), EMBEDCORE_OUT_OF_RANGE, "no table named 'users'");
   EXPECT_C_ERROR(embedcore_find_feature(s.h, "", &index), EMBEDCORE_OUT_OF_RANGE, "no feature named ''");
+  const std::string long_name(100000, 'x');  // quoted in part
+  EXPECT_C_ERROR(embedcore_find_table(s.h, long_name.c_str(), &index), EMBEDCORE_OUT_OF_RANGE,
+                 "no table named '" + std::string(80, 'x') + "...' in the checkpoint");
+  EMBEDCORE_EXPECT(std::string(embedcore_last_error()).size() < 200);
   EMBEDCORE_EXPECT_EQ(index, -7);
   EMBEDCORE_EXPECT(out.Untouched());
 }
@@ -522,6 +531,56 @@ EMBEDCORE_TEST(MissingOrNotACheckpoint) {
   const std::string message = Open(dir.Sub("empty"), nullptr, &status);
   EMBEDCORE_EXPECT_MSG(status == EMBEDCORE_CHECKPOINT_ERROR || status == EMBEDCORE_IO_ERROR, status << ": " << message);
   EMBEDCORE_EXPECT_MSG(message.find("MANIFEST") != std::string::npos, message);
+}
+
+// Runs `check` (true: as expected; else it says why on stderr) as a user
+// the directories' modes apply to: root in a child process that first gives
+// up root for uid and gid 65534 ("nobody"), any other user in this process.
+template <typename F>
+bool AsUnprivileged(F check) {
+  if (::geteuid() != 0) return check();
+  const pid_t pid = ::fork();
+  if (pid < 0) return false;
+  if (pid == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
+    ::_exit(check() ? 0 : 1);
+  }
+  int wstatus = 0;
+  while (::waitpid(pid, &wstatus, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0;
+}
+
+bool OpenFailsWith(const std::string& path, int want_status, const std::string& want_text) {
+  embedcore_checkpoint* h = nullptr;
+  const int status = embedcore_open(path.c_str(), "{\"verify\": \"none\"}", &h);
+  const std::string message = status == EMBEDCORE_OK ? "" : embedcore_last_error();
+  embedcore_close(h);
+  if (status == want_status && message.find(want_text) != std::string::npos) return true;
+  std::fprintf(stderr, "open(%s): status %d (%s), expected %d with \"%s\"\n", path.c_str(), status,
+               message.c_str(), want_status, want_text.c_str());
+  return false;
+}
+
+// A directory its reader may search but not read (mode 711) cannot be locked
+// against a commit removing the files it maps: refused with the system's
+// error, not served unlocked. A directory under one it may not search, and a
+// path the system cannot resolve (a symlink loop), say so too, not "no such
+// checkpoint directory".
+EMBEDCORE_TEST(DirectoriesTheReaderMayNotRead) {
+  TempDir dir;
+  EMBEDCORE_EXPECT(::chmod(dir.path.c_str(), 0755) == 0);
+  SaveModel(dir.Sub("search_only"));
+  EMBEDCORE_EXPECT(::chmod(dir.Sub("search_only").c_str(), 0711) == 0);
+  EMBEDCORE_EXPECT(::mkdir(dir.Sub("closed").c_str(), 0700) == 0);
+  SaveModel(dir.Sub("closed/m"));
+  EMBEDCORE_EXPECT(AsUnprivileged([&] {
+    return OpenFailsWith(dir.Sub("search_only"), EMBEDCORE_IO_ERROR,
+                         dir.Sub("search_only") + ": cannot open the directory to lock it: Permission denied") &&
+           OpenFailsWith(dir.Sub("closed/m"), EMBEDCORE_IO_ERROR, "Permission denied");
+  }));
+  EMBEDCORE_EXPECT(::symlink("loop", dir.Sub("loop").c_str()) == 0);
+  EMBEDCORE_EXPECT(OpenFailsWith(dir.Sub("loop"), EMBEDCORE_IO_ERROR, std::strerror(ELOOP)));
 }
 
 EMBEDCORE_TEST(TruncatedCheckpoint) {

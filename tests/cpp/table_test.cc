@@ -957,7 +957,7 @@ EMBEDCORE_TEST(LookupValidation) {
   EMBEDCORE_EXPECT_THROWS(t.Lookup(b, sum, out.data()), InvalidArgument, "non-decreasing");
   const int64_t short_end[] = {0, 1, 2};
   b.offsets = short_end;
-  EMBEDCORE_EXPECT_THROWS(t.Lookup(b, sum, out.data()), InvalidArgument, "must end at len(ids) = 3");
+  EMBEDCORE_EXPECT_THROWS(t.Lookup(b, sum, out.data()), InvalidArgument, "must end at the number of ids, 3");
   b.offsets = nullptr;
   EMBEDCORE_EXPECT_THROWS(t.Lookup(b, sum, out.data()), InvalidArgument, "offsets: null");
   b = ok.View();

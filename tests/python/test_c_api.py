@@ -241,7 +241,7 @@ def test_errors_through_ctypes(lib, tmp_path):
     assert status == OUT_OF_RANGE
     assert message == "embedcore_lookup: table 'item': id 100 at position 1 of ids is out of range [0, 50)"
     status, message = served.lookup(0, np.array([1, 2], np.int64), np.array([0, 3]), combiner=0)
-    assert status == INVALID_ARGUMENT and "offsets must end at len(ids) = 2" in message
+    assert status == INVALID_ARGUMENT and "offsets must end at the number of ids, 2" in message
     # The last error is the calling thread's.
     seen = []
     t = threading.Thread(target=lambda: seen.append(lib.embedcore_last_error()))
@@ -292,6 +292,29 @@ def test_hot_reload_from_threads(lib, tmp_path):
         t.join()
     assert results["bad"] == 0, results
     assert results["a"] + results["b"] > 0
+    h.close()
+
+
+def test_reloads_the_dumps_of_a_saver_loop(lib, tmp_path):
+    """SOK's way of saving: each variable dumped in turn (Saver.dump_to_file)
+    into the directory a C server serves; every new dump keeps the tables in
+    their order, so embedcore_reload(NULL) takes it and serves the new rows."""
+    d = tmp_path / "dump"
+    saver = ec.Saver()
+
+    def dump(name, value):
+        saver.dump_to_file(ec.Table(name=name, rows=10, dim=4, initializer=ec.initializers.Constant(value)), d)
+
+    dump("A", 1.0)
+    dump("B", 2.0)
+    h = Handle(lib, d)
+    ids, offsets = np.array([3], np.int64), np.array([0, 1])
+    for name, value in (("B", 3.0), ("A", 4.0), ("B", 5.0)):
+        dump(name, value)
+        assert lib.embedcore_reload(h.h, None, None) == OK, lib.embedcore_last_error().decode()
+        table = 0 if name == "A" else 1
+        status, got = h.lookup(table, ids, offsets)
+        assert status == OK and (got == value).all(), (name, got)
     h.close()
 
 

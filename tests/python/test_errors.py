@@ -519,6 +519,11 @@ def test_table_names_must_be_utf8():
     assert ec.Table(name="émb ✓", rows=3, dim=2).name == "émb ✓"
     with pytest.raises(ValueError, match=r"FeatureConfig 'feat\\udcff': name is not valid UTF-8 text"):
         ec.FeatureConfig(ec.TableConfig("t", rows=3, dim=2), name="feat\udcff")
+    # A NUL ends a C string: the C API would serve "a\0b" as "a" and find no table of that name.
+    with pytest.raises(ValueError, match=r"TableConfig 'a\\x00b': name has a NUL character at position 1"):
+        ec.Table(name="a\0b", rows=3, dim=2)
+    with pytest.raises(ValueError, match=r"FeatureConfig 'f\\x00': name has a NUL character at position 1"):
+        ec.FeatureConfig(ec.TableConfig("t", rows=3, dim=2), name="f\0")
 
 
 def test_float64_gradients_beyond_float32_are_refused(trained):

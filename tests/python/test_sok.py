@@ -653,6 +653,40 @@ def test_saver_dumps_several_tables_into_one_directory(tmp_path):
     assert len(files) == 1 + 2 + 3 + 1  # MANIFEST, user (values, accumulators), item (+2 slots), ctx: no old files
 
 
+def test_saver_dumps_again_keep_the_order_of_tables_and_features(tmp_path):
+    """Dumping a variable again (SOK's loop over variables, each dumped in
+    turn, on every save) keeps the tables and features in the checkpoint's
+    order, so a server reloads the new dump (the C API's reload requires the
+    same tables in the same order); new tables come last."""
+    saver, d = ec.Saver(), str(tmp_path / "ckpt")
+    a, b, c = _table("a", 10, 1.0), _table("b", 20, 2.0), _table("c", 5, 3.0)
+    for t in (a, b, c):
+        saver.dump_to_file(t, d)
+    assert list(ec.checkpoint.read_info(d).table_names) == ["a", "b", "c"]
+    for t in (a, b, c, b):  # each again, alone
+        t.assign(np.full((t.rows, 4), 9.0, np.float32), 0)
+        saver.dump_to_file(t, d)
+        assert list(ec.checkpoint.read_info(d).table_names) == ["a", "b", "c"]
+    saver.dump_to_file([c, _table("z", 3, 4.0), a], d)
+    assert list(ec.checkpoint.read_info(d).table_names) == ["a", "b", "c", "z"]
+    for t in (a, b, c):
+        got = _table(t.name, t.rows, 0.0)
+        saver.restore_from_file(got, d)
+        np.testing.assert_array_equal(got.values(), t.values())
+
+    def emb(*names):
+        return ec.Embedding({n: ec.FeatureConfig(ec.TableConfig(n, 20, 4), name="f_" + n) for n in names},
+                            ec.optimizers.SGD(0.1))
+
+    e = str(tmp_path / "emb")
+    for x in (emb("x1", "x2"), emb("y"), emb("w")):
+        saver.dump_to_file(x, e)
+    for x in (emb("y"), emb("x1", "x2"), emb("w", "v")):
+        saver.dump_to_file(x, e)
+    assert list(ec.checkpoint.read_info(e).table_names) == ["x1", "x2", "y", "w", "v"]
+    assert [f.name for f in ec.serving.open(e).feature_config] == ["f_x1", "f_x2", "f_y", "f_w", "f_v"]
+
+
 def test_saver_dump_keeps_other_tables_blockwise_and_stored_as_they_were(tmp_path):
     saver, d = ec.Saver(), str(tmp_path / "ckpt")
     big = _table("big", 1000, 0.0)

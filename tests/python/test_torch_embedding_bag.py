@@ -74,7 +74,7 @@ def test_include_last_offset_ignores_trailing_ids(rng):
 def test_include_last_offset_trailing_ids_train(rng, offsets_dtype, mode, weighted, fused):
     """Ids after the last offset belong to no bag, in the backward too (was,
     with int64 offsets: every backward raised, unfused "allocated size does
-    not match required size", fused "offsets must end at len(ids)"). The
+    not match required size", fused "offsets must end at the number of ids"). The
     reference is nn.EmbeddingBag with torch.optim on the ids that are in
     bags: on CPU its own backward gives the trailing ids' rows (and
     per_sample_weights) gradients from uninitialised memory."""

@@ -66,7 +66,7 @@ def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Option
 
 def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optional[str], keep: bool, held) -> None:
     comm = emb.world
-    error, generation = None, None
+    error, generation, order = None, None, None
     created = comm.rank == 0 and not os.path.lexists(path)  # removed again if this save fails (when empty)
     if comm.rank == 0:
         try:
@@ -82,6 +82,13 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
                             f"and bias per row): save it as float32, float16 or bfloat16, or shard it by rows or "
                             f"whole tables")
             metadata = _metadata(emb)
+            names = [emb._effective[cfg].name for cfg in emb._configs]
+            if keep:  # the kept tables' order (Saver._dump_order): a server reloads a dump of the same tables
+                from ..checkpoint import Saver
+
+                order = Saver._dump_order(path, names)
+            else:
+                order = {n: i for i, n in enumerate(names)}
             claim = _embedcore.GenerationClaim(path)
             held.callback(claim.release)
             generation = claim.generation
@@ -91,7 +98,7 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
     # where rank 0 commits them, and rank 0's manifest describes every rank's files (their slots, their dtype).
     mine = (os.path.abspath(path), bool(include_optimizer), values_dtype)
     try:
-        answers = agree(comm, error, (generation, mine), step=emb.step_name("save: generation"))
+        answers = agree(comm, error, (generation, order, mine), step=emb.step_name("save: generation"))
     except Exception:  # every rank fails here, before any rank writes: rank 0 drops its claim (and a new directory)
         if comm.rank == 0:
             with contextlib.suppress(Exception):
@@ -99,8 +106,8 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
                     _embedcore.remove_generation(path, generation)
                 _remove_if_created_and_empty(path, created)
         raise
-    generation = answers[0][0]
-    given = [a for _, a in answers]
+    generation, order = answers[0][0], answers[0][1]  # rank 0's
+    given = [a for _, _, a in answers]
     differ = [(what, [g[i] for g in given]) for i, what in enumerate(("paths", "include_optimizer", "values_dtype"))
               if any(g[i] != given[0][i] for g in given)]
     if differ:
@@ -118,7 +125,8 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
     try:
         for (ti, si), table in sorted(emb._local.items()):
             s = emb._sharding_of(ti).shards[si]
-            entry = _embedcore.write_shard_files(path, generation, f"t{ti:05d}.", si, table._native, s.row_start,
+            prefix = f"t{order[emb._effective[emb._configs[ti]].name]:05d}."
+            entry = _embedcore.write_shard_files(path, generation, prefix, si, table._native, s.row_start,
                                                  s.col_start, bool(include_optimizer), values_dtype)
             written.append((ti, si, json.loads(entry)))
     except Exception as e:  # noqa: BLE001 - a full disk on one rank fails the save on all
@@ -156,13 +164,13 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
                 entry["rows"], entry["dim"] = eff.rows, eff.dim
                 entry["sharding"] = {**emb._sharding_of(ti).to_json(), "world_size": comm.size}
                 entry["config"] = _config_json(eff)
-                tables.append(entry)
+                tables.append((order[eff.name], entry))
             if keep:
                 from ..checkpoint import Saver
 
-                kept, metadata = Saver._kept_entries(path, generation, {t["name"] for t in tables}, len(tables),
-                                                     metadata)
+                kept, metadata = Saver._kept_entries(path, generation, {e["name"] for _, e in tables}, order, metadata)
                 tables += kept
+            tables = [e for _, e in sorted(tables, key=lambda pair: pair[0])]
             _embedcore.commit_checkpoint(path, _manifest(generation, tables, metadata))
         except Exception as e:  # noqa: BLE001
             error = e
