@@ -920,6 +920,18 @@ void MakeCheckpointDirectory(const std::string& path) {
   }
   struct stat st;
   if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw IoError(path + ": not a directory", ENOTDIR);
+  // A save lists, locks and syncs the directory: in one it may not read (mode
+  // 0300 for it) it would fail at its commit, leaving files it cannot list to
+  // remove. Refused before anything is written.
+  int fd;
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0)
+    throw IoError(path + ": cannot open the directory: " + checkpoint::ErrnoText(errno) +
+                      " (a save needs read, write and search permission on it)",
+                  errno);
+  ::close(fd);
 }
 }  // namespace
 
@@ -934,7 +946,8 @@ CheckpointLock::CheckpointLock(const std::string& path, bool exclusive) {
     // served unlocked. Not a directory (or none): the caller's next step says so.
     if (errno == EACCES || errno == EPERM)
       throw IoError(path + ": cannot open the directory to lock it: " + checkpoint::ErrnoText(errno) +
-                        " (a checkpoint's readers and writers need read permission on it)",
+                        " (a checkpoint's readers and writers need read permission on it, and search "
+                        "permission on the directories above it)",
                     errno);
     return;
   }

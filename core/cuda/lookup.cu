@@ -121,7 +121,8 @@ void ValidateDeviceBatch(const Batch& batch, int64_t rows, const std::string& ta
   EC_CUDA(cudaMemcpyAsync(&found, flags.get(), sizeof(found), cudaMemcpyDeviceToHost, stream));
   EC_CUDA(cudaStreamSynchronize(stream));
   if (found.bad_offsets)
-    throw InvalidArgument("offsets must start at 0, be non-decreasing and end at len(ids) = " + std::to_string(batch.nnz));
+    throw InvalidArgument("offsets must start at 0, be non-decreasing and end at the number of ids, " +
+                          std::to_string(batch.nnz));
   if (found.bad_position != ~0ull) {
     const int64_t k = int64_t(found.bad_position);
     int64_t id = 0;

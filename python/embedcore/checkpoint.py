@@ -426,8 +426,9 @@ class Saver:
         old_manifest = json.loads(info.manifest_json)
         old_kind = (old_manifest.get("metadata") or {}).get("kind")
         _refuse_quantized_kept(path, old_manifest, ours)
-        if all(n in ours for n in info.table_names) and (old_kind != "embedding" or isinstance(obj, Embedding)):
-            save(path, obj)  # nothing else there to keep (features included)
+        names, old = [t.name for t in tables], list(info.table_names)
+        if names[:len(old)] == old and (old_kind != "embedding" or isinstance(obj, Embedding)):
+            save(path, obj)  # nothing else there to keep (features included), the tables in their order
         else:
             self._save_entries(path, [(t, True) for t in tables], True, _metadata(obj))
         return "OK"

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 from . import _device, _embedcore, _nest
 from . import optimizers as _opt
 from ._inputs import Batch, Ragged, Sparse, in_callers_terms, make_batch
-from .config import FeatureConfig, TableConfig
+from .config import FeatureConfig, TableConfig, _check_utf8
 from .table import Table, apply_gradients_many
 
 __all__ = ["Embedding"]
@@ -110,6 +110,8 @@ class Embedding(FeatureLookup):
         self._feature_config = feature_config
         self._features: List[FeatureConfig] = [f for _, f in flat]
         self._feature_names = [f.name or path or f"feature_{i}" for i, (path, f) in enumerate(flat)]
+        for name in self._feature_names:  # a name from the structure's keys, as a FeatureConfig's name is checked
+            _check_utf8(f"Embedding: feature {name!r}", name)
         self._optimizer = optimizer
 
         # Tables in order of first use; unnamed ones become table_<i>, as TensorFlow names them.

@@ -571,9 +571,10 @@ EMBEDCORE_TEST(DirectoriesTheReaderMayNotRead) {
   TempDir dir;
   EMBEDCORE_EXPECT(::chmod(dir.path.c_str(), 0755) == 0);
   SaveModel(dir.Sub("search_only"));
-  EMBEDCORE_EXPECT(::chmod(dir.Sub("search_only").c_str(), 0711) == 0);
+  EMBEDCORE_EXPECT(::chmod(dir.Sub("search_only").c_str(), 0111) == 0);  // (0711 for others than its owner)
   EMBEDCORE_EXPECT(::mkdir(dir.Sub("closed").c_str(), 0700) == 0);
   SaveModel(dir.Sub("closed/m"));
+  EMBEDCORE_EXPECT(::chmod(dir.Sub("closed").c_str(), 0) == 0);
   EMBEDCORE_EXPECT(AsUnprivileged([&] {
     return OpenFailsWith(dir.Sub("search_only"), EMBEDCORE_IO_ERROR,
                          dir.Sub("search_only") + ": cannot open the directory to lock it: Permission denied") &&
@@ -581,6 +582,27 @@ EMBEDCORE_TEST(DirectoriesTheReaderMayNotRead) {
   }));
   EMBEDCORE_EXPECT(::symlink("loop", dir.Sub("loop").c_str()) == 0);
   EMBEDCORE_EXPECT(OpenFailsWith(dir.Sub("loop"), EMBEDCORE_IO_ERROR, std::strerror(ELOOP)));
+
+  // A save into a directory it may write but not read (0300) could not list
+  // what it wrote to remove it after its commit failed: refused up front.
+  EMBEDCORE_EXPECT(::mkdir(dir.Sub("shared").c_str(), 0777) == 0 && ::chmod(dir.Sub("shared").c_str(), 0777) == 0);
+  const std::string drop = dir.Sub("shared/drop");
+  EMBEDCORE_EXPECT(AsUnprivileged([&] {
+    if (::mkdir(drop.c_str(), 0300) != 0 || ::chmod(drop.c_str(), 0300) != 0) return false;
+    try {
+      SaveModel(drop);
+    } catch (const embedcore::IoError& e) {
+      if (std::string(e.what()).find(drop + ": cannot open the directory: Permission denied") != std::string::npos)
+        return true;
+      std::fprintf(stderr, "save: %s\n", e.what());
+      return false;
+    }
+    std::fprintf(stderr, "the save into a 0300 directory succeeded\n");
+    return false;
+  }));
+  EMBEDCORE_EXPECT(::chmod(drop.c_str(), 0700) == 0);
+  EMBEDCORE_EXPECT(std::filesystem::is_empty(drop));  // nothing written
+  for (const char* sub : {"search_only", "closed"}) EMBEDCORE_EXPECT(::chmod(dir.Sub(sub).c_str(), 0755) == 0);
 }
 
 EMBEDCORE_TEST(TruncatedCheckpoint) {

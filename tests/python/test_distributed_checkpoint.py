@@ -1102,6 +1102,31 @@ def test_a_sharded_dump_to_file_keeps_the_other_tables_there(tmp_path, plan):
     assert_state(state(got), state(user), "the kept table")
 
 
+def test_ranks_calling_save_and_dump_to_file_are_refused_and_write_nothing(tmp_path):
+    """A dump keeps the other tables there and a save replaces them: ranks
+    that make different calls would leave rank 0's choice deciding, so every
+    rank raises ValueError naming each one's, and the checkpoint stays."""
+    path = _trained_and_saved_by_three_ranks(tmp_path)
+    before = dir_bytes(path)
+
+    def fn(world):
+        emb = ec.Embedding(feature_config(), world=world, sharding="row_wise")
+        try:
+            if world.rank == 1:
+                ec.Saver().dump_to_file(emb, path)
+            else:
+                ec.save(path, emb)
+        except Exception as e:  # noqa: BLE001 - what each rank raised is what is tested
+            return e
+        return None
+
+    for r, e in enumerate(run_world(3, fn)):
+        assert isinstance(e, ValueError), (r, repr(e))
+        assert ("different calls (rank 0 'embedcore.save', rank 1 'Saver.dump_to_file', rank 2 'embedcore.save')"
+                in str(e) and "nothing was written" in str(e)), str(e)
+    assert dir_bytes(path) == before
+
+
 def test_ranks_loading_with_different_include_optimizer_are_refused_and_change_nothing(tmp_path):
     """One rank loading without the optimizer state while the others load it
     would leave slots of two trainings: every rank raises ValueError naming

@@ -524,6 +524,8 @@ def test_table_names_must_be_utf8():
         ec.Table(name="a\0b", rows=3, dim=2)
     with pytest.raises(ValueError, match=r"FeatureConfig 'f\\x00': name has a NUL character at position 1"):
         ec.FeatureConfig(ec.TableConfig("t", rows=3, dim=2), name="f\0")
+    with pytest.raises(ValueError, match=r"Embedding: feature 'x/a\\x00b': name has a NUL character at position 3"):
+        ec.Embedding({"x": {"a\0b": ec.FeatureConfig(ec.TableConfig("t", rows=3, dim=2))}})  # a name from the keys
 
 
 def test_float64_gradients_beyond_float32_are_refused(trained):

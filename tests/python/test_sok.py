@@ -669,6 +669,8 @@ def test_saver_dumps_again_keep_the_order_of_tables_and_features(tmp_path):
         assert list(ec.checkpoint.read_info(d).table_names) == ["a", "b", "c"]
     saver.dump_to_file([c, _table("z", 3, 4.0), a], d)
     assert list(ec.checkpoint.read_info(d).table_names) == ["a", "b", "c", "z"]
+    saver.dump_to_file([b, _table("z", 3, 5.0), c, a], d)  # all of them, in another order
+    assert list(ec.checkpoint.read_info(d).table_names) == ["a", "b", "c", "z"]
     for t in (a, b, c):
         got = _table(t.name, t.rows, 0.0)
         saver.restore_from_file(got, d)

@@ -96,7 +96,8 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
             error = e
     # The arguments that decide what each rank writes are compared in the same step: every rank's files go
     # where rank 0 commits them, and rank 0's manifest describes every rank's files (their slots, their dtype).
-    mine = (os.path.abspath(path), bool(include_optimizer), values_dtype)
+    mine = (os.path.abspath(path), bool(include_optimizer), values_dtype,
+            "Saver.dump_to_file" if keep else "embedcore.save")
     try:
         answers = agree(comm, error, (generation, order, mine), step=emb.step_name("save: generation"))
     except Exception:  # every rank fails here, before any rank writes: rank 0 drops its claim (and a new directory)
@@ -108,7 +109,8 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
         raise
     generation, order = answers[0][0], answers[0][1]  # rank 0's
     given = [a for _, _, a in answers]
-    differ = [(what, [g[i] for g in given]) for i, what in enumerate(("paths", "include_optimizer", "values_dtype"))
+    differ = [(what, [g[i] for g in given])
+              for i, what in enumerate(("paths", "include_optimizer", "values_dtype", "calls"))
               if any(g[i] != given[0][i] for g in given)]
     if differ:
         if comm.rank == 0:
@@ -118,6 +120,8 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
         raise ValueError(f"save: the ranks gave different {what} (" +
                          ", ".join(f"rank {r} {v!r}" for r, v in enumerate(values)) +
                          ("): every rank must save to the same directory, which rank 0 commits" if what == "paths"
+                          else "): every rank must make the same call (a dump keeps the other tables there, a save "
+                          "replaces them)" if what == "calls"
                           else f"): every rank must pass the same {what} to the collective save") +
                          "; nothing was written")
 

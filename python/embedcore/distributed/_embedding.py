@@ -339,8 +339,8 @@ class ShardedEmbedding(Embedding):
                 raise ValueError(f"{where}: offsets must be non-decreasing: offsets[{i}] = {off[i]} > "
                                  f"offsets[{i + 1}] = {off[i + 1]}")
             if off[-1] != ids.size:
-                raise ValueError(f"{where}: offsets must end at len(ids) = {ids.size}, got offsets[{off.size - 1}] "
-                                 f"= {off[-1]}")
+                raise ValueError(f"{where}: offsets must end at the number of ids, {ids.size}, got "
+                                 f"offsets[{off.size - 1}] = {off[-1]}")
             if ids.size:
                 lo, hi = int(ids.min()), int(ids.max())
                 if lo < 0 or hi >= eff.rows:  # the first bad id in the caller's order, as the unsharded lookup names
