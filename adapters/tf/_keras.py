@@ -91,6 +91,10 @@ class Embedding(keras.layers.Layer):
         if feature_config is None:
             if input_dim is None or output_dim is None:
                 raise ValueError("Embedding: give input_dim and output_dim, or feature_config=")
+            for what, value in (("input_dim", input_dim), ("output_dim", output_dim)):
+                # int() would truncate 2.5 to 2 (a table of other rows than asked), and accept "4" or True.
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                    raise TypeError(f"Embedding: {what} must be an int, got {value!r}")
             ours = isinstance(initializer, ec.initializers.Initializer)  # TensorFlow's config takes callables only
             table = _TF.TableConfig(vocabulary_size=int(input_dim), dim=int(output_dim),
                                     initializer=None if ours else initializer, combiner=combiner,

@@ -360,3 +360,16 @@ def test_config_of_unserializable_optimizer_or_initializer_is_refused():
     config = Embedding(10, 4, optimizer=ec.optimizers.SGD(0.1), table_name="t").get_config()
     with pytest.raises(ValueError, match="NoSuchOptimizer"):
         Embedding.from_config({**config, "optimizer": {"class": "NoSuchOptimizer", "learning_rate": 0.1}})
+
+
+@pytest.mark.parametrize("args,bad", [((2.5, 4), "input_dim must be an int, got 2.5"),
+                                      ((10, 4.0), "output_dim must be an int, got 4.0"),
+                                      ((True, 4), "input_dim must be an int, got True"),
+                                      (("10", 4), "input_dim must be an int, got '10'")])
+def test_non_integral_dims_are_refused(args, bad):
+    # Was: int() truncated Embedding(2.5, 4) to a table of 2 rows, silently.
+    with pytest.raises(TypeError, match=bad):
+        Embedding(*args)
+    layer = Embedding(np.int64(10), np.int32(4))  # NumPy integers are ints
+    layer.build()
+    assert (layer._embedcore_tables()[0].rows, layer._embedcore_tables()[0].dim) == (10, 4)
