@@ -146,7 +146,11 @@ class TableSpec:
                              self.initializer or ec.initializers.Zeros(), self.optimizer, self.combiner)
         table = ec.Table(cfg)
         if self.init_fn is not None:
-            value = self.init_fn((self.rows, self.dim), dtype=tf.float32)
+            # Eagerly, also when the table is first built inside a traced function (a subclassed Keras model's
+            # first model.fit step, a first call inside tf.function): there the initializer's output would be a
+            # symbolic tensor, which has no values to copy into the table.
+            with tf.init_scope():
+                value = self.init_fn((self.rows, self.dim), dtype=tf.float32)
             table.assign(np.asarray(value.numpy() if hasattr(value, "numpy") else value, dtype=np.float32))
         return table
 

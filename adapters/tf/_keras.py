@@ -111,7 +111,7 @@ class Embedding(keras.layers.Layer):
         self._anchor = None
 
     def build(self, input_shape=None):
-        self.embedding.build()
+        self.embedding._maybe_build()  # in tf.init_scope: Keras builds a subclassed model's layers while tracing
         self._anchor = self.add_weight(name="embedcore_anchor", shape=(), initializer="zeros", trainable=True)
         self.built = True
 

@@ -373,3 +373,60 @@ def test_non_integral_dims_are_refused(args, bad):
     layer = Embedding(np.int64(10), np.int32(4))  # NumPy integers are ints
     layer.build()
     assert (layer._embedcore_tables()[0].rows, layer._embedcore_tables()[0].dim) == (10, 4)
+
+
+def _initializers():
+    return {"keras-truncated-normal-seeded": keras.initializers.TruncatedNormal(seed=42),
+            "keras-uniform-string": keras.initializers.get("uniform"),
+            "keras-glorot-uniform": keras.initializers.GlorotUniform(),
+            "tf-uniform-seeded": tf.random_uniform_initializer(-0.5, 0.5, seed=1)}
+
+
+@pytest.mark.parametrize("name", list(_initializers()))
+def test_first_build_inside_a_traced_function(rng, name):
+    """A layer first built while Keras or tf.function traces (a subclassed
+    model under model.fit, a first call inside tf.function) starts from the
+    values an eager build gives (was: NotImplementedError, "Cannot convert a
+    symbolic tf.Tensor ... to a numpy array", for every initializer that is
+    called)."""
+    rows, dim = 100, 8
+    init = _initializers()[name]
+    eager = Embedding(rows, dim, initializer=init, table_name="eager")
+    eager.build()
+    expected = eager._embedcore_tables()[0].values().copy()
+    # TensorFlow's own build of a table with this initializer, where TensorFlow's config takes it
+    if name.startswith("tf"):
+        theirs = E.TPUEmbeddingForServing({"f": E.FeatureConfig(E.TableConfig(rows, dim, initializer=init,
+                                                                               name="t"))}, None)
+        theirs.build()
+        np.testing.assert_array_equal(expected, next(iter(theirs.embedding_tables.values())).numpy())
+
+    # first call inside tf.function: both forms of the layer
+    for layer in (Embedding(rows, dim, initializer=init, optimizer=E.SGD(0.1), table_name="traced"),
+                  Embedding(feature_config={"f": E.FeatureConfig(E.TableConfig(rows, dim, initializer=init,
+                                                                               name="t"))}, optimizer=E.SGD(0.1))):
+        ids = tf.constant([[1, 2]])
+        out = tf.function(lambda x: layer(x if layer._config_args["input_dim"] else {"f": x}))(ids)
+        out = out if not isinstance(out, dict) else out["f"]
+        np.testing.assert_array_equal(layer._embedcore_tables()[0].values(), expected)
+        np.testing.assert_array_equal(np.asarray(out).reshape(-1, dim), expected[[1, 2]])
+
+    # a subclassed model, built by its first model.fit step (traced), trains from the eager build's values
+    class Model(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = Embedding(rows, dim, optimizer=E.SGD(0.1), initializer=init, table_name="fit")
+            self.head = keras.layers.Dense(1)
+
+        def call(self, ids):
+            return self.head(keras.ops.sum(self.emb(ids), axis=1))
+
+    model = Model()
+    model.compile(optimizer="adam", loss="mse")
+    ids = rng.integers(0, 50, (16, 5))
+    model.fit(ids, np.zeros((16, 1), np.float32), batch_size=16, epochs=1, verbose=0)
+    table = model.emb._embedcore_tables()[0]
+    assert table.step == 1
+    untouched = np.setdiff1d(np.arange(rows), ids)
+    np.testing.assert_array_equal(table.values()[untouched], expected[untouched])
+    assert not np.array_equal(table.values()[ids[0]], expected[ids[0]])
