@@ -51,9 +51,9 @@ def apply_numpy(tables: Dict[str, ec.Table], parts_by_table: Dict[str, list]) ->
             if any_w:
                 weights.append(b.weights if b.weights is not None else np.ones(b.ids.size, np.float32))
             grads.append(np.asarray(dy, np.float32).reshape(-1, table.dim)[b.rows])
+        # A batch without ids for this table (empty bags, every id pruned, no rows) is still one step, as in
+        # embedcore.Embedding (the step of a schedule, Adam's non-lazy moments of every row).
         all_ids = np.concatenate(ids) if len(ids) > 1 else ids[0]
-        if all_ids.size == 0:
-            continue
         batch = make_batch(np.ascontiguousarray(all_ids), np.concatenate(offsets),
                            np.concatenate(weights) if any_w else None)
         where = f"the gradient of table '{name}'"

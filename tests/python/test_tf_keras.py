@@ -430,3 +430,55 @@ def test_first_build_inside_a_traced_function(rng, name):
     untouched = np.setdiff1d(np.arange(rows), ids)
     np.testing.assert_array_equal(table.values()[untouched], expected[untouched])
     assert not np.array_equal(table.values()[ids[0]], expected[ids[0]])
+
+
+def _empty_batches():
+    return [("one empty bag", tf.ragged.constant([[]], tf.int64, ragged_rank=1)),
+            ("no rows", tf.RaggedTensor.from_row_splits(tf.zeros([0], tf.int64), [0])),
+            ("all-empty sparse", tf.SparseTensor(tf.zeros([0, 2], tf.int64), tf.zeros([0], tf.int64), [4, 3])),
+            ("every id pruned", tf.SparseTensor([[0, 0]], tf.constant([-1], tf.int64), [1, 3]))]  # (pooled only)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_a_batch_without_ids_is_still_a_step(rng, traced):
+    """A training batch that looks up no id of a table (empty bags, no rows,
+    every id pruned) is one optimizer step, as in embedcore.Embedding and in
+    TPUEmbedding (apply_gradients steps every table): TensorFlow's non-lazy
+    Adam moves every row from its moments, and a schedule advances (was: no
+    step at all). Compared with the NumPy reference of TPU Adam
+    (lazy_adam=False, sum_inside_sqrt, no bias correction) and of SGD with
+    the rate of the table's step."""
+    adam = E.TableConfig(6, 2, combiner="sum", name="adam", initializer=tf.zeros_initializer())
+    sgd = E.TableConfig(6, 2, combiner="sum", name="sgd", initializer=tf.zeros_initializer(),
+                        optimizer=ec.optimizers.SGD(lambda step: 1.0 + step))
+    layer = Embedding(feature_config={"a": E.FeatureConfig(adam), "s": E.FeatureConfig(sgd, max_sequence_length=2)},
+                      optimizer=E.Adam(0.1, lazy_adam=False))
+    layer.build()
+    tables = {t.name: t for t in layer._embedcore_tables()}
+    refs = {"adam": ref.TableRef(np.zeros((6, 2)), ref.OptimizerRef("adam", 0.1, lazy_adam=False)),
+            "sgd": ref.TableRef(np.zeros((6, 2)), ref.OptimizerRef("sgd", lambda step: 1.0 + step))}
+    for name, t in tables.items():
+        v = rng.standard_normal((6, 2)).astype(np.float32)
+        t.assign(v)
+        refs[name].values[:] = v
+
+    def step(features):
+        with tf.GradientTape() as tape:
+            out = layer(features)
+            loss = tf.add_n([tf.reduce_sum(o) for o in out.values()])
+        tape.gradient(loss, layer.trainable_variables)
+
+    step_fn = tf.function(step) if traced else step
+    first = tf.ragged.constant([[1]], tf.int64)
+    step_fn({"a": first, "s": first})
+    for name in refs:  # d loss / d row 1 = 1 (the sum; the sequence's one position)
+        refs[name].apply(refs[name].row_grads().add(np.array([1]), np.ones((1, 2))))
+    for what, batch in _empty_batches():
+        sequence = batch if what != "every id pruned" else _empty_batches()[0][1]  # a sequence does not prune
+        (tf.function(step) if traced else step)({"a": batch, "s": sequence})
+        for name, r in refs.items():
+            r.apply(r.row_grads())  # no row looked up: zero gradient
+            t = tables[name]
+            assert t.step == r.step, (what, name)
+            _assert_table(t, r)
+    assert tables["adam"].step == 1 + len(_empty_batches())
