@@ -8,7 +8,9 @@ both. Each feature becomes a :class:`Feature` and each table a
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import warnings
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -68,15 +70,37 @@ def optimizer_from_tf(opt) -> Optional[ec.optimizers.Optimizer]:
     raise NotImplementedError(f"embedcore has no {type(opt).__name__} optimizer (it has SGD, Adagrad, Adam and FTRL)")
 
 
-def _schedule(fn: Callable[[], Any]) -> Callable[[int], float]:
-    """TensorFlow's learning rates are callables of no argument; embedcore's of the step."""
+class TfLearningRate:
+    """TensorFlow's learning rate, a callable of no argument, as embedcore's
+    ``lr(step)``. The Keras layer evaluates ``fn()`` in the training step,
+    as TensorFlow ops before the update (as ``TPUEmbedding.apply_gradients``
+    does), and hands the value to the update with :meth:`given`; anywhere
+    else ``fn()`` is called when the rate is asked for."""
 
-    def lr(step: int) -> float:
-        v = fn()
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        self.__qualname__ = getattr(fn, "__qualname__", "tf_learning_rate")  # a checkpoint's schedule name
+        self._given = threading.local()  # this thread's update's value, from the step's graph
+
+    def __call__(self, step: int) -> float:
+        v = getattr(self._given, "value", None)
+        if v is None:
+            v = self.fn()
         return float(v.numpy() if hasattr(v, "numpy") else v)
 
-    lr.__qualname__ = getattr(fn, "__qualname__", "tf_learning_rate")
-    return lr
+    @contextlib.contextmanager
+    def given(self, value: float):
+        self._given.value = value
+        try:
+            yield
+        finally:
+            self._given.value = None
+
+    def __repr__(self) -> str:
+        return f"TfLearningRate({self.fn!r})"
+
+
+_schedule = TfLearningRate
 
 
 # ------------------------------------------------------------------ initializers

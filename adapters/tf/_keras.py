@@ -14,6 +14,7 @@ optimization can prune it.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Optional
 
 import keras
@@ -25,6 +26,7 @@ from embedcore._inputs import make_batch
 from embedcore.table import apply_gradients_many
 
 from . import _export
+from ._config import TfLearningRate
 from ._lookup import Backward, lookup as _lookup, unpack_bwd
 from ._serving import EmbeddingForServing
 
@@ -203,24 +205,64 @@ def _trainable_lookup(emb: EmbeddingForServing, inputs, weights, anchor, refusal
     return tf.nest.pack_sequence_as(outputs, attach(a, *flat))
 
 
+def _learning_rates(tables: Dict[str, ec.Table], names) -> list:
+    """TensorFlow's learning-rate callables of these tables, each called once
+    (as ``TPUEmbedding.apply_gradients`` calls each): ``[(rate value as a
+    float64 tensor, [the tables' TfLearningRate])]``. In a graph the call's
+    ops (reads of ``optimizer.iterations``, of a learning-rate variable) run
+    in the step's order, before the variable writes that follow them (the
+    Keras optimizer's ``iterations.assign_add``), and the update takes the
+    value as an input, so it runs after them."""
+    by_fn: Dict[int, tuple] = {}
+    for name in names:
+        opt = tables[name]._optimizer
+        lr = opt.learning_rate if opt is not None else None
+        if isinstance(lr, TfLearningRate):
+            entry = by_fn.setdefault(id(lr.fn), (lr.fn, [], []))
+            entry[1].append(lr)
+            entry[2].append(f"'{name}'")
+    out = []
+    for fn, schedules, which in by_fn.values():
+        try:
+            value = tf.cast(tf.convert_to_tensor(fn(), dtype_hint=tf.float64), tf.float64)
+        except Exception as e:
+            if tf.executing_eagerly():
+                raise
+            raise TypeError(f"the learning rate {fn!r} of table {', '.join(which)} cannot be evaluated inside "
+                            f"tf.function ({type(e).__name__}: {e}): as in TPUEmbedding, a learning-rate callable is "
+                            "called as TensorFlow ops in the training step; make it return a tensor (e.g. lambda: "
+                            "schedule(optimizer.iterations)), or train eagerly") from e
+        if value.shape.rank not in (None, 0):
+            raise ValueError(f"the learning rate {fn!r} of table {', '.join(which)} must return a scalar, got shape "
+                             f"{value.shape}")
+        out.append((value, schedules))
+    return out
+
+
 def _apply(emb: EmbeddingForServing, backward, dys) -> list:
     """Runs the engine update (eagerly, or as a stateful numpy_function)."""
     items = [(f, b, dy) for (f, b), dy in zip(backward, dys) if dy is not None]
     if not items:
         return []
     tables = emb._tables
+    rates = _learning_rates(tables, list(dict.fromkeys(f.table.name for f, _, _ in items)))
 
     def run(*arrays):
         parts: Dict[str, list] = {}
         for i, (f, _, _) in enumerate(items):
             b = unpack_bwd(arrays[6 * i: 6 * i + 5])
             parts.setdefault(f.table.name, []).append((b, arrays[6 * i + 5]))
-        apply_numpy(tables, parts)
+        with contextlib.ExitStack() as given:
+            for (_, schedules), value in zip(rates, arrays[6 * len(items):]):
+                for schedule in schedules:
+                    given.enter_context(schedule.given(float(value)))
+            apply_numpy(tables, parts)
         return np.zeros((), np.float32)
 
     tensors = []
     for _, b, dy in items:
         tensors.extend(list(b) + [tf.convert_to_tensor(dy, tf.float32)])
+    tensors.extend(value for value, _ in rates)
     if tf.executing_eagerly():
         run(*[t.numpy() for t in tensors])
         return []

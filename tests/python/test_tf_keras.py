@@ -482,3 +482,107 @@ def test_a_batch_without_ids_is_still_a_step(rng, traced):
             assert t.step == r.step, (what, name)
             _assert_table(t, r)
     assert tables["adam"].step == 1 + len(_empty_batches())
+
+
+def _halving(optimizer):
+    """TPUEmbedding's usual learning rate: a schedule of the Keras optimizer's
+    iterations (1, 0.5, 0.25, ... at iterations 0, 1, 2, ...)."""
+    schedule = keras.optimizers.schedules.ExponentialDecay(1.0, decay_steps=1, decay_rate=0.5)
+    return lambda: schedule(optimizer.iterations)
+
+
+def test_learning_rate_callable_reads_the_iterations_of_its_step(rng):
+    """A TensorFlow learning-rate callable is evaluated as TensorFlow ops in
+    the training step, before the update and before the Keras optimizer's
+    iterations.assign_add, as TPUEmbedding.apply_gradients evaluates it: step
+    k uses the rate of iterations k, in a custom tf.function loop and in
+    model.fit, traced or eager (was: read inside the update's numpy_function,
+    unordered with the increment: iterations 1, 2, 3, ... in a graph)."""
+    def expected(steps):  # d loss / d row 1 = 1 in every step; SGD at 0.5**k
+        return np.float32(-sum(0.5 ** k for k in range(steps)))
+
+    # a custom tf.function loop
+    opt = keras.optimizers.SGD(0.0)
+    t = E.TableConfig(4, 1, combiner="sum", initializer=tf.zeros_initializer(), name="t")
+    layer = Embedding(feature_config={"f": E.FeatureConfig(t)}, optimizer=E.SGD(learning_rate=_halving(opt)))
+    layer.build()
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer({"f": ids})["f"])
+        grads = tape.gradient(loss, layer.trainable_variables)
+        opt.apply_gradients(zip(grads, layer.trainable_variables))
+
+    table = layer._embedcore_tables()[0]
+    for k in range(1, 4):
+        step(tf.constant([1]))
+        assert int(opt.iterations.numpy()) == k and table.step == k
+        np.testing.assert_allclose(table.values()[1, 0], expected(k), rtol=1e-6)
+
+    # model.fit, one batch per step
+    for run_eagerly in (False, True):
+        opt = keras.optimizers.SGD(0.0)
+        t = E.TableConfig(10, 2, combiner="sum", initializer=tf.zeros_initializer(), name="t2")
+        layer = Embedding(feature_config={"f": E.FeatureConfig(t)}, optimizer=E.SGD(learning_rate=_halving(opt)))
+        ids = keras.Input(shape=(1,), dtype="int64", name="f")
+        model = keras.Model(ids, keras.layers.Flatten()(layer({"f": ids})["f"]))
+        model.compile(opt, loss=lambda y, p: tf.reduce_sum(p), run_eagerly=run_eagerly)
+        model.fit(np.ones((4, 1), np.int64), np.zeros((4, 2)), batch_size=1, epochs=1, verbose=0, shuffle=False)
+        assert int(opt.iterations.numpy()) == 4
+        np.testing.assert_allclose(layer._embedcore_tables()[0].values()[1], [expected(4)] * 2, rtol=1e-6)
+
+
+def test_learning_rate_variable_assigned_in_the_step():
+    """A learning-rate variable assigned at the start of a tf.function step:
+    the update uses the value assigned in its step (TensorFlow orders the
+    callable's read after the assign), every run alike (was: racy)."""
+    expected = np.float32(0.0)
+    for i in range(12):
+        expected = np.float32(expected - np.float32(0.1) * np.float32(i + 1))
+    for _ in range(3):
+        lr = tf.Variable(0.0)
+        t = E.TableConfig(4, 1, combiner="sum", initializer=tf.zeros_initializer(), name="t")
+        layer = Embedding(feature_config={"f": E.FeatureConfig(t)}, optimizer=E.SGD(learning_rate=lambda: lr))
+        layer.build()
+
+        @tf.function
+        def step(i, ids):
+            lr.assign(0.1 * tf.cast(i + 1, tf.float32))
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(layer({"f": ids})["f"])
+            tape.gradient(loss, layer.trainable_variables)
+
+        for i in range(12):
+            step(tf.constant(i), tf.constant([1]))
+        np.testing.assert_allclose(layer._embedcore_tables()[0].values()[1, 0], expected, rtol=1e-6)
+
+
+def test_learning_rate_callable_that_only_runs_eagerly():
+    """A learning-rate callable that needs eager execution (it calls
+    .numpy()) cannot be evaluated in the traced step, where TPUEmbedding
+    evaluates it too: TypeError naming it and the table, before anything
+    changes (was: called inside the update, off by one iteration). Eagerly
+    it sees iterations 0, 1, 2, ..."""
+    opt = keras.optimizers.SGD(0.0)
+    seen = []
+
+    def eager_only():
+        seen.append(int(opt.iterations.numpy()))
+        return 0.5 ** seen[-1]
+
+    t = E.TableConfig(10, 2, combiner="sum", initializer=tf.zeros_initializer(), name="eager_t")
+    layer = Embedding(feature_config={"f": E.FeatureConfig(t)}, optimizer=E.SGD(learning_rate=eager_only))
+    ids = keras.Input(shape=(1,), dtype="int64", name="f")
+    model = keras.Model(ids, keras.layers.Flatten()(layer({"f": ids})["f"]))
+    model.compile(opt, loss=lambda y, p: tf.reduce_sum(p))
+    with pytest.raises(TypeError, match=r"the learning rate <function .*eager_only.* of table 'eager_t' cannot be "
+                                        r"evaluated inside tf.function"):
+        model.fit(np.ones((4, 1), np.int64), np.zeros((4, 2)), batch_size=1, epochs=1, verbose=0, shuffle=False)
+    table = layer._embedcore_tables()[0]
+    assert table.step == 0 and not table.values().any() and int(opt.iterations.numpy()) == 0
+    seen.clear()
+    model.compile(opt, loss=lambda y, p: tf.reduce_sum(p), run_eagerly=True)
+    model.fit(np.ones((4, 1), np.int64), np.zeros((4, 2)), batch_size=1, epochs=1, verbose=0, shuffle=False)
+    assert seen == [0, 1, 2, 3]
+    np.testing.assert_allclose(table.values()[1], [-1.875] * 2, rtol=1e-6)
