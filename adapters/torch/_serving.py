@@ -108,7 +108,7 @@ class _ServedCollection(nn.Module):
         ignored, as TorchRec's collections (its quantized ones included) and
         the training collections ignore them: one KJT may feed several modules."""
         if _is_kjt(features):
-            what = "the KeyedJaggedTensor"
+            what = "the KeyedJaggedTensor's "
             tensors = [("values()", features.values()), ("lengths()", features.lengths_or_none()),
                        ("offsets()", features.offsets_or_none()), ("weights()", features.weights_or_none())]
         else:

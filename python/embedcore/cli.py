@@ -36,12 +36,15 @@ def _inspect(path: str, as_json: bool) -> int:
     given = native_path(path)
     path = resolved_path(given)
     with _locked(path):  # as _verify: no save's commit removes the files the manifest names meanwhile
-        info = read_info(path)
+        info = read_info(path, slot_files=False)  # a copy without its slot files serves, so it is described too
+        manifest = json.loads(info.manifest_json)
+        missing = {f["path"] for t in manifest["tables"] for fs in t["slots"].values() for f in fs
+                   if not os.path.isfile(os.path.join(path, f["path"]))}
     # Printed after the lock is released: a slow reader of the output (a pager) holds up no save.
-    return _print_inspect(given, info, as_json)
+    return _print_inspect(given, info, as_json, missing)
 
 
-def _print_inspect(given: str, info, as_json: bool) -> int:
+def _print_inspect(given: str, info, as_json: bool, missing=frozenset()) -> int:
     manifest = json.loads(info.manifest_json)
     if as_json:
         print(json.dumps(manifest, indent=1))
@@ -74,6 +77,10 @@ def _print_inspect(given: str, info, as_json: bool) -> int:
             print("    optimizer: none saved (values only)")
         else:
             print(f"    optimizer: {opt['kind']}, step {t['step']}, slots: {', '.join(t['slots']) or 'none'}")
+            gone = sorted(f["path"] for fs in t["slots"].values() for f in fs if f["path"] in missing)
+            if gone:
+                print(f"    slot files missing ({', '.join(gone)}): it serves, but loads without the optimizer "
+                      "state only (include_optimizer=False)")
         sharding = t.get("sharding", {})
         print(f"    sharding at save: {sharding.get('plan', '?')} over {sharding.get('world_size', '?')} rank(s); "
               f"{len(files)} file(s)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -59,6 +60,25 @@ def test_inspect(emb_ckpt):
     # item 4096 + 3000 x 8 x 2 (bfloat16 values) + 4096 + 3000 x 8 x 4 (float32 slot) = 148.6 KiB
     assert "combiner sum, 133.0 KiB" in out and "combiner mean, 148.6 KiB" in out
     assert "total 281.6 KiB" in out
+
+
+def test_inspect_a_copy_without_its_slot_files(emb_ckpt, tmp_path):
+    """A checkpoint copied without its optimizer slot files serves (the values
+    files are all a server opens): inspect describes it too, naming the
+    missing files, and the copy loads without the optimizer state."""
+    copy = tmp_path / "copy"
+    shutil.copytree(emb_ckpt, copy)
+    manifest = json.loads(ec.checkpoint.read_info(copy).manifest_json)
+    slot_files = [f["path"] for t in manifest["tables"] for fs in t["slots"].values() for f in fs]
+    for name in slot_files:
+        os.remove(copy / name)
+    r = run_cli("inspect", copy)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("slot files missing (") == 2 and all(name in r.stdout for name in slot_files), r.stdout
+    ec.serving.open(copy)
+    user = ec.Table(name="user", rows=1000, dim=16, optimizer=ec.optimizers.Adagrad(0.1))
+    ec.load(copy, into=user, include_optimizer=False)
+    assert "slot files missing" not in run_cli("inspect", emb_ckpt).stdout
 
 
 def test_inspect_json(emb_ckpt):

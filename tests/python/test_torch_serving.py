@@ -300,6 +300,10 @@ def test_input_errors(tmp_path, torchrec):
                                                             lengths=torch.tensor([2, -1, 2])))
     with pytest.raises(TypeError, match=r"the input\['f2'\] is on meta; serving runs on the CPU"):
         served({**ok, "f2": torch.tensor([1], device="meta")})
+    meta = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1"], values=torch.tensor([1], device="meta"),
+                                                        lengths=torch.tensor([1], device="meta"))
+    with pytest.raises(TypeError, match=r"the KeyedJaggedTensor's values\(\) is on meta; serving runs on the CPU"):
+        served(meta)
     with pytest.raises(TypeError, match="takes a dict of features or a TorchRec KeyedJaggedTensor"):
         served([torch.tensor([1])])
     with pytest.raises(ValueError, match=r"ServedEmbeddingBagCollection\(is_weighted=True\) needs"):
