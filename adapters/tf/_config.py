@@ -96,6 +96,14 @@ class TfLearningRate:
         finally:
             self._given.value = None
 
+    def __deepcopy__(self, memo) -> "TfLearningRate":
+        # A copy of an optimizer (or a TableConfig) holding it: the same callable, as deepcopy shared the
+        # function before (a thread's given value is no state to copy).
+        return TfLearningRate(self.fn)
+
+    def __reduce__(self):
+        return TfLearningRate, (self.fn,)
+
     def __repr__(self) -> str:
         return f"TfLearningRate({self.fn!r})"
 

@@ -93,10 +93,15 @@ class Embedding(keras.layers.Layer):
         if feature_config is None:
             if input_dim is None or output_dim is None:
                 raise ValueError("Embedding: give input_dim and output_dim, or feature_config=")
+            dims = []
             for what, value in (("input_dim", input_dim), ("output_dim", output_dim)):
-                # int() would truncate 2.5 to 2 (a table of other rows than asked), and accept "4" or True.
-                if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                # int() would truncate 2.5 to 2 (a table of other rows than asked), and accept "4" or True; a
+                # whole float (10.0, in the config of a layer made with input_dim=vocab / 2) is its int.
+                whole = isinstance(value, (float, np.floating)) and float(value).is_integer()
+                if isinstance(value, bool) or not (isinstance(value, (int, np.integer)) or whole):
                     raise TypeError(f"Embedding: {what} must be an int, got {value!r}")
+                dims.append(int(value))
+            input_dim, output_dim = dims  # Python ints: get_config() stays JSON
             ours = isinstance(initializer, ec.initializers.Initializer)  # TensorFlow's config takes callables only
             table = _TF.TableConfig(vocabulary_size=int(input_dim), dim=int(output_dim),
                                     initializer=None if ours else initializer, combiner=combiner,

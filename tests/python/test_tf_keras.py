@@ -1,6 +1,8 @@
 """embedcore.adapters.tf.Embedding: a Keras layer whose tables live in the
 engine and train with model.fit; one step equals the NumPy reference update
 (tests/python/reference.py) from the layer's output gradient."""
+import copy
+import json
 import os
 import subprocess
 import sys
@@ -363,7 +365,7 @@ def test_config_of_unserializable_optimizer_or_initializer_is_refused():
 
 
 @pytest.mark.parametrize("args,bad", [((2.5, 4), "input_dim must be an int, got 2.5"),
-                                      ((10, 4.0), "output_dim must be an int, got 4.0"),
+                                      ((10, 4.5), "output_dim must be an int, got 4.5"),
                                       ((True, 4), "input_dim must be an int, got True"),
                                       (("10", 4), "input_dim must be an int, got '10'")])
 def test_non_integral_dims_are_refused(args, bad):
@@ -373,6 +375,12 @@ def test_non_integral_dims_are_refused(args, bad):
     layer = Embedding(np.int64(10), np.int32(4))  # NumPy integers are ints
     layer.build()
     assert (layer._embedcore_tables()[0].rows, layer._embedcore_tables()[0].dim) == (10, 4)
+    config = layer.get_config()
+    json.dumps(config)  # stored as Python ints
+    # A whole float (the config of a layer made with input_dim=vocab / 2) is its int, as before the check.
+    again = Embedding.from_config({**config, "input_dim": 10.0, "output_dim": np.float64(4.0)})
+    again.build()
+    assert (again._embedcore_tables()[0].rows, again._embedcore_tables()[0].dim) == (10, 4)
 
 
 def _initializers():
@@ -519,6 +527,9 @@ def test_learning_rate_callable_reads_the_iterations_of_its_step(rng):
         step(tf.constant([1]))
         assert int(opt.iterations.numpy()) == k and table.step == k
         np.testing.assert_allclose(table.values()[1, 0], expected(k), rtol=1e-6)
+    # The engine optimizer holding the callable deep-copies as it did: the same callable.
+    copied = copy.deepcopy(table.optimizer)
+    assert copied.learning_rate(0) == table.optimizer.learning_rate(0) == 0.5 ** 3
 
     # model.fit, one batch per step
     for run_eagerly in (False, True):
