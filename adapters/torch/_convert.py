@@ -63,6 +63,16 @@ def _tables(state: Mapping, path: str, prefix: Optional[str]) -> List[Tuple[str,
                 raise ValueError(f"{path}: {where} belongs to a FeatureProcessedEmbeddingBagCollection, whose "
                                  f"feature processors ({', '.join(processors[:3])}) weight each id before pooling; "
                                  "a served table pools the rows alone, so its lookups would differ")
+        parent = module.rpartition(".")[0] if module.rpartition(".")[2] == "_embedding_module" else None
+        if parent is not None:
+            remaps = [k for k in state if isinstance(k, str)
+                      and k.startswith(f"{parent + '.' if parent else ''}_managed_collision_collection.")]
+            if remaps:
+                raise ValueError(f"{path}: {items[0][0]} belongs to a TorchRec ManagedCollisionEmbedding"
+                                 f"{'Bag' if kind == 'embedding_bags' else ''}Collection, whose "
+                                 f"{parent + '.' if parent else ''}_managed_collision_collection ({len(remaps)} "
+                                 f"keys, e.g. {remaps[0]}) remaps each raw id to a row before the lookup; a served "
+                                 "table takes the ids as rows, so its lookups would read other rows")
         for key, rest, value in items:
             if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.layout != torch.strided:
                 raise ValueError(f"{path}: {key} is a {type(value).__name__} ({value.layout}): {_SHARDED}")
@@ -158,7 +168,9 @@ def convert_state_dict(src, dst, prefix: Optional[str] = None, combiner: str = "
     ``combiner=None``). `prefix`: only the tables of the module at that path
     ("" for the model itself); needed when two modules hold tables of one
     name. Every table is checked before the checkpoint is written: a bad one
-    (sharded, not 2-D float, not finite) raises ``ValueError`` naming its key."""
+    (sharded, not 2-D float, not finite, or a FeatureProcessed or
+    ManagedCollision collection's, whose lookups a served table cannot
+    reproduce) raises ``ValueError`` naming its key."""
     if combiner not in ("sum", "mean", "sqrtn"):
         raise ValueError(f"combiner must be 'sum', 'mean' or 'sqrtn', not {combiner!r}")
     path = os.fspath(src)

@@ -647,6 +647,50 @@ def test_convert_state_dict_takes_only_collections_and_refuses_what_it_cannot_se
     assert "sharded refused: True False" in r.stdout and "dtensor refused: True False" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_convert_state_dict_refuses_managed_collision_collections(tmp_path):
+    """A TorchRec ManagedCollisionEmbeddingBagCollection (or ...EmbeddingCollection)
+    remaps raw ids to rows before its lookup: a served table of its weight
+    alone would read other rows, so it is refused naming the key, whole
+    model, with prefix= and from a DCP directory, writing nothing."""
+    torchrec = pytest.importorskip("torchrec")
+    import torch.distributed.checkpoint as dcp
+    from torchrec.modules.mc_embedding_modules import (ManagedCollisionEmbeddingBagCollection,
+                                                       ManagedCollisionEmbeddingCollection)
+    from torchrec.modules.mc_modules import LFU_EvictionPolicy, MCHManagedCollisionModule, ManagedCollisionCollection
+
+    def mcc(tables):
+        return ManagedCollisionCollection({"t1": MCHManagedCollisionModule(
+            zch_size=16, device=torch.device("cpu"), eviction_policy=LFU_EvictionPolicy(), eviction_interval=1,
+            input_hash_size=1000)}, tables)
+
+    bag_tables = [torchrec.EmbeddingBagConfig(num_embeddings=16, embedding_dim=4, name="t1", feature_names=["f1"])]
+    seq_tables = [torchrec.EmbeddingConfig(num_embeddings=16, embedding_dim=4, name="t1", feature_names=["f1"])]
+    models = {
+        "bags": ("EmbeddingBagCollection", "mc._embedding_module.embedding_bags.t1.weight", torch.nn.ModuleDict({
+            "mc": ManagedCollisionEmbeddingBagCollection(torchrec.EmbeddingBagCollection(
+                tables=bag_tables, device=torch.device("cpu")), mcc(bag_tables), return_remapped_features=True)})),
+        "seq": ("EmbeddingCollection", "mc._embedding_module.embeddings.t1.weight", torch.nn.ModuleDict({
+            "mc": ManagedCollisionEmbeddingCollection(torchrec.EmbeddingCollection(
+                tables=seq_tables, device=torch.device("cpu")), mcc(seq_tables), return_remapped_features=True)})),
+    }
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(["f1"], torch.tensor([5, 900, 123, 7]), torch.tensor([2, 2]))
+    for label, (kind, key, model) in models.items():
+        model.train()
+        for _ in range(3):
+            _, remapped = model["mc"](kjt)
+        model.eval()
+        assert model["mc"](kjt)[1]["f1"].values().tolist() != kjt.values().tolist()  # (ids are remapped)
+        assert key in model.state_dict()
+        torch.save(model.state_dict(), tmp_path / f"{label}.pt")
+        dcp.save(model.state_dict(), checkpoint_id=tmp_path / f"{label}.dcp")
+        for src, prefix in [(f"{label}.pt", None), (f"{label}.pt", "mc._embedding_module"), (f"{label}.dcp", None)]:
+            with pytest.raises(ValueError, match=rf"{key} belongs to a TorchRec ManagedCollision{kind}.*"
+                                                 r"mc\._managed_collision_collection\._managed_collision_modules\.t1\."):
+                et.convert_state_dict(tmp_path / src, tmp_path / "out", prefix=prefix)
+            assert not (tmp_path / "out").exists()
+
+
 def test_convert_state_dict_of_a_checkpoint_two_ranks_saved_sharded(tmp_path):
     """A torch.distributed.checkpoint that two ranks wrote, each its rows of a
     ShardedTensor (how TorchRec's row-wise sharded tables save): one process
