@@ -87,8 +87,10 @@ def engine_optimizer(param: torch.Tensor, owner: str) -> Optional[Tuple[ec.optim
     return optimizer, lr_decay
 
 # Other names a slot goes by: PyTorch's optimizers and FBGEMM / TorchRec's
-# ("momentum1" / "momentum2": the optimizer's first / second slot).
-_ALIASES = {"sum": "accumulators", "exp_avg": "momenta", "exp_avg_sq": "velocities"}
+# ("momentum1" / "momentum2": the optimizer's first / second slot); "sum" is
+# torch.optim.Adagrad's accumulators and torchrec.optim.RowWiseAdagrad's
+# row accumulators ([rows, 1]).
+_ALIASES = {"sum": ("accumulators", "row_accumulators"), "exp_avg": ("momenta",), "exp_avg_sq": ("velocities",)}
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -108,7 +110,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     1] for row-wise Adagrad)}},
     "param_groups": [{"params": [key], "lr": ..., "table": name, "optimizer":
     class name}]}``. ``load_state_dict`` copies slots into the engine and
-    accepts PyTorch's slot names (``sum``, ``exp_avg``, ``exp_avg_sq``) and
+    accepts PyTorch's slot names (``sum``, ``exp_avg``, ``exp_avg_sq``;
+    ``sum`` is also TorchRec's ``RowWiseAdagrad``'s ``[rows, 1]`` state) and
     TorchRec's (``momentum1``, ``momentum2``, or its fused modules'
     ``momentum_1``, ``momentum_2``, also prefixed by the table name;
     row-wise Adagrad's ``[rows]`` ``momentum1`` too), under the weight's key
@@ -150,8 +153,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         short = name.rsplit(".", 1)[-1]
         if short in names:
             return short
-        if short in _ALIASES and _ALIASES[short] in names:
-            return _ALIASES[short]
+        for alias in _ALIASES.get(short, ()):
+            if alias in names:
+                return alias
         short = {"momentum_1": "momentum1", "momentum_2": "momentum2"}.get(short, short)  # TorchRec's fused modules'
         if short in ("momentum1", "momentum2") and len(names) >= int(short[-1]):
             return names[int(short[-1]) - 1]

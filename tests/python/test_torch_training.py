@@ -570,6 +570,50 @@ def test_apply_optimizer_in_backward_on_a_torchrec_collection(rng):
     assert tuple(state["embedding_bags.t1.weight"]["row_accumulators"].shape) == (30, 1)
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_torchrec_rowwise_adagrad_state_loads_and_training_goes_on(rng, flat):
+    """TorchRec's RowWiseAdagrad keeps {"step", "sum": [rows, 1]}: loaded
+    into a table trained fused from that optimizer ("sum" is its
+    row_accumulators; a flat [rows] one too), training goes on along
+    TorchRec's trajectory."""
+    torchrec = pytest.importorskip("torchrec")
+    RowWiseAdagrad = _rowwise_adagrad()
+    cfgs = [torchrec.EmbeddingBagConfig(num_embeddings=37, embedding_dim=8, name="t1", feature_names=["f1"])]
+
+    def batch():
+        ids, offsets, _ = bags(rng, 37, 4)
+        return torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1"], values=ids, lengths=offsets.diff())
+
+    theirs = torchrec.EmbeddingBagCollection(tables=cfgs, device=torch.device("cpu"))
+    opt = RowWiseAdagrad(theirs.parameters(), lr=0.1)
+    for _ in range(3):
+        theirs(batch()).values().pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = dict(opt.state[theirs.embedding_bags.t1.weight])
+    assert tuple(state["sum"].shape) == (37, 1)
+    if flat:
+        state["sum"] = state["sum"].reshape(-1)
+    ours = et.EmbeddingBagCollection(cfgs)
+    ours.load_state_dict(theirs.state_dict())
+    _in_backward(RowWiseAdagrad, ours.parameters(), {"lr": 0.1})
+    ours.load_optimizer_state_dict({"state": {"embedding_bags.t1.weight": state}})
+    loaded = ours.fused_optimizer.state_dict()["state"]["embedding_bags.t1.weight"]
+    assert torch.equal(loaded["row_accumulators"], opt.state[theirs.embedding_bags.t1.weight]["sum"])
+    for _ in range(3):
+        kjt = batch()
+        theirs(kjt).values().pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ours(kjt).values().pow(2).sum().backward()
+    assert max_diff(ours.embedding_bags.t1.weight, theirs.embedding_bags.t1.weight) <= 1e-6
+    assert max_diff(ours.fused_optimizer.state_dict()["state"]["embedding_bags.t1.weight"]["row_accumulators"],
+                    opt.state[theirs.embedding_bags.t1.weight]["sum"]) <= 1e-5
+    # A slot the table lacks is still refused, naming it.
+    with pytest.raises(ValueError, match=r"has no slot 'exp_avg'; its slots are \['row_accumulators'\]"):
+        ours.load_optimizer_state_dict({"state": {"embedding_bags.t1.weight": {"exp_avg": state["sum"]}}})
+
+
 def test_apply_optimizer_in_backward_refusals_leave_the_table_unfused(rng):
     w = uniform_weights(rng, ROWS, DIM)
     ids, offsets, _ = bags(rng, ROWS, 4)
