@@ -132,6 +132,23 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(module).__name__} has no table trained fused (give it an embedcore optimizer)")
         super().__init__([m._group for _, m in self._entries], {})
 
+    @property
+    def param_groups(self) -> list:
+        """One group per table, each showing the rate its next step uses: a
+        table fused from apply_optimizer_in_backward takes first the rate set
+        on that optimizer since (by its scheduler, say), as its next lookup
+        would (_TableModule._sync_in_backward)."""
+        self._sync()
+        return self.__dict__["_param_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups: list) -> None:
+        self.__dict__["_param_groups"] = groups
+
+    def _sync(self) -> None:
+        for _, m in self.__dict__.get("_entries", ()):
+            m._sync_in_backward(check=False)
+
     def step(self, closure=None):
         return closure() if closure is not None else None
 
@@ -141,6 +158,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         state: Dict[str, dict] = {}
         groups = []
+        self._sync()  # (the rates the next steps use)
         for key, m in self._entries:
             state[key] = {"step": torch.tensor(m._table.step, dtype=torch.int64), **m._slots}
             groups.append({**{k: v for k, v in m._group.items() if k != "params"}, "params": [key]})

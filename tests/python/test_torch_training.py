@@ -2,6 +2,9 @@
 backward()) and unfused (PyTorch's sparse optimizers on weight.grad), one and
 ten steps, against nn.EmbeddingBag(sparse=True) driven by torch.optim.SGD /
 Adagrad / SparseAdam on the same weights and batches."""
+import copy
+import warnings
+
 import numpy as np
 import pytest
 
@@ -515,6 +518,69 @@ def test_apply_optimizer_in_backward_s_rate_changes_are_followed(rng, name):
     et.FusedOptimizer(ours).param_groups[0]["lr"] = 0.05
     _train(rng, [(ours, None)], 1, "sum", weighted=False)
     assert ours.weight._in_backward_optimizers[0].param_groups[0]["lr"] == 0.05
+
+
+def test_in_backward_scheduler_checkpoint_resumes_bit_identically(rng, tmp_path):
+    """TorchRec's scheduler recipe (a scheduler on
+    param._in_backward_optimizers), checkpointed as documented (ec.save,
+    fused_optimizer.state_dict(), the scheduler's state_dict()) between a
+    step and the next lookup: fused_optimizer shows the rate the next step
+    uses, and the resumed run is bit-identical to an uninterrupted one, which
+    follows TorchRec's collection with the same recipe."""
+    torchrec = pytest.importorskip("torchrec")
+    cfgs = [torchrec.EmbeddingBagConfig(num_embeddings=37, embedding_dim=8, name="t1", feature_names=["f1"])]
+    batches = []
+    for _ in range(6):
+        ids, offsets, _ = bags(rng, 37, 4)
+        batches.append(torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1"], values=ids, lengths=offsets.diff()))
+    start = torchrec.EmbeddingBagCollection(tables=cfgs, device=torch.device("cpu")).state_dict()
+
+    def make(cls=et.EmbeddingBagCollection):
+        m = cls(tables=cfgs)
+        m.load_state_dict(start)
+        _in_backward(torch.optim.Adagrad, m.parameters(), {"lr": 0.1, "initial_accumulator_value": 0.1})
+        opt = m.embedding_bags.t1.weight._in_backward_optimizers[0]
+        return m, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
+
+    def train(m, sched, bs):
+        for kjt in bs:
+            m(kjt).values().pow(2).sum().backward()
+            sched.step()
+
+    theirs, their_sched = make(torchrec.EmbeddingBagCollection)
+    whole, whole_sched = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the scheduler steps with no optimizer.step(): the recipe's)
+        train(theirs, their_sched, batches)
+        train(whole, whole_sched, batches)
+        assert max_diff(whole.embedding_bags.t1.weight, theirs.embedding_bags.t1.weight) <= 1e-6
+        first, first_sched = make()
+        train(first, first_sched, batches[:2])
+        ib = first.embedding_bags.t1.weight._in_backward_optimizers[0]
+        assert ib.param_groups[0]["lr"] == pytest.approx(0.03)
+        assert copy.deepcopy(first).fused_optimizer.param_groups[0]["lr"] == ib.param_groups[0]["lr"]  # a copy too
+        assert first.fused_optimizer.param_groups[0]["lr"] == ib.param_groups[0]["lr"]  # before any lookup
+        ec.save(str(tmp_path / "ck"), first)
+        saved, saved_sched = first.fused_optimizer.state_dict(), first_sched.state_dict()
+        assert saved["param_groups"][0]["lr"] == ib.param_groups[0]["lr"]
+        resumed, resumed_sched = make()
+        _ = resumed.fused_optimizer  # (fuses the table, as documented, so that it takes the optimizer's slots)
+        ec.load(str(tmp_path / "ck"), into=resumed)
+        resumed.fused_optimizer.load_state_dict(saved)
+        resumed_sched.load_state_dict(saved_sched)
+        # The loaded rate reaches the in-backward optimizer at once (its scheduler starts from it).
+        assert resumed.embedding_bags.t1.weight._in_backward_optimizers[0].param_groups[0]["lr"] == \
+            saved["param_groups"][0]["lr"]
+        train(resumed, resumed_sched, batches[2:])
+    assert torch.equal(resumed.embedding_bags.t1.weight, whole.embedding_bags.t1.weight)
+    assert resumed.fused_optimizer.param_groups[0]["lr"] == whole.fused_optimizer.param_groups[0]["lr"]
+    # A rate written on fused_optimizer shows on the in-backward optimizer at once, and the reverse.
+    resumed.fused_optimizer.param_groups[0]["lr"] = 0.5
+    ib = resumed.embedding_bags.t1.weight._in_backward_optimizers[0]
+    assert ib.param_groups[0]["lr"] == 0.5
+    ib.param_groups[0]["lr"] = 0.25
+    assert resumed.fused_optimizer.param_groups[0]["lr"] == 0.25
+    assert resumed.fused_optimizer.state_dict()["param_groups"][0]["lr"] == 0.25
 
 
 def test_apply_optimizer_in_backward_option_changes_are_refused(rng):
