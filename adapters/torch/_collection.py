@@ -182,7 +182,7 @@ def _csr(x, where: str) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         else:
             raise ValueError(f"{where} must be 1-D (one id per bag) or 2-D (one bag per row), got {x.dim()}-D")
     elif jt is not None and isinstance(x, jt.JaggedTensor):
-        values, offsets, weights = x.values(), x.offsets(), x.weights_or_none()
+        values, offsets, weights = x.values(), _jagged_offsets(x, where), x.weights_or_none()
     elif isinstance(x, dict):
         unknown = set(x) - {"values", "offsets", "lengths", "weights"}
         if unknown or "values" not in x or ("offsets" in x) == ("lengths" in x):
@@ -236,6 +236,22 @@ def _sequence_ids(features: dict, f: str, table: str, owner: str = "EmbeddingCol
     return v, (v.shape[0],)
 
 
+def _jagged_offsets(x, where: str) -> Tensor:
+    """The offsets of a KJT or JaggedTensor `x`; made from int8, int16 or
+    uint8 lengths here, widened to int64, as TorchRec's collections take them
+    (FBGEMM's cumsum behind ``x.offsets()`` has no kernel for them); lengths
+    of another dtype raise ``TypeError`` naming it."""
+    lengths = x.lengths_or_none() if x.offsets_or_none() is None else None
+    if isinstance(lengths, Tensor) and lengths.dtype not in (torch.int32, torch.int64):
+        if lengths.dtype not in (torch.int8, torch.int16, torch.uint8):
+            raise TypeError(f"{where} lengths must be an int32 or int64 tensor (or int8, int16, uint8), got "
+                            f"{lengths.dtype}")
+        if lengths.dim() != 1:
+            raise ValueError(f"{where} lengths must be 1-D (one length per bag), got shape {tuple(lengths.shape)}")
+        return torch.cat([lengths.new_zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0, dtype=torch.int64)])
+    return x.offsets()
+
+
 def _kjt_parts(kjt, features: Sequence[str], owner: str):
     """(values, offsets, weights, stride, {feature: key index}) of a KJT."""
     if getattr(kjt, "variable_stride_per_key", lambda: False)():
@@ -249,8 +265,9 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
     missing = [f for f in features if f not in index]
     if missing:
         raise KeyError(f"{owner}: the KeyedJaggedTensor lacks features {missing} (it holds {list(keys)})")
-    values, offsets = kjt.values(), kjt.offsets()
+    values = kjt.values()
     check_ids(values, "KeyedJaggedTensor values")
+    offsets = _jagged_offsets(kjt, "KeyedJaggedTensor")
     check_ids(offsets, "KeyedJaggedTensor offsets")
     stride = kjt.stride()
     if offsets.shape[0] - 1 != stride * len(keys):

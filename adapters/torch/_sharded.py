@@ -314,8 +314,8 @@ class ShardedEmbeddingBagCollection(_Sharded, EmbeddingBagCollection):
         inputs, weights = [], []
         if _is_kjt(features):
             all_features = [f for s in self._specs for f in s.features]
-            self._check_device([features.values(), features.offsets(), features.weights_or_none()],
-                               "the KeyedJaggedTensor")
+            self._check_device([features.values(), features.offsets_or_none(), features.lengths_or_none(),
+                                features.weights_or_none()], "the KeyedJaggedTensor")
             ids, off, kjt_weights, stride, index = _kjt_arrays(features, all_features, self._owner)
             w = None
             if self._is_weighted:
@@ -382,7 +382,8 @@ class ShardedEmbeddingCollection(_Sharded, EmbeddingCollection):
         if _is_kjt(features):
             jt = _jagged_module()
             all_features = [f for s in self._specs for f in s.features]
-            self._check_device([features.values(), features.offsets()], "the KeyedJaggedTensor")
+            self._check_device([features.values(), features.offsets_or_none(), features.lengths_or_none()],
+                               "the KeyedJaggedTensor")
             ids, off, _, stride, index = _kjt_arrays(features, all_features, self._owner)
             lengths = features.lengths()
             keys: List[Tuple[str, int, Tensor]] = []

@@ -558,3 +558,58 @@ def test_features_outside_the_loss_step_only_with_kjt_inputs(rng, torchrec, form
         forward()["a"].sum().backward()
         assert not torch.equal(ebc.embedding_bags["t2"].weight[3:5], before[3:5])
         assert torch.equal(ebc.embedding_bags["t2"].weight[5:], before[5:])
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int8, torch.uint8])
+def test_kjt_with_narrow_int_lengths_as_torchrec(rng, torchrec, tmp_path, dtype):
+    """A KJT's lengths may be int8, int16 or uint8, as TorchRec's collections
+    take them (FBGEMM's cumsum behind kjt.offsets() has no kernel for them):
+    the four collections give TorchRec's results; lengths of another dtype
+    raise TypeError naming it."""
+    bag_cfgs = [torchrec.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f2"])]
+    seq_cfgs = [torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f2"])]
+    modules = {}
+    for kind, cfgs, theirs_cls, ours_cls, served_cls in [
+            ("bags", bag_cfgs, torchrec.EmbeddingBagCollection, et.EmbeddingBagCollection,
+             et.ServedEmbeddingBagCollection),
+            ("seq", seq_cfgs, torchrec.EmbeddingCollection, et.EmbeddingCollection, et.ServedEmbeddingCollection)]:
+        theirs, ours = theirs_cls(tables=cfgs), ours_cls(cfgs)
+        ours.load_state_dict(theirs.state_dict())
+        ec.save(str(tmp_path / kind), ours, include_optimizer=False)
+        modules[kind] = (theirs, [ours, served_cls(str(tmp_path / kind), cfgs)])
+    wide = _kjt(torchrec, rng, ["f2", "f1"], {"f1": 30, "f2": 30}, 5)
+    kjt = torchrec.KeyedJaggedTensor(keys=wide.keys(), values=wide.values(), lengths=wide.lengths().to(dtype))
+    with torch.no_grad():
+        want = modules["bags"][0](kjt)
+        assert want.keys() == ["f1", "f2"]
+        for m in modules["bags"][1]:
+            got = m(kjt)
+            assert got.keys() == want.keys() and max_diff(got.values(), want.values()) <= 1e-6, type(m).__name__
+        want = modules["seq"][0](kjt)
+        for m in modules["seq"][1]:
+            got = m(kjt)
+            assert list(got) == list(want), type(m).__name__
+            for k in want:
+                assert max_diff(got[k].values(), want[k].values()) == 0
+                assert torch.equal(got[k].lengths(), want[k].lengths())
+    # A JaggedTensor feature of a dict input too.
+    jt = torchrec.JaggedTensor(values=wide["f1"].values(), lengths=wide["f1"].lengths().to(dtype))
+    jt64 = torchrec.JaggedTensor(values=wide["f1"].values(), lengths=wide["f1"].lengths())
+    ours = modules["bags"][1][0]
+    assert torch.equal(ours({"f1": jt, "f2": jt})["f1"], ours({"f1": jt64, "f2": jt64})["f1"])
+    # Training steps the rows TorchRec's does.
+    theirs, ours = modules["bags"][0], modules["bags"][1][0]
+    opt = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    for m in (theirs, ours):
+        (m(kjt).values() * torch.arange(8.0)).sum().backward()
+    opt.step()
+    ours_opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    ours_opt.step()
+    assert max_diff(ours.embedding_bags.t1.weight, theirs.embedding_bags.t1.weight) <= 1e-6
+    # (TorchRec's KJT asserts integer lengths when made: float ones set after, as python -O would let through.)
+    bad = torchrec.KeyedJaggedTensor(keys=wide.keys(), values=wide.values(), lengths=wide.lengths())
+    bad._lengths = bad._lengths.float()
+    for m in modules["bags"][1] + modules["seq"][1]:
+        with pytest.raises(TypeError, match=r"KeyedJaggedTensor lengths must be an int32 or int64 tensor .*got "
+                                            r"torch.float32"):
+            m(bad)

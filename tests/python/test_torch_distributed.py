@@ -203,6 +203,34 @@ def test_sharded_inference_only_matches_unsharded():
             assert torch.equal(out[k], want[k].detach()), (r, k)
 
 
+def test_sharded_collections_take_kjts_with_int16_lengths():
+    """As the unsharded collections (and TorchRec's): a KJT's lengths may be
+    int16; the outputs are those of its int64 lengths."""
+    torchrec = pytest.importorskip("torchrec")
+    init = {"initializer": ec.initializers.Uniform(-0.5, 0.5, seed=3)}
+
+    def kjts(rank):
+        values = torch.tensor([1 + rank, 2, 18, 2, 0, 8, 8])
+        wide = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["a", "b"], values=values,
+                                                            lengths=torch.tensor([3, 0, 1, 1, 0, 2]))
+        return wide, torchrec.KeyedJaggedTensor(keys=["a", "b"], values=wide.values(),
+                                                lengths=wide.lengths().to(torch.int16))
+
+    def fn(world):
+        bags = et.EmbeddingBagCollection(_tables(**init), world=world, sharding="row_wise")
+        seq = et.EmbeddingCollection([et.EmbeddingConfig(20, 4, name="t1", feature_names=["a", "b"], **init)],
+                                     world=world, sharding="row_wise")
+        wide, narrow = kjts(world.rank)
+        out = [bags(wide).values().clone(), bags(narrow).values().clone()]
+        a, b = seq(wide), seq(narrow)
+        out += [torch.equal(a[k].values(), b[k].values()) and torch.equal(a[k].lengths(), b[k].lengths())
+                for k in a]
+        return out
+
+    for wide, narrow, *same in run_local(2, fn):
+        assert torch.equal(wide, narrow) and same == [True, True]
+
+
 def test_sharded_collection_argument_errors():
     """Refusals that every rank raises alike (no rank is left waiting)."""
     def fn(world):
