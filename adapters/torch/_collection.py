@@ -267,6 +267,9 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
         raise KeyError(f"{owner}: the KeyedJaggedTensor lacks features {missing} (it holds {list(keys)})")
     values = kjt.values()
     check_ids(values, "KeyedJaggedTensor values")
+    if values.dim() != 1:
+        raise ValueError(f"{owner}: the KeyedJaggedTensor's values must be 1-D (one id per value), got shape "
+                         f"{tuple(values.shape)}")
     offsets = _jagged_offsets(kjt, "KeyedJaggedTensor")
     check_ids(offsets, "KeyedJaggedTensor offsets")
     stride = kjt.stride()

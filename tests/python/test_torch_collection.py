@@ -613,3 +613,27 @@ def test_kjt_with_narrow_int_lengths_as_torchrec(rng, torchrec, tmp_path, dtype)
         with pytest.raises(TypeError, match=r"KeyedJaggedTensor lengths must be an int32 or int64 tensor .*got "
                                             r"torch.float32"):
             m(bad)
+
+
+def test_kjt_with_values_not_1d_is_refused_naming_the_shape(torchrec, tmp_path):
+    """A KJT's values must be 1-D ids: [n, 1] and [n, k] values raise
+    ValueError giving the shape (not a count of values against the
+    offsets), on every collection, before anything changes."""
+    bag_cfgs = [torchrec.EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t1", feature_names=["f1"])]
+    seq_cfgs = [torchrec.EmbeddingConfig(num_embeddings=10, embedding_dim=4, name="t1", feature_names=["f1"])]
+    bags = et.EmbeddingBagCollection(bag_cfgs, optimizer=ec.optimizers.SGD(0.1))
+    seq = et.EmbeddingCollection(seq_cfgs, optimizer=ec.optimizers.SGD(0.1))
+    ec.save(str(tmp_path / "bags"), bags, include_optimizer=False)
+    ec.save(str(tmp_path / "seq"), seq, include_optimizer=False)
+    modules = [bags, seq, et.ServedEmbeddingBagCollection(str(tmp_path / "bags"), bag_cfgs),
+               et.ServedEmbeddingCollection(str(tmp_path / "seq"), seq_cfgs)]
+    before = [bags.embedding_bags.t1.weight.clone(), seq.embeddings.t1.weight.clone()]
+    for values, lengths in [([[1], [2], [3]], [2, 1]), ([[1, 2], [3, 4]], [2, 2])]:
+        kjt = torchrec.KeyedJaggedTensor(keys=["f1"], values=torch.tensor(values), lengths=torch.tensor(lengths))
+        shape = tuple(torch.tensor(values).shape)
+        for m in modules:
+            with pytest.raises(ValueError, match=rf"{type(m).__name__}: the KeyedJaggedTensor's values must be 1-D "
+                                                 rf"\(one id per value\), got shape \({shape[0]}, {shape[1]}\)"):
+                m(kjt)
+    assert torch.equal(bags.embedding_bags.t1.weight, before[0]) and torch.equal(seq.embeddings.t1.weight, before[1])
+    assert bags.embedding_bags.t1.table.step == 0 and seq.embeddings.t1.table.step == 0
