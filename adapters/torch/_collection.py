@@ -24,7 +24,7 @@ import embedcore as ec
 
 from . import _ops
 from ._modules import (_MODES, Embedding, EmbeddingBag, _AdapterModule, _table_device, _torch_seed, check_ids,
-                       check_weights)
+                       check_weights, refuse_fx_proxy)
 
 __all__ = ["EmbeddingBagConfig", "EmbeddingConfig", "EmbeddingBagCollection", "EmbeddingCollection"]
 
@@ -290,6 +290,7 @@ class _Interface:
     of features (``_forward_dict``), checked first by ``_check_input``."""
 
     def forward(self, features):
+        refuse_fx_proxy(self, features)
         if not _is_kjt(features) and not isinstance(features, dict):
             raise TypeError(f"{self._owner} takes a dict of features or a TorchRec KeyedJaggedTensor, got "
                             f"{type(features).__name__}")

@@ -22,6 +22,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
+import torch.fx
 from torch import Tensor, nn
 
 import embedcore as ec
@@ -74,6 +75,18 @@ def _torch_seed() -> int:
     """A seed for the engine's initializer drawn from PyTorch's generator, so
     that ``torch.manual_seed`` makes the initial values reproducible."""
     return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def refuse_fx_proxy(module: nn.Module, *inputs) -> None:
+    """FX symbolic tracing (``torch.fx.symbolic_trace``,
+    ``torchrec.fx.symbolic_trace``) cannot go into a lookup, an engine call:
+    ``TypeError`` saying so and how to trace the module as a leaf."""
+    if any(isinstance(x, torch.fx.Proxy) for x in inputs):
+        name = type(module).__name__
+        raise TypeError(f"{name}: FX symbolic tracing cannot trace into its lookup (an embedcore engine call; it got "
+                        f"an fx Proxy as input): keep the module a leaf of the graph, "
+                        f"torchrec.fx.symbolic_trace(model, leaf_modules=[{name!r}]) (or a torch.fx.Tracer whose "
+                        "is_leaf_module returns True for it); torch.compile and torch.export trace it as it is")
 
 
 def check_ids(t, where: str) -> None:
@@ -738,6 +751,7 @@ class EmbeddingBag(_TableModule):
 
     def forward(self, input: Tensor, offsets: Optional[Tensor] = None,
                 per_sample_weights: Optional[Tensor] = None) -> Tensor:
+        refuse_fx_proxy(self, input, offsets, per_sample_weights)
         check_ids(input, "input")
         include_last = self.include_last_offset
         if input.dim() == 2:
@@ -825,6 +839,7 @@ class Embedding(_TableModule):
                 self.weight[self.padding_idx].fill_(0)
 
     def forward(self, input: Tensor) -> Tensor:
+        refuse_fx_proxy(self, input)
         check_ids(input, "input")
         out = self._lookup([input.reshape(-1)], [], [], [0, 0, _ops.WHOLE], _ops.SEQUENCE, True)[0]
         out = out.reshape(*input.shape, self.embedding_dim)

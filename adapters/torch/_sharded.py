@@ -30,7 +30,7 @@ from embedcore.distributed._comm import agree
 
 from ._collection import (EmbeddingBagCollection, EmbeddingCollection, _csr, _embedding_names, _is_kjt,
                           _jagged_module, _kjt_parts, _sequence_ids, _specs, _uniform_of)
-from ._modules import _NoFusedOptimizer, _table_device, check_weights, refuse_float16_backward
+from ._modules import _NoFusedOptimizer, _table_device, check_weights, refuse_float16_backward, refuse_fx_proxy
 from ._ops import _check_offsets
 
 __all__ = ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"]
@@ -243,6 +243,7 @@ class _Sharded:
     def forward(self, features):
         self._kjt_starts = None
         try:
+            refuse_fx_proxy(self, features)
             inputs, weights, finish = self._parse(features)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait in the lookup
             agree(self._world, e, step=self._embedding.step_name("lookup: requests"))  # pairs with the lookup's

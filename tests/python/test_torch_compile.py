@@ -321,3 +321,79 @@ def test_apply_optimizer_in_backward_then_compiled_steps_the_table(first):
     torch.compile(m)(ids, off).sum().backward()
     assert m.emb.table.step == step + 1
     assert not np.array_equal(m.emb.table.to_numpy(), before)
+
+
+def test_fx_symbolic_trace_says_to_keep_the_modules_leaves(tmp_path):
+    """FX symbolic tracing cannot go into the engine's lookup: a TypeError
+    names FX and the workaround, which works: torchrec.fx.symbolic_trace
+    with the module as a leaf (or a torch.fx.Tracer that keeps it one) gives
+    the eager model's outputs, TorchRec's on the same weights, and trains
+    the table as the eager model does."""
+    torchrec = pytest.importorskip("torchrec")
+    import copy
+
+    import torch.fx
+    import torchrec.fx
+
+    bag_cfgs = [torchrec.EmbeddingBagConfig(num_embeddings=20, embedding_dim=4, name="t1", feature_names=["f1", "f2"])]
+    seq_cfgs = [torchrec.EmbeddingConfig(num_embeddings=20, embedding_dim=4, name="t1", feature_names=["f1", "f2"])]
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 19, 4, 0]),
+                                                       lengths=torch.tensor([2, 1, 0, 3]))
+    theirs_bags, theirs_seq = torchrec.EmbeddingBagCollection(tables=bag_cfgs), torchrec.EmbeddingCollection(seq_cfgs)
+    bags = et.EmbeddingBagCollection(bag_cfgs, optimizer=ec.optimizers.Adagrad(0.1))
+    seq = et.EmbeddingCollection(seq_cfgs)
+    bags.load_state_dict(theirs_bags.state_dict())
+    seq.load_state_dict(theirs_seq.state_dict())
+    ec.save(str(tmp_path / "bags"), bags, include_optimizer=False)
+    ec.save(str(tmp_path / "seq"), seq, include_optimizer=False)
+
+    class Pooled(torch.nn.Module):
+        def __init__(self, e):
+            super().__init__()
+            self.e = e
+
+        def forward(self, kjt):
+            return self.e(kjt).values() * 2
+
+    class Sequence(Pooled):
+        def forward(self, kjt):
+            return self.e(kjt)["f2"].values() * 2
+
+    class Single(Pooled):
+        def forward(self, ids, offsets):
+            return self.e(ids, offsets) * 2
+
+    cases = [(Pooled(bags), Pooled(theirs_bags), (kjt,)),
+             (Pooled(et.ServedEmbeddingBagCollection(str(tmp_path / "bags"), bag_cfgs)), Pooled(theirs_bags), (kjt,)),
+             (Sequence(seq), Sequence(theirs_seq), (kjt,)),
+             (Sequence(et.ServedEmbeddingCollection(str(tmp_path / "seq"), seq_cfgs)), Sequence(theirs_seq), (kjt,))]
+    single = et.EmbeddingBag.from_pretrained(theirs_bags.embedding_bags.t1.weight.detach(), mode="sum")
+    ref = torch.nn.EmbeddingBag.from_pretrained(theirs_bags.embedding_bags.t1.weight.detach(), mode="sum")
+    cases.append((Single(single), Single(ref), (torch.tensor([1, 2, 3, 19]), torch.tensor([0, 2, 2]))))
+    for model, reference, inputs in cases:
+        name = type(model.e).__name__
+        for trace in (torch.fx.symbolic_trace, torchrec.fx.symbolic_trace):
+            with pytest.raises(TypeError, match=rf"{name}: FX symbolic tracing cannot trace into its lookup .*"
+                                                rf"torchrec\.fx\.symbolic_trace\(model, leaf_modules=\['{name}'\]\)"):
+                trace(model)
+        traced = torchrec.fx.symbolic_trace(model, leaf_modules=[name])
+        with torch.no_grad():
+            want = reference(*inputs)
+            assert torch.equal(traced(*inputs), model(*inputs)), name
+            assert max_diff(traced(*inputs), want) <= 1e-6, name
+
+        class Tracer(torch.fx.Tracer):
+            def is_leaf_module(self, m, qualified_name):
+                return m is model.e or super().is_leaf_module(m, qualified_name)
+
+        graph = torch.fx.GraphModule(model, Tracer().trace(model))
+        with torch.no_grad():
+            assert torch.equal(graph(*inputs), model(*inputs)), name
+    # The traced model trains the table as the eager one.
+    eager = copy.deepcopy(bags)
+    traced = torchrec.fx.symbolic_trace(Pooled(bags), leaf_modules=["EmbeddingBagCollection"])
+    for _ in range(2):
+        traced(kjt).pow(2).sum().backward()
+        Pooled(eager)(kjt).pow(2).sum().backward()
+    assert bags.embedding_bags.t1.table.step == 2
+    assert torch.equal(bags.embedding_bags.t1.weight, eager.embedding_bags.t1.weight)

@@ -231,6 +231,23 @@ def test_sharded_collections_take_kjts_with_int16_lengths():
         assert torch.equal(wide, narrow) and same == [True, True]
 
 
+def test_sharded_collections_refuse_fx_tracing_by_name():
+    """FX symbolic tracing of a sharded collection raises TypeError naming
+    FX and the leaf-module workaround, on every rank (none waits)."""
+    import torch.fx
+
+    def fn(world):
+        m = et.EmbeddingBagCollection(_tables(), world=world, sharding="row_wise")
+        # (What symbolic_trace passes, made by hand: its patching of nn.Module is not for threads at once.)
+        proxy = torch.fx.Proxy(torch.fx.Graph().placeholder("features"))
+        with pytest.raises(TypeError, match=r"ShardedEmbeddingBagCollection: FX symbolic tracing cannot trace into "
+                                            r"its lookup .*leaf_modules=\['ShardedEmbeddingBagCollection'\]"):
+            m(proxy)
+        return sorted(m(_feats(world.rank)))  # (the ranks go on together)
+
+    assert run_local(2, fn) == [["a", "b"], ["a", "b"]]
+
+
 def test_sharded_collection_argument_errors():
     """Refusals that every rank raises alike (no rank is left waiting)."""
     def fn(world):
