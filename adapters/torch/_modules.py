@@ -518,8 +518,10 @@ class _TableModule(_AdapterModule):
         if not compiling:  # (neither data_ptr nor a tensor's __dict__ is traceable)
             if weight.data_ptr() != self._values_ptr:
                 raise RuntimeError(f"{type(self).__name__}: weight no longer views the engine's table (its storage "
-                                   "was replaced, e.g. by weight.data = ...); the table and the module would "
-                                   "disagree. Copy values in with weight.copy_() or load_state_dict")
+                                   "was replaced, e.g. by weight.data = ..., or the weight swapped for another "
+                                   "tensor by torch.func.functional_call, which is not supported); the table and "
+                                   "the module would disagree. Copy values in with weight.copy_() or "
+                                   "load_state_dict")
             in_backward = "_optimizer_classes" in weight.__dict__
         if self._group is None:
             if not (in_backward and self._fuse_in_backward_optimizer(weight)):
@@ -551,7 +553,9 @@ class _TableModule(_AdapterModule):
                 f"{type(self).__name__}: fused training in a job of {torch.distributed.get_world_size()} ranks: "
                 "each rank's engine updates its own copy of the table from its own gradients in the backward, "
                 "and DistributedDataParallel does not synchronize it, so the copies drift apart. Shard the "
-                "tables (world=, see docs/torch.md) or, under DDP, train unfused with sparse=False",
+                "tables (world=, see docs/torch.md) or, under DDP, train unfused with sparse=False (a fused "
+                "weight gets no gradient: DDP then needs find_unused_parameters=True, else it raises at the next "
+                "iteration)",
                 RuntimeWarning, stacklevel=stacklevel)
         return self._anchor, _ops.FUSED
 

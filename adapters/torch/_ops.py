@@ -822,6 +822,18 @@ def _backward(ctx, grads):
 lookup.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _no_second_derivative(ctx, *grads):
+    raise NotImplementedError(
+        "embedcore lookups have no second derivative: a gradient taken with create_graph=True (a gradient "
+        "penalty over the embedding's weight or per-id weights, torch.autograd.grad of a gradient) cannot be "
+        "differentiated again through an embedcore table (nn.EmbeddingBag refuses it too); leave the "
+        "embedding's parameters out of the penalty")
+
+
+# A backward taken with create_graph=True records the gradient op: differentiating it again says why it cannot.
+lookup_backward.register_autograd(_no_second_derivative, setup_context=lambda ctx, inputs, output: None)
+
+
 class _EagerLookup(torch.autograd.Function):
     """``lookup`` with its autograd, without the dispatcher (see
     ``plain_eager``): the same body, context and backward. The tensors come

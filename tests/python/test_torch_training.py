@@ -240,14 +240,25 @@ def test_unpooled_training_matches_nn_embedding(rng, name):
 
 
 def test_double_backward_through_per_sample_weights_is_refused(rng):
-    """The lookup's backward has no derivative of its own: create_graph
-    raises (PyTorch's "no autograd formula") rather than give a partial one."""
+    """The lookup's backward has no derivative of its own: differentiating a
+    gradient taken with create_graph raises NotImplementedError saying so
+    (nn.EmbeddingBag's backward refuses it too) rather than give a partial
+    one; a gradient penalty that leaves the embedding out works."""
     m = et.EmbeddingBag(ROWS, DIM, mode="sum", include_last_offset=True)
     ids, offsets, w = bags(rng, ROWS, BATCH, weighted=True)
     w = w.clone().requires_grad_()
     gw, gpsw = torch.autograd.grad(m(ids, offsets, w).pow(3).sum(), [m.weight, w], create_graph=True)
-    with pytest.raises(RuntimeError, match="autograd"):
+    with pytest.raises(NotImplementedError, match="embedcore lookups have no second derivative"):
         torch.autograd.grad(gw.pow(2).sum() + gpsw.pow(2).sum(), [m.weight, w])
+    e = et.Embedding(ROWS, DIM)  # nn.Embedding has one; the drop-in says it has none
+    with pytest.raises(NotImplementedError, match="leave the embedding's parameters out of the penalty"):
+        (g,) = torch.autograd.grad(e(ids).pow(2).sum(), [e.weight], create_graph=True)
+        g.pow(2).sum().backward()
+    linear = torch.nn.Linear(DIM, 1)
+    loss = linear(e(ids)).pow(2).sum()
+    (g,) = torch.autograd.grad(loss, [linear.weight], create_graph=True)
+    (loss + g.pow(2).sum()).backward()  # the penalty over the dense layer alone
+    assert e.weight.grad is not None and linear.weight.grad is not None
 
 
 def test_fused_step_runs_once_when_the_rate_schedule_fails_after_it(rng):
