@@ -81,7 +81,14 @@ def refuse_fx_proxy(module: nn.Module, *inputs) -> None:
     """FX symbolic tracing (``torch.fx.symbolic_trace``,
     ``torchrec.fx.symbolic_trace``) cannot go into a lookup, an engine call:
     ``TypeError`` saying so and how to trace the module as a leaf."""
-    if any(isinstance(x, torch.fx.Proxy) for x in inputs):
+    def proxies(x) -> bool:  # a collection's dict of features holds them one level down (tensors or tuples)
+        if isinstance(x, dict):
+            return any(proxies(v) for v in x.values())
+        if isinstance(x, (tuple, list)):
+            return any(proxies(v) for v in x)
+        return isinstance(x, torch.fx.Proxy)
+
+    if any(proxies(x) for x in inputs):
         name = type(module).__name__
         raise TypeError(f"{name}: FX symbolic tracing cannot trace into its lookup (an embedcore engine call; it got "
                         f"an fx Proxy as input): keep the module a leaf of the graph, "
@@ -376,8 +383,8 @@ class _TableModule(_AdapterModule):
         group = None
         ib = self._in_backward_group() if fused else None
         if fused:
-            group = _FusedGroup(params=[self.weight], lr=table.learning_rate(), table=table.name,
-                                optimizer=type(table.optimizer).__name__)
+            group = {"params": [self.weight], "lr": table.learning_rate(), "table": table.name,
+                     "optimizer": type(table.optimizer).__name__}
             if self.__dict__.get("_lr_decay"):  # an in-backward Adagrad's (_ops.fused_rate applies it)
                 group["lr_decay"] = self._lr_decay
             if ib is not None:  # its rate rules from now on, with fused_optimizer's (_sync_in_backward)
@@ -392,14 +399,12 @@ class _TableModule(_AdapterModule):
         holders = (self, self._anchor, self._frozen_anchor) if fused else (self, self.weight)
         sync = weakref.WeakMethod(self._sync_in_backward) if ib is not None else None
         self._handle = _ops.register(table, group, holders, sync=sync)
-        if ib is not None:  # an "lr" set on the group from now on is written to the in-backward optimizer at once
-            group._on_lr = weakref.WeakMethod(self._lr_set_on_group)
         self._group = group
 
     def _sync_in_backward(self, check: bool = True) -> None:
         """Before a fused step of a table fused from apply_optimizer_in_backward
         (TorchRec's recipe, whose schedulers step ``param._in_backward_optimizers``),
-        and before ``fused_optimizer``'s param groups or state are read:
+        and before ``fused_optimizer.state_dict()`` or a copy of the module:
         a rate set on that optimizer (by hand, by a scheduler, by its
         ``load_state_dict``, which replaces its groups) becomes the fused
         group's, and a rate set on ``fused_optimizer`` shows on it, so both
@@ -426,17 +431,6 @@ class _TableModule(_AdapterModule):
         else:
             ib["lr"] = group["lr"]  # set on fused_optimizer, or on neither
         self._ib_seen = (group["lr"], options)
-
-    def _lr_set_on_group(self, group: dict) -> None:
-        """An "lr" was set on `group` (through ``fused_optimizer``: by hand,
-        a scheduler, its ``load_state_dict``): the in-backward optimizer the
-        table was fused from shows it at once (its scheduler's next step
-        starts from it)."""
-        ib = self._in_backward_group()
-        if ib is None or group is not self._group:
-            return
-        ib["lr"] = group["lr"]
-        self._ib_seen = (group["lr"], self._ib_seen[1])
 
     def _in_backward_group(self) -> Optional[dict]:
         """The param group of the apply_optimizer_in_backward optimizer this
@@ -643,25 +637,6 @@ class _TableModule(_AdapterModule):
         table.step = step
         if lr is not None:
             self._group["lr"] = lr
-
-
-class _FusedGroup(dict):
-    """A fused table's param group. For a table fused from
-    apply_optimizer_in_backward, an "lr" set on it is written to that
-    optimizer's group too (``_TableModule._lr_set_on_group``). Copies and
-    pickles are plain dicts."""
-
-    __slots__ = ("_on_lr",)
-
-    def __setitem__(self, key, value) -> None:
-        super().__setitem__(key, value)
-        on_lr = getattr(self, "_on_lr", None) if key == "lr" else None
-        method = on_lr() if on_lr is not None else None
-        if method is not None:
-            method(self)
-
-    def __reduce_ex__(self, protocol):
-        return (dict, (dict(self),))
 
 
 def fuse_pending(module: nn.Module) -> None:

@@ -132,21 +132,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(module).__name__} has no table trained fused (give it an embedcore optimizer)")
         super().__init__([m._group for _, m in self._entries], {})
 
-    @property
-    def param_groups(self) -> list:
-        """One group per table, each showing the rate its next step uses: a
-        table fused from apply_optimizer_in_backward takes first the rate set
-        on that optimizer since (by its scheduler, say), as its next lookup
-        would (_TableModule._sync_in_backward)."""
-        self._sync()
-        return self.__dict__["_param_groups"]
-
-    @param_groups.setter
-    def param_groups(self, groups: list) -> None:
-        self.__dict__["_param_groups"] = groups
-
     def _sync(self) -> None:
-        for _, m in self.__dict__.get("_entries", ()):
+        """The groups of tables fused from apply_optimizer_in_backward take the
+        rate set on that optimizer since their last step (by its scheduler,
+        say), as their next lookup would (_TableModule._sync_in_backward).
+        Not on every read of ``param_groups``, which stay plain (compiled
+        code and schedulers read them)."""
+        for _, m in self._entries:
             m._sync_in_backward(check=False)
 
     def step(self, closure=None):

@@ -1,6 +1,9 @@
 """torch.compile(fullgraph=True) over models that use the PyTorch adapter's
 modules: no graph breaks (fullgraph raises on any), and the same results as
 eager for inference and for fused and unfused training."""
+import copy
+import warnings
+
 import numpy as np
 import pytest
 
@@ -389,6 +392,19 @@ def test_fx_symbolic_trace_says_to_keep_the_modules_leaves(tmp_path):
         graph = torch.fx.GraphModule(model, Tracer().trace(model))
         with torch.no_grad():
             assert torch.equal(graph(*inputs), model(*inputs)), name
+    # A dict of features built from the traced inputs (tensors or (ids, offsets) tuples of Proxies) too.
+    coll = et.EmbeddingBagCollection(tables=bag_cfgs)
+
+    class Dict(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = coll
+
+        def forward(self, a, b):
+            return self.e({"f1": a, "f2": (b, b)})
+
+    with pytest.raises(TypeError, match=r"EmbeddingBagCollection: FX symbolic tracing cannot trace into its lookup"):
+        torch.fx.symbolic_trace(Dict())
     # The traced model trains the table as the eager one.
     eager = copy.deepcopy(bags)
     traced = torchrec.fx.symbolic_trace(Pooled(bags), leaf_modules=["EmbeddingBagCollection"])
@@ -397,3 +413,27 @@ def test_fx_symbolic_trace_says_to_keep_the_modules_leaves(tmp_path):
         Pooled(eager)(kjt).pow(2).sum().backward()
     assert bags.embedding_bags.t1.table.step == 2
     assert torch.equal(bags.embedding_bags.t1.weight, eager.embedding_bags.t1.weight)
+
+
+@pytest.mark.parametrize("kind", ["optimizer", "in_backward"])
+def test_compiled_code_reads_and_schedules_fused_optimizer(kind):
+    """fused_optimizer's param groups are plain dicts: compiled code reads
+    their rate and steps a scheduler on them (Dynamo's optimizer handling
+    takes no other kind of group), and copies of the optimizer keep them."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    m = et.EmbeddingBag(20, 4, mode="sum", optimizer=ec.optimizers.SGD(0.1) if kind == "optimizer" else None)
+    if kind == "in_backward":
+        _apply_optimizer_in_backward(torch.optim.SGD, m.parameters(), {"lr": 0.1})
+    m(torch.tensor([1, 2, 3]), torch.tensor([0, 2])).sum().backward()
+    fo = m.fused_optimizer
+    torch._dynamo.reset()
+    got = torch.compile(lambda x: x * fo.param_groups[0]["lr"])(torch.ones(2))
+    assert torch.allclose(got, torch.full((2,), 0.1))
+    sched = torch.optim.lr_scheduler.StepLR(fo, 1, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (no optimizer.step() before the scheduler's: the recipe's)
+        torch.compile(lambda x: (sched.step(), x * 2)[1])(torch.ones(2))
+    assert fo.param_groups[0]["lr"] == pytest.approx(0.05)
+    for copied in (copy.copy(fo), copy.deepcopy(fo)):
+        assert copied.param_groups[0]["lr"] == pytest.approx(0.05)

@@ -569,29 +569,28 @@ def test_in_backward_scheduler_checkpoint_resumes_bit_identically(rng, tmp_path)
         train(first, first_sched, batches[:2])
         ib = first.embedding_bags.t1.weight._in_backward_optimizers[0]
         assert ib.param_groups[0]["lr"] == pytest.approx(0.03)
-        assert copy.deepcopy(first).fused_optimizer.param_groups[0]["lr"] == ib.param_groups[0]["lr"]  # a copy too
-        assert first.fused_optimizer.param_groups[0]["lr"] == ib.param_groups[0]["lr"]  # before any lookup
         ec.save(str(tmp_path / "ck"), first)
         saved, saved_sched = first.fused_optimizer.state_dict(), first_sched.state_dict()
-        assert saved["param_groups"][0]["lr"] == ib.param_groups[0]["lr"]
+        assert saved["param_groups"][0]["lr"] == ib.param_groups[0]["lr"]  # before any lookup
+        assert copy.deepcopy(first).fused_optimizer.param_groups[0]["lr"] == ib.param_groups[0]["lr"]  # a copy too
         resumed, resumed_sched = make()
         _ = resumed.fused_optimizer  # (fuses the table, as documented, so that it takes the optimizer's slots)
         ec.load(str(tmp_path / "ck"), into=resumed)
         resumed.fused_optimizer.load_state_dict(saved)
         resumed_sched.load_state_dict(saved_sched)
-        # The loaded rate reaches the in-backward optimizer at once (its scheduler starts from it).
-        assert resumed.embedding_bags.t1.weight._in_backward_optimizers[0].param_groups[0]["lr"] == \
-            saved["param_groups"][0]["lr"]
-        train(resumed, resumed_sched, batches[2:])
+        train(resumed, resumed_sched, batches[2:])  # the loaded rate reaches the in-backward optimizer at the lookup
     assert torch.equal(resumed.embedding_bags.t1.weight, whole.embedding_bags.t1.weight)
-    assert resumed.fused_optimizer.param_groups[0]["lr"] == whole.fused_optimizer.param_groups[0]["lr"]
-    # A rate written on fused_optimizer shows on the in-backward optimizer at once, and the reverse.
+    assert resumed.fused_optimizer.state_dict()["param_groups"][0]["lr"] == \
+        whole.fused_optimizer.state_dict()["param_groups"][0]["lr"]
+    # A rate written on fused_optimizer reaches the in-backward optimizer at the next lookup; one written there
+    # shows in fused_optimizer's state_dict() at once.
     resumed.fused_optimizer.param_groups[0]["lr"] = 0.5
     ib = resumed.embedding_bags.t1.weight._in_backward_optimizers[0]
+    resumed(batches[0])
     assert ib.param_groups[0]["lr"] == 0.5
     ib.param_groups[0]["lr"] = 0.25
-    assert resumed.fused_optimizer.param_groups[0]["lr"] == 0.25
     assert resumed.fused_optimizer.state_dict()["param_groups"][0]["lr"] == 0.25
+    assert resumed.fused_optimizer.param_groups[0]["lr"] == 0.25
 
 
 def test_apply_optimizer_in_backward_option_changes_are_refused(rng):
