@@ -492,9 +492,16 @@ def load_tf_checkpoint(path, into, prefix: Optional[str] = None, include_optimiz
         where the checkpoint holds one (the adapter's own checkpoints;
         elsewhere the step stays as it is).
 
-    Returns the prefix used."""
+    Returns the prefix used. A sharded ``embedcore.Embedding``
+    (``embedcore.distributed``) is refused (``TypeError``): convert the
+    checkpoint (``convert_tf_checkpoint``) and ``embedcore.load`` it on every
+    rank, which reads each rank's shards."""
     from embedcore.checkpoint import _tables_of
 
+    if hasattr(into, "_sharded_save"):  # a rank holds shards, not tables: the collective load reads its part
+        raise TypeError("load_tf_checkpoint: into is a sharded Embedding (embedcore.distributed), whose ranks hold "
+                        "shards, not whole tables: convert the checkpoint with convert_tf_checkpoint(path, dst, "
+                        "feature_config=...) and embedcore.load(dst, into) on every rank")
     # (_embedcore_tables() builds the adapter's objects; a Keras layer's _maybe_build is Keras's, with arguments.)
     return restore_tables(TFCheckpoint(path), _tables_of(into), prefix, include_optimizer)
 

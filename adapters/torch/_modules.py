@@ -653,10 +653,19 @@ def fuse_pending(module: nn.Module) -> None:
 
 def tables_of(module: nn.Module) -> List[ec.Table]:
     """The embedcore tables of every adapter module inside `module`, for
-    ``ec.save(path, tables_of(model))`` / ``ec.load(path, into=...)``."""
-    tables = []
-    for m in module.modules():
+    ``ec.save(path, tables_of(model))`` / ``ec.load(path, into=...)``. A
+    checkpoint names its tables: two modules whose tables have one name (two
+    ``EmbeddingBag`` made without ``name=`` are both "embedding_bag") raise
+    ``ValueError`` naming both module paths."""
+    tables, where = [], {}
+    for path, m in module.named_modules():
         if isinstance(m, _TableModule):
+            name = m._table.name
+            if name in where:
+                raise ValueError(f"tables_of: the modules {where[name] or '(the model)'!r} and {path!r} both hold a "
+                                 f"table named {name!r}; a checkpoint names its tables: give the modules distinct "
+                                 "names (name=...)")
+            where[name] = path
             m._record_padding()
             tables.append(m._table)
     return tables

@@ -95,6 +95,13 @@ def test_errors(slotted_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="no TensorFlow checkpoint"):
         TFCheckpoint(tmp_path)
 
+    def sharded(world):  # ranks hold shards: refused, pointing at convert + the collective load
+        emb = ec.Embedding({"a": ec.FeatureConfig(ec.TableConfig("ta", 20, 4))}, world=world, sharding="row_wise")
+        with pytest.raises(TypeError, match=r"sharded Embedding .* convert_tf_checkpoint"):
+            load_tf_checkpoint(path, emb)
+
+    ec.distributed.run_local(2, sharded)
+
 
 def test_refused_table_dtype_changes_no_table(slotted_checkpoint):
     # A float16 table among the targets is refused before any table is read (was: the tables before it restored).

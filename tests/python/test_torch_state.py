@@ -326,6 +326,11 @@ def test_checkpoints_of_modules(rng, tmp_path, how):
     model = torch.nn.Sequential(et.EmbeddingBag(ROWS, DIM, name="solo"))
     ec.load(tmp_path / "solo", into=et.tables_of(model))
     assert torch.equal(model[0].weight, m.weight)
+    # Two modules made without name= both hold "embedding_bag": named by their paths, with the remedy.
+    twins = torch.nn.Sequential(et.EmbeddingBag(ROWS, DIM), torch.nn.Sequential(et.EmbeddingBag(ROWS, DIM)))
+    with pytest.raises(ValueError, match=r"tables_of: the modules '0' and '1\.0' both hold a table named "
+                                         r"'embedding_bag'; .* \(name=\.\.\.\)"):
+        et.tables_of(twins)
 
 
 def test_checkpoints_record_the_modules_pooling(rng, tmp_path):
