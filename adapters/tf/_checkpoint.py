@@ -598,7 +598,9 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
                                  "config whose table has one) that keeps them, or include_optimizer=False "
                                  "(--no-optimizer) to convert the values only")
     restore_tables(ckpt, engine_tables, prefix, include_optimizer)  # checksums verified before the reads
-    ec.save(dst, engine_tables, include_optimizer=include_optimizer)
+    # With the whole feature config, the checkpoint records its features (served by feature name).
+    whole = feature_config is not None and tables is None
+    ec.save(dst, emb if whole else engine_tables, include_optimizer=include_optimizer)
     return [t.name for t in engine_tables]
 
 

@@ -129,6 +129,9 @@ class Embedding(keras.layers.Layer):
     def _embedcore_tables(self) -> List[ec.Table]:
         return self.embedding._embedcore_tables()
 
+    def _embedcore_features(self):
+        return self.embedding._embedcore_features()
+
     def get_config(self):
         """Keras's config (``model.save``, ``keras.models.clone_model``) of
         an ``Embedding(input_dim, output_dim, ...)`` layer, with its

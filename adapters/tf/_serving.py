@@ -239,6 +239,19 @@ class EmbeddingForServing(_AutoTrackable):
             h = handles[(name, slot)] = TableHandle(self._tables[name], slot, owner=self)
         return h
 
+    def _embedcore_features(self):
+        """For ``embedcore.save``: the feature config and each feature's (name,
+        table, max_sequence_length), in ``tf.nest`` order, so a checkpoint
+        serves by feature (``embedcore.serving``, the C API's feature
+        lookups, the PyTorch served collections) as an ``embedcore.Embedding``'s
+        does. A feature's name is its ``FeatureConfig`` name, else its path in
+        the config; the paths alone where two features share a name."""
+        features = list(self._features.values())
+        names = [f.name or f.path or f"feature_{i}" for i, f in enumerate(features)]
+        if len(set(names)) < len(names):  # TensorFlow's feature names need not be unique; the paths are
+            names = [f.path or f"feature_{i}" for i, f in enumerate(features)]
+        return self._feature_config, [(n, f.table.name, f.max_sequence_length) for n, f in zip(names, features)]
+
     def _embedcore_tables(self) -> List[ec.Table]:
         self._maybe_build()
         return [self._tables[s.name] for s in self._specs]

@@ -29,6 +29,7 @@ that name the bad value.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -661,15 +662,19 @@ def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], of
     if grad_mode == FUSED and table_grad and not (weight_grads and weights):
         windows = _cpu_windows(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
         if windows is not None and all(g.device.type == "cpu" for g in grads):
-            lr = _fused_rate(entry)
-            try:  # the engine validates everything before it changes anything
-                table._native.apply_gradients(
-                    [(*w, combiner, 0, _np(g.contiguous())) for w, g in zip(windows, grads)], lr)
-                stepped = True
-            except (IndexError, ValueError, TypeError):
-                stepped = False  # nothing changed: the general path below raises the error
+            # The rate (a schedule's, or with lr_decay, of the step) and the step are one for threads that
+            # train the table at once, as Table._apply_parts makes them.
+            with table._schedule_lock():
+                lr = _fused_rate(entry)
+                try:  # the engine validates everything before it changes anything
+                    table._native.apply_gradients(
+                        [(*w, combiner, 0, _np(g.contiguous())) for w, g in zip(windows, grads)], lr)
+                    stepped = True
+                except (IndexError, ValueError, TypeError):
+                    stepped = False  # nothing changed: the general path below raises the error
+                if stepped:
+                    _fused_stepped(entry)
             if stepped:
-                _fused_stepped(entry)
                 return torch.zeros(1), torch.empty(0, dtype=torch.int64), []
     parts = (_window_parts(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
              or _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, True))
@@ -705,7 +710,6 @@ def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], of
     if not table_grad:
         return torch.empty(0, device=device), empty_rows, wgrads
     if grad_mode == FUSED:
-        lr = _fused_rate(entry)
         if device.type == "cpu":
             native = []
             for p, g in zip(parts, gs):
@@ -713,11 +717,16 @@ def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], of
                     native.append((_np(p.ids), np.array([0, p.ids.shape[0]], np.int64), None, SEQUENCE, 0, _np(g)))
                 else:
                     native.append((_np(p.ids), _np(p.offsets), _engine(p.weights), combiner, 0, _np(g)))
-            table._native.apply_gradients(native, lr)
         else:  # on the table's GPU, on PyTorch's current stream
-            table._cuda_apply([table._cuda_part(p.ids, p.offsets, p.weights, _COMBINER_NAMES[combiner], 0, g)
-                               for p, g in zip(parts, gs)], lr)
-        _fused_stepped(entry)
+            native = [table._cuda_part(p.ids, p.offsets, p.weights, _COMBINER_NAMES[combiner], 0, g)
+                      for p, g in zip(parts, gs)]
+        with table._schedule_lock():  # the rate and the step are one (as above)
+            lr = _fused_rate(entry)
+            if device.type == "cpu":
+                table._native.apply_gradients(native, lr)
+            else:
+                table._cuda_apply(native, lr)
+            _fused_stepped(entry)
         return torch.zeros(1, device=device), empty_rows, wgrads
 
     # Unfused: one gradient row per id occurrence, as nn.EmbeddingBag's backward gives them.
@@ -941,15 +950,18 @@ class _CollectionStep(torch.autograd.Function):
 
         values, offsets, *weights = ctx.saved_tensors
         g = grad.detach().to(torch.float32).contiguous().numpy()
-        steps, entries = [], []
-        for handle, table, combiner, dim, col in ctx.plan:
-            entry = _entry(handle)
-            segs = ctx.segments[table]
-            parts = [(segs[k + 1], segs[k + 2], combiner, col + k // 3 * dim) for k in range(0, len(segs), 3)]
-            steps.append((entry.table._native, parts, _fused_rate(entry)))
-            entries.append(entry)
-        # The windows the forward read (the saved tensors cannot have changed); every table checked before any steps.
-        _embedcore.apply_gradients_windows(*_cpu_source([values], [offsets], weights, True), steps, g)
-        for entry in entries:
-            _fused_stepped(entry)
+        entries = [_entry(handle) for handle, *_ in ctx.plan]
+        with contextlib.ExitStack() as held:  # each table's rate and step are one (the locks in one global order)
+            for table in sorted({id(e.table): e.table for e in entries}.items()):
+                held.enter_context(table[1]._schedule_lock())
+            steps = []
+            for entry, (handle, table, combiner, dim, col) in zip(entries, ctx.plan):
+                segs = ctx.segments[table]
+                parts = [(segs[k + 1], segs[k + 2], combiner, col + k // 3 * dim) for k in range(0, len(segs), 3)]
+                steps.append((entry.table._native, parts, _fused_rate(entry)))
+            # The windows the forward read (the saved tensors cannot have changed); every table checked before
+            # any steps.
+            _embedcore.apply_gradients_windows(*_cpu_source([values], [offsets], weights, True), steps, g)
+            for entry in entries:
+                _fused_stepped(entry)
         return (None, None, None, None, None, *(None for _ in ctx.plan))  # (the anchors' gradients: none needed)

@@ -179,26 +179,36 @@ def _depth(x) -> int:
 
 def _metadata(obj) -> dict:
     if isinstance(obj, Embedding):
-        features = obj._features
-        structure = _structure_json(obj.feature_config)
-        if _depth(structure) > _MAX_STRUCTURE_DEPTH:
-            raise ValueError(f"save: the feature config nests too deeply to record ({_depth(structure) // 2} levels; "
-                             f"at most {_MAX_STRUCTURE_DEPTH // 2})")
-        # Dicts with int keys: recorded as items, which readers before it ignore (they serve the features as a
-        # list); left out, as before, where the items would nest too deeply for the manifest.
-        structure_items = _structure_json(obj.feature_config, items=True) if structure is None else None
-        if structure_items is not None and _depth(structure_items) > _MAX_STRUCTURE_DEPTH:
-            structure_items = None
-        meta = {
-            "kind": "embedding",
-            "features": [{"name": n, "table": obj._effective[f.table].name, "max_sequence_length": f.max_sequence_length}
-                         for n, f in zip(obj._feature_names, features)],
-            "structure": structure,
-        }
-        if structure_items is not None:
-            meta["structure_items"] = structure_items
-        return meta
+        return _features_metadata(obj.feature_config,
+                                  [(n, obj._effective[f.table].name, f.max_sequence_length)
+                                   for n, f in zip(obj._feature_names, obj._features)])
+    hook = getattr(obj, "_embedcore_features", None)  # a framework adapter's features (TensorFlow's layer)
+    if callable(hook):
+        return _features_metadata(*hook())
     return {"kind": "table"}
+
+
+def _features_metadata(feature_config, features) -> dict:
+    """The record of an embedding's features: `features` (name, table name,
+    max_sequence_length) in the order `feature_config`, their nest, flattens
+    (dict keys sorted); the nest itself where it can be recorded."""
+    structure = _structure_json(feature_config)
+    if _depth(structure) > _MAX_STRUCTURE_DEPTH:
+        raise ValueError(f"save: the feature config nests too deeply to record ({_depth(structure) // 2} levels; "
+                         f"at most {_MAX_STRUCTURE_DEPTH // 2})")
+    # Dicts with int keys: recorded as items, which readers before it ignore (they serve the features as a
+    # list); left out, as before, where the items would nest too deeply for the manifest.
+    structure_items = _structure_json(feature_config, items=True) if structure is None else None
+    if structure_items is not None and _depth(structure_items) > _MAX_STRUCTURE_DEPTH:
+        structure_items = None
+    meta = {
+        "kind": "embedding",
+        "features": [{"name": n, "table": t, "max_sequence_length": length} for n, t, length in features],
+        "structure": structure,
+    }
+    if structure_items is not None:
+        meta["structure_items"] = structure_items
+    return meta
 
 
 def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] = None) -> None:
@@ -427,7 +437,7 @@ class Saver:
         old_kind = (old_manifest.get("metadata") or {}).get("kind")
         _refuse_quantized_kept(path, old_manifest, ours)
         names, old = [t.name for t in tables], list(info.table_names)
-        if names[:len(old)] == old and (old_kind != "embedding" or isinstance(obj, Embedding)):
+        if names[:len(old)] == old and (old_kind != "embedding" or _metadata(obj).get("kind") == "embedding"):
             save(path, obj)  # nothing else there to keep (features included), the tables in their order
         else:
             self._save_entries(path, [(t, True) for t in tables], True, _metadata(obj))

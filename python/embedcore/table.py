@@ -25,7 +25,7 @@ _SCHEDULED = weakref.WeakSet()
 
 def _renew_schedule_locks() -> None:
     for t in list(_SCHEDULED):
-        t.__dict__["_step_lock"] = threading.Lock()
+        t.__dict__["_step_lock"] = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_renew_schedule_locks)
@@ -450,11 +450,13 @@ class Table(LookupMixin):
                     raise ValueError(f"{name} overlaps {what} of table '{self._name}' that the step updates: "
                                      "pass a copy")
 
-    def _schedule_lock(self) -> threading.Lock:
-        """This table's lock that makes reading a schedule's rate and stepping one."""
+    def _schedule_lock(self) -> threading.RLock:
+        """This table's lock that makes reading a schedule's rate and stepping
+        one (reentrant: the PyTorch adapter holds it around its fused steps,
+        which may step through ``_cuda_apply``)."""
         lock = self.__dict__.get("_step_lock")
         if lock is None:
-            lock = self.__dict__.setdefault("_step_lock", threading.Lock())
+            lock = self.__dict__.setdefault("_step_lock", threading.RLock())
             _SCHEDULED.add(self)
         return lock
 

@@ -3,6 +3,8 @@ test, restored into the adapter to the values TensorFlow itself restores:
 slots of Adagrad / Adam / FTRL, a table sliced over several TPU hosts, and
 SparseCore-stacked tables built with TensorFlow's own layout code; plus the
 conversion into embedcore's format."""
+import json
+
 import numpy as np
 import pytest
 
@@ -567,3 +569,44 @@ def test_a_bad_step_in_a_checkpoint_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"step.*-1"):
         load_tf_checkpoint(path, back)
     assert back._embedcore_tables()[0].step == 0
+
+
+def test_checkpoints_of_the_layer_record_its_features(tmp_path):
+    """embedcore checkpoints of the Keras layer, of EmbeddingForServing and
+    of convert_tf_checkpoint with the feature config record the features
+    (names, tables, sequence lengths, their nest), as an embedcore.Embedding's
+    do: embedcore.serving serves them by feature, giving the layer's outputs
+    (was: tables only, and the sequence length lost)."""
+    from embedcore.adapters.tf import Embedding
+
+    def config():
+        t = E.TableConfig(vocabulary_size=80, dim=6, combiner="sum", name="item", optimizer=E.Adagrad(0.1))
+        u = E.TableConfig(vocabulary_size=30, dim=3, combiner="sqrtn", name="user", optimizer=E.Adagrad(0.1))
+        return {"item": E.FeatureConfig(t, name="item"), "hist": E.FeatureConfig(t, max_sequence_length=4),
+                "ctx": {"user": E.FeatureConfig(u, name="user")}}
+
+    layer = Embedding(feature_config=config(), optimizer=E.Adagrad(0.1))
+    batch = {"item": tf.ragged.constant([[1], [2, 3]], dtype=tf.int64),
+             "hist": tf.ragged.constant([[4, 5], [6, 7, 8, 9, 10]], dtype=tf.int64),
+             "ctx": {"user": tf.ragged.constant([[0, 29], []], dtype=tf.int64)}}
+    want = tf.nest.map_structure(lambda t: t.numpy(), layer(batch))
+    serving = EmbeddingForServing(config())
+    serving.build()
+    ec.save(tmp_path / "layer", layer)
+    ckpt = tf.train.Checkpoint(embedding=layer).save(str(tmp_path / "tf" / "ck"))
+    convert_tf_checkpoint(ckpt, tmp_path / "converted", feature_config=config())
+    ec.save(tmp_path / "serving", serving)
+    ragged = tf.nest.map_structure(lambda t: ec.Ragged(t.values.numpy(), t.row_splits.numpy()), batch)
+    for name in ("layer", "converted"):
+        served = ec.serving.open(tmp_path / name)
+        assert [(f.name, f.table.name, f.max_sequence_length) for f in served.feature_config["ctx"].values()] == \
+            [("user", "user", 0)]
+        got = served(ragged)
+        assert sorted(got) == ["ctx", "hist", "item"] and got["hist"].shape == (2, 4, 6), name
+        for path in (("item",), ("hist",), ("ctx", "user")):
+            g, w = got, want
+            for k in path:
+                g, w = g[k], w[k]
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=f"{name} {path}")
+    assert [f["name"] for f in json.loads(ec.checkpoint.read_info(tmp_path / "serving").manifest_json)
+            ["metadata"]["features"]] == ["user", "hist", "item"]

@@ -823,3 +823,49 @@ def test_apply_optimizer_in_backward_then_frozen_fuses_without_training(rng):
     ids, offsets, _ = bags(rng, ROWS, 4)
     out = m(ids, offsets)  # the table fuses; the frozen weight takes no hook and no step
     assert m.fused and not out.requires_grad and m.table.step == 0 and torch.equal(m.weight, w)
+
+
+@pytest.mark.parametrize("kind", ["bag", "collection"])
+def test_threads_training_one_fused_table_step_at_their_rates(kind):
+    """Threads training one fused table with a rate that depends on the step
+    (a schedule; an in-backward Adagrad's lr_decay): each step takes its own
+    step's rate (the rate and the step are one, as Table.apply_gradients
+    makes them), so the result is the sequential one (was: two backwards
+    could read one step's rate, a different sum each run)."""
+    import threading
+
+    threads, steps = 4, 40
+    schedule = ec.optimizers.SGD(lambda s: s + 1.0)
+    if kind == "bag":
+        m = et.EmbeddingBag(10, 4, mode="sum", optimizer=schedule, initializer=ec.initializers.Zeros())
+        args = (torch.tensor([3]), torch.tensor([0]))
+        weight = m.weight
+    else:
+        torchrec = pytest.importorskip("torchrec")
+        cfg = et.EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t", feature_names=["f"],
+                                    weight_init_min=0.0, weight_init_max=0.0)
+        m = et.EmbeddingBagCollection(tables=[cfg], optimizer=schedule)
+        args = (torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([3]),
+                                                             lengths=torch.tensor([1])),)
+        weight = m.embedding_bags.t.weight
+    errors = []
+    start = threading.Barrier(threads)
+
+    def train():
+        try:
+            start.wait()
+            for _ in range(steps):
+                out = m(*args)
+                (out.values() if kind == "collection" else out).sum().backward()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    workers = [threading.Thread(target=train) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors
+    n = threads * steps
+    expected = -sum(float(k + 1) for k in range(n))  # d out / d row 3 = 1; the rate of step k is k + 1
+    assert torch.equal(weight[3], torch.full((4,), expected))
