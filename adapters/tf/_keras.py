@@ -130,6 +130,10 @@ class Embedding(keras.layers.Layer):
         return self.embedding._embedcore_tables()
 
     def _embedcore_features(self):
+        # The Embedding(input_dim, output_dim) form gathers dense ids as keras.layers.Embedding does, which no
+        # served feature does: its checkpoint records the table alone.
+        if self._config_args["input_dim"] is not None:
+            return None
         return self.embedding._embedcore_features()
 
     def get_config(self):

@@ -21,7 +21,7 @@ from . import _embedcore
 from . import initializers as _init
 from . import optimizers as _opt
 from ._inputs import as_float32
-from .config import FeatureConfig, TableConfig
+from .config import FeatureConfig, TableConfig, _check_utf8
 from .embedding import Embedding
 from .table import Table
 
@@ -183,8 +183,13 @@ def _metadata(obj) -> dict:
                                   [(n, obj._effective[f.table].name, f.max_sequence_length)
                                    for n, f in zip(obj._feature_names, obj._features)])
     hook = getattr(obj, "_embedcore_features", None)  # a framework adapter's features (TensorFlow's layer)
-    if callable(hook):
-        return _features_metadata(*hook())
+    got = hook() if callable(hook) else None
+    if got is not None:
+        feature_config, features = got
+        for name, _, _ in features:
+            _check_utf8(f"save: feature {name!r}", name)  # as an Embedding's names are checked
+        if _depth(_structure_json(feature_config)) <= _MAX_STRUCTURE_DEPTH:  # (deeper: its tables alone, as before)
+            return _features_metadata(feature_config, features)
     return {"kind": "table"}
 
 

@@ -610,3 +610,22 @@ def test_checkpoints_of_the_layer_record_its_features(tmp_path):
             np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=f"{name} {path}")
     assert [f["name"] for f in json.loads(ec.checkpoint.read_info(tmp_path / "serving").manifest_json)
             ["metadata"]["features"]] == ["user", "hist", "item"]
+
+
+def test_checkpoints_of_the_layer_record_no_feature_they_would_serve_otherwise(tmp_path):
+    """The Embedding(input_dim, output_dim) form gathers dense ids (as
+    keras.layers.Embedding), which no served feature does: its checkpoint
+    records the table alone. A feature name with a NUL character (a C
+    string's end: the C API could not name it) is refused before anything
+    is written."""
+    from embedcore.adapters.tf import Embedding
+
+    layer = Embedding(10, 4)
+    layer.build()
+    ec.save(tmp_path / "plain", layer)
+    assert json.loads(ec.checkpoint.read_info(tmp_path / "plain").manifest_json)["metadata"] == {"kind": "table"}
+    bad = EmbeddingForServing({"x\0y": E.FeatureConfig(E.TableConfig(vocabulary_size=5, dim=2, name="t"))})
+    bad.build()
+    with pytest.raises(ValueError, match=r"save: feature 'x\\x00y': name has a NUL character"):
+        ec.save(tmp_path / "bad", bad)
+    assert not (tmp_path / "bad").exists()
