@@ -27,6 +27,13 @@ _SHARDED = ("a sharded state dict: save the unsharded module's state dict, or ga
             "one tensor first")
 
 
+
+def _beside(state, parent: str, child: str) -> list:
+    """The state dict's keys under the module `child` of `parent` (a wrapper's
+    id processing beside its collection)."""
+    start = f"{parent + '.' if parent else ''}{child}."
+    return [k for k in state if isinstance(k, str) and k.startswith(start)]
+
 def _not_a_table(key: str, value) -> Optional[str]:
     """Why `value` cannot be a table's weight (None when it can)."""
     if not isinstance(value, torch.Tensor):
@@ -57,16 +64,14 @@ def _tables(state: Mapping, path: str, prefix: Optional[str]) -> List[Tuple[str,
             continue
         parent = module.rpartition(".")[0] if module.endswith("_embedding_bag_collection") else None
         if parent is not None:
-            processors = [k for k in state if isinstance(k, str)
-                          and k.startswith(f"{parent + '.' if parent else ''}_feature_processors.")]
+            processors = _beside(state, parent, "_feature_processors")
             if processors:
                 raise ValueError(f"{path}: {where} belongs to a FeatureProcessedEmbeddingBagCollection, whose "
                                  f"feature processors ({', '.join(processors[:3])}) weight each id before pooling; "
                                  "a served table pools the rows alone, so its lookups would differ")
         parent = module.rpartition(".")[0] if module.rpartition(".")[2] == "_embedding_module" else None
         if parent is not None:
-            remaps = [k for k in state if isinstance(k, str)
-                      and k.startswith(f"{parent + '.' if parent else ''}_managed_collision_collection.")]
+            remaps = _beside(state, parent, "_managed_collision_collection")
             if remaps:
                 raise ValueError(f"{path}: {items[0][0]} belongs to a TorchRec ManagedCollisionEmbedding"
                                  f"{'Bag' if kind == 'embedding_bags' else ''}Collection, whose "
