@@ -188,17 +188,20 @@ def _metadata(obj) -> dict:
         feature_config, features = got
         for name, _, _ in features:
             _check_utf8(f"save: feature {name!r}", name)  # as an Embedding's names are checked
-        if _depth(_structure_json(feature_config)) <= _MAX_STRUCTURE_DEPTH:  # (deeper: its tables alone, as before)
-            return _features_metadata(feature_config, features)
+        return _features_metadata(feature_config, features, too_deep="tables")  # (its tables alone, as before)
     return {"kind": "table"}
 
 
-def _features_metadata(feature_config, features) -> dict:
+def _features_metadata(feature_config, features, too_deep: str = "raise") -> dict:
     """The record of an embedding's features: `features` (name, table name,
     max_sequence_length) in the order `feature_config`, their nest, flattens
-    (dict keys sorted); the nest itself where it can be recorded."""
+    (dict keys sorted); the nest itself where it can be recorded. A nest too
+    deep for the manifest raises ValueError, or with ``too_deep="tables"``
+    gives the record of tables alone."""
     structure = _structure_json(feature_config)
     if _depth(structure) > _MAX_STRUCTURE_DEPTH:
+        if too_deep == "tables":
+            return {"kind": "table"}
         raise ValueError(f"save: the feature config nests too deeply to record ({_depth(structure) // 2} levels; "
                          f"at most {_MAX_STRUCTURE_DEPTH // 2})")
     # Dicts with int keys: recorded as items, which readers before it ignore (they serve the features as a

@@ -629,3 +629,17 @@ def test_checkpoints_of_the_layer_record_no_feature_they_would_serve_otherwise(t
     with pytest.raises(ValueError, match=r"save: feature 'x\\x00y': name has a NUL character"):
         ec.save(tmp_path / "bad", bad)
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_layer_nested_too_deeply_to_record_saves_its_tables(tmp_path):
+    """A feature config nested past what the manifest records (12 levels):
+    the layer's checkpoint holds its tables alone, as before features were
+    recorded (an embedcore.Embedding's save refuses it instead)."""
+    config = E.FeatureConfig(E.TableConfig(vocabulary_size=5, dim=2, name="t"))
+    for level in range(13):
+        config = {f"l{level}": config}
+    serving = EmbeddingForServing(config)
+    serving.build()
+    ec.save(tmp_path / "deep", serving)
+    assert json.loads(ec.checkpoint.read_info(tmp_path / "deep").manifest_json)["metadata"] == {"kind": "table"}
+    assert ec.serving.open(tmp_path / "deep").tables["t"].rows == 5
