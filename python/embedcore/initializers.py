@@ -37,10 +37,12 @@ def _seed(seed) -> int:
 
 
 class Initializer:
-    """Base class; subclasses describe themselves to the engine."""
+    """Base class; subclasses describe themselves to the engine (``_native``)."""
 
-    def _native(self) -> "_embedcore.InitializerSpec":
-        raise NotImplementedError
+    def __new__(cls, *args, **kwargs):
+        if cls is Initializer:
+            raise TypeError("Initializer is a base class: use Zeros, Constant, Uniform, Normal or TruncatedNormal")
+        return super().__new__(cls)
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())

@@ -61,6 +61,11 @@ class Optimizer:
 
     slot_names: tuple = ()
 
+    def __new__(cls, *args, **kwargs):
+        if cls is Optimizer or cls is _Accumulating:
+            raise TypeError(f"{cls.__name__} is a base class: use SGD, Adagrad, RowWiseAdagrad, Adam or FTRL")
+        return super().__new__(cls)
+
     def __init__(self, learning_rate: LearningRate, clip_weight_min=None, clip_weight_max=None,
                  weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=False,
                  clipvalue=None):

@@ -919,10 +919,11 @@ def test_serving_refuses_a_feature_name_that_is_not_a_string(ckpt):
 
 @pytest.mark.parametrize("config,what", [
     ({"initializer": {"class": "Weird"}}, "unknown initializer"),
+    ({"initializer": {"class": "Initializer"}}, "Initializer is a base class"),
     ({"initializer": {"mean": 0.0}}, "initializer must be an object with a string 'class'"),
     ({"initializer": {"class": "Uniform", "low": "x"}}, "low must be a number"),
     ({"combiner": "max"}, "combiner must be one of"),
-], ids=["unknown initializer", "initializer without class", "initializer argument", "combiner"])
+], ids=["unknown initializer", "base initializer", "initializer without class", "initializer argument", "combiner"])
 def test_serving_names_the_checkpoint_and_the_table_of_a_malformed_config(ckpt, config, what):
     m = read_manifest(ckpt)
     m["tables"][0]["config"].update(config)

@@ -646,6 +646,18 @@ def test_options_a_float32_cannot_hold(make, match):
         make()
 
 
+@pytest.mark.parametrize("make,match", [
+    (lambda: opt.Optimizer(0.1), "Optimizer is a base class: use SGD, Adagrad, RowWiseAdagrad, Adam or FTRL"),
+    (lambda: opt._Accumulating(0.1, 0.1, 0.0), "_Accumulating is a base class"),
+    (lambda: ec.initializers.Initializer(), "Initializer is a base class: use Zeros, Constant, Uniform, Normal"),
+])
+def test_the_base_classes_are_not_an_optimizer_or_an_initializer(make, match):
+    """The bare Optimizer used to train as SGD, and the bare Initializer to
+    fail in the engine with an empty NotImplementedError."""
+    with pytest.raises(TypeError, match=match):
+        make()
+
+
 def test_the_largest_float32_options_save_and_load(tmp_path):
     o = opt.FTRL(0.1, learning_rate_power=-3.4e38, l2_regularization_strength=3.4e38, clipvalue=(-3.4e38, 3.4e38))
     table = make_table(6, 2, optimizer=o)
