@@ -47,6 +47,9 @@ class Ragged:
         if wrapped.any():
             k = int(np.argmax(wrapped))
             raise ValueError(f"lengths add up to more than int64 holds (2**63 - 1) by position {k}")
+        shape = np.shape(values)
+        if shape and shape[0] != offsets[-1]:
+            raise ValueError(f"lengths add up to {int(offsets[-1])}, but values has {shape[0]} elements")
         return cls(values, offsets)
 
     def __repr__(self) -> str:
@@ -205,7 +208,8 @@ _ID_POSITION = re.compile(r"(at position )(\d+)( of ids\b)")
 def in_callers_terms(e: Exception, batch: Optional[Batch] = None, where: Optional[str] = None) -> Exception:
     """The engine's IndexError / ValueError `e` about a batch in the caller's
     terms: the position of a bad id in the caller's array (a Sparse batch
-    not in row-major order is reordered before the engine sees it), and,
+    not in row-major order is reordered before the engine sees it; a 2-D
+    array's is its ``[row, column]``), and,
     with `where` (a feature), which input it was; `e` itself when nothing
     changes (subclasses such as CheckpointError are left as they are).
     Called from an ``except`` clause, so a call that succeeds pays nothing:
@@ -213,11 +217,16 @@ def in_callers_terms(e: Exception, batch: Optional[Batch] = None, where: Optiona
     if type(e) not in (IndexError, ValueError):
         return e
     message = str(e)
-    if batch is not None and batch.order is not None:
-        m = _ID_POSITION.search(message)
-        if m is not None and int(m.group(2)) < len(batch.order):
-            caller = int(batch.order[int(m.group(2))])
-            message = f"{message[:m.start()]}{m.group(1)}{caller}{m.group(3)}{message[m.end():]}"
+    m = _ID_POSITION.search(message) if batch is not None else None
+    if m is not None:
+        k = int(m.group(2))
+        if batch.order is not None and k < len(batch.order):
+            position = f"{m.group(1)}{int(batch.order[k])}"
+        elif batch.kind == "dense" and batch.width and k < len(batch.ids):
+            position = f"at index [{k // batch.width}, {k % batch.width}]"  # a 2-D array's element
+        else:
+            position = m.group(0)[: -len(m.group(3))]
+        message = f"{message[:m.start()]}{position}{m.group(3)}{message[m.end():]}"
     if where is not None:
         message = f"{where}: {message}"
     return e if message == str(e) else type(e)(message)

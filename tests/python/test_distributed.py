@@ -912,6 +912,8 @@ def test_a_bad_id_of_a_reordered_sparse_input_is_named_at_the_callers_position(s
         # Several bad ids: the first in the caller's order, as unsharded (not the smallest or the largest).
         with pytest.raises(IndexError, match=r"id 9 at position 0 is out of range"):
             ec.Embedding(config, world=world, sharding=sharding)({"f": np.array([9, -1, 3])})
+        with pytest.raises(IndexError, match=r"id 9 at index \[1, 0\] is out of range"):  # a 2-D array's
+            ec.Embedding(config, world=world, sharding=sharding)({"f": np.array([[1, 2], [9, 3]])})
 
     with pytest.raises(IndexError, match="id 9 at position 0 of ids"):
         ec.Embedding(config)({"f": np.array([9, -1, 3])})

@@ -49,6 +49,29 @@ def test_sparse_unordered_bad_id_in_apply_gradients():
     assert_unchanged(t, before)
 
 
+def test_dense_bad_id_named_at_its_row_and_column():
+    t = _table(optimizer=ec.optimizers.SGD(0.1))
+    ids = np.array([[1, 2, 3], [4, 99, 5]])
+    for combiner in ("sum", None):
+        with pytest.raises(IndexError, match=re.escape("table 't': id 99 at index [1, 1] of ids is out of range")):
+            t.lookup(ids, combiner=combiner)
+    before = snapshot(t)
+    with pytest.raises(IndexError, match=re.escape("id 99 at index [1, 1] of ids")):
+        t.apply_gradients(ids, grads=np.ones((2, 2), np.float32))
+    assert_unchanged(t, before)
+    with pytest.raises(IndexError, match=re.escape("features['item']: table 'item': id 50 at index [0, 1] of ids")):
+        _embedding()({**_GOOD, "item": np.array([[3, 50]])})
+
+
+def test_lengths_that_do_not_add_up_to_the_values_are_named():
+    with pytest.raises(ValueError, match=re.escape("lengths add up to 1, but values has 2 elements")):
+        ec.Ragged.from_lengths([1, 2], [1, 0])
+    with pytest.raises(ValueError, match=re.escape("lengths add up to 3, but values has 2 elements")):
+        ec.Ragged.from_lengths(np.array([1, 2]), np.array([2, 1], np.int32))
+    r = ec.Ragged.from_lengths(np.array([1, 2]), [0, 2, 0])
+    np.testing.assert_array_equal(r.offsets, [0, 0, 2, 2])
+
+
 def test_sparse_unordered_good_batch_unchanged():
     t = _table()
     W = t.to_numpy()

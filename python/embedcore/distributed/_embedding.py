@@ -347,7 +347,9 @@ class ShardedEmbedding(Embedding):
                     at = np.flatnonzero((ids < 0) | (ids >= eff.rows))
                     k = int(np.argmin(at if b.order is None else b.order[at]))
                     pos = int(at[k] if b.order is None else b.order[at[k]])
-                    raise IndexError(f"{where}: id {int(ids[at[k]])} at position {pos} is out of range for table "
+                    place = (f"index [{pos // b.width}, {pos % b.width}]" if b.kind == "dense" and b.width
+                             else f"position {pos}")
+                    raise IndexError(f"{where}: id {int(ids[at[k]])} at {place} is out of range for table "
                                      f"'{eff.name}' with {eff.rows} rows")
             combiner = self._combiner(f)
             ts = self._sharding_of(self._table_index[f.table])
