@@ -45,7 +45,8 @@ class FeatureLookup:
             except (IndexError, ValueError) as e:
                 raise in_callers_terms(e, b, f"features[{name!r}]") from None
         # Kept for apply_gradients, as copies: the caller may reuse its id buffers before the step.
-        self._last = [b.owned() for b in batches] if self._trains else batches
+        # A lookup that cannot train keeps nothing (a served request's ids are freed with it).
+        self._last = [b.owned() for b in batches] if self._trains else None
         return _nest.pack_as(self._feature_config, outputs)
 
     embedding_lookup = lookup
@@ -130,7 +131,6 @@ class Embedding(FeatureLookup):
                                                cfg.optimizer if cfg.optimizer is not None else optimizer, cfg.combiner)
         self._build_tables()
         self._last = None  # (batches) of the last lookup, for apply_gradients
-        self._trains = any(c.optimizer is not None for c in self._effective.values())
 
     def _build_tables(self) -> None:
         device = None if getattr(self, "_device", -1) < 0 else f"cuda:{self._device}"
@@ -155,6 +155,12 @@ class Embedding(FeatureLookup):
         return _nest.pack_as(self._feature_config, outputs)
 
     @property
+    def _trains(self) -> bool:
+        """Whether a lookup keeps its batches for apply_gradients: whether a
+        table has an optimizer (``Table.set_optimizer`` may give one later)."""
+        return any(t.optimizer is not None for t in self._tables.values())
+
+    @property
     def embedding_tables(self) -> Dict[TableConfig, Table]:
         """Each TableConfig of the feature config, mapped to its Table."""
         return dict(self._tables)
@@ -173,6 +179,9 @@ class Embedding(FeatureLookup):
     def apply_gradients(self, grads) -> None:
         """One optimizer step per table from the gradients of the last lookup."""
         if self._last is None:
+            if not self._trains:
+                raise ValueError("Embedding.apply_gradients: no table has an optimizer (give the TableConfigs or "
+                                 "the Embedding one)")
             raise ValueError("Embedding.apply_gradients: call the embedding on a batch first")
         flat_grads = _nest.flatten_up_to(self._feature_config, grads, "grads")
         if self._device >= 0:

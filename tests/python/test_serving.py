@@ -3,11 +3,13 @@ mapped file, from many threads at once, and a server that outlives a newer
 save of its path."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -182,6 +184,41 @@ def test_served_embedding_is_callable_with_the_features(tmp_path, rng):
     np.testing.assert_array_equal(got[1][0], want[1][0])
     assert got[1][0].shape == (5, 2, 4)
     assert sorted(served.embedding_tables) == ["item", "user"]
+
+
+def test_a_served_lookup_keeps_nothing_of_its_request(tmp_path):
+    """A server keeps no reference to a request's arrays once it returns:
+    one huge batch must not stay in memory until the next request."""
+    item = ec.TableConfig("item", 60, 4, initializer=ec.initializers.Uniform(-1, 1, seed=2))
+    ec.save(tmp_path / "e", ec.Embedding({"i": ec.FeatureConfig(item)}))
+    served = ec.serving.open(tmp_path / "e")
+    ids = np.arange(6, dtype=np.int64).reshape(2, 3)
+    weights = np.ones((2, 3), np.float32)
+    gone = [weakref.ref(ids), weakref.ref(weights)]
+    served({"i": ids}, {"i": weights})
+    del ids, weights
+    gc.collect()
+    assert [r() for r in gone] == [None, None]
+
+
+def test_an_optimizer_set_after_the_embedding_is_made_trains(rng):
+    """An Embedding made without an optimizer keeps no batches; a table given
+    one later (Table.set_optimizer) trains from the next lookup."""
+    item = ec.TableConfig("item", 20, 4, initializer=ec.initializers.Uniform(-1, 1, seed=2))
+    emb = ec.Embedding({"i": ec.FeatureConfig(item)})
+    emb({"i": np.array([1, 2])})
+    with pytest.raises(ValueError, match="no table has an optimizer"):
+        emb.apply_gradients({"i": np.ones((2, 4), np.float32)})
+    table = emb.embedding_tables[item]
+    table.set_optimizer(ec.optimizers.SGD(0.5))
+    ids = np.array([1, 2])
+    before = table.to_numpy()
+    emb({"i": ids})
+    ids[:] = 7  # the caller reuses its buffer before the step: the lookup's ids are kept as copies
+    emb.apply_gradients({"i": np.ones((2, 4), np.float32)})
+    want = before.copy()
+    want[[1, 2]] -= 0.5
+    np.testing.assert_array_equal(table.to_numpy(), want)
 
 
 def test_a_feature_config_used_twice_serves(tmp_path, rng):
