@@ -20,10 +20,17 @@ and bytes rewritten after their block was verified are served unchecked.
 embedcore's own saves do neither (they write new files, rename a new
 manifest and delete the old files, which a served checkpoint keeps reading
 until it is closed); tools that rewrite files in place do.
+
+A ``ServedCheckpoint`` pickles and copies by its absolute path (so it crosses
+to ``multiprocessing`` workers under any start method): the copy opens the
+directory again, with the same ``verify``, and checks that it still holds the
+same tables (names, shapes, dtypes); it serves the directory's generation of
+then, which a save may have replaced. A forked child serves the parent's handle.
 """
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Hashable
 from typing import Dict, Optional
 
@@ -108,7 +115,9 @@ class ServedCheckpoint(FeatureLookup):
     def __init__(self, path, verify=True):
         if not isinstance(verify, Hashable) or verify not in _VERIFY:
             raise ValueError(f"verify must be True, 'lazy', 'eager' or False, got {verify!r}")
-        self._mapped = _embedcore.MappedCheckpoint(native_path(path), _VERIFY[verify])
+        path = native_path(path)
+        self._mapped = _embedcore.MappedCheckpoint(path, _VERIFY[verify])
+        self._verify, self._abspath = verify, os.path.abspath(path)  # (for __reduce__)
         try:
             self._describe(self._mapped.info)
         except CheckpointError:
@@ -116,6 +125,16 @@ class ServedCheckpoint(FeatureLookup):
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as e:
             raise CheckpointError(f"{self._mapped.info.path}: malformed table config or feature metadata in the "
                                   f"manifest: {type(e).__name__}: {e}") from None
+
+    def _signature(self) -> list:
+        return [(name, t.rows, t.dim, t.dtype) for name, t in self.tables.items()]
+
+    def __reduce__(self):
+        """Pickles and copies (``copy.deepcopy``, ``multiprocessing`` with
+        spawn) hold the checkpoint's absolute path and open it again, with
+        the same `verify`, wherever they are loaded: a directory that holds
+        other tables by then (name, shape or dtype) is a ``CheckpointError``."""
+        return _reopen, (self._abspath, self._verify, self._signature())
 
     def _describe(self, info) -> None:
         self.path = info.path
@@ -200,6 +219,14 @@ def _rebuild(structure, features, path: str, depth: int = 0):
             raise CheckpointError(f"{path}: manifest metadata.structure names feature {i!r} of {len(features)}")
         return features[i]
     raise CheckpointError(f"{path}: manifest metadata.structure has an unknown kind {next(iter(structure))!r}")
+
+
+def _reopen(path: str, verify, signature: list) -> ServedCheckpoint:
+    served = ServedCheckpoint(path, verify)
+    if served._signature() != [tuple(t) for t in signature]:
+        raise CheckpointError(f"{path}: the checkpoint now holds the tables {served._signature()} (name, rows, dim, "
+                              f"dtype), not the pickled {signature}")
+    return served
 
 
 def open(path, verify=True) -> ServedCheckpoint:  # noqa: A001 - the name users expect

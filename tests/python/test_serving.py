@@ -3,9 +3,12 @@ mapped file, from many threads at once, and a server that outlives a newer
 save of its path."""
 from __future__ import annotations
 
+import copy
 import gc
 import json
+import multiprocessing
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -219,6 +222,30 @@ def test_an_optimizer_set_after_the_embedding_is_made_trains(rng):
     want = before.copy()
     want[[1, 2]] -= 0.5
     np.testing.assert_array_equal(table.to_numpy(), want)
+
+
+def _served_sum(served, ids):
+    return served({"i": ids})["i"]
+
+
+def test_a_served_checkpoint_pickles_and_copies_by_its_path(tmp_path, monkeypatch):
+    item = ec.TableConfig("item", 60, 4, initializer=ec.initializers.Uniform(-1, 1, seed=2))
+    ec.save(tmp_path / "e", ec.Embedding({"i": ec.FeatureConfig(item)}))
+    monkeypatch.chdir(tmp_path)
+    served = ec.serving.open("e", verify="eager")
+    ids = np.array([[1, 2], [3, 59]])
+    want = served({"i": ids})["i"]
+    pickled = pickle.dumps(served)
+    monkeypatch.chdir("/")  # the copy holds the absolute path
+    for copy_ in (pickle.loads(pickled), copy.deepcopy(served)):
+        assert copy_.path == str(tmp_path / "e") and copy_._verify == "eager" and copy_._mapped is not served._mapped
+        np.testing.assert_array_equal(copy_({"i": ids})["i"], want)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        np.testing.assert_array_equal(pool.apply(_served_sum, (served, ids)), want)
+    # The directory holds another table by the time the copy is loaded.
+    ec.save(tmp_path / "e", ec.Table(ec.TableConfig("item", 61, 4)))
+    with pytest.raises(ec.CheckpointError, match=r"now holds the tables \[\('item', 61, 4, 'float32'\)\]"):
+        pickle.loads(pickled)
 
 
 def test_a_feature_config_used_twice_serves(tmp_path, rng):
