@@ -339,6 +339,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--checkpoint", default=None, help="where to save the model (default: a temporary directory)")
+    demo.add_argument("--overwrite", action="store_true",
+                      help="replace the checkpoint --checkpoint holds (without it, one there is refused)")
 
     sub.add_parser("info", help="print what this build holds")
     p = sub.add_parser("inspect", help="describe a checkpoint (reads no values)")
@@ -432,7 +434,7 @@ def _run(args) -> Optional[int]:
         from .demo import run
 
         return run(steps=args.steps, batch_size=args.batch_size, threads=args.threads, seed=args.seed,
-                   checkpoint=args.checkpoint)
+                   checkpoint=args.checkpoint, overwrite=args.overwrite)
     if args.command == "info":
         from . import build_info
 

@@ -35,7 +35,8 @@ def _synthetic(rng: np.random.Generator, batch: int, user_score, item_score):
     return features, clicks
 
 
-def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0, checkpoint=None) -> int:
+def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0, checkpoint=None,
+        overwrite: bool = False) -> int:
     for name, value in (("steps", steps), ("batch_size", batch_size)):
         if value < 1:
             raise ValueError(f"demo: {name} must be >= 1, got {value}")
@@ -44,6 +45,11 @@ def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0, c
     if checkpoint is not None:  # before training, not after it: "" is no directory to keep the model in
         from .checkpoint import native_path
         checkpoint = native_path(checkpoint, "demo: checkpoint")
+        if os.path.lexists(os.path.join(checkpoint, "MANIFEST")) and not overwrite:
+            raise ValueError(f"demo: {checkpoint} already holds a checkpoint; pass --overwrite to replace it")
+        parent = os.path.dirname(os.path.abspath(checkpoint))
+        if not os.path.isdir(parent):
+            raise ValueError(f"demo: checkpoint {checkpoint}: no directory {parent} to save it in")
     if threads is not None:
         ec.set_num_threads(threads)
     rng = np.random.default_rng(seed)

@@ -201,6 +201,23 @@ def test_demo_arguments(capsys, args, match):
     assert f"embedcore demo: ValueError: {match}" in capsys.readouterr().err
 
 
+def test_demo_keeps_a_checkpoint_it_is_not_told_to_replace(tmp_path, capsys):
+    """Refused before training (a --checkpoint of another model, a directory
+    whose parent is missing); --overwrite replaces it."""
+    ec.save(tmp_path / "c", ec.Table(ec.TableConfig("precious", 4, 2)))
+    assert embedcore.cli.main(["demo", "--steps", "3", "--batch-size", "64", "--checkpoint", str(tmp_path / "c")]) == 1
+    err = capsys.readouterr().err
+    assert f"embedcore demo: ValueError: demo: {tmp_path / 'c'} already holds a checkpoint; pass --overwrite" in err
+    assert ec.checkpoint.read_info(tmp_path / "c").table_names == ["precious"]
+    missing = tmp_path / "no" / "c"
+    assert embedcore.cli.main(["demo", "--steps", "3", "--checkpoint", str(missing)]) == 1
+    out, err = capsys.readouterr()
+    assert f"demo: checkpoint {missing}: no directory {tmp_path / 'no'} to save it in" in err and "step" not in out
+    assert embedcore.cli.main(["demo", "--steps", "3", "--batch-size", "64", "--checkpoint", str(tmp_path / "c"),
+                               "--overwrite"]) == 0
+    assert sorted(ec.checkpoint.read_info(tmp_path / "c").table_names) == ["item", "user"]
+
+
 def test_a_short_demo_runs(tmp_path, capsys):
     """Fewer steps than two loss windows of 50: the demo runs, trains, saves
     and serves; whether the loss fell is judged from 100 steps."""
