@@ -623,8 +623,9 @@ class _TableModule(_AdapterModule):
         device = rest[0] if rest else "cpu"  # (pickles from before GPU modules hold four items)
         super().__setstate__(state)
         old = self._parameters["weight"]
-        table = ec.Table(ec.TableConfig(config.name, config.rows, config.dim, config.dtype, ec.initializers.Zeros(),
-                                        config.optimizer, config.combiner), device=None if device == "cpu" else device)
+        # The table's own initializer, though the values are copied over it: reset_parameters() and a
+        # checkpoint's config need it.
+        table = ec.Table(config, device=None if device == "cpu" else device)
         self._attach(table, requires_grad=old.requires_grad)
         with torch.no_grad():
             self.weight.copy_(old)

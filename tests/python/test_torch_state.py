@@ -363,6 +363,25 @@ def test_copies_are_independent_tables(rng, how):
     assert b.padding_idx == 1 and b.fused_optimizer.param_groups[0]["params"][0] is b.weight
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_keep_the_initializer(rng, how):
+    """reset_parameters() of a copy gives back the values the table was built
+    with, and its checkpoint records the initializer (copies had Zeros)."""
+    init = ec.initializers.Uniform(-0.1, 0.1, seed=1)
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name="a",
+                                                           feature_names=["f"], initializer=init)],
+                                    optimizer=ec.optimizers.Adagrad(0.1))
+    built = ebc.embedding_bags["a"].weight.detach().clone()
+    ids, offsets, _ = bags(rng, ROWS, 4)
+    ebc({"f": (ids, offsets)})["f"].sum().backward()
+    copied = copy.deepcopy(ebc) if how == "deepcopy" else pickle.loads(pickle.dumps(ebc))
+    table = copied.embedding_bags["a"].table
+    assert table.config.initializer == init
+    assert torch.equal(copied.embedding_bags["a"].weight, ebc.embedding_bags["a"].weight)  # the trained values
+    copied.reset_parameters()
+    assert torch.equal(copied.embedding_bags["a"].weight, built)
+
+
 def test_deleted_module_releases_its_table():
     m = et.EmbeddingBag(ROWS, DIM)
     handle = m._handle
