@@ -350,11 +350,15 @@ def _fused_rate(entry: _Entry) -> float:
     return fused_rate(entry.table, entry.group)
 
 
-def _fused_stepped(entry: _Entry) -> None:
-    """After a fused step: the group shows the table's scheduled rate."""
-    table, group = entry.table, entry.group
+def show_scheduled_rate(table, group: Optional[dict]) -> None:
+    """The group of a table whose rate is a schedule shows its next value."""
     if group is not None and callable(table.optimizer.learning_rate):
         group["lr"] = table.learning_rate()
+
+
+def _fused_stepped(entry: _Entry) -> None:
+    """After a fused step: the group shows the table's scheduled rate."""
+    show_scheduled_rate(entry.table, entry.group)
 
 
 def _cpu_source(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], include_last_offset: bool):

@@ -136,10 +136,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The groups of tables fused from apply_optimizer_in_backward take the
         rate set on that optimizer since their last step (by its scheduler,
         say), as their next lookup would (_TableModule._sync_in_backward).
+        A table whose rate is a schedule (a callable ``lr(step)``) shows its
+        next value, also after a load or ``table.step = n`` moved the step.
         Not on every read of ``param_groups``, which stay plain (compiled
         code and schedulers read them)."""
         for _, m in self._entries:
             m._sync_in_backward(check=False)
+            _ops.show_scheduled_rate(m._table, m._group)
 
     def step(self, closure=None):
         return closure() if closure is not None else None

@@ -363,6 +363,20 @@ def test_copies_are_independent_tables(rng, how):
     assert b.padding_idx == 1 and b.fused_optimizer.param_groups[0]["params"][0] is b.weight
 
 
+def test_the_state_dict_after_a_load_shows_the_scheduled_rate_of_the_loaded_step(rng, tmp_path):
+    def schedule(step):
+        return 0.1 / (1 + step)
+
+    trained = et.EmbeddingBag(ROWS, DIM, name="t", optimizer=ec.optimizers.Adagrad(schedule))
+    _step(trained, rng, 3)
+    assert trained.fused_optimizer.param_groups[0]["lr"] == pytest.approx(schedule(3))
+    ec.save(tmp_path / "c", trained)
+    resumed = et.EmbeddingBag(ROWS, DIM, name="t", optimizer=ec.optimizers.Adagrad(schedule))
+    ec.load(tmp_path / "c", into=resumed)
+    assert resumed.table.step == 3
+    assert resumed.fused_optimizer.state_dict()["param_groups"][0]["lr"] == pytest.approx(schedule(3))
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_copies_keep_the_initializer(rng, how):
     """reset_parameters() of a copy gives back the values the table was built
