@@ -15,6 +15,7 @@ optimization can prune it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Dict, List, Optional
 
 import keras
@@ -83,8 +84,11 @@ class Embedding(keras.layers.Layer):
         ``embedcore.optimizers`` one or TensorFlow's ``SGD`` / ``Adagrad`` /
         ``Adam`` / ``FTRL``). The model's Keras optimizer does not touch the
         tables; in ``model.fit`` each batch's backward pass applies this
-        optimizer's sparse update to the rows the batch looked up.
+        optimizer's sparse update to the rows the batch looked up. A table
+        without one does not train (a training call warns, once).
     """
+
+    _warned_frozen = False  # (the warning of a training call when no table has an optimizer: once a layer)
 
     def __init__(self, input_dim: Optional[int] = None, output_dim: Optional[int] = None, *, feature_config=None,
                  optimizer=None, combiner: str = "mean", initializer=None, table_name: Optional[str] = None,
@@ -165,12 +169,26 @@ class Embedding(keras.layers.Layer):
         return cls(**config)
 
     def call(self, inputs, weights=None, training=None):
+        outputs = self._call(inputs, weights, training)
+        if self.compute_dtype != "float32":  # (a mixed policy's, as keras.layers.Embedding casts its outputs)
+            outputs = tf.nest.map_structure(lambda o: tf.cast(o, self.compute_dtype), outputs)
+        return outputs
+
+    def _call(self, inputs, weights, training):
         emb = self.embedding
         emb._maybe_build()
         if _export.in_export():
             return _export.lookup(emb, inputs, weights)
         emb._export.clear()
         trains = any(t.optimizer is not None for t in emb._tables.values())
+        if training and not trains and self.trainable and not self._warned_frozen:
+            # keras.layers.Embedding trains with the model's optimizer; this layer's tables train only with
+            # an engine optimizer, and Keras's own warning ("Gradients do not exist") points at the loss.
+            self._warned_frozen = True
+            warnings.warn(f"embedcore.adapters.tf.Embedding {self.name!r}: no table has an optimizer, so training "
+                          "does not change them (the model's Keras optimizer does not reach them): pass optimizer= "
+                          "(an embedcore or TensorFlow SGD / Adagrad / Adam / FTRL), or set trainable=False",
+                          stacklevel=2)
         if training is False or not trains or not self.trainable:
             # (Keras 3 keeps a frozen layer's anchor a trainable tf.Variable, so the tape would still ask it.)
             return _lookup(inputs, weights, emb._features, emb._tables)
@@ -188,7 +206,30 @@ class Embedding(keras.layers.Layer):
             refusal = (f"embedcore.adapters.tf.Embedding {self.name!r}: training under the 'mixed_float16' dtype "
                        "policy is not supported (Keras's loss scaling would reach the engine's update unscaled); "
                        "train with the 'float32' or 'mixed_bfloat16' policy (no loss scaling)")
+        else:
+            model = _loss_scaling_caller()
+            if model is not None:  # (a model's own 'mixed_float16' policy, or a LossScaleOptimizer given to compile)
+                refusal = (f"embedcore.adapters.tf.Embedding {self.name!r}: training in model {model.name!r}, whose "
+                           "optimizer is a LossScaleOptimizer (compile() makes one under a model's 'mixed_float16' "
+                           f"policy; this model's is {model.dtype_policy.name!r}), is not supported: the loss scaling "
+                           "would reach the engine's update unscaled; use the 'float32' or 'mixed_bfloat16' policy "
+                           "(no loss scaling)")
         return _trainable_lookup(emb, inputs, weights, self._anchor, refusal)
+
+
+def _loss_scaling_caller():
+    """The Keras model whose call this is (the outermost layer called, which
+    ``fit`` calls), when its compiled optimizer scales the loss (a
+    ``LossScaleOptimizer``: what ``compile()`` makes under a model's own
+    'mixed_float16' policy); else None. Keras 3 records the outermost layer
+    of a call in its call context (``keras.src``: None where that moved)."""
+    try:
+        from keras.src.backend.common import global_state
+    except ImportError:
+        return None
+    entry = getattr(global_state.get_global_attribute("current_call_ctx"), "entry_layer", None)
+    optimizer = getattr(entry, "optimizer", None)
+    return entry if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else None
 
 
 def _trainable_lookup(emb: EmbeddingForServing, inputs, weights, anchor, refusal: Optional[str] = None):

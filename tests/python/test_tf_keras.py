@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -205,7 +206,9 @@ def test_training_under_loss_scaling_is_refused(rng):
         y = rng.standard_normal((8, 3, 4)).astype(np.float32)
         table = layer._embedcore_tables()[0]
         before = table.values().copy()
-        np.testing.assert_array_equal(np.asarray(model.predict(ids, verbose=0)), before[ids])
+        # (The outputs are float16, the policy's compute dtype, as keras.layers.Embedding's.)
+        np.testing.assert_array_equal(np.asarray(model.predict(ids, verbose=0)),
+                                      before[ids].astype(np.float16).astype(np.float32))
         train = keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(layer(inputs)))
         train.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         with pytest.raises(NotImplementedError, match=r"'mixed_float16' dtype policy is not supported"):
@@ -213,6 +216,82 @@ def test_training_under_loss_scaling_is_refused(rng):
         np.testing.assert_array_equal(table.values(), before)
     finally:
         keras.mixed_precision.set_global_policy(previous)
+
+
+@pytest.mark.parametrize("how", ["model policy", "optimizer given"])
+def test_training_in_a_model_whose_optimizer_scales_the_loss_is_refused(rng, how):
+    """A model's own 'mixed_float16' policy (the layer's and the global one
+    float32) makes compile() wrap its optimizer in a LossScaleOptimizer, as
+    does one given to compile: the layer sees it through Keras's call
+    context and refuses to train (the update would be 32768 times too large)."""
+    layer = Embedding(30, 4, optimizer=ec.optimizers.SGD(0.5), table_name="items")
+
+    class Model(keras.Model):
+        def __init__(self):
+            super().__init__(dtype="mixed_float16" if how == "model policy" else None)
+            self.emb, self.flat, self.head = layer, keras.layers.Flatten(dtype="float32"), keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.head(self.flat(self.emb(x)))
+
+    model = Model()
+    optimizer = keras.optimizers.SGD(0.1)
+    model.compile(optimizer=optimizer if how == "model policy" else keras.optimizers.LossScaleOptimizer(optimizer),
+                  loss="mse")
+    ids, y = rng.integers(0, 30, (8, 3)), rng.standard_normal((8, 1)).astype(np.float32)
+    model.predict(ids, verbose=0)  # inference works
+    table = layer._embedcore_tables()[0]
+    before = table.values().copy()
+    with pytest.raises(NotImplementedError, match=r"training in model '.*', whose optimizer is a LossScaleOptimizer"):
+        model.fit(ids, y, batch_size=8, epochs=1, verbose=0)
+    np.testing.assert_array_equal(table.values(), before)
+    assert table.step == 0
+
+
+def test_outputs_take_a_mixed_policy_s_compute_dtype(rng):
+    """As keras.layers.Embedding's, so that they concatenate with the other
+    layers' outputs; and the layer trains under mixed_bfloat16 as in float32
+    from the bfloat16 gradient of its outputs."""
+    previous = keras.config.dtype_policy()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        layer = Embedding(30, 4, optimizer=ec.optimizers.SGD(0.5), table_name="items")
+        ids = rng.integers(0, 30, (2, 3))
+        out = layer(ids)
+        assert out.dtype == keras.layers.Embedding(30, 4)(ids).dtype == tf.bfloat16
+        table = layer._embedcore_tables()[0]
+        before = table.values().copy()
+        np.testing.assert_array_equal(out.numpy().astype(np.float32), before[ids].astype(tf.bfloat16.as_numpy_dtype)
+                                      .astype(np.float32))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.cast(layer(ids), tf.float32) * 2.0)
+        tape.gradient(loss, layer.trainable_weights)
+        want = before.copy()
+        np.subtract.at(want, ids.reshape(-1), 0.5 * 2.0)
+        np.testing.assert_allclose(table.values(), want, rtol=1e-6)
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+def test_a_layer_without_an_optimizer_warns_once_that_it_does_not_train(rng):
+    layer = Embedding(30, 4, table_name="items")
+    inputs = keras.Input(shape=(3,), dtype="int64")
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(layer(inputs))))
+    model.compile(optimizer="sgd", loss="mse")
+    table = layer._embedcore_tables()[0]
+    before = table.values().copy()
+    ids, y = rng.integers(0, 30, (8, 3)), rng.standard_normal((8, 1)).astype(np.float32)
+    with pytest.warns(UserWarning, match=r"Embedding '.*': no table has an optimizer, so training does not change"):
+        model.fit(ids, y, epochs=2, verbose=0)
+    np.testing.assert_array_equal(table.values(), before)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no table has an optimizer")
+        model.fit(ids, y, verbose=0)  # once a layer
+        Embedding(30, 4, optimizer=ec.optimizers.SGD(0.1))(ids, training=True)  # trains: no warning
+        Embedding(30, 4)(ids)  # inference
+        frozen = Embedding(30, 4)
+        frozen.trainable = False
+        frozen(ids, training=True)
 
 
 def test_a_frozen_layer_does_not_train(rng):
