@@ -34,12 +34,16 @@ def optimizer_from_tf(opt) -> Optional[ec.optimizers.Optimizer]:
     (SGD, Adagrad, Adam, FTRL), or `opt` itself when it is embedcore's.
 
     Raises ``NotImplementedError`` for optimizers the engine does not have
-    (AdagradMomentum, CustomOptimizer)."""
+    (AdagradMomentum, CustomOptimizer) and for a ``slot_variable_creation_fn``."""
     if opt is None or isinstance(opt, ec.optimizers.Optimizer):
         return opt
     if not isinstance(opt, _TfOptimizer):
         raise ValueError(f"{type(opt)} is an unsupported optimizer class. Please pass an instance of one of the "
                          "optimizer classes under tf.tpu.experimental.embedding or embedcore.optimizers.")
+    if getattr(opt, "slot_variable_creation_fn", None) is not None:
+        raise NotImplementedError(f"{type(opt).__name__}: slot_variable_creation_fn is not supported by embedcore, "
+                                  "whose engine makes the slots (from the optimizer's initial_accumulator_value, "
+                                  "Adam's at 0); set their values after building with Table.assign_slot")
     common = {}
     lr = opt.learning_rate
     common["learning_rate"] = _schedule(lr) if callable(lr) else float(lr)

@@ -597,3 +597,23 @@ def test_array_protocol_copies_like_numpy(rng):
         np.asarray(values, dtype=np.float64, copy=False)
     with pytest.raises(ValueError, match="'t'.*copy=False"):
         np.asarray(handle, dtype=np.float64, copy=False)
+
+
+@pytest.mark.parametrize("optimizer,match", [
+    (lambda: E.AdagradMomentum(0.1), "embedcore has no AdagradMomentum optimizer"),
+    (lambda: E.Adagrad(0.1, slot_variable_creation_fn=lambda table, names, initializers: {}),
+     "Adagrad: slot_variable_creation_fn is not supported by embedcore"),
+])
+def test_an_optimizer_the_engine_cannot_follow_makes_a_table_without_one(optimizer, match):
+    """optimizer_from_tf refuses it; a serving table is made without an
+    optimizer, with a warning naming why (it serves and restores values)."""
+    from embedcore.adapters.tf import optimizer_from_tf
+
+    with pytest.raises(NotImplementedError, match=match):
+        optimizer_from_tf(optimizer())
+    table = E.TableConfig(vocabulary_size=10, dim=2, name=f"t_{match[:8]}")
+    with pytest.warns(UserWarning, match=re.escape(match) + ".*is created without an optimizer"):
+        serving = EmbeddingForServing({"f": E.FeatureConfig(table)}, optimizer())
+        serving.build()
+    assert all(t.optimizer is None for t in serving._embedcore_tables())
+    assert serving({"f": tf.constant([1, 2])})["f"].shape == (2, 2)
