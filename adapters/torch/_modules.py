@@ -657,7 +657,10 @@ def tables_of(module: nn.Module) -> List[ec.Table]:
     ``ec.save(path, tables_of(model))`` / ``ec.load(path, into=...)``. A
     checkpoint names its tables: two modules whose tables have one name (two
     ``EmbeddingBag`` made without ``name=`` are both "embedding_bag") raise
-    ``ValueError`` naming both module paths."""
+    ``ValueError`` naming both module paths. A table that
+    ``apply_optimizer_in_backward`` asked to fuse is fused first (as its next
+    lookup would), so that a load has its optimizer's slots to fill."""
+    fuse_pending(module)
     tables, where = [], {}
     for path, m in module.named_modules():
         if isinstance(m, _TableModule):

@@ -377,6 +377,29 @@ def test_the_state_dict_after_a_load_shows_the_scheduled_rate_of_the_loaded_step
     assert resumed.fused_optimizer.state_dict()["param_groups"][0]["lr"] == pytest.approx(schedule(3))
 
 
+def test_a_load_fuses_an_in_backward_table_first_to_fill_its_slots(rng, tmp_path):
+    """ec.load into a module whose table apply_optimizer_in_backward named,
+    before any lookup or fused_optimizer fused it: the slots load (the load
+    used to refuse, pointing at include_optimizer=False, which drops them)."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    def make():
+        m = et.EmbeddingBag(ROWS, DIM, name="t")
+        _apply_optimizer_in_backward(torch.optim.Adagrad, m.parameters(), {"lr": 0.1, "eps": 1e-10})
+        return m
+
+    trained = make()
+    _step(trained, rng, 2)
+    ec.save(tmp_path / "c", trained)
+    resumed = make()
+    ec.load(tmp_path / "c", into=resumed)
+    assert resumed.table.step == 2
+    np.testing.assert_array_equal(resumed.table.slots()["accumulators"], trained.table.slots()["accumulators"])
+    _step(trained, np.random.default_rng(5), 1)
+    _step(resumed, np.random.default_rng(5), 1)
+    assert torch.equal(resumed.weight, trained.weight)
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_copies_keep_the_initializer(rng, how):
     """reset_parameters() of a copy gives back the values the table was built
