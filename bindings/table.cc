@@ -180,7 +180,9 @@ void ValidateNamed(const Table& t, const std::vector<GradientPart>& parts, float
 // release of the GIL, so that an interrupt (Ctrl-C) cannot fall between two
 // tables' steps. (Ids that another thread rewrites meanwhile can still make a
 // later table refuse its step after earlier ones ran: the caller's race.)
-using TableStep = std::tuple<Table*, std::vector<PartTuple>, float>;
+// No array of a part may lie in any table of the call (one stepped first
+// would change it); `names` say what to call each part's grads in that error.
+using TableStep = std::tuple<Table*, std::vector<PartTuple>, float, std::vector<std::string>>;
 void ApplyGradientsMany(const std::vector<TableStep>& steps) {
   std::vector<std::vector<GradientPart>> native;
   for (size_t i = 0; i < steps.size(); ++i) {
@@ -190,6 +192,24 @@ void ApplyGradientsMany(const std::vector<TableStep>& steps) {
     for (size_t j = 0; j < i; ++j)
       if (std::get<0>(steps[j]) == t)
         throw InvalidArgument("apply_gradients_many: table '" + t->spec().name + "' is given twice");
+  }
+  for (const auto& [t, parts, learning_rate, names] : steps) {
+    if (names.size() != parts.size())
+      throw InvalidArgument("apply_gradients_many: table '" + t->spec().name + "' has " +
+                            std::to_string(parts.size()) + " parts and " + std::to_string(names.size()) + " names");
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const auto& [ids, offsets, weights, combiner, max_len, grads] = parts[k];
+      for (const auto& other : steps) {
+        const Table& o = *std::get<0>(other);
+        CheckNotTableMemory(o, grads.data(), grads.nbytes(), names[k].c_str());
+        CheckNotTableMemory(o, ids.data(), ids.nbytes(), "ids");
+        CheckNotTableMemory(o, offsets.data(), offsets.nbytes(), "offsets");
+        if (weights) CheckNotTableMemory(o, weights->data(), weights->nbytes(), "weights");
+      }
+    }
+  }
+  for (size_t i = 0; i < steps.size(); ++i) {
+    Table* t = std::get<0>(steps[i]);
     native.push_back(HostParts(*t, std::get<1>(steps[i])));
     ValidateNamed(*t, native.back(), std::get<2>(steps[i]));
   }
@@ -457,7 +477,8 @@ void BindTable(nb::module_& m) {
       "The stable row-major order of COO entries checked and counted by csr_from_coo (its offsets): (order, "
       "the positions in that order, whether each bag's positions are then 0, 1, 2, ...).");
   m.def("apply_gradients_many", &ApplyGradientsMany, "steps"_a,
-        "(table, parts, learning_rate) steps of several tables, every one checked before any runs, in one call.");
+        "(table, parts, learning_rate, names of the parts' grads) steps of several tables, every one checked before "
+        "any runs, in one call.");
   m.def("apply_gradients_windows", &ApplyGradientsWindows, "ids"_a.noconvert(), "offsets"_a.noconvert(),
         "weights"_a.noconvert().none(), "steps"_a, "grads"_a.noconvert(),
         "One step of each (table, [(first bag, bags, combiner, first column)], learning_rate) from windows of one "

@@ -434,21 +434,13 @@ class Table(LookupMixin):
             lr = self.learning_rate() if learning_rate is None else learning_rate
             self._native.apply_gradients_cuda([p[:-1] for p in parts], lr, stream)
 
-    def _check_step(self, parts, names) -> None:
-        """What the native step would refuse after earlier tables of the same
-        Embedding step changed: a step past the last a checkpoint records, or
-        gradients that view this table's values or slots."""
+    def _check_step_can_grow(self) -> None:
+        """What the native step refuses, before a collective step reaches it
+        (the distributed Embedding checks every rank first): a table at the
+        last step a checkpoint records (as the core's CheckStepCanGrow)."""
         if self.step >= _MAX_STEP:
             raise ValueError(f"table '{self._name}' is at step {self.step}, the last a checkpoint records (2^62): "
                              "no further step")
-        if self._device >= 0:  # GPU memory: no host array can overlap it
-            return
-        views = [("the values", self._native.values())] + [("a slot", v) for _, v in self._native.slots()]
-        for part, name in zip(parts, names):
-            for what, view in views:
-                if np.may_share_memory(part[5], view):
-                    raise ValueError(f"{name} overlaps {what} of table '{self._name}' that the step updates: "
-                                     "pass a copy")
 
     def _schedule_lock(self) -> threading.RLock:
         """This table's lock that makes reading a schedule's rate and stepping
@@ -571,15 +563,11 @@ _MAX_STEP = 2**62  # the last step a checkpoint records (docs/format.md)
 def apply_gradients_many(steps) -> None:
     """One optimizer step of several host tables, all or nothing. `steps`:
     ``(table, parts, names)`` per table (its native gradient parts, from
-    ``Table._gradient_part``, and what to call each in an error). Every
-    check, on every table (the last step a checkpoint records, gradients
-    that view a table this step updates, each learning rate), comes before
-    any table changes; then one native call (every table's step checked
-    before any runs, and no interrupt between two tables)."""
-    every = [p for _, parts, _ in steps for p in parts]
-    every_name = [n for _, _, names in steps for n in names]
-    for table, _, _ in steps:
-        table._check_step(every, every_name)
+    ``Table._gradient_part``, and what to call each in an error). Each
+    learning rate, then one native call that checks every table (the last
+    step a checkpoint records, gradients that view any table of the call)
+    before any table changes, and runs the steps with no interrupt between
+    two tables."""
     # A schedule's rate depends on the step: reading it and stepping are one (as in Table._apply_parts), for
     # threads that train these tables at once; the scheduled tables' locks are taken in one order (no deadlock).
     scheduled = sorted({id(t): t for t, _, _ in steps if t._optimizer is not None
@@ -588,8 +576,8 @@ def apply_gradients_many(steps) -> None:
         for _, table in scheduled:
             held.enter_context(table._schedule_lock())
         rates = [table.learning_rate() for table, _, _ in steps]
-        _embedcore.apply_gradients_many([(table._native, parts, rate)
-                                         for (table, parts, _), rate in zip(steps, rates)])
+        _embedcore.apply_gradients_many([(table._native, parts, rate, names)
+                                         for (table, parts, names), rate in zip(steps, rates)])
 
 
 def _check_max_sequence_length(value) -> None:

@@ -490,7 +490,7 @@ class ShardedEmbedding(Embedding):
             # learning rate, on every rank before any table changes, as the unsharded Embedding checks.
             rates = {}
             for key, table in self._local.items():
-                table._check_step([], [])
+                table._check_step_can_grow()
                 rates[key] = table.learning_rate()
             flat = _nest.flatten_up_to(self._feature_config, grads, "grads")
             parts: List[list] = [[] for _ in range(comm.size)]
