@@ -26,7 +26,7 @@ import tensorflow as tf
 from tensorflow.python.util import nest  # flatten_with_joined_string_paths: the paths TensorFlow matches features by
 from absl import logging
 
-from embedcore import _embedcore
+from embedcore import Sparse, _embedcore
 from embedcore.table import _COMBINER_CODE  # the engine's Combiner codes, for the kernels
 
 from . import _native
@@ -72,17 +72,17 @@ def sparse_numpy(f: Feature, table, indices, ids, dense_shape, weights, safe: bo
         else:
             raise InvalidArgument(f"feature {f.label}: weights have {weights.shape[0]} values, ids {ids.shape[0]}")
     if sequence:
-        # sparse_slice to [batch, L], then scatter_nd: duplicate positions add up.
+        # sparse_slice to [batch, L], then scatter_nd: duplicate positions add up, from zero in input order,
+        # as the engine's Sparse sequence lookup adds them (one native call).
         length = f.max_sequence_length
-        lin, ids, batch = _sequence_positions(indices, ids, dense_shape, length)
+        row, col, ids, batch = _sequence_positions(indices, ids, dense_shape, length)
         ids = np.ascontiguousarray(ids)
-        flat_rows = engine_lookup(table, ids, None, None, None)
-        out = np.zeros((batch * length, dim), np.float32)
-        if np.unique(lin).size == lin.size:
-            out[lin] = flat_rows
-        else:
-            np.add.at(out, lin, flat_rows)
-        return out.reshape(batch, length, dim), (_bags_of_one(ids, lin) if need_bwd else None)
+        try:
+            out = table.lookup(Sparse(np.stack([row, col], 1), ids, np.array([batch, length], np.int64)),
+                               combiner=None, max_sequence_length=length)
+        except IndexError as e:
+            raise bad_id_error(table, ids, None, str(e)) from None
+        return out, (_bags_of_one(ids, row * length + col) if need_bwd else None)
 
     offsets = _clean_rank2_offsets(indices, ids, dense_shape) if safe and weights is None else None
     if offsets is not None:  # nothing to prune, reorder or refuse: the engine's one pass gave the bags
@@ -161,8 +161,7 @@ def _clean_rank2_offsets(indices, ids, dense_shape) -> Optional[np.ndarray]:
 # allocated by the size an index gives.
 def _sequence_positions(indices, ids, dense_shape, length: int):
     """``sparse_slice(sp, [0, 0], [batch, length])``: the kept entries'
-    positions ``row * length + column`` in the output, their ids, and the
-    batch size. TensorFlow takes the batch size from ``tf.shape(sp)``, an
+    rows and columns in the output, their ids, and the batch size. TensorFlow takes the batch size from ``tf.shape(sp)``, an
     int32: ``dense_shape[0]`` wrapped to 32 bits (2**32 + 2 gives 2, 2**31
     an error)."""
     if indices.ndim != 2:
@@ -182,7 +181,7 @@ def _sequence_positions(indices, ids, dense_shape, length: int):
     keep = (row >= 0) & (row < batch) & (col >= 0) & (col < length)
     if not keep.all():
         row, col, ids = row[keep], col[keep], ids[keep]
-    return row * length + col, ids, batch
+    return row, col, ids, batch
 
 
 def _check_dense_shape(dense_shape) -> None:
