@@ -55,17 +55,21 @@ def _slot_counts(t: dict) -> Tuple[int, int]:
     return (0, len(t["slots"])) if row_wise else (len(t["slots"]), 0)
 
 
-def _table_config_json(cfg: TableConfig, table: Table) -> dict:
+def _table_config_json(cfg: TableConfig, table: Optional[Table] = None) -> dict:
+    """A manifest table's config: `cfg`'s shape, dtype, combiner and
+    initializer, and `table`'s name, optimizer and padding_idx; without a
+    table (a sharded save's rank 0, which may hold no shard of it), `cfg`'s
+    name and optimizer, and no padding_idx."""
     config = {
-        "name": table.name,
+        "name": cfg.name if table is None else table.name,
         "rows": cfg.rows,
         "dim": cfg.dim,
         "dtype": cfg.dtype,
         "combiner": cfg.combiner,
         "initializer": _initializer_json(cfg.initializer),
-        "optimizer": _optimizer_json(table.optimizer),
+        "optimizer": _optimizer_json(cfg.optimizer if table is None else table.optimizer),
     }
-    if table._padding_idx is not None:  # format 1.5: serving leaves it out of pooled bags
+    if table is not None and table._padding_idx is not None:  # format 1.5: serving leaves it out of pooled bags
         config["padding_idx"] = int(table._padding_idx)
     return config
 

@@ -19,22 +19,15 @@ import zlib
 from typing import List, Optional
 
 from .. import _embedcore
-from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_padding, _check_values_dtype, _initializer_json,
-                          _locked, _metadata, _optimizer_json, _quantized_tables, _remove_if_created_and_empty,
-                          _slot_counts, native_path, resolved_path)
+from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_padding, _check_values_dtype, _locked, _metadata,
+                          _quantized_tables, _remove_if_created_and_empty, _slot_counts, _table_config_json,
+                          native_path, resolved_path)
 from ._comm import RankFailedError, agree
 from ._plan import make_plan
 
 __all__ = ["save_sharded", "load_sharded", "reshard"]
 
 MAX_WORLD_SIZE = 1 << 20  # reshard's plan holds a few numbers per rank
-
-
-def _config_json(eff) -> dict:
-    return {
-        "name": eff.name, "rows": eff.rows, "dim": eff.dim, "dtype": eff.dtype, "combiner": eff.combiner,
-        "initializer": _initializer_json(eff.initializer), "optimizer": _optimizer_json(eff.optimizer),
-    }
 
 
 def _manifest(generation: int, tables: List[dict], metadata: dict) -> str:
@@ -167,7 +160,7 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
                 entry = _merge(mine[0], mine)
                 entry["rows"], entry["dim"] = eff.rows, eff.dim
                 entry["sharding"] = {**emb._sharding_of(ti).to_json(), "world_size": comm.size}
-                entry["config"] = _config_json(eff)
+                entry["config"] = _table_config_json(eff)
                 tables.append((order[eff.name], entry))
             if keep:
                 from ..checkpoint import Saver
