@@ -268,80 +268,88 @@ def make_batch(ids, offsets=None, weights=None, where: str = "ids") -> Batch:
             raise TypeError(f"{wname} is {form.__name__} but {where} is {type(ids).__name__}: "
                             f"give the weights in the form of the ids")
     if isinstance(ids, Ragged):
-        if offsets is not None:
-            raise ValueError(f"{where} is Ragged: pass its offsets inside it, not as offsets=")
-        values = as_int_array(ids.values, f"{where}.values")
-        if values.ndim != 1:
-            raise ValueError(f"{where}.values must be 1-D, got shape {values.shape}")
-        offs = as_offsets(ids.offsets, f"{where}.offsets")
-        w = None
-        if weights is not None:
-            if isinstance(weights, Ragged):
-                woffs = as_offsets(weights.offsets, f"{wname}.offsets")
-                if not np.array_equal(woffs, offs):
-                    raise ValueError(f"{wname} must have the same offsets as {where}")
-                weights = weights.values
-            w = as_weights(weights, wname)
-            if w.shape != values.shape:
-                raise ValueError(f"{wname} must have shape {values.shape} like {where}, got {w.shape}")
-        return Batch(values, offs, w, "ragged")
-
+        return _ragged_batch(ids, offsets, weights, where, wname)
     if isinstance(ids, Sparse):
-        if offsets is not None:
-            raise ValueError(f"{where} is Sparse: offsets= does not apply")
-        indices, values, shape = _sparse_parts(ids, where)
-        values = as_int_array(values, f"{where}.values")
-        if values.ndim != 1 or values.shape[0] != indices.shape[0]:
-            raise ValueError(f"{where}.values must be 1-D with one id per index row, got shape {values.shape}")
-        w = None
-        if weights is not None:
-            if isinstance(weights, Sparse):
-                windices = as_int_array(weights.indices, f"{wname}.indices")
-                if not np.array_equal(windices, indices):
-                    raise ValueError(f"{wname} must have the same indices as {where}")
-                wshape = as_int_array(weights.dense_shape, f"{wname}.dense_shape")
-                if not np.array_equal(wshape, shape):
-                    raise ValueError(f"{wname}.dense_shape {wshape.tolist()} differs from {where}.dense_shape "
-                                     f"{shape.tolist()}")
-                weights = weights.values
-            w = as_weights(weights, wname)
-            if w.shape != values.shape:
-                raise ValueError(f"{wname} must have shape {values.shape} like {where}.values, got {w.shape}")
-        # Bags are rows; within a row, ids keep the order of their positions.
-        given = indices
-        offs, positions, row_major, dense = _csr_of_coo(indices, shape, where)
-        order = None
-        if not row_major:  # a stable sort by (bag, position): a counting pass by bag, then each bag's positions
-            order, positions, dense = _embedcore.coo_row_major_order(np.ascontiguousarray(indices), int(shape[0]),
-                                                                     int(shape[1]), offs)
-            values = values[order]
-            w = None if w is None else w[order]
-        return Batch(np.ascontiguousarray(values), offs, w, "sparse", width=int(shape[1]), positions=positions,
-                     indices=given, dense_positions=dense, order=order)
-
+        return _sparse_batch(ids, offsets, weights, where, wname)
     a = as_int_array(ids, where)
     if a.ndim == 0:
         raise ValueError(f"{where} must be 1-D (with offsets) or 2-D (one bag per row), got a scalar")
     if a.ndim == 2:
-        if offsets is not None:
-            raise ValueError(f"{where} is 2-D (one bag per row): offsets= does not apply")
-        batch, k = a.shape
-        w = None
-        if weights is not None:
-            w = as_weights(weights, wname)
-            if w.shape != a.shape:
-                raise ValueError(f"{wname} must have shape {a.shape} like {where}, got {w.shape}")
-            w = w.reshape(-1)
-        return Batch(a.reshape(-1), _dense_offsets(batch, k), w, "dense", width=k)
+        return _dense_batch(a, offsets, weights, where, wname)
     if a.ndim != 1:
         raise ValueError(f"{where} must be 1-D (with offsets) or 2-D (one bag per row), got shape {a.shape}")
+    return _csr_batch(a, offsets, weights, where, wname)
+
+
+def _weights_like(weights, shape: tuple, wname: str, like: str) -> Optional[np.ndarray]:
+    """The float32 weights (None when not given), one per id: of the ids'
+    `shape` (`like` names the ids in the error)."""
+    if weights is None:
+        return None
+    w = as_weights(weights, wname)
+    if w.shape != shape:
+        raise ValueError(f"{wname} must have shape {shape} like {like}, got {w.shape}")
+    return w
+
+
+def _ragged_batch(ids: Ragged, offsets, weights, where: str, wname: str) -> Batch:
+    if offsets is not None:
+        raise ValueError(f"{where} is Ragged: pass its offsets inside it, not as offsets=")
+    values = as_int_array(ids.values, f"{where}.values")
+    if values.ndim != 1:
+        raise ValueError(f"{where}.values must be 1-D, got shape {values.shape}")
+    offs = as_offsets(ids.offsets, f"{where}.offsets")
+    if isinstance(weights, Ragged):
+        woffs = as_offsets(weights.offsets, f"{wname}.offsets")
+        if not np.array_equal(woffs, offs):
+            raise ValueError(f"{wname} must have the same offsets as {where}")
+        weights = weights.values
+    return Batch(values, offs, _weights_like(weights, values.shape, wname, where), "ragged")
+
+
+def _sparse_batch(ids: Sparse, offsets, weights, where: str, wname: str) -> Batch:
+    if offsets is not None:
+        raise ValueError(f"{where} is Sparse: offsets= does not apply")
+    indices, values, shape = _sparse_parts(ids, where)
+    values = as_int_array(values, f"{where}.values")
+    if values.ndim != 1 or values.shape[0] != indices.shape[0]:
+        raise ValueError(f"{where}.values must be 1-D with one id per index row, got shape {values.shape}")
+    if isinstance(weights, Sparse):
+        windices = as_int_array(weights.indices, f"{wname}.indices")
+        if not np.array_equal(windices, indices):
+            raise ValueError(f"{wname} must have the same indices as {where}")
+        wshape = as_int_array(weights.dense_shape, f"{wname}.dense_shape")
+        if not np.array_equal(wshape, shape):
+            raise ValueError(f"{wname}.dense_shape {wshape.tolist()} differs from {where}.dense_shape "
+                             f"{shape.tolist()}")
+        weights = weights.values
+    w = _weights_like(weights, values.shape, wname, f"{where}.values")
+    # Bags are rows; within a row, ids keep the order of their positions.
+    given = indices
+    offs, positions, row_major, dense = _csr_of_coo(indices, shape, where)
+    order = None
+    if not row_major:  # a stable sort by (bag, position): a counting pass by bag, then each bag's positions
+        order, positions, dense = _embedcore.coo_row_major_order(np.ascontiguousarray(indices), int(shape[0]),
+                                                                 int(shape[1]), offs)
+        values = values[order]
+        w = None if w is None else w[order]
+    return Batch(np.ascontiguousarray(values), offs, w, "sparse", width=int(shape[1]), positions=positions,
+                 indices=given, dense_positions=dense, order=order)
+
+
+def _dense_batch(a: np.ndarray, offsets, weights, where: str, wname: str) -> Batch:
+    """A 2-D ``[batch, k]`` id array: one bag per row."""
+    if offsets is not None:
+        raise ValueError(f"{where} is 2-D (one bag per row): offsets= does not apply")
+    batch, k = a.shape
+    w = _weights_like(weights, a.shape, wname, where)
+    return Batch(a.reshape(-1), _dense_offsets(batch, k), None if w is None else w.reshape(-1), "dense", width=k)
+
+
+def _csr_batch(a: np.ndarray, offsets, weights, where: str, wname: str) -> Batch:
+    """A 1-D id array with CSR offsets, or without (one id per bag)."""
     if offsets is None:
         offs = np.arange(a.shape[0] + 1, dtype=np.int64)  # one id per bag
     else:
         offs = as_offsets(offsets, "offsets")
-    w = None
-    if weights is not None:
-        w = as_weights(weights, wname)
-        if w.shape != a.shape:
-            raise ValueError(f"{wname} must have shape {a.shape} like {where}, got {w.shape}")
-    return Batch(a, offs, w, "ragged")
+    return Batch(a, offs, _weights_like(weights, a.shape, wname, where), "ragged")
