@@ -197,7 +197,7 @@ def _csr(x, where: str) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
             if lengths.dim() != 1:
                 raise ValueError(f"{where}['lengths'] must be 1-D (one length per bag), got shape "
                                  f"{tuple(lengths.shape)}")
-            offsets = torch.cat([lengths.new_zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+            offsets = _offsets_of_lengths(lengths)
     elif isinstance(x, ec.Ragged):
         values, offsets = x.values, x.offsets
     elif isinstance(x, (tuple, list)) and len(x) in (2, 3):
@@ -248,8 +248,13 @@ def _jagged_offsets(x, where: str) -> Tensor:
                             f"{lengths.dtype}")
         if lengths.dim() != 1:
             raise ValueError(f"{where} lengths must be 1-D (one length per bag), got shape {tuple(lengths.shape)}")
-        return torch.cat([lengths.new_zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0, dtype=torch.int64)])
+        return _offsets_of_lengths(lengths)
     return x.offsets()
+
+
+def _offsets_of_lengths(lengths: Tensor) -> Tensor:
+    """The int64 offsets (a leading 0, then the running sum) of 1-D `lengths`, on their device."""
+    return torch.cat([lengths.new_zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0, dtype=torch.int64)])
 
 
 def _kjt_parts(kjt, features: Sequence[str], owner: str):

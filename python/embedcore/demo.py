@@ -26,12 +26,10 @@ def _synthetic(rng: np.random.Generator, batch: int, user_score, item_score):
     users = rng.integers(0, USERS, batch)
     items = rng.integers(0, ITEMS, batch)
     lengths = rng.integers(0, HISTORY + 1, batch)
-    offsets = np.zeros(batch + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    history = rng.integers(0, ITEMS, offsets[-1])
+    history = rng.integers(0, ITEMS, int(lengths.sum()))
     logit = user_score[users] + item_score[items]
     clicks = (rng.random(batch) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
-    features = {"user": users, "item": items, "history": ec.Ragged(history, offsets)}
+    features = {"user": users, "item": items, "history": ec.Ragged.from_lengths(history, lengths)}
     return features, clicks
 
 

@@ -6,15 +6,11 @@ from typing import Dict, List, Optional
 
 from . import _device, _embedcore, _nest
 from . import optimizers as _opt
-from ._inputs import Batch, Ragged, Sparse, in_callers_terms, make_batch
+from ._inputs import Batch, in_callers_terms, make_batch
 from .config import FeatureConfig, TableConfig, _check_utf8
 from .table import Table, apply_gradients_many
 
 __all__ = ["Embedding"]
-
-
-def _is_input_leaf(x) -> bool:
-    return isinstance(x, (Ragged, Sparse))
 
 
 class FeatureLookup:

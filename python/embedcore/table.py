@@ -395,10 +395,8 @@ class Table(LookupMixin):
         return (nnz, self.dim)
 
     def _cuda_lookup(self, ids, offsets, weights, combiner, max_sequence_length, out=None):
-        """A lookup of CUDA tensors (PyTorch or CuPy) on the caller's current stream."""
-        if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, (int, np.integer)) \
-                or max_sequence_length < 0:
-            raise ValueError(f"max_sequence_length must be an int >= 0, got {max_sequence_length!r}")
+        """A lookup of CUDA tensors (PyTorch or CuPy) on the caller's current stream (`max_sequence_length`
+        checked: by lookup, or a FeatureConfig's)."""
         ids, offsets, weights, ref, width = _device.cuda_batch(self._device, ids, offsets, weights,
                                                                where=f"table '{self._name}'")
         if combiner is None and max_sequence_length == 0 and width is not None:

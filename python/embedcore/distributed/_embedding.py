@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import _device, _embedcore, _nest
 from ..checkpoint import _optimizer_json
-from .._inputs import Batch, as_float32, make_batch
+from .._inputs import Batch, Ragged, as_float32, make_batch
 from ..config import TableConfig
 from ..embedding import Embedding
 from ..table import _COMBINER_CODE, Table
@@ -459,8 +459,7 @@ class ShardedEmbedding(Embedding):
                 w = floats[fpos:fpos + ids.size]
                 fpos += ids.size
             if pooled:
-                offsets = np.zeros(nb + 1, np.int64)
-                np.cumsum(lengths, out=offsets[1:])
+                offsets = Ragged.from_lengths(ids, lengths).offsets
                 code = _COMBINER_CODE[self._combiner(self._features[fi])] if whole else _SUM
             else:
                 offsets = np.array([0, ids.size], np.int64)
