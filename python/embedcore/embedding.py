@@ -142,8 +142,8 @@ class Embedding(FeatureLookup):
                                                                where=f"features[{name!r}]")
             combiner = self._combiner(f)
             length = 0 if combiner is not None else f.max_sequence_length
-            try:
-                outputs.append(table._cuda_lookup(ids, offsets, weights, combiner, length))
+            try:  # normalised once: flat ids with offsets (no width, as a second cuda_batch would find)
+                outputs.append(table._cuda_lookup_batch((ids, offsets, weights, ref, None), combiner, length))
             except (IndexError, ValueError) as e:
                 raise in_callers_terms(e, where=f"features[{name!r}]") from None
             parts.append((ids, offsets, weights, combiner, length))
@@ -187,7 +187,8 @@ class Embedding(FeatureLookup):
                 table = self._table(f)
                 if table.optimizer is None:
                     raise ValueError(f"Embedding.apply_gradients: table '{table.name}' has no optimizer")
-                cuda_parts.setdefault(f.table, []).append(table._cuda_part(ids, offsets, weights, combiner, length, g))
+                cuda_parts.setdefault(f.table, []).append(
+                    table._cuda_part_batch((ids, offsets, weights, ids, None), combiner, length, g))
             rates = {cfg: self._tables[cfg].learning_rate() for cfg in cuda_parts}
             for cfg, table_parts in cuda_parts.items():
                 self._tables[cfg]._cuda_apply(table_parts, rates[cfg])

@@ -397,8 +397,13 @@ class Table(LookupMixin):
     def _cuda_lookup(self, ids, offsets, weights, combiner, max_sequence_length, out=None):
         """A lookup of CUDA tensors (PyTorch or CuPy) on the caller's current stream (`max_sequence_length`
         checked: by lookup, or a FeatureConfig's)."""
-        ids, offsets, weights, ref, width = _device.cuda_batch(self._device, ids, offsets, weights,
-                                                               where=f"table '{self._name}'")
+        batch = _device.cuda_batch(self._device, ids, offsets, weights, where=f"table '{self._name}'")
+        return self._cuda_lookup_batch(batch, combiner, max_sequence_length, out)
+
+    def _cuda_lookup_batch(self, batch: tuple, combiner, max_sequence_length, out=None):
+        """_cuda_lookup of a batch already on this table's device: ``_device.cuda_batch``'s (ids, offsets,
+        weights, reference tensor, width)."""
+        ids, offsets, weights, ref, width = batch
         if combiner is None and max_sequence_length == 0 and width is not None:
             max_sequence_length = width  # a dense [batch, k] input keeps its width, as on the CPU
             if width == 0:
@@ -413,8 +418,12 @@ class Table(LookupMixin):
         return out
 
     def _cuda_part(self, ids, offsets, weights, combiner, max_sequence_length, grads) -> tuple:
-        ids, offsets, weights, ref, width = _device.cuda_batch(self._device, ids, offsets, weights,
-                                                               where=f"table '{self._name}'")
+        batch = _device.cuda_batch(self._device, ids, offsets, weights, where=f"table '{self._name}'")
+        return self._cuda_part_batch(batch, combiner, max_sequence_length, grads)
+
+    def _cuda_part_batch(self, batch: tuple, combiner, max_sequence_length, grads) -> tuple:
+        """_cuda_part of a batch already on this table's device (as _cuda_lookup_batch)."""
+        ids, offsets, weights, ref, width = batch
         if combiner is None and max_sequence_length == 0 and width:
             max_sequence_length = width
         shape = self._cuda_shape(ids, offsets, combiner, max_sequence_length)
