@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "embedcore/embedcore.h"
+#include "shared_checks.h"
 
 namespace embedcore::bindings {
 
@@ -245,8 +246,7 @@ NumpyFloat LookupNew(int64_t dim, const IdArray& ids, const OffsetArray& offsets
                      const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length, F&& lookup) {
   const Batch batch = MakeBatch(ids, offsets, weights);
   const OutputShape shape{ToCombiner(combiner), max_sequence_length};
-  if (shape.combiner == Combiner::kNone && max_sequence_length < 0)
-    throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(max_sequence_length));
+  internal::CheckLookupSequenceLength(shape);
   const std::vector<size_t> dims = OutputDims(batch, shape, dim);
   size_t n = 1;
   for (size_t d : dims) n *= d;
@@ -264,8 +264,7 @@ void LookupOut(int64_t dim, const IdArray& ids, const OffsetArray& offsets, cons
                int combiner, int64_t max_sequence_length, const FloatOut& out, F&& lookup) {
   const Batch batch = MakeBatch(ids, offsets, weights);
   const OutputShape shape{ToCombiner(combiner), max_sequence_length};
-  if (shape.combiner == Combiner::kNone && max_sequence_length < 0)
-    throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(max_sequence_length));
+  internal::CheckLookupSequenceLength(shape);
   const std::vector<size_t> dims = OutputDims(batch, shape, dim);
   CheckNoAliasing(ids, offsets, weights, out);
   bool same = out.ndim() == dims.size();

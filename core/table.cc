@@ -17,6 +17,7 @@
 #include "checkpoint/format.h"
 #include "cuda/cuda_impl.h"
 #include "internal.h"
+#include "shared_checks.h"
 #include "kernels.h"
 #include "ops/combiners.h"
 #include "ops/optimizers.h"
@@ -615,8 +616,7 @@ void Table::ReadValues(int64_t start_row, int64_t n, float* dst) const {
 
 // ---------------------------------------------------------------- lookup
 void Table::Lookup(const Batch& batch, const OutputShape& shape, float* out, uintptr_t stream) const {
-  if (shape.combiner == Combiner::kNone && shape.max_sequence_length < 0)
-    throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(shape.max_sequence_length));
+  internal::CheckLookupSequenceLength(shape);
   CheckOutStride(shape, spec_.dim, spec_.device >= 0);
   if (spec_.device >= 0) {  // device pointers: checked on the device
     std::shared_lock<std::shared_mutex> lock(mutex_);
@@ -903,31 +903,61 @@ void CheckStepCanGrow(const std::string& table, int64_t step) {
     throw InvalidArgument("table '" + table + "' is at step " + std::to_string(step) +
                           ", the last a checkpoint records (2^62): no further step");
 }
+
+// A step is checked before anything changes, on every path (ApplyGradients on
+// the host or the device, ValidateStep, ApplyGradientsStaged), in one order:
+// CheckStepShapes (each part's shape, as Lookup refuses them, then the step
+// limit), then, for host arrays, each part's batch and grads (CheckPartArrays,
+// on StableParts' copies where the step then runs), then CheckLearningRate.
+// A device table's own batches, and then the rate, are checked on the device.
+void CheckStepShapes(const std::vector<GradientPart>& parts, const TableSpec& spec, int64_t step) {
+  for (const auto& p : parts) {
+    internal::CheckMaxSequenceLength(p.shape.max_sequence_length);
+    CheckOutStride(p.shape, spec.dim, spec.device >= 0);
+  }
+  CheckStepCanGrow(spec.name, step);
+}
+
+// One part's host arrays: its batch (ids, offsets, weights) and its grads.
+void CheckPartArrays(const GradientPart& p, const TableSpec& spec) {
+  ValidateBatch(p.batch, spec.rows, spec.name);
+  if (p.shape.OutputRows(p.batch) > 0 && p.grads == nullptr) throw InvalidArgument("grads: null pointer");
+}
+
+void CheckLearningRate(float learning_rate) {
+  if (!std::isfinite(learning_rate)) throw InvalidArgument("learning_rate must be finite, got " + std::to_string(learning_rate));
+}
+
+// A step's parts with the engine's copies of their offsets (see StableBatch),
+// each checked (CheckPartArrays) in turn.
+class StableParts {
+ public:
+  StableParts(const std::vector<GradientPart>& given, const TableSpec& spec) : parts_(given) {
+    copies_.reserve(given.size());
+    for (GradientPart& p : parts_) {
+      copies_.push_back(std::make_unique<internal::StableBatch>(p.batch));
+      p.batch = copies_.back()->get();
+      CheckPartArrays(p, spec);
+    }
+  }
+  const std::vector<GradientPart>& get() const { return parts_; }
+
+ private:
+  std::vector<GradientPart> parts_;
+  std::vector<std::unique_ptr<internal::StableBatch>> copies_;
+};
 }  // namespace
 
 void Table::ValidateStep(const std::vector<GradientPart>& parts, float learning_rate) const {
-  for (const auto& p : parts) {
-    if (p.shape.max_sequence_length < 0)
-      throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(p.shape.max_sequence_length));
-    CheckOutStride(p.shape, spec_.dim, spec_.device >= 0);
-  }
-  CheckStepCanGrow(spec_.name, step_);
-  if (!std::isfinite(learning_rate)) throw InvalidArgument("learning_rate must be finite, got " + std::to_string(learning_rate));
-  if (spec_.device >= 0) return;  // device batches (device pointers) are checked on the device
-  for (const auto& p : parts) {
-    ValidateBatch(p.batch, spec_.rows, spec_.name);
-    if (p.shape.OutputRows(p.batch) > 0 && p.grads == nullptr) throw InvalidArgument("grads: null pointer");
-  }
+  CheckStepShapes(parts, spec_, step_);
+  if (spec_.device < 0)  // device batches (device pointers) are checked on the device
+    for (const auto& p : parts) CheckPartArrays(p, spec_);
+  CheckLearningRate(learning_rate);
 }
 
 void Table::ApplyGradients(const std::vector<GradientPart>& given, float learning_rate, uintptr_t stream) {
-  for (const auto& p : given) {  // as Lookup refuses them, on every path
-    if (p.shape.max_sequence_length < 0)
-      throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(p.shape.max_sequence_length));
-    CheckOutStride(p.shape, spec_.dim, spec_.device >= 0);
-  }
+  CheckStepShapes(given, spec_, step_);
   if (spec_.device >= 0) {
-    CheckStepCanGrow(spec_.name, step_);
     std::unique_lock<std::shared_mutex> lock(mutex_);
     std::vector<float*> slots;
     for (auto& s : slots_) slots.push_back(s.get());
@@ -936,17 +966,9 @@ void Table::ApplyGradients(const std::vector<GradientPart>& given, float learnin
     return;
   }
   // Validate everything before touching anything: the offsets as the engine's copies (see StableBatch).
-  CheckStepCanGrow(spec_.name, step_);
-  std::vector<std::unique_ptr<internal::StableBatch>> stable;
-  std::vector<GradientPart> parts = given;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    stable.push_back(std::make_unique<internal::StableBatch>(given[i].batch));
-    parts[i].batch = stable.back()->get();
-    ValidateBatch(parts[i].batch, spec_.rows, spec_.name);
-    if (parts[i].shape.OutputRows(parts[i].batch) > 0 && parts[i].grads == nullptr)
-      throw InvalidArgument("grads: null pointer");
-  }
-  if (!std::isfinite(learning_rate)) throw InvalidArgument("learning_rate must be finite, got " + std::to_string(learning_rate));
+  const StableParts stable(given, spec_);
+  const std::vector<GradientPart>& parts = stable.get();
+  CheckLearningRate(learning_rate);
 
   const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
   {  // The optimizer is read under the lock: SetOptimizer may replace it meanwhile.
@@ -1023,8 +1045,7 @@ void Table::ApplyGradients(const std::vector<GradientPart>& given, float learnin
 // ---------------------------------------------------------------- host arrays, any table
 void Table::LookupStaged(const Batch& batch, const OutputShape& shape, float* out) const {
   if (spec_.device < 0) return Lookup(batch, shape, out);
-  if (shape.combiner == Combiner::kNone && shape.max_sequence_length < 0)
-    throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(shape.max_sequence_length));
+  internal::CheckLookupSequenceLength(shape);
   CheckOutStride(shape, spec_.dim, true);
   const internal::StableBatch stable(batch);  // validated, then uploaded: the engine's copy of the offsets
   ValidateBatch(stable.get(), spec_.rows, spec_.name);
@@ -1036,23 +1057,13 @@ void Table::LookupStaged(const Batch& batch, const OutputShape& shape, float* ou
 
 void Table::ApplyGradientsStaged(const std::vector<GradientPart>& given, float learning_rate) {
   if (spec_.device < 0) return ApplyGradients(given, learning_rate);
-  CheckStepCanGrow(spec_.name, step_);
-  std::vector<std::unique_ptr<internal::StableBatch>> stable;  // validated, then uploaded: see StableBatch
-  std::vector<GradientPart> parts = given;
-  for (auto& p : parts) {
-    if (p.shape.max_sequence_length < 0)
-      throw InvalidArgument("max_sequence_length must be >= 0, got " + std::to_string(p.shape.max_sequence_length));
-    CheckOutStride(p.shape, spec_.dim, true);
-    stable.push_back(std::make_unique<internal::StableBatch>(p.batch));
-    p.batch = stable.back()->get();
-    ValidateBatch(p.batch, spec_.rows, spec_.name);
-    if (p.shape.OutputRows(p.batch) > 0 && p.grads == nullptr) throw InvalidArgument("grads: null pointer");
-  }
-  if (!std::isfinite(learning_rate)) throw InvalidArgument("learning_rate must be finite, got " + std::to_string(learning_rate));
+  CheckStepShapes(given, spec_, step_);
+  const StableParts stable(given, spec_);  // validated, then uploaded: see StableBatch
+  CheckLearningRate(learning_rate);
   std::unique_lock<std::shared_mutex> lock(mutex_);
   std::vector<float*> slots;
   for (auto& s : slots_) slots.push_back(s.get());
-  cuda_impl::ApplyGradientsFromHost(spec_, values_.get(), slots, step_, parts, learning_rate, spec_.device);
+  cuda_impl::ApplyGradientsFromHost(spec_, values_.get(), slots, step_, stable.get(), learning_rate, spec_.device);
   ++step_;
 }
 
