@@ -780,7 +780,7 @@ void UpdateGroups(const Rule& rule, const ops::StepConstants& kc, const TableSpe
 // Non-lazy Adam: rows absent from the batch take a step with a zero gradient.
 template <typename Rule>
 void UpdateUntouched(const Rule& rule, const ops::StepConstants& kc, const TableSpec& spec, void* values,
-                     std::vector<float*>& slots, const std::vector<uint8_t>& touched,
+                     const std::vector<float*>& slots, const std::vector<uint8_t>& touched,
                      const kernels::DTypeKernels& k) {
   const int64_t dim = spec.dim;
   const size_t es = DTypeSize(spec.dtype);
@@ -955,90 +955,117 @@ void Table::ValidateStep(const std::vector<GradientPart>& parts, float learning_
   CheckLearningRate(learning_rate);
 }
 
-void Table::ApplyGradients(const std::vector<GradientPart>& given, float learning_rate, uintptr_t stream) {
-  CheckStepShapes(given, spec_, step_);
-  if (spec_.device >= 0) {
-    std::unique_lock<std::shared_mutex> lock(mutex_);
-    std::vector<float*> slots;
-    for (auto& s : slots_) slots.push_back(s.get());
-    cuda_impl::ApplyGradients(spec_, values_.get(), slots, step_, given, learning_rate, spec_.device, stream);
-    ++step_;
-    return;
-  }
-  // Validate everything before touching anything: the offsets as the engine's copies (see StableBatch).
-  const StableParts stable(given, spec_);
-  const std::vector<GradientPart>& parts = stable.get();
-  CheckLearningRate(learning_rate);
+namespace {
+// The slots' pointers, as the update kernels take them.
+template <typename Owned>
+std::vector<float*> SlotPointers(const std::vector<Owned>& slots) {
+  std::vector<float*> out;
+  for (auto& s : slots) out.push_back(s.get());
+  return out;
+}
 
-  const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
-  {  // The optimizer is read under the lock: SetOptimizer may replace it meanwhile.
-    std::unique_lock<std::shared_mutex> lock(mutex_);
-    const ops::StepConstants kc = internal::StepConstantsFor(spec_.optimizer, learning_rate);
-    if (spec_.optimizer.kind == OptimizerSpec::Kind::kSGD && spec_.dtype == DType::kFloat32 && ops::PlainStep(kc)) {
-      ApplySgdInOrder(parts, spec_, static_cast<float*>(values_.get()), learning_rate, k);
-      ++step_;
-      return;
-    }
-  }
+// Whether this step is plain SGD on a float32 table (no clipping, no weight
+// decay), which ApplySgdInOrder applies in input order with no sort.
+bool StepsInOrder(const TableSpec& spec, float learning_rate) {
+  return spec.optimizer.kind == OptimizerSpec::Kind::kSGD && spec.dtype == DType::kFloat32 &&
+         ops::PlainStep(internal::StepConstantsFor(spec.optimizer, learning_rate));
+}
 
-  // Every occurrence, keyed by id, in input order; a stable sort groups them.
+// Every occurrence of a step's (validated) parts, keyed by id and sorted
+// stably (input order within an id), and where each id's group starts (and,
+// last, where the last ends). Both are kept across calls on this thread (see
+// RadixSort): no page faults per step.
+struct OccurrenceGroups {
+  const std::vector<Occurrence>& sorted;
+  const std::vector<int64_t>& group_start;
+};
+
+OccurrenceGroups GroupOccurrences(const std::vector<GradientPart>& parts, const TableSpec& spec) {
   int64_t total = 0;
   for (const auto& p : parts) total += p.batch.nnz;
-  // Kept across calls on this thread (see RadixSort): no page faults per step.
   static thread_local std::vector<Occurrence> keys;
   keys.resize(size_t(total));
   int64_t used = 0;
   for (const auto& p : parts)
-    used += p.batch.id_type == IdType::kInt32 ? CollectOccurrences<int32_t>(p, spec_.dim, keys.data() + used)
-                                              : CollectOccurrences<int64_t>(p, spec_.dim, keys.data() + used);
+    used += p.batch.id_type == IdType::kInt32 ? CollectOccurrences<int32_t>(p, spec.dim, keys.data() + used)
+                                              : CollectOccurrences<int64_t>(p, spec.dim, keys.data() + used);
   keys.resize(size_t(used));
   // The ids were validated, but are read in place: a caller's thread may have rewritten them since.
   // The keys are this step's own copy; refuse the step before any row changes if one is out of range.
   for (const Occurrence& o : keys)
-    if (o.key >= uint64_t(spec_.rows))
-      throw InvalidArgument("table '" + spec_.name + "': the ids changed while apply_gradients read them (id " +
-                            std::to_string(int64_t(o.key)) + " is out of range [0, " + std::to_string(spec_.rows) +
+    if (o.key >= uint64_t(spec.rows))
+      throw InvalidArgument("table '" + spec.name + "': the ids changed while apply_gradients read them (id " +
+                            std::to_string(int64_t(o.key)) + " is out of range [0, " + std::to_string(spec.rows) +
                             ")): another thread wrote the ids array during the call; nothing was changed");
-  internal::RadixSort(keys, BitWidth(uint64_t(spec_.rows - 1)));
+  internal::RadixSort(keys, BitWidth(uint64_t(spec.rows - 1)));
   static thread_local std::vector<int64_t> group_start;
   group_start.clear();
   for (size_t i = 0; i < keys.size(); ++i)
     if (i == 0 || keys[i].key != keys[i - 1].key) group_start.push_back(int64_t(i));
   group_start.push_back(int64_t(keys.size()));
+  return {keys, group_start};
+}
 
-  std::unique_lock<std::shared_mutex> lock(mutex_);
-  const OptimizerSpec& o = spec_.optimizer;  // (SetOptimizer only ever gives an SGD table slots: any path fits)
+// One step of the table's optimizer (`step`: the table's step count) over the
+// grouped occurrences, with the table's lock held.
+void ApplyRule(const TableSpec& spec, float learning_rate, int64_t step, void* values,
+               const std::vector<float*>& slots, const OccurrenceGroups& groups, const kernels::DTypeKernels& k) {
+  const OptimizerSpec& o = spec.optimizer;  // (SetOptimizer only ever gives an SGD table slots: any path fits)
   const ops::StepConstants kc = internal::StepConstantsFor(o, learning_rate);
-  std::vector<float*> slots;
-  for (auto& s : slots_) slots.push_back(s.get());
-  void* values = values_.get();
+  const auto& keys = groups.sorted;
+  const auto& group_start = groups.group_start;
   switch (o.kind) {
     case OptimizerSpec::Kind::kSGD:
-      UpdateGroups(ops::SgdRule{learning_rate}, kc, spec_, values, slots, keys, group_start, k);
+      UpdateGroups(ops::SgdRule{learning_rate}, kc, spec, values, slots, keys, group_start, k);
       break;
     case OptimizerSpec::Kind::kAdagrad:
-      UpdateGroups(ops::AdagradRule{learning_rate, o.adagrad_epsilon}, kc, spec_, values, slots, keys, group_start, k);
+      UpdateGroups(ops::AdagradRule{learning_rate, o.adagrad_epsilon}, kc, spec, values, slots, keys, group_start, k);
       break;
     case OptimizerSpec::Kind::kRowwiseAdagrad:
-      UpdateGroups(ops::RowwiseAdagradRule{learning_rate, o.adagrad_epsilon}, kc, spec_, values, slots, keys,
+      UpdateGroups(ops::RowwiseAdagradRule{learning_rate, o.adagrad_epsilon}, kc, spec, values, slots, keys,
                    group_start, k);
       break;
     case OptimizerSpec::Kind::kAdam: {
-      const ops::AdamRule rule = internal::AdamRuleFor(o, learning_rate, step_);
-      UpdateGroups(rule, kc, spec_, values, slots, keys, group_start, k);
+      const ops::AdamRule rule = internal::AdamRuleFor(o, learning_rate, step);
+      UpdateGroups(rule, kc, spec, values, slots, keys, group_start, k);
       if (!o.lazy_adam) {
-        std::vector<uint8_t> touched(spec_.rows, 0);
+        std::vector<uint8_t> touched(spec.rows, 0);
         for (size_t g = 0; g + 1 < group_start.size(); ++g) touched[keys[group_start[g]].key] = 1;
-        UpdateUntouched(rule, kc, spec_, values, slots, touched, k);
+        UpdateUntouched(rule, kc, spec, values, slots, touched, k);
       }
       break;
     }
-    case OptimizerSpec::Kind::kFTRL: {
-      const ops::FtrlRule rule = internal::FtrlRuleFor(o, learning_rate);
-      UpdateGroups(rule, kc, spec_, values, slots, keys, group_start, k);
+    case OptimizerSpec::Kind::kFTRL:
+      UpdateGroups(internal::FtrlRuleFor(o, learning_rate), kc, spec, values, slots, keys, group_start, k);
       break;
+  }
+}
+}  // namespace
+
+void Table::ApplyGradients(const std::vector<GradientPart>& given, float learning_rate, uintptr_t stream) {
+  CheckStepShapes(given, spec_, step_);
+  if (spec_.device >= 0) {
+    std::unique_lock<std::shared_mutex> lock(mutex_);
+    cuda_impl::ApplyGradients(spec_, values_.get(), SlotPointers(slots_), step_, given, learning_rate, spec_.device,
+                              stream);
+    ++step_;
+    return;
+  }
+  // Validate everything before touching anything: the offsets as the engine's copies (see StableBatch).
+  const StableParts stable(given, spec_);
+  CheckLearningRate(learning_rate);
+  const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
+  {  // The optimizer is read under the lock: SetOptimizer may replace it meanwhile.
+    std::unique_lock<std::shared_mutex> lock(mutex_);
+    if (StepsInOrder(spec_, learning_rate)) {
+      ApplySgdInOrder(stable.get(), spec_, static_cast<float*>(values_.get()), learning_rate, k);
+      ++step_;
+      return;
     }
   }
+  const OccurrenceGroups groups = GroupOccurrences(stable.get(), spec_);
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  ApplyRule(spec_, learning_rate, step_, values_.get(), SlotPointers(slots_), groups, k);
   ++step_;
 }
 
@@ -1061,9 +1088,8 @@ void Table::ApplyGradientsStaged(const std::vector<GradientPart>& given, float l
   const StableParts stable(given, spec_);  // validated, then uploaded: see StableBatch
   CheckLearningRate(learning_rate);
   std::unique_lock<std::shared_mutex> lock(mutex_);
-  std::vector<float*> slots;
-  for (auto& s : slots_) slots.push_back(s.get());
-  cuda_impl::ApplyGradientsFromHost(spec_, values_.get(), slots, step_, stable.get(), learning_rate, spec_.device);
+  cuda_impl::ApplyGradientsFromHost(spec_, values_.get(), SlotPointers(slots_), step_, stable.get(), learning_rate,
+                                    spec_.device);
   ++step_;
 }
 
