@@ -189,11 +189,7 @@ inline std::vector<size_t> OutputDims(const Batch& b, const OutputShape& s, int6
   return dims;
 }
 
-/// Whether the byte ranges [a, a + a_bytes) and [b, b + b_bytes) overlap.
-inline bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
-  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
-  return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
-}
+using internal::Overlaps;  // (core/shared_checks.h)
 
 /// InvalidArgument when `out` (written by a lookup) shares memory with one of its inputs.
 template <typename Ids, typename Offsets, typename Weights, typename Out>

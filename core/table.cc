@@ -248,18 +248,19 @@ void Table::BufferDeleter::operator()(void* p) const {
   else
     internal::Free(p, bytes);
 }
-void Table::FloatDeleter::operator()(float* p) const {
-  if (device >= 0)
-    cuda_impl::Free(p, device);
-  else
-    internal::Free(p, bytes);
-}
 
 namespace {
 constexpr size_t kStagingBytes = size_t(16) << 20;  // host staging of device tables, per step
 
-// Rows per staging step for rows of `row_bytes`.
-int64_t StagingRows(size_t row_bytes) { return std::max<int64_t>(1, int64_t(kStagingBytes / row_bytes)); }
+// Runs fn(r0, n, staging) over rows [0, rows) of `row_bytes` each, in blocks
+// of n rows (at least one) that fit kStagingBytes: `staging` is a host buffer
+// of n rows, the same one each time, through which a device table's rows go.
+template <typename Fn>
+void ForEachStagingBlock(int64_t rows, size_t row_bytes, Fn&& fn) {
+  const int64_t step = std::max<int64_t>(1, int64_t(kStagingBytes / row_bytes));
+  std::vector<char> staging(size_t(std::min(step, std::max<int64_t>(rows, 1))) * row_bytes);
+  for (int64_t r0 = 0; r0 < rows; r0 += step) fn(r0, std::min(step, rows - r0), staging.data());
+}
 
 void CheckDevice(const TableSpec& spec) {
   if (spec.device < -1) throw InvalidArgument("table '" + spec.name + "': device must be -1 (host) or a CUDA device");
@@ -378,16 +379,13 @@ void Table::InitializeValues(bool zeroed) {
     // On the device: initialised on the host a bounded piece at a time (the
     // same values as a host table), copied over.
     const size_t row_bytes = size_t(spec_.dim) * DTypeSize(spec_.dtype);
-    const int64_t step = StagingRows(row_bytes);
-    std::vector<char> staging(size_t(std::min(step, spec_.rows)) * row_bytes);
-    for (int64_t r0 = 0; r0 < spec_.rows; r0 += step) {
-      const int64_t n = std::min(step, spec_.rows - r0);
-      std::fill(staging.begin(), staging.end(), 0);
+    ForEachStagingBlock(spec_.rows, row_bytes, [&](int64_t r0, int64_t n, char* staging) {
+      std::memset(staging, 0, size_t(n) * row_bytes);
       internal::Initialize(spec_.initializer, spec_.dtype, n, spec_.dim, spec_.shard_row_start + r0,
-                           spec_.shard_col_start, spec_.full_dim, staging.data());
-      cuda_impl::CopyToDevice(static_cast<char*>(values_.get()) + size_t(r0) * row_bytes, staging.data(),
+                           spec_.shard_col_start, spec_.full_dim, staging);
+      cuda_impl::CopyToDevice(static_cast<char*>(values_.get()) + size_t(r0) * row_bytes, staging,
                               size_t(n) * row_bytes, dev);
-    }
+    });
     return;
   }
   if (!zeroed && internal::LeavesZero(spec_.initializer)) {  // Initialize writes nothing for these
@@ -419,14 +417,14 @@ std::vector<Table::FloatPtr> Table::NewSlots(const OptimizerSpec& o) const {
     const float v0 = o.initial_accumulator_value;
     const bool accumulator = name == "accumulators" || name == "row_accumulators";
     if (dev >= 0) {
-      slots.emplace_back(static_cast<float*>(cuda_impl::Allocate(slot_bytes, dev)), FloatDeleter{slot_bytes, dev});
+      slots.emplace_back(static_cast<float*>(cuda_impl::Allocate(slot_bytes, dev)), BufferDeleter{slot_bytes, dev});
       if (accumulator) cuda_impl::Fill(slots.back().get(), spec_.rows * slot_dim, v0, dev);
       continue;
     }
     const bool filled = accumulator && (v0 != 0.0f || std::signbit(v0));  // else left as the zero pages
     try {
       slots.emplace_back(static_cast<float*>(internal::AllocateZeroed(slot_bytes, !filled)),
-                         FloatDeleter{slot_bytes, -1});
+                         BufferDeleter{slot_bytes, -1});
     } catch (const std::bad_alloc& e) {
       throw OutOfMemory("table '" + spec_.name + "': its slot '" + name + "' (" + std::to_string(spec_.rows) + " x " +
                         std::to_string(slot_dim) + "): " + e.what());
@@ -520,12 +518,6 @@ void CheckRowRange(const TableSpec& spec, int64_t start_row, int64_t n, const ch
     throw OutOfRange("table '" + spec.name + "': " + what + " rows [" + std::to_string(start_row) + ", " +
                      std::to_string(start_row + n) + ") do not fit in [0, " + std::to_string(spec.rows) + ")");
 }
-
-// True when [a, a + a_bytes) and [b, b + b_bytes) share a byte.
-bool Overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
-  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
-  return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
-}
 }  // namespace
 
 void Table::AssignValues(int64_t start_row, int64_t n, const float* src) {
@@ -533,26 +525,22 @@ void Table::AssignValues(int64_t start_row, int64_t n, const float* src) {
   std::unique_lock<std::shared_mutex> lock(mutex_);
   // A source that overlaps the rows it is written to (a view of the table's own rows, shifted) is copied
   // first, as NumPy's and PyTorch's assignments do: every row gets the source as it was before the call.
+  const size_t es = DTypeSize(spec_.dtype);
+  const size_t elements = size_t(n) * size_t(spec_.dim);
+  const char* rows_at = static_cast<const char*>(values_.get()) + size_t(start_row) * size_t(spec_.dim) * es;
   std::vector<float> copy;
-  if (spec_.device < 0 && Overlap(src, size_t(n) * size_t(spec_.dim) * sizeof(float),
-                                  static_cast<char*>(values_.get()) + size_t(start_row) * size_t(spec_.dim) *
-                                                                          DTypeSize(spec_.dtype),
-                                  size_t(n) * size_t(spec_.dim) * DTypeSize(spec_.dtype))) {
-    copy.assign(src, src + size_t(n) * size_t(spec_.dim));
+  if (spec_.device < 0 && internal::Overlaps(src, elements * sizeof(float), rows_at, elements * es)) {
+    copy.assign(src, src + elements);
     src = copy.data();
   }
   const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
-  const size_t es = DTypeSize(spec_.dtype);
   if (spec_.device >= 0) {  // rounded on the host, a bounded piece at a time
     const size_t row_bytes = size_t(spec_.dim) * es;
-    const int64_t step = StagingRows(row_bytes);
-    std::vector<char> staging(size_t(std::min(step, std::max<int64_t>(n, 1))) * row_bytes);
-    for (int64_t r0 = 0; r0 < n; r0 += step) {
-      const int64_t m = std::min(step, n - r0);
-      k.store(staging.data(), src + r0 * spec_.dim, m * spec_.dim);
-      cuda_impl::CopyToDevice(static_cast<char*>(values_.get()) + size_t(start_row + r0) * row_bytes, staging.data(),
+    ForEachStagingBlock(n, row_bytes, [&](int64_t r0, int64_t m, char* staging) {
+      k.store(staging, src + r0 * spec_.dim, m * spec_.dim);
+      cuda_impl::CopyToDevice(static_cast<char*>(values_.get()) + size_t(start_row + r0) * row_bytes, staging,
                               size_t(m) * row_bytes, spec_.device);
-    }
+    });
     return;
   }
   char* base = static_cast<char*>(values_.get());
@@ -599,14 +587,10 @@ void Table::ReadValues(int64_t start_row, int64_t n, float* dst) const {
   const char* base = static_cast<const char*>(values_.get());
   if (spec_.device >= 0) {
     const size_t row_bytes = size_t(spec_.dim) * es;
-    const int64_t step = StagingRows(row_bytes);
-    std::vector<char> staging(size_t(std::min(step, std::max<int64_t>(n, 1))) * row_bytes);
-    for (int64_t r0 = 0; r0 < n; r0 += step) {
-      const int64_t m = std::min(step, n - r0);
-      cuda_impl::CopyToHost(staging.data(), base + size_t(start_row + r0) * row_bytes, size_t(m) * row_bytes,
-                            spec_.device);
-      k.load(staging.data(), dst + r0 * spec_.dim, m * spec_.dim);
-    }
+    ForEachStagingBlock(n, row_bytes, [&](int64_t r0, int64_t m, char* staging) {
+      cuda_impl::CopyToHost(staging, base + size_t(start_row + r0) * row_bytes, size_t(m) * row_bytes, spec_.device);
+      k.load(staging, dst + r0 * spec_.dim, m * spec_.dim);
+    });
     return;
   }
   ParallelFor(n, 1024, [&](int64_t a, int64_t b) {

@@ -429,12 +429,7 @@ class Table {
     void operator()(void* p) const;
   };
   using BufferPtr = std::unique_ptr<void, BufferDeleter>;
-  struct FloatDeleter {
-    size_t bytes;
-    int device;
-    void operator()(float* p) const;
-  };
-  using FloatPtr = std::unique_ptr<float, FloatDeleter>;
+  using FloatPtr = std::unique_ptr<float, BufferDeleter>;
   std::vector<FloatPtr> NewSlots(const OptimizerSpec& optimizer) const;
   // Writes the initializer's values into values_ (zeroed: its memory is zero already).
   void InitializeValues(bool zeroed);
