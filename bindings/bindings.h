@@ -235,43 +235,52 @@ std::pair<T*, nb::capsule> NewResult(size_t n) {
   return {p, nb::capsule(p, [](void* q) noexcept { FreeResult(q); })};
 }
 
+/// A lookup of host arrays by a table `dim` wide: its batch, its shape
+/// (checked) and its output's dimensions; LookupNew's and LookupOut's start.
+struct HostLookup {
+  Batch batch;
+  OutputShape shape;
+  std::vector<size_t> dims;
+};
+inline HostLookup PrepareLookup(int64_t dim, const IdArray& ids, const OffsetArray& offsets,
+                                const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length) {
+  HostLookup l{MakeBatch(ids, offsets, weights), OutputShape{ToCombiner(combiner), max_sequence_length}, {}};
+  internal::CheckLookupSequenceLength(l.shape);
+  l.dims = OutputDims(l.batch, l.shape, dim);
+  return l;
+}
+
 /// Runs `lookup(batch, shape, out)` with the GIL released into a new array
 /// that the engine allocated and NumPy owns.
 template <typename F>
 NumpyFloat LookupNew(int64_t dim, const IdArray& ids, const OffsetArray& offsets,
                      const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length, F&& lookup) {
-  const Batch batch = MakeBatch(ids, offsets, weights);
-  const OutputShape shape{ToCombiner(combiner), max_sequence_length};
-  internal::CheckLookupSequenceLength(shape);
-  const std::vector<size_t> dims = OutputDims(batch, shape, dim);
+  const HostLookup l = PrepareLookup(dim, ids, offsets, weights, combiner, max_sequence_length);
   size_t n = 1;
-  for (size_t d : dims) n *= d;
+  for (size_t d : l.dims) n *= d;
   auto [data, owner] = NewResult<float>(n);
   {
     ReleaseGil release;
-    lookup(batch, shape, data);
+    lookup(l.batch, l.shape, data);
   }
-  return NumpyFloat(data, dims.size(), dims.data(), owner);
+  return NumpyFloat(data, l.dims.size(), l.dims.data(), owner);
 }
 
 /// Like LookupNew, into the caller's C-contiguous float32 `out` of the right shape.
 template <typename F>
 void LookupOut(int64_t dim, const IdArray& ids, const OffsetArray& offsets, const std::optional<WeightArray>& weights,
                int combiner, int64_t max_sequence_length, const FloatOut& out, F&& lookup) {
-  const Batch batch = MakeBatch(ids, offsets, weights);
-  const OutputShape shape{ToCombiner(combiner), max_sequence_length};
-  internal::CheckLookupSequenceLength(shape);
-  const std::vector<size_t> dims = OutputDims(batch, shape, dim);
+  const HostLookup l = PrepareLookup(dim, ids, offsets, weights, combiner, max_sequence_length);
   CheckNoAliasing(ids, offsets, weights, out);
-  bool same = out.ndim() == dims.size();
-  for (size_t i = 0; same && i < dims.size(); ++i) same = out.shape(i) == dims[i];
+  bool same = out.ndim() == l.dims.size();
+  for (size_t i = 0; same && i < l.dims.size(); ++i) same = out.shape(i) == l.dims[i];
   if (!same) {
     std::string want = "[";
-    for (size_t i = 0; i < dims.size(); ++i) want += (i ? ", " : "") + std::to_string(dims[i]);
+    for (size_t i = 0; i < l.dims.size(); ++i) want += (i ? ", " : "") + std::to_string(l.dims[i]);
     throw InvalidArgument("out must have shape " + want + "]");
   }
   ReleaseGil release;
-  lookup(batch, shape, out.data());
+  lookup(l.batch, l.shape, out.data());
 }
 
 }  // namespace embedcore::bindings

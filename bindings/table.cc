@@ -133,26 +133,35 @@ void LookupInto(const Table& t, const IdArray& ids, const OffsetArray& offsets,
 
 using PartTuple = std::tuple<IdArray, OffsetArray, std::optional<WeightArray>, int, int64_t, FloatIn>;
 
+// A part of a step of `t` from its arrays (host or CUDA alike: no element is
+// read), its grads' size checked against the table's dim; `name_shape`: the
+// size error names the rows x dim it wants (the host arrays' message).
+template <typename Ids, typename Offsets, typename Weights, typename Grads>
+GradientPart MakePart(const Table& t, const Ids& ids, const Offsets& offsets, const std::optional<Weights>& weights,
+                      int combiner, int64_t max_len, const Grads& grads, bool name_shape) {
+  GradientPart p;
+  p.batch = MakeBatch(ids, offsets, weights);
+  p.shape = OutputShape{ToCombiner(combiner), max_len};
+  const int64_t rows = p.shape.OutputRows(p.batch);
+  const size_t want = size_t(rows) * size_t(t.dim());
+  if (grads.size() != want)
+    throw InvalidArgument("grads must hold " + std::to_string(want) + " float32 values" +
+                          (name_shape ? " (" + std::to_string(rows) + " x " + std::to_string(t.dim()) + ")" : "") +
+                          ", got " + std::to_string(grads.size()));
+  p.grads = grads.data();
+  return p;
+}
+
 // The parts of a step on host arrays, checked against the table.
 std::vector<GradientPart> HostParts(const Table& t, const std::vector<PartTuple>& parts) {
   std::vector<GradientPart> native;
   native.reserve(parts.size());
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const auto& [ids, offsets, weights, combiner, max_len, grads] = parts[i];
+  for (const auto& [ids, offsets, weights, combiner, max_len, grads] : parts) {
     CheckNotTableMemory(t, grads.data(), grads.nbytes(), "grads");
     CheckNotTableMemory(t, ids.data(), ids.nbytes(), "ids");
     CheckNotTableMemory(t, offsets.data(), offsets.nbytes(), "offsets");
     if (weights) CheckNotTableMemory(t, weights->data(), weights->nbytes(), "weights");
-    GradientPart p;
-    p.batch = MakeBatch(ids, offsets, weights);
-    p.shape = OutputShape{ToCombiner(combiner), max_len};
-    const size_t want = size_t(p.shape.OutputRows(p.batch)) * size_t(t.dim());
-    if (grads.size() != want)
-      throw InvalidArgument("grads must hold " + std::to_string(want) + " float32 values (" +
-                            std::to_string(p.shape.OutputRows(p.batch)) + " x " + std::to_string(t.dim()) +
-                            "), got " + std::to_string(grads.size()));
-    p.grads = grads.data();
-    native.push_back(p);
+    native.push_back(MakePart(t, ids, offsets, weights, combiner, max_len, grads, true));
   }
   return native;
 }
@@ -175,6 +184,26 @@ void ValidateNamed(const Table& t, const std::vector<GradientPart>& parts, float
   }
 }
 
+// The table of step i of a several-table call `call` (steps of (table, ...,
+// learning rate)): a host table, not None, not given by an earlier step.
+template <typename Step>
+const Table& StepTable(const std::vector<Step>& steps, size_t i, const char* call) {
+  const Table* t = std::get<0>(steps[i]);
+  if (t == nullptr) throw InvalidArgument(std::string(call) + ": a table is None");
+  RequireHost(*t, "apply_gradients of NumPy arrays");
+  for (size_t j = 0; j < i; ++j)
+    if (std::get<0>(steps[j]) == t)
+      throw InvalidArgument(std::string(call) + ": table '" + t->spec().name + "' is given twice");
+  return *t;
+}
+
+// Runs each step's parts (`native[i]`, checked) at its learning rate, in one release of the GIL.
+template <typename Step>
+void RunSteps(const std::vector<Step>& steps, const std::vector<std::vector<GradientPart>>& native) {
+  ReleaseGil release;
+  for (size_t i = 0; i < steps.size(); ++i) std::get<0>(steps[i])->ApplyGradients(native[i], std::get<2>(steps[i]));
+}
+
 // Several tables' steps (an Embedding's) in one call: every table's parts are
 // checked (ValidateStep) before any table changes, and the steps run in one
 // release of the GIL, so that an interrupt (Ctrl-C) cannot fall between two
@@ -185,14 +214,7 @@ void ValidateNamed(const Table& t, const std::vector<GradientPart>& parts, float
 using TableStep = std::tuple<Table*, std::vector<PartTuple>, float, std::vector<std::string>>;
 void ApplyGradientsMany(const std::vector<TableStep>& steps) {
   std::vector<std::vector<GradientPart>> native;
-  for (size_t i = 0; i < steps.size(); ++i) {
-    Table* t = std::get<0>(steps[i]);
-    if (t == nullptr) throw InvalidArgument("apply_gradients_many: a table is None");
-    RequireHost(*t, "apply_gradients of NumPy arrays");
-    for (size_t j = 0; j < i; ++j)
-      if (std::get<0>(steps[j]) == t)
-        throw InvalidArgument("apply_gradients_many: table '" + t->spec().name + "' is given twice");
-  }
+  for (size_t i = 0; i < steps.size(); ++i) StepTable(steps, i, "apply_gradients_many");
   for (const auto& [t, parts, learning_rate, names] : steps) {
     if (names.size() != parts.size())
       throw InvalidArgument("apply_gradients_many: table '" + t->spec().name + "' has " +
@@ -209,12 +231,11 @@ void ApplyGradientsMany(const std::vector<TableStep>& steps) {
     }
   }
   for (size_t i = 0; i < steps.size(); ++i) {
-    Table* t = std::get<0>(steps[i]);
-    native.push_back(HostParts(*t, std::get<1>(steps[i])));
-    ValidateNamed(*t, native.back(), std::get<2>(steps[i]));
+    const Table& t = *std::get<0>(steps[i]);
+    native.push_back(HostParts(t, std::get<1>(steps[i])));
+    ValidateNamed(t, native.back(), std::get<2>(steps[i]));
   }
-  ReleaseGil release;
-  for (size_t i = 0; i < steps.size(); ++i) std::get<0>(steps[i])->ApplyGradients(native[i], std::get<2>(steps[i]));
+  RunSteps(steps, native);
 }
 
 // One part of apply_gradients_windows: (first bag, bags, combiner, first column of its gradient).
@@ -238,16 +259,11 @@ void ApplyGradientsWindows(const IdArray& ids, const OffsetArray& offsets, const
     throw InvalidArgument("apply_gradients_windows: grads must have contiguous rows, each after the one before");
   const size_t grads_bytes = rows > 0 ? (size_t(rows - 1) * size_t(stride) + size_t(width)) * sizeof(float) : 0;
   for (size_t i = 0; i < steps.size(); ++i) {  // no array in any table of the call (one stepped first would change it)
-    const Table* t = std::get<0>(steps[i]);
-    if (t == nullptr) throw InvalidArgument("apply_gradients_windows: a table is None");
-    RequireHost(*t, "apply_gradients of NumPy arrays");
-    for (size_t j = 0; j < i; ++j)
-      if (std::get<0>(steps[j]) == t)
-        throw InvalidArgument("apply_gradients_windows: table '" + t->spec().name + "' is given twice");
-    CheckNotTableMemory(*t, ids.data(), ids.nbytes(), "ids");
-    CheckNotTableMemory(*t, offsets.data(), offsets.nbytes(), "offsets");
-    if (weights) CheckNotTableMemory(*t, weights->data(), weights->nbytes(), "weights");
-    CheckNotTableMemory(*t, grads.data(), grads_bytes, "grads");
+    const Table& t = StepTable(steps, i, "apply_gradients_windows");
+    CheckNotTableMemory(t, ids.data(), ids.nbytes(), "ids");
+    CheckNotTableMemory(t, offsets.data(), offsets.nbytes(), "offsets");
+    if (weights) CheckNotTableMemory(t, weights->data(), weights->nbytes(), "weights");
+    CheckNotTableMemory(t, grads.data(), grads_bytes, "grads");
   }
   std::vector<std::vector<GradientPart>> native(steps.size());
   std::vector<std::vector<std::vector<int64_t>>> rebased(steps.size());
@@ -271,8 +287,7 @@ void ApplyGradientsWindows(const IdArray& ids, const OffsetArray& offsets, const
     }
     ValidateNamed(*t, native[i], learning_rate);
   }
-  ReleaseGil release;
-  for (size_t i = 0; i < steps.size(); ++i) std::get<0>(steps[i])->ApplyGradients(native[i], std::get<2>(steps[i]));
+  RunSteps(steps, native);
 }
 
 // Host arrays for a table anywhere (a device table stages them): the sharded
@@ -323,15 +338,7 @@ void ApplyGradientsCuda(Table& t, const std::vector<CudaPartTuple>& parts, float
     CheckOnDevice(t, offsets.device_id(), "offsets");
     if (weights) CheckOnDevice(t, weights->device_id(), "weights");
     CheckOnDevice(t, grads.device_id(), "grads");
-    GradientPart p;
-    p.batch = MakeBatch(ids, offsets, weights);
-    p.shape = OutputShape{ToCombiner(combiner), max_len};
-    const size_t want = size_t(p.shape.OutputRows(p.batch)) * size_t(t.dim());
-    if (grads.size() != want)
-      throw InvalidArgument("grads must hold " + std::to_string(want) + " float32 values, got " +
-                            std::to_string(grads.size()));
-    p.grads = grads.data();
-    native.push_back(p);
+    native.push_back(MakePart(t, ids, offsets, weights, combiner, max_len, grads, false));
   }
   ReleaseGil release;
   t.ApplyGradients(native, learning_rate, stream);
@@ -362,20 +369,18 @@ void RequireHost(const Table& t, const char* what) {
                        " takes CUDA arrays (see lookup_cuda)");
 }
 
-NumpyView ValuesView(Table& t) {
+// Host views of the values and slots: read-only (NumpyView), or writable
+// (NumpyMut) for framework adapters that hand the table to an optimizer of
+// their own (PyTorch's sparse optimizers update it in place).
+using NumpyMut = nb::ndarray<nb::numpy>;
+
+template <typename Array>
+Array ValuesAs(Table& t) {
   RequireHost(t, "a host view");
   const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
-  return NumpyView(t.values(), 2, shape, nb::find(&t), nullptr, StorageDLType(t.spec().dtype));
+  return Array(t.values(), 2, shape, nb::find(&t), nullptr, StorageDLType(t.spec().dtype));
 }
 
-// Writable views are for framework adapters that hand the table to an
-// optimizer of their own (PyTorch's sparse optimizers update it in place).
-using NumpyMut = nb::ndarray<nb::numpy>;
-NumpyMut ValuesMut(Table& t) {
-  RequireHost(t, "a host view");
-  const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
-  return NumpyMut(t.values(), 2, shape, nb::find(&t), nullptr, StorageDLType(t.spec().dtype));
-}
 // A table's slot names, pointers and width, read as one under its lock
 // (set_optimizer may be replacing them), with the GIL released while it is
 // taken; the lock is held only to copy them (the slots, once there, stay).
@@ -394,23 +399,14 @@ SlotList ListSlots(Table& t) {
   return out;
 }
 
-std::vector<std::pair<std::string, NumpyMut>> SlotsMut(Table& t) {
+template <typename Array>
+std::vector<std::pair<std::string, Array>> SlotsAs(Table& t) {
   RequireHost(t, "a host view");
   const SlotList slots = ListSlots(t);
-  std::vector<std::pair<std::string, NumpyMut>> out;
+  std::vector<std::pair<std::string, Array>> out;
   const size_t shape[2] = {size_t(t.rows()), size_t(slots.slot_dim)};
   for (size_t i = 0; i < slots.names.size(); ++i)
-    out.emplace_back(slots.names[i], NumpyMut(slots.data[i], 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
-  return out;
-}
-
-std::vector<std::pair<std::string, NumpyView>> SlotViews(Table& t) {
-  RequireHost(t, "a host view");
-  const SlotList slots = ListSlots(t);
-  std::vector<std::pair<std::string, NumpyView>> out;
-  const size_t shape[2] = {size_t(t.rows()), size_t(slots.slot_dim)};
-  for (size_t i = 0; i < slots.names.size(); ++i)
-    out.emplace_back(slots.names[i], NumpyView(slots.data[i], 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
+    out.emplace_back(slots.names[i], Array(slots.data[i], 2, shape, nb::find(&t), nullptr, nb::dtype<float>()));
   return out;
 }
 
@@ -622,11 +618,11 @@ void BindTable(nb::module_& m) {
            "apply_gradients of NumPy arrays on a table anywhere, staged through the GPU for a device table")
       .def("apply_gradients", &ApplyGradients, "parts"_a, "learning_rate"_a,
            "One optimizer step from (ids, offsets, weights, combiner, max_sequence_length, grads) parts.")
-      .def("values", &ValuesView, "Read-only view of the stored values (bfloat16 as uint16 bits).")
-      .def("slots", &SlotViews, "Read-only float32 views of the slot variables, by name.")
-      .def("values_mut", &ValuesMut,
+      .def("values", &ValuesAs<NumpyView>, "Read-only view of the stored values (bfloat16 as uint16 bits).")
+      .def("slots", &SlotsAs<NumpyView>, "Read-only float32 views of the slot variables, by name.")
+      .def("values_mut", &ValuesAs<NumpyMut>,
            "Writable view of the stored values, for adapters whose own optimizer updates them in place.")
-      .def("slots_mut", &SlotsMut, "Writable float32 views of the slot variables, by name.")
+      .def("slots_mut", &SlotsAs<NumpyMut>, "Writable float32 views of the slot variables, by name.")
       .def(
           "assign_values",
           [](Table& t, int64_t start_row, const nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>& v) {
