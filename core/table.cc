@@ -761,22 +761,27 @@ void UpdateGroups(const Rule& rule, const ops::StepConstants& kc, const TableSpe
   ParallelFor(int64_t(group_start.size()) - 1, 256, [&](int64_t g0, int64_t g1) { fn(rule, a, g0, g1); });
 }
 
-// Non-lazy Adam: rows absent from the batch take a step with a zero gradient.
+// Non-lazy Adam: rows absent from the batch take a step with a zero gradient
+// (clipped as UpdateRow clips any gradient). Float32 rows are updated in
+// place, as UpdateGroups updates them; 16-bit rows through a float32 copy.
 template <typename Rule>
 void UpdateUntouched(const Rule& rule, const ops::StepConstants& kc, const TableSpec& spec, void* values,
                      const std::vector<float*>& slots, const std::vector<uint8_t>& touched,
                      const kernels::DTypeKernels& k) {
   const int64_t dim = spec.dim;
   const size_t es = DTypeSize(spec.dtype);
+  const bool in_place = spec.dtype == DType::kFloat32;
+  const float zero = kc.clip_gradient ? ops::ClipGradient(kc, 0.0f) : 0.0f;
+  const auto gradient = [zero](int64_t) { return zero; };
   ParallelFor(spec.rows, 1024, [&](int64_t r0, int64_t r1) {
-    std::vector<float> wbuf(dim), zeros(dim);
+    std::vector<float> wide(in_place ? 0 : size_t(dim));
     for (int64_t row = r0; row < r1; ++row) {
       if (touched[row]) continue;
       char* stored = static_cast<char*>(values) + size_t(row) * dim * es;
-      k.load(stored, wbuf.data(), dim);
-      std::fill(zeros.begin(), zeros.end(), 0.0f);
-      ops::UpdateRow(rule, kc, wbuf.data(), zeros.data(), slots[0] + row * dim, slots[1] + row * dim, dim);
-      k.store(stored, wbuf.data(), dim);
+      float* w = in_place ? reinterpret_cast<float*>(stored) : wide.data();
+      if (!in_place) k.load(stored, w, dim);
+      ops::UpdateRowFrom(rule, kc, w, gradient, slots[0] + row * dim, slots[1] + row * dim, dim);
+      if (!in_place) k.store(stored, w, dim);
     }
   });
 }

@@ -1209,6 +1209,23 @@ EMBEDCORE_TEST(CommonOptionsMatchReferences) {
   }
 }
 
+EMBEDCORE_TEST(NonLazyAdamClipsTheZeroGradientOfUntouchedRows) {
+  // The rows a non-lazy Adam step does not touch take a zero gradient,
+  // clipped as any other: with a clip range that excludes 0, its nearer bound.
+  // Float32 rows are updated in place, 16-bit ones through a float32 copy;
+  // every row and slot as the functor reference, bit for bit.
+  for (DType dt : kDTypes) {
+    for (float lo : {0.05f, -0.3f}) {
+      TableSpec spec = MakeSpec(40, 9, dt, OptimizerSpec::Kind::kAdam);
+      spec.optimizer.lazy_adam = false;
+      spec.optimizer.has_clipvalue = true;
+      spec.optimizer.clip_gradient_min = lo;
+      spec.optimizer.clip_gradient_max = lo + 0.25f;  // [0.05, 0.3] or [-0.3, -0.05]
+      CheckOptimizer(spec, std::string("non-lazy Adam, clip from ") + std::to_string(lo) + " " + DTypeName(dt), 15);
+    }
+  }
+}
+
 EMBEDCORE_TEST(PooledGradientsReadWithTheOutputsStride) {
   // A pooled part's gradient rows out_stride floats apart (a table's columns
   // of a wider gradient) give the step of the same rows packed, bit for bit:
