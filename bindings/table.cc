@@ -639,16 +639,6 @@ void BindTable(nb::module_& m) {
           },
           "The initializer's values again, in one call (slots and step stay).")
       .def(
-          "assign_raw",
-          [](Table& t, int64_t start_row, const nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>& v) {
-            CheckRows(t, v.ndim(), v.shape_ptr(), "values");
-            if (v.dtype() != StorageDLType(t.spec().dtype))
-              throw TypeMismatch("raw values must have the table's storage dtype");
-            ReleaseGil release;
-            t.AssignRaw(start_row, int64_t(v.shape(0)), v.data());
-          },
-          "start_row"_a, "values"_a.noconvert())
-      .def(
           "assign_slot",
           [](Table& t, size_t slot, int64_t start_row,
              const nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>& v) {
