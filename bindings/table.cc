@@ -10,7 +10,10 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
@@ -204,6 +207,43 @@ void RunSteps(const std::vector<Step>& steps, const std::vector<std::vector<Grad
   for (size_t i = 0; i < steps.size(); ++i) std::get<0>(steps[i])->ApplyGradients(native[i], std::get<2>(steps[i]));
 }
 
+// The memory (values and slots) of the tables of a call, sorted by address,
+// so that an array is checked against all of them in O(log tables): an
+// Embedding of thousands of tables checks each part once, not once a table.
+class TableMemory {
+ public:
+  template <typename Step>
+  explicit TableMemory(const std::vector<Step>& steps) {
+    for (const auto& step : steps) {
+      const Table& t = *std::get<0>(step);
+      Add(t, t.values(), size_t(t.rows()) * size_t(t.dim()) * DTypeSize(t.spec().dtype));
+      const size_t slot_bytes = size_t(t.rows()) * size_t(t.slot_dim()) * sizeof(float);
+      for (size_t s = 0; s < t.spec().optimizer.SlotNames().size(); ++s) Add(t, t.slot(s), slot_bytes);
+    }
+    std::sort(ranges_.begin(), ranges_.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  }
+
+  // CheckNotTableMemory's InvalidArgument when [p, p + bytes) overlaps a table of the call.
+  void Check(const void* p, size_t bytes, const char* what) const {
+    if (bytes == 0) return;
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    // Tables' ranges are disjoint: only the last one that begins before the array ends can overlap it.
+    auto it = std::upper_bound(ranges_.begin(), ranges_.end(), a + bytes,
+                               [](uintptr_t end, const Range& r) { return end <= r.begin; });
+    if (it != ranges_.begin() && std::prev(it)->end > a) CheckNotTableMemory(*std::prev(it)->table, p, bytes, what);
+  }
+
+ private:
+  struct Range {
+    uintptr_t begin, end;
+    const Table* table;
+  };
+  void Add(const Table& t, const void* p, size_t bytes) {
+    if (bytes) ranges_.push_back({reinterpret_cast<uintptr_t>(p), reinterpret_cast<uintptr_t>(p) + bytes, &t});
+  }
+  std::vector<Range> ranges_;
+};
+
 // Several tables' steps (an Embedding's) in one call: every table's parts are
 // checked (ValidateStep) before any table changes, and the steps run in one
 // release of the GIL, so that an interrupt (Ctrl-C) cannot fall between two
@@ -215,19 +255,17 @@ using TableStep = std::tuple<Table*, std::vector<PartTuple>, float, std::vector<
 void ApplyGradientsMany(const std::vector<TableStep>& steps) {
   std::vector<std::vector<GradientPart>> native;
   for (size_t i = 0; i < steps.size(); ++i) StepTable(steps, i, "apply_gradients_many");
+  const TableMemory memory(steps);
   for (const auto& [t, parts, learning_rate, names] : steps) {
     if (names.size() != parts.size())
       throw InvalidArgument("apply_gradients_many: table '" + t->spec().name + "' has " +
                             std::to_string(parts.size()) + " parts and " + std::to_string(names.size()) + " names");
     for (size_t k = 0; k < parts.size(); ++k) {
       const auto& [ids, offsets, weights, combiner, max_len, grads] = parts[k];
-      for (const auto& other : steps) {
-        const Table& o = *std::get<0>(other);
-        CheckNotTableMemory(o, grads.data(), grads.nbytes(), names[k].c_str());
-        CheckNotTableMemory(o, ids.data(), ids.nbytes(), "ids");
-        CheckNotTableMemory(o, offsets.data(), offsets.nbytes(), "offsets");
-        if (weights) CheckNotTableMemory(o, weights->data(), weights->nbytes(), "weights");
-      }
+      memory.Check(grads.data(), grads.nbytes(), names[k].c_str());
+      memory.Check(ids.data(), ids.nbytes(), "ids");
+      memory.Check(offsets.data(), offsets.nbytes(), "offsets");
+      if (weights) memory.Check(weights->data(), weights->nbytes(), "weights");
     }
   }
   for (size_t i = 0; i < steps.size(); ++i) {

@@ -94,6 +94,7 @@ class Embedding(keras.layers.Layer):
                  optimizer=None, combiner: str = "mean", initializer=None, table_name: Optional[str] = None,
                  **kwargs):
         super().__init__(**kwargs)
+        self.autocast = False  # (float weights= stay float32 under a mixed policy, as keras.layers.Embedding's)
         if feature_config is None:
             if input_dim is None or output_dim is None:
                 raise ValueError("Embedding: give input_dim and output_dim, or feature_config=")
@@ -181,7 +182,7 @@ class Embedding(keras.layers.Layer):
             return _export.lookup(emb, inputs, weights)
         emb._export.clear()
         trains = any(t.optimizer is not None for t in emb._tables.values())
-        if training and not trains and self.trainable and not self._warned_frozen:
+        if training is True and not trains and self.trainable and not self._warned_frozen:  # (not a tensor's bool)
             # keras.layers.Embedding trains with the model's optimizer; this layer's tables train only with
             # an engine optimizer, and Keras's own warning ("Gradients do not exist") points at the loss.
             self._warned_frozen = True

@@ -659,7 +659,8 @@ def tables_of(module: nn.Module) -> List[ec.Table]:
     ``EmbeddingBag`` made without ``name=`` are both "embedding_bag") raise
     ``ValueError`` naming both module paths. A table that
     ``apply_optimizer_in_backward`` asked to fuse is fused first (as its next
-    lookup would), so that a load has its optimizer's slots to fill."""
+    lookup would, raising as it would for an optimizer the engine does not
+    have), so that a load has its optimizer's slots to fill."""
     fuse_pending(module)
     tables, where = [], {}
     for path, m in module.named_modules():

@@ -377,12 +377,13 @@ def load(path, into, include_optimizer: bool = True) -> None:
 def _load(path: str, into, include_optimizer: bool) -> None:
     info = read_info(path, slot_files=include_optimizer)  # a values-only load needs no slot files
     names = list(info.table_names)
+    index = {name: k for k, name in enumerate(names)}
     tables = _tables_of(into)
     plan = []
     for t in tables:
-        if t.name not in names:
+        if t.name not in index:
             raise CheckpointError(f"{info.path}: has no table '{t.name}' (it holds {names})")
-        k = names.index(t.name)
+        k = index[t.name]
         _check_padding(info, k, t)
         _embedcore.check_loadable(info, k, t._native, bool(include_optimizer))
         plan.append((k, t))

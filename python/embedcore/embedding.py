@@ -112,10 +112,7 @@ class Embedding(FeatureLookup):
         self._optimizer = optimizer
 
         # Tables in order of first use; unnamed ones become table_<i>, as TensorFlow names them.
-        configs: List[TableConfig] = []
-        for f in self._features:
-            if not any(f.table is c for c in configs):
-                configs.append(f.table)
+        configs: List[TableConfig] = list({id(f.table): f.table for f in self._features}.values())
         self._effective: Dict[TableConfig, TableConfig] = {}  # with names and the optimizer filled in
         names = set()
         for i, cfg in enumerate(configs):
@@ -147,7 +144,7 @@ class Embedding(FeatureLookup):
             except (IndexError, ValueError) as e:
                 raise in_callers_terms(e, where=f"features[{name!r}]") from None
             parts.append((ids, offsets, weights, combiner, length))
-        self._last = parts
+        self._last = parts if self._trains else None
         return _nest.pack_as(self._feature_config, outputs)
 
     @property

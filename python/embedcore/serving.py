@@ -23,14 +23,16 @@ until it is closed); tools that rewrite files in place do.
 
 A ``ServedCheckpoint`` pickles and copies by its absolute path (so it crosses
 to ``multiprocessing`` workers under any start method): the copy opens the
-directory again, with the same ``verify``, and checks that it still holds the
-same tables (names, shapes, dtypes); it serves the directory's generation of
-then, which a save may have replaced. A forked child serves the parent's handle.
+directory again, with the same ``verify``, and raises ``CheckpointError`` if
+the path holds another checkpoint by then (a newer save, a re-pointed
+symlink: its manifest differs), so a copy serves what the original serves.
+A forked child serves the parent's handle.
 """
 from __future__ import annotations
 
 import json
 import os
+import zlib
 from collections.abc import Hashable
 from typing import Dict, Optional
 
@@ -126,15 +128,18 @@ class ServedCheckpoint(FeatureLookup):
             raise CheckpointError(f"{self._mapped.info.path}: malformed table config or feature metadata in the "
                                   f"manifest: {type(e).__name__}: {e}") from None
 
-    def _signature(self) -> list:
-        return [(name, t.rows, t.dim, t.dtype) for name, t in self.tables.items()]
+    def _generation(self) -> int:
+        """The checksum of the manifest served: a save (or a re-pointed
+        symlink) gives another."""
+        return zlib.crc32(self._mapped.info.manifest_json.encode())
 
     def __reduce__(self):
         """Pickles and copies (``copy.deepcopy``, ``multiprocessing`` with
         spawn) hold the checkpoint's absolute path and open it again, with
-        the same `verify`, wherever they are loaded: a directory that holds
-        other tables by then (name, shape or dtype) is a ``CheckpointError``."""
-        return _reopen, (self._abspath, self._verify, self._signature())
+        the same `verify`, wherever they are loaded: they serve the same
+        checkpoint, or raise ``CheckpointError`` when the path holds another
+        by then (a newer save, a re-pointed symlink)."""
+        return _reopen, (self._abspath, self._verify, self._generation())
 
     def _describe(self, info) -> None:
         self.path = info.path
@@ -221,11 +226,11 @@ def _rebuild(structure, features, path: str, depth: int = 0):
     raise CheckpointError(f"{path}: manifest metadata.structure has an unknown kind {next(iter(structure))!r}")
 
 
-def _reopen(path: str, verify, signature: list) -> ServedCheckpoint:
+def _reopen(path: str, verify, generation: int) -> ServedCheckpoint:
     served = ServedCheckpoint(path, verify)
-    if served._signature() != [tuple(t) for t in signature]:
-        raise CheckpointError(f"{path}: the checkpoint now holds the tables {served._signature()} (name, rows, dim, "
-                              f"dtype), not the pickled {signature}")
+    if served._generation() != generation:
+        raise CheckpointError(f"{path}: holds another checkpoint than the one pickled (a newer save, or a re-pointed "
+                              "symlink): open it with embedcore.serving.open to serve what it holds now")
     return served
 
 

@@ -746,7 +746,7 @@ def test_bad_id_on_one_rank_raises_everywhere(W, plan, bad):
         batch = _good_batch(world.rank)
         if world.rank == bad_rank:
             batch["f"] = batch["f"].copy()
-            batch["f"][1, 2] = bad  # position 5 of the flattened ids
+            batch["f"][1, 2] = bad  # named at its [row, column]
         try:
             emb(batch)
             error = None
@@ -764,7 +764,7 @@ def test_bad_id_on_one_rank_raises_everywhere(W, plan, bad):
         if r == bad_rank:
             assert isinstance(error, IndexError), repr(error)
             msg = str(error)
-            assert "'f'" in msg and f"id {bad}" in msg and "position 5" in msg and "'T'" in msg, msg
+            assert "'f'" in msg and f"id {bad}" in msg and "index [1, 2]" in msg and "'T'" in msg, msg
         else:
             assert isinstance(error, ed.RankFailedError), repr(error)
             msg = str(error)

@@ -242,10 +242,12 @@ def test_a_served_checkpoint_pickles_and_copies_by_its_path(tmp_path, monkeypatc
         np.testing.assert_array_equal(copy_({"i": ids})["i"], want)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         np.testing.assert_array_equal(pool.apply(_served_sum, (served, ids)), want)
-    # The directory holds another table by the time the copy is loaded.
-    ec.save(tmp_path / "e", ec.Table(ec.TableConfig("item", 61, 4)))
-    with pytest.raises(ec.CheckpointError, match=r"now holds the tables \[\('item', 61, 4, 'float32'\)\]"):
+    # The path holds another checkpoint (a newer save of the same shapes) by the time the copy is loaded.
+    ec.save(tmp_path / "e", ec.Embedding({"i": ec.FeatureConfig(item)}))
+    with pytest.raises(ec.CheckpointError, match="holds another checkpoint than the one pickled"):
         pickle.loads(pickled)
+    with pytest.raises(ec.CheckpointError, match="holds another checkpoint than the one pickled"):
+        copy.deepcopy(served)
 
 
 def test_a_feature_config_used_twice_serves(tmp_path, rng):

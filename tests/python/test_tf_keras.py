@@ -269,6 +269,19 @@ def test_outputs_take_a_mixed_policy_s_compute_dtype(rng):
         want = before.copy()
         np.subtract.at(want, ids.reshape(-1), 0.5 * 2.0)
         np.testing.assert_allclose(table.values(), want, rtol=1e-6)
+        # Float weights stay float32 (Keras would cast them to bfloat16, which the table refuses), and a
+        # `training` tensor in a graph works.
+        bags = tf.RaggedTensor.from_row_lengths(tf.constant([1, 2, 3], tf.int64), [2, 1])
+        weights = tf.RaggedTensor.from_row_lengths(tf.constant([0.5, 2.0, 1.0]), [2, 1])
+
+        @tf.function
+        def step(training):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.cast(layer(bags, weights=weights, training=training), tf.float32))
+            return tape.gradient(loss, layer.trainable_weights)
+
+        step(tf.constant(True))
+        assert table.step == 2
     finally:
         keras.mixed_precision.set_global_policy(previous)
 

@@ -203,11 +203,12 @@ def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
         info = _embedcore.read_info(path, bool(include_optimizer))
         read = (path, zlib.crc32(info.manifest_json.encode()))
         names = list(info.table_names)
+        index = {name: k for k, name in enumerate(names)}
         for (ti, si), table in sorted(emb._local.items()):
             eff = emb._effective[emb._configs[ti]]
-            if eff.name not in names:
+            if eff.name not in index:
                 raise CheckpointError(f"{info.path}: has no table '{eff.name}' (it holds {names})")
-            k = names.index(eff.name)
+            k = index[eff.name]
             if tuple(info.table_shape(k)) != (eff.rows, eff.dim):
                 rows, dim = info.table_shape(k)
                 raise CheckpointError(f"{info.path}: table '{eff.name}' is {rows} x {dim}, the embedding's is "
