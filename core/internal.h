@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -33,8 +34,20 @@ inline std::string FormatFloat(double x) {
 void* AllocateZeroed(size_t bytes, bool lazy);
 void Free(void* p, size_t bytes);
 
-/// Throws OutOfMemory("cannot allocate N bytes (X GiB)").
-[[noreturn]] void ThrowOutOfMemory(size_t bytes);
+/// Throws OutOfMemory("cannot allocate N bytes (X GiB)"), after "`what`: "
+/// when given.
+[[noreturn]] void ThrowOutOfMemory(size_t bytes, const std::string& what = "");
+
+/// Per-thread scratch buffers (a step's sort) are kept across calls, so that
+/// steps of one size take no page faults; one past this size, grown by an
+/// outsized batch, is given back after its call (TrimScratch), so that such
+/// a batch does not hold its memory for the life of the thread.
+constexpr size_t kKeptScratchBytes = size_t(64) << 20;
+
+template <typename T>
+void TrimScratch(std::vector<T>& v) {
+  if (v.capacity() * sizeof(T) > kKeptScratchBytes) std::vector<T>().swap(v);
+}
 
 /// bytes = a * b * c, or InvalidArgument naming `what` if it overflows.
 size_t CheckedBytes(int64_t a, int64_t b, size_t c, const std::string& what);
@@ -85,7 +98,12 @@ class StableBatch {
   explicit StableBatch(const Batch& batch) : batch_(batch) {
     CheckBatchCounts(batch);  // before offsets + num_bags + 1 is computed
     if (batch.offsets != nullptr && batch.num_bags >= 0) {
-      offsets_.assign(batch.offsets, batch.offsets + batch.num_bags + 1);
+      try {
+        offsets_.assign(batch.offsets, batch.offsets + batch.num_bags + 1);
+      } catch (const std::bad_alloc&) {
+        ThrowOutOfMemory(size_t(batch.num_bags + 1) * sizeof(int64_t),
+                         "the engine's copy of the offsets of " + std::to_string(batch.num_bags) + " bags");
+      }
       batch_.offsets = offsets_.data();
     }
   }
@@ -118,7 +136,7 @@ void RadixSort(std::vector<Item>& items, int key_bits) {
   // Reused by every sort on this thread: a fresh multi-megabyte buffer per
   // call would be fresh pages, and page faults, every training step.
   static thread_local std::vector<Item> tmp;
-  tmp.resize(items.size());
+  tmp.resize(items.size());  // (a std::bad_alloc here: the caller names the step, see GroupOccurrences)
   const int chunks = std::max(1, NumChunks(n, int64_t(1) << 15));
   std::vector<size_t> count(size_t(chunks) * kBuckets);
   for (int shift = 0; shift < key_bits; shift += kDigitBits) {
@@ -143,6 +161,7 @@ void RadixSort(std::vector<Item>& items, int key_bits) {
     });
     items.swap(tmp);
   }
+  TrimScratch(tmp);
 }
 
 /// (key, value) pairs, the simplest item RadixSort sorts.

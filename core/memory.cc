@@ -14,14 +14,15 @@ namespace {
 constexpr size_t kMmapThreshold = size_t(1) << 21;  // 2 MiB: one huge page
 }
 
-[[noreturn]] void ThrowOutOfMemory(size_t bytes) {
+[[noreturn]] void ThrowOutOfMemory(size_t bytes, const std::string& what) {
   static const char* const kUnits[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
   double x = double(bytes);
   int u = 0;
   while (x >= 1024.0 && u < 6) x /= 1024.0, ++u;
   char human[32];
   std::snprintf(human, sizeof(human), u == 0 ? "%.0f %s" : "%.1f %s", x, kUnits[u]);
-  throw OutOfMemory("cannot allocate " + std::to_string(bytes) + " bytes (" + human + ")");
+  throw OutOfMemory((what.empty() ? "" : what + ": ") + "cannot allocate " + std::to_string(bytes) + " bytes (" +
+                    human + ")");
 }
 
 void* AllocateZeroed(size_t bytes, bool lazy) {

@@ -813,7 +813,13 @@ void ApplySgdInOrder(const std::vector<GradientPart>& parts, const TableSpec& sp
   const int chunks = total * spec.dim >= (int64_t(1) << 16) ? NumChunks(spec.rows, 1) : 1;
   // Kept across calls on this thread (as the sorted path's keys): no page faults per step.
   static thread_local std::vector<kernels::Occurrence> scratch;
-  scratch.resize(chunks > 1 ? size_t(chunks) * size_t(widest) : 0);
+  const size_t n = chunks > 1 ? size_t(chunks) * size_t(widest) : 0;
+  try {
+    scratch.resize(n);
+  } catch (const std::bad_alloc&) {
+    internal::ThrowOutOfMemory(n * sizeof(kernels::Occurrence),
+                               "table '" + spec.name + "': apply_gradients of " + std::to_string(total) + " ids");
+  }
   kernels::Occurrence* room = scratch.data();  // (a thread_local named in the lambda is each worker's own)
   ParallelChunks(spec.rows, chunks, [&](int c, int64_t r0, int64_t r1) {
     for (const auto& p : parts) {
@@ -835,6 +841,7 @@ void ApplySgdInOrder(const std::vector<GradientPart>& parts, const TableSpec& sp
       k.sgd_in_order[p.batch.id_type == IdType::kInt32 ? 0 : 1](a, r0, r1);
     }
   });
+  internal::TrimScratch(scratch);
 }
 
 // Writes the occurrences of part `p` to `occ` in input order; returns how
@@ -963,16 +970,19 @@ bool StepsInOrder(const TableSpec& spec, float learning_rate) {
 // Every occurrence of a step's (validated) parts, keyed by id and sorted
 // stably (input order within an id), and where each id's group starts (and,
 // last, where the last ends). Both are kept across calls on this thread (see
-// RadixSort): no page faults per step.
+// RadixSort): no page faults per step; Trim gives back buffers an outsized
+// batch grew (internal::TrimScratch) once the step is done with them.
 struct OccurrenceGroups {
-  const std::vector<Occurrence>& sorted;
-  const std::vector<int64_t>& group_start;
+  std::vector<Occurrence>& sorted;
+  std::vector<int64_t>& group_start;
+  void Trim() const {
+    internal::TrimScratch(sorted);
+    internal::TrimScratch(group_start);
+  }
 };
 
-OccurrenceGroups GroupOccurrences(const std::vector<GradientPart>& parts, const TableSpec& spec) {
-  int64_t total = 0;
-  for (const auto& p : parts) total += p.batch.nnz;
-  static thread_local std::vector<Occurrence> keys;
+void SortOccurrences(const std::vector<GradientPart>& parts, const TableSpec& spec, int64_t total,
+                     std::vector<Occurrence>& keys, std::vector<int64_t>& group_start) {
   keys.resize(size_t(total));
   int64_t used = 0;
   for (const auto& p : parts)
@@ -987,12 +997,32 @@ OccurrenceGroups GroupOccurrences(const std::vector<GradientPart>& parts, const 
                             std::to_string(int64_t(o.key)) + " is out of range [0, " + std::to_string(spec.rows) +
                             ")): another thread wrote the ids array during the call; nothing was changed");
   internal::RadixSort(keys, BitWidth(uint64_t(spec.rows - 1)));
-  static thread_local std::vector<int64_t> group_start;
   group_start.clear();
   for (size_t i = 0; i < keys.size(); ++i)
     if (i == 0 || keys[i].key != keys[i - 1].key) group_start.push_back(int64_t(i));
   group_start.push_back(int64_t(keys.size()));
-  return {keys, group_start};
+}
+
+OccurrenceGroups GroupOccurrences(const std::vector<GradientPart>& parts, const TableSpec& spec) {
+  static thread_local std::vector<Occurrence> keys;
+  static thread_local std::vector<int64_t> group_start;
+  const OccurrenceGroups groups{keys, group_start};
+  int64_t total = 0;
+  for (const auto& p : parts) total += p.batch.nnz;
+  try {
+    SortOccurrences(parts, spec, total, keys, group_start);
+  } catch (const OutOfMemory&) {
+    groups.Trim();
+    throw;
+  } catch (const std::bad_alloc&) {  // the keys, the sort's copy of them or the group starts
+    groups.Trim();
+    internal::ThrowOutOfMemory(size_t(total) * (2 * sizeof(Occurrence) + sizeof(int64_t)),
+                               "table '" + spec.name + "': apply_gradients of " + std::to_string(total) + " ids");
+  } catch (...) {
+    groups.Trim();
+    throw;
+  }
+  return groups;
 }
 
 // One step of the table's optimizer (`step`: the table's step count) over the
@@ -1053,6 +1083,10 @@ void Table::ApplyGradients(const std::vector<GradientPart>& given, float learnin
     }
   }
   const OccurrenceGroups groups = GroupOccurrences(stable.get(), spec_);
+  struct TrimAfter {
+    const OccurrenceGroups& groups;
+    ~TrimAfter() { groups.Trim(); }
+  } trim{groups};
   std::unique_lock<std::shared_mutex> lock(mutex_);
   ApplyRule(spec_, learning_rate, step_, values_.get(), SlotPointers(slots_), groups, k);
   ++step_;

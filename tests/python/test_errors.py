@@ -267,6 +267,61 @@ def test_threads_that_cannot_start_raise_and_keep_the_pool():
     assert "lookup ok (1, 4)" in r.stdout
 
 
+_STEP_UNDER_A_LIMIT = """
+import resource, sys, numpy as np, embedcore as ec
+t = ec.Table(name="t", rows=1000, dim=1, initializer=ec.initializers.Uniform(-1, 1, seed=0),
+             optimizer=ec.optimizers.Adagrad(0.1))
+n = 4_000_000
+ids, offsets = np.arange(n, dtype=np.int64) % 1000, np.arange(n + 1)
+grads = np.ones((n, 1), np.float32)
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+if sys.argv[1] == "retained":
+    t.apply_gradients(ids[:100], offsets[:101], grads[:100])
+    before = rss()
+    t.apply_gradients(ids, offsets, grads)  # its sort takes about 200 MB
+    print("kept MB", (rss() - before) >> 20)
+    sys.exit(0)
+vm = int(open("/proc/self/statm").read().split()[0]) * 4096
+resource.setrlimit(resource.RLIMIT_AS, (vm + (int(sys.argv[1]) << 20), resource.RLIM_INFINITY))
+before = t.to_numpy()
+try:
+    t.apply_gradients(ids, offsets, grads)
+except MemoryError as e:
+    print("MemoryError:", e)
+print("unchanged", bool(np.array_equal(before, t.to_numpy())), t.step)
+"""
+
+
+@pytest.mark.parametrize("headroom,message", [
+    (16, "the engine's copy of the offsets of 4000000 bags: cannot allocate 32000008 bytes (30.5 MiB)"),
+    (80, "table 't': apply_gradients of 4000000 ids: cannot allocate"),
+])
+def test_a_step_without_memory_for_its_sort_names_it_and_changes_nothing(headroom, message):
+    """A MemoryError names what could not be allocated, and how much (was:
+    'std::bad_alloc'); the table is unchanged."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _STEP_UNDER_A_LIMIT, str(headroom)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"MemoryError: {message}" in r.stdout and "unchanged True 0" in r.stdout, r.stdout
+
+
+def test_an_outsized_step_gives_its_sort_memory_back():
+    """A step's sort buffers are kept across steps of usual sizes, but one
+    past 64 MiB is given back after the step (the memory stayed with the
+    thread for its life)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _STEP_UNDER_A_LIMIT, "retained"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.split("kept MB")[1]) < 100, r.stdout  # (kept, the keys and their sorted copy: 192 MB)
+
+
 def test_thread_counts_out_of_range():
     before = ec.get_num_threads()
     for bad, match in ((0, ">= 1"), (10**8, "<= 4096"), (np.int64(0), ">= 1")):
