@@ -1597,10 +1597,16 @@ MappedCheckpoint::MappedCheckpoint(const std::string& given, Verify verify) {
         const int err = errno;
         size_t files = 0;
         for (const TableEntry& e : info_.tables) files += e.values.size();
+        // ENOMEM: no room in the address space (a limit such as ulimit -v), or too many mappings.
         throw IoError(m->path + ": mmap failed: " + checkpoint::ErrnoText(err) +
-                      (err == ENOMEM ? " (each of the checkpoint's " + std::to_string(files) +
-                                           " values files is mapped on its own: the process may be at its limit of "
-                                           "mappings, vm.max_map_count; reshard into fewer files)"
+                      (err == ENOMEM ? " (mapping its " + std::to_string(m->length) +
+                                           " bytes needs that much free address space (ulimit -v)" +
+                                           (files > 1 ? "; each of the checkpoint's " + std::to_string(files) +
+                                                            " values files is mapped on its own, and the process may "
+                                                            "be at its limit of mappings, vm.max_map_count: reshard "
+                                                            "into fewer files"
+                                                      : std::string()) +
+                                           ")"
                                      : std::string()),
                       err);
       }

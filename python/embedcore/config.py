@@ -19,6 +19,8 @@ def _positive_int(owner: str, name: str, value) -> int:
     v = int(value.__index__())
     if v < 1:
         raise ValueError(f"{owner}: {name} must be >= 1, got {v}")
+    if v >= 2**63:  # (the engine's int64)
+        raise ValueError(f"{owner}: {name} must be < 2**63, got {v}")
     return v
 
 

@@ -518,6 +518,8 @@ def test_embedding_bad_id_changes_nothing():
     (dict(rows=-3, dim=2), ValueError),
     (dict(rows=3, dim=0), ValueError),
     (dict(rows=3, dim=-1), ValueError),
+    (dict(rows=2**63, dim=1), ValueError),  # (was nanobind's TypeError when the table was made)
+    (dict(rows=3, dim=2**64), ValueError),
     (dict(rows=3.0, dim=2), TypeError),
     (dict(rows=3, dim="2"), TypeError),
     (dict(rows=True, dim=2), TypeError),

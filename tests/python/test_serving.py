@@ -361,3 +361,19 @@ print(json.dumps(fields))
     assert fields["Shared_Clean:"] >= 0.9 * payload, fields
     assert fields.get("Private_Dirty:", 0) == 0, fields
     del here
+
+
+def test_a_mapping_without_address_space_says_so(tmp_path):
+    """mmap's ENOMEM under an address-space limit is an OSError naming the
+    bytes the mapping needs (one values file: no advice about the number of
+    mappings, which is not the cause)."""
+    ec.save(tmp_path / "c", ec.Table(ec.TableConfig("t", 1 << 20, 16, initializer=ec.initializers.Zeros())))
+    code = ("import errno, resource, sys, embedcore as ec\n"
+            "vm = int(open('/proc/self/statm').read().split()[0]) * 4096\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))\n"
+            "try:\n    ec.serving.open(sys.argv[1])\n"
+            "except OSError as e:\n    print(e.errno == errno.ENOMEM, e)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("True ") and "needs that much free address space (ulimit -v))" in r.stdout, r.stdout
+    assert "vm.max_map_count" not in r.stdout
