@@ -17,8 +17,9 @@ Reports per thread count and id distribution the median ms per batch and M
 ids/s of each, the bytes a lookup gathers per id (512 / 256 / 136), and the
 ratios uint8_rowwise / float32, uint8_rowwise / float16 and uint8_rowwise /
 torch_byte_rowwise (rates). Before timing it checks the served uint8_rowwise
-lookups against torch_byte_rowwise's (float32 sums of the same rows: within
-1e-4 relative) and the float32 checkpoint's against the table's (exact).
+lookups against torch_byte_rowwise's (the same bits), the float16
+checkpoint's against float32 sums of its float16 rows (within 1e-5
+relative) and the float32 checkpoint's against the table's (exact).
 """
 from __future__ import annotations
 
@@ -101,6 +102,9 @@ def main(argv=None) -> int:
                 raise SystemExit(f"uint8_rowwise lookups differ from FBGEMM's bits (by {err:.2e}, relative): "
                                  "stopping")
             C.log(f"{d}: served uint8_rowwise vs torch_byte_rowwise: the same bits")
+            rows16 = served["float16"].values()[ids[d]].astype(np.float32)
+            np.testing.assert_allclose(served["float16"].lookup(ids[d], off),
+                                       np.add.reduceat(rows16, off[:-1], axis=0), rtol=1e-5, atol=1e-6)
 
         results = []
         for nt in threads:

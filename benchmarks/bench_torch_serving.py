@@ -92,9 +92,18 @@ def main(argv=None) -> int:
             with torch.inference_mode():
                 if not torch.equal(served["f32"](kjt).values(), training(kjt).values()):
                     raise SystemExit(f"{case}: the served float32 module differs from the training one: stopping")
-                err = float((served["u8"](kjt).values() - quant(kjt).values()).abs().max())
-                if err > 0.02:
-                    raise SystemExit(f"{case}: the served uint8_rowwise module differs from TorchRec's INT8 by {err}")
+                # Relative to the outputs' size (a table's values are within +-sqrt(1 / rows)): a table's bags
+                # zeroed, or read one row off, must fail this. TorchRec quantizes the same values on its own:
+                # not its bits, within a few steps of the 8-bit grid; float16 within its rounding.
+                want, want8 = training(kjt).values(), quant(kjt).values()
+                err = float((served["u8"](kjt).values() - want8).abs().max() / want8.abs().max())
+                if err > 0.05:
+                    raise SystemExit(f"{case}: the served uint8_rowwise module differs from TorchRec's INT8 by {err:.2e}"
+                                     " of the largest output")
+                err = float((served["f16"](kjt).values() - want).abs().max() / want.abs().max())
+                if err > 5e-3:
+                    raise SystemExit(f"{case}: the served float16 module differs from the training one by {err:.2e} "
+                                     "of the largest output")
 
             def inference(f):
                 def run():
