@@ -39,14 +39,16 @@ void Free(void* p, size_t bytes);
 [[noreturn]] void ThrowOutOfMemory(size_t bytes, const std::string& what = "");
 
 /// Per-thread scratch buffers (a step's sort) are kept across calls, so that
-/// steps of one size take no page faults; one past this size, grown by an
-/// outsized batch, is given back after its call (TrimScratch), so that such
-/// a batch does not hold its memory for the life of the thread.
+/// steps of one size take no page faults. One past this size that is more
+/// than twice what a call needs (grown by an outsized batch) is given back
+/// before the call resizes it (TrimScratch), so that a one-off batch does not
+/// hold its memory for the life of the thread, while steady large steps keep
+/// theirs.
 constexpr size_t kKeptScratchBytes = size_t(64) << 20;
 
 template <typename T>
-void TrimScratch(std::vector<T>& v) {
-  if (v.capacity() * sizeof(T) > kKeptScratchBytes) std::vector<T>().swap(v);
+void TrimScratch(std::vector<T>& v, size_t needed) {
+  if (v.capacity() * sizeof(T) > kKeptScratchBytes && v.capacity() / 2 > needed) std::vector<T>().swap(v);
 }
 
 /// bytes = a * b * c, or InvalidArgument naming `what` if it overflows.
@@ -136,6 +138,7 @@ void RadixSort(std::vector<Item>& items, int key_bits) {
   // Reused by every sort on this thread: a fresh multi-megabyte buffer per
   // call would be fresh pages, and page faults, every training step.
   static thread_local std::vector<Item> tmp;
+  TrimScratch(tmp, items.size());
   tmp.resize(items.size());  // (a std::bad_alloc here: the caller names the step, see GroupOccurrences)
   const int chunks = std::max(1, NumChunks(n, int64_t(1) << 15));
   std::vector<size_t> count(size_t(chunks) * kBuckets);
@@ -161,7 +164,6 @@ void RadixSort(std::vector<Item>& items, int key_bits) {
     });
     items.swap(tmp);
   }
-  TrimScratch(tmp);
 }
 
 /// (key, value) pairs, the simplest item RadixSort sorts.

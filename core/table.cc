@@ -814,6 +814,7 @@ void ApplySgdInOrder(const std::vector<GradientPart>& parts, const TableSpec& sp
   // Kept across calls on this thread (as the sorted path's keys): no page faults per step.
   static thread_local std::vector<kernels::Occurrence> scratch;
   const size_t n = chunks > 1 ? size_t(chunks) * size_t(widest) : 0;
+  internal::TrimScratch(scratch, n);
   try {
     scratch.resize(n);
   } catch (const std::bad_alloc&) {
@@ -841,7 +842,6 @@ void ApplySgdInOrder(const std::vector<GradientPart>& parts, const TableSpec& sp
       k.sgd_in_order[p.batch.id_type == IdType::kInt32 ? 0 : 1](a, r0, r1);
     }
   });
-  internal::TrimScratch(scratch);
 }
 
 // Writes the occurrences of part `p` to `occ` in input order; returns how
@@ -970,15 +970,10 @@ bool StepsInOrder(const TableSpec& spec, float learning_rate) {
 // Every occurrence of a step's (validated) parts, keyed by id and sorted
 // stably (input order within an id), and where each id's group starts (and,
 // last, where the last ends). Both are kept across calls on this thread (see
-// RadixSort): no page faults per step; Trim gives back buffers an outsized
-// batch grew (internal::TrimScratch) once the step is done with them.
+// RadixSort): no page faults per step (internal::TrimScratch).
 struct OccurrenceGroups {
-  std::vector<Occurrence>& sorted;
-  std::vector<int64_t>& group_start;
-  void Trim() const {
-    internal::TrimScratch(sorted);
-    internal::TrimScratch(group_start);
-  }
+  const std::vector<Occurrence>& sorted;
+  const std::vector<int64_t>& group_start;
 };
 
 void SortOccurrences(const std::vector<GradientPart>& parts, const TableSpec& spec, int64_t total,
@@ -1006,23 +1001,19 @@ void SortOccurrences(const std::vector<GradientPart>& parts, const TableSpec& sp
 OccurrenceGroups GroupOccurrences(const std::vector<GradientPart>& parts, const TableSpec& spec) {
   static thread_local std::vector<Occurrence> keys;
   static thread_local std::vector<int64_t> group_start;
-  const OccurrenceGroups groups{keys, group_start};
   int64_t total = 0;
   for (const auto& p : parts) total += p.batch.nnz;
+  internal::TrimScratch(keys, size_t(total));
+  internal::TrimScratch(group_start, size_t(total) + 1);
   try {
     SortOccurrences(parts, spec, total, keys, group_start);
   } catch (const OutOfMemory&) {
-    groups.Trim();
     throw;
   } catch (const std::bad_alloc&) {  // the keys, the sort's copy of them or the group starts
-    groups.Trim();
     internal::ThrowOutOfMemory(size_t(total) * (2 * sizeof(Occurrence) + sizeof(int64_t)),
                                "table '" + spec.name + "': apply_gradients of " + std::to_string(total) + " ids");
-  } catch (...) {
-    groups.Trim();
-    throw;
   }
-  return groups;
+  return {keys, group_start};
 }
 
 // One step of the table's optimizer (`step`: the table's step count) over the
@@ -1046,9 +1037,9 @@ void ApplyRule(const TableSpec& spec, float learning_rate, int64_t step, void* v
       break;
     case OptimizerSpec::Kind::kAdam: {
       const ops::AdamRule rule = internal::AdamRuleFor(o, learning_rate, step);
+      std::vector<uint8_t> touched(o.lazy_adam ? 0 : spec.rows, 0);  // (allocated before any row changes)
       UpdateGroups(rule, kc, spec, values, slots, keys, group_start, k);
       if (!o.lazy_adam) {
-        std::vector<uint8_t> touched(spec.rows, 0);
         for (size_t g = 0; g + 1 < group_start.size(); ++g) touched[keys[group_start[g]].key] = 1;
         UpdateUntouched(rule, kc, spec, values, slots, touched, k);
       }
@@ -1083,10 +1074,6 @@ void Table::ApplyGradients(const std::vector<GradientPart>& given, float learnin
     }
   }
   const OccurrenceGroups groups = GroupOccurrences(stable.get(), spec_);
-  struct TrimAfter {
-    const OccurrenceGroups& groups;
-    ~TrimAfter() { groups.Trim(); }
-  } trim{groups};
   std::unique_lock<std::shared_mutex> lock(mutex_);
   ApplyRule(spec_, learning_rate, step_, values_.get(), SlotPointers(slots_), groups, k);
   ++step_;

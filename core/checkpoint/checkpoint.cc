@@ -1600,11 +1600,11 @@ MappedCheckpoint::MappedCheckpoint(const std::string& given, Verify verify) {
         // ENOMEM: no room in the address space (a limit such as ulimit -v), or too many mappings.
         throw IoError(m->path + ": mmap failed: " + checkpoint::ErrnoText(err) +
                       (err == ENOMEM ? " (mapping its " + std::to_string(m->length) +
-                                           " bytes needs that much free address space (ulimit -v)" +
+                                           " bytes needs that much free address space, ulimit -v, and one more of "
+                                           "the process's mappings, vm.max_map_count" +
                                            (files > 1 ? "; each of the checkpoint's " + std::to_string(files) +
-                                                            " values files is mapped on its own, and the process may "
-                                                            "be at its limit of mappings, vm.max_map_count: reshard "
-                                                            "into fewer files"
+                                                            " values files is mapped on its own: reshard into fewer "
+                                                            "files"
                                                       : std::string()) +
                                            ")"
                                      : std::string()),

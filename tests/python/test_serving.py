@@ -365,8 +365,7 @@ print(json.dumps(fields))
 
 def test_a_mapping_without_address_space_says_so(tmp_path):
     """mmap's ENOMEM under an address-space limit is an OSError naming the
-    bytes the mapping needs (one values file: no advice about the number of
-    mappings, which is not the cause)."""
+    bytes the mapping needs (one values file: no advice to reshard)."""
     ec.save(tmp_path / "c", ec.Table(ec.TableConfig("t", 1 << 20, 16, initializer=ec.initializers.Zeros())))
     code = ("import errno, resource, sys, embedcore as ec\n"
             "vm = int(open('/proc/self/statm').read().split()[0]) * 4096\n"
@@ -375,5 +374,6 @@ def test_a_mapping_without_address_space_says_so(tmp_path):
             "except OSError as e:\n    print(e.errno == errno.ENOMEM, e)\n")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.startswith("True ") and "needs that much free address space (ulimit -v))" in r.stdout, r.stdout
-    assert "vm.max_map_count" not in r.stdout
+    assert r.stdout.startswith("True ") and "bytes needs that much free address space, ulimit -v, and one more of " \
+        "the process's mappings, vm.max_map_count)" in r.stdout, r.stdout
+    assert "reshard" not in r.stdout
