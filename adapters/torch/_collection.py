@@ -32,13 +32,17 @@ __all__ = ["EmbeddingBagConfig", "EmbeddingConfig", "EmbeddingBagCollection", "E
 @dataclass
 class EmbeddingConfig:
     """One table of an ``EmbeddingCollection`` (TorchRec's fields, plus
-    embedcore's ``initializer`` and ``optimizer``).
+    embedcore's ``dtype``, ``initializer`` and ``optimizer``; pass the fields
+    after ``name`` by keyword: their order is not TorchRec's).
 
     init: ``initializer`` (an ``embedcore.initializers`` initializer), else
     ``init_fn(weight)`` (a PyTorch in-place init), else uniform in
     ``[weight_init_min, weight_init_max]`` (default ``+-sqrt(1 / rows)``, as
     TorchRec) seeded from PyTorch's generator. ``optimizer`` overrides the
-    collection's for this table."""
+    collection's for this table. ``data_type`` (TorchRec's ``DataType``: FP32,
+    FP16, BF16) sets the storage dtype when given, instead of ``dtype``.
+    ``need_pos`` is recorded, and not read, as by TorchRec's unsharded
+    collections."""
 
     num_embeddings: int
     embedding_dim: int
@@ -50,6 +54,17 @@ class EmbeddingConfig:
     init_fn: Optional[Callable[[Tensor], Any]] = None
     initializer: Optional[ec.initializers.Initializer] = None
     optimizer: Optional[ec.optimizers.Optimizer] = None
+    data_type: Any = None
+    need_pos: bool = False
+
+    def num_features(self) -> int:
+        return len(self.feature_names)
+
+    def get_weight_init_min(self) -> float:
+        return -math.sqrt(1.0 / self.num_embeddings) if self.weight_init_min is None else self.weight_init_min
+
+    def get_weight_init_max(self) -> float:
+        return math.sqrt(1.0 / self.num_embeddings) if self.weight_init_max is None else self.weight_init_max
 
 
 @dataclass
@@ -94,7 +109,7 @@ class _Spec:
             self._build_options(cfg, owner)
 
     def _build_options(self, cfg, owner: str) -> None:
-        if hasattr(cfg, "data_type"):  # TorchRec's DataType
+        if getattr(cfg, "data_type", None) is not None:  # TorchRec's DataType
             v = getattr(cfg.data_type, "value", cfg.data_type)
             if v not in _TORCHREC_DTYPES:
                 raise ValueError(f"{owner}: table '{self.name}' has data_type {cfg.data_type}; embedcore tables are "

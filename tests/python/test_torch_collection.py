@@ -637,3 +637,21 @@ def test_kjt_with_values_not_1d_is_refused_naming_the_shape(torchrec, tmp_path):
                 m(kjt)
     assert torch.equal(bags.embedding_bags.t1.weight, before[0]) and torch.equal(seq.embeddings.t1.weight, before[1])
     assert bags.embedding_bags.t1.table.step == 0 and seq.embeddings.t1.table.step == 0
+
+
+def test_configs_take_torchrec_s_fields_and_methods(torchrec):
+    """data_type, need_pos, num_features() and get_weight_init_min/max(), as
+    TorchRec's configs have them (data_type was a TypeError)."""
+    from torchrec.modules.embedding_configs import DataType
+
+    ours = et.EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t", feature_names=["a", "b"],
+                                 data_type=DataType.FP16, need_pos=True, weight_init_min=-0.2)
+    theirs = torchrec.EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t", feature_names=["a", "b"],
+                                         data_type=DataType.FP16, need_pos=True, weight_init_min=-0.2)
+    for method in ("num_features", "get_weight_init_min", "get_weight_init_max"):
+        assert getattr(ours, method)() == pytest.approx(getattr(theirs, method)()), method
+    assert ours.need_pos
+    ebc = et.EmbeddingBagCollection([ours])
+    assert ebc.embedding_bags["t"].weight.dtype == torch.float16
+    assert et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 4, "t")]).embedding_bags["t"].weight.dtype == \
+        torch.float32  # no data_type: dtype's default
