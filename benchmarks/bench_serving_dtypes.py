@@ -18,8 +18,9 @@ ids/s of each, the bytes a lookup gathers per id (512 / 256 / 136), and the
 ratios uint8_rowwise / float32, uint8_rowwise / float16 and uint8_rowwise /
 torch_byte_rowwise (rates). Before timing it checks the served uint8_rowwise
 lookups against torch_byte_rowwise's (the same bits), the float16
-checkpoint's against float32 sums of its float16 rows (within 1e-5
-relative) and the float32 checkpoint's against the table's (exact).
+checkpoint's rows against the table's (rounded once) and its lookups against
+float32 sums of those rows (within 1e-5 relative), and the float32
+checkpoint's against the table's (exact).
 """
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ def main(argv=None) -> int:
                 raise SystemExit(f"uint8_rowwise lookups differ from FBGEMM's bits (by {err:.2e}, relative): "
                                  "stopping")
             C.log(f"{d}: served uint8_rowwise vs torch_byte_rowwise: the same bits")
-            rows16 = served["float16"].values()[ids[d]].astype(np.float32)
+            rows16 = served["float16"].values()[ids[d]].astype(np.float32)  # the table's rows, rounded once
+            np.testing.assert_allclose(rows16, table.values()[ids[d]], rtol=2.0**-11, atol=2.0**-24)
             np.testing.assert_allclose(served["float16"].lookup(ids[d], off),
                                        np.add.reduceat(rows16, off[:-1], axis=0), rtol=1e-5, atol=1e-6)
 

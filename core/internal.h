@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <new>
@@ -38,18 +39,33 @@ void Free(void* p, size_t bytes);
 /// when given.
 [[noreturn]] void ThrowOutOfMemory(size_t bytes, const std::string& what = "");
 
-/// Per-thread scratch buffers (a step's sort) are kept across calls, so that
-/// steps of one size take no page faults. One past this size that is more
-/// than twice what a call needs (grown by an outsized batch) is given back
-/// before the call resizes it (TrimScratch), so that a one-off batch does not
-/// hold its memory for the life of the thread, while steady large steps keep
-/// theirs.
+/// A per-thread buffer kept across calls (a step's sort), so that steps of
+/// one size take no page faults. Past kKeptScratchBytes, a buffer that no
+/// call has needed half of for kScratchIdle is given back by the next call
+/// (Fit), so that one outsized batch does not hold its memory for the life
+/// of the thread, while a large table stepped every iteration (among any
+/// number of smaller ones stepped on the same thread) keeps its buffer.
 constexpr size_t kKeptScratchBytes = size_t(64) << 20;
+constexpr std::chrono::seconds kScratchIdle{2};
 
 template <typename T>
-void TrimScratch(std::vector<T>& v, size_t needed) {
-  if (v.capacity() * sizeof(T) > kKeptScratchBytes && v.capacity() / 2 > needed) std::vector<T>().swap(v);
-}
+struct Scratch {
+  std::vector<T> v;
+  std::chrono::steady_clock::time_point needed_at{};
+
+  /// Before `v` is resized for a call of `n` items.
+  void Fit(size_t n) {
+    const auto now = std::chrono::steady_clock::now();
+    if (v.capacity() * sizeof(T) <= kKeptScratchBytes || v.capacity() / 2 <= n) {
+      needed_at = now;
+    } else if (now - needed_at > kScratchIdle) {
+      Release();
+      needed_at = now;
+    }
+  }
+  /// After a call that could not allocate what it needed.
+  void Release() { std::vector<T>().swap(v); }
+};
 
 /// bytes = a * b * c, or InvalidArgument naming `what` if it overflows.
 size_t CheckedBytes(int64_t a, int64_t b, size_t c, const std::string& what);
@@ -134,11 +150,12 @@ void RadixSort(std::vector<Item>& items, int key_bits) {
   constexpr int kDigitBits = 11;
   constexpr size_t kBuckets = size_t(1) << kDigitBits;
   const int64_t n = int64_t(items.size());
-  if (n < 2) return;
   // Reused by every sort on this thread: a fresh multi-megabyte buffer per
   // call would be fresh pages, and page faults, every training step.
-  static thread_local std::vector<Item> tmp;
-  TrimScratch(tmp, items.size());
+  static thread_local Scratch<Item> scratch;
+  scratch.Fit(items.size());
+  if (n < 2) return;
+  std::vector<Item>& tmp = scratch.v;
   tmp.resize(items.size());  // (a std::bad_alloc here: the caller names the step, see GroupOccurrences)
   const int chunks = std::max(1, NumChunks(n, int64_t(1) << 15));
   std::vector<size_t> count(size_t(chunks) * kBuckets);

@@ -812,16 +812,16 @@ void ApplySgdInOrder(const std::vector<GradientPart>& parts, const TableSpec& sp
   }
   const int chunks = total * spec.dim >= (int64_t(1) << 16) ? NumChunks(spec.rows, 1) : 1;
   // Kept across calls on this thread (as the sorted path's keys): no page faults per step.
-  static thread_local std::vector<kernels::Occurrence> scratch;
+  static thread_local internal::Scratch<kernels::Occurrence> scratch;
   const size_t n = chunks > 1 ? size_t(chunks) * size_t(widest) : 0;
-  internal::TrimScratch(scratch, n);
+  scratch.Fit(n);
   try {
-    scratch.resize(n);
+    scratch.v.resize(n);
   } catch (const std::bad_alloc&) {
     internal::ThrowOutOfMemory(n * sizeof(kernels::Occurrence),
                                "table '" + spec.name + "': apply_gradients of " + std::to_string(total) + " ids");
   }
-  kernels::Occurrence* room = scratch.data();  // (a thread_local named in the lambda is each worker's own)
+  kernels::Occurrence* room = scratch.v.data();  // (a thread_local named in the lambda is each worker's own)
   ParallelChunks(spec.rows, chunks, [&](int c, int64_t r0, int64_t r1) {
     for (const auto& p : parts) {
       if (p.batch.num_bags == 0) continue;
@@ -970,7 +970,7 @@ bool StepsInOrder(const TableSpec& spec, float learning_rate) {
 // Every occurrence of a step's (validated) parts, keyed by id and sorted
 // stably (input order within an id), and where each id's group starts (and,
 // last, where the last ends). Both are kept across calls on this thread (see
-// RadixSort): no page faults per step (internal::TrimScratch).
+// RadixSort): no page faults per step (internal::Scratch).
 struct OccurrenceGroups {
   const std::vector<Occurrence>& sorted;
   const std::vector<int64_t>& group_start;
@@ -999,21 +999,22 @@ void SortOccurrences(const std::vector<GradientPart>& parts, const TableSpec& sp
 }
 
 OccurrenceGroups GroupOccurrences(const std::vector<GradientPart>& parts, const TableSpec& spec) {
-  static thread_local std::vector<Occurrence> keys;
-  static thread_local std::vector<int64_t> group_start;
+  static thread_local internal::Scratch<Occurrence> keys;
+  static thread_local internal::Scratch<int64_t> group_start;
   int64_t total = 0;
   for (const auto& p : parts) total += p.batch.nnz;
-  internal::TrimScratch(keys, size_t(total));
-  internal::TrimScratch(group_start, size_t(total) + 1);
+  keys.Fit(size_t(total));
+  group_start.Fit(size_t(total) + 1);
   try {
-    SortOccurrences(parts, spec, total, keys, group_start);
-  } catch (const OutOfMemory&) {
-    throw;
-  } catch (const std::bad_alloc&) {  // the keys, the sort's copy of them or the group starts
+    SortOccurrences(parts, spec, total, keys.v, group_start.v);
+  } catch (const std::bad_alloc& e) {  // the keys, the sort's copy of them or the group starts
+    keys.Release();  // (a retry of a smaller batch should not find them held)
+    group_start.Release();
+    if (dynamic_cast<const OutOfMemory*>(&e) != nullptr) throw;
     internal::ThrowOutOfMemory(size_t(total) * (2 * sizeof(Occurrence) + sizeof(int64_t)),
                                "table '" + spec.name + "': apply_gradients of " + std::to_string(total) + " ids");
   }
-  return {keys, group_start};
+  return {keys.v, group_start.v};
 }
 
 // One step of the table's optimizer (`step`: the table's step count) over the

@@ -1603,8 +1603,8 @@ MappedCheckpoint::MappedCheckpoint(const std::string& given, Verify verify) {
                                            " bytes needs that much free address space, ulimit -v, and one more of "
                                            "the process's mappings, vm.max_map_count" +
                                            (files > 1 ? "; each of the checkpoint's " + std::to_string(files) +
-                                                            " values files is mapped on its own: reshard into fewer "
-                                                            "files"
+                                                            " values files is mapped on its own: at that limit, "
+                                                            "reshard into fewer files"
                                                       : std::string()) +
                                            ")"
                                      : std::string()),

@@ -280,8 +280,19 @@ if sys.argv[1] == "retained":
     t.apply_gradients(ids[:100], offsets[:101], grads[:100])
     before = rss()
     t.apply_gradients(ids, offsets, grads)  # its sort takes about 200 MB
+    import time
+    time.sleep(2.5)  # (buffers that no step needed for 2 s)
     t.apply_gradients(ids[:100], offsets[:101], grads[:100])  # a step of the usual size
     print("kept MB", (rss() - before) >> 20)
+    sys.exit(0)
+if sys.argv[1] == "steady":  # a large table stepped each iteration beside a small one, on one thread
+    small = ec.Table(name="s", rows=10, dim=1, optimizer=ec.optimizers.Adagrad(0.1))
+    for i in range(3):
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t.apply_gradients(ids, offsets, grads)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        small.apply_gradients(ids[:5] % 10, offsets[:6], grads[:5])
+    print("faults", faults)
     sys.exit(0)
 vm = int(open("/proc/self/statm").read().split()[0]) * 4096
 resource.setrlimit(resource.RLIMIT_AS, (vm + (int(sys.argv[1]) << 20), resource.RLIM_INFINITY))
@@ -312,8 +323,8 @@ def test_a_step_without_memory_for_its_sort_names_it_and_changes_nothing(headroo
 
 def test_an_outsized_step_gives_its_sort_memory_back():
     """A step's sort buffers are kept across steps of usual sizes, but one
-    past 64 MiB is given back at the next step that needs less than half of
-    it (the memory stayed with the thread for its life)."""
+    past 64 MiB that no step needed for 2 s is given back at the next step
+    (the memory stayed with the thread for its life)."""
     import subprocess
     import sys
 
@@ -321,6 +332,19 @@ def test_an_outsized_step_gives_its_sort_memory_back():
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert int(r.stdout.split("kept MB")[1]) < 100, r.stdout  # (kept, the keys and their sorted copy: 192 MB)
+
+
+def test_a_large_table_stepped_beside_small_ones_keeps_its_sort_memory():
+    """The buffers are the thread's, shared by its tables: a small table's
+    step between two of a large one must not give them back (the large step
+    faulted its 190 MB in again every time)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _STEP_UNDER_A_LIMIT, "steady"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.split("faults")[1]) < 5000, r.stdout  # (46,000 pages when they were given back)
 
 
 def test_thread_counts_out_of_range():
