@@ -42,6 +42,11 @@ class Initializer:
     def __new__(cls, *args, **kwargs):
         if cls is Initializer:
             raise TypeError("Initializer is a base class: use Zeros, Constant, Uniform, Normal or TruncatedNormal")
+        if not issubclass(cls, (Zeros, Constant, Uniform, Normal)):
+            # The engine draws the values (the same on every rank and shard): it cannot run Python.
+            raise TypeError(f"{cls.__name__}: an embedcore initializer must be (a subclass of) Zeros, Constant, "
+                            f"Uniform, Normal or TruncatedNormal, which the engine runs; to start from other "
+                            f"values, write them with Table.assign(values)")
         return super().__new__(cls)
 
     def __repr__(self) -> str:

@@ -64,6 +64,11 @@ class Optimizer:
     def __new__(cls, *args, **kwargs):
         if cls is Optimizer or cls is _Accumulating:
             raise TypeError(f"{cls.__name__} is a base class: use SGD, Adagrad, RowWiseAdagrad, Adam or FTRL")
+        if not issubclass(cls, (SGD, Adagrad, RowWiseAdagrad, Adam, FTRL)):
+            # The update rules run in the engine: a new subclass has no rule the engine could run, and
+            # would otherwise train with the spec's default (SGD).
+            raise TypeError(f"{cls.__name__}: an embedcore optimizer must be (a subclass of) SGD, Adagrad, "
+                            f"RowWiseAdagrad, Adam or FTRL, whose update rules the engine runs")
         return super().__new__(cls)
 
     def __init__(self, learning_rate: LearningRate, clip_weight_min=None, clip_weight_max=None,

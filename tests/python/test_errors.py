@@ -740,6 +740,36 @@ def test_the_base_classes_are_not_an_optimizer_or_an_initializer(make, match):
         make()
 
 
+def test_a_new_optimizer_or_initializer_subclass_is_refused():
+    """The engine runs the update rules and draws the initial values: a
+    direct subclass of the bases has nothing it could run (such an optimizer
+    trained as SGD, such an initializer was an AttributeError). Subclasses
+    of the engine's own classes stay what they are."""
+    class MyOptimizer(opt.Optimizer):
+        def __init__(self):
+            super().__init__(0.1)
+
+    class MyInitializer(ec.initializers.Initializer):
+        def __call__(self, shape):
+            return np.ones(shape)
+
+    with pytest.raises(TypeError, match=r"MyOptimizer: an embedcore optimizer must be \(a subclass of\) SGD"):
+        MyOptimizer()
+    with pytest.raises(TypeError, match=r"MyInitializer: an embedcore initializer must be .* Table.assign"):
+        MyInitializer()
+
+    class Sgd(opt.SGD):
+        pass
+
+    class Ones(ec.initializers.Constant):
+        def __init__(self):
+            super().__init__(1.0)
+
+    table = make_table(4, 2, optimizer=Sgd(0.5), initializer=Ones())
+    table.apply_gradients(np.array([1]), grads=np.ones((1, 2), np.float32))
+    np.testing.assert_array_equal(table.values(), [[1, 1], [0.5, 0.5], [1, 1], [1, 1]])
+
+
 def test_the_largest_float32_options_save_and_load(tmp_path):
     o = opt.FTRL(0.1, learning_rate_power=-3.4e38, l2_regularization_strength=3.4e38, clipvalue=(-3.4e38, 3.4e38))
     table = make_table(6, 2, optimizer=o)
