@@ -12,6 +12,7 @@ is looked up, and trained fused, by one engine call for all the tables
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import sys
 from dataclasses import dataclass, field
@@ -477,6 +478,10 @@ class EmbeddingBagCollection(_PooledInterface, _Collection):
         ``sparse=False``).
     is_weighted: use a ``KeyedJaggedTensor``'s weights (TorchRec's flag);
         dict features use their weights whenever they have them.
+    device: where the tables live ("cpu", or "cuda[:n]" in a CUDA build).
+    sparse: the tables' gradients are sparse (``torch.optim.SGD`` /
+        ``Adagrad`` / ``SparseAdam``), or dense with ``sparse=False``, as
+        TorchRec's (``Adam``, ``clip_grad_norm_``).
 
     ``forward(features)``: a TorchRec ``KeyedJaggedTensor`` gives a
     ``KeyedTensor`` (as TorchRec); a dict ``{feature: input}`` gives a dict
@@ -536,6 +541,15 @@ class EmbeddingBagCollection(_PooledInterface, _Collection):
         return _jagged_module().KeyedTensor(keys=self._keys(), length_per_key=self._dims, values=fused)
 
 
+def _show_init_signature(cls) -> None:
+    """`help()` / `inspect.signature` show __init__'s parameters, not those of
+    the __new__ that picks the sharded class."""
+    cls.__new__.__signature__ = inspect.signature(cls.__init__)  # on __new__, so instances keep their own
+
+
+_show_init_signature(EmbeddingBagCollection)
+
+
 class EmbeddingCollection(_SequenceInterface, _Collection):
     """Unpooled (sequence) lookups of several tables, shaped like TorchRec's
     ``EmbeddingCollection``: one embedding row per id.
@@ -577,3 +591,5 @@ class EmbeddingCollection(_SequenceInterface, _Collection):
     def _table_lookup(self, i: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
                       segments: List[int], combiner: int) -> List[Tensor]:
         return self.embeddings[self._specs[i].name]._lookup(ids, offsets, weights, segments, combiner, True)
+
+_show_init_signature(EmbeddingCollection)

@@ -48,6 +48,8 @@ def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0, c
         parent = os.path.dirname(os.path.abspath(checkpoint))
         if not os.path.isdir(parent):
             raise ValueError(f"demo: checkpoint {checkpoint}: no directory {parent} to save it in")
+        if os.path.exists(checkpoint) and not os.path.isdir(checkpoint):
+            raise ValueError(f"demo: checkpoint {checkpoint} is a file, not a directory")
     if threads is not None:
         ec.set_num_threads(threads)
     rng = np.random.default_rng(seed)

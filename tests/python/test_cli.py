@@ -213,6 +213,11 @@ def test_demo_keeps_a_checkpoint_it_is_not_told_to_replace(tmp_path, capsys):
     assert embedcore.cli.main(["demo", "--steps", "3", "--checkpoint", str(missing)]) == 1
     out, err = capsys.readouterr()
     assert f"demo: checkpoint {missing}: no directory {tmp_path / 'no'} to save it in" in err and "step" not in out
+    (tmp_path / "file").write_text("kept")
+    assert embedcore.cli.main(["demo", "--steps", "3", "--checkpoint", str(tmp_path / "file"), "--overwrite"]) == 1
+    out, err = capsys.readouterr()
+    assert f"demo: checkpoint {tmp_path / 'file'} is a file, not a directory" in err and "step" not in out
+    assert (tmp_path / "file").read_text() == "kept"
     assert embedcore.cli.main(["demo", "--steps", "3", "--batch-size", "64", "--checkpoint", str(tmp_path / "c"),
                                "--overwrite"]) == 0
     assert sorted(ec.checkpoint.read_info(tmp_path / "c").table_names) == ["item", "user"]

@@ -655,3 +655,19 @@ def test_configs_take_torchrec_s_fields_and_methods(torchrec):
     assert ebc.embedding_bags["t"].weight.dtype == torch.float16
     assert et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 4, "t")]).embedding_bags["t"].weight.dtype == \
         torch.float32  # no data_type: dtype's default
+
+
+@pytest.mark.parametrize("cls,torchrec_params", [
+    (et.EmbeddingBagCollection, ["tables", "is_weighted", "device"]),
+    (et.EmbeddingCollection, ["tables", "device", "need_indices"]),
+])
+def test_help_shows_the_collections_parameters(cls, torchrec_params):
+    """The __new__ that picks the sharded class took (*args, **kwargs): help()
+    and inspect.signature showed those instead of the parameters."""
+    import inspect
+
+    params = inspect.signature(cls).parameters
+    assert set(torchrec_params) | {"optimizer", "sparse", "world", "sharding"} <= set(params)
+    assert params["sparse"].default is True and params["world"].kind is inspect.Parameter.KEYWORD_ONLY
+    module = cls([et.EmbeddingBagConfig(num_embeddings=4, embedding_dim=2, name="t", feature_names=["f"])])
+    assert "tables" not in inspect.signature(module).parameters  # a module's own is its call's, as before
