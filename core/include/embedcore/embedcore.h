@@ -9,6 +9,7 @@
 // Every pointer in this header points to host memory. Arrays are C-contiguous.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -398,8 +399,10 @@ class Table {
   void ReadValues(int64_t start_row, int64_t n, float* dst) const;
 
   /// Number of optimizer steps applied so far (part of the optimizer state).
-  int64_t step() const { return step_; }
-  void set_step(int64_t step) { step_ = step; }
+  /// Atomic: the step checks read it before they take the table, while
+  /// another thread's step may be counting it.
+  int64_t step() const { return step_.load(std::memory_order_relaxed); }
+  void set_step(int64_t step) { step_.store(step, std::memory_order_relaxed); }
   /// Replaces the optimizer of a table without slots (SGD): new slots at
   /// their initial values, step 0; the values stay. Waits for running calls.
   /// Throws InvalidArgument for a table whose optimizer has slots (pointers
@@ -447,7 +450,7 @@ class Table {
   TableSpec spec_;
   BufferPtr values_;
   std::vector<FloatPtr> slots_;
-  int64_t step_ = 0;
+  std::atomic<int64_t> step_{0};
   mutable std::shared_mutex mutex_;
   ForkRegistration fork_registration_{this};  // last: listed once mutex_ exists, removed before it goes
 };
