@@ -228,6 +228,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                 except (TypeError, ValueError, RuntimeError) as e:
                     raise TypeError(f"{key}: slot {name!r} must be a tensor (or array) of floats, got "
                                     f"{type(value).__name__} ({e})") from None
+                if type(value) not in (torch.Tensor, torch.nn.Parameter):  # TorchRec's DMP: ShardedTensor, DTensor
+                    raise ValueError(f"{key}: slot {name!r} is a {type(value).__name__}, the state of a sharded "
+                                     "module: gather each table's shards into one tensor first (for one rank, "
+                                     "ShardedTensor.local_shards()[0].tensor)")
                 if value.layout != torch.strided:
                     raise TypeError(f"{key}: slot {name!r} must be a dense (strided) tensor, got {value.layout}")
                 if value.dim() == 1 and tuple(m._slots[slot].shape) == (value.numel(), 1):

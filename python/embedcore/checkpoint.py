@@ -167,7 +167,11 @@ def _tables_of(obj) -> List[Table]:
     tables = getattr(obj, "_embedcore_tables", None)  # framework adapters expose their tables
     if callable(tables):
         return list(tables())
-    raise TypeError(f"expected an embedcore Table, a list of Tables or an Embedding, got {type(obj).__name__}")
+    what = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    hint = ("; for a PyTorch model holding embedcore.adapters.torch modules, pass "
+            "embedcore.adapters.torch.tables_of(model)" if callable(getattr(obj, "named_modules", None)) else "")
+    raise TypeError(f"expected an embedcore Table, a list of Tables, an Embedding or an adapter module holding "
+                    f"tables, got {what}{hint}")
 
 
 _MAX_STRUCTURE_DEPTH = 24  # the manifest caps JSON nesting at 32 levels (docs/format.md)

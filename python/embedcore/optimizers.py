@@ -200,7 +200,7 @@ class RowWiseAdagrad(_Accumulating):
     optimizer, whose defaults these are (``epsilon=1e-8``, accumulators from
     0); its slot takes ``1 / dim`` of plain Adagrad's memory. The two agree
     without weight decay: ``weight_decay_factor`` here decays the weights
-    before the step (FBGEMM's ``DECOUPLED`` mode with
+    before the step (FBGEMM's ``WeightDecayMode.DECOUPLE`` formula with
     ``multiply_weight_decay_factor_by_learning_rate=True``), and FBGEMM's
     ``L2`` mode, which adds ``wd * w`` to the gradient, has no equivalent. A
     table trained with it cannot be sharded column-wise: the accumulator

@@ -224,6 +224,11 @@ def test_a_bad_learning_rate_loads_into_no_table(lr, exc, match):
     assert ebc.embedding_bags["a"].table.step == 4
 
 
+class _ShardedLike(torch.Tensor):
+    """A tensor subclass, as TorchRec's DMP keeps its fused optimizers' state
+    (ShardedTensor; torch.numel of one raised an internal RuntimeError)."""
+
+
 @pytest.mark.parametrize("sd, exc, match", [
     (None, TypeError, "must be a dict"),
     ({"state": None}, TypeError, r'state_dict\["state"\] must be a dict'),
@@ -232,6 +237,8 @@ def test_a_bad_learning_rate_loads_into_no_table(lr, exc, match):
     ({"state": {"weight": {"accumulators": None}}}, TypeError, "weight: slot 'accumulators' must be a tensor"),
     ({"state": {"weight": {"accumulators": [["a"] * DIM] * ROWS}}}, TypeError, "slot 'accumulators' must be a"),
     ({"state": {"weight": {"accumulators": torch.ones(ROWS, DIM).to_sparse()}}}, TypeError, "dense"),
+    ({"state": {"weight": {"accumulators": torch.ones(ROWS, DIM).as_subclass(_ShardedLike)}}}, ValueError,
+     r"weight: slot 'accumulators' is a _ShardedLike, the state of a sharded module: gather each table's shards"),
     ({"state": {"weight": {3: torch.ones(ROWS, DIM)}}}, TypeError, "weight: a slot name must be a str"),
     ({"state": {"other.weight": {}}}, ValueError, "'other.weight', which is not a fused table"),
     ({"state": {"weight": {"momenta": torch.ones(ROWS, DIM)}}}, ValueError, "weight: table .* has no slot 'momenta'"),
@@ -823,3 +830,17 @@ def test_a_module_without_fused_tables_has_no_fused_optimizer_attribute():
     model, ids = Model(), torch.tensor([1, 2, 3])
     traced = torch.jit.trace(model, (ids,))
     torch.testing.assert_close(traced(torch.tensor([4, 0])), model(torch.tensor([4, 0])))
+
+
+def test_saving_a_whole_model_names_tables_of(tmp_path):
+    """ec.save of a model that holds adapter modules (a DLRM, an nn.Sequential)
+    points at tables_of, which gathers them; nothing is written."""
+    model = torch.nn.Sequential(et.EmbeddingBag(ROWS, DIM, name="bag"), torch.nn.Linear(DIM, 1))
+    with pytest.raises(TypeError, match=r"got torch\.nn\.modules\.container\.Sequential; for a PyTorch model .*"
+                                        r"pass embedcore\.adapters\.torch\.tables_of\(model\)"):
+        ec.save(tmp_path / "c", model)
+    with pytest.raises(TypeError, match=r"an adapter module holding tables, got builtins\.int$"):
+        ec.save(tmp_path / "c", 3)
+    assert not (tmp_path / "c").exists()
+    ec.save(tmp_path / "c", et.tables_of(model))
+    assert ec.checkpoint.read_info(tmp_path / "c").table_names == ["bag"]
