@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -425,10 +426,17 @@ def test_sharded_saves_and_loads(tmp_path, rng):
         np.testing.assert_array_equal(served.lookup(ids, offsets, weights, combiner=combiner),
                                       whole.lookup(ids, offsets, weights, combiner=combiner))
     assert served.values().tobytes() == whole.values().tobytes()
-    # Column-wise: refused before anything is written.
-    with pytest.raises(ValueError, match=r"table 't' is sharded column-wise .* values_dtype 'uint8_rowwise' stores "
-                                         r"whole rows"):
-        dist.run_local(2, lambda w: rank_main(w, "column_wise", tmp_path / "cols"))
+    # Column-wise: refused before anything is written, with the ValueError on every rank (the plan is every
+    # rank's; rank 0 alone raised it and the others RankFailedError).
+    def refused(world):
+        try:
+            rank_main(world, "column_wise", tmp_path / "cols")
+        except Exception as e:  # noqa: BLE001 - returned to be checked
+            return e
+
+    for e in dist.run_local(3, refused):
+        assert type(e) is ValueError and re.search(
+            r"table 't' is sharded column-wise .* values_dtype 'uint8_rowwise' stores whole rows", str(e))
     assert not os.path.exists(tmp_path / "cols")
 
     # A sharded load (any plan) dequantizes each rank's block.

@@ -61,19 +61,22 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
     comm = emb.world
     error, generation, order = None, None, None
     created = comm.rank == 0 and not os.path.lexists(path)  # removed again if this save fails (when empty)
-    if comm.rank == 0:
+    try:  # on every rank (the plan is every rank's): each raises the ValueError, not RankFailedError
+        _check_values_dtype(values_dtype)
+        if values_dtype == "uint8_rowwise":  # whole rows: each file's rows carry their scale and bias
+            for ti, cfg in enumerate(emb._configs):
+                split = [s for s in emb._sharding_of(ti).shards if s.cols != emb._effective[cfg].dim]
+                if split:
+                    raise ValueError(
+                        f"save: table '{emb._effective[cfg].name}' is sharded column-wise (a shard holds columns "
+                        f"[{split[0].col_start}, {split[0].col_start + split[0].cols}) of "
+                        f"{emb._effective[cfg].dim}); values_dtype 'uint8_rowwise' stores whole rows (one scale "
+                        f"and bias per row): save it as float32, float16 or bfloat16, or shard it by rows or "
+                        f"whole tables")
+    except Exception as e:  # noqa: BLE001 - every rank learns it (agree)
+        error = e
+    if comm.rank == 0 and error is None:
         try:
-            _check_values_dtype(values_dtype)
-            if values_dtype == "uint8_rowwise":  # whole rows: each file's rows carry their scale and bias
-                for ti, cfg in enumerate(emb._configs):
-                    split = [s for s in emb._sharding_of(ti).shards if s.cols != emb._effective[cfg].dim]
-                    if split:
-                        raise ValueError(
-                            f"save: table '{emb._effective[cfg].name}' is sharded column-wise (a shard holds columns "
-                            f"[{split[0].col_start}, {split[0].col_start + split[0].cols}) of "
-                            f"{emb._effective[cfg].dim}); values_dtype 'uint8_rowwise' stores whole rows (one scale "
-                            f"and bias per row): save it as float32, float16 or bfloat16, or shard it by rows or "
-                            f"whole tables")
             metadata = _metadata(emb)
             names = [emb._effective[cfg].name for cfg in emb._configs]
             if keep:  # the kept tables' order (Saver._dump_order): a server reloads a dump of the same tables
