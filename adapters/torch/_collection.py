@@ -592,4 +592,5 @@ class EmbeddingCollection(_SequenceInterface, _Collection):
                       segments: List[int], combiner: int) -> List[Tensor]:
         return self.embeddings[self._specs[i].name]._lookup(ids, offsets, weights, segments, combiner, True)
 
+
 _show_init_signature(EmbeddingCollection)
