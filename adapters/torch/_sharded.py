@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import re
+import warnings
 import weakref
 from typing import List, Optional, Sequence, Tuple
 
@@ -160,6 +161,7 @@ class _Sharded:
         self._embedding._caller_terms = lambda e: e if terms() is None else terms()(e)
         self._world = world
         self._trainable = opts[0] is not None
+        self._warned_untrained = False  # the first training-mode call of an untrained module warns
         self._anchor = torch.zeros(1, requires_grad=True)  # carries autograd to the sharded update
         self._calls = 0
 
@@ -281,6 +283,13 @@ class _Sharded:
         """One collective lookup of every feature; outputs carry autograd to
         the sharded update when the tables train and grad is enabled."""
         self._calls += 1
+        if not self._trainable and self.training and torch.is_grad_enabled() and not self._warned_untrained:
+            self._warned_untrained = True
+            warnings.warn(
+                f"{type(self).__name__} was built without an optimizer, so its tables do not train: it holds no "
+                "parameters, which PyTorch optimizers and apply_optimizer_in_backward would reach. Pass "
+                "optimizer= (an embedcore.optimizers optimizer) to train them; for lookups only, call it in eval() "
+                "or under torch.no_grad()", RuntimeWarning, stacklevel=4)
         if not (self._trainable and self._anchor.requires_grad and torch.is_grad_enabled()):
             return [self._out(o) for o in self._embedding(inputs, weights)]
         outs = _ShardedLookup.apply(self._anchor, self, inputs, weights)

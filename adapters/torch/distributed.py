@@ -158,6 +158,11 @@ class TorchComm(Comm):
         dist.barrier(group=self._group)
 
 
+def _backend_names(backend: str) -> set:
+    """{"gloo"} of "gloo", {"gloo", "nccl"} of "cpu:gloo,cuda:nccl"."""
+    return {part.rpartition(":")[2].strip() for part in backend.lower().split(",")}
+
+
 def init(backend: Optional[str] = None, **kwargs) -> TorchComm:
     """The ``TorchComm`` of the default process group, starting the group
     from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
@@ -182,7 +187,7 @@ def init(backend: Optional[str] = None, **kwargs) -> TorchComm:
         if kwargs:
             raise ValueError(f"init(): the process group is initialised already; {sorted(kwargs)} would not apply")
         current = str(dist.get_backend())
-        if backend is not None and backend.lower() not in current.lower():
+        if backend is not None and not _backend_names(backend) <= _backend_names(current):
             raise ValueError(f"init(backend={backend!r}): the process group is initialised already with "
                              f"backend {current!r}")
         return TorchComm()

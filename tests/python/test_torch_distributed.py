@@ -193,9 +193,16 @@ def test_sharded_inference_only_matches_unsharded():
         m = et.EmbeddingBagCollection(_tables(**init), world=world, sharding="column_wise")
         out = m(_feats(world.rank))
         assert not any(o.requires_grad for o in out.values())
+        m(_feats(world.rank))  # warned once
+        m.eval()
+        assert all(torch.equal(v, out[k]) for k, v in m(_feats(world.rank)).items())
         return {k: v.clone() for k, v in out.items()}
 
-    outs = run_local(2, fn)
+    # A training-mode call warns (once a module): TorchRec's apply_optimizer_in_backward, or a PyTorch
+    # optimizer, finds no parameters in it, and such a module silently never trained.
+    with pytest.warns(RuntimeWarning, match="built without an optimizer, so its tables do not train") as seen:
+        outs = run_local(2, fn)
+    assert len([w for w in seen if "without an optimizer" in str(w.message)]) == 2
     ref = et.EmbeddingBagCollection(_tables(**init))
     for r, out in enumerate(outs):
         want = ref(_feats(r))
@@ -643,3 +650,21 @@ def test_init_destroys_at_exit_only_the_group_it_started(tmp_path):
                        text=True, timeout=TIMEOUT_S)
     assert "second group started" in r.stdout, r.stdout + r.stderr
     assert "AT EXIT initialised True" in r.stdout, r.stdout + r.stderr  # (torch's own teardown ends it later)
+
+
+def test_tables_of_a_model_with_a_sharded_collection_is_refused(tmp_path):
+    """tables_of left a sharded collection out: ec.save(path, tables_of(model))
+    saved the other modules' tables only, and a load restored none of it."""
+    def fn(world):
+        model = torch.nn.ModuleDict({
+            "sharded": et.EmbeddingBagCollection(_tables(), optimizer=ec.optimizers.SGD(0.1), world=world,
+                                                 sharding="row_wise"),
+            "small": et.EmbeddingBag(4, 2, name="small")})
+        with pytest.raises(ValueError, match=r"tables_of: 'sharded' is a ShardedEmbeddingBagCollection, whose "
+                                             r"tables each rank holds a part of: save and load it with ec.save"):
+            et.tables_of(model)
+        ec.save(tmp_path / "sharded", model["sharded"])  # as the message says
+        return True
+
+    assert run_local(2, fn) == [True, True]
+    assert sorted(ec.checkpoint.read_info(tmp_path / "sharded").table_names) == ["t1", "t2"]

@@ -84,6 +84,8 @@ def part_comm() -> None:
     again = etd.init()  # the group exists: the same group's comm
     check((again.rank, again.size, again.group) == (r, W, None), "init() twice")
     raises(ValueError, lambda: etd.init("nccl"), "initialised already")
+    raises(ValueError, lambda: etd.init("oo"), "initialised already")  # a backend's name, not part of one
+    check(etd.init("gloo").size == W and etd.init("cpu:gloo").size == W, "init(the group's backend)")
     raises(ValueError, lambda: etd.init(timeout=None), "initialised already")
 
     # all_to_all_v: dtypes, sizes (zero included), counts given or exchanged.
