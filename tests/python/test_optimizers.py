@@ -369,6 +369,25 @@ def test_default_initial_accumulator_value():
         assert np.all(table.slots()["accumulators"] == np.float32(0.1))
 
 
+@pytest.mark.parametrize("name", ["SGD", "Adagrad", "Adam", "FTRL"])
+def test_defaults_are_tensorflows(name):
+    """The optimizers' defaults (learning rate, epsilon, betas, initial
+    accumulator, ...) are those of tf.tpu.experimental.embedding's, read from
+    TensorFlow's signatures: every parameter the two share has the same
+    default (TensorFlow's None for multiply_weight_decay_factor_by_learning_rate
+    is our False). A default learning rate or epsilon of another library
+    (Keras's Adagrad 0.01, PyTorch's Adam 1e-8) would pass every other test."""
+    import inspect
+
+    tf = pytest.importorskip("tensorflow")
+    theirs = {k: p.default for k, p in inspect.signature(getattr(tf.tpu.experimental.embedding, name)).parameters.items()}
+    ours = vars(getattr(ec.optimizers, name)())  # the default optimizer as built, every hyper-parameter it holds
+    shared = [k for k in theirs if k in ours]
+    assert {"learning_rate", "clip_weight_min", "clipvalue"} <= set(shared), shared
+    for k in shared:
+        assert ours[k] == theirs[k] or (theirs[k] is None and ours[k] is False), (name, k, ours[k], theirs[k])
+
+
 def test_callable_learning_rate_gets_the_step():
     calls = []
 
