@@ -129,7 +129,7 @@ def test_weights_of_wrong_length(trained):
             ValueError)
     with pytest.raises(ValueError):
         trained.lookup(np.array([[1, 2], [3, 4]]), weights=np.ones(4, np.float32))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="weights must have the same offsets as ids"):
         trained.lookup(ec.Ragged(ids, offsets), weights=ec.Ragged(np.ones(3, np.float32), np.array([0, 2, 3])))
     sp = ec.Sparse(np.array([[0, 0], [1, 0]]), np.array([1, 2]), [2, 2])
     with pytest.raises(ValueError):

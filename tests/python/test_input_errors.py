@@ -72,6 +72,30 @@ def test_lengths_that_do_not_add_up_to_the_values_are_named():
     np.testing.assert_array_equal(r.offsets, [0, 0, 2, 2])
 
 
+def test_ragged_weights_split_otherwise_than_the_ids_are_refused():
+    """Ragged weights must have the ids' offsets, not only as many values:
+    split otherwise, a bag's ids would take weights meant for another bag
+    (TensorFlow refuses such weights too: test_tf_serving's "ragged weights
+    of another partition"). A lookup, a step (which changes nothing) and an
+    ec.Embedding feature (named) are refused."""
+    t = _table(optimizer=ec.optimizers.SGD(0.1), combiner="sum")
+    ids = ec.Ragged(np.array([0, 1, 2]), np.array([0, 2, 3]))
+    w = ec.Ragged(np.array([1.0, 10.0, 100.0], np.float32), np.array([0, 1, 3]))
+    with pytest.raises(ValueError, match=re.escape("weights must have the same offsets as ids")):
+        t.lookup(ids, weights=w)
+    before = snapshot(t)
+    with pytest.raises(ValueError, match=re.escape("weights must have the same offsets as ids")):
+        t.apply_gradients(ids, grads=np.ones((2, 2), np.float32), weights=w)
+    assert_unchanged(t, before)
+    emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig("f", rows=5, dim=2, combiner="sum"))})
+    with pytest.raises(ValueError, match=re.escape("weights of features['f'] must have the same offsets as "
+                                                   "features['f']")):
+        emb({"f": ids}, weights={"f": w})
+    # The same weights on the ids' offsets are taken.
+    np.testing.assert_allclose(t.lookup(ids, weights=ec.Ragged(w.values, ids.offsets)),
+                               [t.values()[0] + 10 * t.values()[1], 100 * t.values()[2]], rtol=1e-6)
+
+
 def test_sparse_unordered_good_batch_unchanged():
     t = _table()
     W = t.to_numpy()
