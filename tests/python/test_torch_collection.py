@@ -343,20 +343,31 @@ def test_kjt_collection_step_refused_for_one_table_changes_none(rng, torchrec):
     assert [ebc.embedding_bags[t].table.step for t in ("t0", "t1")] == [0, 0]
 
 
-def test_embedding_collection_matches_torchrec(rng, torchrec):
+@pytest.mark.parametrize("need_indices", [False, True])
+def test_embedding_collection_matches_torchrec(rng, torchrec, need_indices):
+    """Each feature's JaggedTensor as TorchRec's: values, lengths, and with
+    need_indices its weights() are that feature's ids (every one of them:
+    its first bag is empty and its last holds one id), else None."""
     cfgs = [torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f3"]),
             torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t2", feature_names=["f2"])]
-    ref = torchrec.EmbeddingCollection(cfgs)
-    ours = et.EmbeddingCollection(cfgs)
+    ref = torchrec.EmbeddingCollection(cfgs, need_indices=need_indices)
+    ours = et.EmbeddingCollection(cfgs, need_indices=need_indices)
     assert list(ours.state_dict()) == list(ref.state_dict())
     ours.load_state_dict(ref.state_dict())
-    kjt = _kjt(torchrec, rng, ["f1", "f2", "f3"], {"f1": 30, "f2": 30, "f3": 30}, 5)
-    a, b = ref(kjt), ours(kjt)
-    assert list(a) == list(b)
-    for k in a:
-        assert isinstance(b[k], torchrec.JaggedTensor)
-        assert max_diff(b[k].values(), a[k].values()) == 0
-        assert torch.equal(b[k].lengths(), a[k].lengths())
+    for _ in range(3):
+        kjt = _kjt(torchrec, rng, ["f1", "f2", "f3"], {"f1": 30, "f2": 30, "f3": 30}, 7)
+        assert (kjt.lengths().view(3, 7)[:, [0, -1]] == torch.tensor([0, 1])).all()  # each feature's ends: 0 and 1 id
+        a, b = ref(kjt), ours(kjt)
+        assert list(a) == list(b)
+        for k in a:
+            assert isinstance(b[k], torchrec.JaggedTensor)
+            assert max_diff(b[k].values(), a[k].values()) == 0
+            assert torch.equal(b[k].lengths(), a[k].lengths())
+            if need_indices:
+                assert torch.equal(b[k].weights(), a[k].weights()), k
+                assert torch.equal(b[k].weights(), kjt[k].values()), k
+            else:
+                assert b[k].weights_or_none() is None and a[k].weights_or_none() is None
 
 
 def test_state_dict_into_torchrec(rng, torchrec):
