@@ -486,6 +486,28 @@ def test_device_names_and_reset_parameters_as_torchrec(torchrec):
     np.testing.assert_array_equal(ebc.embedding_bags["u"]._table.slots()["accumulators"], accumulators)
 
 
+@pytest.mark.parametrize("pooled", [True, False], ids=["bag", "embedding"])
+def test_default_init_is_torchrecs_uniform(torchrec, pooled):
+    """A table of our config without any init is uniform in TorchRec's
+    default range, the [a, b] of the init_fn TorchRec's config of the same
+    size gets (+-sqrt(1 / num_embeddings)): on tables with rows != dim, both
+    wider and narrower than +-sqrt(1 / dim), the values stay inside it and
+    reach within 2% of both ends."""
+    ours_cfg, their_cfg = ((et.EmbeddingBagConfig, torchrec.EmbeddingBagConfig) if pooled
+                           else (et.EmbeddingConfig, torchrec.EmbeddingConfig))
+    cls = et.EmbeddingBagCollection if pooled else et.EmbeddingCollection
+    sizes = {"long": (2500, 8), "short": (16, 100)}
+    module = cls([ours_cfg(rows, dim, name=name, feature_names=[name]) for name, (rows, dim) in sizes.items()])
+    tables = module.embedding_bags if pooled else module.embeddings
+    for name, (rows, dim) in sizes.items():
+        init_fn = their_cfg(num_embeddings=rows, embedding_dim=dim, name=name, feature_names=[name]).init_fn
+        lo, hi = init_fn.keywords["a"], init_fn.keywords["b"]
+        w = tables[name].weight.detach()
+        assert w.shape == (rows, dim)
+        assert lo <= float(w.min()) < 0.98 * lo and 0.98 * hi < float(w.max()) <= hi, (name, lo, hi)
+        assert torch.unique(w).numel() > 0.99 * w.numel()
+
+
 def test_kjt_with_bags_not_one_per_key_and_example_is_refused():
     torchrec = pytest.importorskip("torchrec")
     kjt = torchrec.KeyedJaggedTensor(keys=["f", "g"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1]))
