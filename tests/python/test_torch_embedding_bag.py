@@ -259,6 +259,31 @@ def test_embedding_matches_nn_embedding(rng):
     assert ours(torch.tensor(7)).shape == (DIM,)
 
 
+@pytest.mark.parametrize("padding_idx", [-1, -2, -ROWS])
+def test_negative_padding_idx_as_torch(rng, padding_idx):
+    """A negative padding_idx counts from the end and is held normalized, as
+    torch.nn.EmbeddingBag / nn.Embedding hold it: .padding_idx and the repr's
+    padding_idx are torch's, built or from_pretrained; the padding row starts
+    at zero and a bag leaves it out."""
+    import re
+
+    def repr_pad(m):
+        return re.search(r"padding_idx=(-?\d+)", repr(m)).group(1)
+
+    for ours, ref in ((et.EmbeddingBag(ROWS, DIM, mode="sum", padding_idx=padding_idx),
+                       torch.nn.EmbeddingBag(ROWS, DIM, mode="sum", padding_idx=padding_idx)),
+                      (et.Embedding(ROWS, DIM, padding_idx=padding_idx),
+                       torch.nn.Embedding(ROWS, DIM, padding_idx=padding_idx))):
+        assert ours.padding_idx == ref.padding_idx == padding_idx % ROWS, type(ours)
+        assert repr_pad(ours) == repr_pad(ref), (repr(ours), repr(ref))
+        assert not ours.weight[ref.padding_idx].any() and not ref.weight[ref.padding_idx].any()
+    ref, ours = _pair(rng, padding_idx=padding_idx)
+    assert ours.padding_idx == ref.padding_idx and repr_pad(ours) == repr_pad(ref)
+    ids, offsets = torch.tensor([ROWS + padding_idx, 1, ROWS + padding_idx, 2]), torch.tensor([0, 2])
+    with torch.no_grad():
+        assert max_diff(ours(ids, offsets), ref(ids, offsets)) <= 1e-6
+
+
 def test_default_init_follows_torch_seed():
     torch.manual_seed(5)
     a = et.EmbeddingBag(1000, 16, padding_idx=0)
