@@ -447,6 +447,38 @@ def test_v2_adagrad_accumulators_of_0_convert_as_keras_adagrads(tmp_path, rng):
     ec.load(tmp_path / "out", into=strict, include_optimizer=False)
 
 
+def test_v2_adagrad_resumes_with_keras_s_epsilon(tmp_path, rng):
+    """The converted checkpoint records the optimizer SOK's Adagrad is:
+    Keras's, whose epsilon is keras.optimizers.Adagrad's default (1e-7), and
+    a table built from the recorded config and loaded takes Keras's step
+    (its ApplyAdagradV2: ``a += g^2; w -= lr * g / (sqrt(a) + epsilon)``),
+    from accumulators of 0 too, where epsilon is half the denominator."""
+    import inspect
+
+    keras = pytest.importorskip("keras")
+    epsilon = inspect.signature(keras.optimizers.Adagrad).parameters["epsilon"].default
+    keys, values = random_rows(rng, 64, 10, 4)
+    acc = rng.random((10, 4)).astype(np.float32) + 0.05
+    acc[:3] = 0.0
+    write_v2(tmp_path / "sok", "emb", keys, values, optimizer="Adagrad", slots={"accum": acc})
+    (converted,) = ec.sok.to_tables(ec.sok.read_dump(tmp_path / "sok"))
+    assert type(converted.optimizer) is ec.optimizers.Adagrad and converted.optimizer.epsilon == epsilon
+    ec.sok.convert(tmp_path / "sok", tmp_path / "out")
+    info = ec.checkpoint.read_info(tmp_path / "out")
+    cfg = ec.checkpoint.config_from_json(json.loads(info.table_config_json(0)))
+    assert type(cfg.optimizer) is ec.optimizers.Adagrad and cfg.optimizer.epsilon == epsilon
+    t = ec.Table(cfg)
+    ec.load(tmp_path / "out", into=t)
+    g = rng.standard_normal((10, 4)).astype(np.float32)
+    g[:3] *= np.float32(1e-7)  # gradients of epsilon's size where the accumulators are 0
+    t.apply_gradients(keys, grads=g)
+    a = acc.astype(np.float64) + np.float64(g) ** 2
+    lr = float(np.float32(cfg.optimizer.learning_rate))
+    want = values - lr * np.float64(g) / (np.sqrt(a) + float(np.float32(epsilon)))
+    np.testing.assert_allclose(t.to_numpy()[keys], want, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(t.slots()["accumulators"][keys], a, rtol=1e-6, atol=0)
+
+
 # ------------------------------------------------------------------ SOK 2.x headers as SOK writes them
 def test_v2_headers_space_padded_as_sok_writes_them(tmp_path, rng):
     # dump_load.write_file_head right-justifies the names with spaces ("      m"); read_file_head strips them.
