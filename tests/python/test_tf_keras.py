@@ -33,7 +33,19 @@ def _assert_table(table, expected: ref.TableRef):
     (E.Adam(0.05), ref.OptimizerRef("adam", 0.05)),
     (ec.optimizers.RowWiseAdagrad(learning_rate=0.5, epsilon=1e-3),
      ref.OptimizerRef("rowwise_adagrad", 0.5, epsilon=1e-3, initial_accumulator_value=0.0)),
-], ids=["ec-adagrad", "tf-sgd", "tf-adam", "ec-rowwise-adagrad"])
+    # TensorFlow's optimizers with each option the conversion must carry (the gradients here are ~0.02; the
+    # reference's formulas are those of TensorFlow's docs, named as embedcore names them):
+    (E.SGD(0.3, clipvalue=(-0.004, 0.002)), ref.OptimizerRef("sgd", 0.3, clipvalue=(-0.004, 0.002))),
+    (E.SGD(0.3, clipvalue=(None, 0.002)), ref.OptimizerRef("sgd", 0.3, clipvalue=(-np.inf, 0.002))),
+    (E.SGD(0.3, weight_decay_factor=0.5, multiply_weight_decay_factor_by_learning_rate=True),
+     ref.OptimizerRef("sgd", 0.3, weight_decay_factor=0.5, multiply_weight_decay_factor_by_learning_rate=True)),
+    (E.Adagrad(0.5, initial_accumulator_value=2.0), ref.OptimizerRef("adagrad", 0.5, initial_accumulator_value=2.0)),
+    (E.Adam(0.05, epsilon=1e-3, sum_inside_sqrt=False),
+     ref.OptimizerRef("adam", 0.05, epsilon=1e-3, sum_inside_sqrt=False)),
+    (E.FTRL(0.5, beta=0.5, l2_regularization_strength=0.1),
+     ref.OptimizerRef("ftrl", 0.5, beta=0.5, l2_regularization_strength=0.1)),
+], ids=["ec-adagrad", "tf-sgd", "tf-adam", "ec-rowwise-adagrad", "tf-sgd-clip", "tf-sgd-clip-above",
+        "tf-sgd-decay-times-lr", "tf-adagrad-accumulator", "tf-adam-sqrt-outside", "tf-ftrl-beta"])
 def test_fit_step_equals_reference(rng, optimizer, reference):
     rows, dim, batch, k = 30, 4, 8, 3
     layer = Embedding(rows, dim, optimizer=optimizer, table_name="items")
