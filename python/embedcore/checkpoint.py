@@ -164,6 +164,9 @@ def _tables_of(obj) -> List[Table]:
         return list(obj.embedding_tables.values())
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, Table) for t in obj):
         return list(obj)
+    if isinstance(obj, (list, tuple)) and not obj:
+        raise ValueError(f"expected an embedcore Table, a list of Tables, an Embedding or an adapter module holding "
+                         f"tables, got an empty {type(obj).__name__}: no tables")
     tables = getattr(obj, "_embedcore_tables", None)  # framework adapters expose their tables
     if callable(tables):
         return list(tables())

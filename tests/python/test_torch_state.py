@@ -841,6 +841,8 @@ def test_saving_a_whole_model_names_tables_of(tmp_path):
         ec.save(tmp_path / "c", model)
     with pytest.raises(TypeError, match=r"an adapter module holding tables, got builtins\.int$"):
         ec.save(tmp_path / "c", 3)
+    with pytest.raises(ValueError, match=r"got an empty list: no tables"):  # tables_of of a model without any
+        ec.save(tmp_path / "c", et.tables_of(torch.nn.Linear(2, 2)))
     assert not (tmp_path / "c").exists()
     ec.save(tmp_path / "c", et.tables_of(model))
     assert ec.checkpoint.read_info(tmp_path / "c").table_names == ["bag"]
