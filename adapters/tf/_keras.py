@@ -169,6 +169,22 @@ class Embedding(keras.layers.Layer):
         config["initializer"] = _initializer_from_config(where, config.get("initializer"))
         return cls(**config)
 
+    def compute_output_spec(self, inputs, weights=None, training=None):
+        """The outputs of symbolic (Keras functional) inputs. Keras's
+        TensorFlow backend traces ``call`` with dense placeholders of ragged
+        ``keras.Input``s, which would be gathered (``[batch, None, dim]``)
+        rather than pooled (``[batch, dim]``, as ``call`` pools a
+        ``tf.RaggedTensor``), and with which ragged weights were refused: the
+        trace gets ragged placeholders for them."""
+        ragged = lambda x: _RaggedPlaceholder(x) if isinstance(x, keras.KerasTensor) and x.ragged else x  # noqa: E731
+
+        def traced(inputs, weights):
+            made = lambda x: x.make() if isinstance(x, _RaggedPlaceholder) else x  # noqa: E731
+            return self.call(tf.nest.map_structure(made, inputs), tf.nest.map_structure(made, weights), False)
+
+        return keras.src.backend.compute_output_spec(traced, tf.nest.map_structure(ragged, inputs),
+                                                     tf.nest.map_structure(ragged, weights))
+
     def call(self, inputs, weights=None, training=None):
         outputs = self._call(inputs, weights, training)
         if self.compute_dtype != "float32":  # (a mixed policy's, as keras.layers.Embedding casts its outputs)
@@ -216,6 +232,23 @@ class Embedding(keras.layers.Layer):
                            "would reach the engine's update unscaled; use the 'float32' or 'mixed_bfloat16' policy "
                            "(no loss scaling)")
         return _trainable_lookup(emb, inputs, weights, self._anchor, refusal)
+
+
+class _RaggedPlaceholder:
+    """A ragged ``keras.Input`` carried through Keras's conversion of
+    symbolic inputs to placeholders (which makes them dense); ``make`` gives
+    the ragged placeholder, in the graph Keras traces in."""
+
+    def __init__(self, x):
+        self.shape, self.dtype = tuple(x.shape), x.dtype
+        self.ragged_rank = x.ragged_rank if x.ragged_rank is not None else len(self.shape) - 1
+
+    def make(self) -> tf.RaggedTensor:
+        rank = self.ragged_rank
+        t = tf.compat.v1.placeholder(self.dtype, shape=(None,) + self.shape[rank + 1:])
+        for _ in range(rank):
+            t = tf.RaggedTensor.from_row_splits(t, tf.compat.v1.placeholder(tf.int64, shape=(None,)), validate=False)
+        return t
 
 
 def _loss_scaling_caller():

@@ -701,3 +701,36 @@ def test_learning_rate_callable_that_only_runs_eagerly():
     model.fit(np.ones((4, 1), np.int64), np.zeros((4, 2)), batch_size=1, epochs=1, verbose=0, shuffle=False)
     assert seen == [0, 1, 2, 3]
     np.testing.assert_allclose(table.values()[1], [-1.875] * 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_functional_model_of_ragged_inputs_pools_them(rng, weighted):
+    """keras.Input(ragged=True) ids are bags pooled to [batch, dim], as in
+    call: Keras's TF backend traced the layer with dense placeholders, so the
+    symbolic output was [batch, None, dim] (a Concatenate with a [batch, dim]
+    input failed) and ragged weights were refused while the model was built."""
+    rows, dim = 30, 4
+    layer = Embedding(rows, dim, optimizer=ec.optimizers.SGD(0.1), combiner="sum")
+    ids = keras.Input(shape=(None,), dtype="int64", ragged=True)
+    w = keras.Input(shape=(None,), dtype="float32", ragged=True)
+    other = keras.Input(shape=(3,))
+    pooled = layer(ids, weights=w) if weighted else layer(ids)
+    assert tuple(pooled.shape) == (None, dim)
+    head = keras.layers.Dense(1)
+    model = keras.Model([ids, w, other] if weighted else [ids, other],
+                        head(keras.layers.Concatenate()([pooled, other])))
+    bags = [[1, 2, 2], [5], [], [29, 0]]
+    weights = [[0.5, 1.0, 2.0], [3.0], [], [1.5, -1.0]]
+    x_ids = tf.ragged.constant(bags, dtype=tf.int64)
+    x_w = tf.ragged.constant(weights, dtype=tf.float32, ragged_rank=1)
+    x_other = tf.constant(rng.standard_normal((4, 3)).astype(np.float32))
+    got = model([x_ids, x_w, x_other] if weighted else [x_ids, x_other]).numpy()
+    values = layer._embedcore_tables()[0].values()
+    emb = np.stack([sum(((ws if weighted else [1.0] * len(b))[i] * values[r] for i, r in enumerate(b)),
+                        np.zeros(dim, np.float32)) for b, ws in zip(bags, weights)])
+    kernel, bias = head.get_weights()
+    np.testing.assert_allclose(got, np.concatenate([emb, x_other.numpy()], 1) @ kernel + bias, rtol=1e-5, atol=1e-6)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit([x_ids, x_w, x_other] if weighted else [x_ids, x_other], np.zeros((4, 1), np.float32), batch_size=4,
+              epochs=1, verbose=0)
+    assert layer._embedcore_tables()[0].step == 1
