@@ -46,14 +46,19 @@ EMBEDCORE_TEST(SgdRule) {
 }
 
 EMBEDCORE_TEST(AdagradRule) {
-  const float lr = 0.1f;
-  const ops::AdagradRule rule{lr};
-  for (const Sample& s : Samples(2, 500, true)) {
-    float w = s.w, acc = s.s0;
-    rule(w, s.g, &acc, nullptr);
-    const double a = double(s.s0) + double(s.g) * s.g;
-    EMBEDCORE_EXPECT_NEAR(acc, a, kRel, kAbs);
-    EMBEDCORE_EXPECT_NEAR(w, s.w - lr * double(s.g) / std::sqrt(a), kRel, kAbs);
+  // epsilon is added outside the square root, torch.optim.Adagrad's
+  // sqrt(a) + eps (0: TensorFlow's). With 0.1 and accumulators of 0.05..6,
+  // sqrt(a + eps) would be off by up to a few percent: far beyond kRel.
+  for (const float eps : {0.0f, 0.1f}) {
+    const float lr = 0.1f;
+    const ops::AdagradRule rule{lr, eps};
+    for (const Sample& s : Samples(2, 500, true)) {
+      float w = s.w, acc = s.s0;
+      rule(w, s.g, &acc, nullptr);
+      const double a = double(s.s0) + double(s.g) * s.g;
+      EMBEDCORE_EXPECT_NEAR(acc, a, kRel, kAbs);
+      EMBEDCORE_EXPECT_NEAR(w, s.w - lr * double(s.g) / (std::sqrt(a) + eps), kRel, kAbs);
+    }
   }
 }
 

@@ -218,7 +218,7 @@ class OptimizerRef:
     initial_accumulator_value: float = 0.1
     beta_1: float = 0.9
     beta_2: float = 0.999
-    epsilon: float = 1e-7
+    epsilon: Optional[float] = None  # None: the engine's default for `kind` (see __post_init__)
     lazy_adam: bool = True
     sum_inside_sqrt: bool = True
     bias_correction: bool = False
@@ -227,6 +227,10 @@ class OptimizerRef:
     l2_regularization_strength: float = 0.0
     beta: float = 0.0
     multiply_linear_by_learning_rate: bool = False
+
+    def __post_init__(self):
+        if self.epsilon is None:  # embedcore.optimizers' defaults: TensorFlow's Adagrad 0, FBGEMM's 1e-8
+            self.epsilon = {"adagrad": 0.0, "rowwise_adagrad": 1e-8}.get(self.kind, 1e-7)
 
     @property
     def slot_names(self) -> tuple:
@@ -267,7 +271,7 @@ class OptimizerRef:
         elif self.kind == "adagrad":
             a = slots["accumulators"] + g * g
             slots["accumulators"] = a
-            w = w - lr * g / np.sqrt(a)
+            w = w - lr * g / (np.sqrt(a) + self.f32("epsilon"))  # outside the root: torch.optim.Adagrad's eps
         elif self.kind == "rowwise_adagrad":  # FBGEMM's EXACT_ROWWISE_ADAGRAD
             a = slots["row_accumulators"] + np.mean(g * g, axis=1, keepdims=True)
             slots["row_accumulators"] = a

@@ -38,6 +38,11 @@ CASES = {
     "sgd_callable_lr": ("sgd", dict(learning_rate=_decay)),
     "adagrad": ("adagrad", dict(learning_rate=0.1)),
     "adagrad_initial_acc": ("adagrad", dict(learning_rate=0.2, initial_accumulator_value=2.0, clipvalue=0.5)),
+    # epsilon outside the root (torch.optim.Adagrad's eps): 0.1 is far from
+    # sqrt(a + eps) for these accumulators; 0 accumulators as torch's default.
+    "adagrad_epsilon": ("adagrad", dict(learning_rate=0.1, epsilon=0.1)),
+    "adagrad_epsilon_zero_acc": ("adagrad", dict(learning_rate=0.2, epsilon=0.1, initial_accumulator_value=0.0,
+                                                 clipvalue=0.5)),
     "adagrad_decay_clip": ("adagrad", dict(learning_rate=_decay, weight_decay_factor=0.3,
                                            multiply_weight_decay_factor_by_learning_rate=True,
                                            clip_weight_min=-0.5, clip_weight_max=0.5)),
@@ -405,6 +410,34 @@ def test_callable_learning_rate_gets_the_step():
     np.testing.assert_allclose(table.to_numpy()[1], -(1 + 0.5 + 0.25))
     table.step = 10
     assert table.learning_rate() == 0.5 ** 10
+
+
+@pytest.mark.parametrize("initial", [0.0, 0.1])
+def test_adagrad_epsilon_is_torch_s(rng, initial):
+    """Adagrad(epsilon=e) steps as torch.optim.Adagrad(eps=e) with the same
+    initial accumulator: w -= lr * g / (sqrt(a) + e), the epsilon outside the
+    root (the class's docstring). Dense torch gradients of rows the batch
+    does not touch are 0, which leave torch's rows as the engine's lazy step
+    does; repeated ids are summed, as in torch's embedding_bag backward."""
+    torch = pytest.importorskip("torch")
+    lr, eps = 0.1, 0.1
+    table = make_table(12, 5, optimizer=ec.optimizers.Adagrad(lr, initial_accumulator_value=initial, epsilon=eps),
+                       combiner="sum", seed=3)
+    weight = torch.nn.Parameter(torch.tensor(table.to_numpy()))
+    opt = torch.optim.Adagrad([weight], lr=lr, eps=eps, initial_accumulator_value=initial)
+    for step in range(4):
+        ids, offsets, _ = random_bags(rng, 10, 6)  # rows 10 and 11 are never touched
+        grads = rng.normal(size=(len(offsets) - 1, 5)).astype(np.float32)
+        table.apply_gradients(ids, offsets, grads)
+        opt.zero_grad()
+        out = torch.nn.functional.embedding_bag(torch.from_numpy(ids), weight, torch.from_numpy(offsets[:-1]),
+                                                mode="sum", include_last_offset=False)
+        out.backward(torch.from_numpy(grads))
+        opt.step()
+        np.testing.assert_allclose(table.to_numpy(), weight.detach().numpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"step {step}")
+        np.testing.assert_allclose(table.slots()["accumulators"], opt.state[weight]["sum"].numpy(), rtol=1e-5,
+                                   atol=1e-6, err_msg=f"step {step}")
 
 
 def test_step_feeds_bias_correction(rng):
