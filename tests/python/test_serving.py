@@ -119,6 +119,32 @@ def test_a_lazy_open_reads_no_values(tmp_path):
     assert np.asarray(served_unchecked.tables["t"].values()).tobytes() != np.asarray(t.values()).tobytes()
 
 
+def test_a_lazy_lookup_verifies_every_block_its_row_spans(tmp_path):
+    """Checksum blocks are BLOCK_BYTES of payload (docs/format.md), whatever
+    the row size: a float32 row of 3 columns (12 bytes) straddles the first
+    boundary at row BLOCK_BYTES // 12, 4 of its bytes in block 0 and 8 in
+    block 1. Corrupting only its block-1 part, a lazy lookup of that row
+    must check block 1 too (checking the block of its first byte alone
+    would serve the corrupt value)."""
+    row_bytes = 3 * 4
+    straddler = BLOCK_BYTES // row_bytes
+    assert straddler * row_bytes < BLOCK_BYTES < (straddler + 1) * row_bytes
+    t = ec.Table(name="t", rows=straddler + 2, dim=3, initializer=ec.initializers.Constant(1.0))
+    ec.save(tmp_path / "c", t)
+    (entry,) = read_manifest(tmp_path / "c")["tables"]
+    (values,) = entry["values"]
+    assert values["block_bytes"] == BLOCK_BYTES and len(values["crc32c"]) == 2
+    flip_byte(tmp_path / "c" / values["path"], DATA_OFFSET + (straddler + 1) * row_bytes - 1)  # its last column
+    served = ec.serving.open(tmp_path / "c", verify="lazy").tables["t"]
+    np.testing.assert_array_equal(served.lookup(np.array([straddler - 1]), combiner=None), [[1.0, 1.0, 1.0]])
+    with pytest.raises(ec.CheckpointError, match=rf"{values['path']}: checksum mismatch in block 1 "):
+        served.lookup(np.array([straddler]), combiner=None)
+    with pytest.raises(ec.CheckpointError, match="block 1 "):  # and the bags that pool it
+        ec.serving.open(tmp_path / "c", verify="lazy").tables["t"].lookup(np.array([straddler]), np.array([0, 1]))
+    unchecked = ec.serving.open(tmp_path / "c", verify=False).tables["t"].lookup(np.array([straddler]), combiner=None)
+    assert unchecked[0, :2].tolist() == [1.0, 1.0] and unchecked[0, 2] != 1.0  # the flipped byte is there
+
+
 def test_many_threads_serve_a_lazily_verified_checkpoint(tmp_path, rng):
     """Threads race to verify the same blocks; every thread sees the right
     rows, and every thread that touches the corrupt block is refused."""
