@@ -724,6 +724,76 @@ EMBEDCORE_TEST(ManifestRoundTrip) {
   EMBEDCORE_EXPECT_EQ(a.config_json, b.config_json);
 }
 
+// Every OptimizerSpec field, for the round trip below: a field added to
+// OptimizerSpec belongs here (and in docs/format.md's optimizer keys).
+#define EMBEDCORE_OPTIMIZER_FIELDS(X)                                                                    \
+  X(initial_accumulator_value) X(beta_1) X(beta_2) X(epsilon) X(adagrad_epsilon) X(lazy_adam)             \
+  X(sum_inside_sqrt) X(bias_correction) X(learning_rate_power) X(l1) X(l2) X(beta)                        \
+  X(multiply_linear_by_learning_rate) X(has_clip_weight_min) X(clip_weight_min) X(has_clip_weight_max)    \
+  X(clip_weight_max) X(has_clipvalue) X(clip_gradient_min) X(clip_gradient_max) X(weight_decay_factor)   \
+  X(multiply_weight_decay_factor_by_learning_rate)
+
+EMBEDCORE_TEST(ManifestRoundTripsEveryOptimizerField) {
+  // The manifest records every hyper-parameter of the update rule
+  // (docs/format.md): what a load, a server or a save that keeps another
+  // table's entries (Saver.dump_to_file) rebuilds the optimizer from. Each
+  // field is set away from its default, for every kind, so a field written
+  // but not read back (the reader keeping the default) is caught.
+  OptimizerSpec set;
+  set.initial_accumulator_value = 0.375f;
+  set.beta_1 = 0.75f;
+  set.beta_2 = 0.875f;
+  set.epsilon = 1e-3f;
+  set.adagrad_epsilon = 0.125f;
+  set.lazy_adam = false;
+  set.sum_inside_sqrt = false;
+  set.bias_correction = true;
+  set.learning_rate_power = -0.25f;
+  set.l1 = 0.5f;
+  set.l2 = 0.625f;
+  set.beta = 1.5f;
+  set.multiply_linear_by_learning_rate = true;
+  set.has_clip_weight_min = true;
+  set.clip_weight_min = -2.5f;
+  set.has_clip_weight_max = true;
+  set.clip_weight_max = 3.5f;
+  set.has_clipvalue = true;
+  set.clip_gradient_min = -0.75f;
+  set.clip_gradient_max = 0.5f;
+  set.weight_decay_factor = 0.0625f;
+  set.multiply_weight_decay_factor_by_learning_rate = true;
+  const OptimizerSpec defaults;
+#define EMBEDCORE_EXPECT_NOT_DEFAULT(f) EMBEDCORE_EXPECT(set.f != defaults.f);
+  EMBEDCORE_OPTIMIZER_FIELDS(EMBEDCORE_EXPECT_NOT_DEFAULT)
+#undef EMBEDCORE_EXPECT_NOT_DEFAULT
+  for (const auto kind : {OptimizerSpec::Kind::kSGD, OptimizerSpec::Kind::kAdagrad, OptimizerSpec::Kind::kAdam,
+                          OptimizerSpec::Kind::kFTRL, OptimizerSpec::Kind::kRowwiseAdagrad}) {
+    auto s = SaveOne(kind, 20, 3);
+    CheckpointInfo info = s->info;
+    OptimizerSpec& o = info.tables[0].optimizer;
+    EMBEDCORE_EXPECT(o.kind == kind);
+    o = set;
+    o.kind = kind;
+    const std::string json = ck::BuildManifest(info);
+    // The documented keys, the flags with their values.
+    for (const char* key : {"initial_accumulator_value", "beta_1", "beta_2", "epsilon", "adagrad_epsilon",
+                            "lazy_adam", "sum_inside_sqrt", "bias_correction", "learning_rate_power", "l1", "l2",
+                            "beta", "multiply_linear_by_learning_rate", "clip_weight_min", "clip_weight_max",
+                            "clipvalue", "weight_decay_factor", "multiply_weight_decay_factor_by_learning_rate"})
+      EMBEDCORE_EXPECT(json.find("\"" + std::string(key) + "\": ") != std::string::npos);
+    for (const char* flag : {"\"lazy_adam\": false", "\"sum_inside_sqrt\": false", "\"bias_correction\": true",
+                             "\"multiply_linear_by_learning_rate\": true",
+                             "\"multiply_weight_decay_factor_by_learning_rate\": true"})
+      EMBEDCORE_EXPECT(json.find(flag) != std::string::npos);
+    const OptimizerSpec back = ck::ParseManifest("M", json).tables[0].optimizer;
+    EMBEDCORE_EXPECT(back.kind == kind);
+#define EMBEDCORE_EXPECT_READ_BACK(f) EMBEDCORE_EXPECT_EQ(back.f, o.f);
+    EMBEDCORE_OPTIMIZER_FIELDS(EMBEDCORE_EXPECT_READ_BACK)
+#undef EMBEDCORE_EXPECT_READ_BACK
+  }
+}
+#undef EMBEDCORE_OPTIMIZER_FIELDS
+
 // ------------------------------------------------------------ saving
 EMBEDCORE_TEST(SaveArgumentErrors) {
   TempDir dir;

@@ -624,6 +624,53 @@ def test_a_dump_refuses_a_kept_table_that_is_not_finite(tmp_path):
 
 
 # ------------------------------------------------------------------ Saver
+def test_a_dump_keeps_the_other_tables_optimizer_options(tmp_path, rng):
+    """A dump keeps the tables of other names with their optimizer: the kept
+    entries' `optimizer` records (docs/format.md), which the engine reads
+    back and writes again on each dump, still say what the tables were
+    saved with, the flags (Adam's bias_correction, a weight decay multiplied
+    by the learning rate) included, not the reader's defaults. Loaded back,
+    the kept tables train on as the originals."""
+    adam = make_table(name="adam", optimizer=ec.optimizers.Adam(0.05, bias_correction=True, sum_inside_sqrt=False,
+                                                                epsilon=1e-3, lazy_adam=False, beta_1=0.8))
+    decayed = make_table(name="decayed", seed=2, optimizer=ec.optimizers.Adagrad(
+        0.1, weight_decay_factor=0.25, multiply_weight_decay_factor_by_learning_rate=True, clipvalue=(-0.5, 0.75),
+        clip_weight_max=0.9, epsilon=0.01, initial_accumulator_value=0.5))
+    for t in (adam, decayed):
+        train(t, rng, 2)
+    path = tmp_path / "c"
+    ec.Saver().dump_to_file(adam, path)
+    ec.Saver().dump_to_file(decayed, path)  # keeps "adam"
+    ec.Saver().dump_to_file(make_table(name="other", optimizer="sgd"), path)  # keeps both
+    expected = {  # the options as given, and defaults where none was
+        "adam": dict(kind="adam", bias_correction=True, sum_inside_sqrt=False, lazy_adam=False, epsilon=1e-3,
+                     beta_1=0.8, beta_2=0.999, weight_decay_factor=0.0,
+                     multiply_weight_decay_factor_by_learning_rate=False),
+        "decayed": dict(kind="adagrad", bias_correction=False, weight_decay_factor=0.25,
+                        multiply_weight_decay_factor_by_learning_rate=True, clipvalue=[-0.5, 0.75],
+                        clip_weight_min=None, clip_weight_max=0.9, adagrad_epsilon=0.01,
+                        initial_accumulator_value=0.5),
+    }
+    def f32(v):  # the engine holds each option as a float32, the JSON number is its exact value
+        if isinstance(v, dict):
+            return {k: f32(x) for k, x in v.items()}
+        return [f32(x) for x in v] if isinstance(v, list) else float(np.float32(v)) if type(v) is float else v
+
+    manifest = read_manifest(path)
+    assert [t["name"] for t in manifest["tables"]] == ["adam", "decayed", "other"]
+    for t in manifest["tables"][:2]:
+        assert {k: t["optimizer"][k] for k in expected[t["name"]]} == f32(expected[t["name"]]), t["name"]
+        assert t["config"]["optimizer"]["class"] == {"adam": "Adam", "decayed": "Adagrad"}[t["name"]]
+    for t in (adam, decayed):
+        back = make_table(name=t.name, optimizer=t.optimizer, seed=5)
+        ec.load(path, into=back)
+        assert_tables_equal(t, back)
+        for table in (t, back):  # the next step (Adam's bias correction reads the step) is the same
+            table.apply_gradients(np.array([3, 3, 40]), np.array([0, 2, 3]),
+                                  np.full((2, t.dim), 0.5, np.float32))
+        assert_tables_equal(t, back)
+
+
 def test_saver_dump_and_restore(tmp_path, rng):
     saver = ec.Saver()
     src = make_table(optimizer="adam")
