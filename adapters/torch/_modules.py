@@ -665,13 +665,14 @@ def tables_of(module: nn.Module) -> List[ec.Table]:
     of its tables, saved by ``ec.save(path, collection)`` on every rank."""
     from ._sharded import _Sharded  # (it imports this module)
 
-    fuse_pending(module)
-    tables, where = [], {}
     for path, m in module.named_modules():
         if isinstance(m, _Sharded):  # its tables are spread over the ranks: left out, the save would miss them
             raise ValueError(f"tables_of: {path or '(the model)'!r} is a {type(m).__name__}, whose tables each rank "
                              f"holds a part of: save and load it with ec.save(path, module) / ec.load(path, module) "
                              f"on every rank, apart from the other modules' tables")
+    fuse_pending(module)
+    tables, where = [], {}
+    for path, m in module.named_modules():
         if isinstance(m, _TableModule):
             name = m._table.name
             if name in where:

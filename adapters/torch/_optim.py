@@ -228,7 +228,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 except (TypeError, ValueError, RuntimeError) as e:
                     raise TypeError(f"{key}: slot {name!r} must be a tensor (or array) of floats, got "
                                     f"{type(value).__name__} ({e})") from None
-                if type(value) not in (torch.Tensor, torch.nn.Parameter):  # TorchRec's DMP: ShardedTensor, DTensor
+                if callable(getattr(value, "local_shards", None)) or callable(getattr(value, "to_local", None)):
+                    # TorchRec's DMP keeps its fused optimizers' state as ShardedTensor (or DTensor)
                     raise ValueError(f"{key}: slot {name!r} is a {type(value).__name__}, the state of a sharded "
                                      "module: gather each table's shards into one tensor first (for one rank, "
                                      "ShardedTensor.local_shards()[0].tensor)")

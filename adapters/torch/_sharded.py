@@ -15,7 +15,9 @@ every rank calls them, in the same order.
 from __future__ import annotations
 
 import ast
+import os
 import re
+import sys
 import warnings
 import weakref
 from typing import List, Optional, Sequence, Tuple
@@ -103,6 +105,16 @@ class _ShardedLookup(torch.autograd.Function):
         # Autograd gives zeros for outputs that did not reach the loss.
         module._embedding.apply_gradients([g.detach().contiguous().numpy() for g in grads])
         return torch.zeros(1), None, None, None
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` with which the function calling this one warns at
+    the first frame outside PyTorch and embedcore (the user's module call)."""
+    inside = (os.path.dirname(torch.__file__), os.path.dirname(ec.__file__), os.path.dirname(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # ------------------------------------------------------------------ modules
@@ -283,13 +295,14 @@ class _Sharded:
         """One collective lookup of every feature; outputs carry autograd to
         the sharded update when the tables train and grad is enabled."""
         self._calls += 1
-        if not self._trainable and self.training and torch.is_grad_enabled() and not self._warned_untrained:
+        if (not self._trainable and self.training and torch.is_grad_enabled() and self._anchor.requires_grad
+                and not self._warned_untrained):  # (not once frozen by requires_grad_(False))
             self._warned_untrained = True
             warnings.warn(
                 f"{type(self).__name__} was built without an optimizer, so its tables do not train: it holds no "
                 "parameters, which PyTorch optimizers and apply_optimizer_in_backward would reach. Pass "
                 "optimizer= (an embedcore.optimizers optimizer) to train them; for lookups only, call it in eval() "
-                "or under torch.no_grad()", RuntimeWarning, stacklevel=4)
+                "or under torch.no_grad()", RuntimeWarning, stacklevel=_caller_stacklevel())
         if not (self._trainable and self._anchor.requires_grad and torch.is_grad_enabled()):
             return [self._out(o) for o in self._embedding(inputs, weights)]
         outs = _ShardedLookup.apply(self._anchor, self, inputs, weights)

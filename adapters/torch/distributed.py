@@ -158,9 +158,16 @@ class TorchComm(Comm):
         dist.barrier(group=self._group)
 
 
-def _backend_names(backend: str) -> set:
-    """{"gloo"} of "gloo", {"gloo", "nccl"} of "cpu:gloo,cuda:nccl"."""
-    return {part.rpartition(":")[2].strip() for part in backend.lower().split(",")}
+def _backend_parts(backend: str) -> set:
+    """{("", "gloo")} of "gloo", {("cpu", "gloo"), ("cuda", "nccl")} of "cpu:gloo,cuda:nccl"."""
+    return {tuple(p.strip() for p in part.rpartition(":")[::2]) for part in backend.lower().split(",")}
+
+
+def _backend_matches(asked: str, current: str) -> bool:
+    """Each backend `asked` names is one of the group's, on the device it names (where both name one)."""
+    have = _backend_parts(current)
+    return all(any(name == n and "" in (device, d) or (device, name) == (d, n) for d, n in have)
+               for device, name in _backend_parts(asked))
 
 
 def init(backend: Optional[str] = None, **kwargs) -> TorchComm:
@@ -187,7 +194,7 @@ def init(backend: Optional[str] = None, **kwargs) -> TorchComm:
         if kwargs:
             raise ValueError(f"init(): the process group is initialised already; {sorted(kwargs)} would not apply")
         current = str(dist.get_backend())
-        if backend is not None and not _backend_names(backend) <= _backend_names(current):
+        if backend is not None and not _backend_matches(backend, current):
             raise ValueError(f"init(backend={backend!r}): the process group is initialised already with "
                              f"backend {current!r}")
         return TorchComm()

@@ -651,6 +651,7 @@ def test_a_dump_keeps_the_other_tables_optimizer_options(tmp_path, rng):
                         clip_weight_min=None, clip_weight_max=0.9, adagrad_epsilon=0.01,
                         initial_accumulator_value=0.5),
     }
+
     def f32(v):  # the engine holds each option as a float32, the JSON number is its exact value
         if isinstance(v, dict):
             return {k: f32(x) for k, x in v.items()}

@@ -385,7 +385,8 @@ def test_defaults_are_tensorflows(name):
     import inspect
 
     tf = pytest.importorskip("tensorflow")
-    theirs = {k: p.default for k, p in inspect.signature(getattr(tf.tpu.experimental.embedding, name)).parameters.items()}
+    signature = inspect.signature(getattr(tf.tpu.experimental.embedding, name))
+    theirs = {k: p.default for k, p in signature.parameters.items()}
     ours = vars(getattr(ec.optimizers, name)())  # the default optimizer as built, every hyper-parameter it holds
     shared = [k for k in theirs if k in ours]
     assert {"learning_rate", "clip_weight_min", "clipvalue"} <= set(shared), shared

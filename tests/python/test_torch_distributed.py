@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -202,7 +203,16 @@ def test_sharded_inference_only_matches_unsharded():
     # optimizer, finds no parameters in it, and such a module silently never trained.
     with pytest.warns(RuntimeWarning, match="built without an optimizer, so its tables do not train") as seen:
         outs = run_local(2, fn)
-    assert len([w for w in seen if "without an optimizer" in str(w.message)]) == 2
+    untrained = [w for w in seen if "without an optimizer" in str(w.message)]
+    assert len(untrained) == 2 and {w.filename for w in untrained} == {__file__}  # the module's call, here
+
+    def frozen(world):  # frozen on purpose (requires_grad_(False), as the docs say): no warning
+        m = et.EmbeddingBagCollection(_tables(**init), world=world, sharding="row_wise").requires_grad_(False)
+        return m(_feats(world.rank))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        run_local(2, frozen)
     ref = et.EmbeddingBagCollection(_tables(**init))
     for r, out in enumerate(outs):
         want = ref(_feats(r))
@@ -668,3 +678,15 @@ def test_tables_of_a_model_with_a_sharded_collection_is_refused(tmp_path):
 
     assert run_local(2, fn) == [True, True]
     assert sorted(ec.checkpoint.read_info(tmp_path / "sharded").table_names) == ["t1", "t2"]
+
+
+@pytest.mark.parametrize("asked, group, matches", [
+    ("gloo", "gloo", True), ("GLOO", "gloo", True), ("cpu:gloo", "gloo", True), ("oo", "gloo", False),
+    ("nccl", "gloo", False), ("gloo", "cpu:gloo,cuda:nccl", True), ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl", True),
+    ("cpu:nccl", "cpu:gloo,cuda:nccl", False), ("cuda:gloo", "cpu:gloo,cuda:nccl", False)])
+def test_init_backend_must_be_the_groups(asked, group, matches):
+    """init(backend=) of an initialised group: each named backend is one of the
+    group's, on the device it names (it compared substrings: "oo" passed)."""
+    from embedcore.adapters.torch.distributed import _backend_matches
+
+    assert _backend_matches(asked, group) is matches

@@ -225,8 +225,12 @@ def test_a_bad_learning_rate_loads_into_no_table(lr, exc, match):
 
 
 class _ShardedLike(torch.Tensor):
-    """A tensor subclass, as TorchRec's DMP keeps its fused optimizers' state
-    (ShardedTensor; torch.numel of one raised an internal RuntimeError)."""
+    """A tensor with local shards, as TorchRec's DMP keeps its fused
+    optimizers' state (ShardedTensor; torch.numel of one raised an internal
+    RuntimeError)."""
+
+    def local_shards(self):
+        return []
 
 
 @pytest.mark.parametrize("sd, exc, match", [
@@ -262,6 +266,19 @@ def test_malformed_optimizer_state_is_refused_naming_it(sd, exc, match):
         m.load_optimizer_state_dict(sd)
     assert m.table.step == 0 and m.fused_optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
     assert float(m.table.slots()["accumulators"].max()) == pytest.approx(0.1)
+
+
+def test_optimizer_state_in_a_tensor_subclass_loads():
+    """Only sharded tensors are refused: other subclasses (tensordict's
+    MemoryMappedTensor, say) hold the whole slot and load."""
+    class Plain(torch.Tensor):
+        pass
+
+    m = et.EmbeddingBag(ROWS, DIM, optimizer=ec.optimizers.Adagrad(0.1))
+    m.load_optimizer_state_dict({"state": {"weight": {"step": torch.tensor(2),
+                                                      "accumulators": torch.full((ROWS, DIM), 3.0).as_subclass(Plain)}},
+                                 "param_groups": [{"params": ["weight"], "lr": 0.5}]})
+    assert m.table.step == 2 and float(m.table.slots()["accumulators"].min()) == 3.0
 
 
 def test_a_bad_learning_rate_fails_in_the_forward_before_any_table_steps():
