@@ -107,11 +107,26 @@ def check_ids(t, where: str) -> None:
         raise NotImplementedError(f"{where} is on {t.device}: embedcore takes CPU or CUDA tensors")
 
 
+def _pretrained_dtype(owner: str, embeddings: Tensor, kwargs: dict):
+    """The table dtype of ``from_pretrained``: ``dtype=`` (popped from
+    `kwargs`), else that of `embeddings`, which must be a float tensor (as
+    PyTorch's); a float64 one needs ``dtype=``, as no table holds float64."""
+    if not embeddings.is_floating_point():
+        raise TypeError(f"{owner}.from_pretrained: embeddings must be a floating-point tensor, got {embeddings.dtype}")
+    dtype = kwargs.pop("dtype", None)
+    if dtype is None and embeddings.dtype == torch.float64:
+        raise TypeError(f"{owner}.from_pretrained: embeddings are torch.float64, which an embedcore table cannot "
+                        "hold (float32, float16 or bfloat16): pass dtype=torch.float32 (the values rounded to it), "
+                        "or embeddings.float()")
+    return embeddings.dtype if dtype is None else dtype
+
+
 def check_weights(w, ids: Tensor, where: str) -> None:
     if not isinstance(w, Tensor):
         raise TypeError(f"{where} must be a torch.Tensor, got {type(w).__name__}")
     if w.dtype != torch.float32:
-        raise TypeError(f"{where} must be float32 (the dtype of the output), got {w.dtype}")
+        raise TypeError(f"{where} must be float32 (the engine weighs and pools in float32, whatever the table's "
+                        f"dtype), got {w.dtype}")
     if w.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(f"{where} is on {w.device}: embedcore takes CPU or CUDA tensors")
     if w.shape != ids.shape:
@@ -740,8 +755,7 @@ class EmbeddingBag(_TableModule):
         if embeddings.device.type == "cuda":  # as nn.EmbeddingBag.from_pretrained, the table stays on its device
             kwargs.setdefault("device", embeddings.device)
         m = cls(rows, dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse, embeddings, include_last_offset,
-                padding_idx, dtype=kwargs.pop("dtype", embeddings.dtype if embeddings.is_floating_point() else None),
-                **kwargs)
+                padding_idx, dtype=_pretrained_dtype(cls.__name__, embeddings, kwargs), **kwargs)
         m.weight.requires_grad = not freeze
         return m
 
@@ -832,7 +846,7 @@ class Embedding(_TableModule):
         if embeddings.device.type == "cuda":
             kwargs.setdefault("device", embeddings.device)
         return cls(rows, dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse, embeddings, freeze,
-                   dtype=kwargs.pop("dtype", embeddings.dtype if embeddings.is_floating_point() else None), **kwargs)
+                   dtype=_pretrained_dtype(cls.__name__, embeddings, kwargs), **kwargs)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():

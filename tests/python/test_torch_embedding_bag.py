@@ -415,3 +415,23 @@ def test_bad_configurations():
         m(torch.tensor([1, 2]), torch.tensor([], dtype=torch.int64))
     with pytest.raises(ValueError):
         et.EmbeddingBag(10, 4, _weight=torch.zeros(3, 4))
+
+
+@pytest.mark.parametrize("cls", [et.EmbeddingBag, et.Embedding])
+def test_from_pretrained_takes_float_tensors_as_torch(cls):
+    """A float64 tensor (any NumPy array's default) needs dtype= (no table
+    holds float64; the message said only which dtypes are allowed), and an
+    integer tensor is refused, as PyTorch refuses one that trains (it became
+    a float32 table; a frozen torch Embedding keeps integer weights, which no
+    table holds)."""
+    w = np.random.default_rng(0).standard_normal((6, 3))
+    with pytest.raises(TypeError, match=rf"{cls.__name__}.from_pretrained: embeddings are torch.float64, .* pass "
+                                        r"dtype=torch.float32"):
+        cls.from_pretrained(torch.from_numpy(w))
+    with pytest.raises(RuntimeError):
+        getattr(torch.nn, cls.__name__).from_pretrained(torch.arange(18).reshape(6, 3), freeze=False)
+    with pytest.raises(TypeError, match="embeddings must be a floating-point tensor, got torch.int64"):
+        cls.from_pretrained(torch.arange(18).reshape(6, 3))
+    m = cls.from_pretrained(torch.from_numpy(w), dtype=torch.float32)
+    assert m.weight.dtype == torch.float32
+    np.testing.assert_array_equal(m.weight.detach().numpy(), w.astype(np.float32))
