@@ -429,6 +429,10 @@ def _index_cases():
         ("safe rank 3 last past", "safe", [[0, 0, 7], [1, 1, 1]], [1, 2], [2, 2, 2], None),
         ("mean row 2**32+1", "mean", [[0, 0], [2**32 + 1, 0]], [1, 2], [2, 3], [1.0, 1.0]),
         ("mean pruned weight then bad row", "mean", [[0, 0], [0, 1], [5, 0]], [1, 2, 3], [2, 3], [0.0, 1.0, 1.0]),
+        # Rows in order, ids >= 0 (nothing the unweighted path would prune): weights <= 0 are still pruned, and
+        # a bag left with none gives zeros.
+        ("mean weights <= 0 in ordered rows", "mean", [[0, 0], [0, 1], [1, 0]], [1, 2, 3], [2, 2],
+         [2.0, -1.0, 0.0]),
         ("fast row -1", "fast", [[-1, 0], [1, 0]], [1, 2], [2, 3], None),
         ("fast only row -1", "fast", [[-1, 0]], [1], [2, 3], None),
         ("fast row 2**40", "fast", [[0, 0], [big, 0]], [1, 2], [2, 3], None),
