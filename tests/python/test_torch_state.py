@@ -121,6 +121,25 @@ def test_optimizer_state_from_sparse_adam(rng):
     _continues_as_torch(rng, ours, ref, opt)
 
 
+@pytest.mark.parametrize("first, second", [("momentum1", "momentum2"), ("weight.momentum_1", "weight.momentum_2")],
+                         ids=["collection", "fused module"])
+def test_optimizer_state_of_torchrec_adam_slot_names(rng, first, second):
+    """TorchRec's Adam state names the first moment (PyTorch's exp_avg)
+    momentum1 and the second (exp_avg_sq) momentum2, or momentum_1 /
+    momentum_2 in its fused modules: each loads into its own slot of the
+    fused Adam, and training continues as SparseAdam would."""
+    ref, opt = _torch_trained(rng, lambda p: torch.optim.SparseAdam(p, lr=0.01))
+    ours = et.EmbeddingBag(ROWS, DIM, optimizer=engine_optimizer("adam", 0.01))
+    ours.load_state_dict(ref.state_dict())
+    st = opt.state_dict()["state"][0]
+    et.FusedOptimizer(ours).load_state_dict(
+        {"state": {"weight": {first: st["exp_avg"], second: st["exp_avg_sq"], "step": st["step"]}}})
+    slots = ours.table.slots()
+    np.testing.assert_array_equal(slots["momenta"], st["exp_avg"].numpy())
+    np.testing.assert_array_equal(slots["velocities"], st["exp_avg_sq"].numpy())
+    _continues_as_torch(rng, ours, ref, opt)
+
+
 def test_optimizer_state_errors():
     m = et.EmbeddingBag(ROWS, DIM, optimizer=ec.optimizers.Adagrad(0.1))
     with pytest.raises(ValueError, match="'nope.weight', which is not a fused table"):
