@@ -661,6 +661,27 @@ def test_convert_state_dict_serves_torchrec_collections(tmp_path, rng, saved_by)
     np.testing.assert_allclose(got[long], want["f1"].numpy()[long] / lengths[long, None], rtol=1e-6, atol=1e-7)
 
 
+def test_convert_state_dict_of_a_bare_collection_with_prefix_empty(tmp_path):
+    """prefix="" is the model itself: a bare TorchRec collection's state dict
+    (keys embedding_bags.<table>.weight, no module path) converts, its tables
+    alone where another module holds a table of the same name."""
+    torchrec = pytest.importorskip("torchrec")
+    torch.manual_seed(0)
+
+    def collection():
+        return torchrec.EmbeddingBagCollection(tables=[torchrec.EmbeddingBagConfig(
+            num_embeddings=12, embedding_dim=4, name="t1", feature_names=["f1"])], device=torch.device("cpu"))
+
+    bare, other = collection(), collection()
+    state = {**bare.state_dict(), **{f"other.{k}": v for k, v in other.state_dict().items()}}
+    torch.save(state, tmp_path / "m.pt")
+    assert et.convert_state_dict(tmp_path / "m.pt", tmp_path / "bare", prefix="") == ["t1"]
+    assert et.convert_state_dict(tmp_path / "m.pt", tmp_path / "other", prefix="other") == ["t1"]
+    for name, ebc in (("bare", bare), ("other", other)):
+        np.testing.assert_array_equal(ec.serving.open(tmp_path / name).tables["t1"].values(),
+                                      ebc.embedding_bags["t1"].weight.detach().numpy(), err_msg=name)
+
+
 def test_convert_state_dict_refusals_write_nothing(tmp_path):
     torchrec = pytest.importorskip("torchrec")
     model = _torchrec_model(torchrec)
