@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from tf_helpers import E, tf
+from tf_helpers import E, pair, tf
 
 import embedcore as ec
 from embedcore.adapters.tf import Embedding, EmbeddingForServing, export_mode
@@ -282,3 +282,27 @@ def test_export_after_a_save_reads_the_current_values(tmp_path, rng):
         emb(x)
     assert emb._export.modes == []
     assert emb._export.kept  # the copies stay for the functions TensorFlow keeps
+
+
+def test_an_assign_inside_export_mode_is_read_as_tensorflows_variable_is(rng):
+    """Inside one ``export_mode()`` block, a lookup and a handle's
+    ``read_value`` after an ``assign`` to the table's handle read the new
+    values, as TensorFlow's own TPUEmbeddingForServing reads its assigned
+    variable (docs/tensorflow.md: the copies are refreshed at their next use
+    after an assign), not the copies the block's first lookup made."""
+    table = E.TableConfig(vocabulary_size=10, dim=2, combiner="sum", name="t")
+    config = {"a": E.FeatureConfig(table)}
+    theirs, ours = pair(config, rng)
+    x = {"a": tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)}
+    spec = {"a": tf.RaggedTensorSpec([None, None], tf.int64)}
+    new = rng.standard_normal((10, 2)).astype(np.float32)
+    with export_mode():
+        f = tf.function(lambda x: ours(x)).get_concrete_function(spec)
+        np.testing.assert_array_equal(ours(x)["a"].numpy(), theirs(x)["a"].numpy())
+        for emb in (theirs, ours):
+            emb.embedding_tables[table].assign(new)
+        want = theirs(x)["a"].numpy()
+        np.testing.assert_array_equal(ours(x)["a"].numpy(), want)
+        np.testing.assert_array_equal(f(x)["a"].numpy(), want)
+        np.testing.assert_array_equal(ours.embedding_tables[table].read_value().numpy(),
+                                      theirs.embedding_tables[table].read_value().numpy())
