@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from tf_helpers import E, tf
+from tf_helpers import E, pair, tf
 
 import embedcore as ec
 from embedcore.adapters.tf import EmbeddingForServing, TFCheckpoint, convert_tf_checkpoint, load_tf_checkpoint
@@ -610,6 +610,28 @@ def test_checkpoints_of_the_layer_record_its_features(tmp_path):
             np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=f"{name} {path}")
     assert [f["name"] for f in json.loads(ec.checkpoint.read_info(tmp_path / "serving").manifest_json)
             ["metadata"]["features"]] == ["user", "hist", "item"]
+
+
+def test_features_sharing_a_name_are_recorded_by_their_paths(tmp_path, rng):
+    """TensorFlow's FeatureConfig names need not be unique: an
+    EmbeddingForServing whose two features share one is saved with each
+    feature named by its path (docs/tensorflow.md), so that the name-keyed
+    consumers (the C API's feature lookups, the PyTorch served collections)
+    tell them apart, and the checkpoint serves TensorFlow's outputs."""
+    t = E.TableConfig(vocabulary_size=12, dim=3, combiner="sum", name="t")
+    config = {"a": E.FeatureConfig(t, name="x"), "b": E.FeatureConfig(t, name="x"), "c": E.FeatureConfig(t, name="y")}
+    theirs, ours = pair(config, rng)
+    ec.save(tmp_path / "ck", ours)
+    assert [f["name"] for f in json.loads(ec.checkpoint.read_info(tmp_path / "ck").manifest_json)
+            ["metadata"]["features"]] == ["a", "b", "c"]
+    served = ec.serving.open(tmp_path / "ck")
+    assert {k: f.name for k, f in served.feature_config.items()} == {"a": "a", "b": "b", "c": "c"}
+    batch = {k: tf.ragged.constant(v, dtype=tf.int64) for k, v in
+             {"a": [[1, 2], [3]], "b": [[4], [5, 6, 7]], "c": [[8], []]}.items()}
+    want = theirs(batch)
+    got = served({k: ec.Ragged(v.values.numpy(), v.row_splits.numpy()) for k, v in batch.items()})
+    for k in batch:
+        np.testing.assert_array_equal(got[k], want[k].numpy(), err_msg=k)
 
 
 def test_checkpoints_of_the_layer_record_no_feature_they_would_serve_otherwise(tmp_path):
