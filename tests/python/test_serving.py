@@ -293,6 +293,27 @@ def test_a_feature_config_used_twice_serves(tmp_path, rng):
     np.testing.assert_array_equal(got["y"][1], want["y"][1])
 
 
+def test_a_feature_config_s_own_name_names_its_feature(tmp_path, rng):
+    """A FeatureConfig's name wins over its key in the structure (its path
+    names only an unnamed one), as the TF adapter names TensorFlow's
+    features (docs/tensorflow.md: "as an embedcore.Embedding's does"): in
+    the checkpoint's features, which name-keyed consumers (the C API, the
+    PyTorch served collections) serve by, and in an embedding's errors."""
+    table = ec.TableConfig("t", 8, 2, initializer=ec.initializers.Uniform(-1, 1, seed=1))
+    emb = ec.Embedding({"slot_a": ec.FeatureConfig(table, name="clicks"), "slot_b": ec.FeatureConfig(table)},
+                       optimizer=ec.optimizers.SGD(0.1))
+    ec.save(tmp_path / "e", emb)
+    assert [f["name"] for f in read_manifest(tmp_path / "e")["metadata"]["features"]] == ["clicks", "slot_b"]
+    served = ec.serving.open(tmp_path / "e")
+    assert [f.name for f in served.feature_config.values()] == ["clicks", "slot_b"]
+    feats = {"slot_a": rng.integers(0, 8, (3, 2)), "slot_b": rng.integers(0, 8, (3, 2))}
+    want, got = emb(feats), served(feats)
+    for k in feats:
+        np.testing.assert_array_equal(got[k], want[k])
+    with pytest.raises(IndexError, match=r"features\['clicks'\]: table 't': id 99"):
+        emb({"slot_a": np.array([[99]]), "slot_b": np.array([[0]])})
+
+
 def test_a_feature_config_with_int_keys_serves_with_them(tmp_path, rng):
     """Dicts keyed by ints (JSON keys are strings) are recorded as
     structure_items; the served checkpoint takes the same features the
