@@ -470,6 +470,32 @@ def test_values_dtype_export_rounds_float32_values(tmp_path, rng, values_dtype):
     assert np.asarray(low.values()).view(np.uint16).tobytes() == rounded.view(np.uint16).tobytes()
 
 
+@pytest.mark.parametrize("values_dtype", ["float16", "bfloat16"])
+def test_a_dump_beside_a_reduced_precision_export_keeps_its_dtype(tmp_path, rng, values_dtype):
+    """Saver.dump_to_file keeps the other tables with their stored dtype
+    (its docstring): a table exported as float16 / bfloat16 stays so, its
+    bits those of NumPy's rounding of the float32 values, its slots and
+    step kept, after another table is dumped beside it."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    np_dtype = np.float16 if values_dtype == "float16" else ml_dtypes.bfloat16
+    a = make_table(name="a", rows=50, dim=4, optimizer="adagrad")
+    a.assign((rng.standard_normal((50, 4)) * 3).astype(np.float32))
+    train(a, rng, 2)
+    ec.save(tmp_path / "x", a, values_dtype=values_dtype)
+    ec.Saver().dump_to_file(make_table(name="b", rows=5, dim=4, optimizer="sgd"), tmp_path / "x")
+
+    rounded = np.array(a.values()).astype(np_dtype)
+    kept = {t["name"]: t for t in read_manifest(tmp_path / "x")["tables"]}["a"]
+    assert [e["dtype"] for e in kept["values"]] == [values_dtype]
+    served = ec.serving.open(tmp_path / "x", verify="eager").tables["a"]
+    assert served.dtype == values_dtype
+    assert np.asarray(served.values()).view(np.uint16).tobytes() == rounded.view(np.uint16).tobytes()
+    back = make_table(name="a", rows=50, dim=4, optimizer="adagrad", seed=9)
+    ec.load(tmp_path / "x", into=back)
+    assert back.slots()["accumulators"].tobytes() == a.slots()["accumulators"].tobytes()
+    assert back.step == a.step
+
+
 def test_values_dtype_checks(tmp_path):
     t = make_table(dtype="float16")
     with pytest.raises(ValueError, match="values_dtype"):
