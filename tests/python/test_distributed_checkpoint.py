@@ -854,6 +854,34 @@ def test_reshard_cli(tmp_path, saved, reference, capsys):
     assert not (tmp_path / "dst2").exists()
 
 
+def test_reshard_cli_max_file_mb_and_no_optimizer(tmp_path, capsys):
+    """docs/distributed.md: --max-file-mb N writes pieces of at most N MiB of
+    values and slots, and --no-optimizer the values alone. An Adagrad table
+    of 1025 rows of 1 KiB (1 MiB and a row of values, as much of slots):
+    1 MiB pieces hold 512 rows with their accumulators, or 1024 rows of
+    values alone."""
+    src = tmp_path / "src"
+    table = ec.Table(name="t", rows=1025, dim=256, optimizer=ec.optimizers.Adagrad(0.1),
+                     initializer=ec.initializers.Uniform(-1, 1, seed=3))
+    ec.save(src, table)
+    for name, flags, pieces, slots in (("with_slots", ["--max-file-mb", "1"], [512, 512, 1], ["accumulators"]),
+                                       ("values", ["--max-file-mb", "1", "--no-optimizer"], [1024, 1], [])):
+        dst = tmp_path / name
+        assert embedcore.cli.main(["reshard", str(src), str(dst), "--world", "1"] + flags) == 0, flags
+        capsys.readouterr()
+        (t,) = read_manifest(dst)["tables"]
+        assert [f["rows"] for f in t["values"]] == pieces, flags
+        assert sorted(t.get("slots") or {}) == slots, flags
+        for slot in slots:
+            assert [f["rows"] for f in t["slots"][slot]] == pieces, flags
+        assert (t["optimizer"] or {}).get("kind") == ("adagrad" if slots else None), flags
+        served = ec.serving.open(dst).tables["t"]
+        np.testing.assert_array_equal(served.lookup(np.arange(1025), combiner=None), table.values())
+    back = ec.Table(name="t", rows=1025, dim=256, optimizer=ec.optimizers.Adagrad(0.1))
+    ec.load(tmp_path / "with_slots", into=back)
+    assert back.slots()["accumulators"].tobytes() == table.slots()["accumulators"].tobytes()
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(world_size=0), dict(world_size=-2), dict(world_size=2.0), dict(world_size=True), dict(world_size="2"),
     dict(world_size=10**11),  # a MemoryError (a traceback from the CLI) while planning
