@@ -655,7 +655,8 @@ EMBEDCORE_TEST(NewerFormatIsRefused) {
 
 // A flipped byte of the values: lazily found by the lookup that touches its
 // block (and every later one: the block is never served), eagerly on open,
-// not at all without verification.
+// not at all without verification. true and false stand for "lazy" and
+// "none" (c_api.h), as in Python.
 EMBEDCORE_TEST(CorruptValues) {
   TempDir dir;
   SaveModel(dir.Sub("m"));
@@ -663,29 +664,37 @@ EMBEDCORE_TEST(CorruptValues) {
   const OwnedBatch good = Good();                                 // touches row 3
   const embedcore_batch c = good.C();
 
-  embedcore_checkpoint* lazy = nullptr;
-  EXPECT_C_OK(embedcore_open(dir.Sub("m").c_str(), "{\"verify\": \"lazy\"}", &lazy));
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    Canary out(2 * 16);
-    EXPECT_C_ERROR(embedcore_lookup(lazy, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
-                   EMBEDCORE_CHECKPOINT_ERROR,
-                   "checksum mismatch in block 0 (bytes 4096..): refusing to serve corrupt rows");
-    EMBEDCORE_EXPECT(out.Untouched());
+  for (const char* options : {"{\"verify\": \"lazy\"}", "{\"verify\": true}", static_cast<const char*>(nullptr)}) {
+    embedcore_checkpoint* lazy = nullptr;
+    EXPECT_C_OK(embedcore_open(dir.Sub("m").c_str(), options, &lazy));  // not eager: opens
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      Canary out(2 * 16);
+      EXPECT_C_ERROR(embedcore_lookup(lazy, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n),
+                     EMBEDCORE_CHECKPOINT_ERROR,
+                     "checksum mismatch in block 0 (bytes 4096..): refusing to serve corrupt rows");
+      EMBEDCORE_EXPECT(out.Untouched());
+    }
+    // The other tables are intact and served.
+    OwnedBatch item = Good();
+    const embedcore_batch ci = item.C();
+    Canary item_out(2 * 8);
+    EXPECT_C_OK(embedcore_lookup(lazy, 1, &ci, EMBEDCORE_COMBINER_SUM, 0, item_out.data.get(), item_out.n));
+    EXPECT_C_OK(embedcore_close(lazy));
   }
-  // The other tables are intact and served.
-  OwnedBatch item = Good();
-  const embedcore_batch ci = item.C();
-  Canary item_out(2 * 8);
-  EXPECT_C_OK(embedcore_lookup(lazy, 1, &ci, EMBEDCORE_COMBINER_SUM, 0, item_out.data.get(), item_out.n));
-  EXPECT_C_OK(embedcore_close(lazy));
 
   EXPECT_OPEN_ERROR(dir.Sub("m"), "{\"verify\": \"eager\"}", EMBEDCORE_CHECKPOINT_ERROR, "checksum mismatch in block 0");
 
-  embedcore_checkpoint* none = nullptr;
-  EXPECT_C_OK(embedcore_open(dir.Sub("m").c_str(), "{\"verify\": \"none\"}", &none));
-  Canary out(2 * 16);
-  EXPECT_C_OK(embedcore_lookup(none, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data.get(), out.n));
-  EXPECT_C_OK(embedcore_close(none));
+  // "none" and false: the corrupt row is served, with the bits the file holds.
+  const MappedCheckpoint unchecked(dir.Sub("m"), MappedCheckpoint::Verify::kNone);
+  const std::vector<float> want = Reference(unchecked, 0, good.Engine(), Combiner::kSum);
+  for (const char* options : {"{\"verify\": \"none\"}", "{\"verify\": false}"}) {
+    embedcore_checkpoint* none = nullptr;
+    EXPECT_C_OK(embedcore_open(dir.Sub("m").c_str(), options, &none));
+    std::vector<float> out(2 * 16);
+    EXPECT_C_OK(embedcore_lookup(none, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data(), int64_t(out.size())));
+    EMBEDCORE_EXPECT_MSG(SameBits(out, want), options);
+    EXPECT_C_OK(embedcore_close(none));
+  }
 }
 
 EMBEDCORE_TEST(MalformedFeatureMetadata) {
@@ -786,4 +795,60 @@ EMBEDCORE_TEST(FailedReloadKeepsServing) {
   embedcore_table_info ti;
   EXPECT_C_OK(embedcore_describe_table(s.h, 0, &ti));
   EMBEDCORE_EXPECT_EQ(ti.rows, 80);
+}
+
+// options_json NULL keeps the handle's options (c_api.h): the verify mode of
+// the last open or reload that named one, not the open's nor the default.
+// A reload that did not remember its mode (the open's "none" kept) swapped in
+// a checkpoint with a corrupt block after a reload with {"verify": "eager"}.
+EMBEDCORE_TEST(ReloadWithNullOptionsKeepsTheLastVerify) {
+  TempDir dir;
+  ModelOptions a, b;
+  a.seed = 1;
+  b.seed = 2;
+  SaveModel(dir.Sub("a"), a);
+  SaveModel(dir.Sub("b"), b);
+  SaveModel(dir.Sub("corrupt"), b);
+  FlipByte(ValuesFile(dir.Sub("corrupt"), 0), 4096 + 16 * 4 * 3 + 5);  // user row 3, in block 0
+  const OwnedBatch good = Good();                                       // touches row 3
+  const embedcore_batch c = good.C();
+  const MappedCheckpoint ref_a(dir.Sub("a"), MappedCheckpoint::Verify::kLazy);
+  const MappedCheckpoint ref_b(dir.Sub("b"), MappedCheckpoint::Verify::kLazy);
+  const MappedCheckpoint ref_corrupt(dir.Sub("corrupt"), MappedCheckpoint::Verify::kNone);
+  const std::vector<float> want_a = Reference(ref_a, 0, good.Engine(), Combiner::kSum);
+  const std::vector<float> want_b = Reference(ref_b, 0, good.Engine(), Combiner::kSum);
+  const std::vector<float> want_corrupt = Reference(ref_corrupt, 0, good.Engine(), Combiner::kSum);
+  std::vector<float> out(2 * 16);
+  const auto lookup = [&](embedcore_checkpoint* h) {
+    return embedcore_lookup(h, 0, &c, EMBEDCORE_COMBINER_SUM, 0, out.data(), int64_t(out.size()));
+  };
+
+  embedcore_checkpoint* h = nullptr;
+  EXPECT_C_OK(embedcore_open(dir.Sub("a").c_str(), "{\"verify\": \"none\"}", &h));
+  // "eager" from here on: the corrupt checkpoint is refused, B still served.
+  EXPECT_C_OK(embedcore_reload(h, dir.Sub("b").c_str(), "{\"verify\": \"eager\"}"));
+  EXPECT_C_ERROR(embedcore_reload(h, dir.Sub("corrupt").c_str(), nullptr), EMBEDCORE_CHECKPOINT_ERROR,
+                 "checksum mismatch in block 0");
+  EXPECT_C_OK(lookup(h));
+  EMBEDCORE_EXPECT(SameBits(out, want_b));
+  // Still "eager" after a reload(NULL, NULL) of B.
+  EXPECT_C_OK(embedcore_reload(h, nullptr, nullptr));
+  EXPECT_C_ERROR(embedcore_reload(h, dir.Sub("corrupt").c_str(), nullptr), EMBEDCORE_CHECKPOINT_ERROR,
+                 "checksum mismatch in block 0");
+  EXPECT_C_OK(lookup(h));
+  EMBEDCORE_EXPECT(SameBits(out, want_b));
+
+  // "lazy" (true) from here on: the corrupt checkpoint is swapped in, its corrupt block refused.
+  EXPECT_C_OK(embedcore_reload(h, dir.Sub("a").c_str(), "{\"verify\": true}"));
+  EXPECT_C_OK(lookup(h));
+  EMBEDCORE_EXPECT(SameBits(out, want_a));
+  EXPECT_C_OK(embedcore_reload(h, dir.Sub("corrupt").c_str(), nullptr));
+  EXPECT_C_ERROR(lookup(h), EMBEDCORE_CHECKPOINT_ERROR, "checksum mismatch in block 0");
+
+  // "none" (false) from here on: the corrupt rows are served as the file holds them.
+  EXPECT_C_OK(embedcore_reload(h, dir.Sub("a").c_str(), "{\"verify\": false}"));
+  EXPECT_C_OK(embedcore_reload(h, dir.Sub("corrupt").c_str(), nullptr));
+  EXPECT_C_OK(lookup(h));
+  EMBEDCORE_EXPECT(SameBits(out, want_corrupt));
+  EXPECT_C_OK(embedcore_close(h));
 }
