@@ -1138,9 +1138,10 @@ const KernelSet& ActiveKernels() {
     const bool avx2 =
         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
     const bool want_avx2 = cap == "avx2";
-    if (!generic && !want_avx2 && Avx512Kernels() != nullptr && avx2 && __builtin_cpu_supports("avx512f"))
+    // The CPU first: building a kernel set runs code compiled for its instructions (SIGILL on a CPU without).
+    if (!generic && !want_avx2 && avx2 && __builtin_cpu_supports("avx512f") && Avx512Kernels() != nullptr)
       return Avx512Kernels();
-    if (!generic && Avx2Kernels() != nullptr && avx2) return Avx2Kernels();
+    if (!generic && avx2 && Avx2Kernels() != nullptr) return Avx2Kernels();
 #endif
     return &GenericKernels();
   }();

@@ -196,8 +196,9 @@ const char* DName(DType d) { return DTypeName(d); }
 
 std::vector<const kernels::KernelSet*> KernelSets() {
   std::vector<const kernels::KernelSet*> sets = {&kernels::GenericKernels()};
-  if (kernels::Avx2Kernels() != nullptr && CpuHasAvx2()) sets.push_back(kernels::Avx2Kernels());
-  if (kernels::Avx512Kernels() != nullptr && CpuHasAvx512()) sets.push_back(kernels::Avx512Kernels());
+  // The CPU first: a kernel set is built by code compiled for its instructions.
+  if (CpuHasAvx2() && kernels::Avx2Kernels() != nullptr) sets.push_back(kernels::Avx2Kernels());
+  if (CpuHasAvx512() && kernels::Avx512Kernels() != nullptr) sets.push_back(kernels::Avx512Kernels());
   return sets;
 }
 
@@ -211,10 +212,10 @@ constexpr int64_t kDims[] = {1, 3, 7, 8, 9, 16, 17, 24, 32, 33, 48, 64, 80, 128,
 
 EMBEDCORE_TEST(KernelSetsAvailable) {
   EMBEDCORE_EXPECT_EQ(std::string(kernels::GenericKernels().name), std::string("generic"));
-  if (kernels::Avx2Kernels() != nullptr) {
+  if (CpuHasAvx2() && kernels::Avx2Kernels() != nullptr) {
     EMBEDCORE_EXPECT_EQ(std::string(kernels::Avx2Kernels()->name), std::string("avx2+f16c"));
   }
-  if (kernels::Avx512Kernels() != nullptr) {
+  if (CpuHasAvx512() && kernels::Avx512Kernels() != nullptr) {
     EMBEDCORE_EXPECT_EQ(std::string(kernels::Avx512Kernels()->name), std::string("avx512"));
   }
   const std::string active = kernels::ActiveKernels().name;
@@ -222,9 +223,9 @@ EMBEDCORE_TEST(KernelSetsAvailable) {
   const std::string cap = force != nullptr ? force : "";
   if (cap == "generic") {
     EMBEDCORE_EXPECT_EQ(active, std::string("generic"));
-  } else if (kernels::Avx512Kernels() != nullptr && CpuHasAvx512() && cap != "avx2") {
+  } else if (CpuHasAvx512() && kernels::Avx512Kernels() != nullptr && cap != "avx2") {
     EMBEDCORE_EXPECT_EQ(active, std::string("avx512"));
-  } else if (kernels::Avx2Kernels() != nullptr && CpuHasAvx2()) {
+  } else if (CpuHasAvx2() && kernels::Avx2Kernels() != nullptr) {
     EMBEDCORE_EXPECT_EQ(active, std::string("avx2+f16c"));
   }
   EMBEDCORE_EXPECT_EQ(GetBuildInfo().simd, active);
