@@ -6,9 +6,11 @@ processes do), and two processes once."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -253,3 +255,159 @@ def test_a_symlink_repointed_during_a_read_does_not_mix_two_checkpoints(tmp_path
 
     monkeypatch.setattr(ec.checkpoint, "read_info", read_info_then_repoint)
     assert embedcore.cli.main(["verify", str(link)]) == 0
+
+
+# An LD_PRELOAD shim: with EMBEDCORE_TEST_CLAIM_GATE=<dir> set, the first
+# exclusive create of a claim file (MANIFEST.tmp.g...) creates <dir>/waiting,
+# then waits (60 s at most) for <dir>/go before it goes on to the real open.
+# The save has listed the directory (its generation chosen) by then and
+# claimed nothing. Every open entry point a build may call is wrapped
+# (open64, __open_2 with _FORTIFY_SOURCE, openat).
+_CLAIM_GATE_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static int gated;
+
+static void gate(const char* path, int flags) {
+  const char* dir = getenv("EMBEDCORE_TEST_CLAIM_GATE");
+  if (dir == NULL || gated || path == NULL || (flags & (O_CREAT | O_EXCL)) != (O_CREAT | O_EXCL)) return;
+  const char* base = strrchr(path, '/');
+  base = base ? base + 1 : path;
+  if (strncmp(base, "MANIFEST.tmp.g", 14) != 0) return;
+  gated = 1;  /* the opens below, and every later claim, pass straight through */
+  char waiting[4096], go[4096];
+  snprintf(waiting, sizeof(waiting), "%s/waiting", dir);
+  snprintf(go, sizeof(go), "%s/go", dir);
+  int fd = open(waiting, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  if (fd >= 0) close(fd);
+  for (int i = 0; i < 6000 && access(go, F_OK) != 0; ++i) usleep(10000);
+}
+
+typedef int (*open_fn)(const char*, int, ...);
+typedef int (*openat_fn)(int, const char*, int, ...);
+typedef int (*open2_fn)(const char*, int);
+typedef int (*openat2_fn)(int, const char*, int);
+#define MODE(flags) \
+  mode_t mode = 0; \
+  if (((flags) & O_CREAT) || ((flags) & O_TMPFILE) == O_TMPFILE) { \
+    va_list ap; \
+    va_start(ap, flags); \
+    mode = va_arg(ap, int); \
+    va_end(ap); \
+  }
+#define REAL(name, type) \
+  static type real; \
+  if (!real) real = (type)dlsym(RTLD_NEXT, name)
+
+int open(const char* p, int flags, ...) {
+  MODE(flags) gate(p, flags); REAL("open", open_fn); return real(p, flags, mode);
+}
+int open64(const char* p, int flags, ...) {
+  MODE(flags) gate(p, flags); REAL("open64", open_fn); return real(p, flags, mode);
+}
+int openat(int d, const char* p, int flags, ...) {
+  MODE(flags) gate(p, flags); REAL("openat", openat_fn); return real(d, p, flags, mode);
+}
+int openat64(int d, const char* p, int flags, ...) {
+  MODE(flags) gate(p, flags); REAL("openat64", openat_fn); return real(d, p, flags, mode);
+}
+int __open_2(const char* p, int flags) { gate(p, flags); REAL("__open_2", open2_fn); return real(p, flags); }
+int __open64_2(const char* p, int flags) { gate(p, flags); REAL("__open64_2", open2_fn); return real(p, flags); }
+int __openat_2(int d, const char* p, int flags) {
+  gate(p, flags); REAL("__openat_2", openat2_fn); return real(d, p, flags);
+}
+int __openat64_2(int d, const char* p, int flags) {
+  gate(p, flags); REAL("__openat64_2", openat2_fn); return real(d, p, flags);
+}
+"""
+
+# Saver B: tables x and y; with "fail", stored as float16 while y holds a
+# value beyond float16's range, so the save fails after writing x's values.
+_GATED_SAVE = """
+import sys
+import numpy as np
+import embedcore as ec
+x = ec.Table(name="x", rows={rows}, dim={dim}, initializer=ec.initializers.Uniform(-1, 1, seed=99))
+y = ec.Table(name="y", rows={rows}, dim={dim}, initializer=ec.initializers.Uniform(-1, 1, seed=98))
+fail = sys.argv[1] == "fail"
+if fail:
+    y.assign(np.full((1, {dim}), 1e6, np.float32), start_row=5)
+try:
+    ec.save({path!r}, [x, y], include_optimizer=False, values_dtype="float16" if fail else None)
+except ValueError as e:
+    print("failed:", e)
+else:
+    print("saved")
+"""
+
+
+def _xy(seed: int):
+    return [ec.Table(name=n, rows=ROWS, dim=DIM, initializer=ec.initializers.Uniform(-1, 1, seed=seed + k))
+            for k, n in enumerate("xy")]
+
+
+def _claim_gate_shim(tmp_path) -> str:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the claim-delaying shim is an LD_PRELOAD library (Linux, glibc)")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler (cc or gcc) to build the LD_PRELOAD shim that delays a save's claim")
+    src, lib = tmp_path / "claim_gate.c", tmp_path / "claim_gate.so"
+    src.write_text(_CLAIM_GATE_SHIM)
+    r = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(src), "-ldl"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, f"{cc} could not build the LD_PRELOAD shim: {r.stderr[-2000:]}"
+    return str(lib)
+
+
+@pytest.mark.parametrize("b_outcome", ["saved", "fail"])
+def test_a_save_that_chose_its_generation_before_another_committed_it(tmp_path, b_outcome):
+    """Saver B lists the directory (generation 2 is next) and, before it
+    creates its claim, saver A claims, writes and commits generation 2. B's
+    claim file is free again then (A's was renamed to MANIFEST), so B's
+    create succeeds, but the generation is live: B must claim above it (3),
+    never write files of A's names. Then a B that saves commits generation 3,
+    whole; a B that fails leaves A's checkpoint whole. A claim kept when the
+    newest generation present equals its own (`>` for `>=`) passed every
+    other test: B overwrote the live checkpoint's files and committed
+    generation 2 again, or, failing, left A's MANIFEST naming B's values."""
+    shim = _claim_gate_shim(tmp_path)
+    path, gate = tmp_path / "ckpt", tmp_path / "gate"
+    gate.mkdir()
+    ec.save(path, _xy(seed=1), include_optimizer=False)  # generation 1
+    env = dict(os.environ, SKBUILD_EDITABLE_VERBOSE="0", EMBEDCORE_TEST_CLAIM_GATE=str(gate),
+               LD_PRELOAD=" ".join(filter(None, [shim, os.environ.get("LD_PRELOAD")])))
+    code = _GATED_SAVE.format(rows=ROWS, dim=DIM, path=str(path))
+    b = subprocess.Popen([sys.executable, "-c", code, b_outcome], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120  # B's interpreter start and import
+        while not (gate / "waiting").exists():
+            assert b.poll() is None, f"saver B ended before its claim: {b.communicate()}"
+            assert time.monotonic() < deadline, "saver B never reached its claim"
+            time.sleep(0.01)
+        a = _xy(seed=2)
+        ec.save(path, a, include_optimizer=False)  # A: generation 2, committed while B waits
+        assert read_manifest(path)["generation"] == 2
+    finally:
+        (gate / "go").touch()
+        out, err = b.communicate(timeout=120)
+    assert b.returncode == 0, err[-2000:]
+    assert out.startswith(b_outcome), (out, err[-2000:])
+    manifest = read_manifest(path)
+    assert manifest["generation"] == (3 if b_outcome == "saved" else 2), manifest["generation"]
+    assert embedcore.cli.main(["verify", str(path)]) == 0
+    assert our_files(path) == named_by_manifest(path)
+    want = a if b_outcome == "fail" else [ec.Table(name=n, rows=ROWS, dim=DIM, initializer=ec.initializers.Uniform(
+        -1, 1, seed=s)) for n, s in (("x", 99), ("y", 98))]  # B's
+    got = _xy(seed=7)
+    ec.load(path, got)
+    for g, w in zip(got, want):
+        assert np.array_equal(g.values(), w.values()), g.name
