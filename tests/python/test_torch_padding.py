@@ -171,6 +171,41 @@ def test_load_round_trip_and_refusals(tmp_path, rng):
     assert ec.serving.open(tmp_path / "later").tables["emb"].padding_idx == 6
 
 
+@pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
+def test_a_sharded_load_refuses_a_padding_idx_as_the_unsharded_load(tmp_path, rng, sharding):
+    """A sharded Embedding's tables have no padding_idx: loading a
+    checkpoint of an EmbeddingBag(padding_idx=4) into it is refused on
+    every rank, naming the padding_idx (a rank without a shard of the table
+    by a RankFailedError naming the holder's CheckpointError), and no shard
+    changes, as the unsharded load refuses it."""
+    import embedcore.distributed as ed
+
+    W = uniform_weights(rng, ROWS, DIM)
+    ec.save(tmp_path / "c", et.EmbeddingBag.from_pretrained(W, mode="sum", padding_idx=4, name="emb"))
+    config = {"f": ec.FeatureConfig(ec.TableConfig("emb", ROWS, DIM, combiner="sum"))}
+    with pytest.raises(ec.CheckpointError, match="table 'emb' was saved with padding_idx 4.*padding_idx none"):
+        ec.load(tmp_path / "c", into=ec.Embedding(config))
+
+    def fn(world):
+        emb = ec.Embedding(config, world=world, sharding=sharding)
+        shards = [t for pieces in emb.local_shards.values() for _, t in pieces]
+        before = [t.to_numpy().copy() for t in shards]
+        try:
+            ec.load(tmp_path / "c", into=emb)
+            error = None
+        except Exception as e:  # noqa: BLE001
+            error = e
+        return error, bool(shards), all(np.array_equal(t.to_numpy(), b) for t, b in zip(shards, before))
+
+    results = ed.run_local(2, fn)
+    assert [holds for _, holds, _ in results] == ([True, True] if sharding == "row_wise" else [True, False])
+    for rank, (error, holds, unchanged) in enumerate(results):
+        # A rank that holds a shard finds the mismatch itself; the other hears of it from that rank.
+        assert isinstance(error, ec.CheckpointError if holds else ed.RankFailedError), (rank, repr(error))
+        assert "table 'emb' was saved with padding_idx 4" in str(error) and "padding_idx none" in str(error), error
+        assert unchanged, rank
+
+
 @pytest.mark.parametrize("bad", [ROWS, -1, 1.5, "0", True])
 def test_a_malformed_padding_idx_is_refused(tmp_path, rng, bad):
     bag = et.EmbeddingBag.from_pretrained(uniform_weights(rng, ROWS, DIM), padding_idx=0, name="emb")
