@@ -631,6 +631,30 @@ def test_auto_plan_balances_many_small_tables(W):
     _check_plan_shapes(plan)
 
 
+def test_auto_plan_puts_a_table_of_exactly_half_a_fair_share_whole_on_one_rank():
+    """The documented boundary: a table that fits within half a rank's fair
+    share (its bytes <= fair / 2) goes table_wise; one row more and it is
+    split row_wise."""
+    # float32, no slots: A is 10 x 4 x 4 = 160 bytes, B 480; fair = 640 / 2 = 320, so A is exactly fair / 2.
+    plan = ed.make_plan([("A", 10, 4, "float32", 0, 0), ("B", 30, 4, "float32", 0, 0)], 2, "auto")
+    assert (plan["A"].kind, plan["B"].kind) == ("table_wise", "row_wise"), plan.describe()
+    # One row more: A is 176 bytes, fair / 2 = 656 / 4 = 164.
+    plan = ed.make_plan([("A", 11, 4, "float32", 0, 0), ("B", 30, 4, "float32", 0, 0)], 2, "auto")
+    assert (plan["A"].kind, plan["B"].kind) == ("row_wise", "row_wise"), plan.describe()
+
+
+def test_column_wise_pieces_go_to_the_least_loaded_ranks():
+    """Each of a column_wise table's pieces goes on a different rank, the
+    least loaded ones (docs/distributed.md): a big table_wise table placed
+    first on rank 0 keeps them off rank 0."""
+    plan = ed.make_plan([("big", 1000, 8, "float32", 0, 0), ("c", 10, 2, "float32", 0, 0)], 4,
+                        {"big": "table_wise", "c": "column_wise"})
+    assert [s.rank for s in plan["big"].shards] == [0]
+    assert [(s.rank, s.col_start, s.cols) for s in plan["c"].shards] == [(1, 0, 1), (2, 1, 1)], plan.describe()
+    assert plan.bytes_per_rank == [32000, 40, 40, 0]
+    _check_plan_shapes(plan)
+
+
 @pytest.mark.parametrize("W", WORLDS)
 def test_explicit_plans_any_sizes(W):
     """Rows and dims not divisible by W, and tables smaller than the world."""
@@ -1012,7 +1036,7 @@ def test_apply_gradients_before_any_lookup(W):
         assert unchanged
 
 
-@pytest.mark.parametrize("exchange", ["requests", "answers", "gradients"])
+@pytest.mark.parametrize("exchange", ["requests", "answers", "gradients", "requests received"])
 def test_an_exchange_over_the_backends_limit_fails_every_rank_before_it_starts(exchange):
     """A backend with a limit on one exchange (MPI: C int counts): a batch
     over it on one rank fails every rank before the exchange, whichever side
@@ -1020,16 +1044,21 @@ def test_an_exchange_over_the_backends_limit_fails_every_rank_before_it_starts(e
     others skip, and the next call works. Only rank 0 has bags: it sends the
     requests, receives the answers, then sends the gradients (to whichever
     rank holds the table, itself included: a rank's share of its own batch
-    goes through the exchange too)."""
+    goes through the exchange too). "requests received": both ranks send
+    requests into table A's owner (rank 0), each under the limit, while
+    rank 0 would receive both, over it; checking the senders alone let the
+    requests through (MPI: a receive count over INT_MAX)."""
     config = {"f": ec.FeatureConfig(ec.TableConfig("A", 50, 8)), "g": ec.FeatureConfig(ec.TableConfig("B", 50, 8))}
     big = np.arange(40) % 50  # 40 bags of one id: 40 * 8 = 320 answer and gradient elements, ~90 request elements
     # The limits that let the earlier exchanges of the call through and stop this one.
-    limit = {"requests": 60, "answers": 200, "gradients": 10_000}[exchange]
+    limit = {"requests": 60, "answers": 200, "gradients": 10_000, "requests received": 60}[exchange]
+    received = exchange == "requests received"  # 20 bags on each rank: each sends 46 request elements
 
     def fn(world):
         emb = ec.Embedding(config, opt.SGD(0.5), world=world, sharding="table_wise")
         world.max_exchange_elements = limit
-        ids = big if world.rank == 0 else np.zeros(0, np.int64)
+        assert [s.rank for s in emb.plan["A"].shards] == [0]
+        ids = big[:20] if received else big if world.rank == 0 else np.zeros(0, np.int64)
         batch = {"f": ec.Ragged.from_lengths(ids, np.ones(ids.size, np.int64)),
                  "g": ec.Ragged.from_lengths(np.zeros(0, np.int64), np.zeros(0, np.int64))}
         before = _snapshot_bytes(emb)
@@ -1050,7 +1079,10 @@ def test_an_exchange_over_the_backends_limit_fails_every_rank_before_it_starts(e
     for rank, (error, unchanged, shape) in enumerate(results):
         assert isinstance(error, (ValueError, ed.RankFailedError)), (rank, repr(error))
         text = str(error)
-        assert f"({exchange})" in text and "all_to_all_v exchange" in text and "split the batch" in text, text
+        assert f"({exchange.split()[0]})" in text and "all_to_all_v exchange" in text, text
+        assert "split the batch" in text, text
+        if received:
+            assert isinstance(error, ValueError) and "rank 0 would receive" in text, text
         assert unchanged and shape == (1, 8)
 
 
@@ -1456,14 +1488,20 @@ def test_sparse_sequence_with_repeated_positions_matches_unsharded(sharding):
             np.testing.assert_array_equal(got[r].view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("case", ["dim", "learning rate", "max_sequence_length", "plan"])
+@pytest.mark.parametrize("case", ["dim", "learning rate", "max_sequence_length", "plan", "initializer", "dtype",
+                                  "combiner"])
 def test_a_construction_mismatch_names_the_table_the_field_and_both_values(case):
     """Every rank holds every rank's description of the embedding, so the
     ValueError says where they first differ: the table (or feature), the
-    field, and both ranks' values."""
+    field, and both ranks' values. An initializer (here its seed), a dtype
+    or a combiner that differs is refused too: each rank would otherwise
+    start its shards from its own values, or pool its bags its own way."""
     def fn(world):
         odd = world.rank == 1
-        table = ec.TableConfig("user", 100, 32 if odd and case == "dim" else 16, combiner="sum")
+        table = ec.TableConfig("user", 100, 32 if odd and case == "dim" else 16,
+                               combiner="mean" if odd and case == "combiner" else "sum",
+                               dtype="float16" if odd and case == "dtype" else "float32",
+                               initializer=init.Uniform(-1, 1, seed=8 if odd and case == "initializer" else 7))
         other = ec.TableConfig("item", 50, 4)
         seq = 7 if odd and case == "max_sequence_length" else 5
         lr = 0.5 if odd and case == "learning rate" else 0.05
@@ -1474,7 +1512,10 @@ def test_a_construction_mismatch_names_the_table_the_field_and_both_values(case)
     want = {"dim": ("table 'user' dim", "32", "16"),
             "learning rate": ("optimizer learning_rate: rank", "0.5", "0.05"),
             "max_sequence_length": ("feature 'h' max_sequence_length", "7", "5"),
-            "plan": ("table 'user' sharding", "column_wise", "row_wise")}[case]
+            "plan": ("table 'user' sharding", "column_wise", "row_wise"),
+            "initializer": ("table 'user' initializer", "seed=8", "seed=7"),
+            "dtype": ("table 'user' dtype", "float16", "float32"),
+            "combiner": ("table 'user' combiner", "mean", "sum")}[case]
     for r, e in enumerate(_run(3, _catching(fn))):
         assert isinstance(e, ValueError), (r, repr(e))
         msg = str(e)
