@@ -109,11 +109,13 @@ def check_ids(t, where: str) -> None:
 
 def _pretrained_dtype(owner: str, embeddings: Tensor, kwargs: dict):
     """The table dtype of ``from_pretrained``: ``dtype=`` (popped from
-    `kwargs`), else that of `embeddings`, which must be a float tensor (as
-    PyTorch's); a float64 one needs ``dtype=``, as no table holds float64."""
-    if not embeddings.is_floating_point():
-        raise TypeError(f"{owner}.from_pretrained: embeddings must be a floating-point tensor, got {embeddings.dtype}")
+    `kwargs`), else that of `embeddings`, which must then be a float tensor
+    (as a PyTorch weight that trains) other than float64, which no table
+    holds."""
     dtype = kwargs.pop("dtype", None)
+    if dtype is None and not embeddings.is_floating_point():
+        raise TypeError(f"{owner}.from_pretrained: embeddings must be a floating-point tensor, got {embeddings.dtype} "
+                        "(or pass dtype=, the table's, to convert them)")
     if dtype is None and embeddings.dtype == torch.float64:
         raise TypeError(f"{owner}.from_pretrained: embeddings are torch.float64, which an embedcore table cannot "
                         "hold (float32, float16 or bfloat16): pass dtype=torch.float32 (the values rounded to it), "

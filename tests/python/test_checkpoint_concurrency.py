@@ -398,7 +398,12 @@ def test_a_save_that_chose_its_generation_before_another_committed_it(tmp_path, 
         assert read_manifest(path)["generation"] == 2
     finally:
         (gate / "go").touch()
-        out, err = b.communicate(timeout=120)
+        try:
+            out, err = b.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            b.kill()  # (no saver left behind; the assertion that failed above, if one did, is chained)
+            out, err = b.communicate()
+            pytest.fail(f"saver B did not finish within 120 s of the gate opening:\n{err[-2000:]}")
     assert b.returncode == 0, err[-2000:]
     assert out.startswith(b_outcome), (out, err[-2000:])
     manifest = read_manifest(path)

@@ -421,9 +421,9 @@ def test_bad_configurations():
 def test_from_pretrained_takes_float_tensors_as_torch(cls):
     """A float64 tensor (any NumPy array's default) needs dtype= (no table
     holds float64; the message said only which dtypes are allowed), and an
-    integer tensor is refused, as PyTorch refuses one that trains (it became
-    a float32 table; a frozen torch Embedding keeps integer weights, which no
-    table holds)."""
+    integer tensor needs it too, as PyTorch refuses one that trains (it
+    became a float32 table; a frozen torch Embedding keeps integer weights,
+    which no table holds)."""
     w = np.random.default_rng(0).standard_normal((6, 3))
     with pytest.raises(TypeError, match=rf"{cls.__name__}.from_pretrained: embeddings are torch.float64, .* pass "
                                         r"dtype=torch.float32"):
@@ -435,3 +435,5 @@ def test_from_pretrained_takes_float_tensors_as_torch(cls):
     m = cls.from_pretrained(torch.from_numpy(w), dtype=torch.float32)
     assert m.weight.dtype == torch.float32
     np.testing.assert_array_equal(m.weight.detach().numpy(), w.astype(np.float32))
+    m = cls.from_pretrained(torch.arange(18).reshape(6, 3), dtype=torch.float32)  # converted when dtype= says so
+    np.testing.assert_array_equal(m.weight.detach().numpy(), np.arange(18, dtype=np.float32).reshape(6, 3))
