@@ -43,9 +43,10 @@ _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 def _transport_device(group) -> torch.device:
     """Where the tensors of the group's collectives must live: CPU when the
     group has a CPU backend (gloo, MPI), else the current CUDA device (NCCL)."""
-    name = str(dist.get_backend(group)).lower()
+    parts = _backend_parts(str(dist.get_backend(group)))
     # A default group may be mixed, e.g. "cpu:gloo,cuda:nccl": CPU tensors then go through gloo.
-    if "nccl" in name and not any(b in name for b in ("gloo", "mpi", "cpu:")):
+    takes_cpu = any(name in ("gloo", "mpi") or device == "cpu" for device, name in parts)
+    if any(name == "nccl" for _, name in parts) and not takes_cpu:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
