@@ -690,3 +690,16 @@ def test_init_backend_must_be_the_groups(asked, group, matches):
     from embedcore.adapters.torch.distributed import _backend_matches
 
     assert _backend_matches(asked, group) is matches
+
+
+@pytest.mark.parametrize("group, device", [("gloo", "cpu"), ("mpi", "cpu"), ("cpu:gloo,cuda:nccl", "cpu"),
+                                           ("nccl", "cuda"), ("cuda:nccl", "cuda")])
+def test_collectives_move_tensors_where_the_groups_backend_takes_them(monkeypatch, group, device):
+    """A group with a CPU backend (gloo, MPI, a cpu: part) moves CPU tensors;
+    an NCCL-only group, the current CUDA device's."""
+    from embedcore.adapters.torch import distributed as d
+
+    monkeypatch.setattr(d.dist, "get_backend", lambda group=None: group_name)
+    monkeypatch.setattr(d.torch.cuda, "current_device", lambda: 0)
+    group_name = group
+    assert d._transport_device(None).type == device
