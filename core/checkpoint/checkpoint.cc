@@ -97,10 +97,16 @@ void ReleaseFlock(int fd) noexcept {
 // -1 when another save holds it (it is writing them: keep them), else a
 // descriptor that holds the claim file's lock until closed (so the save that
 // created it, if still between its create and its flock, waits, then finds the
-// file gone and claims another generation), or -2 when there is no claim file.
+// file gone and claims another generation), or -2 when there is no claim file
+// (ENOENT). A claim file that is there but cannot be opened (another user's
+// mode 0600 claim: EACCES; no descriptor left: EMFILE, ENFILE; EIO) may be a
+// live save's: -1, its files are kept.
 int TakeClaimForRemoval(const std::string& dir, uint64_t generation) {
-  const int fd = ::open(JoinPath(dir, ClaimName(generation)).c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) return -2;
+  int fd;
+  do {
+    fd = ::open(JoinPath(dir, ClaimName(generation)).c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) return errno == ENOENT ? -2 : -1;
   // Shared: it conflicts with the claim's exclusive lock, and NFS grants it on
   // a descriptor opened for reading (an exclusive one would need writing).
   if (::flock(fd, LOCK_SH | LOCK_NB) != 0) {

@@ -1,0 +1,62 @@
+"""The checkpoint code under failing system calls, injected by the LD_PRELOAD
+shim of faults.py in a child process: what a save or a load does when an
+open, a read, a listing or an fsync fails (EIO, EACCES, EMFILE, EINTR)."""
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+
+import embedcore as ec
+import faults
+from test_checkpoint_forge import read_manifest
+
+ROWS, DIM = 1000, 16
+
+
+def make_table(seed: int, name: str = "t") -> ec.Table:
+    t = ec.Table(name=name, rows=ROWS, dim=DIM, optimizer=ec.optimizers.Adagrad(0.1),
+                 initializer=ec.initializers.Uniform(-1, 1, seed=seed))
+    ids = np.arange(0, ROWS, 7, dtype=np.int64)
+    t.apply_gradients(ids, np.arange(len(ids) + 1, dtype=np.int64), np.full((len(ids), DIM), seed, np.float32))
+    return t
+
+
+_SAVE = """
+import sys
+import numpy as np
+import embedcore as ec
+t = ec.Table(name="t", rows={rows}, dim={dim}, optimizer=ec.optimizers.Adagrad(0.1),
+             initializer=ec.initializers.Uniform(-1, 1, seed=int(sys.argv[2])))
+try:
+    ec.save(sys.argv[1], t)
+except Exception as e:
+    print("failed:", type(e).__name__, getattr(e, "errno", None), e)
+else:
+    print("saved")
+""".format(rows=ROWS, dim=DIM)
+
+
+def test_a_claim_that_cannot_be_opened_keeps_its_save_files(tmp_path):
+    """A commit removes the files of a generation only when it holds that
+    generation's claim, or when there is no claim file. A claim file that is
+    there but cannot be opened (another user's mode 0600 claim: EACCES;
+    EMFILE, ENFILE) may be a live save's: its files stay. (Every open failure
+    read as "no claim file" removed a live save's files and claim.)"""
+    path = tmp_path / "ckpt"
+    ec.save(path, make_table(1))  # generation 1
+    # Another user's save in progress, at generation 5: its claim and a data file it is writing.
+    claim = path / "MANIFEST.tmp.g000000000005"
+    data = path / "t00000.values.g000000000005.ecd"
+    claim.write_bytes(b"")
+    data.write_bytes(b"being written")
+    for err in (errno.EACCES, errno.EMFILE, errno.EIO):
+        r = faults.run(tmp_path, _SAVE, f"open:MANIFEST.tmp.g000000000005:*:{err}", path, 2)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.startswith("saved"), (r.stdout, r.stderr[-3000:])
+        assert claim.exists() and data.exists(), (errno.errorcode[err], sorted(os.listdir(path)))
+    assert read_manifest(path)["generation"] == 8  # above the claimed 5: 6, 7, 8
+    # Without the fault the claim (not locked: its save died) is taken, and its files removed.
+    ec.save(path, make_table(3))
+    assert not claim.exists() and not data.exists()
