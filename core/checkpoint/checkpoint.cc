@@ -869,8 +869,12 @@ void CommitManifest(const std::string& path, const std::string& json, uint64_t g
   // at a time (so the generation that MANIFEST names is this one throughout),
   // and none while a reader holds it shared.
   CheckpointLock lock(path, true);
-  if (::rename(tmp.c_str(), JoinPath(path, checkpoint::kManifestName).c_str()) != 0)
-    throw IoError(tmp + ": rename to MANIFEST failed: " + checkpoint::ErrnoText(errno), errno);
+  int renamed;
+  do {
+    renamed = ::rename(tmp.c_str(), JoinPath(path, checkpoint::kManifestName).c_str());
+  } while (renamed != 0 && errno == EINTR);  // (one that took effect before the signal fails again, ENOENT: the
+                                              // save then fails, and RemoveGeneration keeps the MANIFEST of its generation)
+  if (renamed != 0) throw IoError(tmp + ": rename to MANIFEST failed: " + checkpoint::ErrnoText(errno), errno);
   checkpoint::SyncDirectory(path);
 
   // Only now remove what the new manifest does not name: other generations and
@@ -907,16 +911,29 @@ void CheckFilesPresent(const std::string& path, const CheckpointInfo& info, bool
 namespace {
 void MakeCheckpointDirectory(const std::string& path) {
   CheckPathGiven(path);
-  if (::mkdir(path.c_str(), 0755) == 0) {
+  int made;
+  bool interrupted = false;
+  do {
+    made = ::mkdir(path.c_str(), 0755);
+    interrupted = interrupted || (made != 0 && errno == EINTR);
+  } while (made != 0 && errno == EINTR);
+  // An interrupted mkdir may have made the directory before the signal: its entry is synced as a new one's.
+  if (made == 0 || (interrupted && errno == EEXIST)) {
     // The new directory's entry is durable before a commit inside it claims to be.
     std::string parent = path;
     while (parent.size() > 1 && parent.back() == '/') parent.pop_back();
     const size_t slash = parent.rfind('/');
     parent = slash == std::string::npos ? "." : (slash == 0 ? "/" : parent.substr(0, slash));
     // Best effort: a parent this process may write but not read (a drop box) cannot be opened to sync.
-    const int fd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int fd;
+    do {
+      fd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    } while (fd < 0 && errno == EINTR);
     if (fd >= 0) {
-      const int rc = ::fsync(fd);
+      int rc;
+      do {
+        rc = ::fsync(fd);
+      } while (rc != 0 && errno == EINTR);
       const int err = errno;
       ::close(fd);
       if (rc != 0 && err != EINVAL) throw IoError(parent + ": fsync failed: " + checkpoint::ErrnoText(err), err);

@@ -96,12 +96,20 @@ class File {
     }
   }
   void Sync() {
-    if (::fsync(fd_) != 0) throw IoError(path_ + ": fsync failed: " + ErrnoText(errno), errno);
+    int rc;
+    do {
+      rc = ::fsync(fd_);
+    } while (rc != 0 && errno == EINTR);  // a signal: nothing was lost, sync again
+    if (rc != 0) throw IoError(path_ + ": fsync failed: " + ErrnoText(errno), errno);
   }
+  /// Closes the descriptor. EINTR is success: Linux has released the
+  /// descriptor by then (closing it again could close another thread's new
+  /// one), and a write's data was made durable by the Sync before.
   void Close() {
-    if (fd_ >= 0 && ::close(fd_) != 0) {
+    if (fd_ >= 0 && ::close(fd_) != 0 && errno != EINTR) {
+      const int err = errno;
       fd_ = -1;
-      throw IoError(path_ + ": close failed: " + ErrnoText(errno), errno);
+      throw IoError(path_ + ": close failed: " + ErrnoText(err), err);
     }
     fd_ = -1;
   }

@@ -7,6 +7,7 @@ import errno
 import os
 
 import numpy as np
+import pytest
 
 import embedcore as ec
 import faults
@@ -60,3 +61,31 @@ def test_a_claim_that_cannot_be_opened_keeps_its_save_files(tmp_path):
     # Without the fault the claim (not locked: its save died) is taken, and its files removed.
     ec.save(path, make_table(3))
     assert not claim.exists() and not data.exists()
+
+
+
+@pytest.mark.parametrize("call,where,calls", [
+    ("fsync", ".values.g", "1"),             # a data file's
+    ("fsync", "MANIFEST.tmp.g", "1"),        # the temporary manifest's
+    ("fsync", "{parent}", "1-2"),            # the parent's after the mkdir, then the directory's
+    ("rename", "MANIFEST.tmp.g", "1"),
+    ("mkdir", "ckpt", "1"),
+    ("close", ".values.g", "1"),
+    ("close", "MANIFEST.tmp.g", "1"),
+])
+def test_a_save_retries_calls_a_signal_interrupts(tmp_path, call, where, calls):
+    """EINTR (a signal handled while a call waits, on NFS or FUSE) is no
+    failure: fsync (of a data file, the manifest and the directories), the
+    rename to MANIFEST and the mkdir of the directory are retried, and a
+    close interrupted has closed (Linux), so a save completes. (Each raised
+    InterruptedError.)"""
+    path = tmp_path / "ckpt"
+    rule = f"{call}:{where.format(parent=tmp_path)}:{calls}:{errno.EINTR}"
+    r = faults.run(tmp_path, _SAVE, rule, path, 2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("saved"), (rule, r.stdout, r.stderr[-3000:])
+    got = make_table(7)
+    ec.load(path, got)
+    want = ec.Table(name="t", rows=ROWS, dim=DIM, initializer=ec.initializers.Uniform(-1, 1, seed=2))
+    assert np.array_equal(got.values(), want.values())
+    assert ec.checkpoint.read_info(path).generation == 1
