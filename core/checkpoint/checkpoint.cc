@@ -966,13 +966,17 @@ CheckpointLock::CheckpointLock(const std::string& path, bool exclusive) {
   if (fd < 0) {
     // Without the lock a reader could map files a commit removes meanwhile:
     // a directory it may search but not read (mode 711) is refused, not
-    // served unlocked. Not a directory (or none): the caller's next step says so.
-    if (errno == EACCES || errno == EPERM)
-      throw IoError(path + ": cannot open the directory to lock it: " + checkpoint::ErrnoText(errno) +
-                        " (a checkpoint's readers and writers need read permission on it, and search "
-                        "permission on the directories above it)",
-                    errno);
-    return;
+    // served unlocked. Not a directory (or none): the caller's next step says
+    // so. Any other failure (EIO, no descriptor left: EMFILE, ENFILE) is raised,
+    // never run through unlocked.
+    const int err = errno;
+    if (err == ENOENT || err == ENOTDIR) return;
+    throw IoError(path + ": cannot open the directory to lock it: " + checkpoint::ErrnoText(err) +
+                      (err == EACCES || err == EPERM
+                           ? " (a checkpoint's readers and writers need read permission on it, and search "
+                             "permission on the directories above it)"
+                           : ""),
+                  err);
   }
   int rc;
   do {

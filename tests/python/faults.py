@@ -10,7 +10,8 @@ EMBEDCORE_TEST_FAULTS is a list of rules separated by ';', each
 - call: open (every open entry point), opendir, rename (either path),
   mkdir, or one on a descriptor: fsync, close, pread (matched on the path
   the descriptor was opened with);
-- substring: the rule applies to paths that contain it;
+- substring: the rule applies to paths that contain it (ending in '$':
+  to paths that end with the rest);
 - calls: which of its matching calls fail, 1-based: ``N``, ``N-M`` or ``*``
   (every one);
 - errno: the number the call fails with. A failing close closes the
@@ -76,7 +77,13 @@ static int fault(const char* call, const char* path) {
   int err = 0;
   for (int i = 0; i < nrules && !err; ++i) {
     struct rule* r = &rules[i];
-    if (strcmp(r->call, call) != 0 || strstr(path, r->sub) == NULL) continue;
+    if (strcmp(r->call, call) != 0) continue;
+    const size_t len = strlen(r->sub), plen = strlen(path);
+    if (len > 0 && r->sub[len - 1] == '$') {  /* a suffix */
+      if (plen < len - 1 || strncmp(path + plen - (len - 1), r->sub, len - 1) != 0) continue;
+    } else if (strstr(path, r->sub) == NULL) {
+      continue;
+    }
     const long n = ++r->seen;
     if (n >= r->lo && (r->hi < 0 || n <= r->hi)) err = r->err;
   }

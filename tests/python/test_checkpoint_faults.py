@@ -89,3 +89,33 @@ def test_a_save_retries_calls_a_signal_interrupts(tmp_path, call, where, calls):
     want = ec.Table(name="t", rows=ROWS, dim=DIM, initializer=ec.initializers.Uniform(-1, 1, seed=2))
     assert np.array_equal(got.values(), want.values())
     assert ec.checkpoint.read_info(path).generation == 1
+
+
+_LOAD = """
+import sys
+import numpy as np
+import embedcore as ec
+t = ec.Table(name="t", rows={rows}, dim={dim}, optimizer=ec.optimizers.Adagrad(0.1), initializer=ec.initializers.Zeros())
+try:
+    ec.load(sys.argv[1], t)
+except Exception as e:
+    print("failed:", type(e).__name__, getattr(e, "errno", None), e)
+    print("unchanged" if not t.values().any() and t.step == 0 else "changed")
+else:
+    print("loaded")
+""".format(rows=ROWS, dim=DIM)
+
+
+@pytest.mark.parametrize("err", [errno.EMFILE, errno.ENFILE, errno.EIO])
+def test_a_directory_that_cannot_be_opened_to_lock_it_fails_the_load(tmp_path, err):
+    """A load holds the directory's lock (flock) so that no commit removes
+    its files meanwhile; an open of the directory that fails for any reason
+    but its absence raises OSError naming it. (Only EACCES and EPERM did:
+    EMFILE, ENFILE or EIO ran the load without the lock.)"""
+    path = tmp_path / "ckpt"
+    ec.save(path, make_table(1))
+    r = faults.run(tmp_path, _LOAD, f"open:{path}$:*:{err}", path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith(f"failed: OSError {err} "), r.stdout
+    assert f"{path}: cannot open the directory to lock it: {os.strerror(err)}" in r.stdout
+    assert r.stdout.endswith("unchanged\n")

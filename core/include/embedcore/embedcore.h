@@ -616,7 +616,8 @@ void VerifyCheckpoint(const CheckpointInfo& info, bool check_finite);
 /// a load is reading (it waits for the load), and a read waits at most for a
 /// commit. Blocks until granted. Takes no lock when `path` is not a directory
 /// (the call that follows reports that) or the filesystem has no flock (some
-/// network filesystems). Not reentrant.
+/// network filesystems); throws IoError (its errno) when the directory is
+/// there but cannot be opened (EACCES, EIO, EMFILE, ...). Not reentrant.
 class CheckpointLock {
  public:
   CheckpointLock(const std::string& path, bool exclusive);
