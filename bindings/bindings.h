@@ -171,8 +171,10 @@ inline Combiner ToCombiner(int c) {
   return Combiner(c);
 }
 
-/// The output's dimensions; InvalidArgument when its float count (or bytes) overflows.
-inline std::vector<size_t> OutputDims(const Batch& b, const OutputShape& s, int64_t dim) {
+/// The output's dimensions; InvalidArgument when its float count (or bytes)
+/// overflows, naming `what` (a lookup's output, a step's grads).
+inline std::vector<size_t> OutputDims(const Batch& b, const OutputShape& s, int64_t dim,
+                                      const char* what = "the lookup's output") {
   std::vector<size_t> dims;
   if (s.combiner != Combiner::kNone)
     dims = {size_t(b.num_bags), size_t(dim)};
@@ -183,10 +185,19 @@ inline std::vector<size_t> OutputDims(const Batch& b, const OutputShape& s, int6
   size_t n = sizeof(float);
   for (size_t d : dims)
     if (__builtin_mul_overflow(n, d, &n) || n > size_t(INT64_MAX))
-      throw InvalidArgument("the lookup's output (" + std::to_string(b.num_bags) + " bags, max_sequence_length " +
+      throw InvalidArgument(std::string(what) + " (" + std::to_string(b.num_bags) + " bags, max_sequence_length " +
                             std::to_string(s.max_sequence_length) + ", dim " + std::to_string(dim) +
                             ") would not fit in memory: its size overflows");
   return dims;
+}
+
+/// The float count of OutputDims (checked the same way): what a lookup
+/// writes, or a step's grads hold.
+inline size_t OutputFloats(const Batch& b, const OutputShape& s, int64_t dim,
+                           const char* what = "the lookup's output") {
+  size_t n = 1;
+  for (size_t d : OutputDims(b, s, dim, what)) n *= d;
+  return n;
 }
 
 using internal::Overlaps;  // (core/shared_checks.h)

@@ -145,8 +145,9 @@ GradientPart MakePart(const Table& t, const Ids& ids, const Offsets& offsets, co
   GradientPart p;
   p.batch = MakeBatch(ids, offsets, weights);
   p.shape = OutputShape{ToCombiner(combiner), max_len};
-  const int64_t rows = p.shape.OutputRows(p.batch);
-  const size_t want = size_t(rows) * size_t(t.dim());
+  // Checked: a product that wrapped (max_sequence_length 2**62, dim 4: 0) would pass an empty array.
+  const size_t want = OutputFloats(p.batch, p.shape, t.dim(), "grads");
+  const int64_t rows = int64_t(want / size_t(t.dim()));
   if (grads.size() != want)
     throw InvalidArgument("grads must hold " + std::to_string(want) + " float32 values" +
                           (name_shape ? " (" + std::to_string(rows) + " x " + std::to_string(t.dim()) + ")" : "") +
@@ -360,7 +361,7 @@ void LookupCuda(const Table& t, const CudaIdArray& ids, const CudaOffsetArray& o
   CheckOnDevice(t, out.device_id(), "out");
   const Batch batch = MakeBatch(ids, offsets, weights);
   const OutputShape shape{ToCombiner(combiner), max_sequence_length};
-  const size_t want = size_t(shape.OutputRows(batch)) * size_t(t.dim());
+  const size_t want = OutputFloats(batch, shape, t.dim());  // checked: a product that wrapped would pass
   if (out.size() != want) throw InvalidArgument("out must hold " + std::to_string(want) + " float32 values");
   ReleaseGil release;
   t.Lookup(batch, shape, out.data(), stream);

@@ -250,3 +250,22 @@ def test_max_sequence_length_with_a_pooled_combiner_is_refused():
     # 0 with a combiner, or a length with combiner=None, are fine.
     assert t.lookup(ids, offs, combiner="sum", max_sequence_length=0).shape == (1, 2)
     assert t.lookup(ids, offs, combiner=None, max_sequence_length=2).shape == (1, 2, 2)
+
+
+def test_grads_whose_size_overflows_are_refused_through_the_native_call():
+    """The size a step's grads must have (rows x dim) is a checked product: a
+    sequence step of max_sequence_length 2**62 and dim 4 wants 2**64 values,
+    which wrapped to 0, so an empty grads array passed and the engine read
+    past it. Refused (ValueError) naming the shape, the table unchanged;
+    the lookup of the same shape is refused as before."""
+    t = ec.Table(name="t", rows=8, dim=4, initializer=ec.initializers.Constant(0.0),
+                 optimizer=ec.optimizers.SGD(learning_rate=1.0))
+    before = snapshot(t)
+    ids, offsets = np.array([0], np.int64), np.array([0, 1], np.int64)
+    with pytest.raises(ValueError, match=re.escape("grads (1 bags, max_sequence_length 4611686018427387904, "
+                                                   "dim 4) would not fit in memory: its size overflows")):
+        t._native.apply_gradients([(ids, offsets, None, 3, 2**62, np.empty(0, np.float32))], 1.0)
+    assert_unchanged(t, before)
+    with pytest.raises(ValueError, match="the lookup's output .* overflows"):
+        t._native.lookup(ids, offsets, None, 3, 2**62)
+
