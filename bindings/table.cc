@@ -690,6 +690,13 @@ void BindTable(nb::module_& m) {
           "read_values",
           [](const Table& t, int64_t start_row, int64_t n) {
             if (n < 0) throw InvalidArgument("n must be >= 0, got " + std::to_string(n));
+            // The rows first: a range past the table is an IndexError, not an allocation of n x dim floats.
+            if (start_row < 0 || start_row > t.rows() || n > t.rows() - start_row)
+              throw OutOfRange("table '" + t.spec().name + "': read rows [" + std::to_string(start_row) + ", " +
+                               (start_row > 0 && n > INT64_MAX - start_row
+                                    ? std::to_string(start_row) + " + " + std::to_string(n)
+                                    : std::to_string(start_row + n)) +
+                               ") do not fit in [0, " + std::to_string(t.rows()) + ")");
             auto [data, owner] = NewResult<float>(size_t(n) * size_t(t.dim()));
             {
               ReleaseGil release;

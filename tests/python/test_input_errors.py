@@ -269,3 +269,15 @@ def test_grads_whose_size_overflows_are_refused_through_the_native_call():
     with pytest.raises(ValueError, match="the lookup's output .* overflows"):
         t._native.lookup(ids, offsets, None, 3, 2**62)
 
+
+def test_read_values_checks_its_rows_before_it_allocates():
+    """read_values(start_row, n) past the table is an IndexError naming the
+    rows, whatever n: it was allocated first (n = 10**12: MemoryError for
+    58 TiB)."""
+    t = ec.Table(name="t", rows=8, dim=16)
+    for start, n in ((0, 9), (0, 10**12), (7, 2), (9, 0), (1, 2**63 - 1)):
+        with pytest.raises(IndexError, match=re.escape(f"table 't': read rows [{start}, ") + ".* do not fit in "
+                                             r"\[0, 8\)"):
+            t._native.read_values(start, n)
+    assert t._native.read_values(8, 0).shape == (0, 16)
+    assert t._native.read_values(2, 6).shape == (6, 16)
