@@ -1764,10 +1764,14 @@ void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShap
     internal::RunLookup(raw.data(), DType::kUInt8Rowwise, batch.nnz, t.dim, gathered, shape, out);
     return;
   }
+  // The ids read once, before the bands: one row gathered from each band of one id, even while a caller's
+  // thread rewrites the ids (read once per band, a row could take its bands from two ids).
+  std::vector<int64_t> ids(size_t(batch.nnz));
+  for (int64_t k = 0; k < batch.nnz; ++k) ids[size_t(k)] = id_at(k);
   std::vector<float> rows(size_t(batch.nnz) * size_t(t.dim));
   for (const auto& band : mt.bands) {
     for (int64_t k = 0; k < batch.nnz; ++k) {
-      const int64_t id = id_at(k);
+      const int64_t id = ids[size_t(k)];
       const Mapped& m = mt.FileOf(band, id);
       TouchRow(m, id);
       LoadMappedRow(m, id, rows.data() + size_t(k) * size_t(t.dim) + size_t(band.col_start));

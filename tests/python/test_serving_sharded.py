@@ -133,3 +133,36 @@ def test_many_threads_serve_a_sharded_checkpoint(tmp_path):
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_a_row_of_several_bands_is_of_one_id_while_the_ids_are_rewritten(tmp_path):
+    """A table in column bands gathers each occurrence's row band by band; the
+    ids are read once for all bands, so each output row is one id's whole
+    row even while another thread rewrites the ids (a caller's bug, which
+    may give either id's row, never a mix). The ids were read once per
+    band: a row took its first columns from one id and the rest from the
+    other."""
+    _trained_sharded(tmp_path / "c", 3, "column_wise", steps=1)
+    table = ec.serving.open(tmp_path / "c").tables["c"]
+    rows = table.lookup(np.array([5, 300]))
+    assert not np.array_equal(rows[0][:2], rows[1][:2]) and not np.array_equal(rows[0][2:], rows[1][2:])
+    n = 1 << 19
+    ids = np.full(n, 5, np.int64)
+    a, b = np.full(n, 5, np.int64), np.full(n, 300, np.int64)
+    stop = threading.Event()
+
+    def flip():
+        while not stop.is_set():
+            np.copyto(ids, b)
+            np.copyto(ids, a)
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    try:
+        for _ in range(20):
+            got = table.lookup(ids)
+            whole = (got == rows[0]).all(axis=1) | (got == rows[1]).all(axis=1)
+            assert whole.all(), f"{(~whole).sum()} of {n} rows mix two ids' columns"
+    finally:
+        stop.set()
+        flipper.join()
