@@ -822,6 +822,11 @@ void ReadDataBlock(const std::string& dir, const FileEntry& f, void* dst, DType 
   const uint64_t map_hi = kDataOffset + src0 + uint64_t(r1 - r0) * src_row;
   void* p = ::mmap(nullptr, size_t(map_hi - map_lo), PROT_READ, MAP_SHARED, file.fd(), off_t(map_lo));
   if (p == MAP_FAILED) throw IoError(file.path() + ": mmap failed: " + checkpoint::ErrnoText(errno), errno);
+  struct Unmap {  // also when the copy below throws
+    void* p;
+    size_t n;
+    ~Unmap() { ::munmap(p, n); }
+  } unmap{p, size_t(map_hi - map_lo)};
   const char* base = static_cast<const char*>(p) + (kDataOffset + src0 - map_lo);
   const int64_t width = c1 - c0;
   ParallelFor(r1 - r0, std::max<int64_t>(1, 4096 / width), [&](int64_t a, int64_t b) {
@@ -837,7 +842,6 @@ void ReadDataBlock(const std::string& dir, const FileEntry& f, void* dst, DType 
       }
     }
   });
-  ::munmap(p, size_t(map_hi - map_lo));
 }
 
 }  // namespace
