@@ -169,12 +169,25 @@ bool IsOurFile(const std::string& name, uint64_t* generation) {
   return ParseGeneration(name, g + 2, name.size() - 4, generation);
 }
 
+// Every name in `dir`; IoError (its errno) when it cannot be listed, or not
+// to the end: a save that went on with a partial list could pick a generation
+// that is there (the live one) or remove what it did not see the claim of.
 std::vector<std::string> ListDirectory(const std::string& dir) {
   std::vector<std::string> names;
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return names;
-  while (dirent* e = ::readdir(d)) names.emplace_back(e->d_name);
+  DIR* d;
+  do {
+    d = ::opendir(dir.c_str());
+  } while (d == nullptr && errno == EINTR);
+  if (d == nullptr) throw IoError(dir + ": cannot list the directory: " + checkpoint::ErrnoText(errno), errno);
+  for (;;) {
+    errno = 0;
+    dirent* e = ::readdir(d);
+    if (e == nullptr) break;
+    names.emplace_back(e->d_name);
+  }
+  const int err = errno;
   ::closedir(d);
+  if (err != 0) throw IoError(dir + ": cannot list the directory: " + checkpoint::ErrnoText(err), err);
   return names;
 }
 
@@ -341,8 +354,21 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const s
   h.aux = kBlockBytes;
   SealHeader(h);
 
+  // Created, never truncated: a claimed generation's files are not there (the
+  // claim stands only above every generation present), so a file of this name
+  // is another writer's (the live checkpoint's, were a generation picked
+  // wrong): refused rather than overwritten.
   const std::string path = JoinPath(dir, name);
-  File file(path, O_WRONLY | O_CREAT | O_TRUNC);
+  File file = [&] {
+    try {
+      return File(path, O_WRONLY | O_CREAT | O_EXCL);
+    } catch (const IoError& e) {
+      if (e.error_number() != EEXIST) throw;
+      throw IoError(path + ": exists already: a save writes new files only, and this one's generation has files "
+                           "(another writer's?)",
+                    EEXIST);
+    }
+  }();
   std::vector<char> head(kDataOffset, 0);
   std::memcpy(head.data(), &h, sizeof(h));
   file.WriteAll(head.data(), head.size());
@@ -883,8 +909,16 @@ void CommitManifest(const std::string& path, const std::string& json, uint64_t g
 
   // Only now remove what the new manifest does not name: other generations and
   // leftovers, but not the files of a save in progress (its claim is held).
+  // Best effort: the save has committed; a directory that cannot be listed now
+  // keeps them, for the next save to remove.
+  std::vector<std::string> names;
+  try {
+    names = ListDirectory(path);
+  } catch (const IoError&) {
+    return;
+  }
   std::map<uint64_t, std::vector<std::string>> files;
-  for (const std::string& name : ListDirectory(path)) {
+  for (const std::string& name : names) {
     uint64_t g = 0;
     if (IsOurFile(name, &g) && (g != generation || name.rfind("MANIFEST.tmp.", 0) == 0)) files[g].push_back(name);
   }
@@ -1031,8 +1065,14 @@ uint64_t NewestGeneration(const std::string& path, const std::string& except = "
   }
   try {
     generation = std::max(generation, ReadCheckpointInfo(path).generation);
-  } catch (const std::exception&) {
-    // No valid checkpoint there yet: nothing to keep.
+  } catch (const CheckpointError&) {
+    // No valid checkpoint there (none yet, a corrupt or foreign MANIFEST, a file it names missing): its
+    // generation is in no MANIFEST to keep; its files' generations were listed above.
+  } catch (const IoError& e) {
+    // A MANIFEST that is there but cannot be read (EIO, EMFILE): which generation is live is unknown, and a
+    // save that went on could pick it and write over the live checkpoint's files.
+    struct stat st;
+    if (::lstat(JoinPath(path, checkpoint::kManifestName).c_str(), &st) == 0 || errno != ENOENT) throw;
   }
   return generation;
 }

@@ -119,3 +119,47 @@ def test_a_directory_that_cannot_be_opened_to_lock_it_fails_the_load(tmp_path, e
     assert r.stdout.startswith(f"failed: OSError {err} "), r.stdout
     assert f"{path}: cannot open the directory to lock it: {os.strerror(err)}" in r.stdout
     assert r.stdout.endswith("unchanged\n")
+
+
+def _saved_values(seed: int):
+    return ec.Table(name="t", rows=ROWS, dim=DIM, initializer=ec.initializers.Uniform(-1, 1, seed=seed)).values()
+
+
+@pytest.mark.parametrize("rule", ["opendir:ckpt$:*:5", "pread:MANIFEST$:2-99:5",
+                                  "opendir:ckpt$:*:5;pread:MANIFEST$:2-99:5"])
+def test_a_save_that_cannot_list_the_directory_or_read_its_manifest_fails(tmp_path, rule):
+    """A save picks a generation above every one present, from the listing
+    of the directory and its MANIFEST: one that cannot list it (opendir or
+    readdir fails) or read a MANIFEST that is there (EIO) raises OSError,
+    and the live checkpoint stays whole. (An empty list and an ignored read
+    error made it pick the live generation, and open its files with
+    O_TRUNC: the checkpoint was lost.)"""
+    path = tmp_path / "ckpt"
+    r = faults.run(tmp_path, _SAVE, "", path, 1)  # generation 1
+    assert r.stdout.startswith("saved"), r.stdout + r.stderr[-2000:]
+    r = faults.run(tmp_path, _SAVE, rule, path, 2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("failed: OSError 5 "), r.stdout
+    assert ("cannot list the directory" if rule.startswith("opendir") else "MANIFEST: read failed") in r.stdout
+    got = make_table(7)
+    ec.load(path, got)
+    assert np.array_equal(got.values(), _saved_values(1))
+    assert read_manifest(path)["generation"] == 1
+
+
+def test_a_data_file_is_never_overwritten(tmp_path):
+    """A save creates its data files (O_EXCL): a file of the same name
+    (another writer's; the live checkpoint's, were the generation picked
+    wrong) is refused with FileExistsError naming it, and stays as it was.
+    (They were opened with O_TRUNC.)"""
+    from embedcore import _embedcore
+    path = tmp_path / "ckpt"
+    ec.save(path, make_table(1))
+    name = read_manifest(path)["tables"][0]["values"][0]["path"]
+    before = (path / name).read_bytes()
+    with pytest.raises(FileExistsError, match=f"{name}: exists already"):
+        _embedcore.write_shard_files(str(path), 1, "t00000.", -1, make_table(2)._native, 0, 0, True)
+    assert (path / name).read_bytes() == before
+    got = make_table(7)
+    ec.load(path, got)
+    assert np.array_equal(got.values(), make_table(1).values())
