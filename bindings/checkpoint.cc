@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "checkpoint/rethrow.h"
 #include "embedcore/embedcore.h"
 
 namespace nb = nanobind;
@@ -119,12 +120,17 @@ void BindCheckpoint(nb::module_& m) {
   m.def(
       "verify_table_block",
       [](const CheckpointInfo& info, size_t index, const Table& table, int64_t row_start, int64_t col_start,
-         bool load_optimizer) {
+         bool load_optimizer, LoadFiles* files) {
         if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
         ReleaseGil release;
-        VerifyTableBlock(info, info.tables[index], table, row_start, col_start, load_optimizer);
+        VerifyTableBlock(info, info.tables[index], table, row_start, col_start, load_optimizer, true, files);
       },
-      "info"_a, "index"_a, "table"_a, "row_start"_a, "col_start"_a, "load_optimizer"_a);
+      "info"_a, "index"_a, "table"_a, "row_start"_a, "col_start"_a, "load_optimizer"_a, "files"_a.none() = nb::none(),
+      "Verifies the block; with `files` (a LoadFiles), the files it verified stay open there for load_tables.");
+  nb::class_<LoadFiles>(m, "LoadFiles",
+                        "The data files of one load, opened by its verification and read by its copy.")
+      .def(nb::init<>())
+      .def("close", &LoadFiles::Close, "Closes them.");
   m.def(
       "table_like",
       [](const CheckpointInfo& info, size_t index, int64_t rows, int64_t dim) {
@@ -203,23 +209,37 @@ void BindCheckpoint(nb::module_& m) {
   m.def(
       "load_tables",
       [](const CheckpointInfo& info, const std::vector<std::tuple<size_t, Table*, int64_t, int64_t>>& items,
-         bool load_optimizer) {
+         bool load_optimizer, LoadFiles* files, const std::string& again) {
         for (const auto& [index, table, row_start, col_start] : items) {
           if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
           if (table == nullptr) throw InvalidArgument("load_tables: None given as a table");
         }
         // One call, without the GIL throughout: an interrupt (Ctrl-C) cannot stop it between two tables.
         ReleaseGil release;
+        std::string loaded;  // the tables loaded before one that failed
         for (const auto& [index, table, row_start, col_start] : items) {
-          if (row_start < 0)
-            LoadTable(info, info.tables[index], *table, load_optimizer, false);
-          else
-            LoadTableBlock(info, info.tables[index], *table, row_start, col_start, load_optimizer, false);
+          try {
+            if (row_start < 0) {
+              CheckLoadable(info, info.tables[index], *table, load_optimizer);
+              LoadTableBlock(info, info.tables[index], *table, 0, 0, load_optimizer, false, true, files);
+            } else {
+              LoadTableBlock(info, info.tables[index], *table, row_start, col_start, load_optimizer, false, true,
+                             files);
+            }
+          } catch (...) {
+            checkpoint::RethrowWithNote(
+                (loaded.empty() ? std::string()
+                                : "; this load had loaded " + loaded + " before it: load them all again") +
+                again);
+          }
+          loaded += (loaded.empty() ? "'" : ", '") + table->spec().name + "'";
         }
       },
-      "info"_a, "items"_a, "load_optimizer"_a,
+      "info"_a, "items"_a, "load_optimizer"_a, "files"_a.none() = nb::none(), "again"_a = "",
       "Loads, already verified, each (index, table, row_start, col_start) of `items`: the whole table `index` "
-      "where row_start < 0, else the block of it that `table` holds. All in one native call.");
+      "where row_start < 0, else the block of it that `table` holds. All in one native call, reading the files "
+      "`files` holds (those verify_table_block opened). An error of the copy, which leaves the table partly "
+      "loaded, names the tables loaded before it, then `again`.");
   m.def(
       "load_table",
       [](const CheckpointInfo& info, size_t index, Table& table, bool load_optimizer, bool verify) {

@@ -13,12 +13,14 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
 #include "checkpoint/crc32c.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/format.h"
+#include "checkpoint/rethrow.h"
 #include "checkpoint/manifest.h"
 #include "cuda/cuda_impl.h"
 #include "internal.h"
@@ -495,6 +497,42 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const s
   return f;
 }
 
+}  // namespace
+
+struct LoadFiles::Impl {
+  std::mutex mutex;
+  std::map<std::string, std::unique_ptr<File>> files;  // by path
+};
+LoadFiles::LoadFiles() : impl_(std::make_unique<Impl>()) {}
+LoadFiles::~LoadFiles() = default;
+void LoadFiles::Close() noexcept {
+  std::lock_guard<std::mutex> hold(impl_->mutex);
+  impl_->files.clear();
+}
+struct LoadFilesAccess {
+  // The data file at `path`, opened read-only: kept in `files` (opened by the
+  // first caller, the same descriptor for every later one) or, without
+  // `files`, in `own` for the caller alone.
+  static const File& Open(LoadFiles* files, const std::string& path, std::optional<File>& own) {
+    // O_NONBLOCK: a FIFO put there must not block.
+    if (files == nullptr) return own.emplace(path, O_RDONLY | O_NONBLOCK);
+    LoadFiles::Impl& impl = *files->impl_;
+    std::lock_guard<std::mutex> hold(impl.mutex);
+    auto& file = impl.files[path];
+    if (!file) {
+      try {
+        file = std::make_unique<File>(path, O_RDONLY | O_NONBLOCK);
+      } catch (...) {
+        impl.files.erase(path);
+        throw;
+      }
+    }
+    return *file;
+  }
+};
+
+namespace {
+
 void SyncFile(const std::string& path) {
   File file(path, O_RDONLY);
   file.Sync();
@@ -680,8 +718,9 @@ void CheckRowwise8Rows(const File& file, const FileEntry& f, int64_t r0, int64_t
 }
 
 void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, uint64_t hi,
-                     const ValueCheck* check = nullptr, const ProgressFn& progress = {}) {
-  File file(JoinPath(dir, f.path), O_RDONLY | O_NONBLOCK);  // a FIFO put there must not block
+                     const ValueCheck* check = nullptr, const ProgressFn& progress = {}, LoadFiles* files = nullptr) {
+  std::optional<File> own;
+  const File& file = LoadFilesAccess::Open(files, JoinPath(dir, f.path), own);
   const ValueCheck* value_check = check;
   if (f.dtype == DType::kUInt8Rowwise) check = nullptr;  // its rows are checked after the checksums
   if (file.Size() != f.bytes)
@@ -779,10 +818,11 @@ bool Overlap(const FileEntry& f, int64_t row0, int64_t rows, int64_t col0, int64
 // Copies the part of a verified data file that meets the block [row0, row0 +
 // rows) x [col0, col0 + cols) into `dst`, the block as [rows, cols] of `dst_dtype`.
 void ReadDataBlock(const std::string& dir, const FileEntry& f, void* dst, DType dst_dtype, int64_t row0,
-                   int64_t rows, int64_t col0, int64_t cols) {
+                   int64_t rows, int64_t col0, int64_t cols, LoadFiles* files) {
   int64_t r0, r1, c0, c1;
   if (!Overlap(f, row0, rows, col0, cols, &r0, &r1, &c0, &c1)) return;
-  File file(JoinPath(dir, f.path), O_RDONLY | O_NONBLOCK);  // a FIFO put there must not block
+  std::optional<File> own;
+  const File& file = LoadFilesAccess::Open(files, JoinPath(dir, f.path), own);  // the verified file, when verified
   const size_t src_es = DTypeSize(f.dtype), dst_es = DTypeSize(dst_dtype);
   if (f.dtype == DType::kUInt8Rowwise) {  // whole rows: read, dequantize, store the block's columns
     const uint64_t rb = RowBytes(f.dtype, f.cols);
@@ -1403,7 +1443,7 @@ void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Ta
 }
 
 void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const Table& table, int64_t row_start,
-                      int64_t col_start, bool load_optimizer, bool slot_domain) {
+                      int64_t col_start, bool load_optimizer, bool slot_domain, LoadFiles* files) {
   const TableSpec& spec = table.spec();
   const std::string where = info.path + ": table '" + entry.name + "'";
   if (row_start < 0 || col_start < 0 || row_start > entry.rows - spec.rows || col_start > entry.dim - spec.dim)
@@ -1439,7 +1479,7 @@ void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const
     check.col_hi = c1 - f.col_start;
     check.label = label;
     VerifyDataRange(info.path, f, uint64_t(r0 - f.row_start) * row_bytes, uint64_t(r1 - f.row_start) * row_bytes,
-                    narrows || bound.bounded ? &check : nullptr);
+                    narrows || bound.bounded ? &check : nullptr, {}, files);
   };
   for (const FileEntry& f : entry.values) verify_file(f, spec.dtype, false, "table '" + entry.name + "' values", {});
   const bool rowwise = spec.optimizer.SlotDim(spec.dim) != spec.dim || entry.optimizer.SlotDim(entry.dim) != entry.dim;
@@ -1451,10 +1491,13 @@ void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const
 }
 
 void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,
-                    int64_t col_start, bool load_optimizer, bool verify, bool slot_domain) {
+                    int64_t col_start, bool load_optimizer, bool verify, bool slot_domain, LoadFiles* files) {
+  // The files the verification opens are the ones the copy reads (one set for this call without `files`).
+  std::optional<LoadFiles> local;
+  if (files == nullptr) files = &local.emplace();
   // Verify everything this block reads first: a corrupt checkpoint must leave the table as it was.
   if (verify) {
-    VerifyTableBlock(info, entry, table, row_start, col_start, load_optimizer, slot_domain);
+    VerifyTableBlock(info, entry, table, row_start, col_start, load_optimizer, slot_domain, files);
   } else if (row_start < 0 || col_start < 0 || row_start > entry.rows - table.rows() ||
              col_start > entry.dim - table.dim()) {
     throw CheckpointError(info.path + ": table '" + entry.name + "' has no such block");
@@ -1470,9 +1513,10 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
     throw CheckpointError(SlotMismatch(info.path + ": table '" + entry.name + "'", entry, spec));
   // Reads the block of `files` into `dst` ([rows, cols] of `dtype`, from column
   // first_col); a device table's block goes through a bounded host buffer.
-  auto read = [&](const std::vector<FileEntry>& files, void* dst, DType dtype, int64_t first_col, int64_t cols) {
+  auto read = [&](const std::vector<FileEntry>& entries, void* dst, DType dtype, int64_t first_col, int64_t cols) {
     if (spec.device < 0) {
-      for (const FileEntry& f : files) ReadDataBlock(info.path, f, dst, dtype, row_start, spec.rows, first_col, cols);
+      for (const FileEntry& f : entries)
+        ReadDataBlock(info.path, f, dst, dtype, row_start, spec.rows, first_col, cols, files);
       return;
     }
     const size_t row_bytes = size_t(cols) * DTypeSize(dtype);
@@ -1480,18 +1524,27 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
     std::vector<char> staging(size_t(std::min(step, spec.rows)) * row_bytes);
     for (int64_t r0 = 0; r0 < spec.rows; r0 += step) {
       const int64_t n = std::min(step, spec.rows - r0);
-      for (const FileEntry& f : files)
-        ReadDataBlock(info.path, f, staging.data(), dtype, row_start + r0, n, first_col, cols);
+      for (const FileEntry& f : entries)
+        ReadDataBlock(info.path, f, staging.data(), dtype, row_start + r0, n, first_col, cols, files);
       cuda_impl::CopyToDevice(static_cast<char*>(dst) + size_t(r0) * row_bytes, staging.data(), size_t(n) * row_bytes,
                               spec.device);
     }
   };
-  read(entry.values, table.values(), spec.dtype, col_start, spec.dim);
-  if (slots) {
-    const int64_t slot_dim = table.slot_dim();
-    for (size_t s = 0; s < entry.slots.size(); ++s)
-      read(entry.slots[s], table.slot(s), DType::kFloat32, slot_dim == spec.dim ? col_start : 0, slot_dim);
-    table.set_step(entry.step);
+  // Everything was verified, through the descriptors read here: what can still fail is the copy itself (an
+  // I/O error of a failing disk, memory for a buffer), with part of the table written. Not staged whole
+  // (a load takes no table-sized memory besides the table): the error says the table is partly loaded.
+  try {
+    read(entry.values, table.values(), spec.dtype, col_start, spec.dim);
+    if (slots) {
+      const int64_t slot_dim = table.slot_dim();
+      for (size_t s = 0; s < entry.slots.size(); ++s)
+        read(entry.slots[s], table.slot(s), DType::kFloat32, slot_dim == spec.dim ? col_start : 0, slot_dim);
+      table.set_step(entry.step);
+    }
+  } catch (...) {
+    checkpoint::RethrowWithNote(
+        "; table '" + spec.name + "' is partly loaded now (its " + (slots ? "values and slots" : "values") +
+        " are part the checkpoint's, part what it held before): load it again");
   }
 }
 

@@ -354,9 +354,20 @@ def load(path, into, include_optimizer: bool = True) -> None:
     """Loads the checkpoint at `path` into a Table or Embedding, matching
     tables by name. Every file the load needs is verified before any table
     changes, so a missing, truncated or corrupt checkpoint raises
-    ``CheckpointError`` and leaves `into` exactly as it was. The tables
+    ``CheckpointError`` and leaves `into` exactly as it was. The copy reads
+    the files through the descriptors the verification opened, so a file
+    removed or replaced meanwhile changes nothing. The tables
     change in one native call, so an interrupt (Ctrl-C) stops the load
     before any table changes or takes effect once all have.
+
+    Only an error of the copy itself (an I/O error of a disk failing
+    between the verification and the copy; the tables are not staged in
+    extra memory) can stop a load part way: it raises (``OSError`` with its
+    errno, for an I/O error) with a message that names the table it partly
+    loaded and the tables loaded before it, and says to load again: `into`
+    then holds part of the checkpoint and part of what it held before. A
+    sharded Embedding's collective load then raises on every rank, and
+    every rank must load again.
 
     include_optimizer: also the slots and step count (when the checkpoint has
         them and the optimizers match); False loads the values only. A
@@ -394,10 +405,16 @@ def _load(path: str, into, include_optimizer: bool) -> None:
         _check_padding(info, k, t)
         _embedcore.check_loadable(info, k, t._native, bool(include_optimizer))
         plan.append((k, t))
-    for k, t in plan:  # everything verified (and fits the target's dtype) before anything changes
-        _embedcore.verify_table_block(info, k, t._native, 0, 0, bool(include_optimizer))
-    # One native call for every table: an interrupt cannot leave some tables loaded and others not.
-    _embedcore.load_tables(info, [(k, t._native, -1, 0) for k, t in plan], bool(include_optimizer))
+    # The files the verification opens stay open for the copy, which reads them: a file removed or replaced
+    # in between changes nothing.
+    files = _embedcore.LoadFiles()
+    try:
+        for k, t in plan:  # everything verified (and fits the target's dtype) before anything changes
+            _embedcore.verify_table_block(info, k, t._native, 0, 0, bool(include_optimizer), files)
+        # One native call for every table: an interrupt cannot leave some tables loaded and others not.
+        _embedcore.load_tables(info, [(k, t._native, -1, 0) for k, t in plan], bool(include_optimizer), files)
+    finally:
+        files.close()
 
 
 def _refuse_quantized_kept(path: str, manifest: dict, ours: set) -> None:

@@ -570,6 +570,24 @@ struct CheckpointInfo {
   std::string manifest_json;  ///< the whole manifest, for inspection
 };
 
+/// The data files of one load, opened once by its verification and kept
+/// open for its copy (so the copy reads the bytes verified, whatever
+/// happens to the directory meanwhile). Thread-safe; Close() (or the
+/// destructor) closes them.
+class LoadFiles {
+ public:
+  LoadFiles();
+  ~LoadFiles();
+  LoadFiles(const LoadFiles&) = delete;
+  LoadFiles& operator=(const LoadFiles&) = delete;
+  void Close() noexcept;
+  struct Impl;
+
+ private:
+  friend struct LoadFilesAccess;
+  std::unique_ptr<Impl> impl_;
+};
+
 /// Reads and validates the manifest of the checkpoint at `path` and checks
 /// that every data file exists with the size the manifest states (without
 /// `slot_files`, only the values files: a read of values alone, a load
@@ -705,14 +723,23 @@ void CommitCheckpoint(const std::string& path, const std::string& manifest_json)
 /// (OptimizerSpec::SlotLowerBound); `slot_domain` false skips that check,
 /// for copies that keep the state as it is stored (reshard, a save that
 /// keeps another table).
+///
+/// The data files are opened by the verification and the same descriptors
+/// read by the copy (through `files` when given, so a VerifyTableBlock
+/// before it and this load with verify=false read one set): a file removed or
+/// replaced meanwhile changes nothing. An I/O error of the copy itself (a
+/// failing disk) leaves the table partly loaded: it is raised (its type
+/// kept) with a message that says so and that the table must be loaded again.
 void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,
-                    int64_t col_start, bool load_optimizer, bool verify = true, bool slot_domain = true);
+                    int64_t col_start, bool load_optimizer, bool verify = true, bool slot_domain = true,
+                    LoadFiles* files = nullptr);
 
 /// The checks and checksum verification of LoadTableBlock (the dtype range
 /// check included), without loading:
 /// a sharded load verifies every rank's blocks before any rank changes.
+/// With `files`, the files it verified stay open there for the load.
 void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const Table& table, int64_t row_start,
-                      int64_t col_start, bool load_optimizer, bool slot_domain = true);
+                      int64_t col_start, bool load_optimizer, bool slot_domain = true, LoadFiles* files = nullptr);
 
 /// A checkpoint opened read-only for serving: each table's values files are
 /// memory-mapped (opening reads no values; processes share the pages). With

@@ -201,6 +201,14 @@ def load_sharded(path, emb, include_optimizer: bool = True) -> None:
 
 def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
     comm = emb.world
+    files = _embedcore.LoadFiles()  # opened by the verification, read by the copy
+    try:
+        _load_sharded_with(path, emb, include_optimizer, comm, files)
+    finally:
+        files.close()
+
+
+def _load_sharded_with(path: str, emb, include_optimizer: bool, comm, files) -> None:
     error, plan, read = None, [], None
     try:
         info = _embedcore.read_info(path, bool(include_optimizer))
@@ -218,7 +226,8 @@ def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
                                       f"{eff.rows} x {eff.dim}")
             _check_padding(info, k, table)
             s = emb._sharding_of(ti).shards[si]
-            _embedcore.verify_table_block(info, k, table._native, s.row_start, s.col_start, bool(include_optimizer))
+            _embedcore.verify_table_block(info, k, table._native, s.row_start, s.col_start, bool(include_optimizer),
+                                          files)
             plan.append((k, table, s))
     except Exception as e:  # noqa: BLE001
         error = e
@@ -239,7 +248,9 @@ def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
     error = None
     try:
         _embedcore.load_tables(info, [(k, table._native, s.row_start, s.col_start) for k, table, s in plan],
-                               bool(include_optimizer))
+                               bool(include_optimizer), files,
+                               f" (a sharded load, rank {comm.rank} of {comm.size}: the other ranks' blocks "
+                               "loaded, or failed too; load again, on every rank)")
     except Exception as e:  # noqa: BLE001
         error = e
     agree(comm, error, step=emb.step_name("load: read"))
