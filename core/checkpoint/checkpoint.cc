@@ -2,6 +2,8 @@
 #include <dirent.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -500,34 +502,67 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const s
 }  // namespace
 
 struct LoadFiles::Impl {
+  // A file seen by this load: its descriptor while fewer than `limit` are
+  // kept (a load of thousands of tables has more files than a process may
+  // open: 1,500 Adagrad tables, 3,000 files, against a limit of 1,024), and
+  // always the identity it had when first opened.
+  struct Seen {
+    std::unique_ptr<File> file;
+    dev_t dev = 0;
+    ino_t ino = 0;
+    off_t size = 0;
+    timespec mtime = {};
+  };
   std::mutex mutex;
-  std::map<std::string, std::unique_ptr<File>> files;  // by path
+  std::map<std::string, Seen> files;  // by path
+  size_t kept = 0, limit = 0;
 };
-LoadFiles::LoadFiles() : impl_(std::make_unique<Impl>()) {}
+LoadFiles::LoadFiles() : impl_(std::make_unique<Impl>()) {
+  // At most a quarter of the descriptors the process may open, and 256.
+  rlimit lim{};
+  const rlim_t soft = getrlimit(RLIMIT_NOFILE, &lim) == 0 ? lim.rlim_cur : 1024;
+  impl_->limit = size_t(std::min<rlim_t>(256, soft / 4));
+}
 LoadFiles::~LoadFiles() = default;
 void LoadFiles::Close() noexcept {
   std::lock_guard<std::mutex> hold(impl_->mutex);
   impl_->files.clear();
+  impl_->kept = 0;
 }
 struct LoadFilesAccess {
-  // The data file at `path`, opened read-only: kept in `files` (opened by the
-  // first caller, the same descriptor for every later one) or, without
-  // `files`, in `own` for the caller alone.
+  // The data file at `path`, opened read-only. With `files`: the descriptor
+  // its first opening kept, or, past the limit of kept descriptors, a new one
+  // in `own`, refused when the file is no longer the one first opened (its
+  // device, inode, size and modification time), so the copy reads the file
+  // verified. Without `files`: a new one in `own` for the caller alone.
   static const File& Open(LoadFiles* files, const std::string& path, std::optional<File>& own) {
     // O_NONBLOCK: a FIFO put there must not block.
     if (files == nullptr) return own.emplace(path, O_RDONLY | O_NONBLOCK);
     LoadFiles::Impl& impl = *files->impl_;
     std::lock_guard<std::mutex> hold(impl.mutex);
-    auto& file = impl.files[path];
-    if (!file) {
-      try {
-        file = std::make_unique<File>(path, O_RDONLY | O_NONBLOCK);
-      } catch (...) {
-        impl.files.erase(path);
-        throw;
-      }
+    auto it = impl.files.find(path);
+    if (it != impl.files.end() && it->second.file) return *it->second.file;
+    File file(path, O_RDONLY | O_NONBLOCK);
+    struct stat st{};
+    if (fstat(file.fd(), &st) != 0) throw IoError(path + ": fstat failed: " + checkpoint::ErrnoText(errno), errno);
+    if (it != impl.files.end()) {
+      const LoadFiles::Impl::Seen& seen = it->second;
+      if (st.st_dev != seen.dev || st.st_ino != seen.ino || st.st_size != seen.size ||
+          st.st_mtim.tv_sec != seen.mtime.tv_sec || st.st_mtim.tv_nsec != seen.mtime.tv_nsec)
+        throw CheckpointError(path + ": the file changed (replaced or rewritten) after this load verified it");
+      return own.emplace(std::move(file));
     }
-    return *file;
+    LoadFiles::Impl::Seen& seen = impl.files[path];
+    seen.dev = st.st_dev;
+    seen.ino = st.st_ino;
+    seen.size = st.st_size;
+    seen.mtime = st.st_mtim;
+    if (impl.kept < impl.limit) {
+      ++impl.kept;
+      seen.file = std::make_unique<File>(std::move(file));
+      return *seen.file;
+    }
+    return own.emplace(std::move(file));
   }
 };
 
