@@ -281,3 +281,63 @@ def test_read_values_checks_its_rows_before_it_allocates():
             t._native.read_values(start, n)
     assert t._native.read_values(8, 0).shape == (0, 16)
     assert t._native.read_values(2, 6).shape == (6, 16)
+
+
+# ------------------------------------------------ the direct path of NumPy ids and int64 offsets
+_I64 = np.int64
+_DIRECT_CASES = {  # (ids, offsets, the error or None)
+    "good int64": (np.array([1, 2, 3], _I64), np.array([0, 1, 3], _I64), None),
+    "good int32": (np.array([1, 2, 3], np.int32), np.array([0, 1, 3], _I64), None),
+    "empty": (np.array([], _I64), np.array([0, 0], _I64), None),
+    "bad id": (np.array([1, 20, 3], _I64), np.array([0, 1, 3], _I64),
+               (IndexError, "table 't': id 20 at position 1 of ids is out of range [0, 10)")),
+    "negative id": (np.array([1, -1], np.int32), np.array([0, 2], _I64),
+                    (IndexError, "table 't': id -1 at position 1 of ids is out of range [0, 10)")),
+    "decreasing": (np.array([1, 2, 3], _I64), np.array([0, 2, 1, 3], _I64),
+                   (ValueError, "offsets must be non-decreasing: offsets[1] = 2 > offsets[2] = 1")),
+    "not from 0": (np.array([1, 2, 3], _I64), np.array([1, 3], _I64), (ValueError, "offsets[0] must be 0, got 1")),
+    "short end": (np.array([1, 2, 3], _I64), np.array([0, 2], _I64),
+                  (ValueError, "offsets must end at the number of ids, 3, got offsets[1] = 2")),
+    "long end": (np.array([1, 2, 3], _I64), np.array([0, 4], _I64),
+                 (ValueError, "offsets must end at the number of ids, 3, got offsets[1] = 4")),
+    "empty offsets": (np.array([1], _I64), np.array([], _I64),
+                      (ValueError, "offsets must hold batch + 1 values starting at 0, got an empty array")),
+    "2-D offsets": (np.array([1], _I64), np.array([[0, 1]], _I64),
+                    (ValueError, "offsets must be 1-D, got shape (1, 2)")),
+    "float ids": (np.array([1.0]), np.array([0, 1], _I64),
+                  (TypeError, "ids must be an integer array (int32 or int64), got dtype float64")),
+    "bool ids": (np.array([True]), np.array([0, 1], _I64),
+                 (TypeError, "ids must be an integer array (int32 or int64), got dtype bool")),
+    "2-D ids": (np.array([[1]], _I64), np.array([0, 1], _I64),
+                (ValueError, "ids is 2-D (one bag per row): offsets= does not apply")),
+    # Converted by the general path (the engine takes neither): results, as before.
+    "uint8 ids": (np.array([1, 2], np.uint8), np.array([0, 2], _I64), None),
+    "int32 offsets": (np.array([1, 2], _I64), np.array([0, 2], np.int32), None),
+    "strided ids": (np.arange(8, dtype=_I64)[::2], np.array([0, 4], _I64), None),
+    "big-endian ids": (np.array([1, 2], ">i8"), np.array([0, 2], _I64), None),
+}
+
+
+@pytest.mark.parametrize("served", [False, True])
+@pytest.mark.parametrize("case", sorted(_DIRECT_CASES))
+def test_numpy_ids_with_int64_offsets_same_results_and_errors_as_the_general_path(case, served, tmp_path,
+                                                                                  monkeypatch):
+    """Table.lookup / ServedTable.lookup of NumPy ids with int64 offsets and
+    no other argument go straight to the engine: the same results, and the
+    same exception and message for bad input, as the general path (which
+    combiner= given takes)."""
+    t = _table(combiner="sum")
+    if served:
+        ec.save(str(tmp_path / "ck"), [t])
+        t = ec.serving.open(str(tmp_path / "ck")).tables["t"]
+    ids, offs, error = _DIRECT_CASES[case]
+    if error is None:
+        np.testing.assert_array_equal(t.lookup(ids, offs), t.lookup(ids, offs, combiner="sum"))
+    else:
+        for call in (lambda: t.lookup(ids, offs), lambda: t.lookup(ids, offs, combiner="sum")):
+            with pytest.raises(error[0]) as e:
+                call()
+            assert str(e.value) == error[1]
+    if case.startswith("good"):  # the direct path, not make_batch
+        monkeypatch.setattr(ec.table, "make_batch", None)
+        np.testing.assert_array_equal(t.lookup(ids, offs), t.lookup(ids, offs.copy()))
