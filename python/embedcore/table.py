@@ -124,7 +124,8 @@ class LookupMixin:
 
     def _lookup_batch(self, batch: Batch, combiner, max_sequence_length, out=None) -> np.ndarray:
         length = self._sequence_length(batch, max_sequence_length) if combiner is None else None
-        shape = self.output_shape(batch, combiner, length)
+        # (A pooled lookup without out= needs no shape: the engine's output has it.)
+        shape = self.output_shape(batch, combiner, length) if out is not None or combiner is None else None
         code = _COMBINER_CODE[combiner]
         if out is not None:
             if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous:
