@@ -298,11 +298,15 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
         raise ValueError(f"{owner}: the KeyedJaggedTensor has {offsets.shape[0] - 1} bags for {len(keys)} keys; "
                          f"with batch size {stride} it needs {stride * len(keys)} (one per key and example)")
     where = f"{owner}: the KeyedJaggedTensor"
-    lengths = kjt.lengths_or_none()
-    if lengths is not None and _ops.plain_eager([lengths]) and bool((lengths < 0).any()):
-        _ops.checked_values(values, lengths, where, True)  # raises, naming the negative length as such
-    values = _ops.checked_values(values, offsets, where)  # the offsets the lookup reads
-    return values, offsets, kjt.weights_or_none(), stride, index
+    try:
+        return _ops.checked_values(values, offsets, where), offsets, kjt.weights_or_none(), stride, index
+    except ValueError:  # (checked: the offsets the lookup reads)
+        # A negative length makes the offsets decrease: named as such (looked for only then, a tensor op less).
+        lengths = kjt.lengths_or_none()
+        if lengths is None or not _ops.plain_eager([lengths]) or not bool((lengths < 0).any()):
+            raise
+    _ops.checked_values(values, lengths, where, True)  # raises, naming the negative length
+    raise AssertionError("unreachable: negative lengths pass the check")
 
 
 # ------------------------------------------------------------------ TorchRec's interface
