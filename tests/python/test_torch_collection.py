@@ -1,6 +1,8 @@
 """EmbeddingBagCollection / EmbeddingCollection: dict features in every form,
 and (when TorchRec is installed) KeyedJaggedTensor inputs, EmbeddingBagConfig,
 KeyedTensor / JaggedTensor outputs and state dicts against TorchRec's modules."""
+import re
+
 import numpy as np
 import pytest
 
@@ -112,6 +114,28 @@ def test_bad_lengths_and_offsets_name_the_feature():
         ebc({"f1": ok, "f2": (torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1, 3]))})
     with pytest.raises(ValueError, match=r"features\['f2'\] offsets\[0\] must be 0"):
         ebc({"f1": ok, "f2": (torch.tensor([1, 2, 3]), torch.tensor([1, 3]))})
+
+
+@pytest.mark.parametrize("bags", [3, 200])  # (short offsets are checked as a list, long ones in NumPy)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_bad_offsets_named_for_short_and_long_offsets(bags, dtype):
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 2, name="t", feature_names=["f"])])
+    good = torch.arange(bags + 1, dtype=dtype)
+    values = torch.ones(bags, dtype=torch.int64)
+    assert ebc({"f": (values, good)})["f"].shape == (bags, 2)
+    decreasing = good.clone()
+    decreasing[2] = 0
+    with pytest.raises(ValueError, match=re.escape("features['f'] offsets must be non-decreasing: features['f'] "
+                                                   "offsets[1] = 1 > features['f'] offsets[2] = 0")):
+        ebc({"f": (values, decreasing)})
+    late = good.clone()
+    late[0] = 1
+    with pytest.raises(ValueError, match=re.escape("features['f'] offsets[0] must be 0 (the first bag starts at the "
+                                                   "first id), got 1")):
+        ebc({"f": (values, late)})
+    with pytest.raises(ValueError, match=re.escape(f"features['f']: the offsets (or lengths) end at {bags - 1}, "
+                                                   f"but there are {bags} values")):
+        ebc({"f": (values, good[:-1])})
 
 
 def test_kjt_whose_lengths_do_not_cover_its_values_is_refused_as_torchrec(torchrec):
