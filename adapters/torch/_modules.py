@@ -77,6 +77,9 @@ def _torch_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
+_PLAIN = (Tensor, type(None))  # the types of an argument that holds no FX Proxy (refuse_fx_proxy)
+
+
 def refuse_fx_proxy(module: nn.Module, *inputs) -> None:
     """FX symbolic tracing (``torch.fx.symbolic_trace``,
     ``torchrec.fx.symbolic_trace``) cannot go into a lookup, an engine call:
@@ -572,7 +575,7 @@ class _TableModule(_AdapterModule):
 
     def _lookup(self, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
                 combiner: int, include_last_offset: bool) -> List[Tensor]:
-        weight = self.weight
+        weight = self._parameters["weight"]  # (as _anchor_and_mode: self.weight is nn.Module.__getattr__)
         on_cpu = weight.is_cpu  # (cheaper than comparing devices: this runs on caches a lookup left cold)
         for group, what in ((ids, "ids"), (offsets, "offsets"), (weights, "per_sample_weights")):
             for t in group:
@@ -769,7 +772,8 @@ class EmbeddingBag(_TableModule):
 
     def forward(self, input: Tensor, offsets: Optional[Tensor] = None,
                 per_sample_weights: Optional[Tensor] = None) -> Tensor:
-        refuse_fx_proxy(self, input, offsets, per_sample_weights)
+        if not (type(input) is Tensor and type(offsets) in _PLAIN and type(per_sample_weights) in _PLAIN):
+            refuse_fx_proxy(self, input, offsets, per_sample_weights)  # (an FX Proxy is no Tensor: none in plain ones)
         check_ids(input, "input")
         include_last = self.include_last_offset
         if input.dim() == 2:
@@ -802,7 +806,8 @@ class EmbeddingBag(_TableModule):
             raise ValueError("include_last_offset: number of offsets should be at least 1")
         bags = offsets.shape[0] - 1 if include_last else offsets.shape[0]
         out = self._lookup([ids], [offsets], weights, [0, 0, bags], _MODES[self.mode], include_last)[0]
-        return out if self.weight.dtype == torch.float32 else out.to(self.weight.dtype)
+        dtype = self._parameters["weight"].dtype  # (self.weight is nn.Module.__getattr__: slower)
+        return out if dtype == torch.float32 else out.to(dtype)
 
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}"
@@ -857,11 +862,13 @@ class Embedding(_TableModule):
                 self.weight[self.padding_idx].fill_(0)
 
     def forward(self, input: Tensor) -> Tensor:
-        refuse_fx_proxy(self, input)
+        if type(input) is not Tensor:
+            refuse_fx_proxy(self, input)  # (an FX Proxy is no Tensor: none in a plain one)
         check_ids(input, "input")
         out = self._lookup([input.reshape(-1)], [], [], [0, 0, _ops.WHOLE], _ops.SEQUENCE, True)[0]
         out = out.reshape(*input.shape, self.embedding_dim)
-        return out if self.weight.dtype == torch.float32 else out.to(self.weight.dtype)
+        dtype = self._parameters["weight"].dtype  # (self.weight is nn.Module.__getattr__: slower)
+        return out if dtype == torch.float32 else out.to(dtype)
 
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}"
