@@ -371,7 +371,7 @@ def _cpu_source(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
     if len(offsets) != 1 or len(ids) != 1:
         return None
     a, off = ids[0], offsets[0]
-    if a.device.type != "cpu" or off.dtype != torch.int64 or a.dtype not in (torch.int32, torch.int64) or a.dim() != 1:
+    if not a.is_cpu or off.dtype != torch.int64 or a.dtype not in (torch.int32, torch.int64) or a.dim() != 1:
         return None
     # (Integer tensors never require grad: numpy() needs no detach.)
     a_np, w_np = a.numpy(), (_np(weights[0]) if weights else None)
