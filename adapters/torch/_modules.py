@@ -138,13 +138,6 @@ def check_weights(w, ids: Tensor, where: str) -> None:
         raise ValueError(f"{where} must have the shape of the ids {tuple(ids.shape)}, got {tuple(w.shape)}")
 
 
-def _float16_autocast(device_type: str) -> bool:
-    """Whether float16 autocast is on for the table's device or the usual
-    model devices (a host table may feed a CUDA model)."""
-    return any(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) == torch.float16
-               for d in {device_type, "cpu", "cuda"})
-
-
 class _RefusedBackward(torch.autograd.Function):
     """The identity, whose backward raises: outputs of a fused lookup made
     under float16 autocast. The backward reaches it before the lookup's own,
@@ -167,7 +160,7 @@ def refuse_float16_backward(device_type: str, owner: str, outs: List[Tensor]) ->
     companion) would reach the table unscaled, and a step the scaler skips for
     inf / NaN would still be taken. A forward alone (inference, eval) works.
     Under torch.compile the refusal comes at the forward."""
-    if not _float16_autocast(device_type):
+    if not _ops.float16_autocast(device_type):
         return outs
     message = (f"{owner}: fused training under float16 autocast is not supported: the engine updates the table "
                "in the backward pass, where a GradScaler's loss scale cannot be undone; use bfloat16 autocast (no "

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from embedcore import _embedcore
+
 __all__ = ["SUM", "MEAN", "SQRTN", "SEQUENCE", "FUSED", "SPARSE", "DENSE", "WHOLE", "register", "unregister",
            "fused_rate", "checked_values", "lookup", "lookup_impl", "eager_lookup", "plain_eager", "needs_step",
            "lookup_backward", "lookup_backward_impl", "served_lookup", "served_lookup_impl"]
@@ -473,8 +475,6 @@ def _denominators(p: _Part, combiner: int) -> Tensor:
     that forward and backward agree bit for bit; on a GPU, a segmented sum
     (deterministic, within float rounding of the engine's)."""
     if p.ids.device.type == "cpu":
-        from embedcore import _embedcore
-
         w = None if p.weights is None else np.ascontiguousarray(_np(p.weights), np.float32)
         return torch.from_numpy(_embedcore.bag_denominators(np.ascontiguousarray(_np(p.offsets), np.int64), w,
                                                             combiner))
@@ -586,6 +586,16 @@ def _lookup_outputs(table, dim: int, ids: List[Tensor], offsets: List[Tensor], w
 
 
 lookup = torch.library.custom_op("embedcore::lookup", mutates_args=())(lookup_impl)
+
+
+def float16_autocast(device_type: str) -> bool:
+    """Whether float16 autocast is on for the table's device or the usual
+    model devices (a host table may feed a CUDA model). (A loop over a
+    tuple: half the cost of any() over a set, on every fused forward.)"""
+    for d in ("cpu", "cuda") if device_type in ("cpu", "cuda") else (device_type, "cpu", "cuda"):
+        if torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) == torch.float16:
+            return True
+    return False
 
 
 def plain_eager(tensors: List[Tensor]) -> bool:
@@ -906,9 +916,7 @@ def collection_lookup(bags, values: Tensor, offsets: Tensor, weights: List[Tenso
     float16 autocast (its backward refuses fused training), a bad id."""
     if any(w.requires_grad for w in weights) or not plain_eager([values, offsets, *weights]):
         return None
-    from ._modules import _float16_autocast
-
-    if _float16_autocast("cpu"):
+    if float16_autocast("cpu"):
         return None
     source = _cpu_source([values], [offsets], weights, True)
     if source is None or SEQUENCE in combiners or not segments or not segments[0]:
@@ -928,8 +936,6 @@ def collection_lookup(bags, values: Tensor, offsets: Tensor, weights: List[Tenso
             anchors.append(anchor)
             plan.append((bag._handle, i, combiner, bag.embedding_dim, col))
         col += bag.embedding_dim * (len(segs) // 3)
-    from embedcore import _embedcore
-
     out = np.empty((segments[0][2], col), np.float32)  # every table writes its columns: no concatenation
     try:
         _embedcore.lookup_windows_into(*source, calls, out)
@@ -953,8 +959,6 @@ class _CollectionStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from embedcore import _embedcore
-
         values, offsets, *weights = ctx.saved_tensors
         g = grad.detach().to(torch.float32).contiguous().numpy()
         entries = [_entry(handle) for handle, *_ in ctx.plan]
