@@ -315,12 +315,14 @@ class _Interface:
     of features (``_forward_dict``), checked first by ``_check_input``."""
 
     def forward(self, features):
-        refuse_fx_proxy(self, features)
-        if not _is_kjt(features) and not isinstance(features, dict):
+        kjt = _is_kjt(features)
+        if not kjt:  # (a KJT is no FX Proxy, and refuse_fx_proxy looks into none)
+            refuse_fx_proxy(self, features)
+        if not kjt and not isinstance(features, dict):
             raise TypeError(f"{self._owner} takes a dict of features or a TorchRec KeyedJaggedTensor, got "
                             f"{type(features).__name__}")
         self._check_input(features)
-        return self._forward_kjt(features) if _is_kjt(features) else self._forward_dict(features)
+        return self._forward_kjt(features) if kjt else self._forward_dict(features)
 
 
 class _PooledInterface(_Interface):
@@ -530,7 +532,7 @@ class EmbeddingBagCollection(_PooledInterface, _Collection):
         self._dims = [s.dim for s, names in zip(self._specs, self._names) for _ in names]
 
     def _children_list(self):
-        return list(self.embedding_bags.values())
+        return list(self._modules["embedding_bags"]._modules.values())  # (not nn.Module.__getattr__: every forward)
 
     def _table_lookup(self, i: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
                       segments: List[int], combiner: int) -> List[Tensor]:
