@@ -373,6 +373,21 @@ def test_fx_symbolic_trace_says_to_keep_the_modules_leaves(tmp_path):
     single = et.EmbeddingBag.from_pretrained(theirs_bags.embedding_bags.t1.weight.detach(), mode="sum")
     ref = torch.nn.EmbeddingBag.from_pretrained(theirs_bags.embedding_bags.t1.weight.detach(), mode="sum")
     cases.append((Single(single), Single(ref), (torch.tensor([1, 2, 3, 19]), torch.tensor([0, 2, 2]))))
+
+    class Rows(Pooled):
+        def forward(self, ids):
+            return self.e(ids) * 2
+
+    rows = et.Embedding.from_pretrained(theirs_bags.embedding_bags.t1.weight.detach())
+    cases.append((Rows(rows), Rows(torch.nn.Embedding.from_pretrained(rows.weight.detach().clone())),
+                  (torch.tensor([[1, 2], [3, 19]]),)))
+
+    class ConstantIds(Pooled):  # plain ids, the offsets a Proxy: still refused
+        def forward(self, offsets):
+            return self.e(torch.tensor([1, 2, 3]), offsets)
+
+    with pytest.raises(TypeError, match=r"EmbeddingBag: FX symbolic tracing cannot trace into its lookup"):
+        torch.fx.symbolic_trace(ConstantIds(single))
     for model, reference, inputs in cases:
         name = type(model.e).__name__
         for trace in (torch.fx.symbolic_trace, torchrec.fx.symbolic_trace):
