@@ -1,5 +1,6 @@
 // nanobind bindings of checkpoints: save, manifest reading, load, verify and
 // the memory-mapped serving table. No engine logic.
+#include <algorithm>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -130,7 +131,14 @@ void BindCheckpoint(nb::module_& m) {
   nb::class_<LoadFiles>(m, "LoadFiles",
                         "The data files of one load, opened by its verification and read by its copy.")
       .def(nb::init<>())
-      .def("close", &LoadFiles::Close, "Closes them.");
+      .def("close", &LoadFiles::Close, "Closes them.")
+      .def(
+          "check_unchanged",
+          [](const LoadFiles& f) {
+            ReleaseGil release;
+            f.CheckUnchanged();
+          },
+          "Raises CheckpointError when a file verified is no longer the one verified.");
   m.def(
       "table_like",
       [](const CheckpointInfo& info, size_t index, int64_t rows, int64_t dim) {
@@ -216,7 +224,8 @@ void BindCheckpoint(nb::module_& m) {
         }
         // One call, without the GIL throughout: an interrupt (Ctrl-C) cannot stop it between two tables.
         ReleaseGil release;
-        std::string loaded;  // the tables loaded before one that failed
+        if (files != nullptr) files->CheckUnchanged();  // before any table changes
+        std::vector<std::string> loaded;  // the tables loaded before one that failed, each once
         for (const auto& [index, table, row_start, col_start] : items) {
           try {
             if (row_start < 0) {
@@ -227,12 +236,15 @@ void BindCheckpoint(nb::module_& m) {
                              files);
             }
           } catch (...) {
+            std::string names;  // the first 10
+            for (size_t i = 0; i < loaded.size() && i < 10; ++i) names += (i ? ", '" : "'") + loaded[i] + "'";
+            if (loaded.size() > 10) names += " and " + std::to_string(loaded.size() - 10) + " more";
             checkpoint::RethrowWithNote(
-                (loaded.empty() ? std::string()
-                                : "; this load had loaded " + loaded + " before it: load them all again") +
+                (loaded.empty() ? std::string() : "; this load had loaded " + names + " before it: load them all again") +
                 again);
           }
-          loaded += (loaded.empty() ? "'" : ", '") + table->spec().name + "'";
+          if (std::find(loaded.begin(), loaded.end(), table->spec().name) == loaded.end())
+            loaded.push_back(table->spec().name);
         }
       },
       "info"_a, "items"_a, "load_optimizer"_a, "files"_a.none() = nb::none(), "again"_a = "",

@@ -501,40 +501,88 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const s
 
 }  // namespace
 
+namespace {
+
+// A file's identity: what a replacement (another inode), a rewrite (size,
+// modification time) or a rewrite that restored the modification time (the
+// change time, which no user can set) changes. Through a descriptor kept
+// since the verification, a file removed or renamed is still the bytes
+// verified: its change time moved with its link count, which is allowed.
+struct FileIdentity {
+  dev_t dev = 0;
+  ino_t ino = 0;
+  nlink_t links = 0;
+  off_t size = 0;
+  timespec mtime = {}, ctime = {};
+  explicit FileIdentity(const struct stat& st)
+      : dev(st.st_dev), ino(st.st_ino), links(st.st_nlink), size(st.st_size), mtime(st.st_mtim), ctime(st.st_ctim) {}
+  bool Same(const FileIdentity& now, bool kept) const {
+    const bool ctime_same = ctime.tv_sec == now.ctime.tv_sec && ctime.tv_nsec == now.ctime.tv_nsec;
+    return dev == now.dev && ino == now.ino && size == now.size && mtime.tv_sec == now.mtime.tv_sec &&
+           mtime.tv_nsec == now.mtime.tv_nsec && (ctime_same || (kept && links != now.links));
+  }
+};
+
+[[noreturn]] void ThrowChanged(const std::string& path) {
+  throw CheckpointError(path + ": the file changed (removed, replaced or rewritten) after this load verified it");
+}
+
+// Descriptors kept by every LoadFiles of the process together: at most a
+// quarter of those the process may open, and 256. (A load of thousands of
+// tables has more files than a process may open: 1,500 Adagrad tables,
+// 3,000 files, against the common limit of 1,024; and loads may run at once.)
+std::atomic<size_t> g_kept_files{0};
+size_t KeptFilesLimit() {
+  static const size_t limit = [] {
+    rlimit lim{};
+    const rlim_t soft = getrlimit(RLIMIT_NOFILE, &lim) == 0 ? lim.rlim_cur : 1024;
+    return size_t(std::min<rlim_t>(256, soft / 4));
+  }();
+  return limit;
+}
+
+}  // namespace
+
 struct LoadFiles::Impl {
-  // A file seen by this load: its descriptor while fewer than `limit` are
-  // kept (a load of thousands of tables has more files than a process may
-  // open: 1,500 Adagrad tables, 3,000 files, against a limit of 1,024), and
-  // always the identity it had when first opened.
+  // A file seen by this load: the identity it had when first opened, and its
+  // descriptor while the process keeps fewer than KeptFilesLimit().
   struct Seen {
+    FileIdentity id;
     std::unique_ptr<File> file;
-    dev_t dev = 0;
-    ino_t ino = 0;
-    off_t size = 0;
-    timespec mtime = {};
   };
   std::mutex mutex;
   std::map<std::string, Seen> files;  // by path
-  size_t kept = 0, limit = 0;
+  size_t kept = 0;                    // of g_kept_files
+  void Clear() {
+    files.clear();
+    g_kept_files -= kept;
+    kept = 0;
+  }
 };
-LoadFiles::LoadFiles() : impl_(std::make_unique<Impl>()) {
-  // At most a quarter of the descriptors the process may open, and 256.
-  rlimit lim{};
-  const rlim_t soft = getrlimit(RLIMIT_NOFILE, &lim) == 0 ? lim.rlim_cur : 1024;
-  impl_->limit = size_t(std::min<rlim_t>(256, soft / 4));
-}
-LoadFiles::~LoadFiles() = default;
+LoadFiles::LoadFiles() : impl_(std::make_unique<Impl>()) {}
+LoadFiles::~LoadFiles() { Close(); }
 void LoadFiles::Close() noexcept {
   std::lock_guard<std::mutex> hold(impl_->mutex);
-  impl_->files.clear();
-  impl_->kept = 0;
+  impl_->Clear();
+}
+void LoadFiles::CheckUnchanged() const {
+  std::lock_guard<std::mutex> hold(impl_->mutex);
+  for (const auto& [path, seen] : impl_->files) {
+    struct stat st{};
+    const int rc = seen.file ? ::fstat(seen.file->fd(), &st) : ::stat(path.c_str(), &st);
+    if (rc != 0) {
+      if (errno == ENOENT) ThrowChanged(path);
+      throw IoError(path + ": stat failed: " + checkpoint::ErrnoText(errno), errno);
+    }
+    if (!seen.id.Same(FileIdentity(st), seen.file != nullptr)) ThrowChanged(path);
+  }
 }
 struct LoadFilesAccess {
   // The data file at `path`, opened read-only. With `files`: the descriptor
-  // its first opening kept, or, past the limit of kept descriptors, a new one
-  // in `own`, refused when the file is no longer the one first opened (its
-  // device, inode, size and modification time), so the copy reads the file
-  // verified. Without `files`: a new one in `own` for the caller alone.
+  // its first opening kept, or, past the process's limit of kept
+  // descriptors, a new one in `own`, refused when the file is no longer the
+  // one first opened (FileIdentity), so the copy reads the file verified.
+  // Without `files`: a new one in `own` for the caller alone.
   static const File& Open(LoadFiles* files, const std::string& path, std::optional<File>& own) {
     // O_NONBLOCK: a FIFO put there must not block.
     if (files == nullptr) return own.emplace(path, O_RDONLY | O_NONBLOCK);
@@ -542,27 +590,27 @@ struct LoadFilesAccess {
     std::lock_guard<std::mutex> hold(impl.mutex);
     auto it = impl.files.find(path);
     if (it != impl.files.end() && it->second.file) return *it->second.file;
-    File file(path, O_RDONLY | O_NONBLOCK);
-    struct stat st{};
-    if (fstat(file.fd(), &st) != 0) throw IoError(path + ": fstat failed: " + checkpoint::ErrnoText(errno), errno);
-    if (it != impl.files.end()) {
-      const LoadFiles::Impl::Seen& seen = it->second;
-      if (st.st_dev != seen.dev || st.st_ino != seen.ino || st.st_size != seen.size ||
-          st.st_mtim.tv_sec != seen.mtime.tv_sec || st.st_mtim.tv_nsec != seen.mtime.tv_nsec)
-        throw CheckpointError(path + ": the file changed (replaced or rewritten) after this load verified it");
-      return own.emplace(std::move(file));
+    std::optional<File> file;
+    try {
+      file.emplace(path, O_RDONLY | O_NONBLOCK);
+    } catch (const IoError& e) {
+      if (it != impl.files.end() && e.error_number() == ENOENT) ThrowChanged(path);  // verified, gone since
+      throw;
     }
-    LoadFiles::Impl::Seen& seen = impl.files[path];
-    seen.dev = st.st_dev;
-    seen.ino = st.st_ino;
-    seen.size = st.st_size;
-    seen.mtime = st.st_mtim;
-    if (impl.kept < impl.limit) {
+    struct stat st{};
+    if (::fstat(file->fd(), &st) != 0) throw IoError(path + ": fstat failed: " + checkpoint::ErrnoText(errno), errno);
+    if (it != impl.files.end()) {
+      if (!it->second.id.Same(FileIdentity(st), false)) ThrowChanged(path);
+      return own.emplace(std::move(*file));
+    }
+    LoadFiles::Impl::Seen& seen = impl.files.emplace(path, LoadFiles::Impl::Seen{FileIdentity(st), nullptr}).first->second;
+    if (g_kept_files.fetch_add(1) < KeptFilesLimit()) {
       ++impl.kept;
-      seen.file = std::make_unique<File>(std::move(file));
+      seen.file = std::make_unique<File>(std::move(*file));
       return *seen.file;
     }
-    return own.emplace(std::move(file));
+    --g_kept_files;
+    return own.emplace(std::move(*file));
   }
 };
 
@@ -975,11 +1023,24 @@ void CommitManifest(const std::string& path, const std::string& json, uint64_t g
   // and none while a reader holds it shared.
   CheckpointLock lock(path, true);
   int renamed;
+  bool interrupted = false;
   do {
     renamed = ::rename(tmp.c_str(), JoinPath(path, checkpoint::kManifestName).c_str());
-  } while (renamed != 0 && errno == EINTR);  // (one that took effect before the signal fails again, ENOENT: the
-                                              // save then fails, and RemoveGeneration keeps the MANIFEST of its generation)
-  if (renamed != 0) throw IoError(tmp + ": rename to MANIFEST failed: " + checkpoint::ErrnoText(errno), errno);
+    interrupted = interrupted || (renamed != 0 && errno == EINTR);
+  } while (renamed != 0 && errno == EINTR);
+  if (renamed != 0) {
+    const int err = errno;
+    // A rename that took effect before the signal fails again with ENOENT:
+    // committed if MANIFEST is now this generation's.
+    bool committed = false;
+    if (interrupted && err == ENOENT) {
+      try {
+        committed = ReadCheckpointInfo(path, false).generation == generation;
+      } catch (const std::exception&) {
+      }
+    }
+    if (!committed) throw IoError(tmp + ": rename to MANIFEST failed: " + checkpoint::ErrnoText(err), err);
+  }
   checkpoint::SyncDirectory(path);
 
   // Only now remove what the new manifest does not name: other generations and
@@ -1217,7 +1278,14 @@ GenerationClaim::GenerationClaim(const std::string& path) {
     // renamed its own claim on this generation to MANIFEST (the generation is
     // live, and its files have our names), or files of a later one appeared.
     // The claim stands only above every generation present but itself.
-    const uint64_t newest = NewestGeneration(path, ClaimName(generation));
+    uint64_t newest;
+    try {
+      newest = NewestGeneration(path, ClaimName(generation));
+    } catch (...) {  // (a listing or a MANIFEST that cannot be read): the claim goes, the save fails
+      ::unlink(claim.c_str());
+      ::close(fd);
+      throw;
+    }
     if (newest >= generation) {
       ::unlink(claim.c_str());
       ::close(fd);

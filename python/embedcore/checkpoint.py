@@ -356,7 +356,9 @@ def load(path, into, include_optimizer: bool = True) -> None:
     changes, so a missing, truncated or corrupt checkpoint raises
     ``CheckpointError`` and leaves `into` exactly as it was. The copy reads
     the files through the descriptors the verification opened, so a file
-    removed or replaced meanwhile changes nothing. The tables
+    removed or replaced meanwhile changes nothing (past 256 files open for
+    loads, a file is opened again, and one changed since its verification
+    fails the load before any table changes). The tables
     change in one native call, so an interrupt (Ctrl-C) stops the load
     before any table changes or takes effect once all have.
 

@@ -8,8 +8,9 @@ EMBEDCORE_TEST_FAULTS is a list of rules separated by ';', each
 ``call:substring:calls:errno``:
 
 - call: open (every open entry point), opendir, rename (either path),
-  mkdir, or one on a descriptor: fsync, close, pread (matched on the path
-  the descriptor was opened with);
+  rename_after (a rename that takes effect, then fails: as one interrupted
+  after its work), mkdir, or one on a descriptor: fsync, close, pread
+  (matched on the path the descriptor was opened with);
 - substring: the rule applies to paths that contain it (ending in '$':
   to paths that end with the rest);
 - calls: which of its matching calls fail, 1-based: ``N``, ``N-M`` or ``*``
@@ -145,7 +146,11 @@ int rename(const char* a, const char* b) {
   int e = fault("rename", a);
   if (!e) e = fault("rename", b);
   if (e) { errno = e; return -1; }
-  return real(a, b);
+  int after = fault("rename_after", a);
+  if (!after) after = fault("rename_after", b);
+  const int rc = real(a, b);
+  if (rc == 0 && after) { errno = after; return -1; }
+  return rc;
 }
 int mkdir(const char* p, mode_t m) {
   typedef int (*fn)(const char*, mode_t); REAL("mkdir", fn);

@@ -572,8 +572,12 @@ struct CheckpointInfo {
 
 /// The data files of one load, opened once by its verification and kept
 /// open for its copy (so the copy reads the bytes verified, whatever
-/// happens to the directory meanwhile). Thread-safe; Close() (or the
-/// destructor) closes them.
+/// happens to the directory meanwhile), and the identity each had then
+/// (device, inode, size, modification and change times). The process keeps
+/// at most 256 descriptors for loads, and a quarter of its limit: past
+/// that, the copy opens a file again and refuses one that is not the file
+/// verified. Thread-safe, but Close() (or the destructor) must not run
+/// while a load reads through it.
 class LoadFiles {
  public:
   LoadFiles();
@@ -581,6 +585,10 @@ class LoadFiles {
   LoadFiles(const LoadFiles&) = delete;
   LoadFiles& operator=(const LoadFiles&) = delete;
   void Close() noexcept;
+  /// Throws CheckpointError when a file seen is no longer the one verified
+  /// (removed, replaced, or rewritten in place): a load calls it before it
+  /// changes any table, so such a change fails it with nothing changed.
+  void CheckUnchanged() const;
   struct Impl;
 
  private:

@@ -229,6 +229,7 @@ def _load_sharded_with(path: str, emb, include_optimizer: bool, comm, files) -> 
             _embedcore.verify_table_block(info, k, table._native, s.row_start, s.col_start, bool(include_optimizer),
                                           files)
             plan.append((k, table, s))
+        files.check_unchanged()  # (a file changed after its verification: refused here, on every rank)
     except Exception as e:  # noqa: BLE001
         error = e
     # Every rank's blocks verified before any rank changes, and of one checkpoint: a symlink re-pointed, or a
