@@ -291,6 +291,7 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
     if values.dim() != 1:
         raise ValueError(f"{owner}: the KeyedJaggedTensor's values must be 1-D (one id per value), got shape "
                          f"{tuple(values.shape)}")
+    given_lengths = kjt.lengths_or_none() if kjt.offsets_or_none() is not None else None  # beside its offsets
     offsets = _jagged_offsets(kjt, "KeyedJaggedTensor")
     check_ids(offsets, "KeyedJaggedTensor offsets")
     stride = kjt.stride()
@@ -299,14 +300,20 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
                          f"with batch size {stride} it needs {stride * len(keys)} (one per key and example)")
     where = f"{owner}: the KeyedJaggedTensor"
     try:
-        return _ops.checked_values(values, offsets, where), offsets, kjt.weights_or_none(), stride, index
-    except ValueError:  # (checked: the offsets the lookup reads)
-        # A negative length makes the offsets decrease: named as such (looked for only then, a tensor op less).
-        lengths = kjt.lengths_or_none()
-        if lengths is None or not _ops.plain_eager([lengths]) or not bool((lengths < 0).any()):
-            raise
-    _ops.checked_values(values, lengths, where, True)  # raises, naming the negative length
-    raise AssertionError("unreachable: negative lengths pass the check")
+        checked = _ops.checked_values(values, offsets, where)  # (checked: the offsets the lookup reads)
+    except ValueError as e:
+        error = e
+    else:
+        # Lengths given beside good offsets: a negative one is refused too, as TorchRec refuses it (checked
+        # only then, a tensor op less: lengths alone make the offsets, which decrease at a negative length).
+        if given_lengths is None or not _ops.plain_eager([given_lengths]) or not bool((given_lengths < 0).any()):
+            return checked, offsets, kjt.weights_or_none(), stride, index
+        error = None
+    # A negative length makes the offsets decrease: named as such (looked for only then, a tensor op less).
+    lengths = kjt.lengths_or_none()
+    if lengths is not None and _ops.plain_eager([lengths]) and bool((lengths < 0).any()):
+        _ops.checked_values(values, lengths, where, True)  # raises, naming the negative length
+    raise error
 
 
 # ------------------------------------------------------------------ TorchRec's interface

@@ -100,11 +100,13 @@ class LookupMixin:
         # The common call straight to the engine (a few microseconds less): int32 / int64 NumPy ids, int64
         # NumPy offsets, every other argument its default. make_batch would pass such arrays on as they are,
         # and the engine checks the rest itself (the ids' range; offsets from 0, non-decreasing, ending at
-        # len(ids)). Whatever the engine refuses (a 2-D, non-contiguous or empty array, ...) goes again the
-        # general way below, which converts it or raises the error it always raised.
+        # len(ids)). 1-D C-contiguous arrays only: the general way converts others. Whatever the engine
+        # refuses (an id out of range, bad offsets, empty offsets) goes again the general way below, which
+        # raises the error it always raised.
         if (type(ids) is np.ndarray and type(offsets) is np.ndarray and weights is None and out is None
                 and combiner is _DEFAULT and type(max_sequence_length) is int and max_sequence_length == 0
-                and ids.dtype in _ID_DTYPES and offsets.dtype == _INT64 and getattr(self, "_device", -1) < 0):
+                and ids.dtype in _ID_DTYPES and offsets.dtype == _INT64 and ids.ndim == 1
+                and ids.flags.c_contiguous and offsets.flags.c_contiguous and getattr(self, "_device", -1) < 0):
             try:
                 return self._native_lookup(ids, offsets, None, _COMBINER_CODE[self._default_combiner], 0, None)
             except Exception:  # noqa: BLE001 - the general path raises it (lookups change nothing: safe to repeat)

@@ -156,6 +156,14 @@ def test_kjt_whose_lengths_do_not_cover_its_values_is_refused_as_torchrec(torchr
                                                        lengths=torch.tensor([2, -1, 2]))
     with pytest.raises(ValueError, match=r"the KeyedJaggedTensor\['lengths'\]\[1\] = -1 is negative"):
         et.EmbeddingBagCollection(_configs())(kjt)
+    # Beside good offsets too (TorchRec refuses it: RuntimeError from split_with_sizes).
+    kjt = torchrec.KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.arange(1, 6),
+                                     lengths=torch.tensor([2, -1, 2]), offsets=torch.tensor([0, 2, 3, 5]))
+    with pytest.raises(RuntimeError, match="non-negative"):
+        torchrec.EmbeddingBagCollection([torchrec.EmbeddingBagConfig(
+            num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f2", "f3"])])(kjt)
+    with pytest.raises(ValueError, match=r"the KeyedJaggedTensor\['lengths'\]\[1\] = -1 is negative"):
+        et.EmbeddingBagCollection(_configs())(kjt)
 
 
 def test_bad_id_position_names_the_feature():
