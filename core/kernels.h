@@ -20,15 +20,14 @@ namespace embedcore::kernels {
 
 /// How many ids ahead the lookup loops prefetch a row: enough rows for
 /// about kPrefetchBytes in flight, at least 16 ids and at most 64 (rows of
-/// 1 KiB or more: 16; 512 to 1023 bytes, as 128 float32 columns: 32; 256
-/// bytes or fewer: 64). A random gather is bound by how many cache lines
-/// are on their way, so a fixed count of ids kept too few lines in flight
-/// for narrow rows: at 16 ids (until session 23), float16 rows of 128
-/// columns and float32 rows of 32 or 64 took 2x to 2.4x as long as at this
-/// distance, 1M-row tables, 32-id bags, 1 thread; Zipf ids on float32 rows
-/// of 128 columns 1.3x (benchmarks/README.md, "Prefetch distance"). The
-/// floor of 16: on Zipf ids (rows mostly in L3) fewer hid less of the
-/// latency. A shift, not a division: it is taken once per bag.
+/// 1 KiB or more: 16; of 512 to 1023 bytes, as 128 float32 columns: 32;
+/// of fewer than 512 bytes: 64). A random gather is bound by how many
+/// cache lines are on their way, so a fixed count of ids keeps too few
+/// lines in flight for narrow rows: at 16 ids, float16 rows of 128 columns
+/// and float32 rows of 32 or 64 took about 2x as long as at this distance
+/// (1M-row tables, 32-id bags, 1 thread; benchmarks/README.md, "Prefetch
+/// distance"). The floor of 16: on Zipf ids (rows mostly in L3) fewer hid
+/// less of the latency. A shift, not a division: it is taken once per bag.
 constexpr int64_t kPrefetchBytes = 16384;
 inline int64_t PrefetchDistance(int64_t row_bytes) {
   const int log2_bytes = 63 - __builtin_clzll(static_cast<unsigned long long>(row_bytes | 1));
