@@ -516,7 +516,10 @@ namespace {
 void CheckRowRange(const TableSpec& spec, int64_t start_row, int64_t n, const char* what) {
   if (start_row < 0 || n < 0 || start_row > spec.rows || n > spec.rows - start_row)
     throw OutOfRange("table '" + spec.name + "': " + what + " rows [" + std::to_string(start_row) + ", " +
-                     std::to_string(start_row + n) + ") do not fit in [0, " + std::to_string(spec.rows) + ")");
+                     (start_row > 0 && n > INT64_MAX - start_row  // (the end itself would overflow)
+                          ? std::to_string(start_row) + " + " + std::to_string(n)
+                          : std::to_string(start_row + n)) +
+                     ") do not fit in [0, " + std::to_string(spec.rows) + ")");
 }
 }  // namespace
 

@@ -341,3 +341,13 @@ def test_numpy_ids_with_int64_offsets_same_results_and_errors_as_the_general_pat
     if case.startswith("good"):  # the direct path, not make_batch
         monkeypatch.setattr(ec.table, "make_batch", None)
         np.testing.assert_array_equal(t.lookup(ids, offs), t.lookup(ids, offs.copy()))
+
+
+def test_a_row_range_whose_end_overflows_is_named_without_overflowing():
+    """An assignment at start_row 2**63 - 1 names its rows as start + n: the
+    end itself would overflow int64 (it was computed anyway: undefined
+    behaviour, in practice a negative end in the message)."""
+    t = ec.Table(name="t", rows=8, dim=4)
+    with pytest.raises(IndexError, match=re.escape("table 't': assigned rows [9223372036854775807, "
+                                                   "9223372036854775807 + 1) do not fit in [0, 8)")):
+        t._native.assign_values(2**63 - 1, np.zeros((1, 4), np.float32))
