@@ -1531,6 +1531,24 @@ std::string SlotMismatch(const std::string& where, const TableEntry& entry, cons
          ", the target table's optimizer has slots " + SlotList(spec.optimizer.SlotNames()) +
          "; load with include_optimizer=False to take the values only";
 }
+
+// The checks of a block load that read no file: `entry` has the block [row_start, row_start + spec.rows) x
+// [col_start, col_start + spec.dim), and with `load_optimizer` its optimizer state fits `spec`'s (a known
+// optimizer, the same slots, row-wise slots only for whole rows). `spec.optimizer` is read: the caller holds
+// the table's lock, or a copy of its spec taken under it (Table::SetOptimizer may replace it).
+void CheckBlockLoadable(const CheckpointInfo& info, const TableEntry& entry, const TableSpec& spec, int64_t row_start,
+                        int64_t col_start, bool load_optimizer) {
+  const std::string where = info.path + ": table '" + entry.name + "'";
+  if (row_start < 0 || col_start < 0 || row_start > entry.rows - spec.rows || col_start > entry.dim - spec.dim)
+    throw CheckpointError(where + " is " + std::to_string(entry.rows) + " x " + std::to_string(entry.dim) +
+                          "; it has no block of rows [" + std::to_string(row_start) + ", " +
+                          std::to_string(row_start + spec.rows) + ") and columns [" + std::to_string(col_start) +
+                          ", " + std::to_string(col_start + spec.dim) + ") for the target '" + spec.name + "'");
+  CheckKnownOptimizer(where, entry, load_optimizer);
+  if (!load_optimizer || !entry.has_optimizer) return;
+  if (entry.slot_names != spec.optimizer.SlotNames()) throw CheckpointError(SlotMismatch(where, entry, spec));
+  CheckRowwiseBlock(where, entry, spec, col_start);
+}
 }  // namespace
 
 void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Table& table, bool load_optimizer) {
@@ -1540,25 +1558,18 @@ void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Ta
     throw CheckpointError(where + " is " + std::to_string(entry.rows) + " x " + std::to_string(entry.dim) +
                           ", the target table '" + spec.name + "' is " + std::to_string(spec.rows) + " x " +
                           std::to_string(spec.dim));
-  CheckKnownOptimizer(where, entry, load_optimizer);
-  if (load_optimizer && entry.has_optimizer && entry.slot_names != spec.optimizer.SlotNames())
-    throw CheckpointError(SlotMismatch(where, entry, spec));
+  CheckBlockLoadable(info, entry, spec, 0, 0, load_optimizer);  // (the whole table: the block and its columns fit)
 }
 
 void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const Table& table, int64_t row_start,
                       int64_t col_start, bool load_optimizer, bool slot_domain, LoadFiles* files) {
-  const TableSpec& spec = table.spec();
-  const std::string where = info.path + ": table '" + entry.name + "'";
-  if (row_start < 0 || col_start < 0 || row_start > entry.rows - spec.rows || col_start > entry.dim - spec.dim)
-    throw CheckpointError(where + " is " + std::to_string(entry.rows) + " x " + std::to_string(entry.dim) +
-                          "; it has no block of rows [" + std::to_string(row_start) + ", " +
-                          std::to_string(row_start + spec.rows) + ") and columns [" + std::to_string(col_start) +
-                          ", " + std::to_string(col_start + spec.dim) + ") for the target '" + spec.name + "'");
-  CheckKnownOptimizer(where, entry, load_optimizer);
-  if (load_optimizer && entry.has_optimizer && entry.slot_names != spec.optimizer.SlotNames())
-    throw CheckpointError(SlotMismatch(where, entry, spec));
+  // A copy taken under the lock: Table::SetOptimizer may replace the optimizer meanwhile.
+  const TableSpec spec = [&] {
+    std::shared_lock<std::shared_mutex> lock(table.mutex());
+    return table.spec();
+  }();
+  CheckBlockLoadable(info, entry, spec, row_start, col_start, load_optimizer);
   const bool slots = load_optimizer && entry.has_optimizer;
-  if (slots) CheckRowwiseBlock(where, entry, spec, col_start);
   // Only the blocks of the rows this block reads.
   // `to`: the dtype the file's values become; a narrower one is checked for
   // values that would become infinite. A row-wise slot's files are one column wide.
@@ -1599,21 +1610,12 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
   std::optional<LoadFiles> local;
   if (files == nullptr) files = &local.emplace();
   // Verify everything this block reads first: a corrupt checkpoint must leave the table as it was.
-  if (verify) {
-    VerifyTableBlock(info, entry, table, row_start, col_start, load_optimizer, slot_domain, files);
-  } else if (row_start < 0 || col_start < 0 || row_start > entry.rows - table.rows() ||
-             col_start > entry.dim - table.dim()) {
-    throw CheckpointError(info.path + ": table '" + entry.name + "' has no such block");
-  }
-  CheckKnownOptimizer(info.path + ": table '" + entry.name + "'", entry, load_optimizer);
-  const TableSpec& spec = table.spec();
-  const bool slots = load_optimizer && entry.has_optimizer;
-  if (slots && entry.slot_names != spec.optimizer.SlotNames())
-    throw CheckpointError(SlotMismatch(info.path + ": table '" + entry.name + "'", entry, spec));
-  if (slots) CheckRowwiseBlock(info.path + ": table '" + entry.name + "'", entry, spec, col_start);
+  if (verify) VerifyTableBlock(info, entry, table, row_start, col_start, load_optimizer, slot_domain, files);
   std::unique_lock<std::shared_mutex> lock(table.mutex());
-  if (slots && entry.slot_names != spec.optimizer.SlotNames())  // again: Table::SetOptimizer may have run since
-    throw CheckpointError(SlotMismatch(info.path + ": table '" + entry.name + "'", entry, spec));
+  const TableSpec& spec = table.spec();
+  // (Again after a verification: Table::SetOptimizer may have run since.)
+  CheckBlockLoadable(info, entry, spec, row_start, col_start, load_optimizer);
+  const bool slots = load_optimizer && entry.has_optimizer;
   // Reads the block of `files` into `dst` ([rows, cols] of `dtype`, from column
   // first_col); a device table's block goes through a bounded host buffer.
   auto read = [&](const std::vector<FileEntry>& entries, void* dst, DType dtype, int64_t first_col, int64_t cols) {
