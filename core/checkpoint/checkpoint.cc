@@ -256,9 +256,9 @@ std::string NotFiniteProblem(const std::string& label, float value, const std::s
 // from the rows that cover its bytes (a row across a chunk's end is
 // quantized for both: the same bytes); checksums into f->crc32c. A row that
 // cannot be quantized (a value not finite, a range beyond float32) fails
-// the save, naming it.
+// the save, naming it by its row in the table (the file's first is `row_start`).
 void WriteRowwise8Payload(File& file, FileEntry* f, const std::string& label, const char* base, DType src_dtype,
-                          int64_t row0, int64_t rows, int64_t cols, int src_device) {
+                          int64_t row_start, int64_t rows, int64_t cols, int src_device) {
   const uint64_t payload = checkpoint::PayloadBytes(*f);
   const uint64_t rb = RowBytes(DType::kUInt8Rowwise, cols);
   const size_t src_row = size_t(cols) * DTypeSize(src_dtype);
@@ -296,7 +296,7 @@ void WriteRowwise8Payload(File& file, FileEntry* f, const std::string& label, co
       const float* row = row_of(int64_t(bad.load()), tmp);
       int64_t col = -1;
       const char* problem = rowwise8::RowProblem(row, cols, &col);
-      const std::string r = std::to_string(row0 + ra + int64_t(bad.load()));
+      const std::string r = std::to_string(row_start + ra + int64_t(bad.load()));
       if (col >= 0)
         throw InvalidArgument(NotFiniteProblem(label, row[col], "row " + r + ", column " + std::to_string(col)));
       throw InvalidArgument("save: " + label + " row " + r + " " + problem +
@@ -315,16 +315,19 @@ void WriteRowwise8Payload(File& file, FileEntry* f, const std::string& label, co
   }
 }
 
-// Writes rows [row0, row0 + rows) of a [*, cols] array of `src_dtype` at `src`
+// Writes the [rows, cols] array of `src_dtype` at `src`, rows [row_start,
+// row_start + rows) and columns [col_start, col_start + cols) of its table,
 // as a data file of `dst_dtype`; returns its manifest entry. The file is
-// written but not yet fsynced (SaveCheckpoint syncs every file at the end).
+// written and closed, not fsynced: the caller (WriteShardFiles) syncs each
+// file right after it is written, before the next one and before any
+// manifest names it.
 // The threads of the pool write a chunk's blocks with pwrite, in pieces of
 // kWritePiece bytes, and checksum each piece right after write() has read it,
 // while it is still in the thread's L2 cache: about half the CPU time of a
 // checksum that reads the piece from memory first, and one pass over the
 // table instead of two. When casting (or staging a device table), chunk k+1 is
 // converted on another thread while chunk k is written. Writeback of each
-// chunk starts at once (sync_file_range), so that the final fsync is short and
+// chunk starts at once (sync_file_range), so that the caller's fsync is short and
 // the kernel never throttles a burst of dirty pages.
 // `label` names the array in errors ("table 'x' values"). A value that is
 // not finite fails the save (a checkpoint holds finite values only), as does
@@ -333,14 +336,13 @@ void WriteRowwise8Payload(File& file, FileEntry* f, const std::string& label, co
 // cache (as the cast converts it, or after its checksum), and the first in
 // the file is named, by the table's row and column.
 FileEntry WriteDataFile(const std::string& dir, const std::string& name, const std::string& label, const void* src,
-                        DType src_dtype, DType dst_dtype, int64_t row0, int64_t rows, int64_t cols,
-                        int src_device = -1, int64_t named_row0 = -1, int64_t named_col0 = 0) {
-  // Errors name rows and columns of the whole table: a shard's file names its local row 0 `named_row0`.
-  const int64_t first_named = named_row0 >= 0 ? named_row0 : row0;
+                        DType src_dtype, DType dst_dtype, int64_t rows, int64_t cols, int src_device,
+                        int64_t row_start, int64_t col_start) {
   FileEntry f;
   f.path = name;
   f.dtype = dst_dtype;
-  f.row_start = row0;
+  f.row_start = row_start;
+  f.col_start = col_start;
   f.rows = rows;
   f.cols = cols;
   f.block_bytes = kBlockBytes;
@@ -378,9 +380,9 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const s
   file.WriteAll(head.data(), head.size());
 
   const size_t src_es = DTypeSize(src_dtype), dst_es = DTypeSize(dst_dtype);
-  const char* base = static_cast<const char*>(src) + size_t(row0) * size_t(cols) * src_es;
+  const char* base = static_cast<const char*>(src);
   if (dst_dtype == DType::kUInt8Rowwise) {
-    WriteRowwise8Payload(file, &f, label, base, src_dtype, first_named, rows, cols, src_device);
+    WriteRowwise8Payload(file, &f, label, base, src_dtype, row_start, rows, cols, src_device);
     file.Close();
     return f;
   }
@@ -398,8 +400,8 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const s
   auto refuse = [&](uint64_t e, const char* src_e) {
     float v;
     load(src_e, &v, 1);
-    const std::string at = "row " + std::to_string(first_named + int64_t(e / uint64_t(cols))) + ", column " +
-                           std::to_string(named_col0 + int64_t(e % uint64_t(cols)));
+    const std::string at = "row " + std::to_string(row_start + int64_t(e / uint64_t(cols))) + ", column " +
+                           std::to_string(col_start + int64_t(e % uint64_t(cols)));
     if (!std::isfinite(v)) throw InvalidArgument(NotFiniteProblem(label, v, at));
     throw InvalidArgument("save: " + label + " hold " + FormatFloat(v) + " at " + at + ", beyond the range of " +
                           DTypeName(dst_dtype) + "; export as float32" +
@@ -1358,9 +1360,7 @@ TableEntry WriteShardFiles(const std::string& path, uint64_t generation, const s
   auto write = [&](const std::string& array, const void* src, DType src_dtype, DType dst_dtype, int64_t cols,
                    int64_t first_col) {
     FileEntry f = WriteDataFile(path, prefix + array + tag, "table '" + spec.name + "' " + array, src, src_dtype,
-                                dst_dtype, 0, spec.rows, cols, spec.device, row_start, first_col);
-    f.row_start = row_start;
-    f.col_start = first_col;
+                                dst_dtype, spec.rows, cols, spec.device, row_start, first_col);
     SyncFile(JoinPath(path, f.path));  // its writeback started as it was written: this is short
     return f;
   };
