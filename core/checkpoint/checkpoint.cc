@@ -57,7 +57,11 @@ checkpoint::FileHeader MakeHeader(checkpoint::FileKind kind) {
   return h;
 }
 
-void SealHeader(checkpoint::FileHeader& h) { h.header_crc32c = checkpoint::Crc32c(&h, 60); }
+// The header's checksum covers every byte before it.
+constexpr size_t kHeaderCrcBytes = offsetof(checkpoint::FileHeader, header_crc32c);
+static_assert(kHeaderCrcBytes == 60, "format v1: header_crc32c is the CRC-32C of header bytes [0, 60)");
+
+void SealHeader(checkpoint::FileHeader& h) { h.header_crc32c = checkpoint::Crc32c(&h, kHeaderCrcBytes); }
 
 // Checks the fixed fields every header shares; returns why it is bad, or "".
 std::string HeaderProblem(const checkpoint::FileHeader& h, checkpoint::FileKind kind) {
@@ -68,7 +72,7 @@ std::string HeaderProblem(const checkpoint::FileHeader& h, checkpoint::FileKind 
   if (h.byte_order != checkpoint::kByteOrderMark) return "unknown byte order mark";
   // The version before the checksum: a newer major version may lay out (and
   // checksum) the rest of its header differently.
-  const bool header_ok = h.header_crc32c == checkpoint::Crc32c(&h, 60);
+  const bool header_ok = h.header_crc32c == checkpoint::Crc32c(&h, kHeaderCrcBytes);
   if (h.format_major > kFormatMajor)
     return "format version " + std::to_string(h.format_major) + "." + std::to_string(h.format_minor) +
            " is newer than this library reads (" + std::to_string(kFormatMajor) + ".x); upgrade embedcore" +
@@ -86,7 +90,10 @@ std::string GenerationTag(uint64_t gen) {
   return buf;
 }
 
-std::string ClaimName(uint64_t generation) { return std::string("MANIFEST.tmp.") + GenerationTag(generation); }
+// A generation's claim, which its commit writes as the temporary manifest and renames to MANIFEST.
+constexpr char kClaimPrefix[] = "MANIFEST.tmp.";
+std::string ClaimName(uint64_t generation) { return kClaimPrefix + GenerationTag(generation); }
+bool IsClaimName(const std::string& name) { return name.rfind(kClaimPrefix, 0) == 0; }
 
 // Unlocked explicitly, then closed: a process forked while the lock was held
 // shares its open file description, and closing ours alone would leave the
@@ -129,8 +136,7 @@ void RemoveUnclaimed(const std::string& path, std::map<uint64_t, std::vector<std
   for (auto& [g, names] : files) {
     const int claim = g == own ? -2 : TakeClaimForRemoval(path, g);
     if (claim == -1) continue;  // a save in progress
-    std::stable_partition(names.begin(), names.end(),
-                          [](const std::string& n) { return n.rfind("MANIFEST.tmp.", 0) != 0; });
+    std::stable_partition(names.begin(), names.end(), [](const std::string& n) { return !IsClaimName(n); });
     for (const std::string& name : names) ::unlink(JoinPath(path, name).c_str());
     if (claim >= 0) ReleaseFlock(claim);
   }
@@ -154,13 +160,13 @@ bool ParseGeneration(const std::string& s, size_t pos, size_t end, uint64_t* gen
 }
 
 bool IsOurFile(const std::string& name, uint64_t* generation) {
-  const std::string tmp = "MANIFEST.tmp.g";
+  const std::string tmp = std::string(kClaimPrefix) + "g";
   if (name.compare(0, tmp.size(), tmp) == 0) return ParseGeneration(name, tmp.size(), name.size(), generation);
   // t00000.<array>.g<digits>.ecd
   if (name.size() < 7 || name[0] != 't' || name[6] != '.') return false;
   for (size_t i = 1; i < 6; ++i)
     if (name[i] < '0' || name[i] > '9') return false;
-  if (name.size() < 4 || name.compare(name.size() - 4, 4, ".ecd") != 0) return false;
+  if (name.compare(name.size() - 4, 4, ".ecd") != 0) return false;  // (7 characters at least, checked above)
   const size_t g = name.rfind(".g");
   if (g == std::string::npos || g <= 7) return false;
   // A shard's files carry ".s<5 digits>" after the array name.
@@ -1005,13 +1011,12 @@ namespace {
 // manifest that the reader would refuse is refused here, before anything changes.
 void CommitManifest(const std::string& path, const std::string& json, uint64_t generation) {
   checkpoint::ParseManifest(JoinPath(path, "MANIFEST (to commit)"), json);
-  const std::string tag = GenerationTag(generation);
   checkpoint::FileHeader h = MakeHeader(checkpoint::FileKind::kManifest);
   h.payload_offset = kHeaderBytes;
   h.payload_bytes = json.size();
   h.aux = checkpoint::Crc32c(json.data(), json.size());
   SealHeader(h);
-  const std::string tmp = JoinPath(path, std::string("MANIFEST.tmp.") + tag);
+  const std::string tmp = JoinPath(path, ClaimName(generation));  // the claim file: written, then renamed
   {
     File file(tmp, O_WRONLY | O_CREAT | O_TRUNC);
     file.WriteAll(&h, sizeof(h));
@@ -1058,7 +1063,7 @@ void CommitManifest(const std::string& path, const std::string& json, uint64_t g
   std::map<uint64_t, std::vector<std::string>> files;
   for (const std::string& name : names) {
     uint64_t g = 0;
-    if (IsOurFile(name, &g) && (g != generation || name.rfind("MANIFEST.tmp.", 0) == 0)) files[g].push_back(name);
+    if (IsOurFile(name, &g) && (g != generation || IsClaimName(name))) files[g].push_back(name);
   }
   RemoveUnclaimed(path, files, generation);
 }
@@ -1266,6 +1271,12 @@ GenerationClaim::GenerationClaim(const std::string& path) {
     // A commit running between the create and the lock may have removed the
     // file as a leftover: claim another generation then. (Where the filesystem
     // has no flock the claim is not locked: see docs/format.md.)
+    // A flock that fails otherwise (ENOLCK, EOPNOTSUPP: a filesystem without
+    // flock) leaves the claim unlocked and the save goes on: docs/format.md
+    // ("Concurrency") asks for one writer at a time on such a filesystem,
+    // whose commits take no lock either, and a save must not fail for want of
+    // a lock the filesystem cannot give. The O_EXCL create above still keeps
+    // two saves off one generation.
     int rc;
     do {
       rc = ::flock(fd, LOCK_EX);
@@ -1487,8 +1498,7 @@ int RemoveGeneration(const std::string& path, uint64_t generation) noexcept {
     // generation and write files of these names.
     int removed = 0;
     std::vector<std::string> names = ListDirectory(path);
-    std::stable_partition(names.begin(), names.end(),
-                          [](const std::string& n) { return n.rfind("MANIFEST.tmp.", 0) != 0; });
+    std::stable_partition(names.begin(), names.end(), [](const std::string& n) { return !IsClaimName(n); });
     for (const std::string& name : names) {
       uint64_t g = 0;
       if (IsOurFile(name, &g) && g == generation && ::unlink(JoinPath(path, name).c_str()) == 0) ++removed;
