@@ -201,18 +201,6 @@ std::vector<std::string> ListDirectory(const std::string& dir) {
   return names;
 }
 
-// Whether the element at `p` (of `dtype`) is inf or NaN, from its bits.
-inline bool NotFinite(const char* p, DType dtype) {
-  if (dtype == DType::kFloat32) {
-    uint32_t u;
-    std::memcpy(&u, p, 4);
-    return (u & 0x7f800000u) == 0x7f800000u;
-  }
-  uint16_t u;
-  std::memcpy(&u, p, 2);
-  return dtype == DType::kFloat16 ? (u & 0x7c00u) == 0x7c00u : (u & 0x7f80u) == 0x7f80u;
-}
-
 // The index of the first of the `n` elements of `dtype` (float32, float16 or
 // bfloat16) at `p` that is inf or NaN (every exponent bit set); -1 when all
 // are finite. A branch-free scan of each 4096 elements, which the compiler
@@ -242,9 +230,12 @@ int64_t FirstNotFinite(const char* p, int64_t n, DType dtype) {
   return FirstNotFiniteBits<uint16_t>(p, n, dtype == DType::kFloat16 ? uint16_t(0x7c00u) : uint16_t(0x7f80u));
 }
 
-// Lowers `a` to `v` when `v` is below it.
-void AtomicMin(std::atomic<uint64_t>& a, uint64_t v) {
-  uint64_t cur = a.load(std::memory_order_relaxed);
+// Lowers `a` to `v` when `v` is below it: the first of the indices (a row, a
+// value, a block) that the threads of a parallel loop find bad, read once the
+// loop has joined.
+template <typename T>
+void AtomicMin(std::atomic<T>& a, T v) {
+  T cur = a.load(std::memory_order_relaxed);
   while (v < cur && !a.compare_exchange_weak(cur, v, std::memory_order_relaxed)) {
   }
 }
@@ -716,15 +707,12 @@ int64_t FirstBadValue(const FileEntry& f, const ValueCheck& check, const char* b
     }
     return -1;
   }
-  if (!check.narrow) {  // finiteness only: a branch-free scan of each 1024 values, then the values of a bad one
-    for (int64_t i = 0; i < count; i += 1024) {
-      const int64_t k = std::min<int64_t>(1024, count - i);
-      const char* p = bytes + size_t(i) * es;
-      bool any = false;
-      for (int64_t j = 0; j < k; ++j) any |= NotFinite(p + size_t(j) * es, f.dtype);
-      if (!any) continue;
-      for (int64_t j = 0; j < k; ++j)
-        if (NotFinite(p + size_t(j) * es, f.dtype) && in_columns(e0 + uint64_t(i + j))) return int64_t(e0) + i + j;
+  if (!check.narrow) {  // finiteness only: FirstNotFinite's scan, resumed after a bad value outside the columns
+    for (int64_t i = 0; i < count;) {
+      const int64_t j = FirstNotFinite(bytes + size_t(i) * es, count - i, f.dtype);
+      if (j < 0) return -1;
+      if (in_columns(e0 + uint64_t(i + j))) return int64_t(e0) + i + j;
+      i += j + 1;
     }
     return -1;
   }
@@ -755,50 +743,55 @@ void CheckRowwise8Rows(const File& file, const FileEntry& f, int64_t r0, int64_t
   const uint64_t rb = RowBytes(f.dtype, f.cols);
   const bool values = check != nullptr && (check->finite || check->narrow);
   const DType to = check != nullptr && check->narrow ? check->to : DType::kFloat32;
+  const auto& store = kernels::ActiveKernels().dtype[int(to)].store;
+  const auto& load_back = kernels::ActiveKernels().dtype[int(to)].load;
+  // Which part of `row` fails: -1 the scale or bias, >= 0 the column of a value; -2 none. `deq`, `back` and
+  // `narrowed` are the caller's buffers of a row.
+  auto bad_column = [&](const uint8_t* row, std::vector<float>& deq, std::vector<float>& back,
+                        std::vector<char>& narrowed) -> int64_t {
+    if (!std::isfinite(rowwise8::Scale(row, f.cols)) || !std::isfinite(rowwise8::Bias(row, f.cols))) return -1;
+    if (!values) return -2;
+    rowwise8::DequantizeRow8(row, f.cols, deq.data());
+    const float* v = deq.data();
+    if (to != DType::kFloat32) {
+      store(narrowed.data(), deq.data(), f.cols);
+      load_back(narrowed.data(), back.data(), f.cols);
+      v = back.data();
+    }
+    for (int64_t d = 0; d < f.cols; ++d)
+      if (!std::isfinite(v[d])) return d;
+    return -2;
+  };
   const int64_t per_piece = std::max<int64_t>(1, int64_t((uint64_t(1) << 20) / rb));
-  std::atomic<int64_t> bad_row{INT64_MAX}, bad_col{-1};
-  std::mutex bad_mutex;
+  std::atomic<int64_t> bad_row{INT64_MAX};
   const int64_t pieces = (r1 - r0 + per_piece - 1) / per_piece;
   ParallelFor(pieces, 1, [&](int64_t a, int64_t b) {
     std::vector<char> raw(size_t(std::min<int64_t>(per_piece, r1 - r0)) * rb);
     std::vector<float> deq(size_t(f.cols)), back(size_t(f.cols));
     std::vector<char> narrowed(size_t(f.cols) * 4);
-    const auto& store = kernels::ActiveKernels().dtype[int(to)].store;
-    const auto& load_back = kernels::ActiveKernels().dtype[int(to)].load;
     for (int64_t p = a; p < b; ++p) {
       const int64_t p0 = r0 + p * per_piece, p1 = std::min(r1, p0 + per_piece);
       file.ReadAt(raw.data(), size_t(uint64_t(p1 - p0) * rb), kDataOffset + uint64_t(p0 - f.row_start) * rb);
       for (int64_t r = p0; r < p1; ++r) {
         const uint8_t* row = reinterpret_cast<const uint8_t*>(raw.data()) + uint64_t(r - p0) * rb;
-        int64_t col = -2;  // -1: the scale or bias; >= 0: a value
-        if (!std::isfinite(rowwise8::Scale(row, f.cols)) || !std::isfinite(rowwise8::Bias(row, f.cols))) {
-          col = -1;
-        } else if (values) {
-          rowwise8::DequantizeRow8(row, f.cols, deq.data());
-          const float* v = deq.data();
-          if (to != DType::kFloat32) {
-            store(narrowed.data(), deq.data(), f.cols);
-            load_back(narrowed.data(), back.data(), f.cols);
-            v = back.data();
-          }
-          for (int64_t d = 0; d < f.cols && col == -2; ++d)
-            if (!std::isfinite(v[d])) col = d;
-        }
-        if (col == -2) continue;
-        std::lock_guard<std::mutex> hold(bad_mutex);
-        if (r < bad_row.load()) bad_row = r, bad_col = col;
-        break;
+        if (bad_column(row, deq, back, narrowed) != -2) return AtomicMin(bad_row, r);  // (later rows are after it)
       }
     }
   });
   if (bad_row.load() == INT64_MAX) return;
-  const int64_t r = bad_row.load(), col = bad_col.load();
-  float scale_bias[2];
-  file.ReadAt(scale_bias, 8, kDataOffset + uint64_t(r - f.row_start) * rb + uint64_t(f.cols));
+  // The first bad row, read again (checksummed already), says what fails in it.
+  const int64_t r = bad_row.load();
+  std::vector<char> raw(static_cast<size_t>(rb));
+  std::vector<float> deq(size_t(f.cols)), back(size_t(f.cols));
+  std::vector<char> narrowed(size_t(f.cols) * 4);
+  file.ReadAt(raw.data(), size_t(rb), kDataOffset + uint64_t(r - f.row_start) * rb);
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(raw.data());
+  const int64_t col = bad_column(row, deq, back, narrowed);
   const std::string at = "row " + std::to_string(r);
   if (col == -1)
-    throw CheckpointError(file.path() + ": uint8_rowwise " + at + " has scale " + FormatFloat(scale_bias[0]) +
-                          " and bias " + FormatFloat(scale_bias[1]) + "; both must be finite (corrupt)");
+    throw CheckpointError(file.path() + ": uint8_rowwise " + at + " has scale " +
+                          FormatFloat(rowwise8::Scale(row, f.cols)) + " and bias " +
+                          FormatFloat(rowwise8::Bias(row, f.cols)) + "; both must be finite (corrupt)");
   const std::string label = check->label.empty() ? "values" : check->label;
   if (to == DType::kFloat32)
     throw CheckpointError(file.path() + ": " + label + " (uint8_rowwise) at " + at + ", column " + std::to_string(col) +
@@ -833,11 +826,6 @@ void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, ui
     const int64_t nb = int64_t((len + bb - 1) / bb);
     std::atomic<int64_t> bad{INT64_MAX};         // the first corrupt block of the window
     std::atomic<int64_t> refused{INT64_MAX};     // the first element `check` refuses
-    auto lower = [](std::atomic<int64_t>& first, int64_t x) {
-      int64_t seen = first.load();
-      while (x < seen && !first.compare_exchange_weak(seen, x)) {
-      }
-    };
     ParallelChunks(nb, std::min(NumChunks(nb, 1), int(buffers.size())), [&](int c, int64_t a, int64_t b) {
       std::vector<char>& buf = buffers[size_t(c)];
       if (buf.empty()) buf.resize(size_t(std::min<uint64_t>(kPiece, len)));
@@ -850,10 +838,10 @@ void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, ui
           crc = checkpoint::Crc32c(buf.data(), m, crc);
           if (check) {
             const int64_t e = FirstBadValue(f, *check, buf.data(), m, start + o, lo, hi);
-            if (e >= 0) lower(refused, e);
+            if (e >= 0) AtomicMin(refused, e);
           }
         }
-        if (crc != f.crc32c[size_t(b0 + uint64_t(i))]) lower(bad, int64_t(b0) + i);
+        if (crc != f.crc32c[size_t(b0 + uint64_t(i))]) AtomicMin(bad, int64_t(b0) + i);
       }
     });
     if (bad.load() != INT64_MAX) {
