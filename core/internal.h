@@ -189,4 +189,18 @@ struct KeyValue {
   uint64_t value;
 };
 
+/// Host staging of device tables, per step (their initial values, a
+/// checkpoint's save and load).
+constexpr size_t kStagingBytes = size_t(16) << 20;
+
+/// Runs fn(r0, n, staging) over rows [0, rows) of `row_bytes` each, in blocks
+/// of n rows (at least one) that fit kStagingBytes: `staging` is a host buffer
+/// of n rows, the same one each time, through which a device table's rows go.
+template <typename Fn>
+void ForEachStagingBlock(int64_t rows, size_t row_bytes, Fn&& fn) {
+  const int64_t step = std::max<int64_t>(1, int64_t(kStagingBytes / row_bytes));
+  std::vector<char> staging(size_t(std::min(step, std::max<int64_t>(rows, 1))) * row_bytes);
+  for (int64_t r0 = 0; r0 < rows; r0 += step) fn(r0, std::min(step, rows - r0), staging.data());
+}
+
 }  // namespace embedcore::internal

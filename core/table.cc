@@ -250,18 +250,6 @@ void Table::BufferDeleter::operator()(void* p) const {
 }
 
 namespace {
-constexpr size_t kStagingBytes = size_t(16) << 20;  // host staging of device tables, per step
-
-// Runs fn(r0, n, staging) over rows [0, rows) of `row_bytes` each, in blocks
-// of n rows (at least one) that fit kStagingBytes: `staging` is a host buffer
-// of n rows, the same one each time, through which a device table's rows go.
-template <typename Fn>
-void ForEachStagingBlock(int64_t rows, size_t row_bytes, Fn&& fn) {
-  const int64_t step = std::max<int64_t>(1, int64_t(kStagingBytes / row_bytes));
-  std::vector<char> staging(size_t(std::min(step, std::max<int64_t>(rows, 1))) * row_bytes);
-  for (int64_t r0 = 0; r0 < rows; r0 += step) fn(r0, std::min(step, rows - r0), staging.data());
-}
-
 void CheckDevice(const TableSpec& spec) {
   if (spec.device < -1) throw InvalidArgument("table '" + spec.name + "': device must be -1 (host) or a CUDA device");
   if (spec.device < 0) return;
@@ -379,7 +367,7 @@ void Table::InitializeValues(bool zeroed) {
     // On the device: initialised on the host a bounded piece at a time (the
     // same values as a host table), copied over.
     const size_t row_bytes = size_t(spec_.dim) * DTypeSize(spec_.dtype);
-    ForEachStagingBlock(spec_.rows, row_bytes, [&](int64_t r0, int64_t n, char* staging) {
+    internal::ForEachStagingBlock(spec_.rows, row_bytes, [&](int64_t r0, int64_t n, char* staging) {
       std::memset(staging, 0, size_t(n) * row_bytes);
       internal::Initialize(spec_.initializer, spec_.dtype, n, spec_.dim, spec_.shard_row_start + r0,
                            spec_.shard_col_start, spec_.full_dim, staging);
@@ -539,7 +527,7 @@ void Table::AssignValues(int64_t start_row, int64_t n, const float* src) {
   const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
   if (spec_.device >= 0) {  // rounded on the host, a bounded piece at a time
     const size_t row_bytes = size_t(spec_.dim) * es;
-    ForEachStagingBlock(n, row_bytes, [&](int64_t r0, int64_t m, char* staging) {
+    internal::ForEachStagingBlock(n, row_bytes, [&](int64_t r0, int64_t m, char* staging) {
       k.store(staging, src + r0 * spec_.dim, m * spec_.dim);
       cuda_impl::CopyToDevice(static_cast<char*>(values_.get()) + size_t(start_row + r0) * row_bytes, staging,
                               size_t(m) * row_bytes, spec_.device);
@@ -590,7 +578,7 @@ void Table::ReadValues(int64_t start_row, int64_t n, float* dst) const {
   const char* base = static_cast<const char*>(values_.get());
   if (spec_.device >= 0) {
     const size_t row_bytes = size_t(spec_.dim) * es;
-    ForEachStagingBlock(n, row_bytes, [&](int64_t r0, int64_t m, char* staging) {
+    internal::ForEachStagingBlock(n, row_bytes, [&](int64_t r0, int64_t m, char* staging) {
       cuda_impl::CopyToHost(staging, base + size_t(start_row + r0) * row_bytes, size_t(m) * row_bytes, spec_.device);
       k.load(staging, dst + r0 * spec_.dim, m * spec_.dim);
     });

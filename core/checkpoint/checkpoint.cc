@@ -1623,15 +1623,12 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
       return;
     }
     const size_t row_bytes = size_t(cols) * DTypeSize(dtype);
-    const int64_t step = std::max<int64_t>(1, int64_t(kChunkBytes / row_bytes));
-    std::vector<char> staging(size_t(std::min(step, spec.rows)) * row_bytes);
-    for (int64_t r0 = 0; r0 < spec.rows; r0 += step) {
-      const int64_t n = std::min(step, spec.rows - r0);
+    internal::ForEachStagingBlock(spec.rows, row_bytes, [&](int64_t r0, int64_t n, char* staging) {
       for (const FileEntry& f : entries)
-        ReadDataBlock(info.path, f, staging.data(), dtype, row_start + r0, n, first_col, cols, files);
-      cuda_impl::CopyToDevice(static_cast<char*>(dst) + size_t(r0) * row_bytes, staging.data(), size_t(n) * row_bytes,
+        ReadDataBlock(info.path, f, staging, dtype, row_start + r0, n, first_col, cols, files);
+      cuda_impl::CopyToDevice(static_cast<char*>(dst) + size_t(r0) * row_bytes, staging, size_t(n) * row_bytes,
                               spec.device);
-    }
+    });
   };
   // Everything was verified, through the descriptors read here: what can still fail is the copy itself (an
   // I/O error of a failing disk, memory for a buffer), with part of the table written. Not staged whole
