@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "embedcore/embedcore.h"
+#include "shared_checks.h"
 #include "thread_pool.h"
 
 namespace embedcore::internal {
@@ -86,24 +87,6 @@ double LargestStandardNormal();
 /// Uniform max(|low|, |high|), Normal |mean| + LargestStandardNormal() *
 /// stddev, TruncatedNormal |mean| + 2 stddev (stddev 0: 1/sqrt(dim)).
 double InitialBound(const InitializerSpec& spec, int64_t dim);
-
-/// The most ids (nnz) or bags (num_bags) a batch may hold: its arrays' sizes
-/// in bytes, (num_bags + 1) x 8 for the offsets and nnz x 8 for int64 ids,
-/// then fit in int64. No array in memory is that large, and a count above it
-/// would overflow the arithmetic on the arrays (offsets + num_bags + 1 wraps
-/// the pointer), so it is refused before any.
-constexpr int64_t kMaxBatchCount = INT64_MAX / 8 - 1;
-
-/// InvalidArgument naming nnz or num_bags if above kMaxBatchCount (negative
-/// counts are ValidateBatch's to refuse).
-inline void CheckBatchCounts(const Batch& batch) {
-  if (batch.nnz > kMaxBatchCount)
-    throw InvalidArgument("nnz = " + std::to_string(batch.nnz) + " is a size that overflows int64 (nnz x 8 bytes " +
-                          "of ids); at most " + std::to_string(kMaxBatchCount));
-  if (batch.num_bags > kMaxBatchCount)
-    throw InvalidArgument("num_bags = " + std::to_string(batch.num_bags) + " is a size that overflows int64 " +
-                          "((num_bags + 1) x 8 bytes of offsets); at most " + std::to_string(kMaxBatchCount));
-}
 
 /// `batch` with the engine's own copy of its offsets. The ids, offsets and
 /// weights are the caller's memory, read in place; validated offsets that a

@@ -16,6 +16,26 @@ inline bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_byte
   return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
 }
 
+/// The most ids (nnz) or bags (num_bags) a batch may hold: its arrays' sizes
+/// in bytes, (num_bags + 1) x 8 for the offsets and nnz x 8 for int64 ids,
+/// then fit in int64. No array in memory is that large, and a count above it
+/// would overflow the arithmetic on the arrays (offsets + num_bags + 1 wraps
+/// the pointer), so it is refused before any.
+constexpr int64_t kMaxBatchCount = INT64_MAX / 8 - 1;
+
+/// InvalidArgument naming nnz or num_bags if above kMaxBatchCount (negative
+/// counts are the caller's to refuse: ValidateBatch's in the engine).
+/// `prefix` is put before their names: "batch." for the C API's embedcore_batch.
+inline void CheckBatchCounts(int64_t nnz, int64_t num_bags, const char* prefix = "") {
+  if (nnz > kMaxBatchCount)
+    throw InvalidArgument(prefix + ("nnz = " + std::to_string(nnz)) + " is a size that overflows int64 (nnz x 8 " +
+                          "bytes of ids); at most " + std::to_string(kMaxBatchCount));
+  if (num_bags > kMaxBatchCount)
+    throw InvalidArgument(prefix + ("num_bags = " + std::to_string(num_bags)) + " is a size that overflows int64 " +
+                          "((num_bags + 1) x 8 bytes of offsets); at most " + std::to_string(kMaxBatchCount));
+}
+inline void CheckBatchCounts(const Batch& batch) { CheckBatchCounts(batch.nnz, batch.num_bags); }
+
 /// InvalidArgument for a negative max_sequence_length (a gradient part's, whatever its combiner).
 inline void CheckMaxSequenceLength(int64_t max_sequence_length) {
   if (max_sequence_length < 0)

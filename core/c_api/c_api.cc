@@ -33,6 +33,7 @@
 #include <pthread.h>
 
 #include "embedcore/embedcore.h"
+#include "shared_checks.h"
 
 // The ABI's structs, pinned (a change is a new EMBEDCORE_C_ABI_VERSION).
 static_assert(int(embedcore::DType::kFloat32) == EMBEDCORE_DTYPE_FLOAT32 &&
@@ -449,21 +450,14 @@ void RequireDisjoint(const float* out, size_t out_bytes, const void* p, size_t b
 }
 
 // The batch's counts: >= 0, and sizes that fit in int64. An array of more
-// than INT64_MAX / 8 - 1 elements (the offsets' (num_bags + 1) x 8 bytes)
-// cannot be in memory, and the sizes computed from such a count (to check
-// overlaps, to copy the offsets) would overflow.
+// than kMaxBatchCount = INT64_MAX / 8 - 1 elements (the offsets' (num_bags +
+// 1) x 8 bytes) cannot be in memory, and the sizes computed from such a count
+// (to check overlaps, to copy the offsets) would overflow: refused as the
+// engine refuses them (core/shared_checks.h), the fields named as the struct's.
 void CheckCounts(const embedcore_batch* batch) {
   if (batch->nnz < 0) throw InvalidArgument("batch.nnz must be >= 0, got " + std::to_string(batch->nnz));
   if (batch->num_bags < 0) throw InvalidArgument("batch.num_bags must be >= 0, got " + std::to_string(batch->num_bags));
-  constexpr int64_t kMaxCount = INT64_MAX / 8 - 1;  // as the engine's (core/internal.h: kMaxBatchCount)
-  if (batch->nnz > kMaxCount)
-    throw InvalidArgument("batch.nnz = " + std::to_string(batch->nnz) +
-                          " is a size that overflows int64 (nnz x 8 bytes of ids); at most " +
-                          std::to_string(kMaxCount));
-  if (batch->num_bags > kMaxCount)
-    throw InvalidArgument("batch.num_bags = " + std::to_string(batch->num_bags) +
-                          " is a size that overflows int64 ((num_bags + 1) x 8 bytes of offsets); at most " +
-                          std::to_string(kMaxCount));
+  embedcore::internal::CheckBatchCounts(batch->nnz, batch->num_bags, "batch.");
 }
 
 Batch ToBatch(const embedcore_batch* batch) {
