@@ -785,12 +785,12 @@ def _host_table_grad(ids: List[Tensor], offsets: List[Tensor], weights: List[Ten
     the general path's PyTorch ops took about 20 (an unfused step took twice
     ``nn.EmbeddingBag``'s)."""
     windows = _cpu_windows(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
-    if windows is None or any(g.device.type != "cpu" or g.dtype != torch.float32 for g in grads):
-        return None
-    if weights and windows[0][2].dtype != np.float32:
+    if windows is None or (weights and windows[0][2].dtype != np.float32):
         return None
     values, index = [], []
     for (a, off, w), g in zip(windows, grads):
+        if not g.is_cpu or g.dtype != torch.float32:
+            return None
         counts = off[1:] - off[:-1]  # (cheaper than np.diff and np.repeat, which wrap these in Python)
         v = _np(g.contiguous()).repeat(counts, axis=0)  # the row of each id's bag
         if combiner != SUM or w is not None:
@@ -879,8 +879,8 @@ def _backward(ctx, grads):
     elif grad_mode == FUSED:
         table_grad = a
     elif grad_mode == SPARSE:
-        table_grad = torch.sparse_coo_tensor(b.unsqueeze(0), a.to(ctx.table_dtype), ctx.table_shape,
-                                             check_invariants=False)
+        values = a if a.dtype == ctx.table_dtype else a.to(ctx.table_dtype)
+        table_grad = torch.sparse_coo_tensor(b.unsqueeze(0), values, ctx.table_shape, check_invariants=False)
     else:
         table_grad = a.to(ctx.table_dtype)
     weight_grads = list(wgrads) if ctx.weight_grads else [None] * n_w
