@@ -239,6 +239,69 @@ def test_unpooled_training_matches_nn_embedding(rng, name):
     assert coll.embeddings["t"].table.step == 5
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("form", ["offsets", "last_offset", "2d"])
+def test_unfused_host_gradient_matches_the_general_path_bit_for_bit(rng, monkeypatch, mode, sparse, form):
+    """The unfused table gradient of a plain CPU call (``_host_table_grad``:
+    NumPy, no padding id) is the general path's, bit for bit: the same sparse
+    values and indices (one row per id occurrence, repeats and empty bags
+    included; int32 ids too) or dense gradient, and the same weights after
+    torch.optim steps; a sum's, nn.EmbeddingBag's."""
+    from embedcore.adapters.torch import _ops
+
+    host = _ops._host_table_grad
+    taken = []
+    w0 = uniform_weights(rng, ROWS, DIM)
+
+    def run(fast, name, batches):
+        monkeypatch.setattr(_ops, "_host_table_grad",
+                            (lambda *a: taken.append(host(*a)) or taken[-1]) if fast else (lambda *a: None))
+        m = et.EmbeddingBag.from_pretrained(w0, freeze=False, mode=mode, sparse=sparse,
+                                            include_last_offset=form == "last_offset")
+        opt = torch_optimizer(name, m.parameters(), LR[name])
+        grads = []
+        for ids, offsets, w, g in batches:
+            opt.zero_grad()
+            (m(ids, offsets, w) * g).sum().backward()
+            grads.append(m.weight.grad.clone())
+            opt.step()
+        return grads, m.weight.detach().clone()
+
+    batches = []
+    for k in range(3):
+        ids = torch.from_numpy(rng.integers(0, 6, 20)).to(torch.int32 if k == 1 else torch.int64)  # many repeats
+        offsets = {"offsets": torch.tensor([0, 0, 3, 3, 9, 15]),  # empty bags
+                   "last_offset": torch.tensor([0, 0, 3, 3, 9, 15, 17]),  # ids 17.. in no bag
+                   "2d": None}[form]
+        if form == "2d":
+            ids = ids.reshape(5, 4)
+        w = torch.from_numpy(rng.random(ids.shape, np.float32)) if mode == "sum" and k != 2 else None
+        bags_ = ids.shape[0] if form == "2d" else 6
+        batches.append((ids, offsets, w, torch.from_numpy(rng.standard_normal((bags_, DIM)).astype(np.float32))))
+    for name in ("sgd", "adagrad"):
+        (fast_grads, fast_w), (ref_grads, ref_w) = run(True, name, batches), run(False, name, batches)
+        for a, b in zip(fast_grads, ref_grads):
+            assert a.layout == b.layout
+            if sparse:  # uncoalesced, as nn.EmbeddingBag's
+                assert not a.is_coalesced() and not b.is_coalesced() and a._indices().dtype == torch.int64
+                assert torch.equal(a._indices(), b._indices()) and torch.equal(a._values(), b._values())
+            else:
+                assert torch.equal(a, b)
+        assert torch.equal(fast_w, ref_w)
+        if mode == "sum" and sparse and form != "last_offset":  # (PyTorch's backward fails on ids after the last)
+            ref = torch.nn.EmbeddingBag.from_pretrained(w0.clone(), freeze=False, mode="sum", sparse=True)
+            ref_opt = torch_optimizer(name, ref.parameters(), LR[name])
+            for (ids, offsets, w, g), grad in zip(batches, fast_grads):
+                ref_opt.zero_grad()
+                (ref(ids.long(), offsets, w) * g).sum().backward()
+                assert torch.equal(ref.weight.grad._indices(), grad._indices())
+                assert torch.equal(ref.weight.grad._values(), grad._values())
+                ref_opt.step()
+            assert torch.equal(ref.weight.detach(), fast_w)
+    assert len(taken) == 6 and all(t is not None for t in taken)  # (3 batches, 2 optimizers): the host path
+
+
 def test_double_backward_through_per_sample_weights_is_refused(rng):
     """The lookup's backward has no derivative of its own: differentiating a
     gradient taken with create_graph raises NotImplementedError saying so
