@@ -505,8 +505,10 @@ namespace {
 // A file's identity: what a replacement (another inode), a rewrite (size,
 // modification time) or a rewrite that restored the modification time (the
 // change time, which no user can set) changes. Through a descriptor kept
-// since the verification, a file removed or renamed is still the bytes
-// verified: its change time moved with its link count, which is allowed.
+// since the verification, a file removed since is still the bytes verified:
+// its change time moved as its last link went, which is allowed. (A rename
+// or a chmod also moves the change time: refused, as a rewrite would be; a
+// rewrite in place followed by the removal cannot be told from stat.)
 struct FileIdentity {
   dev_t dev = 0;
   ino_t ino = 0;
@@ -518,7 +520,7 @@ struct FileIdentity {
   bool Same(const FileIdentity& now, bool kept) const {
     const bool ctime_same = ctime.tv_sec == now.ctime.tv_sec && ctime.tv_nsec == now.ctime.tv_nsec;
     return dev == now.dev && ino == now.ino && size == now.size && mtime.tv_sec == now.mtime.tv_sec &&
-           mtime.tv_nsec == now.mtime.tv_nsec && (ctime_same || (kept && links != now.links));
+           mtime.tv_nsec == now.mtime.tv_nsec && (ctime_same || (kept && now.links == 0));
   }
 };
 
@@ -531,13 +533,10 @@ struct FileIdentity {
 // tables has more files than a process may open: 1,500 Adagrad tables,
 // 3,000 files, against the common limit of 1,024; and loads may run at once.)
 std::atomic<size_t> g_kept_files{0};
-size_t KeptFilesLimit() {
-  static const size_t limit = [] {
-    rlimit lim{};
-    const rlim_t soft = getrlimit(RLIMIT_NOFILE, &lim) == 0 ? lim.rlim_cur : 1024;
-    return size_t(std::min<rlim_t>(256, soft / 4));
-  }();
-  return limit;
+size_t KeptFilesLimit() {  // (asked each time: a process may lower its limit)
+  rlimit lim{};
+  const rlim_t soft = getrlimit(RLIMIT_NOFILE, &lim) == 0 ? lim.rlim_cur : 1024;
+  return size_t(std::min<rlim_t>(256, soft / 4));
 }
 
 }  // namespace
@@ -712,7 +711,13 @@ int64_t FirstBadValue(const FileEntry& f, const ValueCheck& check, const char* b
       const int64_t j = FirstNotFinite(bytes + size_t(i) * es, count - i, f.dtype);
       if (j < 0) return -1;
       if (in_columns(e0 + uint64_t(i + j))) return int64_t(e0) + i + j;
-      i += j + 1;
+      // Outside the columns: the rest of its block of 4096 one element at a time (a scan from the next
+      // element would read the block again for each such value: a shard beside columns of infinities).
+      const int64_t end = std::min<int64_t>(count, i + j + 4096);
+      for (int64_t e = i + j + 1; e < end; ++e)
+        if (FirstNotFinite(bytes + size_t(e) * es, 1, f.dtype) == 0 && in_columns(e0 + uint64_t(e)))
+          return int64_t(e0) + e;
+      i = end;
     }
     return -1;
   }
@@ -1004,12 +1009,14 @@ void CommitManifest(const std::string& path, const std::string& json, uint64_t g
   h.payload_bytes = json.size();
   h.aux = checkpoint::Crc32c(json.data(), json.size());
   SealHeader(h);
-  const std::string tmp = JoinPath(path, ClaimName(generation));  // the claim file: written, then renamed
+  const std::string tmp = JoinPath(path, ClaimName(generation));
+  struct stat written{};  // the manifest written: its inode tells an interrupted rename that took effect  // the claim file: written, then renamed
   {
     File file(tmp, O_WRONLY | O_CREAT | O_TRUNC);
     file.WriteAll(&h, sizeof(h));
     file.WriteAll(json.data(), json.size());
     file.Sync();
+    if (::fstat(file.fd(), &written) != 0) throw IoError(tmp + ": fstat failed: " + checkpoint::ErrnoText(errno), errno);
     file.Close();
   }
   checkpoint::SyncDirectory(path);
@@ -1026,14 +1033,11 @@ void CommitManifest(const std::string& path, const std::string& json, uint64_t g
   if (renamed != 0) {
     const int err = errno;
     // A rename that took effect before the signal fails again with ENOENT:
-    // committed if MANIFEST is now this generation's.
-    bool committed = false;
-    if (interrupted && err == ENOENT) {
-      try {
-        committed = ReadCheckpointInfo(path, false).generation == generation;
-      } catch (const std::exception&) {
-      }
-    }
+    // committed if MANIFEST is now the file this save wrote.
+    struct stat now{};
+    const bool committed = interrupted && err == ENOENT &&
+                           ::stat(JoinPath(path, checkpoint::kManifestName).c_str(), &now) == 0 &&
+                           now.st_dev == written.st_dev && now.st_ino == written.st_ino;
     if (!committed) throw IoError(tmp + ": rename to MANIFEST failed: " + checkpoint::ErrnoText(err), err);
   }
   checkpoint::SyncDirectory(path);
@@ -1550,7 +1554,11 @@ void CheckBlockLoadable(const CheckpointInfo& info, const TableEntry& entry, con
 }  // namespace
 
 void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Table& table, bool load_optimizer) {
-  const TableSpec& spec = table.spec();
+  // A copy taken under the lock: Table::SetOptimizer may replace the optimizer meanwhile.
+  const TableSpec spec = [&] {
+    std::shared_lock<std::shared_mutex> lock(table.mutex());
+    return table.spec();
+  }();
   const std::string where = info.path + ": table '" + entry.name + "'";
   if (entry.rows != spec.rows || entry.dim != spec.dim)
     throw CheckpointError(where + " is " + std::to_string(entry.rows) + " x " + std::to_string(entry.dim) +
@@ -1608,7 +1616,10 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
   std::optional<LoadFiles> local;
   if (files == nullptr) files = &local.emplace();
   // Verify everything this block reads first: a corrupt checkpoint must leave the table as it was.
-  if (verify) VerifyTableBlock(info, entry, table, row_start, col_start, load_optimizer, slot_domain, files);
+  if (verify) {
+    VerifyTableBlock(info, entry, table, row_start, col_start, load_optimizer, slot_domain, files);
+    if (local) local->CheckUnchanged();  // (a caller's set: its caller checks it once, before any table changes)
+  }
   std::unique_lock<std::shared_mutex> lock(table.mutex());
   const TableSpec& spec = table.spec();
   // (Again after a verification: Table::SetOptimizer may have run since.)

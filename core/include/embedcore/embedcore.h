@@ -571,8 +571,8 @@ struct CheckpointInfo {
 };
 
 /// The data files of one load, opened once by its verification and kept
-/// open for its copy (so the copy reads the bytes verified, whatever
-/// happens to the directory meanwhile), and the identity each had then
+/// open for its copy (so the copy reads the bytes verified, even if a file
+/// is removed or replaced meanwhile), and the identity each had then
 /// (device, inode, size, modification and change times). The process keeps
 /// at most 256 descriptors for loads, and a quarter of its limit: past
 /// that, the copy opens a file again and refuses one that is not the file
