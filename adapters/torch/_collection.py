@@ -304,11 +304,19 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
     except ValueError as e:
         error = e
     else:
-        # Lengths given beside good offsets: a negative one is refused too, as TorchRec refuses it (checked
-        # only then, a tensor op less: lengths alone make the offsets, which decrease at a negative length).
-        if given_lengths is None or not _ops.plain_eager([given_lengths]) or not bool((given_lengths < 0).any()):
+        # Lengths given beside good offsets must be theirs: TorchRec splits the values by the lengths, the
+        # lookup reads the offsets (checked only then, a tensor op less: lengths alone make the offsets).
+        if (given_lengths is None or not _ops.plain_eager([given_lengths])
+                or torch.equal(given_lengths.to(offsets.dtype), offsets[1:] - offsets[:-1])):
             return checked, offsets, kjt.weights_or_none(), stride, index
-        error = None
+        _ops.checked_values(values, given_lengths, where, True)  # a negative length or a wrong total, named
+        if given_lengths.shape[0] != offsets.shape[0] - 1:
+            raise ValueError(f"{where} has {given_lengths.shape[0]} lengths and {offsets.shape[0] - 1} bags by its "
+                             "offsets: the lengths and offsets of a KeyedJaggedTensor must describe the same bags")
+        bad = int(torch.nonzero(given_lengths.to(offsets.dtype) != offsets[1:] - offsets[:-1])[0, 0])
+        raise ValueError(f"{where}['lengths'][{bad}] = {int(given_lengths[bad])} disagrees with its offsets "
+                         f"({int(offsets[bad])} to {int(offsets[bad + 1])}): the lengths and offsets of a "
+                         "KeyedJaggedTensor must describe the same bags")
     # A negative length makes the offsets decrease: named as such (looked for only then, a tensor op less).
     lengths = kjt.lengths_or_none()
     if lengths is not None and _ops.plain_eager([lengths]) and bool((lengths < 0).any()):

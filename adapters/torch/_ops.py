@@ -490,6 +490,20 @@ def _segmented_denominators(p: _Part, combiner: int) -> Tensor:
     return torch.ones(p.num_bags, dtype=torch.float32, device=w.device)
 
 
+def _host_coefficients(offsets: np.ndarray, weights: Optional[np.ndarray], combiner: int) -> np.ndarray:
+    """_coefficients on the host, float32 NumPy: of the ids of bags
+    `offsets` (int64), with float32 `weights` or none (ones). (NumPy's warnings off: PyTorch's ops give the same inf and
+    NaN silently.)"""
+    counts = offsets[1:] - offsets[:-1]  # (cheaper than np.diff, which wraps this in Python)
+    w = np.ones(int(offsets[-1] - offsets[0]), np.float32) if weights is None else weights
+    if combiner == SUM:
+        return w
+    den = _embedcore.bag_denominators(offsets, weights, combiner).repeat(counts)
+    nonzero = den != 0
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return np.where(nonzero, w / np.where(nonzero, den, np.float32(1)), np.float32(0))
+
+
 def _coefficients(p: _Part, combiner: int) -> Tensor:
     """d out[bag] / d row(id) for each id of a pooled part: w (sum), or
     w / denominator (mean, sqrtn; 0 where the denominator is 0), as the
@@ -497,6 +511,10 @@ def _coefficients(p: _Part, combiner: int) -> Tensor:
     w = _weights_or_ones(p)
     if combiner == SUM:
         return w
+    if p.ids.device.type == "cpu":  # one implementation with the host gradient's (_host_table_grad)
+        return torch.from_numpy(_host_coefficients(
+            np.ascontiguousarray(_np(p.offsets), np.int64),
+            None if p.weights is None else np.ascontiguousarray(_np(w), np.float32), combiner))
     den = _denominators(p, combiner)[_bag_of(p)]
     return torch.where(den == 0, torch.zeros_like(w), w / torch.where(den == 0, torch.ones_like(den), den))
 
@@ -794,13 +812,9 @@ def _host_table_grad(ids: List[Tensor], offsets: List[Tensor], weights: List[Ten
         counts = off[1:] - off[:-1]  # (cheaper than np.diff and np.repeat, which wrap these in Python)
         v = _np(g.contiguous()).repeat(counts, axis=0)  # the row of each id's bag
         if combiner != SUM or w is not None:
-            coef = np.ones(a.shape[0], np.float32) if w is None else w  # (as _coefficients)
-            if combiner != SUM:
-                den = _embedcore.bag_denominators(off, None if w is None else np.ascontiguousarray(w),
-                                                  combiner).repeat(counts)
-                nonzero = den != 0
-                coef = np.where(nonzero, coef / np.where(nonzero, den, np.float32(1)), np.float32(0))
-            v *= coef[:, None]
+            coef = _host_coefficients(off, None if w is None else np.ascontiguousarray(w), combiner)
+            with np.errstate(over="ignore", invalid="ignore"):
+                v *= coef[:, None]
         values.append(v)
         index.append(a.astype(np.int64))  # (a copy: outputs never alias inputs)
     v = values[0] if len(values) == 1 else np.concatenate(values)

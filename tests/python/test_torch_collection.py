@@ -164,6 +164,20 @@ def test_kjt_whose_lengths_do_not_cover_its_values_is_refused_as_torchrec(torchr
             num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f2", "f3"])])(kjt)
     with pytest.raises(ValueError, match=r"the KeyedJaggedTensor\['lengths'\]\[1\] = -1 is negative"):
         et.EmbeddingBagCollection(_configs())(kjt)
+    # Lengths beside offsets that describe other bags (the same total): TorchRec pools by the lengths, the lookup
+    # reads the offsets, so they are refused, naming the first that disagrees.
+    kjt = torchrec.KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.arange(1, 6),
+                                     lengths=torch.tensor([1, 2, 2]), offsets=torch.tensor([0, 2, 3, 5]))
+    with pytest.raises(ValueError, match=r"\['lengths'\]\[0\] = 1 disagrees with its offsets \(0 to 2\)"):
+        et.EmbeddingBagCollection(_configs())(kjt)
+    kjt = torchrec.KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.arange(1, 6),
+                                     lengths=torch.tensor([2, 2, 2]), offsets=torch.tensor([0, 2, 3, 5]))
+    with pytest.raises(ValueError, match="end at 6, but there are 5 values"):
+        et.EmbeddingBagCollection(_configs())(kjt)
+    # Both, and consistent: looked up.
+    kjt = torchrec.KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.arange(1, 6),
+                                     lengths=torch.tensor([2, 1, 2]), offsets=torch.tensor([0, 2, 3, 5]))
+    assert et.EmbeddingBagCollection(_configs())(kjt).values().shape == (1, 14)  # t1: f1 and f3 (4 + 4), t2: f2 (6)
 
 
 def test_bad_id_position_names_the_feature():

@@ -932,3 +932,46 @@ def test_threads_training_one_fused_table_step_at_their_rates(kind):
     n = threads * steps
     expected = -sum(float(k + 1) for k in range(n))  # d out / d row 3 = 1; the rate of step k is k + 1
     assert torch.equal(weight[3], torch.full((4,), expected))
+
+
+@pytest.mark.parametrize("pooling", ["mean", "sqrtn"])
+@pytest.mark.parametrize("sparse", [True, False])
+def test_unfused_host_gradient_of_weighted_mean_and_sqrtn_bags(monkeypatch, pooling, sparse):
+    """Weighted mean / sqrtn bags through a collection's dict input (one
+    feature a table: the host gradient's path), weights with zeros,
+    negatives, bags whose weights sum to 0, denormals and 1e20: the host
+    gradient is the general path's bit for bit (NaN and inf included), and
+    no NumPy warning is raised (PyTorch's ops give them silently)."""
+    from embedcore.adapters.torch import _ops
+    host, taken = _ops._host_table_grad, []
+
+    def spy(*args):
+        r = host(*args)
+        taken.append(r is not None)
+        return r
+
+    rng = np.random.default_rng(11)
+    for case in range(40):
+        n_ids, bags = int(rng.integers(0, 40)), int(rng.integers(1, 10))
+        ids = torch.from_numpy(rng.integers(0, 30, n_ids))
+        offsets = torch.from_numpy(np.concatenate([[0], np.sort(rng.integers(0, n_ids + 1, bags - 1)), [n_ids]]))
+        w = torch.from_numpy(rng.choice(np.array([0.0, 1.0, -1.0, 0.5, -0.5, 2.0, 1e-30, 3e-39, 1e20, -1e20],
+                                                 np.float32), n_ids))
+        grads = []
+        for fast in (True, False):
+            monkeypatch.setattr(_ops, "_host_table_grad", spy if fast else (lambda *a: None))
+            torch.manual_seed(0)
+            ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(num_embeddings=30, embedding_dim=5, name="t",
+                                                                   feature_names=["f"], pooling=pooling)],
+                                            sparse=sparse)
+            out = ebc({"f": {"values": ids, "offsets": offsets, "weights": w}})["f"]
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                out.backward(torch.from_numpy(np.random.default_rng(case).standard_normal(out.shape,
+                                                                                          dtype=np.float32)))
+            g = ebc.embedding_bags["t"].weight.grad
+            grads.append((g._indices(), g._values()) if sparse else (None, g))
+        (i0, v0), (i1, v1) = grads
+        assert i0 is None or torch.equal(i0, i1), case
+        assert np.array_equal(v0.numpy().view(np.int32), v1.numpy().view(np.int32)), case  # bits: NaN too
+    assert taken and all(taken)
