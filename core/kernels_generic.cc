@@ -16,10 +16,9 @@ struct ScalarRows {
   static void Pool(float* out, const T* table, int64_t rows, int64_t dim, int64_t c0, const I* ids, int64_t k0,
                    int64_t k1, const float* weights, int64_t pf_end, int64_t row_bytes) {
     constexpr int64_t kCols = int64_t(NV) * kLanes;
-    const int64_t ahead = PrefetchDistance(row_bytes);
     float acc[kCols] = {};
     for (int64_t k = k0; k < k1; ++k) {
-      if (k + ahead < pf_end) PrefetchLines(table + int64_t(ids[k + ahead]) * dim, row_bytes);
+      if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
       const T* row = table + SafeRow(ids[k], rows) * dim + c0;
       const float w = weights ? weights[k] : 1.0f;
       for (int64_t d = 0; d < kCols; ++d) acc[d] += w * ops::ToFloat(row[d]);
@@ -52,10 +51,10 @@ struct ScalarRows {
   static void PoolQ8(float* out, const uint8_t* table, int64_t rows, int64_t dim, int64_t c0, const I* ids,
                      int64_t k0, int64_t k1, const float* weights, int64_t pf_end) {
     constexpr int64_t kCols = int64_t(NV) * kLanes;
-    const int64_t rb = dim + rowwise8::kExtraBytes, ahead = PrefetchDistance(rb);
+    const int64_t rb = dim + rowwise8::kExtraBytes;
     float acc[kCols] = {};
     for (int64_t k = k0; k < k1; ++k) {
-      if (k + ahead < pf_end) PrefetchRowQ8(table + int64_t(ids[k + ahead]) * rb, rb);
+      if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
       const uint8_t* row = table + SafeRow(ids[k], rows) * rb;
       const float w = weights ? weights[k] : 1.0f;
       const float a = w * rowwise8::Scale(row, dim), b = w * rowwise8::Bias(row, dim);

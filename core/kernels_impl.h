@@ -7,7 +7,7 @@
 //       each row's address through SafeRow(ids[k], rows),
 //       for the NV * R::kLanes columns from c0 (NV from 1 to
 //       R::kVectors), accumulated in registers; when pf_end > 0 it also
-//       prefetches the row of ids[k + PrefetchDistance(row_bytes)] (< pf_end)
+//       prefetches the row of ids[k + kPrefetchDistance] (< pf_end)
 // for each storage type. Included by kernels_generic.cc, kernels_avx2.cc and
 // kernels_avx512.cc only, inside an anonymous namespace, so each gets its own
 // instantiations.
@@ -29,7 +29,7 @@ template <typename T>
 // passes (64 columns: one block of 8 AVX2 vectors). The rows, fetched (and
 // prefetched) by the first block, are in L1 for the next ones. Every output
 // element is still 0 + w_0 r_0 + w_1 r_1 + ... in id order. The first block
-// prefetches the row PrefetchDistance ids ahead as it adds each row (across
+// prefetches the row kPrefetchDistance ids ahead as it adds each row (across
 // bag ends, up to id pf_end).
 template <typename R, int NV, typename T, typename I>
 inline void PoolSmallerBlocks(const LookupArgs& a, const T* table, const I* ids, int64_t k0, int64_t k1, float* acc,
@@ -54,11 +54,11 @@ inline void PoolNarrowBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf
   const T* table = static_cast<const T*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
   const int64_t dim = a.dim, rows = a.rows;
-  const int64_t row_bytes = dim * int64_t(sizeof(T)), ahead = PrefetchDistance(row_bytes);
+  const int64_t row_bytes = dim * int64_t(sizeof(T));
   const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
   float s[kMax] = {};
   for (int64_t k = k0; k < k1; ++k) {
-    if (k + ahead < pf_end) PrefetchRow(table + int64_t(ids[k + ahead]) * dim, row_bytes);
+    if (k + kPrefetchDistance < pf_end) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
     const T* row = table + SafeRow(ids[k], rows) * dim;
     const float w = a.weights ? a.weights[k] : 1.0f;
     for (int64_t d = 0; d < dim; ++d) s[d] += w * ops::ToFloat(row[d]);
@@ -138,8 +138,8 @@ template <typename T, typename I>
 [[gnu::always_inline]] inline void PrefetchFirstRows(const LookupArgs& a, int64_t k0, int64_t k_end) {
   const T* table = static_cast<const T*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
-  const int64_t row_bytes = a.dim * int64_t(sizeof(T)), ahead = PrefetchDistance(row_bytes);
-  for (int64_t k = k0; k < k0 + ahead && k < k_end; ++k) PrefetchRow(table + int64_t(ids[k]) * a.dim, row_bytes);
+  for (int64_t k = k0; k < k0 + kPrefetchDistance && k < k_end; ++k)
+    PrefetchRow(table + int64_t(ids[k]) * a.dim, a.dim * int64_t(sizeof(T)));
 }
 
 // PooledBagsOfVectors for rows of NV <= N (and <= R::kVectors) whole vectors
@@ -191,7 +191,7 @@ void GroupedBags(const LookupArgs& a, const int64_t* groups, int64_t g0, int64_t
   const T* table = static_cast<const T*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
   const int64_t dim = a.dim;
-  const int64_t row_bytes = dim * int64_t(sizeof(T)), ahead = PrefetchDistance(row_bytes);
+  const int64_t row_bytes = dim * int64_t(sizeof(T));
   constexpr int64_t kBlock = int64_t(R::kVectors) * R::kLanes;
   const int64_t k_end = a.offsets[groups[g1]];
   PrefetchFirstRows<T, I>(a, a.offsets[groups[g0]], k_end);
@@ -209,8 +209,8 @@ void GroupedBags(const LookupArgs& a, const int64_t* groups, int64_t g0, int64_t
                                          pf_end, row_bytes);
     GroupSmallerBlocks<R, R::kVectors / 2, T, I>(a, table, ids, p0, p1, acc, full, pf_end);
     if (pf_end != 0)  // no block ran (dim below one vector)
-      for (int64_t k = a.offsets[p0]; k < a.offsets[p1] && k + ahead < k_end; ++k)
-        PrefetchRow(table + int64_t(ids[k + ahead]) * dim, row_bytes);
+      for (int64_t k = a.offsets[p0]; k < a.offsets[p1] && k + kPrefetchDistance < k_end; ++k)
+        PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
     if (full < dim) {  // the last columns, bag by bag as PoolBag sums them
       const int64_t rest = dim - full;
       for (int64_t p = p0; p < p1; ++p) {
@@ -230,13 +230,13 @@ void PaddedBags(const LookupArgs& a, int64_t b0, int64_t b1) {
   const T* table = static_cast<const T*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
   const int64_t dim = a.dim, len = a.max_sequence_length;
-  const int64_t row_bytes = dim * int64_t(sizeof(T)), ahead = PrefetchDistance(row_bytes);
+  const int64_t row_bytes = dim * int64_t(sizeof(T));
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t begin = a.offsets[b];
     const int64_t n = a.offsets[b + 1] - begin < len ? a.offsets[b + 1] - begin : len;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t k = begin + j;
-      if (j + ahead < n) PrefetchRow(table + int64_t(ids[k + ahead]) * dim, row_bytes);
+      if (j + kPrefetchDistance < n) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
       R::Scale(a.out + (b * len + j) * dim, table + SafeRow(ids[k], a.rows) * dim, a.weights ? a.weights[k] : 1.0f,
                dim);
     }
@@ -252,11 +252,11 @@ void FlatRows(const LookupArgs& a, int64_t k0, int64_t k1) {
   const T* table = static_cast<const T*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
   const int64_t dim = a.dim;
-  const int64_t row_bytes = dim * int64_t(sizeof(T)), ahead = PrefetchDistance(row_bytes);
-  for (int64_t k = k0; k < k1 && k < k0 + ahead; ++k)
+  const int64_t row_bytes = dim * int64_t(sizeof(T));
+  for (int64_t k = k0; k < k1 && k < k0 + kPrefetchDistance; ++k)
     PrefetchRow(table + int64_t(ids[k]) * dim, row_bytes);
   for (int64_t k = k0; k < k1; ++k) {
-    if (k + ahead < k1) PrefetchRow(table + int64_t(ids[k + ahead]) * dim, row_bytes);
+    if (k + kPrefetchDistance < k1) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
     R::Scale(a.out + k * dim, table + SafeRow(ids[k], a.rows) * dim, a.weights ? a.weights[k] : 1.0f, dim);
   }
 }
@@ -401,11 +401,11 @@ template <typename R, typename I>
 void PooledBagsQ8(const LookupArgs& a, int64_t b0, int64_t b1) {
   const uint8_t* table = static_cast<const uint8_t*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
-  const int64_t dim = a.dim, rb = dim + rowwise8::kExtraBytes, ahead = PrefetchDistance(rb);
+  const int64_t dim = a.dim, rb = dim + rowwise8::kExtraBytes;
   const int64_t k_end = a.offsets[b1];
   const int64_t stride = a.out_stride > 0 ? a.out_stride : dim;
   constexpr int64_t kBlock = int64_t(R::kVectors) * R::kLanes;
-  for (int64_t k = a.offsets[b0]; k < a.offsets[b0] + ahead && k < k_end; ++k)
+  for (int64_t k = a.offsets[b0]; k < a.offsets[b0] + kPrefetchDistance && k < k_end; ++k)
     PrefetchRowQ8(table + int64_t(ids[k]) * rb, rb);
   for (int64_t b = b0; b < b1; ++b) {
     float* acc = a.out + b * stride;
@@ -417,7 +417,7 @@ void PooledBagsQ8(const LookupArgs& a, int64_t b0, int64_t b1) {
     if (c0 < dim) {  // the columns past the last vector
       for (int64_t d = c0; d < dim; ++d) acc[d] = 0.0f;
       for (int64_t k = k0; k < k1; ++k) {
-        if (k + ahead < pf_end) PrefetchRowQ8(table + int64_t(ids[k + ahead]) * rb, rb);
+        if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
         const uint8_t* row = table + SafeRow(ids[k], a.rows) * rb;
         const float w = a.weights ? a.weights[k] : 1.0f;
         const float s = w * rowwise8::Scale(row, dim), bias = w * rowwise8::Bias(row, dim);
@@ -439,13 +439,12 @@ void PaddedBagsQ8(const LookupArgs& a, int64_t b0, int64_t b1) {
   const uint8_t* table = static_cast<const uint8_t*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
   const int64_t dim = a.dim, len = a.max_sequence_length, rb = dim + rowwise8::kExtraBytes;
-  const int64_t ahead = PrefetchDistance(rb);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t begin = a.offsets[b];
     const int64_t n = a.offsets[b + 1] - begin < len ? a.offsets[b + 1] - begin : len;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t k = begin + j;
-      if (j + ahead < n) PrefetchRowQ8(table + int64_t(ids[k + ahead]) * rb, rb);
+      if (j + kPrefetchDistance < n) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
       ScaleRowQ8<R>(a.out + (b * len + j) * dim, table + SafeRow(ids[k], a.rows) * rb,
                     a.weights ? a.weights[k] : 1.0f, dim);
     }
@@ -460,10 +459,10 @@ template <typename R, typename I>
 void FlatRowsQ8(const LookupArgs& a, int64_t k0, int64_t k1) {
   const uint8_t* table = static_cast<const uint8_t*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
-  const int64_t dim = a.dim, rb = dim + rowwise8::kExtraBytes, ahead = PrefetchDistance(rb);
-  for (int64_t k = k0; k < k1 && k < k0 + ahead; ++k) PrefetchRowQ8(table + int64_t(ids[k]) * rb, rb);
+  const int64_t dim = a.dim, rb = dim + rowwise8::kExtraBytes;
+  for (int64_t k = k0; k < k1 && k < k0 + kPrefetchDistance; ++k) PrefetchRowQ8(table + int64_t(ids[k]) * rb, rb);
   for (int64_t k = k0; k < k1; ++k) {
-    if (k + ahead < k1) PrefetchRowQ8(table + int64_t(ids[k + ahead]) * rb, rb);
+    if (k + kPrefetchDistance < k1) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
     ScaleRowQ8<R>(a.out + k * dim, table + SafeRow(ids[k], a.rows) * rb, a.weights ? a.weights[k] : 1.0f, dim);
   }
 }

@@ -19,20 +19,19 @@ struct SimdRows {
   template <int NV, typename I>
   static void Pool(float* out, const T* table, int64_t rows, int64_t dim, int64_t c0, const I* ids, int64_t k0,
                    int64_t k1, const float* weights, int64_t pf_end, int64_t row_bytes) {
-    const int64_t ahead = PrefetchDistance(row_bytes);
     Reg s[NV];
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) s[j] = V::Zero();
     if (weights == nullptr) {  // w = 1: 1 * x == x, so the sums are the same bits without the multiply
       for (int64_t k = k0; k < k1; ++k) {
-        if (k + ahead < pf_end) PrefetchLines(table + int64_t(ids[k + ahead]) * dim, row_bytes);
+        if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
         const T* row = table + SafeRow(ids[k], rows) * dim + c0;
 #pragma GCC unroll 16
         for (int j = 0; j < NV; ++j) s[j] = V::Add(s[j], V::Load(row + kLanes * j));
       }
     } else {
       for (int64_t k = k0; k < k1; ++k) {
-        if (k + ahead < pf_end) PrefetchLines(table + int64_t(ids[k + ahead]) * dim, row_bytes);
+        if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
         const T* row = table + SafeRow(ids[k], rows) * dim + c0;
         const Reg w = V::Set1(weights[k]);
 #pragma GCC unroll 16
@@ -50,13 +49,12 @@ struct SimdRows {
   static void PoolGroup(float* out, const T* table, int64_t rows, int64_t dim, int64_t c0, const I* ids,
                         const int64_t* offsets, int64_t p0, int64_t p1, const float* weights, int64_t pf_end,
                         int64_t row_bytes) {
-    const int64_t ahead = PrefetchDistance(row_bytes);
     Reg acc[NV], s[NV];
     for (int64_t p = p0; p < p1; ++p) {
 #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) s[j] = V::Zero();
       for (int64_t k = offsets[p]; k < offsets[p + 1]; ++k) {
-        if (k + ahead < pf_end) PrefetchLines(table + int64_t(ids[k + ahead]) * dim, row_bytes);
+        if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
         const T* row = table + SafeRow(ids[k], rows) * dim + c0;
         if (weights == nullptr) {
 #pragma GCC unroll 16
@@ -100,12 +98,12 @@ struct SimdRows {
   template <int NV, typename I>
   static void PoolQ8(float* out, const uint8_t* table, int64_t rows, int64_t dim, int64_t c0, const I* ids,
                      int64_t k0, int64_t k1, const float* weights, int64_t pf_end) {
-    const int64_t rb = dim + rowwise8::kExtraBytes, ahead = PrefetchDistance(rb);
+    const int64_t rb = dim + rowwise8::kExtraBytes;
     Reg s[NV];
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) s[j] = V::Zero();
     for (int64_t k = k0; k < k1; ++k) {
-      if (k + ahead < pf_end) PrefetchRowQ8(table + int64_t(ids[k + ahead]) * rb, rb);
+      if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
       const uint8_t* row = table + SafeRow(ids[k], rows) * rb;
       const float w = weights ? weights[k] : 1.0f;
       const Reg a = V::Set1(w * rowwise8::Scale(row, dim)), b = V::Set1(w * rowwise8::Bias(row, dim));
