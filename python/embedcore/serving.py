@@ -166,10 +166,15 @@ class ServedCheckpoint(FeatureLookup):
         if meta.get("kind") == "embedding" and meta.get("features"):
             if not isinstance(meta["features"], list):
                 raise CheckpointError(f"{self.path}: manifest metadata.features must be a list")
-            for i, f in enumerate(meta["features"]):  # as the C API checks them
+            for i, f in enumerate(meta["features"]):  # as the C API checks them, with its messages
+                where = f"{self.path}: manifest metadata.features[{i}]"
                 if not (isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("table"), str)):
-                    raise CheckpointError(f"{self.path}: manifest metadata.features[{i}] must be an object with a "
-                                          f"string name and table, got {f!r}")
+                    raise CheckpointError(f"{where} must be an object with a string name and table, got {f!r}")
+                if f["table"] not in configs:
+                    raise CheckpointError(f"{where}.table names no table of the checkpoint: {f['table']!r}")
+                length = f.get("max_sequence_length")
+                if type(length) is not int or length < 0:
+                    raise CheckpointError(f"{where}.max_sequence_length must be an integer >= 0, got {length!r}")
             features = [FeatureConfig(configs[f["table"]], f["max_sequence_length"], f["name"]) for f in meta["features"]]
             self._features = features
             self._feature_names = [f.name for f in features]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -914,6 +915,25 @@ def test_serving_refuses_a_feature_name_that_is_not_a_string(ckpt):
     m["metadata"] = {"kind": "embedding", "features": [{"name": 5, "table": "t", "max_sequence_length": 0}]}
     write_manifest(ckpt, m)
     with pytest.raises(ec.CheckpointError, match=r"metadata.features\[0\] must be an object with a string name"):
+        ec.serving.open(ckpt)
+
+
+@pytest.mark.parametrize("feature,message", [
+    ({"name": "f", "table": "nope", "max_sequence_length": 0},
+     "metadata.features[0].table names no table of the checkpoint: 'nope'"),
+    ({"name": "f", "table": "t"}, "metadata.features[0].max_sequence_length must be an integer >= 0"),
+    ({"name": "f", "table": "t", "max_sequence_length": -1},
+     "metadata.features[0].max_sequence_length must be an integer >= 0"),
+    ({"name": "f", "table": "t", "max_sequence_length": 1.5},
+     "metadata.features[0].max_sequence_length must be an integer >= 0"),
+])
+def test_serving_names_a_bad_feature_as_the_c_api_does(ckpt, feature, message):
+    """A feature naming no table, or without a whole max_sequence_length >= 0:
+    the message the C API gives (it was a KeyError's text, or accepted)."""
+    m = read_manifest(ckpt)
+    m["metadata"] = {"kind": "embedding", "features": [feature]}
+    write_manifest(ckpt, m)
+    with pytest.raises(ec.CheckpointError, match=re.escape(message)):
         ec.serving.open(ckpt)
 
 
