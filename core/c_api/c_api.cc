@@ -13,8 +13,9 @@
 // is released (munmap) when the last lookup that holds it returns.
 //
 // Fork: a handler registered with pthread_atfork takes every handle's locks
-// before a fork (waiting for reloads in progress) and makes them anew in the
-// child, so a child never starts with a lock held by a thread it does not have.
+// before a fork (waiting for reloads in progress) and releases them in the
+// parent and in the child, so a child never starts with a lock held by a
+// thread it does not have.
 #include "embedcore/c_api.h"
 
 #include <cstddef>
@@ -339,11 +340,14 @@ namespace {
 // every live handle's locks, the reload lock first, which waits for a reload
 // in progress to finish (the child then has the handle as a whole reload
 // left it, never a half-assigned directory): the prepare handler locks them,
-// the parent releases them after the fork, and the child, where the locks
-// record the parent's thread as their owner, makes them anew (as
-// core/table.cc does for the engine's tables). A reload takes the current
-// lock under its reload lock, never the other way round, so the order here
-// cannot deadlock with it.
+// the parent releases them after the fork, and so does the child, whose one
+// thread is the one that took them. (Unlocked, not made anew in place as
+// core/table.cc makes the tables' reader-writer locks: their unlock compares
+// the writer's thread id, which is new in the child; a plain mutex's does
+// not. ThreadSanitizer cannot see a mutex made anew, and reported every
+// child of a single-threaded parent as locking these twice.) A reload takes
+// the current lock under its reload lock, never the other way round, so the
+// order here cannot deadlock with it.
 struct LiveHandles {
   std::mutex mutex;
   std::set<embedcore_checkpoint*> handles;
@@ -366,19 +370,19 @@ void UnlockHandlesInParent() {
   }
   Live().mutex.unlock();
 }
-void RenewHandleLocksInChild() {
+void UnlockHandlesInChild() {
   for (embedcore_checkpoint* h : Live().handles) {  // no other thread exists here
-    new (&h->current_mutex) std::mutex;
-    new (&h->reload_mutex) std::mutex;
+    h->current_mutex.unlock();
+    h->reload_mutex.unlock();
   }
-  new (&Live().mutex) std::mutex;
+  Live().mutex.unlock();
 }
 
 }  // namespace
 
 embedcore_checkpoint::embedcore_checkpoint() {
   static const bool registered =
-      pthread_atfork(LockHandlesForFork, UnlockHandlesInParent, RenewHandleLocksInChild) == 0;
+      pthread_atfork(LockHandlesForFork, UnlockHandlesInParent, UnlockHandlesInChild) == 0;
   (void)registered;
   std::lock_guard<std::mutex> lock(Live().mutex);
   Live().handles.insert(this);
