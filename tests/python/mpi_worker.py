@@ -755,11 +755,12 @@ def main(argv=None) -> int:
     ap.add_argument("modes", nargs="+", choices=["parity", "train", "fail", "abort", "save", "restore", "inject",
                                                    "rank0_save", "towers"])
     ap.add_argument("--dir", help="a directory every rank sees (save / restore; train makes one when absent)")
+    ap.add_argument("--no-abort", action="store_true", help="init('mpi', abort_on_error=False)")
     args = ap.parse_args(argv)
     if any(m in ("save", "restore", "rank0_save") for m in args.modes) and not args.dir:
         ap.error("save, restore and rank0_save need --dir")
 
-    world = dist.init("mpi")  # an uncaught exception on any rank aborts the job
+    world = dist.init("mpi", abort_on_error=not args.no_abort)  # by default an uncaught exception aborts the job
     ec.set_num_threads(1)  # N ranks share the machine's cores
     chk = Checker(world)
     model = Model()

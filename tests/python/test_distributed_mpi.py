@@ -100,8 +100,8 @@ def _stop(proc) -> None:
             pass
 
 
-def worker(n: int, *modes, directory=None):
-    args = [WORKER, *modes] + (["--dir", directory] if directory is not None else [])
+def worker(n: int, *modes, directory=None, extra=()):
+    args = [WORKER, *modes, *extra] + (["--dir", directory] if directory is not None else [])
     return run_mpi(n, args)
 
 
@@ -179,12 +179,14 @@ def test_uncaught_error_aborts_the_job():
     assert seconds < 60, f"the abort took {seconds:.0f} s"
 
 
-def test_a_rank_ending_while_another_saves_aborts_the_job(tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--no-abort",)], ids=["default", "abort_on_error_false"])
+def test_a_rank_ending_while_another_saves_aborts_the_job(tmp_path, extra):
     """Only rank 0 saves (a collective call) while rank 1 ends normally: at
     exit the ranks meet once more, so rank 0's save raises
     CollectiveMismatchError naming rank 1's exit and the job ends, instead of
-    rank 0 waiting for rank 1 forever."""
-    rc, out, seconds = worker(2, "rank0_save", directory=str(tmp_path))
+    rank 0 waiting for rank 1 forever; with abort_on_error=False too (it
+    keeps MPI's default for uncaught exceptions only)."""
+    rc, out, seconds = worker(2, "rank0_save", directory=str(tmp_path), extra=extra)
     assert rc != 0, out
     # Rank 0's save or rank 1's exit meeting reports it (whichever aborts the job first; the other may be cut).
     assert "the ranks are in different collective calls (rank 0 in 'save: generation of embedding 0" in out, out

@@ -416,11 +416,12 @@ def init(backend: str = "mpi", **kwargs) -> Comm:
 
     ``"mpi"``: ``MPI.COMM_WORLD`` (or ``comm=``), in processes started by
     ``mpiexec -n N``; an uncaught exception on any rank aborts the job
-    (``abort_on_error=False`` to keep MPI's default), and so does a rank
-    still in a collective call (a save) when another ends normally: at
-    exit, the ranks of ``MPI.COMM_WORLD`` meet once more, so none waits
-    forever for one that has gone (not for a ``comm=`` of your own, which may
-    be freed before exit).
+    (``abort_on_error=False`` keeps MPI's default for uncaught exceptions).
+    A rank still in a collective call (a save) when another ends normally
+    aborts the job too, whatever ``abort_on_error``: at exit, the ranks of
+    ``MPI.COMM_WORLD`` meet once more, so none waits forever for one that
+    has gone (not for a ``comm=`` of your own, which may be freed before
+    exit).
     ``"nccl"``: GPU ranks (the CUDA build with NCCL): ``init("nccl",
     bootstrap=comm | store=torch_store | file=path, rank=, size=, device=)``;
     NCCL's unique id goes from rank 0 to the others over the bootstrap
@@ -434,8 +435,9 @@ def init(backend: str = "mpi", **kwargs) -> Comm:
         if kwargs:  # before MPI starts
             raise TypeError(f"init('mpi'): unexpected arguments {sorted(kwargs)}")
         comm = MPIComm(comm)
-        if abort and comm.size > 1:
-            _abort_on_uncaught(comm._comm)
+        if comm.size > 1:
+            if abort:
+                _abort_on_uncaught(comm._comm)
             _check_at_exit(comm)
         return comm
     if backend == "nccl":
