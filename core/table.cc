@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -109,13 +110,17 @@ OptimizerSpec::SlotBound OptimizerSpec::SlotLowerBound(size_t i) const {
   if (i >= names.size()) return b;
   if (names[i] == "accumulators" || names[i] == "row_accumulators") {
     b.bounded = true;
+    // Where nothing else keeps the divisor from 0, at least the smallest normal float32: a subnormal
+    // accumulator (or epsilon) is 0 where subnormals are flushed to zero (TensorFlow's kernel threads).
     if (kind == Kind::kFTRL) {
-      b.strict = true;
-      b.reason = "FTRL divides by a power of the accumulator: 0 makes a zero gradient's step 0 / 0";
-    } else if (adagrad_epsilon == 0.0f) {
-      b.strict = true;
-      b.reason = "with epsilon 0 the step divides by the accumulator's square root, so 0 makes a zero gradient's "
-                 "step 0 / 0; an optimizer with epsilon > 0 takes 0";
+      b.minimum = std::numeric_limits<float>::min();
+      b.reason = "FTRL divides by a power of the accumulator: 0 (or a subnormal, flushed to 0) makes a zero "
+                 "gradient's step 0 / 0";
+    } else if (adagrad_epsilon < std::numeric_limits<float>::min()) {
+      b.minimum = std::numeric_limits<float>::min();
+      b.reason = "with epsilon 0 the step divides by the accumulator's square root, so 0 (or a subnormal, "
+                 "flushed to 0) makes a zero gradient's step 0 / 0; an optimizer with a normal float32 epsilon "
+                 "takes 0";
     } else {
       b.reason = "the step divides by its square root";
     }

@@ -30,11 +30,18 @@ __all__ = ["Optimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "FTRL"]
 LearningRate = Union[float, Callable[[int], float]]
 _FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: 1 / it is finite
-_ADAM_MIN_EPSILON = 3e-23  # float32(epsilon)**2 is at least the smallest float32 (2**-149)
+# float32(epsilon)**2 is at least the smallest normal float32 (2**-126): not 0,
+# even where subnormals are flushed to zero (TensorFlow's kernel threads).
+_ADAM_MIN_EPSILON = 2.0**-63
 _Kind = _embedcore.OptimizerSpec.Kind
 
 
-def _number(owner: str, name: str, value, *, minimum=None, strict=False) -> float:
+def _number(owner: str, name: str, value, *, minimum=None, strict=False, normal=False, why="") -> float:
+    """``value`` as a float that float32 holds, at least ``minimum`` (above it
+    with ``strict``; then also not 0 as a float32). With ``normal``, not a
+    subnormal float32 either: that is 0 where subnormals are flushed to zero
+    (TensorFlow's kernel threads, ``torch.set_flush_denormal(True)``).
+    ``why`` ends the messages of the minimum."""
     if isinstance(value, (bool, str, bytes)):
         raise TypeError(f"{owner}: {name} must be a number, got {value!r}")
     try:
@@ -50,9 +57,14 @@ def _number(owner: str, name: str, value, *, minimum=None, strict=False) -> floa
         raise ValueError(f"{owner}: {name} must be within float32's range (+-{_FLOAT32_MAX:.7g}), got {value!r}")
     if minimum is not None and (v < minimum or (strict and v == minimum)):
         op = ">" if strict else ">="
-        raise ValueError(f"{owner}: {name} must be {op} {minimum}, got {value!r}")
+        raise ValueError(f"{owner}: {name} must be {op} {minimum}, got {value!r}{why}")
     if strict and minimum == 0 and float(np.float32(v)) == 0.0:
-        raise ValueError(f"{owner}: {name} must be > 0, got {value!r}, which is 0 as a float32")
+        raise ValueError(f"{owner}: {name} must be > 0, got {value!r}, which is 0 as a float32{why}")
+    if normal and 0.0 < abs(float(np.float32(v))) < _FLOAT32_TINY:
+        raise ValueError(f"{owner}: {name} must be {'' if strict else '0 or '}at least {_FLOAT32_TINY:.9g} (the "
+                         f"smallest normal float32), "
+                         f"got {value!r}, which is 0 where subnormals are flushed to zero (TensorFlow's kernel "
+                         f"threads, torch.set_flush_denormal){why}")
     return v
 
 
@@ -155,7 +167,9 @@ class SGD(Optimizer):
 class _Accumulating(Optimizer):
     """Adagrad and its row-wise variant: an accumulator of squared gradients
     from ``initial_accumulator_value``, ``epsilon`` outside its square root
-    (an accumulator may start at 0 only with ``epsilon > 0``)."""
+    (an accumulator may start at 0 only with ``epsilon`` at least the
+    smallest normal float32, 1.18e-38: a smaller one is 0 where subnormals are
+    flushed to zero, and a zero gradient element would then be 0 / 0)."""
 
     _kind = None  # the engine's OptimizerSpec.Kind
 
@@ -163,8 +177,11 @@ class _Accumulating(Optimizer):
         super().__init__(learning_rate, **kwargs)
         name = type(self).__name__
         self.epsilon = _number(name, "epsilon", epsilon, minimum=0)
-        self.initial_accumulator_value = _number(name, "initial_accumulator_value", initial_accumulator_value,
-                                                 minimum=0, strict=float(np.float32(self.epsilon)) == 0)
+        # sqrt(a) + epsilon must not be 0 (nor 0 once flushed) for a zero gradient element: 0 / 0.
+        no_epsilon = abs(float(np.float32(self.epsilon))) < _FLOAT32_TINY
+        self.initial_accumulator_value = _number(
+            name, "initial_accumulator_value", initial_accumulator_value, minimum=0, strict=no_epsilon,
+            normal=no_epsilon, why=f"; epsilon is {epsilon!r}, so the accumulator must keep sqrt(a) + epsilon above 0" if no_epsilon else "")
 
     def _native(self):
         spec = super()._native()
@@ -204,7 +221,11 @@ class RowWiseAdagrad(_Accumulating):
     ``multiply_weight_decay_factor_by_learning_rate=True``), and FBGEMM's
     ``L2`` mode, which adds ``wd * w`` to the gradient, has no equivalent. A
     table trained with it cannot be sharded column-wise: the accumulator
-    belongs to the whole row.
+    belongs to the whole row. As in FBGEMM, the step is ``g * (lr /
+    (sqrt(a) + epsilon))``: a row whose gradient is all 0 while its
+    accumulator is 0 steps by ``0 * inf`` (NaN) where ``lr / epsilon``
+    overflows float32 (a learning rate above about 4 with the smallest
+    epsilon, 1.18e-38); keep ``epsilon`` well above that, as its default is.
     """
 
     slot_names = ("row_accumulators",)
@@ -222,8 +243,10 @@ class Adam(Optimizer):
     (only touched rows move; with ``lazy_adam=False`` every row takes the
     full step each update, untouched rows with a zero gradient, weight decay
     and clipping included) and ``sum_inside_sqrt=True``
-    (``m / sqrt(v + eps^2)``; ``epsilon`` must then be at least 3e-23, so
-    that its float32 square is not 0). ``bias_correction=True`` with
+    (``m / sqrt(v + eps^2)``; ``epsilon`` must then be at least 2**-63,
+    about 1.08e-19, so that its float32 square is a normal float32: not 0,
+    even where subnormals are flushed to zero; with ``sum_inside_sqrt=False``
+    at least the smallest normal float32, 1.18e-38). ``bias_correction=True`` with
     ``sum_inside_sqrt=False`` and ``epsilon=1e-8`` is PyTorch's ``SparseAdam``.
     """
 
@@ -238,13 +261,14 @@ class Adam(Optimizer):
         for n, v in (("beta_1", self.beta_1), ("beta_2", self.beta_2)):
             if v >= 1:
                 raise ValueError(f"Adam: {n} must be in [0, 1), got {v}")
-        self.epsilon = _number("Adam", "epsilon", epsilon, minimum=0, strict=True)
         self.lazy_adam = bool(lazy_adam)
         self.sum_inside_sqrt = bool(sum_inside_sqrt)
+        # An element of zero gradient is 0 / sqrt(0 + eps**2), or 0 / (0 + eps): NaN if that is 0.
+        self.epsilon = _number("Adam", "epsilon", epsilon, minimum=0, strict=True, normal=True)
         if self.sum_inside_sqrt and self.epsilon < _ADAM_MIN_EPSILON:
-            # The float32 epsilon**2 would be 0, and an element of zero gradient 0 / sqrt(0): NaN.
-            raise ValueError(f"Adam: epsilon must be >= {_ADAM_MIN_EPSILON} with sum_inside_sqrt=True "
-                             f"(epsilon**2 must not underflow float32), got {epsilon!r}")
+            raise ValueError(f"Adam: epsilon must be >= 2**-63 ({_ADAM_MIN_EPSILON:.8g}) with sum_inside_sqrt=True "
+                             f"(epsilon**2 must be a normal float32: not 0, even where subnormals are flushed to "
+                             f"zero), got {epsilon!r}")
         self.bias_correction = bool(bias_correction)
 
     def _native(self):
@@ -281,7 +305,7 @@ class FTRL(Optimizer):
                                                   l2_regularization_strength, minimum=0)
         self.beta = _number("FTRL", "beta", beta, minimum=0)
         self.initial_accumulator_value = _number("FTRL", "initial_accumulator_value",
-                                                 initial_accumulator_value, minimum=0, strict=True)
+                                                 initial_accumulator_value, minimum=0, strict=True, normal=True)
         self.multiply_linear_by_learning_rate = bool(multiply_linear_by_learning_rate)
         if not callable(self.learning_rate):
             self._check_learning_rate(self.learning_rate, f"learning_rate {learning_rate!r}")

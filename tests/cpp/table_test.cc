@@ -1032,11 +1032,15 @@ EMBEDCORE_TEST(AssignSlotKeepsSlotsInTheOptimizersDomain) {
     const char* message;
   };
   const Case cases[] = {
-      {OptimizerSpec::Kind::kAdagrad, 0.0f, 0, 0.0f, 1e-30f, "slot accumulators value 0 at flat index 4 is not > 0"},
+      {OptimizerSpec::Kind::kAdagrad, 0.0f, 0, 0.0f, 1e-30f,
+       "slot accumulators value 0 at flat index 4 is not >= 1.17549435e-38"},
+      // A subnormal accumulator (or epsilon) is 0 where subnormals are flushed to zero.
+      {OptimizerSpec::Kind::kAdagrad, 1e-40f, 0, 1e-40f, 1.17549435e-38f, "is not >= 1.17549435e-38"},
       {OptimizerSpec::Kind::kAdagrad, 1e-10f, 0, -1e-30f, 0.0f, "is not >= 0"},
       {OptimizerSpec::Kind::kRowwiseAdagrad, 0.0f, 0, 0.0f, 1.0f, "slot row_accumulators value 0 at flat index"},
       {OptimizerSpec::Kind::kRowwiseAdagrad, 1e-8f, 0, -2.0f, 0.0f, "is not >= 0"},
       {OptimizerSpec::Kind::kFTRL, 1e-10f, 0, 0.0f, 1e-30f, "FTRL divides by a power of the accumulator"},
+      {OptimizerSpec::Kind::kFTRL, 1e-10f, 0, 1e-40f, 1.17549435e-38f, "or a subnormal, flushed to 0"},
       {OptimizerSpec::Kind::kFTRL, 0.0f, 1, std::nanf(""), -5.0f, "slot linears value nan"},  // linears: any value
       {OptimizerSpec::Kind::kAdam, 0.0f, 1, -1.0f, 0.0f, "slot velocities value -1 at flat index 4 is not >= 0"},
       {OptimizerSpec::Kind::kAdam, 0.0f, 0, INFINITY, -3.0f, "slot momenta value inf"},  // momenta: any value

@@ -8,6 +8,8 @@ import pytest
 import embedcore as ec
 from helpers import assert_unchanged, make_table, snapshot
 
+_FLT_MIN = float(np.finfo(np.float32).tiny)
+
 opt = ec.optimizers
 
 
@@ -802,10 +804,70 @@ def test_ftrl_learning_rates_it_cannot_divide_by():
     table = make_table(6, 2, optimizer=opt.FTRL(learning_rate=0.0, multiply_linear_by_learning_rate=True))
     table.apply_gradients(np.array([1]), grads=np.ones((1, 2), np.float32))
     assert np.isfinite(table.to_numpy()).all()
-    # The smallest epsilon whose float32 square is not 0 still gives finite Adam steps.
-    table = make_table(6, 3, optimizer=opt.Adam(learning_rate=0.1, epsilon=3e-23))
+    # The smallest epsilon whose float32 square is a normal float32 still gives finite Adam steps.
+    table = make_table(6, 3, optimizer=opt.Adam(learning_rate=0.1, epsilon=2.0**-63))
     table.apply_gradients(np.array([1]), grads=np.array([[0.0, 1.0, 0.0]], np.float32))
     assert np.isfinite(table.to_numpy()).all()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: opt.Adam(0.1, epsilon=2.0**-63),
+    lambda: opt.Adam(0.1, epsilon=_FLT_MIN, sum_inside_sqrt=False),
+    lambda: opt.Adam(0.1, epsilon=_FLT_MIN, sum_inside_sqrt=False, lazy_adam=False),
+    lambda: opt.Adagrad(0.1, initial_accumulator_value=0.0, epsilon=_FLT_MIN),
+    lambda: opt.Adagrad(0.1, initial_accumulator_value=_FLT_MIN, epsilon=0.0),
+    lambda: opt.RowWiseAdagrad(0.1, initial_accumulator_value=0.0, epsilon=_FLT_MIN),
+    lambda: opt.FTRL(0.1, initial_accumulator_value=_FLT_MIN),
+], ids=["adam", "adam_eps_outside", "adam_not_lazy", "adagrad_eps", "adagrad_acc", "rowwise", "ftrl"])
+def test_smallest_epsilons_stay_finite_where_subnormals_flush(make):
+    """The smallest epsilon (or first accumulator) each optimizer accepts
+    keeps a zero-gradient element finite even where subnormals are flushed
+    to zero, as in TensorFlow's kernel threads (a subnormal epsilon**2 there
+    is 0, and the element 0 / 0)."""
+    torch = pytest.importorskip("torch")
+    optimizer = make()
+    table = make_table(6, 3, optimizer=optimizer)
+    before = table.to_numpy()
+    torch.set_flush_denormal(True)
+    try:
+        for _ in range(2):
+            table.apply_gradients(np.array([1]), grads=np.array([[1.0, 0.0, -1.0]], np.float32))
+    finally:
+        torch.set_flush_denormal(False)
+    values = table.to_numpy()
+    assert np.isfinite(values).all(), values
+    if not isinstance(optimizer, opt.FTRL):  # (FTRL sets every element it steps from its slots)
+        assert values[1, 1] == before[1, 1]  # the zero-gradient column did not move
+    for name, slot in table.slots().items():
+        assert np.isfinite(slot).all(), name
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: opt.Adam(0.1, epsilon=1e-20), r"epsilon must be >= 2\*\*-63 .* got 1e-20"),
+    (lambda: opt.Adam(0.1, epsilon=3e-23), r"epsilon must be >= 2\*\*-63 .* got 3e-23"),
+    (lambda: opt.Adam(0.1, epsilon=1e-40, sum_inside_sqrt=False), r"epsilon must be at least 1.17549435e-38 .*"
+                                                                  r"got 1e-40, which is 0 where subnormals are flushed"),
+    (lambda: opt.Adagrad(0.1, initial_accumulator_value=0.0, epsilon=1e-40),
+     r"Adagrad: initial_accumulator_value must be > 0, got 0.0; epsilon is 1e-40"),
+    (lambda: opt.RowWiseAdagrad(0.1, initial_accumulator_value=0.0, epsilon=1e-40),
+     r"RowWiseAdagrad: initial_accumulator_value must be > 0, got 0.0; epsilon is 1e-40"),
+    (lambda: opt.Adagrad(0.1, initial_accumulator_value=1e-40, epsilon=0.0),
+     r"initial_accumulator_value must be at least 1.17549435e-38 .* got 1e-40.*; epsilon is 0.0"),
+    (lambda: opt.FTRL(0.1, initial_accumulator_value=1e-40),
+     r"FTRL: initial_accumulator_value must be at least 1.17549435e-38 .* got 1e-40"),
+])
+def test_subnormal_epsilons_are_refused(make, match):
+    """An epsilon (or first accumulator) that only keeps a zero-gradient
+    element finite while subnormals are not flushed is refused when the
+    optimizer is made, naming the value."""
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_subnormal_epsilons_are_fine_beside_a_normal_accumulator():
+    # The accumulator keeps sqrt(a) + epsilon away from 0: a tiny epsilon is harmless.
+    assert opt.Adagrad(0.1, initial_accumulator_value=0.1, epsilon=1e-40).epsilon == 1e-40
+    assert opt.RowWiseAdagrad(0.1, initial_accumulator_value=0.1, epsilon=1e-40).epsilon == 1e-40
 
 
 @pytest.mark.parametrize("make", [lambda: opt.SGD(learning_rate=None), lambda: opt.SGD(learning_rate=[0.1]),
@@ -897,14 +959,22 @@ def test_slot_values_an_optimizer_cannot_use_are_refused(trained):
     trained.assign_slot("momenta", np.array([[0.0, -1.0, 0.5, 0.0]], np.float32))  # momenta may be negative
 
 
-@pytest.mark.parametrize("optimizer, slot, refused, why", [
-    (opt.Adagrad(0.1), "accumulators", 0.0, "with epsilon 0 the step divides"),
-    (opt.RowWiseAdagrad(0.1, epsilon=0.0, initial_accumulator_value=0.1), "row_accumulators", 0.0,
+_NORMAL = ">= 1.17549435e-38"  # the smallest normal float32: a subnormal is 0 where subnormals are flushed
+
+
+@pytest.mark.parametrize("optimizer, slot, refused, bound, why", [
+    (opt.Adagrad(0.1), "accumulators", 0.0, _NORMAL, "with epsilon 0 the step divides"),
+    (opt.Adagrad(0.1), "accumulators", 1e-40, _NORMAL, "with epsilon 0 the step divides"),
+    (opt.RowWiseAdagrad(0.1, epsilon=0.0, initial_accumulator_value=0.1), "row_accumulators", 0.0, _NORMAL,
      "with epsilon 0 the step divides"),
-    (opt.FTRL(0.1), "accumulators", 0.0, "FTRL divides by a power of the accumulator"),
-    (opt.Adagrad(0.1, epsilon=1e-10), "accumulators", -1e-30, "the step divides by its square root"),
+    (opt.RowWiseAdagrad(0.1, epsilon=1e-40, initial_accumulator_value=0.1), "row_accumulators", 0.0, _NORMAL,
+     "with epsilon 0 the step divides"),
+    (opt.FTRL(0.1), "accumulators", 0.0, _NORMAL, "FTRL divides by a power of the accumulator"),
+    (opt.FTRL(0.1), "accumulators", 1e-40, _NORMAL, "FTRL divides by a power of the accumulator"),
+    (opt.Adagrad(0.1, epsilon=1e-10), "accumulators", -1e-30, ">= 0", "the step divides by its square root"),
 ])
-def test_accumulators_of_0_are_refused_where_the_step_would_divide_0_by_0(tmp_path, optimizer, slot, refused, why):
+def test_accumulators_of_0_are_refused_where_the_step_would_divide_0_by_0(tmp_path, optimizer, slot, refused, bound,
+                                                                          why):
     """An accumulator of 0 is refused wherever the optimizer's constructor
     refuses initial_accumulator_value=0: a zero gradient element (a weight of
     0, a feature outside the loss) would step the weight by 0 / 0 (NaN). The
@@ -915,9 +985,9 @@ def test_accumulators_of_0_are_refused_where_the_step_would_divide_0_by_0(tmp_pa
     s = snapshot(t)
     bad = np.full((2, cols), 0.5, np.float32)
     bad[1, cols - 1] = refused
-    op = ">=" if refused < 0 else ">"
-    with pytest.raises(ValueError, match=f"table 't': slot {slot} value {refused:g} at flat index {2 * cols - 1} is "
-                                         f"not {op} 0 \\({why}"):
+    text = "%.9g" % np.float32(refused)  # as the engine prints a float32
+    with pytest.raises(ValueError, match=f"table 't': slot {slot} value {text} at flat index {2 * cols - 1} is "
+                                         f"not {re.escape(bound)} \\({why}"):
         t.assign_slot(slot, bad)
     assert_unchanged(t, s)
 
@@ -925,8 +995,8 @@ def test_accumulators_of_0_are_refused_where_the_step_would_divide_0_by_0(tmp_pa
     src = make_table(6, 4, optimizer=optimizer, name="t", seed=5)
     np.from_dlpack(dict(src._native.slots_mut())[slot])[3, cols - 1] = refused
     ec.save(tmp_path / "ck", src)
-    with pytest.raises(ec.CheckpointError, match=f"table 't' slot {slot} hold {refused:g} at row 3, column "
-                                                 f"{cols - 1}; the target table's optimizer needs them {op} 0"):
+    with pytest.raises(ec.CheckpointError, match=f"table 't' slot {slot} hold {text} at row 3, column "
+                                                 f"{cols - 1}; the target table's optimizer needs them {re.escape(bound)}"):
         ec.load(tmp_path / "ck", into=t)
     assert_unchanged(t, s)
     ec.load(tmp_path / "ck", into=t, include_optimizer=False)
@@ -943,7 +1013,7 @@ def test_a_checkpoint_whose_accumulators_start_at_0_loads_only_where_epsilon_all
     grads = np.array([[0.0, 1e-30], [0.5, 0.0]], np.float32)
     ec.save(tmp_path / "ck", src)
     tf_like = make_table(4, 2, optimizer=opt.Adagrad(0.1), name="t")
-    with pytest.raises(ec.CheckpointError, match="slot accumulators hold 0 at row 0, column 0.*needs them > 0"):
+    with pytest.raises(ec.CheckpointError, match="slot accumulators hold 0 at row 0, column 0.*needs them >= 1.17549435e-38"):
         ec.load(tmp_path / "ck", into=tf_like)
     same = make_table(4, 2, optimizer=torch_like, name="t", seed=9)
     ec.load(tmp_path / "ck", into=same)
