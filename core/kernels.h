@@ -20,8 +20,18 @@ namespace embedcore::kernels {
 
 /// How many ids ahead the lookup loops prefetch a row. 16 rather than 8:
 /// on Zipf ids (rows mostly in L3) it hides more of the latency, 8-15%
-/// faster here; uniform ids (DRAM) are the same either way.
+/// faster here; uniform ids (DRAM) are the same either way. (8-bit
+/// row-wise rows use this one.)
 constexpr int64_t kPrefetchDistance = 16;
+
+/// The same for rows of T: twice as many ids ahead for 16-bit rows, so that
+/// about as many cache lines are on their way as for float32 rows of the
+/// same dim (a random gather is bound by the lines in flight). A constant
+/// of each loop's type, not a function of the row's width at run time:
+/// that version (session 23) made float32 lookups slower even where it
+/// chose 16. float32: 16.
+template <typename T>
+constexpr int64_t kPrefetchIds = sizeof(T) == 2 ? 2 * kPrefetchDistance : kPrefetchDistance;
 
 /// Prefetches every cache line of `bytes` at `p` for reading, four lines per
 /// loop trip: a loop of one prefetch per trip cost Zipf lookups (rows mostly

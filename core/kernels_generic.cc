@@ -18,7 +18,7 @@ struct ScalarRows {
     constexpr int64_t kCols = int64_t(NV) * kLanes;
     float acc[kCols] = {};
     for (int64_t k = k0; k < k1; ++k) {
-      if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+      if (k + kPrefetchIds<T> < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
       const T* row = table + SafeRow(ids[k], rows) * dim + c0;
       const float w = weights ? weights[k] : 1.0f;
       for (int64_t d = 0; d < kCols; ++d) acc[d] += w * ops::ToFloat(row[d]);

@@ -7,7 +7,7 @@
 //       each row's address through SafeRow(ids[k], rows),
 //       for the NV * R::kLanes columns from c0 (NV from 1 to
 //       R::kVectors), accumulated in registers; when pf_end > 0 it also
-//       prefetches the row of ids[k + kPrefetchDistance] (< pf_end)
+//       prefetches the row of ids[k + kPrefetchIds<T>] (< pf_end)
 // for each storage type. Included by kernels_generic.cc, kernels_avx2.cc and
 // kernels_avx512.cc only, inside an anonymous namespace, so each gets its own
 // instantiations.
@@ -29,7 +29,7 @@ template <typename T>
 // passes (64 columns: one block of 8 AVX2 vectors). The rows, fetched (and
 // prefetched) by the first block, are in L1 for the next ones. Every output
 // element is still 0 + w_0 r_0 + w_1 r_1 + ... in id order. The first block
-// prefetches the row kPrefetchDistance ids ahead as it adds each row (across
+// prefetches the row kPrefetchIds<T> ids ahead as it adds each row (across
 // bag ends, up to id pf_end).
 template <typename R, int NV, typename T, typename I>
 inline void PoolSmallerBlocks(const LookupArgs& a, const T* table, const I* ids, int64_t k0, int64_t k1, float* acc,
@@ -58,7 +58,7 @@ inline void PoolNarrowBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf
   const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
   float s[kMax] = {};
   for (int64_t k = k0; k < k1; ++k) {
-    if (k + kPrefetchDistance < pf_end) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+    if (k + kPrefetchIds<T> < pf_end) PrefetchRow(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
     const T* row = table + SafeRow(ids[k], rows) * dim;
     const float w = a.weights ? a.weights[k] : 1.0f;
     for (int64_t d = 0; d < dim; ++d) s[d] += w * ops::ToFloat(row[d]);
@@ -138,7 +138,7 @@ template <typename T, typename I>
 [[gnu::always_inline]] inline void PrefetchFirstRows(const LookupArgs& a, int64_t k0, int64_t k_end) {
   const T* table = static_cast<const T*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
-  for (int64_t k = k0; k < k0 + kPrefetchDistance && k < k_end; ++k)
+  for (int64_t k = k0; k < k0 + kPrefetchIds<T> && k < k_end; ++k)
     PrefetchRow(table + int64_t(ids[k]) * a.dim, a.dim * int64_t(sizeof(T)));
 }
 
@@ -209,8 +209,8 @@ void GroupedBags(const LookupArgs& a, const int64_t* groups, int64_t g0, int64_t
                                          pf_end, row_bytes);
     GroupSmallerBlocks<R, R::kVectors / 2, T, I>(a, table, ids, p0, p1, acc, full, pf_end);
     if (pf_end != 0)  // no block ran (dim below one vector)
-      for (int64_t k = a.offsets[p0]; k < a.offsets[p1] && k + kPrefetchDistance < k_end; ++k)
-        PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+      for (int64_t k = a.offsets[p0]; k < a.offsets[p1] && k + kPrefetchIds<T> < k_end; ++k)
+        PrefetchRow(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
     if (full < dim) {  // the last columns, bag by bag as PoolBag sums them
       const int64_t rest = dim - full;
       for (int64_t p = p0; p < p1; ++p) {
@@ -236,7 +236,7 @@ void PaddedBags(const LookupArgs& a, int64_t b0, int64_t b1) {
     const int64_t n = a.offsets[b + 1] - begin < len ? a.offsets[b + 1] - begin : len;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t k = begin + j;
-      if (j + kPrefetchDistance < n) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+      if (j + kPrefetchIds<T> < n) PrefetchRow(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
       R::Scale(a.out + (b * len + j) * dim, table + SafeRow(ids[k], a.rows) * dim, a.weights ? a.weights[k] : 1.0f,
                dim);
     }
@@ -253,10 +253,10 @@ void FlatRows(const LookupArgs& a, int64_t k0, int64_t k1) {
   const I* ids = static_cast<const I*>(a.ids);
   const int64_t dim = a.dim;
   const int64_t row_bytes = dim * int64_t(sizeof(T));
-  for (int64_t k = k0; k < k1 && k < k0 + kPrefetchDistance; ++k)
+  for (int64_t k = k0; k < k1 && k < k0 + kPrefetchIds<T>; ++k)
     PrefetchRow(table + int64_t(ids[k]) * dim, row_bytes);
   for (int64_t k = k0; k < k1; ++k) {
-    if (k + kPrefetchDistance < k1) PrefetchRow(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+    if (k + kPrefetchIds<T> < k1) PrefetchRow(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
     R::Scale(a.out + k * dim, table + SafeRow(ids[k], a.rows) * dim, a.weights ? a.weights[k] : 1.0f, dim);
   }
 }

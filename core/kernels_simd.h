@@ -24,14 +24,14 @@ struct SimdRows {
     for (int j = 0; j < NV; ++j) s[j] = V::Zero();
     if (weights == nullptr) {  // w = 1: 1 * x == x, so the sums are the same bits without the multiply
       for (int64_t k = k0; k < k1; ++k) {
-        if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+        if (k + kPrefetchIds<T> < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
         const T* row = table + SafeRow(ids[k], rows) * dim + c0;
 #pragma GCC unroll 16
         for (int j = 0; j < NV; ++j) s[j] = V::Add(s[j], V::Load(row + kLanes * j));
       }
     } else {
       for (int64_t k = k0; k < k1; ++k) {
-        if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+        if (k + kPrefetchIds<T> < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
         const T* row = table + SafeRow(ids[k], rows) * dim + c0;
         const Reg w = V::Set1(weights[k]);
 #pragma GCC unroll 16
@@ -54,7 +54,7 @@ struct SimdRows {
 #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) s[j] = V::Zero();
       for (int64_t k = offsets[p]; k < offsets[p + 1]; ++k) {
-        if (k + kPrefetchDistance < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchDistance]) * dim, row_bytes);
+        if (k + kPrefetchIds<T> < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
         const T* row = table + SafeRow(ids[k], rows) * dim + c0;
         if (weights == nullptr) {
 #pragma GCC unroll 16
