@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <new>
@@ -17,8 +18,10 @@
 namespace embedcore::internal {
 
 /// `x` with the 9 significant digits that tell every float32 apart ("1e-46"
-/// is not "0.000000"), for messages.
+/// is not "0.000000"), for messages; a NaN is "nan", whatever its sign bit
+/// (printf's "-nan"), as NumPy and Python print it.
 inline std::string FormatFloat(double x) {
+  if (std::isnan(x)) return "nan";
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.9g", x);
   return buf;

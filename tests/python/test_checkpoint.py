@@ -597,7 +597,8 @@ def test_a_training_step_that_overflows_fails_the_save(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+# -nan: a NaN with its sign bit set (what 0 * inf gives on x86), shown "nan" as NumPy shows it, not printf's "-nan".
+@pytest.mark.parametrize("bad", [np.nan, -np.nan, np.inf, -np.inf], ids=["nan", "-nan", "inf", "-inf"])
 @pytest.mark.parametrize("how", ["save", "values_only", "float16", "bfloat16", "float32", "uint8_rowwise", "dump"])
 def test_a_save_refuses_values_that_are_not_finite(tmp_path, dtype, bad, how):
     """Every writer, whatever it stores: the first value that is not finite in
