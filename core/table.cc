@@ -118,9 +118,9 @@ OptimizerSpec::SlotBound OptimizerSpec::SlotLowerBound(size_t i) const {
                  "gradient's step 0 / 0";
     } else if (adagrad_epsilon < std::numeric_limits<float>::min()) {
       b.minimum = std::numeric_limits<float>::min();
-      b.reason = "with epsilon 0 the step divides by the accumulator's square root, so 0 (or a subnormal, "
-                 "flushed to 0) makes a zero gradient's step 0 / 0; an optimizer with a normal float32 epsilon "
-                 "takes 0";
+      b.reason = "with epsilon 0 (or subnormal, flushed to 0) the step divides by the accumulator's square root, "
+                 "so 0 (or a subnormal) makes a zero gradient's step 0 / 0; an optimizer with a normal float32 "
+                 "epsilon takes 0";
     } else {
       b.reason = "the step divides by its square root";
     }
@@ -135,7 +135,7 @@ std::string OptimizerSpec::SlotBound::Describe() const {
   return std::string(strict ? "> " : ">= ") + internal::FormatFloat(minimum) + " (" + reason + ")";
 }
 
-void OptimizerSpec::Validate() const {
+void OptimizerSpec::Validate(bool table) const {
   auto fail = [](const std::string& field, double v, const char* why) {
     throw InvalidArgument("optimizer " + field + " " + why + ", got " + internal::FormatFloat(v));
   };
@@ -157,6 +157,11 @@ void OptimizerSpec::Validate() const {
       fail("epsilon", adagrad_epsilon, "must be finite and >= 0");
     if (!(initial_accumulator_value > 0.0f) && !(initial_accumulator_value == 0.0f && adagrad_epsilon > 0.0f))
       fail("initial_accumulator_value", initial_accumulator_value, "must be > 0 (or 0 with epsilon > 0)");
+  }
+  if (table && (kind == Kind::kAdagrad || kind == Kind::kRowwiseAdagrad || kind == Kind::kFTRL)) {
+    const SlotBound b = SlotLowerBound(0);  // the first accumulators must be within the slot's own domain
+    if (!b.Admits(initial_accumulator_value))
+      fail("initial_accumulator_value", initial_accumulator_value, ("must be " + b.Describe()).c_str());
   }
   if (kind == Kind::kAdam) {
     if (!(beta_1 >= 0.0f && beta_1 < 1.0f)) fail("beta_1", beta_1, "must be in [0, 1)");

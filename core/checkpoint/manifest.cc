@@ -301,7 +301,7 @@ OptimizerSpec ParseOptimizer(const Reader& r, const Json& j, const std::string& 
   o.weight_decay_factor = float(r.Number(j, "weight_decay_factor", where));
   o.multiply_weight_decay_factor_by_learning_rate = r.Bool(j, "multiply_weight_decay_factor_by_learning_rate", where);
   try {
-    o.Validate();
+    o.Validate(/*table=*/false);  // a record: what earlier versions allowed still reads
   } catch (const InvalidArgument& e) {
     r.Fail(where, e.what());
   }
@@ -315,6 +315,11 @@ Json InitializerJson(const InitializerSpec& s) {
   j["b"] = s.b;
   j["seed"] = s.seed;
   return j;
+}
+
+bool IsKnownInitializer(const Reader& r, const Json& j, const std::string& where) {
+  const std::string kind = r.String(j, "kind", where);
+  return kind == "zeros" || kind == "constant" || kind == "uniform" || kind == "normal" || kind == "truncated_normal";
 }
 
 InitializerSpec ParseInitializer(const Reader& r, const Json& j, const std::string& where) {
@@ -357,7 +362,8 @@ static Json TableJson(const TableEntry& t) {
   tj["rows"] = t.rows;
   tj["dim"] = t.dim;
   tj["dtype"] = DTypeName(t.dtype);
-  tj["initializer"] = InitializerJson(t.initializer);
+  tj["initializer"] = t.unknown_initializer_json.empty() ? InitializerJson(t.initializer)
+                                                         : Json::parse(t.unknown_initializer_json);
   tj["optimizer"] = t.has_optimizer ? OptimizerJson(t.optimizer) : Json(nullptr);
   tj["step"] = t.step;
   tj["sharding"] = ParseObject(t.sharding_json, "sharding");
@@ -481,7 +487,12 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
     } catch (const InvalidArgument&) {
       r.Fail(where, "has rows x dim too large to address");
     }
-    t.initializer = ParseInitializer(r, r.Get(tj, "initializer", where), where + ".initializer");
+    const Json& init = r.Get(tj, "initializer", where);
+    if (!init.is_object()) r.Fail(where + ".initializer", "must be an object");
+    if (IsKnownInitializer(r, init, where + ".initializer"))
+      t.initializer = ParseInitializer(r, init, where + ".initializer");
+    else  // a newer writer's: how the table was first filled, which no read uses; kept as written
+      t.unknown_initializer_json = init.dump();
     const Json& opt = r.Get(tj, "optimizer", where);
     t.has_optimizer = !opt.is_null();
     if (t.has_optimizer && !IsKnownOptimizer(r, opt, where + ".optimizer")) {

@@ -90,7 +90,11 @@ struct RowwiseAdagradRule {
     *acc = a;
     return lr / (std::sqrt(a) + epsilon);
   }
-  EMBEDCORE_HD float Step(float w, float g, float multiplier) const { return w - multiplier * g; }
+  // A zero gradient element does not move where lr / epsilon overflowed float32 (an accumulator of 0 with a
+  // tiny epsilon), which FBGEMM's inf * 0 steps to NaN; every other step is w - multiplier * g, FBGEMM's bits.
+  EMBEDCORE_HD float Step(float w, float g, float multiplier) const {
+    return g == 0.0f && multiplier > 3.40282347e+38f ? w : w - multiplier * g;
+  }
 };
 
 struct AdamRule {

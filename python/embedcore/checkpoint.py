@@ -120,29 +120,29 @@ def _structure_json(structure, counter=None, items: bool = False):
     return {"feature": next(counter)}
 
 
-def config_from_json(d: dict) -> TableConfig:
+def config_from_json(d: dict, any_initializer: bool = False) -> TableConfig:
     """A TableConfig rebuilt from a checkpoint's table config (no optimizer
     when the learning rate was a schedule: that callable is not stored).
-    A malformed config raises CheckpointError."""
+    A malformed config raises CheckpointError. With ``any_initializer``
+    (serving, which never fills a row), an initializer this version does not
+    know (a newer writer's class or arguments) gives TableConfig's default."""
     try:
-        return _config_from_json(d)
+        return _config_from_json(d, any_initializer)
     except CheckpointError:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as e:
         raise CheckpointError(f"malformed table config in checkpoint: {type(e).__name__}: {e}") from None
 
 
-def _config_from_json(d: dict) -> TableConfig:
+def _config_from_json(d: dict, any_initializer: bool = False) -> TableConfig:
     if not isinstance(d, dict):
         raise CheckpointError(f"table config must be an object, got {type(d).__name__}")
-    init_d = d.get("initializer") or {"class": "TruncatedNormal"}
-    if not isinstance(init_d, dict) or not isinstance(init_d.get("class"), str):
-        raise CheckpointError(f"initializer must be an object with a string 'class', got {init_d!r}")
-    init_d = dict(init_d)
-    init_cls = getattr(_init, init_d.pop("class"), None)
-    if init_cls is None or not isinstance(init_cls, type) or not issubclass(init_cls, _init.Initializer):
-        raise CheckpointError(f"unknown initializer in checkpoint: {d.get('initializer')!r}")
-    initializer = init_cls(**init_d)
+    try:
+        initializer = _initializer_from_json(d.get("initializer"))
+    except (CheckpointError, TypeError, ValueError):
+        if not any_initializer:
+            raise
+        initializer = None
     optimizer = None
     opt_d = d.get("optimizer")
     if opt_d is not None and opt_d.get("learning_rate") is not None:
@@ -154,6 +154,17 @@ def _config_from_json(d: dict) -> TableConfig:
         optimizer = opt_cls(**opt_d)
     return TableConfig(d["name"], d["rows"], d["dim"], d.get("dtype", "float32"), initializer, optimizer,
                        d.get("combiner", "mean"))
+
+
+def _initializer_from_json(init_d) -> _init.Initializer:
+    init_d = init_d or {"class": "TruncatedNormal"}
+    if not isinstance(init_d, dict) or not isinstance(init_d.get("class"), str):
+        raise CheckpointError(f"initializer must be an object with a string 'class', got {init_d!r}")
+    args = dict(init_d)
+    init_cls = getattr(_init, args.pop("class"), None)
+    if init_cls is None or not isinstance(init_cls, type) or not issubclass(init_cls, _init.Initializer):
+        raise CheckpointError(f"unknown initializer in checkpoint: {init_d!r}")
+    return init_cls(**args)
 
 
 # ------------------------------------------------------------------ save / load

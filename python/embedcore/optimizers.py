@@ -55,16 +55,19 @@ def _number(owner: str, name: str, value, *, minimum=None, strict=False, normal=
         raise ValueError(f"{owner}: {name} must be finite, got {value!r}")
     if abs(v) > _FLOAT32_MAX:  # the engine keeps options as float32: this would become infinite
         raise ValueError(f"{owner}: {name} must be within float32's range (+-{_FLOAT32_MAX:.7g}), got {value!r}")
-    if minimum is not None and (v < minimum or (strict and v == minimum)):
-        op = ">" if strict else ">="
+    op = ">" if strict else ">="
+    if minimum is not None and v < minimum:
         raise ValueError(f"{owner}: {name} must be {op} {minimum}, got {value!r}{why}")
-    if strict and minimum == 0 and float(np.float32(v)) == 0.0:
+    f32 = abs(float(np.float32(v)))
+    if strict and minimum == 0 and v != 0 and f32 == 0.0:
         raise ValueError(f"{owner}: {name} must be > 0, got {value!r}, which is 0 as a float32{why}")
-    if normal and 0.0 < abs(float(np.float32(v))) < _FLOAT32_TINY:
+    if normal and f32 < _FLOAT32_TINY and (strict or v != 0):
+        flushed = ", which is 0 where subnormals are flushed to zero (TensorFlow's kernel threads, " \
+                  "torch.set_flush_denormal)" if v != 0 else ""
         raise ValueError(f"{owner}: {name} must be {'' if strict else '0 or '}at least {_FLOAT32_TINY:.9g} (the "
-                         f"smallest normal float32), "
-                         f"got {value!r}, which is 0 where subnormals are flushed to zero (TensorFlow's kernel "
-                         f"threads, torch.set_flush_denormal){why}")
+                         f"smallest normal float32), got {value!r}{flushed}{why}")
+    if minimum is not None and strict and v == minimum:
+        raise ValueError(f"{owner}: {name} must be {op} {minimum}, got {value!r}{why}")
     return v
 
 
@@ -179,9 +182,9 @@ class _Accumulating(Optimizer):
         self.epsilon = _number(name, "epsilon", epsilon, minimum=0)
         # sqrt(a) + epsilon must not be 0 (nor 0 once flushed) for a zero gradient element: 0 / 0.
         no_epsilon = abs(float(np.float32(self.epsilon))) < _FLOAT32_TINY
-        self.initial_accumulator_value = _number(
-            name, "initial_accumulator_value", initial_accumulator_value, minimum=0, strict=no_epsilon,
-            normal=no_epsilon, why=f"; epsilon is {epsilon!r}, so the accumulator must keep sqrt(a) + epsilon above 0" if no_epsilon else "")
+        why = f"; epsilon is {epsilon!r}, so the accumulator must keep sqrt(a) + epsilon above 0" if no_epsilon else ""
+        self.initial_accumulator_value = _number(name, "initial_accumulator_value", initial_accumulator_value,
+                                                 minimum=0, strict=no_epsilon, normal=no_epsilon, why=why)
 
     def _native(self):
         spec = super()._native()
@@ -221,11 +224,11 @@ class RowWiseAdagrad(_Accumulating):
     ``multiply_weight_decay_factor_by_learning_rate=True``), and FBGEMM's
     ``L2`` mode, which adds ``wd * w`` to the gradient, has no equivalent. A
     table trained with it cannot be sharded column-wise: the accumulator
-    belongs to the whole row. As in FBGEMM, the step is ``g * (lr /
-    (sqrt(a) + epsilon))``: a row whose gradient is all 0 while its
-    accumulator is 0 steps by ``0 * inf`` (NaN) where ``lr / epsilon``
-    overflows float32 (a learning rate above about 4 with the smallest
-    epsilon, 1.18e-38); keep ``epsilon`` well above that, as its default is.
+    belongs to the whole row. As in FBGEMM, the step is ``(lr / (sqrt(a) +
+    epsilon)) * g``; where ``lr / epsilon`` overflows float32 (an
+    accumulator of 0, a learning rate above about 4 and the smallest
+    epsilon, 1.18e-38) an element of zero gradient stays as it was (FBGEMM
+    steps it by ``inf * 0``, to NaN) and the others step to infinity.
     """
 
     slot_names = ("row_accumulators",)
@@ -264,7 +267,7 @@ class Adam(Optimizer):
         self.lazy_adam = bool(lazy_adam)
         self.sum_inside_sqrt = bool(sum_inside_sqrt)
         # An element of zero gradient is 0 / sqrt(0 + eps**2), or 0 / (0 + eps): NaN if that is 0.
-        self.epsilon = _number("Adam", "epsilon", epsilon, minimum=0, strict=True, normal=True)
+        self.epsilon = _number("Adam", "epsilon", epsilon, minimum=0, strict=True, normal=not self.sum_inside_sqrt)
         if self.sum_inside_sqrt and self.epsilon < _ADAM_MIN_EPSILON:
             raise ValueError(f"Adam: epsilon must be >= 2**-63 ({_ADAM_MIN_EPSILON:.8g}) with sum_inside_sqrt=True "
                              f"(epsilon**2 must be a normal float32: not 0, even where subnormals are flushed to "

@@ -153,7 +153,8 @@ class ServedCheckpoint(FeatureLookup):
                 raise CheckpointError(f"{info.path}: table {name!r} has a malformed config")
             rows, dim = info.table_shape(i)  # the manifest's shape is authoritative
             try:
-                cfg = config_from_json({**cfg_json, "name": name, "rows": rows, "dim": dim, "optimizer": None})
+                cfg = config_from_json({**cfg_json, "name": name, "rows": rows, "dim": dim, "optimizer": None},
+                                       any_initializer=True)
             except CheckpointError as e:
                 raise CheckpointError(f"{info.path}: table {name!r}: {e}") from None
             configs[name] = cfg

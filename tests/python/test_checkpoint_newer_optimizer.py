@@ -174,3 +174,39 @@ def test_an_unknown_optimizers_entry_is_still_checked(ckpt, label, forge, match)
     emb = ec.Embedding(_tables())
     with pytest.raises(ec.CheckpointError, match=match):
         ec.load(ckpt, into=emb, include_optimizer=False)
+
+
+def test_an_initializer_this_reader_does_not_know(tmp_path):
+    """A newer writer's initializer (a kind and arguments this version does
+    not know, in the manifest and in the table's config) is only how the
+    table was first filled: the checkpoint serves, verifies and loads, values
+    and optimizer state, and a rewrite of it (reshard) keeps the initializer
+    as written (docs/format.md, "Initializers a reader does not know")."""
+    t = ec.Table(name="t", rows=ROWS, dim=DIM, optimizer=ec.optimizers.Adagrad(0.1), combiner="sum")
+    t.apply_gradients(np.array([3, 4]), np.array([0, 2]), np.ones((1, DIM), np.float32))
+    path = tmp_path / "ckpt"
+    ec.save(path, t)
+    m = read_manifest(path)
+    m["tables"][0]["initializer"] = {"kind": "orthogonal", "gain": 2.0, "seed": 7}
+    m["tables"][0]["config"]["initializer"] = {"class": "Orthogonal", "gain": 2.0}
+    write_manifest(path, m)
+
+    srv = ec.serving.open(path)
+    np.testing.assert_array_equal(srv.tables["t"].values(), t.to_numpy())
+    ids, offsets = np.array([3, 4, 5]), np.array([0, 2, 3])
+    np.testing.assert_array_equal(srv.tables["t"].lookup(ids, offsets), t.lookup(ids, offsets))
+    assert isinstance(srv.tables["t"].config.initializer, ec.initializers.TruncatedNormal)  # TableConfig's default
+    assert ec.cli.main(["verify", str(path)]) == 0
+    into = ec.Table(name="t", rows=ROWS, dim=DIM, optimizer=ec.optimizers.Adagrad(0.1), combiner="sum")
+    ec.load(path, into=into)
+    np.testing.assert_array_equal(into.to_numpy(), t.to_numpy())
+    np.testing.assert_array_equal(into.slots()["accumulators"], t.slots()["accumulators"])
+    assert into.step == t.step
+
+    dist.reshard(path, tmp_path / "out", world_size=2)
+    out = read_manifest(tmp_path / "out")
+    assert out["tables"][0]["initializer"] == {"kind": "orthogonal", "gain": 2.0, "seed": 7}
+    assert out["tables"][0]["config"]["initializer"] == {"class": "Orthogonal", "gain": 2.0}
+    everything = np.arange(ROWS)  # one bag a row
+    np.testing.assert_array_equal(ec.serving.open(tmp_path / "out").tables["t"].lookup(everything, np.arange(ROWS + 1)),
+                                  t.to_numpy())

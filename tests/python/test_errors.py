@@ -720,7 +720,8 @@ def test_bad_optimizer_hyper_parameters(make):
     # Positive, but 0 once the engine holds it as a float32.
     (lambda: opt.Adagrad(0.1, initial_accumulator_value=1e-46), "got 1e-46, which is 0 as a float32"),
     (lambda: opt.FTRL(0.1, initial_accumulator_value=1e-46), "got 1e-46, which is 0 as a float32"),
-    (lambda: opt.Adagrad(0.1, initial_accumulator_value=0, epsilon=1e-50), "initial_accumulator_value must be > 0"),
+    (lambda: opt.Adagrad(0.1, initial_accumulator_value=0, epsilon=1e-50),
+     "initial_accumulator_value must be at least 1.17549435e-38 .*got 0; epsilon is 1e-50"),
 ])
 def test_options_a_float32_cannot_hold(make, match):
     """The engine keeps every option as a float32, and a checkpoint records
@@ -845,12 +846,13 @@ def test_smallest_epsilons_stay_finite_where_subnormals_flush(make):
 @pytest.mark.parametrize("make,match", [
     (lambda: opt.Adam(0.1, epsilon=1e-20), r"epsilon must be >= 2\*\*-63 .* got 1e-20"),
     (lambda: opt.Adam(0.1, epsilon=3e-23), r"epsilon must be >= 2\*\*-63 .* got 3e-23"),
-    (lambda: opt.Adam(0.1, epsilon=1e-40, sum_inside_sqrt=False), r"epsilon must be at least 1.17549435e-38 .*"
-                                                                  r"got 1e-40, which is 0 where subnormals are flushed"),
+    (lambda: opt.Adam(0.1, epsilon=1e-40), r"epsilon must be >= 2\*\*-63 .* got 1e-40"),  # not the smaller minimum
+    (lambda: opt.Adam(0.1, epsilon=1e-40, sum_inside_sqrt=False),
+     r"epsilon must be at least 1.17549435e-38 .*got 1e-40, which is 0 where subnormals are flushed"),
     (lambda: opt.Adagrad(0.1, initial_accumulator_value=0.0, epsilon=1e-40),
-     r"Adagrad: initial_accumulator_value must be > 0, got 0.0; epsilon is 1e-40"),
+     r"Adagrad: initial_accumulator_value must be at least 1.17549435e-38 .*, got 0.0; epsilon is 1e-40"),
     (lambda: opt.RowWiseAdagrad(0.1, initial_accumulator_value=0.0, epsilon=1e-40),
-     r"RowWiseAdagrad: initial_accumulator_value must be > 0, got 0.0; epsilon is 1e-40"),
+     r"RowWiseAdagrad: initial_accumulator_value must be at least 1.17549435e-38 .*, got 0.0; epsilon is 1e-40"),
     (lambda: opt.Adagrad(0.1, initial_accumulator_value=1e-40, epsilon=0.0),
      r"initial_accumulator_value must be at least 1.17549435e-38 .* got 1e-40.*; epsilon is 0.0"),
     (lambda: opt.FTRL(0.1, initial_accumulator_value=1e-40),
@@ -963,12 +965,12 @@ _NORMAL = ">= 1.17549435e-38"  # the smallest normal float32: a subnormal is 0 w
 
 
 @pytest.mark.parametrize("optimizer, slot, refused, bound, why", [
-    (opt.Adagrad(0.1), "accumulators", 0.0, _NORMAL, "with epsilon 0 the step divides"),
-    (opt.Adagrad(0.1), "accumulators", 1e-40, _NORMAL, "with epsilon 0 the step divides"),
+    (opt.Adagrad(0.1), "accumulators", 0.0, _NORMAL, "with epsilon 0 .or subnormal, flushed to 0. the step divides"),
+    (opt.Adagrad(0.1), "accumulators", 1e-40, _NORMAL, "with epsilon 0 .or subnormal, flushed to 0. the step divides"),
     (opt.RowWiseAdagrad(0.1, epsilon=0.0, initial_accumulator_value=0.1), "row_accumulators", 0.0, _NORMAL,
-     "with epsilon 0 the step divides"),
+     "with epsilon 0 .or subnormal, flushed to 0. the step divides"),
     (opt.RowWiseAdagrad(0.1, epsilon=1e-40, initial_accumulator_value=0.1), "row_accumulators", 0.0, _NORMAL,
-     "with epsilon 0 the step divides"),
+     "with epsilon 0 .or subnormal, flushed to 0. the step divides"),
     (opt.FTRL(0.1), "accumulators", 0.0, _NORMAL, "FTRL divides by a power of the accumulator"),
     (opt.FTRL(0.1), "accumulators", 1e-40, _NORMAL, "FTRL divides by a power of the accumulator"),
     (opt.Adagrad(0.1, epsilon=1e-10), "accumulators", -1e-30, ">= 0", "the step divides by its square root"),
@@ -996,7 +998,8 @@ def test_accumulators_of_0_are_refused_where_the_step_would_divide_0_by_0(tmp_pa
     np.from_dlpack(dict(src._native.slots_mut())[slot])[3, cols - 1] = refused
     ec.save(tmp_path / "ck", src)
     with pytest.raises(ec.CheckpointError, match=f"table 't' slot {slot} hold {text} at row 3, column "
-                                                 f"{cols - 1}; the target table's optimizer needs them {re.escape(bound)}"):
+                                                 f"{cols - 1}; the target table's optimizer needs them "
+                                                 f"{re.escape(bound)}"):
         ec.load(tmp_path / "ck", into=t)
     assert_unchanged(t, s)
     ec.load(tmp_path / "ck", into=t, include_optimizer=False)
@@ -1013,7 +1016,8 @@ def test_a_checkpoint_whose_accumulators_start_at_0_loads_only_where_epsilon_all
     grads = np.array([[0.0, 1e-30], [0.5, 0.0]], np.float32)
     ec.save(tmp_path / "ck", src)
     tf_like = make_table(4, 2, optimizer=opt.Adagrad(0.1), name="t")
-    with pytest.raises(ec.CheckpointError, match="slot accumulators hold 0 at row 0, column 0.*needs them >= 1.17549435e-38"):
+    with pytest.raises(ec.CheckpointError,
+                       match="slot accumulators hold 0 at row 0, column 0.*needs them >= 1.17549435e-38"):
         ec.load(tmp_path / "ck", into=tf_like)
     same = make_table(4, 2, optimizer=torch_like, name="t", seed=9)
     ec.load(tmp_path / "ck", into=same)

@@ -122,7 +122,7 @@ def test_fused_optimizer_takes_torchrecs_momentum1():
 def test_arguments_and_slot_shape():
     o = ec.optimizers.RowWiseAdagrad()
     assert (o.learning_rate, o.epsilon, o.initial_accumulator_value) == (0.01, 1e-8, 0.0)  # FBGEMM's
-    with pytest.raises(ValueError, match="initial_accumulator_value must be > 0"):
+    with pytest.raises(ValueError, match="initial_accumulator_value must be at least 1.17549435e-38"):
         ec.optimizers.RowWiseAdagrad(epsilon=0.0)
     with pytest.raises(ValueError, match="epsilon"):
         ec.optimizers.RowWiseAdagrad(epsilon=-1.0)
@@ -268,3 +268,16 @@ def test_a_column_block_takes_values_only(rng, tmp_path):
     _embedcore.load_table_block(info, 0, whole_rows, 20, 0, True, True)  # a row block takes them
     np.testing.assert_array_equal(np.asarray(dict(whole_rows.slots())["row_accumulators"]),
                                   t.slots()["row_accumulators"][20:30])
+
+
+def test_a_zero_gradient_element_stays_where_lr_over_epsilon_overflows():
+    """lr / (sqrt(0) + epsilon) is infinite for a learning rate of 10 and the
+    smallest epsilon: an element of zero gradient stays as it was (FBGEMM's
+    inf * 0 steps it to NaN), one of positive gradient steps to -inf."""
+    tiny = float(np.finfo(np.float32).tiny)
+    t = ec.Table(name="t", rows=4, dim=2, initializer=ec.initializers.Constant(0.5),
+                 optimizer=ec.optimizers.RowWiseAdagrad(10.0, initial_accumulator_value=0.0, epsilon=tiny))
+    t.apply_gradients(np.array([1]), grads=np.zeros((1, 2), np.float32))
+    np.testing.assert_array_equal(t.to_numpy()[1], [0.5, 0.5])
+    t.apply_gradients(np.array([2]), grads=np.array([[0.0, 1e-30]], np.float32))  # mean square 5e-61: 0
+    np.testing.assert_array_equal(t.to_numpy()[2], [0.5, -np.inf])

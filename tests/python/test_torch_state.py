@@ -198,9 +198,10 @@ def test_collection_optimizer_state_keys():
     # torch.optim.Adagrad's state (sums from 0, its eps 1e-10) into Adagrad with epsilon 0: a zero gradient
     # element would then step by 0 / 0 (NaN).
     ({"accumulators": torch.zeros((10, 3))}, ValueError,
-     r"embedding_bags.b.weight: slot 'accumulators' must be >= 1.17549435e-38 \(with epsilon 0 the step divides .*"
+     r"embedding_bags.b.weight: slot 'accumulators' must be >= 1.17549435e-38 \(with epsilon 0 .or subnormal, flushed to 0. the step divides .*"
      r"got 0.0"),
-    ({"accumulators": torch.full((10, 3), -1.0)}, ValueError, r"slot 'accumulators' must be >= 1.17549435e-38 .*got -1.0"),
+    ({"accumulators": torch.full((10, 3), -1.0)}, ValueError,
+     r"slot 'accumulators' must be >= 1.17549435e-38 .*got -1.0"),
 ])
 def test_a_bad_optimizer_state_changes_no_table(bad_b, exc, match):
     """Every table's state is checked before any table changes."""

@@ -159,7 +159,9 @@ struct OptimizerSpec {
   /// The least value slot `i` may hold, the update's domain: accumulators
   /// and velocities are square-rooted (>= 0), and an accumulator of 0 makes
   /// a zero gradient 0 / 0 where nothing is added to its root (Adagrad with
-  /// epsilon 0, FTRL): there they must be > 0, as initial_accumulator_value.
+  /// an epsilon of 0 or subnormal, FTRL): there they must be at least the
+  /// smallest normal float32 (a subnormal is 0 where subnormals are flushed
+  /// to zero), as initial_accumulator_value.
   struct SlotBound {
     bool bounded = false;  ///< false: any value (momenta, linears)
     float minimum = 0.0f;
@@ -167,12 +169,15 @@ struct OptimizerSpec {
     const char* reason = "";  ///< why, for messages
     /// Whether `v` is within the bound (NaN is not).
     bool Admits(float v) const { return !bounded || (strict ? v > minimum : v >= minimum); }
-    /// "> 0 (why)" or ">= 0 (why)".
+    /// "> 0 (why)", ">= 0 (why)", ">= 1.17549435e-38 (why)".
     std::string Describe() const;
   };
   SlotBound SlotLowerBound(size_t i) const;
   /// Throws InvalidArgument naming the field when a value is impossible.
-  void Validate() const;
+  /// `table`: the optimizer of a table, whose first accumulators must also
+  /// be within SlotLowerBound; false for a checkpoint's record of one, which
+  /// earlier versions allowed down to > 0 (or 0 with epsilon > 0).
+  void Validate(bool table = true) const;
 };
 
 struct TableSpec {
@@ -548,6 +553,11 @@ struct TableEntry {
   std::string unknown_optimizer;
   int64_t step = 0;
   InitializerSpec initializer;
+  /// An initializer this reader does not know (a newer writer's kind), as
+  /// written; `initializer` is then the default. Informational: no read uses
+  /// it, and a rewrite of the entry (reshard, a Saver that keeps the table)
+  /// writes it back as it was.
+  std::string unknown_initializer_json;
   std::vector<FileEntry> values;
   std::vector<std::string> slot_names;
   std::vector<std::vector<FileEntry>> slots;  ///< per slot name
