@@ -378,7 +378,7 @@ def _cpu_source(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
     # (Integer tensors never require grad: numpy() needs no detach.)
     a_np, w_np = a.numpy(), (_np(weights[0]) if weights else None)
     if include_last_offset:
-        off = off.numpy()
+        off = np.ascontiguousarray(off.numpy())  # (a strided view: the backward's helpers take C order)
         if not off.shape[0]:
             return None
         end = int(off[-1])

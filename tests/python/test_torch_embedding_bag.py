@@ -223,16 +223,23 @@ def test_per_sample_weights_grad_refuses_rows_changed_since_forward(rng, fused):
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("sparse", [True, False])
-def test_weight_grad_matches_torch(rng, mode, sparse):
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("padding_idx", [1, None])
+def test_weight_grad_matches_torch(rng, mode, sparse, strided, padding_idx):
+    """`strided`: offsets given as a view of every other element (a column of
+    a 2-D tensor): the backward reads them as the forward does."""
     w = uniform_weights(rng, ROWS, DIM)
     ref = torch.nn.EmbeddingBag.from_pretrained(w.clone(), freeze=False, mode="sum" if mode == "sqrtn" else mode,
-                                                sparse=sparse, padding_idx=1, include_last_offset=True)
-    ours = et.EmbeddingBag.from_pretrained(w, freeze=False, mode=mode, sparse=sparse, padding_idx=1,
+                                                sparse=sparse, padding_idx=padding_idx, include_last_offset=True)
+    ours = et.EmbeddingBag.from_pretrained(w, freeze=False, mode=mode, sparse=sparse, padding_idx=padding_idx,
                                            include_last_offset=True)
-    ids, offsets, _ = bags(rng, ROWS, 12, pad=1)
+    ids, offsets, _ = bags(rng, ROWS, 12, pad=padding_idx)
+    if strided:
+        offsets = torch.stack([offsets, offsets], 1)[:, 0]
+        assert not offsets.is_contiguous()
     g = torch.randn(12, DIM)
     if mode == "sqrtn":  # sqrtn's gradient is the sum's, scaled per bag by 1 / sqrt(non-padding ids)
-        n = torch.tensor([max(1, sum(1 for i in ids[offsets[b]:offsets[b + 1]].tolist() if i != 1))
+        n = torch.tensor([max(1, sum(1 for i in ids[offsets[b]:offsets[b + 1]].tolist() if i != padding_idx))
                           for b in range(12)], dtype=torch.float32)
         (ref(ids, offsets) * g / n.sqrt()[:, None]).sum().backward()
     else:
