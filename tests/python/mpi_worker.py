@@ -657,6 +657,15 @@ def mode_abort(world) -> None:
     print(f"UNREACHABLE rank {world.rank}: the job was not aborted", flush=True)
 
 
+def mode_abort_in_save(world, model: "Model", directory: str) -> None:
+    """Rank 1 dies of an uncaught exception while rank 0 saves (a collective call)."""
+    emb = model.sharded(world, cross_optimizer(), "row_wise")
+    if world.rank == 1:
+        raise RuntimeError("mpi_worker: deliberate uncaught error on rank 1")
+    ec.save(os.path.join(directory, "abort_in_save"), emb)
+    print(f"UNREACHABLE rank {world.rank}: the save ended", flush=True)
+
+
 def mode_rank0_save(world, model: "Model", directory: str) -> None:
     """Only rank 0 saves (a collective call); the other ranks end the program
     normally. Their exit meets rank 0's save, which raises
@@ -753,12 +762,12 @@ def mode_restore(world, chk: Checker, model: Model, directory: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("modes", nargs="+", choices=["parity", "train", "fail", "abort", "save", "restore", "inject",
-                                                   "rank0_save", "towers"])
+                                                   "rank0_save", "abort_in_save", "towers"])
     ap.add_argument("--dir", help="a directory every rank sees (save / restore; train makes one when absent)")
     ap.add_argument("--no-abort", action="store_true", help="init('mpi', abort_on_error=False)")
     args = ap.parse_args(argv)
-    if any(m in ("save", "restore", "rank0_save") for m in args.modes) and not args.dir:
-        ap.error("save, restore and rank0_save need --dir")
+    if any(m in ("save", "restore", "rank0_save", "abort_in_save") for m in args.modes) and not args.dir:
+        ap.error("save, restore, rank0_save and abort_in_save need --dir")
 
     world = dist.init("mpi", abort_on_error=not args.no_abort)  # by default an uncaught exception aborts the job
     ec.set_num_threads(1)  # N ranks share the machine's cores
@@ -780,6 +789,8 @@ def main(argv=None) -> int:
             mode_towers(world, chk)
         elif mode == "rank0_save":
             mode_rank0_save(world, model, args.dir)
+        elif mode == "abort_in_save":
+            mode_abort_in_save(world, model, args.dir)
         elif mode == "save":
             mode_save(world, chk, model, args.dir)
         elif mode == "restore":
