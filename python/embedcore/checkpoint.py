@@ -124,8 +124,8 @@ def config_from_json(d: dict, any_initializer: bool = False) -> TableConfig:
     """A TableConfig rebuilt from a checkpoint's table config (no optimizer
     when the learning rate was a schedule: that callable is not stored).
     A malformed config raises CheckpointError. With ``any_initializer``
-    (serving, which never fills a row), an initializer this version does not
-    know (a newer writer's class or arguments) gives TableConfig's default."""
+    (serving, which never fills a row), an initializer class this version
+    does not know (a newer writer's) gives TableConfig's default."""
     try:
         return _config_from_json(d, any_initializer)
     except CheckpointError:
@@ -137,12 +137,11 @@ def config_from_json(d: dict, any_initializer: bool = False) -> TableConfig:
 def _config_from_json(d: dict, any_initializer: bool = False) -> TableConfig:
     if not isinstance(d, dict):
         raise CheckpointError(f"table config must be an object, got {type(d).__name__}")
-    try:
-        initializer = _initializer_from_json(d.get("initializer"))
-    except (CheckpointError, TypeError, ValueError):
-        if not any_initializer:
-            raise
-        initializer = None
+    init_d = d.get("initializer")
+    newer = isinstance(init_d, dict) and isinstance(init_d.get("class"), str) and not (
+        isinstance(getattr(_init, init_d["class"], None), type) and issubclass(getattr(_init, init_d["class"]),
+                                                                             _init.Initializer))
+    initializer = None if any_initializer and newer else _initializer_from_json(init_d)
     optimizer = None
     opt_d = d.get("optimizer")
     if opt_d is not None and opt_d.get("learning_rate") is not None:

@@ -540,7 +540,10 @@ FORGED = [
     ("invalid optimizer option", _set(["tables", 0, "optimizer", "beta_1"], "high"), "open"),
     ("an option beyond float32 (inf once read)", _set(["tables", 0, "optimizer", "epsilon"], 1e300), "open"),
     ("clipvalue beyond float32", _set(["tables", 0, "optimizer", "clipvalue"], [-1e300, 1e300]), "open"),
-    ("unknown initializer", _set(["tables", 0, "initializer", "kind"], "orthogonal"), "open"),
+    # (An unknown initializer kind is a newer writer's, and reads: test_checkpoint_newer_optimizer.py.)
+    ("initializer not an object", _set(["tables", 0, "initializer"], "orthogonal"), "open"),
+    ("known initializer without its numbers", _set(["tables", 0, "initializer"], {"kind": "uniform", "seed": 0}),
+     "open"),
     ("negative initializer seed", _set(["tables", 0, "initializer", "seed"], -1), "open"),
     ("values not a list", _set(["tables", 0, "values"], {"path": "x"}), "open"),
     ("no values", _set(["tables", 0, "values"], []), "open"),
@@ -938,12 +941,11 @@ def test_serving_names_a_bad_feature_as_the_c_api_does(ckpt, feature, message):
 
 
 @pytest.mark.parametrize("config,what", [
-    ({"initializer": {"class": "Weird"}}, "unknown initializer"),
     ({"initializer": {"class": "Initializer"}}, "Initializer is a base class"),
     ({"initializer": {"mean": 0.0}}, "initializer must be an object with a string 'class'"),
     ({"initializer": {"class": "Uniform", "low": "x"}}, "low must be a number"),
     ({"combiner": "max"}, "combiner must be one of"),
-], ids=["unknown initializer", "base initializer", "initializer without class", "initializer argument", "combiner"])
+], ids=["base initializer", "initializer without class", "initializer argument", "combiner"])
 def test_serving_names_the_checkpoint_and_the_table_of_a_malformed_config(ckpt, config, what):
     m = read_manifest(ckpt)
     m["tables"][0]["config"].update(config)
