@@ -146,6 +146,11 @@ void BindCheckpoint(nb::module_& m) {
         const TableEntry& e = info.tables[index];
         TableSpec spec{e.name, rows, dim, e.dtype, InitializerSpec{InitializerSpec::Kind::kZeros}, OptimizerSpec{}};
         if (e.has_optimizer) spec.optimizer = e.optimizer;
+        // A record earlier versions allowed (accumulators from 0 beside a subnormal epsilon) makes no table as it
+        // is: its first accumulators do not matter here (the stored slots are copied in as they are).
+        const OptimizerSpec::SlotBound bound = spec.optimizer.SlotLowerBound(0);
+        if (!bound.Admits(spec.optimizer.initial_accumulator_value))
+          spec.optimizer.initial_accumulator_value = bound.minimum;
         ReleaseGil release;
         return new Table(std::move(spec));
       },

@@ -210,3 +210,35 @@ def test_an_initializer_this_reader_does_not_know(tmp_path):
     everything = np.arange(ROWS)  # one bag a row
     np.testing.assert_array_equal(ec.serving.open(tmp_path / "out").tables["t"].lookup(everything, np.arange(ROWS + 1)),
                                   t.to_numpy())
+
+
+@pytest.mark.parametrize("kind", ["adagrad", "ftrl"])
+def test_an_optimizer_record_of_an_earlier_version_still_rewrites(tmp_path, kind):
+    """Records that earlier versions wrote and this one's tables refuse
+    (accumulators from 0 beside a subnormal epsilon; FTRL's from a subnormal
+    value: 0 where subnormals are flushed) still read, and rewrite (reshard,
+    with and without the optimizer; a Saver keeping the table) with their
+    record and stored slots as they were."""
+    opt, patch = {
+        "adagrad": (ec.optimizers.Adagrad(0.1, initial_accumulator_value=0.0, epsilon=1e-10),
+                    {"adagrad_epsilon": 1e-40, "initial_accumulator_value": 0.0}),
+        "ftrl": (ec.optimizers.FTRL(0.1), {"initial_accumulator_value": 1e-40}),
+    }[kind]
+    t = ec.Table(name="t", rows=8, dim=2, optimizer=opt)
+    t.apply_gradients(np.array([1]), grads=np.ones((1, 2), np.float32))
+    path = tmp_path / "ck"
+    ec.save(path, t)
+    m = read_manifest(path)
+    m["tables"][0]["optimizer"].update(patch)
+    write_manifest(path, m)
+    assert ec.cli.main(["verify", str(path)]) == 0
+    patch = {k: float(np.float32(v)) for k, v in patch.items()}  # (a rewrite records the engine's float32)
+    dist.reshard(path, tmp_path / "out", world_size=2)
+    out = read_manifest(tmp_path / "out")["tables"][0]
+    assert {k: out["optimizer"][k] for k in patch} == patch
+    into = ec.Table(name="t", rows=8, dim=2, optimizer=opt)
+    ec.load(tmp_path / "out", into=into, include_optimizer=False)
+    np.testing.assert_array_equal(into.to_numpy(), t.to_numpy())
+    dist.reshard(path, tmp_path / "values", world_size=1, include_optimizer=False)
+    ec.Saver().dump_to_file(ec.Table(name="other", rows=4, dim=2), str(path))  # keeps 't' as it was
+    assert {k: read_manifest(path)["tables"][0]["optimizer"][k] for k in patch} == patch

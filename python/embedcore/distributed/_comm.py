@@ -393,13 +393,8 @@ def _agree_at_exit(comm: "MPIComm") -> None:
     Nothing to do once MPI is finalized."""
     if comm._MPI.Is_finalized():
         return
-    # After an uncaught exception (abort_on_error=False: Python's exit handlers still run), the ranks meet
-    # naming it, so that a rank in a collective call says what ended the other, not "the program ended".
-    # (Without the meeting the job would hang: mpi4py's MPI_Finalize at exit waits for the other ranks.)
-    last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    step = EXIT_STEP if last is None else f"exit: uncaught {type(last).__name__}: {str(last)[:200]}"
     try:
-        agree(comm, None, step=step)
+        agree(comm, None, step=EXIT_STEP)
     except CollectiveMismatchError as e:
         print(f"embedcore: rank {comm.rank} of {comm.size} ended while another rank is in a collective call: {e}",
               file=sys.stderr, flush=True)
@@ -424,9 +419,9 @@ def init(backend: str = "mpi", **kwargs) -> Comm:
     (``abort_on_error=False`` keeps MPI's default for uncaught exceptions).
     A rank still in a collective call (a save) when another ends aborts the
     job too, whatever ``abort_on_error``: at exit (normal, or after an
-    uncaught exception, which it names), the ranks of ``MPI.COMM_WORLD``
-    meet once more, so none waits forever for one that has gone (not for a
-    ``comm=`` of your own, which may be freed before exit).
+    uncaught exception: exit handlers still run), the ranks of
+    ``MPI.COMM_WORLD`` meet once more, so none waits forever for one that has
+    gone (not for a ``comm=`` of your own, which may be freed before exit).
     ``"nccl"``: GPU ranks (the CUDA build with NCCL): ``init("nccl",
     bootstrap=comm | store=torch_store | file=path, rank=, size=, device=)``;
     NCCL's unique id goes from rank 0 to the others over the bootstrap
