@@ -235,7 +235,9 @@ class _Sharded:
                         "ec.save(path, module) / ec.load(path, into=module) on every rank")
 
     def _sharded_save(self, path, include_optimizer: bool, values_dtype, keep: bool = False):
-        return self._embedding._sharded_save(path, include_optimizer, values_dtype, keep)
+        # Tables only, as the unsharded collections' saves: the engine's features here are the module's
+        # internal ones ('feature@table' names, sequences as pooled rows), which serving would misread.
+        return self._embedding._sharded_save(path, include_optimizer, values_dtype, keep, {"kind": "table"})
 
     def _sharded_load(self, path, include_optimizer: bool):
         return self._embedding._sharded_load(path, include_optimizer)

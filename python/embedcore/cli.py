@@ -71,8 +71,10 @@ def _print_inspect(given: str, info, as_json: bool, missing=frozenset()) -> int:
         total += size
         stored = sorted({f["dtype"] for f in t["values"]})
         opt = t["optimizer"]
+        padding = t["config"].get("padding_idx")  # (format 1.5: pooled lookups leave that id out)
         print(f"  table {t['name']}: {t['rows']} x {t['dim']} {t['dtype']} (stored {', '.join(stored)}), "
-              f"combiner {t['config'].get('combiner', '?')}, {_human(size)}")
+              f"combiner {t['config'].get('combiner', '?')}"
+              f"{'' if padding is None else f', padding_idx {padding}'}, {_human(size)}")
         if opt is None:
             print("    optimizer: none saved (values only)")
         else:

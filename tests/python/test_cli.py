@@ -104,6 +104,18 @@ def test_inspect_values_only_and_exports(tmp_path, capsys):
     assert "1 file(s)" in out
 
 
+def test_inspect_shows_a_padding_idx(tmp_path, capsys):
+    """A recorded padding_idx (format 1.5) changes what every served pooled
+    lookup computes: inspect shows it."""
+    et = pytest.importorskip("embedcore.adapters.torch")
+    ec.save(tmp_path / "p", et.EmbeddingBag(10, 4, mode="sum", padding_idx=2))
+    ec.save(tmp_path / "n", et.EmbeddingBag(10, 4, mode="sum"))
+    assert embedcore.cli.main(["inspect", str(tmp_path / "p")]) == 0
+    assert ", padding_idx 2," in capsys.readouterr().out
+    assert embedcore.cli.main(["inspect", str(tmp_path / "n")]) == 0
+    assert "padding_idx" not in capsys.readouterr().out
+
+
 def test_verify_good(emb_ckpt):
     r = run_cli("verify", emb_ckpt)  # stderr is a pipe: no progress bar
     assert r.returncode == 0, r.stderr

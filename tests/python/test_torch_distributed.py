@@ -6,6 +6,7 @@ The collectives run in 2-process gloo groups started by ``torchrun
 each rank and exits non-zero on a mismatch); argument checks and single
 process behaviour run here, over ``run_local`` threads where a world is
 needed (the sharded modules take any ``Comm``)."""
+import json
 import os
 import shutil
 import signal
@@ -703,3 +704,38 @@ def test_collectives_move_tensors_where_the_groups_backend_takes_them(monkeypatc
     monkeypatch.setattr(d.torch.cuda, "current_device", lambda: 0)
     group_name = group
     assert d._transport_device(None).type == device
+
+
+@pytest.mark.parametrize("cls", ["EmbeddingBagCollection", "EmbeddingCollection"])
+def test_a_sharded_collections_checkpoint_records_tables_as_the_unsharded_ones(tmp_path, cls):
+    """A sharded collection saves its tables only, as an unsharded one does:
+    not the engine's internal features ('c@t1' for a feature of two tables,
+    sequence features as pooled rows), which a served collection would read
+    wrongly. Served with tables=, it gives the trained module's outputs."""
+    torchrec = pytest.importorskip("torchrec")
+    pooled = cls == "EmbeddingBagCollection"
+    config = (lambda: [et.EmbeddingBagConfig(30, 5, name="t1", feature_names=["a", "c"]),
+                       et.EmbeddingBagConfig(20, 3, name="t2", feature_names=["b", "c"])]) if pooled else \
+        (lambda: [et.EmbeddingConfig(30, 4, name="t1", feature_names=["a", "c"]),
+                  et.EmbeddingConfig(20, 4, name="t2", feature_names=["b"])])
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["a", "b", "c"], values=torch.tensor([1, 2, 3, 4, 5]),
+                                                       lengths=torch.tensor([2, 1, 1, 0, 1, 0]))
+
+    def fn(world):
+        module = getattr(et, cls)(config(), world=world, sharding="row_wise")
+        ec.save(tmp_path / "sharded", module)
+        return module(kjt)
+
+    out = run_local(2, fn)[0]
+    assert json.loads(ec.checkpoint.read_info(tmp_path / "sharded").metadata_json) == {"kind": "table"}
+    served_cls = getattr(et, "Served" + cls)
+    with pytest.raises(ValueError, match="records tables, not features"):
+        served_cls(tmp_path / "sharded")
+    served = served_cls(tmp_path / "sharded", tables=config())(kjt)
+    if pooled:
+        assert served.keys() == out.keys()
+        torch.testing.assert_close(served.values(), out.values(), rtol=0, atol=1e-6)
+    else:
+        assert sorted(served) == sorted(out)
+        for k in out:
+            torch.testing.assert_close(served[k].values(), out[k].values(), rtol=0, atol=0)

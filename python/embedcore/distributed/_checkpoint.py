@@ -48,16 +48,19 @@ def _merge(base: dict, pieces: List[dict]) -> dict:
 
 
 def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Optional[str] = None,
-                 keep: bool = False) -> None:
+                 keep: bool = False, metadata: Optional[dict] = None) -> None:
     """`keep`: the tables of other names of a checkpoint at `path` stay in it
-    (``Saver.dump_to_file``), copied by rank 0 into the new generation."""
+    (``Saver.dump_to_file``), copied by rank 0 into the new generation.
+    `metadata`: the manifest's, when not `emb`'s features (a framework
+    module built on `emb`, whose features are its own: ``{"kind": "table"}``)."""
     path = native_path(path)
     # Rank 0 claims the generation and holds the claim to the end of its commit (every rank's files are of it).
     with contextlib.ExitStack() as held:
-        _save_sharded(path, emb, include_optimizer, values_dtype, keep, held)
+        _save_sharded(path, emb, include_optimizer, values_dtype, keep, held, metadata)
 
 
-def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optional[str], keep: bool, held) -> None:
+def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optional[str], keep: bool, held,
+                  given_metadata: Optional[dict] = None) -> None:
     comm = emb.world
     error, generation, order = None, None, None
     created = comm.rank == 0 and not os.path.lexists(path)  # removed again if this save fails (when empty)
@@ -77,7 +80,7 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
         error = e
     if comm.rank == 0 and error is None:
         try:
-            metadata = _metadata(emb)
+            metadata = _metadata(emb) if given_metadata is None else given_metadata
             names = [emb._effective[cfg].name for cfg in emb._configs]
             if keep:  # the kept tables' order (Saver._dump_order): a server reloads a dump of the same tables
                 from ..checkpoint import Saver

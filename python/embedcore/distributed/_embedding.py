@@ -551,10 +551,10 @@ class ShardedEmbedding(Embedding):
         return f"{step} of {self._tag}"
 
     # ------------------------------------------------------------ checkpoints
-    def _sharded_save(self, path, include_optimizer: bool, values_dtype, keep: bool = False):
+    def _sharded_save(self, path, include_optimizer: bool, values_dtype, keep: bool = False, metadata=None):
         from ._checkpoint import save_sharded
 
-        save_sharded(path, self, include_optimizer, values_dtype, keep)
+        save_sharded(path, self, include_optimizer, values_dtype, keep, metadata)
 
     def _sharded_load(self, path, include_optimizer: bool):
         from ._checkpoint import load_sharded
