@@ -138,9 +138,9 @@ def _config_from_json(d: dict, any_initializer: bool = False) -> TableConfig:
     if not isinstance(d, dict):
         raise CheckpointError(f"table config must be an object, got {type(d).__name__}")
     init_d = d.get("initializer")
-    newer = isinstance(init_d, dict) and isinstance(init_d.get("class"), str) and not (
-        isinstance(getattr(_init, init_d["class"], None), type) and issubclass(getattr(_init, init_d["class"]),
-                                                                             _init.Initializer))
+    cls = getattr(_init, init_d["class"], None) if isinstance(init_d, dict) and isinstance(init_d.get("class"), str) \
+        else _init.Initializer  # (not a class name: _initializer_from_json names what is wrong)
+    newer = not (isinstance(cls, type) and issubclass(cls, _init.Initializer))  # a class this version lacks
     initializer = None if any_initializer and newer else _initializer_from_json(init_d)
     optimizer = None
     opt_d = d.get("optimizer")
