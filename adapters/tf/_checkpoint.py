@@ -39,7 +39,7 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.training.saving import saveable_object
 
 import embedcore as ec
-from embedcore.table import _MAX_STEP
+from embedcore.table import _MAX_STEP, slot_problem
 
 from ._bundle import Bundle, BundleError
 
@@ -440,6 +440,34 @@ def _slot_view(table: ec.Table, slot: str) -> np.ndarray:
     return dict(table._native.slots_mut())[slot]
 
 
+def _index(flat, shape) -> List[int]:
+    return [int(i) for i in np.unravel_index(int(flat), shape)]
+
+
+def slot_value_problem(table: ec.Table, slot: str, value: np.ndarray) -> Optional[str]:
+    """Why `value` cannot be `slot` of `table` (``Table.assign_slot``'s rule,
+    which ``ec.load`` applies: finite, and within the optimizer's domain),
+    or None."""
+    bad = np.flatnonzero(~np.isfinite(value))
+    if bad.size:
+        return f"holds {value.flat[bad[0]]} at {_index(bad[0], value.shape)}; a slot must be finite"
+    problem = slot_problem(table, slot, float(value.min())) if value.size else None
+    if problem:
+        return f"at {_index(np.argmin(value), value.shape)} {problem}"
+    return None
+
+
+def _check_slot_domain(ckpt: TFCheckpoint, prefix: str, table: ec.Table, slot: str) -> None:
+    """Raises ValueError unless the checkpoint's `slot` of `table` may be
+    restored (``slot_value_problem``): read once more, in one slot's
+    memory, before any table changes."""
+    value = np.empty(_slot_view(table, slot).shape, np.float32)
+    ckpt.read_into(prefix, table.name, slot, value)
+    problem = slot_value_problem(table, slot, value)
+    if problem:
+        raise ValueError(f"{ckpt.path}: slot '{slot}' of table '{table.name}' {problem}")
+
+
 def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optional[str] = None,
                    include_optimizer: bool = True, verify: bool = True) -> str:
     """Reads every table (and, with `include_optimizer`, the slots the
@@ -468,6 +496,9 @@ def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optio
         for t, slots, _ in plan:
             ckpt.verify(prefix, t.name, slots,
                         {None: _values_view(t).shape, **{s: _slot_view(t, s).shape for s in slots}})
+    for t, slots, _ in plan:  # the slots' domain, as assign_slot and ec.load check it
+        for s in slots:
+            _check_slot_domain(ckpt, prefix, t, s)
     for t, slots, step in plan:
         ckpt.read_into(prefix, t.name, None, _values_view(t))
         for s in slots:

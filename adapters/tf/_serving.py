@@ -323,8 +323,16 @@ class EmbeddingForServing(_AutoTrackable):
             if slot is None:
                 dests[n] = t._native.values_mut()
             elif slot in t.slot_names:
-                dests[n] = dict(t._native.slots_mut())[slot]
+                dests[n] = np.empty_like(dict(t._native.slots_mut())[slot])  # checked before any table changes
         _checkpoint.unstack_array(layouts, stacked, value, dests)
+        if slot is None:
+            return
+        for n, v in dests.items():
+            problem = _checkpoint.slot_value_problem(self._tables[n], slot, v)
+            if problem:
+                raise ValueError(f"stacked variable '{stacked}': slot '{slot}' of table '{n}' {problem}")
+        for n, v in dests.items():
+            dict(self._tables[n]._native.slots_mut())[slot][...] = v
 
     def __repr__(self) -> str:
         return f"EmbeddingForServing(tables={[s.name for s in self._specs]}, features={list(self._features)})"

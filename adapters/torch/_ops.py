@@ -526,7 +526,7 @@ def _engine_lookup(table, p: _Part, combiner: Optional[str]) -> Tensor:
     return _tensor(table.lookup(_engine(p.ids), _engine(p.offsets), _engine(p.weights), combiner=combiner))
 
 
-def _raise_bad_id(table, p: _Part, sources: int, error: IndexError, feature: Optional[str] = None):
+def _raise_bad_id(table, p: _Part, sources: int, parts: int, error: IndexError, feature: Optional[str] = None):
     """Re-raises the engine's out-of-range error with the id's position in
     the tensor the caller gave (the engine sees the segment, without the
     padding ids): e.g. in a KJT's values, or after dropped padding ids; and
@@ -537,7 +537,10 @@ def _raise_bad_id(table, p: _Part, sources: int, error: IndexError, feature: Opt
     k = int(bad[0])
     pos = p.start + (int(p.keep[k]) if p.keep is not None else k)
     if feature is not None:
-        where = "the KeyedJaggedTensor's values" if sources == 1 else f"features[{feature!r}]'s ids"
+        # A KJT is one source for all of a table's features, a dict one per feature; a
+        # lone feature at the start of a KJT has the same positions either way.
+        in_kjt = sources == 1 and (parts > 1 or p.start > 0)
+        where = "the KeyedJaggedTensor's values" if in_kjt else f"features[{feature!r}]'s ids"
         raise IndexError(f"table '{table.name}', feature {feature!r}: id {int(p.ids[k])} at position {pos} of "
                          f"{where} is out of range [0, {table.rows})") from None
     where = "ids" if sources == 1 else f"the ids of input {p.source} (the table's feature_names[{p.source}])"
@@ -596,7 +599,7 @@ def _lookup_outputs(table, dim: int, ids: List[Tensor], offsets: List[Tensor], w
             try:
                 out = _engine_lookup(table, p, name)
             except IndexError as e:
-                _raise_bad_id(table, p, len(ids), e, None if features is None else features[k])
+                _raise_bad_id(table, p, len(ids), len(parts), e, None if features is None else features[k])
             outs.append(out)
         else:
             outs.append(torch.empty((0, dim), dtype=torch.float32, device=p.ids.device))

@@ -169,7 +169,10 @@ class _Sharded:
                   for s, init, o in zip(specs, initializers, opts)]
         self._feature_configs = [ec.FeatureConfig(t, name=n) for t, names in zip(tables, self._names) for n in names]
         self._embedding = ec.Embedding(self._feature_configs, world=world, sharding=sharding, device=shard_device)
-        terms = weakref.WeakMethod(self._in_kjt_terms)  # (no cycle: the module goes when its last user does)
+        # The engine's features are the outputs ('feature@table' where tables share a
+        # feature); errors name the caller's feature.
+        self._feature_of = {n: f for s, names in zip(specs, self._names) for f, n in zip(s.features, names)}
+        terms = weakref.WeakMethod(self._in_callers_terms)  # (no cycle: the module goes when its last user does)
         self._embedding._caller_terms = lambda e: e if terms() is None else terms()(e)
         self._world = world
         self._trainable = opts[0] is not None
@@ -257,7 +260,7 @@ class _Sharded:
     # A collective step of host work: torch.compile runs it eagerly (a graph break), as it does any opaque call.
     @torch.compiler.disable
     def forward(self, features):
-        self._kjt_starts = None
+        self._kjt_starts = {}  # (a KeyedJaggedTensor's are noted by _parse; None outside forward)
         try:
             refuse_fx_proxy(self, features)
             inputs, weights, finish = self._parse(features)
@@ -275,22 +278,28 @@ class _Sharded:
         by the engine's feature names, for errors in the caller's terms."""
         self._kjt_starts = {c.name: int(offsets[k * stride]) for c, k in zip(self._feature_configs, keys)}
 
-    _ID_AT = re.compile(r"^features\[(.+?)\]: id (-?\d+) at position (\d+) ")
+    _ID_AT = re.compile(r"^features\[(.+?)\]: id (-?\d+) at position (\d+) ")  # (the adapter's ids are 1-D)
 
-    def _in_kjt_terms(self, e: Exception) -> Exception:
-        """A bad id's error with its position in the KeyedJaggedTensor's
-        values() (docs/torch.md), where the sharded lookup names the position
-        in its feature; `e` itself for dict input. The sharded lookup applies
-        it before the other ranks hear of the error (``_caller_terms``)."""
+    def _in_callers_terms(self, e: Exception) -> Exception:
+        """A bad id's error naming the caller's feature (not the engine's
+        'feature@table' output) and, for a KeyedJaggedTensor, the position in
+        its values() (docs/torch.md), where the sharded lookup names the
+        position in its feature; `e` itself otherwise. The sharded lookup
+        applies it before the other ranks hear of the error (``_caller_terms``)."""
         m = self._ID_AT.match(str(e)) if isinstance(e, IndexError) else None
-        if self._kjt_starts is None or m is None:
+        if m is None or self._kjt_starts is None:  # (module.embedding's own calls name its features)
             return e
         try:
-            start = self._kjt_starts[ast.literal_eval(m.group(1))]
-        except (KeyError, ValueError, SyntaxError):
+            name = ast.literal_eval(m.group(1))
+        except (ValueError, SyntaxError):
+            return e
+        if name not in self._feature_of:
             return e
         message = str(e)
-        return IndexError(f"{message[:m.start(3)]}{int(m.group(3)) + start} of the KeyedJaggedTensor's values() "
+        position = m.group(3)
+        if name in self._kjt_starts:
+            position = f"{int(position) + self._kjt_starts[name]} of the KeyedJaggedTensor's values()"
+        return IndexError(f"features[{self._feature_of[name]!r}]: id {m.group(2)} at position {position} "
                           f"{message[m.end():]}")
 
     def _lookup(self, inputs: list, weights: list) -> List[Tensor]:

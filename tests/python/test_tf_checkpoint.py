@@ -105,6 +105,49 @@ def test_errors(slotted_checkpoint, tmp_path):
     ec.distributed.run_local(2, sharded)
 
 
+@pytest.mark.parametrize("table, slot, where, bad, message", [
+    ("ta", "accumulators", (19, 3), -0.5, r"slot 'accumulators' of table 'ta' at \[19, 3\] must be >= 1.17549435e-38 .*got -0.5"),
+    ("tc", "momenta", (8, 4), np.nan, r"slot 'momenta' of table 'tc' holds nan at \[8, 4\]; a slot must be finite")])
+def test_slots_outside_the_optimizers_domain_are_refused(tmp_path, rng, table, slot, where, bad, message):
+    """A slot the table's optimizer cannot step from (a negative Adagrad
+    accumulator, a NaN moment: hand-made, TensorFlow writes none) is refused
+    as Table.assign_slot and ec.load refuse it, before any table changes."""
+    theirs = E.TPUEmbeddingForServing(_slotted_config(), None)
+    theirs.build()
+    for t, d in theirs.variables.items():
+        for name, v in d.items():
+            x = rng.random(v.shape).astype(np.float32) + np.float32(0.1)
+            if (t, name) == (table, slot):
+                x[where] = bad
+            v.assign(x)
+    path = tf.train.Checkpoint(embedding=theirs).save(str(tmp_path / "tf" / "ckpt"))
+    ours = EmbeddingForServing(_slotted_config(), None)
+    before = {k: v.tobytes() for k, v in _state(ours).items()}
+    with pytest.raises(ValueError, match=message):
+        load_tf_checkpoint(path, ours)
+    assert {k: v.tobytes() for k, v in _state(ours).items()} == before
+    with pytest.raises(ValueError, match=message):
+        convert_tf_checkpoint(path, tmp_path / "converted", feature_config=_slotted_config())
+    assert not (tmp_path / "converted").exists()
+    convert_tf_checkpoint(path, tmp_path / "values", feature_config=_slotted_config(), include_optimizer=False)
+
+
+def test_stacked_slots_outside_the_optimizers_domain_are_refused(tmp_path, rng):
+    shapes = {"sa": (37, 5), "sb": (100, 8)}
+    path, _, _ = _sparsecore_checkpoint(str(tmp_path / "ckpt"), rng, shapes, bad_accumulator=("sb", (99, 7), 0.0))
+    config = {n: E.FeatureConfig(E.TableConfig(vocabulary_size=r, dim=d, name=n)) for n, (r, d) in shapes.items()}
+    for restore in ("checkpoint", "reader"):
+        ours = EmbeddingForServing(config, E.Adagrad(0.1))
+        before = {k: v.tobytes() for k, v in _state(ours).items()}
+        with pytest.raises(ValueError, match=r"slot 'accumulators' of table 'sb' at \[99, 7\] must be >= 1.17549435e-38 .*got 0.0"):
+            if restore == "checkpoint":
+                tf.train.Checkpoint(embedding=ours).restore(path)
+            else:
+                load_tf_checkpoint(path, ours)
+        assert {k: v.tobytes() for k, v in _state(ours).items() if k[1] == "accumulators"} == \
+            {k: v for k, v in before.items() if k[1] == "accumulators"}
+
+
 def test_refused_table_dtype_changes_no_table(slotted_checkpoint):
     # A float16 table among the targets is refused before any table is read (was: the tables before it restored).
     path, _ = slotted_checkpoint
@@ -148,7 +191,7 @@ def test_table_sliced_over_hosts(tmp_path, rng):
         assert {k: v.tobytes() for k, v in _state(ours).items()} == {k: v.tobytes() for k, v in expected.items()}
 
 
-def _sparsecore_checkpoint(path, rng, shapes):
+def _sparsecore_checkpoint(path, rng, shapes, bad_accumulator=None):
     """A checkpoint as TPUEmbeddingV2 (SparseCore) writes it: layouts made by
     TensorFlow's SparseCoreLayoutStacker, tables stacked, rotated and padded
     by TensorFlow's own resharding code, plus accumulators stacked alike."""
@@ -167,6 +210,8 @@ def _sparsecore_checkpoint(path, rng, shapes):
     spec = f"{total} {width} 0,{total}:0,{width}"
     values = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
     accumulators = {n: rng.random(s).astype(np.float32) for n, s in shapes.items()}
+    if bad_accumulator is not None:  # (table, index, value)
+        accumulators[bad_accumulator[0]][bad_accumulator[1]] = bad_accumulator[2]
 
     def stack(tables):
         return adapter._shard_from_cpu_to_sc([tf.constant(tables[l.table_name]) for l in ordered], spec, ordered)
@@ -313,7 +358,8 @@ def test_convert_tables_named_with_slashes_and_combiner(tmp_path):
     written = {}
     for name, d in theirs.variables.items():
         for slot, v in d.items():
-            written[(name, slot)] = np.arange(np.prod(v.shape), dtype=np.float32).reshape(v.shape) + len(written)
+            # (accumulators > 0: the converted Adagrad, epsilon 0, steps from none other)
+            written[(name, slot)] = np.arange(np.prod(v.shape), dtype=np.float32).reshape(v.shape) + len(written) + 1
             v.assign(written[(name, slot)])
     path = tf.train.Checkpoint(embedding=theirs).save(str(tmp_path / "tf" / "ckpt"))
     reader = TFCheckpoint(path)

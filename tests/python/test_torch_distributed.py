@@ -539,6 +539,29 @@ def test_sharded_collection_ranks_with_other_module_arguments_are_refused():
 
 
 @pytest.mark.parametrize("collection", ["EmbeddingBagCollection", "EmbeddingCollection"])
+def test_a_bad_id_names_the_callers_feature_where_tables_share_it(collection):
+    """The engine's features are the outputs ('s2@e2' where two tables read
+    s2); a bad id's error names the feature the caller gave."""
+    config = et.EmbeddingBagConfig if collection == "EmbeddingBagCollection" else et.EmbeddingConfig
+    tables = [config(30, 4, name="e1", feature_names=["s1", "s2"]), config(20, 4, name="e2", feature_names=["s2"])]
+    x = {"s1": torch.tensor([[1, 2]]), "s2": (torch.tensor([1, 25, 3]), torch.tensor([0, 3]))}
+
+    def fn(world):
+        module = getattr(et, collection)(tables, world=world, sharding="table_wise")
+        module.eval()
+        with pytest.raises(IndexError, match=r"^features\['s2'\]: id 25 at position 1 is out of range for "
+                                             r"table 'e2' with 20 rows"):
+            module(x)
+        # module.embedding's own calls name its own features.
+        with pytest.raises(IndexError, match=r"^features\['s2'\]: id 25 at position 1 is out of range"):
+            module({"s1": torch.tensor([[1, 2]]), "s2": torch.tensor([[1, 25]])})
+        with pytest.raises(IndexError, match=r"^features\['s2@e2'\]: id 25 at index \[0, 1\] "):
+            module.embedding([np.array([[1, 2]]), np.array([[1]]), np.array([[1, 25]])])  # s1, s2@e1, s2@e2
+
+    run_local(2, fn)
+
+
+@pytest.mark.parametrize("collection", ["EmbeddingBagCollection", "EmbeddingCollection"])
 def test_a_bad_id_of_a_kjt_is_named_at_its_position_in_values(collection):
     """As unsharded (docs/torch.md): the position of a bad id is the one in
     the KeyedJaggedTensor's values(), not in its feature's slice."""

@@ -289,6 +289,16 @@ def test_input_errors(tmp_path, torchrec):
                                                             lengths=torch.ones(3, dtype=torch.int64)))
     with pytest.raises(IndexError, match=r"table 't2', feature 'f2': id -1 at position 0 of features\['f2'\]'s ids"):
         served({**ok, "f2": torch.tensor([-1])})
+    # A table of one feature: a dict's tensor is that feature's own (not a KeyedJaggedTensor's values).
+    one = [et.EmbeddingBagConfig(30, 4, name="t1", feature_names=["f1"]),
+           et.EmbeddingBagConfig(20, 4, name="t2", feature_names=["f2"])]
+    alone = et.ServedEmbeddingBagCollection(_saved(tmp_path, et.EmbeddingBagCollection(one), "one"), one)
+    with pytest.raises(IndexError, match=r"table 't2', feature 'f2': id 25 at position 1 of features\['f2'\]'s ids"):
+        alone({"f1": torch.tensor([[1, 2]]), "f2": torch.tensor([[1, 25]])})
+    with pytest.raises(IndexError, match=r"table 't2', feature 'f2': id 25 at position 3 of the "
+                                         r"KeyedJaggedTensor's values is out of range \[0, 20\)"):
+        alone(torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2"], values=torch.tensor([1, 2, 1, 25]),
+                                                           lengths=torch.tensor([2, 2])))
     with pytest.raises(TypeError, match="int32 or int64"):
         served({**ok, "f2": torch.tensor([1.0])})
     with pytest.raises(TypeError, match="must be float32"):
