@@ -1,6 +1,7 @@
 // Input forms the engine converts itself: COO bags (TensorFlow's SparseTensor)
 // to the CSR batch the kernels take.
 #include <algorithm>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -99,6 +100,12 @@ bool CooRowMajorOrder(const void* indices, IdType index_type, int64_t nnz, int64
   if (nnz < 0 || bags < 0) throw InvalidArgument("coo_row_major_order: negative size");
   if (offsets == nullptr || (nnz > 0 && (indices == nullptr || order == nullptr || positions == nullptr)))
     throw InvalidArgument("coo_row_major_order: null pointer");
+  if (offsets[0] != 0) throw InvalidArgument("coo_row_major_order: offsets[0] must be 0");
+  for (int64_t b = 0; b < bags; ++b)  // (then every entry's slot lies in [0, nnz))
+    if (offsets[b + 1] < offsets[b])
+      throw InvalidArgument("coo_row_major_order: offsets must be non-decreasing (offsets[" + std::to_string(b + 1) +
+                            "] = " + std::to_string(offsets[b + 1]) + " < offsets[" + std::to_string(b) +
+                            "] = " + std::to_string(offsets[b]) + ")");
   if (offsets[bags] != nnz) throw InvalidArgument("coo_row_major_order: offsets must end at nnz");
   return index_type == IdType::kInt32
              ? CooRowMajorOrderT(static_cast<const int32_t*>(indices), nnz, bags, width, offsets, order, positions)

@@ -105,10 +105,17 @@ class TableHandle:
 
     value = read_value
 
-    def assign(self, value) -> "TableHandle":
+    def assign(self, value, use_locking=None, name=None, read_value: bool = True) -> Optional["TableHandle"]:
         """Writes `value` into the table (or slot), as ``tf.Variable.assign``
         does: eagerly at once; inside a graph (``tf.function``) when the
-        graph runs, each time (a stateful ``tf.numpy_function``)."""
+        graph runs, each time (a stateful ``tf.numpy_function``). Returns the
+        handle, or None with ``read_value=False``; `use_locking` and `name`
+        are taken for ``tf.Variable``'s signature (the engine's writes are
+        locked anyway)."""
+        self._assign(value)
+        return self if read_value else None
+
+    def _assign(self, value) -> None:
         if not tf.executing_eagerly():
             value = tf.convert_to_tensor(value, tf.float32)
             if not value.shape.is_compatible_with(self._shape):
@@ -119,10 +126,10 @@ class TableHandle:
                 return []
 
             tf.numpy_function(write, [value], [], stateful=True, name=f"assign_{self.table.name}")
-            return self
-        return self._assign_numpy(value.numpy() if hasattr(value, "numpy") else np.asarray(value))
+            return
+        self._assign_numpy(value.numpy() if hasattr(value, "numpy") else np.asarray(value))
 
-    def _assign_numpy(self, v) -> "TableHandle":
+    def _assign_numpy(self, v) -> None:
         if list(v.shape) != self._shape:
             raise ValueError(f"cannot assign a value of shape {list(v.shape)} to '{self.name}' of shape "
                              f"{self._shape}")
@@ -132,7 +139,6 @@ class TableHandle:
                 self._owner._export.clear()  # its export copies, if any, no longer hold these values
         else:
             self.table.assign_slot(self.slot, v)
-        return self
 
     def __repr__(self) -> str:
         return f"<embedcore table '{self.name}' shape={self._shape} dtype=float32>"

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -681,5 +682,15 @@ class Saver:
             raise ValueError(f"load_embedding_values: the arrays hold {total} rows, table '{table.name}' has "
                              f"{table.rows}")
         stacked = values[0] if len(values) == 1 else np.concatenate(values, axis=0)
-        table.assign(stacked, 0)
+        try:
+            table.assign(stacked, 0)
+        except ValueError as e:  # a value's row of the stack, as the caller's arrays[i][row, col]
+            m = re.search(r"values\[(\d+), (\d+)\]", str(e))
+            if m is None or len(values) == 1:
+                raise
+            row, i = int(m.group(1)), 0
+            while row >= values[i].shape[0]:
+                row -= values[i].shape[0]
+                i += 1
+            raise ValueError(f"{str(e)[:m.start()]}arrays[{i}][{row}, {m.group(2)}]{str(e)[m.end():]}") from None
         return "OK"

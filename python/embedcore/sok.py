@@ -254,9 +254,10 @@ def _read_v2_var(src: str, var: str, names, variables, dim: Optional[int] = None
 
 def _optimizer_of(name: str, v: SokVariable):
     """The embedcore optimizer that takes every slot of `v` (Adagrad, Adam or
-    FTRL, default hyper-parameters but Adagrad's epsilon: Keras's 1e-7, as
-    the Keras Adagrad that SOK's optimizers wrap adds, so accumulators of 0
-    convert), and SOK's slot name for each of its slots; CheckpointError,
+    FTRL, default hyper-parameters but the form of the Keras optimizers that
+    SOK's wrap: Adagrad's epsilon is Keras's 1e-7, so accumulators of 0
+    convert; Adam is bias-corrected with epsilon outside the square root),
+    and SOK's slot name for each of its slots; CheckpointError,
     naming the files, for any slot that would be lost or left at its initial
     value."""
     from . import optimizers as _opt
@@ -267,7 +268,8 @@ def _optimizer_of(name: str, v: SokVariable):
     if mapping is None:
         raise CheckpointError(f"SOK variable {name!r}: optimizer {v.optimizer} (slots in {files}) has no embedcore "
                               f"equivalent (embedcore takes Adagrad, Adam and FTRL slots); {hint}")
-    optimizer = {"adagrad": lambda: _opt.Adagrad(epsilon=1e-7), "adam": _opt.Adam,
+    optimizer = {"adagrad": lambda: _opt.Adagrad(epsilon=1e-7),
+                 "adam": lambda: _opt.Adam(epsilon=1e-7, bias_correction=True, sum_inside_sqrt=False),
                  "ftrl": _opt.FTRL}[v.optimizer.lower()]()
     ours = {}
     for sok_slot in v.slots:

@@ -363,6 +363,12 @@ class Table(LookupMixin):
         if combiner is None and length == 0:  # nothing was looked up: an empty part still counts as a step
             return (np.zeros(0, np.int64), np.zeros(1, np.int64), None, 3, 0, np.zeros((0, self.dim), np.float32))
         if combiner is None and batch.kind == "sparse" and not batch.dense_positions:
+            # Every id is checked as lookup checks them, those past the length too, at their positions
+            # in the batch (in_callers_terms names the caller's).
+            bad = np.flatnonzero((batch.ids < 0) | (batch.ids >= self.rows))
+            if bad.size:
+                raise IndexError(f"table '{self._name}': id {int(batch.ids[bad[0]])} at position {int(bad[0])} of "
+                                 f"ids is out of range [0, {self.rows})")
             keep = batch.positions < length
             rows = np.repeat(np.arange(batch.num_bags), np.diff(batch.offsets))
             ids = np.ascontiguousarray(batch.ids[keep])

@@ -150,4 +150,10 @@ EMBEDCORE_TEST(RowMajorOrderIsAStableSortByBagAndPosition) {
   EMBEDCORE_EXPECT_THROWS(CooRowMajorOrder(idx.data(), IdType::kInt64, 3, 2, 1, counts.data(), order.data(),
                                            positions.data()),
                           InvalidArgument, "changed");
+  // Offsets that end at nnz but do not start at 0 or go down would place entries outside order / positions.
+  for (const std::vector<int64_t>& bad : {std::vector<int64_t>{-1000, 1, 3}, std::vector<int64_t>{0, 100000, 3}}) {
+    EMBEDCORE_EXPECT_THROWS(CooRowMajorOrder(idx.data(), IdType::kInt64, 3, 2, 2, bad.data(), order.data(),
+                                             positions.data()),
+                            InvalidArgument, bad[0] ? "offsets[0] must be 0" : "offsets[2] = 3 < offsets[1] = 100000");
+  }
 }

@@ -770,6 +770,12 @@ def test_saver_load_embedding_values(rng):
         with pytest.raises(ValueError):
             saver.load_embedding_values(t, arrays)
         assert_same_state(t, before, f"after load_embedding_values({[np.shape(a) for a in arrays]})")
+    # A value the table cannot hold is named in the caller's array, not in their stack.
+    nan = [one[:6].astype(np.float32), one[6:].astype(np.float32)]
+    nan[1][2, 1] = np.nan
+    with pytest.raises(ValueError, match=r"table '.+': arrays\[1\]\[2, 1\] = nan is not finite"):
+        saver.load_embedding_values(t, nan)
+    assert_same_state(t, before, "after load_embedding_values of a NaN")
     with pytest.raises(TypeError):
         saver.load_embedding_values(make_embedding(), [one])
 

@@ -980,6 +980,19 @@ def test_bad_id_in_a_sequence_feature(plan, seq_form):
     assert isinstance(results[0], ed.RankFailedError) and "rank 1 of 2" in str(results[0])
 
 
+@pytest.mark.parametrize("length", [2**60, 2**61 + 1, 2**62])
+def test_a_sequence_output_too_big_to_address_is_refused_as_unsharded(length):
+    """bags x max_sequence_length x dim past int64: the unsharded lookup's
+    ValueError (the sharded one computed the size in wrapping int64)."""
+    feats = {"f": ec.FeatureConfig(ec.TableConfig(name="t", rows=10, dim=4), max_sequence_length=length)}
+    ids = ec.Ragged(np.array([1, 2, 3, 4]), np.array([0, 1, 2, 3, 4]))
+    with pytest.raises(ValueError) as unsharded:
+        ec.Embedding(feats)({"f": ids})
+    assert "would not fit in memory: its size overflows" in str(unsharded.value)
+    results = _run(2, _catching(lambda world: ec.Embedding(feats, world=world)({"f": ids})))
+    assert all(type(r) is ValueError and str(r) == str(unsharded.value) for r in results), results
+
+
 @pytest.mark.parametrize("plan", KINDS)
 @pytest.mark.parametrize("W", [2, 3])
 def test_wrong_grads_shape_on_one_rank(W, plan):

@@ -185,10 +185,24 @@ def test_sparse_sequence_checks_the_ids_it_drops():
     every path: positions 0, 1, 2, ... (the padded kernels) or with gaps and
     repeats (runs summed per position). The position named is the id's
     place in the row-major order of the entries."""
-    t = ec.Table(name="t", rows=4, dim=2)
+    t = ec.Table(name="t", rows=4, dim=2, optimizer=ec.optimizers.Adagrad(0.1))
+    before = t.to_numpy()
+    grads = np.ones((1, 2, 2), np.float32)
     for indices in ([[0, 0], [0, 1], [0, 2]], [[0, 0], [0, 2], [0, 3]], [[0, 1], [0, 1], [0, 3]]):
+        ids = ec.Sparse(np.array(indices), np.array([1, 2, 99]), [1, 4])
         with pytest.raises(IndexError, match="id 99 at position 2 of ids is out of range"):
-            t.lookup(ec.Sparse(np.array(indices), np.array([1, 2, 99]), [1, 4]), combiner=None, max_sequence_length=2)
+            t.lookup(ids, combiner=None, max_sequence_length=2)
+        # apply_gradients checks them as lookup does (it stepped past one dropped, and named a kept one's
+        # position among the kept ids only).
+        with pytest.raises(IndexError, match="id 99 at position 2 of ids is out of range"):
+            t.apply_gradients(ids, grads=grads, combiner=None, max_sequence_length=2)
+    # Entries not in row-major order: the caller's position, in both.
+    ids = ec.Sparse(np.array([[0, 3], [0, 0], [0, 1]]), np.array([99, 1, 2]), [1, 4])
+    for call in (lambda: t.lookup(ids, combiner=None, max_sequence_length=2),
+                 lambda: t.apply_gradients(ids, grads=grads, combiner=None, max_sequence_length=2)):
+        with pytest.raises(IndexError, match="id 99 at position 0 of ids is out of range"):
+            call()
+    assert t.step == 0 and np.array_equal(t.to_numpy(), before)
 
 
 def test_huge_sparse_dense_shape_is_a_memory_error(trained):

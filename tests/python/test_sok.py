@@ -197,6 +197,10 @@ def test_v2_adam_slots(tmp_path, rng):
     assert (slots["momenta"][missing] == 0).all() and (slots["velocities"][missing] == 0).all()
     info = ec.checkpoint.read_info(tmp_path / "out")
     assert info.table_has_optimizer(0)
+    # The optimizer recorded is the Keras Adam that SOK 2.x wraps: bias-corrected, epsilon outside the root.
+    adam = json.loads(info.table_config_json(0))["optimizer"]
+    assert (adam["class"], adam["bias_correction"], adam["sum_inside_sqrt"], adam["epsilon"]) == \
+        ("Adam", True, False, pytest.approx(1e-7))
 
 
 def test_v2_adagrad_slot_keeps_the_initial_accumulator_elsewhere(tmp_path, rng):

@@ -278,6 +278,13 @@ def test_embedding_tables_act_as_tensors_like_tensorflows_variables(rng):
             np.testing.assert_array_equal(h.numpy(), np.full((ROWS, DIM), value, np.float32))
     with pytest.raises(ValueError, match="cannot assign a value of shape"):
         tf.function(lambda: handle.assign(tf.zeros([ROWS + 1, DIM])))()
+    # tf.Variable.assign's signature: read_value=False returns None (eagerly), use_locking and name are taken.
+    for h in (theirs.embedding_tables[table], handle):
+        assert h.assign(np.full((ROWS, DIM), 4.0, np.float32), read_value=False) is None
+        assert h.assign(np.full((ROWS, DIM), 5.0, np.float32), use_locking=True, name="a") is not None
+        np.testing.assert_array_equal(h.numpy(), np.full((ROWS, DIM), 5.0, np.float32))
+        tf.function(lambda: h.assign(tf.fill([ROWS, DIM], 6.0), read_value=False) and None)()
+        np.testing.assert_array_equal(h.numpy(), np.full((ROWS, DIM), 6.0, np.float32))
     rows = list(handle)  # iterates rows, as a variable does eagerly
     assert len(rows) == ROWS and isinstance(rows[0], tf.Tensor) and rows[0].shape == (DIM,)
     mixed = np.ones(DIM, np.float32) + handle  # numpy defers to the handle, as to a variable

@@ -358,6 +358,10 @@ class ShardedEmbedding(Embedding):
                 routes.append(self._route_pooled(b, combiner, ts))
             else:
                 length = Table._sequence_length(b, f.max_sequence_length)
+                if length is not None and 4 * b.num_bags * length * eff.dim > 2**63 - 1:  # (Python ints: no wrap)
+                    raise ValueError(f"{where}: the lookup's output ({b.num_bags} bags, max_sequence_length "
+                                     f"{f.max_sequence_length}, dim {eff.dim}) would not fit in memory: its size "
+                                     "overflows")
                 shapes.append((len(b.ids), eff.dim) if length is None else (b.num_bags, length, eff.dim))
                 routes.append(self._route_sequence(b, length, ts))
             batches.append(b)
