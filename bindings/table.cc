@@ -359,6 +359,9 @@ void LookupCuda(const Table& t, const CudaIdArray& ids, const CudaOffsetArray& o
   CheckOnDevice(t, offsets.device_id(), "offsets");
   if (weights) CheckOnDevice(t, weights->device_id(), "weights");
   CheckOnDevice(t, out.device_id(), "out");
+  // As the host lookups: out may not be the table's memory nor an input's (device addresses, one space).
+  CheckNotTableMemory(t, out.data(), out.size() * sizeof(float), "out", "the lookup reads");
+  CheckNoAliasing(ids, offsets, weights, out);
   const Batch batch = MakeBatch(ids, offsets, weights);
   const OutputShape shape{ToCombiner(combiner), max_sequence_length};
   const size_t want = OutputFloats(batch, shape, t.dim());  // checked: a product that wrapped would pass

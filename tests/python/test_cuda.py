@@ -209,6 +209,14 @@ def test_gpu_errors_are_clear():
     with pytest.raises(IndexError):
         t.apply_gradients(torch.tensor([1, -1], device="cuda"), torch.tensor([0, 2], device="cuda"),
                           torch.ones(1, 13, device="cuda"))
+    # An out that is the table's memory or an input's is refused, as on the host.
+    two = ec.Table(name="two", rows=2, dim=13, device="cuda")
+    ids, offsets = torch.tensor([1, 0], device="cuda"), torch.tensor([0, 1, 2], device="cuda")
+    with pytest.raises(ValueError, match="out overlaps the values of table 'two'"):
+        two.lookup(ids, offsets, combiner="sum", out=torch.from_dlpack(two._native.device_values()))
+    shared = torch.zeros(2 * 13 + 4, device="cuda")
+    with pytest.raises(ValueError, match="out shares memory with ids"):
+        two.lookup(shared[26:].view(torch.int64), offsets, combiner="sum", out=shared[:26].view(2, 13))
     np.testing.assert_array_equal(t.to_numpy(), before)
 
 
