@@ -86,6 +86,19 @@ def engine_optimizer(param: torch.Tensor, owner: str) -> Optional[Tuple[ec.optim
     optimizer.learning_rate_at(0)  # a rate float32 cannot hold raises here, before the table changes
     return optimizer, lr_decay
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory tensors `a` and `b` span overlaps (whoever owns it)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t):  # (strides are never negative)
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + t.element_size() * (last + 1)
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 # Other names a slot goes by: PyTorch's optimizers and FBGEMM / TorchRec's
 # ("momentum1" / "momentum2": the optimizer's first / second slot); "sum" is
 # torch.optim.Adagrad's accumulators and torchrec.optim.RowWiseAdagrad's
@@ -271,7 +284,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if isinstance(key, str) and "lr" in g:
                     key = self._weight_key(by_key, key, f"param_groups[{i}] names")
                     lrs.append((by_key[key], self._checked_lr(by_key[key], f"param_groups[{i}]", g["lr"])))
-        # Everything checked; now change the tables.
+        # Everything checked; now change the tables, from the values as they are now: a value that views a slot
+        # an earlier copy writes (this module's own state_dict(), its tables swapped) is read before it changes.
+        written = []
+        for i, (m, slot, value) in enumerate(plan):
+            if slot is not None:
+                if any(_overlap(value, t) for t in written):
+                    plan[i] = (m, slot, value.clone())
+                written.append(m._slots[slot])
         with torch.no_grad():
             for m, slot, value in plan:
                 if slot is None:

@@ -190,6 +190,25 @@ def test_collection_optimizer_state_keys():
         et.FusedOptimizer(two).load_state_dict({"state": {"b.weight": {"momentum_1": torch.ones((10, 3))}}})
 
 
+def test_optimizer_state_that_views_the_modules_own_slots_loads_as_it_was():
+    """state_dict() gives views of the engine's slots: loaded back with two
+    tables' state swapped, each table gets the other's, as torch.optim's
+    load_state_dict gives (was: b read a's slot after a was overwritten, and
+    kept its own state)."""
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 3, name="a"), et.EmbeddingBagConfig(10, 3, name="b")],
+                                    optimizer=ec.optimizers.Adagrad(0.1))
+    ka, kb = "embedding_bags.a.weight", "embedding_bags.b.weight"
+    ebc.load_optimizer_state_dict({"state": {ka: {"accumulators": torch.full((10, 3), 2.0)},
+                                             kb: {"accumulators": torch.full((10, 3), 5.0)}}})
+    sd = ebc.optimizer_state_dict()
+    ebc.load_optimizer_state_dict({"state": {ka: sd["state"][kb], kb: sd["state"][ka]}})
+    assert (ebc.embedding_bags["a"].table.slots()["accumulators"] == 5.0).all()
+    assert (ebc.embedding_bags["b"].table.slots()["accumulators"] == 2.0).all()
+    ebc.load_optimizer_state_dict(ebc.optimizer_state_dict())  # its own state, as it is: nothing changes
+    assert (ebc.embedding_bags["a"].table.slots()["accumulators"] == 5.0).all()
+    assert (ebc.embedding_bags["b"].table.slots()["accumulators"] == 2.0).all()
+
+
 @pytest.mark.parametrize("bad_b, exc, match", [
     ({"step": torch.tensor(-5)}, ValueError, r"step must be an int in \[0, 2\*\*62\]"),
     ({"step": 2**70}, ValueError, "step must be an int"),
