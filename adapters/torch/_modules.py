@@ -459,6 +459,10 @@ class _TableModule(_AdapterModule):
         opts = self.weight.__dict__.get("_in_backward_optimizers", ())
         return dict(opts[0].defaults) if len(opts) == 1 else {}
 
+    def _owner(self) -> str:
+        """The module and its table, as errors name them."""
+        return f"{type(self).__name__} (table '{self._table.name}')"
+
     def _fuse_in_backward_optimizer(self, weight: Tensor) -> bool:
         """Trains the table fused with the engine's equal of the optimizer
         that ``apply_optimizer_in_backward`` gave `weight` (TorchRec's way to
@@ -479,7 +483,7 @@ class _TableModule(_AdapterModule):
             if _optim.stepped(weight):
                 return False
             owner = type(self).__name__
-            found = _optim.engine_optimizer(weight, owner)
+            found = _optim.engine_optimizer(weight, self._owner())
             if found is None:
                 return False
             optimizer, lr_decay = found
@@ -657,12 +661,19 @@ def fuse_pending(module: nn.Module) -> None:
     """Fuses, now, every table of `module` whose weight
     ``apply_optimizer_in_backward`` gave an optimizer (as its next lookup
     would), so that its optimizer state exists before the first step: to
-    load a checkpoint's, or to hand to a learning-rate scheduler."""
+    load a checkpoint's, or to hand to a learning-rate scheduler. An
+    optimizer the engine does not have raises, naming its table, before
+    any table changes."""
+    pending = []
     for m in module.modules():
         if isinstance(m, _TableModule) and m._group is None:
             weight = m._parameters["weight"]
             if "_optimizer_classes" in weight.__dict__:
-                m._fuse_in_backward_optimizer(weight)
+                if not _optim.stepped(weight):
+                    _optim.engine_optimizer(weight, m._owner())  # (raises for one the engine lacks)
+                pending.append((m, weight))
+    for m, weight in pending:
+        m._fuse_in_backward_optimizer(weight)
 
 
 def tables_of(module: nn.Module) -> List[ec.Table]:

@@ -777,6 +777,21 @@ def test_apply_optimizer_in_backward_refusals_leave_the_table_unfused(rng):
         m(ids, offsets)
 
 
+def test_apply_optimizer_in_backward_a_refusal_fuses_no_table_of_the_module():
+    """fused_optimizer (and tables_of, ec.save, ...) fuse every pending table:
+    one whose optimizer the engine lacks is refused, naming it, before any
+    table switches (was: the tables before it had switched, unnamed)."""
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 4, name=f"t{i}", feature_names=[f"f{i}"])
+                                     for i in range(3)])
+    ps = [b.weight for b in ebc.embedding_bags.values()]
+    _in_backward(torch.optim.Adagrad, ps[:2], {"lr": 0.1})
+    _in_backward(torch.optim.Adam, ps[2:], {"lr": 0.1})
+    for how in (lambda: ebc.fused_optimizer, lambda: et.tables_of(ebc)):
+        with pytest.raises(NotImplementedError, match=r"\(table 't2'\): apply_optimizer_in_backward\(Adam, "):
+            how()
+        assert [(b.fused, b.table.optimizer) for b in ebc.embedding_bags.values()] == [(False, None)] * 3
+
+
 def test_apply_optimizer_in_backward_state_exists_before_the_first_lookup(rng):
     """TorchRec's order: apply_optimizer_in_backward, then restore the fused
     optimizer's state, then train; a parent's fused_optimizer made before a
