@@ -26,6 +26,7 @@ import torch.fx
 from torch import Tensor, nn
 
 import embedcore as ec
+from embedcore.table import _ROUNDS_TO_INF
 
 from . import _ops, _optim
 
@@ -185,6 +186,30 @@ def _copyable(src, dst) -> bool:
     return True
 
 
+def _unstorable(value: Tensor, dtype: str) -> Optional[str]:
+    """Why a table of `dtype` cannot hold the weight `value` (``[index] =
+    value is ...``), as ``Table.assign`` refuses it: a value that is not
+    finite, or beyond the range of the dtype (it would round to infinity);
+    None when it can."""
+    if value.layout != torch.strided or value.is_nested or value.device.type == "meta" or value.numel() == 0:
+        return None  # (refused, or nothing to check)
+    v = value.real if value.is_complex() else value  # (copy_ takes the real part)
+    if not (v.is_floating_point() or v.dtype in (torch.int32, torch.int64)):
+        return None  # (narrower ints fit; quantized and bit-field dtypes are refused)
+    if v.is_floating_point():
+        bad = ~torch.isfinite(v)
+        if bool(bad.any()):
+            i = tuple(int(x) for x in torch.nonzero(bad)[0])
+            return f"{list(i)} = {v[i].item()!r} is not finite"
+    limit = _ROUNDS_TO_INF.get(dtype, float.fromhex("0x1.ffffffp+127"))  # (float32's)
+    over = (v >= limit) | (v <= -limit)
+    if bool(over.any()):
+        i = tuple(int(x) for x in torch.nonzero(over)[0])
+        return (f"{list(i)} = {v[i].item()!r} is beyond the range of the table's storage dtype {dtype} (it would "
+                "round to infinity)")
+    return None
+
+
 class _NoFusedOptimizer(AttributeError):
     """A module without a fused optimizer has no ``fused_optimizer``
     attribute (``hasattr`` is False, as for TorchRec's modules); the
@@ -290,6 +315,10 @@ class _AdapterModule(nn.Module):
                                    f"{value.dtype}, which cannot be copied into the table's {m.weight.dtype} weight"
                                    f"{' (dequantize it first)' if value.is_quantized else ''}. (No table was "
                                    "changed.)")
+            problem = _unstorable(value, m._table.dtype)
+            if problem is not None:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: {key}{problem}; Table.assign and ec.save "
+                                 "refuse it too. (No table was changed.)")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __getstate__(self):
@@ -596,6 +625,12 @@ class _TableModule(_AdapterModule):
                               error_msgs):
         # Always copy into the engine's memory: assigning would detach `weight` from the table.
         local_metadata = dict(local_metadata, assign_to_params_buffers=False)
+        value = state_dict.get(prefix + "weight")
+        if isinstance(value, Tensor) and tuple(value.shape) == tuple(self.weight.shape):
+            problem = _unstorable(value, self._table.dtype)  # (a model holding this module: PyTorch's order)
+            if problem is not None:
+                error_msgs.append(f"{prefix}weight{problem}; Table.assign and ec.save refuse it too")
+                return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 

@@ -551,6 +551,36 @@ def test_a_meta_tensor_changes_no_table():
     assert (ebc.embedding_bags["a"].table.to_numpy() == 1).all()
 
 
+@pytest.mark.parametrize("dtype, bad, match", [
+    (torch.float16, 1e6, r"\[3, 1\] = 1000000.0 is beyond the range of the table's storage dtype float16"),
+    (torch.bfloat16, 1e300, r"\[3, 1\] = 1e\+300 is beyond the range of the table's storage dtype bfloat16"),
+    (torch.float32, 1e300, r"\[3, 1\] = 1e\+300 is beyond the range of the table's storage dtype float32"),
+    (torch.float16, float("nan"), r"\[3, 1\] = nan is not finite"),
+    (torch.float32, float("inf"), r"\[3, 1\] = inf is not finite"),
+])
+def test_a_weight_the_table_cannot_hold_changes_no_table(dtype, bad, match):
+    """A value that is not finite, or that would round to infinity in the
+    table's dtype, is refused as Table.assign refuses it, naming the key and
+    the index, before table a is written (was: stored as inf / NaN, and
+    ec.save then refused the table)."""
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(4, 2, name=n, dtype=dtype) for n in ("a", "b")])
+    before = {n: ebc.embedding_bags[n].table.to_numpy() for n in ("a", "b")}
+    w = torch.zeros(4, 2, dtype=torch.float64)
+    w[3, 1] = bad
+    with pytest.raises(ValueError, match="embedding_bags.b.weight" + match + r".*No table was changed"):
+        ebc.load_state_dict({"embedding_bags.a.weight": torch.ones(4, 2), "embedding_bags.b.weight": w})
+    for n, values in before.items():
+        np.testing.assert_array_equal(ebc.embedding_bags[n].table.to_numpy(), values)
+    model = torch.nn.ModuleDict({"e": et.Embedding(4, 2, dtype=dtype)})  # in a model: PyTorch's order and error
+    values = model["e"].table.to_numpy()
+    with pytest.raises(RuntimeError, match="e.weight" + match):
+        model.load_state_dict({"e.weight": w})
+    np.testing.assert_array_equal(model["e"].table.to_numpy(), values)
+    w[3, 1] = torch.finfo(dtype).max  # the dtype's largest: taken
+    model.load_state_dict({"e.weight": w})
+    assert model["e"].table.to_numpy()[3, 1] == torch.finfo(dtype).max
+
+
 @pytest.mark.parametrize("bad", ["sparse_coo", "sparse_csr", "quantized", "bits16"])
 def test_a_weight_copy_refuses_changes_no_table(bad):
     """A weight of the right shape that copy_ refuses (a sparse layout, a
