@@ -185,13 +185,16 @@ def _check_jagged(values: Tensor, offsets: Tensor, where: str, lengths: bool) ->
     n = int(values.shape[0])
     if offsets.device.type != "cpu":  # checked on the device (one synchronisation), on the host for the message
         o = offsets.to(torch.int64)
-        bad = ((o < 0).any() | (o.sum() != n)) if lengths else ((o[0] != 0) | (o[1:] < o[:-1]).any() | (o[-1] != n))
+        if lengths:  # (each in [0, n]: larger ones could wrap the sum around to n)
+            bad = (o < 0).any() | (o > n).any() | (o.sum() != n)
+        else:
+            bad = (o[0] != 0) | (o[1:] < o[:-1]).any() | (o[-1] != n)
         if not bool(bad.item()):
             return
     else:  # the good case in a few NumPy calls (a few microseconds a feature); the message's work only when bad
         o = offsets.detach().numpy()
         if lengths:
-            good = (o.min() >= 0 and int(o.sum(dtype=np.int64)) == n) if o.size else n == 0
+            good = (o.min() >= 0 and o.max() <= n and int(o.sum(dtype=np.int64)) == n) if o.size else n == 0
         elif o.size <= 128:  # a short one as a list, cheaper than NumPy's calls (sorted: one pass in C when sorted)
             x = o.tolist()
             good = len(x) > 0 and x[0] == 0 and x[-1] == n and x == sorted(x)
@@ -204,6 +207,9 @@ def _check_jagged(values: Tensor, offsets: Tensor, where: str, lengths: bool) ->
         if (off < 0).any():
             k = int(np.argmax(off < 0))
             raise ValueError(f"{where}['lengths'][{k}] = {int(off[k])} is negative")
+        if (off > n).any():
+            k = int(np.argmax(off > n))
+            raise ValueError(f"{where}['lengths'][{k}] = {int(off[k])} is greater than the number of values ({n})")
         off = np.concatenate([np.zeros(1, np.int64), np.cumsum(off)])
     if int(off[-1]) != n:
         raise ValueError(f"{where}: the offsets (or lengths) end at {int(off[-1])}, but there are {n} values; a "

@@ -93,6 +93,12 @@ def test_bags_must_cover_every_value_as_torchrec():
             ebc({"f1": ok, "f2": ok, "f3": feature})
     with pytest.raises(ValueError, match=r"features\['f3'\]\['lengths'\]\[1\] = -1 is negative"):
         ebc({"f1": ok, "f2": ok, "f3": {"values": torch.tensor([1, 2]), "lengths": torch.tensor([3, -1])}})
+    # int64 lengths whose sum wraps around to the number of values (was: an error about offsets never given)
+    M = 2**63 - 1
+    for lengths, k in (([M, M, 4], 0), ([1, 2**62, 2**62, 2**62, 2**62, 1], 1)):
+        with pytest.raises(ValueError, match=rf"features\['f3'\]\['lengths'\]\[{k}\] = {lengths[k]} is greater than "
+                                             r"the number of values \(2\)"):
+            ebc({"f1": ok, "f2": ok, "f3": {"values": torch.tensor([1, 2]), "lengths": torch.tensor(lengths)}})
     ecol = et.EmbeddingCollection([et.EmbeddingConfig(10, 2, name="a", feature_names=["f"])])
     with pytest.raises(ValueError, match=r"features\['f'\] offsets must be non-decreasing"):
         ecol({"f": (torch.tensor([1, 2]), torch.tensor([0, 2, 1, 2]))})
