@@ -76,11 +76,10 @@ def main() -> int:
 
     t32 = ec.Table(name="w1", rows=C.ROWS, dim=C.DIM, dtype="float32", combiner="sum",
                    optimizer=ec.optimizers.SGD(learning_rate=0.01))
-    w = np.array(t32.values())  # NumPy / PyTorch share this copy
+    w, wt = C.shared_weights(t32.values())  # NumPy / PyTorch share this copy (on huge pages, as the tables)
     t16 = ec.Table(name="w1_fp16", rows=C.ROWS, dim=C.DIM, dtype="float16", combiner="sum",
                    optimizer=ec.optimizers.SGD(learning_rate=0.01))
     t16.assign(w)
-    wt = torch.from_numpy(w)
     fb = None
     if have_fbgemm:
         fb = C.fbgemm_table(wt, "sgd", learning_rate=0.01)

@@ -119,7 +119,7 @@ def main() -> int:
             et = ec.Table(name=f"w2_{opt}", rows=C.ROWS, dim=C.DIM, dtype="float32", combiner="sum", optimizer=ec_opt)
             et.assign(w)
 
-            emb = torch.nn.EmbeddingBag.from_pretrained(torch.from_numpy(w.copy()), freeze=False, mode="sum",
+            emb = torch.nn.EmbeddingBag.from_pretrained(torch.from_numpy(w).clone(), freeze=False, mode="sum",
                                                         sparse=True, include_last_offset=True)
             topt = torch.optim.SGD(emb.parameters(), lr=LR) if opt == "sgd" else \
                 torch.optim.Adagrad(emb.parameters(), lr=LR, initial_accumulator_value=ADAGRAD_INIT)
