@@ -444,32 +444,35 @@ def _index(flat, shape) -> List[int]:
     return [int(i) for i in np.unravel_index(int(flat), shape)]
 
 
-def slot_value_problem(table: ec.Table, slot: str, value: np.ndarray) -> Optional[str]:
+def slot_value_problem(table: ec.Table, slot: str, value: np.ndarray, bounded: bool = True) -> Optional[str]:
     """Why `value` cannot be `slot` of `table` (``Table.assign_slot``'s rule,
-    which ``ec.load`` applies: finite, and within the optimizer's domain),
-    or None."""
-    bad = np.flatnonzero(~np.isfinite(value))
-    if bad.size:
+    which ``ec.load`` applies: finite, and, when `bounded`, within the
+    optimizer's domain), or None."""
+    if not value.size:
+        return None
+    lo, hi = float(value.min()), float(value.max())  # (NaN propagates: one pass each in the usual case)
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        bad = np.flatnonzero(~np.isfinite(value))
         return f"holds {value.flat[bad[0]]} at {_index(bad[0], value.shape)}; a slot must be finite"
-    problem = slot_problem(table, slot, float(value.min())) if value.size else None
+    problem = slot_problem(table, slot, lo) if bounded else None
     if problem:
         return f"at {_index(np.argmin(value), value.shape)} {problem}"
     return None
 
 
-def _check_slot_domain(ckpt: TFCheckpoint, prefix: str, table: ec.Table, slot: str) -> None:
+def _check_slot_domain(ckpt: TFCheckpoint, prefix: str, table: ec.Table, slot: str, bounded: bool) -> None:
     """Raises ValueError unless the checkpoint's `slot` of `table` may be
     restored (``slot_value_problem``): read once more, in one slot's
     memory, before any table changes."""
     value = np.empty(_slot_view(table, slot).shape, np.float32)
     ckpt.read_into(prefix, table.name, slot, value)
-    problem = slot_value_problem(table, slot, value)
+    problem = slot_value_problem(table, slot, value, bounded)
     if problem:
         raise ValueError(f"{ckpt.path}: slot '{slot}' of table '{table.name}' {problem}")
 
 
 def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optional[str] = None,
-                   include_optimizer: bool = True, verify: bool = True) -> str:
+                   include_optimizer: bool = True, verify: bool = True, slot_bounds: bool = True) -> str:
     """Reads every table (and, with `include_optimizer`, the slots the
     checkpoint has and the table's optimizer uses, and the step where the
     checkpoint has one) of `tables` from `ckpt`.
@@ -498,7 +501,7 @@ def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optio
                         {None: _values_view(t).shape, **{s: _slot_view(t, s).shape for s in slots}})
     for t, slots, _ in plan:  # the slots' domain, as assign_slot and ec.load check it
         for s in slots:
-            _check_slot_domain(ckpt, prefix, t, s)
+            _check_slot_domain(ckpt, prefix, t, s, slot_bounds)
     for t, slots, step in plan:
         ckpt.read_into(prefix, t.name, None, _values_view(t))
         for s in slots:
@@ -628,7 +631,10 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
                                  f"optimizer here ({have}) would drop {dropped}: give optimizer= (or a feature "
                                  "config whose table has one) that keeps them, or include_optimizer=False "
                                  "(--no-optimizer) to convert the values only")
-    restore_tables(ckpt, engine_tables, prefix, include_optimizer)  # checksums verified before the reads
+    # (checksums verified before the reads; an optimizer read from the slots' names, with its default
+    # hyper-parameters, does not bound them: each load checks them against its own table's optimizer)
+    guessed = feature_config is None and optimizer is None
+    restore_tables(ckpt, engine_tables, prefix, include_optimizer, slot_bounds=not guessed)
     # With the whole feature config, the checkpoint records its features (served by feature name).
     whole = feature_config is not None and tables is None
     ec.save(dst, emb if whole else engine_tables, include_optimizer=include_optimizer)
@@ -678,7 +684,12 @@ class EngineVariable(_Trackable):
         return {_VALUE_KEY: _as_tensor(np.asarray(self._view()))}
 
     def _restore_from_tensors(self, restored_tensors):
-        _copy_into(self._view(), restored_tensors[_VALUE_KEY], self._name())
+        value = restored_tensors[_VALUE_KEY]
+        if self._slot is not None and tuple(value.shape) == self._view().shape:  # (a shape error comes next)
+            problem = slot_value_problem(self._table, self._slot, value.numpy())
+            if problem:
+                raise ValueError(f"cannot restore '{self._name()}': {problem}")
+        _copy_into(self._view(), value, self._name())
         return tf.no_op()
 
     def _copy_trackable_to_cpu(self, object_map):

@@ -196,12 +196,15 @@ def _unstorable(value: Tensor, dtype: str) -> Optional[str]:
     v = value.real if value.is_complex() else value  # (copy_ takes the real part)
     if not (v.is_floating_point() or v.dtype in (torch.int32, torch.int64)):
         return None  # (narrower ints fit; quantized and bit-field dtypes are refused)
+    limit = _ROUNDS_TO_INF.get(dtype, float.fromhex("0x1.ffffffp+127"))  # (float32's)
+    lo, hi = torch.aminmax(v.detach().reshape(-1))  # one pass in the usual case (a NaN makes both NaN)
+    if -limit < float(lo) and float(hi) < limit:
+        return None
     if v.is_floating_point():
         bad = ~torch.isfinite(v)
         if bool(bad.any()):
             i = tuple(int(x) for x in torch.nonzero(bad)[0])
             return f"{list(i)} = {v[i].item()!r} is not finite"
-    limit = _ROUNDS_TO_INF.get(dtype, float.fromhex("0x1.ffffffp+127"))  # (float32's)
     over = (v >= limit) | (v <= -limit)
     if bool(over.any()):
         i = tuple(int(x) for x in torch.nonzero(over)[0])

@@ -86,8 +86,10 @@ def engine_optimizer(param: torch.Tensor, owner: str) -> Optional[Tuple[ec.optim
     optimizer.learning_rate_at(0)  # a rate float32 cannot hold raises here, before the table changes
     return optimizer, lr_decay
 
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory tensors `a` and `b` span overlaps (whoever owns it)."""
+    """Whether the memory spans of tensors `a` and `b` overlap (whichever
+    tensors own the memory)."""
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
 

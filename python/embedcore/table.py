@@ -365,8 +365,9 @@ class Table(LookupMixin):
         if combiner is None and batch.kind == "sparse" and not batch.dense_positions:
             # Every id is checked as lookup checks them, those past the length too, at their positions
             # in the batch (in_callers_terms names the caller's).
-            bad = np.flatnonzero((batch.ids < 0) | (batch.ids >= self.rows))
-            if bad.size:
+            bad = np.flatnonzero((batch.ids < 0) | (batch.ids >= self.rows)) if batch.ids.size and (
+                batch.ids.min() < 0 or batch.ids.max() >= self.rows) else ()
+            if len(bad):
                 raise IndexError(f"table '{self._name}': id {int(batch.ids[bad[0]])} at position {int(bad[0])} of "
                                  f"ids is out of range [0, {self.rows})")
             keep = batch.positions < length

@@ -130,6 +130,16 @@ def test_slots_outside_the_optimizers_domain_are_refused(tmp_path, rng, table, s
         convert_tf_checkpoint(path, tmp_path / "converted", feature_config=_slotted_config())
     assert not (tmp_path / "converted").exists()
     convert_tf_checkpoint(path, tmp_path / "values", feature_config=_slotted_config(), include_optimizer=False)
+    # An optimizer read from the slots' names (no feature config, no optimizer=) has default hyper-parameters
+    # and bounds nothing: each load checks the slots against its own table's. A NaN is refused all the same.
+    if np.isnan(bad):
+        with pytest.raises(ValueError, match=message):
+            convert_tf_checkpoint(path, tmp_path / "guessed")
+    else:
+        convert_tf_checkpoint(path, tmp_path / "guessed")
+    # tf.train.Checkpoint's restore into the adapter checks each slot as it writes it.
+    with pytest.raises(ValueError, match=f"cannot restore '{table}/{slot}': " + message.split(f"'{table}' ")[1]):
+        tf.train.Checkpoint(embedding=EmbeddingForServing(_slotted_config(), None)).restore(path)
 
 
 def test_stacked_slots_outside_the_optimizers_domain_are_refused(tmp_path, rng):
