@@ -1040,7 +1040,13 @@ void CommitManifest(const std::string& path, const std::string& json, uint64_t g
                            now.st_dev == written.st_dev && now.st_ino == written.st_ino;
     if (!committed) throw IoError(tmp + ": rename to MANIFEST failed: " + checkpoint::ErrnoText(err), err);
   }
-  checkpoint::SyncDirectory(path);
+  try {
+    checkpoint::SyncDirectory(path);
+  } catch (...) {
+    checkpoint::RethrowWithNote(
+        "; the new checkpoint is in place (MANIFEST was replaced), but it may not survive a power loss until the "
+        "directory is synced; the previous generation's files stay until the next save");
+  }
 
   // Only now remove what the new manifest does not name: other generations and
   // leftovers, but not the files of a save in progress (its claim is held).

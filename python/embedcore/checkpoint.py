@@ -275,7 +275,9 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
 
     The save is atomic: the previous checkpoint at `path` stays loadable until
     the new one is complete and durable, and a save that fails leaves `path`
-    as it was. A sharded Embedding is saved by every rank at once (each
+    as it was, but for one case its error says: the directory's sync after
+    the new MANIFEST replaced the old one (the new checkpoint is then in
+    place, not yet durable). A sharded Embedding is saved by every rank at once (each
     writes its own shards; see ``embedcore.distributed``); a failure on any
     rank fails the save on every rank.
     """
@@ -359,6 +361,22 @@ def read_info(path, slot_files: bool = True):
     checks that its files are present with their sizes (without
     `slot_files`: its values files only)."""
     return _embedcore.read_info(native_path(path), bool(slot_files))
+
+
+def _copy_block(info, index: int, block, row_start: int, col_start: int, has_optimizer: bool) -> None:
+    """Reads the block `block` (a scratch table of `table_like`) of table
+    `index`, its slots as stored (a copy into another checkpoint). A read
+    error changed nothing the caller holds: it says so, not the engine's
+    "partly loaded" note for a load into the caller's table."""
+    try:
+        _embedcore.load_table_block(info, index, block, row_start, col_start, has_optimizer, True, slot_domain=False)
+    except OSError as e:
+        message = e.strerror or str(e)
+        cut = message.rfind("; table '", 0, max(0, message.find(" is partly loaded now")))
+        if cut < 0:
+            raise
+        raise type(e)(e.errno, f"{message[:cut]}; nothing was written (the checkpoints are as they were): "
+                               "try again") from None
 
 
 def load(path, into, include_optimizer: bool = True) -> None:
@@ -451,7 +469,8 @@ class Saver:
         already saved there, with their slots: SOK 1.x writes one pair of
         files per variable, so several variables can be dumped into one
         directory in turn, and each restored from it. The save is one atomic
-        commit (a failure leaves the previous checkpoint as it was); as
+        commit (a failure leaves the previous checkpoint as it was, as
+        ``save``'s does); as
         ``save``, it refuses values or slots that are not finite, of `obj`'s
         tables or of the kept ones.
 
@@ -599,8 +618,7 @@ class Saver:
                 for index, r0 in enumerate(range(0, t["rows"], chunk)):
                     block = _embedcore.table_like(info, k, min(chunk, t["rows"] - r0), t["dim"])
                     try:
-                        _embedcore.load_table_block(info, k, block, r0, 0, has_opt, True,
-                                                    slot_domain=False)  # kept as stored
+                        _copy_block(info, k, block, r0, 0, has_opt)
                     except CheckpointError as e:  # e.g. an optimizer this version does not know
                         raise CheckpointError(f"dump_to_file keeps the other tables of {path} with their "
                                               f"optimizer state: {e}") from None

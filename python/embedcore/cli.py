@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import List, Optional
 
@@ -387,20 +388,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="write the values only (also takes a table whose optimizer this version does not know)")
 
     args = parser.parse_args(argv)
-    if args.version:
-        from . import __version__
-
-        print(__version__)
-        return 0
-    if args.cmake_dir:
-        return _cmake_dir()
+    who = f"embedcore {args.command}" if args.command else "embedcore"
     # convert and reshard create DST: one that did not exist is removed again when the command fails
     # leaving it empty (an empty directory reads as a checkpoint whose MANIFEST is missing).
     new_dst = args.dst if args.command in ("convert", "reshard") and not os.path.lexists(args.dst) else None
     rc = None
+    interrupted = False
     try:
         rc = _run(args)
-        sys.stdout.flush()  # a closed pipe shows here, inside the handler below
+        if sys.stdout is not None:  # (None: started with stdout closed)
+            sys.stdout.flush()  # a closed pipe shows here, inside the handler below
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; the process still ends by SIGINT (below)
+        print(f"{who}: interrupted", file=sys.stderr)
+        interrupted = True
     except BrokenPipeError:
         # The reader of stdout is gone (`embedcore inspect CKPT | head -1`). As the Python docs
         # recommend (library/signal.html, "Note on SIGPIPE"): point stdout at devnull, so that the
@@ -413,10 +413,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             pass
         rc = 141
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
-        print(f"embedcore {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"{who}: {type(e).__name__}: {e}", file=sys.stderr)
         rc = 1
     except MemoryError as e:  # an argument too large for this machine (--batch-size, --rows)
-        print(f"embedcore {args.command}: MemoryError: {e or 'out of memory'}", file=sys.stderr)
+        print(f"{who}: MemoryError: {e or 'out of memory'}", file=sys.stderr)
         rc = 1
     finally:
         if new_dst is not None and rc != 0 and os.path.isdir(new_dst) and not os.path.islink(new_dst):
@@ -424,6 +424,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 os.rmdir(new_dst)  # only an empty directory: never anything else
             except OSError:
                 pass
+    if interrupted:  # as Python ends on an uncaught KeyboardInterrupt: by SIGINT, which a parent shell or make sees
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     if rc is None:
         parser.print_help(sys.stderr)
         return 2
@@ -431,7 +434,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(args) -> Optional[int]:
-    """Runs the subcommand; None for none."""
+    """Runs the subcommand (or --version, --cmake-dir); None for none."""
+    if args.version:
+        from . import __version__
+
+        print(__version__)
+        return 0
+    if args.cmake_dir:
+        return _cmake_dir()
     if args.command == "demo":
         from .demo import run
 

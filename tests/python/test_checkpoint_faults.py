@@ -372,3 +372,51 @@ def test_a_rename_to_manifest_interrupted_after_it_took_effect_is_a_commit(tmp_p
     got = small(9)
     ec.load(path, got)
     assert np.array_equal(got.values(), small(2).values())
+
+
+@pytest.mark.parametrize("sync", [1, 2])
+def test_a_failed_directory_sync_says_whether_the_new_checkpoint_is_in_place(tmp_path, sync):
+    """The directory is synced before the rename of MANIFEST (a failure
+    there leaves the old checkpoint) and after it (the new one is then in
+    place, not yet durable: the error says so, as the save's docstring)."""
+    path = tmp_path / "ckpt"
+    ec.save(path, make_table(1))
+    r = faults.run(tmp_path, _SAVE, f"fsync:ckpt$:{sync}:{errno.EIO}", path, 2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("failed: OSError 5 ") and "fsync failed: Input/output error" in r.stdout, r.stdout
+    in_place = "; the new checkpoint is in place (MANIFEST was replaced)" in r.stdout
+    assert in_place == (sync == 2), r.stdout
+    t = ec.Table(name="t", rows=ROWS, dim=DIM, optimizer=ec.optimizers.Adagrad(0.1))
+    ec.load(path, into=t)
+    want = make_table(1) if sync == 1 else ec.Table(name="t", rows=ROWS, dim=DIM, optimizer=ec.optimizers.Adagrad(0.1),
+                                                    initializer=ec.initializers.Uniform(-1, 1, seed=2))
+    assert t.values().tobytes() == want.values().tobytes()
+
+
+_DUMP_B = """
+import sys
+import embedcore as ec
+b = ec.Table(name="b", rows={rows}, dim={dim}, optimizer=ec.optimizers.Adagrad(0.1), initializer=ec.initializers.Zeros())
+try:
+    ec.Saver().dump_to_file(b, sys.argv[1])
+except Exception as e:
+    print("failed:", type(e).__name__, getattr(e, "errno", None), e)
+else:
+    print("saved")
+""".format(rows=ROWS, dim=DIM)
+
+
+def test_an_io_error_copying_a_kept_table_says_nothing_was_written(tmp_path):
+    """dump_to_file copies the other tables of the directory; a read error
+    of that copy changed no table of the caller's and no checkpoint: the
+    error says so (it said that table 'a' was partly loaded: load it again)."""
+    path = tmp_path / "ckpt"
+    ec.save(path, [make_table(1, "a"), make_table(2, "b")])
+    before = {f.name: f.read_bytes() for f in path.iterdir()}
+    # Table a's values file: its verification reads 3 times (header, padding, payload), the copy after that.
+    r = faults.run(tmp_path, _DUMP_B, f"pread:t00000.values.g:4-999:{errno.EIO}", path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("failed: OSError 5 [Errno 5] ") and "t00000.values" in r.stdout, r.stdout
+    assert r.stdout.rstrip().endswith(": read failed: Input/output error; nothing was written (the checkpoints are "
+                                      "as they were): try again"), r.stdout
+    assert {f.name: f.read_bytes() for f in path.iterdir()} == before

@@ -203,6 +203,42 @@ def test_demo(tmp_path):
     assert embedcore.cli.main(["verify", str(tmp_path / "demo")]) == 0
 
 
+def test_ctrl_c_says_interrupted_without_a_traceback_and_ends_by_sigint(tmp_path):
+    """As Python ends on an uncaught KeyboardInterrupt (by SIGINT, which a
+    shell or make sees), after one line instead of a traceback; a DST the
+    command created is removed."""
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-m", "embedcore", "demo", "--steps", "10000000", "--batch-size", "8",
+                          "--checkpoint", str(tmp_path / "new")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=ENV)
+    assert "demo:" in p.stdout.readline()  # training has begun
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGINT, (out, err)
+    assert err == "embedcore demo: interrupted\n", err
+    assert not (tmp_path / "new").exists()
+
+
+def test_version_and_help_to_a_closed_pipe_exit_quietly():
+    r = subprocess.run(f"{sys.executable} -m embedcore --version | true; echo ${{PIPESTATUS[0]}}", shell=True,
+                       executable="/bin/bash", capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.stdout.strip() in ("0", "141") and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "embedcore", "info"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       text=True, env=ENV, timeout=120, stdin=subprocess.DEVNULL, close_fds=True,
+                       preexec_fn=lambda: os.close(1))
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_demo_judges_the_loss_over_full_windows():
+    """The loss of steps 1-50 against that of steps 51-100; the one step
+    after them is shown but not judged (its loss alone was higher, and the
+    run failed)."""
+    r = run_cli("demo", "--steps", 101, "--batch-size", 64, "--seed", 4)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step   101  loss" in r.stdout and "loss 0.6780 -> 0.6582 (first and last 50 steps)" in r.stdout
+
+
 @pytest.mark.parametrize("args,match", [(["--steps", "0"], "demo: steps must be >= 1, got 0"),
                                         (["--steps", "-3"], "demo: steps must be >= 1, got -3"),
                                         (["--batch-size", "0"], "demo: batch_size must be >= 1, got 0"),

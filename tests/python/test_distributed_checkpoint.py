@@ -880,6 +880,20 @@ def test_reshard_cli_max_file_mb_and_no_optimizer(tmp_path, capsys):
     back = ec.Table(name="t", rows=1025, dim=256, optimizer=ec.optimizers.Adagrad(0.1))
     ec.load(tmp_path / "with_slots", into=back)
     assert back.slots()["accumulators"].tobytes() == table.slots()["accumulators"].tobytes()
+    # A copy without its slot files (which serves, and loads values only) reshards values only: no slot
+    # file is read (docs/format.md: only the files a read needs must be present).
+    copy = tmp_path / "values_only_copy"
+    copy.mkdir()
+    for f in src.iterdir():
+        if "accumulators" not in f.name:
+            shutil.copy(f, copy / f.name)
+    assert embedcore.cli.main(["reshard", str(copy), str(tmp_path / "from_copy"), "--world", "2",
+                               "--no-optimizer"]) == 0
+    capsys.readouterr()
+    np.testing.assert_array_equal(ec.serving.open(tmp_path / "from_copy").tables["t"].lookup(
+        np.arange(1025), combiner=None), table.values())
+    assert embedcore.cli.main(["reshard", str(copy), str(tmp_path / "with_missing"), "--world", "2"]) == 1
+    assert "missing file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kwargs", [

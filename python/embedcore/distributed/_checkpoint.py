@@ -19,8 +19,8 @@ import zlib
 from typing import List, Optional
 
 from .. import _embedcore
-from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_padding, _check_values_dtype, _locked, _metadata,
-                          _quantized_tables, _remove_if_created_and_empty, _slot_counts, _table_config_json,
+from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_padding, _check_values_dtype, _copy_block, _locked,
+                          _metadata, _quantized_tables, _remove_if_created_and_empty, _slot_counts, _table_config_json,
                           native_path, resolved_path)
 from ._comm import RankFailedError, agree
 from ._plan import make_plan
@@ -290,7 +290,7 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
         # into src waits for it, so the manifest read and the files read are of one checkpoint. Released before
         # dst's commit (which takes dst's lock exclusive, and cleans src when it is dst).
         with _locked(src):
-            info = _embedcore.read_info(src)
+            info = _embedcore.read_info(src, bool(include_optimizer))  # (values only: no slot file is read)
             manifest = json.loads(info.manifest_json)
             quantized = _quantized_tables(manifest)
             if quantized:
@@ -369,7 +369,7 @@ def _reshard_into(info, manifest: dict, layout, dst: str, generation: int, world
         pieces = []
         for index, (s, r0, n) in enumerate(_pieces(t, ts, max_file_bytes)):
             block = _embedcore.table_like(info, k, n, s.cols)
-            _embedcore.load_table_block(info, k, block, r0, s.col_start, has_opt, True, slot_domain=False)  # as stored
+            _copy_block(info, k, block, r0, s.col_start, has_opt)
             pieces.append(json.loads(_embedcore.write_shard_files(dst, generation, f"t{k:05d}.", index, block,
                                                                   r0, s.col_start, has_opt, values_dtype)))
             del block
