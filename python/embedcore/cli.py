@@ -31,6 +31,14 @@ def _human(n: int) -> str:
     return str(n)
 
 
+def _shown(name) -> str:
+    """A name as inspect prints it: as it is, or quoted with escapes where
+    it is empty or holds a character that does not print (a newline, a
+    terminal escape), so that no name can forge lines or reach the terminal."""
+    name = str(name)
+    return name if name and name.isprintable() else repr(name)
+
+
 def _inspect(path: str, as_json: bool) -> int:
     from .checkpoint import _locked, native_path, read_info, resolved_path
 
@@ -62,7 +70,7 @@ def _print_inspect(given: str, info, as_json: bool, missing=frozenset()) -> int:
         for f in features:
             f = f if isinstance(f, dict) else {}
             length = f.get("max_sequence_length")
-            described.append(f"{f.get('name', '?')} -> {f.get('table', '?')}" +
+            described.append(f"{_shown(f.get('name', '?'))} -> {_shown(f.get('table', '?'))}" +
                              (f" (sequence {length})" if length else ""))
         print("  features: " + ", ".join(described))
     total = 0
@@ -73,7 +81,7 @@ def _print_inspect(given: str, info, as_json: bool, missing=frozenset()) -> int:
         stored = sorted({f["dtype"] for f in t["values"]})
         opt = t["optimizer"]
         padding = t["config"].get("padding_idx")  # (format 1.5: pooled lookups leave that id out)
-        print(f"  table {t['name']}: {t['rows']} x {t['dim']} {t['dtype']} (stored {', '.join(stored)}), "
+        print(f"  table {_shown(t['name'])}: {t['rows']} x {t['dim']} {t['dtype']} (stored {', '.join(stored)}), "
               f"combiner {t['config'].get('combiner', '?')}"
               f"{'' if padding is None else f', padding_idx {padding}'}, {_human(size)}")
         if opt is None:

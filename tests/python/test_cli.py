@@ -116,6 +116,18 @@ def test_inspect_shows_a_padding_idx(tmp_path, capsys):
     assert "padding_idx" not in capsys.readouterr().out
 
 
+def test_inspect_quotes_names_that_do_not_print(tmp_path, capsys):
+    """A table name with a newline or a terminal escape is quoted with
+    escapes: it cannot forge a line of the listing or reach the terminal."""
+    ec.save(tmp_path / "c", [ec.Table(name="a\n  table forged: 1 x 1", rows=2, dim=2),
+                             ec.Table(name="b\x1b]0;title\x07", rows=2, dim=2), ec.Table(name="plain", rows=2, dim=2)])
+    assert embedcore.cli.main(["inspect", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "  table 'a\\n  table forged: 1 x 1': 2 x 2" in out and "\n  table forged" not in out
+    assert "  table 'b\\x1b]0;title\\x07': 2 x 2" in out and "\x1b" not in out
+    assert "  table plain: 2 x 2" in out
+
+
 def test_verify_good(emb_ckpt):
     r = run_cli("verify", emb_ckpt)  # stderr is a pipe: no progress bar
     assert r.returncode == 0, r.stderr
