@@ -221,12 +221,18 @@ def test_ctrl_c_says_interrupted_without_a_traceback_and_ends_by_sigint(tmp_path
     command created is removed."""
     import signal
 
+    # (SIGINT's default restored: a run started in the background inherits it ignored, and Python then
+    # raises no KeyboardInterrupt)
     p = subprocess.Popen([sys.executable, "-m", "embedcore", "demo", "--steps", "10000000", "--batch-size", "8",
                           "--checkpoint", str(tmp_path / "new")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=ENV)
+                         text=True, env=dict(ENV, PYTHONUNBUFFERED="1"),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert "demo:" in p.stdout.readline()  # training has begun
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=120)
+    try:
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
     assert p.returncode == -signal.SIGINT, (out, err)
     assert err == "embedcore demo: interrupted\n", err
     assert not (tmp_path / "new").exists()
