@@ -87,7 +87,7 @@ run_tests() {  # name, seconds, pytest arguments...
   timeout --kill-after=10 "$limit" "$PY" -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$OUT/$name.log"
   rc=${PIPESTATUS[0]}
   set -e
-  { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && echo "gpu_check: $name ran past $limit s and was stopped"
+  { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && echo "gpu_check: $name was stopped (past $limit s, or killed: 137)"
   [ "$rc" -ne 0 ] && tests_rc=$rc
   return 0
 }
@@ -103,7 +103,7 @@ timeout --kill-after=10 "${GPU_BENCH_TIMEOUT:-180}" "$PY" benchmarks/bench_gpu.p
 bench_rc=${PIPESTATUS[0]}
 set -e
 { [ "$bench_rc" -eq 124 ] || [ "$bench_rc" -eq 137 ]; } &&
-  echo "gpu_check: the benchmark ran past ${GPU_BENCH_TIMEOUT:-180} s and was stopped"
+  echo "gpu_check: the benchmark was stopped (past ${GPU_BENCH_TIMEOUT:-180} s, or killed: 137)"
 [ "$bench_rc" -eq 3 ] && echo "gpu_check: the benchmark ran, and missed a target (see above)"
 
 say "done in $((SECONDS - START)) s; tests exit $tests_rc, benchmark exit $bench_rc"

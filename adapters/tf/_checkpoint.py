@@ -446,15 +446,21 @@ def _index(flat, shape) -> List[int]:
 
 def slot_value_problem(table: ec.Table, slot: str, value: np.ndarray, bounded: bool = True) -> Optional[str]:
     """Why `value` cannot be `slot` of `table` (``Table.assign_slot``'s rule,
-    which ``ec.load`` applies: finite, and, when `bounded`, within the
-    optimizer's domain), or None."""
+    which ``ec.load`` applies: finite, and within the optimizer's domain;
+    not `bounded`: a slot the optimizer bounds at least 0, as every
+    optimizer's accumulators are), or None."""
     if not value.size:
         return None
     lo, hi = float(value.min()), float(value.max())  # (NaN propagates: one pass each in the usual case)
     if not (np.isfinite(lo) and np.isfinite(hi)):
         bad = np.flatnonzero(~np.isfinite(value))
         return f"holds {value.flat[bad[0]]} at {_index(bad[0], value.shape)}; a slot must be finite"
-    problem = slot_problem(table, slot, lo) if bounded else None
+    if bounded:
+        problem = slot_problem(table, slot, lo)
+    elif lo < 0 and table._native.slot_lower_bound(table.slot_names.index(slot))[0]:
+        problem = f"must be >= 0, got {lo}"
+    else:
+        problem = None
     if problem:
         return f"at {_index(np.argmin(value), value.shape)} {problem}"
     return None
@@ -631,8 +637,9 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
                                  f"optimizer here ({have}) would drop {dropped}: give optimizer= (or a feature "
                                  "config whose table has one) that keeps them, or include_optimizer=False "
                                  "(--no-optimizer) to convert the values only")
-    # (checksums verified before the reads; an optimizer read from the slots' names, with its default
-    # hyper-parameters, does not bound them: each load checks them against its own table's optimizer)
+    # (checksums verified before the reads; an optimizer read from the slots' names has default
+    # hyper-parameters: its domain is not the slots' (a zero accumulator of an Adagrad with an epsilon),
+    # each load checks them against its own table's optimizer; a negative one no optimizer takes)
     guessed = feature_config is None and optimizer is None
     restore_tables(ckpt, engine_tables, prefix, include_optimizer, slot_bounds=not guessed)
     # With the whole feature config, the checkpoint records its features (served by feature name).

@@ -370,13 +370,14 @@ def _copy_block(info, index: int, block, row_start: int, col_start: int, has_opt
     "partly loaded" note for a load into the caller's table."""
     try:
         _embedcore.load_table_block(info, index, block, row_start, col_start, has_optimizer, True, slot_domain=False)
-    except OSError as e:
-        message = e.strerror or str(e)
+    except (OSError, ValueError, MemoryError) as e:  # (an I/O error, a short read, memory for a buffer)
+        errno_ = e.errno if isinstance(e, OSError) else None
+        message = (e.strerror if errno_ else None) or str(e)
         cut = message.rfind("; table '", 0, max(0, message.find(" is partly loaded now")))
         if cut < 0:
             raise
-        raise type(e)(e.errno, f"{message[:cut]}; nothing was written (the checkpoints are as they were): "
-                               "try again") from None
+        message = f"{message[:cut]}; nothing was written (the checkpoints are as they were): try again"
+        raise (type(e)(errno_, message) if errno_ else type(e)(message)) from None
 
 
 def load(path, into, include_optimizer: bool = True) -> None:

@@ -406,7 +406,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         rc = _run(args)
         if sys.stdout is not None:  # (None: started with stdout closed)
             sys.stdout.flush()  # a closed pipe shows here, inside the handler below
-    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; the process still ends by SIGINT (below)
+    except KeyboardInterrupt:  # Ctrl-C: one line (run_as_program ends the process by SIGINT, no traceback)
         print(f"{who}: interrupted", file=sys.stderr)
         interrupted = True
     except BrokenPipeError:
@@ -432,13 +432,31 @@ def main(argv: Optional[List[str]] = None) -> int:
                 os.rmdir(new_dst)  # only an empty directory: never anything else
             except OSError:
                 pass
-    if interrupted:  # as Python ends on an uncaught KeyboardInterrupt: by SIGINT, which a parent shell or make sees
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+    if interrupted:  # (after the clean-up above) the caller's, as any KeyboardInterrupt
+        raise KeyboardInterrupt
     if rc is None:
         parser.print_help(sys.stderr)
         return 2
     return rc
+
+
+def run_as_program() -> int:
+    """The `embedcore` command (and ``python -m embedcore``): ``main()``, and
+    on Ctrl-C, after its one line, the end Python gives an uncaught
+    KeyboardInterrupt (by SIGINT, which a parent shell or make sees) without
+    the traceback."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):
+                pass
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise  # (SIGINT could not end it: the interpreter's own handling)
 
 
 def _run(args) -> Optional[int]:

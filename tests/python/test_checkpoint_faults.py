@@ -420,3 +420,26 @@ def test_an_io_error_copying_a_kept_table_says_nothing_was_written(tmp_path):
     assert r.stdout.rstrip().endswith(": read failed: Input/output error; nothing was written (the checkpoints are "
                                       "as they were): try again"), r.stdout
     assert {f.name: f.read_bytes() for f in path.iterdir()} == before
+
+
+@pytest.mark.parametrize("kind", [ec.CheckpointError, MemoryError])
+def test_a_copy_error_of_another_kind_says_nothing_was_written(tmp_path, monkeypatch, kind):
+    """The engine adds its "partly loaded" note to every error of a block's
+    copy (a short read: CheckpointError; a buffer: MemoryError); a copy into
+    another checkpoint says nothing was written instead, keeping the type."""
+    import embedcore.checkpoint as checkpoint
+
+    path = tmp_path / "ckpt"
+    ec.save(path, [make_table(1, "a"), make_table(2, "b")])
+    before = {f.name: f.read_bytes() for f in path.iterdir()}
+
+    def fail(*args, **kwargs):
+        raise kind(f"{path}/t00000.values.g000000000001.ecd: truncated; table 'a' is partly loaded now (its values "
+                   "and slots are part the checkpoint's, part what it held before): load it again")
+
+    monkeypatch.setattr(checkpoint._embedcore, "load_table_block", fail)
+    with pytest.raises(kind, match=r"t00000\.values\.g000000000001\.ecd: truncated; nothing was written \(the "
+                                   r"checkpoints are as they were\): try again$") as info:
+        ec.Saver().dump_to_file(make_table(3, "b"), path)
+    assert "partly loaded" not in str(info.value)
+    assert {f.name: f.read_bytes() for f in path.iterdir()} == before

@@ -238,6 +238,21 @@ def test_ctrl_c_says_interrupted_without_a_traceback_and_ends_by_sigint(tmp_path
     assert not (tmp_path / "new").exists()
 
 
+def test_ctrl_c_in_process_reaches_the_caller(tmp_path, monkeypatch, capsys):
+    """main() called from Python code (a script, a notebook, a test): the
+    KeyboardInterrupt reaches the caller, after the one line and the
+    clean-up; only the command (run_as_program) ends the process by SIGINT."""
+    def interrupted(args):
+        os.mkdir(args.dst)  # as a convert that had begun writing DST
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(embedcore.cli, "_run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        embedcore.cli.main(["reshard", str(tmp_path / "src"), str(tmp_path / "dst"), "--world", "1"])
+    assert capsys.readouterr().err == "embedcore reshard: interrupted\n"
+    assert not (tmp_path / "dst").exists()
+
+
 def test_version_and_help_to_a_closed_pipe_exit_quietly():
     r = subprocess.run(f"{sys.executable} -m embedcore --version | true; echo ${{PIPESTATUS[0]}}", shell=True,
                        executable="/bin/bash", capture_output=True, text=True, env=ENV, timeout=120)

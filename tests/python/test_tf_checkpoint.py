@@ -107,7 +107,8 @@ def test_errors(slotted_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("table, slot, where, bad, message", [
     ("ta", "accumulators", (19, 3), -0.5, r"slot 'accumulators' of table 'ta' at \[19, 3\] must be >= 1.17549435e-38 .*got -0.5"),
-    ("tc", "momenta", (8, 4), np.nan, r"slot 'momenta' of table 'tc' holds nan at \[8, 4\]; a slot must be finite")])
+    ("tc", "momenta", (8, 4), np.nan, r"slot 'momenta' of table 'tc' holds nan at \[8, 4\]; a slot must be finite"),
+    ("ta", "accumulators", (0, 0), 0.0, r"slot 'accumulators' of table 'ta' at \[0, 0\] must be >= 1.17549435e-38 .*got 0.0")])
 def test_slots_outside_the_optimizers_domain_are_refused(tmp_path, rng, table, slot, where, bad, message):
     """A slot the table's optimizer cannot step from (a negative Adagrad
     accumulator, a NaN moment: hand-made, TensorFlow writes none) is refused
@@ -130,13 +131,17 @@ def test_slots_outside_the_optimizers_domain_are_refused(tmp_path, rng, table, s
         convert_tf_checkpoint(path, tmp_path / "converted", feature_config=_slotted_config())
     assert not (tmp_path / "converted").exists()
     convert_tf_checkpoint(path, tmp_path / "values", feature_config=_slotted_config(), include_optimizer=False)
-    # An optimizer read from the slots' names (no feature config, no optimizer=) has default hyper-parameters
-    # and bounds nothing: each load checks the slots against its own table's. A NaN is refused all the same.
-    if np.isnan(bad):
-        with pytest.raises(ValueError, match=message):
-            convert_tf_checkpoint(path, tmp_path / "guessed")
-    else:
+    # An optimizer read from the slots' names (no feature config, no optimizer=) has default hyper-parameters,
+    # whose domain is not the slots': a zero accumulator converts (a load checks it against its own table's
+    # optimizer), a negative one or a NaN (which no optimizer takes) is refused.
+    if bad == 0:
         convert_tf_checkpoint(path, tmp_path / "guessed")
+        keras_like = ec.Table(name="ta", rows=20, dim=4, optimizer=ec.optimizers.Adagrad(0.1, epsilon=1e-7))
+        ec.load(tmp_path / "guessed", into=keras_like)
+        assert keras_like.slots()["accumulators"][where] == 0
+    else:
+        with pytest.raises(ValueError, match=message if np.isnan(bad) else r"'ta' at \[19, 3\] must be >= 0, got -0.5"):
+            convert_tf_checkpoint(path, tmp_path / "guessed")
     # tf.train.Checkpoint's restore into the adapter checks each slot as it writes it.
     with pytest.raises(ValueError, match=f"cannot restore '{table}/{slot}': " + message.split(f"'{table}' ")[1]):
         tf.train.Checkpoint(embedding=EmbeddingForServing(_slotted_config(), None)).restore(path)
