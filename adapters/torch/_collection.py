@@ -15,6 +15,7 @@ import functools
 import inspect
 import math
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -24,8 +25,8 @@ from torch import Tensor, nn
 import embedcore as ec
 
 from . import _ops
-from ._modules import (_MODES, Embedding, EmbeddingBag, _AdapterModule, _table_device, _torch_seed, check_ids,
-                       check_weights, refuse_fx_proxy)
+from ._modules import (_MODES, Embedding, EmbeddingBag, _AdapterModule, _TableModule, _table_device, _torch_seed,
+                       check_ids, check_weights, refuse_fx_proxy)
 
 __all__ = ["EmbeddingBagConfig", "EmbeddingConfig", "EmbeddingBagCollection", "EmbeddingCollection"]
 
@@ -475,6 +476,20 @@ class _Collection(_AdapterModule):
         """Where the tables live (TorchRec's ``device``)."""
         return self._device
 
+    def _link_tables(self) -> None:
+        """Each table module knows its collection (weakly), so that the first
+        lookup that fuses a table from apply_optimizer_in_backward fuses
+        every pending table of the collection, or none
+        (``_TableModule._fuse_in_backward_optimizer``)."""
+        ref = weakref.ref(self)
+        for m in self.modules():
+            if isinstance(m, _TableModule):
+                m.__dict__["_collection"] = ref
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._link_tables()  # (a copy's tables know the copy)
+
     def reset_parameters(self) -> None:
         """Initializes every table's values again, as TorchRec's: a config's
         ``init_fn`` is called on the table's weight again (new draws), an
@@ -545,6 +560,7 @@ class EmbeddingBagCollection(_PooledInterface, _Collection):
                 dtype=s.dtype, optimizer=s.optimizer if s.optimizer is not None else optimizer,
                 initializer=s.initializer, name=s.name, _init_fn=s.init_fn)
         self._dims = [s.dim for s, names in zip(self._specs, self._names) for _ in names]
+        self._link_tables()
 
     def _children_list(self):
         return list(self._modules["embedding_bags"]._modules.values())  # (not nn.Module.__getattr__: every forward)
@@ -605,6 +621,7 @@ class EmbeddingCollection(_SequenceInterface, _Collection):
                 s.rows, s.dim, sparse=sparse, device=device, dtype=s.dtype,
                 optimizer=s.optimizer if s.optimizer is not None else optimizer, initializer=s.initializer,
                 name=s.name, _init_fn=s.init_fn)
+        self._link_tables()
 
     def _children_list(self):
         return list(self.embeddings.values())

@@ -327,6 +327,7 @@ class _AdapterModule(nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_fused_optimizer_cache", None)
+        state.pop("_collection", None)  # (a weak reference: the collection's __setstate__ makes it anew)
         return state
 
 
@@ -495,7 +496,7 @@ class _TableModule(_AdapterModule):
         """The module and its table, as errors name them."""
         return f"{type(self).__name__} (table '{self._table.name}')"
 
-    def _fuse_in_backward_optimizer(self, weight: Tensor) -> bool:
+    def _fuse_in_backward_optimizer(self, weight: Tensor, whole: bool = True) -> bool:
         """Trains the table fused with the engine's equal of the optimizer
         that ``apply_optimizer_in_backward`` gave `weight` (TorchRec's way to
         ask for a fused optimizer), if it gave one: the table takes that
@@ -508,7 +509,21 @@ class _TableModule(_AdapterModule):
         Not once PyTorch's optimizer has stepped the weight (a module that
         torch.compile traced before any eager call trains unfused, where the
         switch is not traceable): its state would be lost, so that optimizer
-        goes on training the table."""
+        goes on training the table.
+
+        A table of a collection (`whole`) fuses with every pending table of
+        that collection (``fuse_pending``): all of them or, where one's
+        optimizer is refused, none. Only until the table is fused: a fused
+        table's lookups do not come here."""
+        if self._group is not None:
+            return True
+        if _optim.stepped(weight):
+            return False
+        if whole:
+            ref = self.__dict__.get("_collection")
+            collection = None if ref is None else ref()
+            if collection is not None and any(m is self for m in collection.modules()):
+                fuse_pending(collection)  # (raises, naming the table, before any table changes)
         with _FUSE_LOCK:  # two threads' first lookups: one converts
             if self._group is not None:
                 return True
@@ -711,7 +726,7 @@ def fuse_pending(module: nn.Module) -> None:
                     _optim.engine_optimizer(weight, m._owner())  # (raises for one the engine lacks)
                 pending.append((m, weight))
     for m, weight in pending:
-        m._fuse_in_backward_optimizer(weight)
+        m._fuse_in_backward_optimizer(weight, whole=False)
 
 
 def tables_of(module: nn.Module) -> List[ec.Table]:

@@ -777,19 +777,43 @@ def test_apply_optimizer_in_backward_refusals_leave_the_table_unfused(rng):
         m(ids, offsets)
 
 
-def test_apply_optimizer_in_backward_a_refusal_fuses_no_table_of_the_module():
+@pytest.mark.parametrize("kind", ["bag_dict", "bag_kjt", "sequence_dict"])
+def test_apply_optimizer_in_backward_a_refusal_fuses_no_table_of_the_module(kind):
     """fused_optimizer (and tables_of, ec.save, ...) fuse every pending table:
     one whose optimizer the engine lacks is refused, naming it, before any
-    table switches (was: the tables before it had switched, unnamed)."""
-    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 4, name=f"t{i}", feature_names=[f"f{i}"])
-                                     for i in range(3)])
-    ps = [b.weight for b in ebc.embedding_bags.values()]
+    table switches (was: the tables before it had switched, unnamed). The
+    collection's first forward too (was: it switched t0 and t1, then raised
+    for t2); once t2's optimizer is one the engine has, a forward fuses all
+    three."""
+    features = {f"f{i}": torch.tensor([[1, 2], [3, 4]]) for i in range(3)}
+    if kind == "bag_kjt":
+        torchrec = pytest.importorskip("torchrec")
+        features = torchrec.KeyedJaggedTensor.from_lengths_sync(
+            keys=list(features), values=torch.arange(12) % 10, lengths=torch.full((6,), 2))
+    if kind == "sequence_dict":
+        ebc = et.EmbeddingCollection([et.EmbeddingConfig(10, 4, name=f"t{i}", feature_names=[f"f{i}"])
+                                      for i in range(3)])
+    else:
+        ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 4, name=f"t{i}", feature_names=[f"f{i}"])
+                                         for i in range(3)])
+    modules = list(ebc.children())[0].values()
+    ps = [b.weight for b in modules]
+    before = [p.detach().clone() for p in ps]
     _in_backward(torch.optim.Adagrad, ps[:2], {"lr": 0.1})
     _in_backward(torch.optim.Adam, ps[2:], {"lr": 0.1})
-    for how in (lambda: ebc.fused_optimizer, lambda: et.tables_of(ebc)):
+    for how in (lambda: ebc.fused_optimizer, lambda: et.tables_of(ebc), lambda: ebc(features)):
         with pytest.raises(NotImplementedError, match=r"\(table 't2'\): apply_optimizer_in_backward\(Adam, "):
             how()
-        assert [(b.fused, b.table.optimizer) for b in ebc.embedding_bags.values()] == [(False, None)] * 3
+        assert [(b.fused, b.table.optimizer, b._group) for b in modules] == [(False, None, None)] * 3
+        assert all(torch.equal(p, b) for p, b in zip(ps, before))
+    for attr in ("_optimizer_classes", "_optimizer_kwargs", "_in_backward_optimizers"):
+        delattr(ps[2], attr)
+    _in_backward(torch.optim.Adagrad, ps[2:], {"lr": 0.1})
+    out = ebc(features)
+    values = out.values() if kind == "bag_kjt" else torch.cat([v.reshape(-1) for v in out.values()])
+    values.sum().backward()
+    assert [(b.fused, type(b.table.optimizer).__name__, b.table.step) for b in modules] == [(True, "Adagrad", 1)] * 3
+    assert all(not torch.equal(p, b) for p, b in zip(ps, before))
 
 
 def test_apply_optimizer_in_backward_state_exists_before_the_first_lookup(rng):
