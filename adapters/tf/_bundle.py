@@ -148,16 +148,22 @@ class Bundle:
             self._pread(f, out, self.entries[key].offset + start * cols * 4, key)
         return out
 
-    def verify(self, key: str) -> None:
+    def verify(self, key: str, finite: bool = False) -> bool:
         """Raises OSError unless plain tensor `key`'s bytes are all in its data
-        file with the checksum its entry records (read in 32 MiB pieces)."""
+        file with the checksum its entry records (read in 32 MiB pieces).
+        Returns, with `finite`, whether every float in it is finite (checked
+        in the same pieces, as they are read), else True."""
         e = self.entries[key]
         crc, buf = 0, np.empty(min(_CHUNK, e.size), np.uint8)
+        all_finite = True
         with open(self.data_file(key), "rb") as f:
             for off in range(0, e.size, _CHUNK):
                 piece = buf[:min(_CHUNK, e.size - off)]
                 self._pread(f, piece, e.offset + off, key)
                 crc = _embedcore.crc32c(piece, crc)
+                if finite and all_finite:  # (_CHUNK is a multiple of 4: each piece holds whole floats)
+                    all_finite = bool(np.isfinite(piece.view(np.float32)).all())
         if crc != _unmask(e.crc32c):
             raise OSError(f"{self.data_file(key)}: checksum mismatch in {key} (bytes {e.offset} to "
                           f"{e.offset + e.size})")
+        return all_finite

@@ -39,7 +39,7 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.training.saving import saveable_object
 
 import embedcore as ec
-from embedcore.table import _MAX_STEP, slot_problem
+from embedcore.table import _MAX_STEP, _ROUNDS_TO_INF, slot_problem
 
 from ._bundle import Bundle, BundleError
 
@@ -136,7 +136,7 @@ class TFCheckpoint:
         self.shapes: Dict[str, list] = self._reader.get_variable_to_shape_map()
         self.dtypes = self._reader.get_variable_to_dtype_map()
         self._layouts: Dict[str, Dict[str, StackedTable]] = {}
-        self._verified: set = set()  # tensors whose checksums verify() checked
+        self._verified: Dict[str, bool] = {}  # tensors whose checksums verify() checked: whether all finite
         try:  # rows read straight from the data files (RestoreV2 reads a whole tensor for every slice)
             self._bundle: Optional[Bundle] = Bundle(self.path)
         except (ValueError, OSError, DecodeError):  # BundleError, or an index this reader does not parse
@@ -350,26 +350,32 @@ class TFCheckpoint:
             if self.dtypes[key] != tf.float32:
                 raise ValueError(f"{self.path}: {key} holds {self.dtypes[key].name}, not float32")
 
-    def verify(self, prefix: str, name: str, slots: Sequence[str], shapes: Dict[Optional[str], Tuple[int, int]]) -> None:
+    def verify(self, prefix: str, name: str, slots: Sequence[str], shapes: Dict[Optional[str], Tuple[int, int]]) -> bool:
         """Reads table `name` and its `slots` block by block as ``read_into``
         does, discarding the values: raises (naming the tensor and the data
         files) unless every block the restore reads can be read, in the
         memory of one block. `shapes`: the destination shape of the table
-        (key None) and of each slot."""
+        (key None) and of each slot. Returns whether the table's values are
+        known to be finite: the stored tensor read for its checksum holds
+        no NaN or infinity (a stacked variable's padding and other tables
+        included); False for a tensor that RestoreV2 reads (saved as
+        slices), not looked at here."""
         layouts = self.layouts(prefix)
+        finite = False
         for slot in [None, *slots]:
             base = layouts[name].stacked if name in layouts else name
             key = _join(prefix, base if slot is None else f"{base}/{slot}") + ATTR
             if self._plain(key):  # its checksum, streaming its bytes (the row reads do not check it)
-                if key in self._verified:  # (a stacked variable holds several tables)
-                    continue
-                try:
-                    self._bundle.verify(key)
-                except OSError as e:
-                    raise self._error(f"cannot read {key}", e) from None
-                self._verified.add(key)
+                if key not in self._verified:  # (a stacked variable holds several tables)
+                    try:
+                        self._verified[key] = self._bundle.verify(key, finite=slot is None)
+                    except OSError as e:
+                        raise self._error(f"cannot read {key}", e) from None
+                if slot is None:
+                    finite = self._verified[key]
             else:  # RestoreV2 checks what it reads
                 self.read_into(prefix, name, slot, _sink(shapes[slot]))
+        return finite
 
     def _read_stacked(self, prefix: str, s: StackedTable, slot: Optional[str], dest: np.ndarray) -> None:
         key = _join(prefix, s.stacked if slot is None else f"{s.stacked}/{slot}") + ATTR
@@ -444,6 +450,34 @@ def _index(flat, shape) -> List[int]:
     return [int(i) for i in np.unravel_index(int(flat), shape)]
 
 
+def values_problem(table: ec.Table, value: np.ndarray) -> Optional[str]:
+    """Why `value` cannot be the values of `table` (``Table.assign``'s
+    rule, which ``ec.save`` applies too: finite, and for a float16 /
+    bfloat16 table also once rounded to its storage dtype), or None. One
+    vectorised pass in the usual case; the first offender is looked for
+    only when there is one."""
+    limit = _ROUNDS_TO_INF.get(table.dtype)
+    if np.isfinite(value).all() and (limit is None or not (np.abs(value) >= limit).any()):
+        return None
+    bad = np.flatnonzero(~np.isfinite(value))
+    if bad.size:
+        return f"values{_index(bad[0], value.shape)} = {value.flat[bad[0]]} is not finite"
+    bad = np.flatnonzero(np.abs(value) >= limit)
+    return (f"values{_index(bad[0], value.shape)} = {value.flat[bad[0]]} is beyond the range of its storage dtype "
+            f"{table.dtype} (it would round to infinity)")
+
+
+def _check_values(ckpt: TFCheckpoint, prefix: str, table: ec.Table) -> None:
+    """Raises ValueError unless the checkpoint's values of `table` may be
+    restored (``values_problem``): read once more, in one table's memory,
+    before any table changes."""
+    value = np.empty(_values_view(table).shape, np.float32)
+    ckpt.read_into(prefix, table.name, None, value)
+    problem = values_problem(table, value)
+    if problem:
+        raise ValueError(f"{ckpt.path}: table '{table.name}' {problem}; Table.assign and ec.save refuse it too")
+
+
 def slot_value_problem(table: ec.Table, slot: str, value: np.ndarray, bounded: bool = True) -> Optional[str]:
     """Why `value` cannot be `slot` of `table` (``Table.assign_slot``'s rule,
     which ``ec.load`` applies: finite, and within the optimizer's domain;
@@ -501,10 +535,13 @@ def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optio
         ckpt.check(prefix, t.name, slots, t._native.slot_dim)
         step = ckpt.step(prefix, t.name) if include_optimizer else None  # read (and checked) before any change
         plan.append((t, slots, step))
+    unsure = [t for t, _, _ in plan]  # tables whose values may not be finite
     if verify:
-        for t, slots, _ in plan:
-            ckpt.verify(prefix, t.name, slots,
-                        {None: _values_view(t).shape, **{s: _slot_view(t, s).shape for s in slots}})
+        unsure = [t for t, slots, _ in plan  # (the values' finiteness checked on the same read as the checksum)
+                  if not ckpt.verify(prefix, t.name, slots,
+                                     {None: _values_view(t).shape, **{s: _slot_view(t, s).shape for s in slots}})]
+    for t in unsure:  # the values, as Table.assign checks them (located here, or read here when not yet read)
+        _check_values(ckpt, prefix, t)
     for t, slots, _ in plan:  # the slots' domain, as assign_slot and ec.load check it
         for s in slots:
             _check_slot_domain(ckpt, prefix, t, s, slot_bounds)
@@ -751,7 +788,12 @@ class TableVariable(_Trackable):
 
     def _restore(self, key: str, value: tf.Tensor) -> None:
         if key == _VALUE_KEY:
-            _copy_into(_values_view(self._table), value, self._table.name)
+            dest = _values_view(self._table)
+            if tuple(value.shape) == dest.shape:  # (a shape error comes next)
+                problem = values_problem(self._table, value.numpy())
+                if problem:
+                    raise ValueError(f"cannot restore '{self._table.name}': {problem}")
+            _copy_into(dest, value, self._table.name)
         elif value.shape.rank != 0:
             raise ValueError(f"cannot restore the step of '{self._table.name}': the checkpoint holds shape "
                              f"{list(value.shape)}, not a scalar")

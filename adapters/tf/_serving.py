@@ -321,24 +321,34 @@ class EmbeddingForServing(_AutoTrackable):
 
     def _restore_stacked(self, stacked: str, slot: Optional[str], value: np.ndarray) -> None:
         layouts = self._stacked_layouts()
+        # Values are checked before any table changes: the whole stacked variable in one pass; only where that
+        # finds a NaN or an infinity (in a table, or in padding) is each table un-stacked apart and checked.
+        direct = slot is None and bool(np.isfinite(value).all())
         dests = {}
         for n, s in layouts.items():
             if s.stacked != stacked:
                 continue
             t = self._tables[n]
-            if slot is None:
+            if direct:
                 dests[n] = t._native.values_mut()
-            elif slot in t.slot_names:
-                dests[n] = np.empty_like(dict(t._native.slots_mut())[slot])  # checked before any table changes
+            elif slot is None or slot in t.slot_names:
+                dests[n] = np.empty_like(t._native.values_mut() if slot is None
+                                         else dict(t._native.slots_mut())[slot])  # checked before any table changes
         _checkpoint.unstack_array(layouts, stacked, value, dests)
-        if slot is None:
+        if direct:
             return
         for n, v in dests.items():
-            problem = _checkpoint.slot_value_problem(self._tables[n], slot, v)
-            if problem:
-                raise ValueError(f"stacked variable '{stacked}': slot '{slot}' of table '{n}' {problem}")
+            if slot is None:
+                problem = _checkpoint.values_problem(self._tables[n], v)
+                if problem:
+                    raise ValueError(f"stacked variable '{stacked}': table '{n}': {problem}")
+            else:
+                problem = _checkpoint.slot_value_problem(self._tables[n], slot, v)
+                if problem:
+                    raise ValueError(f"stacked variable '{stacked}': slot '{slot}' of table '{n}' {problem}")
         for n, v in dests.items():
-            dict(self._tables[n]._native.slots_mut())[slot][...] = v
+            native = self._tables[n]._native
+            (native.values_mut() if slot is None else dict(native.slots_mut())[slot])[...] = v
 
     def __repr__(self) -> str:
         return f"EmbeddingForServing(tables={[s.name for s in self._specs]}, features={list(self._features)})"

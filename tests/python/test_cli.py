@@ -485,14 +485,18 @@ def test_verify_names_the_first_value_that_is_not_finite_across_parts(tmp_path, 
 
 
 # ------------------------------------------------------------------ from the CLI audit
-def _tf_checkpoint(path):
+def _tf_checkpoint(path, nan_at=None):
     """A TensorFlow checkpoint of TPUEmbeddingForServing (one Adagrad table
-    'ta', 20 x 4) at model/embedding; its data file."""
+    'ta', 20 x 4) at model/embedding; its data file. `nan_at`: an element
+    of the table's values set to NaN."""
     tf = pytest.importorskip("tensorflow")
     E = tf.tpu.experimental.embedding
     theirs = E.TPUEmbeddingForServing(
         {"a": E.FeatureConfig(E.TableConfig(vocabulary_size=20, dim=4, name="ta", optimizer=E.Adagrad(0.1)))}, None)
     theirs.build()
+    if nan_at is not None:
+        values = theirs.embedding_tables[next(iter(theirs.embedding_tables))]
+        values.assign(tf.tensor_scatter_nd_update(values, [nan_at], [float("nan")]))
     root = tf.train.Checkpoint(model=tf.Module())
     root.model.embedding = theirs
     prefix = root.save(str(path / "ckpt"))
@@ -531,6 +535,18 @@ def test_convert_tf_of_a_corrupt_or_truncated_data_file_is_one_line(tmp_path, ca
     ours = EmbeddingForServing({"a": E.FeatureConfig(E.TableConfig(vocabulary_size=20, dim=4, name="ta"))})
     with pytest.raises(ValueError, match="cannot read this TensorFlow checkpoint: .*" + data):
         load_tf_checkpoint(prefix, ours, include_optimizer=False)
+
+
+def test_convert_tf_of_values_that_are_not_finite_is_one_line(tmp_path, capsys):
+    """A NaN in a table's values is refused before any table is read,
+    naming the table and the element (was: read into the table, then
+    refused by the save that ends the conversion)."""
+    prefix, _ = _tf_checkpoint(tmp_path / "tf", nan_at=[13, 2])
+    assert embedcore.cli.main(["convert", "--from", "tf", prefix, str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("embedcore convert: ValueError: ")
+    assert "table 'ta' values[13, 2] = nan is not finite" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_convert_tf_prints_no_tensorflow_start_up_logging(tmp_path):

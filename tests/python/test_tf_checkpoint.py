@@ -163,6 +163,56 @@ def test_stacked_slots_outside_the_optimizers_domain_are_refused(tmp_path, rng):
             {k: v for k, v in before.items() if k[1] == "accumulators"}
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_values_that_are_not_finite_are_refused(tmp_path, rng, bad):
+    """A NaN or an infinity in a table's values (hand-made, or a diverged
+    run) is refused as Table.assign and ec.save refuse it, naming the table,
+    the row and the column, before any table changes: here the second of
+    three tables (was: restored silently; ec.save refused it later)."""
+    theirs = E.TPUEmbeddingForServing(_slotted_config(), None)
+    theirs.build()
+    for t, d in theirs.variables.items():
+        for name, v in d.items():
+            x = rng.random(v.shape).astype(np.float32) + np.float32(0.1)
+            if (t, name) == ("tb", "parameters"):
+                x[11, 2] = bad
+            v.assign(x)
+    path = tf.train.Checkpoint(embedding=theirs).save(str(tmp_path / "tf" / "ckpt"))
+    message = rf"table 'tb' values\[11, 2\] = {bad} is not finite"
+    for include_optimizer in (True, False):
+        ours = EmbeddingForServing(_slotted_config(), None)
+        before = {k: v.tobytes() for k, v in _state(ours).items()}
+        with pytest.raises(ValueError, match=message):
+            load_tf_checkpoint(path, ours, include_optimizer=include_optimizer)
+        assert {k: v.tobytes() for k, v in _state(ours).items()} == before
+    for kwargs in (dict(feature_config=_slotted_config()), {}, dict(include_optimizer=False)):
+        with pytest.raises(ValueError, match=message):
+            convert_tf_checkpoint(path, tmp_path / "converted", **kwargs)
+        assert not (tmp_path / "converted").exists()
+    # tf.train.Checkpoint's restore into the adapter checks each table's values before it writes them.
+    ours = EmbeddingForServing(_slotted_config(), None)
+    before = ours.variables["tb"]["parameters"].numpy().tobytes()
+    with pytest.raises(ValueError, match=rf"cannot restore 'tb': values\[11, 2\] = {bad} is not finite"):
+        tf.train.Checkpoint(embedding=ours).restore(path)
+    assert ours.variables["tb"]["parameters"].numpy().tobytes() == before
+
+
+def test_stacked_values_that_are_not_finite_are_refused(tmp_path, rng):
+    shapes = {"sa": (37, 5), "sb": (100, 8)}
+    path, _, _ = _sparsecore_checkpoint(str(tmp_path / "ckpt"), rng, shapes, bad_value=("sb", (99, 7), np.nan))
+    config = {n: E.FeatureConfig(E.TableConfig(vocabulary_size=r, dim=d, name=n)) for n, (r, d) in shapes.items()}
+    for restore in ("checkpoint", "reader"):
+        ours = EmbeddingForServing(config, E.Adagrad(0.1))
+        before = {k: v.tobytes() for k, v in _state(ours).items()}
+        with pytest.raises(ValueError, match=r"table 'sb':? values\[99, 7\] = nan is not finite"):
+            if restore == "checkpoint":
+                tf.train.Checkpoint(embedding=ours).restore(path)
+            else:
+                load_tf_checkpoint(path, ours)
+        assert {k: v.tobytes() for k, v in _state(ours).items() if k[1] == "parameters"} == \
+            {k: v for k, v in before.items() if k[1] == "parameters"}
+
+
 def test_refused_table_dtype_changes_no_table(slotted_checkpoint):
     # A float16 table among the targets is refused before any table is read (was: the tables before it restored).
     path, _ = slotted_checkpoint
@@ -205,8 +255,19 @@ def test_table_sliced_over_hosts(tmp_path, rng):
             load_tf_checkpoint(path, ours, prefix="embedding")
         assert {k: v.tobytes() for k, v in _state(ours).items()} == {k: v.tobytes() for k, v in expected.items()}
 
+    # A NaN in a slice (read by RestoreV2, not for its checksum) is refused too, before any table changes.
+    values[5, 1] = np.nan
+    written = AutoTrackable()
+    written._track_trackable(sharded(values, "big"), name="big")
+    path = tf.train.Checkpoint(embedding=written).save(str(tmp_path / "nan" / "ckpt"))
+    ours = EmbeddingForServing(config(), None)
+    before = ours.variables["big"]["parameters"].numpy().tobytes()
+    with pytest.raises(ValueError, match=r"table 'big' values\[5, 1\] = nan is not finite"):
+        load_tf_checkpoint(path, ours, prefix="embedding")
+    assert ours.variables["big"]["parameters"].numpy().tobytes() == before
 
-def _sparsecore_checkpoint(path, rng, shapes, bad_accumulator=None):
+
+def _sparsecore_checkpoint(path, rng, shapes, bad_accumulator=None, bad_value=None):
     """A checkpoint as TPUEmbeddingV2 (SparseCore) writes it: layouts made by
     TensorFlow's SparseCoreLayoutStacker, tables stacked, rotated and padded
     by TensorFlow's own resharding code, plus accumulators stacked alike."""
@@ -227,6 +288,8 @@ def _sparsecore_checkpoint(path, rng, shapes, bad_accumulator=None):
     accumulators = {n: rng.random(s).astype(np.float32) for n, s in shapes.items()}
     if bad_accumulator is not None:  # (table, index, value)
         accumulators[bad_accumulator[0]][bad_accumulator[1]] = bad_accumulator[2]
+    if bad_value is not None:  # (table, index, value)
+        values[bad_value[0]][bad_value[1]] = bad_value[2]
 
     def stack(tables):
         return adapter._shard_from_cpu_to_sc([tf.constant(tables[l.table_name]) for l in ordered], spec, ordered)
