@@ -687,22 +687,25 @@ int64_t FirstBadValue(const FileEntry& f, const ValueCheck& check, const char* b
     const int64_t col = int64_t(e % uint64_t(f.cols));
     return col >= check.col_lo && col < check.col_hi;
   };
-  if (!check.narrow && check.bound.bounded) {  // a slot's domain: a branch-free scan of each 1024 values (NaN fails)
+  if (!check.narrow && check.bound.bounded) {
+    // A slot's domain (and, with check.finite, no +inf): a branch-free scan of each 1024 values (NaN fails).
     const auto& load = kernels::ActiveKernels().dtype[int(f.dtype)].load;
     const float minimum = check.bound.minimum;
+    const float maximum = check.finite ? std::numeric_limits<float>::max() : std::numeric_limits<float>::infinity();
+    auto refuses = [&](float v) { return !check.bound.Admits(v) || !(v <= maximum); };
     float tmp[1024];
     for (int64_t i = 0; i < count; i += 1024) {
       const int64_t k = std::min<int64_t>(1024, count - i);
       load(bytes + size_t(i) * es, tmp, k);
       bool any = false;
       if (check.bound.strict) {
-        for (int64_t j = 0; j < k; ++j) any |= !(tmp[j] > minimum);
+        for (int64_t j = 0; j < k; ++j) any |= !(tmp[j] > minimum) | !(tmp[j] <= maximum);
       } else {
-        for (int64_t j = 0; j < k; ++j) any |= !(tmp[j] >= minimum);
+        for (int64_t j = 0; j < k; ++j) any |= !(tmp[j] >= minimum) | !(tmp[j] <= maximum);
       }
       if (!any) continue;
       for (int64_t j = 0; j < k; ++j)
-        if (!check.bound.Admits(tmp[j]) && in_columns(e0 + uint64_t(i + j))) return int64_t(e0) + i + j;
+        if (refuses(tmp[j]) && in_columns(e0 + uint64_t(i + j))) return int64_t(e0) + i + j;
     }
     return -1;
   }
@@ -862,7 +865,11 @@ void VerifyDataRange(const std::string& dir, const FileEntry& f, uint64_t lo, ui
       kernels::ActiveKernels().dtype[int(f.dtype)].load(raw, &x, 1);
       const std::string at = "row " + std::to_string(f.row_start + int64_t(e / uint64_t(f.cols))) + ", column " +
                              std::to_string(f.col_start + int64_t(e % uint64_t(f.cols)));
-      if (!std::isfinite(x)) throw CheckpointError(file.path() + ": value at " + at + " is not finite");
+      if (!std::isfinite(x) && check->label.empty())
+        throw CheckpointError(file.path() + ": value at " + at + " is not finite");
+      if (!std::isfinite(x))
+        throw CheckpointError(file.path() + ": " + check->label + " hold " + FormatFloat(x) + " at " + at +
+                              ": a checkpoint holds finite values only (this one is corrupt)");
       if (!check->bound.Admits(x))
         throw CheckpointError(file.path() + ": " + check->label + " hold " + FormatFloat(x) + " at " + at +
                               "; the target table's optimizer needs them " + check->bound.Describe() +
@@ -1598,6 +1605,7 @@ void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const
     const bool narrows = f.dtype != to && (DTypeSize(to) < DTypeSize(f.dtype) || to == DType::kFloat16 ||
                                            f.dtype == DType::kUInt8Rowwise);
     ValueCheck check;
+    check.finite = true;  // a writer stores finite values only: one that is not is refused, as verify refuses it
     check.narrow = narrows;
     check.to = to;
     check.bound = bound;
@@ -1605,7 +1613,7 @@ void VerifyTableBlock(const CheckpointInfo& info, const TableEntry& entry, const
     check.col_hi = c1 - f.col_start;
     check.label = label;
     VerifyDataRange(info.path, f, uint64_t(r0 - f.row_start) * row_bytes, uint64_t(r1 - f.row_start) * row_bytes,
-                    narrows || bound.bounded ? &check : nullptr, {}, files);
+                    &check, {}, files);
   };
   for (const FileEntry& f : entry.values) verify_file(f, spec.dtype, false, "table '" + entry.name + "' values", {});
   const bool rowwise = spec.optimizer.SlotDim(spec.dim) != spec.dim || entry.optimizer.SlotDim(entry.dim) != entry.dim;

@@ -178,7 +178,7 @@ def _read_v1(src: str, var: str, dim: Optional[int], key_dtype: Optional[str]) -
                               + (f" with dim {dim}" if dim else ""))
     if len(candidates) > 1:
         raise CheckpointError(f"{kpath}: the sizes fit both int64 keys (dim {candidates[0][1]}) and uint32 keys "
-                              f"(dim {candidates[1][1]}); give dim= or key_dtype=")
+                              f"(dim {candidates[1][1]}); give dim= or key_dtype= (embedcore convert: --dim or --key-dtype)")
     kd, d = candidates[0]
     keys = np.fromfile(kpath, dtype="<i8" if kd == "int64" else "<u4")
     values = np.fromfile(vpath, dtype="<f4").reshape(len(keys), d) if len(keys) else np.zeros((0, d), np.float32)

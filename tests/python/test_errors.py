@@ -1020,6 +1020,50 @@ def test_accumulators_of_0_are_refused_where_the_step_would_divide_0_by_0(tmp_pa
     np.testing.assert_array_equal(t.to_numpy(), src.to_numpy())
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("array", ["values", "accumulators"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_checkpoint_holding_a_value_that_is_not_finite_loads_nothing(tmp_path, bad, array, dtype):
+    """A writer stores finite values and slots only (`embedcore verify` calls
+    a checkpoint that holds NaN or infinity corrupt). One whose checksums
+    were sealed over such a value (another writer, a forged file) is refused
+    by a load, naming the table, the array, the value and where it is, with
+    the table left as it was: loaded, the table could not be saved again.
+    Without its optimizer state, a checkpoint whose bad value is in a slot
+    loads its values."""
+    import test_checkpoint_forge as forge
+
+    src = make_table(6, 4, optimizer=opt.Adagrad(0.1), name="t", seed=5)
+    ec.save(tmp_path / "ck", src)
+    m = forge.read_manifest(tmp_path / "ck")
+    entry = m["tables"][0]["values"][0] if array == "values" else m["tables"][0]["slots"][array][0]
+    path = tmp_path / "ck" / entry["path"]
+    blob = bytearray(open(path, "rb").read())
+    at = forge.DATA_OFFSET + (3 * 4 + 1) * 4  # row 3, column 1 of a float32 file
+    blob[at:at + 4] = np.float32(bad).tobytes()
+    open(path, "wb").write(bytes(blob))
+    entry["crc32c"] = forge.payload_crcs(bytes(blob[forge.DATA_OFFSET:]))
+    forge.write_manifest(tmp_path / "ck", m)
+
+    t = make_table(6, 4, optimizer=opt.Adagrad(0.1), name="t", dtype=dtype)
+    s = snapshot(t)
+    what = "values" if array == "values" else f"slot {array}"
+    text = {"nan": "nan", "inf": "inf", "-inf": "-inf"}[str(np.float32(bad))]
+    with pytest.raises(ec.CheckpointError, match=f"table 't' {what} hold {text} at row 3, column 1: a checkpoint "
+                                                 "holds finite values only"):
+        ec.load(tmp_path / "ck", into=t)
+    assert_unchanged(t, s)
+    from embedcore import cli
+    assert cli.main(["verify", str(tmp_path / "ck")]) == 1  # (what `embedcore verify` says of it)
+    if array == "values":
+        with pytest.raises(ec.CheckpointError, match=f"table 't' values hold {text} at row 3"):
+            ec.load(tmp_path / "ck", into=t, include_optimizer=False)
+        assert_unchanged(t, s)
+    else:
+        ec.load(tmp_path / "ck", into=t, include_optimizer=False)
+        np.testing.assert_array_equal(t.to_numpy(), src.to_numpy().astype(dtype).astype(np.float32))
+
+
 def test_a_checkpoint_whose_accumulators_start_at_0_loads_only_where_epsilon_allows(tmp_path):
     """PyTorch's Adagrad (accumulators from 0, eps 1e-10) saved, then loaded
     into TensorFlow's (epsilon 0): refused, where it used to load and turn
