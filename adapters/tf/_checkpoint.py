@@ -358,8 +358,8 @@ class TFCheckpoint:
         (key None) and of each slot. Returns whether the table's values are
         known to be finite: the stored tensor read for its checksum holds
         no NaN or infinity (a stacked variable's padding and other tables
-        included); False for a tensor that RestoreV2 reads (saved as
-        slices), not looked at here."""
+        included), or, for one that RestoreV2 reads (saved as slices), the
+        blocks read hold none."""
         layouts = self.layouts(prefix)
         finite = False
         for slot in [None, *slots]:
@@ -373,8 +373,11 @@ class TFCheckpoint:
                         raise self._error(f"cannot read {key}", e) from None
                 if slot is None:
                     finite = self._verified[key]
-            else:  # RestoreV2 checks what it reads
-                self.read_into(prefix, name, slot, _sink(shapes[slot]))
+            else:  # RestoreV2 checks what it reads (the values: their finiteness too, block by block)
+                sink = _FiniteSink(shapes[slot]) if slot is None else _sink(shapes[slot])
+                self.read_into(prefix, name, slot, sink)
+                if slot is None:
+                    finite = sink.finite
         return finite
 
     def _read_stacked(self, prefix: str, s: StackedTable, slot: Optional[str], dest: np.ndarray) -> None:
@@ -428,6 +431,22 @@ def unstack(s: StackedTable, shape: Tuple[int, int], read, dest: np.ndarray) -> 
             dest[i::cores][:count] = read((k * per_shard + s.offset, count), (0, s.dim))
 
 
+class _FiniteSink:
+    """A destination for ``read_into`` that keeps only whether every block
+    written into it was finite (``dest[r:r + n] = block``, and
+    ``dest[i::cores][:count] = block`` for a stacked table)."""
+
+    def __init__(self, shape: Tuple[int, int]):
+        self.shape = tuple(shape)
+        self.finite = True
+
+    def __getitem__(self, index) -> "_FiniteSink":
+        return self
+
+    def __setitem__(self, index, block) -> None:
+        self.finite = self.finite and bool(np.isfinite(block).all())
+
+
 def _sink(shape: Tuple[int, int]) -> np.ndarray:
     """A writable float32 array of `shape` whose elements all share one
     float: writing a block into it keeps nothing (``verify``'s reads)."""
@@ -467,10 +486,17 @@ def values_problem(table: ec.Table, value: np.ndarray) -> Optional[str]:
             f"{table.dtype} (it would round to infinity)")
 
 
-def _check_values(ckpt: TFCheckpoint, prefix: str, table: ec.Table) -> None:
+def _check_values(ckpt: TFCheckpoint, prefix: str, table: ec.Table, finite: Optional[bool] = None) -> None:
     """Raises ValueError unless the checkpoint's values of `table` may be
-    restored (``values_problem``): read once more, in one table's memory,
-    before any table changes."""
+    restored (``values_problem``), before any table changes: read once
+    more block by block (unless `finite` says what ``verify`` found), and
+    where one is not finite, once more in one table's memory to name it."""
+    if finite is None:
+        sink = _FiniteSink(_values_view(table).shape)
+        ckpt.read_into(prefix, table.name, None, sink)
+        finite = sink.finite
+    if finite:
+        return
     value = np.empty(_values_view(table).shape, np.float32)
     ckpt.read_into(prefix, table.name, None, value)
     problem = values_problem(table, value)
@@ -535,13 +561,12 @@ def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optio
         ckpt.check(prefix, t.name, slots, t._native.slot_dim)
         step = ckpt.step(prefix, t.name) if include_optimizer else None  # read (and checked) before any change
         plan.append((t, slots, step))
-    unsure = [t for t, _, _ in plan]  # tables whose values may not be finite
-    if verify:
-        unsure = [t for t, slots, _ in plan  # (the values' finiteness checked on the same read as the checksum)
-                  if not ckpt.verify(prefix, t.name, slots,
-                                     {None: _values_view(t).shape, **{s: _slot_view(t, s).shape for s in slots}})]
-    for t in unsure:  # the values, as Table.assign checks them (located here, or read here when not yet read)
-        _check_values(ckpt, prefix, t)
+    for t, slots, _ in plan:  # the values, as Table.assign checks them
+        # (with `verify`: their finiteness found on the read that checks the checksums; named here)
+        finite = (ckpt.verify(prefix, t.name, slots, {None: _values_view(t).shape,
+                                                      **{s: _slot_view(t, s).shape for s in slots}})
+                  if verify else None)
+        _check_values(ckpt, prefix, t, finite)
     for t, slots, _ in plan:  # the slots' domain, as assign_slot and ec.load check it
         for s in slots:
             _check_slot_domain(ckpt, prefix, t, s, slot_bounds)

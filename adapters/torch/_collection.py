@@ -478,17 +478,21 @@ class _Collection(_AdapterModule):
 
     def _link_tables(self) -> None:
         """Each table module knows its collection (weakly), so that the first
-        lookup that fuses a table from apply_optimizer_in_backward fuses
-        every pending table of the collection, or none
-        (``_TableModule._fuse_in_backward_optimizer``)."""
+        lookup that fuses a table from apply_optimizer_in_backward checks
+        every pending table of the collection first: one refused, none
+        fuses (``_TableModule._fuse_in_backward_optimizer``). A table that
+        knows a live collection already keeps it (a shallow copy shares the
+        original's tables)."""
         ref = weakref.ref(self)
         for m in self.modules():
             if isinstance(m, _TableModule):
-                m.__dict__["_collection"] = ref
+                known = m.__dict__.get("_collection")
+                if known is None or known() is None:
+                    m.__dict__["_collection"] = ref
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self._link_tables()  # (a copy's tables know the copy)
+        self._link_tables()  # (a deep copy's or an unpickled collection's tables know it)
 
     def reset_parameters(self) -> None:
         """Initializes every table's values again, as TorchRec's: a config's

@@ -511,10 +511,12 @@ class _TableModule(_AdapterModule):
         switch is not traceable): its state would be lost, so that optimizer
         goes on training the table.
 
-        A table of a collection (`whole`) fuses with every pending table of
-        that collection (``fuse_pending``): all of them or, where one's
-        optimizer is refused, none. Only until the table is fused: a fused
-        table's lookups do not come here."""
+        A table of a collection (`whole`) first checks the optimizer of
+        every pending table of that collection (``check_pending``): where
+        one is refused, none of them fuses, this one included. It fuses
+        only itself: a sibling fuses at its own lookup (a graph traced
+        before may still hold its weight unfused). Only until the table is
+        fused: a fused table's lookups do not come here."""
         if self._group is not None:
             return True
         if _optim.stepped(weight):
@@ -523,7 +525,7 @@ class _TableModule(_AdapterModule):
             ref = self.__dict__.get("_collection")
             collection = None if ref is None else ref()
             if collection is not None and any(m is self for m in collection.modules()):
-                fuse_pending(collection)  # (raises, naming the table, before any table changes)
+                check_pending(collection)  # (raises, naming the table, before any table changes)
         with _FUSE_LOCK:  # two threads' first lookups: one converts
             if self._group is not None:
                 return True
@@ -717,6 +719,14 @@ def fuse_pending(module: nn.Module) -> None:
     load a checkpoint's, or to hand to a learning-rate scheduler. An
     optimizer the engine does not have raises, naming its table, before
     any table changes."""
+    for m, weight in check_pending(module):
+        m._fuse_in_backward_optimizer(weight, whole=False)
+
+
+def check_pending(module: nn.Module) -> list:
+    """The tables of `module` that ``apply_optimizer_in_backward`` asked to
+    fuse and that are not fused yet, as (module, weight); raises, naming
+    the table, for one whose optimizer the engine does not have."""
     pending = []
     for m in module.modules():
         if isinstance(m, _TableModule) and m._group is None:
@@ -725,8 +735,7 @@ def fuse_pending(module: nn.Module) -> None:
                 if not _optim.stepped(weight):
                     _optim.engine_optimizer(weight, m._owner())  # (raises for one the engine lacks)
                 pending.append((m, weight))
-    for m, weight in pending:
-        m._fuse_in_backward_optimizer(weight, whole=False)
+    return pending
 
 
 def tables_of(module: nn.Module) -> List[ec.Table]:

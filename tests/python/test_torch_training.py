@@ -816,6 +816,54 @@ def test_apply_optimizer_in_backward_a_refusal_fuses_no_table_of_the_module(kind
     assert all(not torch.equal(p, b) for p, b in zip(ps, before))
 
 
+def test_apply_optimizer_in_backward_a_first_lookup_fuses_only_its_own_table():
+    """A table's first lookup checks its collection's pending tables but
+    fuses only itself: a sibling that a compiled graph looked up unfused
+    (traced before any eager call) stays unfused, and the backward through
+    both graphs trains it with PyTorch's optimizer (a version that fused
+    every sibling at once made that backward raise: the sibling's weight
+    got a gradient of its own)."""
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 4, name=f"t{i}", feature_names=[f"f{i}"])
+                                     for i in range(2)])
+    b0, b1 = ebc.embedding_bags["t0"], ebc.embedding_bags["t1"]
+    _in_backward(torch.optim.Adagrad, [b0.weight, b1.weight], {"lr": 0.1})
+    ids, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])
+    before = b0.weight.detach().clone()
+    out0 = torch.compile(lambda i, o: b0(i, o), backend="aot_eager")(ids, offsets)
+    out1 = b1(ids, offsets)
+    assert (b0.fused, b1.fused) == (False, True)
+    (out0.sum() + out1.sum()).backward()
+    assert not b0.fused and b1.table.step == 1
+    assert not torch.equal(b0.weight.detach(), before)  # (PyTorch's Adagrad stepped it)
+
+
+@pytest.mark.parametrize("copy_kind", ["shallow", "deep"])
+def test_apply_optimizer_in_backward_a_copied_collection_refuses_all_or_none(copy_kind):
+    """A shallow copy of a collection keeps the first lookup's check of
+    every pending table, and so does the original, once a copy is gone (a
+    shallow copy shares the original's tables, which keep their link to
+    it; a deep copy's tables link to the copy)."""
+    import copy
+    import gc
+
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 4, name=f"t{i}", feature_names=[f"f{i}"])
+                                     for i in range(3)])
+    ps = [b.weight for b in ebc.embedding_bags.values()]
+    _in_backward(torch.optim.Adagrad, ps[:2], {"lr": 0.1})
+    _in_backward(torch.optim.Adam, ps[2:], {"lr": 0.1})
+    features = {f"f{i}": torch.tensor([[1, 2], [3, 4]]) for i in range(3)}
+    other = copy.copy(ebc) if copy_kind == "shallow" else copy.deepcopy(ebc)
+    if copy_kind == "shallow":  # (a deep copy's weights are new Parameters, which PyTorch copies without
+        with pytest.raises(NotImplementedError, match=r"\(table 't2'\)"):  # their in-backward optimizers)
+            other(features)
+        assert [b.fused for b in other.embedding_bags.values()] == [False] * 3
+    del other
+    gc.collect()
+    with pytest.raises(NotImplementedError, match=r"\(table 't2'\)"):
+        ebc(features)
+    assert [b.fused for b in ebc.embedding_bags.values()] == [False] * 3
+
+
 def test_apply_optimizer_in_backward_state_exists_before_the_first_lookup(rng):
     """TorchRec's order: apply_optimizer_in_backward, then restore the fused
     optimizer's state, then train; a parent's fused_optimizer made before a
