@@ -480,15 +480,13 @@ class _Collection(_AdapterModule):
         """Each table module knows its collection (weakly), so that the first
         lookup that fuses a table from apply_optimizer_in_backward checks
         every pending table of the collection first: one refused, none
-        fuses (``_TableModule._fuse_in_backward_optimizer``). A table that
-        knows a live collection already keeps it (a shallow copy shares the
-        original's tables)."""
-        ref = weakref.ref(self)
+        fuses (``_TableModule._fuse_in_backward_optimizer``). A table keeps
+        a link to each live collection it is in (a shallow copy shares the
+        original's tables, and either may outlive the other)."""
         for m in self.modules():
             if isinstance(m, _TableModule):
-                known = m.__dict__.get("_collection")
-                if known is None or known() is None:
-                    m.__dict__["_collection"] = ref
+                links = [r for r in m.__dict__.get("_collections", ()) if r() is not None and r() is not self]
+                m.__dict__["_collections"] = links + [weakref.ref(self)]
 
     def __setstate__(self, state):
         super().__setstate__(state)

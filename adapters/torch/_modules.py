@@ -327,7 +327,7 @@ class _AdapterModule(nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_fused_optimizer_cache", None)
-        state.pop("_collection", None)  # (a weak reference: the collection's __setstate__ makes it anew)
+        state.pop("_collections", None)  # (weak references: the collection's __setstate__ makes them anew)
         return state
 
 
@@ -522,10 +522,11 @@ class _TableModule(_AdapterModule):
         if _optim.stepped(weight):
             return False
         if whole:
-            ref = self.__dict__.get("_collection")
-            collection = None if ref is None else ref()
-            if collection is not None and any(m is self for m in collection.modules()):
-                check_pending(collection)  # (raises, naming the table, before any table changes)
+            for ref in self.__dict__.get("_collections", ()):
+                collection = ref()
+                if collection is not None and any(m is self for m in collection.modules()):
+                    check_pending(collection)  # (raises, naming the table, before any table changes)
+                    break
         with _FUSE_LOCK:  # two threads' first lookups: one converts
             if self._group is not None:
                 return True

@@ -857,11 +857,17 @@ def test_apply_optimizer_in_backward_a_copied_collection_refuses_all_or_none(cop
         with pytest.raises(NotImplementedError, match=r"\(table 't2'\)"):  # their in-backward optimizers)
             other(features)
         assert [b.fused for b in other.embedding_bags.values()] == [False] * 3
+    survivor = copy.copy(ebc) if copy_kind == "shallow" else ebc
     del other
     gc.collect()
     with pytest.raises(NotImplementedError, match=r"\(table 't2'\)"):
         ebc(features)
     assert [b.fused for b in ebc.embedding_bags.values()] == [False] * 3
+    del ebc  # (a shallow copy that outlives its original)
+    gc.collect()
+    with pytest.raises(NotImplementedError, match=r"\(table 't2'\)"):
+        survivor(features)
+    assert [b.fused for b in survivor.embedding_bags.values()] == [False] * 3
 
 
 def test_apply_optimizer_in_backward_state_exists_before_the_first_lookup(rng):
