@@ -147,20 +147,31 @@ def test_slots_outside_the_optimizers_domain_are_refused(tmp_path, rng, table, s
         tf.train.Checkpoint(embedding=EmbeddingForServing(_slotted_config(), None)).restore(path)
 
 
-def test_stacked_slots_outside_the_optimizers_domain_are_refused(tmp_path, rng):
+@pytest.mark.parametrize("array", ["accumulators", "parameters"])
+def test_stacked_slots_or_values_that_cannot_be_restored_are_refused(tmp_path, rng, array):
+    """A SparseCore-stacked table's accumulator outside the optimizer's
+    domain, or its value that is not finite, is refused naming the table and
+    the element (in the table's own coordinates), with nothing of that kind
+    written, through tf.train.Checkpoint and through the reader."""
     shapes = {"sa": (37, 5), "sb": (100, 8)}
-    path, _, _ = _sparsecore_checkpoint(str(tmp_path / "ckpt"), rng, shapes, bad_accumulator=("sb", (99, 7), 0.0))
+    if array == "accumulators":
+        bad = dict(bad_accumulator=("sb", (99, 7), 0.0))
+        message = r"slot 'accumulators' of table 'sb' at \[99, 7\] must be >= 1.17549435e-38 .*got 0.0"
+    else:
+        bad = dict(bad_value=("sb", (99, 7), np.nan))
+        message = r"table 'sb':? values\[99, 7\] = nan is not finite"
+    path, _, _ = _sparsecore_checkpoint(str(tmp_path / "ckpt"), rng, shapes, **bad)
     config = {n: E.FeatureConfig(E.TableConfig(vocabulary_size=r, dim=d, name=n)) for n, (r, d) in shapes.items()}
     for restore in ("checkpoint", "reader"):
         ours = EmbeddingForServing(config, E.Adagrad(0.1))
         before = {k: v.tobytes() for k, v in _state(ours).items()}
-        with pytest.raises(ValueError, match=r"slot 'accumulators' of table 'sb' at \[99, 7\] must be >= 1.17549435e-38 .*got 0.0"):
+        with pytest.raises(ValueError, match=message):
             if restore == "checkpoint":
                 tf.train.Checkpoint(embedding=ours).restore(path)
             else:
                 load_tf_checkpoint(path, ours)
-        assert {k: v.tobytes() for k, v in _state(ours).items() if k[1] == "accumulators"} == \
-            {k: v for k, v in before.items() if k[1] == "accumulators"}
+        assert {k: v.tobytes() for k, v in _state(ours).items() if k[1] == array} == \
+            {k: v for k, v in before.items() if k[1] == array}
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -195,22 +206,6 @@ def test_values_that_are_not_finite_are_refused(tmp_path, rng, bad):
     with pytest.raises(ValueError, match=rf"cannot restore 'tb': values\[11, 2\] = {bad} is not finite"):
         tf.train.Checkpoint(embedding=ours).restore(path)
     assert ours.variables["tb"]["parameters"].numpy().tobytes() == before
-
-
-def test_stacked_values_that_are_not_finite_are_refused(tmp_path, rng):
-    shapes = {"sa": (37, 5), "sb": (100, 8)}
-    path, _, _ = _sparsecore_checkpoint(str(tmp_path / "ckpt"), rng, shapes, bad_value=("sb", (99, 7), np.nan))
-    config = {n: E.FeatureConfig(E.TableConfig(vocabulary_size=r, dim=d, name=n)) for n, (r, d) in shapes.items()}
-    for restore in ("checkpoint", "reader"):
-        ours = EmbeddingForServing(config, E.Adagrad(0.1))
-        before = {k: v.tobytes() for k, v in _state(ours).items()}
-        with pytest.raises(ValueError, match=r"table 'sb':? values\[99, 7\] = nan is not finite"):
-            if restore == "checkpoint":
-                tf.train.Checkpoint(embedding=ours).restore(path)
-            else:
-                load_tf_checkpoint(path, ours)
-        assert {k: v.tobytes() for k, v in _state(ours).items() if k[1] == "parameters"} == \
-            {k: v for k, v in before.items() if k[1] == "parameters"}
 
 
 def test_refused_table_dtype_changes_no_table(slotted_checkpoint):
