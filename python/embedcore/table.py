@@ -262,10 +262,13 @@ class Table(LookupMixin):
         if not isinstance(optimizer, _opt.Optimizer):
             raise TypeError(f"table '{self._name}': optimizer must be an embedcore.optimizers.Optimizer, "
                             f"got {optimizer!r}")
-        self._native.set_optimizer(optimizer._native())
-        c = self._config
-        self._config = TableConfig(c.name, c.rows, c.dim, c.dtype, c.initializer, optimizer, c.combiner)
-        self._optimizer = optimizer
+        # Under the lock a step holds from reading the rate to stepping: no step takes the old optimizer's
+        # rate to the new one, and a save sees the config of the optimizer it saves.
+        with self._schedule_lock():
+            self._native.set_optimizer(optimizer._native())
+            c = self._config
+            self._config = TableConfig(c.name, c.rows, c.dim, c.dtype, c.initializer, optimizer, c.combiner)
+            self._optimizer = optimizer
 
     @property
     def step(self) -> int:
@@ -474,8 +477,9 @@ class Table(LookupMixin):
                              "no further step")
 
     def _schedule_lock(self) -> threading.RLock:
-        """This table's lock that makes reading a schedule's rate and stepping
-        one (reentrant: the PyTorch adapter holds it around its fused steps,
+        """This table's lock that makes reading the rate (a schedule's, or
+        the optimizer's) and stepping one, and that ``set_optimizer`` holds
+        (reentrant: the PyTorch adapter holds it around its fused steps,
         which may step through ``_cuda_apply``)."""
         lock = self.__dict__.get("_step_lock")
         if lock is None:
@@ -484,14 +488,14 @@ class Table(LookupMixin):
         return lock
 
     def _apply_parts(self, parts, learning_rate: Optional[float] = None) -> None:
-        if learning_rate is None and self._optimizer is not None and callable(self._optimizer.learning_rate):
-            # A schedule's rate depends on the step: reading it and stepping are one, for threads that update
-            # this table at once (the native step takes the table's lock only for its own part).
+        if learning_rate is None:
+            # A schedule's rate depends on the step, and set_optimizer changes the rule: reading the rate and
+            # stepping are one, for threads that use this table at once (the native step takes the table's
+            # lock only for its own part).
             with self._schedule_lock():
                 self._native.apply_gradients(parts, self.learning_rate())
             return
-        lr = self.learning_rate() if learning_rate is None else learning_rate
-        self._native.apply_gradients(parts, lr)
+        self._native.apply_gradients(parts, learning_rate)
 
     # ------------------------------------------------------------ state
     def values(self) -> np.ndarray:
@@ -599,12 +603,10 @@ def apply_gradients_many(steps) -> None:
     step a checkpoint records, gradients that view any table of the call)
     before any table changes, and runs the steps with no interrupt between
     two tables."""
-    # A schedule's rate depends on the step: reading it and stepping are one (as in Table._apply_parts), for
-    # threads that train these tables at once; the scheduled tables' locks are taken in one order (no deadlock).
-    scheduled = sorted({id(t): t for t, _, _ in steps if t._optimizer is not None
-                        and callable(t._optimizer.learning_rate)}.items())
+    # Reading each rate and stepping are one (as in Table._apply_parts), for threads that train these tables
+    # at once; the tables' locks are taken in one order (no deadlock).
     with contextlib.ExitStack() as held:
-        for _, table in scheduled:
+        for _, table in sorted({id(t): t for t, _, _ in steps}.items()):
             held.enter_context(table._schedule_lock())
         rates = [table.learning_rate() for table, _, _ in steps]
         _embedcore.apply_gradients_many([(table._native, parts, rate, names)

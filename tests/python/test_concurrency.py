@@ -199,6 +199,43 @@ def test_changing_thread_count_during_lookups_and_updates(restore_threads):
     assert upd[0].slots()["momenta"].tobytes() == upd[1].slots()["momenta"].tobytes()
 
 
+def test_set_optimizer_waits_for_a_step_between_its_rate_and_its_update():
+    """A step reads its learning rate and steps under the table's step lock,
+    and set_optimizer swaps the optimizer under it: no step takes the old
+    optimizer's rate to the new rule (a thread's SGD(0.1) rate once stepped
+    Adagrad(0.5), found by stress), and no save sees one optimizer's config
+    with the other's slots. Here the lock is held as a step between reading
+    its rate and stepping would hold it: set_optimizer, and another step,
+    wait for it."""
+    t = make_table(8, 2, optimizer=ec.optimizers.SGD(0.1), name="t")
+    ids, offsets, grads = np.array([1]), np.array([0, 1]), np.ones((1, 2), np.float32)
+    done = {}
+
+    def run(name, call):
+        call()
+        done[name] = time.monotonic()
+
+    with t._schedule_lock():
+        held = time.monotonic()
+        threads = [threading.Thread(target=run, args=("set", lambda: t.set_optimizer(
+                       ec.optimizers.Adagrad(0.5, initial_accumulator_value=0.1)))),
+                   threading.Thread(target=run, args=("step", lambda: t.apply_gradients(ids, offsets, grads)))]
+        for th in threads:
+            th.start()
+        time.sleep(0.3)
+        assert done == {}, "a call went ahead while a step held the table's step lock"
+        released = time.monotonic()
+    for th in threads:
+        th.join(30)
+    assert set(done) == {"set", "step"} and min(done.values()) >= released > held
+    # Whichever came first, the step used the rate of the rule that stepped it.
+    row = t.to_numpy()[1]
+    before = make_table(8, 2, name="t").to_numpy()[1]
+    sgd_then_nothing = before - np.float32(0.1)
+    adagrad = before - np.float32(0.5) / np.sqrt(np.float32(1.1))
+    assert np.allclose(row, sgd_then_nothing) or np.allclose(row, adagrad), (row, before)
+
+
 def test_spin_setting_is_checked_and_lookups_agree_without_spinning(tmp_path):
     """EMBEDCORE_SPIN_US: a bad value is refused at import, naming it; 0
     (no spinning) changes no result."""
