@@ -145,7 +145,21 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._entries.append((f"{prefix}.weight" if prefix else "weight", m))
         if not self._entries:
             raise ValueError(f"{type(module).__name__} has no table trained fused (give it an embedcore optimizer)")
-        super().__init__([m._group for _, m in self._entries], {})
+        super().__init__([m._group for _, m in self._entries], {})  # (through add_param_group, once per table)
+        self._built = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused once built (``NotImplementedError``, as TorchRec's
+        ``KeyedOptimizer``): the groups are the fused tables', and a group
+        added here would never be stepped nor saved. Give a table an
+        optimizer (``optimizer=``, ``apply_optimizer_in_backward``) and take
+        a new ``fused_optimizer`` instead."""
+        if getattr(self, "_built", False):
+            raise NotImplementedError("FusedOptimizer.add_param_group: its param groups are the fused tables' (one "
+                                      "each), stepped inside backward(); a group added here would never be "
+                                      "stepped nor saved. Give the table an optimizer and take the module's "
+                                      "fused_optimizer again")
+        super().add_param_group(param_group)
 
     def _sync(self) -> None:
         """The groups of tables fused from apply_optimizer_in_backward take the

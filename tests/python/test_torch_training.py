@@ -173,6 +173,17 @@ def test_learning_rate_from_param_groups_and_scheduler(rng):
     assert max_diff(fused.weight, ref.weight) <= 1e-5
 
 
+def test_fused_optimizer_refuses_a_param_group_added(rng):
+    """fused_optimizer's groups are the fused tables' (stepped in backward):
+    add_param_group raises, as TorchRec's KeyedOptimizer does (was: the
+    group was kept, never stepped nor saved), and the groups stay."""
+    fused = et.EmbeddingBag(ROWS, DIM, mode="sum", optimizer=ec.optimizers.SGD(0.5))
+    fo = fused.fused_optimizer
+    with pytest.raises(NotImplementedError, match="add_param_group: its param groups are the fused tables'"):
+        fo.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.1})
+    assert len(fo.param_groups) == 1 and len(fo.state_dict()["param_groups"]) == 1
+
+
 def test_learning_rate_schedule_callable(rng):
     w = uniform_weights(rng, ROWS, DIM)
     fused = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True,
