@@ -256,14 +256,18 @@ class Table(LookupMixin):
         its slots start at their initial values and the step count at 0;
         the values stay. (The PyTorch adapter uses it to fuse the optimizer
         that ``apply_optimizer_in_backward`` names.) Waits for running
-        lookups and updates. A table whose optimizer has slots is refused
+        lookups and updates; a step with a constant rate that another thread
+        began (read its rate) before this call may still apply that rate
+        under the new rule, and a save running meanwhile may record either
+        optimizer's config: change the optimizer while no other thread
+        trains or saves the table. A table whose optimizer has slots is refused
         (views of its slots would dangle: copy its values into a new table
         instead), as is an impossible optimizer, before anything changes."""
         if not isinstance(optimizer, _opt.Optimizer):
             raise TypeError(f"table '{self._name}': optimizer must be an embedcore.optimizers.Optimizer, "
                             f"got {optimizer!r}")
-        # Under the lock a step holds from reading the rate to stepping: no step takes the old optimizer's
-        # rate to the new one, and a save sees the config of the optimizer it saves.
+        # Under the lock that a scheduled step (and the PyTorch adapter's fused step) holds from reading its
+        # rate to stepping: no such step takes the old optimizer's rate to the new rule.
         with self._schedule_lock():
             self._native.set_optimizer(optimizer._native())
             c = self._config
@@ -477,10 +481,10 @@ class Table(LookupMixin):
                              "no further step")
 
     def _schedule_lock(self) -> threading.RLock:
-        """This table's lock that makes reading the rate (a schedule's, or
-        the optimizer's) and stepping one, and that ``set_optimizer`` holds
-        (reentrant: the PyTorch adapter holds it around its fused steps,
-        which may step through ``_cuda_apply``)."""
+        """This table's lock that makes reading a schedule's rate and stepping
+        one, and that ``set_optimizer`` holds (reentrant: the PyTorch adapter
+        holds it around its fused steps, which may step through
+        ``_cuda_apply``)."""
         lock = self.__dict__.get("_step_lock")
         if lock is None:
             lock = self.__dict__.setdefault("_step_lock", threading.RLock())
@@ -488,14 +492,16 @@ class Table(LookupMixin):
         return lock
 
     def _apply_parts(self, parts, learning_rate: Optional[float] = None) -> None:
-        if learning_rate is None:
-            # A schedule's rate depends on the step, and set_optimizer changes the rule: reading the rate and
-            # stepping are one, for threads that use this table at once (the native step takes the table's
-            # lock only for its own part).
+        if learning_rate is None and self._optimizer is not None and callable(self._optimizer.learning_rate):
+            # A schedule's rate depends on the step: reading it and stepping are one, for threads that update
+            # this table at once (the native step takes the table's lock only for its own part).
             with self._schedule_lock():
                 self._native.apply_gradients(parts, self.learning_rate())
             return
-        self._native.apply_gradients(parts, learning_rate)
+        # A constant rate is read without the lock: a step on every call would pay for it, and steps of
+        # several threads would no longer overlap their validation (see set_optimizer).
+        lr = self.learning_rate() if learning_rate is None else learning_rate
+        self._native.apply_gradients(parts, lr)
 
     # ------------------------------------------------------------ state
     def values(self) -> np.ndarray:
@@ -603,10 +609,12 @@ def apply_gradients_many(steps) -> None:
     step a checkpoint records, gradients that view any table of the call)
     before any table changes, and runs the steps with no interrupt between
     two tables."""
-    # Reading each rate and stepping are one (as in Table._apply_parts), for threads that train these tables
-    # at once; the tables' locks are taken in one order (no deadlock).
+    # A schedule's rate depends on the step: reading it and stepping are one (as in Table._apply_parts), for
+    # threads that train these tables at once; the scheduled tables' locks are taken in one order (no deadlock).
+    scheduled = sorted({id(t): t for t, _, _ in steps if t._optimizer is not None
+                        and callable(t._optimizer.learning_rate)}.items())
     with contextlib.ExitStack() as held:
-        for _, table in sorted({id(t): t for t, _, _ in steps}.items()):
+        for _, table in scheduled:
             held.enter_context(table._schedule_lock())
         rates = [table.learning_rate() for table, _, _ in steps]
         _embedcore.apply_gradients_many([(table._native, parts, rate, names)

@@ -200,14 +200,14 @@ def test_changing_thread_count_during_lookups_and_updates(restore_threads):
 
 
 def test_set_optimizer_waits_for_a_step_between_its_rate_and_its_update():
-    """A step reads its learning rate and steps under the table's step lock,
-    and set_optimizer swaps the optimizer under it: no step takes the old
-    optimizer's rate to the new rule (a thread's SGD(0.1) rate once stepped
-    Adagrad(0.5), found by stress), and no save sees one optimizer's config
-    with the other's slots. Here the lock is held as a step between reading
-    its rate and stepping would hold it: set_optimizer, and another step,
-    wait for it."""
-    t = make_table(8, 2, optimizer=ec.optimizers.SGD(0.1), name="t")
+    """A scheduled step (and the PyTorch adapter's fused step) reads its
+    learning rate and steps under the table's step lock, and set_optimizer
+    swaps the optimizer under it: such a step never takes the old
+    optimizer's rate to the new rule (a thread's SGD rate once stepped
+    Adagrad(0.5), found by stress). Here the lock is held as a step between
+    reading its rate and stepping would hold it: set_optimizer, and another
+    scheduled step, wait for it."""
+    t = make_table(8, 2, optimizer=ec.optimizers.SGD(lambda step: 0.1), name="t")
     ids, offsets, grads = np.array([1]), np.array([0, 1]), np.ones((1, 2), np.float32)
     done = {}
 
