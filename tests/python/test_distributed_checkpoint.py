@@ -927,7 +927,7 @@ def test_reshard_refuses_more_pieces_than_file_names_hold_before_writing(tmp_pat
     assert time.perf_counter() - t0 < 10, "refused only after writing"
     assert not dst.exists()
     if world == 1:
-        ec.distributed.reshard(src, dst, 1, "row_wise", max_file_bytes=8)  # 50,001 pieces fit
+        ec.distributed.reshard(src, dst, 1, "row_wise", max_file_bytes=400)  # 1,001 pieces of 100 rows
         served = ec.serving.open(dst).tables["t"].lookup(np.arange(100_001), combiner=None)
         np.testing.assert_array_equal(served, table.values())
 
