@@ -198,6 +198,15 @@ void BindCheckpoint(nb::module_& m) {
       "files) are present with their sizes; reads no values.");
 
   m.def(
+      "check_manifest_is_ours",
+      [](const std::string& path) {
+        ReleaseGil release;
+        CheckManifestIsOurs(path);
+      },
+      "path"_a,
+      "Raises CheckpointError when `path` holds a MANIFEST that is not an embedcore manifest (a save there "
+      "refuses: it would replace another program's file).");
+  m.def(
       "check_loadable",
       [](const CheckpointInfo& info, size_t index, const Table& table, bool load_optimizer) {
         if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");

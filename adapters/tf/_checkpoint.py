@@ -39,6 +39,7 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.training.saving import saveable_object
 
 import embedcore as ec
+from embedcore.checkpoint import check_destination
 from embedcore.table import _MAX_STEP, _ROUNDS_TO_INF, slot_problem
 
 from ._bundle import Bundle, BundleError
@@ -658,6 +659,7 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
             raise TypeError(f"tables= takes table names (str), got {bad[0]!r} ({type(bad[0]).__name__})")
         if not tables:
             raise ValueError("tables= is empty: give at least one table name (or None for every table)")
+    check_destination(dst, "dst")  # before the conversion's work, not at its save
     ckpt = TFCheckpoint(src)
     if feature_config is not None:
         from ._serving import EmbeddingForServing

@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple
 import torch
 
 import embedcore as ec
+from embedcore.checkpoint import check_destination
 
 __all__ = ["convert_state_dict"]
 
@@ -178,6 +179,7 @@ def convert_state_dict(src, dst, prefix: Optional[str] = None, combiner: str = "
     reproduce) raises ``ValueError`` naming its key."""
     if combiner not in ("sum", "mean", "sqrtn"):
         raise ValueError(f"combiner must be 'sum', 'mean' or 'sqrtn', not {combiner!r}")
+    check_destination(dst, "dst")  # before the conversion's work, not at its save
     path = os.fspath(src)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, ".metadata")):

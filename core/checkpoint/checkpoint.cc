@@ -1209,7 +1209,6 @@ void CheckpointLock::Release() noexcept {
   fd_ = -1;
 }
 
-namespace {
 // A MANIFEST that is not an embedcore manifest (by its magic; a short or
 // corrupt one of ours may be replaced) belongs to the user: a save would
 // replace it, so it refuses.
@@ -1230,6 +1229,7 @@ void CheckManifestIsOurs(const std::string& path) {
   if (std::memcmp(magic, checkpoint::kManifestMagic, n) != 0) throw CheckpointError(refuse + "another magic" + advice);
 }
 
+namespace {
 // The newest generation in `path`: in its MANIFEST or in any of our file
 // names but `except` (0 when there is none).
 uint64_t NewestGeneration(const std::string& path, const std::string& except = "") {

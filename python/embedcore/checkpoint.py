@@ -334,6 +334,14 @@ def native_path(path, what: str = "path") -> str:
     return p
 
 
+def check_destination(path, what: str = "path") -> None:
+    """Raises CheckpointError when a save into `path` would refuse because
+    `path` holds a MANIFEST that is not an embedcore manifest (another
+    program's file): converters and the demo call it before their work,
+    rather than failing at the save that ends it."""
+    _embedcore.check_manifest_is_ours(native_path(path, what))
+
+
 def resolved_path(path: str) -> str:
     """`path` with its symlinks resolved, so that a read opens every file in
     one directory even while a symlink such as /models/current is re-pointed

@@ -43,8 +43,9 @@ def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0, c
     if seed < 0:
         raise ValueError(f"demo: seed must be >= 0, got {seed}")
     if checkpoint is not None:  # before training, not after it: "" is no directory to keep the model in
-        from .checkpoint import native_path
+        from .checkpoint import check_destination, native_path
         checkpoint = native_path(checkpoint, "demo: checkpoint")
+        check_destination(checkpoint)  # another program's MANIFEST: refused whatever `overwrite` says
         if os.path.lexists(os.path.join(checkpoint, "MANIFEST")) and not overwrite:
             raise ValueError(f"demo: {checkpoint} already holds a checkpoint; pass --overwrite to replace it")
         parent = os.path.dirname(os.path.abspath(checkpoint))

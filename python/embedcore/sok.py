@@ -29,7 +29,7 @@ from typing import Dict, Optional, Union
 
 import numpy as np
 
-from .checkpoint import CheckpointError, native_path
+from .checkpoint import CheckpointError, check_destination, native_path
 
 __all__ = ["SokVariable", "read_dump", "to_tables", "save_tables", "convert"]
 
@@ -418,6 +418,7 @@ def convert(src, dst, dim: Optional[int] = None, key_dtype: Optional[str] = None
     `progress(nbytes)`, when given, is called with the
     bytes of the dump's arrays as they go into the tables, then once with the
     tables' bytes (values and slots) when they are saved."""
+    check_destination(dst, "dst")
     variables = read_dump(src, dim=dim, key_dtype=key_dtype)
     tables = to_tables(variables, rows=rows, include_optimizer=include_optimizer, progress=progress, names=names)
     save_tables(dst, tables)

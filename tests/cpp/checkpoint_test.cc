@@ -817,6 +817,32 @@ EMBEDCORE_TEST(SaveArgumentErrors) {
   EMBEDCORE_EXPECT_EQ(ReadCheckpointInfo(dir.Sub("empty")).tables.size(), size_t(0));
 }
 
+// CheckManifestIsOurs tells before a save what its own check would say: a
+// MANIFEST of another program (or not a regular file) refuses; nothing, a
+// directory that is not there, or a manifest of ours (even a short one)
+// passes.
+EMBEDCORE_TEST(CheckManifestIsOursAgreesWithTheSave) {
+  TempDir dir;
+  Table a(Spec("a", 4, 2, DType::kFloat32, OptimizerSpec::Kind::kSGD, 1));
+  EMBEDCORE_EXPECT_NO_THROW(CheckManifestIsOurs(dir.Sub("missing")));
+  EMBEDCORE_EXPECT_NO_THROW(CheckManifestIsOurs(dir.path));
+  SaveCheckpoint(dir.Sub("ours"), {{&a, "{}"}}, SaveOptions{});
+  EMBEDCORE_EXPECT_NO_THROW(CheckManifestIsOurs(dir.Sub("ours")));
+  fs::create_directories(dir.Sub("short"));
+  WriteFile(dir.Sub("short/MANIFEST"), {'E', 'C'});  // a prefix of our magic: a save may replace it
+  EMBEDCORE_EXPECT_NO_THROW(CheckManifestIsOurs(dir.Sub("short")));
+  EMBEDCORE_EXPECT_NO_THROW(SaveCheckpoint(dir.Sub("short"), {{&a, "{}"}}, SaveOptions{}));
+  fs::create_directories(dir.Sub("theirs"));
+  WriteFile(dir.Sub("theirs/MANIFEST"), {'h', 'e', 'l', 'l', 'o', '\n'});
+  EMBEDCORE_EXPECT_THROWS(CheckManifestIsOurs(dir.Sub("theirs")), CheckpointError,
+                          "MANIFEST: not an embedcore manifest (another magic)");
+  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("theirs"), {{&a, "{}"}}, SaveOptions{}), CheckpointError,
+                          "MANIFEST: not an embedcore manifest (another magic)");
+  fs::create_directories(dir.Sub("dir/MANIFEST"));
+  EMBEDCORE_EXPECT_THROWS(CheckManifestIsOurs(dir.Sub("dir")), CheckpointError, "not a regular file");
+  EMBEDCORE_EXPECT(DirNames(dir.Sub("theirs")) == std::vector<std::string>{"MANIFEST"});
+}
+
 EMBEDCORE_TEST(SaveRefusesAStepTheReaderRefuses) {
   // A table past the step a manifest records: the save fails before it
   // writes anything, and the checkpoint already there stays as it was.

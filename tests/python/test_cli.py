@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -721,6 +722,28 @@ def test_convert_into_a_checkpoint_needs_overwrite(tmp_path, capsys, emb_ckpt):
     (tmp_path / "empty").mkdir()
     assert embedcore.cli.main(["convert", "--from", "sok", str(sok), str(tmp_path / "empty"),
                                "--key-dtype", "int64"]) == 0
+
+
+def test_a_destination_holding_another_programs_manifest_is_refused_before_any_work(tmp_path, capsys):
+    """A MANIFEST that is not embedcore's: --overwrite would not help (a save
+    never replaces another program's file), so neither the hint nor the
+    work (training, reading the source) comes first: the demo and every
+    converter refuse at once, the file untouched."""
+    dst = tmp_path / "theirs"
+    dst.mkdir()
+    (dst / "MANIFEST").write_text("another program's manifest\n")
+    refusal = f"{dst / 'MANIFEST'}: not an embedcore manifest (another magic); a save here would replace it"
+    for overwrite in ([], ["--overwrite"]):
+        assert embedcore.cli.main(["demo", "--steps", "3", "--checkpoint", str(dst), *overwrite]) == 1
+        out, err = capsys.readouterr()
+        assert refusal in err and "step" not in out, (out, err)
+        # The source does not exist: the refusal comes before it is read.
+        for fmt in ("sok", "tf", "torch"):
+            assert embedcore.cli.main(["convert", "--from", fmt, str(tmp_path / "missing"), str(dst), *overwrite]) == 1
+            assert capsys.readouterr().err == f"embedcore convert: {refusal}: move it away or save elsewhere\n"
+    with pytest.raises(ec.CheckpointError, match=re.escape(refusal)):
+        ec.sok.convert(tmp_path / "missing", dst)
+    assert (dst / "MANIFEST").read_text() == "another program's manifest\n" and os.listdir(dst) == ["MANIFEST"]
 
 
 def test_inspect_into_a_closed_pipe_exits_quietly(emb_ckpt):

@@ -4,6 +4,7 @@ slots of Adagrad / Adam / FTRL, a table sliced over several TPU hosts, and
 SparseCore-stacked tables built with TensorFlow's own layout code; plus the
 conversion into embedcore's format."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -200,6 +201,12 @@ def test_values_that_are_not_finite_are_refused(tmp_path, rng, bad):
         with pytest.raises(ValueError, match=message):
             convert_tf_checkpoint(path, tmp_path / "converted", **kwargs)
         assert not (tmp_path / "converted").exists()
+    theirs = tmp_path / "theirs"  # another program's MANIFEST: refused before the checkpoint is read
+    theirs.mkdir()
+    (theirs / "MANIFEST").write_bytes(b"not ours")
+    with pytest.raises(ec.CheckpointError, match="MANIFEST: not an embedcore manifest"):
+        convert_tf_checkpoint(str(tmp_path / "missing" / "ckpt"), theirs)
+    assert os.listdir(theirs) == ["MANIFEST"] and (theirs / "MANIFEST").read_bytes() == b"not ours"
     # tf.train.Checkpoint's restore into the adapter checks each table's values before it writes them.
     ours = EmbeddingForServing(_slotted_config(), None)
     before = ours.variables["tb"]["parameters"].numpy().tobytes()

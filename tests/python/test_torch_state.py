@@ -757,6 +757,12 @@ def test_convert_state_dict_refusals_write_nothing(tmp_path):
         et.convert_state_dict(tmp_path / "garbage.pt", tmp_path / "g")
     with pytest.raises(ValueError, match="no table weights under the module 'nope'"):
         et.convert_state_dict(tmp_path / "no tables.pt", tmp_path / "g", prefix="nope")
+    theirs = tmp_path / "theirs"  # another program's MANIFEST: refused before the source is read
+    theirs.mkdir()
+    (theirs / "MANIFEST").write_bytes(b"not ours")
+    with pytest.raises(ec.CheckpointError, match="MANIFEST: not an embedcore manifest"):
+        et.convert_state_dict(tmp_path / "missing.pt", theirs)
+    assert os.listdir(theirs) == ["MANIFEST"] and (theirs / "MANIFEST").read_bytes() == b"not ours"
 
 
 def test_convert_state_dict_takes_only_collections_and_refuses_what_it_cannot_serve(tmp_path):

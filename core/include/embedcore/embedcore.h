@@ -613,6 +613,13 @@ class LoadFiles {
 /// values. Throws CheckpointError naming the file and what is wrong.
 CheckpointInfo ReadCheckpointInfo(const std::string& path, bool slot_files = true);
 
+/// Throws CheckpointError when `path` holds a MANIFEST that is not an
+/// embedcore manifest (another program's file, or not a regular file): a save
+/// there refuses, since it would replace it. Nothing there, an embedcore
+/// manifest (whole, corrupt or short) or no directory at all: returns. So a
+/// command can tell before it works that its save would refuse.
+void CheckManifestIsOurs(const std::string& path);
+
 /// Checks that `entry` fits `table` (shape, optimizer slots when
 /// `load_optimizer`); throws CheckpointError otherwise. Reads nothing.
 void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Table& table, bool load_optimizer);
