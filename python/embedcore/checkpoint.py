@@ -24,7 +24,7 @@ from . import optimizers as _opt
 from ._inputs import as_float32
 from .config import FeatureConfig, TableConfig, _check_utf8
 from .embedding import Embedding
-from .table import Table
+from .table import Table, _schedule_locks
 
 __all__ = ["CheckpointError", "save", "load", "Saver", "FORMAT_VERSION"]
 
@@ -286,15 +286,18 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
     path = native_path(path)
     _check_values_dtype(values_dtype)
     tables = _tables_of(obj)
-    configs = {id(t): t.config for t in tables}
-    pairs = [(t._native, json.dumps(_table_config_json(configs[id(t)], t))) for t in tables]
-    metadata = json.dumps(_metadata(obj))
     created = not os.path.lexists(path)
-    try:
-        _embedcore.save(path, pairs, bool(include_optimizer), values_dtype, metadata)
-    except BaseException:
-        _remove_if_created_and_empty(path, created)
-        raise
+    # Under the tables' step locks, which Table.set_optimizer holds: the config recorded is that of the
+    # optimizer whose slots are written. (The native write holds each table's lock anyway while it writes it.)
+    with _schedule_locks(tables):
+        configs = {id(t): t.config for t in tables}
+        pairs = [(t._native, json.dumps(_table_config_json(configs[id(t)], t))) for t in tables]
+        metadata = json.dumps(_metadata(obj))
+        try:
+            _embedcore.save(path, pairs, bool(include_optimizer), values_dtype, metadata)
+        except BaseException:
+            _remove_if_created_and_empty(path, created)
+            raise
 
 
 VALUES_DTYPES = ("float32", "float16", "bfloat16", "uint8_rowwise")

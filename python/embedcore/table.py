@@ -256,11 +256,11 @@ class Table(LookupMixin):
         its slots start at their initial values and the step count at 0;
         the values stay. (The PyTorch adapter uses it to fuse the optimizer
         that ``apply_optimizer_in_backward`` names.) Waits for running
-        lookups and updates; a step with a constant rate that another thread
-        began (read its rate) before this call may still apply that rate
-        under the new rule, and a save running meanwhile may record either
-        optimizer's config: change the optimizer while no other thread
-        trains or saves the table. A table whose optimizer has slots is refused
+        lookups, updates, scheduled steps and saves (``ec.save`` records the
+        optimizer whose slots it writes); a step with a constant rate that
+        another thread began (read its rate) before this call may still
+        apply that rate under the new rule: change the optimizer while no
+        other thread trains the table. A table whose optimizer has slots is refused
         (views of its slots would dangle: copy its values into a new table
         instead), as is an impossible optimizer, before anything changes."""
         if not isinstance(optimizer, _opt.Optimizer):
@@ -601,6 +601,17 @@ class Table(LookupMixin):
 _MAX_STEP = 2**62  # the last step a checkpoint records (docs/format.md)
 
 
+@contextlib.contextmanager
+def _schedule_locks(tables):
+    """Holds the step locks (``Table._schedule_lock``) of `tables`, taken
+    in one order (by id), so that two callers holding several never
+    deadlock."""
+    with contextlib.ExitStack() as held:
+        for _, table in sorted({id(t): t for t in tables}.items()):
+            held.enter_context(table._schedule_lock())
+        yield
+
+
 def apply_gradients_many(steps) -> None:
     """One optimizer step of several host tables, all or nothing. `steps`:
     ``(table, parts, names)`` per table (its native gradient parts, from
@@ -611,11 +622,8 @@ def apply_gradients_many(steps) -> None:
     two tables."""
     # A schedule's rate depends on the step: reading it and stepping are one (as in Table._apply_parts), for
     # threads that train these tables at once; the scheduled tables' locks are taken in one order (no deadlock).
-    scheduled = sorted({id(t): t for t, _, _ in steps if t._optimizer is not None
-                        and callable(t._optimizer.learning_rate)}.items())
-    with contextlib.ExitStack() as held:
-        for _, table in scheduled:
-            held.enter_context(table._schedule_lock())
+    scheduled = [t for t, _, _ in steps if t._optimizer is not None and callable(t._optimizer.learning_rate)]
+    with _schedule_locks(scheduled):
         rates = [table.learning_rate() for table, _, _ in steps]
         _embedcore.apply_gradients_many([(table._native, parts, rate, names)
                                          for (table, parts, names), rate in zip(steps, rates)])

@@ -236,6 +236,28 @@ def test_set_optimizer_waits_for_a_step_between_its_rate_and_its_update():
     assert np.allclose(row, sgd_then_nothing) or np.allclose(row, adagrad), (row, before)
 
 
+def test_a_save_waits_for_set_optimizer_and_records_the_optimizer_of_its_slots(tmp_path):
+    """ec.save reads the tables' configs and writes them under the step locks
+    that set_optimizer holds while it swaps the optimizer: a save never
+    records one optimizer's config with the other's slots. Here the lock is
+    held as set_optimizer holds it: the save waits."""
+    t = make_table(8, 2, optimizer=ec.optimizers.SGD(0.1), name="t")
+    other = make_table(8, 2, name="u")
+    done = []
+    with t._schedule_lock():
+        saver = threading.Thread(target=lambda: (ec.save(tmp_path / "c", [other, t]), done.append(True)))
+        saver.start()
+        time.sleep(0.3)
+        assert not done and not (tmp_path / "c" / "MANIFEST").exists(), "the save went ahead of set_optimizer"
+        t.set_optimizer(ec.optimizers.Adagrad(0.5, initial_accumulator_value=0.1))  # (the lock is reentrant)
+    saver.join(30)
+    assert done == [True]
+    loaded = make_table(8, 2, optimizer=ec.optimizers.Adagrad(0.5, initial_accumulator_value=0.1), name="t")
+    ec.load(tmp_path / "c", loaded)
+    np.testing.assert_array_equal(loaded.slots()["accumulators"], np.full((8, 2), 0.1, np.float32))
+    assert ec.checkpoint.read_info(tmp_path / "c").table_names == ["u", "t"]
+
+
 def test_spin_setting_is_checked_and_lookups_agree_without_spinning(tmp_path):
     """EMBEDCORE_SPIN_US: a bad value is refused at import, naming it; 0
     (no spinning) changes no result."""
