@@ -552,10 +552,11 @@ class Saver:
             order = Saver._dump_order(path, names) if keep else {n: i for i, n in enumerate(names)}
             entries = []
             for t, include_optimizer in tables:
-                entry = json.loads(_embedcore.write_shard_files(path, generation, f"t{order[t.name]:05d}.", 0,
-                                                                t._native, 0, 0, bool(include_optimizer), None))
+                with t._schedule_lock():  # (as save: the config of the optimizer whose slots are written)
+                    entry = json.loads(_embedcore.write_shard_files(path, generation, f"t{order[t.name]:05d}.", 0,
+                                                                    t._native, 0, 0, bool(include_optimizer), None))
+                    entry["config"] = _table_config_json(t.config, t)
                 entry["rows"], entry["dim"] = t.rows, t.dim
-                entry["config"] = _table_config_json(t.config, t)
                 entry["sharding"] = {"plan": "none", "world_size": 1}
                 entries.append((order[t.name], entry))
             if keep:

@@ -241,21 +241,27 @@ def test_a_save_waits_for_set_optimizer_and_records_the_optimizer_of_its_slots(t
     that set_optimizer holds while it swaps the optimizer: a save never
     records one optimizer's config with the other's slots. Here the lock is
     held as set_optimizer holds it: the save waits."""
-    t = make_table(8, 2, optimizer=ec.optimizers.SGD(0.1), name="t")
     other = make_table(8, 2, name="u")
-    done = []
-    with t._schedule_lock():
-        saver = threading.Thread(target=lambda: (ec.save(tmp_path / "c", [other, t]), done.append(True)))
-        saver.start()
-        time.sleep(0.3)
-        assert not done and not (tmp_path / "c" / "MANIFEST").exists(), "the save went ahead of set_optimizer"
-        t.set_optimizer(ec.optimizers.Adagrad(0.5, initial_accumulator_value=0.1))  # (the lock is reentrant)
-    saver.join(30)
-    assert done == [True]
-    loaded = make_table(8, 2, optimizer=ec.optimizers.Adagrad(0.5, initial_accumulator_value=0.1), name="t")
-    ec.load(tmp_path / "c", loaded)
-    np.testing.assert_array_equal(loaded.slots()["accumulators"], np.full((8, 2), 0.1, np.float32))
+    ec.save(tmp_path / "d", make_table(8, 2, name="kept"))
+    saves = {"save": lambda t: ec.save(tmp_path / "c", [other, t]),
+             # (a dump that keeps the table already there writes its own entries)
+             "dump_to_file": lambda t: ec.Saver().dump_to_file(t, tmp_path / "d")}
+    for name, call in saves.items():
+        t = make_table(8, 2, optimizer=ec.optimizers.SGD(0.1), name="t")
+        done = []
+        with t._schedule_lock():
+            saver = threading.Thread(target=lambda: (call(t), done.append(True)))
+            saver.start()
+            time.sleep(0.3)
+            assert not done, f"{name} went ahead of set_optimizer"
+            t.set_optimizer(ec.optimizers.Adagrad(0.5, initial_accumulator_value=0.1))  # (the lock is reentrant)
+        saver.join(30)
+        assert done == [True], name
+        loaded = make_table(8, 2, optimizer=ec.optimizers.Adagrad(0.5, initial_accumulator_value=0.1), name="t")
+        ec.load(tmp_path / ("c" if name == "save" else "d"), loaded)
+        np.testing.assert_array_equal(loaded.slots()["accumulators"], np.full((8, 2), 0.1, np.float32))
     assert ec.checkpoint.read_info(tmp_path / "c").table_names == ["u", "t"]
+    assert ec.checkpoint.read_info(tmp_path / "d").table_names == ["kept", "t"]
 
 
 def test_spin_setting_is_checked_and_lookups_agree_without_spinning(tmp_path):
