@@ -24,7 +24,7 @@ from . import optimizers as _opt
 from ._inputs import as_float32
 from .config import FeatureConfig, TableConfig, _check_utf8
 from .embedding import Embedding
-from .table import Table, _schedule_locks
+from .table import Table
 
 __all__ = ["CheckpointError", "save", "load", "Saver", "FORMAT_VERSION"]
 
@@ -286,18 +286,17 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
     path = native_path(path)
     _check_values_dtype(values_dtype)
     tables = _tables_of(obj)
-    created = not os.path.lexists(path)
-    # Under the tables' step locks, which Table.set_optimizer holds: the config recorded is that of the
-    # optimizer whose slots are written. (The native write holds each table's lock anyway while it writes it.)
-    with _schedule_locks(tables):
-        configs = {id(t): t.config for t in tables}
-        pairs = [(t._native, json.dumps(_table_config_json(configs[id(t)], t))) for t in tables]
-        metadata = json.dumps(_metadata(obj))
-        try:
-            _embedcore.save(path, pairs, bool(include_optimizer), values_dtype, metadata)
-        except BaseException:
-            _remove_if_created_and_empty(path, created)
-            raise
+    if len(tables) > 99999:  # file names carry the table's index in 5 digits
+        raise ValueError(f"save: {len(tables)} tables; a checkpoint holds at most 99999")
+    names = set()
+    for t in tables:
+        if t.name in names:
+            raise ValueError(f"save: two tables are named '{t.name}'; names must be unique")
+        names.add(t.name)
+    # Each table is written, and its config read, under its step lock (Saver._save_entries): the config recorded
+    # is that of the optimizer whose slots are written, and a save never holds two tables' locks at once.
+    Saver._save_entries(path, [(t, include_optimizer) for t in tables], False, _metadata(obj),
+                        values_dtype=values_dtype, shard_index=-1)
 
 
 VALUES_DTYPES = ("float32", "float16", "bfloat16", "uint8_rowwise")
@@ -536,12 +535,17 @@ class Saver:
                                   ) from None
 
     @staticmethod
-    def _save_entries(path: str, tables, keep: bool, metadata: dict, max_block_bytes: int = 64 << 20) -> None:
+    def _save_entries(path: str, tables, keep: bool, metadata: dict, max_block_bytes: int = 64 << 20,
+                      values_dtype: Optional[str] = None, shard_index: int = 0) -> None:
         """One atomic save into `path` of `tables`, (Table, include_optimizer)
         pairs (a table saved without optimizer is values-only), and with
         `keep` the tables of other names of the checkpoint already there,
         copied block by block as they are stored (dtype, slots, step). A
-        failure removes what the save wrote and leaves the old checkpoint."""
+        failure removes what the save wrote and leaves the old checkpoint.
+        Each table is written, and its config read, under its step lock
+        (which ``Table.set_optimizer`` holds), one table at a time.
+        `shard_index` -1 names the files as ``embedcore.save`` does
+        (``t00000.values.g...``), 0 as a one-shard table's."""
         from .distributed._checkpoint import _manifest
 
         created = not os.path.lexists(path)  # removed again if this save fails (when empty)
@@ -552,9 +556,10 @@ class Saver:
             order = Saver._dump_order(path, names) if keep else {n: i for i, n in enumerate(names)}
             entries = []
             for t, include_optimizer in tables:
-                with t._schedule_lock():  # (as save: the config of the optimizer whose slots are written)
-                    entry = json.loads(_embedcore.write_shard_files(path, generation, f"t{order[t.name]:05d}.", 0,
-                                                                    t._native, 0, 0, bool(include_optimizer), None))
+                with t._schedule_lock():  # the config recorded is that of the optimizer whose slots are written
+                    entry = json.loads(_embedcore.write_shard_files(path, generation, f"t{order[t.name]:05d}.",
+                                                                    shard_index, t._native, 0, 0,
+                                                                    bool(include_optimizer), values_dtype))
                     entry["config"] = _table_config_json(t.config, t)
                 entry["rows"], entry["dim"] = t.rows, t.dim
                 entry["sharding"] = {"plan": "none", "world_size": 1}

@@ -237,10 +237,10 @@ def test_set_optimizer_waits_for_a_step_between_its_rate_and_its_update():
 
 
 def test_a_save_waits_for_set_optimizer_and_records_the_optimizer_of_its_slots(tmp_path):
-    """ec.save reads the tables' configs and writes them under the step locks
-    that set_optimizer holds while it swaps the optimizer: a save never
-    records one optimizer's config with the other's slots. Here the lock is
-    held as set_optimizer holds it: the save waits."""
+    """ec.save reads each table's config and writes it under the table's
+    step lock, which set_optimizer holds while it swaps the optimizer: a
+    save never records one optimizer's config with the other's slots. Here
+    the lock is held as set_optimizer holds it: the save waits."""
     other = make_table(8, 2, name="u")
     ec.save(tmp_path / "d", make_table(8, 2, name="kept"))
     saves = {"save": lambda t: ec.save(tmp_path / "c", [other, t]),
@@ -262,6 +262,53 @@ def test_a_save_waits_for_set_optimizer_and_records_the_optimizer_of_its_slots(t
         np.testing.assert_array_equal(loaded.slots()["accumulators"], np.full((8, 2), 0.1, np.float32))
     assert ec.checkpoint.read_info(tmp_path / "c").table_names == ["u", "t"]
     assert ec.checkpoint.read_info(tmp_path / "d").table_names == ["kept", "t"]
+
+
+def test_a_save_holds_one_tables_step_lock_at_a_time(tmp_path, monkeypatch):
+    """While ec.save (or Saver.dump_to_file) writes a table, the other
+    tables' step locks are free: their steps (a schedule's, the PyTorch
+    adapter's fused ones) go on, and a save made from a schedule's callback,
+    which holds its table's lock, does not deadlock with another save."""
+    tables = [make_table(8, 2, name=n, optimizer=ec.optimizers.SGD(0.1)) for n in "abc"]
+    seen = []
+    write = ec.checkpoint._embedcore.write_shard_files
+
+    def checking_write(path, generation, prefix, shard_index, native, *rest):
+        writing = [t for t in tables if t._native is native][0]
+        free = []  # (probed from another thread: the locks are reentrant)
+        probe = threading.Thread(target=lambda: free.extend(
+            t.name for t in tables if t._schedule_lock().acquire(blocking=False) and not t._schedule_lock().release()))
+        probe.start()
+        probe.join()
+        seen.append((writing.name, sorted(free)))
+        return write(path, generation, prefix, shard_index, native, *rest)
+
+    monkeypatch.setattr(ec.checkpoint._embedcore, "write_shard_files", checking_write)
+    ec.save(tmp_path / "c", tables)
+    ec.Saver().dump_to_file(tables, tmp_path / "d")
+    assert seen == [(n, [m for m in "abc" if m != n]) for n in "abc"] * 2
+    monkeypatch.undo()
+
+    lo, hi = sorted(tables[:2], key=id)  # a save from hi's schedule takes lo's lock while holding hi's
+    ready = threading.Event()
+
+    def schedule(step):
+        if step == 0:
+            ready.set()
+            time.sleep(0.2)
+            ec.save(tmp_path / "from_schedule", [lo, hi])
+        return 0.1
+
+    hi.set_optimizer(ec.optimizers.SGD(schedule))
+    steps = threading.Thread(target=lambda: hi.apply_gradients(np.arange(4), None, np.ones((4, 2), np.float32),
+                                                               combiner=None), daemon=True)
+    other = threading.Thread(target=lambda: (ready.wait(), ec.save(tmp_path / "other", [lo, hi])), daemon=True)
+    steps.start()
+    other.start()
+    steps.join(60)
+    other.join(60)
+    assert not steps.is_alive() and not other.is_alive(), "the two saves deadlocked"
+    assert hi.step == 1 and ec.checkpoint.read_info(tmp_path / "other").table_names == [lo.name, hi.name]
 
 
 def test_spin_setting_is_checked_and_lookups_agree_without_spinning(tmp_path):
