@@ -1215,7 +1215,13 @@ void CheckpointLock::Release() noexcept {
 void CheckManifestIsOurs(const std::string& path) {
   const std::string manifest = JoinPath(path, checkpoint::kManifestName);
   struct stat st;
-  if (::stat(manifest.c_str(), &st) != 0) return;  // none yet (or a dangling link, which the rename replaces)
+  if (::stat(manifest.c_str(), &st) != 0) {
+    const int err = errno;
+    // None yet, no directory yet, or a dangling link (the rename replaces the link itself). Anything else
+    // (EACCES, ENAMETOOLONG, ELOOP, EIO) would fail the save too: say so now.
+    if (err == ENOENT || err == ENOTDIR) return;
+    throw IoError(manifest + ": " + checkpoint::ErrnoText(err), err);
+  }
   const std::string refuse = manifest + ": not an embedcore manifest (";
   const std::string advice = "); a save here would replace it: move it away or save elsewhere";
   if (!S_ISREG(st.st_mode)) throw CheckpointError(refuse + "not a regular file" + advice);

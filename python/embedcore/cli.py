@@ -165,13 +165,9 @@ def _convert(args) -> int:
         if empty:
             print(f"embedcore convert: --rename {empty[0]!r}: no table name after '='", file=sys.stderr)
             return 2
-    from .checkpoint import CheckpointError, check_destination
+    from .checkpoint import check_destination
 
-    try:  # another program's MANIFEST: --overwrite would not help (the save refuses to replace it)
-        check_destination(args.dst, "convert: dst")
-    except (CheckpointError, ValueError) as e:
-        print(f"embedcore convert: {e}", file=sys.stderr)
-        return 1
+    check_destination(args.dst, "dst")  # another program's MANIFEST: --overwrite would not help (a save keeps it)
     if os.path.lexists(os.path.join(args.dst, "MANIFEST")) and not args.overwrite:
         print(f"embedcore convert: {args.dst} already holds a checkpoint; pass --overwrite to replace it",
               file=sys.stderr)

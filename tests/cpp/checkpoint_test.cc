@@ -841,6 +841,14 @@ EMBEDCORE_TEST(CheckManifestIsOursAgreesWithTheSave) {
   fs::create_directories(dir.Sub("dir/MANIFEST"));
   EMBEDCORE_EXPECT_THROWS(CheckManifestIsOurs(dir.Sub("dir")), CheckpointError, "not a regular file");
   EMBEDCORE_EXPECT(DirNames(dir.Sub("theirs")) == std::vector<std::string>{"MANIFEST"});
+  // A MANIFEST that cannot be looked at is an error naming it and why, as the save's: not "nothing there".
+  EMBEDCORE_EXPECT_THROWS(CheckManifestIsOurs(dir.Sub(std::string(300, 'n'))), IoError, "File name too long");
+  fs::create_directories(dir.Sub("loop"));
+  fs::create_symlink("MANIFEST", dir.Sub("loop/MANIFEST"));
+  EMBEDCORE_EXPECT_THROWS(CheckManifestIsOurs(dir.Sub("loop")), IoError,
+                          "loop/MANIFEST: Too many levels of symbolic links");
+  EMBEDCORE_EXPECT_THROWS(SaveCheckpoint(dir.Sub("loop"), {{&a, "{}"}}, SaveOptions{}), IoError,
+                          "Too many levels of symbolic links");
 }
 
 EMBEDCORE_TEST(SaveRefusesAStepTheReaderRefuses) {

@@ -740,7 +740,14 @@ def test_a_destination_holding_another_programs_manifest_is_refused_before_any_w
         # The source does not exist: the refusal comes before it is read.
         for fmt in ("sok", "tf", "torch"):
             assert embedcore.cli.main(["convert", "--from", fmt, str(tmp_path / "missing"), str(dst), *overwrite]) == 1
-            assert capsys.readouterr().err == f"embedcore convert: {refusal}: move it away or save elsewhere\n"
+            assert capsys.readouterr().err == \
+                f"embedcore convert: CheckpointError: {refusal}: move it away or save elsewhere\n"
+    long = tmp_path / ("n" * 300)  # a MANIFEST that cannot be looked at: the save would fail on it too
+    assert embedcore.cli.main(["convert", "--from", "sok", str(tmp_path / "missing"), str(long)]) == 1
+    assert capsys.readouterr().err == \
+        f"embedcore convert: OSError: [Errno 36] {long / 'MANIFEST'}: File name too long\n"
+    assert embedcore.cli.main(["convert", "--from", "sok", str(tmp_path / "missing"), ""]) == 1
+    assert capsys.readouterr().err == 'embedcore convert: ValueError: dst is empty ("." names the current directory)\n'
     with pytest.raises(ec.CheckpointError, match=re.escape(refusal)):
         ec.sok.convert(tmp_path / "missing", dst)
     assert (dst / "MANIFEST").read_text() == "another program's manifest\n" and os.listdir(dst) == ["MANIFEST"]

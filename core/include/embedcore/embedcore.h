@@ -617,7 +617,9 @@ CheckpointInfo ReadCheckpointInfo(const std::string& path, bool slot_files = tru
 /// embedcore manifest (another program's file, or not a regular file): a save
 /// there refuses, since it would replace it. Nothing there, an embedcore
 /// manifest (whole, corrupt or short) or no directory at all: returns. So a
-/// command can tell before it works that its save would refuse.
+/// command can tell before it works that its save would refuse. A MANIFEST
+/// that cannot be looked at (EACCES, ENAMETOOLONG, a link in a loop, EIO)
+/// throws IoError, as the save would.
 void CheckManifestIsOurs(const std::string& path);
 
 /// Checks that `entry` fits `table` (shape, optimizer slots when
