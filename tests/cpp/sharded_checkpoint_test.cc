@@ -653,6 +653,15 @@ EMBEDCORE_TEST(CommitRemovesOldShardFilesAndKeepsUserFiles) {
   EMBEDCORE_EXPECT_EQ(NextGeneration(path), uint64_t(42));
   EMBEDCORE_EXPECT_THROWS(WriteShardFiles(path, 42, "t00000.", 100000, whole, 0, 0, SaveOptions{}), InvalidArgument,
                           "shard index");
+  // The last index the names hold is written, committed and read back.
+  const TableEntry last = WriteShardFiles(path, 42, "t00000.", 99999, whole, 0, 0, SaveOptions{});
+  EMBEDCORE_EXPECT_MSG(last.values[0].path == "t00000.values.s99999.g000000000042.ecd", last.values[0].path);
+  CommitCheckpoint(path, ManifestJson(42, {Merge({last}, kRows, kDim)}));
+  const CheckpointInfo at_last = ReadCheckpointInfo(path);
+  Table back_last(Spec("w", kRows, kDim, DType::kFloat16, OptimizerSpec::Kind::kAdagrad, 6));
+  LoadTable(at_last, at_last.tables[0], back_last, true);
+  EMBEDCORE_EXPECT(RawValues(back_last) == RawValues(whole));
+  EMBEDCORE_EXPECT(SameBits(Slot(back_last, 0), Slot(whole, 0)));
 }
 
 // GenerationClaim: distinct generations for saves at once, the claim file

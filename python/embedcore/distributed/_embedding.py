@@ -301,7 +301,7 @@ class ShardedEmbedding(Embedding):
                         out[:, cols] = rows
                     else:
                         out[r.bags, cols] += rows  # row-wise partial sums; bags are unique
-                elif sparse_seq:  # duplicate positions add up in order, as unsharded
+                elif sparse_seq:  # duplicate positions add up: each rank's in order, the ranks' in rank order
                     # The entries are row-major, so a position's ids are neighbours: add
                     # the first of each in one vector op, only the rest one by one.
                     first = np.ones(r.dest.size, bool)
