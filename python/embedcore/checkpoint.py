@@ -549,7 +549,11 @@ class Saver:
         from .distributed._checkpoint import _manifest
 
         created = not os.path.lexists(path)  # removed again if this save fails (when empty)
-        claim = _embedcore.GenerationClaim(path)
+        try:  # the claim makes the directory first: one that it cannot make its claim in is not left behind
+            claim = _embedcore.GenerationClaim(path)
+        except BaseException:
+            _remove_if_created_and_empty(path, created)
+            raise
         generation = claim.generation
         try:
             names = [t.name for t, _ in tables]

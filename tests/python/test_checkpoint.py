@@ -844,6 +844,22 @@ def test_embedding_load_checks_every_table_before_changing_any(tmp_path, rng):
         assert t.values().tobytes() == tables_by_name(emb)[name].values().tobytes()
 
 
+def test_a_save_that_cannot_claim_its_generation_leaves_no_directory(tmp_path):
+    """The claim makes the directory, then fails in it (here: its MANIFEST's
+    path is over PATH_MAX): the directory made is removed again, by
+    ec.save and by Saver.dump_to_file alike."""
+    parent = str(tmp_path)
+    while len(parent) < 3900:
+        parent = os.path.join(parent, "d" * 200)
+    os.makedirs(parent)
+    path = os.path.join(parent, "c" * (4090 - len(parent) - 1))  # makeable; path/MANIFEST is not
+    for name, save in (("save", lambda: ec.save(path, make_table("a"))),
+                       ("dump_to_file", lambda: ec.Saver().dump_to_file(make_table("a"), path))):
+        with pytest.raises(OSError, match="File name too long"):
+            save()
+        assert os.listdir(parent) == [], name
+
+
 def test_load_and_save_argument_errors(tmp_path):
     t = make_table()
     with pytest.raises(ec.CheckpointError):
