@@ -26,8 +26,9 @@ _SCHEDULED = weakref.WeakSet()
 
 
 def _renew_schedule_locks() -> None:
+    renewed = {}  # one new lock for each old one: a table and its copies (one native table) keep sharing it
     for t in list(_SCHEDULED):
-        t.__dict__["_step_lock"] = threading.RLock()
+        t.__dict__["_step_lock"] = renewed.setdefault(id(t.__dict__["_step_lock"]), threading.RLock())
 
 
 os.register_at_fork(after_in_child=_renew_schedule_locks)
@@ -479,6 +480,16 @@ class Table(LookupMixin):
         if self.step >= _MAX_STEP:
             raise ValueError(f"table '{self._name}' is at step {self.step}, the last a checkpoint records (2^62): "
                              "no further step")
+
+    def __copy__(self) -> "Table":
+        """A shallow copy (``copy.copy``): the same native table, so the
+        same step lock, made now if the table has none yet, and renewed
+        with the table's in a forked child."""
+        self._schedule_lock()
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        _SCHEDULED.add(twin)
+        return twin
 
     def _schedule_lock(self) -> threading.RLock:
         """This table's lock that makes reading a schedule's rate and stepping

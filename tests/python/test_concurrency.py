@@ -840,6 +840,41 @@ print(hung)
 """
 
 
+_FORK_WITH_A_COPY = r"""
+import copy, os, signal, threading, numpy as np, embedcore as ec
+t = ec.Table(name="t", rows=10, dim=2, optimizer=ec.optimizers.SGD(lambda step: 0.5))
+twin = copy.copy(t)  # before t has made its lock
+assert twin._schedule_lock() is t._schedule_lock(), "a copy has a lock of its own"
+held, release = threading.Event(), threading.Event()
+def hold():
+    with twin._schedule_lock():
+        held.set()
+        release.wait()
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+pid = os.fork()
+if pid == 0:  # the lock the parent's thread holds is renewed for both, and still one lock
+    signal.alarm(20)
+    ok = twin._schedule_lock() is t._schedule_lock() and twin._schedule_lock().acquire(blocking=False)
+    twin.apply_gradients(np.array([1]), None, np.ones((1, 2), np.float32))
+    os._exit(0 if ok and t.step == 1 else 3)
+_, status = os.waitpid(pid, 0)
+release.set()
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_copy_of_a_table_shares_its_step_lock_also_in_a_forked_child(tmp_path):
+    """copy.copy(table) is the same native table: it shares the step lock
+    (made by the copy if the table had none yet), and a forked child renews
+    that one lock for both, though a parent's thread held it."""
+    script = tmp_path / "fork_copy.py"
+    script.write_text(_FORK_WITH_A_COPY)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "0", r.stdout
+
+
 def test_a_child_forked_during_scheduled_steps_can_step(tmp_path):
     """The lock that makes a schedule's rate and its step one is renewed in a
     forked child: one the parent's thread held at the fork would be held
