@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "checkpoint/crc32c.h"
 #include "checkpoint/file_io.h"
@@ -445,11 +447,21 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
     throw CheckpointError(file + ": the manifest holds a NUL byte at " + std::to_string(text.find('\0')) +
                           " (not JSON text)");
   Json m;
+  // The keys of each object being read, outermost first: a key given twice is refused, not settled by the
+  // parser's choice (the last wins here and in Python's json; other readers differ).
+  std::vector<std::set<std::string>> keys;
   try {
     // A real manifest nests a few levels; refuse deep nesting before it costs stack or time.
-    m = Json::parse(text, [&](int depth, Json::parse_event_t, Json&) {
+    m = Json::parse(text, [&](int depth, Json::parse_event_t event, Json& parsed) {
       if (depth > kMaxJsonDepth)
         throw CheckpointError(file + ": the manifest nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+      if (event == Json::parse_event_t::object_start) {
+        keys.emplace_back();
+      } else if (event == Json::parse_event_t::object_end) {
+        keys.pop_back();
+      } else if (event == Json::parse_event_t::key && !keys.back().insert(parsed.get<std::string>()).second) {
+        throw CheckpointError(file + ": the manifest gives the key " + parsed.dump() + " twice in one object");
+      }
       return true;
     });
   } catch (const Json::exception& e) {

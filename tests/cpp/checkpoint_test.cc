@@ -650,6 +650,11 @@ EMBEDCORE_TEST(ForgedManifestFields) {
       {"\"accumulators\"", "\"momenta\"", "slots"},
       {"\"generation\": 1", "\"generation\": 1.5", "generation must be an integer"},
       {"\"metadata\": {", "\"metadata\": [{", "JSON"},
+      // A name given twice in one object: readers differ on which value holds (objects side by side may share
+      // names, as every file entry has a "path").
+      {"\"rows\": 50", "\"rows\": 50, \"rows\": 50", "the key \"rows\" twice in one object"},
+      {"\"kind\": \"adagrad\"", "\"kind\": \"adagrad\", \"kind\": \"sgd\"", "the key \"kind\" twice"},
+      {"\"generation\": 1", "\"generation\": 1, \"generation\": 2", "the key \"generation\" twice"},
   };
   for (const Case& c : cases) {
     std::string forged;

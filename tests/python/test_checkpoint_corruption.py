@@ -816,6 +816,27 @@ def test_a_byte_order_mark_before_the_manifest_json_is_refused(ckpt, target):
     assert_serving_fails(ckpt, "MANIFEST")
 
 
+@pytest.mark.parametrize("where,key", [("top level", "generation"), ("a table", "rows"),
+                                       ("the metadata", "kind")])
+def test_a_key_given_twice_in_one_manifest_object_is_refused(ckpt, target, where, key):
+    """JSON leaves a repeated name to the reader (the last wins in this
+    parser and in Python's json, the first in others): a manifest whose
+    meaning depends on the reader is refused (valid checksums), whichever
+    of the two values is the true one."""
+    text = read_manifest_json(ckpt).decode()
+    manifest = json.loads(text)
+    if where == "top level":
+        text = text.replace("{", '{"generation": %d, ' % manifest["generation"], 1)
+    elif where == "a table":
+        text = text.replace('"name": ', '"rows": %d, "name": ' % manifest["tables"][0]["rows"], 1)
+    else:
+        text = text.replace('"metadata": {', '"metadata": {"kind": "table", ', 1)
+    assert text.count(f'"{key}"') >= 2
+    write_manifest(ckpt, text.encode())
+    assert_load_fails(ckpt, target, "MANIFEST", match=f'the key "{key}" twice in one object')
+    assert_serving_fails(ckpt, "MANIFEST")
+
+
 def test_manifest_json_is_the_text_as_written(ckpt):
     """read_info hands back the manifest as it is on disk, not a re-indented
     dump (which, for a wide array nested 30 deep, was 40x the file)."""
