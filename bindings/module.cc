@@ -22,6 +22,7 @@ NB_MODULE(_embedcore, m) {
   // (std::out_of_range) -> IndexError come with nanobind; the rest are ours.
   nb::exception<embedcore::NotCompiled>(m, "NotCompiledError", PyExc_RuntimeError);
   nb::exception<embedcore::CheckpointError>(m, "CheckpointError", PyExc_ValueError);
+  nb::exception<embedcore::OptimizerChanged>(m, "OptimizerChanged", PyExc_RuntimeError);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);

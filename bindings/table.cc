@@ -170,11 +170,11 @@ std::vector<GradientPart> HostParts(const Table& t, const std::vector<PartTuple>
   return native;
 }
 
-void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learning_rate) {
+void ApplyGradients(Table& t, const std::vector<PartTuple>& parts, float learning_rate, int64_t optimizer_version) {
   RequireHost(t, "apply_gradients of NumPy arrays");
   const std::vector<GradientPart> native = HostParts(t, parts);
   ReleaseGil release;
-  t.ApplyGradients(native, learning_rate);
+  t.ApplyGradients(native, learning_rate, 0, optimizer_version);
 }
 
 // Table::ValidateStep, its error naming the table (OutOfRange names it already).
@@ -252,12 +252,37 @@ class TableMemory {
 // later table refuse its step after earlier ones ran: the caller's race.)
 // No array of a part may lie in any table of the call (one stepped first
 // would change it); `names` say what to call each part's grads in that error.
-using TableStep = std::tuple<Table*, std::vector<PartTuple>, float, std::vector<std::string>>;
+// A step's optimizer version (>= 0; -1: any) is the one its learning rate was
+// read under: each such table's optimizer is pinned once checked, so that no
+// set_optimizer falls between that check and its step (OptimizerChanged, with
+// no table changed, when one came before).
+using TableStep = std::tuple<Table*, std::vector<PartTuple>, float, std::vector<std::string>, int64_t>;
+
+// The optimizers a call pinned (Table::PinOptimizer), unpinned when it ends, however it ends.
+class Pins {
+ public:
+  Pins() = default;
+  Pins(const Pins&) = delete;
+  Pins& operator=(const Pins&) = delete;
+  ~Pins() {
+    for (Table* t : pinned_) t->UnpinOptimizer();
+  }
+  void Pin(Table& t, int64_t version) {
+    if (version < 0) return;
+    pinned_.reserve(pinned_.size() + 1);  // (before the pin: a push_back that throws would lose it)
+    t.PinOptimizer(version);
+    pinned_.push_back(&t);
+  }
+
+ private:
+  std::vector<Table*> pinned_;
+};
+
 void ApplyGradientsMany(const std::vector<TableStep>& steps) {
   std::vector<std::vector<GradientPart>> native;
   for (size_t i = 0; i < steps.size(); ++i) StepTable(steps, i, "apply_gradients_many");
   const TableMemory memory(steps);
-  for (const auto& [t, parts, learning_rate, names] : steps) {
+  for (const auto& [t, parts, learning_rate, names, version] : steps) {
     if (names.size() != parts.size())
       throw InvalidArgument("apply_gradients_many: table '" + t->spec().name + "' has " +
                             std::to_string(parts.size()) + " parts and " + std::to_string(names.size()) + " names");
@@ -269,10 +294,12 @@ void ApplyGradientsMany(const std::vector<TableStep>& steps) {
       if (weights) memory.Check(weights->data(), weights->nbytes(), "weights");
     }
   }
+  Pins pins;
   for (size_t i = 0; i < steps.size(); ++i) {
-    const Table& t = *std::get<0>(steps[i]);
+    Table& t = *std::get<0>(steps[i]);
     native.push_back(HostParts(t, std::get<1>(steps[i])));
     ValidateNamed(t, native.back(), std::get<2>(steps[i]));
+    pins.Pin(t, std::get<4>(steps[i]));
   }
   RunSteps(steps, native);
 }
@@ -515,8 +542,8 @@ void BindTable(nb::module_& m) {
       "The stable row-major order of COO entries checked and counted by csr_from_coo (its offsets): (order, "
       "the positions in that order, whether each bag's positions are then 0, 1, 2, ...).");
   m.def("apply_gradients_many", &ApplyGradientsMany, "steps"_a,
-        "(table, parts, learning_rate, names of the parts' grads) steps of several tables, every one checked before "
-        "any runs, in one call.");
+        "(table, parts, learning_rate, names of the parts' grads, optimizer version or -1) steps of several tables, "
+        "every one checked before any runs, in one call.");
   m.def("apply_gradients_windows", &ApplyGradientsWindows, "ids"_a.noconvert(), "offsets"_a.noconvert(),
         "weights"_a.noconvert().none(), "steps"_a, "grads"_a.noconvert(),
         "One step of each (table, [(first bag, bags, combiner, first column)], learning_rate) from windows of one "
@@ -631,9 +658,14 @@ void BindTable(nb::module_& m) {
           "set_optimizer",
           [](Table& t, const OptimizerSpec& o) {
             ReleaseGil release;  // waits for running calls
-            t.SetOptimizer(o);
+            return t.SetOptimizer(o);
           },
-          "optimizer"_a, "Replaces the optimizer: new slots at their initial values, step 0; the values stay.")
+          "optimizer"_a,
+          "Replaces the optimizer: new slots at their initial values, step 0; the values stay. Returns the new "
+          "optimizer version.")
+      .def_prop_ro("optimizer_version", &Table::optimizer_version,
+                   "How many times set_optimizer replaced the optimizer: a step whose rate was read under another "
+                   "raises OptimizerChanged.")
       .def_prop_ro("device", &Table::device)
       .def("lookup_cuda", &LookupCuda, "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(),
            "combiner"_a, "max_sequence_length"_a, "out"_a.noconvert(), "stream"_a,
@@ -658,8 +690,10 @@ void BindTable(nb::module_& m) {
            "back (the sharded algorithm's serve step)")
       .def("apply_gradients_staged", &ApplyGradientsStaged, "parts"_a, "learning_rate"_a,
            "apply_gradients of NumPy arrays on a table anywhere, staged through the GPU for a device table")
-      .def("apply_gradients", &ApplyGradients, "parts"_a, "learning_rate"_a,
-           "One optimizer step from (ids, offsets, weights, combiner, max_sequence_length, grads) parts.")
+      .def("apply_gradients", &ApplyGradients, "parts"_a, "learning_rate"_a, "optimizer_version"_a = -1,
+           "One optimizer step from (ids, offsets, weights, combiner, max_sequence_length, grads) parts; with "
+           "optimizer_version >= 0 (the one the rate was read under), OptimizerChanged when set_optimizer replaced "
+           "the optimizer since, and nothing changes.")
       .def("values", &ValuesAs<NumpyView>, "Read-only view of the stored values (bfloat16 as uint16 bits).")
       .def("slots", &SlotsAs<NumpyView>, "Read-only float32 views of the slot variables, by name.")
       .def("values_mut", &ValuesAs<NumpyMut>,

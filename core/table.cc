@@ -1,5 +1,6 @@
 // The host table: storage, validation, lookup and the sparse optimizer step.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +11,7 @@
 #include <new>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include <pthread.h>
@@ -435,7 +437,7 @@ std::vector<Table::FloatPtr> Table::NewSlots(const OptimizerSpec& o) const {
   return slots;
 }
 
-void Table::SetOptimizer(const OptimizerSpec& optimizer) {
+int64_t Table::SetOptimizer(const OptimizerSpec& optimizer) {
   optimizer.Validate();
   CheckOptimizerFits(spec_, optimizer);
   // Views of a table's slots (slots(), slots_mut()) would dangle: only a table without slots takes another
@@ -452,11 +454,39 @@ void Table::SetOptimizer(const OptimizerSpec& optimizer) {
   }
   std::vector<FloatPtr> slots = NewSlots(optimizer);  // allocated first: running out of memory changes nothing
   std::unique_lock<std::shared_mutex> lock(mutex_);
+  // A pin is taken under the shared lock: none is taken while this holds the lock, and a step of several
+  // tables that pinned this one (checked its optimizer) steps it before it unpins.
+  while (optimizer_pins_.load() > 0) {
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    lock.lock();
+  }
   refuse_slots();
   spec_.optimizer = optimizer;
   slots_.swap(slots);
   step_ = 0;
+  return ++optimizer_version_;
 }
+
+int64_t Table::optimizer_version() const {
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  return optimizer_version_;
+}
+
+namespace {
+[[noreturn]] void ThrowOptimizerChanged(const TableSpec& spec, int64_t read, int64_t now) {
+  throw OptimizerChanged("table '" + spec.name + "': its optimizer was replaced (version " + std::to_string(read) +
+                         " -> " + std::to_string(now) + ") after this step read its learning rate; nothing changed");
+}
+}  // namespace
+
+void Table::PinOptimizer(int64_t version) {
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  if (version != optimizer_version_) ThrowOptimizerChanged(spec_, version, optimizer_version_);
+  optimizer_pins_.fetch_add(1);
+}
+
+void Table::UnpinOptimizer() noexcept { optimizer_pins_.fetch_sub(1); }
 
 Table::~Table() = default;
 
@@ -469,6 +499,12 @@ Table::~Table() = default;
 // them after the fork, and the child, where the locks record the parent's
 // thread as their owner, makes them anew. The child's tables are then each
 // as a whole call left them, never half-updated.
+struct ForkHandlers {
+  static void Prepare();
+  static void Parent();
+  static void Child();
+};
+
 namespace {
 struct LiveTables {
   std::mutex mutex;
@@ -478,22 +514,27 @@ LiveTables& Live() {
   static LiveTables* live = new LiveTables;  // never destroyed: a fork may come during exit
   return *live;
 }
-void LockTablesForFork() {
+}  // namespace
+
+void ForkHandlers::Prepare() {
   Live().mutex.lock();
   for (const Table* t : Live().tables) t->mutex().lock();
 }
-void UnlockTablesInParent() {
+void ForkHandlers::Parent() {
   for (const Table* t : Live().tables) t->mutex().unlock();
   Live().mutex.unlock();
 }
-void RenewTableLocksInChild() {
-  for (const Table* t : Live().tables) new (&t->mutex()) std::shared_mutex;  // no other thread exists here
+void ForkHandlers::Child() {
+  for (const Table* t : Live().tables) {  // no other thread exists here: none holds a lock or a pin
+    new (&t->mutex_) std::shared_mutex;
+    const_cast<Table*>(t)->optimizer_pins_.store(0);
+  }
   new (&Live().mutex) std::mutex;
 }
-}  // namespace
 
 void Table::EnsureForkHandlers() {
-  static const bool registered = pthread_atfork(LockTablesForFork, UnlockTablesInParent, RenewTableLocksInChild) == 0;
+  static const bool registered =
+      pthread_atfork(ForkHandlers::Prepare, ForkHandlers::Parent, ForkHandlers::Child) == 0;
   (void)registered;
 }
 
@@ -1054,10 +1095,17 @@ void ApplyRule(const TableSpec& spec, float learning_rate, int64_t step, void* v
 }
 }  // namespace
 
-void Table::ApplyGradients(const std::vector<GradientPart>& given, float learning_rate, uintptr_t stream) {
+void Table::ApplyGradients(const std::vector<GradientPart>& given, float learning_rate, uintptr_t stream,
+                           int64_t optimizer_version) {
   CheckStepShapes(given, spec_, step_);
+  // Under each exclusive hold below, before anything changes: the rate was read for the optimizer that steps.
+  auto check_version = [&] {
+    if (optimizer_version >= 0 && optimizer_version != optimizer_version_)
+      ThrowOptimizerChanged(spec_, optimizer_version, optimizer_version_);
+  };
   if (spec_.device >= 0) {
     std::unique_lock<std::shared_mutex> lock(mutex_);
+    check_version();
     cuda_impl::ApplyGradients(spec_, values_.get(), SlotPointers(slots_), step_, given, learning_rate, spec_.device,
                               stream);
     ++step_;
@@ -1069,6 +1117,7 @@ void Table::ApplyGradients(const std::vector<GradientPart>& given, float learnin
   const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
   {  // The optimizer is read under the lock: SetOptimizer may replace it meanwhile.
     std::unique_lock<std::shared_mutex> lock(mutex_);
+    check_version();
     if (StepsInOrder(spec_, learning_rate)) {
       ApplySgdInOrder(stable.get(), spec_, static_cast<float*>(values_.get()), learning_rate, k);
       ++step_;
@@ -1077,6 +1126,7 @@ void Table::ApplyGradients(const std::vector<GradientPart>& given, float learnin
   }
   const OccurrenceGroups groups = GroupOccurrences(stable.get(), spec_);
   std::unique_lock<std::shared_mutex> lock(mutex_);
+  check_version();
   ApplyRule(spec_, learning_rate, step_, values_.get(), SlotPointers(slots_), groups, k);
   ++step_;
 }

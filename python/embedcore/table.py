@@ -209,6 +209,8 @@ class Table(LookupMixin):
         optimizer = config.optimizer
         native_opt = optimizer._native() if optimizer is not None else _opt.SGD()._native()
         self._optimizer = optimizer
+        # The optimizer whose rate a step reads and the engine's version of it (set_optimizer counts), read as one.
+        self._stepping = (optimizer, 0)
         self._device = _device.parse_device(device, f"table '{self._name}'")
         self._placement = tuple(_placement)
         self._native = _embedcore.Table(self._name, config.rows, config.dim, config.dtype,
@@ -257,23 +259,26 @@ class Table(LookupMixin):
         its slots start at their initial values and the step count at 0;
         the values stay. (The PyTorch adapter uses it to fuse the optimizer
         that ``apply_optimizer_in_backward`` names.) Waits for running
-        lookups, updates, scheduled steps and saves (``ec.save`` records the
-        optimizer whose slots it writes); a step with a constant rate that
-        another thread began (read its rate) before this call may still
-        apply that rate under the new rule: change the optimizer while no
-        other thread trains the table. A table whose optimizer has slots is refused
+        lookups, updates and saves (``ec.save`` records the optimizer whose
+        slots it writes). A step that another thread began before this call
+        either finishes before it or reads its learning rate again after
+        it: no step applies one optimizer's rate under the other's rule.
+        A table whose optimizer has slots is refused
         (views of its slots would dangle: copy its values into a new table
         instead), as is an impossible optimizer, before anything changes."""
         if not isinstance(optimizer, _opt.Optimizer):
             raise TypeError(f"table '{self._name}': optimizer must be an embedcore.optimizers.Optimizer, "
                             f"got {optimizer!r}")
         # Under the lock that a scheduled step (and the PyTorch adapter's fused step) holds from reading its
-        # rate to stepping: no such step takes the old optimizer's rate to the new rule.
+        # rate to stepping: no such step takes the old optimizer's rate to the new rule. A step with a constant
+        # rate takes no lock: it names the version it read the rate under, which the engine refuses once this
+        # replaced it (_apply_parts).
         with self._schedule_lock():
-            self._native.set_optimizer(optimizer._native())
+            version = self._native.set_optimizer(optimizer._native())
             c = self._config
             self._config = TableConfig(c.name, c.rows, c.dim, c.dtype, c.initializer, optimizer, c.combiner)
             self._optimizer = optimizer
+            self._stepping = (optimizer, version)
 
     @property
     def step(self) -> int:
@@ -503,16 +508,23 @@ class Table(LookupMixin):
         return lock
 
     def _apply_parts(self, parts, learning_rate: Optional[float] = None) -> None:
-        if learning_rate is None and self._optimizer is not None and callable(self._optimizer.learning_rate):
-            # A schedule's rate depends on the step: reading it and stepping are one, for threads that update
-            # this table at once (the native step takes the table's lock only for its own part).
-            with self._schedule_lock():
-                self._native.apply_gradients(parts, self.learning_rate())
+        if learning_rate is not None:  # the caller's rate (the PyTorch adapter's, read under the step lock)
+            self._native.apply_gradients(parts, learning_rate)
             return
-        # A constant rate is read without the lock: a step on every call would pay for it, and steps of
-        # several threads would no longer overlap their validation (see set_optimizer).
-        lr = self.learning_rate() if learning_rate is None else learning_rate
-        self._native.apply_gradients(parts, lr)
+        optimizer, version = self._stepping
+        if optimizer is not None and not callable(optimizer.learning_rate):
+            # A constant rate is read without the lock (a lock on every step would cost each step, and steps of
+            # several threads would no longer overlap their validation): the engine refuses the step, changing
+            # nothing, when set_optimizer replaced the optimizer since; then the rate is read again, below.
+            try:
+                self._native.apply_gradients(parts, optimizer.learning_rate_at(self.step), version)
+                return
+            except _embedcore.OptimizerChanged:
+                pass
+        # A schedule's rate depends on the step: reading it and stepping are one, for threads that update this
+        # table at once (the native step takes the table's lock only for its own part).
+        with self._schedule_lock():
+            self._native.apply_gradients(parts, self.learning_rate())
 
     # ------------------------------------------------------------ state
     def values(self) -> np.ndarray:
@@ -633,10 +645,24 @@ def apply_gradients_many(steps) -> None:
     two tables."""
     # A schedule's rate depends on the step: reading it and stepping are one (as in Table._apply_parts), for
     # threads that train these tables at once; the scheduled tables' locks are taken in one order (no deadlock).
-    scheduled = [t for t, _, _ in steps if t._optimizer is not None and callable(t._optimizer.learning_rate)]
-    with _schedule_locks(scheduled):
+    # A constant rate is read without the lock and named with the optimizer version it was read under, as in
+    # Table._apply_parts: when set_optimizer replaced one meanwhile, no table changes (OptimizerChanged) and the
+    # call runs again holding every table's lock.
+    stepping = [table._stepping for table, _, _ in steps]
+    scheduled = [t for (t, _, _), (o, _) in zip(steps, stepping) if o is not None and callable(o.learning_rate)]
+    try:
+        with _schedule_locks(scheduled):
+            rates = [o.learning_rate_at(t.step) if o is not None else t.learning_rate()
+                     for (t, _, _), (o, _) in zip(steps, stepping)]
+            _embedcore.apply_gradients_many([(table._native, parts, rate, names, version)
+                                             for (table, parts, names), rate, (_, version)
+                                             in zip(steps, rates, stepping)])
+        return
+    except _embedcore.OptimizerChanged:
+        pass
+    with _schedule_locks([table for table, _, _ in steps]):
         rates = [table.learning_rate() for table, _, _ in steps]
-        _embedcore.apply_gradients_many([(table._native, parts, rate, names)
+        _embedcore.apply_gradients_many([(table._native, parts, rate, names, -1)
                                          for (table, parts, names), rate in zip(steps, rates)])
 
 

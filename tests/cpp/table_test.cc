@@ -5,6 +5,7 @@
 // within rounding), validation that leaves the table unchanged, thread-count
 // independence and concurrent lookups during updates.
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -12,6 +13,10 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "embedcore/embedcore.h"
 #include "internal.h"
@@ -1160,6 +1165,75 @@ EMBEDCORE_TEST(SetOptimizerKeepsValuesAndStartsFreshSlots) {
   Table shard(shard_spec);
   EMBEDCORE_EXPECT_THROWS(shard.SetOptimizer(rowwise), InvalidArgument, "cannot be a column shard");
   EMBEDCORE_EXPECT_EQ(shard.num_slots(), size_t(0));
+}
+
+EMBEDCORE_TEST(StepsNamingAReplacedOptimizerChangeNothing) {
+  // A caller reads a step's learning rate for the optimizer of one version; once SetOptimizer replaced it,
+  // the step (and a pin of a several-table step) is refused and nothing changes.
+  Table t(MakeSpec(10, 4, DType::kFloat32, OptimizerSpec::Kind::kSGD));
+  EMBEDCORE_EXPECT_EQ(t.optimizer_version(), int64_t(0));
+  std::vector<int64_t> ids = {3, 3, 7}, offsets = {0, 2, 3};
+  std::vector<float> grads(2 * 4, 1.0f);
+  GradientPart p;
+  p.batch.ids = ids.data();
+  p.batch.nnz = 3;
+  p.batch.offsets = offsets.data();
+  p.batch.num_bags = 2;
+  p.grads = grads.data();
+  t.ApplyGradients({p}, 0.1f, 0, 0);  // the version it has: steps
+  EMBEDCORE_EXPECT_EQ(t.step(), int64_t(1));
+  OptimizerSpec adagrad;
+  adagrad.kind = OptimizerSpec::Kind::kAdagrad;
+  EMBEDCORE_EXPECT_EQ(t.SetOptimizer(adagrad), int64_t(1));
+  EMBEDCORE_EXPECT_EQ(t.optimizer_version(), int64_t(1));
+  const Snapshot before = Take(t);
+  EMBEDCORE_EXPECT_THROWS(t.ApplyGradients({p}, 0.1f, 0, 0), OptimizerChanged, "version 0 -> 1");
+  EMBEDCORE_EXPECT_THROWS(t.PinOptimizer(0), OptimizerChanged, "table 't'");
+  EMBEDCORE_EXPECT(Take(t) == before);
+  t.ApplyGradients({p}, 0.1f, 0, 1);
+  t.ApplyGradients({p}, 0.1f);  // -1: any optimizer
+  EMBEDCORE_EXPECT_EQ(t.step(), int64_t(2));
+
+  // A pin holds SetOptimizer off until it is released.
+  Table u(MakeSpec(10, 4, DType::kFloat32, OptimizerSpec::Kind::kSGD));
+  u.PinOptimizer(0);
+  u.PinOptimizer(0);  // (pins count)
+  std::atomic<bool> set{false};
+  std::thread setter([&] {
+    u.SetOptimizer(adagrad);
+    set = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EMBEDCORE_EXPECT(!set.load());
+  u.UnpinOptimizer();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EMBEDCORE_EXPECT(!set.load());
+  u.UnpinOptimizer();
+  setter.join();
+  EMBEDCORE_EXPECT(set.load());
+  EMBEDCORE_EXPECT_EQ(u.optimizer_version(), int64_t(1));
+  EMBEDCORE_EXPECT_EQ(u.num_slots(), size_t(1));
+
+  // A forked child holds none of the pins its parent's threads held: its SetOptimizer does not wait for them.
+  Table w(MakeSpec(10, 4, DType::kFloat32, OptimizerSpec::Kind::kSGD));
+  w.PinOptimizer(0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    w.SetOptimizer(adagrad);
+    ::_exit(w.optimizer_version() == 1 ? 0 : 1);
+  }
+  EMBEDCORE_EXPECT(pid > 0);
+  int status = 0;
+  for (int i = 0; i < 500 && ::waitpid(pid, &status, WNOHANG) == 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (::waitpid(pid, &status, WNOHANG) == 0) {  // still waiting for the parent's pin after 5 s
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+    embedcore_test::Fail(__FILE__, __LINE__, "the child's SetOptimizer waited for a pin of its parent");
+  } else {
+    EMBEDCORE_EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  w.UnpinOptimizer();
 }
 
 EMBEDCORE_TEST(AdamMatchesReferences) {

@@ -236,6 +236,60 @@ def test_set_optimizer_waits_for_a_step_between_its_rate_and_its_update():
     assert np.allclose(row, sgd_then_nothing) or np.allclose(row, adagrad), (row, before)
 
 
+class _SwapsOnFirstRead(ec.optimizers.SGD):
+    """SGD(0.1) whose first rate read gives `table` Adagrad(0.5) by
+    set_optimizer, as another thread could between a step's read of its
+    constant rate (which takes no lock) and its native call."""
+
+    def __init__(self, table_of):
+        super().__init__(0.1)
+        self.table_of, self.swapped = table_of, False
+
+    def learning_rate_at(self, step):
+        if not self.swapped:
+            self.swapped = True
+            self.table_of().set_optimizer(ec.optimizers.Adagrad(0.5, initial_accumulator_value=0.1))
+        return super().learning_rate_at(step)
+
+
+def test_a_step_whose_constant_rate_set_optimizer_replaced_reads_it_again():
+    """A step with a constant rate reads it without the step lock. When
+    set_optimizer replaces the optimizer after that read, the engine refuses
+    the stale rate (the optimizer version it was read under), nothing
+    changes, and the step reads the rate again: Adagrad's rule takes
+    Adagrad's rate, never SGD's (it took SGD's 0.1 before)."""
+    t = make_table(8, 2, name="t")
+    before = t.to_numpy()
+    t.set_optimizer(_SwapsOnFirstRead(lambda: t))
+    t.apply_gradients(np.array([1]), np.array([0, 1]), np.ones((1, 2), np.float32))
+    assert isinstance(t.optimizer, ec.optimizers.Adagrad) and t.step == 1
+    expected = before.copy()
+    expected[1] -= np.float32(0.5) / np.sqrt(np.float32(1.1))  # Adagrad(0.5) from 0.1: a = 1.1
+    np.testing.assert_allclose(t.to_numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(t.slots()["accumulators"][1], [1.1, 1.1], rtol=1e-6)
+
+
+def test_a_several_table_step_whose_rate_set_optimizer_replaced_changes_no_table_then_steps_all():
+    """The same in one step of several tables (an Embedding's): the engine
+    checks every table's optimizer version before any table steps, so the
+    step changes nothing, then runs again with every rate read anew: each
+    table steps once, 'a' by Adagrad(0.5)."""
+    cfg_a = ec.TableConfig(name="a", rows=8, dim=2, initializer=ec.initializers.Constant(1.0))
+    cfg_b = ec.TableConfig(name="b", rows=8, dim=2, initializer=ec.initializers.Constant(1.0),
+                           optimizer=ec.optimizers.SGD(0.25))
+    emb = ec.Embedding({"fa": ec.FeatureConfig(cfg_a), "fb": ec.FeatureConfig(cfg_b)})
+    a, b = emb.embedding_tables[cfg_a], emb.embedding_tables[cfg_b]
+    a.set_optimizer(_SwapsOnFirstRead(lambda: a))
+    ids = {"fa": np.array([[1]]), "fb": np.array([[2]])}
+    emb(ids)
+    emb.apply_gradients({"fa": np.ones((1, 2), np.float32), "fb": np.ones((1, 2), np.float32)})
+    assert (a.step, b.step) == (1, 1)
+    np.testing.assert_allclose(a.to_numpy()[1], 1 - np.float32(0.5) / np.sqrt(np.float32(1.1)), rtol=1e-6)
+    np.testing.assert_allclose(b.to_numpy()[2], [0.75, 0.75])
+    np.testing.assert_allclose(np.delete(a.to_numpy(), 1, 0), 1.0)
+    np.testing.assert_allclose(np.delete(b.to_numpy(), 2, 0), 1.0)
+
+
 def test_a_save_waits_for_set_optimizer_and_records_the_optimizer_of_its_slots(tmp_path):
     """ec.save reads each table's config and writes it under the table's
     step lock, which set_optimizer holds while it swaps the optimizer: a

@@ -76,6 +76,13 @@ class NotCompiled : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+/// A step's learning rate was read for an optimizer that Table::SetOptimizer
+/// has replaced since (the step named the optimizer_version it read the
+/// rate under): nothing changed; read the rate again and step.
+class OptimizerChanged : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 // ---------------------------------------------------------------- dtypes
 /// Storage dtype of a table's values (float32, float16, bfloat16), or of a
@@ -356,7 +363,13 @@ class Table {
   /// per occurrence, and the same bits on CPU and GPU whatever the thread
   /// count. `learning_rate` is this step's rate.
   /// Validates everything before changing anything.
-  void ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate, uintptr_t stream = 0);
+  /// `optimizer_version` >= 0: the optimizer_version() under which the
+  /// caller read `learning_rate` (from its own record of the optimizer);
+  /// when SetOptimizer has replaced the optimizer since, the step throws
+  /// OptimizerChanged and changes nothing, so no step applies one
+  /// optimizer's rate under another's rule. -1: any optimizer.
+  void ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate, uintptr_t stream = 0,
+                      int64_t optimizer_version = -1);
 
   /// Throws what ApplyGradients(parts, learning_rate) throws before it
   /// changes anything (shapes, strides, the step limit, the rate; of a host
@@ -409,11 +422,20 @@ class Table {
   int64_t step() const { return step_.load(std::memory_order_relaxed); }
   void set_step(int64_t step) { step_.store(step, std::memory_order_relaxed); }
   /// Replaces the optimizer of a table without slots (SGD): new slots at
-  /// their initial values, step 0; the values stay. Waits for running calls.
-  /// Throws InvalidArgument for a table whose optimizer has slots (pointers
-  /// to them, slot(i), would dangle) or an impossible optimizer, and
-  /// OutOfMemory, before anything changes.
-  void SetOptimizer(const OptimizerSpec& optimizer);
+  /// their initial values, step 0; the values stay. Waits for running calls
+  /// and for pins (PinOptimizer). Throws InvalidArgument for a table whose
+  /// optimizer has slots (pointers to them, slot(i), would dangle) or an
+  /// impossible optimizer, and OutOfMemory, before anything changes.
+  /// Returns the new optimizer_version().
+  int64_t SetOptimizer(const OptimizerSpec& optimizer);
+  /// How many times SetOptimizer replaced the optimizer (0 at first).
+  int64_t optimizer_version() const;
+  /// For a step of several tables that checks every table before it steps
+  /// any (all or none): throws OptimizerChanged when the optimizer is no
+  /// longer `version` (nothing changes), else holds it, SetOptimizer
+  /// waiting, until UnpinOptimizer. Each pin needs one UnpinOptimizer.
+  void PinOptimizer(int64_t version);
+  void UnpinOptimizer() noexcept;
   /// Fills the values with the initializer again (the values the table was
   /// made with), in one exclusive hold of the lock; slots and step stay.
   void ResetValues();
@@ -456,7 +478,10 @@ class Table {
   BufferPtr values_;
   std::vector<FloatPtr> slots_;
   std::atomic<int64_t> step_{0};
+  int64_t optimizer_version_ = 0;       // guarded by mutex_
+  std::atomic<int> optimizer_pins_{0};  // PinOptimizer's holds: SetOptimizer waits for none
   mutable std::shared_mutex mutex_;
+  friend struct ForkHandlers;  // (table.cc: renews the locks and pins in a forked child)
   ForkRegistration fork_registration_{this};  // last: listed once mutex_ exists, removed before it goes
 };
 
