@@ -189,6 +189,15 @@ def _tables_of(obj) -> List[Table]:
 
 
 _MAX_STRUCTURE_DEPTH = 24  # the manifest caps JSON nesting at 32 levels (docs/format.md)
+# A table's index is 5 digits of its files' names; a save never writes a file of another name (it would not know
+# it as its own, and no later save would remove it).
+MAX_TABLES = 99999
+
+
+def _check_table_count(n: int, call: str, kept: bool = False) -> None:
+    if n > MAX_TABLES:
+        raise ValueError(f"{call}: {n} tables{' with those the checkpoint there keeps' if kept else ''}; a "
+                         f"checkpoint holds at most {MAX_TABLES} (a table's index is 5 digits of its file names)")
 
 
 def _depth(x) -> int:
@@ -286,8 +295,7 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
     path = native_path(path)
     _check_values_dtype(values_dtype)
     tables = _tables_of(obj)
-    if len(tables) > 99999:  # file names carry the table's index in 5 digits
-        raise ValueError(f"save: {len(tables)} tables; a checkpoint holds at most 99999")
+    _check_table_count(len(tables), "save")
     names = set()
     for t in tables:
         if t.name in names:
@@ -592,7 +600,9 @@ class Saver:
         if os.path.isfile(os.path.join(path, "MANIFEST")):
             with _locked(path):
                 old = list(Saver._existing(path).table_names)
-        return {n: i for i, n in enumerate(old + [n for n in names if n not in old])}
+        order = {n: i for i, n in enumerate(old + [n for n in names if n not in old])}
+        _check_table_count(len(order), "dump_to_file", kept=len(order) > len(names))
+        return order
 
     @staticmethod
     def _kept_entries(path: str, generation: int, ours: set, order: dict, metadata: dict,
@@ -634,8 +644,9 @@ class Saver:
                 row_bytes = t["dim"] * (element.get(values_dtype or t["dtype"], 4) + 4 * slots) + 4 * row_slots
                 chunk = max(1, max_block_bytes // max(1, row_bytes))
                 position = order.get(t["name"])
-                if position is None:
+                if position is None:  # (saved there since the order was taken)
                     position, later = later, later + 1
+                    _check_table_count(later, "dump_to_file", kept=True)
                 prefix, pieces = f"t{position:05d}.", []
                 for index, r0 in enumerate(range(0, t["rows"], chunk)):
                     block = _embedcore.table_like(info, k, min(chunk, t["rows"] - r0), t["dim"])

@@ -745,6 +745,27 @@ def test_saver_dump_refuses_two_tables_of_one_name_before_writing(tmp_path):
     assert sorted(os.listdir(path)) == before
 
 
+def test_a_checkpoint_of_more_tables_than_file_names_number_is_refused_before_writing(tmp_path, monkeypatch):
+    """A table's index is 5 digits of its file names (99999 tables at most):
+    a dump that would keep the tables there beside more new ones than that
+    allows wrote files of 6-digit names before, which no later save knows as
+    its own nor removes. Refused with the count, the checkpoint as it was.
+    (The limit lowered to 3 here, as 100,000 tables would take minutes.)"""
+    monkeypatch.setattr(ec.checkpoint, "MAX_TABLES", 3)
+    path = tmp_path / "c"
+    ec.save(path, [make_table(name="x"), make_table(name="y")])
+    before = {f: os.path.getmtime(path / f) for f in os.listdir(path)}
+    with pytest.raises(ValueError, match=r"dump_to_file: 4 tables with those the checkpoint there keeps; a "
+                                         r"checkpoint holds at most 3"):
+        ec.Saver().dump_to_file([make_table(name="a"), make_table(name="b")], str(path))
+    assert {f: os.path.getmtime(path / f) for f in os.listdir(path)} == before
+    ec.Saver().dump_to_file([make_table(name="a"), make_table(name="y")], str(path))  # 3: fits
+    assert list(ec.checkpoint.read_info(path).table_names) == ["x", "y", "a"]
+    with pytest.raises(ValueError, match=r"save: 4 tables; a checkpoint holds at most 3"):
+        ec.save(tmp_path / "d", [make_table(name=n) for n in "abcd"])
+    assert not os.path.exists(tmp_path / "d")
+
+
 def test_saver_load_embedding_values(rng):
     saver = ec.Saver()
     t = make_table(rows=10, dim=4, optimizer="adagrad")

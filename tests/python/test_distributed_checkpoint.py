@@ -1144,6 +1144,31 @@ def test_a_sharded_dump_to_file_keeps_the_other_tables_there(tmp_path, plan):
     assert_state(state(got), state(user), "the kept table")
 
 
+def test_a_sharded_save_or_dump_of_more_tables_than_file_names_number_is_refused(tmp_path, monkeypatch):
+    """As an unsharded one (test_checkpoint.py): a table's index is 5 digits
+    of its file names; over that, nothing is written, and every rank raises
+    the ValueError (a dump: rank 0, which reads the tables it keeps; the
+    others RankFailedError naming it). The limit lowered here."""
+    path = str(tmp_path / "dump")
+    ec.save(path, ec.Table(name="user", rows=6, dim=3))
+    before = sorted(os.listdir(path))
+    monkeypatch.setattr(ec.checkpoint, "MAX_TABLES", 1)
+
+    def fn(world):
+        emb = ec.Embedding(feature_config(), world=world, sharding="table_wise")
+        dump = ValueError if world.rank == 0 else RankFailedError
+        with pytest.raises(dump, match="dump_to_file: 3 tables with those the checkpoint there keeps; a checkpoint "
+                                       "holds at most 1"):
+            ec.Saver().dump_to_file(emb, path)
+        with pytest.raises(ValueError, match="save: 2 tables; a checkpoint holds at most 1"):
+            ec.save(str(tmp_path / "new"), emb)
+        return world.rank
+
+    assert run_world(2, fn) == [0, 1]
+    assert sorted(os.listdir(path)) == before
+    assert not os.path.exists(tmp_path / "new")
+
+
 def test_ranks_calling_save_and_dump_to_file_are_refused_and_write_nothing(tmp_path):
     """A dump keeps the other tables there and a save replaces them: ranks
     that make different calls would leave rank 0's choice deciding, so every

@@ -66,6 +66,10 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
     created = comm.rank == 0 and not os.path.lexists(path)  # removed again if this save fails (when empty)
     try:  # on every rank (the plan is every rank's): each raises the ValueError, not RankFailedError
         _check_values_dtype(values_dtype)
+        if not keep:  # (a dump counts the tables it keeps too: rank 0, which reads them, checks)
+            from ..checkpoint import _check_table_count
+
+            _check_table_count(len(emb._configs), "save")
         if values_dtype == "uint8_rowwise":  # whole rows: each file's rows carry their scale and bias
             for ti, cfg in enumerate(emb._configs):
                 split = [s for s in emb._sharding_of(ti).shards if s.cols != emb._effective[cfg].dim]
