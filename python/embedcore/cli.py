@@ -53,6 +53,9 @@ def _inspect(path: str, as_json: bool) -> int:
     return _print_inspect(given, info, as_json, missing)
 
 
+_SHARDS_SHOWN = 8  # inspect prints at most this many shards of a table
+
+
 def _print_inspect(given: str, info, as_json: bool, missing=frozenset()) -> int:
     manifest = json.loads(info.manifest_json)
     if as_json:
@@ -95,12 +98,17 @@ def _print_inspect(given: str, info, as_json: bool, missing=frozenset()) -> int:
         sharding = t.get("sharding", {})
         print(f"    sharding at save: {sharding.get('plan', '?')} over {sharding.get('world_size', '?')} rank(s); "
               f"{len(files)} file(s)")
-        for s in sharding.get("shards", []) if isinstance(sharding.get("shards"), list) else []:
+        shards = sharding.get("shards", []) if isinstance(sharding.get("shards"), list) else []
+        # A table over many ranks: its first and last shards, not a line each (--json has them all).
+        shown = shards if len(shards) <= _SHARDS_SHOWN else shards[:_SHARDS_SHOWN - 2] + shards[-2:]
+        for k, s in enumerate(shown):
             s = s if isinstance(s, dict) else {}
 
             def end(start, n):
                 return start + n if all(isinstance(v, int) for v in (start, n)) else "?"
 
+            if len(shown) < len(shards) and k == _SHARDS_SHOWN - 2:
+                print(f"      ... {len(shards) - len(shown)} more shard(s) (inspect --json lists every one)")
             row_start, col_start = s.get("row_start", "?"), s.get("col_start", "?")
             cols = "" if s.get("cols") == t["dim"] else f", columns [{col_start}, {end(col_start, s.get('cols'))})"
             print(f"      rank {s.get('rank', '?')}: rows [{row_start}, {end(row_start, s.get('rows'))}){cols}")

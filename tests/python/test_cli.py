@@ -383,6 +383,35 @@ def test_inspect_prints_any_metadata_and_sharding_record(tmp_path, capsys, emb_c
         assert "rank 1: rows [?, ?), columns [?, ?)" in out
 
 
+@pytest.mark.parametrize("shards", [8, 9, 1000])
+def test_inspect_shows_a_table_over_many_ranks_in_a_few_lines(tmp_path, capsys, emb_ckpt, shards):
+    """A table sharded over 1,000 ranks printed 1,000 lines: inspect shows up
+    to 8 shards, else the first 6, a line counting the rest and the last 2
+    (inspect --json prints the whole manifest)."""
+    import shutil
+
+    path = tmp_path / "c"
+    shutil.copytree(emb_ckpt, path)
+    m = read_manifest(path)
+    dim = m["tables"][0]["dim"]
+    m["tables"][0]["sharding"] = {"plan": "row_wise", "world_size": shards,
+                                  "shards": [{"rank": r, "row_start": 10 * r, "rows": 10, "col_start": 0, "cols": dim}
+                                             for r in range(shards)]}
+    write_manifest(path, m)
+    assert embedcore.cli.main(["inspect", str(path)]) == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    ranks = [line for line in lines if line.startswith("rank ")]
+    if shards <= 8:
+        assert ranks == [f"rank {r}: rows [{10 * r}, {10 * r + 10})" for r in range(shards)]
+        assert not any(line.startswith("...") for line in lines)
+    else:
+        assert ranks == [f"rank {r}: rows [{10 * r}, {10 * r + 10})" for r in [0, 1, 2, 3, 4, 5, shards - 2, shards - 1]]
+        more = lines.index(f"... {shards - 8} more shard(s) (inspect --json lists every one)")
+        assert lines[more - 1] == "rank 5: rows [50, 60)" and lines[more + 1].startswith(f"rank {shards - 2}:")
+    assert embedcore.cli.main(["inspect", "--json", str(path)]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tables"][0]["sharding"]["shards"]) == shards
+
+
 def test_verify_accepts_slot_files_listed_in_another_order(tmp_path, capsys):
     """The format does not order a manifest's files: slot files listed in
     another order than the values' hold the same rows (verify said they did
