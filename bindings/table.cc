@@ -267,11 +267,12 @@ class Pins {
   ~Pins() {
     for (Table* t : pinned_) t->UnpinOptimizer();
   }
+  // Room for `n` pins, made before the first (a push_back that threw after a pin would lose it).
+  void Reserve(size_t n) { pinned_.reserve(n); }
   void Pin(Table& t, int64_t version) {
     if (version < 0) return;
-    pinned_.reserve(pinned_.size() + 1);  // (before the pin: a push_back that throws would lose it)
     t.PinOptimizer(version);
-    pinned_.push_back(&t);
+    pinned_.push_back(&t);  // (within the reserved room: no allocation)
   }
 
  private:
@@ -295,6 +296,7 @@ void ApplyGradientsMany(const std::vector<TableStep>& steps) {
     }
   }
   Pins pins;
+  pins.Reserve(steps.size());
   for (size_t i = 0; i < steps.size(); ++i) {
     Table& t = *std::get<0>(steps[i]);
     native.push_back(HostParts(t, std::get<1>(steps[i])));
@@ -364,10 +366,11 @@ NumpyFloat LookupStaged(const Table& t, const IdArray& ids, const OffsetArray& o
                    [&](const Batch& b, const OutputShape& s, float* out) { t.LookupStaged(b, s, out); });
 }
 
-void ApplyGradientsStaged(Table& t, const std::vector<PartTuple>& parts, float learning_rate) {
+void ApplyGradientsStaged(Table& t, const std::vector<PartTuple>& parts, float learning_rate,
+                          int64_t optimizer_version) {
   const std::vector<GradientPart> native = HostParts(t, parts);
   ReleaseGil release;
-  t.ApplyGradientsStaged(native, learning_rate);
+  t.ApplyGradientsStaged(native, learning_rate, optimizer_version);
 }
 
 // ---- device tables: CUDA arrays in and out, on the caller's stream.
@@ -689,7 +692,9 @@ void BindTable(nb::module_& m) {
            "lookup of NumPy arrays on a table anywhere: a device table copies them to the GPU and the output "
            "back (the sharded algorithm's serve step)")
       .def("apply_gradients_staged", &ApplyGradientsStaged, "parts"_a, "learning_rate"_a,
-           "apply_gradients of NumPy arrays on a table anywhere, staged through the GPU for a device table")
+           "optimizer_version"_a = -1,
+           "apply_gradients of NumPy arrays on a table anywhere, staged through the GPU for a device table "
+           "(optimizer_version: as apply_gradients)")
       .def("apply_gradients", &ApplyGradients, "parts"_a, "learning_rate"_a, "optimizer_version"_a = -1,
            "One optimizer step from (ids, offsets, weights, combiner, max_sequence_length, grads) parts; with "
            "optimizer_version >= 0 (the one the rate was read under), OptimizerChanged when set_optimizer replaced "

@@ -453,9 +453,15 @@ int64_t Table::SetOptimizer(const OptimizerSpec& optimizer) {
     refuse_slots();
   }
   std::vector<FloatPtr> slots = NewSlots(optimizer);  // allocated first: running out of memory changes nothing
-  std::unique_lock<std::shared_mutex> lock(mutex_);
   // A pin is taken under the shared lock: none is taken while this holds the lock, and a step of several
-  // tables that pinned this one (checked its optimizer) steps it before it unpins.
+  // tables that pinned this one (checked its optimizer) steps it before it unpins. While this waits, new pins
+  // are refused (the steps read their rates again after it), so steps that keep coming cannot hold it off.
+  struct Waiting {
+    std::atomic<int>& setters;
+    explicit Waiting(std::atomic<int>& s) : setters(s) { setters.fetch_add(1); }
+    ~Waiting() { setters.fetch_sub(1); }
+  } waiting(optimizer_setters_);
+  std::unique_lock<std::shared_mutex> lock(mutex_);
   while (optimizer_pins_.load() > 0) {
     lock.unlock();
     std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -483,6 +489,9 @@ namespace {
 void Table::PinOptimizer(int64_t version) {
   std::shared_lock<std::shared_mutex> lock(mutex_);
   if (version != optimizer_version_) ThrowOptimizerChanged(spec_, version, optimizer_version_);
+  if (optimizer_setters_.load() > 0)
+    throw OptimizerChanged("table '" + spec_.name + "': its optimizer is being replaced (version " +
+                           std::to_string(version) + "); nothing changed");
   optimizer_pins_.fetch_add(1);
 }
 
@@ -528,6 +537,7 @@ void ForkHandlers::Child() {
   for (const Table* t : Live().tables) {  // no other thread exists here: none holds a lock or a pin
     new (&t->mutex_) std::shared_mutex;
     const_cast<Table*>(t)->optimizer_pins_.store(0);
+    const_cast<Table*>(t)->optimizer_setters_.store(0);
   }
   new (&Live().mutex) std::mutex;
 }
@@ -1144,12 +1154,15 @@ void Table::LookupStaged(const Batch& batch, const OutputShape& shape, float* ou
                             spec_.device);
 }
 
-void Table::ApplyGradientsStaged(const std::vector<GradientPart>& given, float learning_rate) {
-  if (spec_.device < 0) return ApplyGradients(given, learning_rate);
+void Table::ApplyGradientsStaged(const std::vector<GradientPart>& given, float learning_rate,
+                                 int64_t optimizer_version) {
+  if (spec_.device < 0) return ApplyGradients(given, learning_rate, 0, optimizer_version);
   CheckStepShapes(given, spec_, step_);
   const StableParts stable(given, spec_);  // validated, then uploaded: see StableBatch
   CheckLearningRate(learning_rate);
   std::unique_lock<std::shared_mutex> lock(mutex_);
+  if (optimizer_version >= 0 && optimizer_version != optimizer_version_)
+    ThrowOptimizerChanged(spec_, optimizer_version, optimizer_version_);
   cuda_impl::ApplyGradientsFromHost(spec_, values_.get(), SlotPointers(slots_), step_, stable.get(), learning_rate,
                                     spec_.device);
   ++step_;

@@ -34,6 +34,7 @@
 #include <pthread.h>
 
 #include "embedcore/embedcore.h"
+#include "checkpoint/strict_json.h"
 #include "shared_checks.h"
 
 // The ABI's structs, pinned (a change is a new EMBEDCORE_C_ABI_VERSION).
@@ -188,15 +189,16 @@ MappedCheckpoint::Verify ParseVerify(const char* options_json, MappedCheckpoint:
   const size_t len = std::strlen(options_json);
   if (len > (size_t(1) << 16)) throw InvalidArgument("options_json: longer than 64 KiB");
   Json o;
+  std::string repeated;
   try {
-    o = Json::parse(options_json, options_json + len, [](int depth, Json::parse_event_t, Json&) {
-      if (depth > kMaxOptionsDepth)
-        throw InvalidArgument("options_json: nests deeper than " + std::to_string(kMaxOptionsDepth) + " levels");
-      return true;
-    });
+    repeated = embedcore::checkpoint::strict_json::Parse(options_json, options_json + len, kMaxOptionsDepth, [] {
+      throw InvalidArgument("options_json: nests deeper than " + std::to_string(kMaxOptionsDepth) + " levels");
+    }, &o);
   } catch (const Json::exception& e) {  // a syntax error, or a number beyond double (out_of_range)
     throw InvalidArgument(std::string("options_json: not valid JSON: ") + Excerpt(e.what(), 200));
   }
+  // ({"verify": "eager", "verify": "none"} read as "none" before: which one was meant?)
+  if (!repeated.empty()) throw InvalidArgument("options_json gives the key " + Excerpt(repeated, 200) + " twice");
   if (!o.is_object()) throw InvalidArgument("options_json must be a JSON object, got " + Excerpt(o));
   MappedCheckpoint::Verify verify = fallback;
   for (auto it = o.begin(); it != o.end(); ++it) {

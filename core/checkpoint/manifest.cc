@@ -13,6 +13,7 @@
 #include "checkpoint/file_io.h"
 #include "checkpoint/format.h"
 #include "checkpoint/manifest.h"
+#include "checkpoint/strict_json.h"
 #include "internal.h"
 
 namespace embedcore::checkpoint {
@@ -447,26 +448,17 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
     throw CheckpointError(file + ": the manifest holds a NUL byte at " + std::to_string(text.find('\0')) +
                           " (not JSON text)");
   Json m;
-  // The keys of each object being read, outermost first: a key given twice is refused, not settled by the
-  // parser's choice (the last wins here and in Python's json; other readers differ).
-  std::vector<std::set<std::string>> keys;
+  std::string repeated;
   try {
     // A real manifest nests a few levels; refuse deep nesting before it costs stack or time.
-    m = Json::parse(text, [&](int depth, Json::parse_event_t event, Json& parsed) {
-      if (depth > kMaxJsonDepth)
-        throw CheckpointError(file + ": the manifest nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
-      if (event == Json::parse_event_t::object_start) {
-        keys.emplace_back();
-      } else if (event == Json::parse_event_t::object_end) {
-        keys.pop_back();
-      } else if (event == Json::parse_event_t::key && !keys.back().insert(parsed.get<std::string>()).second) {
-        throw CheckpointError(file + ": the manifest gives the key " + parsed.dump() + " twice in one object");
-      }
-      return true;
-    });
+    repeated = strict_json::Parse(text.data(), text.data() + text.size(), kMaxJsonDepth, [&] {
+      throw CheckpointError(file + ": the manifest nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+    }, &m);
   } catch (const Json::exception& e) {
     throw CheckpointError(file + ": the manifest is not valid JSON (" + e.what() + ")");
   }
+  if (!repeated.empty())
+    throw CheckpointError(file + ": the manifest gives the key " + repeated + " twice in one object");
   CheckpointInfo info;
   if (r.String(m, "format", "manifest") != "embedcore.checkpoint") r.Fail("manifest.format", "is not embedcore.checkpoint");
   const Json& version = r.Array(m, "format_version", "manifest", 2);

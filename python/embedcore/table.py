@@ -260,15 +260,27 @@ class Table(LookupMixin):
         the values stay. (The PyTorch adapter uses it to fuse the optimizer
         that ``apply_optimizer_in_backward`` names.) Waits for running
         lookups, updates and saves (``ec.save`` records the optimizer whose
-        slots it writes). A step that another thread began before this call
-        either finishes before it or reads its learning rate again after
-        it: no step applies one optimizer's rate under the other's rule.
-        A table whose optimizer has slots is refused
+        slots it writes), and for steps of several tables (an Embedding's)
+        that checked this one's optimizer. A step that another thread began
+        before this call either finishes before it or reads its learning
+        rate again after it: no step applies one optimizer's rate under the
+        other's rule (also through a ``copy.copy`` of the table, which takes
+        the new optimizer too). A table whose optimizer has slots is refused
         (views of its slots would dangle: copy its values into a new table
-        instead), as is an impossible optimizer, before anything changes."""
+        instead), as is an impossible optimizer, and a table a PyTorch
+        module trains fused (its param group and slot views are of the
+        optimizer it fused: give the table its optimizer before the
+        module's first lookup), before anything changes."""
         if not isinstance(optimizer, _opt.Optimizer):
             raise TypeError(f"table '{self._name}': optimizer must be an embedcore.optimizers.Optimizer, "
                             f"got {optimizer!r}")
+        holder = self.__dict__.get("_optimizer_held_by")
+        holder = holder() if holder is not None else None
+        if holder is not None:
+            raise ValueError(f"table '{self._name}' trains fused in a {type(holder).__name__}, whose param group "
+                             f"and slot views are of its {type(self._optimizer).__name__}: set_optimizer would "
+                             "leave them behind. Give the table its optimizer before the module's first lookup, or "
+                             "make a new module")
         # Under the lock that a scheduled step (and the PyTorch adapter's fused step) holds from reading its
         # rate to stepping: no such step takes the old optimizer's rate to the new rule. A step with a constant
         # rate takes no lock: it names the version it read the rate under, which the engine refuses once this
@@ -276,9 +288,10 @@ class Table(LookupMixin):
         with self._schedule_lock():
             version = self._native.set_optimizer(optimizer._native())
             c = self._config
-            self._config = TableConfig(c.name, c.rows, c.dim, c.dtype, c.initializer, optimizer, c.combiner)
-            self._optimizer = optimizer
-            self._stepping = (optimizer, version)
+            config = TableConfig(c.name, c.rows, c.dim, c.dtype, c.initializer, optimizer, c.combiner)
+            for t in list(self.__dict__.get("_aliases") or (self,)):  # the table and its copies: one native table
+                t._config, t._optimizer = config, optimizer
+                t._stepping = (optimizer, version)
 
     @property
     def step(self) -> int:
@@ -489,10 +502,15 @@ class Table(LookupMixin):
     def __copy__(self) -> "Table":
         """A shallow copy (``copy.copy``): the same native table, so the
         same step lock, made now if the table has none yet, and renewed
-        with the table's in a forked child."""
+        with the table's in a forked child, and the same optimizer, which
+        ``set_optimizer`` of either replaces in both."""
         self._schedule_lock()
+        aliases = self.__dict__.get("_aliases")
+        if aliases is None:
+            aliases = self.__dict__.setdefault("_aliases", weakref.WeakSet([self]))
         twin = object.__new__(type(self))
         twin.__dict__.update(self.__dict__)
+        aliases.add(twin)
         _SCHEDULED.add(twin)
         return twin
 
@@ -507,10 +525,7 @@ class Table(LookupMixin):
             _SCHEDULED.add(self)
         return lock
 
-    def _apply_parts(self, parts, learning_rate: Optional[float] = None) -> None:
-        if learning_rate is not None:  # the caller's rate (the PyTorch adapter's, read under the step lock)
-            self._native.apply_gradients(parts, learning_rate)
-            return
+    def _apply_parts(self, parts) -> None:
         optimizer, version = self._stepping
         if optimizer is not None and not callable(optimizer.learning_rate):
             # A constant rate is read without the lock (a lock on every step would cost each step, and steps of

@@ -424,6 +424,11 @@ EMBEDCORE_TEST(BadOptions) {
                     "verify must be \"lazy\", \"eager\", \"none\", true or false, got \"sometimes\"");
   EXPECT_OPEN_ERROR(path, "{\"verfy\": \"lazy\"}", EMBEDCORE_INVALID_ARGUMENT, "unknown option 'verfy' (known: verify)");
   EXPECT_OPEN_ERROR(path, "[1, 2]", EMBEDCORE_INVALID_ARGUMENT, "options_json must be a JSON object");
+  // A key given twice: which one was meant? (The last won: {"verify": "eager", "verify": "none"} verified nothing.)
+  EXPECT_OPEN_ERROR(path, "{\"verify\": \"eager\", \"verify\": \"none\"}", EMBEDCORE_INVALID_ARGUMENT,
+                    "embedcore_open: options_json gives the key \"verify\" twice");
+  EXPECT_C_ERROR(embedcore_reload(s.h, nullptr, "{\"verify\": true, \"verify\": true}"), EMBEDCORE_INVALID_ARGUMENT,
+                 "embedcore_reload: options_json gives the key \"verify\" twice");
   // The message names the argument (it used to be nlohmann's alone: "embedcore_open: [json.exception...").
   EXPECT_OPEN_ERROR(path, "{\"verify\": ", EMBEDCORE_INVALID_ARGUMENT,
                     "embedcore_open: options_json: not valid JSON: [json.exception.parse_error");

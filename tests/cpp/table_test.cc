@@ -1205,6 +1205,20 @@ EMBEDCORE_TEST(StepsNamingAReplacedOptimizerChangeNothing) {
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   EMBEDCORE_EXPECT(!set.load());
+  // While it waits no new pin is taken (steps that keep coming would hold it off): refused, nothing held.
+  // (Tried until the setter waits: on a loaded machine its thread may start late.)
+  std::string refused;
+  for (int i = 0; i < 10000 && refused.empty(); ++i) {
+    try {
+      u.PinOptimizer(0);
+      u.UnpinOptimizer();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    } catch (const OptimizerChanged& e) {
+      refused = e.what();
+    }
+  }
+  EMBEDCORE_EXPECT_MSG(refused.find("its optimizer is being replaced") != std::string::npos, refused);
+  EMBEDCORE_EXPECT(!set.load());
   u.UnpinOptimizer();
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EMBEDCORE_EXPECT(!set.load());

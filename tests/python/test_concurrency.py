@@ -272,22 +272,67 @@ def test_a_step_whose_constant_rate_set_optimizer_replaced_reads_it_again():
 def test_a_several_table_step_whose_rate_set_optimizer_replaced_changes_no_table_then_steps_all():
     """The same in one step of several tables (an Embedding's): the engine
     checks every table's optimizer version before any table steps, so the
-    step changes nothing, then runs again with every rate read anew: each
-    table steps once, 'a' by Adagrad(0.5)."""
-    cfg_a = ec.TableConfig(name="a", rows=8, dim=2, initializer=ec.initializers.Constant(1.0))
-    cfg_b = ec.TableConfig(name="b", rows=8, dim=2, initializer=ec.initializers.Constant(1.0),
+    step changes no table (not 'a', checked before 'b', whose optimizer
+    changed), then runs again with every rate read anew: each table steps
+    once, 'b' by Adagrad(0.5). (A check of each table only as it steps
+    would step 'a' twice.)"""
+    cfg_a = ec.TableConfig(name="a", rows=8, dim=2, initializer=ec.initializers.Constant(1.0),
                            optimizer=ec.optimizers.SGD(0.25))
+    cfg_b = ec.TableConfig(name="b", rows=8, dim=2, initializer=ec.initializers.Constant(1.0))
     emb = ec.Embedding({"fa": ec.FeatureConfig(cfg_a), "fb": ec.FeatureConfig(cfg_b)})
     a, b = emb.embedding_tables[cfg_a], emb.embedding_tables[cfg_b]
-    a.set_optimizer(_SwapsOnFirstRead(lambda: a))
+    b.set_optimizer(_SwapsOnFirstRead(lambda: b))
     ids = {"fa": np.array([[1]]), "fb": np.array([[2]])}
     emb(ids)
     emb.apply_gradients({"fa": np.ones((1, 2), np.float32), "fb": np.ones((1, 2), np.float32)})
     assert (a.step, b.step) == (1, 1)
-    np.testing.assert_allclose(a.to_numpy()[1], 1 - np.float32(0.5) / np.sqrt(np.float32(1.1)), rtol=1e-6)
-    np.testing.assert_allclose(b.to_numpy()[2], [0.75, 0.75])
+    np.testing.assert_allclose(a.to_numpy()[1], [0.75, 0.75])
+    np.testing.assert_allclose(b.to_numpy()[2], 1 - np.float32(0.5) / np.sqrt(np.float32(1.1)), rtol=1e-6)
     np.testing.assert_allclose(np.delete(a.to_numpy(), 1, 0), 1.0)
     np.testing.assert_allclose(np.delete(b.to_numpy(), 2, 0), 1.0)
+
+
+def test_a_copy_of_a_table_takes_the_optimizer_set_on_the_table():
+    """copy.copy(table) is the same native table: set_optimizer on either
+    gives both the new optimizer, and a step through the copy applies the
+    new rate (it applied SGD's 0.1 under Adagrad's rule, one engine refusal
+    and retry per step)."""
+    import copy
+
+    t = make_table(8, 2, optimizer=ec.optimizers.SGD(0.1), name="t")
+    c = copy.copy(t)
+    before = t.to_numpy()
+    t.set_optimizer(ec.optimizers.Adagrad(0.5, initial_accumulator_value=0.1))
+    assert isinstance(c.optimizer, ec.optimizers.Adagrad) and c.config.optimizer is t.config.optimizer
+    c.apply_gradients(np.array([1]), np.array([0, 1]), np.ones((1, 2), np.float32))
+    np.testing.assert_allclose(t.to_numpy()[1], before[1] - np.float32(0.5) / np.sqrt(np.float32(1.1)), rtol=1e-6)
+    u = make_table(8, 2, name="u")  # copies of copies, whichever one is set
+    u1 = copy.copy(u)
+    u2 = copy.copy(u1)
+    u2.set_optimizer(ec.optimizers.SGD(0.5))
+    assert all(x.optimizer is u2.optimizer for x in (u, u1, u2))
+    assert u._stepping == u1._stepping == u2._stepping == (u2.optimizer, 1)
+
+
+def test_a_shard_whose_rate_set_optimizer_replaced_steps_with_the_new_rate():
+    """The distributed Embedding reads each local shard's rate before its
+    collectives: a shard's set_optimizer meanwhile makes its step read the
+    rate again (it applied SGD's 0.1 under Adagrad's rule)."""
+    import embedcore.distributed as ed
+
+    cfg = ec.TableConfig(name="t", rows=8, dim=2, initializer=ec.initializers.Constant(1.0))
+
+    def fn(world):
+        emb = ec.Embedding({"f": ec.FeatureConfig(cfg)}, ec.optimizers.SGD(0.1), world=world)
+        ((_, shard),) = emb.local_shards["t"]
+        shard.set_optimizer(_SwapsOnFirstRead(lambda: shard))
+        emb({"f": np.array([[1]])})
+        emb.apply_gradients({"f": np.ones((1, 2), np.float32)})
+        return shard.step, shard.to_numpy()[1].tolist(), type(shard.optimizer).__name__
+
+    step, row, kind = ed.run_local(1, fn)[0]
+    assert (step, kind) == (1, "Adagrad")
+    np.testing.assert_allclose(row, 1 - np.float32(0.5) / np.sqrt(np.float32(1.1)), rtol=1e-6)
 
 
 def test_a_save_waits_for_set_optimizer_and_records_the_optimizer_of_its_slots(tmp_path):

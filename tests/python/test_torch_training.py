@@ -184,6 +184,28 @@ def test_fused_optimizer_refuses_a_param_group_added(rng):
     assert len(fo.param_groups) == 1 and len(fo.state_dict()["param_groups"]) == 1
 
 
+def test_set_optimizer_on_a_fused_modules_table_is_refused():
+    """A fused module's param group ("lr") and slot views are of the
+    optimizer it fused: Table.set_optimizer on its table would leave them
+    behind (its next step applied the group's SGD 0.1 under Adagrad's rule).
+    Refused, naming the table and module, and the table trains on; a table
+    given its optimizer before the first lookup, as the adapter does for
+    apply_optimizer_in_backward, is not refused."""
+    m = et.EmbeddingBag.from_pretrained(torch.ones(4, 2), freeze=False, mode="sum",
+                                        optimizer=ec.optimizers.SGD(0.1))
+    ids = torch.tensor([[0]])
+    m(ids).sum().backward()
+    with pytest.raises(ValueError, match=r"table '.*' trains fused in a EmbeddingBag, whose param group and slot "
+                                         r"views are of its SGD: set_optimizer would leave them behind"):
+        m.table.set_optimizer(ec.optimizers.Adagrad(0.5))
+    assert isinstance(m.table.optimizer, ec.optimizers.SGD)
+    m(ids).sum().backward()
+    np.testing.assert_allclose(m.table.to_numpy()[0], [0.8, 0.8], rtol=1e-6)
+    plain = et.EmbeddingBag.from_pretrained(torch.ones(4, 2), freeze=False, mode="sum")  # not fused: no optimizer
+    plain.table.set_optimizer(ec.optimizers.SGD(0.5))
+    assert isinstance(plain.table.optimizer, ec.optimizers.SGD)
+
+
 def test_learning_rate_schedule_callable(rng):
     w = uniform_weights(rng, ROWS, DIM)
     fused = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True,

@@ -199,7 +199,8 @@ EMBEDCORE_C_API int embedcore_get_num_threads(int* out);
  *                        fails every lookup that touches it and is never served.
  *   {"verify": "eager"}  every block is checksummed now.
  *   {"verify": "none"}   no data checksums (headers and sizes are still checked).
- *   (true and false stand for "lazy" and "none", as in Python.)
+ *   (true and false stand for "lazy" and "none", as in Python.) An unknown
+ *   key, or a key given twice, is EMBEDCORE_INVALID_ARGUMENT.
  *
  * A served data file must not be changed in place (that is undefined, as for
  * any mapped file; a truncated one raises SIGBUS): embedcore's own saves never

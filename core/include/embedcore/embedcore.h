@@ -385,7 +385,8 @@ class Table {
   /// the output back. The sharded algorithm, which routes ids on the host,
   /// serves and updates its GPU shards with these.
   void LookupStaged(const Batch& batch, const OutputShape& shape, float* out) const;
-  void ApplyGradientsStaged(const std::vector<GradientPart>& parts, float learning_rate);
+  void ApplyGradientsStaged(const std::vector<GradientPart>& parts, float learning_rate,
+                            int64_t optimizer_version = -1);
 
   /// -1 for a host table, else its CUDA device.
   int device() const { return spec_.device; }
@@ -432,8 +433,9 @@ class Table {
   int64_t optimizer_version() const;
   /// For a step of several tables that checks every table before it steps
   /// any (all or none): throws OptimizerChanged when the optimizer is no
-  /// longer `version` (nothing changes), else holds it, SetOptimizer
-  /// waiting, until UnpinOptimizer. Each pin needs one UnpinOptimizer.
+  /// longer `version`, or a SetOptimizer waits to replace it (nothing
+  /// changes), else holds it, SetOptimizer waiting, until UnpinOptimizer.
+  /// Each pin needs one UnpinOptimizer.
   void PinOptimizer(int64_t version);
   void UnpinOptimizer() noexcept;
   /// Fills the values with the initializer again (the values the table was
@@ -479,7 +481,8 @@ class Table {
   std::vector<FloatPtr> slots_;
   std::atomic<int64_t> step_{0};
   int64_t optimizer_version_ = 0;       // guarded by mutex_
-  std::atomic<int> optimizer_pins_{0};  // PinOptimizer's holds: SetOptimizer waits for none
+  std::atomic<int> optimizer_pins_{0};     // PinOptimizer's holds: SetOptimizer waits for none
+  std::atomic<int> optimizer_setters_{0};  // SetOptimizer calls waiting for pins: no new pin is taken
   mutable std::shared_mutex mutex_;
   friend struct ForkHandlers;  // (table.cc: renews the locks and pins in a forked child)
   ForkRegistration fork_registration_{this};  // last: listed once mutex_ exists, removed before it goes

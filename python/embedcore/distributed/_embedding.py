@@ -491,10 +491,12 @@ class ShardedEmbedding(Embedding):
                                      "optimizer (give its TableConfig or the Embedding one)")
             # What the native step refuses (a table at the last step a checkpoint records) and each
             # learning rate, on every rank before any table changes, as the unsharded Embedding checks.
-            rates = {}
+            rates, versions = {}, {}
             for key, table in self._local.items():
                 table._check_step_can_grow()
-                rates[key] = table.learning_rate()
+                # (the version it is read under: a shard's set_optimizer meanwhile makes the step read it again)
+                optimizer, versions[key] = table._stepping
+                rates[key] = table.learning_rate() if optimizer is None else optimizer.learning_rate_at(table.step)
             flat = _nest.flatten_up_to(self._feature_config, grads, "grads")
             parts: List[list] = [[] for _ in range(comm.size)]
             for name, fr, shape, g in zip(self._feature_names, routes, shapes, flat):
@@ -545,7 +547,11 @@ class ShardedEmbedding(Embedding):
                         pos[j] += n
                         by_shard[(ti, si)].append((ids, offsets, w, code, 0, g))
             for key, table in self._local.items():
-                table._native.apply_gradients_staged(by_shard[key], rates[key])
+                try:
+                    table._native.apply_gradients_staged(by_shard[key], rates[key], versions[key])
+                except _embedcore.OptimizerChanged:  # nothing changed: the rate again, under the step lock
+                    with table._schedule_lock():
+                        table._native.apply_gradients_staged(by_shard[key], table.learning_rate())
         except Exception as e:  # noqa: BLE001
             error = e
         agree(comm, error, step=self.step_name("apply_gradients: update"))
