@@ -446,12 +446,9 @@ class _TableModule(_AdapterModule):
         sync = weakref.WeakMethod(self._sync_in_backward) if ib is not None else None
         self._handle = _ops.register(table, group, holders, sync=sync)
         self._group = group
-        # Fused, its group and slot views are of this optimizer: Table.set_optimizer refuses to replace it.
-        held = table.__dict__.get("_optimizer_held_by")
-        if fused:
-            table.__dict__["_optimizer_held_by"] = weakref.ref(self)
-        elif held is not None and held() is self:
-            del table.__dict__["_optimizer_held_by"]
+        if fused:  # its group and slot views are of this optimizer: Table.set_optimizer refuses to replace it
+            # while the registration lives (this module, or a graph of its lookups whose backward steps it)
+            table._hold_optimizer(_ops._entry(self._handle), f"a PyTorch {type(self).__name__}")
 
     def _sync_in_backward(self, check: bool = True) -> None:
         """Before a fused step of a table fused from apply_optimizer_in_backward

@@ -57,7 +57,7 @@ class _Entry:
     "lr" a learning-rate scheduler may change); a served table's the names of
     its features, which its errors name (segment k reads ``features[k]``)."""
 
-    __slots__ = ("table", "group", "features", "sync")
+    __slots__ = ("table", "group", "features", "sync", "__weakref__")
 
     def __init__(self, table, group, features=None, sync=None):
         self.table = table

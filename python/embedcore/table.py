@@ -267,20 +267,20 @@ class Table(LookupMixin):
         other's rule (also through a ``copy.copy`` of the table, which takes
         the new optimizer too). A table whose optimizer has slots is refused
         (views of its slots would dangle: copy its values into a new table
-        instead), as is an impossible optimizer, and a table a PyTorch
-        module trains fused (its param group and slot views are of the
-        optimizer it fused: give the table its optimizer before the
-        module's first lookup), before anything changes."""
+        instead), as is an impossible optimizer, and a table that a PyTorch
+        module, or a graph of its lookups, trains fused (their param group
+        and slot views are of the optimizer it fused), before anything
+        changes."""
         if not isinstance(optimizer, _opt.Optimizer):
             raise TypeError(f"table '{self._name}': optimizer must be an embedcore.optimizers.Optimizer, "
                             f"got {optimizer!r}")
-        holder = self.__dict__.get("_optimizer_held_by")
-        holder = holder() if holder is not None else None
-        if holder is not None:
-            raise ValueError(f"table '{self._name}' trains fused in a {type(holder).__name__}, whose param group "
-                             f"and slot views are of its {type(self._optimizer).__name__}: set_optimizer would "
-                             "leave them behind. Give the table its optimizer before the module's first lookup, or "
-                             "make a new module")
+        held = self.__dict__.get("_optimizer_held_by")
+        if held is not None and held[0]() is not None:
+            raise ValueError(f"table '{self._name}' trains fused in {held[1]} (or a graph of its lookups), whose "
+                             f"param group and slot views are of its {type(self._optimizer).__name__}: "
+                             "set_optimizer would leave them behind. Give a module its optimizer as it is made "
+                             "(optimizer=, or apply_optimizer_in_backward before its first lookup), or make a new "
+                             "module")
         # Under the lock that a scheduled step (and the PyTorch adapter's fused step) holds from reading its
         # rate to stepping: no such step takes the old optimizer's rate to the new rule. A step with a constant
         # rate takes no lock: it names the version it read the rate under, which the engine refuses once this
@@ -504,15 +504,25 @@ class Table(LookupMixin):
         same step lock, made now if the table has none yet, and renewed
         with the table's in a forked child, and the same optimizer, which
         ``set_optimizer`` of either replaces in both."""
-        self._schedule_lock()
-        aliases = self.__dict__.get("_aliases")
-        if aliases is None:
-            aliases = self.__dict__.setdefault("_aliases", weakref.WeakSet([self]))
-        twin = object.__new__(type(self))
-        twin.__dict__.update(self.__dict__)
-        aliases.add(twin)
+        with self._schedule_lock():  # (which set_optimizer holds: the twin is among the aliases it updates)
+            aliases = self.__dict__.get("_aliases")
+            if aliases is None:
+                aliases = self.__dict__.setdefault("_aliases", weakref.WeakSet([self]))
+            twin = object.__new__(type(self))
+            twin.__dict__.update(self.__dict__)
+            aliases.add(twin)
         _SCHEDULED.add(twin)
         return twin
+
+    def _hold_optimizer(self, token, holder: str) -> None:
+        """Marks this table and its copies trained fused by `holder` (words
+        for an error) for as long as `token` lives: ``set_optimizer`` refuses
+        meanwhile. (The PyTorch adapter's fused modules: their param group
+        and slot views are of this optimizer.)"""
+        held = (weakref.ref(token), holder)
+        with self._schedule_lock():
+            for t in list(self.__dict__.get("_aliases") or (self,)):
+                t.__dict__["_optimizer_held_by"] = held
 
     def _schedule_lock(self) -> threading.RLock:
         """This table's lock that makes reading a schedule's rate and stepping

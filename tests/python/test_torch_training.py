@@ -188,20 +188,48 @@ def test_set_optimizer_on_a_fused_modules_table_is_refused():
     """A fused module's param group ("lr") and slot views are of the
     optimizer it fused: Table.set_optimizer on its table would leave them
     behind (its next step applied the group's SGD 0.1 under Adagrad's rule).
-    Refused, naming the table and module, and the table trains on; a table
-    given its optimizer before the first lookup, as the adapter does for
-    apply_optimizer_in_backward, is not refused."""
+    Refused, naming the table and module, and the table trains on; also
+    through a copy of the table made before the module fused, and while a
+    graph of the module's lookups outlives the module (its backward steps
+    with the group's rate). A module that trains unfused is not refused."""
+    import copy
+    import gc
+
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    refused = (r"table '.*' trains fused in a PyTorch EmbeddingBag \(or a graph of its lookups\), whose param group "
+               r"and slot views are of its SGD: set_optimizer would leave them behind")
     m = et.EmbeddingBag.from_pretrained(torch.ones(4, 2), freeze=False, mode="sum",
                                         optimizer=ec.optimizers.SGD(0.1))
     ids = torch.tensor([[0]])
     m(ids).sum().backward()
-    with pytest.raises(ValueError, match=r"table '.*' trains fused in a EmbeddingBag, whose param group and slot "
-                                         r"views are of its SGD: set_optimizer would leave them behind"):
+    with pytest.raises(ValueError, match=refused):
         m.table.set_optimizer(ec.optimizers.Adagrad(0.5))
     assert isinstance(m.table.optimizer, ec.optimizers.SGD)
     m(ids).sum().backward()
     np.testing.assert_allclose(m.table.to_numpy()[0], [0.8, 0.8], rtol=1e-6)
-    plain = et.EmbeddingBag.from_pretrained(torch.ones(4, 2), freeze=False, mode="sum")  # not fused: no optimizer
+
+    out, table = m(ids), m.table  # a graph that outlives its module still steps with the group's rate
+    del m
+    gc.collect()
+    with pytest.raises(ValueError, match=refused):
+        table.set_optimizer(ec.optimizers.Adagrad(0.5))
+    out.sum().backward()
+    np.testing.assert_allclose(table.to_numpy()[0], [0.7, 0.7], rtol=1e-6)
+    del out
+    gc.collect()
+    table.set_optimizer(ec.optimizers.SGD(0.5))  # no module nor graph left: its own again
+
+    pending = et.EmbeddingBag.from_pretrained(torch.ones(4, 2), freeze=False, mode="sum")
+    _apply_optimizer_in_backward(torch.optim.SGD, [pending.weight], {"lr": 0.1})
+    twin = copy.copy(pending.table)  # made before the first lookup fuses the table
+    pending(ids).sum().backward()
+    assert pending.fused and isinstance(twin.optimizer, ec.optimizers.SGD)
+    with pytest.raises(ValueError, match=refused):
+        twin.set_optimizer(ec.optimizers.Adagrad(0.5))
+
+    plain = et.EmbeddingBag.from_pretrained(torch.ones(4, 2), freeze=False, mode="sum")  # no optimizer: unfused
+    plain(ids).sum().backward()
     plain.table.set_optimizer(ec.optimizers.SGD(0.5))
     assert isinstance(plain.table.optimizer, ec.optimizers.SGD)
 
