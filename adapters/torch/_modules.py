@@ -698,6 +698,9 @@ class _TableModule(_AdapterModule):
         config, step, slots, lr, *rest = state.pop("_table_snapshot")
         device = rest[0] if rest else "cpu"  # (pickles from before GPU modules hold four items)
         super().__setstate__(state)
+        # A dict of parameters of its own: copy.copy(module)'s state shares the original's, whose weight
+        # _attach would otherwise point at this copy's new table.
+        self.__dict__["_parameters"] = type(self._parameters)(self._parameters)
         old = self._parameters["weight"]
         # The table's own initializer, though the values are copied over it: reset_parameters() and a
         # checkpoint's config need it.

@@ -413,11 +413,13 @@ def test_checkpoints_record_the_modules_pooling(rng, tmp_path):
                                    rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "copy"])
 def test_copies_are_independent_tables(rng, how):
+    """Also copy.copy: a module of its own table (the original's weight
+    pointed at the copy's table before, and its next lookup raised)."""
     a = et.EmbeddingBag(ROWS, DIM, mode="sum", optimizer=engine_optimizer("adagrad", 0.1), padding_idx=1)
     _step(a, rng, 2)
-    b = copy.deepcopy(a) if how == "deepcopy" else pickle.loads(pickle.dumps(a))
+    b = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": lambda m: pickle.loads(pickle.dumps(m))}[how](a)
     assert b.table is not a.table and b._handle != a._handle
     assert torch.equal(a.weight, b.weight) and b.weight.data_ptr() == _addr(b.table.values())
     assert b.table.step == 2 and np.array_equal(a.table.slots()["accumulators"], b.table.slots()["accumulators"])
@@ -425,6 +427,9 @@ def test_copies_are_independent_tables(rng, how):
     _step(b, rng, 1)
     assert torch.equal(a.weight, before) and not torch.equal(b.weight, before)
     assert b.padding_idx == 1 and b.fused_optimizer.param_groups[0]["params"][0] is b.weight
+    assert a.weight.data_ptr() == _addr(a.table.values())  # the original trains on, its own table
+    _step(a, rng, 1)
+    assert a.table.step == 3 and b.table.step == 3 and not torch.equal(a.weight, before)
 
 
 def test_the_state_dict_after_a_load_shows_the_scheduled_rate_of_the_loaded_step(rng, tmp_path):
