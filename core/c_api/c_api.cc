@@ -198,7 +198,7 @@ MappedCheckpoint::Verify ParseVerify(const char* options_json, MappedCheckpoint:
     throw InvalidArgument(std::string("options_json: not valid JSON: ") + Excerpt(e.what(), 200));
   }
   // ({"verify": "eager", "verify": "none"} read as "none" before: which one was meant?)
-  if (!repeated.empty()) throw InvalidArgument("options_json gives the key " + Excerpt(repeated, 200) + " twice");
+  if (!repeated.empty()) throw InvalidArgument("options_json gives the key " + repeated + " twice");
   if (!o.is_object()) throw InvalidArgument("options_json must be a JSON object, got " + Excerpt(o));
   MappedCheckpoint::Verify verify = fallback;
   for (auto it = o.begin(); it != o.end(); ++it) {

@@ -11,10 +11,14 @@
 
 namespace embedcore::checkpoint::strict_json {
 
+// At most this many bytes of a repeated key go into a message (then "...").
+constexpr size_t kMaxKeyQuoted = 200;
+
 // Parses [begin, end) into `out` (nlohmann's exceptions for text that is not
 // JSON), calling `too_deep()`, which throws, past `max_depth` levels. Returns
-// the first key that an object gives twice, as JSON text ("\"verify\""), or
-// "" when there is none. The keys are counted as they come and compared with
+// the first key that an object gives twice, as JSON text ("\"verify\"") cut
+// to kMaxKeyQuoted bytes at a UTF-8 character boundary, or "" when there is
+// none. The keys are counted as they come and compared with
 // the object's size when it ends (a repeated key overwrites: fewer entries
 // than keys); only then is the text read again, each object's keys kept, to
 // name the key.
@@ -49,6 +53,12 @@ std::string Parse(const char* begin, const char* end, int max_depth, TooDeep too
     }
     return true;
   });
+  if (first.size() > kMaxKeyQuoted) {
+    size_t cut = kMaxKeyQuoted;
+    while (cut > 0 && (static_cast<unsigned char>(first[cut]) & 0xC0) == 0x80) --cut;
+    first.resize(cut);
+    first += "...";
+  }
   return first;
 }
 
