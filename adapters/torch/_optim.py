@@ -148,6 +148,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__init__([m._group for _, m in self._entries], {})  # (through add_param_group, once per table)
         self._built = True
 
+    def __getstate__(self) -> dict:
+        # torch.optim.Optimizer keeps only defaults, state and param_groups: a copy (copy.copy, deepcopy,
+        # pickle) had no tables. A deep copy or pickle copies the modules too (each an independent table, its
+        # param group the copied group), as deepcopy of a model and its optimizer together does.
+        return {**super().__getstate__(), "_entries": self._entries, "_built": True}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # The groups are the tables' own: a copied module makes a group of its own for its new table.
+        self.param_groups = [m._group for _, m in self._entries]
+
     def add_param_group(self, param_group: dict) -> None:
         """Refused once built (``NotImplementedError``, as TorchRec's
         ``KeyedOptimizer``): the groups are the fused tables', and a group

@@ -432,6 +432,37 @@ def test_copies_are_independent_tables(rng, how):
     assert a.table.step == 3 and b.table.step == 3 and not torch.equal(a.weight, before)
 
 
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_copies_of_a_fused_optimizer_keep_their_tables(rng, how):
+    """A copy of ``fused_optimizer`` had no tables (torch.optim.Optimizer's
+    state drops them: its state_dict() raised AttributeError). copy.copy
+    shares the module's tables and groups; deepcopy and pickle copy the
+    module too, and the copy's rate is the one its copied table steps with."""
+    def make():
+        m = et.EmbeddingBag(ROWS, DIM, mode="sum", name="t", optimizer=engine_optimizer("adagrad", 0.1))
+        m.load_state_dict({"weight": uniform_weights(np.random.default_rng(3), ROWS, DIM)})
+        _step(m, np.random.default_rng(4), 2)
+        return m
+
+    a, reference = make(), make()
+    opt = a.fused_optimizer
+    copied = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda o: pickle.loads(pickle.dumps(o))}[how](opt)
+    (key, module), = copied._entries
+    assert key == "weight" and (module is a) == (how == "copy")
+    assert copied.param_groups[0] is module._group and copied.param_groups[0]["params"][0] is module.weight
+    state, original = copied.state_dict(), opt.state_dict()
+    assert state["param_groups"] == original["param_groups"]
+    assert all(torch.equal(state["state"]["weight"][k], v) for k, v in original["state"]["weight"].items())
+    before = a.weight.detach().clone()
+    copied.param_groups[0]["lr"] = 0.5
+    reference.fused_optimizer.param_groups[0]["lr"] = 0.5
+    _step(module, np.random.default_rng(5), 1)
+    _step(reference, np.random.default_rng(5), 1)
+    assert torch.equal(module.weight, reference.weight)
+    assert torch.equal(a.weight, before) == (how != "copy")
+    assert opt.param_groups[0]["lr"] == (0.5 if how == "copy" else 0.1)
+
+
 def test_the_state_dict_after_a_load_shows_the_scheduled_rate_of_the_loaded_step(rng, tmp_path):
     def schedule(step):
         return 0.1 / (1 + step)
