@@ -540,10 +540,13 @@ class _TableModule(_AdapterModule):
             if found is None:
                 return False
             optimizer, lr_decay = found
-            self._table.set_optimizer(optimizer)
-            self._lr_decay = lr_decay  # (the group made below keeps it)
-            self._from_in_backward = True  # before the group appears: another thread's lookup may see it at once
-            self._training_state()  # the old registration stays for graphs made before (released with them)
+            # Under the table's step lock, which Table.set_optimizer takes: another thread's set_optimizer comes
+            # after the table is marked fused (_training_state) and is refused, not in between.
+            with self._table._schedule_lock():
+                self._table.set_optimizer(optimizer)
+                self._lr_decay = lr_decay  # (the group made below keeps it)
+                self._from_in_backward = True  # before the group appears: another thread's lookup may see it
+                self._training_state()  # the old registration stays for graphs made before (released with them)
             message = (f"{owner}: table '{self._table.name}' trains fused with the engine's "
                        f"{type(optimizer).__name__} (from apply_optimizer_in_backward), which steps on its lookups' "
                        "gradients; its weight got a gradient of its own (weight tying, or a penalty on the weight), "

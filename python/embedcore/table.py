@@ -274,18 +274,18 @@ class Table(LookupMixin):
         if not isinstance(optimizer, _opt.Optimizer):
             raise TypeError(f"table '{self._name}': optimizer must be an embedcore.optimizers.Optimizer, "
                             f"got {optimizer!r}")
-        held = self.__dict__.get("_optimizer_held_by")
-        if held is not None and held[0]() is not None:
-            raise ValueError(f"table '{self._name}' trains fused in {held[1]} (or a graph of its lookups), whose "
-                             f"param group and slot views are of its {type(self._optimizer).__name__}: "
-                             "set_optimizer would leave them behind. Give a module its optimizer as it is made "
-                             "(optimizer=, or apply_optimizer_in_backward before its first lookup), or make a new "
-                             "module")
         # Under the lock that a scheduled step (and the PyTorch adapter's fused step) holds from reading its
         # rate to stepping: no such step takes the old optimizer's rate to the new rule. A step with a constant
         # rate takes no lock: it names the version it read the rate under, which the engine refuses once this
-        # replaced it (_apply_parts).
+        # replaced it (_apply_parts). The adapter fuses a table under it too, marking it held.
         with self._schedule_lock():
+            held = self.__dict__.get("_optimizer_held_by")
+            if held is not None and held[0]() is not None:
+                raise ValueError(f"table '{self._name}' trains fused in {held[1]} (or a graph of its lookups), "
+                                 f"whose param group and slot views are of its {type(self._optimizer).__name__}: "
+                                 "set_optimizer would leave them behind. Give a module its optimizer as it is "
+                                 "made (optimizer=, or apply_optimizer_in_backward before its first lookup), or "
+                                 "make a new module")
             version = self._native.set_optimizer(optimizer._native())
             c = self._config
             config = TableConfig(c.name, c.rows, c.dim, c.dtype, c.initializer, optimizer, c.combiner)

@@ -234,6 +234,42 @@ def test_set_optimizer_on_a_fused_modules_table_is_refused():
     assert isinstance(plain.table.optimizer, ec.optimizers.SGD)
 
 
+def test_set_optimizer_during_the_adapters_own_fuse_is_refused(monkeypatch):
+    """The first lookup of a table that apply_optimizer_in_backward named
+    gives it the optimizer, then marks it fused: a set_optimizer from
+    another thread in between replaced the optimizer under the module's
+    param group and slot views. It now waits for the fuse, and is refused."""
+    import threading
+
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    m = et.EmbeddingBag.from_pretrained(torch.ones(4, 2), freeze=False, mode="sum")
+    _apply_optimizer_in_backward(torch.optim.SGD, [m.weight], {"lr": 0.1})
+    outcome = []
+
+    def replace():
+        try:
+            m.table.set_optimizer(ec.optimizers.Adagrad(0.5))
+            outcome.append("replaced")
+        except ValueError as e:
+            outcome.append(e)
+
+    mark = type(m)._training_state
+    other = threading.Thread(target=replace)
+
+    def marked_late(self):  # the other thread's set_optimizer comes after the table took its optimizer
+        other.start()
+        other.join(0.5)
+        mark(self)
+
+    monkeypatch.setattr(type(m), "_training_state", marked_late)
+    m(torch.tensor([[0]])).sum().backward()
+    other.join()
+    assert len(outcome) == 1 and isinstance(outcome[0], ValueError) and "trains fused" in str(outcome[0])
+    assert m.fused and isinstance(m.table.optimizer, ec.optimizers.SGD)
+    np.testing.assert_allclose(m.table.to_numpy()[0], [0.9, 0.9], rtol=1e-6)
+
+
 def test_learning_rate_schedule_callable(rng):
     w = uniform_weights(rng, ROWS, DIM)
     fused = et.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", include_last_offset=True,
