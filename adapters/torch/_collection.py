@@ -318,10 +318,12 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
         raise ValueError(f"{where}['lengths'][{bad}] = {int(given_lengths[bad])} disagrees with its offsets "
                          f"({int(offsets[bad])} to {int(offsets[bad + 1])}): the lengths and offsets of a "
                          "KeyedJaggedTensor must describe the same bags")
-    # A negative length makes the offsets decrease: named as such (looked for only then, a tensor op less).
+    # A negative length makes the offsets decrease, and one past the values can wrap their running sum around
+    # (int32 lengths: TorchRec's offsets wrap): named as such (looked for only then, a tensor op less).
     lengths = kjt.lengths_or_none()
-    if lengths is not None and _ops.plain_eager([lengths]) and bool((lengths < 0).any()):
-        _ops.checked_values(values, lengths, where, True)  # raises, naming the negative length
+    if (lengths is not None and _ops.plain_eager([lengths])
+            and bool(((lengths < 0) | (lengths > values.shape[0])).any())):
+        _ops.checked_values(values, lengths, where, True)  # raises, naming the length
     raise error
 
 

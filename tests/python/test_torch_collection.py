@@ -162,6 +162,14 @@ def test_kjt_whose_lengths_do_not_cover_its_values_is_refused_as_torchrec(torchr
                                                        lengths=torch.tensor([2, -1, 2]))
     with pytest.raises(ValueError, match=r"the KeyedJaggedTensor\['lengths'\]\[1\] = -1 is negative"):
         et.EmbeddingBagCollection(_configs())(kjt)
+    # int32 lengths past the values, whose running sum (TorchRec's offsets(), int32) wraps around: the length is
+    # named (was: "the offsets (or lengths) end at 1").
+    kjt = torchrec.KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3]),
+                                     lengths=torch.tensor([2**31 - 1, 2**31 - 1, 3], dtype=torch.int32))
+    assert int(kjt.offsets()[-1]) == 1
+    with pytest.raises(ValueError, match=r"the KeyedJaggedTensor\['lengths'\]\[0\] = 2147483647 is greater than "
+                                         r"the number of values \(3\)"):
+        et.EmbeddingBagCollection(_configs())(kjt)
     # Beside good offsets too (TorchRec refuses it: RuntimeError from split_with_sizes).
     kjt = torchrec.KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.arange(1, 6),
                                      lengths=torch.tensor([2, -1, 2]), offsets=torch.tensor([0, 2, 3, 5]))

@@ -580,6 +580,20 @@ def test_a_bad_id_of_a_kjt_is_named_at_its_position_in_values(collection):
 
     run_local(2, fn)
 
+    # int32 lengths past the values (their running sum wraps around to the values' count): the length is named.
+    wrapping = kjt_type(keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 4]),
+                        lengths=torch.tensor([2**31 - 1, 2**31 - 1, 3, 3], dtype=torch.int32))
+    assert int(wrapping.offsets()[-1]) == 4
+    length = r"KeyedJaggedTensor\['lengths'\]\[0\] = 2147483647 is greater than the number of values \(4\)"
+    with pytest.raises(ValueError, match=length):
+        make([config])(wrapping)
+
+    def sharded(world):
+        with pytest.raises(ValueError, match=length):
+            make([config], world=world, sharding="row_wise")(wrapping)
+
+    run_local(2, sharded)
+
     # The bad id on rank 1 only: rank 0's RankFailedError quotes the same position.
     good = kjt_type(keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
 
