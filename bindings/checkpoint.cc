@@ -179,6 +179,8 @@ void BindCheckpoint(nb::module_& m) {
       .def("table_unknown_optimizer",  // "" unless a newer writer's optimizer
            [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).unknown_optimizer; })
       .def("table_dtype", [](const CheckpointInfo& i, size_t k) { return std::string(DTypeName(i.tables.at(k).dtype)); })
+      .def("table_values_dtype",  // as the values files store it ("uint8_rowwise" for a quantized table)
+           [](const CheckpointInfo& i, size_t k) { return std::string(DTypeName(i.tables.at(k).values.at(0).dtype)); })
       .def("table_step", [](const CheckpointInfo& i, size_t k) { return i.tables.at(k).step; })
       .def("table_padding_idx",  // config.padding_idx (format 1.5); None without one
            [](const CheckpointInfo& i, size_t k) -> std::optional<int64_t> {

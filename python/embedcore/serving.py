@@ -146,7 +146,6 @@ class ServedCheckpoint(FeatureLookup):
         self.format_version = tuple(info.format_version)
         self.tables: Dict[str, ServedTable] = {}
         configs = {}
-        manifest_tables = json.loads(info.manifest_json)["tables"]
         for i, name in enumerate(info.table_names):
             cfg_json = json.loads(info.table_config_json(i))
             if not isinstance(cfg_json, dict):
@@ -158,7 +157,7 @@ class ServedCheckpoint(FeatureLookup):
             except CheckpointError as e:
                 raise CheckpointError(f"{info.path}: table {name!r}: {e}") from None
             configs[name] = cfg
-            self.tables[name] = ServedTable(self._mapped, i, cfg, manifest_tables[i]["values"][0]["dtype"])
+            self.tables[name] = ServedTable(self._mapped, i, cfg, info.table_values_dtype(i))
         self._by_config = {id(c): self.tables[n] for n, c in configs.items()}
         self._feature_config = None
         meta = json.loads(info.metadata_json)
