@@ -56,32 +56,33 @@ def _run(fn: Callable, tensors: Sequence, name: str) -> tf.Tensor:
 class Saver:
     """SOK's ``Saver`` over embedcore checkpoints.
 
-    ``var`` is the adapter's Keras ``Embedding``, an ``EmbeddingForServing``,
-    one table of their ``embedding_tables``, an ``embedcore.Table`` or a list
-    of tables. ``filepath`` is a directory: an embedcore checkpoint (see
+    The parameters are SOK's, by position and by name. ``embedding_variable``
+    is the adapter's Keras ``Embedding``, an ``EmbeddingForServing``, one
+    table of their ``embedding_tables``, an ``embedcore.Table`` or a list of
+    tables. ``filepath`` is a directory: an embedcore checkpoint (see
     ``docs/format.md``), written atomically. Each call returns the string
     tensor ``"OK"`` and raises on failure; inside ``tf.function`` it runs
     when the function runs. ``dump_to_file`` keeps the other tables already
     saved in ``filepath`` (see ``embedcore.Saver.dump_to_file``), so
     variables can be dumped into one directory in turn."""
 
-    def dump_to_file(self, var, filepath) -> tf.Tensor:
-        target = _target(var)
+    def dump_to_file(self, embedding_variable, filepath) -> tf.Tensor:
+        target = _target(embedding_variable)
         return _run(lambda path: ec.Saver().dump_to_file(target, _text(path)), [filepath], "embedcore_dump")
 
-    def restore_from_file(self, var, filepath, include_optimizer: bool = True) -> tf.Tensor:
-        """Restores `var`'s tables from `filepath`, with their optimizer
+    def restore_from_file(self, embedding_variable, filepath, include_optimizer: bool = True) -> tf.Tensor:
+        """Restores `embedding_variable`'s tables from `filepath`, with their optimizer
         state; ``include_optimizer=False`` restores the values alone (as SOK
         1.x does), into a table of any optimizer."""
-        target = _target(var)
+        target = _target(embedding_variable)
         return _run(lambda path: ec.Saver().restore_from_file(target, _text(path), include_optimizer=include_optimizer),
                     [filepath], "embedcore_restore")
 
-    def load_embedding_values(self, var, tensors) -> tf.Tensor:
+    def load_embedding_values(self, embedding_variable, tensors) -> tf.Tensor:
         """Fills one table with `tensors` (a ``[rows, dim]`` tensor, or a
         list / tuple of ``[n_i, dim]`` tensors stacked along rows, as SOK
         does)."""
-        target = _target(var)
+        target = _target(embedding_variable)
         parts: List = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         if not parts:
             raise ValueError("load_embedding_values: no tensors given")

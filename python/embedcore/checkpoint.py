@@ -479,11 +479,14 @@ def _refuse_quantized_kept(path: str, manifest: dict, ours: set) -> None:
 
 
 class Saver:
-    """SOK's ``sok.Saver`` calls over embedcore checkpoints. Each returns
-    ``"OK"`` on success, as SOK's do, and raises on failure."""
+    """SOK's ``sok.Saver`` calls over embedcore checkpoints, with SOK's
+    parameter names (``embedding_variable``: a Table, a list of tables, an
+    Embedding or an adapter's module; ``filepath``: a directory), so SOK
+    code that passes them by keyword runs unchanged. Each returns ``"OK"``
+    on success, as SOK's do, and raises on failure."""
 
-    def dump_to_file(self, obj, path) -> str:
-        """Saves `obj`'s tables (with their optimizer state) into the
+    def dump_to_file(self, embedding_variable, filepath) -> str:
+        """Saves `embedding_variable`'s tables (with their optimizer state) into the
         checkpoint directory `path`, keeping the tables of other names
         already saved there, with their slots: SOK 1.x writes one pair of
         files per variable, so several variables can be dumped into one
@@ -505,6 +508,7 @@ class Saver:
         (its tables would be lost): remove it, or replace it with
         ``embedcore.save``. A sharded Embedding is dumped by every rank at
         once (its collective save), rank 0 keeping the other tables."""
+        obj, path = embedding_variable, filepath
         if hasattr(obj, "_sharded_save"):
             obj._sharded_save(path, True, None, keep=True)
             return "OK"
@@ -690,11 +694,12 @@ class Saver:
         merged.update(kind="embedding", features=features, structure=None)
         return merged
 
-    def restore_from_file(self, obj, path, include_optimizer: bool = True) -> str:
-        """Loads `obj`'s tables from the checkpoint `path` (``embedcore.load``),
+    def restore_from_file(self, embedding_variable, filepath, include_optimizer: bool = True) -> str:
+        """Loads `embedding_variable`'s tables from the checkpoint `filepath` (``embedcore.load``),
         with their optimizer slots and step; `include_optimizer=False` takes
         the values alone, as SOK 1.x's restore does, so a checkpoint of one
         optimizer restores into a table of another."""
+        obj, path = embedding_variable, filepath
         try:
             load(path, into=obj, include_optimizer=include_optimizer)
         except CheckpointError as e:
@@ -709,9 +714,11 @@ class Saver:
             raise
         return "OK"
 
-    def load_embedding_values(self, table, arrays) -> str:
-        """Fills `table` with `arrays` (one ``[n, dim]`` array or a list of
-        them) stacked along rows; their rows must add up to the table's."""
+    def load_embedding_values(self, embedding_variable, tensors) -> str:
+        """Fills the table `embedding_variable` with `tensors` (one ``[n,
+        dim]`` array or tensor, or a list of them) stacked along rows; their
+        rows must add up to the table's."""
+        table, arrays = embedding_variable, tensors
         if isinstance(table, Embedding):
             raise TypeError("load_embedding_values takes one Table, not an Embedding")
         if not isinstance(table, Table):

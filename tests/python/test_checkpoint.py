@@ -1180,3 +1180,20 @@ def test_the_step_stops_at_the_bound_a_checkpoint_records(tmp_path):
     ec.load(path, into=back)
     assert back.step == 2**62
     np.testing.assert_array_equal(back.to_numpy(), t.to_numpy())
+
+
+def test_saver_takes_soks_parameter_names(tmp_path, rng):
+    """SOK's Saver names its parameters embedding_variable, filepath and
+    tensors: SOK code that passes them by keyword runs unchanged."""
+    t = ec.Table(name="emb", rows=6, dim=3, optimizer=ec.optimizers.Adagrad(0.1))
+    values = rng.standard_normal((6, 3)).astype(np.float32)
+    saver = ec.Saver()
+    assert saver.load_embedding_values(embedding_variable=t, tensors=[values[:2], values[2:]]) == "OK"
+    np.testing.assert_array_equal(t.values(), values)
+    t.apply_gradients(np.array([1, 4]), np.array([0, 2]), np.ones((1, 3), np.float32))
+    assert saver.dump_to_file(embedding_variable=t, filepath=tmp_path / "c") == "OK"
+    back = ec.Table(name="emb", rows=6, dim=3, optimizer=ec.optimizers.Adagrad(0.1))
+    assert saver.restore_from_file(embedding_variable=back, filepath=tmp_path / "c") == "OK"
+    np.testing.assert_array_equal(back.values(), t.values())
+    np.testing.assert_array_equal(back.slots()["accumulators"], t.slots()["accumulators"])
+    assert back.step == 1

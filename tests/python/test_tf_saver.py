@@ -46,6 +46,18 @@ def test_dump_restore_load(tmp_path, rng, traced):
     assert restored.step == 1
 
 
+def test_soks_parameter_names_by_keyword(tmp_path, rng):
+    saver = Saver()
+    layer = _layer()
+    values = rng.standard_normal((12, 3)).astype(np.float32)
+    assert saver.load_embedding_values(embedding_variable=layer, tensors=[tf.constant(values)]).numpy() == b"OK"
+    path = str(tmp_path / "dump")
+    assert saver.dump_to_file(embedding_variable=layer, filepath=path).numpy() == b"OK"
+    other = _layer()
+    assert saver.restore_from_file(embedding_variable=other, filepath=path).numpy() == b"OK"
+    np.testing.assert_array_equal(other._embedcore_tables()[0].values(), values)
+
+
 def test_tables_of_a_serving_object_and_errors(tmp_path, rng):
     cfg = E.TableConfig(vocabulary_size=6, dim=2, name="t")
     emb = EmbeddingForServing({"f": E.FeatureConfig(cfg)})
