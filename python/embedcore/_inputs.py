@@ -82,15 +82,30 @@ def to_numpy(x, where: str) -> np.ndarray:
     if _is_torch_bfloat16(x):
         # DLPack and NumPy carry no bfloat16: widen it (exactly) in torch, on its device.
         return to_numpy(x.detach().float(), where)
-    if hasattr(x, "__dlpack__") and not isinstance(x, (list, tuple)):
+    if type(x).__module__.startswith("tensorflow") and getattr(getattr(x, "dtype", None), "is_quantized", False):
+        # (NumPy reads its raw ints: ids or values they are not)
+        raise TypeError(f"{where} must be an array of numbers, got a TensorFlow tensor of the quantized dtype "
+                        f"{x.dtype.name}: dequantize it first (tf.quantization.dequantize)")
+    if hasattr(x, "__dlpack__") and not isinstance(x, (list, tuple)) and not _tf_not_numeric(x):
         try:
             return np.from_dlpack(x)
-        except (TypeError, RuntimeError, BufferError, ValueError):
-            pass  # e.g. a device not NumPy's, or a dtype DLPack cannot carry
+        except Exception:  # noqa: BLE001 - e.g. a device not NumPy's, or a dtype DLPack cannot carry
+            pass  # (NumPy's conversion below gives the array, or the error that names it)
     try:
         return np.asarray(x)
     except Exception as e:  # noqa: BLE001 - report what could not be read, and where
         raise TypeError(f"{where} must be an array, got {type(x).__name__}: {e}") from None
+
+
+def _tf_not_numeric(x) -> bool:
+    """A TensorFlow tensor of strings, resources or variants: its
+    ``__dlpack__`` aborts the process (a CHECK in TensorFlow), so NumPy's
+    conversion takes it (and the caller refuses its dtype)."""
+    if not type(x).__module__.startswith("tensorflow"):
+        return False
+    dtype = getattr(x, "dtype", None)
+    numeric = any(getattr(dtype, k, False) for k in ("is_integer", "is_floating", "is_bool", "is_complex"))
+    return not numeric
 
 
 def _is_torch_bfloat16(x) -> bool:
@@ -102,18 +117,25 @@ def _is_bfloat16(dtype: np.dtype) -> bool:
     return dtype.kind == "V" and dtype.name == "bfloat16" and dtype.itemsize == 2
 
 
-def _check_python_ints(x, a: np.ndarray, where: str) -> None:
-    """An object array made from a Python sequence: if it holds ints that do
-    not fit in int64 (which is why NumPy made it an object array), names the
-    first; otherwise returns (and the caller refuses the dtype)."""
-    if isinstance(x, np.ndarray) or a.dtype != object:
-        return
+def _python_ints(x, where: str) -> Optional[np.ndarray]:
+    """A list or tuple of ints (nested evenly) that NumPy did not make an
+    integer array of (ints beyond int64 make an object array; an int64
+    beside one in [2**63, 2**64), or NumPy int64 and uint64 scalars mixed,
+    a float64 one): as int64 when they all fit, naming the first that does
+    not otherwise; None when they are not all ints (a dtype error)."""
+    if not isinstance(x, (list, tuple)):
+        return None
+    try:
+        a = np.array(x, dtype=object)
+    except ValueError:  # ragged
+        return None
     flat = a.reshape(-1)
     if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in flat):
-        return  # not all ints: a dtype error
+        return None
     for k, v in enumerate(flat):
         if not _INT64_MIN <= int(v) <= _INT64_MAX:
             raise IndexError(f"{where}: value {int(v)} at position {k} does not fit in int64")
+    return np.array([int(v) for v in flat], dtype=np.int64).reshape(a.shape)
 
 
 def as_int_array(x, where: str) -> np.ndarray:
@@ -129,8 +151,10 @@ def as_int_array(x, where: str) -> np.ndarray:
     elif a.size == 0 and a.dtype.kind == "f" and not isinstance(x, np.ndarray):
         a = a.astype(np.int64)  # an empty Python list
     else:
-        _check_python_ints(x, a, where)
-        raise TypeError(f"{where} must be an integer array (int32 or int64), got dtype {a.dtype}")
+        exact = _python_ints(x, where) if a.dtype.kind in "fO" else None
+        if exact is None:
+            raise TypeError(f"{where} must be an integer array (int32 or int64), got dtype {a.dtype}")
+        a = exact
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)  # (ascontiguousarray makes a 0-d array 1-d)
 
 

@@ -212,6 +212,34 @@ def test_python_ints_beyond_int64_are_named():
         t.lookup(np.array([1], dtype=object))
     with pytest.raises(TypeError, match="got dtype object"):
         t.lookup([2**70, "x"])
+    # An int in [2**63, 2**64) beside another makes NumPy's array float64: named too (was: a float64 TypeError),
+    # and NumPy int64 and uint64 scalars that fit are ids (NumPy made them float64 as well).
+    with pytest.raises(IndexError, match=re.escape(f"ids: value {2**63} at position 1 does not fit in int64")):
+        t.lookup([1, 2**63])
+    with pytest.raises(IndexError, match=re.escape(f"ids: value {2**63} at position 3 does not fit in int64")):
+        t.lookup([[1, 2], [3, 2**63]])
+    np.testing.assert_array_equal(t.lookup([np.int64(1), np.uint64(3)]), t.lookup(np.array([1, 3])))
+    with pytest.raises(TypeError, match="got dtype float64"):  # floats stay refused
+        t.lookup([1, 2.0])
+
+
+def test_tensorflow_tensors_that_are_not_numbers_raise_type_error():
+    """A TensorFlow tensor of strings or resources aborted the process in its
+    __dlpack__ (a CHECK in TensorFlow); a quantized one let TensorFlow's own
+    error out."""
+    tf = pytest.importorskip("tensorflow")
+    t = _table()
+    with pytest.raises(TypeError, match="ids must be an integer array"):
+        t.lookup(tf.constant(["1", "2"]))
+    with pytest.raises(TypeError, match="weights must be a float array"):
+        t.lookup(np.array([1, 2]), weights=tf.constant(["a", "b"]), combiner="sum")
+    with pytest.raises(TypeError, match="ids must be an array, got EagerTensor"):
+        t.lookup(tf.Variable([1, 2]).handle)
+    quantized = tf.quantization.quantize(tf.constant([1.0, 2.0]), 0.0, 3.0, tf.qint8).output
+    with pytest.raises(TypeError, match="ids must be an array of numbers, got a TensorFlow tensor of the quantized "
+                                        "dtype qint8"):
+        t.lookup(quantized)
+    np.testing.assert_array_equal(t.lookup(tf.constant([1, 3])), t.lookup(np.array([1, 3])))
 
 
 @pytest.mark.parametrize("value", [1e39, -1e300])
