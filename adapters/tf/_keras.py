@@ -186,6 +186,8 @@ class Embedding(keras.layers.Layer):
                                                      tf.nest.map_structure(ragged, weights))
 
     def call(self, inputs, weights=None, training=None):
+        if self._config_args["input_dim"] is not None:
+            inputs = _keras_ids(inputs)
         outputs = self._call(inputs, weights, training)
         if self.compute_dtype != "float32":  # (a mixed policy's, as keras.layers.Embedding casts its outputs)
             outputs = tf.nest.map_structure(lambda o: tf.cast(o, self.compute_dtype), outputs)
@@ -232,6 +234,25 @@ class Embedding(keras.layers.Layer):
                            "would reach the engine's update unscaled; use the 'float32' or 'mixed_bfloat16' policy "
                            "(no loss scaling)")
         return _trainable_lookup(emb, inputs, weights, self._anchor, refusal)
+
+
+def _keras_ids(x):
+    """The ids of an ``Embedding(input_dim, output_dim)`` layer, as
+    ``keras.layers.Embedding`` takes them: numbers of a dtype other than
+    int32 / int64 (float32, a ``keras.Input``'s default; int8, uint16, ...)
+    cast to int32; dense, sparse and ragged alike."""
+    if isinstance(x, np.ndarray) and x.dtype.kind in "fiu":
+        x = tf.convert_to_tensor(x)
+    dtype = getattr(x, "dtype", None)
+    if not isinstance(x, (tf.Tensor, tf.SparseTensor, tf.RaggedTensor)) or dtype in (tf.int32, tf.int64):
+        return x
+    if not (dtype.is_floating or dtype.is_integer) or dtype.is_quantized:
+        return x  # (refused by the lookup, naming the dtype)
+    if isinstance(x, tf.SparseTensor):
+        return tf.SparseTensor(x.indices, tf.cast(x.values, tf.int32), x.dense_shape)
+    if isinstance(x, tf.RaggedTensor):
+        return x.with_flat_values(tf.cast(x.flat_values, tf.int32))
+    return tf.cast(x, tf.int32)
 
 
 class _RaggedPlaceholder:

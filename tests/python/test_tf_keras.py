@@ -734,3 +734,41 @@ def test_functional_model_of_ragged_inputs_pools_them(rng, weighted):
     model.fit([x_ids, x_w, x_other] if weighted else [x_ids, x_other], np.zeros((4, 1), np.float32), batch_size=4,
               epochs=1, verbose=0)
     assert layer._embedcore_tables()[0].step == 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int8", "int16", "uint8", "uint16"])
+def test_ids_of_other_dtypes_are_cast_to_int32_as_keras_does(rng, dtype):
+    """keras.layers.Embedding casts ids that are not int32 / int64 to int32
+    (a keras.Input's default dtype is float32); the one-table form did not
+    build a functional model on such an input."""
+    values = rng.standard_normal((10, 4)).astype(np.float32)
+    ours = Embedding(10, 4, optimizer=ec.optimizers.SGD(0.1), table_name="t")
+    ours.build()
+    ours.embedding_tables[next(iter(ours.embedding_tables))].assign(values)
+    theirs = keras.layers.Embedding(10, 4)
+    theirs.build()
+    theirs.embeddings.assign(values)
+    ids = np.array([[1, 2, 3], [4, 5, 9]]).astype(dtype)
+    np.testing.assert_array_equal(ours(tf.constant(ids)).numpy(), theirs(tf.constant(ids)).numpy())
+    np.testing.assert_array_equal(ours(ids).numpy(), theirs(ids).numpy())
+    # pooled bags too (a ragged batch of float ids; the layer's default combiner, mean)
+    ragged = tf.ragged.constant([[1.0, 2.0], [9.0]])
+    np.testing.assert_allclose(ours(ragged).numpy(), [(values[1] + values[2]) / 2, values[9]], rtol=1e-6)
+
+    inp = keras.Input(shape=(3,), dtype=dtype)
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(ours(inp))))
+    model.compile("sgd", "mse")
+    before = ours.embedding_tables[next(iter(ours.embedding_tables))].numpy().copy()
+    model.fit(ids, np.ones((2, 1), np.float32), verbose=0)
+    after = ours.embedding_tables[next(iter(ours.embedding_tables))].numpy()
+    assert not np.array_equal(before[[1, 2, 3, 4, 5, 9]], after[[1, 2, 3, 4, 5, 9]])
+    np.testing.assert_array_equal(before[[0, 6, 7, 8]], after[[0, 6, 7, 8]])
+
+
+def test_feature_config_layers_keep_refusing_float_ids():
+    """The cast is keras.layers.Embedding's; a feature_config= layer takes
+    ids as TPUEmbedding does (int32 / int64 only)."""
+    table = E.TableConfig(vocabulary_size=10, dim=4, name="t")
+    layer = Embedding(feature_config={"f": E.FeatureConfig(table)}, optimizer=ec.optimizers.SGD(0.1))
+    with pytest.raises((TypeError, ValueError, tf.errors.InvalidArgumentError)):
+        layer({"f": tf.constant([[1.0, 2.0]])})
