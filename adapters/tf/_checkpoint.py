@@ -809,8 +809,10 @@ class TableVariable(_Trackable):
 
     def _read(self, key: str) -> tf.Tensor:
         if key == _STEP_KEY:
+            # Inside a tf.function, the step when the function runs (a constant would be the one it was traced
+            # at); the values are a view of the table's memory, read when the save writes them.
             with tf.device("/CPU:0"):
-                return tf.constant(self._table.step, tf.int64)
+                return _snapshot(lambda: [np.int64(self._table.step)], [tf.int64], [()])[0]
         return _as_tensor(np.asarray(_values_view(self._table)))
 
     def _restore(self, key: str, value: tf.Tensor) -> None:

@@ -681,6 +681,36 @@ def test_checkpoint_without_step_restores_and_keeps_the_step(tmp_path, monkeypat
     assert {k: v.tobytes() for k, v in _state(theirs).items()} == {k: v.tobytes() for k, v in _state(ours).items()}
 
 
+def test_a_save_inside_a_tf_function_writes_the_step_when_it_runs(tmp_path):
+    """A tf.train.Checkpoint write traced into a tf.function saved the step
+    of the trace (a constant) at every later call, while the values were
+    the table's then: a restore silently set the step back."""
+    cfg = {"a": E.FeatureConfig(E.TableConfig(vocabulary_size=4, dim=2, name="t"))}
+    emb = EmbeddingForServing(cfg, E.Adagrad(0.1))
+    emb.build()
+    table = emb._embedcore_tables()[0]
+    counter = tf.Variable(0)
+    ckpt = tf.train.Checkpoint(embedding=emb, counter=counter)
+
+    @tf.function
+    def write(path):
+        return ckpt.write(path)
+
+    write(tf.constant(str(tmp_path / "first")))  # traced with the step at 0
+    table.assign(np.ones((4, 2), np.float32))
+    table.step = 5
+    counter.assign(5)
+    write(tf.constant(str(tmp_path / "second")))
+    reader = tf.train.load_checkpoint(str(tmp_path / "second"))
+    assert reader.get_tensor("embedding/t/.ATTRIBUTES/step") == 5
+    assert reader.get_tensor("counter/.ATTRIBUTES/VARIABLE_VALUE") == 5
+    np.testing.assert_array_equal(reader.get_tensor("embedding/t/.ATTRIBUTES/VARIABLE_VALUE"), np.ones((4, 2)))
+    assert tf.train.load_checkpoint(str(tmp_path / "first")).get_tensor("embedding/t/.ATTRIBUTES/step") == 0
+    back = EmbeddingForServing(cfg, E.Adagrad(0.1))
+    tf.train.Checkpoint(embedding=back).restore(str(tmp_path / "second")).expect_partial()
+    assert back._embedcore_tables()[0].step == 5
+
+
 def test_a_bad_step_in_a_checkpoint_is_refused(tmp_path, monkeypatch):
     from embedcore.adapters.tf import _checkpoint
 
