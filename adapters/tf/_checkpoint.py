@@ -894,6 +894,8 @@ def unstack_array(layouts: Dict[str, StackedTable], stacked: str, value: np.ndar
     (writable arrays) for every table of `layouts` stacked in it."""
     if value.ndim != 2:
         raise ValueError(f"stacked variable '{stacked}' has shape {list(value.shape)}, expected 2-D")
-    for s in layouts.values():
-        if s.stacked == stacked and s.name in dests:
-            unstack(s, value.shape, lambda r, c: value[r[0]:r[0] + r[1], c[0]:c[0] + c[1]], dests[s.name])
+    tables = [s for s in layouts.values() if s.stacked == stacked and s.name in dests]
+    for s in tables:  # every table fits before any is written (dests may be the tables' own memory)
+        check_stacked(s, value.shape, dests[s.name].shape)
+    for s in tables:
+        unstack(s, value.shape, lambda r, c: value[r[0]:r[0] + r[1], c[0]:c[0] + c[1]], dests[s.name])

@@ -175,6 +175,26 @@ def test_stacked_slots_or_values_that_cannot_be_restored_are_refused(tmp_path, r
             {k: v for k, v in before.items() if k[1] == array}
 
 
+def test_a_stacked_table_of_another_shape_changes_no_table_of_its_stack(tmp_path, rng):
+    """Every table of a stacked variable is checked against its model's
+    shape before any is written (its finite values were written table by
+    table, the check of each just before it: the tables stacked before the
+    one of another shape changed)."""
+    shapes = {"sa": (37, 5), "sb": (100, 8), "sc": (20, 3)}
+    path, _, _ = _sparsecore_checkpoint(str(tmp_path / "ckpt"), rng, shapes)
+    here = {**shapes, "sc": (25, 3)}
+    config = {n: E.FeatureConfig(E.TableConfig(vocabulary_size=r, dim=d, name=n)) for n, (r, d) in here.items()}
+    for restore in ("checkpoint", "reader"):
+        ours = EmbeddingForServing(config)
+        before = {k: v.tobytes() for k, v in _state(ours).items()}
+        with pytest.raises(ValueError, match=r"table 'sc' is \[?20,? x? ?3\]? in the checkpoint, but \[?25,? x? ?3"):
+            if restore == "checkpoint":
+                tf.train.Checkpoint(embedding=ours).restore(path)
+            else:
+                load_tf_checkpoint(path, ours)
+        assert {k: v.tobytes() for k, v in _state(ours).items()} == before
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_values_that_are_not_finite_are_refused(tmp_path, rng, bad):
     """A NaN or an infinity in a table's values (hand-made, or a diverged
