@@ -69,13 +69,7 @@ inline void PoolNarrowBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf
 // Divides a pooled bag [k0, k1) by its combiner's denominator (mean, sqrtn).
 inline void FinishPooledBag(const LookupArgs& a, int64_t k0, int64_t k1, float* acc) {
   if (a.combiner == ops::CombinerKind::kSum) return;  // the sum is the result; no denominator
-  float sum_w = 0.0f, sum_w2 = 0.0f;
-  for (int64_t k = k0; k < k1; ++k) {
-    const float w = a.weights ? a.weights[k] : 1.0f;
-    sum_w += w;
-    sum_w2 += w * w;
-  }
-  ops::FinishBag(a.combiner, ops::CombinerDenominator(a.combiner, sum_w, sum_w2), acc, a.dim);
+  ops::FinishBag(a.combiner, ops::BagDenominator(a.combiner, k0, k1, a.weights), acc, a.dim);
 }
 
 template <typename R, typename T, typename I>

@@ -476,7 +476,8 @@ def _weights_or_ones(p: _Part) -> Tensor:
 
 def _denominators(p: _Part, combiner: int) -> Tensor:
     """Each bag's combiner denominator, as the engine's lookup computes it:
-    sum(w) for mean, sqrt(sum(w^2)) for sqrtn (w = 1 without weights). On
+    sum(w) for mean, sqrt(sum(w^2)) for sqrtn (the count n and sqrt(n)
+    without weights). On
     the host, the engine's own function (the kernels' summation order), so
     that forward and backward agree bit for bit; on a GPU, a segmented sum
     (deterministic, within float rounding of the engine's)."""
@@ -488,6 +489,9 @@ def _denominators(p: _Part, combiner: int) -> Tensor:
 
 
 def _segmented_denominators(p: _Part, combiner: int) -> Tensor:
+    if p.weights is None and combiner in (MEAN, SQRTN):  # the count (the engine's BagDenominator)
+        n = (p.offsets[1:] - p.offsets[:-1]).to(torch.float64)
+        return (n if combiner == MEAN else torch.sqrt(n)).to(torch.float32)
     w = _weights_or_ones(p)
     if combiner == MEAN:
         return torch.segment_reduce(w, "sum", offsets=p.offsets, initial=0.0)

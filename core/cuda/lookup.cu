@@ -32,13 +32,7 @@ __global__ void PooledKernel(const T* table, int64_t dim, const I* ids, const in
                              int64_t num_bags, ops::CombinerKind combiner, float* out) {
   for (int64_t b = blockIdx.x; b < num_bags; b += gridDim.x) {
     const int64_t k0 = offsets[b], k1 = offsets[b + 1];
-    float sum_w = 0.0f, sum_w2 = 0.0f;
-    for (int64_t k = k0; k < k1; ++k) {
-      const float w = weights ? weights[k] : 1.0f;
-      sum_w += w;
-      sum_w2 += w * w;
-    }
-    const float denominator = ops::CombinerDenominator(combiner, sum_w, sum_w2);
+    const float denominator = ops::BagDenominator(combiner, k0, k1, weights);
     for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
       // Eight rows' loads are issued before their adds (memory-level
       // parallelism); the adds stay in id order, so the bits do not change.

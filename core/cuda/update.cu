@@ -34,16 +34,7 @@ __global__ void CollectKernel(const I* ids, const int64_t* offsets, const float*
                               const float** grad_row) {
   for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < num_bags; b += int64_t(gridDim.x) * blockDim.x) {
     const int64_t k0 = offsets[b], k1 = offsets[b + 1];
-    float denominator = 1.0f;
-    if (combiner == ops::CombinerKind::kMean || combiner == ops::CombinerKind::kSqrtn) {
-      float sw = 0.0f, sw2 = 0.0f;
-      for (int64_t i = k0; i < k1; ++i) {
-        const float w = weights ? weights[i] : 1.0f;
-        sw += w;
-        sw2 += w * w;
-      }
-      denominator = ops::CombinerDenominator(combiner, sw, sw2);
-    }
+    const float denominator = ops::BagDenominator(combiner, k0, k1, weights);
     for (int64_t i = k0; i < k1; ++i) {
       const float w = weights ? weights[i] : 1.0f;
       int64_t g;

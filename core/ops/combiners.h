@@ -28,13 +28,22 @@ EMBEDCORE_HD float CombinerDenominator(CombinerKind c, float sum_w, float sum_w2
   }
 }
 
-/// The combiner denominator of the bag of ids [begin, end), its weights
-/// summed in id order as the lookup kernels do (1 for sum and sequences).
+/// The combiner denominator of the bag of ids [begin, end) (1 for sum and
+/// sequences), for every lookup and update kernel, host and device: its
+/// weights summed in float32 in id order, as TensorFlow sums them. Without
+/// weights, the count itself (mean: float(n); sqrtn: sqrt(n)), as PyTorch's
+/// embedding_bag and TensorFlow's sparse_segment_mean divide: a float32 sum
+/// of ones stops growing at 2**24 (below it the two are the same bits; a
+/// sqrt correctly rounded in double is correctly rounded in float).
 EMBEDCORE_HD float BagDenominator(CombinerKind c, int64_t begin, int64_t end, const float* weights) {
   if (c != CombinerKind::kMean && c != CombinerKind::kSqrtn) return 1.0f;
+  if (weights == nullptr) {
+    const int64_t n = end - begin;
+    return c == CombinerKind::kMean ? float(n) : float(std::sqrt(double(n)));
+  }
   float sum_w = 0.0f, sum_w2 = 0.0f;
   for (int64_t i = begin; i < end; ++i) {
-    const float w = weights ? weights[i] : 1.0f;
+    const float w = weights[i];
     sum_w += w;
     sum_w2 += w * w;
   }

@@ -52,3 +52,29 @@ def test_assign_and_errors_at_the_end(big):
     assert str(ROWS) in str(e.value)
     with pytest.raises(IndexError):
         big.assign(np.zeros((3, 1), np.float32), start_row=ROWS - 2)
+
+
+def test_mean_and_sqrtn_of_a_bag_of_more_than_2_24_ids():
+    """Without weights, mean and sqrtn divide by the count (float(n),
+    sqrt(n)), as torch's embedding_bag and TensorFlow's sparse_segment_mean:
+    a float32 sum of ones stops at 2**24, and a bag of 3 * 2**23 + 1 ids
+    came out 1.5 times too large, in lookups and in the step's coefficient."""
+    torch = pytest.importorskip("torch")
+    n = 3 * 2**23 + 1
+    ids = np.empty(n, np.int32)
+    ids[:-1] = np.tile(np.array([0, 1, 2], np.int32), 2**23)
+    ids[-1] = 3  # the running sum of the rows is 1, 2, 0, ... exactly; in all 1000
+    offsets = np.array([0, n], np.int64)
+    values = np.array([[1.0], [1.0], [-2.0], [1000.0]], np.float32)
+    t = ec.Table(name="t", rows=4, dim=1, optimizer=ec.optimizers.SGD(1.0))
+    t.assign(values)
+    assert t.lookup(ids, offsets, combiner="sum")[0, 0] == 1000.0
+    want_mean = torch.nn.functional.embedding_bag(torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(values),
+                                                  torch.tensor([0]), mode="mean")[0, 0].item()
+    assert t.lookup(ids, offsets, combiner="mean")[0, 0] == np.float32(want_mean) == np.float32(1000) / np.float32(n)
+    assert t.lookup(ids, offsets, combiner="mean")[0, 0] == t.lookup_sparse_segment(ids, offsets, "mean")[0, 0]
+    assert t.lookup(ids, offsets, combiner="sqrtn")[0, 0] == np.float32(1000) / np.float32(np.sqrt(n))
+    # The step: row 3, looked up once, moves by its coefficient 1 / n (SGD, learning rate 1, gradient 1).
+    t.assign(np.zeros((1, 1), np.float32), 3)
+    t.apply_gradients(ids, offsets, np.ones((1, 1), np.float32), combiner="mean")
+    assert t.values()[3, 0] == -(np.float32(1) / np.float32(n))

@@ -252,7 +252,8 @@ struct GradientPart {
 void ValidateBatch(const Batch& batch, int64_t rows, const std::string& table);
 
 /// The number each bag's weighted sum is divided by under `combiner` (sum_w
-/// for mean, sqrt(sum_w^2) for sqrtn, 1 for sum and none), computed exactly as
+/// for mean, sqrt(sum_w^2) for sqrtn, the count n and sqrt(n) without
+/// weights, 1 for sum and none), computed exactly as
 /// the lookup and update kernels compute it; writes `num_bags` floats. A
 /// row-wise shard's owner sees only part of a bag, so the bag's owner divides.
 void BagDenominators(const Batch& batch, Combiner combiner, float* out);
