@@ -42,7 +42,7 @@ std::string Parse(const char* begin, const char* end, int max_depth, TooDeep too
   if (!repeated) return "";
   std::vector<std::set<std::string>> keys;
   std::string first;
-  Json::parse(begin, end, [&](int, Event event, Json& parsed) {
+  const Json again = Json::parse(begin, end, [&](int, Event event, Json& parsed) {
     if (event == Event::object_start) {
       keys.emplace_back();
     } else if (event == Event::object_end) {
@@ -53,6 +53,7 @@ std::string Parse(const char* begin, const char* end, int max_depth, TooDeep too
     }
     return true;
   });
+  (void)again;  // (read for its keys alone)
   if (first.size() > kMaxKeyQuoted) {
     size_t cut = kMaxKeyQuoted;
     while (cut > 0 && (static_cast<unsigned char>(first[cut]) & 0xC0) == 0x80) --cut;
