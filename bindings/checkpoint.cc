@@ -141,10 +141,11 @@ void BindCheckpoint(nb::module_& m) {
           "Raises CheckpointError when a file verified is no longer the one verified.");
   m.def(
       "table_like",
-      [](const CheckpointInfo& info, size_t index, int64_t rows, int64_t dim) {
+      [](const CheckpointInfo& info, size_t index, int64_t rows, int64_t dim, std::optional<std::string> dtype) {
         if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
         const TableEntry& e = info.tables[index];
-        TableSpec spec{e.name, rows, dim, e.dtype, InitializerSpec{InitializerSpec::Kind::kZeros}, OptimizerSpec{}};
+        TableSpec spec{e.name, rows, dim, dtype ? ParseDType(*dtype) : e.dtype,
+                       InitializerSpec{InitializerSpec::Kind::kZeros}, OptimizerSpec{}};
         if (e.has_optimizer) spec.optimizer = e.optimizer;
         // A record earlier versions allowed (accumulators from 0 beside a subnormal epsilon) makes no table as it
         // is: its first accumulators do not matter here (the stored slots are copied in as they are).
@@ -154,8 +155,9 @@ void BindCheckpoint(nb::module_& m) {
         ReleaseGil release;
         return new Table(std::move(spec));
       },
-      "info"_a, "index"_a, "rows"_a, "dim"_a,
-      "A zero table of `rows` x `dim` with the dtype and optimizer slots of table `index` (for resharding).");
+      "info"_a, "index"_a, "rows"_a, "dim"_a, "dtype"_a.none() = nb::none(),
+      "A zero table of `rows` x `dim` with the dtype (or `dtype`: the one its files store) and optimizer slots of "
+      "table `index` (for resharding).");
 
   nb::class_<CheckpointInfo>(m, "CheckpointInfo")
       .def_ro("path", &CheckpointInfo::path)

@@ -381,6 +381,15 @@ def read_info(path, slot_files: bool = True):
     return _embedcore.read_info(native_path(path), bool(slot_files))
 
 
+def _scratch_dtype(values_dtype: Optional[str]) -> Optional[str]:
+    """The dtype of the scratch block (``table_like``) that copies a table's
+    data as stored into another checkpoint: the dtype its files store where
+    a table can hold it (an export's bfloat16 of a float16 table, say), so
+    that nothing is converted on the way (a bfloat16 value past float16's
+    range, or below its smallest, survives); None: the table's own."""
+    return values_dtype if values_dtype in ("float32", "float16", "bfloat16") else None
+
+
 def _copy_block(info, index: int, block, row_start: int, col_start: int, has_optimizer: bool) -> None:
     """Reads the block `block` (a scratch table of `table_like`) of table
     `index`, its slots as stored (a copy into another checkpoint). A read
@@ -653,12 +662,13 @@ class Saver:
                     _check_table_count(later, "dump_to_file", kept=True)
                 prefix, pieces = f"t{position:05d}.", []
                 for index, r0 in enumerate(range(0, t["rows"], chunk)):
-                    block = _embedcore.table_like(info, k, min(chunk, t["rows"] - r0), t["dim"])
+                    block = _embedcore.table_like(info, k, min(chunk, t["rows"] - r0), t["dim"],
+                                                  _scratch_dtype(values_dtype))
                     try:
                         _copy_block(info, k, block, r0, 0, has_opt)
                     except CheckpointError as e:  # e.g. an optimizer this version does not know
-                        raise CheckpointError(f"dump_to_file keeps the other tables of {path} with their "
-                                              f"optimizer state: {e}") from None
+                        kept = "with their optimizer state" if has_opt else "as stored"
+                        raise CheckpointError(f"dump_to_file keeps the other tables of {path} {kept}: {e}") from None
                     pieces.append(json.loads(_embedcore.write_shard_files(
                         path, generation, prefix, index, block, r0, 0, has_opt, values_dtype)))
                     del block

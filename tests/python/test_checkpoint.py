@@ -496,6 +496,31 @@ def test_a_dump_beside_a_reduced_precision_export_keeps_its_dtype(tmp_path, rng,
     assert back.step == a.step
 
 
+def test_a_bfloat16_export_of_a_float16_table_is_copied_as_stored(tmp_path):
+    """A float16 table exported as bfloat16 holds values float16 cannot
+    (65504 rounds to 65536). The copies that keep data as stored (reshard,
+    a dump beside it) read it through a block of the stored dtype: they
+    read it as float16, and refused 65536 as "beyond the range of float16"
+    (no other table could be dumped beside such an export)."""
+    pytest.importorskip("ml_dtypes")  # (the served bfloat16 values)
+    from embedcore import distributed as dist
+
+    t = ec.Table(name="big", rows=3, dim=2, dtype="float16", optimizer=ec.optimizers.Adagrad(0.1))
+    t.assign(np.array([[65504.0, 1.0], [-65472.0, 0.5], [6e-8, 2.0]], np.float32))
+    ec.save(tmp_path / "x", t, values_dtype="bfloat16")
+    stored = np.asarray(ec.serving.open(tmp_path / "x").tables["big"].values()).astype(np.float32)
+    assert stored[0, 0] == 65536.0 and stored.dtype == np.float32
+
+    def served(path):  # (the rows, widened exactly to float32: a sharded table has no one mapped array)
+        return ec.serving.open(path, verify="eager").tables["big"].lookup(np.arange(3))
+
+    dist.reshard(tmp_path / "x", tmp_path / "re", 2, "row_wise")
+    assert served(tmp_path / "re").tobytes() == stored.tobytes()
+    assert ec.Saver().dump_to_file(ec.Table(name="other", rows=1, dim=1), tmp_path / "x") == "OK"
+    assert served(tmp_path / "x").tobytes() == stored.tobytes()
+    assert [t["name"] for t in read_manifest(tmp_path / "x")["tables"]] == ["big", "other"]
+
+
 def test_values_dtype_checks(tmp_path):
     t = make_table(dtype="float16")
     with pytest.raises(ValueError, match="values_dtype"):

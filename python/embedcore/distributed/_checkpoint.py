@@ -20,8 +20,8 @@ from typing import List, Optional
 
 from .. import _embedcore
 from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_padding, _check_values_dtype, _copy_block, _locked,
-                          _metadata, _quantized_tables, _remove_if_created_and_empty, _slot_counts, _table_config_json,
-                          native_path, resolved_path)
+                          _metadata, _quantized_tables, _remove_if_created_and_empty, _scratch_dtype, _slot_counts,
+                          _table_config_json, native_path, resolved_path)
 from ._comm import RankFailedError, agree
 from ._plan import make_plan
 
@@ -372,7 +372,7 @@ def _reshard_into(info, manifest: dict, layout, dst: str, generation: int, world
         values_dtype = _stored_dtype(t)
         pieces = []
         for index, (s, r0, n) in enumerate(_pieces(t, ts, max_file_bytes)):
-            block = _embedcore.table_like(info, k, n, s.cols)
+            block = _embedcore.table_like(info, k, n, s.cols, _scratch_dtype(values_dtype))
             _copy_block(info, k, block, r0, s.col_start, has_opt)
             pieces.append(json.loads(_embedcore.write_shard_files(dst, generation, f"t{k:05d}.", index, block,
                                                                   r0, s.col_start, has_opt, values_dtype)))
