@@ -200,6 +200,7 @@ def _csr(x, where: str) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
             raise ValueError(f"{where} must be 1-D (one id per bag) or 2-D (one bag per row), got {x.dim()}-D")
     elif jt is not None and isinstance(x, jt.JaggedTensor):
         values, offsets, weights = x.values(), _jagged_offsets(x, where), x.weights_or_none()
+        lengths = x.lengths_or_none() if x.offsets_or_none() is None else None  # (checked as lengths, below)
     elif isinstance(x, dict):
         unknown = set(x) - {"values", "offsets", "lengths", "weights"}
         if unknown or "values" not in x or ("offsets" in x) == ("lengths" in x):
@@ -234,7 +235,15 @@ def _csr(x, where: str) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     # The data's checks (the lookup's errors would not name the feature), at run time under torch.compile too;
     # none for a tensor of ids, whose offsets are made here.
     if not isinstance(x, Tensor):
-        values = _ops.checked_values(values, offsets if lengths is None else lengths, where, lengths is not None)
+        try:
+            values = _ops.checked_values(values, offsets if lengths is None else lengths, where, lengths is not None)
+        except ValueError:
+            # A JaggedTensor's offsets that TorchRec made from its int32 lengths (x.offsets() keeps them) wrap
+            # around past 2**31: the lengths are named (looked at only then).
+            given = x.lengths_or_none() if jt is not None and isinstance(x, jt.JaggedTensor) else None
+            if lengths is None and given is not None and _ops.plain_eager([given]):
+                _ops.checked_values(values, given, where, True)
+            raise
     return values, offsets, weights
 
 
@@ -254,19 +263,20 @@ def _sequence_ids(features: dict, f: str, table: str, owner: str = "EmbeddingCol
 
 
 def _jagged_offsets(x, where: str) -> Tensor:
-    """The offsets of a KJT or JaggedTensor `x`; made from int8, int16 or
-    uint8 lengths here, widened to int64, as TorchRec's collections take them
-    (FBGEMM's cumsum behind ``x.offsets()`` has no kernel for them); lengths
-    of another dtype raise ``TypeError`` naming it."""
+    """The offsets of a KJT or JaggedTensor `x`: its own when it holds them,
+    else made here from its lengths, in int64 (TorchRec's ``x.offsets()``
+    sums int32 lengths in int32, which wraps around past 2**31, and has no
+    kernel for int8, int16 or uint8 lengths, which TorchRec's collections
+    take); lengths of another dtype raise ``TypeError`` naming it."""
     lengths = x.lengths_or_none() if x.offsets_or_none() is None else None
-    if isinstance(lengths, Tensor) and lengths.dtype not in (torch.int32, torch.int64):
-        if lengths.dtype not in (torch.int8, torch.int16, torch.uint8):
-            raise TypeError(f"{where} lengths must be an int32 or int64 tensor (or int8, int16, uint8), got "
-                            f"{lengths.dtype}")
-        if lengths.dim() != 1:
-            raise ValueError(f"{where} lengths must be 1-D (one length per bag), got shape {tuple(lengths.shape)}")
-        return _offsets_of_lengths(lengths)
-    return x.offsets()
+    if not isinstance(lengths, Tensor):
+        return x.offsets()
+    if lengths.dtype not in (torch.int32, torch.int64, torch.int8, torch.int16, torch.uint8):
+        raise TypeError(f"{where} lengths must be an int32 or int64 tensor (or int8, int16, uint8), got "
+                        f"{lengths.dtype}")
+    if lengths.dim() != 1:
+        raise ValueError(f"{where} lengths must be 1-D (one length per bag), got shape {tuple(lengths.shape)}")
+    return _offsets_of_lengths(lengths)
 
 
 def _offsets_of_lengths(lengths: Tensor) -> Tensor:
@@ -318,12 +328,11 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
         raise ValueError(f"{where}['lengths'][{bad}] = {int(given_lengths[bad])} disagrees with its offsets "
                          f"({int(offsets[bad])} to {int(offsets[bad + 1])}): the lengths and offsets of a "
                          "KeyedJaggedTensor must describe the same bags")
-    # A negative length makes the offsets decrease, and one past the values can wrap their running sum around
-    # (int32 lengths: TorchRec's offsets wrap): named as such (looked for only then, a tensor op less).
+    # Bad lengths (a negative one, one past the values, or a total other than the values') are named as such
+    # (looked for only then, a tensor op less).
     lengths = kjt.lengths_or_none()
-    if (lengths is not None and _ops.plain_eager([lengths])
-            and bool(((lengths < 0) | (lengths > values.shape[0])).any())):
-        _ops.checked_values(values, lengths, where, True)  # raises, naming the length
+    if lengths is not None and _ops.plain_eager([lengths]):
+        _ops.checked_values(values, lengths, where, True)  # raises, naming the length or their total
     raise error
 
 

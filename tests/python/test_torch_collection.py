@@ -170,6 +170,23 @@ def test_kjt_whose_lengths_do_not_cover_its_values_is_refused_as_torchrec(torchr
     with pytest.raises(ValueError, match=r"the KeyedJaggedTensor\['lengths'\]\[0\] = 2147483647 is greater than "
                                          r"the number of values \(3\)"):
         et.EmbeddingBagCollection(_configs())(kjt)
+    # Lengths that each fit but whose total is past 2**32 (TorchRec's int32 offsets() wrap around to 0).
+    n = 2**16
+    kjt = torchrec.KeyedJaggedTensor(keys=["f1"], values=torch.zeros(n, dtype=torch.int64),
+                                     lengths=torch.full((n,), n, dtype=torch.int32))
+    assert int(kjt.offsets()[-1]) == 0  # (and kept by the KJT, which the collection then finds beside the lengths)
+    with pytest.raises(ValueError, match=r"the KeyedJaggedTensor: the offsets \(or lengths\) end at 4294967296, but "
+                                         r"there are 65536 values"):
+        et.EmbeddingBagCollection([et.EmbeddingBagConfig(30, 4, name="t1", feature_names=["f1"])])(kjt)
+    # A JaggedTensor of a dict of features alike, its offsets() called or not.
+    for made in (False, True):
+        jt = torchrec.JaggedTensor(values=torch.tensor([1, 2, 3]),
+                                   lengths=torch.tensor([2**31 - 1, 2**31 - 1, 3], dtype=torch.int32))
+        if made:
+            jt.offsets()
+        with pytest.raises(ValueError, match=r"features\['f1'\]\['lengths'\]\[0\] = 2147483647 is greater than "
+                                             r"the number of values \(3\)"):
+            et.EmbeddingBagCollection([et.EmbeddingBagConfig(30, 4, name="t1", feature_names=["f1"])])({"f1": jt})
     # Beside good offsets too (TorchRec refuses it: RuntimeError from split_with_sizes).
     kjt = torchrec.KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.arange(1, 6),
                                      lengths=torch.tensor([2, -1, 2]), offsets=torch.tensor([0, 2, 3, 5]))
