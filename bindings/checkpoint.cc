@@ -301,23 +301,26 @@ void BindCheckpoint(nb::module_& m) {
       .def(
           "lookup",
           [](const MappedCheckpoint& c, size_t table, const IdArray& ids, const OffsetArray& offsets,
-             const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length) {
+             const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length, bool keep_padding) {
             if (table >= c.num_tables()) throw OutOfRange("no table " + std::to_string(table));
             return LookupNew(c.info().tables[table].dim, ids, offsets, weights, combiner, max_sequence_length,
-                             [&](const Batch& b, const OutputShape& s, float* out) { c.Lookup(table, b, s, out); });
+                             [&](const Batch& b, const OutputShape& s, float* out) {
+                               c.Lookup(table, b, s, out, keep_padding);
+                             });
           },
           "table"_a, "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(), "combiner"_a,
-          "max_sequence_length"_a)
+          "max_sequence_length"_a, "keep_padding"_a = false)
       .def(
           "lookup_into",
           [](const MappedCheckpoint& c, size_t table, const IdArray& ids, const OffsetArray& offsets,
-             const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length, const FloatOut& out) {
+             const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length, const FloatOut& out,
+             bool keep_padding) {
             if (table >= c.num_tables()) throw OutOfRange("no table " + std::to_string(table));
             LookupOut(c.info().tables[table].dim, ids, offsets, weights, combiner, max_sequence_length, out,
-                      [&](const Batch& b, const OutputShape& s, float* o) { c.Lookup(table, b, s, o); });
+                      [&](const Batch& b, const OutputShape& s, float* o) { c.Lookup(table, b, s, o, keep_padding); });
           },
           "table"_a, "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(), "combiner"_a,
-          "max_sequence_length"_a, "out"_a.noconvert())
+          "max_sequence_length"_a, "out"_a.noconvert(), "keep_padding"_a = false)
       .def(
           "lookup_windows_into",
           [](const MappedCheckpoint& c, const IdArray& ids, const OffsetArray& offsets,

@@ -1952,7 +1952,8 @@ void MappedCheckpoint::ReadValues(size_t table, float* out) const {
   }
 }
 
-void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShape& shape, float* out) const {
+void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShape& shape, float* out,
+                              bool keep_padding) const {
   if (table >= tables_.size()) throw OutOfRange("no table " + std::to_string(table) + " in the checkpoint");
   const MappedTable& mt = *tables_[table];
   const TableEntry& t = info_.tables[table];
@@ -1964,7 +1965,7 @@ void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShap
   Batch unpadded;
   std::vector<int64_t> unpadded_ids, unpadded_offsets;
   std::vector<float> unpadded_weights;
-  const Batch& batch = t.padding_idx >= 0 && shape.combiner != Combiner::kNone
+  const Batch& batch = t.padding_idx >= 0 && shape.combiner != Combiner::kNone && !keep_padding
                            ? WithoutPadding(stable.get(), t.padding_idx, t.rows, &unpadded, &unpadded_ids,
                                             &unpadded_offsets, &unpadded_weights)
                            : stable.get();

@@ -71,10 +71,10 @@ class ServedTable(LookupMixin):
     def _default_combiner(self) -> str:
         return self.config.combiner
 
-    def _native_lookup(self, ids, offsets, weights, code, length, out):
+    def _native_lookup(self, ids, offsets, weights, code, length, out, keep_padding=False):
         if out is None:
-            return self._mapped.lookup(self._index, ids, offsets, weights, code, length)
-        self._mapped.lookup_into(self._index, ids, offsets, weights, code, length, out)
+            return self._mapped.lookup(self._index, ids, offsets, weights, code, length, keep_padding)
+        self._mapped.lookup_into(self._index, ids, offsets, weights, code, length, out, keep_padding)
         return out
 
     def values(self) -> np.ndarray:

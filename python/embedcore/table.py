@@ -166,8 +166,9 @@ class LookupMixin:
         new_run = np.ones(n, bool)
         new_run[1:] = (dest[1:] != dest[:-1]) | ~keep[1:] | ~keep[:-1]
         starts = np.flatnonzero(new_run)
+        # (keep_padding: each run is a position of a sequence, where a padding id gives its row, not a bag)
         sums = self._native_lookup(batch.ids, np.append(starts, n).astype(np.int64), batch.weights,
-                                   _COMBINER_CODE["sum"], 0, None)
+                                   _COMBINER_CODE["sum"], 0, None, keep_padding=True)
         result = np.zeros(shape, np.float32) if out is None else out
         if out is not None:
             out.fill(0)
@@ -321,7 +322,8 @@ class Table(LookupMixin):
     def _default_combiner(self) -> str:
         return self._config.combiner
 
-    def _native_lookup(self, ids, offsets, weights, code, length, out):
+    def _native_lookup(self, ids, offsets, weights, code, length, out, keep_padding=False):
+        # (keep_padding: a table's own lookups never leave its _padding_idx out; a served table's pooled ones do)
         if out is None:
             return self._native.lookup(ids, offsets, weights, code, length)
         self._native.lookup_into(ids, offsets, weights, code, length, out)

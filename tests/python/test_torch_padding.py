@@ -92,6 +92,28 @@ def test_per_id_and_sequence_lookups_give_the_padding_row_as_nn_embedding(tmp_pa
                                np.stack([W[1].numpy(), (W[2] + W[9]).numpy()]), rtol=1e-6)
 
 
+def test_sparse_sequence_lookups_give_the_padding_row_at_any_positions(tmp_path, rng):
+    """A sparse sequence lookup sums the ids that share a position with a
+    pooled sum; served, that sum left the padding id out, so at positions
+    with gaps or repeats its row came out zeros (or missing from the sum)."""
+    W = uniform_weights(rng, ROWS, DIM)
+    emb = et.Embedding.from_pretrained(W, padding_idx=5, name="emb")
+    served = _served(tmp_path, emb)
+    ids = np.array([5, 1, 5, 5, 9, 5])
+    indices = np.array([[0, 0], [0, 2], [0, 2], [1, 1], [1, 1], [1, 3]])  # gaps, and two ids at a position twice
+    for weights in (None, rng.standard_normal(6).astype(np.float32)):
+        x = ec.Sparse(indices, ids, np.array([2, 4]))
+        wx = None if weights is None else ec.Sparse(indices, weights, np.array([2, 4]))
+        got = served.lookup(x, weights=wx, combiner=None)
+        np.testing.assert_array_equal(got, emb.table.lookup(x, weights=wx, combiner=None))
+        w = np.ones(6, np.float32) if weights is None else weights
+        want = np.zeros((2, 4, DIM), np.float32)
+        for (b, p), i, wk in zip(indices, ids, w):
+            want[b, p] += wk * W[i].numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert np.any(got[0, 0] != 0)  # the padding row, alone at its position
+
+
 def test_a_table_without_padding_idx_is_served_as_before(tmp_path, rng):
     W = uniform_weights(rng, ROWS, DIM)
     bag = et.EmbeddingBag.from_pretrained(W, mode="sum", include_last_offset=True, name="emb")

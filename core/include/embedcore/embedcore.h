@@ -815,8 +815,11 @@ class MappedCheckpoint {
   /// `padding_idx` (TableEntry::padding_idx) leaves that id out of pooled
   /// bags (sum, mean, sqrtn: out of the sums and of the denominators, its
   /// weight ignored), as torch.nn.EmbeddingBag does; unpooled lookups
-  /// (Combiner::kNone) give its row, as torch.nn.Embedding does.
-  void Lookup(size_t table, const Batch& batch, const OutputShape& shape, float* out) const;
+  /// (Combiner::kNone) give its row, as torch.nn.Embedding does. With
+  /// `keep_padding`, pooled bags keep it too, as any other id (the sums of
+  /// ids that share a position of a sparse sequence lookup).
+  void Lookup(size_t table, const Batch& batch, const OutputShape& shape, float* out,
+              bool keep_padding = false) const;
   /// Pointer to the mapped values of `table` (rows x dim of its stored
   /// dtype; uint8_rowwise: rows of dim + 8 bytes); a table saved in several
   /// files (sharded) has none: CheckpointError.
