@@ -693,13 +693,16 @@ class _TableModule(_AdapterModule):
         for k in ("_handle", "_slots"):
             state.pop(k, None)
         slots = {k: v.detach().cpu().numpy().copy() for k, v in self._slots.items()}
+        # The group's own keys too (a scheduler's "initial_lr", a user's), as a copy of a torch optimizer keeps them.
+        group = None if self._group is None else {k: v for k, v in self._group.items() if k != "params"}
         state["_table_snapshot"] = (table.config, table.step, slots, None if self._group is None else self._group["lr"],
-                                    table.device)
+                                    table.device, group)
         return state
 
     def __setstate__(self, state):
         config, step, slots, lr, *rest = state.pop("_table_snapshot")
         device = rest[0] if rest else "cpu"  # (pickles from before GPU modules hold four items)
+        group = rest[1] if len(rest) > 1 else None  # (and from before the group's keys, five)
         super().__setstate__(state)
         # A dict of parameters of its own: copy.copy(module)'s state shares the original's, whose weight
         # _attach would otherwise point at this copy's new table.
@@ -718,6 +721,8 @@ class _TableModule(_AdapterModule):
                 else:
                     self._slots[k].copy_(torch.from_numpy(v))
         table.step = step
+        if group is not None and self._group is not None:
+            self._group.update(group)
         if lr is not None:
             self._group["lr"] = lr
 

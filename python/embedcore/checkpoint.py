@@ -496,14 +496,14 @@ class Saver:
 
     def dump_to_file(self, embedding_variable, filepath) -> str:
         """Saves `embedding_variable`'s tables (with their optimizer state) into the
-        checkpoint directory `path`, keeping the tables of other names
+        checkpoint directory `filepath`, keeping the tables of other names
         already saved there, with their slots: SOK 1.x writes one pair of
         files per variable, so several variables can be dumped into one
         directory in turn, and each restored from it. The save is one atomic
         commit (a failure leaves the previous checkpoint as it was, as
         ``save``'s does); as
-        ``save``, it refuses values or slots that are not finite, of `obj`'s
-        tables or of the kept ones.
+        ``save``, it refuses values or slots that are not finite, of
+        `embedding_variable`'s tables or of the kept ones.
 
         Cost: the kept tables are read back (verified) and written again,
         block by block (64 MiB at most in memory), on every call; dumping N

@@ -446,10 +446,13 @@ def test_copies_of_a_fused_optimizer_keep_their_tables(rng, how):
 
     a, reference = make(), make()
     opt = a.fused_optimizer
+    torch.optim.lr_scheduler.StepLR(opt, 1)  # (its "initial_lr", and a key of the user's: kept, as torch's copies)
+    opt.param_groups[0]["mine"] = 1
     copied = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda o: pickle.loads(pickle.dumps(o))}[how](opt)
     (key, module), = copied._entries
     assert key == "weight" and (module is a) == (how == "copy")
     assert copied.param_groups[0] is module._group and copied.param_groups[0]["params"][0] is module.weight
+    assert copied.param_groups[0]["mine"] == 1 and copied.param_groups[0]["initial_lr"] == 0.1
     state, original = copied.state_dict(), opt.state_dict()
     assert state["param_groups"] == original["param_groups"]
     assert all(torch.equal(state["state"]["weight"][k], v) for k, v in original["state"]["weight"].items())
@@ -461,6 +464,7 @@ def test_copies_of_a_fused_optimizer_keep_their_tables(rng, how):
     assert torch.equal(module.weight, reference.weight)
     assert torch.equal(a.weight, before) == (how != "copy")
     assert opt.param_groups[0]["lr"] == (0.5 if how == "copy" else 0.1)
+    torch.optim.lr_scheduler.StepLR(copied, 1, last_epoch=3)  # resumes on the copy (KeyError: 'initial_lr' before)
 
 
 def test_the_state_dict_after_a_load_shows_the_scheduled_rate_of_the_loaded_step(rng, tmp_path):
