@@ -668,14 +668,16 @@ EMBEDCORE_TEST(ForgedManifestFields) {
   }
   // A long key given twice is quoted in part: 200 bytes and "...", cut before a UTF-8 character, not inside it.
   {
-    const std::string key = "k" + std::string(198, 'a') + "\xC3\xA9" + std::string(100000, 'b');
+    // The quoted key is '"', 'k', 197 'a's, then the two bytes of "é" at 199 and 200: a cut at 200 would split
+    // it, so it cuts at 199.
+    const std::string key = "k" + std::string(197, 'a') + "\xC3\xA9" + std::string(100000, 'b');
     std::string message;
     try {
       ck::ParseManifest("M", Replace(json, "\"rows\": 50", "\"" + key + "\": 1, \"" + key + "\": 2, \"rows\": 50"));
     } catch (const CheckpointError& e) {
       message = e.what();
     }
-    EMBEDCORE_EXPECT(message == "M: the manifest gives the key \"k" + std::string(198, 'a') + "... twice in one object");
+    EMBEDCORE_EXPECT(message == "M: the manifest gives the key \"k" + std::string(197, 'a') + "... twice in one object");
   }
   // Not JSON at all, or not an object.
   EMBEDCORE_EXPECT_THROWS(ck::ParseManifest("M", "{"), CheckpointError, "not valid JSON");
