@@ -186,16 +186,22 @@ def lookup(owner, features, weights):
 
 
 def _ragged_pooled(var, inp, w, combiner):
-    # TensorFlow's _ragged_embedding_lookup_with_reduce, op for op.
-    if w is None:
+    # TensorFlow's _ragged_embedding_lookup_with_reduce, op for op, but for the denominator of a bag without
+    # weights: its count (float(n), sqrt(n)), as the engine divides (ops::BagDenominator); TensorFlow's float32
+    # sum of ones is the same number below 2**24 ids and stops growing there.
+    unweighted = w is None
+    if unweighted:
         w = tf.ones_like(inp, dtype=tf.float32)
     w = tf.expand_dims(w, axis=2)
     out = tf.reduce_sum(tf.nn.embedding_lookup(var, inp) * w, axis=1)
+    if combiner not in ("mean", "sqrtn"):
+        return out
+    if unweighted:
+        n = tf.expand_dims(tf.cast(inp.row_lengths(), tf.float64), 1)
+        return tf.math.divide_no_nan(out, tf.cast(n if combiner == "mean" else tf.sqrt(n), tf.float32))
     if combiner == "mean":
         return tf.math.divide_no_nan(out, tf.reduce_sum(w, axis=1))
-    if combiner == "sqrtn":
-        return tf.math.divide_no_nan(out, tf.sqrt(tf.reduce_sum(w * w, axis=1)))
-    return out
+    return tf.math.divide_no_nan(out, tf.sqrt(tf.reduce_sum(w * w, axis=1)))
 
 
 def _ragged_with_output_shape(var, inp, w, shim):

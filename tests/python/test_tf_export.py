@@ -306,3 +306,23 @@ def test_an_assign_inside_export_mode_is_read_as_tensorflows_variable_is(rng):
         np.testing.assert_array_equal(f(x)["a"].numpy(), want)
         np.testing.assert_array_equal(ours.embedding_tables[table].read_value().numpy(),
                                       theirs.embedding_tables[table].read_value().numpy())
+
+
+def test_exported_mean_and_sqrtn_of_a_bag_of_more_than_2_24_ids_divide_by_the_count():
+    """The exported ragged lookup divides an unweighted bag by its count, as
+    the engine (and so the adapter's own call) does: TensorFlow's float32
+    sum of ones stops at 2**24."""
+    from embedcore.adapters.tf import _export
+
+    n = 3 * 2**23 + 1
+    ids = np.empty(n, np.int32)
+    ids[:-1] = np.tile(np.array([0, 1, 2], np.int32), 2**23)
+    ids[-1] = 3
+    values = np.array([[1.0], [1.0], [-2.0], [1000.0]], np.float32)
+    table = ec.Table(name="t", rows=4, dim=1)
+    table.assign(values)
+    ragged = tf.RaggedTensor.from_row_splits(tf.constant(ids), tf.constant([0, n], tf.int64))
+    for combiner in ("mean", "sqrtn"):
+        got = _export._ragged_pooled(tf.constant(values), ragged, None, combiner).numpy()
+        assert got[0, 0] == table.lookup(ids, np.array([0, n]), combiner=combiner)[0, 0]
+    assert got[0, 0] == np.float32(1000) / np.float32(np.sqrt(n))
