@@ -2,6 +2,7 @@
 dict keys in sorted order, lists and tuples in order, anything else a leaf."""
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable, List, Tuple
 
 
@@ -56,17 +57,28 @@ def flatten_up_to(structure, values, where: str) -> list:
     return out
 
 
-def pack_as(structure, flat: list):
-    """Rebuilds `structure` with the leaves taken in order from `flat`."""
+def pack_like(structure, like, flat: list):
+    """`like` (a caller's nest, matching `structure` down to its leaves, as
+    ``flatten_up_to`` checked) rebuilt with the leaves taken in order from
+    `flat`: its own types (a namedtuple, an OrderedDict, a defaultdict, a
+    list where `structure` has a tuple) and dict order, as
+    ``tf.nest.pack_sequence_as(features, outputs)`` packs TensorFlow's
+    embedding outputs."""
     it = iter(flat)
 
-    def build(s):
+    def build(s, v):
+        if not is_nested(s):
+            return next(it)
         if isinstance(s, dict):
-            built = {k: build(s[k]) for k in sorted(s)}
-            return type(s)((k, built[k]) for k in s) if type(s) is not dict else {k: built[k] for k in s}
-        if isinstance(s, (list, tuple)):
-            items = [build(v) for v in s]
-            return type(s)(items) if not hasattr(s, "_fields") else type(s)(*items)
-        return next(it)
+            built = {k: build(s[k], v[k]) for k in sorted(s)}
+            keys = list(v)  # (the caller's keys, in its order: equal to the config's)
+            pairs = ((k, built[k]) for k in keys)
+            if type(v) is dict:
+                return dict(pairs)
+            if isinstance(v, collections.defaultdict):
+                return type(v)(v.default_factory, pairs)
+            return type(v)(pairs)
+        items = [build(sub, v[k]) for k, sub in enumerate(s)]
+        return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
 
-    return build(structure)
+    return build(structure, like)

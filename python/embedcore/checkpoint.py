@@ -101,11 +101,12 @@ def _structure_json(structure, counter=None, items: bool = False):
     keys are strings): the ``structure_items`` record of docs/format.md."""
     counter = itertools.count() if counter is None else counter
     if isinstance(structure, dict):
-        allowed = (str, int) if items else (str,)
-        if not all(isinstance(k, allowed) and not isinstance(k, bool) for k in structure):
+        allowed = (str, int, np.integer) if items else (str,)
+        if not all(isinstance(k, allowed) and not isinstance(k, (bool, np.bool_)) for k in structure):
             return None
-        if items and not all(isinstance(k, str) or -2**63 <= k < 2**64 for k in structure):
+        if items and not all(isinstance(k, str) or -2**63 <= int(k) < 2**64 for k in structure):
             return None  # the manifest's JSON holds 64-bit integers only
+        structure = {(k if isinstance(k, str) else int(k)): v for k, v in structure.items()}  # (NumPy ints: JSON's)
         try:
             keys = sorted(structure)
         except TypeError:  # str and int keys together: no order to flatten in

@@ -102,6 +102,10 @@ class FeatureConfig:
             raise TypeError(f"FeatureConfig {name!r}: max_sequence_length must be an int, got {max_sequence_length!r}")
         if max_sequence_length < 0:
             raise ValueError(f"FeatureConfig {name!r}: max_sequence_length must be >= 0, got {max_sequence_length}")
+        if max_sequence_length >= 2**63:  # (the engine's and the C API's int64)
+            raise ValueError(f"FeatureConfig {name!r}: max_sequence_length must be < 2**63, got {max_sequence_length}")
+        if name is not None and not isinstance(name, str):  # (checkpoints record it; serving reads a string)
+            raise TypeError(f"FeatureConfig: name must be a str or None, got {name!r}")
         self.table = table
         self.max_sequence_length = int(max_sequence_length)
         _check_utf8(f"FeatureConfig {name!r}", name)

@@ -29,7 +29,7 @@ class FeatureLookup:
         flat_weights = ([None] * len(flat_inputs) if weights is None
                         else _nest.flatten_up_to(self._feature_config, weights, "weights"))
         if getattr(self, "_device", -1) >= 0:
-            return self._cuda_lookup(flat_inputs, flat_weights)
+            return _nest.pack_like(self._feature_config, features, self._cuda_lookup(flat_inputs, flat_weights))
         batches: List[Batch] = []
         for name, x, w in zip(self._feature_names, flat_inputs, flat_weights):
             batches.append(make_batch(x, None, w, where=f"features[{name!r}]"))
@@ -43,7 +43,7 @@ class FeatureLookup:
         # Kept for apply_gradients, as copies: the caller may reuse its id buffers before the step.
         # A lookup that cannot train keeps nothing (a served request's ids are freed with it).
         self._last = [b.owned() for b in batches] if self._trains else None
-        return _nest.pack_as(self._feature_config, outputs)
+        return _nest.pack_like(self._feature_config, features, outputs)  # (the caller's types, as TensorFlow's)
 
     embedding_lookup = lookup
 
@@ -57,7 +57,10 @@ class Embedding(FeatureLookup):
 
     ``emb(features, weights=None)`` looks up every feature (the same nested
     structure of inputs, each in any form ``Table.lookup`` takes) and returns
-    the outputs in that structure: ``[batch, dim]`` for pooled features and
+    the outputs in that structure, as the caller gave it (a namedtuple, an
+    OrderedDict or a defaultdict stays one, as ``tf.nest.pack_sequence_as``
+    packs TensorFlow's outputs; a served checkpoint's call too):
+    ``[batch, dim]`` for pooled features and
     ``[batch, max_sequence_length, dim]`` for sequence features.
     ``emb.apply_gradients(grads)`` takes the gradients of the last outputs, in
     their structure, and applies one optimizer step per table, the gradients
@@ -145,7 +148,7 @@ class Embedding(FeatureLookup):
                 raise in_callers_terms(e, where=f"features[{name!r}]") from None
             parts.append((ids, offsets, weights, combiner, length))
         self._last = parts if self._trains else None
-        return _nest.pack_as(self._feature_config, outputs)
+        return outputs  # (flat: lookup packs them)
 
     @property
     def _trains(self) -> bool:

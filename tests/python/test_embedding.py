@@ -141,6 +141,54 @@ def test_table_optimizer_overrides_embedding_optimizer():
     assert emb.embedding_tables[b].slot_names == ()
 
 
+def test_outputs_take_the_callers_structure_trained_and_served(tmp_path):
+    """As TensorFlow packs embedding outputs (tf.nest.pack_sequence_as of
+    the features): a namedtuple, an OrderedDict and a defaultdict come back
+    as such, from the trained Embedding and from its served checkpoint (a
+    defaultdict config raised TypeError at every lookup; served, a
+    namedtuple came back a tuple and an OrderedDict a dict). Dict keys that
+    are NumPy ints are recorded as the ints they are (was: no structure, so
+    the served call refused the dict)."""
+    import collections
+
+    tf = pytest.importorskip("tensorflow")
+    E = tf.tpu.experimental.embedding
+    NT = collections.namedtuple("NT", "x y")
+    values = np.arange(20, dtype=np.float32).reshape(10, 2)
+
+    def cases():
+        t = ec.TableConfig("t", rows=10, dim=2, combiner="sum")
+        dd = collections.defaultdict(list)
+        dd["b"], dd["a"] = ec.FeatureConfig(t), ec.FeatureConfig(t, 2)
+        yield t, NT(ec.FeatureConfig(t), ec.FeatureConfig(t, 2)), NT(np.array([1, 2]), np.array([[3, 4]]))
+        yield t, collections.OrderedDict(b=ec.FeatureConfig(t), a=ec.FeatureConfig(t, 2)), \
+            collections.OrderedDict(b=np.array([1, 2]), a=np.array([[3, 4]]))
+        features = collections.defaultdict(list)
+        features["b"], features["a"] = np.array([1, 2]), np.array([[3, 4]])
+        yield t, dd, features
+        yield t, {np.int64(0): ec.FeatureConfig(t), np.int64(1): ec.FeatureConfig(t, 2)}, \
+            {np.int64(0): np.array([1, 2]), np.int64(1): np.array([[3, 4]])}
+
+    for i, (t, config, features) in enumerate(cases()):
+        emb = ec.Embedding(config, opt.SGD(0.1))
+        emb.embedding_tables[t].assign(values)
+        ec.save(tmp_path / str(i), emb)
+        served = ec.serving.open(tmp_path / str(i))
+        for out in (emb(features), served(features)):
+            assert type(out) is type(features)
+            if isinstance(features, dict):
+                assert list(out) == list(features)
+            flat_out, flat_in = tf.nest.flatten(out), tf.nest.flatten(features)
+            for o, x in zip(flat_out, flat_in):  # (1-D: one id per bag; [1, 2]: a sequence of 2)
+                np.testing.assert_array_equal(o, values[x])
+        # TensorFlow's serving layer packs its outputs the same way (pooled features: it takes no dense sequence)
+        tf_table = E.TableConfig(vocabulary_size=10, dim=2, combiner="sum", name="t")
+        tf_config = tf.nest.map_structure(lambda f: E.FeatureConfig(tf_table), config)
+        theirs = E.TPUEmbeddingForServing(tf_config, E.SGD(0.1))(
+            tf.nest.map_structure(lambda x: tf.constant(x.reshape(-1)), features))
+        assert type(theirs) is type(features)
+
+
 def test_weights_structure(rng):
     t_sum, t_mean = _tables()
     emb = ec.Embedding({"a": ec.FeatureConfig(t_sum), "b": ec.FeatureConfig(t_mean)}, opt.SGD(0.1))
@@ -283,3 +331,19 @@ def test_sequence_feature_with_dense_and_sparse_inputs(rng):
     tref.apply(rg)
     assert_close(table.to_numpy(), tref.values)
     assert_close(table.slots()["accumulators"], tref.slots["accumulators"])
+
+
+@pytest.mark.parametrize("name", [123, 1.5, ("x",), b"abc"])
+def test_a_feature_name_that_is_not_a_str_is_refused(name):
+    """As TableConfig's: a checkpoint records the name, and serving (and
+    the C API) read a string; such a save was not served."""
+    t = ec.TableConfig("t", rows=10, dim=2)
+    with pytest.raises(TypeError, match=r"FeatureConfig: name must be a str or None, got"):
+        ec.FeatureConfig(t, name=name)
+
+
+def test_max_sequence_length_must_fit_int64():
+    t = ec.TableConfig("t", rows=10, dim=2)
+    with pytest.raises(ValueError, match=r"max_sequence_length must be < 2\*\*63, got 9223372036854775808"):
+        ec.FeatureConfig(t, max_sequence_length=2**63)
+    assert ec.FeatureConfig(t, max_sequence_length=2**63 - 1).max_sequence_length == 2**63 - 1

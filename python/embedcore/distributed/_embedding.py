@@ -313,7 +313,7 @@ class ShardedEmbedding(Embedding):
                     out[r.dest, cols] = rows
             outputs.append(out.reshape(shape))
         self._fwd = (routes, shapes, served)
-        return _nest.pack_as(self._feature_config, outputs)
+        return _nest.pack_like(self._feature_config, features, outputs)
 
     embedding_lookup = lookup
 
