@@ -1536,3 +1536,35 @@ def test_a_construction_mismatch_names_the_table_the_field_and_both_values(case)
         odd_rank, other_rank = (1, r) if r != 1 else (0, 1)  # each rank names the first rank that differs from it
         assert f"rank {odd_rank} has " in msg and f"rank {other_rank} has " in msg, msg
         assert want[1] in msg and want[2] in msg, msg
+
+
+def test_run_local_interrupted_stops_its_ranks_before_it_raises():
+    """Ctrl-C in run_local's caller raised there while the ranks went on
+    (training, then saving) on their daemon threads. Now every rank stops
+    at its next collective with RankFailedError, and run_local waits for
+    them before it raises."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("KeyboardInterrupt reaches the main thread only, and this test runs on another")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT does not raise KeyboardInterrupt in this process (its handler was replaced)")
+    seen = []
+
+    def fn(world):
+        try:
+            for _ in range(10**5):  # collectives until interrupted (about 8 s uninterrupted)
+                world.all_gather(world.rank)
+        except ed.RankFailedError as e:
+            seen.append((world.rank, str(e)))
+            raise
+        seen.append((world.rank, "finished"))
+
+    # A real signal to the main thread, as Ctrl-C: it interrupts the wait in Thread.join.
+    timer = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        ed.run_local(2, fn)
+    timer.join()
+    assert sorted(r for r, _ in seen) == [0, 1]  # both ranks were done when run_local raised
+    assert all("run_local was interrupted (KeyboardInterrupt)" in m for _, m in seen), seen

@@ -168,7 +168,7 @@ class _Board:
         self.size = size
         self.barrier = _RoundBarrier(size)
         self.slots: List[Any] = [None] * size
-        self.failure: Optional[tuple] = None  # (rank, exception) of the first rank that failed
+        self.failure: Optional[tuple] = None  # (rank, exception) of the first rank that failed (None: the caller)
         self.departed: Optional[int] = None  # the first rank whose fn returned
         self.lock = threading.Lock()
         self.numbering = [[0] for _ in range(size)]  # per rank: sharded embeddings made (Comm._embedding_numbering)
@@ -215,6 +215,9 @@ class LocalComm(Comm):
             if failure is None:
                 raise RankFailedError("the local world was aborted") from None
             r, e = failure
+            if r is None:  # (run_local's caller, interrupted)
+                raise RankFailedError(f"run_local was interrupted ({type(e).__name__}) in its caller's thread: every "
+                                      "rank stops at its next collective") from None
             raise RankFailedError(f"rank {r} of {self.size} failed: {type(e).__name__}: {e}") from None
 
     def _exchange(self, item: Any) -> list:
@@ -243,7 +246,10 @@ def run_local(size: int, fn: Callable[[Comm], Any]) -> list:
     """Runs ``fn(world)`` for each of `size` ranks on threads of this process
     and returns their results in rank order. If a rank raises, the others
     raise ``RankFailedError`` at their next collective call, and ``run_local``
-    raises the first failing rank's exception."""
+    raises the first failing rank's exception. Interrupted (Ctrl-C in the
+    calling thread), it stops every rank at its next collective call
+    (``RankFailedError`` there) and waits for them before it raises: no rank
+    goes on training or saving after it returned."""
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
         raise ValueError(f"run_local: size must be an int >= 1, got {size!r}")
     if not callable(fn):
@@ -268,8 +274,14 @@ def run_local(size: int, fn: Callable[[Comm], Any]) -> list:
     threads = [threading.Thread(target=run, args=(r,), name=f"embedcore-rank-{r}", daemon=True) for r in range(size)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException as e:  # a KeyboardInterrupt (Ctrl-C) of the caller: the ranks stop too, before it returns
+        board.fail(None, e)
+        for t in threads:
+            t.join()  # (each stops at its next collective, raising RankFailedError there)
+        raise
     # The root cause first: a rank's own error over the RankFailedErrors it caused.
     own = [(r, e) for r, e in enumerate(errors) if e is not None and not isinstance(e, RankFailedError)]
     if own:
