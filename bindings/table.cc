@@ -666,6 +666,8 @@ void BindTable(nb::module_& m) {
           "optimizer"_a,
           "Replaces the optimizer: new slots at their initial values, step 0; the values stay. Returns the new "
           "optimizer version.")
+      .def_prop_ro("optimizer_version", &Table::optimizer_version,
+                   "How many times set_optimizer replaced the optimizer (whether an interrupted call did)")
       .def_prop_ro("device", &Table::device)
       .def("lookup_cuda", &LookupCuda, "ids"_a.noconvert(), "offsets"_a.noconvert(), "weights"_a.noconvert().none(),
            "combiner"_a, "max_sequence_length"_a, "out"_a.noconvert(), "stream"_a,

@@ -271,7 +271,9 @@ class Table(LookupMixin):
         instead), as is an impossible optimizer, and a table that a PyTorch
         module, or a graph of its lookups, trains fused (their param group
         and slot views are of the optimizer it fused), before anything
-        changes."""
+        changes. A KeyboardInterrupt while it waits lands before the change
+        or after it, with the table (its rate, config and copies) on the
+        optimizer the engine has."""
         if not isinstance(optimizer, _opt.Optimizer):
             raise TypeError(f"table '{self._name}': optimizer must be an embedcore.optimizers.Optimizer, "
                             f"got {optimizer!r}")
@@ -287,12 +289,20 @@ class Table(LookupMixin):
                                  "set_optimizer would leave them behind. Give a module its optimizer as it is "
                                  "made (optimizer=, or apply_optimizer_in_backward before its first lookup), or "
                                  "make a new module")
-            version = self._native.set_optimizer(optimizer._native())
             c = self._config
             config = TableConfig(c.name, c.rows, c.dim, c.dtype, c.initializer, optimizer, c.combiner)
-            for t in list(self.__dict__.get("_aliases") or (self,)):  # the table and its copies: one native table
-                t._config, t._optimizer = config, optimizer
-                t._stepping = (optimizer, version)
+            native, aliases = optimizer._native(), list(self.__dict__.get("_aliases") or (self,))
+            before = self._native.optimizer_version
+            try:
+                self._native.set_optimizer(native)
+            finally:
+                # Also when a KeyboardInterrupt (Ctrl-C while it waited) lands as the native call returns: the
+                # engine may have changed, and the Python side then follows it (its steps, its saves' config).
+                version = self._native.optimizer_version
+                if version != before:
+                    for t in aliases:  # the table and its copies: one native table
+                        t._config, t._optimizer = config, optimizer
+                        t._stepping = (optimizer, version)
 
     @property
     def step(self) -> int:

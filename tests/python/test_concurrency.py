@@ -983,3 +983,49 @@ def test_a_child_forked_during_scheduled_steps_can_step(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "0", r.stdout
+
+
+_SET_OPTIMIZER_INTERRUPTED = r"""
+import os, signal, threading, time, numpy as np, embedcore as ec
+agree = 0
+for attempt in range(3):
+    t = ec.Table(name="t", rows=200_000, dim=64, optimizer=ec.optimizers.SGD(0.5))
+    twin = __import__("copy").copy(t)
+    ids = np.random.default_rng(0).integers(0, 200_000, 2_000_000)
+    offsets = np.arange(0, 2_000_001, 4)
+    stop = threading.Event()
+    def looker():  # lookups hold the table's lock: set_optimizer waits behind them
+        while not stop.is_set():
+            t.lookup(ids, offsets)
+    th = threading.Thread(target=looker)
+    th.start()
+    time.sleep(0.2)
+    threading.Timer(0.005, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+    try:
+        t.set_optimizer(ec.optimizers.Adagrad(0.01))
+        time.sleep(0.5)  # (the interrupt, had it come late)
+    except KeyboardInterrupt:
+        pass
+    stop.set()
+    th.join()
+    engine = "adagrad" if t.slot_names else "sgd"
+    for table in (t, twin):  # Python's optimizer, its rate and the engine's agree: a step is one optimizer's
+        python = type(table.optimizer).__name__.lower()
+        assert python == engine, (attempt, python, engine)
+        assert table.learning_rate() == (0.01 if engine == "adagrad" else 0.5)
+    agree += engine == "adagrad"
+print("ok", agree)
+"""
+
+
+def test_set_optimizer_interrupted_leaves_python_and_the_engine_on_one_optimizer(tmp_path):
+    """A KeyboardInterrupt (Ctrl-C while set_optimizer waited) that lands
+    as the engine's call returns left the engine on the new optimizer and
+    the table (rate, config, copies) on the old: its next step applied
+    SGD's rate under Adagrad's rule, and a save recorded SGD beside Adagrad's
+    slots. Run in a process of its own: a real SIGINT to its main thread."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(_SET_OPTIMIZER_INTERRUPTED)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("ok"), r.stdout
