@@ -1090,7 +1090,13 @@ void ApplyRule(const TableSpec& spec, float learning_rate, int64_t step, void* v
       break;
     case OptimizerSpec::Kind::kAdam: {
       const ops::AdamRule rule = internal::AdamRuleFor(o, learning_rate, step);
-      std::vector<uint8_t> touched(o.lazy_adam ? 0 : spec.rows, 0);  // (allocated before any row changes)
+      std::vector<uint8_t> touched;  // (allocated before any row changes)
+      try {
+        touched.assign(o.lazy_adam ? 0 : size_t(spec.rows), 0);
+      } catch (const std::bad_alloc&) {
+        internal::ThrowOutOfMemory(size_t(spec.rows), "table '" + spec.name + "': apply_gradients of non-lazy Adam "
+                                                      "(a flag per row, for the rows no id touched)");
+      }
       UpdateGroups(rule, kc, spec, values, slots, keys, group_start, k);
       if (!o.lazy_adam) {
         for (size_t g = 0; g + 1 < group_start.size(); ++g) touched[keys[group_start[g]].key] = 1;

@@ -337,6 +337,31 @@ def test_a_step_without_memory_for_its_sort_names_it_and_changes_nothing(headroo
     assert f"MemoryError: {message}" in r.stdout and "unchanged True 0" in r.stdout, r.stdout
 
 
+def test_a_non_lazy_adam_step_without_memory_for_its_row_flags_names_them_and_changes_nothing():
+    """Non-lazy Adam flags the rows a step touched (a byte a row): without
+    memory for them the MemoryError said only 'std::bad_alloc'."""
+    import subprocess
+    import sys
+
+    script = """
+import resource, numpy as np, embedcore as ec
+t = ec.Table(name="t", rows=50_000_000, dim=1, dtype="float16", initializer=ec.initializers.Zeros(),
+             optimizer=ec.optimizers.Adam(0.1, lazy_adam=False))
+vm = int(open("/proc/self/statm").read().split()[0]) * 4096
+resource.setrlimit(resource.RLIMIT_AS, (vm + (30 << 20), resource.RLIM_INFINITY))
+try:
+    t.apply_gradients(np.array([1]), None, np.ones((1, 1), np.float32))
+except MemoryError as e:
+    print("MemoryError:", e)
+print("step", t.step, "row", float(t.values()[1, 0]))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert ("MemoryError: table 't': apply_gradients of non-lazy Adam (a flag per row, for the rows no id touched): "
+            "cannot allocate 50000000 bytes (47.7 MiB)") in r.stdout, r.stdout
+    assert "step 0 row 0.0" in r.stdout, r.stdout
+
+
 def test_an_outsized_step_gives_its_sort_memory_back():
     """A step's sort buffers are kept across steps of usual sizes, but one
     past 64 MiB that no step needed for 2 s is given back at the next step
