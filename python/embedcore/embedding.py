@@ -189,8 +189,9 @@ class Embedding(FeatureLookup):
                     raise ValueError(f"Embedding.apply_gradients: table '{table.name}' has no optimizer")
                 cuda_parts.setdefault(f.table, []).append(
                     table._cuda_part_batch((ids, offsets, weights, ids, None), combiner, length, g))
-            for cfg in cuda_parts:  # a rate no table can take (a schedule's) is refused before any table steps
-                self._tables[cfg].learning_rate()
+            for cfg in cuda_parts:  # a rate no table can take (a schedule's), or a table at the last step a
+                self._tables[cfg].learning_rate()  # checkpoint records, is refused before any table steps
+                self._tables[cfg]._check_step_can_grow()
             for cfg, table_parts in cuda_parts.items():
                 self._tables[cfg]._cuda_apply(table_parts)  # (reads the rate again, under the table's step lock)
             return

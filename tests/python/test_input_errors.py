@@ -142,12 +142,13 @@ def test_served_checkpoint_engine_errors_name_the_feature(tmp_path):
     np.testing.assert_array_equal(srv(_GOOD)["hist"], emb(_GOOD)["hist"])
 
 
-def test_embedding_huge_max_sequence_length_names_the_feature():
+def test_embedding_huge_max_sequence_length_is_refused_with_its_feature():
+    """Refused as the FeatureConfig is made (a save of it was not served);
+    it was refused at the first lookup, naming the feature."""
     t = ec.TableConfig("t", rows=5, dim=2)
-    emb = ec.Embedding({"s": ec.FeatureConfig(t, max_sequence_length=2**63)})
     with pytest.raises(ValueError, match=re.escape(
-            "features['s']: max_sequence_length must be < 2**63, got 9223372036854775808")):
-        emb({"s": ec.Ragged(np.array([1]), np.array([0, 1]))})
+            "FeatureConfig 's': max_sequence_length must be < 2**63, got 9223372036854775808")):
+        ec.FeatureConfig(t, max_sequence_length=2**63, name="s")
 
 
 # ------------------------------------------------ bfloat16 weights
