@@ -201,11 +201,15 @@ const Table& StepTable(const std::vector<Step>& steps, size_t i, const char* cal
   return *t;
 }
 
-// Runs each step's parts (`native[i]`, checked) at its learning rate, in one release of the GIL.
+// Runs each step's parts (`native[i]`, checked) at its learning rate, in one release of the GIL, with every
+// step's memory allocated before the first table changes (Table::ApplyGradientsMany).
 template <typename Step>
 void RunSteps(const std::vector<Step>& steps, const std::vector<std::vector<GradientPart>>& native) {
+  std::vector<Table::Step> many;
+  many.reserve(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i) many.push_back({std::get<0>(steps[i]), &native[i], std::get<2>(steps[i])});
   ReleaseGil release;
-  for (size_t i = 0; i < steps.size(); ++i) std::get<0>(steps[i])->ApplyGradients(native[i], std::get<2>(steps[i]));
+  Table::ApplyGradientsMany(many);
 }
 
 // The memory (values and slots) of the tables of a call, sorted by address,

@@ -52,6 +52,19 @@ void Free(void* p, size_t bytes);
 constexpr size_t kKeptScratchBytes = size_t(64) << 20;
 constexpr std::chrono::seconds kScratchIdle{2};
 
+/// While one lives on a thread, no Fit on that thread gives a buffer back:
+/// Table::ApplyGradientsMany reserves the buffers of several steps first.
+inline int& ScratchHolds() {
+  static thread_local int holds = 0;
+  return holds;
+}
+struct HoldScratch {
+  HoldScratch() { ++ScratchHolds(); }
+  ~HoldScratch() { --ScratchHolds(); }
+  HoldScratch(const HoldScratch&) = delete;
+  HoldScratch& operator=(const HoldScratch&) = delete;
+};
+
 template <typename T>
 struct Scratch {
   std::vector<T> v;
@@ -60,7 +73,7 @@ struct Scratch {
   /// Before `v` is resized for a call of `n` items.
   void Fit(size_t n) {
     const auto now = std::chrono::steady_clock::now();
-    if (v.capacity() * sizeof(T) <= kKeptScratchBytes || v.capacity() / 2 <= n) {
+    if (ScratchHolds() > 0 || v.capacity() * sizeof(T) <= kKeptScratchBytes || v.capacity() / 2 <= n) {
       needed_at = now;
     } else if (now - needed_at > kScratchIdle) {
       Release();
@@ -126,6 +139,13 @@ class StableBatch {
 void RunLookup(const void* values, DType dtype, int64_t rows, int64_t dim, const Batch& batch,
                const OutputShape& shape, float* out);
 
+/// RadixSort's buffer of this thread (the sorted copy).
+template <typename Item>
+Scratch<Item>& RadixScratch() {
+  static thread_local Scratch<Item> scratch;
+  return scratch;
+}
+
 /// Stable LSD radix sort of `items` by their `key` member, keys < 2^key_bits.
 /// Each pass counts and scatters contiguous chunks of the items on the
 /// thread pool; chunk c's items of a digit land after those of the chunks
@@ -138,7 +158,7 @@ void RadixSort(std::vector<Item>& items, int key_bits) {
   const int64_t n = int64_t(items.size());
   // Reused by every sort on this thread: a fresh multi-megabyte buffer per
   // call would be fresh pages, and page faults, every training step.
-  static thread_local Scratch<Item> scratch;
+  Scratch<Item>& scratch = RadixScratch<Item>();
   scratch.Fit(items.size());
   if (n < 2) return;
   std::vector<Item>& tmp = scratch.v;

@@ -855,17 +855,35 @@ inline float Denominator(Combiner c, int64_t begin, int64_t end, const float* wt
 // sort. The rows split into one range per thread; each thread scans every
 // part and updates the rows of its range. The ranges' scratch is allocated
 // first, so that running out of memory changes nothing.
-void ApplySgdInOrder(const std::vector<GradientPart>& parts, const TableSpec& spec, float* values, float lr,
-                     const kernels::DTypeKernels& k) {
+// Kept across calls on this thread (as the sorted path's keys): no page faults per step.
+internal::Scratch<kernels::Occurrence>& InOrderScratch() {
+  static thread_local internal::Scratch<kernels::Occurrence> scratch;
+  return scratch;
+}
+
+// The row ranges ApplySgdInOrder splits a step into, and the widest part's ids.
+struct InOrderPlan {
+  int chunks;
+  int64_t total, widest;
+  size_t scratch_items() const { return chunks > 1 ? size_t(chunks) * size_t(widest) : 0; }
+};
+
+InOrderPlan PlanInOrder(const std::vector<GradientPart>& parts, const TableSpec& spec) {
   int64_t total = 0, widest = 0;
   for (const auto& p : parts) {
     total += p.batch.nnz;
     widest = std::max(widest, p.batch.nnz);
   }
-  const int chunks = total * spec.dim >= (int64_t(1) << 16) ? NumChunks(spec.rows, 1) : 1;
-  // Kept across calls on this thread (as the sorted path's keys): no page faults per step.
-  static thread_local internal::Scratch<kernels::Occurrence> scratch;
-  const size_t n = chunks > 1 ? size_t(chunks) * size_t(widest) : 0;
+  return {total * spec.dim >= (int64_t(1) << 16) ? NumChunks(spec.rows, 1) : 1, total, widest};
+}
+
+void ApplySgdInOrder(const std::vector<GradientPart>& parts, const TableSpec& spec, float* values, float lr,
+                     const kernels::DTypeKernels& k) {
+  const InOrderPlan plan = PlanInOrder(parts, spec);
+  const int chunks = plan.chunks;
+  const int64_t total = plan.total, widest = plan.widest;
+  internal::Scratch<kernels::Occurrence>& scratch = InOrderScratch();
+  const size_t n = plan.scratch_items();
   scratch.Fit(n);
   try {
     scratch.v.resize(n);
@@ -1050,9 +1068,24 @@ void SortOccurrences(const std::vector<GradientPart>& parts, const TableSpec& sp
   group_start.push_back(int64_t(keys.size()));
 }
 
-OccurrenceGroups GroupOccurrences(const std::vector<GradientPart>& parts, const TableSpec& spec) {
+// The sorted path's buffers of this thread (with RadixSort's), kept across calls.
+internal::Scratch<Occurrence>& SortKeys() {
   static thread_local internal::Scratch<Occurrence> keys;
+  return keys;
+}
+internal::Scratch<int64_t>& GroupStarts() {
   static thread_local internal::Scratch<int64_t> group_start;
+  return group_start;
+}
+// Non-lazy Adam's flag per row (touched by the step or not).
+internal::Scratch<uint8_t>& TouchedRows() {
+  static thread_local internal::Scratch<uint8_t> touched;
+  return touched;
+}
+
+OccurrenceGroups GroupOccurrences(const std::vector<GradientPart>& parts, const TableSpec& spec) {
+  internal::Scratch<Occurrence>& keys = SortKeys();
+  internal::Scratch<int64_t>& group_start = GroupStarts();
   int64_t total = 0;
   for (const auto& p : parts) total += p.batch.nnz;
   keys.Fit(size_t(total));
@@ -1090,10 +1123,13 @@ void ApplyRule(const TableSpec& spec, float learning_rate, int64_t step, void* v
       break;
     case OptimizerSpec::Kind::kAdam: {
       const ops::AdamRule rule = internal::AdamRuleFor(o, learning_rate, step);
-      std::vector<uint8_t> touched;  // (allocated before any row changes)
+      internal::Scratch<uint8_t>& flags = TouchedRows();  // (allocated before any row changes)
+      std::vector<uint8_t>& touched = flags.v;
+      flags.Fit(o.lazy_adam ? 0 : size_t(spec.rows));
       try {
         touched.assign(o.lazy_adam ? 0 : size_t(spec.rows), 0);
       } catch (const std::bad_alloc&) {
+        flags.Release();
         internal::ThrowOutOfMemory(size_t(spec.rows), "table '" + spec.name + "': apply_gradients of non-lazy Adam "
                                                       "(a flag per row, for the rows no id touched)");
       }
@@ -1111,14 +1147,18 @@ void ApplyRule(const TableSpec& spec, float learning_rate, int64_t step, void* v
 }
 }  // namespace
 
+namespace {
+// A step's rate was read for the optimizer it steps (`given` >= 0: its version; -1: any).
+void CheckOptimizerVersion(const TableSpec& spec, int64_t given, int64_t current) {
+  if (given >= 0 && given != current) ThrowOptimizerChanged(spec, given, current);
+}
+}  // namespace
+
 void Table::ApplyGradients(const std::vector<GradientPart>& given, float learning_rate, uintptr_t stream,
                            int64_t optimizer_version) {
   CheckStepShapes(given, spec_, step_);
   // Under each exclusive hold below, before anything changes: the rate was read for the optimizer that steps.
-  auto check_version = [&] {
-    if (optimizer_version >= 0 && optimizer_version != optimizer_version_)
-      ThrowOptimizerChanged(spec_, optimizer_version, optimizer_version_);
-  };
+  auto check_version = [&] { CheckOptimizerVersion(spec_, optimizer_version, optimizer_version_); };
   if (spec_.device >= 0) {
     std::unique_lock<std::shared_mutex> lock(mutex_);
     check_version();
@@ -1130,21 +1170,77 @@ void Table::ApplyGradients(const std::vector<GradientPart>& given, float learnin
   // Validate everything before touching anything: the offsets as the engine's copies (see StableBatch).
   const StableParts stable(given, spec_);
   CheckLearningRate(learning_rate);
+  StepChecked(stable.get(), learning_rate, optimizer_version);
+}
+
+void Table::StepChecked(const std::vector<GradientPart>& parts, float learning_rate, int64_t optimizer_version) {
+  auto check_version = [&] { CheckOptimizerVersion(spec_, optimizer_version, optimizer_version_); };
   const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
   {  // The optimizer is read under the lock: SetOptimizer may replace it meanwhile.
     std::unique_lock<std::shared_mutex> lock(mutex_);
     check_version();
     if (StepsInOrder(spec_, learning_rate)) {
-      ApplySgdInOrder(stable.get(), spec_, static_cast<float*>(values_.get()), learning_rate, k);
+      ApplySgdInOrder(parts, spec_, static_cast<float*>(values_.get()), learning_rate, k);
       ++step_;
       return;
     }
   }
-  const OccurrenceGroups groups = GroupOccurrences(stable.get(), spec_);
+  const OccurrenceGroups groups = GroupOccurrences(parts, spec_);
   std::unique_lock<std::shared_mutex> lock(mutex_);
   check_version();
   ApplyRule(spec_, learning_rate, step_, values_.get(), SlotPointers(slots_), groups, k);
   ++step_;
+}
+
+namespace {
+// Room for `n` items in a thread's buffer, kept (HoldScratch) until the steps that need it ran.
+template <typename T>
+void Reserve(internal::Scratch<T>& scratch, size_t n, const std::string& what) {
+  try {
+    scratch.v.reserve(n);
+  } catch (const std::bad_alloc&) {
+    scratch.Release();
+    internal::ThrowOutOfMemory(n * sizeof(T), what);
+  }
+}
+}  // namespace
+
+void Table::ApplyGradientsMany(const std::vector<Step>& steps) {
+  // Every step checked, and its offsets copied, before any table changes (as ApplyGradients does for one).
+  std::vector<std::unique_ptr<StableParts>> stable;
+  stable.reserve(steps.size());
+  for (const Step& s : steps) {
+    Table& t = *s.table;
+    if (t.spec_.device >= 0) throw InvalidArgument("ApplyGradientsMany: table '" + t.spec_.name + "' is on a GPU");
+    CheckStepShapes(*s.parts, t.spec_, t.step_);
+    stable.push_back(std::make_unique<StableParts>(*s.parts, t.spec_));
+    CheckLearningRate(s.learning_rate);
+  }
+  // This thread's step buffers, for the largest step of each kind: the steps below then allocate none of them.
+  internal::HoldScratch hold;
+  size_t keys = 0, in_order = 0, rows = 0;
+  std::string keys_of, in_order_of, rows_of;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const TableSpec& spec = steps[i].table->spec_;
+    const std::vector<GradientPart>& parts = stable[i]->get();
+    if (StepsInOrder(spec, steps[i].learning_rate)) {
+      const size_t n = PlanInOrder(parts, spec).scratch_items();
+      if (n > in_order) in_order = n, in_order_of = spec.name;
+      continue;
+    }
+    size_t total = 0;
+    for (const auto& p : parts) total += size_t(p.batch.nnz);
+    if (total > keys) keys = total, keys_of = spec.name;
+    if (spec.optimizer.kind == OptimizerSpec::Kind::kAdam && !spec.optimizer.lazy_adam && size_t(spec.rows) > rows)
+      rows = size_t(spec.rows), rows_of = spec.name;
+  }
+  const std::string call = "apply_gradients of " + std::to_string(steps.size()) + " tables, before any steps: ";
+  Reserve(InOrderScratch(), in_order, call + "table '" + in_order_of + "' (its in-order SGD's rows)");
+  Reserve(SortKeys(), keys, call + "table '" + keys_of + "' (the keys of its sort)");
+  Reserve(internal::RadixScratch<Occurrence>(), keys, call + "table '" + keys_of + "' (the sorted copy)");
+  Reserve(GroupStarts(), keys + 1, call + "table '" + keys_of + "' (its groups)");
+  Reserve(TouchedRows(), rows, call + "table '" + rows_of + "' (non-lazy Adam's flag per row)");
+  for (size_t i = 0; i < steps.size(); ++i) steps[i].table->StepChecked(stable[i]->get(), steps[i].learning_rate, -1);
 }
 
 // ---------------------------------------------------------------- host arrays, any table
@@ -1167,8 +1263,7 @@ void Table::ApplyGradientsStaged(const std::vector<GradientPart>& given, float l
   const StableParts stable(given, spec_);  // validated, then uploaded: see StableBatch
   CheckLearningRate(learning_rate);
   std::unique_lock<std::shared_mutex> lock(mutex_);
-  if (optimizer_version >= 0 && optimizer_version != optimizer_version_)
-    ThrowOptimizerChanged(spec_, optimizer_version, optimizer_version_);
+  CheckOptimizerVersion(spec_, optimizer_version, optimizer_version_);
   cuda_impl::ApplyGradientsFromHost(spec_, values_.get(), SlotPointers(slots_), step_, stable.get(), learning_rate,
                                     spec_.device);
   ++step_;

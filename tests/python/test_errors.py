@@ -337,6 +337,44 @@ def test_a_step_without_memory_for_its_sort_names_it_and_changes_nothing(headroo
     assert f"MemoryError: {message}" in r.stdout and "unchanged True 0" in r.stdout, r.stdout
 
 
+_EMBEDDING_STEP_UNDER_A_LIMIT = r"""
+import resource, sys, numpy as np, embedcore as ec
+A = ec.TableConfig("a", rows=100, dim=4, initializer=ec.initializers.Uniform(-1, 1, seed=0))
+B = ec.TableConfig("b", rows=1000, dim=1, initializer=ec.initializers.Uniform(-1, 1, seed=1))
+emb = ec.Embedding({"a": ec.FeatureConfig(A), "b": ec.FeatureConfig(B)}, ec.optimizers.Adagrad(0.1))
+n = 4_000_000
+out = emb({"a": np.array([1, 2, 3]), "b": np.arange(n, dtype=np.int64) % 1000})
+grads = {k: np.ones_like(v) for k, v in out.items()}
+ta, tb = emb.embedding_tables[A], emb.embedding_tables[B]
+before = (ta.to_numpy(), tb.to_numpy())
+vm = int(open("/proc/self/statm").read().split()[0]) * 4096
+resource.setrlimit(resource.RLIMIT_AS, (vm + (int(sys.argv[1]) << 20), resource.RLIM_INFINITY))
+try:
+    emb.apply_gradients(grads)
+except MemoryError as e:
+    print("MemoryError:", e)
+print("unchanged", np.array_equal(before[0], ta.to_numpy()), ta.step, np.array_equal(before[1], tb.to_numpy()), tb.step)
+"""
+
+
+@pytest.mark.parametrize("headroom,message", [
+    (16, "the engine's copy of the offsets of 4000000 bags: cannot allocate"),
+    (100, "apply_gradients of 2 tables, before any steps: table 'b' (the keys of its sort): cannot allocate "
+          "96000000 bytes (91.6 MiB)"),
+])
+def test_an_embedding_step_without_memory_for_a_later_table_changes_no_table(headroom, message):
+    """Each table allocated its step's buffers as it stepped: running out at
+    the second left the first stepped. Now every step's memory is allocated
+    before the first table changes."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _EMBEDDING_STEP_UNDER_A_LIMIT, str(headroom)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"MemoryError: {message}" in r.stdout and "unchanged True 0 True 0" in r.stdout, r.stdout
+
+
 def test_a_non_lazy_adam_step_without_memory_for_its_row_flags_names_them_and_changes_nothing():
     """Non-lazy Adam flags the rows a step touched (a byte a row): without
     memory for them the MemoryError said only 'std::bad_alloc'."""

@@ -372,6 +372,20 @@ class Table {
   void ApplyGradients(const std::vector<GradientPart>& parts, float learning_rate, uintptr_t stream = 0,
                       int64_t optimizer_version = -1);
 
+  /// One step of each of several host tables (`parts` at `learning_rate`),
+  /// in order, as ApplyGradients of each (same checks, same results), but
+  /// with what every step allocates (its copies of the offsets; this
+  /// thread's sort, in-order SGD and row-flag buffers, sized for the
+  /// largest step) allocated before the first table changes: running out of
+  /// memory (OutOfMemory, naming the table) changes no table. (An
+  /// Embedding's step: its tables change all or none.)
+  struct Step {
+    Table* table;
+    const std::vector<GradientPart>* parts;
+    float learning_rate;
+  };
+  static void ApplyGradientsMany(const std::vector<Step>& steps);
+
   /// Throws what ApplyGradients(parts, learning_rate) throws before it
   /// changes anything (shapes, strides, the step limit, the rate; of a host
   /// table's parts also ids, offsets and grads: a device table's batches are
@@ -453,6 +467,8 @@ class Table {
   static void EnsureForkHandlers();
 
  private:
+  // ApplyGradients of a host table from here on: `parts` are the engine's copies, checked.
+  void StepChecked(const std::vector<GradientPart>& parts, float learning_rate, int64_t optimizer_version);
   // LookupGrouped on a validated batch and groups.
   void RunGrouped(const Batch& batch, const int64_t* groups, int64_t num_groups, float* out) const;
 
