@@ -1167,6 +1167,55 @@ EMBEDCORE_TEST(SetOptimizerKeepsValuesAndStartsFreshSlots) {
   EMBEDCORE_EXPECT_EQ(shard.num_slots(), size_t(0));
 }
 
+EMBEDCORE_TEST(ApplyGradientsManyStepsEachTableAsApplyGradients) {
+  // Several tables' steps in one call (an Embedding's): the same bits as each table's own ApplyGradients, for
+  // every kind of step (sorted Adagrad and non-lazy Adam, in-order SGD), the largest step's buffers reserved
+  // first; a bad id in the last table's parts changes no table.
+  std::mt19937 rng(41);
+  auto make = [](OptimizerSpec::Kind kind, int64_t rows) {
+    TableSpec spec = MakeSpec(rows, 5, DType::kFloat32, kind);
+    spec.optimizer.lazy_adam = false;
+    return spec;
+  };
+  const std::vector<TableSpec> specs = {make(OptimizerSpec::Kind::kAdagrad, 40),
+                                        make(OptimizerSpec::Kind::kSGD, 30),
+                                        make(OptimizerSpec::Kind::kAdam, 50)};
+  std::vector<std::unique_ptr<Table>> many, one;
+  for (const TableSpec& spec : specs) {
+    many.push_back(std::make_unique<Table>(spec));
+    one.push_back(std::make_unique<Table>(spec));
+  }
+  for (int step = 0; step < 3; ++step) {
+    std::vector<HostPart> parts;
+    for (auto& t : many) parts.push_back(RandomPart(rng, *t, Combiner::kMean, 0, step == 1, step == 2));
+    std::vector<std::vector<GradientPart>> views(parts.size());
+    std::vector<Table::Step> steps;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      views[i] = {parts[i].View()};
+      steps.push_back({many[i].get(), &views[i], 0.1f});
+      one[i]->ApplyGradients(views[i], 0.1f);
+    }
+    Table::ApplyGradientsMany(steps);
+  }
+  for (size_t i = 0; i < many.size(); ++i) {
+    EMBEDCORE_EXPECT(Take(*many[i]) == Take(*one[i]));
+    EMBEDCORE_EXPECT_EQ(many[i]->step(), int64_t(3));
+  }
+  std::vector<HostPart> parts;
+  for (auto& t : many) parts.push_back(RandomPart(rng, *t, Combiner::kSum, 0, false, false));
+  if (!parts.back().batch.ids.empty()) parts.back().batch.ids.back() = 50;  // past the last table's rows
+  std::vector<std::vector<GradientPart>> views(parts.size());
+  std::vector<Table::Step> steps;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    views[i] = {parts[i].View()};
+    steps.push_back({many[i].get(), &views[i], 0.1f});
+  }
+  std::vector<Snapshot> before;
+  for (auto& t : many) before.push_back(Take(*t));
+  EMBEDCORE_EXPECT_THROWS(Table::ApplyGradientsMany(steps), OutOfRange, "id 50");
+  for (size_t i = 0; i < many.size(); ++i) EMBEDCORE_EXPECT(Take(*many[i]) == before[i]);
+}
+
 EMBEDCORE_TEST(StepsNamingAReplacedOptimizerChangeNothing) {
   // A caller reads a step's learning rate for the optimizer of one version; once SetOptimizer replaced it,
   // the step (and a pin of a several-table step) is refused and nothing changes.
