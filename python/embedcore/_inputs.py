@@ -82,11 +82,11 @@ def to_numpy(x, where: str) -> np.ndarray:
     if _is_torch_bfloat16(x):
         # DLPack and NumPy carry no bfloat16: widen it (exactly) in torch, on its device.
         return to_numpy(x.detach().float(), where)
-    if type(x).__module__.startswith("tensorflow") and getattr(getattr(x, "dtype", None), "is_quantized", False):
-        # (NumPy reads its raw ints: ids or values they are not)
+    tf_dtype = getattr(x, "dtype", None) if type(x).__module__.startswith("tensorflow") else None
+    if getattr(tf_dtype, "is_quantized", False):  # (NumPy reads its raw ints: ids or values they are not)
         raise TypeError(f"{where} must be an array of numbers, got a TensorFlow tensor of the quantized dtype "
-                        f"{x.dtype.name}: dequantize it first (tf.quantization.dequantize)")
-    if hasattr(x, "__dlpack__") and not isinstance(x, (list, tuple)) and not _tf_not_numeric(x):
+                        f"{tf_dtype.name}: dequantize it first (tf.quantization.dequantize)")
+    if hasattr(x, "__dlpack__") and not isinstance(x, (list, tuple)) and not _tf_not_numeric(tf_dtype):
         try:
             return np.from_dlpack(x)
         except Exception:  # noqa: BLE001 - e.g. a device not NumPy's, or a dtype DLPack cannot carry
@@ -97,15 +97,14 @@ def to_numpy(x, where: str) -> np.ndarray:
         raise TypeError(f"{where} must be an array, got {type(x).__name__}: {e}") from None
 
 
-def _tf_not_numeric(x) -> bool:
-    """A TensorFlow tensor of strings, resources or variants: its
-    ``__dlpack__`` aborts the process (a CHECK in TensorFlow), so NumPy's
-    conversion takes it (and the caller refuses its dtype)."""
-    if not type(x).__module__.startswith("tensorflow"):
+def _tf_not_numeric(dtype) -> bool:
+    """Whether `dtype` (a TensorFlow tensor's; None for other objects) is of
+    strings, resources or variants: such a tensor's ``__dlpack__`` aborts
+    the process (a CHECK in TensorFlow), so NumPy's conversion takes it (and
+    the caller refuses its dtype)."""
+    if dtype is None:
         return False
-    dtype = getattr(x, "dtype", None)
-    numeric = any(getattr(dtype, k, False) for k in ("is_integer", "is_floating", "is_bool", "is_complex"))
-    return not numeric
+    return not any(getattr(dtype, k, False) for k in ("is_integer", "is_floating", "is_bool", "is_complex"))
 
 
 def _is_torch_bfloat16(x) -> bool:

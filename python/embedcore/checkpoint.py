@@ -387,7 +387,7 @@ def _scratch_dtype(values_dtype: Optional[str]) -> Optional[str]:
     data as stored into another checkpoint: the dtype its files store where
     a table can hold it (an export's bfloat16 of a float16 table, say), so
     that nothing is converted on the way (a bfloat16 value past float16's
-    range, or below its smallest, survives); None: the table's own."""
+    range survives); None: the table's own."""
     return values_dtype if values_dtype in ("float32", "float16", "bfloat16") else None
 
 
