@@ -2,6 +2,7 @@
 embedcore checkpoints; usable eagerly and inside ``tf.function``."""
 from __future__ import annotations
 
+import os
 from typing import Callable, List, Sequence
 
 import numpy as np
@@ -22,12 +23,28 @@ def _target(var):
     return var
 
 
+def _filepath(x):
+    """`filepath` checked now: a string tensor as it is (read when the call
+    runs), a ``str``, ``bytes`` or ``os.PathLike`` as a ``str``; anything
+    else is a TypeError (``str()`` of it would name a directory)."""
+    if isinstance(x, (tf.Tensor, tf.Variable)):
+        if x.dtype != tf.string or x.shape.rank not in (None, 0):
+            raise TypeError(f"filepath must be a string (a directory), got a {x.dtype.name} tensor of shape "
+                            f"{x.shape}")
+        return x
+    if isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "SUO":
+        x = x.item()
+    if isinstance(x, (str, bytes, os.PathLike)):
+        path = os.fspath(x)
+        return path.decode() if isinstance(path, bytes) else path
+    raise TypeError(f"filepath must be a string (a directory), got {type(x).__name__}: {x!r}")
+
+
 def _text(x) -> str:
-    if isinstance(x, bytes):
-        return x.decode()
+    """A path as the call runs: a ``str``, or a string tensor's bytes."""
     if isinstance(x, np.ndarray):
-        return _text(x.item())
-    return str(x)
+        x = x.item()
+    return x.decode() if isinstance(x, bytes) else x
 
 
 def _run(fn: Callable, tensors: Sequence, name: str) -> tf.Tensor:
@@ -67,14 +84,14 @@ class Saver:
     variables can be dumped into one directory in turn."""
 
     def dump_to_file(self, embedding_variable, filepath) -> tf.Tensor:
-        target = _target(embedding_variable)
+        target, filepath = _target(embedding_variable), _filepath(filepath)
         return _run(lambda path: ec.Saver().dump_to_file(target, _text(path)), [filepath], "embedcore_dump")
 
     def restore_from_file(self, embedding_variable, filepath, include_optimizer: bool = True) -> tf.Tensor:
         """Restores `embedding_variable`'s tables from `filepath`, with their optimizer
         state; ``include_optimizer=False`` restores the values alone (as SOK
         1.x does), into a table of any optimizer."""
-        target = _target(embedding_variable)
+        target, filepath = _target(embedding_variable), _filepath(filepath)
         return _run(lambda path: ec.Saver().restore_from_file(target, _text(path), include_optimizer=include_optimizer),
                     [filepath], "embedcore_restore")
 

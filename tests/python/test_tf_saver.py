@@ -118,3 +118,25 @@ def test_file_error_in_a_graph_is_invalid_argument(tmp_path):
     with pytest.raises(tf.errors.InvalidArgumentError, match="no_such_parent"):
         tf.function(lambda p: Saver().dump_to_file(emb, p))(tf.constant(path))
     assert not (tmp_path / "no_such_parent").exists()
+
+
+def test_filepath_not_a_path_is_a_type_error(tmp_path, monkeypatch):
+    # None, an int or a list named a directory after their str() in the working directory (a restore read what an
+    # earlier mistaken dump left there); a pathlib.Path and bytes are paths, as for embedcore.Saver.
+    monkeypatch.chdir(tmp_path)
+    layer, saver = _layer(), Saver()
+    before = layer._embedcore_tables()[0].values().copy()
+    for bad in (None, 5, ["dump"], tf.constant(5), tf.constant(["a", "b"])):
+        with pytest.raises(TypeError, match="filepath must be a string"):
+            saver.dump_to_file(layer, bad)
+        with pytest.raises(TypeError, match="filepath must be a string"):
+            saver.restore_from_file(layer, bad)
+    with pytest.raises(TypeError, match="int32 tensor"):
+        tf.function(lambda p: saver.dump_to_file(layer, p))(tf.constant(5))
+    assert list(tmp_path.iterdir()) == []
+    np.testing.assert_array_equal(layer._embedcore_tables()[0].values(), before)
+
+    assert saver.dump_to_file(layer, tmp_path / "dump").numpy() == b"OK"
+    assert saver.restore_from_file(layer, b"dump").numpy() == b"OK"
+    assert tf.function(lambda: saver.restore_from_file(layer, tmp_path / "dump"))().numpy() == b"OK"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dump"]
