@@ -47,7 +47,7 @@ from .table import LookupMixin, _bfloat16_dtype
 
 __all__ = ["open", "ServedCheckpoint", "ServedTable"]
 
-_VERIFY = {True: 1, "lazy": 1, "eager": 2, False: 0, None: 0}
+_VERIFY = {True: 1, "lazy": 1, "eager": 2, False: 0}
 
 
 class ServedTable(LookupMixin):

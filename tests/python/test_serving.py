@@ -65,6 +65,8 @@ def test_open_arguments_and_table_checkpoints(tmp_path):
         ec.serving.open(tmp_path / "c", verify="sometimes")
     with pytest.raises(ValueError, match=r"verify must be True, 'lazy', 'eager' or False, got \['eager'\]"):
         ec.serving.open(tmp_path / "c", verify=["eager"])  # unhashable: still a ValueError naming it
+    with pytest.raises(ValueError, match="verify must be True, 'lazy', 'eager' or False, got None"):
+        ec.serving.open(tmp_path / "c", verify=None)  # (was: checksums off, unsaid)
     served = ec.serving.open(tmp_path / "c")
     assert list(served.tables) == ["t"] and served.feature_config is None
     with pytest.raises(ValueError, match="tables, not features"):
