@@ -116,12 +116,13 @@ def _is_bfloat16(dtype: np.dtype) -> bool:
     return dtype.kind == "V" and dtype.name == "bfloat16" and dtype.itemsize == 2
 
 
-def _python_ints(x, where: str) -> Optional[np.ndarray]:
+def _python_ints(x, where: str, overflow: type = ValueError) -> Optional[np.ndarray]:
     """A list or tuple of ints (nested evenly) that NumPy did not make an
     integer array of (ints beyond int64 make an object array; an int64
     beside one in [2**63, 2**64), or NumPy int64 and uint64 scalars mixed,
     a float64 one): as int64 when they all fit, naming the first that does
-    not otherwise; None when they are not all ints (a dtype error)."""
+    not otherwise (an `overflow` error); None when they are not all ints (a
+    dtype error)."""
     if not isinstance(x, (list, tuple)):
         return None
     try:
@@ -133,24 +134,26 @@ def _python_ints(x, where: str) -> Optional[np.ndarray]:
         return None
     for k, v in enumerate(flat):
         if not _INT64_MIN <= int(v) <= _INT64_MAX:
-            raise IndexError(f"{where}: value {int(v)} at position {k} does not fit in int64")
+            raise overflow(f"{where}: value {int(v)} at position {k} does not fit in int64")
     return np.array([int(v) for v in flat], dtype=np.int64).reshape(a.shape)
 
 
-def as_int_array(x, where: str) -> np.ndarray:
-    """int32 or int64, C-contiguous; other integer dtypes are converted."""
+def as_int_array(x, where: str, overflow: type = ValueError) -> np.ndarray:
+    """int32 or int64, C-contiguous; other integer dtypes are converted. A
+    value beyond int64 raises `overflow`: IndexError for ids (an id outside
+    the table), ValueError for offsets, lengths, indices and shapes."""
     a = to_numpy(x, where)
     if a.dtype == np.int32 or a.dtype == np.int64:
         pass
     elif a.dtype.kind in "iu":
         if a.dtype == np.uint64 and a.size and int(a.max()) > _INT64_MAX:
             k = int(np.argmax(a > _INT64_MAX))
-            raise IndexError(f"{where}: value {int(a.flat[k])} at position {k} does not fit in int64")
+            raise overflow(f"{where}: value {int(a.flat[k])} at position {k} does not fit in int64")
         a = a.astype(np.int64)
     elif a.size == 0 and a.dtype.kind == "f" and not isinstance(x, np.ndarray):
         a = a.astype(np.int64)  # an empty Python list
     else:
-        exact = _python_ints(x, where) if a.dtype.kind in "fO" else None
+        exact = _python_ints(x, where, overflow) if a.dtype.kind in "fO" else None
         if exact is None:
             raise TypeError(f"{where} must be an integer array (int32 or int64), got dtype {a.dtype}")
         a = exact
@@ -294,7 +297,7 @@ def make_batch(ids, offsets=None, weights=None, where: str = "ids") -> Batch:
         return _ragged_batch(ids, offsets, weights, where, wname)
     if isinstance(ids, Sparse):
         return _sparse_batch(ids, offsets, weights, where, wname)
-    a = as_int_array(ids, where)
+    a = as_int_array(ids, where, IndexError)
     if a.ndim == 0:
         raise ValueError(f"{where} must be 1-D (with offsets) or 2-D (one bag per row), got a scalar")
     if a.ndim == 2:
@@ -318,7 +321,7 @@ def _weights_like(weights, shape: tuple, wname: str, like: str) -> Optional[np.n
 def _ragged_batch(ids: Ragged, offsets, weights, where: str, wname: str) -> Batch:
     if offsets is not None:
         raise ValueError(f"{where} is Ragged: pass its offsets inside it, not as offsets=")
-    values = as_int_array(ids.values, f"{where}.values")
+    values = as_int_array(ids.values, f"{where}.values", IndexError)
     if values.ndim != 1:
         raise ValueError(f"{where}.values must be 1-D, got shape {values.shape}")
     offs = as_offsets(ids.offsets, f"{where}.offsets")
@@ -334,7 +337,7 @@ def _sparse_batch(ids: Sparse, offsets, weights, where: str, wname: str) -> Batc
     if offsets is not None:
         raise ValueError(f"{where} is Sparse: offsets= does not apply")
     indices, values, shape = _sparse_parts(ids, where)
-    values = as_int_array(values, f"{where}.values")
+    values = as_int_array(values, f"{where}.values", IndexError)
     if values.ndim != 1 or values.shape[0] != indices.shape[0]:
         raise ValueError(f"{where}.values must be 1-D with one id per index row, got shape {values.shape}")
     if isinstance(weights, Sparse):

@@ -206,8 +206,23 @@ def test_python_ints_beyond_int64_are_named():
         t.lookup([2**70])
     with pytest.raises(IndexError, match=re.escape(f"ids: value {-2**70} at position 2 does not fit in int64")):
         t.lookup([1, 2, -2**70], [0, 3])
-    with pytest.raises(IndexError, match=re.escape(f"offsets: value {2**70} at position 1 does not fit in int64")):
+    # Beyond int64 is an id outside the table (IndexError), but malformed offsets, groups, lengths and shapes
+    # (ValueError, as the same offset within int64 is).
+    with pytest.raises(ValueError, match=re.escape(f"offsets: value {2**70} at position 1 does not fit in int64")):
         t.lookup([1, 2], [0, 2**70])
+    big = np.array([0, 2**64 - 1], np.uint64)
+    with pytest.raises(ValueError, match=re.escape(f"offsets: value {2**64 - 1} at position 1 does not fit")):
+        t.lookup([1, 2], big)
+    with pytest.raises(ValueError, match=re.escape(f"lengths: value {2**64 - 1} at position 0 does not fit")):
+        ec.Ragged.from_lengths(np.array([1]), np.array([2**64 - 1], np.uint64))
+    with pytest.raises(ValueError, match=re.escape(f"ids.dense_shape: value {2**64 - 1} at position 0 does not")):
+        t.lookup(ec.Sparse(np.array([[0, 0]]), np.array([1]), np.array([2**64 - 1, 2], np.uint64)))
+    with pytest.raises(ValueError, match=re.escape(f"groups: value {2**64 - 1} at position 1 does not fit")):
+        t.lookup_grouped([1, 2], [0, 1, 2], big)
+    with pytest.raises(IndexError, match=re.escape(f"ids: value {2**64 - 1} at position 1 does not fit")):
+        t.lookup(np.array([1, 2**64 - 1], np.uint64))
+    with pytest.raises(IndexError, match=re.escape(f"ids.values: value {2**64 - 1} at position 0 does not fit")):
+        t.lookup(ec.Ragged(np.array([2**64 - 1], np.uint64), np.array([0, 1])))
     # Other object arrays keep their TypeError.
     with pytest.raises(TypeError, match="got dtype object"):
         t.lookup(np.array([1], dtype=object))
