@@ -263,7 +263,9 @@ class Adam(Optimizer):
         self.beta_2 = _number("Adam", "beta_2", beta_2, minimum=0)
         for n, v in (("beta_1", self.beta_1), ("beta_2", self.beta_2)):
             if v >= 1:
-                raise ValueError(f"Adam: {n} must be in [0, 1), got {v}")
+                raise ValueError(f"Adam: {n} must be in [0, 1), got {v!r}")
+            if np.float32(v) >= 1:  # the engine keeps it as a float32
+                raise ValueError(f"Adam: {n} must be in [0, 1), got {v!r}, which is 1 as a float32")
         self.lazy_adam = bool(lazy_adam)
         self.sum_inside_sqrt = bool(sum_inside_sqrt)
         # An element of zero gradient is 0 / sqrt(0 + eps**2), or 0 / (0 + eps): NaN if that is 0.

@@ -796,6 +796,9 @@ def test_bad_optimizer_hyper_parameters(make):
     (lambda: opt.Adam(0.1, epsilon=1e39), "epsilon must be within"),
     # Positive, but 0 once the engine holds it as a float32.
     (lambda: opt.Adagrad(0.1, initial_accumulator_value=1e-46), "got 1e-46, which is 0 as a float32"),
+    # Below 1, but 1 as a float32 (the engine's check then said "got 1", naming no table, at the table's making).
+    (lambda: opt.Adam(0.1, beta_1=0.99999999999), r"beta_1 must be in \[0, 1\), got 0.99999999999, which is 1 as"),
+    (lambda: opt.Adam(0.1, beta_2=1 - 2**-30), r"beta_2 must be in \[0, 1\), got 0.9999999990686774, which is 1"),
     (lambda: opt.FTRL(0.1, initial_accumulator_value=1e-46), "got 1e-46, which is 0 as a float32"),
     (lambda: opt.Adagrad(0.1, initial_accumulator_value=0, epsilon=1e-50),
      "initial_accumulator_value must be at least 1.17549435e-38 .*got 0; epsilon is 1e-50"),
