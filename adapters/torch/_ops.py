@@ -373,18 +373,21 @@ def _fused_stepped(entry: _Entry) -> None:
 
 
 def _cpu_source(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], include_last_offset: bool):
-    """One CPU source of int32 / int64 ids and int64 offsets as NumPy views
-    ``(ids, offsets with the end, weights or None)``, or None. (A copy of the
-    offsets only when the caller left the end out.)"""
+    """One CPU source of int32 / int64 ids and offsets as NumPy views ``(ids,
+    int64 offsets with the end, weights or None)``, or None. (A copy of the
+    offsets only when the caller left the end out, or gave them in int32:
+    TorchRec's KJTs of int32 lengths, and ``kjt.offsets()`` of them.)"""
     if len(offsets) != 1 or len(ids) != 1:
         return None
     a, off = ids[0], offsets[0]
-    if not a.is_cpu or off.dtype != torch.int64 or a.dtype not in (torch.int32, torch.int64) or a.dim() != 1:
+    if (not a.is_cpu or off.dtype not in (torch.int32, torch.int64) or a.dtype not in (torch.int32, torch.int64)
+            or a.dim() != 1 or off.dim() != 1):
         return None
     # (Integer tensors never require grad: numpy() needs no detach.)
     a_np, w_np = a.numpy(), (_np(weights[0]) if weights else None)
     if include_last_offset:
-        off = np.ascontiguousarray(off.numpy())  # (a strided view: the backward's helpers take C order)
+        # (a strided view: the backward's helpers take C order)
+        off = np.ascontiguousarray(off.numpy(), dtype=np.int64)
         if not off.shape[0]:
             return None
         end = int(off[-1])
@@ -982,7 +985,7 @@ def collection_lookup(bags, values: Tensor, offsets: Tensor, weights: List[Tenso
     None where a table needs the per-table op, which then runs (and raises
     any error, in the caller's terms): unfused training (gradients for
     PyTorch optimizers), per-id weights that require grad, GPU tables,
-    offsets that are not int64, tracing or compiling (which must see the op),
+    offsets that are not int32 or int64, tracing or compiling (which must see the op),
     float16 autocast (its backward refuses fused training), a bad id."""
     if any(w.requires_grad for w in weights) or not plain_eager([values, offsets, *weights]):
         return None

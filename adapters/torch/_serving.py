@@ -208,7 +208,7 @@ class ServedEmbeddingBagCollection(_PooledInterface, _ServedCollection):
         collection's ``_ops.collection_lookup``): the same bits as one op per
         table, without the op's per-table costs (a DLRM-shaped model's 26
         tables). None where the ops must run: under a tracer
-        (``torch.compile``), offsets that are not int64, a bad id (the op
+        (``torch.compile``), offsets that are not int32 or int64, a bad id (the op
         raises it, naming the feature)."""
         if not _ops.plain_eager([values, offsets, *weights]):
             return None

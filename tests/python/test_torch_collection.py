@@ -291,13 +291,14 @@ def test_kjt_training_matches_torchrec(rng, torchrec):
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("opt", ["adagrad", "rowwise_adagrad"])
 def test_kjt_fast_paths_match_the_general_path_bit_for_bit(rng, torchrec, monkeypatch, path, pooling, weighted, opt):
-    """A KJT of int64 offsets is looked up and trained (fused) by every table
-    at once, one engine call forward and one backward ("collection"), or,
-    where that does not apply, by each table's op window by window
-    ("per_table"); int32 offsets take the general path (each table's op, its
-    segments cut out with PyTorch ops). All give the same bits, forward and
-    after fused Adagrad steps, and the fast paths never reach the general
-    one."""
+    """A KJT of int64 or int32 offsets (TorchRec's of int32 lengths) is
+    looked up and trained (fused) by every table at once, one engine call
+    forward and one backward ("collection"), or, where that does not apply,
+    by each table's op window by window ("per_table"); the general path
+    (each table's op, its segments cut out with PyTorch ops: forced here)
+    gives the same bits, forward and after fused Adagrad steps, and the
+    fast paths never reach it. (int32 offsets took the general path, 5-13x
+    slower at small batches.)"""
     from embedcore import _embedcore
     from embedcore.adapters.torch import _ops
 
@@ -306,10 +307,12 @@ def test_kjt_fast_paths_match_the_general_path_bit_for_bit(rng, torchrec, monkey
             et.EmbeddingBagConfig(num_embeddings=50, embedding_dim=20, name="t2", feature_names=["f2"],
                                   pooling=pooling)]
     make_opt = {"adagrad": ec.optimizers.Adagrad, "rowwise_adagrad": ec.optimizers.RowWiseAdagrad}[opt]
-    fast, general = (et.EmbeddingBagCollection(cfgs, is_weighted=weighted, optimizer=make_opt(0.1))
-                     for _ in range(2))
+    fast, fast32, general = (et.EmbeddingBagCollection(cfgs, is_weighted=weighted, optimizer=make_opt(0.1))
+                             for _ in range(3))
+    fast32.load_state_dict(fast.state_dict())
     general.load_state_dict(fast.state_dict())
     real_parts, real_many, real_steps = _ops._parts, _embedcore.lookup_windows_into, _embedcore.apply_gradients_windows
+    real_source = _ops._cpu_source
     calls = []
     monkeypatch.setattr(_embedcore, "lookup_windows_into", lambda *a: calls.append("lookup") or real_many(*a))
     monkeypatch.setattr(_embedcore, "apply_gradients_windows", lambda *a: calls.append(len(a[3])) or real_steps(*a))
@@ -323,47 +326,58 @@ def test_kjt_fast_paths_match_the_general_path_bit_for_bit(rng, torchrec, monkey
         monkeypatch.setattr(_ops, "_parts", None)  # the fast paths must not need it
         a = fast(kjt).values()
         (a * g).sum().backward()
+        c = fast32(kjt32).values()
+        (c * g).sum().backward()
         monkeypatch.setattr(_ops, "_parts", real_parts)
+        monkeypatch.setattr(_ops, "_cpu_source", lambda *args: None)  # the general path
         b = general(kjt32).values()
         (b * g).sum().backward()
-        assert torch.equal(a, b)
-    assert calls == (["lookup", 2] * 3 if path == "collection" else [])
+        monkeypatch.setattr(_ops, "_cpu_source", real_source)
+        assert torch.equal(a, b) and torch.equal(c, b)
+    assert calls == (["lookup", 2] * 6 if path == "collection" else [])
     for t in ("t1", "t2"):
-        assert torch.equal(fast.embedding_bags[t].weight, general.embedding_bags[t].weight)
-        for k, v in fast.embedding_bags[t].table.slots().items():
-            assert np.array_equal(v, general.embedding_bags[t].table.slots()[k])
-        assert fast.embedding_bags[t].table.step == general.embedding_bags[t].table.step == 3
+        for m in (fast, fast32):
+            assert torch.equal(m.embedding_bags[t].weight, general.embedding_bags[t].weight)
+            for k, v in m.embedding_bags[t].table.slots().items():
+                assert np.array_equal(v, general.embedding_bags[t].table.slots()[k])
+            assert m.embedding_bags[t].table.step == general.embedding_bags[t].table.step == 3
 
 
 @pytest.mark.parametrize("sparse", [True, False])
 @pytest.mark.parametrize("pooling", ["sum", "mean", "sqrtn"])
-def test_kjt_unfused_gradients_from_windows_match_the_general_path(rng, torchrec, sparse, pooling):
+def test_kjt_unfused_gradients_from_windows_match_the_general_path(rng, torchrec, monkeypatch, sparse, pooling):
     """Unfused, each table's backward takes its KJT windows as the forward
-    did (int64 offsets) instead of cutting the segments again with PyTorch
-    ops (int32 offsets): the same table and per-id weight gradients, bit for
-    bit."""
+    did (int64 or int32 offsets) instead of cutting the segments again with
+    PyTorch ops (the general path, forced here): the same table and per-id
+    weight gradients, bit for bit."""
+    from embedcore.adapters.torch import _ops
+
     cfgs = [et.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f3"],
                                   pooling=pooling),
             et.EmbeddingBagConfig(num_embeddings=50, embedding_dim=20, name="t2", feature_names=["f2"],
                                   pooling=pooling)]
-    a, b = (et.EmbeddingBagCollection(cfgs, is_weighted=True, sparse=sparse) for _ in range(2))
+    a, a32, b = (et.EmbeddingBagCollection(cfgs, is_weighted=True, sparse=sparse) for _ in range(3))
+    a32.load_state_dict(a.state_dict())
     b.load_state_dict(a.state_dict())
     kjt = _kjt(torchrec, rng, ["f2", "f3", "f1"], {"f1": 30, "f2": 50, "f3": 30}, 7, True)
     g = torch.randn(7, 28)
     grads = []
-    for ebc, off in ((a, kjt.offsets()), (b, kjt.offsets().to(torch.int32))):
+    for ebc, off in ((a, kjt.offsets()), (a32, kjt.offsets().to(torch.int32)), (b, kjt.offsets())):
+        if ebc is b:
+            monkeypatch.setattr(_ops, "_cpu_source", lambda *args: None)  # the general path
         w = kjt.weights().clone().requires_grad_(True)
         k = torchrec.KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), weights=w, offsets=off)
         (ebc(k).values() * g).sum().backward()
         grads.append((w.grad, {t: ebc.embedding_bags[t].weight.grad for t in ("t1", "t2")}))
-    assert torch.equal(grads[0][0], grads[1][0])
-    for t in ("t1", "t2"):
-        ga, gb = grads[0][1][t], grads[1][1][t]
-        assert ga.is_sparse == gb.is_sparse == sparse
-        if sparse:
-            assert torch.equal(ga._indices(), gb._indices()) and torch.equal(ga._values(), gb._values())
-        else:
-            assert torch.equal(ga, gb)
+    for other in grads[:2]:
+        assert torch.equal(other[0], grads[2][0])
+        for t in ("t1", "t2"):
+            ga, gb = other[1][t], grads[2][1][t]
+            assert ga.is_sparse == gb.is_sparse == sparse
+            if sparse:
+                assert torch.equal(ga._indices(), gb._indices()) and torch.equal(ga._values(), gb._values())
+            else:
+                assert torch.equal(ga, gb)
 
 
 def test_kjt_collection_path_trains_only_what_trains(rng, torchrec):
