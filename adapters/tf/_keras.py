@@ -36,6 +36,20 @@ __all__ = ["Embedding"]
 _TF = tf.tpu.experimental.embedding
 
 
+def _bag_gradients(dy: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The rows of the output gradient `dy` (``[-1, dim]``) that are the
+    bags' gradients: `dy` itself when they are all of its rows in order
+    (dense ids, a sequence without padding: no copy of the gradient)."""
+    n = rows.size
+    if n == dy.shape[0] and (n == 0 or (rows[0] == 0 and rows[-1] == n - 1 and bool((rows[1:] > rows[:-1]).all()))):
+        return dy  # (n increasing rows in [0, n) are 0 .. n - 1)
+    return dy[rows]
+
+
+def _joined(arrays: list) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
 def apply_numpy(tables: Dict[str, ec.Table], parts_by_table: Dict[str, list]) -> None:
     """One optimizer step per table, all or nothing (a step one table refuses
     changes none). Each part is ``(Backward, dy)``; its bags are
@@ -53,14 +67,13 @@ def apply_numpy(tables: Dict[str, ec.Table], parts_by_table: Dict[str, list]) ->
             base += int(b.offsets[-1])
             if any_w:
                 weights.append(b.weights if b.weights is not None else np.ones(b.ids.size, np.float32))
-            grads.append(np.asarray(dy, np.float32).reshape(-1, table.dim)[b.rows])
+            grads.append(_bag_gradients(np.asarray(dy, np.float32).reshape(-1, table.dim), b.rows))
         # A batch without ids for this table (empty bags, every id pruned, no rows) is still one step, as in
         # embedcore.Embedding (the step of a schedule, Adam's non-lazy moments of every row).
-        all_ids = np.concatenate(ids) if len(ids) > 1 else ids[0]
-        batch = make_batch(np.ascontiguousarray(all_ids), np.concatenate(offsets),
-                           np.concatenate(weights) if any_w else None)
+        batch = make_batch(np.ascontiguousarray(_joined(ids)), np.concatenate(offsets),
+                           _joined(weights) if any_w else None)
         where = f"the gradient of table '{name}'"
-        steps.append((table, [table._gradient_part(batch, table.combiner, 0, np.concatenate(grads), where)], [where]))
+        steps.append((table, [table._gradient_part(batch, table.combiner, 0, _joined(grads), where)], [where]))
     if steps:
         apply_gradients_many(steps)
 
@@ -349,10 +362,12 @@ def _learning_rates(tables: Dict[str, ec.Table], names) -> list:
 
 def _apply(emb: EmbeddingForServing, backward, dys) -> list:
     """Runs the engine update (eagerly, or as a stateful numpy_function)."""
-    items = [(f, b, dy) for (f, b), dy in zip(backward, dys) if dy is not None]
+    tables = emb._tables
+    # A table without an engine optimizer stays as it is (a frozen one beside trained ones).
+    items = [(f, b, dy) for (f, b), dy in zip(backward, dys)
+             if dy is not None and tables[f.table.name].optimizer is not None]
     if not items:
         return []
-    tables = emb._tables
     rates = _learning_rates(tables, list(dict.fromkeys(f.table.name for f, _, _ in items)))
 
     def run(*arrays):
