@@ -219,6 +219,16 @@ class _NoFusedOptimizer(AttributeError):
     module's ``__getattr__`` then raises the message."""
 
 
+def refuse_script(module) -> NotImplementedError:
+    """The error of ``torch.jit.script`` (which calls a module's
+    ``__prepare_scriptable__`` first) of an adapter module: its lookups call
+    the engine from Python, which TorchScript cannot compile (it failed deep
+    in TorchScript's compiler, on the ``ec.Table`` annotation)."""
+    return NotImplementedError(
+        f"{type(module).__name__}: torch.jit.script is not supported (the lookups call the engine from Python); "
+        "use torch.compile or torch.export, whose graphs hold the lookup as the custom op embedcore::lookup")
+
+
 class _AdapterModule(nn.Module):
     """What every adapter module offers: its tables for ``ec.save`` /
     ``ec.load`` / ``ec.Saver``, and the fused optimizers' state."""
@@ -228,6 +238,9 @@ class _AdapterModule(nn.Module):
             raise AttributeError(f"{type(self).__name__} has no fused_optimizer: none of its tables trains fused "
                                  "(give it an embedcore optimizer, or use apply_optimizer_in_backward)")
         return super().__getattr__(name)
+
+    def __prepare_scriptable__(self):
+        raise refuse_script(self)
 
     def _embedcore_tables(self) -> List[ec.Table]:
         return tables_of(self)
@@ -628,6 +641,12 @@ class _TableModule(_AdapterModule):
 
     def _lookup(self, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
                 combiner: int, include_last_offset: bool) -> List[Tensor]:
+        if torch.jit.is_tracing() and any(isinstance(n, Tensor) for n in segments):
+            # A bag count from a traced shape (PyTorch's internal assert otherwise); as a Python int it would
+            # be fixed at the trace, and another batch size would be looked up wrongly.
+            raise NotImplementedError(
+                f"{type(self).__name__}: torch.jit.trace of pooled lookups is not supported (the number of bags "
+                "would be fixed at the trace); use torch.compile or torch.export")
         weight = self._parameters["weight"]  # (as _anchor_and_mode: self.weight is nn.Module.__getattr__)
         on_cpu = weight.is_cpu  # (cheaper than comparing devices: this runs on caches a lookup left cold)
         for group, what in ((ids, "ids"), (offsets, "offsets"), (weights, "per_sample_weights")):

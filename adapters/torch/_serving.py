@@ -27,7 +27,7 @@ from torch import Tensor, nn
 import embedcore as ec
 from embedcore.serving import ServedCheckpoint
 
-from . import _ops
+from . import _modules, _ops
 from ._collection import (EmbeddingBagConfig, EmbeddingConfig, _embedding_names, _is_kjt, _jagged_module,
                           _PooledInterface, _SequenceInterface, _specs)
 
@@ -37,6 +37,9 @@ __all__ = ["ServedEmbeddingBagCollection", "ServedEmbeddingCollection"]
 class _ServedCollection(nn.Module):
     """What both served collections share: the checkpoint, the tables checked
     against it, the input checks, the lookup."""
+
+    def __prepare_scriptable__(self):
+        raise _modules.refuse_script(self)
 
     def _serve(self, path, tables: Optional[Sequence], verify, pooled: bool) -> None:
         owner = self._owner

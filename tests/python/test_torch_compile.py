@@ -452,3 +452,26 @@ def test_compiled_code_reads_and_schedules_fused_optimizer(kind):
     assert fo.param_groups[0]["lr"] == pytest.approx(0.05)
     for copied in (copy.copy(fo), copy.deepcopy(fo)):
         assert copied.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_jit_script_and_pooled_jit_trace_are_refused_clearly(tmp_path):
+    """torch.jit.script of any adapter module (a model holding one too), and
+    torch.jit.trace of pooled lookups, whose bag count would be fixed at the
+    trace, raise NotImplementedError pointing at torch.compile / export (were:
+    an error deep in TorchScript's compiler, and PyTorch's internal assert
+    "please report a bug to PyTorch"). jit.trace of Embedding traces."""
+    bag, emb = et.EmbeddingBag(10, 4, mode="sum"), et.Embedding(10, 4)
+    cfgs = [et.EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t", feature_names=["f"])]
+    ebc = et.EmbeddingBagCollection(cfgs)
+    ec.save(tmp_path / "c", et.tables_of(ebc))
+    served = et.ServedEmbeddingBagCollection(tmp_path / "c", cfgs)
+    for m in (bag, emb, ebc, served, torch.nn.Sequential(emb, torch.nn.Linear(4, 1))):
+        with pytest.raises(NotImplementedError, match="torch.jit.script is not supported.*torch.compile"):
+            torch.jit.script(m)
+    ids, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])
+    with pytest.raises(NotImplementedError, match="torch.jit.trace of pooled lookups is not supported"):
+        torch.jit.trace(bag, (ids, offsets))
+    with pytest.raises(NotImplementedError, match="torch.jit.trace of pooled lookups is not supported"):
+        torch.jit.trace(ebc, ({"f": torch.tensor([[1, 2], [3, 4]])},), strict=False)
+    traced = torch.jit.trace(emb, (ids,))
+    torch.testing.assert_close(traced(torch.tensor([5, 0, 9])), emb(torch.tensor([5, 0, 9])))
