@@ -386,6 +386,11 @@ class _TableModule(_AdapterModule):
         if weight is not None and tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"_weight must have shape [{self.num_embeddings}, {self.embedding_dim}], "
                              f"got {tuple(weight.shape)}")
+        if weight is not None:  # (as load_state_dict and Table.assign refuse it; lookups would return it)
+            problem = _unstorable(weight, _dtype_name(dtype))
+            if problem is not None:
+                raise ValueError(f"{type(self).__name__}: the initial weight (_weight, from_pretrained's "
+                                 f"embeddings){problem}")
         if weight is not None or init_fn is not None:
             initializer = ec.initializers.Zeros()
         elif initializer is None:
@@ -398,6 +403,11 @@ class _TableModule(_AdapterModule):
                 self.weight.copy_(weight)
             elif init_fn is not None:
                 init_fn(self.weight)
+                problem = _unstorable(self.weight, "float32")  # (what it wrote, in the storage's dtype)
+                if problem is not None:
+                    raise ValueError(f"{type(self).__name__}: the weight its init_fn {init_fn!r} wrote{problem}: "
+                                     "a table holds finite values only (lookups would return them, and a "
+                                     "checkpoint refuses them)")
             if padding_idx is not None and weight is None:
                 self.weight[padding_idx].fill_(0)
 

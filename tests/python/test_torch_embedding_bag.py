@@ -425,6 +425,27 @@ def test_bad_configurations():
 
 
 @pytest.mark.parametrize("cls", [et.EmbeddingBag, et.Embedding])
+def test_initial_weights_a_table_cannot_hold_are_refused(cls):
+    """from_pretrained, _weight= and an init_fn (a collection config's)
+    refuse values that are not finite or beyond the storage dtype, as
+    load_state_dict and Table.assign do (were stored as inf / NaN, returned
+    by lookups, and refused only at a later ec.save)."""
+    w = torch.zeros(6, 4)
+    w[2, 1] = 1e5
+    with pytest.raises(ValueError, match=r"the initial weight .*\[2, 1\] = 100000.0 is beyond the range of the "
+                                         r"table's storage dtype float16"):
+        cls.from_pretrained(w, dtype=torch.float16)
+    cls.from_pretrained(w)  # float32 holds it
+    w[3, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"the initial weight .*\[3, 0\] = nan is not finite"):
+        cls(6, 4, _weight=w)
+    with pytest.raises(ValueError, match=r"the weight its init_fn .* wrote\[0, 0\] = inf is not finite"):
+        et.EmbeddingBagCollection([et.EmbeddingBagConfig(num_embeddings=6, embedding_dim=4, name="t",
+                                                         feature_names=["f"],
+                                                         init_fn=lambda t: t.fill_(float("inf")))])
+
+
+@pytest.mark.parametrize("cls", [et.EmbeddingBag, et.Embedding])
 def test_from_pretrained_takes_float_tensors_as_torch(cls):
     """A float64 tensor (any NumPy array's default) needs dtype= (no table
     holds float64; the message said only which dtypes are allowed), and an
