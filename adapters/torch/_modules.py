@@ -186,6 +186,12 @@ def _copyable(src, dst) -> bool:
     return True
 
 
+def _sharded(value) -> bool:
+    """Whether `value` is TorchRec's / PyTorch's ``ShardedTensor`` (the
+    state of a sharded module), which refuses most tensor calls."""
+    return isinstance(value, Tensor) and hasattr(value, "local_shards")
+
+
 def _unstorable(value: Tensor, dtype: str) -> Optional[str]:
     """Why a table of `dtype` cannot hold the weight `value` (``[index] =
     value is ...``), as ``Table.assign`` refuses it: a value that is not
@@ -308,6 +314,10 @@ class _AdapterModule(nn.Module):
                                        f'state_dict: "{key}". (No table was changed.)')
                 continue
             value = state_dict[key]
+            if _sharded(value):  # (its layout attribute raises)
+                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: {key} is a "
+                                   f"{type(value).__name__} (a sharded module's state); a table's weight loads from "
+                                   "one tensor: gather its shards into one first. (No table was changed.)")
             if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.is_nested):
                 # copy_ refuses these (after earlier tables were written)
                 layout = "nested" if value.is_nested else str(value.layout)
@@ -682,6 +692,10 @@ class _TableModule(_AdapterModule):
         # Always copy into the engine's memory: assigning would detach `weight` from the table.
         local_metadata = dict(local_metadata, assign_to_params_buffers=False)
         value = state_dict.get(prefix + "weight")
+        if _sharded(value):
+            error_msgs.append(f"{prefix}weight is a {type(value).__name__} (a sharded module's state); a table's "
+                              "weight loads from one tensor: gather its shards into one first")
+            return
         if isinstance(value, Tensor) and tuple(value.shape) == tuple(self.weight.shape):
             problem = _unstorable(value, self._table.dtype)  # (a model holding this module: PyTorch's order)
             if problem is not None:

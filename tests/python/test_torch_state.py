@@ -1000,3 +1000,34 @@ def test_saving_a_whole_model_names_tables_of(tmp_path):
     assert not (tmp_path / "c").exists()
     ec.save(tmp_path / "c", et.tables_of(model))
     assert ec.checkpoint.read_info(tmp_path / "c").table_names == ["bag"]
+
+
+def test_load_state_dict_of_sharded_tensors_names_the_key(tmp_path):
+    """A state dict of ShardedTensor weights (TorchRec's sharded modules')
+    is refused naming the key and what to do, by the module and by a model
+    holding it (were: "torch function '__get__' ... not supported for
+    ShardedTensor", naming no key), and no table changes."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import torch, torch.distributed as dist
+        import embedcore.adapters.torch as et
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+        from torch.distributed._shard.sharded_tensor import rand
+        from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+        st = rand(ChunkShardingSpec(dim=0, placements=["rank:0/cpu"]), 20, 4)
+        ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(num_embeddings=20, embedding_dim=4, name="t1",
+                                                               feature_names=["f1"])])
+        before = ebc.embedding_bags["t1"].weight.detach().clone()
+        for m, key in ((ebc, "embedding_bags.t1.weight"), (torch.nn.Sequential(ebc), "0.embedding_bags.t1.weight")):
+            try:
+                m.load_state_dict({{key: st}})
+            except RuntimeError as e:
+                print("refused:", key + " is a ShardedTensor" in str(e) and "gather its shards" in str(e))
+        print("unchanged:", torch.equal(ebc.embedding_bags["t1"].weight, before))
+        dist.destroy_process_group()
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert r.stdout.split("\n")[:3] == ["refused: True", "refused: True", "unchanged: True"], r.stdout + r.stderr
