@@ -38,6 +38,12 @@ inline std::string FormatFloat(double x) {
 /// killing the process while it is filled.
 void* AllocateZeroed(size_t bytes, bool lazy);
 void Free(void* p, size_t bytes);
+/// Zeroes `bytes` of memory from AllocateZeroed(bytes, ...): a block from
+/// mmap is handed back to the system (its pages read as zero again and take
+/// no memory until written, as when it was made: zeroing a table larger than
+/// memory, whose rows were touched sparsely, does not fill it); a heap block
+/// is cleared.
+void ZeroAllocated(void* p, size_t bytes);
 
 /// Throws OutOfMemory("cannot allocate N bytes (X GiB)"), after "`what`: "
 /// when given.

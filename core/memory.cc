@@ -8,6 +8,7 @@
 #include <new>
 
 #include "internal.h"
+#include "thread_pool.h"
 
 namespace embedcore::internal {
 namespace {
@@ -40,6 +41,16 @@ void* AllocateZeroed(size_t bytes, bool lazy) {
   if (p == nullptr) ThrowOutOfMemory(bytes);
   std::memset(p, 0, bytes);
   return p;
+}
+
+void ZeroAllocated(void* p, size_t bytes) {
+  if (bytes == 0) return;
+#ifdef __linux__
+  // A private anonymous mapping reads as zero-fill pages after MADV_DONTNEED (Linux's guarantee).
+  if (bytes >= kMmapThreshold && madvise(p, bytes, MADV_DONTNEED) == 0) return;
+#endif
+  char* c = static_cast<char*>(p);
+  ParallelFor(int64_t(bytes), 1 << 20, [&](int64_t a, int64_t b) { std::memset(c + a, 0, size_t(b - a)); });
 }
 
 void Free(void* p, size_t bytes) {

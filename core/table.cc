@@ -389,9 +389,7 @@ void Table::InitializeValues(bool zeroed) {
     return;
   }
   if (!zeroed && internal::LeavesZero(spec_.initializer)) {  // Initialize writes nothing for these
-    char* v = static_cast<char*>(values_.get());
-    const int64_t bytes = spec_.rows * spec_.dim * int64_t(DTypeSize(spec_.dtype));
-    ParallelFor(bytes, 1 << 20, [&](int64_t a, int64_t b) { std::memset(v + a, 0, size_t(b - a)); });
+    internal::ZeroAllocated(values_.get(), size_t(spec_.rows) * size_t(spec_.dim) * DTypeSize(spec_.dtype));
     return;
   }
   internal::Initialize(spec_.initializer, spec_.dtype, spec_.rows, spec_.dim, spec_.shard_row_start,

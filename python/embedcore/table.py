@@ -633,7 +633,8 @@ class Table(LookupMixin):
         """Fills the values with the table's initializer again: the values it
         had when created (every initializer is seeded; a shard gets those of
         its block of the whole table). The slots and step stay as they are.
-        One native call, under the table's lock: lookups see the old values
+        A ``Zeros`` table's memory is handed back (it takes memory again only
+        as rows are written, as when it was made). One native call, under the table's lock: lookups see the old values
         or the new ones, and an interrupt (Ctrl-C) comes before or after it."""
         self._native.reset_values()
 

@@ -1,11 +1,15 @@
 // core/memory.cc: zeroed, aligned allocation (heap and mmap paths) and the
 // overflow-checked size computation.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "embedcore/embedcore.h"
 #include "internal.h"
@@ -29,6 +33,56 @@ EMBEDCORE_TEST(AllocateZeroedIsZeroAndAligned) {
     internal::Free(p, bytes);
   }
   internal::Free(nullptr, 100);  // a no-op
+}
+
+namespace {
+// How many of the pages of [p, p + bytes) (p page-aligned) are in memory.
+size_t ResidentPages(const void* p, size_t bytes) {
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> in((bytes + page - 1) / page);
+  if (mincore(const_cast<void*>(p), bytes, in.data()) != 0) return ~size_t(0);
+  size_t n = 0;
+  for (unsigned char c : in) n += c & 1;
+  return n;
+}
+}  // namespace
+
+EMBEDCORE_TEST(ZeroAllocatedZeroesAndHandsMappedPagesBack) {
+  for (bool lazy : {false, true})
+  for (size_t bytes : {size_t(1), size_t(4096), (size_t(1) << 21) + 5, size_t(3) << 21}) {
+    void* p = internal::AllocateZeroed(bytes, lazy);
+    std::memset(p, 0xab, bytes);
+    internal::ZeroAllocated(p, bytes);
+    const unsigned char* c = static_cast<const unsigned char*>(p);
+    size_t nonzero = 0;
+    if (bytes >= (size_t(1) << 21)) EMBEDCORE_EXPECT_EQ(ResidentPages(p, bytes), size_t(0));  // before reading
+    for (size_t i = 0; i < bytes; ++i) nonzero += c[i] != 0;
+    EMBEDCORE_EXPECT_EQ(nonzero, size_t(0));
+    std::memset(p, 0xcd, bytes);  // still ours, and writable
+    EMBEDCORE_EXPECT_EQ(c[bytes - 1], 0xcd);
+    internal::Free(p, bytes);
+  }
+  internal::ZeroAllocated(nullptr, 0);  // a no-op
+}
+
+EMBEDCORE_TEST(ResetValuesOfAZerosTableTakesNoMemory) {
+  // Table::ResetValues of a table that starts as zero pages (a Zeros table, made lazily so that one larger than
+  // memory whose rows are touched sparsely can be made) hands the pages back: it filled every one with zeros,
+  // which for such a table is more memory than the machine has.
+  TableSpec spec;
+  spec.name = "z";
+  spec.rows = 4096;
+  spec.dim = 1024;  // 16 MiB
+  spec.initializer.kind = InitializerSpec::Kind::kZeros;
+  Table t(spec);
+  std::memset(t.values(), 0x3f, t.value_bytes());
+  EMBEDCORE_EXPECT(ResidentPages(t.values(), t.value_bytes()) > 0);
+  t.ResetValues();
+  EMBEDCORE_EXPECT_EQ(ResidentPages(t.values(), t.value_bytes()), size_t(0));
+  const float* v = static_cast<const float*>(t.values());
+  size_t nonzero = 0;
+  for (size_t i = 0; i < size_t(spec.rows * spec.dim); ++i) nonzero += v[i] != 0.0f;
+  EMBEDCORE_EXPECT_EQ(nonzero, size_t(0));
 }
 
 EMBEDCORE_TEST(ResultMemoryIsAlignedWritableAndFreed) {
