@@ -53,7 +53,7 @@ class _ServedCollection(nn.Module):
             raise TypeError(f"{owner}: path must be a checkpoint directory or an embedcore.serving.ServedCheckpoint, "
                             f"got {type(path).__name__}")
         # Absolute, as the checkpoint opened it: a pickle or copy opens it again from any working directory.
-        self._path = os.path.abspath(str(self.checkpoint.path))
+        self._path = self.checkpoint._abspath
         if tables is None:
             tables = _configs_of_features(self.checkpoint, pooled, owner)
         self._specs = _specs(tables, pooled, owner, build=False)

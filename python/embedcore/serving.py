@@ -119,7 +119,9 @@ class ServedCheckpoint(FeatureLookup):
             raise ValueError(f"verify must be True, 'lazy', 'eager' or False, got {verify!r}")
         path = native_path(path)
         self._mapped = _embedcore.MappedCheckpoint(path, _VERIFY[verify])
-        self._verify, self._abspath = verify, os.path.abspath(path)  # (for __reduce__)
+        # (for __reduce__) Not os.path.abspath, which makes "link/.." the link's own parent, where the system
+        # (and the engine) goes to the link target's.
+        self._verify, self._abspath = verify, path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
         try:
             self._describe(self._mapped.info)
         except CheckpointError:

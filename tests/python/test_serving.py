@@ -426,3 +426,28 @@ def test_a_mapping_without_address_space_says_so(tmp_path):
     assert r.stdout.startswith("True ") and "bytes needs that much free address space, ulimit -v, and one more of " \
         "the process's mappings, vm.max_map_count)" in r.stdout, r.stdout
     assert "reshard" not in r.stdout
+
+
+def test_copies_of_a_checkpoint_opened_through_a_symlink_and_dotdot(tmp_path, monkeypatch):
+    """"link/../c" is the link target's sibling c (the system's and the
+    engine's reading), not the link's: a copy or pickle of the served
+    checkpoint, and of a served PyTorch collection, opens the checkpoint the
+    original serves (was: os.path.abspath's textual "c", "no such checkpoint
+    directory")."""
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "cwd").mkdir()
+    t = make_table(rows=30, dim=4)
+    ec.save(tmp_path / "real" / "c", t)
+    os.symlink(tmp_path / "real" / "sub", tmp_path / "cwd" / "link")
+    monkeypatch.chdir(tmp_path / "cwd")
+    served = ec.serving.open("link/../c")
+    want = t.lookup(np.array([[1, 2]]))
+    for other in (copy.deepcopy(served), pickle.loads(pickle.dumps(served))):
+        np.testing.assert_array_equal(other.tables["t"].lookup(np.array([[1, 2]])), want)
+    torch = pytest.importorskip("torch")
+    et = pytest.importorskip("embedcore.adapters.torch")
+    cfgs = [et.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t", feature_names=["f"])]
+    module = et.ServedEmbeddingBagCollection("link/../c", cfgs)
+    x = {"f": torch.tensor([[1, 2]])}
+    for other in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        assert torch.equal(other(x)["f"], module(x)["f"])
