@@ -225,7 +225,7 @@ def _read_v2_var(src: str, var: str, names, variables, dim: Optional[int] = None
     if w.dtype.kind != "f":
         raise CheckpointError(f"{wpath}: weights must be floats, the header says {w.dtype}")
     n = len(keys)
-    if n == 0 or w.size % n:
+    if n == 0 or w.size % n or (n and not w.size):  # (0 values for n keys would be rows of 0 values)
         if not (n == 0 and w.size == 0):
             raise CheckpointError(f"{wpath}: {w.size} values do not split into {n} rows")
     d = w.size // n if n else (dim or 1)
@@ -239,6 +239,8 @@ def _read_v2_var(src: str, var: str, names, variables, dim: Optional[int] = None
         opt, slot = n2[len(var) + 1:].split("-", 1)
         spath = os.path.join(src, n2)
         _, header_slot, s = _read_v2(spath, 2)
+        if s.dtype.kind != "f":
+            raise CheckpointError(f"{spath}: optimizer state must be floats, the header says {s.dtype}")
         if s.size != values.size:
             raise CheckpointError(f"{spath}: {s.size} values, expected {values.size} (one per value)")
         if var_obj.optimizer not in (None, opt):

@@ -807,3 +807,26 @@ def test_saver_dumps_of_embeddings_keep_each_ones_features(tmp_path):
         ec.save(p, e)
         saver.dump_to_file(e.embedding_tables[[c for c in e.embedding_tables if c.name == "x"][0]], p)
         assert sorted(f.name for f in ec.serving.open(p).feature_config) == sorted("f_" + n for n in kept)
+
+
+def test_v2_weight_file_without_values_and_integer_slots_are_refused_naming_the_file(tmp_path):
+    """A v2 weight file holding its header only, beside keys (was: "TableConfig
+    'emb': dim must be >= 1, got 0", naming no file), and an optimizer-state
+    file whose header says integers (was: converted as accumulators), are
+    refused as the weights of another dtype are, naming the file; nothing is
+    written."""
+    keys = np.array([5, 9, 2])
+    os.makedirs(tmp_path / "a")
+    write_v2_file(tmp_path / "a" / "emb-key", "", KEY, "", keys, "int64")
+    write_v2_file(tmp_path / "a" / "emb-weight", "", VALUES, "", np.zeros(0), "float32")
+    with pytest.raises(ec.CheckpointError, match=f"{tmp_path / 'a' / 'emb-weight'}: 0 values do not split into 3 "
+                                                 "rows"):
+        ec.sok.convert(tmp_path / "a", tmp_path / "out")
+    os.makedirs(tmp_path / "b")
+    write_v2_file(tmp_path / "b" / "emb-key", "", KEY, "", keys, "int64")
+    write_v2_file(tmp_path / "b" / "emb-weight", "", VALUES, "", np.ones((3, 2)), "float32")
+    write_v2_file(tmp_path / "b" / "emb-Adagrad-accumulator", "", STATE, "accumulator", np.ones((3, 2)), "int64")
+    with pytest.raises(ec.CheckpointError, match=f"{tmp_path / 'b' / 'emb-Adagrad-accumulator'}: optimizer state "
+                                                 "must be floats, the header says int64"):
+        ec.sok.convert(tmp_path / "b", tmp_path / "out")
+    assert not os.path.lexists(tmp_path / "out")
