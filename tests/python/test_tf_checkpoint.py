@@ -841,3 +841,28 @@ def test_a_layer_nested_too_deeply_to_record_saves_its_tables(tmp_path):
     ec.save(tmp_path / "deep", serving)
     assert json.loads(ec.checkpoint.read_info(tmp_path / "deep").manifest_json)["metadata"] == {"kind": "table"}
     assert ec.serving.open(tmp_path / "deep").tables["t"].rows == 5
+
+
+def test_served_sparse_features_equal_tensorflow_s_once_pruned(tmp_path, rng):
+    """docs/tensorflow.md: the checkpoint serves sparse input with the
+    layer's (and TensorFlow's) outputs where nothing is pruned, and input
+    TensorFlow prunes (ids < 0; weights <= 0 under mean) once pruned as the
+    doc says; unpruned, a negative id is the served lookup's IndexError."""
+    t = E.TableConfig(vocabulary_size=12, dim=3, combiner="mean", name="t")
+    config = {"f": E.FeatureConfig(t)}
+    theirs, ours = pair(config, rng)
+    ec.save(tmp_path / "ck", ours)
+    served = ec.serving.open(tmp_path / "ck")
+    sp = tf.sparse.SparseTensor([[0, 0], [0, 1], [1, 0], [1, 1], [1, 2]], tf.constant([1, -1, 4, 5, 6], tf.int64),
+                                [3, 3])
+    w = tf.sparse.SparseTensor(sp.indices, tf.constant([1.0, 2.0, -0.5, 2.0, 3.0]), sp.dense_shape)
+    want = theirs({"f": sp}, weights={"f": w})["f"].numpy()
+    np.testing.assert_array_equal(ours({"f": sp}, weights={"f": w})["f"].numpy(), want)
+    with pytest.raises(IndexError, match="-1"):
+        served({"f": ec.Sparse(sp.indices.numpy(), sp.values.numpy(), sp.dense_shape.numpy())},
+               weights={"f": ec.Sparse(w.indices.numpy(), w.values.numpy(), w.dense_shape.numpy())})
+    keep = tf.logical_and(sp.values >= 0, w.values > 0)
+    sp2, w2 = tf.sparse.retain(sp, keep), tf.sparse.retain(w, keep)
+    got = served({"f": ec.Sparse(sp2.indices.numpy(), sp2.values.numpy(), sp2.dense_shape.numpy())},
+                 weights={"f": ec.Sparse(w2.indices.numpy(), w2.values.numpy(), w2.dense_shape.numpy())})["f"]
+    np.testing.assert_array_equal(got, want)
