@@ -827,3 +827,15 @@ def test_bag_gradients_are_the_output_gradient_itself_when_every_row_in_order():
         assert not np.shares_memory(got, dy)
         np.testing.assert_array_equal(got, dy[rows])
     assert _bag_gradients(dy[:0], np.zeros(0, np.int64)).shape == (0, 2)
+
+
+def test_negative_dense_ids_of_the_one_table_form_are_errors():
+    """docs/tensorflow.md: Embedding(input_dim, output_dim) refuses an id
+    outside [0, input_dim), a negative one too, naming it (Keras 3's take
+    reads -1 as the last row; a silent wrap of a bad id is not taken)."""
+    layer = Embedding(5, 2)
+    layer.build()
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"-1 is not in \[0, 5\)"):
+        layer(tf.constant([[-1, 2]]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"5 is not in \[0, 5\)"):
+        layer(tf.constant([[1, 5]]))
