@@ -82,6 +82,11 @@ def to_numpy(x, where: str) -> np.ndarray:
     if _is_torch_bfloat16(x):
         # DLPack and NumPy carry no bfloat16: widen it (exactly) in torch, on its device.
         return to_numpy(x.detach().float(), where)
+    if type(x).__module__ == "torch" and type(x).__name__ == "Tensor" and x.device.type == "cpu":
+        try:
+            return x.detach().numpy()  # the same view as DLPack's, in a quarter of its time (~0.5 us)
+        except (TypeError, RuntimeError):  # (a conjugate or negative view, a dtype NumPy lacks: DLPack's way)
+            pass
     tf_dtype = getattr(x, "dtype", None) if type(x).__module__.startswith("tensorflow") else None
     if getattr(tf_dtype, "is_quantized", False):  # (NumPy reads its raw ints: ids or values they are not)
         raise TypeError(f"{where} must be an array of numbers, got a TensorFlow tensor of the quantized dtype "
