@@ -103,6 +103,9 @@ def test_torch_tensors_are_read_in_place(rng):
         assert np.shares_memory(b.weights, w.numpy())
         b = make_batch(ec.Ragged(ids, offsets), weights=ec.Ragged(w, offsets))
         assert np.shares_memory(b.ids, ids.numpy())
+        b = make_batch(ids, offsets, w.requires_grad_(True))  # (read detached, in place)
+        assert np.shares_memory(b.weights, w.detach().numpy())
+        w.requires_grad_(False)
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn", None])
