@@ -425,16 +425,17 @@ def _windows(source, starts: List[int], nb: int):
 def _cpu_windows(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
                  combiner: int, padding_idx: int, include_last_offset: bool):
     """The most common calls, as the engine takes them, or None: pooled bags
-    of one CPU source with int64 offsets and no padding id, whole (a module's
+    of one CPU source with int32 / int64 offsets and no padding id, whole (a module's
     own call) or in windows of equally many bags (a KeyedJaggedTensor's
     features). One ``(ids, offsets, weights)`` of NumPy views per segment
     (see ``_windows``). The engine checks each window's ids and offsets
     itself; the general path (``_parts``) is only needed for an error's
-    message, and for padding ids, sequences and several sources."""
-    if combiner == SEQUENCE or padding_idx >= 0:
+    message, and for padding ids (a module's `padding_idx` when the call
+    holds it: without it, the same bits), sequences and several sources."""
+    if combiner == SEQUENCE:
         return None
     source = _cpu_source(ids, offsets, weights, include_last_offset)
-    if source is None:
+    if source is None or (padding_idx >= 0 and bool((source[0] == padding_idx).any())):
         return None
     bags = source[1].shape[0] - 1
     if len(segments) == 3 and segments[1] == 0 and segments[2] == bags:
