@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context  # eager_mode: an initializer's values inside a TF1-style graph
 from tensorflow.python.util import nest  # flatten_with_joined_string_paths: the paths TensorFlow matches features by
 
 import embedcore as ec
@@ -185,7 +186,9 @@ class TableSpec:
             # Eagerly, also when the table is first built inside a traced function (a subclassed Keras model's
             # first model.fit step, a first call inside tf.function): there the initializer's output would be a
             # symbolic tensor, which has no values to copy into the table.
-            with tf.init_scope():
+            with tf.init_scope(), contextlib.ExitStack() as scope:
+                if not tf.executing_eagerly():  # a TF1-style graph (tf.Graph().as_default()): no eager outside it
+                    scope.enter_context(context.eager_mode())
                 value = self.init_fn((self.rows, self.dim), dtype=tf.float32)
             table.assign(np.asarray(value.numpy() if hasattr(value, "numpy") else value, dtype=np.float32))
         return table

@@ -628,3 +628,25 @@ def test_an_optimizer_the_engine_cannot_follow_makes_a_table_without_one(optimiz
         serving.build()
     assert all(t.optimizer is None for t in serving._embedcore_tables())
     assert serving({"f": tf.constant([1, 2])})["f"].shape == (2, 2)
+
+
+def test_built_and_looked_up_inside_a_tf1_style_graph():
+    """Built inside tf.Graph().as_default() (TF1-style code, where
+    tf.init_scope is not eager), a table's TensorFlow initializer gives its
+    values (was: "Cannot convert a symbolic tf.Tensor to a numpy array"),
+    and a session runs the lookup as serving_embedding_lookup does."""
+    from embedcore.adapters.tf import EmbeddingForServing
+
+    values = np.arange(18, dtype=np.float32).reshape(6, 3)
+    t = E.TableConfig(6, 3, combiner="sum", name="t", initializer=tf.constant_initializer(values))
+    g = tf.Graph()
+    with g.as_default():
+        emb = EmbeddingForServing({"f": E.FeatureConfig(t)})
+        emb.build()
+        ids = tf.compat.v1.placeholder(tf.int64, [None])
+        splits = tf.compat.v1.placeholder(tf.int64, [None])
+        out = emb({"f": tf.RaggedTensor.from_row_splits(ids, splits)})["f"]
+        with tf.compat.v1.Session(graph=g) as s:
+            got = s.run(out, {ids: [1, 2, 5], splits: [0, 2, 3]})
+    np.testing.assert_array_equal(emb.embedding_tables[t].numpy(), values)
+    np.testing.assert_array_equal(got, [values[1] + values[2], values[5]])
