@@ -116,6 +116,9 @@ class TableHandle:
         return self if read_value else None
 
     def _assign(self, value) -> None:
+        if isinstance(value, (tf.Tensor, tf.Variable)) and value.dtype != tf.float32:  # tf.Variable.assign's rule
+            raise ValueError(f"cannot assign to '{self.name}': Tensor conversion requested dtype float32 for Tensor "
+                             f"with dtype {value.dtype.name} (cast it first: tf.cast(value, tf.float32))")
         if not tf.executing_eagerly():
             value = tf.convert_to_tensor(value, tf.float32)
             if not value.shape.is_compatible_with(self._shape):

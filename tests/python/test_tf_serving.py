@@ -278,6 +278,15 @@ def test_embedding_tables_act_as_tensors_like_tensorflows_variables(rng):
             np.testing.assert_array_equal(h.numpy(), np.full((ROWS, DIM), value, np.float32))
     with pytest.raises(ValueError, match="cannot assign a value of shape"):
         tf.function(lambda: handle.assign(tf.zeros([ROWS + 1, DIM])))()
+    # A tensor of another dtype is refused, as tf.Variable.assign refuses it (was: cast), eagerly and traced;
+    # NumPy float64 converts, as for a variable.
+    for h in (theirs.embedding_tables[table], handle):
+        for bad in (tf.fill([ROWS, DIM], tf.constant(1 / 3, tf.float64)), tf.ones([ROWS, DIM], tf.int32)):
+            for run in (lambda: h.assign(bad), tf.function(lambda: h.assign(bad))):
+                with pytest.raises(ValueError, match="requested dtype float32 for Tensor with dtype|wrong dtype"):
+                    run()
+        h.assign(np.full((ROWS, DIM), 0.25))
+        np.testing.assert_array_equal(h.numpy(), np.full((ROWS, DIM), 0.25, np.float32))
     # tf.Variable.assign's signature: read_value=False returns None (eagerly), use_locking and name are taken.
     for h in (theirs.embedding_tables[table], handle):
         assert h.assign(np.full((ROWS, DIM), 4.0, np.float32), read_value=False) is None
