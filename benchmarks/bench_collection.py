@@ -54,6 +54,13 @@ optimizer: lr 0.01, eps 1e-8, accumulators from 0):
   (TorchRec's unsharded collection has no fused optimizer: no ``torchrec``
   row here.)
 
+sequence (unpooled: each id's row, under ``torch.no_grad()``; the same
+tables as ``EmbeddingConfig``s):
+
+- ``embedcore``: ``embedcore.adapters.torch.EmbeddingCollection(configs)``
+  on the KJT (a dict of ``JaggedTensor``);
+- ``torchrec``: ``torchrec.EmbeddingCollection(tables=configs, device=cpu)``.
+
 Before timing, every forward is compared with TorchRec's (max |diff| <=
 1e-5) and one training step of every training contender, from the same
 start, with one step of TorchRec + SGD (every table's values, max |diff| <=
@@ -91,7 +98,8 @@ MULTIHOT_MAX = 20
 EPS = 1e-8  # row-wise Adagrad's (FBGEMM's default)
 CONTENDERS = {"forward": ("embedcore", "torchrec", "fbgemm"),
               "train": ("embedcore", "embedcore_unfused", "torchrec", "fbgemm"),
-              "train_rowwise": ("embedcore", "fbgemm")}
+              "train_rowwise": ("embedcore", "fbgemm"),
+              "sequence": ("embedcore", "torchrec")}
 
 
 def table_rows(i: int) -> int:
@@ -147,6 +155,8 @@ def main() -> int:
     configs = [torchrec.EmbeddingBagConfig(num_embeddings=table_rows(i), embedding_dim=DIM, name=f"t{i}",
                                            feature_names=[f"f{i}"]) for i in range(TABLES)]
     names = [c.name for c in configs]
+    seq_configs = [torchrec.EmbeddingConfig(num_embeddings=c.num_embeddings, embedding_dim=DIM, name=c.name,
+                                            feature_names=list(c.feature_names)) for c in configs]
 
     # ------------------------------------------------------------ modules
     C.log("building the modules ...")
@@ -170,11 +180,15 @@ def main() -> int:
         m["fbgemm"] = SplitTableBatchedEmbeddingBagsCodegen(specs, optimizer=EmbOptimType.EXACT_SGD,
                                                             learning_rate=LR, pooling_mode=PoolingMode.SUM)
         m["ec_rowwise"] = et.EmbeddingBagCollection(configs, optimizer=ec.optimizers.RowWiseAdagrad(LR, epsilon=EPS))
+        m["ec_seq"] = et.EmbeddingCollection(seq_configs)
+        m["torchrec_seq"] = torchrec.EmbeddingCollection(tables=seq_configs, device=torch.device("cpu"))
         m["fbgemm_rowwise"] = SplitTableBatchedEmbeddingBagsCodegen(
             specs, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS,
             pooling_mode=PoolingMode.SUM)
         for k in ("ec_fused", "ec_unfused", "torchrec", "ec_rowwise"):
             load([m[k].embedding_bags[n].weight for n in names])
+        for k in ("ec_seq", "torchrec_seq"):
+            load([m[k].embeddings[n].weight for n in names])
         load(m["fbgemm"].split_embedding_weights())
         load(m["fbgemm_rowwise"].split_embedding_weights())
         return m
@@ -187,6 +201,14 @@ def main() -> int:
         return [mod.embedding_bags[n].weight for n in names]
 
     def contenders(m, op, kjt, g):
+        if op == "sequence":
+            def rows(module):
+                def run():
+                    with torch.no_grad():
+                        out = module(kjt)
+                        return torch.cat([out[f"f{i}"].values() for i in range(TABLES)])
+                return run
+            return {"embedcore": rows(m["ec_seq"]), "torchrec": rows(m["torchrec_seq"])}
         if op == "forward":
             def fwd(f):
                 def run():
@@ -248,6 +270,11 @@ def main() -> int:
             if not diff <= TOL:
                 raise SystemExit(f"FAILED: {case}: the {name} forward differs from TorchRec's by {diff:.3e} "
                                  f"(shapes {tuple(got.shape)} / {tuple(want.shape)}; tolerance {TOL})")
+        seq = contenders(m, "sequence", kjt, g)
+        diff = float((seq["embedcore"]() - seq["torchrec"]()).abs().max())
+        checks[f"{case} sequence embedcore"] = diff
+        if not diff <= TOL:
+            raise SystemExit(f"FAILED: {case}: the EmbeddingCollection's rows differ from TorchRec's by {diff:.3e}")
         steps = contenders(m, "train", kjt, g)
         steps["torchrec"]()
         want = [t.detach().clone() for t in tables_of(m, "torchrec")]
@@ -288,7 +315,7 @@ def main() -> int:
     results, noise = [], {}
     m = build()  # fresh modules: the checks above stepped theirs
     for case, (kjt, g, nnz) in data.items():
-        for op in ("forward", "train", "train_rowwise"):
+        for op in ("forward", "train", "train_rowwise", "sequence"):
             C.log(f"timing {case} {op}: {repeats} rounds ...")
             timing = C.run_rounds(contenders(m, op, kjt, g), repeats, warmup, monitor_pids=[],
                                   max_seconds=max_seconds)
@@ -299,14 +326,15 @@ def main() -> int:
                 results.append({"case": case, "op": op, "contender": n, "nnz": nnz, **st,
                                 "ms": st["median_s"] * 1e3,
                                 "vs_torchrec": med[n] / med["torchrec"] if "torchrec" in med else None,
-                                "vs_fbgemm": med[n] / med["fbgemm"], "rounds": timing.used,
+                                "vs_fbgemm": med[n] / med["fbgemm"] if "fbgemm" in med else None,
+                                "rounds": timing.used,
                                 "samples_s": timing.samples[n]})
 
     # ------------------------------------------------------------ report
     total_rows = sum(c.num_embeddings for c in configs)
     print(f"\n{WORKLOAD}: {TABLES} tables x dim {DIM} float32 (1,000 + 3,000 i rows, {total_rows:,} in all), sum;"
           f" KeyedJaggedTensor, uniform ids; train = forward + backward + SGD (lr {LR}), train_rowwise the same "
-          f"with row-wise Adagrad (eps {EPS}); 1 thread; "
+          f"with row-wise Adagrad (eps {EPS}), sequence an EmbeddingCollection's rows; 1 thread; "
           f"median of {repeats} interleaved rounds")
     cols = [("case", "case", None), ("op", "op", None), ("contender", "contender", None), ("ms", "ms", "{:.3f}"),
             ("vs_torchrec", "time / torchrec", "{:.2f}x"), ("vs_fbgemm", "time / fbgemm", "{:.2f}x")]

@@ -423,7 +423,7 @@ def _windows(source, starts: List[int], nb: int):
 
 
 def _cpu_windows(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
-                 combiner: int, padding_idx: int, include_last_offset: bool):
+                 combiner: int, padding_idx: int, include_last_offset: bool, sequence: bool = False):
     """The most common calls, as the engine takes them, or None: pooled bags
     of one CPU source with int32 / int64 offsets and no padding id, whole (a module's
     own call) or in windows of equally many bags (a KeyedJaggedTensor's
@@ -431,8 +431,10 @@ def _cpu_windows(ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor]
     (see ``_windows``). The engine checks each window's ids and offsets
     itself; the general path (``_parts``) is only needed for an error's
     message, and for padding ids (a module's `padding_idx` when the call
-    holds it: without it, the same bits), sequences and several sources."""
-    if combiner == SEQUENCE:
+    holds it: without it, the same bits), several sources, and sequences
+    but with `sequence` (the forward's rows of a window: an
+    ``EmbeddingCollection``'s KJT features)."""
+    if combiner == SEQUENCE and not sequence:
         return None
     source = _cpu_source(ids, offsets, weights, include_last_offset)
     if source is None or (padding_idx >= 0 and bool((source[0] == padding_idx).any())):
@@ -598,9 +600,12 @@ def _lookup_outputs(table, dim: int, ids: List[Tensor], offsets: List[Tensor], w
     table); an id out of range raises ``IndexError`` naming the table, the
     id, its position in the caller's tensor and (`features`: segment k's
     is ``features[k]``) its feature."""
-    windows = _cpu_windows(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
+    windows = _cpu_windows(ids, offsets, weights, segments, combiner, padding_idx, include_last_offset, True)
     if windows is not None:
         try:
+            if combiner == SEQUENCE:  # each id's row (sequences take no weights)
+                return [torch.from_numpy(table._native_lookup(a, off, None, SEQUENCE, 0, None))
+                        for a, off, _ in windows]
             return [torch.from_numpy(table._native_lookup(*w, combiner, 0, None)) for w in windows]
         except (IndexError, ValueError, TypeError):
             pass  # the general path below raises the error, with the caller's positions

@@ -461,6 +461,47 @@ def test_embedding_collection_matches_torchrec(rng, torchrec, need_indices):
                 assert b[k].weights_or_none() is None and a[k].weights_or_none() is None
 
 
+@pytest.mark.parametrize("offsets_dtype", [torch.int64, torch.int32])
+def test_embedding_collection_kjt_rows_come_straight_from_the_engine(rng, torchrec, monkeypatch, tmp_path,
+                                                                    offsets_dtype):
+    """An EmbeddingCollection's KJT features (and a served one's) are each
+    table's rows of its windows of the KJT, read straight from the engine
+    (were cut out by the general path, re-checking the whole KJT for every
+    table: 1.45 ms for 26 tables at batch 16, 0.86 now); TorchRec's values,
+    forward and fused backward; a bad id is still named by the general
+    path."""
+    from embedcore.adapters.torch import _ops
+
+    cfgs = [torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f3"]),
+            torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t2", feature_names=["f2"])]
+    ref = torchrec.EmbeddingCollection(cfgs)
+    ours = et.EmbeddingCollection(cfgs, optimizer=ec.optimizers.SGD(0.5))
+    ours.load_state_dict(ref.state_dict())
+    ec.save(tmp_path / "c", et.tables_of(ours))
+    served = et.ServedEmbeddingCollection(tmp_path / "c", cfgs)
+    kjt = _kjt(torchrec, rng, ["f1", "f2", "f3"], {"f1": 30, "f2": 30, "f3": 30}, 7)
+    kjt = torchrec.KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), offsets=kjt.offsets().to(offsets_dtype))
+    real_parts, used = _ops._parts, []
+    monkeypatch.setattr(_ops, "_parts", lambda *a: used.append(1) or real_parts(*a))
+    a = ref(kjt)
+    for module in (served, ours):
+        b = module(kjt)
+        for k in a:
+            assert torch.equal(b[k].values(), a[k].values()) and torch.equal(b[k].lengths(), a[k].lengths())
+    assert not used
+    sum(v.values().sum() for v in ours(kjt).values()).backward()  # fused SGD: each id's row -= 0.5 per use
+    expected = {t: ref.embeddings[t].weight.detach().clone() for t in ("t1", "t2")}
+    for f, t in (("f1", "t1"), ("f3", "t1"), ("f2", "t2")):
+        expected[t].index_add_(0, kjt[f].values(), torch.full((len(kjt[f].values()), 4), -0.5))
+    for t in ("t1", "t2"):
+        torch.testing.assert_close(ours.embeddings[t].weight, expected[t], rtol=0, atol=1e-6)
+    bad = torchrec.KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat([kjt.values()[:-1], torch.tensor([30])]),
+                                     offsets=kjt.offsets())
+    for module in (served, ours):
+        with pytest.raises(IndexError, match="30"):
+            module(bad)
+
+
 def test_state_dict_into_torchrec(rng, torchrec):
     ours = et.EmbeddingBagCollection(_configs(), optimizer=ec.optimizers.Adagrad(0.1))
     ref = torchrec.EmbeddingBagCollection([torchrec.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1",
