@@ -414,6 +414,12 @@ void ApplyGradientsCuda(Table& t, const std::vector<CudaPartTuple>& parts, float
     CheckOnDevice(t, offsets.device_id(), "offsets");
     if (weights) CheckOnDevice(t, weights->device_id(), "weights");
     CheckOnDevice(t, grads.device_id(), "grads");
+    // As the host steps (HostParts): an input viewing the table's memory (device addresses, one space) would be
+    // read while the kernels write it.
+    CheckNotTableMemory(t, grads.data(), grads.nbytes(), "grads");
+    CheckNotTableMemory(t, ids.data(), ids.nbytes(), "ids");
+    CheckNotTableMemory(t, offsets.data(), offsets.nbytes(), "offsets");
+    if (weights) CheckNotTableMemory(t, weights->data(), weights->nbytes(), "weights");
     native.push_back(MakePart(t, ids, offsets, weights, combiner, max_len, grads, false));
   }
   ReleaseGil release;

@@ -40,7 +40,10 @@ void* AllocateScratch(size_t bytes, cudaStream_t stream, bool* pooled) {
     cudaGetLastError();
     if (err == cudaErrorMemoryAllocation)
       throw OutOfMemory("cudaMallocAsync: cannot allocate " + std::to_string(bytes) + " bytes of scratch on the GPU");
-    pools_work.store(false, std::memory_order_relaxed);  // e.g. cudaErrorNotSupported: use cudaMalloc from now on
+    // Pools unsupported (a driver or device without them): cudaMalloc from now on. Any other error (a sticky
+    // one from another kernel, a bad stream) is the call's, not the pools'.
+    if (err != cudaErrorNotSupported) EC_CUDA(err);
+    pools_work.store(false, std::memory_order_relaxed);
   }
   *pooled = false;
   const cudaError_t err = cudaMalloc(&p, bytes);
@@ -82,10 +85,15 @@ void* Allocate(size_t bytes, int device) {
                       std::to_string(device));
   }
   EC_CUDA(err);
-  EC_CUDA(cudaMemset(p, 0, bytes));
-  // Memsets and pageable copies run on the legacy stream, which a caller's
-  // non-blocking stream does not wait for: finish them before returning.
-  EC_CUDA(cudaDeviceSynchronize());
+  try {
+    EC_CUDA(cudaMemset(p, 0, bytes));
+    // Memsets and pageable copies run on the legacy stream, which a caller's
+    // non-blocking stream does not wait for: finish them before returning.
+    EC_CUDA(cudaDeviceSynchronize());
+  } catch (...) {
+    cudaFree(p);  // (not leaked when the memset or a pending error fails the call)
+    throw;
+  }
   return p;
 }
 

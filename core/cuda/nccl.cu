@@ -124,17 +124,25 @@ void NcclTransport::AllToAllV(const void* send, const std::vector<uint64_t>& sen
   const cudaStream_t s = AsStream(stream);
   uint64_t so = 0, ro = 0;
   CheckNccl(api, api.GroupStart(), "ncclGroupStart");
-  for (int peer = 0; peer < impl_->size; ++peer) {
-    if (send_bytes[peer] > 0)
-      CheckNccl(api, api.Send(static_cast<const char*>(send) + so, send_bytes[peer], ncclUint8, peer, impl_->comm, s),
-                "ncclSend");
-    if (recv_bytes[peer] > 0)
-      CheckNccl(api, api.Recv(static_cast<char*>(recv) + ro, recv_bytes[peer], ncclUint8, peer, impl_->comm, s),
-                "ncclRecv");
+  // The group is ended whatever fails inside it: NCCL's group depth is the thread's, and a group left open would
+  // swallow the next collective's calls.
+  ncclResult_t failed = ncclSuccess;
+  const char* failed_call = "";
+  for (int peer = 0; peer < impl_->size && failed == ncclSuccess; ++peer) {
+    if (send_bytes[peer] > 0) {
+      failed = api.Send(static_cast<const char*>(send) + so, send_bytes[peer], ncclUint8, peer, impl_->comm, s);
+      failed_call = "ncclSend";
+    }
+    if (failed == ncclSuccess && recv_bytes[peer] > 0) {
+      failed = api.Recv(static_cast<char*>(recv) + ro, recv_bytes[peer], ncclUint8, peer, impl_->comm, s);
+      failed_call = "ncclRecv";
+    }
     so += send_bytes[peer];
     ro += recv_bytes[peer];
   }
-  CheckNccl(api, api.GroupEnd(), "ncclGroupEnd");
+  const ncclResult_t ended = api.GroupEnd();
+  CheckNccl(api, failed, failed_call);
+  CheckNccl(api, ended, "ncclGroupEnd");
   EC_CUDA(cudaStreamSynchronize(s));
   ncclResult_t async = ncclSuccess;
   CheckNccl(api, api.CommGetAsyncError(impl_->comm, &async), "ncclCommGetAsyncError");

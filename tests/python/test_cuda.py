@@ -221,6 +221,62 @@ def test_gpu_errors_are_clear():
 
 
 @needs_gpu
+def test_gpu_step_inputs_viewing_the_table_are_refused():
+    """A step's gradients (ids, offsets, weights) that view the table's own
+    memory are refused, as on the host: the kernels would read rows other
+    blocks are writing (a result that depends on the schedule)."""
+    import torch
+
+    t = ec.Table(name="v", rows=4, dim=13, optimizer=ec.optimizers.SGD(0.1), device="cuda")
+    before = t.to_numpy()
+    view = torch.from_dlpack(t._native.device_values())[:2]
+    ids, offsets = torch.tensor([1, 0], device="cuda"), torch.tensor([0, 1, 2], device="cuda")
+    with pytest.raises(ValueError, match="grads overlaps the values of table 'v'"):
+        t.apply_gradients(ids, offsets, view, combiner="sum")
+    np.testing.assert_array_equal(t.to_numpy(), before)
+    assert t.step == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_of_a_dense_sequence_of_width_zero(device):
+    """[batch, 0] ids look up to [batch, 0, dim], and the step of that
+    output's gradient is a step (no row changes), on the GPU as on the CPU
+    (the GPU asked for a (0, dim) gradient)."""
+    t = _table(device, optimizer=ec.optimizers.SGD(0.1))
+    ids = _to(device, np.zeros((4, 0), np.int64))
+    out = t.lookup(ids, combiner=None)
+    assert tuple(out.shape) == (4, 0, 13)
+    before = t.to_numpy()
+    grads = _to(device, np.zeros((4, 0, 13), np.float32))
+    t.apply_gradients(ids, grads=grads, combiner=None)
+    assert t.step == 1
+    np.testing.assert_array_equal(t.to_numpy(), before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_embedding_step_uses_the_ids_of_its_lookup_not_the_buffer_refilled_since(device):
+    """The ids (and weights) a lookup keeps for the step are copies, on the
+    GPU as on the CPU: a caller that refills its id buffer in place (a
+    prefetching loader) before the step still updates the looked-up rows."""
+    def make(dev):
+        t = ec.TableConfig("a", 50, 8, initializer=ec.initializers.Uniform(-1, 1, seed=1), combiner="sum")
+        return ec.Embedding({"x": ec.FeatureConfig(t)}, ec.optimizers.SGD(0.5),
+                            device=None if dev == "cpu" else "cuda:0")
+
+    ref, emb = make("cpu"), make(device)
+    ids = np.array([[1, 2], [3, 4]], np.int64)
+    buf = _to(device, ids.copy())
+    out = emb({"x": buf})
+    buf[...] = 7  # refilled in place before the step
+    emb.apply_gradients({"x": _to(device, np.ones((2, 8), np.float32))})
+    ref({"x": ids})
+    ref.apply_gradients({"x": np.ones((2, 8), np.float32)})
+    got = next(iter(emb.embedding_tables.values())).to_numpy()
+    np.testing.assert_array_equal(got, next(iter(ref.embedding_tables.values())).to_numpy())
+    assert tuple(out["x"].shape) == (2, 8)
+
+
+@needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_gpu_checkpoints_are_the_cpu_format(tmp_path, dtype):
     gpu = _table("cuda", dtype, ec.optimizers.Adam(0.01))
