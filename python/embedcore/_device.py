@@ -156,6 +156,16 @@ def cuda_batch(device: int, ids, offsets=None, weights=None, where: str = "ids")
     return ids, offsets, weights, ids, width
 
 
+def owned(x):
+    """A copy of the CUDA tensor `x` (None stays None), on the caller's
+    current stream: what a lookup keeps for the step, which the caller may
+    refill in place before it (as the host lookups keep copies)."""
+    if x is None:
+        return None
+    name, _ = _framework(x)
+    return x.clone() if name == "torch" else x.copy()
+
+
 def empty(like, shape, device: int):
     name, fw = _framework(like)
     if name == "torch":

@@ -135,7 +135,7 @@ class Embedding(FeatureLookup):
 
     def _cuda_lookup(self, flat_inputs, flat_weights):
         """Every feature's lookup on the GPU (CUDA tensors in and out)."""
-        outputs, parts = [], []
+        outputs, parts, trains = [], [], self._trains
         for name, f, x, w in zip(self._feature_names, self._features, flat_inputs, flat_weights):
             table = self._tables[f.table]
             ids, offsets, weights, ref, _ = _device.cuda_batch(table._device, x, None, w,
@@ -146,8 +146,9 @@ class Embedding(FeatureLookup):
                 outputs.append(table._cuda_lookup_batch((ids, offsets, weights, ref, None), combiner, length))
             except (IndexError, ValueError) as e:
                 raise in_callers_terms(e, where=f"features[{name!r}]") from None
-            parts.append((ids, offsets, weights, combiner, length))
-        self._last = parts if self._trains else None
+            if trains:  # copies, as the host lookups keep: the caller may refill its id buffers before the step
+                parts.append((_device.owned(ids), _device.owned(offsets), _device.owned(weights), combiner, length))
+        self._last = parts if trains else None
         return outputs  # (flat: lookup packs them)
 
     @property

@@ -486,15 +486,20 @@ class Table(LookupMixin):
     def _cuda_part_batch(self, batch: tuple, combiner, max_sequence_length, grads) -> tuple:
         """_cuda_part of a batch already on this table's device (as _cuda_lookup_batch)."""
         ids, offsets, weights, ref, width = batch
-        if combiner is None and max_sequence_length == 0 and width:
-            max_sequence_length = width
-        shape = self._cuda_shape(ids, offsets, combiner, max_sequence_length)
+        flat = None  # [batch, 0, dim]: no ids (a dense input of width 0), a step all the same, as on the CPU
+        if combiner is None and max_sequence_length == 0 and width is not None:
+            if width == 0:
+                flat = (0, self.dim)
+            else:
+                max_sequence_length = width
+        shape = (int(offsets.shape[0]) - 1, 0, self.dim) if flat else self._cuda_shape(ids, offsets, combiner,
+                                                                                       max_sequence_length)
         if not _device.is_cuda_array(grads):
             raise TypeError(f"table '{self._name}' is on {self.device}: grads must be a CUDA tensor")
         if tuple(grads.shape) != shape:
             raise ValueError(f"table '{self._name}': grads must have shape {shape} (the lookup's output), "
                              f"got {tuple(grads.shape)}")
-        g = _device._as(grads, "float32", "grads").reshape(shape)
+        g = _device._as(grads, "float32", "grads").reshape(flat or shape)
         return (ids, offsets, weights, _COMBINER_CODE[combiner], int(max_sequence_length), g, ref)
 
     def _cuda_apply(self, parts, learning_rate: Optional[float] = None) -> None:

@@ -8,6 +8,7 @@ NCCL's unique id comes from rank 0 over one of: another communicator
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
@@ -89,11 +90,16 @@ def init_nccl(bootstrap: Optional[Comm] = None, store=None, file: Optional[str] 
     if bootstrap is not None:
         uid = bootstrap.all_gather(uid)[0]
     elif store is not None:
+        # One key per init on this store: each rank counts its inits there, and no rank starts its next one
+        # before every rank has read this one's id (NCCL's init waits for them all), so the count // size is
+        # the same on every rank, and a key an earlier init left is never read as this one's.
+        generation = (int(store.add(f"{_KEY}/inits", 1)) - 1) // size
+        key = f"{_KEY}/{generation}"
         if rank == 0:
-            store.set(_KEY, uid)
+            store.set(key, uid)
         else:
-            store.wait([_KEY])
-            uid = store.get(_KEY)
+            store.wait([key])
+            uid = store.get(key)
     else:
         if rank == 0:
             tmp = f"{file}.tmp.{os.getpid()}"
@@ -118,4 +124,9 @@ def init_nccl(bootstrap: Optional[Comm] = None, store=None, file: Optional[str] 
     if device is None:
         devices = _embedcore.build_info()["cuda_devices"]
         device = int(os.environ.get("LOCAL_RANK", rank)) % max(devices, 1)
-    return NcclComm(rank, size, device, bytes(uid), lib)
+    comm = NcclComm(rank, size, device, bytes(uid), lib)
+    if file is not None and rank == 0:
+        # Every rank has read it (NCCL's init waited for them all): a later init's ranks must not find this id.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(file)
+    return comm
