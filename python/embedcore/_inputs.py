@@ -8,6 +8,7 @@ every error.
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -79,14 +80,20 @@ def to_numpy(x, where: str) -> np.ndarray:
     """A NumPy view of `x` (DLPack or buffer protocol), or a converted copy."""
     if isinstance(x, np.ndarray):  # a subclass (np.matrix keeps 2 dimensions through reshape): its plain array
         return x if type(x) is np.ndarray else np.asarray(x)
-    if _is_torch_bfloat16(x):
-        # DLPack and NumPy carry no bfloat16: widen it (exactly) in torch, on its device.
-        return to_numpy(x.detach().float(), where)
-    if type(x).__module__ == "torch" and type(x).__name__ == "Tensor" and x.device.type == "cpu":
-        try:
-            return x.detach().numpy()  # the same view as DLPack's, in a quarter of its time (~0.5 us)
-        except (TypeError, RuntimeError):  # (a conjugate or negative view, a dtype NumPy lacks: DLPack's way)
-            pass
+    torch = sys.modules.get("torch")  # (imported by the caller if x is its tensor; embedcore never imports it)
+    if torch is not None and isinstance(x, torch.Tensor):  # a Parameter, a subclass too: read detached
+        if x.requires_grad:
+            x = x.detach()
+        if x.dtype is torch.bfloat16:
+            # DLPack and NumPy carry no bfloat16: widen it (exactly) in torch, on its device.
+            return to_numpy(x.float(), where)
+        if x.is_neg() or x.is_conj():  # (a lazy negation or conjugation, which DLPack and numpy() do not apply)
+            x = x.resolve_conj().resolve_neg()
+        if x.is_cpu:
+            try:
+                return x.numpy()  # the same view as DLPack's, in a quarter of its time (~0.5 us)
+            except (TypeError, RuntimeError):  # (a dtype NumPy lacks, a fake or functional tensor: DLPack's way)
+                pass
     tf_dtype = getattr(x, "dtype", None) if type(x).__module__.startswith("tensorflow") else None
     if getattr(tf_dtype, "is_quantized", False):  # (NumPy reads its raw ints: ids or values they are not)
         raise TypeError(f"{where} must be an array of numbers, got a TensorFlow tensor of the quantized dtype "
@@ -110,10 +117,6 @@ def _tf_not_numeric(dtype) -> bool:
     if dtype is None:
         return False
     return not any(getattr(dtype, k, False) for k in ("is_integer", "is_floating", "is_bool", "is_complex"))
-
-
-def _is_torch_bfloat16(x) -> bool:
-    return type(x).__module__.startswith("torch") and str(getattr(x, "dtype", "")) == "torch.bfloat16"
 
 
 def _is_bfloat16(dtype: np.dtype) -> bool:

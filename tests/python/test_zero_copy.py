@@ -106,6 +106,14 @@ def test_torch_tensors_are_read_in_place(rng):
         b = make_batch(ids, offsets, w.requires_grad_(True))  # (read detached, in place)
         assert np.shares_memory(b.weights, w.detach().numpy())
         w.requires_grad_(False)
+        p = torch.nn.Parameter(w.clone())  # a Parameter (a Tensor subclass) too (was: "requires grad" TypeError)
+        b = make_batch(ids, offsets, p)
+        assert np.shares_memory(b.weights, p.detach().numpy())
+    # A lazily negated view is read with its sign (DLPack and numpy() ignore the negative bit: was +2, +4).
+    neg = torch.tensor([1 + 2j, 3 + 4j]).conj().imag
+    assert neg.is_neg()
+    b = make_batch(np.array([1, 2]), np.array([0, 2]), neg)
+    np.testing.assert_array_equal(b.weights, [-2.0, -4.0])
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn", None])
