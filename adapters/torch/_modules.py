@@ -661,12 +661,7 @@ class _TableModule(_AdapterModule):
 
     def _lookup(self, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
                 combiner: int, include_last_offset: bool) -> List[Tensor]:
-        if torch.jit.is_tracing() and any(isinstance(n, Tensor) for n in segments):
-            # A bag count from a traced shape (PyTorch's internal assert otherwise); as a Python int it would
-            # be fixed at the trace, and another batch size would be looked up wrongly.
-            raise NotImplementedError(
-                f"{type(self).__name__}: torch.jit.trace of pooled lookups is not supported (the number of bags "
-                "would be fixed at the trace); use torch.compile or torch.export")
+        _ops.refuse_traced_bag_counts(type(self).__name__, segments)
         weight = self._parameters["weight"]  # (as _anchor_and_mode: self.weight is nn.Module.__getattr__)
         on_cpu = weight.is_cpu  # (cheaper than comparing devices: this runs on caches a lookup left cold)
         for group, what in ((ids, "ids"), (offsets, "offsets"), (weights, "per_sample_weights")):

@@ -638,6 +638,16 @@ def float16_autocast(device_type: str) -> bool:
     return False
 
 
+def refuse_traced_bag_counts(owner: str, segments: List) -> None:
+    """NotImplementedError under ``torch.jit.trace`` when a bag count of
+    `segments` is a traced shape (a tensor: PyTorch's internal assert in the
+    op's ``int[]``); as a Python int it would be fixed at the trace, and
+    another batch size would be looked up wrongly."""
+    if torch.jit.is_tracing() and any(isinstance(n, Tensor) for n in segments):
+        raise NotImplementedError(f"{owner}: torch.jit.trace of pooled lookups is not supported (the number of "
+                                  "bags would be fixed at the trace); use torch.compile or torch.export")
+
+
 def plain_eager(tensors: List[Tensor]) -> bool:
     """Whether a call on `tensors` may skip the custom ops' dispatch (schema
     checks, pytree, the generated autograd) and run their bodies directly

@@ -124,6 +124,7 @@ class _ServedCollection(nn.Module):
 
     def _table_lookup(self, i: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
                       segments: List[int], combiner: int) -> List[Tensor]:
+        _ops.refuse_traced_bag_counts(self._owner, segments)
         weights = [w.detach() for w in weights]
         # Eagerly, the op's body without the dispatcher (the same code and results).
         op = _ops.served_lookup_impl if _ops.plain_eager([*ids, *offsets, *weights]) else _ops.served_lookup

@@ -473,5 +473,18 @@ def test_jit_script_and_pooled_jit_trace_are_refused_clearly(tmp_path):
         torch.jit.trace(bag, (ids, offsets))
     with pytest.raises(NotImplementedError, match="torch.jit.trace of pooled lookups is not supported"):
         torch.jit.trace(ebc, ({"f": torch.tensor([[1, 2], [3, 4]])},), strict=False)
+    torchrec = pytest.importorskip("torchrec")
+
+    class FromLengths(torch.nn.Module):  # a KJT made inside the traced function: its bag counts are traced
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, values, lengths):
+            return self.m(torchrec.KeyedJaggedTensor(keys=["f"], values=values, lengths=lengths)).values()
+
+    for m, owner in ((ebc, "EmbeddingBag"), (served, "ServedEmbeddingBagCollection")):
+        with pytest.raises(NotImplementedError, match=f"{owner}: torch.jit.trace of pooled lookups"):
+            torch.jit.trace(FromLengths(m), (torch.tensor([1, 2, 3]), torch.tensor([2, 1])), check_trace=False)
     traced = torch.jit.trace(emb, (ids,))
     torch.testing.assert_close(traced(torch.tensor([5, 0, 9])), emb(torch.tensor([5, 0, 9])))
