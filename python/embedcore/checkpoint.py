@@ -329,6 +329,14 @@ def _remove_if_created_and_empty(path: str, created: bool) -> None:
             os.rmdir(path)
 
 
+def absolute_path(path: str) -> str:
+    """`path` made absolute as the system reads it: the working directory
+    joined in front, not ``os.path.abspath``'s textual normalisation, which
+    makes "link/.." the link's own parent where the system goes to the link
+    target's."""
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+
 def native_path(path, what: str = "path") -> str:
     """`path` (str, bytes or os.PathLike) as the str the engine takes; a
     ValueError names a path with a NUL byte (the system would cut it there)

@@ -43,12 +43,12 @@ def run(steps: int = 300, batch_size: int = 1024, threads=None, seed: int = 0, c
     if seed < 0:
         raise ValueError(f"demo: seed must be >= 0, got {seed}")
     if checkpoint is not None:  # before training, not after it: "" is no directory to keep the model in
-        from .checkpoint import check_destination, native_path
+        from .checkpoint import absolute_path, check_destination, native_path
         checkpoint = native_path(checkpoint, "demo: checkpoint")
         check_destination(checkpoint)  # another program's MANIFEST: refused whatever `overwrite` says
         if os.path.lexists(os.path.join(checkpoint, "MANIFEST")) and not overwrite:
             raise ValueError(f"demo: {checkpoint} already holds a checkpoint; pass --overwrite to replace it")
-        parent = os.path.dirname(os.path.abspath(checkpoint))
+        parent = os.path.dirname(absolute_path(checkpoint))
         if not os.path.isdir(parent):
             raise ValueError(f"demo: checkpoint {checkpoint}: no directory {parent} to save it in")
         if os.path.exists(checkpoint) and not os.path.isdir(checkpoint):

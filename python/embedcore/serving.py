@@ -31,7 +31,6 @@ A forked child serves the parent's handle.
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from collections.abc import Hashable
 from typing import Dict, Optional
@@ -40,7 +39,7 @@ import numpy as np
 
 from . import _embedcore
 from . import _nest
-from .checkpoint import CheckpointError, config_from_json, native_path
+from .checkpoint import CheckpointError, absolute_path, config_from_json, native_path
 from .config import FeatureConfig
 from .embedding import FeatureLookup
 from .table import LookupMixin, _bfloat16_dtype
@@ -119,9 +118,7 @@ class ServedCheckpoint(FeatureLookup):
             raise ValueError(f"verify must be True, 'lazy', 'eager' or False, got {verify!r}")
         path = native_path(path)
         self._mapped = _embedcore.MappedCheckpoint(path, _VERIFY[verify])
-        # (for __reduce__) Not os.path.abspath, which makes "link/.." the link's own parent, where the system
-        # (and the engine) goes to the link target's.
-        self._verify, self._abspath = verify, path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+        self._verify, self._abspath = verify, absolute_path(path)  # (for __reduce__)
         try:
             self._describe(self._mapped.info)
         except CheckpointError:

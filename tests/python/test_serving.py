@@ -451,3 +451,9 @@ def test_copies_of_a_checkpoint_opened_through_a_symlink_and_dotdot(tmp_path, mo
     x = {"f": torch.tensor([[1, 2]])}
     for other in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
         assert torch.equal(other(x)["f"], module(x)["f"])
+    # The demo's check of the checkpoint's parent reads the path as the system does too (was: "no directory").
+    (tmp_path / "real" / "newdir").mkdir()
+    from embedcore import demo
+
+    assert demo.run(steps=1, batch_size=8, checkpoint="link/../newdir/ckpt") == 0
+    assert (tmp_path / "real" / "newdir" / "ckpt" / "MANIFEST").exists()

@@ -21,7 +21,7 @@ from typing import List, Optional
 from .. import _embedcore
 from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_padding, _check_values_dtype, _copy_block, _locked,
                           _metadata, _quantized_tables, _remove_if_created_and_empty, _scratch_dtype, _slot_counts,
-                          _table_config_json, native_path, resolved_path)
+                          _table_config_json, absolute_path, native_path, resolved_path)
 from ._comm import RankFailedError, agree
 from ._plan import make_plan
 
@@ -99,7 +99,7 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
             error = e
     # The arguments that decide what each rank writes are compared in the same step: every rank's files go
     # where rank 0 commits them, and rank 0's manifest describes every rank's files (their slots, their dtype).
-    mine = (os.path.abspath(path), bool(include_optimizer), values_dtype,
+    mine = (absolute_path(path), bool(include_optimizer), values_dtype,
             "Saver.dump_to_file" if keep else "embedcore.save")
     try:
         answers = agree(comm, error, (generation, order, mine), step=emb.step_name("save: generation"))
