@@ -82,6 +82,10 @@ def to_numpy(x, where: str) -> np.ndarray:
         return x if type(x) is np.ndarray else np.asarray(x)
     torch = sys.modules.get("torch")  # (imported by the caller if x is its tensor; embedcore never imports it)
     if torch is not None and isinstance(x, torch.Tensor):  # a Parameter, a subclass too: read detached
+        if _functorch_wrapped(torch, x):  # (its DLPack memory is not its values: functionalize's read garbage)
+            raise TypeError(f"{where}: a tensor inside a torch.func transform (functionalize, vmap, grad) holds "
+                            "no memory embedcore can read: call embedcore outside the transform, or through the "
+                            "PyTorch adapter's modules (custom ops)")
         if x.requires_grad:
             x = x.detach()
         if x.dtype is torch.bfloat16:
@@ -107,6 +111,11 @@ def to_numpy(x, where: str) -> np.ndarray:
         return np.asarray(x)
     except Exception as e:  # noqa: BLE001 - report what could not be read, and where
         raise TypeError(f"{where} must be an array, got {type(x).__name__}: {e}") from None
+
+
+def _functorch_wrapped(torch, x) -> bool:
+    is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return bool(is_wrapped(x)) if is_wrapped is not None else False
 
 
 def _tf_not_numeric(dtype) -> bool:

@@ -184,3 +184,19 @@ def test_a_lookup_output_in_the_table_s_own_memory_is_refused():
         t.lookup(ids, offsets, out=slot[:10])
     np.testing.assert_array_equal(t.values(), before)
     assert t.lookup(ids, offsets, out=np.empty((10, 4), np.float32)).shape == (10, 4)
+
+
+def test_tensors_inside_a_torch_func_transform_are_refused():
+    """A tensor inside torch.func.functionalize (or vmap) has no memory of
+    its values: refused, naming the argument (functionalize's were read as
+    garbage: ids and offsets of another tensor's memory)."""
+    torch = pytest.importorskip("torch")
+    t = make_table(10, 2)
+
+    def f(ids, offsets):
+        return torch.from_numpy(t.lookup(ids, offsets))
+
+    ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 3])
+    for transform in (torch.func.functionalize, lambda g: torch.vmap(g, in_dims=(0, None))):
+        with pytest.raises(TypeError, match="ids: a tensor inside a torch.func transform"):
+            transform(f)(ids if transform is torch.func.functionalize else ids.reshape(1, 3), offsets)
