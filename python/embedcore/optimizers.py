@@ -15,6 +15,11 @@ carry TensorFlow's names. Common options:
 - ``weight_decay_factor``: decoupled decay ``w -= wd * w`` of the rows that
   are updated, before the update (times the learning rate with
   ``multiply_weight_decay_factor_by_learning_rate=True``).
+
+An optimizer's options are fixed once made (``AttributeError``): a table
+copies them when it is made, and a checkpoint records them. Only
+``learning_rate`` may be set again (a number or a schedule, read at every
+step).
 """
 from __future__ import annotations
 
@@ -114,6 +119,21 @@ class Optimizer:
         else:
             c = _number(name, "clipvalue", clipvalue, minimum=0)
             self.clipvalue = (-c, c)
+
+    def __setattr__(self, name: str, value) -> None:
+        """The options are fixed once set: a table copies them when it is
+        made and a checkpoint records them, so a later change would be
+        recorded but not run (it was). ``learning_rate`` alone may change
+        (a number or a schedule, read at every step, as Keras users set an
+        optimizer's), checked as when made."""
+        if name == "learning_rate":
+            if not callable(value):
+                value = _number(type(self).__name__, "learning_rate", value)
+        elif not name.startswith("_") and name in self.__dict__:
+            raise AttributeError(f"{type(self).__name__}: {name} cannot change once set (a table runs the value "
+                                 "it copied when it was made, and a checkpoint records it): make a new "
+                                 f"{type(self).__name__} (learning_rate alone may change, read at every step)")
+        super().__setattr__(name, value)
 
     def learning_rate_at(self, step: int) -> float:
         """The learning rate of the update that follows `step` earlier ones."""

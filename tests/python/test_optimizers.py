@@ -641,3 +641,27 @@ def test_set_optimizer_keeps_values_and_starts_fresh_slots(rng):
     np.testing.assert_array_equal(after["values"], before["values"])
     np.testing.assert_array_equal(after["slots"]["row_accumulators"], before["slots"]["row_accumulators"])
     assert after["step"] == before["step"] and type(table.optimizer) is ec.optimizers.RowWiseAdagrad
+
+
+def test_options_are_fixed_once_set_but_the_learning_rate():
+    """A table copies its optimizer's options when made and a checkpoint
+    records the object's: a later change of epsilon or clipvalue was
+    recorded but never run. They are fixed now (AttributeError naming
+    them); learning_rate may change (read at every step), checked as when
+    made, and the step uses the new one."""
+    opt = ec.optimizers.Adagrad(0.1, epsilon=0.0)
+    t = ec.Table(name="t", rows=4, dim=2, initializer=ec.initializers.Constant(1.0), optimizer=opt)
+    for name, value in (("epsilon", 5.0), ("clipvalue", (-0.01, 0.01)), ("initial_accumulator_value", 1.0)):
+        with pytest.raises(AttributeError, match=f"Adagrad: {name} cannot change once set"):
+            setattr(opt, name, value)
+    assert opt.epsilon == 0.0 and opt.clipvalue is None
+    with pytest.raises(TypeError, match="learning_rate must be a number"):
+        opt.learning_rate = "fast"
+    with pytest.raises(ValueError, match="learning_rate must be finite"):
+        opt.learning_rate = float("nan")
+    opt.learning_rate = 1.0
+    t.apply_gradients(np.array([0]), np.array([0, 1]), np.ones((1, 2), np.float32))
+    # Adagrad: acc 0.1 + 1 = 1.1; value 1 - 1.0 * 1 / sqrt(1.1)
+    np.testing.assert_allclose(t.values()[0], 1 - 1 / np.sqrt(np.float32(1.1)), rtol=1e-6)
+    opt.learning_rate = lambda step: 0.5  # a schedule, too
+    assert opt.learning_rate_at(3) == 0.5
