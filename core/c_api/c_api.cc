@@ -67,11 +67,37 @@ using Json = nlohmann::json;
 
 thread_local std::string g_last_error;
 
+// Appends `text` to `out` as valid UTF-8 (the header's promise for every
+// string it returns): a byte that does not start or continue a well-formed
+// sequence is written as \xNN (a message may quote the caller's bytes, such
+// as an options string that is not UTF-8).
+void AppendUtf8(std::string& out, const char* text) {
+  const auto* p = reinterpret_cast<const unsigned char*>(text);
+  while (*p != 0) {
+    const unsigned char c = *p;
+    size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    bool ok = n > 0 && !(n == 2 && c < 0xC2) && !(n == 4 && c > 0xF4);
+    for (size_t k = 1; ok && k < n; ++k) ok = (p[k] & 0xC0) == 0x80;  // (stops at the NUL: not a continuation)
+    if (ok && n == 3) ok = !(c == 0xE0 && p[1] < 0xA0) && !(c == 0xED && p[1] >= 0xA0);  // overlong, surrogates
+    if (ok && n == 4) ok = !(c == 0xF0 && p[1] < 0x90) && !(c == 0xF4 && p[1] >= 0x90);  // overlong, > U+10FFFF
+    if (ok) {
+      out.append(reinterpret_cast<const char*>(p), n);
+      p += n;
+    } else {
+      static const char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 0xF];
+      ++p;
+    }
+  }
+}
+
 int SetLastError(int status, const char* function, const char* what) noexcept {
   try {
     g_last_error.assign(function);
     g_last_error.append(": ");
-    g_last_error.append(what);
+    AppendUtf8(g_last_error, what);
   } catch (...) {
     // Out of memory for the message itself: keep the status.
   }
@@ -173,10 +199,21 @@ constexpr int kMaxOptionsDepth = 32;
 // `text` cut to `max` bytes (at a UTF-8 character boundary) with "..." after:
 // a message names the bad value or key, but need not repeat 64 KiB of it.
 std::string Excerpt(std::string text, size_t max = 80) {
-  if (text.size() <= max) return text;
-  while (max > 0 && (static_cast<unsigned char>(text[max]) & 0xC0) == 0x80) --max;
-  text.resize(max);
-  return text + "...";
+  std::string cut = text;
+  if (text.size() > max) {
+    while (max > 0 && (static_cast<unsigned char>(text[max]) & 0xC0) == 0x80) --max;
+    cut = text.substr(0, max) + "...";
+  }
+  // A NUL character (JSON's \u0000) would end the C string of the message there.
+  std::string out;
+  for (char c : cut) {
+    if (c == '\0') {
+      out += "\\u0000";
+    } else {
+      out += c;
+    }
+  }
+  return out;
 }
 
 // A JSON value for a message (depth-capped by the parse, so dump() is safe).

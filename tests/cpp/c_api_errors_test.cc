@@ -440,6 +440,16 @@ EMBEDCORE_TEST(BadOptions) {
   const std::string huge(70000, ' ');
   EXPECT_OPEN_ERROR(path, huge.c_str(), EMBEDCORE_INVALID_ARGUMENT, "longer than 64 KiB");
   EXPECT_C_ERROR(embedcore_reload(s.h, nullptr, "{\"verify\": 3}"), EMBEDCORE_INVALID_ARGUMENT, "got 3");
+  // The messages are UTF-8, as the header promises, whatever bytes they quote (nlohmann's quoted them as given),
+  // and a key holding \u0000 is quoted whole (its NUL ended the message there).
+  int status = -1;
+  std::string m = Open(path, "{\"verify\": \"\xff\"}", &status);
+  EMBEDCORE_EXPECT(status == EMBEDCORE_INVALID_ARGUMENT);
+  EMBEDCORE_EXPECT_MSG(m.find("\\xff") != std::string::npos && m.find('\xff') == std::string::npos, m);
+  m = Open(path, "{\"\xc3\": 1}", &status);
+  EMBEDCORE_EXPECT_MSG(m.find("\\xc3") != std::string::npos && m.find('\xc3') == std::string::npos, m);
+  EXPECT_OPEN_ERROR(path, "{\"ver\\u0000ify\": 1}", EMBEDCORE_INVALID_ARGUMENT, "unknown option 'ver\\u0000ify'");
+  EXPECT_OPEN_ERROR(path, "{\"v\\u00e9rify\": 1}", EMBEDCORE_INVALID_ARGUMENT, "unknown option 'v\xc3\xa9rify'");
 }
 
 namespace {

@@ -98,6 +98,30 @@ EMBEDCORE_TEST(ErrorsAreTypedExceptions) {
                                       3),
                           ecs::InvalidArgument, "out holds 3 floats");
   EMBEDCORE_EXPECT_THROWS(ckpt.reload(dir.Sub("missing")), ecs::CheckpointError, "embedcore_reload");
+
+  // A failed lookup into a vector leaves it as it was, size and values (it was resized first: a server reusing
+  // its buffer then held zeros of the size of a request that failed).
+  for (size_t before : {size_t(4), size_t(100)}) {
+    std::vector<float> out(before, 7.0f);
+    EMBEDCORE_EXPECT_THROWS(ckpt.lookup(0, ecs::Batch(b.ids, b.offsets), out), ecs::OutOfRange, "id 50");
+    EMBEDCORE_EXPECT_EQ(out.size(), before);
+    size_t changed = 0;
+    for (float v : out) changed += v != 7.0f;
+    EMBEDCORE_EXPECT_EQ(changed, size_t(0));
+    b.ids = {0, 49};
+    ckpt.lookup(0, ecs::Batch(b.ids, b.offsets), out);  // and a good one resizes it
+    EMBEDCORE_EXPECT_EQ(out.size(), size_t(ckpt.table(0).dim));
+    EMBEDCORE_EXPECT(SameBits(out, ckpt.lookup(0, ecs::Batch(b.ids, b.offsets))));
+    b.ids = {0, 50};
+  }
+  // A NUL character in a path or name would end the C string there (another checkpoint, another table): refused.
+  const std::string nul_path = dir.Sub("m") + std::string("\0/elsewhere", 11);
+  EMBEDCORE_EXPECT_THROWS(ecs::Checkpoint{nul_path}, ecs::InvalidArgument, "Checkpoint: path: holds a NUL");
+  EMBEDCORE_EXPECT_THROWS(ckpt.reload(nul_path), ecs::InvalidArgument, "Checkpoint::reload: path: holds a NUL");
+  EMBEDCORE_EXPECT_THROWS(ckpt.find_table(std::string("user\0x", 6)), ecs::InvalidArgument,
+                          "find_table: name: holds a NUL character at byte 4");
+  EMBEDCORE_EXPECT_THROWS(ckpt.find_feature(std::string("user\0x", 6)), ecs::InvalidArgument,
+                          "find_feature: name: holds a NUL character at byte 4");
 }
 
 EMBEDCORE_TEST(MovesTransferTheHandle) {

@@ -222,7 +222,7 @@ struct FeatureInfo {
 class Checkpoint {
  public:
   explicit Checkpoint(const std::string& path, Verify verify = Verify::kLazy) : h_(nullptr) {
-    Check(embedcore_open(path.c_str(), Options(verify), &h_));
+    Check(embedcore_open(CString(path, "Checkpoint: path"), Options(verify), &h_));
   }
   ~Checkpoint() {
     if (h_ != nullptr) embedcore_close(h_);
@@ -247,10 +247,11 @@ class Checkpoint {
   /// same order, dims and combiners) and features (embedcore_reload in
   /// c_api.h). On error (an exception) the old checkpoint is still served.
   void reload(const std::string& path = std::string()) const {
-    Check(embedcore_reload(Handle(), path.empty() ? nullptr : path.c_str(), nullptr));
+    Check(embedcore_reload(Handle(), path.empty() ? nullptr : CString(path, "Checkpoint::reload: path"), nullptr));
   }
   void reload(const std::string& path, Verify verify) const {
-    Check(embedcore_reload(Handle(), path.empty() ? nullptr : path.c_str(), Options(verify)));
+    Check(embedcore_reload(Handle(), path.empty() ? nullptr : CString(path, "Checkpoint::reload: path"),
+                           Options(verify)));
   }
 
   uint64_t generation() const {
@@ -284,7 +285,7 @@ class Checkpoint {
   /// Index of the table named `name`; throws OutOfRange if there is none.
   int64_t find_table(const std::string& name) const {
     int64_t i = -1;
-    Check(embedcore_find_table(Handle(), name.c_str(), &i));
+    Check(embedcore_find_table(Handle(), CString(name, "Checkpoint::find_table: name"), &i));
     return i;
   }
 
@@ -310,7 +311,7 @@ class Checkpoint {
   }
   int64_t find_feature(const std::string& name) const {
     int64_t i = -1;
-    Check(embedcore_find_feature(Handle(), name.c_str(), &i));
+    Check(embedcore_find_feature(Handle(), CString(name, "Checkpoint::find_feature: name"), &i));
     return i;
   }
 
@@ -333,11 +334,20 @@ class Checkpoint {
               int64_t max_sequence_length = 0) const {
     Check(embedcore_lookup(Handle(), table, batch.c_batch(), int32_t(combiner), max_sequence_length, out, out_len));
   }
-  /// Looks up into `out`, resized to the output's size.
+  /// Looks up into `out`, resized to the output's size (its memory reused).
+  /// On error `out` is as it was, size and values, as the C call's buffer.
   void lookup(int64_t table, const Batch& batch, std::vector<float>& out, Combiner combiner = Combiner::kDefault,
               int64_t max_sequence_length = 0) const {
-    out.resize(size_t(lookup_size(table, batch, combiner, max_sequence_length)));
-    lookup(table, batch, out.data(), int64_t(out.size()), combiner, max_sequence_length);
+    const size_t n = size_t(lookup_size(table, batch, combiner, max_sequence_length));
+    const size_t before = out.size();
+    if (n > before) out.resize(n);  // (grown only: a shrink would drop values the error must leave)
+    try {
+      lookup(table, batch, out.data(), int64_t(n), combiner, max_sequence_length);
+    } catch (...) {
+      out.resize(before);  // (the lookup wrote nothing: the first `before` values are the caller's)
+      throw;
+    }
+    out.resize(n);
   }
   /// Returns a new vector: [num_bags, dim] pooled, [num_bags, L, dim] or [nnz, dim].
   std::vector<float> lookup(int64_t table, const Batch& batch, Combiner combiner = Combiner::kDefault,
@@ -357,6 +367,15 @@ class Checkpoint {
   }
 
  private:
+  // `s` as the C string the call takes; a NUL character in it (which would
+  // end the C string there: another path, another name) is refused.
+  static const char* CString(const std::string& s, const char* what) {
+    const size_t nul = s.find('\0');
+    if (nul != std::string::npos)
+      throw InvalidArgument(EMBEDCORE_INVALID_ARGUMENT, std::string(what) + ": holds a NUL character at byte " +
+                                                            std::to_string(nul) + " (a C string would end there)");
+    return s.c_str();
+  }
   static const char* Options(Verify v) {
     switch (v) {
       case Verify::kLazy:
