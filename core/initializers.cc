@@ -2,6 +2,7 @@
 // generator (SplitMix64 finaliser over the index), so any thread may fill any
 // row and the table is the same bit for bit whatever the thread count.
 #include <algorithm>
+#include <cfenv>
 #include <cmath>
 
 #include "internal.h"
@@ -122,6 +123,16 @@ bool LeavesZero(const InitializerSpec& spec) {
 void Initialize(const InitializerSpec& spec, DType dtype, int64_t rows, int64_t dim, int64_t row0, int64_t col0,
                 int64_t full_dim, void* data) {
   if (LeavesZero(spec)) return;  // memory is already zero
+  // Initial values are a function of (seed, index) alone: drawn in the default floating-point environment
+  // (round to nearest, no flush to zero), whatever the caller's, which the pool's threads would take on.
+  struct DefaultFloatEnvironment {
+    std::fenv_t saved;
+    DefaultFloatEnvironment() {
+      std::fegetenv(&saved);
+      std::fesetenv(FE_DFL_ENV);
+    }
+    ~DefaultFloatEnvironment() { std::fesetenv(&saved); }
+  } environment;
   switch (dtype) {
     case DType::kFloat32:
       Fill(spec, rows, dim, row0, col0, full_dim, static_cast<float*>(data));

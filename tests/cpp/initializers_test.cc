@@ -1,6 +1,7 @@
 // core/initializers.cc: every element a pure function of (seed, index), so
 // tables are identical whatever the thread count; values in range; the
 // distributions roughly right; dtype rounding of the same values.
+#include <cfenv>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -91,6 +92,35 @@ EMBEDCORE_TEST(ThreadCountIndependent) {
     }
   }
   for (size_t i = 3; i < tables.size(); ++i) EMBEDCORE_EXPECT(tables[i] == tables[i % 3]);
+}
+
+EMBEDCORE_TEST(IndependentOfTheCallersFloatingPointEnvironment) {
+  // A caller rounding toward zero (fesetround; the pool's threads take on the caller's mode) or flushing
+  // subnormals drew other values (half of them differed); the caller's environment is left as it was.
+  RestoreThreads restore;
+  SetNumThreads(2);
+  auto draw = [](DType dt, Kind kind) {
+    TableSpec spec;
+    spec.name = "init";
+    spec.rows = 4000;
+    spec.dim = 4;
+    spec.dtype = dt;
+    spec.initializer = Spec(kind, kind == Kind::kUniform ? -0.05 : 0.0, kind == Kind::kUniform ? 0.05 : 1e-38, 1);
+    Table t(spec);
+    const uint8_t* p = static_cast<const uint8_t*>(t.values());
+    return std::vector<uint8_t>(p, p + t.value_bytes());
+  };
+  for (DType dt : {DType::kFloat32, DType::kFloat16})
+  for (Kind kind : {Kind::kNormal, Kind::kUniform, Kind::kTruncatedNormal}) {
+    const std::vector<uint8_t> want = draw(dt, kind);
+    for (int mode : {FE_TOWARDZERO, FE_UPWARD, FE_DOWNWARD}) {
+      std::fesetround(mode);
+      const std::vector<uint8_t> got = draw(dt, kind);
+      EMBEDCORE_EXPECT_EQ(std::fegetround(), mode);
+      std::fesetround(FE_TONEAREST);
+      EMBEDCORE_EXPECT(got == want);
+    }
+  }
 }
 
 EMBEDCORE_TEST(StorageDtypesRoundTheSameValues) {
