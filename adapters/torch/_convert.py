@@ -21,6 +21,9 @@ __all__ = ["convert_state_dict"]
 # (EmbeddingBagCollection) or <module>.embeddings.<table>.weight (EmbeddingCollection), and nothing else
 # under <module>.<kind>. (a module named `embeddings` that holds anything else is no collection).
 _UNDER_KIND = re.compile(r"^(?:(?P<module>.*)\.)?(?P<kind>embedding_bags|embeddings)\.(?P<rest>.+)$")
+# A key that is a table's: tried first, so that a table named `embeddings` or `embedding_bags`
+# (<module>.embedding_bags.embeddings.weight) is not read as a module of that name holding "weight".
+_TABLE_KEY = re.compile(r"^(?:(?P<module>.*)\.)?(?P<kind>embedding_bags|embeddings)\.(?P<rest>[^.]+\.weight)$")
 _TABLE = re.compile(r"^(?P<table>[^.]+)\.weight$")
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _CHUNK_BYTES = 64 << 20  # rows converted to float32 at a time
@@ -50,15 +53,25 @@ def _tables(state: Mapping, path: str, prefix: Optional[str]) -> List[Tuple[str,
     table is made."""
     groups = {}  # (module, kind) -> [(key, rest, value)]
     for key, value in state.items():
-        m = _UNDER_KIND.match(key) if isinstance(key, str) else None
+        m = (_TABLE_KEY.match(key) or _UNDER_KIND.match(key)) if isinstance(key, str) else None
         if m is not None and (prefix is None or (m["module"] or "") == prefix):
             groups.setdefault((m["module"] or "", m["kind"]), []).append((key, m["rest"], value))
     found, names, skipped = [], {}, []
     for (module, kind), items in groups.items():
         where = f"{module + '.' if module else ''}{kind}"
         why = next((f"{key} is not <table>.weight" for key, rest, _ in items if not _TABLE.match(rest)), None)
+        # A collection's tables of another dtype (float64, a quantized collection's uint8 rows) cannot convert:
+        # refused (they were left out, unsaid, beside the tables converted).
+        bad = None if why else next((key for key, _, value in items
+                                     if isinstance(value, torch.Tensor) and value.dim() == 2
+                                     and value.dtype not in _DTYPES), None)
+        if bad is not None:
+            dtype = state[bad].dtype
+            raise ValueError(f"{path}: {bad} is a {dtype} table; tables convert from float32, float16 or bfloat16"
+                             + (" (a quantized collection: convert its float module)"
+                                if dtype in (torch.uint8, torch.int8) else " (cast it: .float())"))
         why = why or next((w for key, _, value in items for w in [_not_a_table(key, value)] if w), None)
-        if why is not None:
+        if why is not None:  # no collection (a transformer's `embeddings` module): skipped, unless named
             if prefix is not None:
                 raise ValueError(f"{path}: {where} is not a TorchRec collection's tables: {why}")
             skipped.append(f"{where} ({why})")

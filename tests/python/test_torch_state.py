@@ -870,6 +870,45 @@ def test_convert_state_dict_takes_only_collections_and_refuses_what_it_cannot_se
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_convert_state_dict_tables_named_like_kinds_and_tables_of_other_dtypes(tmp_path):
+    """A TorchRec table named `embeddings` (or `embedding_bags`) converts
+    (its key was read as a module of that name holding "weight", and the
+    table left out, unsaid); a collection's float64 table, and a quantized
+    collection's uint8 rows, raise ValueError naming the key (they were left
+    out beside the tables converted, exit 0); nothing is written."""
+    torchrec = pytest.importorskip("torchrec")
+
+    def ebc(*names):
+        return torchrec.EmbeddingBagCollection(tables=[torchrec.EmbeddingBagConfig(
+            num_embeddings=10, embedding_dim=4, name=n, feature_names=[f"f_{n}"]) for n in names],
+            device=torch.device("cpu"))
+
+    m = torch.nn.Module()
+    m.ebc = ebc("t0", "embeddings", "embedding_bags")
+    m.ec = torchrec.EmbeddingCollection(tables=[torchrec.EmbeddingConfig(
+        num_embeddings=6, embedding_dim=4, name="embeddings", feature_names=["g"])], device=torch.device("cpu"))
+    torch.save(m.state_dict(), tmp_path / "m.pt")
+    # (two tables named "embeddings": one module path each)
+    assert et.convert_state_dict(tmp_path / "m.pt", tmp_path / "a", prefix="ebc") == [
+        "t0", "embeddings", "embedding_bags"]
+    assert et.convert_state_dict(tmp_path / "m.pt", tmp_path / "b", prefix="ec") == ["embeddings"]
+    served = ec.serving.open(tmp_path / "a")
+    np.testing.assert_array_equal(served.tables["embeddings"].values(),
+                                  m.ebc.embedding_bags["embeddings"].weight.detach().numpy())
+
+    m = torch.nn.Module()
+    m.user, m.item = ebc("user"), ebc("item").double()
+    torch.save(m.state_dict(), tmp_path / "d.pt")
+    with pytest.raises(ValueError, match=r"item.embedding_bags.item.weight is a torch.float64 table"):
+        et.convert_state_dict(tmp_path / "d.pt", tmp_path / "d")
+    state = {"user.embedding_bags.user.weight": torch.zeros(10, 4),
+             "item.embedding_bags.item.weight": torch.zeros(10, 16, dtype=torch.uint8)}  # QuantEBC's rows
+    torch.save(state, tmp_path / "q.pt")
+    with pytest.raises(ValueError, match=r"item.embedding_bags.item.weight is a torch.uint8 table.*quantized"):
+        et.convert_state_dict(tmp_path / "q.pt", tmp_path / "q")
+    assert not (tmp_path / "d").exists() and not (tmp_path / "q").exists()
+
+
 def test_convert_state_dict_refuses_managed_collision_collections(tmp_path):
     """A TorchRec ManagedCollisionEmbeddingBagCollection (or ...EmbeddingCollection)
     remaps raw ids to rows before its lookup: a served table of its weight
