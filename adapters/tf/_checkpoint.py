@@ -159,7 +159,11 @@ class TFCheckpoint:
                     from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
 
                     proto = sparse_core_layout_pb2.SparseCoreTableLayouts()
-                    proto.ParseFromString(raw)
+                    try:
+                        proto.ParseFromString(raw)
+                    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError (not a ValueError): named
+                        raise self._error(f"the SparseCore table layouts {key} (not a SparseCoreTableLayouts "
+                                          "proto)", e) from None
                     for layout in proto.tables:
                         found[layout.table_name] = StackedTable(layout)
             self._layouts[prefix] = found

@@ -150,6 +150,9 @@ def _read_v1(src: str, var: str, dim: Optional[int], key_dtype: Optional[str]) -
     vpath = os.path.join(src, f"{var}_values.file")
     if not os.path.exists(vpath):
         raise CheckpointError(f"{vpath}: missing (SOK v1 dumps come in _keys.file / _values.file pairs)")
+    for path in (kpath, vpath):  # (a FIFO's read would wait for a writer: the conversion hung)
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise CheckpointError(f"{path}: not a regular file (a SOK dump's files are)")
     kb, vb = os.path.getsize(kpath), os.path.getsize(vpath)
     if vb % 4:
         raise CheckpointError(f"{vpath}: {vb} bytes are not whole float32 values")

@@ -830,3 +830,15 @@ def test_v2_weight_file_without_values_and_integer_slots_are_refused_naming_the_
                                                  "must be floats, the header says int64"):
         ec.sok.convert(tmp_path / "b", tmp_path / "out")
     assert not os.path.lexists(tmp_path / "out")
+
+
+def test_v1_dump_files_that_are_not_regular_files_are_refused(tmp_path):
+    """A FIFO in place of a v1 dump's file is refused naming it (the
+    conversion waited forever for a writer)."""
+    src = tmp_path / "sok"
+    src.mkdir()
+    os.mkfifo(src / "emb_keys.file")
+    os.mkfifo(src / "emb_values.file")
+    with pytest.raises(ec.CheckpointError, match=r"emb_keys.file: not a regular file"):
+        ec.sok.convert(src, tmp_path / "out")
+    assert not os.path.lexists(tmp_path / "out")

@@ -866,3 +866,18 @@ def test_served_sparse_features_equal_tensorflow_s_once_pruned(tmp_path, rng):
     got = served({"f": ec.Sparse(sp2.indices.numpy(), sp2.values.numpy(), sp2.dense_shape.numpy())},
                  weights={"f": ec.Sparse(w2.indices.numpy(), w2.values.numpy(), w2.dense_shape.numpy())})["f"]
     np.testing.assert_array_equal(got, want)
+
+
+def test_corrupt_sparse_core_layouts_are_a_value_error_naming_the_key(tmp_path):
+    """SparseCore layouts that are not a SparseCoreTableLayouts proto (a
+    corrupt or foreign checkpoint) are reported in one line, as a ValueError
+    naming the checkpoint and the key (protobuf's DecodeError escaped as a
+    traceback); nothing is written."""
+    emb = tf.Module()
+    emb.t = tf.Variable(tf.ones([4, 3]))
+    emb._sparse_core_table_layouts = tf.Variable(b"\xff\xff\xff garbage, not a proto")
+    path = tf.train.Checkpoint(embedding=emb).write(str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match=r"cannot read this TensorFlow checkpoint: the SparseCore table layouts "
+                                         r"embedding/_sparse_core_table_layouts.* DecodeError"):
+        convert_tf_checkpoint(path, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
