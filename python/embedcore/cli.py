@@ -162,6 +162,10 @@ def _convert(args) -> int:
             print(f"embedcore convert: {flag} is an option of --from {' and '.join(formats)}; --from "
                   f"{args.source_format} does not take it", file=sys.stderr)
             return 2
+    if args.source_format == "torch" and args.no_optimizer:  # (a flag: False when not given)
+        print("embedcore convert: --no-optimizer is an option of --from tf and sok; --from torch converts the "
+              "values only (a state dict holds no optimizer state)", file=sys.stderr)
+        return 2
     if args.source_format == "sok":
         try:
             rows = _name_values(args.rows, "--rows", int, all_allowed=True)

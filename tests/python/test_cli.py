@@ -716,6 +716,14 @@ def test_convert_refuses_options_of_the_other_format(tmp_path, capsys, fmt, opti
     assert not (tmp_path / "out").exists()
 
 
+def test_convert_from_torch_refuses_no_optimizer(tmp_path, capsys):
+    # A state dict holds no optimizer state: --no-optimizer changed nothing and was taken (exit 0); exit 2 now.
+    assert embedcore.cli.main(["convert", "--from", "torch", str(tmp_path / "m.pt"), str(tmp_path / "out"),
+                               "--no-optimizer"]) == 2
+    assert "--no-optimizer is an option of --from tf and sok" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_convert_refuses_an_empty_rename_target(tmp_path, capsys):
     sok = tmp_path / "sok"
     sok.mkdir()
