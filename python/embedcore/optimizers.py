@@ -39,6 +39,13 @@ _FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: 1 / it is
 # even where subnormals are flushed to zero (TensorFlow's kernel threads).
 _ADAM_MIN_EPSILON = 2.0**-63
 _Kind = _embedcore.OptimizerSpec.Kind
+# The options a table copies when it is made (and a checkpoint records): fixed once set. (A subclass's own
+# attributes are its own.)
+_OPTIONS = frozenset({
+    "clip_weight_min", "clip_weight_max", "clipvalue", "weight_decay_factor",
+    "multiply_weight_decay_factor_by_learning_rate", "epsilon", "initial_accumulator_value", "beta_1", "beta_2",
+    "lazy_adam", "sum_inside_sqrt", "bias_correction", "learning_rate_power", "l1_regularization_strength",
+    "l2_regularization_strength", "beta", "multiply_linear_by_learning_rate"})
 
 
 def _number(owner: str, name: str, value, *, minimum=None, strict=False, normal=False, why="") -> float:
@@ -129,7 +136,7 @@ class Optimizer:
         if name == "learning_rate":
             if not callable(value):
                 value = _number(type(self).__name__, "learning_rate", value)
-        elif not name.startswith("_") and name in self.__dict__:
+        elif name in _OPTIONS and name in self.__dict__:
             raise AttributeError(f"{type(self).__name__}: {name} cannot change once set (a table runs the value "
                                  "it copied when it was made, and a checkpoint records it): make a new "
                                  f"{type(self).__name__} (learning_rate alone may change, read at every step)")

@@ -665,3 +665,9 @@ def test_options_are_fixed_once_set_but_the_learning_rate():
     np.testing.assert_allclose(t.values()[0], 1 - 1 / np.sqrt(np.float32(1.1)), rtol=1e-6)
     opt.learning_rate = lambda step: 0.5  # a schedule, too
     assert opt.learning_rate_at(3) == 0.5
+    # Every option of every optimizer is one of the fixed ones (the list cannot fall behind the classes).
+    from embedcore.optimizers import _OPTIONS
+
+    for cls in (ec.optimizers.SGD, ec.optimizers.Adagrad, ec.optimizers.RowWiseAdagrad, ec.optimizers.Adam,
+                ec.optimizers.FTRL):
+        assert set(vars(cls(0.1))) - {"learning_rate"} <= _OPTIONS, cls
