@@ -422,7 +422,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if sys.stdout is not None:  # (None: started with stdout closed)
             sys.stdout.flush()  # a closed pipe shows here, inside the handler below
     except KeyboardInterrupt:  # Ctrl-C: one line (run_as_program ends the process by SIGINT, no traceback)
-        print(f"{who}: interrupted", file=sys.stderr)
+        # A checkpoint is replaced atomically: DST is the old one, or, when the interrupt came as the new one was
+        # being committed, the new one whole.
+        said = (f"; {args.dst} holds its old checkpoint, or the new one whole if it came as that was committed"
+                if args.command in ("convert", "reshard") else "")
+        print(f"{who}: interrupted{said}", file=sys.stderr)
         interrupted = True
     except BrokenPipeError:
         # The reader of stdout is gone (`embedcore inspect CKPT | head -1`). As the Python docs
