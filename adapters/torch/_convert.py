@@ -62,12 +62,12 @@ def _tables(state: Mapping, path: str, prefix: Optional[str]) -> List[Tuple[str,
         why = next((f"{key} is not <table>.weight" for key, rest, _ in items if not _TABLE.match(rest)), None)
         # A collection's tables of another dtype (float64, a quantized collection's uint8 rows) cannot convert:
         # refused (they were left out, unsaid, beside the tables converted).
-        bad = None if why else next((key for key, _, value in items
+        bad = None if why else next(((key, value.dtype) for key, _, value in items
                                      if isinstance(value, torch.Tensor) and value.dim() == 2
                                      and value.dtype not in _DTYPES), None)
         if bad is not None:
-            dtype = state[bad].dtype
-            raise ValueError(f"{path}: {bad} is a {dtype} table; tables convert from float32, float16 or bfloat16"
+            key, dtype = bad
+            raise ValueError(f"{path}: {key} is a {dtype} table; tables convert from float32, float16 or bfloat16"
                              + (" (a quantized collection: convert its float module)"
                                 if dtype in (torch.uint8, torch.int8) else " (cast it: .float())"))
         why = why or next((w for key, _, value in items for w in [_not_a_table(key, value)] if w), None)
