@@ -7,7 +7,9 @@ state dict keys are TorchRec's and a TorchRec state dict loads as is. Every
 feature of a table is looked up with the others of that table, so a fused
 optimizer applies exactly one update per table and step; a KeyedJaggedTensor
 is looked up, and trained fused, by one engine call for all the tables
-(``_ops.collection_lookup``) where that applies, else by one op per table.
+(``_ops.collection_lookup``) where that applies, else by one op per table;
+an ``EmbeddingCollection``'s KJT rows come from one pass over the tables
+(``_ops.collection_rows``) where no autograd is recorded.
 """
 from __future__ import annotations
 
@@ -464,11 +466,19 @@ class _SequenceInterface(_Interface):
         values, offsets, _, stride, index = _kjt_parts(kjt, all_features, self._owner)
         lengths = kjt.lengths()
         out = {}
+        # Every table's rows in one pass over the engine where no autograd is recorded (no_grad, serving,
+        # frozen tables), else one op per table: the same rows, bit for bit.
+        tables = self._row_tables()
+        fused = None if tables is None else _ops.collection_rows(
+            tables, values, offsets, [[index[f] * stride for f in spec.features] for spec in self._specs], stride)
         for i, (spec, names) in enumerate(zip(self._specs, self._names)):
-            segments: List[int] = []
-            for f in spec.features:
-                segments.extend((0, index[f] * stride, stride))
-            results = self._table_lookup(i, [values], [offsets], [], segments, _ops.SEQUENCE)
+            if fused is not None:
+                results = fused[i]
+            else:
+                segments: List[int] = []
+                for f in spec.features:
+                    segments.extend((0, index[f] * stride, stride))
+                results = self._table_lookup(i, [values], [offsets], [], segments, _ops.SEQUENCE)
             for f, name, r in zip(spec.features, names, results):
                 k = index[f]
                 ids = None
@@ -638,6 +648,19 @@ class EmbeddingCollection(_SequenceInterface, _Collection):
 
     def _children_list(self):
         return list(self.embeddings.values())
+
+    def _row_tables(self) -> Optional[list]:
+        """The engine tables, for ``_ops.collection_rows``, when the lookup
+        records no autograd and every table is on the CPU; else None (each
+        table's op runs)."""
+        children = self._children_list()
+        if torch.is_grad_enabled() and any(m._parameters["weight"].requires_grad for m in children):
+            return None
+        for m in children:
+            anchor, _ = m._anchor_and_mode(stacklevel=5)  # (the checks of every lookup)
+            if not anchor.is_cpu:
+                return None
+        return [m._table for m in children]
 
     def _table_lookup(self, i: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
                       segments: List[int], combiner: int) -> List[Tensor]:

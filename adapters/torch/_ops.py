@@ -1036,6 +1036,35 @@ def collection_lookup(bags, values: Tensor, offsets: Tensor, weights: List[Tenso
     return torch.from_numpy(out)
 
 
+def collection_rows(tables, values: Tensor, offsets: Tensor, starts: List[List[int]],
+                    stride: int) -> Optional[List[List[Tensor]]]:
+    """The unpooled lookups of a collection's `tables` (engine or served
+    tables) on one source (a KeyedJaggedTensor's values and offsets): for
+    each table, the rows of the ids of each window of `stride` bags from each
+    bag of its `starts`, as ``[ids, dim]`` float32 tensors, from the engine
+    with no op per table (an ``EmbeddingCollection`` of DLRM's 26 tables
+    paid the op's Python costs 26 times a batch). No autograd: callers pass
+    tables that record none. None where the per-table ops must run (and
+    raise any error in the caller's terms): tracing or compiling, offsets
+    that are not int32 or int64, tensors off the CPU, a bad id."""
+    if not (offsets.is_cpu and plain_eager([values, offsets])):
+        return None
+    source = _cpu_source([values], [offsets], [], True)
+    flat = [s for table_starts in starts for s in table_starts]
+    windows = None if source is None or not flat else _windows(source, flat, stride)
+    if windows is None:
+        return None
+    rows, k = [], 0
+    try:
+        for table, table_starts in zip(tables, starts):
+            rows.append([torch.from_numpy(table._native_lookup(a, off, None, SEQUENCE, 0, None))
+                         for a, off, _ in windows[k:k + len(table_starts)]])
+            k += len(table_starts)
+    except (IndexError, ValueError, TypeError):
+        return None
+    return rows
+
+
 class _CollectionStep(torch.autograd.Function):
     """``collection_lookup`` of tables that train fused: the anchors carry
     autograd as in ``lookup``; the backward applies every table's step."""

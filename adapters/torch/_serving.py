@@ -243,3 +243,7 @@ class ServedEmbeddingCollection(_SequenceInterface, _ServedCollection):
         super().__init__()
         self._serve(path, tables, verify, False)
         self._need_indices = bool(need_indices)
+
+    def _row_tables(self) -> list:
+        """The served tables, for ``_ops.collection_rows``."""
+        return [_ops._entry(h).table for h in self._handles]
