@@ -2,6 +2,7 @@
 engine tables."""
 from __future__ import annotations
 
+import threading
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -18,6 +19,9 @@ __all__ = ["EmbeddingForServing", "TableHandle"]
 
 _AutoTrackable = tf.__internal__.tracking.AutoTrackable
 _CHECKPOINT = SaveType.CHECKPOINT
+# Held while a layer builds its tables: threads whose first calls come at once build them once (a build
+# is once per layer: one lock for all of them).
+_BUILD_LOCK = threading.Lock()
 
 
 class TableHandle:
@@ -208,8 +212,10 @@ class EmbeddingForServing(_AutoTrackable):
         """Creates the engine tables (and their optimizer's slots)."""
         if self._built:
             return
-        self._tables = {s.name: s.make_table() for s in self._specs}
-        self._built = True
+        with _BUILD_LOCK:  # (threads whose first calls come at once: one set of tables, which every call reads)
+            if not self._built:
+                self._tables = {s.name: s.make_table() for s in self._specs}
+                self._built = True
 
     def _maybe_build(self) -> None:
         if not self._built:

@@ -659,3 +659,30 @@ def test_built_and_looked_up_inside_a_tf1_style_graph():
             got = s.run(out, {ids: [1, 2, 5], splits: [0, 2, 3]})
     np.testing.assert_array_equal(emb.embedding_tables[t].numpy(), values)
     np.testing.assert_array_equal(got, [values[1] + values[2], values[5]])
+
+
+def test_first_calls_of_several_threads_at_once_build_one_set_of_tables():
+    """Threads whose first lookups on a fresh layer come at once build its
+    tables once: every call reads the same tables (each thread built its own
+    before, and all but the last were thrown away, with any value written
+    into them; an unseeded initializer showed it)."""
+    import threading
+
+    table = E.TableConfig(vocabulary_size=50_000, dim=8, combiner="sum", name="u",
+                          initializer=lambda shape, dtype=tf.float32: tf.random.uniform(shape, dtype=dtype))
+    x = {"f": tf.constant([[1], [2]])}
+    for _ in range(4):
+        layer = EmbeddingForServing({"f": E.FeatureConfig(table)}, None)
+        results, barrier = {}, threading.Barrier(3)
+
+        def first(k):
+            barrier.wait()
+            results[k] = layer(x)["f"].numpy()
+
+        threads = [threading.Thread(target=first, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        later = layer(x)["f"].numpy()
+        assert all(np.array_equal(r, later) for r in results.values()) and len(results) == 3
