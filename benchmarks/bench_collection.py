@@ -61,9 +61,17 @@ tables as ``EmbeddingConfig``s):
   on the KJT (a dict of ``JaggedTensor``);
 - ``torchrec``: ``torchrec.EmbeddingCollection(tables=configs, device=cpu)``.
 
+sequence_train (the same collections: forward, backward of ``(rows * gs).sum()``
+with a fixed standard-normal ``gs`` of the rows' shape, SGD with lr 0.01):
+
+- ``embedcore``: ``EmbeddingCollection(configs, optimizer=SGD(0.01))`` (fused);
+- ``torchrec``: TorchRec's ``EmbeddingCollection`` + ``torch.optim.SGD`` (dense
+  gradients, as its ``train`` row).
+
 Before timing, every forward is compared with TorchRec's (max |diff| <=
 1e-5) and one training step of every training contender, from the same
-start, with one step of TorchRec + SGD (every table's values, max |diff| <=
+start, with one step of TorchRec + SGD (the EmbeddingCollection's with
+TorchRec's EmbeddingCollection + SGD; every table's values, max |diff| <=
 1e-5), and embedcore's row-wise Adagrad step with FBGEMM's (values and
 accumulators); the script stops (SystemExit, with the numbers) otherwise. Timing then
 uses freshly built modules. Interleaved rounds (_common.run_rounds: each
@@ -99,7 +107,8 @@ EPS = 1e-8  # row-wise Adagrad's (FBGEMM's default)
 CONTENDERS = {"forward": ("embedcore", "torchrec", "fbgemm"),
               "train": ("embedcore", "embedcore_unfused", "torchrec", "fbgemm"),
               "train_rowwise": ("embedcore", "fbgemm"),
-              "sequence": ("embedcore", "torchrec")}
+              "sequence": ("embedcore", "torchrec"),
+              "sequence_train": ("embedcore", "torchrec")}
 
 
 def table_rows(i: int) -> int:
@@ -182,12 +191,15 @@ def main() -> int:
         m["ec_rowwise"] = et.EmbeddingBagCollection(configs, optimizer=ec.optimizers.RowWiseAdagrad(LR, epsilon=EPS))
         m["ec_seq"] = et.EmbeddingCollection(seq_configs)
         m["torchrec_seq"] = torchrec.EmbeddingCollection(tables=seq_configs, device=torch.device("cpu"))
+        m["ec_seq_fused"] = et.EmbeddingCollection(seq_configs, optimizer=ec.optimizers.SGD(LR))
+        m["torchrec_seq_train"] = torchrec.EmbeddingCollection(tables=seq_configs, device=torch.device("cpu"))
+        m["torchrec_seq_opt"] = torch.optim.SGD(m["torchrec_seq_train"].parameters(), lr=LR)
         m["fbgemm_rowwise"] = SplitTableBatchedEmbeddingBagsCodegen(
             specs, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS,
             pooling_mode=PoolingMode.SUM)
         for k in ("ec_fused", "ec_unfused", "torchrec", "ec_rowwise"):
             load([m[k].embedding_bags[n].weight for n in names])
-        for k in ("ec_seq", "torchrec_seq"):
+        for k in ("ec_seq", "torchrec_seq", "ec_seq_fused", "torchrec_seq_train"):
             load([m[k].embeddings[n].weight for n in names])
         load(m["fbgemm"].split_embedding_weights())
         load(m["fbgemm_rowwise"].split_embedding_weights())
@@ -200,7 +212,20 @@ def main() -> int:
         mod = {"embedcore": m["ec_fused"], "embedcore_unfused": m["ec_unfused"], "torchrec": m["torchrec"]}[name]
         return [mod.embedding_bags[n].weight for n in names]
 
-    def contenders(m, op, kjt, g):
+    def contenders(m, op, kjt, g, gs=None):
+        if op == "sequence_train":
+            def seq_loss(module):
+                out = module(kjt)
+                return (torch.cat([out[f"f{i}"].values() for i in range(TABLES)]) * gs).sum()
+
+            def ec_seq_step():
+                seq_loss(m["ec_seq_fused"]).backward()
+
+            def torchrec_seq_step():
+                m["torchrec_seq_opt"].zero_grad(set_to_none=True)
+                seq_loss(m["torchrec_seq_train"]).backward()
+                m["torchrec_seq_opt"].step()
+            return {"embedcore": ec_seq_step, "torchrec": torchrec_seq_step}
         if op == "sequence":
             def rows(module):
                 def run():
@@ -255,11 +280,13 @@ def main() -> int:
         kjt = make_kjt(torchrec, batch, multihot, seed)
         g = torch.from_numpy(np.random.default_rng(seed + 1).standard_normal((batch, TABLES * DIM),
                                                                              dtype=np.float32))
-        data[case] = (kjt, g, int(kjt.values().numel()))
+        gs = torch.from_numpy(np.random.default_rng(seed + 2).standard_normal((int(kjt.values().numel()), DIM),
+                                                                              dtype=np.float32))
+        data[case] = (kjt, g, int(kjt.values().numel()), gs)
 
     # ------------------------------------------------------------ correctness
     checks = {}
-    for case, (kjt, g, nnz) in data.items():
+    for case, (kjt, g, nnz, gs) in data.items():
         m = build()
         with torch.no_grad():
             want = m["torchrec"](kjt).values()
@@ -275,6 +302,15 @@ def main() -> int:
         checks[f"{case} sequence embedcore"] = diff
         if not diff <= TOL:
             raise SystemExit(f"FAILED: {case}: the EmbeddingCollection's rows differ from TorchRec's by {diff:.3e}")
+        seq_steps = contenders(m, "sequence_train", kjt, g, gs)
+        for f in seq_steps.values():
+            f()
+        diff = max(float((m["ec_seq_fused"].embeddings[n].weight.detach() - m["torchrec_seq_train"].embeddings[n].weight
+                          .detach()).abs().max()) for n in names)
+        checks[f"{case} sequence_train embedcore"] = diff
+        if not diff <= TOL:
+            raise SystemExit(f"FAILED: {case}: after one SGD step, the EmbeddingCollection's tables differ from "
+                             f"TorchRec + SGD's by {diff:.3e}")
         steps = contenders(m, "train", kjt, g)
         steps["torchrec"]()
         want = [t.detach().clone() for t in tables_of(m, "torchrec")]
@@ -314,10 +350,10 @@ def main() -> int:
     # ------------------------------------------------------------ timing
     results, noise = [], {}
     m = build()  # fresh modules: the checks above stepped theirs
-    for case, (kjt, g, nnz) in data.items():
-        for op in ("forward", "train", "train_rowwise", "sequence"):
+    for case, (kjt, g, nnz, gs) in data.items():
+        for op in ("forward", "train", "train_rowwise", "sequence", "sequence_train"):
             C.log(f"timing {case} {op}: {repeats} rounds ...")
-            timing = C.run_rounds(contenders(m, op, kjt, g), repeats, warmup, monitor_pids=[],
+            timing = C.run_rounds(contenders(m, op, kjt, g, gs), repeats, warmup, monitor_pids=[],
                                   max_seconds=max_seconds)
             noise[(case, op)] = timing.info()
             med = {n: C.summarize(timing.kept_samples(n))["median_s"] for n in CONTENDERS[op]}
@@ -334,7 +370,8 @@ def main() -> int:
     total_rows = sum(c.num_embeddings for c in configs)
     print(f"\n{WORKLOAD}: {TABLES} tables x dim {DIM} float32 (1,000 + 3,000 i rows, {total_rows:,} in all), sum;"
           f" KeyedJaggedTensor, uniform ids; train = forward + backward + SGD (lr {LR}), train_rowwise the same "
-          f"with row-wise Adagrad (eps {EPS}), sequence an EmbeddingCollection's rows; 1 thread; "
+          f"with row-wise Adagrad (eps {EPS}), sequence an EmbeddingCollection's rows, "
+          f"sequence_train its SGD step; 1 thread; "
           f"median of {repeats} interleaved rounds")
     cols = [("case", "case", None), ("op", "op", None), ("contender", "contender", None), ("ms", "ms", "{:.3f}"),
             ("vs_torchrec", "time / torchrec", "{:.2f}x"), ("vs_fbgemm", "time / fbgemm", "{:.2f}x")]

@@ -468,9 +468,10 @@ class _SequenceInterface(_Interface):
         out = {}
         # Every table's rows in one pass over the engine where no autograd is recorded (no_grad, serving,
         # frozen tables), else one op per table: the same rows, bit for bit.
-        tables = self._row_tables()
-        fused = None if tables is None else _ops.collection_rows(
-            tables, values, offsets, [[index[f] * stride for f in spec.features] for spec in self._specs], stride)
+        plan = self._row_tables()
+        fused = None if plan is None else _ops.collection_rows(
+            plan[0], values, offsets, [[index[f] * stride for f in spec.features] for spec in self._specs], stride,
+            plan[1])
         for i, (spec, names) in enumerate(zip(self._specs, self._names)):
             if fused is not None:
                 results = fused[i]
@@ -649,18 +650,25 @@ class EmbeddingCollection(_SequenceInterface, _Collection):
     def _children_list(self):
         return list(self.embeddings.values())
 
-    def _row_tables(self) -> Optional[list]:
-        """The engine tables, for ``_ops.collection_rows``, when the lookup
-        records no autograd and every table is on the CPU; else None (each
-        table's op runs)."""
+    def _row_tables(self) -> Optional[tuple]:
+        """``(tables, train)`` for ``_ops.collection_rows`` when every table is
+        on the CPU and either records no autograd (train None) or trains
+        fused (``(handles, anchors)``); else None (each table's op runs)."""
         children = self._children_list()
-        if torch.is_grad_enabled() and any(m._parameters["weight"].requires_grad for m in children):
-            return None
+        grad_on = torch.is_grad_enabled()
+        handles, anchors = [], []
         for m in children:
-            anchor, _ = m._anchor_and_mode(stacklevel=5)  # (the checks of every lookup)
+            anchor, mode = m._anchor_and_mode(stacklevel=5)  # (the checks of every lookup)
             if not anchor.is_cpu:
                 return None
-        return [m._table for m in children]
+            if grad_on and anchor.requires_grad:
+                if mode != _ops.FUSED:
+                    return None  # gradients for PyTorch's optimizers: the ops make them
+                handles.append(m._handle)
+                anchors.append(anchor)
+        if anchors and len(anchors) != len(children):
+            return None  # (frozen tables beside trained ones: the ops)
+        return [m._table for m in children], ((handles, anchors) if anchors else None)
 
     def _table_lookup(self, i: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
                       segments: List[int], combiner: int) -> List[Tensor]:

@@ -1036,33 +1036,84 @@ def collection_lookup(bags, values: Tensor, offsets: Tensor, weights: List[Tenso
     return torch.from_numpy(out)
 
 
-def collection_rows(tables, values: Tensor, offsets: Tensor, starts: List[List[int]],
-                    stride: int) -> Optional[List[List[Tensor]]]:
+def collection_rows(tables, values: Tensor, offsets: Tensor, starts: List[List[int]], stride: int,
+                    train: Optional[Tuple[List[int], List[Tensor]]] = None) -> Optional[List[List[Tensor]]]:
     """The unpooled lookups of a collection's `tables` (engine or served
     tables) on one source (a KeyedJaggedTensor's values and offsets): for
     each table, the rows of the ids of each window of `stride` bags from each
     bag of its `starts`, as ``[ids, dim]`` float32 tensors, from the engine
     with no op per table (an ``EmbeddingCollection`` of DLRM's 26 tables
-    paid the op's Python costs 26 times a batch). No autograd: callers pass
-    tables that record none. None where the per-table ops must run (and
-    raise any error in the caller's terms): tracing or compiling, offsets
-    that are not int32 or int64, tensors off the CPU, a bad id."""
+    paid the op's Python costs 26 times a batch, forward and backward).
+    `train`: the (handles, anchors) of tables that train fused (every one of
+    `tables`): the rows carry autograd, and the backward steps every table in
+    one engine call (``apply_gradients_many``: each table checked before any
+    changes). None where the per-table ops must run (and raise any error in
+    the caller's terms): tracing or compiling, offsets that are not int32 or
+    int64, tensors off the CPU, float16 autocast when training (its backward
+    refuses fused training), a bad id."""
     if not (offsets.is_cpu and plain_eager([values, offsets])):
         return None
-    source = _cpu_source([values], [offsets], [], True)
-    flat = [s for table_starts in starts for s in table_starts]
-    windows = None if source is None or not flat else _windows(source, flat, stride)
+    if train is not None and float16_autocast("cpu"):
+        return None
+    windows = _row_windows(values, offsets, starts, stride)
     if windows is None:
         return None
     rows, k = [], 0
     try:
         for table, table_starts in zip(tables, starts):
-            rows.append([torch.from_numpy(table._native_lookup(a, off, None, SEQUENCE, 0, None))
+            rows.append([table._native_lookup(a, off, None, SEQUENCE, 0, None)
                          for a, off, _ in windows[k:k + len(table_starts)]])
             k += len(table_starts)
     except (IndexError, ValueError, TypeError):
         return None
-    return rows
+    if train is None:
+        return [[torch.from_numpy(r) for r in table_rows] for table_rows in rows]
+    handles, anchors = train
+    flat = _CollectionRowsStep.apply((handles, starts, stride, rows), values, offsets, *anchors)
+    out, k = [], 0
+    for table_starts in starts:
+        out.append(list(flat[k:k + len(table_starts)]))
+        k += len(table_starts)
+    return out
+
+
+def _row_windows(values: Tensor, offsets: Tensor, starts: List[List[int]], stride: int):
+    """``_windows`` of `collection_rows`'s source, every table's in order, or None."""
+    source = _cpu_source([values], [offsets], [], True)
+    flat = [s for table_starts in starts for s in table_starts]
+    return None if source is None or not flat else _windows(source, flat, stride)
+
+
+class _CollectionRowsStep(torch.autograd.Function):
+    """``collection_rows`` of tables that train fused: the anchors carry
+    autograd (as in ``lookup``); the backward steps every table at once."""
+
+    @staticmethod
+    def forward(ctx, how, values, offsets, *anchors):
+        ctx.handles, ctx.starts, ctx.stride, rows = how
+        ctx.save_for_backward(values, offsets)
+        return tuple(torch.from_numpy(r) for table_rows in rows for r in table_rows)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        values, offsets = ctx.saved_tensors
+        # The windows the forward read (the saved tensors cannot have changed).
+        windows = _row_windows(values, offsets, ctx.starts, ctx.stride)
+        entries = [_entry(handle) for handle in ctx.handles]
+        with contextlib.ExitStack() as held:  # each table's rate and step are one (the locks in one global order)
+            for table in sorted({id(e.table): e.table for e in entries}.items()):
+                held.enter_context(table[1]._schedule_lock())
+            steps, k = [], 0
+            for entry, table_starts in zip(entries, ctx.starts):
+                n = len(table_starts)
+                parts = [(a, off, None, SEQUENCE, 0, g.detach().to(torch.float32).contiguous().numpy())
+                         for (a, off, _), g in zip(windows[k:k + n], grads[k:k + n])]
+                steps.append((entry.table._native, parts, _fused_rate(entry), ["grads"] * n, -1))
+                k += n
+            _embedcore.apply_gradients_many(steps)  # every table checked before any steps
+            for entry in entries:
+                _fused_stepped(entry)
+        return (None, None, None, *(None for _ in ctx.handles))
 
 
 class _CollectionStep(torch.autograd.Function):

@@ -244,6 +244,6 @@ class ServedEmbeddingCollection(_SequenceInterface, _ServedCollection):
         self._serve(path, tables, verify, False)
         self._need_indices = bool(need_indices)
 
-    def _row_tables(self) -> list:
-        """The served tables, for ``_ops.collection_rows``."""
-        return [_ops._entry(h).table for h in self._handles]
+    def _row_tables(self) -> tuple:
+        """The served tables, for ``_ops.collection_rows`` (no autograd)."""
+        return [_ops._entry(h).table for h in self._handles], None
