@@ -208,7 +208,7 @@ def convert_state_dict(src, dst, prefix: Optional[str] = None, combiner: str = "
         step = max(1, _CHUNK_BYTES // (4 * dim))
         for r in range(0, rows, step):  # float32 holds every float16 and bfloat16 value: exact
             try:
-                table.assign(value[r:r + step].detach().to(torch.float32).numpy(), r)
+                table.assign(value[r:r + step].detach().to(torch.float32).resolve_neg().numpy(), r)
             except ValueError as e:  # (its row index counts from row r)
                 raise ValueError(f"{path}: {key}, rows from {r}: {e}") from None
         tables.append(table)

@@ -141,7 +141,12 @@ class _Part:
 
 
 def _np(t: Tensor) -> np.ndarray:
-    return t.detach().numpy()
+    """A NumPy view of a CPU tensor (a copy of a lazily negated or conjugated
+    one, e.g. ``z.conj().imag``, whose ``numpy()`` PyTorch refuses)."""
+    t = t.detach()
+    if t.is_neg() or t.is_conj():
+        t = t.resolve_neg().resolve_conj()
+    return t.numpy()
 
 
 def _engine(t: Optional[Tensor]):
@@ -1106,7 +1111,7 @@ class _CollectionRowsStep(torch.autograd.Function):
             steps, k = [], 0
             for entry, table_starts in zip(entries, ctx.starts):
                 n = len(table_starts)
-                parts = [(a, off, None, SEQUENCE, 0, g.detach().to(torch.float32).contiguous().numpy())
+                parts = [(a, off, None, SEQUENCE, 0, _np(g.to(torch.float32).contiguous()))
                          for (a, off, _), g in zip(windows[k:k + n], grads[k:k + n])]
                 steps.append((entry.table._native, parts, _fused_rate(entry), ["grads"] * n, -1))
                 k += n
@@ -1129,7 +1134,7 @@ class _CollectionStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         values, offsets, *weights = ctx.saved_tensors
-        g = grad.detach().to(torch.float32).contiguous().numpy()
+        g = _np(grad.to(torch.float32).contiguous())
         entries = [_entry(handle) for handle, *_ in ctx.plan]
         with contextlib.ExitStack() as held:  # each table's rate and step are one (the locks in one global order)
             for table in sorted({id(e.table): e.table for e in entries}.items()):

@@ -34,6 +34,7 @@ from embedcore.distributed._comm import agree
 from ._collection import (EmbeddingBagCollection, EmbeddingCollection, _csr, _embedding_names, _is_kjt,
                           _jagged_module, _kjt_parts, _sequence_ids, _specs, _uniform_of)
 from ._modules import _NoFusedOptimizer, _table_device, check_weights, refuse_float16_backward, refuse_fx_proxy
+from . import _ops
 from ._ops import _check_offsets
 
 __all__ = ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"]
@@ -43,7 +44,7 @@ __all__ = ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"]
 def _np(t: Tensor) -> np.ndarray:
     """The host array the sharded algorithm routes: a view of a CPU tensor, a
     copy of a CUDA one (the module checked its device)."""
-    return t.detach().cpu().numpy()
+    return _ops._np(t.cpu())
 
 
 def _checked_offsets(off: np.ndarray, n_ids: int, where: str) -> np.ndarray:
@@ -103,7 +104,7 @@ class _ShardedLookup(torch.autograd.Function):
                                "collection updates from its last forward pass only, so call backward() before "
                                "the next forward (on every rank)")
         # Autograd gives zeros for outputs that did not reach the loss.
-        module._embedding.apply_gradients([g.detach().contiguous().numpy() for g in grads])
+        module._embedding.apply_gradients([_ops._np(g.contiguous()) for g in grads])
         return torch.zeros(1), None, None, None
 
 

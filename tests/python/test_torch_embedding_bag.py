@@ -465,3 +465,25 @@ def test_from_pretrained_takes_float_tensors_as_torch(cls):
     np.testing.assert_array_equal(m.weight.detach().numpy(), w.astype(np.float32))
     m = cls.from_pretrained(torch.arange(18).reshape(6, 3), dtype=torch.float32)  # converted when dtype= says so
     np.testing.assert_array_equal(m.weight.detach().numpy(), np.arange(18, dtype=np.float32).reshape(6, 3))
+
+
+def test_lazily_negated_per_sample_weights_are_read_with_their_sign():
+    """Per-id weights that PyTorch holds lazily negated (``z.conj().imag``:
+    float32 with the negative bit, whose ``numpy()`` it refuses) give
+    nn.EmbeddingBag's outputs, in a module and a collection's dict feature
+    (were PyTorch's RuntimeError from inside the adapter)."""
+    z = torch.complex(torch.zeros(4), torch.tensor([-0.5, -2.0, 1.0, -3.0]))
+    psw = z.conj().imag
+    assert psw.is_neg() and psw.dtype == torch.float32
+    ids, offsets = torch.tensor([1, 2, 3, 9]), torch.tensor([0, 2])
+    ref = torch.nn.EmbeddingBag(10, 3, mode="sum")
+    want = ref(ids, offsets, per_sample_weights=psw.resolve_neg()).detach()
+    m = et.EmbeddingBag(10, 3, mode="sum", optimizer=ec.optimizers.SGD(0.1))
+    with torch.no_grad():
+        m.weight.copy_(ref.weight)
+    assert max_diff(m(ids, offsets, per_sample_weights=psw), want) <= 1e-6
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(num_embeddings=10, embedding_dim=3, name="t",
+                                                           feature_names=["f"])])
+    with torch.no_grad():
+        ebc.embedding_bags["t"].weight.copy_(ref.weight)
+    assert max_diff(ebc({"f": (ids, torch.tensor([0, 2, 4]), psw)})["f"], want) <= 1e-6
