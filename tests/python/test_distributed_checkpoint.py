@@ -841,6 +841,31 @@ def test_a_reshard_that_fails_part_way_removes_what_it_wrote(tmp_path, monkeypat
         assert not os.path.exists(dst)  # the directory it made, removed with what it wrote
 
 
+def test_an_in_place_reshard_removes_what_dead_saves_left(tmp_path, monkeypatch, saved):
+    """An in-place reshard removes the files of a save that died (a killed
+    reshard's) when it claims its generation, as every save does, also when
+    it then fails: on a disk they filled it would otherwise fail for ever
+    (its own shared lock on the source kept the removal from running)."""
+    path = str(tmp_path / "c")
+    shutil.copytree(saved[(2, "row_wise")].path, path)
+    live = sorted(os.listdir(path))
+    dead = ["MANIFEST.tmp.g000000000009", "t00000.values.s00001.g000000000009.ecd"]
+    for name in dead:
+        with open(os.path.join(path, name), "wb") as fh:
+            fh.write(b"x" * 1000)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_embedcore, "write_shard_files", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        ec.distributed.reshard(path, path, 3, "row_wise")
+    assert sorted(os.listdir(path)) == live
+    monkeypatch.undo()
+    ec.distributed.reshard(path, path, 3, "row_wise")
+    assert read_manifest(path)["tables"][0]["sharding"]["world_size"] == 3
+
+
 def test_reshard_cli(tmp_path, saved, reference, capsys):
     dst = str(tmp_path / "dst")
     assert embedcore.cli.main(["reshard", saved[(3, "auto")].path, dst, "--world", "3",

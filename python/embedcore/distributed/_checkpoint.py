@@ -264,6 +264,13 @@ def _load_sharded_with(path: str, emb, include_optimizer: bool, comm, files) -> 
     agree(comm, error, step=emb.step_name("load: read"))
 
 
+def _same_directory(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 20,
             include_optimizer: bool = True) -> str:
     """Rewrites the checkpoint `src` as `dst` laid out for `world_size` ranks
@@ -290,6 +297,11 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
     claim = None
     created = not os.path.lexists(dst)  # removed again if the reshard fails (when empty)
     try:
+        if not created and _same_directory(src, dst):
+            # In place: dst's claim before src's lock, whose shared hold would keep the claim from removing what
+            # saves that died left (it takes the directory's lock without waiting): a reshard into a disk they
+            # filled would fail for ever.
+            claim = _embedcore.GenerationClaim(dst)
         # src's shared lock from the first read of its manifest to the last read of its files: a save's commit
         # into src waits for it, so the manifest read and the files read are of one checkpoint. Released before
         # dst's commit (which takes dst's lock exclusive, and cleans src when it is dst).
@@ -318,7 +330,8 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
                     raise ValueError(f"reshard: table '{t['name']}' would be written in {count} pieces, over "
                                      f"{_MAX_PIECES}: raise max_file_bytes ({max_file_bytes}; --max-file-mb) or "
                                      f"lower world_size ({world_size})")
-            claim = _embedcore.GenerationClaim(dst)
+            if claim is None:
+                claim = _embedcore.GenerationClaim(dst)
             with _removed_on_failure(dst, claim.generation):
                 tables = _reshard_into(info, manifest, layout, dst, claim.generation, world_size, max_file_bytes)
         with _removed_on_failure(dst, claim.generation):
