@@ -466,8 +466,8 @@ class _SequenceInterface(_Interface):
         values, offsets, _, stride, index = _kjt_parts(kjt, all_features, self._owner)
         lengths = kjt.lengths()
         out = {}
-        # Every table's rows in one pass over the engine where no autograd is recorded (no_grad, serving,
-        # frozen tables), else one op per table: the same rows, bit for bit.
+        # Every table's rows in one pass over the engine (no autograd, or fused training: one step of every
+        # table in the backward), else one op per table: the same rows and steps, bit for bit.
         plan = self._row_tables()
         fused = None if plan is None else _ops.collection_rows(
             plan[0], values, offsets, [[index[f] * stride for f in spec.features] for spec in self._specs], stride,
@@ -651,24 +651,23 @@ class EmbeddingCollection(_SequenceInterface, _Collection):
         return list(self.embeddings.values())
 
     def _row_tables(self) -> Optional[tuple]:
-        """``(tables, train)`` for ``_ops.collection_rows`` when every table is
-        on the CPU and either records no autograd (train None) or trains
-        fused (``(handles, anchors)``); else None (each table's op runs)."""
-        children = self._children_list()
+        """``(tables, trains)`` for ``_ops.collection_rows`` when every table is
+        on the CPU and either records no autograd (its ``trains`` entry None)
+        or trains fused (``(handle, anchor)``); else None (each table's op
+        runs: gradients for PyTorch's optimizers)."""
         grad_on = torch.is_grad_enabled()
-        handles, anchors = [], []
-        for m in children:
+        tables, trains = [], []
+        for m in self._children_list():
             anchor, mode = m._anchor_and_mode(stacklevel=5)  # (the checks of every lookup)
             if not anchor.is_cpu:
                 return None
+            trains.append(None)
             if grad_on and anchor.requires_grad:
                 if mode != _ops.FUSED:
-                    return None  # gradients for PyTorch's optimizers: the ops make them
-                handles.append(m._handle)
-                anchors.append(anchor)
-        if anchors and len(anchors) != len(children):
-            return None  # (frozen tables beside trained ones: the ops)
-        return [m._table for m in children], ((handles, anchors) if anchors else None)
+                    return None
+                trains[-1] = (m._handle, anchor)
+            tables.append(m._table)
+        return tables, trains
 
     def _table_lookup(self, i: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
                       segments: List[int], combiner: int) -> List[Tensor]:

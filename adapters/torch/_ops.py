@@ -1042,23 +1042,24 @@ def collection_lookup(bags, values: Tensor, offsets: Tensor, weights: List[Tenso
 
 
 def collection_rows(tables, values: Tensor, offsets: Tensor, starts: List[List[int]], stride: int,
-                    train: Optional[Tuple[List[int], List[Tensor]]] = None) -> Optional[List[List[Tensor]]]:
+                    trains: List[Optional[Tuple[int, Tensor]]]) -> Optional[List[List[Tensor]]]:
     """The unpooled lookups of a collection's `tables` (engine or served
     tables) on one source (a KeyedJaggedTensor's values and offsets): for
     each table, the rows of the ids of each window of `stride` bags from each
     bag of its `starts`, as ``[ids, dim]`` float32 tensors, from the engine
     with no op per table (an ``EmbeddingCollection`` of DLRM's 26 tables
     paid the op's Python costs 26 times a batch, forward and backward).
-    `train`: the (handles, anchors) of tables that train fused (every one of
-    `tables`): the rows carry autograd, and the backward steps every table in
-    one engine call (``apply_gradients_many``: each table checked before any
-    changes). None where the per-table ops must run (and raise any error in
-    the caller's terms): tracing or compiling, offsets that are not int32 or
-    int64, tensors off the CPU, float16 autocast when training (its backward
-    refuses fused training), a bad id."""
+    `trains`: by table, None (no autograd) or the (handle, anchor) of a table
+    that trains fused: its rows carry autograd, and the backward steps every
+    such table in one engine call (``apply_gradients_many``: each table
+    checked before any changes). None where the per-table ops must run (and
+    raise any error in the caller's terms): tracing or compiling, offsets
+    that are not int32 or int64, tensors off the CPU, float16 autocast when
+    training (its backward refuses fused training), a bad id."""
     if not (offsets.is_cpu and plain_eager([values, offsets])):
         return None
-    if train is not None and float16_autocast("cpu"):
+    trained = [i for i, t in enumerate(trains) if t is not None]
+    if trained and float16_autocast("cpu"):
         return None
     windows = _row_windows(values, offsets, starts, stride)
     if windows is None:
@@ -1066,20 +1067,18 @@ def collection_rows(tables, values: Tensor, offsets: Tensor, starts: List[List[i
     rows, k = [], 0
     try:
         for table, table_starts in zip(tables, starts):
-            rows.append([table._native_lookup(a, off, None, SEQUENCE, 0, None)
+            rows.append([torch.from_numpy(table._native_lookup(a, off, None, SEQUENCE, 0, None))
                          for a, off, _ in windows[k:k + len(table_starts)]])
             k += len(table_starts)
     except (IndexError, ValueError, TypeError):
         return None
-    if train is None:
-        return [[torch.from_numpy(r) for r in table_rows] for table_rows in rows]
-    handles, anchors = train
-    flat = _CollectionRowsStep.apply((handles, starts, stride, rows), values, offsets, *anchors)
-    out, k = [], 0
-    for table_starts in starts:
-        out.append(list(flat[k:k + len(table_starts)]))
-        k += len(table_starts)
-    return out
+    if trained:
+        how = ([trains[i][0] for i in trained], [starts[i] for i in trained], stride,
+               [r for i in trained for r in rows[i]])
+        flat = iter(_CollectionRowsStep.apply(how, values, offsets, *(trains[i][1] for i in trained)))
+        for i in trained:
+            rows[i] = [next(flat) for _ in rows[i]]
+    return rows
 
 
 def _row_windows(values: Tensor, offsets: Tensor, starts: List[List[int]], stride: int):
@@ -1091,13 +1090,14 @@ def _row_windows(values: Tensor, offsets: Tensor, starts: List[List[int]], strid
 
 class _CollectionRowsStep(torch.autograd.Function):
     """``collection_rows`` of tables that train fused: the anchors carry
-    autograd (as in ``lookup``); the backward steps every table at once."""
+    autograd (as in ``lookup``), the rows come out as they went in; the
+    backward steps every table at once."""
 
     @staticmethod
     def forward(ctx, how, values, offsets, *anchors):
         ctx.handles, ctx.starts, ctx.stride, rows = how
         ctx.save_for_backward(values, offsets)
-        return tuple(torch.from_numpy(r) for table_rows in rows for r in table_rows)
+        return tuple(rows)
 
     @staticmethod
     def backward(ctx, *grads):

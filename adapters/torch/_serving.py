@@ -246,4 +246,4 @@ class ServedEmbeddingCollection(_SequenceInterface, _ServedCollection):
 
     def _row_tables(self) -> tuple:
         """The served tables, for ``_ops.collection_rows`` (no autograd)."""
-        return [_ops._entry(h).table for h in self._handles], None
+        return [_ops._entry(h).table for h in self._handles], [None] * len(self._handles)

@@ -562,6 +562,12 @@ def test_embedding_collection_reads_every_tables_rows_in_one_pass(rng, torchrec,
                               twin.embeddings[t].table.slots()["accumulators"]), t
     monkeypatch.setattr(et._ops, "collection_rows", one_pass)
     per_table.clear()
+    twin.embeddings["t2"].weight.requires_grad_(False)  # a frozen table beside a trained one: still one pass
+    frozen = twin.embeddings["t2"].weight.detach().clone()
+    out = twin(kjt)
+    sum((v.values() * g[k]).sum() for k, v in out.items()).backward()
+    assert not per_table and [m.table.step for m in twin.embeddings.values()] == [2, 1]
+    assert torch.equal(twin.embeddings["t2"].weight, frozen) and not out["f2"].values().requires_grad
     unfused.requires_grad_(True)
     out = unfused(kjt)  # unfused training: each table's op, with gradients for PyTorch's optimizers
     sum(v.values().sum() for v in out.values()).backward()
