@@ -304,26 +304,33 @@ def _trainable_lookup(emb: EmbeddingForServing, inputs, weights, anchor, refusal
     """The lookup, with a backward pass that applies the engine's update; with
     `refusal`, asking for that gradient raises NotImplementedError(refusal)
     before anything changes (the forward pass and inference still work)."""
-    outputs, backward = _lookup(inputs, weights, emb._features, emb._tables, need_bwd=True)
+    outputs, backward, weighted = _lookup(inputs, weights, emb._features, emb._tables, need_bwd=True)
     flat = tf.nest.flatten(outputs)
     a = tf.convert_to_tensor(anchor)
+    n = len(flat)
 
     @tf.custom_gradient
-    def attach(a_value, *outs):
+    def attach(a_value, *args):
+        outs, ws = args[:n], args[n:]
+
         def grad(*dys):
             if refusal is not None:
                 raise NotImplementedError(refusal)
-            update = _apply(emb, backward, dys)
+            # The per-id weights' gradients first, from the rows the forward read: the update changes them.
+            wgrads = [None if dys[wg.output] is None else wg.gradient(dys[wg.output], w)
+                      for wg, w in zip(weighted, ws)]
+            with tf.control_dependencies([g for g in wgrads if g is not None] if not tf.executing_eagerly() else []):
+                update = _apply(emb, backward, dys)
             if not update:  # eager: the update ran
-                return [tf.zeros_like(a_value)] + [None] * len(outs)
+                return [tf.zeros_like(a_value)] + [None] * len(outs) + wgrads
             # In a graph, the anchor's gradient (0) is the update's own output: a control dependency alone
             # was pruned by Grappler in some models (a Dense head trained with Adam), silently.
             zero = tf.ensure_shape(tf.cast(update[0], a_value.dtype), a_value.shape)
-            return [zero] + [None] * len(outs)
+            return [zero] + [None] * len(outs) + wgrads
 
         return [tf.identity(o) for o in outs], grad
 
-    return tf.nest.pack_sequence_as(outputs, attach(a, *flat))
+    return tf.nest.pack_sequence_as(outputs, attach(a, *flat, *(wg.w for wg in weighted)))
 
 
 def _learning_rates(tables: Dict[str, ec.Table], names) -> list:

@@ -42,12 +42,41 @@ class Backward:
     """What the gradient of one feature's output needs: the CSR batch that
     was pooled (``ids``, ``offsets``, ``weights``), and for each of its bags
     the row of the flattened output gradient ``[-1, dim]`` that is its
-    gradient (gathered and sequence outputs become bags of one id)."""
+    gradient (gathered and sequence outputs become bags of one id);
+    ``positions``: each pooled id's position among the caller's weights
+    (None: the same positions), for the weights' gradient."""
 
-    __slots__ = ("ids", "offsets", "weights", "rows")
+    __slots__ = ("ids", "offsets", "weights", "rows", "positions")
 
-    def __init__(self, ids, offsets, weights, rows):
+    def __init__(self, ids, offsets, weights, rows, positions=None):
         self.ids, self.offsets, self.weights, self.rows = ids, offsets, weights, rows
+        self.positions = positions
+
+
+def weights_gradient(table, combiner: str, order: str, bwd: Backward, dy: np.ndarray, n: int) -> np.ndarray:
+    """The gradient of the pooled output with respect to the caller's `n`
+    per-id weights, from the output's gradient `dy` ``[-1, dim]``, as
+    TensorFlow's ops differentiate ``segment_sum(w * rows)`` (sum), divided
+    by ``segment_sum(w)`` (mean) or ``sqrt(segment_sum(w * w))`` (sqrtn):
+    ``row . g`` for sum, ``(row . g - out . g * s) / D`` otherwise (``s``: 1
+    for mean, ``w / D`` for sqrtn; 0 where ``D`` is 0, as ``div_no_nan``).
+    Pruned ids' weights (TensorFlow's safe lookup drops them) get 0."""
+    ids, offsets, w = bwd.ids, bwd.offsets, bwd.weights
+    out = np.zeros(n, np.float32)
+    if not ids.size or w is None:  # (None: a sequence, which ignores the weights)
+        return out
+    bag = np.repeat(np.arange(offsets.size - 1, dtype=np.int64), np.diff(offsets))
+    g = dy[bwd.rows[bag]]
+    dots = np.einsum("ij,ij->i", engine_lookup(table, ids, None, None, None), g)
+    if combiner != "sum":
+        pooled_out = pooled(table, ids, offsets, w, combiner, order)
+        total = np.bincount(bag, w if combiner == "mean" else w * w, offsets.size - 1).astype(np.float32)
+        den = (total if combiner == "mean" else np.sqrt(total))[bag]
+        scale = np.float32(1) if combiner == "mean" else np.divide(w, den, out=np.zeros_like(w), where=den != 0)
+        dots = np.divide(dots - np.einsum("ij,ij->i", pooled_out[bag], g) * scale, den, out=np.zeros_like(dots),
+                         where=den != 0)
+    np.add.at(out, bwd.positions if bwd.positions is not None else np.arange(ids.size), dots)
+    return out
 
 
 def _bags_of_one(ids: np.ndarray, rows: np.ndarray) -> Backward:
@@ -63,12 +92,14 @@ def dense_numpy(table, ids: np.ndarray, need_bwd: bool):
 
 def sparse_numpy(f: Feature, table, indices, ids, dense_shape, weights, safe: bool, sequence: bool, need_bwd: bool):
     dim = table.dim
+    positions = None  # each pooled id's position among the weights, where that changes
     if weights is not None and weights.shape[0] != ids.shape[0]:
         if weights.shape[0] == 1 and not safe and not sequence and f.table.combiner == "sum" and dense_shape.size == 2:
             # Rank 2, fast path: embedding_lookup_sparse multiplies the gathered rows by the weights' values,
             # broadcasting one value over them all (a count TensorFlow checks only where the shapes are known
             # when tracing). Rank > 2 gathers the weights by position first, and fails as below.
             weights = np.broadcast_to(weights, ids.shape)
+            positions = np.zeros(ids.shape, np.int64)  # (one weight for every id)
         else:
             raise InvalidArgument(f"feature {f.label}: weights have {weights.shape[0]} values, ids {ids.shape[0]}")
     if sequence:
@@ -100,12 +131,15 @@ def sparse_numpy(f: Feature, table, indices, ids, dense_shape, weights, safe: bo
                 raise InvalidArgument(f"indices[{k}] = {rows.size + int(extra[0])} is not in [0, {rows.size})")
             n = min(ids.size, rows.size)
             rows, ids, weights = rows[:n], ids[:n], None if weights is None else weights[:n]
+        if weights is not None and positions is None:
+            positions = np.arange(ids.size, dtype=np.int64)
         valid = ids >= 0
         if weights is not None and f.table.combiner != "sum":
             valid &= weights > 0
         if not valid.all():
             rows, ids = rows[valid], ids[valid]
-            weights = None if weights is None else weights[valid]
+            if weights is not None:
+                weights, positions = weights[valid], positions[valid]
         bad = (rows < 0) | (rows >= nbags)  # sparse_fill_empty_rows, before any id is looked up
         if bad.any():
             k = int(np.argmax(bad))
@@ -113,7 +147,8 @@ def sparse_numpy(f: Feature, table, indices, ids, dense_shape, weights, safe: bo
         if rows.size > 1 and (np.diff(rows) < 0).any():  # sparse_fill_empty_rows groups by row, stably
             order = np.argsort(rows, kind="stable")
             rows, ids = rows[order], ids[order]
-            weights = None if weights is None else weights[order]
+            if weights is not None:
+                weights, positions = weights[order], positions[order]
         out_shape = tuple(int(d) for d in dense_shape[:-1]) + (dim,)
     else:
         # embedding_lookup_sparse: the first index is the bag; bags after the last non-empty one are dropped.
@@ -136,7 +171,7 @@ def sparse_numpy(f: Feature, table, indices, ids, dense_shape, weights, safe: bo
     ids = np.ascontiguousarray(ids)
     weights = None if weights is None else np.ascontiguousarray(weights, dtype=np.float32)
     out = pooled(table, ids, offsets, weights, f.table.combiner, GROUPED8 if weights is None else EIGEN4)
-    bwd = Backward(ids, offsets, weights, np.arange(nbags, dtype=np.int64)) if need_bwd else None
+    bwd = Backward(ids, offsets, weights, np.arange(nbags, dtype=np.int64), positions) if need_bwd else None
     return out.reshape(out_shape), bwd
 
 
@@ -353,6 +388,46 @@ def _op_name(label: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in label)[:64] or "feature"
 
 
+class WeightsGradient:
+    """How to differentiate one pooled output with respect to its per-id
+    weights' values `w` (a tensor): ``gradient(dy)`` runs ``grad_fn(*arrays
+    of tensors, w, dy) -> dL/dw`` (NumPy, eagerly or as a
+    ``tf.numpy_function``), `dy` the output's gradient. `output`: the
+    output's position among the lookup's flattened outputs."""
+
+    __slots__ = ("output", "w", "tensors", "grad_fn", "dim", "label")
+
+    def __init__(self, w, tensors, grad_fn, dim: int, label: str):
+        self.output = -1
+        self.w, self.tensors, self.grad_fn, self.dim, self.label = w, list(tensors), grad_fn, dim, label
+
+    def gradient(self, dy: tf.Tensor, w: Optional[tf.Tensor] = None) -> tf.Tensor:
+        w = self.w if w is None else w
+        dy = tf.reshape(tf.cast(dy, tf.float32), [-1, self.dim])
+        if tf.executing_eagerly():
+            g = tf.convert_to_tensor(self.grad_fn(*(t.numpy() for t in self.tensors), w.numpy(), dy.numpy()))
+        else:
+            g = tf.numpy_function(self.grad_fn, [*self.tensors, w, dy], tf.float32,
+                                  name=f"embedcore_weights_grad_{_op_name(self.label)}")
+        return tf.cast(tf.reshape(g, tf.shape(w)), w.dtype)
+
+
+def _with_weights_gradient(out: tf.Tensor, wg: WeightsGradient, trained: Optional[list]) -> tf.Tensor:
+    """`out` with its gradient with respect to the weights, as TensorFlow's
+    lookup has one; or, with `trained` (a training lookup, whose backward
+    updates the tables), `wg` recorded there for that backward to run first,
+    from the rows as this lookup read them."""
+    if trained is not None:
+        trained.append(wg)
+        return out
+
+    @tf.custom_gradient
+    def attach(w):
+        return tf.identity(out), lambda dy: wg.gradient(dy, w)
+
+    return attach(wg.w)
+
+
 # ------------------------------------------------------------------ TensorFlow side: TensorFlow's checks, then the call
 def flatten_inputs(inputs, weights, keys):
     """The (path, input) pairs of `inputs` and their weights (None each when
@@ -373,11 +448,15 @@ def flatten_inputs(inputs, weights, keys):
 @tf.autograph.experimental.do_not_convert  # plain TensorFlow ops: AutoGraph has nothing to convert here
 def lookup(inputs, weights, features: Dict[str, Feature], tables: Dict[str, object], need_bwd: bool = False):
     """``cpu_embedding_lookup`` over engine tables. Returns the outputs in
-    the structure of `inputs` and, when `need_bwd`, a list of
-    ``(feature, backward tensors)``."""
+    the structure of `inputs`, differentiable with respect to their per-id
+    weights as TensorFlow's; when `need_bwd` (a training lookup), also a list
+    of ``(feature, backward tensors)`` and one of ``WeightsGradient`` (the
+    weighted outputs': the caller's backward runs them, before it updates
+    the tables)."""
     flat_inputs, flat_weights = flatten_inputs(inputs, weights, features.keys())
     outputs = []
     backward = []
+    trained = [] if need_bwd else None
     for (path, inp), weight in zip(flat_inputs, flat_weights):
         f = features[path]
         table = tables[f.table.name]
@@ -394,17 +473,19 @@ def lookup(inputs, weights, features: Dict[str, Feature], tables: Dict[str, obje
                 raise ValueError("Feature {} is a sequence feature but a dense tensor was passed.".format(path))
             out, bwd = _dense(f, table, inp, need_bwd)
         elif isinstance(inp, tf.SparseTensor):
-            out, bwd = _sparse(f, table, inp, weight, need_bwd)
+            out, bwd = _sparse(f, table, inp, weight, need_bwd, trained)
         elif isinstance(inp, tf.RaggedTensor):
-            out, bwd = _ragged(f, table, inp, weight, need_bwd)
+            out, bwd = _ragged(f, table, inp, weight, need_bwd, trained)
         else:
             raise ValueError("Input {} is type {}. Tensor, SparseTensor or RaggedTensor expected.".format(
                 path, type(inp)))
+        if trained and trained[-1].output < 0:
+            trained[-1].output = len(outputs)
         outputs.append(out)
         if need_bwd:
             backward.append((f, bwd))
     packed = tf.nest.pack_sequence_as(inputs, outputs)
-    return (packed, backward) if need_bwd else packed
+    return (packed, backward, trained) if need_bwd else packed
 
 
 def _check_int_ids(ids: tf.Tensor, where: str) -> None:
@@ -422,7 +503,8 @@ def _dense(f: Feature, table, ids: tf.Tensor, need_bwd: bool):
     return out, bwd
 
 
-def _sparse(f: Feature, table, sp: tf.SparseTensor, weights: Optional[tf.SparseTensor], need_bwd: bool):
+def _sparse(f: Feature, table, sp: tf.SparseTensor, weights: Optional[tf.SparseTensor], need_bwd: bool,
+            trained: Optional[list] = None):
     rank = sp.shape.rank
     sequence = f.output_shape is None and f.max_sequence_length > 0 and (rank is None or rank == 2)
     if not sequence and f.max_sequence_length > 0:
@@ -462,6 +544,13 @@ def _sparse(f: Feature, table, sp: tf.SparseTensor, weights: Optional[tf.SparseT
         out.set_shape([None, table.dim])
         return out, None
     out, bwd = _call(fn, [sp.indices, sp.values, sp.dense_shape, wvalues], need_bwd, f.label)
+    if wvalues is not None and not sequence:
+        def weights_grad(indices, ids, dense_shape, w, dy):
+            _, b = sparse_numpy(f, table, indices, ids, dense_shape, w, safe, False, True)
+            return weights_gradient(table, f.table.combiner, EIGEN4, b, dy, w.shape[0])
+
+        out = _with_weights_gradient(out, WeightsGradient(wvalues, [sp.indices, sp.values, sp.dense_shape],
+                                                          weights_grad, table.dim, f.label), trained)
     if sequence:
         out.set_shape([None, f.max_sequence_length, table.dim])
     elif not safe:
@@ -471,7 +560,8 @@ def _sparse(f: Feature, table, sp: tf.SparseTensor, weights: Optional[tf.SparseT
     return out, bwd
 
 
-def _ragged(f: Feature, table, rt: tf.RaggedTensor, weights: Optional[tf.RaggedTensor], need_bwd: bool):
+def _ragged(f: Feature, table, rt: tf.RaggedTensor, weights: Optional[tf.RaggedTensor], need_bwd: bool,
+            trained: Optional[list] = None):
     if rt.shape.rank != 2:
         raise ValueError("Only rank 2 ragged tensor is supported, but got rank {}".format(rt.shape.rank))
     if rt.values.dtype not in _INT_IDS:
@@ -522,6 +612,13 @@ def _ragged(f: Feature, table, rt: tf.RaggedTensor, weights: Optional[tf.RaggedT
         out.set_shape([batch, table.dim])
         return out, None
     out, bwd = _call(fn, [rt.values, rt.row_splits, wvalues, wsplits], need_bwd, f.label)
+    if wvalues is not None:
+        def weights_grad(values, splits, ws, w, dy):
+            _, b = ragged_numpy(f, table, values, splits, w, ws, True)
+            return weights_gradient(table, f.table.combiner, SEQUENTIAL, b, dy, w.shape[0])
+
+        out = _with_weights_gradient(out, WeightsGradient(wvalues, [rt.values, rt.row_splits, wsplits],
+                                                          weights_grad, table.dim, f.label), trained)
     if f.output_shape is not None:
         out.set_shape(list(f.output_shape) + [table.dim])
     elif f.max_sequence_length > 0:

@@ -477,7 +477,8 @@ class _TableModule(_AdapterModule):
         # the anchors alive (the weight unfused; fused, the group holds the weight, and the anchors stand for it).
         holders = (self, self._anchor, self._frozen_anchor) if fused else (self, self.weight)
         sync = weakref.WeakMethod(self._sync_in_backward) if ib is not None else None
-        self._handle = _ops.register(table, group, holders, sync=sync)
+        self._handle = _ops.register(table, group, holders, sync=sync,
+                                     anchors=(self._anchor,) if fused else (self.weight,))
         self._group = group
         if fused:  # its group and slot views are of this optimizer: Table.set_optimizer refuses to replace it
             # while the registration lives (this module, or a graph of its lookups whose backward steps it)

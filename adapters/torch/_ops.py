@@ -30,7 +30,7 @@ that name the bad value.
 from __future__ import annotations
 
 import contextlib
-import itertools
+import random
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -57,26 +57,34 @@ class _Entry:
     "lr" a learning-rate scheduler may change); a served table's the names of
     its features, which its errors name (segment k reads ``features[k]``)."""
 
-    __slots__ = ("table", "group", "features", "sync", "__weakref__")
+    __slots__ = ("table", "group", "features", "sync", "anchors", "__weakref__")
 
-    def __init__(self, table, group, features=None, sync=None):
+    def __init__(self, table, group, features=None, sync=None, anchors=()):
         self.table = table
         self.group = group
         self.features = features
         self.sync = sync  # a weakref.WeakMethod called before each fused step (the module's _sync_in_backward)
+        self.anchors = anchors  # the data pointers of the anchors a lookup of this table may pass
 
 
 _REGISTRY: Dict[int, _Entry] = {}
-_HANDLES = itertools.count(1)
+_HANDLE_BITS = random.SystemRandom()
 
 
 def register(table, group: Optional[dict] = None, holders=(), features: Optional[List[str]] = None,
-             sync=None) -> int:
+             sync=None, anchors=()) -> int:
     """Registers `table` (an ``ec.Table``, or a served one: ``served_lookup``);
     with `holders`, unregisters it (``release_with``) once they are all
-    collected."""
-    handle = next(_HANDLES)
-    _REGISTRY[handle] = _Entry(table, group, features, sync)
+    collected; `anchors`: the tensors a lookup passes as its anchor (a
+    module's weight, or its fused anchors), which ``lookup`` checks. Handles
+    are random 62-bit numbers, not a count: a program that
+    ``torch.export`` / ``torch.jit.trace`` recorded one in, loaded in another
+    process, finds no table there rather than that process's table of the
+    same number."""
+    handle = _HANDLE_BITS.getrandbits(62) | 1
+    while handle in _REGISTRY:
+        handle = _HANDLE_BITS.getrandbits(62) | 1
+    _REGISTRY[handle] = _Entry(table, group, features, sync, tuple(a.data_ptr() for a in anchors))
     if holders:
         release_with(handle, holders)
     return handle
@@ -111,8 +119,12 @@ def _entry(handle: int) -> _Entry:
     try:
         return _REGISTRY[handle]
     except KeyError:
-        raise RuntimeError(f"embedcore table handle {handle} is not registered (its module, and every "
-                           "autograd graph of its lookups, were deleted)") from None
+        raise RuntimeError(f"embedcore table handle {handle} is not registered: its module, and every autograd "
+                           "graph of its lookups, were deleted, or this is a program (torch.export, torch.jit.trace) "
+                           "made in another process: such a program holds the handle of its process's table, not "
+                           "the table (which lives in embedcore's memory), and runs only there; save the tables "
+                           "with ec.save and serve them (ServedEmbeddingBagCollection) or build the modules "
+                           "again") from None
 
 
 # ------------------------------------------------------------------ inputs
@@ -582,7 +594,13 @@ def lookup_impl(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offset
     `anchor` carries autograd: the weight (unfused training) or a one-element
     tensor (fused training); its data is not read. Ids equal to `padding_idx`
     are left out of pooled bags (and of the mean's count), as PyTorch does."""
-    table = _entry(handle).table
+    entry = _entry(handle)
+    if entry.anchors and anchor.data_ptr() not in entry.anchors:
+        raise RuntimeError(f"embedcore table '{entry.table.name}': this lookup's weight is not its table's (a copy "
+                           "of a torch.export / torch.jit.trace program, or one given other weights: such a program "
+                           "holds the table of the module it was made from, not its weight); run the module, or a "
+                           "program made from the module that holds the weights")
+    table = entry.table
     outs = _lookup_outputs(table, dim, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
     if with_step:
         outs.append(torch.tensor(table.step, dtype=torch.int64))

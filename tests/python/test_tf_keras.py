@@ -839,3 +839,31 @@ def test_negative_dense_ids_of_the_one_table_form_are_errors():
         layer(tf.constant([[-1, 2]]))
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"5 is not in \[0, 5\)"):
         layer(tf.constant([[1, 5]]))
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_training_gives_the_weights_gradient_of_the_rows_it_read(rng, traced):
+    """A training call's per-id weights get TensorFlow's gradient (a
+    trainable weighting trains: was None), computed from the rows the
+    forward read, before the backward's engine update changes them."""
+    table = E.TableConfig(vocabulary_size=40, dim=8, combiner="mean", name="t")
+    layer = Embedding(feature_config={"f": E.FeatureConfig(table)}, optimizer=E.SGD(0.5))
+    layer.build()
+    ids = tf.RaggedTensor.from_row_lengths(rng.integers(0, 40, 12), [3, 0, 5, 4])
+    w = tf.Variable(rng.uniform(0.5, 2.0, 12).astype(np.float32))
+    dy = tf.constant(rng.standard_normal((4, 8)).astype(np.float32))
+
+    def grads(call):
+        with tf.GradientTape() as tape:
+            out = call({"f": ids}, {"f": ids.with_values(w * 1.0)})["f"]
+            loss = tf.reduce_sum(out * dy)
+        return tape.gradient(loss, w)
+
+    def run(call):
+        return tf.function(lambda: grads(call))() if traced else grads(call)
+
+    want = run(layer.embedding)  # the serving lookup of the same tables: no update
+    before = layer.embedding.embedding_tables[table].numpy().copy()
+    got = run(lambda f, w_: layer(f, w_, training=True))
+    assert not np.array_equal(layer.embedding.embedding_tables[table].numpy(), before)  # the update ran
+    assert np.array_equal(got.numpy(), want.numpy()) and np.abs(want.numpy()).max() > 0

@@ -686,3 +686,51 @@ def test_first_calls_of_several_threads_at_once_build_one_set_of_tables():
             t.join()
         later = layer(x)["f"].numpy()
         assert all(np.array_equal(r, later) for r in results.values()) and len(results) == 3
+
+
+def _weights_grads(layer, features, weights, dy, traced):
+    """d(sum(out * dy)) / d(each feature's weights' values), eagerly or in a tf.function."""
+
+    def run(features, wvalues):
+        with tf.GradientTape() as tape:
+            tape.watch(wvalues)
+            w = {k: (tf.SparseTensor(weights[k].indices, wvalues[k], weights[k].dense_shape)
+                     if isinstance(weights[k], tf.SparseTensor) else weights[k].with_values(wvalues[k]))
+                 for k in weights}
+            out = layer(features, w)
+            loss = tf.add_n([tf.reduce_sum(out[k] * dy[k]) for k in out])
+        return {k: tf.convert_to_tensor(g) for k, g in tape.gradient(loss, wvalues).items()}  # (IndexedSlices)
+
+    wvalues = {k: tf.identity(w.values) for k, w in weights.items()}
+    return (tf.function(run) if traced else run)(features, wvalues)
+
+
+@pytest.mark.parametrize("combiner", COMBINERS)
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_gradient_with_respect_to_the_weights_is_tensorflows(rng, combiner, traced):
+    """A weighted lookup is differentiable with respect to its per-id
+    weights, as TensorFlow's (whose ops differentiate segment_sum(w * rows)
+    and its division by segment_sum(w) or sqrt(segment_sum(w * w))): sparse
+    rank 2 (safe, pruning negative ids and, for mean and sqrtn, weights <=
+    0; and validate_weights_and_indices=False), sparse rank 3, ragged (a
+    bag whose weights add up to 0). Was None: a trainable weighting never
+    trained."""
+    table = E.TableConfig(vocabulary_size=ROWS, dim=DIM, combiner=combiner, name="t")
+    config = {"s": E.FeatureConfig(table), "u": E.FeatureConfig(table, validate_weights_and_indices=False),
+              "r3": E.FeatureConfig(table), "g": E.FeatureConfig(table)}
+    theirs, ours = pair(config, rng)
+    s, sw = random_sparse(rng, [9], 30, ROWS, 20, neg=True)
+    u, uw = random_sparse(rng, [7], 30, ROWS, 20)
+    r3, r3w = random_sparse(rng, [3, 4], 10, ROWS, 8, neg=True)
+    g, gw = random_ragged(rng, [3, 0, 7, 1, 4], ROWS)
+    features, weights = {"s": s, "u": u, "r3": r3, "g": g}, {"s": sw, "u": uw, "r3": r3w, "g": gw}
+    out = theirs(features, weights)
+    dy = {k: tf.constant(rng.standard_normal(v.shape).astype(np.float32)) for k, v in out.items()}
+    want = _weights_grads(theirs, features, weights, dy, traced)
+    got = _weights_grads(ours, features, weights, dy, traced)
+    for k in features:
+        assert got[k] is not None, k
+        scale = max(1.0, float(np.abs(want[k]).max()))
+        np.testing.assert_allclose(got[k].numpy(), want[k].numpy(), rtol=0, atol=2e-5 * scale, err_msg=k)
+    pruned = (sw.values.numpy() <= 0) | (s.values.numpy() < 0) if combiner != "sum" else s.values.numpy() < 0
+    assert pruned.any() and not got["s"].numpy()[pruned].any()  # pruned ids' weights: no gradient

@@ -488,3 +488,39 @@ def test_jit_script_and_pooled_jit_trace_are_refused_clearly(tmp_path):
             torch.jit.trace(FromLengths(m), (torch.tensor([1, 2, 3]), torch.tensor([2, 1])), check_trace=False)
     traced = torch.jit.trace(emb, (ids,))
     torch.testing.assert_close(traced(torch.tensor([5, 0, 9])), emb(torch.tensor([5, 0, 9])))
+
+
+def test_an_exported_program_reads_only_its_modules_table(tmp_path):
+    """A torch.export program of an embedcore module holds the handle of its
+    process's table, not the table: loaded in another process (which holds
+    tables of its own) it raises, naming why, where a count of handles gave
+    that process's table of the same number; a copy of the program given
+    other weights raises rather than read the original's table."""
+    import subprocess
+    import sys
+
+    class M(torch.nn.Module):
+        def __init__(self, bag):
+            super().__init__()
+            self.bag = bag
+
+        def forward(self, i, o):
+            return self.bag(i, o)
+
+    ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 1])
+    m = M(et.EmbeddingBag.from_pretrained(torch.ones(10, 2), mode="sum"))
+    ep = torch.export.export(m, (ids, offsets))
+    assert torch.equal(ep.module()(ids, offsets), m(ids, offsets))  # in its process, on its module's table
+    torch.export.save(ep, tmp_path / "m.pt2")
+    code = ("import torch, embedcore.adapters.torch as et\n"
+            "mine = [et.EmbeddingBag.from_pretrained(torch.full((10, 2), 7.0)) for _ in range(20)]\n"
+            f"ep = torch.export.load({str(tmp_path / 'm.pt2')!r})\n"
+            "print(ep.module()(torch.tensor([1, 2, 3]), torch.tensor([0, 1])).tolist())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "7.0" not in r.stdout, r.stdout
+    assert "is not registered" in r.stderr and "made in another process" in r.stderr, r.stderr[-2000:]
+    twin = copy.deepcopy(ep.module())
+    twin.load_state_dict({"bag.weight": torch.full((10, 2), 5.0)})
+    with pytest.raises(RuntimeError, match="this lookup's weight is not its table's"):
+        twin(ids, offsets)
+    assert torch.equal(m.bag.weight, torch.ones(10, 2))
