@@ -210,6 +210,13 @@ class Embedding(keras.layers.Layer):
         emb = self.embedding
         emb._maybe_build()
         if _export.in_export():
+            if training is True and self.trainable and any(t.optimizer is not None for t in emb._tables.values()):
+                # The export's lookups read constant copies of the tables: an exported training function would
+                # train the rest of the model and leave the tables as they were, silently.
+                raise ValueError(f"embedcore.adapters.tf.Embedding {self.name!r}: a training call "
+                                 "(training=True) cannot be exported: the SavedModel's lookups read copies of "
+                                 "the tables, which its training function could not update. Export serving "
+                                 "functions only (training=False), and train with embedcore")
             return _export.lookup(emb, inputs, weights)
         emb._export.clear()
         trains = any(t.optimizer is not None for t in emb._tables.values())

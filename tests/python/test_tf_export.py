@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tf_helpers import E, pair, tf
 
@@ -32,6 +33,7 @@ def _inputs():
 LOAD = """
 import json, sys
 import numpy as np
+import pytest
 import tensorflow as tf
 args = json.loads(sys.argv[1])
 m = tf.saved_model.load(args["path"])
@@ -124,6 +126,7 @@ def test_export_refuses_a_partly_known_output_shape_for_ragged_input():
 HANDLE_LOAD = """
 import json, sys
 import numpy as np
+import pytest
 import tensorflow as tf
 args = json.loads(sys.argv[1])
 m = tf.saved_model.load(args["path"])
@@ -326,3 +329,25 @@ def test_exported_mean_and_sqrtn_of_a_bag_of_more_than_2_24_ids_divide_by_the_co
         got = _export._ragged_pooled(tf.constant(values), ragged, None, combiner).numpy()
         assert got[0, 0] == table.lookup(ids, np.array([0, n]), combiner=combiner)[0, 0]
     assert got[0, 0] == np.float32(1000) / np.float32(np.sqrt(n))
+
+
+def test_a_training_function_is_refused_by_the_export(tmp_path):
+    """A SavedModel's lookups read copies of the tables: a training function
+    (a training=True call of a layer that trains) would be exported training
+    the rest of the model and leaving the tables as they were, silently;
+    the save raises naming the layer, and serving functions still export."""
+    import embedcore as ec
+    from embedcore.adapters.tf import Embedding
+
+    m = tf.Module()
+    m.emb = Embedding(20, 4, optimizer=ec.optimizers.SGD(0.5), combiner="sum", table_name="t", name="items")
+    m.emb.build((None, 2))
+    spec = [tf.TensorSpec([None, 2], tf.int64)]
+    m.train = tf.function(lambda x: m.emb(x, training=True), input_signature=spec)
+    with pytest.raises(ValueError, match="'items': a training call .* cannot be exported"):
+        tf.saved_model.save(m, str(tmp_path / "a"))
+    del m.train
+    m.serve = tf.function(lambda x: m.emb(x), input_signature=spec)
+    tf.saved_model.save(m, str(tmp_path / "b"))
+    x = tf.constant([[1, 2]], tf.int64)
+    assert np.array_equal(tf.saved_model.load(str(tmp_path / "b")).serve(x).numpy(), m.serve(x).numpy())
