@@ -46,17 +46,21 @@ def _dtype_name(dtype) -> str:
 
 
 def _table_device(device) -> Optional[str]:
-    """The engine's device for a module's `device` argument: None (CPU), or
-    "cuda:N" in the CUDA build."""
+    """The engine's device for a module's `device` argument (None: PyTorch's
+    default device, a ``with torch.device(...)`` block's included, as
+    ``nn.EmbeddingBag`` takes it): None (CPU), or "cuda:N" in the CUDA
+    build."""
+    given = f"device={device!r}"
     if device is None:
-        return None
+        device = torch.get_default_device()
+        given = f"PyTorch's default device ({device}: torch.set_default_device, or a `with torch.device(...)` block)"
     d = torch.device(device)
     if d.type == "cpu":
         return None
     if d.type != "cuda":
-        raise NotImplementedError(f"device={device!r}: embedcore tables live in CPU or CUDA memory")
+        raise NotImplementedError(f"{given}: embedcore tables live in CPU or CUDA memory")
     if not ec.build_info()["cuda"]:
-        raise NotImplementedError(f"device={device!r}: embedcore tables live in CPU memory in this build "
+        raise NotImplementedError(f"{given}: embedcore tables live in CPU memory in this build "
                                   "(CUDA tables come with embedcore's CUDA build: EMBEDCORE_CUDA=ON pip install .)")
     if d.index is not None:
         return f"cuda:{d.index}"
@@ -73,9 +77,10 @@ def _replicated() -> bool:
 
 
 def _torch_seed() -> int:
-    """A seed for the engine's initializer drawn from PyTorch's generator, so
-    that ``torch.manual_seed`` makes the initial values reproducible."""
-    return int(torch.randint(0, 2**62, (1,)).item())
+    """A seed for the engine's initializer drawn from PyTorch's (CPU)
+    generator, whatever the default device, so that ``torch.manual_seed``
+    makes the initial values reproducible."""
+    return int(torch.randint(0, 2**62, (1,), device="cpu").item())
 
 
 _PLAIN = (Tensor, type(None))  # the types of an argument that holds no FX Proxy (refuse_fx_proxy)

@@ -414,6 +414,12 @@ def test_bad_configurations():
         et.EmbeddingBag(10, 4, dtype=torch.float64)
     with pytest.raises(NotImplementedError):
         et.EmbeddingBag(10, 4, device="meta")
+    # PyTorch's default device, as nn.EmbeddingBag takes it (TorchRec's idiom of building under meta; was
+    # RuntimeError "Tensor.item() cannot be called on meta tensors")
+    with torch.device("meta"), pytest.raises(NotImplementedError, match="default device \\(meta"):
+        et.EmbeddingBag(10, 4)
+    with torch.device("meta"), pytest.raises(NotImplementedError, match="default device \\(meta"):
+        et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 4, name="t", feature_names=["f"])])
     m = et.EmbeddingBag(10, 4, mode="mean")
     with pytest.raises(NotImplementedError, match="per_sample_weights"):
         m(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2))
