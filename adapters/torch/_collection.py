@@ -44,9 +44,15 @@ class EmbeddingConfig:
     ``[weight_init_min, weight_init_max]`` (default ``+-sqrt(1 / rows)``, as
     TorchRec) seeded from PyTorch's generator. ``optimizer`` overrides the
     collection's for this table. ``data_type`` (TorchRec's ``DataType``: FP32,
-    FP16, BF16) sets the storage dtype when given, instead of ``dtype``.
-    ``need_pos`` is recorded, and not read, as by TorchRec's unsharded
-    collections."""
+    FP16, BF16) sets the storage dtype when given, instead of ``dtype``;
+    when not, it is made ``dtype``'s (TorchRec's ``DataType`` where TorchRec
+    is installed), and ``init_fn`` is made TorchRec's default,
+    ``partial(torch.nn.init.uniform_, a=weight_init_min, b=weight_init_max)``
+    (the collections then draw those bounds in the engine, as before), so
+    that code reading a config back finds what TorchRec's holds.
+    ``need_pos`` and TorchRec's other fields (``num_embeddings_post_pruning``,
+    ``input_dim``, ``total_num_buckets``, ``use_virtual_table``, ...) are
+    recorded, and not read, as by TorchRec's unsharded collections."""
 
     num_embeddings: int
     embedding_dim: int
@@ -60,6 +66,20 @@ class EmbeddingConfig:
     optimizer: Optional[ec.optimizers.Optimizer] = None
     data_type: Any = None
     need_pos: bool = False
+    num_embeddings_post_pruning: Optional[int] = None
+    input_dim: Optional[int] = None
+    total_num_buckets: Optional[int] = None
+    use_virtual_table: bool = False
+    virtual_table_eviction_policy: Any = None
+    enable_embedding_update: bool = False
+    stash_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if self.data_type is None:
+            self.data_type = _data_type_of(self.dtype)
+        if self.init_fn is None:  # TorchRec's default, marked as such: drawn by the engine
+            self.init_fn = _DefaultInit(torch.nn.init.uniform_, a=self.get_weight_init_min(),
+                                        b=self.get_weight_init_max())
 
     def num_features(self) -> int:
         return len(self.feature_names)
@@ -83,6 +103,29 @@ class EmbeddingBagConfig(EmbeddingConfig):
 _TORCHREC_DTYPES = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
 
 
+class _DefaultInit(functools.partial):
+    """The ``init_fn`` a config of this module gets when given none
+    (TorchRec's ``partial(uniform_, a=.., b=..)``): the collections draw it
+    in the engine (``ec.initializers.Uniform`` in the same bounds, seeded
+    from PyTorch's generator), as they drew configs without one before."""
+
+
+def _data_type_of(dtype):
+    """TorchRec's ``DataType`` (or its name, without TorchRec) of a table
+    dtype, or None for one that is not FP32 / FP16 / BF16 (refused when the
+    table is built)."""
+    names = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
+    key = str(dtype).replace("torch.", "")
+    name = names.get(key)
+    if name is None:
+        return None
+    try:
+        from torchrec.modules.embedding_configs import DataType
+    except ImportError:
+        return name
+    return DataType[name]
+
+
 class _Spec:
     """A table config, ours or TorchRec's, normalised. Without `build` (a
     served table: its checkpoint has the values and their dtype), the dtype
@@ -100,6 +143,11 @@ class _Spec:
         self.rows = int(cfg.num_embeddings)
         self.dim = int(cfg.embedding_dim)
         self.features = list(getattr(cfg, "feature_names", None) or [cfg.name])
+        if not getattr(cfg, "feature_names", None):
+            try:  # as TorchRec's collections do: the config then names the feature its output is keyed by
+                cfg.feature_names = [cfg.name]
+            except AttributeError:  # (a frozen config)
+                pass
         self.pooling = None
         if pooled:
             p = getattr(cfg, "pooling", "sum")
@@ -125,7 +173,8 @@ class _Spec:
         self.init_fn = None
         if self.initializer is None:
             self.init_fn = getattr(cfg, "init_fn", None)
-            if self.init_fn is None:
+            if self.init_fn is None or isinstance(self.init_fn, _DefaultInit):
+                self.init_fn = None
                 bound = math.sqrt(1.0 / self.rows)
                 lo = cfg.weight_init_min if getattr(cfg, "weight_init_min", None) is not None else -bound
                 hi = cfg.weight_init_max if getattr(cfg, "weight_init_max", None) is not None else bound
@@ -630,10 +679,13 @@ class EmbeddingCollection(_SequenceInterface, _Collection):
         return super().__new__(cls)
 
     def __init__(self, tables: Sequence, optimizer: Optional[ec.optimizers.Optimizer] = None, device=None,
-                 sparse: bool = True, need_indices: bool = False, *, world=None, sharding="auto"):
+                 sparse: bool = True, need_indices: bool = False, *, world=None, sharding="auto",
+                 use_gather_select: bool = False, use_gather_select_per_sharding: Optional[Dict[str, bool]] = None):
         if world is not None:
             raise TypeError(f"{type(self).__name__}: world= shards EmbeddingCollection itself, not a subclass")
         super().__init__()
+        # TorchRec's, for its sharded lookups: recorded, not read (one engine call gives the rows either way).
+        self._use_gather_select = (bool(use_gather_select), use_gather_select_per_sharding)
         _check_optimizer_argument(optimizer, "EmbeddingCollection", "device")
         self._specs = _specs(tables, False, "EmbeddingCollection")
         self._names = _embedding_names(self._specs)

@@ -915,3 +915,39 @@ def test_help_shows_the_collections_parameters(cls, torchrec_params):
     assert params["sparse"].default is True and params["world"].kind is inspect.Parameter.KEYWORD_ONLY
     module = cls([et.EmbeddingBagConfig(num_embeddings=4, embedding_dim=2, name="t", feature_names=["f"])])
     assert "tables" not in inspect.signature(module).parameters  # a module's own is its call's, as before
+
+
+def test_configs_hold_what_torchrecs_hold(torchrec):
+    """The adapter's configs take TorchRec's fields (recorded, not read, as by
+    its unsharded collections), default data_type and init_fn as TorchRec's
+    (the default init still drawn by the engine, seeded from PyTorch's
+    generator), and a collection names a config's feature after its table
+    when it has none, as TorchRec's do; EmbeddingCollection takes
+    use_gather_select."""
+    from torchrec.modules.embedding_configs import DataType
+
+    extra = dict(num_embeddings_post_pruning=5, input_dim=10, total_num_buckets=2, use_virtual_table=False,
+                 enable_embedding_update=False, stash_weights=False)
+    ours = et.EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t", **extra)
+    theirs = torchrec.EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t", **extra)
+    for k in extra:
+        assert getattr(ours, k) == getattr(theirs, k), k
+    assert ours.data_type == theirs.data_type == DataType.FP32
+    assert et.EmbeddingBagConfig(10, 4, name="h", dtype="float16").data_type == DataType.FP16
+    w = torch.empty(10, 4)
+    ours.init_fn(w)  # TorchRec's uniform in the config's bounds
+    assert float(w.abs().max()) <= ours.get_weight_init_max() and float(w.std()) > 0
+    torch.manual_seed(3)
+    a = et.EmbeddingBagCollection([ours])
+    torch.manual_seed(3)
+    bound = (1.0 / 10) ** 0.5
+    init = ec.initializers.Uniform(-bound, bound, seed=int(torch.randint(0, 2**62, (1,)).item()))
+    b = et.EmbeddingBagCollection([et.EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t",
+                                                         initializer=init)])
+    assert torch.equal(a.embedding_bags["t"].weight, b.embedding_bags["t"].weight)  # drawn by the engine, seeded
+    assert ours.feature_names == ["t"] and a.embedding_bag_configs()[0].feature_names == ["t"]
+    assert list(a(torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["t"], values=torch.tensor([1]),
+                                                              lengths=torch.tensor([1]))).keys()) == ["t"]
+    ec_ = et.EmbeddingCollection([et.EmbeddingConfig(10, 4, name="s")], use_gather_select=False,
+                                 use_gather_select_per_sharding={"s": False})
+    assert ec_.embedding_configs()[0].feature_names == ["s"]
