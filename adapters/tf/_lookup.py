@@ -513,8 +513,9 @@ def _sparse(f: Feature, table, sp: tf.SparseTensor, weights: Optional[tf.SparseT
     safe = not (not f.validate and rank is not None and rank <= 2)
     if sequence and sp.values.dtype == tf.int16:  # TensorFlow gathers a sequence's rows, and tf.gather takes int16
         sp = tf.SparseTensor(sp.indices, tf.cast(sp.values, tf.int32), sp.dense_shape)
-    elif safe and not sequence and sp.values.dtype == tf.string and tf.executing_eagerly():
-        raise TypeError("Cannot convert 0 to EagerTensor of dtype string")  # TensorFlow's `ids >= 0`, eagerly
+    elif safe and not sequence and sp.values.dtype in (tf.string, tf.bool) and tf.executing_eagerly():
+        # TensorFlow's `ids >= 0`, eagerly
+        raise TypeError(f"Cannot convert 0 to EagerTensor of dtype {sp.values.dtype.name}")
     _check_int_ids(sp.values, f.label)
     wvalues = None
     if weights is not None:

@@ -374,6 +374,7 @@ def _error_cases():
         ("ragged uint8 ids", {}, lambda: ({"a": tf.ragged.constant([[1]], dtype=tf.uint8)}, None)),
         ("sparse float ids", {}, lambda: ({"a": tf.SparseTensor([[0, 0]], tf.constant([1.0]), [2, 2])}, None)),
         ("sparse string ids", {}, lambda: ({"a": tf.SparseTensor([[0, 0]], tf.constant(["1"]), [2, 2])}, None)),
+        ("sparse bool ids", {}, lambda: ({"a": tf.SparseTensor([[0, 0]], tf.constant([True]), [2, 2])}, None)),
         ("fast path string ids", {"validate_weights_and_indices": False},
          lambda: ({"a": tf.SparseTensor([[0, 0]], tf.constant(["1"]), [2, 2])}, None)),
         ("sequence string ids", {"max_sequence_length": 2},
