@@ -611,6 +611,18 @@ class _TableModule(_AdapterModule):
         """The engine's table (lookups, checkpoints, serving)."""
         return self._table
 
+    def _weight_param(self) -> Tensor:
+        """The weight (not ``self.weight``, nn.Module's ``__getattr__``: a
+        microsecond a call); NotImplementedError where a parametrization or
+        pruning took it out of ``_parameters``."""
+        weight = self._parameters.get("weight")
+        if weight is None:
+            raise NotImplementedError(
+                f"{type(self).__name__}: its weight is under a parametrization (torch.nn.utils.parametrize, or "
+                "torch.nn.utils.prune), which is not supported: the table lives in embedcore's memory, and the "
+                "lookup reads it there, not through the parametrization")
+        return weight
+
     def _anchor_and_mode(self, stacklevel: int = 3) -> Tuple[Tensor, int]:
         """The tensor that carries this call's autograd and the gradient mode
         (``_ops.FUSED`` / ``SPARSE`` / ``DENSE``), after the checks every
@@ -618,7 +630,7 @@ class _TableModule(_AdapterModule):
         replicas warns."""
         # (About a microsecond a call: 26 calls in a DLRM-shaped step. self.weight would be nn.Module's
         # __getattr__, a microsecond on its own.)
-        weight = self._parameters["weight"]
+        weight = self._weight_param()
         compiling = torch.compiler.is_compiling()
         in_backward = False  # whether apply_optimizer_in_backward named an optimizer for the weight
         if not compiling:  # (neither data_ptr nor a tensor's __dict__ is traceable)
@@ -668,7 +680,7 @@ class _TableModule(_AdapterModule):
     def _lookup(self, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor], segments: List[int],
                 combiner: int, include_last_offset: bool) -> List[Tensor]:
         _ops.refuse_traced_bag_counts(type(self).__name__, segments)
-        weight = self._parameters["weight"]  # (as _anchor_and_mode: self.weight is nn.Module.__getattr__)
+        weight = self._weight_param()
         on_cpu = weight.is_cpu  # (cheaper than comparing devices: this runs on caches a lookup left cold)
         for group, what in ((ids, "ids"), (offsets, "offsets"), (weights, "per_sample_weights")):
             for t in group:
@@ -931,7 +943,7 @@ class EmbeddingBag(_TableModule):
             raise ValueError("include_last_offset: number of offsets should be at least 1")
         bags = offsets.shape[0] - 1 if include_last else offsets.shape[0]
         out = self._lookup([ids], [offsets], weights, [0, 0, bags], _MODES[self.mode], include_last)[0]
-        dtype = self._parameters["weight"].dtype  # (self.weight is nn.Module.__getattr__: slower)
+        dtype = self._weight_param().dtype
         return out if dtype == torch.float32 else out.to(dtype)
 
     def extra_repr(self) -> str:
@@ -992,7 +1004,7 @@ class Embedding(_TableModule):
         check_ids(input, "input")
         out = self._lookup([input.reshape(-1)], [], [], [0, 0, _ops.WHOLE], _ops.SEQUENCE, True)[0]
         out = out.reshape(*input.shape, self.embedding_dim)
-        dtype = self._parameters["weight"].dtype  # (self.weight is nn.Module.__getattr__: slower)
+        dtype = self._weight_param().dtype
         return out if dtype == torch.float32 else out.to(dtype)
 
     def extra_repr(self) -> str:

@@ -493,3 +493,24 @@ def test_lazily_negated_per_sample_weights_are_read_with_their_sign():
     with torch.no_grad():
         ebc.embedding_bags["t"].weight.copy_(ref.weight)
     assert max_diff(ebc({"f": (ids, torch.tensor([0, 2, 4]), psw)})["f"], want) <= 1e-6
+
+
+def test_a_parametrized_or_pruned_weight_is_refused_naming_it():
+    """torch.nn.utils.parametrize / prune take the weight out of the
+    module's parameters: every lookup raises NotImplementedError saying so
+    (was KeyError: 'weight')."""
+    import torch.nn.utils.parametrize as parametrize
+    import torch.nn.utils.prune as prune
+
+    class Twice(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    m = et.EmbeddingBag(10, 4)
+    parametrize.register_parametrization(m, "weight", Twice())
+    with pytest.raises(NotImplementedError, match="parametrization"):
+        m(torch.tensor([1, 2]), torch.tensor([0]))
+    e = et.Embedding(10, 4)
+    prune.l1_unstructured(e, "weight", amount=0.5)
+    with pytest.raises(NotImplementedError, match="parametrization"):
+        e(torch.tensor([1, 2]))
