@@ -319,7 +319,8 @@ void WriteRowwise8Payload(File& file, FileEntry* f, const std::string& label, co
 // file right after it is written, before the next one and before any
 // manifest names it.
 // The threads of the pool write a chunk's blocks with pwrite, in pieces of
-// kWritePiece bytes, and checksum each piece right after write() has read it,
+// kWritePiece bytes (a piece of the table's own memory copied to the thread's
+// buffer first), and checksum each piece right after write() has read it,
 // while it is still in the thread's L2 cache: about half the CPU time of a
 // checksum that reads the piece from memory first, and one pass over the
 // table instead of two. When casting (or staging a device table), chunk k+1 is
@@ -441,22 +442,31 @@ FileEntry WriteDataFile(const std::string& dir, const std::string& name, const s
   // Writes chunk k from `chunk` and checksums its blocks; without a cast
   // (which checked the values as it converted them), checks each piece's
   // values right after its checksum, from L2: the first value of the chunk
-  // that is not finite fails the save.
+  // that is not finite fails the save. A chunk in the table's own memory is
+  // copied a piece at a time to the thread's buffer first, and the piece
+  // written, checksummed and checked from there: memory that a writer
+  // outside the engine's lock changes meanwhile (a PyTorch optimizer's step
+  // through the weight's view) would otherwise be written with one value and
+  // checksummed with another, a checkpoint that no load would take.
+  const bool live = !cast && !staged;
   auto write = [&](uint64_t k, const char* chunk) {
     const uint64_t off = k * kChunkBytes;
     const size_t n = size_t(std::min<uint64_t>(kChunkBytes, payload - off));
     const uint64_t b0 = off / kBlockBytes;
     std::atomic<uint64_t> bad{UINT64_MAX};
     ParallelFor(int64_t((n + kBlockBytes - 1) / kBlockBytes), 1, [&](int64_t a, int64_t b) {
+      std::vector<char> copy(live ? kWritePiece : 0);
       for (int64_t i = a; i < b; ++i) {
         const size_t start = size_t(i) * kBlockBytes, len = std::min<size_t>(kBlockBytes, n - start);
         uint32_t crc = 0;
         for (size_t o = start; o < start + len; o += kWritePiece) {
           const size_t m = std::min(kWritePiece, start + len - o);
-          file.WriteAt(chunk + o, m, kDataOffset + off + o);
-          crc = checkpoint::Crc32c(chunk + o, m, crc);
+          const char* piece = chunk + o;
+          if (live) piece = static_cast<const char*>(std::memcpy(copy.data(), piece, m));
+          file.WriteAt(piece, m, kDataOffset + off + o);
+          crc = checkpoint::Crc32c(piece, m, crc);
           if (cast) continue;
-          const int64_t j = FirstNotFinite(chunk + o, int64_t(m / dst_es), dst_dtype);
+          const int64_t j = FirstNotFinite(piece, int64_t(m / dst_es), dst_dtype);
           if (j >= 0) return AtomicMin(bad, uint64_t(o / dst_es) + uint64_t(j));  // (this range's later values are after it)
         }
         f.crc32c[b0 + uint64_t(i)] = crc;
