@@ -23,6 +23,7 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import record  # should_record_backprop: whether a tape watches a tensor
 from tensorflow.python.util import nest  # flatten_with_joined_string_paths: the paths TensorFlow matches features by
 from absl import logging
 
@@ -416,7 +417,12 @@ def _with_weights_gradient(out: tf.Tensor, wg: WeightsGradient, trained: Optiona
     """`out` with its gradient with respect to the weights, as TensorFlow's
     lookup has one; or, with `trained` (a training lookup, whose backward
     updates the tables), `wg` recorded there for that backward to run first,
-    from the rows as this lookup read them."""
+    from the rows as this lookup read them. Only where a gradient tape
+    watches the weights (a trainable weighting): weights that are data (a
+    dataset's, the common case) cost nothing (their gradient would cost a
+    second lookup of the bags every training step)."""
+    if not record.should_record_backprop([wg.w]):
+        return out
     if trained is not None:
         trained.append(wg)
         return out
