@@ -867,3 +867,32 @@ def test_training_gives_the_weights_gradient_of_the_rows_it_read(rng, traced):
     got = run(lambda f, w_: layer(f, w_, training=True))
     assert not np.array_equal(layer.embedding.embedding_tables[table].numpy(), before)  # the update ran
     assert np.array_equal(got.numpy(), want.numpy()) and np.abs(want.numpy()).max() > 0
+
+
+def test_data_weights_get_no_gradient_work(rng, monkeypatch):
+    """Weights that no tape watches (a dataset's, the common case) get no
+    gradient computation: it would cost a second lookup of every bag each
+    training step (2.2x a Keras step of weighted bags)."""
+    from embedcore.adapters.tf import _lookup
+
+    calls = []
+    real = _lookup.WeightsGradient.gradient
+    monkeypatch.setattr(_lookup.WeightsGradient, "gradient",
+                        lambda self, dy, w=None: calls.append(1) or real(self, dy, w))
+    table = E.TableConfig(vocabulary_size=100, dim=8, combiner="mean", name="t")
+    layer = Embedding(feature_config={"f": E.FeatureConfig(table)}, optimizer=E.Adagrad(0.1))
+    ids = tf.RaggedTensor.from_row_lengths(rng.integers(0, 100, 40), np.full(4, 10))
+    w = ids.with_values(tf.ones(40))
+
+    def step(ids, w):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer({"f": ids}, {"f": w}, training=True)["f"])
+        return tape.gradient(loss, layer.trainable_variables)
+
+    step(ids, w)
+    tf.function(step)(ids, w)
+    assert not calls
+    v = tf.Variable(tf.ones(40))
+    with tf.GradientTape() as tape:  # a watched weighting: its gradient is computed
+        loss = tf.reduce_sum(layer({"f": ids}, {"f": ids.with_values(v * 1.0)}, training=True)["f"])
+    assert tape.gradient(loss, v) is not None and calls
