@@ -1538,6 +1538,73 @@ def test_a_construction_mismatch_names_the_table_the_field_and_both_values(case)
         assert want[1] in msg and want[2] in msg, msg
 
 
+def test_run_local_interrupted_while_its_ranks_start_stops_them_too(monkeypatch):
+    """Ctrl-C that came while run_local started its ranks (inside
+    Thread.start) raised there, before its wait: the started ranks went on
+    training, unjoined. It is held off until every rank has started."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("KeyboardInterrupt reaches the main thread only, and this test runs on another")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT does not raise KeyboardInterrupt in this process (its handler was replaced)")
+    seen = []
+    real_start = threading.Thread.start
+
+    def start(self):
+        real_start(self)
+        if self.name == "embedcore-rank-0":  # Ctrl-C now, between the ranks' starts
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(0.05)  # (where it is not held off, it is raised here)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+    def fn(world):
+        try:
+            for _ in range(10**5):
+                world.all_gather(world.rank)
+        except ed.RankFailedError as e:
+            seen.append((world.rank, str(e)))
+            raise
+        seen.append((world.rank, "finished"))
+
+    with pytest.raises(KeyboardInterrupt):
+        ed.run_local(2, fn)
+    assert sorted(r for r, _ in seen) == [0, 1]  # both ranks were stopped, and done, when run_local raised
+    assert all("run_local was interrupted (KeyboardInterrupt)" in m for _, m in seen), seen
+
+
+def test_run_local_interrupted_waits_for_ranks_slow_to_stop():
+    """A Ctrl-C that interrupts run_local's wait for its ranks: it waited
+    for them again with Thread.join, which CPython 3.11 had marked as
+    stopped (the interrupted join) while they still ran, so a rank slow to
+    stop (cleaning up after its RankFailedError) was still running when
+    run_local raised."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("KeyboardInterrupt reaches the main thread only, and this test runs on another")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT does not raise KeyboardInterrupt in this process (its handler was replaced)")
+    seen = []
+
+    def fn(world):
+        try:
+            while True:
+                world.all_gather(world.rank)
+        except ed.RankFailedError:
+            time.sleep(0.4 if world.rank == 0 else 0.0)  # rank 0's cleanup after it was stopped: the longer
+            seen.append(world.rank)
+            raise
+
+    timer = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        ed.run_local(2, fn)
+    timer.join()
+    assert sorted(seen) == [0, 1]  # both ranks were done when run_local raised
+
+
 def test_run_local_interrupted_stops_its_ranks_before_it_raises():
     """Ctrl-C in run_local's caller raised there while the ranks went on
     (training, then saving) on their daemon threads. Now every rank stops
