@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -171,9 +171,12 @@ def main() -> int:
     rng = np.random.default_rng(3)
     results: list = []
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=C.scratch_dir()) as scratch:
+    scratch = C.scratch_dir()  # (its own directory, removed with what it holds)
+    try:
         C.log("lookups ...")
         _lookups(ec, torch, rng, args.repeats, scratch, results)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     C.log("torch modules ...")
     _torch_modules(ec, torch, et, rng, args.repeats, results)
     C.log("KJT collections ...")
