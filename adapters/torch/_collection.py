@@ -44,12 +44,11 @@ class EmbeddingConfig:
     ``[weight_init_min, weight_init_max]`` (default ``+-sqrt(1 / rows)``, as
     TorchRec) seeded from PyTorch's generator. ``optimizer`` overrides the
     collection's for this table. ``data_type`` (TorchRec's ``DataType``: FP32,
-    FP16, BF16) sets the storage dtype when given, instead of ``dtype``;
-    when not, it is made ``dtype``'s (TorchRec's ``DataType`` where TorchRec
-    is installed), and ``init_fn`` is made TorchRec's default,
+    FP16, BF16) sets the storage dtype when given, instead of ``dtype``
+    (None: ``dtype``'s). ``init_fn`` not given is made TorchRec's default,
     ``partial(torch.nn.init.uniform_, a=weight_init_min, b=weight_init_max)``
     (the collections then draw those bounds in the engine, as before), so
-    that code reading a config back finds what TorchRec's holds.
+    that code reading a config back finds a callable, as in TorchRec's.
     ``need_pos`` and TorchRec's other fields (``num_embeddings_post_pruning``,
     ``input_dim``, ``total_num_buckets``, ``use_virtual_table``, ...) are
     recorded, and not read, as by TorchRec's unsharded collections."""
@@ -75,8 +74,6 @@ class EmbeddingConfig:
     stash_weights: bool = False
 
     def __post_init__(self) -> None:
-        if self.data_type is None:
-            self.data_type = _data_type_of(self.dtype)
         if self.init_fn is None:  # TorchRec's default, marked as such: drawn by the engine
             self.init_fn = _DefaultInit(torch.nn.init.uniform_, a=self.get_weight_init_min(),
                                         b=self.get_weight_init_max())
@@ -108,22 +105,6 @@ class _DefaultInit(functools.partial):
     (TorchRec's ``partial(uniform_, a=.., b=..)``): the collections draw it
     in the engine (``ec.initializers.Uniform`` in the same bounds, seeded
     from PyTorch's generator), as they drew configs without one before."""
-
-
-def _data_type_of(dtype):
-    """TorchRec's ``DataType`` (or its name, without TorchRec) of a table
-    dtype, or None for one that is not FP32 / FP16 / BF16 (refused when the
-    table is built)."""
-    names = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
-    key = str(dtype).replace("torch.", "")
-    name = names.get(key)
-    if name is None:
-        return None
-    try:
-        from torchrec.modules.embedding_configs import DataType
-    except ImportError:
-        return name
-    return DataType[name]
 
 
 class _Spec:

@@ -1114,6 +1114,7 @@ class _CollectionRowsStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, how, values, offsets, *anchors):
         ctx.handles, ctx.starts, ctx.stride, rows = how
+        ctx.set_materialize_grads(False)  # (outputs that did not reach the loss: None, no step, as the ops)
         ctx.save_for_backward(values, offsets)
         return tuple(rows)
 
@@ -1122,20 +1123,24 @@ class _CollectionRowsStep(torch.autograd.Function):
         values, offsets = ctx.saved_tensors
         # The windows the forward read (the saved tensors cannot have changed).
         windows = _row_windows(values, offsets, ctx.starts, ctx.stride)
-        entries = [_entry(handle) for handle in ctx.handles]
+        # Each table steps with the windows whose rows got a gradient; a table none of whose rows did, not at
+        # all (as each table's op: a step of zeros would still move Adam's and FTRL's slots, and the step).
+        used, k = [], 0
+        for handle, table_starts in zip(ctx.handles, ctx.starts):
+            n = len(table_starts)
+            parts = [(a, off, None, SEQUENCE, 0, _np(g.to(torch.float32).contiguous()))
+                     for (a, off, _), g in zip(windows[k:k + n], grads[k:k + n]) if g is not None]
+            if parts:
+                used.append((_entry(handle), parts))
+            k += n
         with contextlib.ExitStack() as held:  # each table's rate and step are one (the locks in one global order)
-            for table in sorted({id(e.table): e.table for e in entries}.items()):
+            for table in sorted({id(e.table): e.table for e, _ in used}.items()):
                 held.enter_context(table[1]._schedule_lock())
-            steps, k = [], 0
-            for entry, table_starts in zip(entries, ctx.starts):
-                n = len(table_starts)
-                parts = [(a, off, None, SEQUENCE, 0, _np(g.to(torch.float32).contiguous()))
-                         for (a, off, _), g in zip(windows[k:k + n], grads[k:k + n])]
-                steps.append((entry.table._native, parts, _fused_rate(entry), ["grads"] * n, -1))
-                k += n
-            _embedcore.apply_gradients_many(steps)  # every table checked before any steps
-            for entry in entries:
-                _fused_stepped(entry)
+            steps = [(e.table._native, parts, _fused_rate(e), ["grads"] * len(parts), -1) for e, parts in used]
+            if steps:
+                _embedcore.apply_gradients_many(steps)  # every table checked before any steps
+            for e, _ in used:
+                _fused_stepped(e)
         return (None, None, None, *(None for _ in ctx.handles))
 
 

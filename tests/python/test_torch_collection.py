@@ -917,11 +917,34 @@ def test_help_shows_the_collections_parameters(cls, torchrec_params):
     assert "tables" not in inspect.signature(module).parameters  # a module's own is its call's, as before
 
 
+@pytest.mark.parametrize("opt", ["ftrl", "adam"])
+def test_embedding_collection_one_pass_steps_only_what_reached_the_loss(rng, torchrec, monkeypatch, opt):
+    """The one-pass fused step, as each table's op: a feature whose rows did
+    not reach the loss gives its ids no update, and a table none of whose
+    features did takes no step (a step of zeros moved FTRL's and Adam's
+    values and slots, and the table's step)."""
+    cfgs = [torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1", "f2"]),
+            torchrec.EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="t2", feature_names=["f3"])]
+    make = {"ftrl": lambda: ec.optimizers.FTRL(0.5), "adam": lambda: ec.optimizers.Adam(0.1)}[opt]
+    one, per = (et.EmbeddingCollection(cfgs, optimizer=make()) for _ in range(2))
+    per.load_state_dict(one.state_dict())
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3"], values=torch.tensor([1, 5, 6, 7]),
+                                                       lengths=torch.tensor([1, 1, 2]))
+    g = torch.from_numpy(rng.standard_normal((1, 4)).astype(np.float32))
+    (one(kjt)["f1"].values() * g).sum().backward()
+    monkeypatch.setattr(et._ops, "collection_rows", lambda *a: None)  # each table's op
+    (per(kjt)["f1"].values() * g).sum().backward()
+    for t in ("t1", "t2"):
+        assert torch.equal(one.embeddings[t].weight, per.embeddings[t].weight), t
+        for name, slot in one.embeddings[t].table.slots().items():
+            assert np.array_equal(slot, per.embeddings[t].table.slots()[name]), (t, name)
+    assert [m.table.step for m in one.embeddings.values()] == [1, 0]
+
+
 def test_configs_hold_what_torchrecs_hold(torchrec):
     """The adapter's configs take TorchRec's fields (recorded, not read, as by
-    its unsharded collections), default data_type and init_fn as TorchRec's
-    (the default init still drawn by the engine, seeded from PyTorch's
-    generator), and a collection names a config's feature after its table
+    its unsharded collections), default init_fn as TorchRec's (still drawn
+    by the engine, seeded from PyTorch's generator), and a collection names a config's feature after its table
     when it has none, as TorchRec's do; EmbeddingCollection takes
     use_gather_select."""
     from torchrec.modules.embedding_configs import DataType
@@ -932,8 +955,10 @@ def test_configs_hold_what_torchrecs_hold(torchrec):
     theirs = torchrec.EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t", **extra)
     for k in extra:
         assert getattr(ours, k) == getattr(theirs, k), k
-    assert ours.data_type == theirs.data_type == DataType.FP32
-    assert et.EmbeddingBagConfig(10, 4, name="h", dtype="float16").data_type == DataType.FP16
+    assert ours.data_type is None and theirs.data_type == DataType.FP32  # (None: the dtype's, float32 here)
+    half = et.EmbeddingBagConfig(10, 4, name="h", dtype="float16")
+    half.dtype = "bfloat16"  # a config changed after it is made: its dtype is the table's
+    assert et.EmbeddingBagCollection([half]).embedding_bags["h"].weight.dtype == torch.bfloat16
     w = torch.empty(10, 4)
     ours.init_fn(w)  # TorchRec's uniform in the config's bounds
     assert float(w.abs().max()) <= ours.get_weight_init_max() and float(w.std()) > 0
