@@ -289,11 +289,13 @@ bool CooRowMajorOrder(const void* indices, IdType index_type, int64_t nnz, int64
 
 // ---------------------------------------------------------------- result memory
 /// Host memory for results handed to callers (the Python bindings' NumPy
-/// outputs), 64-byte aligned and not initialised. Blocks of 32 MiB and more,
-/// which malloc maps afresh on every call (its mmap threshold stops growing
-/// there), come from transparent huge pages: one page fault per 2 MiB rather
-/// than per 4 KiB (a [4096, 32, 128] float32 sequence output: 42 -> 9 ms
-/// here). Free with FreeResult. Throws std::bad_alloc.
+/// outputs), 64-byte aligned and not initialised. Blocks from 256 KiB are
+/// mapped, on transparent huge pages where the system gives them (one page
+/// fault per 2 MiB rather than per 4 KiB: a [4096, 32, 128] float32 sequence
+/// output, 42 -> 9 ms here), and FreeResult keeps the last two freed blocks
+/// of up to 32 MiB for the next results (a loop's outputs reuse them, with
+/// no page faults: malloc's heap, which glibc trims and grows again, faulted
+/// every output in afresh). Free with FreeResult. Throws std::bad_alloc.
 void* AllocateResult(size_t bytes);
 void FreeResult(void* p) noexcept;
 
