@@ -561,6 +561,22 @@ void BindTable(nb::module_& m) {
         "weights"_a.noconvert().none(), "steps"_a, "grads"_a.noconvert(),
         "One step of each (table, [(first bag, bags, combiner, first column)], learning_rate) from windows of one "
         "CSR source and one gradient [bags, columns]; every table checked before any changes.");
+  m.def(
+      "empty_result",
+      [](int64_t rows, int64_t cols) {
+        if (rows < 0 || cols < 0)
+          throw InvalidArgument("empty_result: rows and cols must be >= 0, got " + std::to_string(rows) + " x " +
+                                std::to_string(cols));
+        size_t n = 0;
+        if (__builtin_mul_overflow(size_t(rows), size_t(cols), &n))
+          throw OutOfMemory("empty_result: " + std::to_string(rows) + " x " + std::to_string(cols) + " overflows");
+        auto [data, owner] = NewResult<float>(n);
+        const size_t shape[2] = {size_t(rows), size_t(cols)};
+        return NumpyFloat(data, 2, shape, owner);
+      },
+      "rows"_a, "cols"_a,
+      "A new, uninitialised float32 [rows, cols] array in the engine's result memory (kept blocks, huge pages: "
+      "no page faults for a loop's outputs), for the *_into calls.");
   m.def("lookup_windows_into", &LookupWindowsInto, "ids"_a.noconvert(), "offsets"_a.noconvert(),
         "weights"_a.noconvert().none(), "windows"_a, "out"_a.noconvert(),
         "Pooled lookups of windows (table, first bag, bags, combiner) of one CSR source into consecutive columns "

@@ -79,62 +79,65 @@ namespace embedcore {
 namespace {
 constexpr size_t kHeader = 64;                        // the block's size, and the data stays 64-byte aligned
 constexpr size_t kMappedResult = size_t(256) << 10;   // from here up, blocks are mapped (and may be kept)
-constexpr size_t kKeptResult = size_t(32) << 20;      // the largest block kept for the next result
+constexpr size_t kKeptBytes = size_t(64) << 20;       // kept blocks hold at most this much
 constexpr size_t kMapGranule = size_t(64) << 10;      // mapped sizes are multiples of this
-constexpr int kKept = 2;                              // blocks kept at most: 64 MiB
+constexpr int kKept = 64;                             // and are at most this many
 
-// Freed result blocks kept for the next results (a loop's outputs, the
-// previous one freed after the next is made: two blocks in turn). Before,
-// blocks under 32 MiB came from malloc's heap, which glibc trimmed and grew
-// again between the calls of a Python process: every output was faulted in
-// afresh, a fault per 4 KiB (8 MiB: 1,775 faults, 18 ms a call against 3.5
-// ms into a preallocated `out=`). A try-lock, never a wait: a thread that
-// finds it taken (or a child forked while a parent's thread held it) maps
-// or unmaps on its own.
+// Freed result blocks kept for the next results, the newest last: a loop's
+// outputs (the previous ones freed after the next are made), one per table
+// of a collection's sequence lookup. Before, blocks under 32 MiB came from
+// malloc's heap, which glibc trimmed and grew again between the calls of a
+// Python process: every output was faulted in afresh, a fault per 4 KiB
+// (8 MiB: 1,775 faults, 18 ms a call against 3.5 ms into a preallocated
+// `out=`). A try-lock, never a wait: a thread that finds it taken (or a
+// child forked while a parent's thread held it) maps or unmaps on its own.
 struct Kept {
-  void* block = nullptr;
-  size_t total = 0;
+  void* block;
+  size_t total;
 };
 Kept kept[kKept];
+int kept_count = 0;
+size_t kept_bytes = 0;
 std::atomic_flag kept_busy = ATOMIC_FLAG_INIT;
 
-// A kept block of at least `total` bytes and not more than about twice that,
-// taken out of the cache; nullptr when none.
+// The smallest kept block of at least `total` bytes and not more than about
+// twice that, taken out of the cache (its size in *got); nullptr when none.
 void* TakeKept(size_t total, size_t* got) {
   if (kept_busy.test_and_set(std::memory_order_acquire)) return nullptr;
+  int best = -1;
+  for (int i = 0; i < kept_count; ++i) {
+    const size_t t = kept[i].total;
+    if (t >= total && t <= 2 * total + kMapGranule && (best < 0 || t < kept[best].total)) best = i;
+  }
   void* block = nullptr;
-  for (Kept& k : kept) {
-    if (k.block != nullptr && k.total >= total && k.total <= 2 * total + kMapGranule) {
-      block = k.block;
-      *got = k.total;
-      k = Kept{};
-      break;
-    }
+  if (best >= 0) {
+    block = kept[best].block;
+    *got = kept[best].total;
+    kept_bytes -= kept[best].total;
+    for (int i = best; i + 1 < kept_count; ++i) kept[i] = kept[i + 1];
+    --kept_count;
   }
   kept_busy.clear(std::memory_order_release);
   return block;
 }
 
-// Keeps `block` for a later result: true, or false (the caller unmaps it).
-// A full cache gives up its oldest block, unmapped here.
+// Keeps `block` for later results: true, or false (the caller unmaps it).
+// The oldest blocks make room, unmapped here.
 bool Keep(void* block, size_t total) {
-  if (total > kKeptResult + kHeader + kMapGranule || kept_busy.test_and_set(std::memory_order_acquire)) return false;
-  Kept evicted;
-  Kept* slot = nullptr;
-  for (Kept& k : kept) {
-    if (k.block == nullptr) {
-      slot = &k;
-      break;
-    }
+  if (total > kKeptBytes / 2 + kHeader + kMapGranule || kept_busy.test_and_set(std::memory_order_acquire))
+    return false;
+  Kept evicted[kKept];
+  int n_evicted = 0;
+  while (kept_count > 0 && (kept_count == kKept || kept_bytes + total > kKeptBytes)) {
+    evicted[n_evicted++] = kept[0];
+    kept_bytes -= kept[0].total;
+    for (int i = 0; i + 1 < kept_count; ++i) kept[i] = kept[i + 1];
+    --kept_count;
   }
-  if (slot == nullptr) {  // the oldest first: slots move down, the new block last
-    evicted = kept[0];
-    for (int i = 0; i + 1 < kKept; ++i) kept[i] = kept[i + 1];
-    slot = &kept[kKept - 1];
-  }
-  *slot = Kept{block, total};
+  kept[kept_count++] = Kept{block, total};
+  kept_bytes += total;
   kept_busy.clear(std::memory_order_release);
-  if (evicted.block != nullptr) munmap(evicted.block, evicted.total);
+  for (int i = 0; i < n_evicted; ++i) munmap(evicted[i].block, evicted[i].total);
   return true;
 }
 }  // namespace

@@ -1048,7 +1048,9 @@ def collection_lookup(bags, values: Tensor, offsets: Tensor, weights: List[Tenso
             anchors.append(anchor)
             plan.append((bag._handle, i, combiner, bag.embedding_dim, col))
         col += bag.embedding_dim * (len(segs) // 3)
-    out = np.empty((segments[0][2], col), np.float32)  # every table writes its columns: no concatenation
+    # Every table writes its columns: no concatenation. The engine's result memory, as its lookups' outputs: NumPy's
+    # (malloc's heap, which glibc trims and grows again) was faulted in afresh every call.
+    out = _embedcore.empty_result(segments[0][2], col)
     try:
         _embedcore.lookup_windows_into(*source, calls, out)
     except (IndexError, ValueError, TypeError):

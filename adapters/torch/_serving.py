@@ -20,11 +20,11 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 import embedcore as ec
+from embedcore import _embedcore
 from embedcore.serving import ServedCheckpoint
 
 from . import _modules, _ops
@@ -221,7 +221,7 @@ class ServedEmbeddingBagCollection(_PooledInterface, _ServedCollection):
             return None
         windows = [(index, segs[k + 1], segs[k + 2], combiner)
                    for index, segs, combiner in zip(self._indices, segments, combiners) for k in range(0, len(segs), 3)]
-        out = np.empty((segments[0][2], sum(self._dims)), np.float32)
+        out = _embedcore.empty_result(segments[0][2], sum(self._dims))  # (the engine's result memory, as _ops')
         try:
             self.checkpoint._mapped.lookup_windows_into(*source, windows, out)
         except (IndexError, ValueError, TypeError):

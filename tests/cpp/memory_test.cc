@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -142,6 +143,16 @@ EMBEDCORE_TEST(FreedResultBlocksAreKeptForTheNextResults) {
   EMBEDCORE_EXPECT(again == big);  // (20 MiB fits the kept 30 MiB block)
   std::memset(again, 2, size_t(20) << 20);
   FreeResult(again);
+  // A collection's sequence lookup: one output per table (26 of 256 KiB), all kept for the next call.
+  std::vector<void*> first, second;
+  for (int i = 0; i < 26; ++i) first.push_back(AllocateResult(size_t(256) << 10));
+  for (void* p : first) FreeResult(p);
+  for (int i = 0; i < 26; ++i) second.push_back(AllocateResult(size_t(256) << 10));
+  std::vector<void*> a = first, b = second;
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  EMBEDCORE_EXPECT(a == b);
+  for (void* p : second) FreeResult(p);
 }
 
 EMBEDCORE_TEST(ResultMemoryFromManyThreadsAtOnce) {

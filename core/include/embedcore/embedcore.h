@@ -292,10 +292,11 @@ bool CooRowMajorOrder(const void* indices, IdType index_type, int64_t nnz, int64
 /// outputs), 64-byte aligned and not initialised. Blocks from 256 KiB are
 /// mapped, on transparent huge pages where the system gives them (one page
 /// fault per 2 MiB rather than per 4 KiB: a [4096, 32, 128] float32 sequence
-/// output, 42 -> 9 ms here), and FreeResult keeps the last two freed blocks
-/// of up to 32 MiB for the next results (a loop's outputs reuse them, with
-/// no page faults: malloc's heap, which glibc trims and grows again, faulted
-/// every output in afresh). Free with FreeResult. Throws std::bad_alloc.
+/// output, 42 -> 9 ms here), and FreeResult keeps freed blocks of up to 32
+/// MiB (64 MiB and 64 blocks in all, the newest) for the next results: a
+/// loop's outputs reuse them, with no page faults (malloc's heap, which
+/// glibc trims and grows again, faulted every output in afresh). Free with
+/// FreeResult. Throws std::bad_alloc.
 void* AllocateResult(size_t bytes);
 void FreeResult(void* p) noexcept;
 
