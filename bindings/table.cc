@@ -562,6 +562,32 @@ void BindTable(nb::module_& m) {
         "One step of each (table, [(first bag, bags, combiner, first column)], learning_rate) from windows of one "
         "CSR source and one gradient [bags, columns]; every table checked before any changes.");
   m.def(
+      "lengths_agree",
+      [](const IdArray& offsets, const IdArray& lengths) {
+        // One pass, no temporaries (a KeyedJaggedTensor's check of its lengths against its offsets: three
+        // tensor ops over 100k entries cost a fifth of a 26-table lookup at batch 4096).
+        const size_t n = lengths.shape(0);
+        if (offsets.shape(0) != n + 1) return false;
+        const auto agree = [n](const auto* o, const auto* l) {
+          for (size_t i = 0; i < n; ++i)
+            if (int64_t(o[i + 1]) - int64_t(o[i]) != int64_t(l[i])) return false;
+          return true;
+        };
+        const bool o32 = offsets.dtype() == nb::dtype<int32_t>(), l32 = lengths.dtype() == nb::dtype<int32_t>();
+        if ((!o32 && offsets.dtype() != nb::dtype<int64_t>()) || (!l32 && lengths.dtype() != nb::dtype<int64_t>()))
+          throw nb::type_error("lengths_agree: offsets and lengths must be int32 or int64");
+        const void* o = offsets.data();
+        const void* l = lengths.data();
+        if (o32)
+          return l32 ? agree(static_cast<const int32_t*>(o), static_cast<const int32_t*>(l))
+                     : agree(static_cast<const int32_t*>(o), static_cast<const int64_t*>(l));
+        return l32 ? agree(static_cast<const int64_t*>(o), static_cast<const int32_t*>(l))
+                   : agree(static_cast<const int64_t*>(o), static_cast<const int64_t*>(l));
+      },
+      "offsets"_a.noconvert(), "lengths"_a.noconvert(),
+      "Whether lengths[i] == offsets[i + 1] - offsets[i] for every i (int32 or int64 arrays, len(offsets) = "
+      "len(lengths) + 1).");
+  m.def(
       "empty_result",
       [](int64_t rows, int64_t cols) {
         if (rows < 0 || cols < 0)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 import embedcore as ec
+from embedcore import _embedcore
 
 from . import _ops
 from ._modules import (_MODES, Embedding, EmbeddingBag, _AdapterModule, _TableModule, _table_device, _torch_seed,
@@ -316,6 +317,20 @@ def _offsets_of_lengths(lengths: Tensor) -> Tensor:
     return torch.cat([lengths.new_zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0, dtype=torch.int64)])
 
 
+def _lengths_agree(lengths: Tensor, offsets: Tensor) -> bool:
+    """Whether a KJT's lengths are its offsets' differences: one engine pass
+    for CPU tensors of int32 / int64 (three tensor ops over a batch-4096
+    DLRM KJT's 106k entries cost 0.2 ms: a fifth of its lookup), else
+    PyTorch's."""
+    if (lengths.is_cpu and offsets.is_cpu and lengths.dtype in _INT_TYPES and offsets.dtype in _INT_TYPES
+            and lengths.dim() == 1 and offsets.dim() == 1 and lengths.is_contiguous() and offsets.is_contiguous()):
+        return _embedcore.lengths_agree(offsets.numpy(), lengths.numpy())
+    return torch.equal(lengths.to(offsets.dtype), offsets[1:] - offsets[:-1])
+
+
+_INT_TYPES = (torch.int32, torch.int64)
+
+
 def _kjt_parts(kjt, features: Sequence[str], owner: str):
     """(values, offsets, weights, stride, {feature: key index}) of a KJT."""
     if getattr(kjt, "variable_stride_per_key", lambda: False)():
@@ -349,8 +364,7 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
     else:
         # Lengths given beside good offsets must be theirs: TorchRec splits the values by the lengths, the
         # lookup reads the offsets (checked only then, a tensor op less: lengths alone make the offsets).
-        if (given_lengths is None or not _ops.plain_eager([given_lengths])
-                or torch.equal(given_lengths.to(offsets.dtype), offsets[1:] - offsets[:-1])):
+        if given_lengths is None or not _ops.plain_eager([given_lengths]) or _lengths_agree(given_lengths, offsets):
             return checked, offsets, kjt.weights_or_none(), stride, index
         _ops.checked_values(values, given_lengths, where, True)  # a negative length or a wrong total, named
         if given_lengths.shape[0] != offsets.shape[0] - 1:

@@ -829,3 +829,21 @@ def test_lookups_of_windows_of_one_source_into_the_columns_of_one_output(rng):
     with pytest.raises(ValueError, match="out"):
         _embedcore.lookup_windows_into(ids, offsets, out.reshape(-1)[:19], windows, out)
     assert (out == -7.0).all()
+
+
+def test_empty_result_is_the_engines_result_memory():
+    """``_embedcore.empty_result``: a float32 [rows, cols] array of the
+    engine's result memory (the collections' one-call outputs), whose freed
+    blocks the next result of a loop reuses; bad sizes are refused."""
+    from embedcore import _embedcore
+
+    a = _embedcore.empty_result(4096, 416)
+    assert a.shape == (4096, 416) and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
+    a[:] = 1.5
+    address = a.__array_interface__["data"][0]
+    del a
+    b = _embedcore.empty_result(4096, 416)
+    assert b.__array_interface__["data"][0] == address  # the freed block, kept
+    assert _embedcore.empty_result(0, 7).shape == (0, 7)
+    with pytest.raises(ValueError, match="-1 x 3"):
+        _embedcore.empty_result(-1, 3)

@@ -976,3 +976,21 @@ def test_configs_hold_what_torchrecs_hold(torchrec):
     ec_ = et.EmbeddingCollection([et.EmbeddingConfig(10, 4, name="s")], use_gather_select=False,
                                  use_gather_select_per_sharding={"s": False})
     assert ec_.embedding_configs()[0].feature_names == ["s"]
+
+
+@pytest.mark.parametrize("lengths_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64])
+def test_kjt_lengths_are_checked_against_offsets_of_any_int_dtype(torchrec, lengths_dtype, offsets_dtype):
+    """The one-pass check of a KJT's lengths against its offsets (the
+    engine's, for CPU int32 / int64): agreeing ones look up, the first that
+    disagrees is named."""
+    ebc = et.EmbeddingBagCollection(_configs())
+
+    def kjt(lengths):
+        return torchrec.KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.arange(1, 6),
+                                          lengths=torch.tensor(lengths, dtype=lengths_dtype),
+                                          offsets=torch.tensor([0, 2, 3, 5], dtype=offsets_dtype))
+
+    assert ebc(kjt([2, 1, 2])).values().shape == (1, 14)
+    with pytest.raises(ValueError, match=r"\['lengths'\]\[1\] = 2 disagrees with its offsets \(2 to 3\)"):
+        ebc(kjt([2, 2, 1]))
