@@ -6,7 +6,6 @@ call an established collective library."""
 from __future__ import annotations
 
 import atexit
-import signal
 import sys
 import threading
 from abc import ABC, abstractmethod
@@ -259,9 +258,11 @@ def run_local(size: int, fn: Callable[[Comm], Any]) -> list:
     results: List[Any] = [None] * size
     errors: List[Optional[BaseException]] = [None] * size
 
-    done = [threading.Event() for _ in range(size)]
+    launched = [threading.Event() for _ in range(size)]  # the rank's thread runs
+    done = [threading.Event() for _ in range(size)]  # the rank's thread is about to end
 
     def run(rank: int) -> None:
+        launched[rank].set()
         try:
             results[rank] = fn(LocalComm(board, rank))
             board.depart(rank)
@@ -277,31 +278,24 @@ def run_local(size: int, fn: Callable[[Comm], Any]) -> list:
             done[rank].set()
 
     threads = [threading.Thread(target=run, args=(r,), name=f"embedcore-rank-{r}", daemon=True) for r in range(size)]
-    # Ctrl-C is held off while the ranks start (a KeyboardInterrupt inside Thread.start would leave the started
-    # ranks running, unjoined) and comes at once after, in the wait below.
-    held = None
-    if hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread():
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    starting = 0  # threads whose start was begun
     try:
         for t in threads:
+            starting += 1
             t.start()
-        if held is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
-            held = None
         for t in threads:
             t.join()
     except BaseException as e:  # a KeyboardInterrupt (Ctrl-C) of the caller: the ranks stop too, before it returns
         board.fail(None, e)
-        # Each stops at its next collective, raising RankFailedError there. Waited for by its own event, not
-        # Thread.join: a join that the interrupt cut short marks its thread as stopped while it still runs
-        # (CPython 3.11's _wait_for_tstate_lock), and joining it again returns at once.
-        for t, finished in zip(threads, done):
-            if t.ident is not None:  # (a thread that could not start has nothing to wait for)
-                finished.wait()
+        # Each stops at its next collective (RankFailedError there), or at its first if it had not started
+        # yet: waited for by its own events, not Thread.join (a join that the interrupt cut short marks its
+        # thread as stopped while it still runs, CPython 3.11's _wait_for_tstate_lock, and joining it again
+        # returns at once). A start the interrupt cut short may not have launched its thread: that one is
+        # waited for only once it runs (it would have within the second).
+        for r in range(starting):
+            if launched[r].wait(None if r < starting - 1 else 1.0):
+                done[r].wait()
         raise
-    finally:
-        if held is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
     # The root cause first: a rank's own error over the RankFailedErrors it caused.
     own = [(r, e) for r, e in enumerate(errors) if e is not None and not isinstance(e, RankFailedError)]
     if own:
