@@ -14,6 +14,7 @@ views them (DLPack, no copy). Training either way:
 """
 from __future__ import annotations
 
+import collections
 import threading
 import warnings
 import weakref
@@ -301,7 +302,12 @@ class _AdapterModule(nn.Module):
         of a dtype ``copy_`` converts) before any table is
         written: PyTorch copies module by module and reports errors at the
         end, which would leave the tables loaded up to the bad one. With
-        `strict`, unexpected keys are refused first too."""
+        `strict`, unexpected keys are refused first too. Where a module has
+        load_state_dict pre-hooks (a key migration: renamed keys, a grown
+        vocabulary padded), they run first, as PyTorch runs them, and the
+        tables are written once PyTorch's load has checked every key."""
+        if any(m._load_state_dict_pre_hooks for m in self.modules()):
+            return self._load_after_pre_hooks(state_dict, strict, assign)
         if strict:
             expected = self.state_dict(keep_vars=True)
             unexpected = [k for k in state_dict if k not in expected]
@@ -318,39 +324,32 @@ class _AdapterModule(nn.Module):
                     raise RuntimeError(f'Error(s) in loading state_dict for {type(self).__name__}: Missing key(s) in '
                                        f'state_dict: "{key}". (No table was changed.)')
                 continue
-            value = state_dict[key]
-            if _sharded(value):  # (its layout attribute raises)
-                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: {key} is a "
-                                   f"{type(value).__name__} (a sharded module's state); a table's weight loads from "
-                                   "one tensor: gather its shards into one first. (No table was changed.)")
-            if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.is_nested):
-                # copy_ refuses these (after earlier tables were written)
-                layout = "nested" if value.is_nested else str(value.layout)
-                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: {key} is a "
-                                   f"{layout} tensor; a table's weight loads from a dense (torch.strided) one "
-                                   f"(e.g. value.to_dense()). (No table was changed.)")
-            if not isinstance(value, torch.Tensor):  # PyTorch's own words for it
-                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: While copying the "
-                                   f'parameter named "{key}", expected torch.Tensor or Tensor-like object from '
-                                   f"checkpoint but received {type(value)}. (No table was changed.)")
-            if tuple(value.shape) != tuple(m.weight.shape):
-                got = tuple(value.shape)
-                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: size mismatch for "
-                                   f"{key}: copying a param with shape {got} from checkpoint, the shape in current "
-                                   f"model is {tuple(m.weight.shape)}. (No table was changed.)")
-            if value.device.type == "meta":  # copy_ would fail on it, after earlier tables were written
-                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: {key} is on the meta "
-                                   "device (it holds no data). (No table was changed.)")
-            if not _copyable(value.dtype, m.weight.dtype):
-                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: {key} has dtype "
-                                   f"{value.dtype}, which cannot be copied into the table's {m.weight.dtype} weight"
-                                   f"{' (dequantize it first)' if value.is_quantized else ''}. (No table was "
-                                   "changed.)")
-            problem = _unstorable(value, m._table.dtype)
+            problem = m._weight_problem(key, state_dict[key])
             if problem is not None:
-                raise ValueError(f"{type(self).__name__}.load_state_dict: {key}{problem}; Table.assign and ec.save "
-                                 "refuse it too. (No table was changed.)")
+                kind, message = problem
+                if kind is ValueError:
+                    raise ValueError(f"{type(self).__name__}.load_state_dict: {message}. (No table was changed.)")
+                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: {message}. (No table "
+                                   "was changed.)")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _load_after_pre_hooks(self, state_dict, strict: bool, assign: bool):
+        """``load_state_dict`` where pre-hooks must run first: PyTorch's load
+        (hooks, key checks) with each table's weight checked after its hooks
+        and recorded, not copied; the copies once the load has passed."""
+        pending: list = []
+        tables = [m for m in self.modules() if isinstance(m, _TableModule)]
+        for m in tables:
+            m.__dict__["_pending_load"] = pending
+        try:
+            result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        finally:
+            for m in tables:
+                m.__dict__.pop("_pending_load", None)
+        with torch.no_grad():
+            for m, value in pending:
+                m._parameters["weight"].copy_(value)
+        return result
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -700,10 +699,58 @@ class _TableModule(_AdapterModule):
         return outs
 
     # ------------------------------------------------------------ state
+    def _weight_problem(self, key: str, value) -> Optional[Tuple[type, str]]:
+        """What makes `value` (the state dict's `key`) unfit for this table's
+        weight, as (exception type, message), or None; copy_ would refuse it
+        only after earlier tables were written."""
+        if _sharded(value):  # (its layout attribute raises)
+            return RuntimeError, (f"{key} is a {type(value).__name__} (a sharded module's state); a table's weight "
+                                  "loads from one tensor: gather its shards into one first")
+        if isinstance(value, Tensor) and (value.layout != torch.strided or value.is_nested):
+            layout = "nested" if value.is_nested else str(value.layout)
+            return RuntimeError, (f"{key} is a {layout} tensor; a table's weight loads from a dense (torch.strided) "
+                                  "one (e.g. value.to_dense())")
+        if not isinstance(value, Tensor):  # PyTorch's own words for it
+            return RuntimeError, (f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like '
+                                  f"object from checkpoint but received {type(value)}")
+        weight = self._weight_param()
+        if tuple(value.shape) != tuple(weight.shape):
+            return RuntimeError, (f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                                  f"checkpoint, the shape in current model is {tuple(weight.shape)}")
+        if value.device.type == "meta":
+            return RuntimeError, f"{key} is on the meta device (it holds no data)"
+        if not _copyable(value.dtype, weight.dtype):
+            return RuntimeError, (f"{key} has dtype {value.dtype}, which cannot be copied into the table's "
+                                  f"{weight.dtype} weight{' (dequantize it first)' if value.is_quantized else ''}")
+        problem = _unstorable(value, self._table.dtype)
+        if problem is not None:
+            return ValueError, f"{key}{problem}; Table.assign and ec.save refuse it too"
+        return None
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         # Always copy into the engine's memory: assigning would detach `weight` from the table.
         local_metadata = dict(local_metadata, assign_to_params_buffers=False)
+        pending = self.__dict__.get("_pending_load")
+        if pending is not None:  # (_load_after_pre_hooks) this module's hooks first, then the weight's checks
+            hooks = self._load_state_dict_pre_hooks
+            for hook in hooks.values():
+                hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+            key = prefix + "weight"
+            if key in state_dict:
+                problem = self._weight_problem(key, state_dict[key])
+                if problem is not None:
+                    error_msgs.append(problem[1])
+                    return
+                pending.append((self, state_dict[key]))
+                state_dict[key] = self._weight_param()  # (copy_ of a tensor into itself: nothing written now)
+            self._load_state_dict_pre_hooks = collections.OrderedDict()  # (they ran above)
+            try:
+                nn.Module._load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                                                unexpected_keys, error_msgs)
+            finally:
+                self._load_state_dict_pre_hooks = hooks
+            return
         value = state_dict.get(prefix + "weight")
         if _sharded(value):
             error_msgs.append(f"{prefix}weight is a {type(value).__name__} (a sharded module's state); a table's "

@@ -1070,3 +1070,40 @@ def test_load_state_dict_of_sharded_tensors_names_the_key(tmp_path):
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
     assert r.stdout.split("\n")[:3] == ["refused: True", "refused: True", "unchanged: True"], r.stdout + r.stderr
+
+
+def test_load_state_dict_runs_pre_hooks_first_and_changes_no_table_on_error():
+    """load_state_dict pre-hooks registered on an adapter module itself (a
+    key migration: a renamed key, a grown vocabulary padded) run before the
+    checks, as PyTorch runs them (they were ignored: "Unexpected key(s)",
+    "size mismatch"); the tables are written only once every key passed."""
+    w = torch.randn(10, 4)
+
+    def rename(module, state_dict, prefix, *rest):
+        if prefix + "legacy_table" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "legacy_table")
+
+    def pad(module, state_dict, prefix, *rest):
+        k = prefix + "weight"
+        if k in state_dict and state_dict[k].shape[0] < 10:
+            state_dict[k] = torch.cat([state_dict[k], torch.zeros(10 - state_dict[k].shape[0], 4)])
+
+    m = et.EmbeddingBag(10, 4)
+    m.register_load_state_dict_pre_hook(rename)
+    assert not m.load_state_dict({"legacy_table": w}).missing_keys
+    assert torch.equal(m.weight, w)
+    m.register_load_state_dict_pre_hook(pad)
+    m.load_state_dict({"weight": w[:7]})
+    assert torch.equal(m.weight[:7], w[:7]) and not m.weight[7:].any()
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 4, name="a"), et.EmbeddingBagConfig(10, 4, name="b")])
+    ebc.embedding_bags["a"].register_load_state_dict_pre_hook(pad)
+    before = {t: b.weight.detach().clone() for t, b in ebc.embedding_bags.items()}
+    for bad in (torch.full((10, 4), float("nan")), torch.ones(9, 4), "not a tensor"):
+        with pytest.raises((RuntimeError, ValueError)):
+            ebc.load_state_dict({"embedding_bags.a.weight": w[:7], "embedding_bags.b.weight": bad})
+        assert all(torch.equal(b.weight, before[t]) for t, b in ebc.embedding_bags.items())  # "a" too
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        ebc.load_state_dict({"embedding_bags.a.weight": w[:7], "embedding_bags.b.weight": w, "extra": w})
+    assert all(torch.equal(b.weight, before[t]) for t, b in ebc.embedding_bags.items())
+    ebc.load_state_dict({"embedding_bags.a.weight": w[:7], "embedding_bags.b.weight": w})
+    assert torch.equal(ebc.embedding_bags["b"].weight, w) and torch.equal(ebc.embedding_bags["a"].weight[:7], w[:7])
