@@ -997,16 +997,17 @@ for attempt in range(3):
     def looker():  # lookups hold the table's lock: set_optimizer waits behind them
         while not stop.is_set():
             t.lookup(ids, offsets)
-    th = threading.Thread(target=looker)
+    th = threading.Thread(target=looker, daemon=True)
     th.start()
     time.sleep(0.2)
-    threading.Timer(0.005, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
-    try:
+    try:  # (the timer started inside: on a busy machine its interrupt may land in Timer.start)
+        threading.Timer(0.005, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
         t.set_optimizer(ec.optimizers.Adagrad(0.01))
         time.sleep(0.5)  # (the interrupt, had it come late)
     except KeyboardInterrupt:
         pass
-    stop.set()
+    finally:
+        stop.set()
     th.join()
     engine = "adagrad" if t.slot_names else "sgd"
     for table in (t, twin):  # Python's optimizer, its rate and the engine's agree: a step is one optimizer's
