@@ -206,9 +206,17 @@ def _unstorable(value: Tensor, dtype: str) -> Optional[str]:
     if value.layout != torch.strided or value.is_nested or value.device.type == "meta" or value.numel() == 0:
         return None  # (refused, or nothing to check)
     v = value.real if value.is_complex() else value  # (copy_ takes the real part)
-    if not (v.is_floating_point() or v.dtype in (torch.int32, torch.int64)):
-        return None  # (narrower ints fit; quantized and bit-field dtypes are refused)
     limit = _ROUNDS_TO_INF.get(dtype, float.fromhex("0x1.ffffffp+127"))  # (float32's)
+    if not v.is_floating_point():
+        try:
+            info = torch.iinfo(v.dtype)
+        except TypeError:
+            return None  # (bool fits; quantized and bit-field dtypes are refused)
+        if -limit < info.min and info.max < limit:
+            return None  # (every int of the dtype fits)
+    src = v  # (its elements named)
+    if v.dtype in _ops.NO_RANGE_KERNELS:  # (PyTorch's CPU has no aminmax or comparison for them)
+        v = v.to(torch.float64 if v.dtype in (torch.uint32, torch.uint64) else torch.float32)
     lo, hi = torch.aminmax(v.detach().reshape(-1))  # one pass in the usual case (a NaN makes both NaN)
     if -limit < float(lo) and float(hi) < limit:
         return None
@@ -216,11 +224,11 @@ def _unstorable(value: Tensor, dtype: str) -> Optional[str]:
         bad = ~torch.isfinite(v)
         if bool(bad.any()):
             i = tuple(int(x) for x in torch.nonzero(bad)[0])
-            return f"{list(i)} = {v[i].item()!r} is not finite"
+            return f"{list(i)} = {src[i].item()!r} is not finite"
     over = (v >= limit) | (v <= -limit)
     if bool(over.any()):
         i = tuple(int(x) for x in torch.nonzero(over)[0])
-        return (f"{list(i)} = {v[i].item()!r} is beyond the range of the table's storage dtype {dtype} (it would "
+        return (f"{list(i)} = {src[i].item()!r} is beyond the range of the table's storage dtype {dtype} (it would "
                 "round to infinity)")
     return None
 

@@ -48,6 +48,11 @@ __all__ = ["SUM", "MEAN", "SQRTN", "SEQUENCE", "FUSED", "SPARSE", "DENSE", "WHOL
 SUM, MEAN, SQRTN, SEQUENCE = 0, 1, 2, 3
 _COMBINER_NAMES = ("sum", "mean", "sqrtn", None)
 FUSED, SPARSE, DENSE = 0, 1, 2
+# Tensor dtypes that PyTorch's CPU cannot take the range (aminmax), compare or test for finiteness of: a
+# weight's or a slot's checks read them from a wider copy (exact, but for uint64 past 2**53: its range).
+NO_RANGE_KERNELS = frozenset(getattr(torch, n) for n in ("uint16", "uint32", "uint64", "float8_e4m3fn",
+                                                       "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                                                       "float8_e8m0fnu") if hasattr(torch, n))
 WHOLE = -1  # a segment's bag count meaning "every id of its source, unpooled" (sequence lookups)
 
 

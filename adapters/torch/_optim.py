@@ -284,6 +284,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     raise TypeError(f"{key}: slot {name!r} must hold real floats, got {value.dtype}")
                 if value.device.type == "meta":
                     raise ValueError(f"{key}: slot {name!r} is on the meta device (it holds no data)")
+                if value.dtype in _ops.NO_RANGE_KERNELS:  # float8: no isfinite on PyTorch's CPU (float32 holds it exactly)
+                    value = value.to(torch.float32)
                 if not torch.isfinite(value).all():
                     raise ValueError(f"{key}: slot {name!r} holds NaN or infinite values")
                 if value.dtype != torch.float32:  # the slot's dtype: a wider value may not fit

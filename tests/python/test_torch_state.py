@@ -621,6 +621,41 @@ def test_a_weight_the_table_cannot_hold_changes_no_table(dtype, bad, match):
     assert model["e"].table.to_numpy()[3, 1] == torch.finfo(dtype).max
 
 
+@pytest.mark.parametrize("wdtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_weights_of_unsigned_and_float8_dtypes_are_checked_as_the_others(wdtype):
+    """Unsigned ints wider than 8 bits skipped the range check (65535 in a
+    float16 table loaded as inf: lookups returned inf, and only ec.save
+    refused it), and float8 weights or slots raised PyTorch's own
+    NotImplementedError ("aminmax_cpu" / "isfinite" not implemented).
+    Both load as nn.EmbeddingBag loads them (copy_), or are refused as
+    the other dtypes are, naming the key and the index."""
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(4, 2, name=n, dtype=torch.float16) for n in ("a", "b")])
+    before = {n: ebc.embedding_bags[n].table.to_numpy() for n in ("a", "b")}
+    w = torch.zeros(4, 2).to(wdtype)
+    if not wdtype.is_floating_point:
+        w[3, 1] = 65535
+        with pytest.raises(ValueError, match=r"embedding_bags.b.weight\[3, 1\] = 65535 is beyond the range of the "
+                                             r"table's storage dtype float16.*No table was changed"):
+            ebc.load_state_dict({"embedding_bags.a.weight": torch.ones(4, 2), "embedding_bags.b.weight": w})
+        for n, values in before.items():
+            np.testing.assert_array_equal(ebc.embedding_bags[n].table.to_numpy(), values)
+        w[3, 1] = 65504  # float16's largest: taken
+    else:
+        w[3, 1] = 0.5
+    ebc.load_state_dict({"embedding_bags.a.weight": torch.ones(4, 2), "embedding_bags.b.weight": w})
+    ref = torch.nn.EmbeddingBag(4, 2, dtype=torch.float16)
+    ref.load_state_dict({"weight": w})
+    np.testing.assert_array_equal(ebc.embedding_bags["b"].table.to_numpy(), ref.weight.detach().numpy())
+    if wdtype.is_floating_point:  # a fused table's slot of float8 too
+        bag = et.EmbeddingBag(4, 2, optimizer=ec.optimizers.Adagrad(0.1))
+        state = bag.fused_optimizer.state_dict()
+        key = next(iter(state["state"]))
+        slot = next(n for n in state["state"][key] if n != "step")
+        state["state"][key][slot] = torch.full(tuple(state["state"][key][slot].shape), 0.5).to(wdtype)
+        bag.fused_optimizer.load_state_dict(state)
+        assert (bag.fused_optimizer.state_dict()["state"][key][slot] == 0.5).all()
+
+
 @pytest.mark.parametrize("bad", ["sparse_coo", "sparse_csr", "quantized", "bits16"])
 def test_a_weight_copy_refuses_changes_no_table(bad):
     """A weight of the right shape that copy_ refuses (a sparse layout, a
