@@ -140,30 +140,38 @@ class Bundle:
                               f"{self.entries[key].offset + self.entries[key].size}")
             done += n
 
-    def read_rows(self, key: str, start: int, count: int) -> np.ndarray:
-        """Rows [start, start + count) of plain tensor `key`, as a new float32 array."""
+    def read_rows(self, key: str, start: int, count: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Rows [start, start + count) of plain tensor `key`, read into `out`
+        (a C-contiguous ``[count, cols]`` float32 array: a table's own rows,
+        read without a copy) or a new array; returns it."""
         rows, cols = self.plain(key)
-        out = np.empty((count, cols), np.float32)
+        if out is None:
+            out = np.empty((count, cols), np.float32)
+        elif out.shape != (count, cols) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"{key}: cannot read rows into an array of {out.dtype} {out.shape}")
         with open(self.data_file(key), "rb") as f:
             self._pread(f, out, self.entries[key].offset + start * cols * 4, key)
         return out
 
-    def verify(self, key: str, finite: bool = False) -> bool:
+    def verify(self, key: str) -> Tuple[float, float]:
         """Raises OSError unless plain tensor `key`'s bytes are all in its data
         file with the checksum its entry records (read in 32 MiB pieces).
-        Returns, with `finite`, whether every float in it is finite (checked
-        in the same pieces, as they are read), else True."""
+        Returns the least and the greatest float in it, found in the same
+        pieces as they are read (NaN where one is NaN; (inf, -inf) for no
+        floats): whether the values are finite, and a slot's domain, at no
+        further read."""
         e = self.entries[key]
         crc, buf = 0, np.empty(min(_CHUNK, e.size), np.uint8)
-        all_finite = True
+        lo, hi = np.float32(np.inf), np.float32(-np.inf)
         with open(self.data_file(key), "rb") as f:
             for off in range(0, e.size, _CHUNK):
                 piece = buf[:min(_CHUNK, e.size - off)]
                 self._pread(f, piece, e.offset + off, key)
                 crc = _embedcore.crc32c(piece, crc)
-                if finite and all_finite:  # (_CHUNK is a multiple of 4: each piece holds whole floats)
-                    all_finite = bool(np.isfinite(piece.view(np.float32)).all())
+                floats = piece.view(np.float32)  # (_CHUNK is a multiple of 4: each piece holds whole floats)
+                if floats.size:  # (np.minimum propagates NaN)
+                    lo, hi = np.minimum(lo, floats.min()), np.maximum(hi, floats.max())
         if crc != _unmask(e.crc32c):
             raise OSError(f"{self.data_file(key)}: checksum mismatch in {key} (bytes {e.offset} to "
                           f"{e.offset + e.size})")
-        return all_finite
+        return float(lo), float(hi)

@@ -137,7 +137,7 @@ class TFCheckpoint:
         self.shapes: Dict[str, list] = self._reader.get_variable_to_shape_map()
         self.dtypes = self._reader.get_variable_to_dtype_map()
         self._layouts: Dict[str, Dict[str, StackedTable]] = {}
-        self._verified: Dict[str, bool] = {}  # tensors whose checksums verify() checked: whether all finite
+        self._verified: Dict[str, Tuple[float, float]] = {}  # tensors whose checksums verify() checked: their range
         try:  # rows read straight from the data files (RestoreV2 reads a whole tensor for every slice)
             self._bundle: Optional[Bundle] = Bundle(self.path)
         except (ValueError, OSError, DecodeError):  # BundleError, or an index this reader does not parse
@@ -330,9 +330,17 @@ class TFCheckpoint:
             raise ValueError(f"{self.path}: {key} has shape {list(shape)}, but table '{name}' is "
                              f"{list(dest.shape)}")
         step = max(1, _BLOCK_BYTES // max(1, shape[1] * 4))
+        direct = (self._plain(key) and isinstance(dest, np.ndarray) and dest.dtype == np.float32
+                  and dest.flags.c_contiguous and dest.flags.writeable)
         for r in range(0, shape[0], step):
             n = min(step, shape[0] - r)
-            dest[r:r + n] = self._read(key, (r, n))
+            if direct:  # straight from the data file into the rows (no block between)
+                try:
+                    self._bundle.read_rows(key, r, n, out=dest[r:r + n])
+                except OSError as e:
+                    raise self._error(f"cannot read {key}", e) from None
+            else:
+                dest[r:r + n] = self._read(key, (r, n))
 
     def check(self, prefix: str, name: str, slots: Sequence[str], slot_cols: Optional[int] = None) -> None:
         """Raises unless table `name` and its `slots` can be read as
@@ -355,35 +363,36 @@ class TFCheckpoint:
             if self.dtypes[key] != tf.float32:
                 raise ValueError(f"{self.path}: {key} holds {self.dtypes[key].name}, not float32")
 
-    def verify(self, prefix: str, name: str, slots: Sequence[str], shapes: Dict[Optional[str], Tuple[int, int]]) -> bool:
+    def verify(self, prefix: str, name: str, slots: Sequence[str],
+               shapes: Dict[Optional[str], Tuple[int, int]]) -> Dict[Optional[str], Tuple[float, float]]:
         """Reads table `name` and its `slots` block by block as ``read_into``
         does, discarding the values: raises (naming the tensor and the data
         files) unless every block the restore reads can be read, in the
         memory of one block. `shapes`: the destination shape of the table
-        (key None) and of each slot. Returns whether the table's values are
-        known to be finite: the stored tensor read for its checksum holds
-        no NaN or infinity (a stacked variable's padding and other tables
-        included), or, for one that RestoreV2 reads (saved as slices), the
-        blocks read hold none."""
+        (key None) and of each slot. Returns the least and the greatest
+        float of the table's values (key None) and of each slot, as the
+        reads found them (NaN where one is NaN): for a tensor read from its
+        data file, of the whole stored tensor read for its checksum (a
+        stacked variable's padding and other tables included: a bound, not
+        the table's own); for one that RestoreV2 reads (saved as slices),
+        of the blocks read."""
         layouts = self.layouts(prefix)
-        finite = False
+        ranges: Dict[Optional[str], Tuple[float, float]] = {}
         for slot in [None, *slots]:
             base = layouts[name].stacked if name in layouts else name
             key = _join(prefix, base if slot is None else f"{base}/{slot}") + ATTR
             if self._plain(key):  # its checksum, streaming its bytes (the row reads do not check it)
                 if key not in self._verified:  # (a stacked variable holds several tables)
                     try:
-                        self._verified[key] = self._bundle.verify(key, finite=slot is None)
+                        self._verified[key] = self._bundle.verify(key)
                     except OSError as e:
                         raise self._error(f"cannot read {key}", e) from None
-                if slot is None:
-                    finite = self._verified[key]
-            else:  # RestoreV2 checks what it reads (the values: their finiteness too, block by block)
-                sink = _FiniteSink(shapes[slot]) if slot is None else _sink(shapes[slot])
+                ranges[slot] = self._verified[key]
+            else:  # RestoreV2 checks what it reads
+                sink = _RangeSink(shapes[slot])
                 self.read_into(prefix, name, slot, sink)
-                if slot is None:
-                    finite = sink.finite
-        return finite
+                ranges[slot] = sink.range
+        return ranges
 
     def _read_stacked(self, prefix: str, s: StackedTable, slot: Optional[str], dest: np.ndarray) -> None:
         key = _join(prefix, s.stacked if slot is None else f"{s.stacked}/{slot}") + ATTR
@@ -436,27 +445,27 @@ def unstack(s: StackedTable, shape: Tuple[int, int], read, dest: np.ndarray) -> 
             dest[i::cores][:count] = read((k * per_shard + s.offset, count), (0, s.dim))
 
 
-class _FiniteSink:
-    """A destination for ``read_into`` that keeps only whether every block
-    written into it was finite (``dest[r:r + n] = block``, and
-    ``dest[i::cores][:count] = block`` for a stacked table)."""
+class _RangeSink:
+    """A destination for ``read_into`` that keeps only the least and the
+    greatest float written into it (NaN once one is NaN): ``dest[r:r + n] =
+    block``, and ``dest[i::cores][:count] = block`` for a stacked table.
+    One block's memory, where the checks of a restore once read a whole
+    table or slot."""
 
     def __init__(self, shape: Tuple[int, int]):
         self.shape = tuple(shape)
-        self.finite = True
+        self._lo, self._hi = np.float32(np.inf), np.float32(-np.inf)
 
-    def __getitem__(self, index) -> "_FiniteSink":
+    def __getitem__(self, index) -> "_RangeSink":
         return self
 
     def __setitem__(self, index, block) -> None:
-        self.finite = self.finite and bool(np.isfinite(block).all())
+        if block.size:  # (np.minimum propagates NaN)
+            self._lo, self._hi = np.minimum(self._lo, block.min()), np.maximum(self._hi, block.max())
 
-
-def _sink(shape: Tuple[int, int]) -> np.ndarray:
-    """A writable float32 array of `shape` whose elements all share one
-    float: writing a block into it keeps nothing (``verify``'s reads)."""
-    return np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=tuple(shape), strides=(0, 0),
-                                           writeable=True)
+    @property
+    def range(self) -> Tuple[float, float]:
+        return float(self._lo), float(self._hi)
 
 
 # ------------------------------------------------------------------ into engine tables
@@ -491,22 +500,47 @@ def values_problem(table: ec.Table, value: np.ndarray) -> Optional[str]:
             f"{table.dtype} (it would round to infinity)")
 
 
-def _check_values(ckpt: TFCheckpoint, prefix: str, table: ec.Table, finite: Optional[bool] = None) -> None:
+def _read_range(ckpt: TFCheckpoint, prefix: str, table: ec.Table, slot: Optional[str]) -> Tuple[float, float]:
+    """The least and the greatest float of `table`'s values (`slot` None)
+    or slot in the checkpoint, read block by block in one block's memory."""
+    sink = _RangeSink((_values_view(table) if slot is None else _slot_view(table, slot)).shape)
+    ckpt.read_into(prefix, table.name, slot, sink)
+    return sink.range
+
+
+def _check_values(ckpt: TFCheckpoint, prefix: str, table: ec.Table,
+                  value_range: Optional[Tuple[float, float]] = None) -> None:
     """Raises ValueError unless the checkpoint's values of `table` may be
-    restored (``values_problem``), before any table changes: read once
-    more block by block (unless `finite` says what ``verify`` found), and
-    where one is not finite, once more in one table's memory to name it."""
-    if finite is None:
-        sink = _FiniteSink(_values_view(table).shape)
-        ckpt.read_into(prefix, table.name, None, sink)
-        finite = sink.finite
-    if finite:
+    restored (``values_problem``), before any table changes: from their
+    range (`value_range`, what ``verify`` found; else, or where that allows
+    a problem, read once more block by block), and where that finds one,
+    once more in one table's memory to name the first offender."""
+    limit = _ROUNDS_TO_INF.get(table.dtype, np.inf)
+
+    def fits(lo: float, hi: float) -> bool:
+        return bool(np.isfinite(lo) and np.isfinite(hi) and max(-lo, hi) < limit)
+
+    if value_range is not None and fits(*value_range):
+        return
+    if fits(*_read_range(ckpt, prefix, table, None)):  # (a stacked variable's range only bounds the table's)
         return
     value = np.empty(_values_view(table).shape, np.float32)
     ckpt.read_into(prefix, table.name, None, value)
     problem = values_problem(table, value)
     if problem:
         raise ValueError(f"{ckpt.path}: table '{table.name}' {problem}; Table.assign and ec.save refuse it too")
+
+
+def _slot_range_problem(table: ec.Table, slot: str, lo: float, hi: float, bounded: bool = True) -> Optional[str]:
+    """Why values whose least is `lo` and greatest `hi` cannot be `slot`
+    of `table` (``slot_value_problem``'s rule), without where: or None."""
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return "is not finite"
+    if bounded:
+        return slot_problem(table, slot, lo)
+    if lo < 0 and table._native.slot_lower_bound(table.slot_names.index(slot))[0]:
+        return f"must be >= 0, got {lo}"
+    return None
 
 
 def slot_value_problem(table: ec.Table, slot: str, value: np.ndarray, bounded: bool = True) -> Optional[str]:
@@ -517,24 +551,26 @@ def slot_value_problem(table: ec.Table, slot: str, value: np.ndarray, bounded: b
     if not value.size:
         return None
     lo, hi = float(value.min()), float(value.max())  # (NaN propagates: one pass each in the usual case)
+    problem = _slot_range_problem(table, slot, lo, hi, bounded)
+    if problem is None:
+        return None
     if not (np.isfinite(lo) and np.isfinite(hi)):
         bad = np.flatnonzero(~np.isfinite(value))
         return f"holds {value.flat[bad[0]]} at {_index(bad[0], value.shape)}; a slot must be finite"
-    if bounded:
-        problem = slot_problem(table, slot, lo)
-    elif lo < 0 and table._native.slot_lower_bound(table.slot_names.index(slot))[0]:
-        problem = f"must be >= 0, got {lo}"
-    else:
-        problem = None
-    if problem:
-        return f"at {_index(np.argmin(value), value.shape)} {problem}"
-    return None
+    return f"at {_index(np.argmin(value), value.shape)} {problem}"
 
 
-def _check_slot_domain(ckpt: TFCheckpoint, prefix: str, table: ec.Table, slot: str, bounded: bool) -> None:
+def _check_slot_domain(ckpt: TFCheckpoint, prefix: str, table: ec.Table, slot: str, bounded: bool,
+                       slot_range: Optional[Tuple[float, float]] = None) -> None:
     """Raises ValueError unless the checkpoint's `slot` of `table` may be
-    restored (``slot_value_problem``): read once more, in one slot's
-    memory, before any table changes."""
+    restored (``slot_value_problem``), before any table changes: from its
+    range (`slot_range`, what ``verify`` found; else, or where that allows
+    a problem, read once more block by block), and where that finds one,
+    once more in one slot's memory to name the first offender."""
+    if slot_range is not None and _slot_range_problem(table, slot, *slot_range, bounded) is None:
+        return
+    if _slot_range_problem(table, slot, *_read_range(ckpt, prefix, table, slot), bounded) is None:
+        return  # (a stacked variable's range only bounds the table's)
     value = np.empty(_slot_view(table, slot).shape, np.float32)
     ckpt.read_into(prefix, table.name, slot, value)
     problem = slot_value_problem(table, slot, value, bounded)
@@ -566,15 +602,15 @@ def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optio
         ckpt.check(prefix, t.name, slots, t._native.slot_dim)
         step = ckpt.step(prefix, t.name) if include_optimizer else None  # read (and checked) before any change
         plan.append((t, slots, step))
-    for t, slots, _ in plan:  # the values, as Table.assign checks them
-        # (with `verify`: their finiteness found on the read that checks the checksums; named here)
-        finite = (ckpt.verify(prefix, t.name, slots, {None: _values_view(t).shape,
-                                                      **{s: _slot_view(t, s).shape for s in slots}})
-                  if verify else None)
-        _check_values(ckpt, prefix, t, finite)
-    for t, slots, _ in plan:  # the slots' domain, as assign_slot and ec.load check it
+    ranges = {}
+    for t, slots, _ in plan:  # (with `verify`: each tensor's range found on the read that checks its checksum)
+        ranges[t.name] = (ckpt.verify(prefix, t.name, slots, {None: _values_view(t).shape,
+                                                              **{s: _slot_view(t, s).shape for s in slots}})
+                          if verify else {})
+    for t, slots, _ in plan:  # the values, as Table.assign checks them, and the slots' domain, as assign_slot
+        _check_values(ckpt, prefix, t, ranges[t.name].get(None))
         for s in slots:
-            _check_slot_domain(ckpt, prefix, t, s, slot_bounds)
+            _check_slot_domain(ckpt, prefix, t, s, slot_bounds, ranges[t.name].get(s))
     for t, slots, step in plan:
         ckpt.read_into(prefix, t.name, None, _values_view(t))
         for s in slots:

@@ -115,6 +115,64 @@ def test_a_restore_reads_each_tensor_about_twice(tmp_path, monkeypatch):
     assert restores[0] == 0
 
 
+def test_a_restore_with_slots_reads_each_tensor_twice_in_one_block_of_memory(tmp_path, monkeypatch):
+    """Values and Adagrad's accumulators, 10 MB each, in 1 MiB blocks: the
+    checks (finite values, accumulators in Adagrad's domain) take their
+    ranges from the checksum pass, and the rows are read straight into the
+    tables: each tensor is read twice, and the restore holds about one
+    block of memory (it read the accumulators a third time into a copy of
+    the whole slot, and every block into an array of its own first: a
+    2M x 64 restore peaked 533 MB above its tables)."""
+    import tracemalloc
+
+    rows, dim = 40_000, 64
+    rng = np.random.default_rng(2)
+    values = rng.standard_normal((rows, dim)).astype(np.float32)
+    accumulators = rng.random((rows, dim), np.float32) + np.float32(0.1)
+    E = tf.tpu.experimental.embedding
+    from embedcore.adapters.tf import EmbeddingForServing
+
+    config = {"f": E.FeatureConfig(E.TableConfig(vocabulary_size=rows, dim=dim, name="t"))}
+    theirs = E.TPUEmbeddingForServing(config, E.Adagrad(0.1))
+    theirs.build()
+    theirs.embedding_tables[config["f"].table].assign(values)
+    next(v for v in theirs.variables["t"].values() if "accumulators" in v.name).assign(accumulators)
+    path = tf.train.Checkpoint(embedding=theirs).save(str(tmp_path / "ck"))
+
+    monkeypatch.setattr(_checkpoint, "_BLOCK_BYTES", 1 << 20)
+    monkeypatch.setattr(_bundle, "_CHUNK", 1 << 20)
+    read = [0]
+    preadv = os.preadv
+
+    def counting_preadv(fd, buffers, offset):
+        n = preadv(fd, buffers, offset)
+        read[0] += n
+        return n
+
+    monkeypatch.setattr(_bundle.os, "preadv", counting_preadv)
+    ours = EmbeddingForServing(config, E.Adagrad(0.1))
+    ours.build()
+    table = ours._embedcore_tables()[0]
+    tracemalloc.start()
+    try:
+        load_tf_checkpoint(path, ours)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(table.values(), values)
+    np.testing.assert_array_equal(table.slots()["accumulators"], accumulators)
+    assert read[0] == 2 * (values.nbytes + accumulators.nbytes), read[0]
+    assert peak < 3 << 20, peak  # one 1 MiB block (and small objects), not a 10 MB table or slot
+
+    bad = accumulators.copy()  # a check that finds a problem still names where
+    bad[rows - 3, 5] = 0.0
+    next(v for v in theirs.variables["t"].values() if "accumulators" in v.name).assign(bad)
+    path = tf.train.Checkpoint(embedding=theirs).save(str(tmp_path / "bad"))
+    with pytest.raises(ValueError, match=rf"slot 'accumulators' of table 't' at \[{rows - 3}, 5\] must be"):
+        load_tf_checkpoint(path, ours)
+    np.testing.assert_array_equal(table.slots()["accumulators"], accumulators)
+
+
 def test_a_damaged_index_is_refused_by_its_block_checksum(sharded, tmp_path):
     import shutil
 
