@@ -100,12 +100,31 @@ def pooled(table, ids: np.ndarray, offsets: np.ndarray, weights: Optional[np.nda
     return _div_no_nan(sums, den if combiner == "mean" else np.sqrt(den))
 
 
+_LONG_SEGMENT = 64  # _sequential_totals: longer segments are added up one by one (a sequential accumulate)
+
+
 def _sequential_totals(x: np.ndarray, starts: np.ndarray, lengths: np.ndarray, longest: int) -> np.ndarray:
-    """float32 totals of each segment, added in order."""
+    """float32 totals of each segment, added in order (as TensorFlow's
+    segment sum adds a bag's weights). Segments longer than _LONG_SEGMENT
+    are each one ``np.add.accumulate`` (sequential in float32); the others
+    add position k of every segment longer than k in one vector step, the
+    segments sorted longest first so that those are a prefix. Python steps:
+    at most the long segments plus _LONG_SEGMENT (one step per position of
+    the longest bag before: a bag of 50,000 weights took 0.3 s)."""
     out = np.zeros(len(starts), np.float32)
-    for k in range(longest):
-        more = np.nonzero(lengths > k)[0]
-        out[more] += x[starts[more] + k]
+    if not len(starts) or longest == 0:
+        return out
+    order = np.argsort(-lengths, kind="stable")
+    lens, firsts = lengths[order], starts[order]
+    n_long = int(np.count_nonzero(lens > _LONG_SEGMENT))
+    for i in range(n_long):
+        out[order[i]] = np.add.accumulate(x[firsts[i]:firsts[i] + lens[i]])[-1]
+    lens, firsts = lens[n_long:], firsts[n_long:]
+    acc = np.zeros(len(lens), np.float32)
+    active = np.searchsorted(-lens, -np.arange(min(longest, _LONG_SEGMENT)), side="left")  # bags longer than k
+    for k, m in enumerate(active):
+        acc[:m] += x[firsts[:m] + k]
+    out[order[n_long:]] = acc
     return out
 
 

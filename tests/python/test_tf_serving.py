@@ -79,6 +79,32 @@ def test_ragged(rng, combiner, weighted):
     assert_same(expected, actual, combiner)
 
 
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_weighted_bags_far_longer_than_the_others(rng, combiner):
+    """A weighted mean / sqrtn bag of thousands of ids among short ones
+    (one heavy user in a batch): the weights' totals took one Python step
+    per position of the longest bag (a bag of 20,000 made a 4,096-bag
+    batch 10x slower than TensorFlow). Equal to TensorFlow, and the totals
+    equal to adding the weights one by one in float32."""
+    from embedcore.adapters.tf import _pooling
+
+    config, _ = _config(combiner)
+    theirs, ours = pair(config, rng)
+    rt, rw = random_ragged(rng, [3, 0, 5000, 1, 64, 65, 0, 200, 2], ROWS)
+    expected, actual = _both(theirs, ours, {"f": rt}, {"f": rw})
+    assert_same(expected, actual, combiner)
+
+    lengths = np.array([0, 1, 64, 65, 3000, 7, 0, 129, 2], np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    x = (rng.standard_normal(int(lengths.sum())) * 10.0 ** rng.uniform(-4, 4, int(lengths.sum()))).astype(np.float32)
+    want = np.zeros(len(lengths), np.float32)
+    for b, (s, n) in enumerate(zip(starts, lengths)):
+        for v in x[s:s + n]:
+            want[b] = np.float32(want[b] + v)
+    got = _pooling._sequential_totals(x, starts, lengths, int(lengths.max()))
+    assert got.tobytes() == want.tobytes()
+
+
 def test_dense_any_rank(rng):
     config, _ = _config("mean")
     theirs, ours = pair(config, rng)
