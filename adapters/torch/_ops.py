@@ -739,6 +739,17 @@ def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], of
                          weights: List[Tensor], segments: List[int], combiner: int, padding_idx: int,
                          include_last_offset: bool, grad_mode: int, table_grad: bool, weight_grads: bool,
                          grads: List[Tensor], forward_step: Optional[Tensor]) -> Tuple[Tensor, Tensor, List[Tensor]]:
+    """The backward of `lookup` for the segments whose outputs got gradients
+    (the op's body: its outputs never alias its inputs). See ``_lookup_backward``."""
+    return _lookup_backward(handle, dim, rows, ids, offsets, weights, segments, combiner, padding_idx,
+                            include_last_offset, grad_mode, table_grad, weight_grads, grads, forward_step, False)
+
+
+def _lookup_backward(handle: int, dim: int, rows: int, ids: List[Tensor], offsets: List[Tensor],
+                     weights: List[Tensor], segments: List[int], combiner: int, padding_idx: int,
+                     include_last_offset: bool, grad_mode: int, table_grad: bool, weight_grads: bool,
+                     grads: List[Tensor], forward_step: Optional[Tensor],
+                     may_alias: bool) -> Tuple[Tensor, Tensor, List[Tensor]]:
     """The backward of `lookup` for the segments whose outputs got gradients.
 
     Returns ``(a, b, wgrads)``. Fused: ``a`` is the anchor's (zero) gradient,
@@ -747,7 +758,10 @@ def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], of
     ``wgrads``: the gradient of each source's weights (zero where no segment
     reads them), computed before any update; empty unless asked.
     `forward_step`: the table's step at the forward (``with_step``), when the
-    weights' gradient is asked for; an update since then raises."""
+    weights' gradient is asked for; an update since then raises.
+    `may_alias`: an unfused sequence lookup's sparse gradient may hold the
+    output's gradient itself, as ``nn.Embedding``'s does (the plain eager
+    backward; the op's outputs may not alias its inputs: a copy)."""
     entry = _entry(handle)
     table = entry.table
     if forward_step is not None and weight_grads and int(forward_step) != table.step:
@@ -835,7 +849,7 @@ def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], of
     values, index = [], []
     for p, g in zip(parts, gs):
         if combiner == SEQUENCE:
-            values.append(g if len(parts) > 1 else g.clone())
+            values.append(g if len(parts) > 1 or may_alias else g.clone())
         else:
             v = g.index_select(0, _bag_of(p))
             if combiner != SUM or p.weights is not None:  # (a sum's coefficients are ones)
@@ -945,9 +959,9 @@ def _backward(ctx, grads):
     rows = ctx.table_shape[0] if grad_mode != FUSED else 0
     # The op when the backward is differentiated (create_graph): it has no formula for that and says so.
     plain = not torch.is_grad_enabled() and plain_eager([*used_grads, *ids, *offsets, *weights])
-    op = lookup_backward_impl if plain else lookup_backward
-    a, b, wgrads = op(handle, dim, rows, ids, offsets, weights, used_segments, combiner, padding_idx,
-                      include_last_offset, grad_mode, ctx.table_grad, ctx.weight_grads, used_grads, forward_step)
+    args = (handle, dim, rows, ids, offsets, weights, used_segments, combiner, padding_idx, include_last_offset,
+            grad_mode, ctx.table_grad, ctx.weight_grads, used_grads, forward_step)
+    a, b, wgrads = _lookup_backward(*args, True) if plain else lookup_backward(*args)
     if not ctx.table_grad:
         table_grad = None
     elif grad_mode == FUSED:
