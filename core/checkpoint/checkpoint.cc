@@ -1812,10 +1812,25 @@ struct MappedCheckpoint::MappedTable {
 };
 
 namespace {
+// Where row `row` of a mapped file is stored.
+template <typename M>
+const char* MappedRow(const M& m, int64_t row) {
+  return m.payload + uint64_t(row - m.file.row_start) * RowBytes(m.file.dtype, m.file.cols);
+}
+
+// Asks for row `row` of a mapped file to be brought into the cache (a gather's next rows: random reads of a
+// table much larger than the cache each waited for memory).
+template <typename M>
+void PrefetchMappedRow(const M& m, int64_t row) {
+  const char* p = MappedRow(m, row);
+  const uint64_t bytes = RowBytes(m.file.dtype, m.file.cols);
+  for (uint64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
 // Row `row` of a mapped file as float32 (its `cols` values; uint8_rowwise dequantized).
 template <typename M>
 void LoadMappedRow(const M& m, int64_t row, float* dst) {
-  const char* p = m.payload + uint64_t(row - m.file.row_start) * RowBytes(m.file.dtype, m.file.cols);
+  const char* p = MappedRow(m, row);
   if (m.file.dtype == DType::kUInt8Rowwise)
     rowwise8::DequantizeRow8(reinterpret_cast<const uint8_t*>(p), m.file.cols, dst);
   else
@@ -2032,17 +2047,21 @@ void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShap
     if (lazy_ && !m.AllVerified()) TouchRow(m, id);
   };
   constexpr int64_t kGrain = 1024;
+  constexpr int64_t kAhead = 8;  // rows prefetched ahead of the copy
+  struct FreeScratch {
+    void operator()(void* p) const noexcept { FreeResult(p); }
+  };
   if (mt.all_rowwise8) {
     // uint8_rowwise files (whole rows, one band): each occurrence's stored row is gathered as it is, and the
     // 8-bit kernel pools the gathered rows, so the result is the single-file result, bit for bit.
     const uint64_t rb = RowBytes(DType::kUInt8Rowwise, t.dim);
-    std::unique_ptr<char[]> raw(new char[size_t(uint64_t(batch.nnz) * rb)]);
+    std::unique_ptr<char, FreeScratch> raw(static_cast<char*>(AllocateResult(size_t(uint64_t(batch.nnz) * rb))));
     ParallelFor(batch.nnz, kGrain, [&](int64_t a, int64_t b) {
       for (int64_t k = a; k < b; ++k) {
         const int64_t id = id_at(k);
         const Mapped& m = mt.FileOf(mt.bands[0], id);
         touch(m, id);
-        std::memcpy(raw.get() + uint64_t(k) * rb, m.payload + uint64_t(id - m.file.row_start) * rb, size_t(rb));
+        std::memcpy(raw.get() + uint64_t(k) * rb, MappedRow(m, id), size_t(rb));
       }
     });
     internal::RunLookup(raw.get(), DType::kUInt8Rowwise, batch.nnz, t.dim, gathered, shape, out);
@@ -2052,10 +2071,12 @@ void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShap
   // thread rewrites the ids (read once per band, a row could take its bands from two ids).
   std::vector<int64_t> ids(size_t(batch.nnz));
   for (int64_t k = 0; k < batch.nnz; ++k) ids[size_t(k)] = id_at(k);
-  std::unique_ptr<float[]> rows(new float[size_t(batch.nnz) * size_t(t.dim)]);
+  std::unique_ptr<float, FreeScratch> rows(
+      static_cast<float*>(AllocateResult(size_t(batch.nnz) * size_t(t.dim) * sizeof(float))));
   ParallelFor(batch.nnz, kGrain, [&](int64_t a, int64_t b) {
     for (const auto& band : mt.bands) {
       for (int64_t k = a; k < b; ++k) {
+        if (k + kAhead < b) PrefetchMappedRow(mt.FileOf(band, ids[size_t(k + kAhead)]), ids[size_t(k + kAhead)]);
         const int64_t id = ids[size_t(k)];
         const Mapped& m = mt.FileOf(band, id);
         touch(m, id);
