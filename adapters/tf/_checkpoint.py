@@ -578,11 +578,31 @@ def _check_slot_domain(ckpt: TFCheckpoint, prefix: str, table: ec.Table, slot: s
         raise ValueError(f"{ckpt.path}: slot '{slot}' of table '{table.name}' {problem}")
 
 
+def _slots_to_restore(ckpt: TFCheckpoint, prefix: str, table: ec.Table) -> List[str]:
+    """The slots of `table` to restore: every slot its optimizer keeps,
+    when the checkpoint holds exactly those; none when the checkpoint or
+    the table holds none (values only: a serving checkpoint, a table
+    without optimizer state). Raises ValueError otherwise: a restore of
+    some of a table's slots (Adagrad's accumulators into FTRL, whose
+    linears would stay as they were) leaves a state no training made, as
+    ``ec.load`` refuses it."""
+    stored = ckpt.slots(prefix, table.name)
+    if not stored or not table.slot_names:
+        return []
+    if sorted(stored) != sorted(table.slot_names):
+        have = type(table.optimizer).__name__ if table.optimizer is not None else "none"
+        raise ValueError(f"{ckpt.path}: table '{table.name}' has optimizer slots {stored} in the checkpoint, its "
+                         f"optimizer here ({have}) keeps {list(table.slot_names)}: a restore takes all of a table's "
+                         "optimizer state or none of it; give the table the checkpoint's optimizer, or "
+                         "include_optimizer=False to restore the values only")
+    return list(table.slot_names)
+
+
 def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optional[str] = None,
                    include_optimizer: bool = True, verify: bool = True, slot_bounds: bool = True) -> str:
-    """Reads every table (and, with `include_optimizer`, the slots the
-    checkpoint has and the table's optimizer uses, and the step where the
-    checkpoint has one) of `tables` from `ckpt`.
+    """Reads every table (and, with `include_optimizer`, its slots as
+    ``_slots_to_restore`` says, and the step where the checkpoint has one)
+    of `tables` from `ckpt`.
     Every shape and dtype is checked before any table changes, and, with
     `verify`, every block that the restore reads is read once first and
     discarded (a truncated or corrupt data file raises ValueError naming
@@ -598,7 +618,7 @@ def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optio
         if tuple(shape) != (t.rows, t.dim):
             raise ValueError(f"{ckpt.path}: table '{t.name}' is {list(shape)} in the checkpoint, but "
                              f"{[t.rows, t.dim]} here")
-        slots = [s for s in ckpt.slots(prefix, t.name) if s in t.slot_names] if include_optimizer else []
+        slots = _slots_to_restore(ckpt, prefix, t) if include_optimizer else []
         ckpt.check(prefix, t.name, slots, t._native.slot_dim)
         step = ckpt.step(prefix, t.name) if include_optimizer else None  # read (and checked) before any change
         plan.append((t, slots, step))
@@ -630,10 +650,14 @@ def load_tf_checkpoint(path, into, prefix: Optional[str] = None, include_optimiz
     prefix: the path under which the embedding object was attached in the
         checkpoint (e.g. ``"embedding"`` or ``"model/embedding"``); found
         from the table names when omitted.
-    include_optimizer: also the optimizer slots that the checkpoint holds
-        and the tables' optimizers use, and each table's optimizer step
-        where the checkpoint holds one (the adapter's own checkpoints;
-        elsewhere the step stays as it is).
+    include_optimizer: also each table's optimizer slots, and its
+        optimizer step where the checkpoint holds one (the adapter's own
+        checkpoints; elsewhere the step stays as it is). A table whose
+        optimizer keeps slots takes all of them, where the checkpoint holds
+        that table's slots: a checkpoint holding other slots (Adagrad's
+        accumulators for an FTRL table, Adam's for Adagrad) raises
+        ValueError, as ``embedcore.load`` does; a checkpoint of values only,
+        or a table without slots (serving, SGD), restores the values.
 
     Returns the prefix used. A sharded ``embedcore.Embedding``
     (``embedcore.distributed``) is refused (``TypeError``): convert the

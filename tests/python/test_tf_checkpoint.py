@@ -413,6 +413,42 @@ def test_convert_refuses_to_drop_optimizer_state(slotted_checkpoint, tmp_path):
     np.testing.assert_array_equal(t.slots()["accumulators"], written[("ta", "accumulators")])
 
 
+def test_a_restore_takes_all_of_a_table_s_slots_or_none(slotted_checkpoint, tmp_path):
+    """Adagrad's accumulators restored into an FTRL table (its linears left
+    as they were: the next small step wiped the trained rows), or Adam's
+    into Adagrad (its accumulators left): ValueError naming both slot
+    lists, as ec.load refuses it, every table unchanged; the values alone
+    with include_optimizer=False, and into tables without slots (serving).
+    A conversion to an optimizer keeping other slots is refused too."""
+    path, written = slotted_checkpoint
+    ta = written[("ta", "parameters")]
+    for opt, table, stored in ((E.FTRL(0.1), "ta", r"\['accumulators'\]"),
+                               (E.Adagrad(0.1), "tc", r"\['momenta', 'velocities'\]")):
+        shape = written[(table, "parameters")].shape
+        config = {"x": E.FeatureConfig(E.TableConfig(vocabulary_size=shape[0], dim=shape[1], name=table,
+                                                     optimizer=opt))}
+        ours = EmbeddingForServing(config)
+        ours.build()
+        before = _state(ours)
+        with pytest.raises(ValueError, match=rf"table '{table}' has optimizer slots {stored} in the checkpoint, its "
+                                             r"optimizer here \((FTRL|Adagrad)\) keeps .*all of a table's optimizer "
+                                             r"state or none of it.*include_optimizer=False"):
+            load_tf_checkpoint(path, ours)
+        for k, v in _state(ours).items():
+            np.testing.assert_array_equal(v, before[k])
+        load_tf_checkpoint(path, ours, include_optimizer=False)
+        np.testing.assert_array_equal(ours.embedding_tables[config["x"].table].numpy(),
+                                      written[(table, "parameters")])
+        with pytest.raises(ValueError, match=rf"table '{table}' has optimizer slots {stored}"):
+            convert_tf_checkpoint(path, tmp_path / "out", feature_config=config)
+        assert not (tmp_path / "out").exists()
+    serving = EmbeddingForServing({"a": E.FeatureConfig(E.TableConfig(vocabulary_size=ta.shape[0], dim=ta.shape[1],
+                                                                      name="ta"))})
+    serving.build()
+    load_tf_checkpoint(path, serving)  # no slots here: the values
+    np.testing.assert_array_equal(serving.embedding_tables[next(iter(serving.embedding_tables))].numpy(), ta)
+
+
 def test_async_checkpoint_saves_the_values_at_save(tmp_path):
     """With ``experimental_enable_async_checkpoint``, values (and steps)
     changed after ``save()`` returns do not reach that checkpoint (a
