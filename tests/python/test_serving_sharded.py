@@ -109,12 +109,18 @@ def test_a_corrupt_shard_file_is_reported_not_served(tmp_path, verify):
     for _ in range(2):  # reported every time, never served
         with pytest.raises(ec.CheckpointError, match="checksum"):
             table.lookup(np.array([5, 250]))
+    # Batches the pool's threads gather (thousands of ids): the same rows, and the same refusal.
+    good = np.tile(np.arange(200), 40)
+    np.testing.assert_array_equal(table.lookup(good, np.arange(0, good.size + 1, 8)),
+                                  ref_c.lookup(good, np.arange(0, good.size + 1, 8)))
+    with pytest.raises(ec.CheckpointError, match="checksum"):
+        table.lookup(np.concatenate([good, [399]]))
 
 
 def test_many_threads_serve_a_sharded_checkpoint(tmp_path):
     ref = _trained_sharded(tmp_path / "c", 3, "column_wise")
     served = ec.serving.open(tmp_path / "c")
-    x, w = _batch(np.random.default_rng(7), n=64)
+    x, w = _batch(np.random.default_rng(7), n=512)  # (thousands of ids a table: gathered by the pool's threads)
     want = ref(x, w)
     errors = []
 
