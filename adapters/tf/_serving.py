@@ -306,13 +306,15 @@ class EmbeddingForServing(_AutoTrackable):
         return super()._checkpoint_adapter(path)
 
     def _lookup_dependency(self, name, cached_dependencies=None):
+        # A stacked variable of the checkpoint's SparseCore layouts first: a table alone in its stack gives
+        # the stack its own name, and its padded variable is not the table's shape.
+        if self._ckpt_path is not None:
+            stacked, _, slot = name.partition("/")
+            if stacked in {s.stacked for s in self._stacked_layouts().values()}:
+                return _checkpoint.StackedSink(self, stacked, slot or None)
         found = super()._lookup_dependency(name, cached_dependencies)
         if found is None and self._children is not None:
             found = self._children.get(name)
-        if found is None and self._ckpt_path is not None:
-            stacked, _, slot = name.partition("/")
-            if stacked in {s.stacked for s in self._stacked_layouts().values()}:
-                found = _checkpoint.StackedSink(self, stacked, slot or None)
         return found
 
     def _stacked_layouts(self) -> Dict[str, "_checkpoint.StackedTable"]:
