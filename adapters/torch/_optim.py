@@ -251,6 +251,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"{key}: its optimizer state must be a dict of slot name -> tensor (and \"step\"), "
                                 f"got {s!r}")
             m = by_key[key]
+            given = set()  # the table's slots this state gives
             for name, value in s.items():
                 if name == "step":
                     step = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
@@ -261,6 +262,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     plan.append((m, None, step))
                     continue
                 slot = self._slot_name(m, key, name)
+                given.add(slot)
                 if value is None or isinstance(value, (str, bytes)):
                     raise TypeError(f"{key}: slot {name!r} must be a tensor (or array) of floats, got {value!r}")
                 try:
@@ -299,6 +301,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if problem is not None:
                     raise ValueError(f"{key}: slot {name!r} {problem}")
                 plan.append((m, slot, value))
+            missing = [n for n in m._table.slot_names if n not in given]
+            if missing and given:  # (no slot, or a step alone: the slots stay, as torch.optim's for a param)
+                raise ValueError(f"{key}: its optimizer state gives slots {sorted(given)} but not {missing} of table "
+                                 f"'{m._table.name}' ({type(m._table.optimizer).__name__}): a state gives all of "
+                                 "a table's slots or none (the others would stay as they were, a state no "
+                                 "training made; TorchRec's KeyedOptimizer refuses it too)")
         groups = state_dict.get("param_groups", [])
         if not isinstance(groups, (list, tuple)):
             raise TypeError(f"state_dict[\"param_groups\"] must be a list of dicts, got {groups!r}")

@@ -264,6 +264,34 @@ def test_a_bad_learning_rate_loads_into_no_table(lr, exc, match):
     assert ebc.embedding_bags["a"].table.step == 4
 
 
+@pytest.mark.parametrize("optimizer, given", [(ec.optimizers.FTRL(0.1), "accumulators"),
+                                               (ec.optimizers.Adam(0.1), "exp_avg")])
+def test_a_state_of_some_of_a_table_s_slots_loads_into_no_table(optimizer, given):
+    """A state giving some of a table's slots (FTRL's accumulators without
+    its linears, Adam's first moment without its second) was loaded, the
+    others left as they were: a state no training made. Refused, naming
+    both, before any table changes, as TorchRec's KeyedOptimizer refuses
+    it; a whole state, a step alone, or no state for a table still load."""
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(6, 3, name="a"), et.EmbeddingBagConfig(6, 3, name="b")],
+                                    optimizer=optimizer)
+    whole = ebc.optimizer_state_dict()
+    slots = {n: v.clone() for n, v in whole["state"]["embedding_bags.b.weight"].items()}
+    before = {n: ebc.embedding_bags[n].table.slots() for n in ("a", "b")}
+    partial = {"state": {"embedding_bags.a.weight": slots,  # whole: would load, but b's is partial
+                         "embedding_bags.b.weight": {given: torch.full((6, 3), 5.0), "step": torch.tensor(100)}}}
+    with pytest.raises(ValueError, match=r"embedding_bags.b.weight: its optimizer state gives slots \[.*\] but not "
+                                         r"\['.*'\] of table 'b'.*all of a table's slots or none"):
+        ebc.fused_optimizer.load_state_dict(partial)
+    for n in ("a", "b"):
+        for k, v in ebc.embedding_bags[n].table.slots().items():
+            np.testing.assert_array_equal(v, before[n][k])
+        assert ebc.embedding_bags[n].table.step == 0
+    ebc.fused_optimizer.load_state_dict({"state": {"embedding_bags.b.weight": {"step": torch.tensor(3)}}})
+    assert ebc.embedding_bags["b"].table.step == 3
+    ebc.fused_optimizer.load_state_dict(whole)
+    assert ebc.embedding_bags["b"].table.step == 0
+
+
 class _ShardedLike(torch.Tensor):
     """A tensor with local shards, as TorchRec's DMP keeps its fused
     optimizers' state (ShardedTensor; torch.numel of one raised an internal
