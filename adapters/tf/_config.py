@@ -273,6 +273,14 @@ def features_of(feature_config, optimizer, owner: str) -> Tuple[List[Feature], L
             raise ValueError(f"Tables must have a unique name. Multiple tables with name {spec.name} found.")
         names.append(spec.name)
         specs[id(cfg)] = spec
+    from ._checkpoint import SLOT_NAMES
+
+    for name in names:  # the adapter's checkpoints key a table's slot "<table>/<slot>": one key for two variables
+        base, sep, slot = name.rpartition("/")
+        if sep and slot in SLOT_NAMES and base in names:
+            raise ValueError(f"table '{name}' is named as table '{base}''s {slot} slot, which checkpoints of the "
+                             f"adapter (tf.train.Checkpoint) key '{name}': one of them would be lost; rename one "
+                             "of the tables")
     features = []
     for path, f in flat:
         spec = specs[id(f.table)]

@@ -786,6 +786,21 @@ def test_a_bad_step_in_a_checkpoint_is_refused(tmp_path, monkeypatch):
     assert back._embedcore_tables()[0].step == 0
 
 
+def test_a_table_named_as_another_table_s_slot_is_refused():
+    """Tables "q" and "q/accumulators": the adapter's checkpoints key q's
+    Adagrad slot and the other table's values "q/accumulators", so one was
+    lost while save, restore and assert_consumed passed. Refused when the
+    layer is built, naming both; "q/extra" (no slot's name) is a table."""
+    q = E.TableConfig(vocabulary_size=5, dim=2, name="q")
+    for other, refused in (("q/accumulators", True), ("q/linears", True), ("q/extra", False), ("r/momenta", False)):
+        config = {"a": E.FeatureConfig(q), "b": E.FeatureConfig(E.TableConfig(vocabulary_size=4, dim=2, name=other))}
+        if refused:
+            with pytest.raises(ValueError, match=rf"table '{other}' is named as table 'q''s .* slot.*rename one"):
+                EmbeddingForServing(config, E.Adagrad(0.1)).build()
+        else:
+            EmbeddingForServing(config, E.Adagrad(0.1)).build()
+
+
 def test_checkpoints_of_the_layer_record_its_features(tmp_path):
     """embedcore checkpoints of the Keras layer, of EmbeddingForServing and
     of convert_tf_checkpoint with the feature config record the features
