@@ -383,6 +383,29 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
 
 
 # ------------------------------------------------------------------ TorchRec's interface
+def _name_the_feature(error: IndexError, table: str, rows: int, features: Sequence[str], ids: List[Tensor],
+                      offsets: List[Tensor], segments: List[int]) -> IndexError:
+    """The engine's out-of-range error of a table's lookup (which knows the
+    table and the position, not the feature), naming the feature whose ids
+    hold the first such id and its position in the caller's tensor (a KJT's
+    values, or the feature's own ids): `segments` as ``_ops.lookup`` takes
+    them, segment k's feature ``features[k]``. `error` itself where none
+    is found (another error)."""
+    for k in range(0, len(segments), 3):
+        source, first, count = segments[k:k + 3]
+        lo, hi = 0, int(ids[source].shape[0])
+        if offsets and count != _ops.WHOLE:
+            lo, hi = int(offsets[source][first]), int(offsets[source][first + count])
+        window = ids[source][lo:hi]
+        bad = torch.nonzero((window < 0) | (window >= rows)).flatten()
+        if bad.shape[0]:
+            in_kjt = len(ids) == 1 and (len(segments) > 3 or lo > 0)
+            where = "the KeyedJaggedTensor's values" if in_kjt else f"features[{features[k // 3]!r}]'s ids"
+            return IndexError(f"table '{table}', feature {features[k // 3]!r}: id {int(window[bad[0]])} at position "
+                              f"{lo + int(bad[0])} of {where} is out of range [0, {rows})")
+    return error
+
+
 class _Interface:
     """``forward`` of every collection: a KJT (``_forward_kjt``) or a dict
     of features (``_forward_dict``), checked first by ``_check_input``."""
@@ -635,7 +658,11 @@ class EmbeddingBagCollection(_PooledInterface, _Collection):
 
     def _table_lookup(self, i: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
                       segments: List[int], combiner: int) -> List[Tensor]:
-        return self.embedding_bags[self._specs[i].name]._lookup(ids, offsets, weights, segments, combiner, True)
+        spec = self._specs[i]
+        try:
+            return self.embedding_bags[spec.name]._lookup(ids, offsets, weights, segments, combiner, True)
+        except IndexError as e:
+            raise _name_the_feature(e, spec.name, spec.rows, spec.features, ids, offsets, segments) from None
 
     def _forward_kjt(self, kjt):
         values, offsets, weights, segments, combiners = self._kjt_segments(kjt)
@@ -718,7 +745,11 @@ class EmbeddingCollection(_SequenceInterface, _Collection):
 
     def _table_lookup(self, i: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
                       segments: List[int], combiner: int) -> List[Tensor]:
-        return self.embeddings[self._specs[i].name]._lookup(ids, offsets, weights, segments, combiner, True)
+        spec = self._specs[i]
+        try:
+            return self.embeddings[spec.name]._lookup(ids, offsets, weights, segments, combiner, True)
+        except IndexError as e:
+            raise _name_the_feature(e, spec.name, spec.rows, spec.features, ids, offsets, segments) from None
 
 
 _show_init_signature(EmbeddingCollection)

@@ -214,7 +214,7 @@ def test_kjt_whose_lengths_do_not_cover_its_values_is_refused_as_torchrec(torchr
 def test_bad_id_position_names_the_feature():
     ebc = et.EmbeddingBagCollection(_configs())
     ok = (torch.tensor([1]), torch.tensor([0, 1]))
-    with pytest.raises(IndexError, match=r"id 30 at position 1 of the ids of input 1 \(the table's feature_names\[1\]\)"):
+    with pytest.raises(IndexError, match=r"table 't1', feature 'f3': id 30 at position 1 of features\['f3'\]'s ids"):
         ebc({"f1": ok, "f2": ok, "f3": (torch.tensor([2, 30]), torch.tensor([0, 2]))})
 
 
@@ -644,12 +644,17 @@ def test_weighted_pooling_gradients_match_autograd(pooling, sparse):
 
 def test_kjt_bad_id_position_is_in_the_kjt_values(torchrec):
     """The engine sees one feature's window of the values; the error names
-    the id's position in kjt.values() (was: in the window)."""
+    the id's position in kjt.values() (was: in the window) and its feature
+    (as the served collections do)."""
     ebc = et.EmbeddingBagCollection(_configs())
     kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3, 60]),
                                                        lengths=torch.tensor([1, 1, 0, 2, 0, 0]))
-    with pytest.raises(IndexError, match="id 60 at position 3 of ids"):
+    with pytest.raises(IndexError, match="table 't2', feature 'f2': id 60 at position 3 of the KeyedJaggedTensor's "
+                                         r"values is out of range \[0, 50\)"):
         ebc(kjt)
+    ec_mod = et.EmbeddingCollection(_configs(et.EmbeddingConfig))
+    with pytest.raises(IndexError, match="table 't2', feature 'f2': id 60 at position 3 of the KeyedJaggedTensor's"):
+        ec_mod(kjt)
 
 
 def test_configs_are_returned_as_given(torchrec):

@@ -570,7 +570,7 @@ def test_a_bad_id_of_a_kjt_is_named_at_its_position_in_values(collection):
     make = getattr(et, collection)
     config = (et.EmbeddingBagConfig if collection == "EmbeddingBagCollection" else et.EmbeddingConfig)(
         num_embeddings=10, embedding_dim=4, name="t", feature_names=["f1", "f2"])
-    with pytest.raises(IndexError, match="id 11 at position 3 of ids"):
+    with pytest.raises(IndexError, match="feature 'f2': id 11 at position 3 of the KeyedJaggedTensor's values"):
         make([config])(kjt)
 
     def fn(world):
