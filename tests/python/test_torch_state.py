@@ -972,6 +972,40 @@ def test_convert_state_dict_tables_named_like_kinds_and_tables_of_other_dtypes(t
     assert not (tmp_path / "d").exists() and not (tmp_path / "q").exists()
 
 
+def test_torch_distributed_checkpoint_of_weights_and_fused_state_resumes_bit_identically(tmp_path):
+    """dcp.save / dcp.load of the module's state_dict() and
+    optimizer_state_dict() (as TorchRec's KeyedOptimizer state is saved,
+    docs/torch.md): values, Adam's slots and the step come back, and the
+    next step of both modules is the same, bit for bit."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    def make():
+        return et.EmbeddingBagCollection([et.EmbeddingBagConfig(6, 3, name="a", feature_names=["f"])],
+                                         optimizer=ec.optimizers.Adam(0.1))
+
+    def step(m):
+        m({"f": (torch.tensor([1, 2, 2]), torch.tensor([0, 2, 3]))})["f"].pow(2).sum().backward()
+
+    a = make()
+    step(a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (no process group: "assuming ... a single process")
+        dcp.save({"model": a.state_dict(), "optim": a.optimizer_state_dict()}, checkpoint_id=str(tmp_path))
+        b = make()
+        sd = {"model": b.state_dict(), "optim": b.optimizer_state_dict()}
+        dcp.load(sd, checkpoint_id=str(tmp_path))
+    b.load_state_dict(sd["model"])
+    b.load_optimizer_state_dict(sd["optim"])
+    step(a)
+    step(b)
+    ta, tb = a.embedding_bags["a"].table, b.embedding_bags["a"].table
+    assert ta.values().tobytes() == tb.values().tobytes() and ta.step == tb.step == 2
+    for name, v in ta.slots().items():
+        assert v.tobytes() == tb.slots()[name].tobytes(), name
+
+
 def test_convert_state_dict_refuses_managed_collision_collections(tmp_path):
     """A TorchRec ManagedCollisionEmbeddingBagCollection (or ...EmbeddingCollection)
     remaps raw ids to rows before its lookup: a served table of its weight
