@@ -6,6 +6,9 @@ ec.serving.open, against FBGEMM's CPU 8-bit row-wise embedding bags:
 - `torch_byte_rowwise`: torch.ops.quantized.embedding_bag_byte_rowwise_offsets
   (FBGEMM's fused 8-bit row-wise kernel in PyTorch) on the very rows of the
   uint8_rowwise file (codes, float32 scale and bias: the same layout), sum;
+- the float32 checkpoint resharded as a 2-rank save leaves it (64 MiB files:
+  row blocks, or column bands whose rows come from two files), served from
+  its several files (rows gathered, then pooled), timed against one file;
 - `fbgemm_tbe_int8`: fbgemm_gpu's IntNBitTableBatchedEmbeddingBagsCodegen
   with one SparseType.INT8 table on the CPU (TorchRec's quantized inference
   path; its rows keep a float16 scale and bias, filled with its own random
@@ -25,6 +28,7 @@ checkpoint's against the table's (exact).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -71,6 +75,15 @@ def main(argv=None) -> int:
             path = os.path.join(scratch, dtype)
             ec.save(path, table, include_optimizer=False, values_dtype=dtype)
             served[dtype] = ec.serving.open(path, verify="eager").tables["w1"]
+        # The float32 checkpoint as a sharded save leaves it (2 ranks, 64 MiB files): rows gathered from the files,
+        # then pooled (row blocks; column bands: each row from two files).
+        from embedcore.distributed import reshard
+
+        for plan in ("row_wise", "column_wise"):
+            path = os.path.join(scratch, plan)
+            reshard(os.path.join(scratch, "float32"), path, 2, plan, max_file_bytes=64 << 20)
+            files = sum(len(t["values"]) for t in json.loads(ec.checkpoint.read_info(path).manifest_json)["tables"])
+            served[f"float32_{plan}_{files}_files"] = ec.serving.open(path, verify="eager").tables["w1"]
         # FBGEMM's rows: the uint8_rowwise file's payload, as torch's [rows, dim + 8] uint8.
         (entry,) = [f for f in os.listdir(os.path.join(scratch, "uint8_rowwise")) if f.endswith(".ecd")]
         with open(os.path.join(scratch, "uint8_rowwise", entry), "rb") as f:
@@ -94,7 +107,9 @@ def main(argv=None) -> int:
 
         # Correctness first.
         for d in C.DISTS:
-            np.testing.assert_array_equal(served["float32"].lookup(ids[d], off), table.lookup(ids[d], off))
+            for k, s in served.items():
+                if k.startswith("float32"):  # (in one file or several: the table's bits)
+                    np.testing.assert_array_equal(s.lookup(ids[d], off), table.lookup(ids[d], off))
             got = served["uint8_rowwise"].lookup(ids[d], off)
             ref = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(q8, ids_t[d], off_t, False, 0, False, None,
                                                                            None, True).numpy()
@@ -126,11 +141,17 @@ def main(argv=None) -> int:
                                 "ms": None, "Mids_s": None,
                                 "ratios": (r("ec_uint8_rowwise", "ec_float32"), r("ec_uint8_rowwise", "ec_float16"),
                                            r("ec_uint8_rowwise", "torch_byte_rowwise"))})
+                for k in med:
+                    if k.startswith("ec_float32_"):  # several files: time against one file's
+                        results.append({"threads": nt, "ids": d, "contender": f"{k[3:]} / float32 time",
+                                        "ms": None, "Mids_s": None, "ratio": med[k] / med["ec_float32"]})
         print(f"\nserving lookups, {rows} x {C.DIM}, {C.BATCH} bags of {C.BAG}, sum; median of {repeats}")
         print(f"bytes gathered per id: float32 {C.DIM * 4}, float16 {C.DIM * 2}, uint8_rowwise {C.DIM + 8}")
         print(f"{'threads':>7} {'ids':>8} {'contender':<22} {'ms':>8} {'M ids/s':>9}")
         for row in results:
-            if row["ms"] is None:
+            if "ratio" in row:
+                print(f"{row['threads']:>7} {row['ids']:>8}   time {row['contender']}: {row['ratio']:.2f}x")
+            elif row["ms"] is None:
                 a, b, c = row["ratios"]
                 print(f"{row['threads']:>7} {row['ids']:>8} {'  rate u8/f32, u8/f16, u8/torch_byte':<22}   "
                       f"{a:.2f}x {b:.2f}x {c:.2f}x")
