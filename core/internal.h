@@ -144,6 +144,14 @@ class StableBatch {
 /// `rows`: the table's (an id outside it reads row 0: see kernels::SafeRow).
 void RunLookup(const void* values, DType dtype, int64_t rows, int64_t dim, const Batch& batch,
                const OutputShape& shape, float* out);
+/// RunLookup's output for part of the batch only, on the calling thread: ids [begin, end) of an
+/// unpooled lookup without max_sequence_length (LookupOverIds), else bags [begin, end).
+void RunLookupRange(const void* values, DType dtype, int64_t rows, int64_t dim, const Batch& batch,
+                    const OutputShape& shape, float* out, int64_t begin, int64_t end);
+/// Whether RunLookupRange's range is over ids (else over bags).
+inline bool LookupOverIds(const OutputShape& shape) {
+  return shape.combiner == Combiner::kNone && shape.max_sequence_length == 0;
+}
 
 /// RadixSort's buffer of this thread (the sorted copy).
 template <typename Item>

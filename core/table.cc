@@ -753,9 +753,18 @@ void Table::LookupSparseSegment(const Batch& given, Combiner combiner, float* ou
 }
 
 namespace internal {
-void RunLookup(const void* values, DType dtype, int64_t rows, int64_t dim, const Batch& batch,
-               const OutputShape& shape, float* out) {
-  kernels::LookupArgs a;
+namespace {
+// The kernel that writes a lookup's output: over ids (unpooled rows) or bags (pooled, padded), with its args.
+struct LookupKernel {
+  kernels::LookupArgs args;
+  kernels::BagsFn fn = nullptr;  // (RowsFn has the same signature: over ids)
+  bool over_ids = false;
+};
+
+LookupKernel MakeLookupKernel(const void* values, DType dtype, int64_t rows, int64_t dim, const Batch& batch,
+                              const OutputShape& shape, float* out) {
+  LookupKernel k;
+  kernels::LookupArgs& a = k.args;
   a.table = values;
   a.rows = rows;
   a.dim = dim;
@@ -771,21 +780,36 @@ void RunLookup(const void* values, DType dtype, int64_t rows, int64_t dim, const
   kernels::RowsFn rows_fn;
   kernels::BagsFn padded_fn, pooled_fn;
   if (dtype == DType::kUInt8Rowwise) {  // a served checkpoint's 8-bit rows
-    const auto& k = kernels::ActiveKernels().rowwise8;
-    rows_fn = k.rows[it], padded_fn = k.padded[it], pooled_fn = k.pooled[it];
+    const auto& ks = kernels::ActiveKernels().rowwise8;
+    rows_fn = ks.rows[it], padded_fn = ks.padded[it], pooled_fn = ks.pooled[it];
   } else {
-    const auto& k = kernels::ActiveKernels().dtype[int(dtype)];
-    rows_fn = k.rows[it], padded_fn = k.padded[it], pooled_fn = k.pooled[it];
+    const auto& ks = kernels::ActiveKernels().dtype[int(dtype)];
+    rows_fn = ks.rows[it], padded_fn = ks.padded[it], pooled_fn = ks.pooled[it];
   }
-  if (shape.combiner == Combiner::kNone && shape.max_sequence_length == 0) {
-    auto fn = rows_fn;
-    ParallelFor(batch.nnz, 2048, [&](int64_t k0, int64_t k1) { fn(a, k0, k1); });
+  k.over_ids = LookupOverIds(shape);
+  k.fn = k.over_ids ? rows_fn : shape.combiner == Combiner::kNone ? padded_fn : pooled_fn;
+  return k;
+}
+}  // namespace
+
+void RunLookup(const void* values, DType dtype, int64_t rows, int64_t dim, const Batch& batch,
+               const OutputShape& shape, float* out) {
+  const LookupKernel k = MakeLookupKernel(values, dtype, rows, dim, batch, shape, out);
+  if (k.over_ids) {
+    ParallelFor(batch.nnz, 2048, [&](int64_t k0, int64_t k1) { k.fn(k.args, k0, k1); });
     return;
   }
-  auto fn = shape.combiner == Combiner::kNone ? padded_fn : pooled_fn;
   // Chunks of about 2048 ids keep the per-chunk overhead small.
   const int64_t per_bag = batch.num_bags > 0 ? std::max<int64_t>(1, batch.nnz / batch.num_bags) : 1;
-  ParallelFor(batch.num_bags, std::max<int64_t>(1, 2048 / per_bag), [&](int64_t b0, int64_t b1) { fn(a, b0, b1); });
+  ParallelFor(batch.num_bags, std::max<int64_t>(1, 2048 / per_bag), [&](int64_t b0, int64_t b1) {
+    k.fn(k.args, b0, b1);
+  });
+}
+
+void RunLookupRange(const void* values, DType dtype, int64_t rows, int64_t dim, const Batch& batch,
+                    const OutputShape& shape, float* out, int64_t begin, int64_t end) {
+  const LookupKernel k = MakeLookupKernel(values, dtype, rows, dim, batch, shape, out);
+  k.fn(k.args, begin, end);
 }
 }  // namespace internal
 
