@@ -138,6 +138,16 @@ std::vector<TableEntry> SaveBlocks(const std::string& path, const Table& whole, 
   return parts;
 }
 
+// A batch over `ids` and `offsets` (which must outlive it).
+Batch MakeBatch(const std::vector<int64_t>& ids, const std::vector<int64_t>& offsets) {
+  Batch b;
+  b.ids = ids.data();
+  b.nnz = int64_t(ids.size());
+  b.offsets = offsets.data();
+  b.num_bags = int64_t(offsets.size()) - 1;
+  return b;
+}
+
 void FixSize(FileEntry& f) {
   const uint64_t payload = uint64_t(f.rows) * uint64_t(f.cols) * DTypeSize(f.dtype);
   f.bytes = ck::kDataOffset + payload;
@@ -230,6 +240,70 @@ EMBEDCORE_TEST(ShardFilesOfColumnBandsAndRowBlocksReloadBitExact) {
     EMBEDCORE_EXPECT_THROWS(LoadTableBlock(info, e, out, 0, 7, true), CheckpointError, "no block");
     EMBEDCORE_EXPECT_THROWS(LoadTableBlock(info, e, out, -1, 0, true), CheckpointError, "no block");
     EMBEDCORE_EXPECT(RawValues(out) == before);
+  }
+}
+
+EMBEDCORE_TEST(ServedShardFilesLookUpAsTheWholeTable) {
+  // Row blocks and column bands served from their files: every output form equals the whole table's lookup
+  // bit for bit, in batches of several chunks (about 512 ids each: one bag of 1,500 ids, many small ones,
+  // empty ones), whatever the thread count; a lazy open checks the blocks a batch reads before any output.
+  TempDir dir;
+  const std::string path = dir.Sub("ckpt");
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    Table whole(Spec("w", kRows, kDim, dtype, OptimizerSpec::Kind::kSGD, 5));
+    SaveBlocks(path, whole, kBlocks);
+    std::mt19937_64 rng(7);
+    std::vector<int64_t> ids, offsets = {0};
+    std::vector<float> weights;
+    for (int64_t b = 0; b < 400; ++b) {
+      const int64_t n = b == 17 ? 1500 : b % 9 == 0 ? 0 : int64_t(rng() % 13);
+      for (int64_t k = 0; k < n; ++k) {
+        ids.push_back(int64_t(rng() % uint64_t(kRows)));
+        weights.push_back(float(int64_t(rng() % 7)) * 0.25f - 0.5f);
+      }
+      offsets.push_back(int64_t(ids.size()));
+    }
+    for (int threads : {1, 2, 3}) {
+      SetNumThreads(threads);
+      for (auto verify : {MappedCheckpoint::Verify::kLazy, MappedCheckpoint::Verify::kEager}) {
+        MappedCheckpoint m(path, verify);
+        for (bool weighted : {false, true}) {
+          Batch batch = MakeBatch(ids, offsets);
+          if (weighted) batch.weights = weights.data();
+          for (OutputShape shape : {OutputShape{Combiner::kSum, 0}, OutputShape{Combiner::kMean, 0},
+                                    OutputShape{Combiner::kSqrtn, 0}, OutputShape{Combiner::kNone, 0},
+                                    OutputShape{Combiner::kNone, 4}}) {
+            if (weighted && shape.combiner == Combiner::kNone) continue;
+            const size_t n = size_t(shape.OutputRows(batch) * kDim);
+            std::vector<float> want(n), got(n, -7.0f);
+            whole.Lookup(batch, shape, want.data());
+            m.Lookup(0, batch, shape, got.data());
+            EMBEDCORE_EXPECT_MSG(std::memcmp(want.data(), got.data(), n * sizeof(float)) == 0,
+                                 "threads " << threads << " combiner " << int(shape.combiner) << " L "
+                                            << shape.max_sequence_length << " weighted " << weighted);
+          }
+        }
+      }
+    }
+    SetNumThreads(2);
+    // A corrupt row in the second row block of the first band: a lazy open refuses every batch that reads it,
+    // before writing any output, and serves the others.
+    const CheckpointInfo info = ReadCheckpointInfo(path);
+    const FileEntry* second = nullptr;
+    for (const FileEntry& f : info.tables.at(0).values)
+      if (f.row_start == 20 && f.col_start == 0) second = &f;
+    EMBEDCORE_EXPECT(second != nullptr);
+    FlipByte(path + "/" + second->path, ck::kDataOffset + 3);
+    MappedCheckpoint lazy(path, MappedCheckpoint::Verify::kLazy);
+    std::vector<int64_t> good(2000), bad(2000);
+    for (size_t k = 0; k < good.size(); ++k) good[k] = int64_t(k % 20), bad[k] = int64_t(k % 20);
+    bad.back() = 20;  // the corrupt block's first row, the last id
+    std::vector<float> out(2000 * size_t(kDim), -7.0f);
+    EMBEDCORE_EXPECT_THROWS(lazy.Lookup(0, MakeBatch(bad, {0, 1000, 2000}), OutputShape{Combiner::kNone, 0},
+                                        out.data()), CheckpointError, "checksum");
+    EMBEDCORE_EXPECT(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }));
+    EMBEDCORE_EXPECT_NO_THROW(lazy.Lookup(0, MakeBatch(good, {0, 1000, 2000}), OutputShape{}, out.data()));
+    EMBEDCORE_EXPECT_THROWS((MappedCheckpoint{path, MappedCheckpoint::Verify::kEager}), CheckpointError, "checksum");
   }
 }
 
