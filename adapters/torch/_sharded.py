@@ -81,6 +81,11 @@ def _kjt_arrays(kjt, features: Sequence[str], owner: str):
 
 
 # ------------------------------------------------------------------ autograd
+# By module: (forward call, weak reference to its autograd node) of its training forwards (kept off the module,
+# which then copies and pickles as before).
+_NODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 class _ShardedLookup(torch.autograd.Function):
     """Forward: the sharded lookup of this rank's features. Backward: the
     sharded update from the outputs' gradients (collective)."""
@@ -90,6 +95,7 @@ class _ShardedLookup(torch.autograd.Function):
         outs = module._embedding(inputs, weights)
         ctx.module = module
         ctx.call = module._calls
+        module._remember_node(ctx)  # (ctx is the autograd node: see backward)
         # Host tensors: the caller moves them to the module's device. Were they
         # CUDA tensors, this backward would run on autograd's one thread for
         # that GPU, where ranks sharing a process (run_local) would wait for
@@ -103,6 +109,16 @@ class _ShardedLookup(torch.autograd.Function):
             raise RuntimeError(f"{type(module).__name__}: backward() of an earlier forward pass; a sharded "
                                "collection updates from its last forward pass only, so call backward() before "
                                "the next forward (on every rank)")
+        # An earlier forward's node that this same backward pass will reach (gradient accumulation: the losses
+        # of two forward passes summed) would raise above once this one had updated the tables: refused here,
+        # before any change. Autograd runs the later node first.
+        will_run = getattr(torch._C, "_will_engine_execute_node", None)
+        for node in module._earlier_nodes(ctx):
+            if will_run is not None and will_run(node):
+                raise RuntimeError(f"{type(module).__name__}: one backward() through two of its forward passes "
+                                   "(the losses of several micro-batches summed); a sharded collection updates "
+                                   "from its last forward pass only, so call backward() after each forward (on "
+                                   "every rank). No table was changed")
         # Autograd gives zeros for outputs that did not reach the loss.
         module._embedding.apply_gradients([_ops._np(g.contiguous()) for g in grads])
         return torch.zeros(1), None, None, None
@@ -302,6 +318,18 @@ class _Sharded:
             position = f"{int(position) + self._kjt_starts[name]} of the KeyedJaggedTensor's values()"
         return IndexError(f"features[{self._feature_of[name]!r}]: id {m.group(2)} at position {position} "
                           f"{message[m.end():]}")
+
+    def _remember_node(self, node) -> None:
+        """Keeps (by weak reference) the autograd node of a training forward,
+        for the backward of a later one to find it (``_earlier_nodes``)."""
+        nodes = [(c, r) for c, r in _NODES.get(self, []) if r() is not None]
+        nodes.append((node.call, weakref.ref(node)))
+        _NODES[self] = nodes
+
+    def _earlier_nodes(self, node) -> list:
+        """The autograd nodes of the training forwards before `node`'s still
+        alive (their graphs not freed)."""
+        return [n for c, r in _NODES.get(self, []) if c < node.call for n in (r(),) if n is not None]
 
     def _lookup(self, inputs: list, weights: list) -> List[Tensor]:
         """One collective lookup of every feature; outputs carry autograd to

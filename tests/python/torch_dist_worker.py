@@ -450,7 +450,18 @@ def checkpoint_and_errors(world, tmp: str) -> None:
     raises(IndexError if r == 1 else RankFailedError, lambda: m(feats), "3" if r == 1 else "rank 1")
     out = m(_as_dict(batch, lo, hi))
     check(out["a"].shape == (hi - lo, 8), "a lookup after a failed one")
+    # One backward() through two forward passes (micro-batches' losses summed) is refused on every rank before
+    # any table changes (the later pass's node ran first and updated the tables, then the earlier one raised).
+    shards = lambda: {n: [t.to_numpy().copy() for _, t in sh] for n, sh in m.embedding.local_shards.items()}  # noqa
+    held = shards()
+    first, second = m(_as_dict(batch, lo, hi)), m(_as_dict(batch, lo, hi))
+    raises(RuntimeError, lambda: sum((o ** 2).sum() for o in [*first.values(), *second.values()]).backward(),
+           "through two of its forward passes")
+    check(all(np.array_equal(a, b) for n, arrays in shards().items() for a, b in zip(arrays, held[n])),
+          "tables unchanged by the refused backward")
+    del first, second
     # backward() of an earlier forward pass is refused on every rank; the last one still trains.
+    out = m(_as_dict(batch, lo, hi))
     out2 = m(_as_dict(batch, lo, hi))
     raises(RuntimeError, lambda: sum(o.sum() for o in out.values()).backward(), "earlier forward")
     before = m.embedding.local_shards["t3"][0][1].to_numpy() if "t3" in m.embedding.local_shards else None
