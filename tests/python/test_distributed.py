@@ -1501,6 +1501,20 @@ def test_sparse_sequence_with_repeated_positions_matches_unsharded(sharding):
             np.testing.assert_array_equal(got[r].view(np.uint32), want.view(np.uint32))
 
 
+def test_a_mismatch_names_the_field_given_not_another_table_s_shards_it_moved():
+    """Table 'b' of another dim on rank 1 moves table 'a' to another rank
+    (table-wise): the message named 'a' sharding, which the caller did not
+    give differently; it names 'b' dim, as for the "auto" plan."""
+    def fn(world):
+        fc = {"fa": ec.FeatureConfig(ec.TableConfig("a", 100, 8)),
+              "fb": ec.FeatureConfig(ec.TableConfig("b", 100, 9 if world.rank == 1 else 8))}
+        return ec.Embedding(fc, opt.SGD(0.1), world=world, sharding="table_wise")
+
+    for e in _run(2, _catching(fn)):
+        assert isinstance(e, ValueError) and "table 'b' dim: rank " in str(e) and "sharding" not in str(e).split(
+            "differ:")[1].split(";")[0], str(e)
+
+
 @pytest.mark.parametrize("case", ["dim", "learning rate", "max_sequence_length", "plan", "initializer", "dtype",
                                   "combiner"])
 def test_a_construction_mismatch_names_the_table_the_field_and_both_values(case):

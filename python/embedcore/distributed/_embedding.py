@@ -59,21 +59,31 @@ def _whole_bags(ts: TableSharding) -> bool:
     return ts.kind != "row_wise" or len(ts.shards) == 1
 
 
+# Fields of a table's description that follow from the others (its place in the plan: another table's size
+# moves it): named only where no field given by the caller differs.
+_DERIVED = frozenset({"sharding"})
+
+
 def _first_difference(r: int, theirs: tuple, m: int, mine: tuple) -> str:
     """Where rank `r`'s construction description first differs from rank
-    `m`'s: the table or feature, the field, and both ranks' values."""
-    for kind, a, b in (("table", theirs[1], mine[1]), ("feature", theirs[2], mine[2])):
-        for i, (x, y) in enumerate(zip(a, b)):
-            if x != y:
-                field, u, v = next((fx, vx, vy) for (fx, vx), (_, vy) in zip(x, y) if vx != vy)
+    `m`'s: the table or feature, the field, and both ranks' values; fields
+    the caller gave (a table's dim) before those derived from them (its
+    shards, which another table's dim can move)."""
+    for derived in (False, True):
+        for kind, a, b in (("table", theirs[1], mine[1]), ("feature", theirs[2], mine[2])):
+            for i, (x, y) in enumerate(zip(a, b)):
+                diffs = [(fx, vx, vy) for (fx, vx), (_, vy) in zip(x, y) if vx != vy and (fx in _DERIVED) == derived]
+                if not diffs:
+                    continue
+                field, u, v = diffs[0]
                 if isinstance(u, dict) and isinstance(v, dict):  # an optimizer: its class, or its first other field
                     key = next(k for k in list(v) + list(u) if u.get(k) != v.get(k))
                     field, u, v = f"{field} {key}", u.get(key), v.get(key)
                 which = repr(dict(y)["name"]) if field != "name" else f"#{i}"
                 return f"{kind} {which} {field}: rank {r} has {u!r}, rank {m} has {v!r}"
-        if len(a) != len(b):
-            return (f"rank {r} has {len(a)} {kind}s {[dict(x)['name'] for x in a]}, rank {m} has {len(b)} "
-                    f"{[dict(y)['name'] for y in b]}")
+            if len(a) != len(b):
+                return (f"rank {r} has {len(a)} {kind}s {[dict(x)['name'] for x in a]}, rank {m} has {len(b)} "
+                        f"{[dict(y)['name'] for y in b]}")
     return f"plan: rank {r} has {theirs[0]!r}, rank {m} has {mine[0]!r}"
 
 
