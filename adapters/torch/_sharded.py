@@ -124,6 +124,25 @@ class _ShardedLookup(torch.autograd.Function):
         return torch.zeros(1), None, None, None
 
 
+_TABLE_FIELDS = ("name", "num_embeddings", "embedding_dim", "dtype", "pooling", "feature_names", "optimizer")
+
+
+def _table_difference(r: int, theirs: Optional[list], m: int, mine: Optional[list]) -> str:
+    """Where rank `r`'s tables (``_build``'s description: a tuple of
+    ``_TABLE_FIELDS`` a table) first differ from rank `m`'s: the table, the
+    field and both values (all of both descriptions named a collection of
+    many tables in thousands of characters)."""
+    if theirs is None or mine is None:
+        return f"rank {r} has {'no' if theirs is None else len(theirs)} tables, rank {m} {'no' if mine is None else len(mine)}"
+    for i, (x, y) in enumerate(zip(theirs, mine)):
+        for field, u, v in zip(_TABLE_FIELDS, x, y):
+            if u != v:
+                which = f"'{y[0]}'" if field != "name" else f"#{i}"
+                return f"table {which} {field}: rank {r} has {u!r}, rank {m} has {v!r}"
+    return (f"rank {r} has {len(theirs)} tables {[x[0] for x in theirs]}, rank {m} has {len(mine)} "
+            f"{[y[0] for y in mine]}")
+
+
 def _caller_stacklevel() -> int:
     """The ``stacklevel`` with which the function calling this one warns at
     the first frame outside PyTorch and embedcore (the user's module call)."""
@@ -179,8 +198,9 @@ class _Sharded:
                                  f"{world.rank} with {k}={args[k]!r}; every rank must build the collection with "
                                  "the same arguments")
             if d != desc:
-                raise ValueError(f"{self._owner}: rank {r} built different tables than rank {world.rank}: {d} "
-                                 f"against {desc}; every rank must build the collection with the same arguments")
+                raise ValueError(f"{self._owner}: rank {r} built different tables than rank {world.rank}: "
+                                 f"{_table_difference(r, d, world.rank, desc)}; every rank must build the "
+                                 "collection with the same arguments")
         initializers = everyone[0][2]
         tables = [ec.TableConfig(s.name, s.rows, s.dim, s.dtype, init, o, s.pooling or "sum")
                   for s, init, o in zip(specs, initializers, opts)]
