@@ -20,7 +20,8 @@ Each contender's figure is the median time of the restore call alone (the
 process's imports and the tables' allocation excluded) and its peak memory
 above the allocated tables (the peak RSS during the call, ``VmHWM`` reset
 by ``/proc/self/clear_refs`` just before it, minus the RSS then; before
-session 33, ``ru_maxrss`` counted the tables' set-up too). Every restore's values and slot are compared with the saved ones.
+session 33, ``ru_maxrss`` counted the tables' set-up too). Every restore's
+values and slot are compared with the saved ones.
 
 Usage: python benchmarks/bench_tf_restore.py [--rows N] [--dim D] [--repeats 3] [--scratch DIR]
 """

@@ -286,7 +286,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     raise TypeError(f"{key}: slot {name!r} must hold real floats, got {value.dtype}")
                 if value.device.type == "meta":
                     raise ValueError(f"{key}: slot {name!r} is on the meta device (it holds no data)")
-                if value.dtype in _ops.NO_RANGE_KERNELS:  # float8: no isfinite on PyTorch's CPU (float32 holds it exactly)
+                if value.dtype in _ops.NO_RANGE_KERNELS:  # float8: no isfinite on PyTorch's CPU (float32: exact)
                     value = value.to(torch.float32)
                 if not torch.isfinite(value).all():
                     raise ValueError(f"{key}: slot {name!r} holds NaN or infinite values")

@@ -133,7 +133,8 @@ def _table_difference(r: int, theirs: Optional[list], m: int, mine: Optional[lis
     field and both values (all of both descriptions named a collection of
     many tables in thousands of characters)."""
     if theirs is None or mine is None:
-        return f"rank {r} has {'no' if theirs is None else len(theirs)} tables, rank {m} {'no' if mine is None else len(mine)}"
+        count = lambda d: "no" if d is None else len(d)  # noqa: E731
+        return f"rank {r} has {count(theirs)} tables, rank {m} {count(mine)}"
     for i, (x, y) in enumerate(zip(theirs, mine)):
         for field, u, v in zip(_TABLE_FIELDS, x, y):
             if u != v:
