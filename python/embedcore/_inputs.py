@@ -36,6 +36,10 @@ class Ragged:
 
     @classmethod
     def from_lengths(cls, values, lengths) -> "Ragged":
+        """The batch whose bag ``i`` holds the next ``lengths[i]`` of
+        `values` (TorchRec's lengths, ``tf.RaggedTensor.from_row_lengths``):
+        offsets are the lengths' running sum from 0. ``ValueError`` for
+        lengths that are negative or that add up past int64."""
         lengths = as_int_array(lengths, "lengths")
         if lengths.ndim != 1:
             raise ValueError(f"lengths must be 1-D, got shape {lengths.shape}")

@@ -2,6 +2,7 @@
 ``tf.tpu.experimental.embedding.TableConfig`` / ``FeatureConfig``."""
 from __future__ import annotations
 
+import zlib
 from typing import Optional
 
 from . import initializers as _init
@@ -22,6 +23,13 @@ def _positive_int(owner: str, name: str, value) -> int:
     if v >= 2**63:  # (the engine's int64)
         raise ValueError(f"{owner}: {name} must be < 2**63, got {v}")
     return v
+
+
+def _name_seed(name: Optional[str]) -> int:
+    """The default initializer's seed of a table named `name`: the same on
+    every rank and in every run, another for every other name (the TF
+    adapter seeds unseeded tables the same way)."""
+    return 0 if name is None else zlib.crc32(name.encode("utf-8")) & 0x7FFFFFFF
 
 
 def _check_utf8(owner: str, name) -> None:
@@ -70,7 +78,10 @@ class TableConfig:
         self.dtype = dtype
         if initializer is not None and not isinstance(initializer, _init.Initializer):
             raise TypeError(f"{owner}: initializer must be an embedcore.initializers.Initializer, got {initializer!r}")
-        self.initializer = initializer if initializer is not None else _init.TruncatedNormal()
+        # The default: TensorFlow's, seeded by the table's name (a seed of 0 for every table gave tables of one
+        # dim the same rows: every feature's embedding of id k the same vector), the same on every rank.
+        self.initializer = initializer if initializer is not None else _init.TruncatedNormal(seed=_name_seed(name))
+        self._default_initializer = initializer is None  # (a table named later, by Embedding, is seeded by that name)
         if optimizer is not None and not isinstance(optimizer, _opt.Optimizer):
             raise TypeError(f"{owner}: optimizer must be an embedcore.optimizers.Optimizer, got {optimizer!r}")
         self.optimizer = optimizer

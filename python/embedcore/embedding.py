@@ -2,6 +2,7 @@
 features, shaped like TensorFlow's ``TPUEmbedding``."""
 from __future__ import annotations
 
+import inspect
 from typing import Dict, List, Optional
 
 from . import _device, _embedcore, _nest
@@ -123,7 +124,9 @@ class Embedding(FeatureLookup):
             if name in names:
                 raise ValueError(f"Embedding: two tables are named {name!r}; table names must be unique")
             names.add(name)
-            self._effective[cfg] = TableConfig(name, cfg.rows, cfg.dim, cfg.dtype, cfg.initializer,
+            # (an unnamed table's default initializer is seeded by the name it gets here)
+            init = None if cfg.name is None and getattr(cfg, "_default_initializer", False) else cfg.initializer
+            self._effective[cfg] = TableConfig(name, cfg.rows, cfg.dim, cfg.dtype, init,
                                                cfg.optimizer if cfg.optimizer is not None else optimizer, cfg.combiner)
         self._build_tables()
         self._last = None  # (batches) of the last lookup, for apply_gradients
@@ -208,3 +211,8 @@ class Embedding(FeatureLookup):
             names.setdefault(f.table, []).append(f"grads[{name!r}]")
         # Every check above, then every table's (apply_gradients_many), before any table changes.
         apply_gradients_many([(self._tables[cfg], table_parts, names[cfg]) for cfg, table_parts in parts.items()])
+
+
+# help() / inspect.signature show __init__'s parameters (feature_config required), not those of the __new__ that
+# picks the sharded class; set on __new__, so that instances keep their own (__call__'s).
+Embedding.__new__.__signature__ = inspect.signature(Embedding.__init__)

@@ -3,7 +3,10 @@
 Every element is a pure function of ``(seed, element index)``, computed in the
 engine, so the same seed gives the same table bit for bit whatever the number
 of threads. The default initializer is TensorFlow's: a normal distribution
-truncated at two standard deviations, with ``stddev = 1 / sqrt(dim)``.
+truncated at two standard deviations, with ``stddev = 1 / sqrt(dim)``, seeded
+by the table's name (tables of one dim then start with different rows, as
+TensorFlow draws each table on its own; before session 33 every default
+table had seed 0, the same rows).
 """
 from __future__ import annotations
 
@@ -61,6 +64,8 @@ class Initializer:
 
 
 class Zeros(Initializer):
+    """Every value 0."""
+
     def _native(self):
         spec = _embedcore.InitializerSpec()
         spec.kind = _Kind.Zeros
@@ -68,6 +73,8 @@ class Zeros(Initializer):
 
 
 class Constant(Initializer):
+    """Every value ``value`` (finite; within the table's dtype's range)."""
+
     def __init__(self, value: float = 0.0):
         self.value = _finite("value", value)
 

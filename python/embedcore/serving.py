@@ -198,6 +198,11 @@ class ServedCheckpoint(FeatureLookup):
         return self._by_config[id(f.table)]
 
     def lookup(self, features, weights=None):
+        """The looked-up features, in the structure of `features` (as
+        ``Embedding.lookup``: each feature pooled by its table's combiner, or
+        a sequence), from the checkpoint's tables: for a checkpoint saved
+        from an ``Embedding``, whose features it records. ``ValueError`` for
+        one of tables only (use ``tables[name].lookup``)."""
         if self._feature_config is None:
             raise ValueError(f"{self.path}: this checkpoint holds tables, not features; use .tables[name].lookup")
         return super().lookup(features, weights)

@@ -644,6 +644,14 @@ class Table(LookupMixin):
         self._native.reset_values()
 
     def assign_slot(self, name: str, values, start_row: int = 0) -> None:
+        """Overwrites rows ``[start_row, start_row + len(values))`` of
+        optimizer slot `name` (one of ``slot_names``) with float values of
+        shape ``[n, slot_dim]``: ``[n, dim]``, or ``[n, 1]`` for row-wise
+        Adagrad's ``row_accumulators``. Values must be finite and within the
+        optimizer's domain (README, Errors: accumulators and velocities at
+        least 0; accumulators above 0 where the step would divide by them:
+        Adagrad and row-wise Adagrad with ``epsilon=0``, FTRL), else
+        ``ValueError`` naming the first offender, with the slot unchanged."""
         names = self.slot_names
         if name not in names:
             raise ValueError(f"table '{self._name}' has no slot {name!r}; its slots are {list(names)}")

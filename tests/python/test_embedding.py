@@ -347,3 +347,15 @@ def test_max_sequence_length_must_fit_int64():
     with pytest.raises(ValueError, match=r"max_sequence_length must be < 2\*\*63, got 9223372036854775808"):
         ec.FeatureConfig(t, max_sequence_length=2**63)
     assert ec.FeatureConfig(t, max_sequence_length=2**63 - 1).max_sequence_length == 2**63 - 1
+
+
+def test_signature_shows_init_s_parameters():
+    """inspect.signature / help() of ec.Embedding showed the __new__ that
+    picks the sharded class: feature_config=None, though it is required."""
+    import inspect
+
+    params = inspect.signature(ec.Embedding).parameters
+    assert params["feature_config"].default is inspect.Parameter.empty
+    assert list(params)[:2] == ["feature_config", "optimizer"] and "self" not in params
+    emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig("t", 5, 2))})
+    assert list(inspect.signature(emb).parameters) == ["features", "weights"]  # an instance's own: its call's

@@ -1,5 +1,6 @@
 """Initializers: ranges, sample statistics, seeds, storage rounding and the default."""
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -150,10 +151,31 @@ def test_default_initializer_is_truncated_normal():
     assert isinstance(cfg.initializer, init.TruncatedNormal)
     assert cfg.initializer.stddev is None and cfg.initializer.mean == 0.0
     default = ec.Table(cfg).values()
-    explicit = ec.Table(name="t", rows=300, dim=25, initializer=init.TruncatedNormal()).values()
+    seed = zlib.crc32(b"t") & 0x7FFFFFFF  # seeded by the table's name
+    explicit = ec.Table(name="t", rows=300, dim=25, initializer=init.TruncatedNormal(seed=seed)).values()
     assert default.tobytes() == explicit.tobytes()
     assert np.all(np.abs(default) <= 2 / 5 * (1 + 1e-6))
     assert abs(default.std() / (0.2 * 0.8796) - 1) < 0.05
+
+
+def test_default_tables_start_with_rows_of_their_own():
+    """Every table without initializer= had TruncatedNormal(seed=0): two
+    tables of one dim started with the same rows (every feature's embedding
+    of id k the same vector; another dim, the same draws scaled), where
+    TensorFlow draws each table on its own. The seed is now the table's
+    name's: tables differ, a table of one name starts the same in every run
+    (and on every rank), and an Embedding's unnamed tables are seeded by
+    the names it gives them ("table_0", "table_1")."""
+    user, item = ec.Table(name="user", rows=1000, dim=16), ec.Table(name="item", rows=1000, dim=16)
+    wide = ec.Table(name="wide", rows=1000, dim=8)
+    assert not np.array_equal(user.values(), item.values())
+    assert abs(np.corrcoef(wide.values().ravel(), item.values().ravel()[:8000])[0, 1]) < 0.05
+    assert ec.Table(name="user", rows=1000, dim=16).values().tobytes() == user.values().tobytes()
+    emb = ec.Embedding({"a": ec.FeatureConfig(ec.TableConfig(rows=50, dim=4)),
+                        "b": ec.FeatureConfig(ec.TableConfig(rows=50, dim=4))})
+    a, b = (t.values() for t in emb.embedding_tables.values())
+    assert not np.array_equal(a, b)
+    assert a.tobytes() == ec.Table(name="table_0", rows=50, dim=4).values().tobytes()
 
 
 def test_initializers_do_not_depend_on_thread_count(restore_threads):
