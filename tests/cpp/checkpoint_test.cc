@@ -996,17 +996,6 @@ EMBEDCORE_TEST(RemoveGenerationFreesAFailedSaveOnly) {
 }
 
 // ------------------------------------------------------------ serving
-namespace {
-Batch MakeBatch(const std::vector<int64_t>& ids, const std::vector<int64_t>& offsets) {
-  Batch b;
-  b.ids = ids.data();
-  b.nnz = int64_t(ids.size());
-  b.offsets = offsets.data();
-  b.num_bags = int64_t(offsets.size()) - 1;
-  return b;
-}
-}  // namespace
-
 EMBEDCORE_TEST(MappedLookupsEqualTableLookups) {
   TempDir dir;
   const std::string path = dir.Sub("serve");

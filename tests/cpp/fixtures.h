@@ -72,6 +72,16 @@ inline embedcore::TableSpec Spec(const std::string& name, int64_t rows, int64_t 
   return s;
 }
 
+/// A batch of int64 `ids` in bags of `offsets` (both must outlive it).
+inline embedcore::Batch MakeBatch(const std::vector<int64_t>& ids, const std::vector<int64_t>& offsets) {
+  embedcore::Batch b;
+  b.ids = ids.data();
+  b.nnz = int64_t(ids.size());
+  b.offsets = offsets.data();
+  b.num_bags = int64_t(offsets.size()) - 1;
+  return b;
+}
+
 /// A few steps of training (64 random ids a step, sum, normal gradients), so
 /// that values, slots and step are not at their defaults.
 inline void Train(embedcore::Table& t, int steps, uint32_t seed) {

@@ -138,16 +138,6 @@ std::vector<TableEntry> SaveBlocks(const std::string& path, const Table& whole, 
   return parts;
 }
 
-// A batch over `ids` and `offsets` (which must outlive it).
-Batch MakeBatch(const std::vector<int64_t>& ids, const std::vector<int64_t>& offsets) {
-  Batch b;
-  b.ids = ids.data();
-  b.nnz = int64_t(ids.size());
-  b.offsets = offsets.data();
-  b.num_bags = int64_t(offsets.size()) - 1;
-  return b;
-}
-
 void FixSize(FileEntry& f) {
   const uint64_t payload = uint64_t(f.rows) * uint64_t(f.cols) * DTypeSize(f.dtype);
   f.bytes = ck::kDataOffset + payload;
