@@ -491,6 +491,7 @@ class _TableModule(_AdapterModule):
         sync = weakref.WeakMethod(self._sync_in_backward) if ib is not None else None
         self._handle = _ops.register(table, group, holders, sync=sync,
                                      anchors=(self._anchor,) if fused else (self.weight,))
+        self._handle_t = _ops.handle_tensor(self._handle)  # (what the op takes: see handle_tensor)
         self._group = group
         if fused:  # its group and slot views are of this optimizer: Table.set_optimizer refuses to replace it
             # while the registration lives (this module, or a graph of its lookups whose backward steps it)
@@ -699,7 +700,8 @@ class _TableModule(_AdapterModule):
         # Eagerly, the op's body and autograd without the dispatcher (the same code and results).
         op = _ops.eager_lookup if _ops.plain_eager([anchor, *ids, *offsets, *weights]) else _ops.lookup
         step = _ops.needs_step(mode, weights)
-        outs = op(anchor, self._handle, self.embedding_dim, ids, offsets, weights, segments, combiner, pad,
+        handle = self._handle if op is _ops.eager_lookup else self._handle_t  # (the op's: a tensor)
+        outs = op(anchor, handle, self.embedding_dim, ids, offsets, weights, segments, combiner, pad,
                   include_last_offset, mode, step)
         outs = outs[:-1] if step else outs  # the step is for the backward
         if mode == _ops.FUSED and anchor is self._anchor:
@@ -801,7 +803,7 @@ class _TableModule(_AdapterModule):
         self._sync_in_backward(check=False)  # (the group's "lr" is the rate the next step uses)
         state = super().__getstate__()
         table = state.pop("_table")
-        for k in ("_handle", "_slots"):
+        for k in ("_handle", "_handle_t", "_slots"):
             state.pop(k, None)
         slots = {k: v.detach().cpu().numpy().copy() for k, v in self._slots.items()}
         # The group's own keys too (a scheduler's "initial_lr", a user's), as a copy of a torch optimizer keeps them.

@@ -120,7 +120,28 @@ def unregister(handle: int) -> None:
     _REGISTRY.pop(handle, None)
 
 
-def _entry(handle: int) -> _Entry:
+def handle_tensor(handle: int) -> Tensor:
+    """`handle` as the ops take it: a CPU int64 scalar, kept by its module
+    beside the int. torch.compile fixes an int attribute of a module in its
+    graph, and guards on it: every new module (a model built again, a
+    collection's tables compiled one by one) compiled again, and the ninth
+    failed (the recompile limit: FailOnRecompileLimitHit under
+    fullgraph=True); a tensor is a graph input, read in the op's body."""
+    return torch.tensor(handle, dtype=torch.int64)
+
+
+def _op_handle(handle) -> Tensor:
+    """A handle as the ops take it (``handle_tensor``), from either form."""
+    return handle if isinstance(handle, Tensor) else handle_tensor(handle)
+
+
+def _as_handle(handle) -> int:
+    """A handle given as an int (the eager paths) or as ``handle_tensor``'s scalar (the ops)."""
+    return int(handle) if isinstance(handle, Tensor) else handle
+
+
+def _entry(handle) -> _Entry:
+    handle = _as_handle(handle)
     try:
         return _REGISTRY[handle]
     except KeyError:
@@ -587,7 +608,7 @@ def _raise_bad_id(table, p: _Part, sources: int, parts: int, error: IndexError, 
 
 
 # ------------------------------------------------------------------ forward
-def lookup_impl(anchor: Tensor, handle: int, dim: int, ids: List[Tensor], offsets: List[Tensor],
+def lookup_impl(anchor: Tensor, handle: Tensor, dim: int, ids: List[Tensor], offsets: List[Tensor],
                 weights: List[Tensor], segments: List[int], combiner: int, padding_idx: int,
                 include_last_offset: bool, grad_mode: int, with_step: bool) -> List[Tensor]:
     """Looks up `segments` (triples: source, first bag, number of bags, or
@@ -716,7 +737,7 @@ def _fake_outputs(dim: int, ids: List[Tensor], segments: List[int], combiner: in
 
 
 # ------------------------------------------------------------------ serving
-def served_lookup_impl(handle: int, dim: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
+def served_lookup_impl(handle: Tensor, dim: int, ids: List[Tensor], offsets: List[Tensor], weights: List[Tensor],
                        segments: List[int], combiner: int) -> List[Tensor]:
     """``lookup`` of a served table (an ``embedcore.serving`` table,
     memory-mapped and read-only, registered with its features' names): the
@@ -735,7 +756,7 @@ def _(handle, dim, ids, offsets, weights, segments, combiner):
 
 
 # ------------------------------------------------------------------ backward
-def lookup_backward_impl(handle: int, dim: int, rows: int, ids: List[Tensor], offsets: List[Tensor],
+def lookup_backward_impl(handle: Tensor, dim: int, rows: int, ids: List[Tensor], offsets: List[Tensor],
                          weights: List[Tensor], segments: List[int], combiner: int, padding_idx: int,
                          include_last_offset: bool, grad_mode: int, table_grad: bool, weight_grads: bool,
                          grads: List[Tensor], forward_step: Optional[Tensor]) -> Tuple[Tensor, Tensor, List[Tensor]]:
@@ -961,7 +982,8 @@ def _backward(ctx, grads):
     plain = not torch.is_grad_enabled() and plain_eager([*used_grads, *ids, *offsets, *weights])
     args = (handle, dim, rows, ids, offsets, weights, used_segments, combiner, padding_idx, include_last_offset,
             grad_mode, ctx.table_grad, ctx.weight_grads, used_grads, forward_step)
-    a, b, wgrads = _lookup_backward(*args, True) if plain else lookup_backward(*args)
+    a, b, wgrads = (_lookup_backward(*args, True) if plain  # (the op takes the handle as a tensor)
+                    else lookup_backward(_op_handle(handle), *args[1:]))
     if not ctx.table_grad:
         table_grad = None
     elif grad_mode == FUSED:

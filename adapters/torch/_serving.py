@@ -68,6 +68,7 @@ class _ServedCollection(nn.Module):
         self._indices = [t._index for t in tables]  # (the tables' in the checkpoint: lookup_windows_into)
         self._handles = [_ops.register(t, holders=(self,), features=spec.features)
                          for t, spec in zip(tables, self._specs)]
+        self._handles_t = [_ops.handle_tensor(h) for h in self._handles]  # (what the op takes: see handle_tensor)
 
     def __getstate__(self):
         """Pickles and copies hold the checkpoint's absolute path:
@@ -77,6 +78,7 @@ class _ServedCollection(nn.Module):
         state = dict(super().__getstate__())
         state["checkpoint"] = self._path
         del state["_handles"]
+        state.pop("_handles_t", None)
         return state
 
     def __setstate__(self, state):
@@ -127,8 +129,10 @@ class _ServedCollection(nn.Module):
         _ops.refuse_traced_bag_counts(self._owner, segments)
         weights = [w.detach() for w in weights]
         # Eagerly, the op's body without the dispatcher (the same code and results).
-        op = _ops.served_lookup_impl if _ops.plain_eager([*ids, *offsets, *weights]) else _ops.served_lookup
-        return op(self._handles[i], self._specs[i].dim, ids, offsets, weights, segments, combiner)
+        if _ops.plain_eager([*ids, *offsets, *weights]):
+            return _ops.served_lookup_impl(self._handles[i], self._specs[i].dim, ids, offsets, weights, segments,
+                                           combiner)
+        return _ops.served_lookup(self._handles_t[i], self._specs[i].dim, ids, offsets, weights, segments, combiner)
 
     def extra_repr(self) -> str:
         return f"{self.checkpoint.path!r}, tables={[s.name for s in self._specs]}"

@@ -524,3 +524,38 @@ def test_an_exported_program_reads_only_its_modules_table(tmp_path):
     with pytest.raises(RuntimeError, match="this lookup's weight is not its table's"):
         twin(ids, offsets)
     assert torch.equal(m.bag.weight, torch.ones(10, 2))
+
+
+def test_modules_built_again_compile_past_the_recompile_limit(tmp_path):
+    """Each module passed its table's handle, a random int, into the op:
+    torch.compile fixed it in the graph and guarded on it, so every new
+    module compiled again and the ninth failed (FailOnRecompileLimitHit
+    under fullgraph=True: a model built again in one process, a notebook,
+    a sweep, a collection's tables compiled one by one). The handle goes in
+    as a tensor: twelve modules of each kind, trained fused, unfused and
+    served, compile under the default limit (8) with eager's results."""
+    limit = torch._dynamo.config.recompile_limit
+    assert limit <= 8
+    ids, offsets = torch.tensor([1, 2, 4, 4, 0]), torch.tensor([0, 2, 5])
+    w = uniform_weights(np.random.default_rng(0), 6, 3)
+    ec.save(tmp_path / "c", ec.Table(name="t", rows=6, dim=3, initializer=ec.initializers.Uniform(-1, 1, seed=3)))
+    makers = {
+        "fused": lambda: et.EmbeddingBag.from_pretrained(w, freeze=False, optimizer=ec.optimizers.SGD(0.1)),
+        "unfused": lambda: et.EmbeddingBag.from_pretrained(w, freeze=False),
+        "served": lambda: et.ServedEmbeddingBagCollection(
+            tmp_path / "c", [et.EmbeddingBagConfig(num_embeddings=6, embedding_dim=3, name="t", feature_names=["f"])]),
+    }
+    for kind, make in makers.items():
+        torch._dynamo.reset()
+        for i in range(limit + 4):
+            m = make()
+            if kind == "served":
+                compiled = torch.compile(lambda v, o, m=m: m({"f": (v, o)})["f"], backend="eager", fullgraph=True)
+                want = m({"f": (ids, offsets)})["f"]
+            else:
+                compiled = torch.compile(m, backend="eager", fullgraph=True)
+                want = m(ids, offsets)
+            got = compiled(ids, offsets)
+            assert torch.equal(got, want), (kind, i)
+            if kind != "served":
+                got.sum().backward()
