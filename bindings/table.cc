@@ -12,10 +12,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <iterator>
 #include <memory>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -492,6 +494,53 @@ std::vector<std::pair<std::string, Array>> SlotsAs(Table& t) {
   return out;
 }
 
+// Copies of a host table's values (in their storage dtype), slots and step,
+// read as one under its shared lock: no step lands between them (what a
+// pickle of the table holds; lookups go on meanwhile).
+nb::tuple Snapshot(const Table& t) {
+  RequireHost(t, "a snapshot");
+  struct Free {
+    void operator()(void* p) const noexcept { FreeResult(p); }
+  };
+  using Block = std::unique_ptr<void, Free>;
+  const auto allocate = [](size_t bytes) {
+    try {
+      return Block(AllocateResult(std::max<size_t>(bytes, 1)));
+    } catch (const std::bad_alloc& e) {
+      throw OutOfMemory("a snapshot of " + std::to_string(bytes) + " bytes: " + e.what());
+    }
+  };
+  const size_t shape[2] = {size_t(t.rows()), size_t(t.dim())};
+  std::vector<std::string> names;
+  std::vector<Block> slots;
+  Block values;
+  size_t slot_shape[2] = {shape[0], 0};
+  int64_t step = 0;
+  {
+    ReleaseGil release;
+    values = allocate(t.value_bytes());
+    std::shared_lock<std::shared_mutex> lock(t.mutex());  // (set_optimizer may be giving the table its slots)
+    names = t.spec().optimizer.SlotNames();
+    slot_shape[1] = size_t(t.slot_dim());
+    const size_t slot_bytes = slot_shape[0] * slot_shape[1] * sizeof(float);
+    for (size_t i = 0; i < names.size(); ++i) {
+      slots.push_back(allocate(slot_bytes));
+      std::memcpy(slots.back().get(), t.slot(i), slot_bytes);
+    }
+    std::memcpy(values.get(), t.values(), t.value_bytes());
+    step = t.step();
+  }
+  const auto own = [](Block& b) { return nb::capsule(b.release(), [](void* q) noexcept { FreeResult(q); }); };
+  nb::dict out_slots;
+  for (size_t i = 0; i < names.size(); ++i) {
+    void* data = slots[i].get();
+    out_slots[nb::str(names[i].c_str())] = NumpyFloat(static_cast<float*>(data), 2, slot_shape, own(slots[i]));
+  }
+  void* data = values.get();
+  return nb::make_tuple(
+      nb::ndarray<nb::numpy>(data, 2, shape, own(values), nullptr, StorageDLType(t.spec().dtype)), out_slots, step);
+}
+
 void CheckRows(const Table& t, size_t ndim, const int64_t* shape, const char* what, int64_t cols = 0) {
   if (cols == 0) cols = t.dim();
   if (ndim != 2 || shape[1] != cols)
@@ -752,6 +801,8 @@ void BindTable(nb::module_& m) {
            "the optimizer since, and nothing changes.")
       .def("values", &ValuesAs<NumpyView>, "Read-only view of the stored values (bfloat16 as uint16 bits).")
       .def("slots", &SlotsAs<NumpyView>, "Read-only float32 views of the slot variables, by name.")
+      .def("snapshot", &Snapshot,
+           "(values, {slot: array}, step): copies read as one under the table's lock (values in storage dtype).")
       .def("values_mut", &ValuesAs<NumpyMut>,
            "Writable view of the stored values, for adapters whose own optimizer updates them in place.")
       .def("slots_mut", &SlotsAs<NumpyMut>, "Writable float32 views of the slot variables, by name.")

@@ -531,6 +531,19 @@ class Table(LookupMixin):
         _SCHEDULED.add(twin)
         return twin
 
+    def __reduce__(self):
+        """Pickles a host table (also ``copy.deepcopy``) as a new table of
+        the same config with the same values, slots and step, read as one
+        under the table's lock (another thread's step lands before or after
+        them, not between). A table in GPU memory is refused (``ec.save`` it
+        and ``ec.load`` it into a new table instead)."""
+        if self._device >= 0:
+            raise TypeError(f"table '{self._name}' is in GPU memory ({self.device}) and does not pickle or deepcopy: "
+                            "save it (ec.save) and load it (ec.load) into a new table instead")
+        values, slots, step = self._native.snapshot()
+        return (_unpickle_table, (type(self), self._config, self._placement, self.__dict__.get("_padding_idx"),
+                                  values, slots, step))
+
     def _hold_optimizer(self, token, holder: str) -> None:
         """Marks this table and its copies trained fused by `holder` (words
         for an error) for as long as `token` lives: ``set_optimizer`` refuses
@@ -673,6 +686,24 @@ class Table(LookupMixin):
 
 
 _MAX_STEP = 2**62  # the last step a checkpoint records (docs/format.md)
+
+
+def _unpickle_table(cls, config: TableConfig, placement: tuple, padding_idx, values: np.ndarray, slots: dict,
+                    step: int) -> Table:
+    """The table ``Table.__reduce__`` pickled: its values (in their storage
+    dtype; bfloat16 as uint16 bits) and slots go through ``assign`` and
+    ``assign_slot``, which check them as they check any caller's."""
+    table = object.__new__(cls)
+    Table.__init__(table, config, _placement=placement)
+    if values.dtype == np.uint16:  # bfloat16 bits: a float32 is the same bits shifted up, exactly
+        values = (values.astype(np.uint32) << 16).view(np.float32)
+    table.assign(values)
+    for name, v in slots.items():
+        table.assign_slot(name, v)
+    table.step = step
+    if padding_idx is not None:
+        table._padding_idx = padding_idx
+    return table
 
 
 @contextlib.contextmanager

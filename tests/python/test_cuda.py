@@ -221,6 +221,18 @@ def test_gpu_errors_are_clear():
 
 
 @needs_gpu
+def test_a_gpu_table_refuses_pickle_and_deepcopy_saying_what_to_do():
+    import copy
+    import pickle
+
+    t = _table("cuda")
+    with pytest.raises(TypeError, match=r"table 't' is in GPU memory \(cuda:0\) and does not pickle.*ec\.save"):
+        pickle.dumps(t)
+    with pytest.raises(TypeError, match="does not pickle or deepcopy"):
+        copy.deepcopy(t)
+
+
+@needs_gpu
 def test_gpu_step_inputs_viewing_the_table_are_refused():
     """A step's gradients (ids, offsets, weights) that view the table's own
     memory are refused, as on the host: the kernels would read rows other

@@ -132,6 +132,11 @@ class ShardedEmbedding(Embedding):
         self._shard_device = _device.parse_device(device, "Embedding")
         super().__init__(feature_config, optimizer)
 
+    def __reduce__(self):
+        raise TypeError("a sharded Embedding (world=) does not pickle or deepcopy: its shards live on every rank "
+                        "and its communicator is this process's; save it (ec.save) and build and load it again "
+                        "(ec.load, at any world size)")
+
     # ------------------------------------------------------------ layout
     def _named_sharding(self):
         """`sharding=`, its TableConfig keys as table names."""
