@@ -123,6 +123,10 @@ struct FtrlRule {
   EMBEDCORE_HD float PowNeg(float a) const {  // a^(-lr_power)
     return lr_power == -0.5f ? std::sqrt(a) : std::pow(a, -lr_power);
   }
+  // l clipped to [-bound, bound], NaN kept: (ClipL1(l) - l) / q is 0 for |l| <= bound and shrinks l by the
+  // bound otherwise, as TensorFlow's sparse FTRL kernel computes it (clip, subtract, divide), so that a NaN
+  // linear (a NaN or infinite gradient) makes the weight NaN there too, not a silent 0.
+  EMBEDCORE_HD static float ClipL1(float l, float bound) { return l > bound ? bound : (l < -bound ? -bound : l); }
   EMBEDCORE_HD void operator()(float& w, float g, float* acc, float* lin) const {
     const float a = *acc;
     const float an = a + g * g;
@@ -133,11 +137,11 @@ struct FtrlRule {
       l = l + lr * g - (pn - pa) * w;
       const float q = pn + beta + 2.0f * l2 * lr;
       const float l1lr = l1 * lr;
-      wn = (l > l1lr || l < -l1lr) ? ((l > 0.0f ? l1lr : -l1lr) - l) / q : 0.0f;
+      wn = (ClipL1(l, l1lr) - l) / q;
     } else {
       l = l + g - (pn - pa) / lr * w;
       const float q = (pn + beta) / lr + 2.0f * l2;
-      wn = (l > l1 || l < -l1) ? ((l > 0.0f ? l1 : -l1) - l) / q : 0.0f;
+      wn = (ClipL1(l, l1) - l) / q;
     }
     *acc = an;
     *lin = l;

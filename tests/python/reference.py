@@ -304,7 +304,7 @@ class OptimizerRef:
                 lin = lin + g - (an**p - a**p) / lr * w
                 q = (an**p + beta) / lr + 2 * l2
                 thr = l1
-            w = np.where(np.abs(lin) > thr, (np.sign(lin) * thr - lin) / q, 0.0)
+            w = (np.clip(lin, -thr, thr) - lin) / q  # (TensorFlow's sparse kernel: a NaN linear stays NaN)
             slots["accumulators"], slots["linears"] = an, lin
         else:
             raise ValueError(self.kind)

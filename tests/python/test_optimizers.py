@@ -671,3 +671,39 @@ def test_options_are_fixed_once_set_but_the_learning_rate():
     for cls in (ec.optimizers.SGD, ec.optimizers.Adagrad, ec.optimizers.RowWiseAdagrad, ec.optimizers.Adam,
                 ec.optimizers.FTRL):
         assert set(vars(cls(0.1))) - {"learning_rate"} <= _OPTIONS, cls
+
+
+@pytest.mark.parametrize("multiply_linear_by_lr", [False, True])
+def test_ftrl_spreads_a_gradient_that_is_not_finite_as_tensorflows_sparse_kernel(multiply_linear_by_lr):
+    """A NaN or infinite gradient (and a row already infinite) under FTRL: the
+    value, accumulator and linear of each element as TensorFlow's sparse FTRL
+    kernel (ResourceSparseApplyFtrl, what tf.compat.v1's FtrlOptimizer runs
+    for an embedding variable's gradient) leaves them: NaN where it gives NaN, not a weight of 0 beside a NaN
+    linear (a row that would read as healthy, and stay 0 for good)."""
+    tf = pytest.importorskip("tensorflow")
+    lr, l1, l2 = 0.1, 0.01, 0.02
+    values = np.full((3, 6), 0.5, np.float32)
+    values[2, :2] = [np.inf, -np.inf]
+    grads = np.array([[np.nan, np.inf, -np.inf, 1.0, 0.0, -2.0],
+                      [0.5, np.nan, 0.25, -np.inf, 1e30, 3.0]], np.float32)
+    ids = np.array([1, 2])
+    table = ec.Table(name="t", rows=3, dim=6, initializer=ec.initializers.Zeros(),
+                     optimizer=ec.optimizers.FTRL(lr, l1_regularization_strength=l1, l2_regularization_strength=l2,
+                                                  initial_accumulator_value=0.1,
+                                                  multiply_linear_by_learning_rate=multiply_linear_by_lr))
+    table.assign(np.where(np.isfinite(values), values, 0.0))
+    table._native.values_mut()[2, :2] = [np.inf, -np.inf]  # (assign refuses what a diverged row may hold)
+    table.apply_gradients(ids, None, grads)
+
+    var, acc, lin = (tf.Variable(values), tf.Variable(np.full((3, 6), 0.1, np.float32)),
+                     tf.Variable(np.zeros((3, 6), np.float32)))
+    tf.raw_ops.ResourceSparseApplyFtrl(var=var.handle, accum=acc.handle, linear=lin.handle, grad=grads, indices=ids,
+                                       lr=np.float32(lr), l1=np.float32(l1), l2=np.float32(l2),
+                                       lr_power=np.float32(-0.5), multiply_linear_by_lr=multiply_linear_by_lr)
+    slots = table.slots()
+    for name, ours, theirs in (("values", table.values(), var.numpy()), ("accumulators", slots["accumulators"],
+                                                                         acc.numpy()),
+                               ("linears", slots["linears"], lin.numpy())):
+        np.testing.assert_array_equal(np.isnan(ours), np.isnan(theirs), err_msg=f"{name}: where NaN")
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, err_msg=name)  # (NaN positions equal, inf signs too)
+    assert np.isnan(table.values()[1, 0])  # the NaN gradient's element: NaN, not 0
