@@ -16,6 +16,17 @@
 
 #include <pthread.h>
 
+#if defined(__SANITIZE_THREAD__)
+#define EMBEDCORE_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define EMBEDCORE_TSAN 1
+#endif
+#endif
+#ifdef EMBEDCORE_TSAN
+#include <sanitizer/tsan_interface.h>
+#endif
+
 #include "embedcore/embedcore.h"
 #include "checkpoint/format.h"
 #include "cuda/cuda_impl.h"
@@ -531,13 +542,31 @@ void ForkHandlers::Parent() {
   for (const Table* t : Live().tables) t->mutex().unlock();
   Live().mutex.unlock();
 }
+namespace {
+// A lock made anew in place over one the prepare handler held (unlocking it
+// would not do: a reader-writer lock's unlock compares the writer's thread
+// id, which is new in the child). ThreadSanitizer cannot see that (a
+// std::mutex's constructor makes no call) and took the child's first lock of
+// each for a second lock by the thread that held it: it is told that this
+// thread released it, as the child's lock is free. (Without ThreadSanitizer:
+// the placement new alone.)
+template <typename Lock>
+void RenewLock(Lock* lock) {
+#ifdef EMBEDCORE_TSAN
+  __tsan_mutex_pre_unlock(lock, 0);
+  __tsan_mutex_post_unlock(lock, 0);
+#endif
+  new (lock) Lock;
+}
+}  // namespace
+
 void ForkHandlers::Child() {
   for (const Table* t : Live().tables) {  // no other thread exists here: none holds a lock or a pin
-    new (&t->mutex_) std::shared_mutex;
+    RenewLock(&t->mutex_);
     const_cast<Table*>(t)->optimizer_pins_.store(0);
     const_cast<Table*>(t)->optimizer_setters_.store(0);
   }
-  new (&Live().mutex) std::mutex;
+  RenewLock(&Live().mutex);
 }
 
 void Table::EnsureForkHandlers() {
@@ -1243,7 +1272,11 @@ void Table::ApplyGradientsMany(const std::vector<Step>& steps) {
   size_t keys = 0, in_order = 0, rows = 0;
   std::string keys_of, in_order_of, rows_of;
   for (size_t i = 0; i < steps.size(); ++i) {
-    const TableSpec& spec = steps[i].table->spec_;
+    TableSpec spec;  // read under the table's lock: SetOptimizer may be replacing its optimizer meanwhile
+    {
+      std::shared_lock<std::shared_mutex> lock(steps[i].table->mutex_);
+      spec = steps[i].table->spec_;
+    }
     const std::vector<GradientPart>& parts = stable[i]->get();
     if (StepsInOrder(spec, steps[i].learning_rate)) {
       const size_t n = PlanInOrder(parts, spec).scratch_items();
