@@ -192,6 +192,10 @@ const KernelSet& GenericKernels();
 const KernelSet* Avx2Kernels();
 /// Null when the build has no AVX-512 path.
 const KernelSet* Avx512Kernels();
+/// Whether the CPU has F16C (CPUID leaf 1, ECX bit 29; false off x86-64):
+/// read from CPUID itself, as clang's __builtin_cpu_supports does not take
+/// "f16c" (clang 14).
+bool CpuHasF16c();
 /// The best set this CPU runs (EMBEDCORE_KERNELS=generic or =avx2 caps the choice).
 const KernelSet& ActiveKernels();
 

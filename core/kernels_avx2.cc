@@ -3,15 +3,18 @@
 // inline functions (ops/half.h) keep their portable code, and everything
 // compiled for AVX2 here has internal linkage: no AVX2 code can leak into the
 // portable path through the linker.
-#include <immintrin.h>
-
 #include "kernels.h"
 #include "ops/half.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define EMBEDCORE_HAVE_AVX2_KERNELS 1
+#include <immintrin.h>
+#if defined(__clang__)  // (clang ignores the GCC pragmas: the same target as an attribute of each function)
+#pragma clang attribute push(__attribute__((target("avx2,f16c,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,f16c,fma")
+#endif
 
 namespace embedcore::kernels {
 namespace {
@@ -79,7 +82,11 @@ KernelSet Make() {
 }  // namespace
 
 }  // namespace embedcore::kernels
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 namespace embedcore::kernels {
 const KernelSet* Avx2Kernels() {

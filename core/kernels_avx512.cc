@@ -6,14 +6,17 @@
 // sets do), so it gives the same bits. As in
 // kernels_avx2.cc, the target is switched on after the includes and all code
 // here has internal linkage.
-#include <immintrin.h>
-
 #include "kernels.h"
 #include "ops/half.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#if defined(__clang__)  // (clang ignores the GCC pragmas: the same target as an attribute of each function)
+#pragma clang attribute push(__attribute__((target("avx512f,avx2,f16c,fma,prfchw"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,f16c,fma,prfchw")
+#endif
 
 namespace embedcore::kernels {
 namespace {
@@ -79,7 +82,11 @@ KernelSet Make() {
 
 }  // namespace
 }  // namespace embedcore::kernels
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 namespace embedcore::kernels {
 const KernelSet* Avx512Kernels() {

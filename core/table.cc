@@ -15,6 +15,9 @@
 #include <utility>
 
 #include <pthread.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 #if defined(__SANITIZE_THREAD__)
 #define EMBEDCORE_TSAN 1
@@ -1346,6 +1349,15 @@ BuildInfo GetBuildInfo() {
 }
 
 namespace kernels {
+bool CpuHasF16c() {
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+#else
+  return false;
+#endif
+}
+
 const KernelSet& ActiveKernels() {
   static const KernelSet* active = [] {
     // A cap on the choice: generic, avx2 or avx512 (the best the CPU has, as when unset).
@@ -1356,7 +1368,7 @@ const KernelSet& ActiveKernels() {
     const bool generic = cap == "generic";
 #if defined(__x86_64__)
     const bool avx2 =
-        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+        __builtin_cpu_supports("avx2") && CpuHasF16c() && __builtin_cpu_supports("fma");
     const bool want_avx2 = cap == "avx2";
     // The CPU first: building a kernel set runs code compiled for its instructions (SIGILL on a CPU without).
     if (!generic && !want_avx2 && avx2 && __builtin_cpu_supports("avx512f") && Avx512Kernels() != nullptr)

@@ -13,6 +13,7 @@
 #define EMBEDCORE_TEST_HAVE_F16C 1
 #endif
 
+#include "kernels.h"
 #include "ops/half.h"
 #include "test_util.h"
 
@@ -74,7 +75,7 @@ uint16_t RefFloatToBFloat16(float f) {
 }
 
 #if EMBEDCORE_TEST_HAVE_F16C
-bool HasF16C() { return __builtin_cpu_supports("f16c"); }
+bool HasF16C() { return embedcore::kernels::CpuHasF16c(); }  // (clang's builtin does not take "f16c")
 __attribute__((target("f16c"))) float HardwareHalfToFloat(uint16_t h) { return _cvtsh_ss(h); }
 __attribute__((target("f16c"))) uint16_t HardwareFloatToHalf(float f) {
   return uint16_t(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));

@@ -27,7 +27,7 @@ namespace {
 
 bool CpuHasAvx2() {
 #if defined(__x86_64__) && defined(__GNUC__)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return __builtin_cpu_supports("avx2") && kernels::CpuHasF16c();
 #else
   return false;
 #endif
@@ -211,6 +211,10 @@ constexpr int64_t kDims[] = {1, 3, 7, 8, 9, 16, 17, 24, 32, 33, 48, 64, 80, 128,
 }  // namespace
 
 EMBEDCORE_TEST(KernelSetsAvailable) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  // The engine reads F16C from CPUID itself (clang's builtin does not take "f16c"): as GCC's builtin says.
+  EMBEDCORE_EXPECT_EQ(kernels::CpuHasF16c(), bool(__builtin_cpu_supports("f16c")));
+#endif
   EMBEDCORE_EXPECT_EQ(std::string(kernels::GenericKernels().name), std::string("generic"));
   if (CpuHasAvx2() && kernels::Avx2Kernels() != nullptr) {
     EMBEDCORE_EXPECT_EQ(std::string(kernels::Avx2Kernels()->name), std::string("avx2+f16c"));

@@ -1075,7 +1075,7 @@ def test_accumulators_of_0_are_refused_where_the_step_would_divide_0_by_0(tmp_pa
 
     # A checkpoint holding such a value (written into the engine's memory, as a bug or another writer might).
     src = make_table(6, 4, optimizer=optimizer, name="t", seed=5)
-    np.from_dlpack(dict(src._native.slots_mut())[slot])[3, cols - 1] = refused
+    dict(src._native.slots_mut())[slot][3, cols - 1] = refused
     ec.save(tmp_path / "ck", src)
     with pytest.raises(ec.CheckpointError, match=f"table 't' slot {slot} hold {text} at row 3, column "
                                                  f"{cols - 1}; the target table's optimizer needs them "
