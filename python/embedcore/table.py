@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
 import weakref
@@ -532,17 +533,32 @@ class Table(LookupMixin):
         return twin
 
     def __reduce__(self):
-        """Pickles a host table (also ``copy.deepcopy``) as a new table of
-        the same config with the same values, slots and step, read as one
-        under the table's lock (another thread's step lands before or after
-        them, not between). A table in GPU memory is refused (``ec.save`` it
-        and ``ec.load`` it into a new table instead)."""
+        """Pickles a host table as a new table of the same config with the
+        same values, slots and step, bit for bit (NaN and infinity too: a
+        copy of a table whose training diverged is that table, though
+        ``ec.save`` refuses both). They are read as one with the config,
+        under the table's locks: another thread's step or ``set_optimizer``
+        lands before or after them, not between. The copy writes only the
+        rows that differ from its initializer's, so a ``Zeros`` table's
+        untouched rows take no memory in it either; the snapshot taken to
+        make it takes the table's size meanwhile. A table in GPU memory is
+        refused (``ec.save`` it and ``ec.load`` it into a new table
+        instead)."""
         if self._device >= 0:
             raise TypeError(f"table '{self._name}' is in GPU memory ({self.device}) and does not pickle or deepcopy: "
                             "save it (ec.save) and load it (ec.load) into a new table instead")
-        values, slots, step = self._native.snapshot()
-        return (_unpickle_table, (type(self), self._config, self._placement, self.__dict__.get("_padding_idx"),
+        with self._schedule_lock():  # (which set_optimizer holds while it changes the optimizer and the config)
+            values, slots, step = self._native.snapshot()
+            config = self._config
+        return (_unpickle_table, (type(self), config, self._placement, self.__dict__.get("_padding_idx"),
                                   values, slots, step))
+
+    def __deepcopy__(self, memo) -> "Table":
+        """``copy.deepcopy``: as a pickle makes it (``__reduce__``), without
+        a copy of the snapshot; the config is deep-copied with `memo`, so an
+        Embedding's copied tables and features share their copied configs."""
+        fn, (cls, config, *rest) = self.__reduce__()
+        return fn(cls, copy.deepcopy(config, memo), *rest)
 
     def _hold_optimizer(self, token, holder: str) -> None:
         """Marks this table and its copies trained fused by `holder` (words
@@ -690,20 +706,34 @@ _MAX_STEP = 2**62  # the last step a checkpoint records (docs/format.md)
 
 def _unpickle_table(cls, config: TableConfig, placement: tuple, padding_idx, values: np.ndarray, slots: dict,
                     step: int) -> Table:
-    """The table ``Table.__reduce__`` pickled: its values (in their storage
-    dtype; bfloat16 as uint16 bits) and slots go through ``assign`` and
-    ``assign_slot``, which check them as they check any caller's."""
+    """The table ``Table.__reduce__`` pickled: a new table of `config`, its
+    values (in their storage dtype), slots and step written as they were."""
     table = object.__new__(cls)
     Table.__init__(table, config, _placement=placement)
-    if values.dtype == np.uint16:  # bfloat16 bits: a float32 is the same bits shifted up, exactly
-        values = (values.astype(np.uint32) << 16).view(np.float32)
-    table.assign(values)
+    _copy_rows(table._native.values_mut(), values)
+    mine = dict(table._native.slots_mut())
     for name, v in slots.items():
-        table.assign_slot(name, v)
+        _copy_rows(mine[name], v)
     table.step = step
     if padding_idx is not None:
         table._padding_idx = padding_idx
     return table
+
+
+def _copy_rows(dst: np.ndarray, src: np.ndarray) -> None:
+    """Copies `src` into `dst` (arrays of one shape and item size) bit for
+    bit, in blocks of about 2 MiB, skipping the blocks that already hold the
+    same bits (reading memory not yet written maps no page: a Zeros table's
+    untouched rows stay untouched)."""
+    if dst.shape != src.shape or dst.itemsize != src.itemsize:
+        raise ValueError(f"the pickled array has shape {src.shape} of {src.dtype}, the table's {dst.shape} of "
+                         f"{dst.dtype}")
+    bits = np.dtype(f"u{dst.itemsize}")
+    d, s = dst.view(bits), src.view(bits)
+    rows = max(1, (2 << 20) // max(1, d[:1].nbytes))
+    for r in range(0, len(s), rows):
+        if not np.array_equal(d[r:r + rows], s[r:r + rows]):
+            d[r:r + rows] = s[r:r + rows]
 
 
 @contextlib.contextmanager

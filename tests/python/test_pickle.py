@@ -6,6 +6,7 @@ table in test_cuda.py)."""
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 import threading
 
@@ -151,10 +152,55 @@ def test_a_sharded_embedding_refuses_to_pickle_with_what_to_do_instead():
     assert dist.run_local(2, rank_main) == [True, True]
 
 
-def test_a_pickled_table_with_values_that_are_not_finite_is_refused_when_loaded():
-    t = ec.Table(name="t", rows=4, dim=2, initializer=ec.initializers.Zeros())
-    fn, args = t.__reduce__()
-    values = np.array(args[4])
-    values[2, 1] = np.nan
-    with pytest.raises(ValueError, match=r"table 't': values\[2, 1\] = nan is not finite"):
-        fn(*args[:4], values, *args[5:])
+@pytest.mark.parametrize("how", COPIES)
+def test_a_table_whose_training_diverged_copies_as_it_is(how, tmp_path):
+    # A gradient of 1e20 leaves Adagrad's values finite but its accumulators infinite; a NaN gradient makes
+    # FTRL's weights NaN. The copy holds the same bits; ec.save refuses the copy as it refuses the original.
+    a = ec.Table(name="a", rows=4, dim=2, optimizer=ec.optimizers.Adagrad(0.1))
+    a.apply_gradients(np.array([1]), None, np.full((1, 2), 1e20, np.float32))
+    f = ec.Table(name="f", rows=4, dim=2, optimizer=ec.optimizers.FTRL(0.1))
+    f.apply_gradients(np.array([2]), None, np.full((1, 2), np.nan, np.float32))
+    assert np.isinf(a.slots()["accumulators"][1]).all() and np.isnan(f.values()[2]).all()
+    for t in (a, f):
+        u = COPIES[how](t)
+        assert np.array_equal(_bits(u), _bits(t))
+        for name, v in t.slots().items():
+            assert np.array_equal(u.slots()[name].view(np.uint32), v.view(np.uint32))
+        with pytest.raises(ValueError, match="not finite|hold (inf|nan)"):
+            ec.save(tmp_path / f"{t.name}_{how}", u)
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident size from /proc (Linux)")
+@pytest.mark.parametrize("how", COPIES)
+def test_a_copy_of_a_zeros_table_takes_memory_only_for_its_written_rows(how):
+    # 256 MiB of Zeros, one row written: a copy writes only the blocks that differ from its own zeros.
+    t = ec.Table(name="z", rows=1 << 20, dim=64, initializer=ec.initializers.Zeros())
+    t.assign(np.ones((1, 64), np.float32), 12345)
+    before = _resident_mib()
+    u = COPIES[how](t)
+    grown = _resident_mib() - before
+    assert grown < 64, f"a copy of a 256 MiB Zeros table with one row written grew the process by {grown:.0f} MiB"
+    np.testing.assert_array_equal(u.to_numpy(12344, 3), t.to_numpy(12344, 3))
+    assert u.values()[: 12345].max() == 0 and u.values()[12346:].max() == 0
+
+
+def test_a_copy_taken_beside_set_optimizer_is_of_one_optimizer_or_the_other():
+    # set_optimizer starts the step count at 0 again: a copy whose config came from one side of it and whose
+    # step from the other (SGD's step 3 under Adagrad) would be a state the table never had.
+    for _ in range(20):
+        t = ec.Table(name="t", rows=64, dim=4, optimizer=ec.optimizers.SGD(0.1))
+        for k in range(3):
+            _step(t, k)
+        setter = threading.Thread(target=t.set_optimizer, args=(ec.optimizers.Adagrad(0.1),))
+        setter.start()
+        copies = [copy.deepcopy(t) for _ in range(30)]
+        setter.join()
+        for u in copies:
+            kind = type(u.optimizer).__name__
+            assert (kind, u.step) in {("SGD", 3), ("Adagrad", 0)}, (kind, u.step)
+            assert u.slot_names == (("accumulators",) if kind == "Adagrad" else ())
