@@ -9,6 +9,14 @@ ec.serving.open, against FBGEMM's CPU 8-bit row-wise embedding bags:
 - the float32 checkpoint resharded as a 2-rank save leaves it (64 MiB files:
   row blocks, or column bands whose rows come from two files), served from
   its several files (rows gathered, then pooled), timed against one file;
+- the float32 checkpoint saved to a disk (the temp dir, or
+  $EMBEDCORE_BENCH_DISK; the others go to /dev/shm when it has room), served
+  from the page cache its save left (`float32_disk`), and saved again with its
+  page cache dropped (posix_fadvise) before it is opened
+  (`float32_disk_read_cold`: read in through the served mapping, as a server
+  reads a checkpoint another machine wrote); the three float32 files are
+  timed against the in-memory table's own lookup (`table`), and the MiB of
+  each mapped on 2 MiB pages is printed;
 - `fbgemm_tbe_int8`: fbgemm_gpu's IntNBitTableBatchedEmbeddingBagsCodegen
   with one SparseType.INT8 table on the CPU (TorchRec's quantized inference
   path; its rows keep a float16 scale and bias, filled with its own random
@@ -32,6 +40,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -40,6 +49,40 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 import embedcore as ec  # noqa: E402
+
+
+def _filesystem(path: str) -> str:
+    """The type of the filesystem that holds `path` (/proc/mounts: the
+    longest mount point above it)."""
+    real, best = os.path.realpath(path), ("", "unknown")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                point, kind = line.split()[1:3]
+                if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best[0]):
+                    best = (point, kind)
+    except OSError:
+        pass
+    return best[1]
+
+
+def _file_pmd_mapped_mib(directory: str) -> int:
+    """MiB of this process's mappings of `directory`'s values files that are
+    mapped on 2 MiB pages (``FilePmdMapped`` in /proc/self/smaps; 0 where
+    there is no such file)."""
+    kib, mine = 0, False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()
+                if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line: range perms ... [path]
+                    mine = (len(head) >= 6 and head[5].startswith(os.path.realpath(directory) + os.sep)
+                            and head[5].endswith(".ecd"))
+                elif mine and head and head[0] == "FilePmdMapped:":
+                    kib += int(head[1])
+    except OSError:
+        return 0
+    return kib >> 10
 
 
 def main(argv=None) -> int:
@@ -69,12 +112,34 @@ def main(argv=None) -> int:
     table.assign(values, 0)
     del values
     scratch = C.scratch_dir()
-    served = {}
+    served, disk = {}, None
     try:
         for dtype in ("float32", "float16", "uint8_rowwise"):
             path = os.path.join(scratch, dtype)
             ec.save(path, table, include_optimizer=False, values_dtype=dtype)
             served[dtype] = ec.serving.open(path, verify="eager").tables["w1"]
+        # The float32 checkpoint on a disk (the scratch above is /dev/shm when it has room, whose tmpfs pages are
+        # 4 KiB unless shmem huge pages are enabled), served from the page cache its save left (the save's 256
+        # KiB writes: small folios, 4 KiB mappings), and saved once more with its page cache dropped before it
+        # is opened: read in through the served mapping in 2 MiB folios, mapped on huge pages, as a server
+        # reading a checkpoint another machine wrote. The in-memory table is timed too.
+        disk = tempfile.mkdtemp(prefix="embedcore-bench-", dir=os.environ.get("EMBEDCORE_BENCH_DISK"))
+        C.log(f"disk checkpoints in {disk} ({_filesystem(disk)})")
+        for k in ("float32_disk", "float32_disk_read_cold"):
+            path = os.path.join(disk, k)
+            ec.save(path, table, include_optimizer=False)
+            if k.endswith("cold"):
+                for entry in os.listdir(path):
+                    if entry.endswith(".ecd"):
+                        fd = os.open(os.path.join(path, entry), os.O_RDONLY)
+                        try:
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # (clean after the save's fsync)
+                        finally:
+                            os.close(fd)
+            served[k] = ec.serving.open(path, verify="eager").tables["w1"]
+        for k, where in (("float32", scratch), ("float32_disk", disk), ("float32_disk_read_cold", disk)):
+            C.log(f"served {k}: {_file_pmd_mapped_mib(os.path.join(where, k))} MiB of its values file mapped on "
+                  "2 MiB pages (FilePmdMapped)")
         # The float32 checkpoint as a sharded save leaves it (2 ranks, 64 MiB files): rows gathered from the files,
         # then pooled (row blocks; column bands: each row from two files).
         from embedcore.distributed import reshard
@@ -128,6 +193,7 @@ def main(argv=None) -> int:
             C.set_threads(nt)
             for d in C.DISTS:
                 contenders = {f"ec_{k}": (lambda s=s, i=ids[d]: s.lookup(i, off)) for k, s in served.items()}
+                contenders["ec_table"] = lambda i=ids[d]: table.lookup(i, off)
                 contenders["torch_byte_rowwise"] = lambda i=ids_t[d]: torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
                     q8, i, off_t, False, 0, False, None, None, True)
                 if tbe is not None:
@@ -141,8 +207,11 @@ def main(argv=None) -> int:
                                 "ms": None, "Mids_s": None,
                                 "ratios": (r("ec_uint8_rowwise", "ec_float32"), r("ec_uint8_rowwise", "ec_float16"),
                                            r("ec_uint8_rowwise", "torch_byte_rowwise"))})
+                for k in ("ec_float32", "ec_float32_disk", "ec_float32_disk_read_cold"):  # against the table
+                    results.append({"threads": nt, "ids": d, "contender": f"{k[3:]} / table time", "ms": None,
+                                    "Mids_s": None, "ratio": med[k] / med["ec_table"]})
                 for k in med:
-                    if k.startswith("ec_float32_"):  # several files: time against one file's
+                    if k.startswith("ec_float32_") and "files" in k:  # several files: time against one file's
                         results.append({"threads": nt, "ids": d, "contender": f"{k[3:]} / float32 time",
                                         "ms": None, "Mids_s": None, "ratio": med[k] / med["ec_float32"]})
         print(f"\nserving lookups, {rows} x {C.DIM}, {C.BATCH} bags of {C.BAG}, sum; median of {repeats}")
@@ -165,6 +234,8 @@ def main(argv=None) -> int:
     finally:
         served.clear()
         shutil.rmtree(scratch, ignore_errors=True)
+        if disk is not None:
+            shutil.rmtree(disk, ignore_errors=True)
     return 0
 
 

@@ -121,6 +121,35 @@ def test_a_lazy_open_reads_no_values(tmp_path):
     assert np.asarray(served_unchecked.tables["t"].values()).tobytes() != np.asarray(t.values()).tobytes()
 
 
+def _mapping_flags(path) -> list:
+    """The VmFlags of each of this process's mappings of `path` (/proc/self/smaps)."""
+    flags, mine, real = [], False, os.path.realpath(path)
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:
+                mine = len(head) >= 6 and head[5] == real
+            elif mine and head and head[0] == "VmFlags:":
+                flags.append(head[1:])
+    return flags
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
+                    reason="no transparent huge pages in this kernel (or not Linux)")
+def test_a_served_values_file_is_mapped_for_huge_pages(tmp_path):
+    # MADV_HUGEPAGE ("hg"): a file read in through the mapping comes in 2 MiB folios and is mapped by them (about
+    # 2x the rate of random rows of a table of GiBs: fewer TLB misses); whether the page cache has such folios is
+    # the kernel's and the filesystem's, so the test checks the advice, which any THP kernel records.
+    t = make_table(rows=1000, dim=8)
+    ec.save(tmp_path / "c", t)
+    (entry,) = read_manifest(tmp_path / "c")["tables"]
+    path = tmp_path / "c" / entry["values"][0]["path"]
+    served = ec.serving.open(tmp_path / "c")
+    flags = _mapping_flags(path)
+    assert len(flags) == 1 and "hg" in flags[0], flags
+    np.testing.assert_array_equal(served.tables["t"].lookup(np.arange(10), combiner=None), t.values()[:10])
+
+
 def test_a_lazy_lookup_verifies_every_block_its_row_spans(tmp_path):
     """Checksum blocks are BLOCK_BYTES of payload (docs/format.md), whatever
     the row size: a float32 row of 3 columns (12 bytes) straddles the first
