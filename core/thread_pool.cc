@@ -326,8 +326,19 @@ class Pool {
 #endif
 };
 
-std::mutex g_pool_mutex;
-std::shared_ptr<Pool> g_pool;
+// Never destroyed (made with new, as the tables' fork registry): at exit the
+// static destructors run while threads the interpreter left behind (Python's
+// daemon threads, in a lookup with the GIL released) may still start parallel
+// calls; a destroyed pointer here handed them a pool that was gone.
+// Made on first use (no order of static initialisation to depend on).
+std::mutex& PoolMutex() {
+  static std::mutex* mutex = new std::mutex;
+  return *mutex;
+}
+std::shared_ptr<Pool>& ThePool() {
+  static std::shared_ptr<Pool>* pool = new std::shared_ptr<Pool>;
+  return *pool;
+}
 std::atomic<int> g_threads_asked{0};  // the last SetNumThreads (0: none), which a forked child keeps
 
 #if defined(__unix__) || defined(__APPLE__)
@@ -337,8 +348,8 @@ std::atomic<int> g_threads_asked{0};  // the last SetNumThreads (0: none), which
 // set_num_threads) and starts a pool of its own at its first parallel call,
 // of the size the parent asked for, if it asked.
 void ForgetPoolInChild() {
-  new (&g_pool_mutex) std::mutex;
-  new (&g_pool) std::shared_ptr<Pool>();  // the parent's pool is never destroyed
+  new (&PoolMutex()) std::mutex;
+  new (&ThePool()) std::shared_ptr<Pool>();  // the parent's pool is never destroyed
 }
 
 // Registered when the library loads, before any pool can exist.
@@ -346,12 +357,12 @@ void ForgetPoolInChild() {
 #endif
 
 std::shared_ptr<Pool> GetPool() {
-  std::lock_guard<std::mutex> l(g_pool_mutex);
-  if (!g_pool) {
+  std::lock_guard<std::mutex> l(PoolMutex());
+  if (!ThePool()) {
     const int asked = g_threads_asked.load(std::memory_order_relaxed);
-    g_pool = std::make_shared<Pool>(asked > 0 ? asked : DefaultThreads());
+    ThePool() = std::make_shared<Pool>(asked > 0 ? asked : DefaultThreads());
   }
-  return g_pool;
+  return ThePool();
 }
 
 }  // namespace
@@ -363,14 +374,14 @@ void SetNumThreads(int n) {
                           std::to_string(n));
   std::shared_ptr<Pool> old;
   {
-    std::lock_guard<std::mutex> l(g_pool_mutex);
-    if (g_pool && g_pool->threads() == n) {
+    std::lock_guard<std::mutex> l(PoolMutex());
+    if (ThePool() && ThePool()->threads() == n) {
       g_threads_asked.store(n, std::memory_order_relaxed);
       return;
     }
     auto fresh = std::make_shared<Pool>(n);  // if it cannot start its threads, the old pool stays
-    old = std::move(g_pool);
-    g_pool = std::move(fresh);
+    old = std::move(ThePool());
+    ThePool() = std::move(fresh);
     g_threads_asked.store(n, std::memory_order_relaxed);
   }
   // `old` joins its workers here, once running jobs released it.
