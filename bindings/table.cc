@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <shared_mutex>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -71,15 +72,41 @@ NumpyFloat LookupSparseSegment(const Table& t, const IdArray& ids, const OffsetA
 // the table it updates or reads (`doing`: "the step updates", "the lookup
 // reads"): a step's result would depend on the order in which rows are
 // written, a lookup's output would overwrite the rows it is reading.
+// A table's slot memory: where each slot is and its bytes, read under the
+// table's lock (set_optimizer may be giving it slots meanwhile): at once with
+// the GIL held when the lock is free, else with the GIL released while it
+// waits (an update holds it), the lock let go before the GIL is taken back.
+struct SlotMemory {
+  const float* data[4] = {};
+  size_t count = 0, bytes = 0;
+};
+SlotMemory SlotMemoryLocked(const Table& t) {  // (under the table's lock)
+  SlotMemory m;
+  m.count = t.num_slots();  // (2 at most: Adam's, FTRL's)
+  if (m.count > 4) throw std::logic_error("SlotMemory holds 4 slots, table '" + t.spec().name + "' has more");
+  for (size_t s = 0; s < m.count; ++s) m.data[s] = t.slot(s);
+  m.bytes = size_t(t.rows()) * size_t(t.slot_dim()) * sizeof(float);
+  return m;
+}
+SlotMemory SlotMemoryOf(const Table& t) {
+  {
+    std::shared_lock<std::shared_mutex> lock(t.mutex(), std::try_to_lock);
+    if (lock.owns_lock()) return SlotMemoryLocked(t);
+  }
+  ReleaseGil release;
+  std::shared_lock<std::shared_mutex> lock(t.mutex());
+  return SlotMemoryLocked(t);
+}
+
 void CheckNotTableMemory(const Table& t, const void* p, size_t bytes, const char* what,
                          const char* doing = "the step updates") {
   const size_t n = size_t(t.rows()) * size_t(t.dim());
-  const size_t slot_n = size_t(t.rows()) * size_t(t.slot_dim());
   if (Overlaps(p, bytes, t.values(), n * DTypeSize(t.spec().dtype)))
     throw InvalidArgument(std::string(what) + " overlaps the values of table '" + t.spec().name + "' that " + doing +
                           ": pass " + (std::string(what) == "out" ? "a separate output array" : "a copy"));
-  for (size_t s = 0; s < t.spec().optimizer.SlotNames().size(); ++s)
-    if (Overlaps(p, bytes, t.slot(s), slot_n * sizeof(float)))
+  const SlotMemory slots = SlotMemoryOf(t);
+  for (size_t s = 0; s < slots.count; ++s)
+    if (Overlaps(p, bytes, slots.data[s], slots.bytes))
       throw InvalidArgument(std::string(what) + " overlaps a slot of table '" + t.spec().name +
                             (std::string(what) == "out" ? "': pass a separate output array"
                                                         : "' that the step updates: pass a copy"));
@@ -224,8 +251,8 @@ class TableMemory {
     for (const auto& step : steps) {
       const Table& t = *std::get<0>(step);
       Add(t, t.values(), size_t(t.rows()) * size_t(t.dim()) * DTypeSize(t.spec().dtype));
-      const size_t slot_bytes = size_t(t.rows()) * size_t(t.slot_dim()) * sizeof(float);
-      for (size_t s = 0; s < t.spec().optimizer.SlotNames().size(); ++s) Add(t, t.slot(s), slot_bytes);
+      const SlotMemory slots = SlotMemoryOf(t);
+      for (size_t s = 0; s < slots.count; ++s) Add(t, slots.data[s], slots.bytes);
     }
     std::sort(ranges_.begin(), ranges_.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
   }
