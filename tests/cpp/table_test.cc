@@ -1227,10 +1227,7 @@ EMBEDCORE_TEST(ApplyGradientsManyBesideSetOptimizer) {
   std::vector<int64_t> ids = {1, 2, 3}, offsets = {0, 1, 2, 3};
   std::vector<float> grads(3 * 8, 0.5f);
   GradientPart p;
-  p.batch.ids = ids.data();
-  p.batch.nnz = 3;
-  p.batch.offsets = offsets.data();
-  p.batch.num_bags = 3;
+  p.batch = embedcore_test::MakeBatch(ids, offsets);
   p.grads = grads.data();
   std::vector<GradientPart> parts{p};
   std::atomic<bool> stop(false);
@@ -1270,10 +1267,7 @@ EMBEDCORE_TEST(StepsNamingAReplacedOptimizerChangeNothing) {
   std::vector<int64_t> ids = {3, 3, 7}, offsets = {0, 2, 3};
   std::vector<float> grads(2 * 4, 1.0f);
   GradientPart p;
-  p.batch.ids = ids.data();
-  p.batch.nnz = 3;
-  p.batch.offsets = offsets.data();
-  p.batch.num_bags = 2;
+  p.batch = embedcore_test::MakeBatch(ids, offsets);
   p.grads = grads.data();
   t.ApplyGradients({p}, 0.1f, 0, 0);  // the version it has: steps
   EMBEDCORE_EXPECT_EQ(t.step(), int64_t(1));
