@@ -68,10 +68,6 @@ NumpyFloat LookupSparseSegment(const Table& t, const IdArray& ids, const OffsetA
   return NumpyFloat(data, 2, dims, owner);
 }
 
-// InvalidArgument when an array a call reads or writes shares memory with
-// the table it updates or reads (`doing`: "the step updates", "the lookup
-// reads"): a step's result would depend on the order in which rows are
-// written, a lookup's output would overwrite the rows it is reading.
 // A table's slot memory: where each slot is and its bytes, read under the
 // table's lock (set_optimizer may be giving it slots meanwhile): at once with
 // the GIL held when the lock is free, else with the GIL released while it
@@ -98,6 +94,10 @@ SlotMemory SlotMemoryOf(const Table& t) {
   return SlotMemoryLocked(t);
 }
 
+// InvalidArgument when an array a call reads or writes shares memory with
+// the table it updates or reads (`doing`: "the step updates", "the lookup
+// reads"): a step's result would depend on the order in which rows are
+// written, a lookup's output would overwrite the rows it is reading.
 void CheckNotTableMemory(const Table& t, const void* p, size_t bytes, const char* what,
                          const char* doing = "the step updates") {
   const size_t n = size_t(t.rows()) * size_t(t.dim());
