@@ -98,13 +98,13 @@ SlotMemory SlotMemoryOf(const Table& t) {
 // the table it updates or reads (`doing`: "the step updates", "the lookup
 // reads"): a step's result would depend on the order in which rows are
 // written, a lookup's output would overwrite the rows it is reading.
-void CheckNotTableMemory(const Table& t, const void* p, size_t bytes, const char* what,
+// `slots`: SlotMemoryOf(t), read once for several arrays of one call.
+void CheckNotTableMemory(const Table& t, const SlotMemory& slots, const void* p, size_t bytes, const char* what,
                          const char* doing = "the step updates") {
   const size_t n = size_t(t.rows()) * size_t(t.dim());
   if (Overlaps(p, bytes, t.values(), n * DTypeSize(t.spec().dtype)))
     throw InvalidArgument(std::string(what) + " overlaps the values of table '" + t.spec().name + "' that " + doing +
                           ": pass " + (std::string(what) == "out" ? "a separate output array" : "a copy"));
-  const SlotMemory slots = SlotMemoryOf(t);
   for (size_t s = 0; s < slots.count; ++s)
     if (Overlaps(p, bytes, slots.data[s], slots.bytes))
       throw InvalidArgument(std::string(what) + " overlaps a slot of table '" + t.spec().name +
@@ -146,7 +146,7 @@ void LookupWindowsInto(const IdArray& ids, const OffsetArray& offsets, const std
   for (const auto& [t, first, count, combiner] : windows) {
     if (t == nullptr) throw InvalidArgument("lookup_windows_into: a table is None");
     RequireHost(*t, "a lookup of NumPy arrays");
-    CheckNotTableMemory(*t, out.data(), out.nbytes(), "out", "the lookup reads");
+    CheckNotTableMemory(*t, SlotMemoryOf(*t), out.data(), out.nbytes(), "out", "the lookup reads");
     shapes.push_back({t->dim(), first, count, combiner});
   }
   LookupWindows(ids, offsets, weights, shapes, out, [&](size_t i, const Batch& b, const OutputShape& s, float* o) {
@@ -158,7 +158,7 @@ void LookupInto(const Table& t, const IdArray& ids, const OffsetArray& offsets,
                 const std::optional<WeightArray>& weights, int combiner, int64_t max_sequence_length,
                 const FloatOut& out) {
   RequireHost(t, "a lookup of NumPy arrays");
-  CheckNotTableMemory(t, out.data(), out.size() * sizeof(float), "out", "the lookup reads");
+  CheckNotTableMemory(t, SlotMemoryOf(t), out.data(), out.size() * sizeof(float), "out", "the lookup reads");
   LookupOut(t.dim(), ids, offsets, weights, combiner, max_sequence_length, out,
             [&](const Batch& b, const OutputShape& s, float* o) { t.Lookup(b, s, o); });
 }
@@ -189,11 +189,12 @@ GradientPart MakePart(const Table& t, const Ids& ids, const Offsets& offsets, co
 std::vector<GradientPart> HostParts(const Table& t, const std::vector<PartTuple>& parts) {
   std::vector<GradientPart> native;
   native.reserve(parts.size());
+  const SlotMemory slots = SlotMemoryOf(t);
   for (const auto& [ids, offsets, weights, combiner, max_len, grads] : parts) {
-    CheckNotTableMemory(t, grads.data(), grads.nbytes(), "grads");
-    CheckNotTableMemory(t, ids.data(), ids.nbytes(), "ids");
-    CheckNotTableMemory(t, offsets.data(), offsets.nbytes(), "offsets");
-    if (weights) CheckNotTableMemory(t, weights->data(), weights->nbytes(), "weights");
+    CheckNotTableMemory(t, slots, grads.data(), grads.nbytes(), "grads");
+    CheckNotTableMemory(t, slots, ids.data(), ids.nbytes(), "ids");
+    CheckNotTableMemory(t, slots, offsets.data(), offsets.nbytes(), "offsets");
+    if (weights) CheckNotTableMemory(t, slots, weights->data(), weights->nbytes(), "weights");
     native.push_back(MakePart(t, ids, offsets, weights, combiner, max_len, grads, true));
   }
   return native;
@@ -264,7 +265,10 @@ class TableMemory {
     // Tables' ranges are disjoint: only the last one that begins before the array ends can overlap it.
     auto it = std::upper_bound(ranges_.begin(), ranges_.end(), a + bytes,
                                [](uintptr_t end, const Range& r) { return end <= r.begin; });
-    if (it != ranges_.begin() && std::prev(it)->end > a) CheckNotTableMemory(*std::prev(it)->table, p, bytes, what);
+    if (it != ranges_.begin() && std::prev(it)->end > a) {
+      const Table& t = *std::prev(it)->table;
+      CheckNotTableMemory(t, SlotMemoryOf(t), p, bytes, what);
+    }
   }
 
  private:
@@ -361,10 +365,11 @@ void ApplyGradientsWindows(const IdArray& ids, const OffsetArray& offsets, const
   const size_t grads_bytes = rows > 0 ? (size_t(rows - 1) * size_t(stride) + size_t(width)) * sizeof(float) : 0;
   for (size_t i = 0; i < steps.size(); ++i) {  // no array in any table of the call (one stepped first would change it)
     const Table& t = StepTable(steps, i, "apply_gradients_windows");
-    CheckNotTableMemory(t, ids.data(), ids.nbytes(), "ids");
-    CheckNotTableMemory(t, offsets.data(), offsets.nbytes(), "offsets");
-    if (weights) CheckNotTableMemory(t, weights->data(), weights->nbytes(), "weights");
-    CheckNotTableMemory(t, grads.data(), grads_bytes, "grads");
+    const SlotMemory slots = SlotMemoryOf(t);
+    CheckNotTableMemory(t, slots, ids.data(), ids.nbytes(), "ids");
+    CheckNotTableMemory(t, slots, offsets.data(), offsets.nbytes(), "offsets");
+    if (weights) CheckNotTableMemory(t, slots, weights->data(), weights->nbytes(), "weights");
+    CheckNotTableMemory(t, slots, grads.data(), grads_bytes, "grads");
   }
   std::vector<std::vector<GradientPart>> native(steps.size());
   std::vector<std::vector<std::vector<int64_t>>> rebased(steps.size());
@@ -423,7 +428,7 @@ void LookupCuda(const Table& t, const CudaIdArray& ids, const CudaOffsetArray& o
   if (weights) CheckOnDevice(t, weights->device_id(), "weights");
   CheckOnDevice(t, out.device_id(), "out");
   // As the host lookups: out may not be the table's memory nor an input's (device addresses, one space).
-  CheckNotTableMemory(t, out.data(), out.size() * sizeof(float), "out", "the lookup reads");
+  CheckNotTableMemory(t, SlotMemoryOf(t), out.data(), out.size() * sizeof(float), "out", "the lookup reads");
   CheckNoAliasing(ids, offsets, weights, out);
   const Batch batch = MakeBatch(ids, offsets, weights);
   const OutputShape shape{ToCombiner(combiner), max_sequence_length};
@@ -438,6 +443,7 @@ using CudaPartTuple =
 
 void ApplyGradientsCuda(Table& t, const std::vector<CudaPartTuple>& parts, float learning_rate, uintptr_t stream) {
   std::vector<GradientPart> native;
+  const SlotMemory slots = SlotMemoryOf(t);
   for (const auto& [ids, offsets, weights, combiner, max_len, grads] : parts) {
     CheckOnDevice(t, ids.device_id(), "ids");
     CheckOnDevice(t, offsets.device_id(), "offsets");
@@ -445,10 +451,10 @@ void ApplyGradientsCuda(Table& t, const std::vector<CudaPartTuple>& parts, float
     CheckOnDevice(t, grads.device_id(), "grads");
     // As the host steps (HostParts): an input viewing the table's memory (device addresses, one space) would be
     // read while the kernels write it.
-    CheckNotTableMemory(t, grads.data(), grads.nbytes(), "grads");
-    CheckNotTableMemory(t, ids.data(), ids.nbytes(), "ids");
-    CheckNotTableMemory(t, offsets.data(), offsets.nbytes(), "offsets");
-    if (weights) CheckNotTableMemory(t, weights->data(), weights->nbytes(), "weights");
+    CheckNotTableMemory(t, slots, grads.data(), grads.nbytes(), "grads");
+    CheckNotTableMemory(t, slots, ids.data(), ids.nbytes(), "ids");
+    CheckNotTableMemory(t, slots, offsets.data(), offsets.nbytes(), "offsets");
+    if (weights) CheckNotTableMemory(t, slots, weights->data(), weights->nbytes(), "weights");
     native.push_back(MakePart(t, ids, offsets, weights, combiner, max_len, grads, false));
   }
   ReleaseGil release;
