@@ -508,6 +508,8 @@ class _TableModule(_AdapterModule):
         the engine optimizer's, made once: a change of one (a scheduler that
         cycles momentum or betas) raises ``ValueError`` rather than being
         ignored (with `check`; reads take the rate alone)."""
+        if self._group is not None:  # (first: a rate set on the engine's optimizer, then the in-backward one's)
+            _ops.adopt_optimizer_rate(_ops._entry(self._handle))
         ib, group = self._in_backward_group(), self._group
         if ib is None or group is None:
             return

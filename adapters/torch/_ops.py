@@ -62,7 +62,7 @@ class _Entry:
     "lr" a learning-rate scheduler may change); a served table's the names of
     its features, which its errors name (segment k reads ``features[k]``)."""
 
-    __slots__ = ("table", "group", "features", "sync", "anchors", "__weakref__")
+    __slots__ = ("table", "group", "features", "sync", "anchors", "rate_seen", "__weakref__")
 
     def __init__(self, table, group, features=None, sync=None, anchors=()):
         self.table = table
@@ -70,6 +70,8 @@ class _Entry:
         self.features = features
         self.sync = sync  # a weakref.WeakMethod called before each fused step (the module's _sync_in_backward)
         self.anchors = anchors  # the data pointers of the anchors a lookup of this table may pass
+        # The table's optimizer's learning_rate when the group last took it (adopt_optimizer_rate).
+        self.rate_seen = table.optimizer.learning_rate if group is not None else None
 
 
 _REGISTRY: Dict[int, _Entry] = {}
@@ -396,18 +398,49 @@ def fused_rate(table, group: Optional[dict]) -> float:
     return lr / (1.0 + table.step * group["lr_decay"]) if "lr_decay" in group else lr
 
 
+def adopt_optimizer_rate(entry: _Entry) -> None:
+    """A rate set on the table's embedcore optimizer since its group last took
+    one (``table.optimizer.learning_rate = 0.01``) becomes the group's
+    "lr", which the fused steps use: a number at once, a schedule through
+    ``fused_rate``. (It was ignored: the steps kept the group's old rate, a
+    schedule's last shown value after a switch from a schedule to a number,
+    while ``Table.learning_rate()`` reported the new one.) A rate set on the
+    group (a scheduler, ``load_state_dict``) leaves the optimizer's as it was,
+    so the group's stays the one used until the optimizer's is set again."""
+    group = entry.group
+    if group is None:
+        return
+    rate = entry.table.optimizer.learning_rate
+    seen = entry.rate_seen
+    if rate is seen or (not callable(rate) and not callable(seen) and rate == seen):
+        return
+    entry.rate_seen = rate
+    if not callable(rate):
+        group["lr"] = rate
+
+
 def _fused_rate(entry: _Entry) -> float:
     """The rate of a fused step (``fused_rate``), after the entry's sync."""
     sync = entry.sync() if entry.sync is not None else None
     if sync is not None:
         sync()
+    adopt_optimizer_rate(entry)
     return fused_rate(entry.table, entry.group)
 
 
 def show_scheduled_rate(table, group: Optional[dict]) -> None:
-    """The group of a table whose rate is a schedule shows its next value."""
+    """The group of a table whose rate is a schedule shows its next value,
+    where the schedule gives one the engine takes. Only shown: after a step
+    that was applied, a schedule that has no valid rate for the next step
+    (a list of N rates, a rate decayed to 0) raises from the next lookup's
+    check, before any table steps, not from this step's backward (which
+    had stepped the table, and left the other tables of a dict input
+    unstepped) nor from ``fused_optimizer.state_dict()``."""
     if group is not None and callable(table.optimizer.learning_rate):
-        group["lr"] = table.learning_rate()
+        try:
+            group["lr"] = table.learning_rate()
+        except Exception:  # noqa: BLE001 - the schedule is the user's code; fused_rate raises it, before a step
+            pass
 
 
 def _fused_stepped(entry: _Entry) -> None:

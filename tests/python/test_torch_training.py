@@ -445,28 +445,103 @@ def test_double_backward_through_per_sample_weights_is_refused(rng):
     assert e.weight.grad is not None and linear.weight.grad is not None
 
 
-def test_fused_step_runs_once_when_the_rate_schedule_fails_after_it(rng):
-    """A schedule that raises while the group's rate is refreshed after the
-    engine's step: that step stays the only one (no retry by the general path)."""
-    calls = []
-
+def test_a_schedule_without_a_next_rate_fails_the_next_lookup_not_this_backward(rng):
+    """A schedule that has no valid rate for the step after this one (here it
+    raises, or gives NaN): this step's backward applies it and returns; the
+    next lookup raises, before anything changes. The backward raised after
+    the engine's step (a caller retrying stepped twice), and
+    fused_optimizer.state_dict() raised too."""
     def schedule(step):
-        calls.append(step)
-        if step == 1 and calls.count(1) == 1:
-            raise ValueError("schedule failed once")
+        if step >= 1:
+            raise ValueError("no rate past step 0")
         return 0.1
 
     m = et.EmbeddingBag(ROWS, DIM, mode="sum", include_last_offset=True,
                         optimizer=ec.optimizers.SGD(learning_rate=schedule))
     before = m.weight.detach().clone()
     ids, offsets, _ = bags(rng, ROWS, BATCH)
-    with pytest.raises(ValueError, match="schedule failed once"):
-        m(ids, offsets).sum().backward()
+    m(ids, offsets).sum().backward()
     assert m.table.step == 1
     ref = et.EmbeddingBag.from_pretrained(before, freeze=False, mode="sum", include_last_offset=True,
                                           optimizer=ec.optimizers.SGD(learning_rate=0.1))
     ref(ids, offsets).sum().backward()
     assert torch.equal(m.weight.detach(), ref.weight.detach())
+    assert m.fused_optimizer.state_dict()["param_groups"][0]["lr"] == 0.1  # (the last rate shown)
+    after = m.weight.detach().clone()
+    with pytest.raises(ValueError, match="no rate past step 0"):
+        m(ids, offsets)
+    assert m.table.step == 1 and torch.equal(m.weight.detach(), after)
+
+
+def test_a_collection_s_tables_all_step_when_one_schedule_ends(rng):
+    """Dict inputs (a backward per table) and a KeyedJaggedTensor (one for all):
+    a step whose rates are valid steps every table, though one table's
+    schedule has no rate for the next step (a list of two rates); the next
+    lookup raises, and no table steps. With dict inputs the schedule's table
+    stepped, then its backward raised, and the other table never stepped:
+    their step counts differed for good."""
+    torchrec = pytest.importorskip("torchrec")
+    rates = [0.3, 0.2]
+
+    def collection():
+        return et.EmbeddingBagCollection([
+            et.EmbeddingBagConfig(num_embeddings=10, embedding_dim=2, name="x", feature_names=["x"],
+                                  optimizer=ec.optimizers.SGD(0.1)),
+            et.EmbeddingBagConfig(num_embeddings=10, embedding_dim=2, name="y", feature_names=["y"],
+                                  optimizer=ec.optimizers.SGD(lambda s: rates[s]))])
+
+    def by_dict(ebc):
+        out = ebc({"x": torch.tensor([[1]]), "y": torch.tensor([[2]])})
+        return out["x"].sum() + out["y"].sum()
+
+    def by_kjt(ebc):
+        kjt = torchrec.KeyedJaggedTensor(keys=["x", "y"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+        return ebc(kjt).values().sum()
+
+    for call in (by_dict, by_kjt):
+        ebc = collection()
+        tables = [ebc.embedding_bags[k].table for k in ("x", "y")]
+        first = tables[1].values()[2].copy()
+        for step in (1, 2):
+            call(ebc).backward()
+            assert [t.step for t in tables] == [step, step]
+        assert (tables[1].values()[2] - first).tolist() == pytest.approx([-0.5, -0.5])  # rates 0.3 and 0.2
+        values = [t.values().copy() for t in tables]
+        with pytest.raises(IndexError):
+            call(ebc)
+        assert [t.step for t in tables] == [2, 2]
+        assert all(np.array_equal(t.values(), v) for t, v in zip(tables, values))
+
+
+def test_a_rate_set_on_the_engine_s_optimizer_is_the_fused_steps(rng):
+    """``optimizer.learning_rate = x`` after the module was made (a number,
+    also in place of a schedule) is the rate of the next fused steps, as for
+    an ``ec.Table``, and the group shows it; a scheduler's later rate on the
+    group wins until the optimizer's is set again. The steps kept the
+    group's old rate while ``Table.learning_rate()`` reported the new one."""
+    opt = ec.optimizers.SGD(0.1)
+    bag = et.EmbeddingBag(4, 2, mode="sum", optimizer=opt, initializer=ec.initializers.Zeros())
+    zero = torch.tensor([0])
+
+    def step(row):
+        before = bag.weight.detach()[row].clone()
+        bag(torch.tensor([row]), zero).sum().backward()  # gradient 1 in each column
+        return (before - bag.weight.detach()[row]).tolist()
+
+    opt.learning_rate = 1.0
+    assert step(0) == [1.0, 1.0] and bag.fused_optimizer.param_groups[0]["lr"] == 1.0
+    bag.fused_optimizer.param_groups[0]["lr"] = 0.5  # (a scheduler's)
+    assert step(1) == [0.5, 0.5]
+    opt.learning_rate = 0.25
+    assert step(2) == [0.25, 0.25] and bag.table.learning_rate() == 0.25
+
+    opt3 = ec.optimizers.SGD(lambda s: 0.5 / (1 + s))
+    bag3 = et.EmbeddingBag(4, 2, mode="sum", optimizer=opt3, initializer=ec.initializers.Zeros())
+    bag3(torch.tensor([0]), zero).sum().backward()  # rate 0.5
+    opt3.learning_rate = 0.125
+    bag3(torch.tensor([1]), zero).sum().backward()
+    assert bag3.weight.detach()[1].tolist() == [-0.125, -0.125]
+    assert bag3.fused_optimizer.state_dict()["param_groups"][0]["lr"] == 0.125
 
 
 def test_fused_training_under_float16_autocast_is_refused(rng):
