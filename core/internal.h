@@ -15,6 +15,10 @@
 #include "shared_checks.h"
 #include "thread_pool.h"
 
+namespace embedcore::kernels {
+struct RowAddress;
+}  // namespace embedcore::kernels
+
 namespace embedcore::internal {
 
 /// `x` with the 9 significant digits that tell every float32 apart ("1e-46"
@@ -148,6 +152,11 @@ void RunLookup(const void* values, DType dtype, int64_t rows, int64_t dim, const
 /// unpooled lookup without max_sequence_length (LookupOverIds), else bags [begin, end).
 void RunLookupRange(const void* values, DType dtype, int64_t rows, int64_t dim, const Batch& batch,
                     const OutputShape& shape, float* out, int64_t begin, int64_t end);
+/// RunLookupRange over rows given by their addresses: at[k] is the row of the batch's id k (`dim` elements
+/// of `dtype`, or a uint8_rowwise row), wherever it is; the batch's ids are not read. Pooled output rows are
+/// shape.out_stride floats apart (0: dim), so a lookup can pool a band of columns at a time.
+void RunLookupRangeAt(const kernels::RowAddress* at, DType dtype, int64_t dim, const Batch& batch,
+                      const OutputShape& shape, float* out, int64_t begin, int64_t end);
 /// Whether RunLookupRange's range is over ids (else over bags).
 inline bool LookupOverIds(const OutputShape& shape) {
   return shape.combiner == Combiner::kNone && shape.max_sequence_length == 0;

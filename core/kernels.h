@@ -71,6 +71,34 @@ template <typename I>
   return uint64_t(int64_t(id)) < uint64_t(rows) ? int64_t(id) : 0;
 }
 
+/// An "id" that is its row's address: the lookup kernels' third id type, for
+/// a checkpoint served from several files (a sharded save), whose rows have
+/// no common base. The kernels read `p` where they would read
+/// table + id * stride; `rows` is unused.
+struct RowAddress {
+  const void* p;
+};
+
+/// Where the row of ids[k] starts: `table` + id * `stride` elements (the id
+/// through SafeRow), or the address itself (RowAddress).
+template <typename T, typename I>
+[[gnu::always_inline]] inline const T* RowAt(const T* table, const I* ids, int64_t k, int64_t rows, int64_t stride) {
+  if constexpr (std::is_same_v<I, RowAddress>)
+    return static_cast<const T*>(ids[k].p);
+  else
+    return table + SafeRow(ids[k], rows) * stride;
+}
+
+/// The same for a prefetch, without SafeRow (a prefetch of any address is
+/// harmless, and this one is a few instructions cheaper).
+template <typename T, typename I>
+[[gnu::always_inline]] inline const T* AheadAt(const T* table, const I* ids, int64_t k, int64_t stride) {
+  if constexpr (std::is_same_v<I, RowAddress>)
+    return static_cast<const T*>(ids[k].p);
+  else
+    return table + int64_t(ids[k]) * stride;
+}
+
 /// One lookup, as the kernels see it. `table` holds rows x dim elements of
 /// the storage dtype; ids are already validated (and every row address is
 /// taken through SafeRow); offsets are the engine's own (see StableBatch).
@@ -151,12 +179,14 @@ struct InOrderArgs {
 /// Applies the occurrences of the rows in [r0, r1), in input order.
 using InOrderFn = void (*)(const InOrderArgs& a, int64_t r0, int64_t r1);
 
-/// The kernels for one storage dtype; indexed [id type] where it applies.
+/// The kernels for one storage dtype; indexed [id type] where it applies:
+/// int32, int64, and for lookups RowAddress (kRowAddresses).
+constexpr int kRowAddresses = 2;
 struct DTypeKernels {
-  BagsFn pooled[2];
-  BagsFn padded[2];
+  BagsFn pooled[3];
+  BagsFn padded[3];
   GroupedFn grouped[2];
-  RowsFn rows[2];
+  RowsFn rows[3];
   LoadFn load;
   StoreFn store;
   UpdateFn<ops::SgdRule> sgd;
@@ -177,9 +207,9 @@ struct DTypeKernels {
 /// zero in id order, plus sum_k w_k * b_k (from zero, in id order); a row on
 /// its own (sequences) is (w * s) * q + w * b. Indexed [id type].
 struct Rowwise8Kernels {
-  BagsFn pooled[2];
-  BagsFn padded[2];
-  RowsFn rows[2];
+  BagsFn pooled[3];
+  BagsFn padded[3];
+  RowsFn rows[3];
 };
 struct KernelSet {
   const char* name;

@@ -18,8 +18,8 @@ struct ScalarRows {
     constexpr int64_t kCols = int64_t(NV) * kLanes;
     float acc[kCols] = {};
     for (int64_t k = k0; k < k1; ++k) {
-      if (k + kPrefetchIds<T> < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
-      const T* row = table + SafeRow(ids[k], rows) * dim + c0;
+      if (k + kPrefetchIds<T> < pf_end) PrefetchLines(AheadAt(table, ids, k + kPrefetchIds<T>, dim), row_bytes);
+      const T* row = RowAt(table, ids, k, rows, dim) + c0;
       const float w = weights ? weights[k] : 1.0f;
       for (int64_t d = 0; d < kCols; ++d) acc[d] += w * ops::ToFloat(row[d]);
     }
@@ -54,8 +54,8 @@ struct ScalarRows {
     const int64_t rb = dim + rowwise8::kExtraBytes;
     float acc[kCols] = {};
     for (int64_t k = k0; k < k1; ++k) {
-      if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
-      const uint8_t* row = table + SafeRow(ids[k], rows) * rb;
+      if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(AheadAt(table, ids, k + kPrefetchDistance, rb), rb);
+      const uint8_t* row = RowAt(table, ids, k, rows, rb);
       const float w = weights ? weights[k] : 1.0f;
       const float a = w * rowwise8::Scale(row, dim), b = w * rowwise8::Bias(row, dim);
       for (int64_t d = 0; d < kCols; ++d) acc[d] = std::fma(a, float(row[c0 + d]), acc[d] + b);

@@ -58,8 +58,8 @@ inline void PoolNarrowBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf
   const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
   float s[kMax] = {};
   for (int64_t k = k0; k < k1; ++k) {
-    if (k + kPrefetchIds<T> < pf_end) PrefetchRow(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
-    const T* row = table + SafeRow(ids[k], rows) * dim;
+    if (k + kPrefetchIds<T> < pf_end) PrefetchRow(AheadAt(table, ids, k + kPrefetchIds<T>, dim), row_bytes);
+    const T* row = RowAt(table, ids, k, rows, dim);
     const float w = a.weights ? a.weights[k] : 1.0f;
     for (int64_t d = 0; d < dim; ++d) s[d] += w * ops::ToFloat(row[d]);
   }
@@ -90,7 +90,7 @@ inline void PoolBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) 
     if (full < dim) {  // the columns past the last vector (a block ran first: the rows are in cache)
       for (int64_t d = full; d < dim; ++d) acc[d] = 0.0f;
       for (int64_t k = k0; k < k1; ++k)
-        R::Axpy(acc + full, table + SafeRow(ids[k], a.rows) * dim + full, a.weights ? a.weights[k] : 1.0f,
+        R::Axpy(acc + full, RowAt(table, ids, k, a.rows, dim) + full, a.weights ? a.weights[k] : 1.0f,
                 dim - full);
     }
   }
@@ -117,7 +117,7 @@ void PooledBagsOfVectors(const LookupArgs& a, int64_t b0, int64_t b1, int64_t st
     if (tail > 0) {  // (the rows are in cache: Pool fetched them)
       float s[R::kLanes] = {};
       for (int64_t k = k0; k < k1; ++k) {
-        const T* row = table + SafeRow(ids[k], a.rows) * dim + full;
+        const T* row = RowAt(table, ids, k, a.rows, dim) + full;
         const float w = a.weights ? a.weights[k] : 1.0f;
         for (int64_t d = 0; d < tail; ++d) s[d] += w * ops::ToFloat(row[d]);
       }
@@ -133,7 +133,7 @@ template <typename T, typename I>
   const T* table = static_cast<const T*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
   for (int64_t k = k0; k < k0 + kPrefetchIds<T> && k < k_end; ++k)
-    PrefetchRow(table + int64_t(ids[k]) * a.dim, a.dim * int64_t(sizeof(T)));
+    PrefetchRow(AheadAt(table, ids, k, a.dim), a.dim * int64_t(sizeof(T)));
 }
 
 // PooledBagsOfVectors for rows of NV <= N (and <= R::kVectors) whole vectors
@@ -204,14 +204,14 @@ void GroupedBags(const LookupArgs& a, const int64_t* groups, int64_t g0, int64_t
     GroupSmallerBlocks<R, R::kVectors / 2, T, I>(a, table, ids, p0, p1, acc, full, pf_end);
     if (pf_end != 0)  // no block ran (dim below one vector)
       for (int64_t k = a.offsets[p0]; k < a.offsets[p1] && k + kPrefetchIds<T> < k_end; ++k)
-        PrefetchRow(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
+        PrefetchRow(AheadAt(table, ids, k + kPrefetchIds<T>, dim), row_bytes);
     if (full < dim) {  // the last columns, bag by bag as PoolBag sums them
       const int64_t rest = dim - full;
       for (int64_t p = p0; p < p1; ++p) {
         float* s = p == p0 ? acc + full : part.data();
         for (int64_t d = 0; d < rest; ++d) s[d] = 0.0f;
         for (int64_t k = a.offsets[p]; k < a.offsets[p + 1]; ++k)
-          R::Axpy(s, table + SafeRow(ids[k], a.rows) * dim + full, a.weights ? a.weights[k] : 1.0f, rest);
+          R::Axpy(s, RowAt(table, ids, k, a.rows, dim) + full, a.weights ? a.weights[k] : 1.0f, rest);
         if (p != p0)
           for (int64_t d = 0; d < rest; ++d) acc[full + d] += part[size_t(d)];
       }
@@ -230,8 +230,8 @@ void PaddedBags(const LookupArgs& a, int64_t b0, int64_t b1) {
     const int64_t n = a.offsets[b + 1] - begin < len ? a.offsets[b + 1] - begin : len;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t k = begin + j;
-      if (j + kPrefetchIds<T> < n) PrefetchRow(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
-      R::Scale(a.out + (b * len + j) * dim, table + SafeRow(ids[k], a.rows) * dim, a.weights ? a.weights[k] : 1.0f,
+      if (j + kPrefetchIds<T> < n) PrefetchRow(AheadAt(table, ids, k + kPrefetchIds<T>, dim), row_bytes);
+      R::Scale(a.out + (b * len + j) * dim, RowAt(table, ids, k, a.rows, dim), a.weights ? a.weights[k] : 1.0f,
                dim);
     }
     for (int64_t j = n; j < len; ++j) {
@@ -248,10 +248,10 @@ void FlatRows(const LookupArgs& a, int64_t k0, int64_t k1) {
   const int64_t dim = a.dim;
   const int64_t row_bytes = dim * int64_t(sizeof(T));
   for (int64_t k = k0; k < k1 && k < k0 + kPrefetchIds<T>; ++k)
-    PrefetchRow(table + int64_t(ids[k]) * dim, row_bytes);
+    PrefetchRow(AheadAt(table, ids, k, dim), row_bytes);
   for (int64_t k = k0; k < k1; ++k) {
-    if (k + kPrefetchIds<T> < k1) PrefetchRow(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
-    R::Scale(a.out + k * dim, table + SafeRow(ids[k], a.rows) * dim, a.weights ? a.weights[k] : 1.0f, dim);
+    if (k + kPrefetchIds<T> < k1) PrefetchRow(AheadAt(table, ids, k + kPrefetchIds<T>, dim), row_bytes);
+    R::Scale(a.out + k * dim, RowAt(table, ids, k, a.rows, dim), a.weights ? a.weights[k] : 1.0f, dim);
   }
 }
 
@@ -344,7 +344,7 @@ void SgdInOrder(const InOrderArgs& a, int64_t r0, int64_t r1) {
   if (r0 == 0 && r1 == a.rows) {  // every row: straight through
     each([&](int64_t k, int64_t row, const float* grad, float c) {
       if (k + kUpdatePrefetchDistance < nnz)
-        PrefetchLines<1>(table + int64_t(ids[k + kUpdatePrefetchDistance]) * dim, row_bytes);
+        PrefetchLines<1>(AheadAt(table, ids, k + kUpdatePrefetchDistance, dim), row_bytes);
       // The ids were validated, but are read in place: one a caller's thread rewrote meanwhile
       // updates no row (a range below skips it the same way: it is in no range).
       if (uint64_t(row) >= uint64_t(a.rows)) return;
@@ -400,7 +400,7 @@ void PooledBagsQ8(const LookupArgs& a, int64_t b0, int64_t b1) {
   const int64_t stride = a.out_stride > 0 ? a.out_stride : dim;
   constexpr int64_t kBlock = int64_t(R::kVectors) * R::kLanes;
   for (int64_t k = a.offsets[b0]; k < a.offsets[b0] + kPrefetchDistance && k < k_end; ++k)
-    PrefetchRowQ8(table + int64_t(ids[k]) * rb, rb);
+    PrefetchRowQ8(AheadAt(table, ids, k, rb), rb);
   for (int64_t b = b0; b < b1; ++b) {
     float* acc = a.out + b * stride;
     const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
@@ -411,8 +411,8 @@ void PooledBagsQ8(const LookupArgs& a, int64_t b0, int64_t b1) {
     if (c0 < dim) {  // the columns past the last vector
       for (int64_t d = c0; d < dim; ++d) acc[d] = 0.0f;
       for (int64_t k = k0; k < k1; ++k) {
-        if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
-        const uint8_t* row = table + SafeRow(ids[k], a.rows) * rb;
+        if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(AheadAt(table, ids, k + kPrefetchDistance, rb), rb);
+        const uint8_t* row = RowAt(table, ids, k, a.rows, rb);
         const float w = a.weights ? a.weights[k] : 1.0f;
         const float s = w * rowwise8::Scale(row, dim), bias = w * rowwise8::Bias(row, dim);
         for (int64_t d = c0; d < dim; ++d) acc[d] = std::fma(s, float(row[d]), acc[d] + bias);
@@ -438,8 +438,8 @@ void PaddedBagsQ8(const LookupArgs& a, int64_t b0, int64_t b1) {
     const int64_t n = a.offsets[b + 1] - begin < len ? a.offsets[b + 1] - begin : len;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t k = begin + j;
-      if (j + kPrefetchDistance < n) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
-      ScaleRowQ8<R>(a.out + (b * len + j) * dim, table + SafeRow(ids[k], a.rows) * rb,
+      if (j + kPrefetchDistance < n) PrefetchRowQ8(AheadAt(table, ids, k + kPrefetchDistance, rb), rb);
+      ScaleRowQ8<R>(a.out + (b * len + j) * dim, RowAt(table, ids, k, a.rows, rb),
                     a.weights ? a.weights[k] : 1.0f, dim);
     }
     for (int64_t j = n; j < len; ++j) {
@@ -454,10 +454,10 @@ void FlatRowsQ8(const LookupArgs& a, int64_t k0, int64_t k1) {
   const uint8_t* table = static_cast<const uint8_t*>(a.table);
   const I* ids = static_cast<const I*>(a.ids);
   const int64_t dim = a.dim, rb = dim + rowwise8::kExtraBytes;
-  for (int64_t k = k0; k < k1 && k < k0 + kPrefetchDistance; ++k) PrefetchRowQ8(table + int64_t(ids[k]) * rb, rb);
+  for (int64_t k = k0; k < k1 && k < k0 + kPrefetchDistance; ++k) PrefetchRowQ8(AheadAt(table, ids, k, rb), rb);
   for (int64_t k = k0; k < k1; ++k) {
-    if (k + kPrefetchDistance < k1) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
-    ScaleRowQ8<R>(a.out + k * dim, table + SafeRow(ids[k], a.rows) * rb, a.weights ? a.weights[k] : 1.0f, dim);
+    if (k + kPrefetchDistance < k1) PrefetchRowQ8(AheadAt(table, ids, k + kPrefetchDistance, rb), rb);
+    ScaleRowQ8<R>(a.out + k * dim, RowAt(table, ids, k, a.rows, rb), a.weights ? a.weights[k] : 1.0f, dim);
   }
 }
 
@@ -470,6 +470,9 @@ Rowwise8Kernels MakeRowwise8Kernels() {
   k.padded[1] = &PaddedBagsQ8<R, int64_t>;
   k.rows[0] = &FlatRowsQ8<R, int32_t>;
   k.rows[1] = &FlatRowsQ8<R, int64_t>;
+  k.pooled[kRowAddresses] = &PooledBagsQ8<R, RowAddress>;
+  k.padded[kRowAddresses] = &PaddedBagsQ8<R, RowAddress>;
+  k.rows[kRowAddresses] = &FlatRowsQ8<R, RowAddress>;
   return k;
 }
 
@@ -493,6 +496,9 @@ DTypeKernels MakeDTypeKernels() {
   k.grouped[1] = &GroupedBags<R, T, int64_t>;
   k.rows[0] = &FlatRows<R, T, int32_t>;
   k.rows[1] = &FlatRows<R, T, int64_t>;
+  k.pooled[kRowAddresses] = &PooledBags<R, T, RowAddress>;
+  k.padded[kRowAddresses] = &PaddedBags<R, T, RowAddress>;
+  k.rows[kRowAddresses] = &FlatRows<R, T, RowAddress>;
   k.load = &LoadRow<R, T>;
   k.store = &StoreRow<R, T>;
   k.sgd = &UpdateGroups<R, T, ops::SgdRule>;

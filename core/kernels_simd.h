@@ -24,15 +24,15 @@ struct SimdRows {
     for (int j = 0; j < NV; ++j) s[j] = V::Zero();
     if (weights == nullptr) {  // w = 1: 1 * x == x, so the sums are the same bits without the multiply
       for (int64_t k = k0; k < k1; ++k) {
-        if (k + kPrefetchIds<T> < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
-        const T* row = table + SafeRow(ids[k], rows) * dim + c0;
+        if (k + kPrefetchIds<T> < pf_end) PrefetchLines(AheadAt(table, ids, k + kPrefetchIds<T>, dim), row_bytes);
+        const T* row = RowAt(table, ids, k, rows, dim) + c0;
 #pragma GCC unroll 16
         for (int j = 0; j < NV; ++j) s[j] = V::Add(s[j], V::Load(row + kLanes * j));
       }
     } else {
       for (int64_t k = k0; k < k1; ++k) {
-        if (k + kPrefetchIds<T> < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
-        const T* row = table + SafeRow(ids[k], rows) * dim + c0;
+        if (k + kPrefetchIds<T> < pf_end) PrefetchLines(AheadAt(table, ids, k + kPrefetchIds<T>, dim), row_bytes);
+        const T* row = RowAt(table, ids, k, rows, dim) + c0;
         const Reg w = V::Set1(weights[k]);
 #pragma GCC unroll 16
         for (int j = 0; j < NV; ++j) s[j] = V::Add(s[j], V::Mul(w, V::Load(row + kLanes * j)));
@@ -54,8 +54,8 @@ struct SimdRows {
 #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) s[j] = V::Zero();
       for (int64_t k = offsets[p]; k < offsets[p + 1]; ++k) {
-        if (k + kPrefetchIds<T> < pf_end) PrefetchLines(table + int64_t(ids[k + kPrefetchIds<T>]) * dim, row_bytes);
-        const T* row = table + SafeRow(ids[k], rows) * dim + c0;
+        if (k + kPrefetchIds<T> < pf_end) PrefetchLines(AheadAt(table, ids, k + kPrefetchIds<T>, dim), row_bytes);
+        const T* row = RowAt(table, ids, k, rows, dim) + c0;
         if (weights == nullptr) {
 #pragma GCC unroll 16
           for (int j = 0; j < NV; ++j) s[j] = V::Add(s[j], V::Load(row + kLanes * j));
@@ -103,8 +103,8 @@ struct SimdRows {
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) s[j] = V::Zero();
     for (int64_t k = k0; k < k1; ++k) {
-      if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(table + int64_t(ids[k + kPrefetchDistance]) * rb, rb);
-      const uint8_t* row = table + SafeRow(ids[k], rows) * rb;
+      if (k + kPrefetchDistance < pf_end) PrefetchRowQ8(AheadAt(table, ids, k + kPrefetchDistance, rb), rb);
+      const uint8_t* row = RowAt(table, ids, k, rows, rb);
       const float w = weights ? weights[k] : 1.0f;
       const Reg a = V::Set1(w * rowwise8::Scale(row, dim)), b = V::Set1(w * rowwise8::Bias(row, dim));
       row += c0;

@@ -793,8 +793,9 @@ struct LookupKernel {
   bool over_ids = false;
 };
 
+// `at`: the batch's rows by their addresses (at[k] is id k's row; `values` and the ids are not read).
 LookupKernel MakeLookupKernel(const void* values, DType dtype, int64_t rows, int64_t dim, const Batch& batch,
-                              const OutputShape& shape, float* out) {
+                              const OutputShape& shape, float* out, const kernels::RowAddress* at = nullptr) {
   LookupKernel k;
   kernels::LookupArgs& a = k.args;
   a.table = values;
@@ -808,7 +809,8 @@ LookupKernel MakeLookupKernel(const void* values, DType dtype, int64_t rows, int
   a.max_sequence_length = shape.max_sequence_length;
   a.out = out;
   a.out_stride = shape.out_stride;
-  const int it = batch.id_type == IdType::kInt32 ? 0 : 1;
+  if (at) a.ids = at;
+  const int it = at ? kernels::kRowAddresses : batch.id_type == IdType::kInt32 ? 0 : 1;
   kernels::RowsFn rows_fn;
   kernels::BagsFn padded_fn, pooled_fn;
   if (dtype == DType::kUInt8Rowwise) {  // a served checkpoint's 8-bit rows
@@ -841,6 +843,12 @@ void RunLookup(const void* values, DType dtype, int64_t rows, int64_t dim, const
 void RunLookupRange(const void* values, DType dtype, int64_t rows, int64_t dim, const Batch& batch,
                     const OutputShape& shape, float* out, int64_t begin, int64_t end) {
   const LookupKernel k = MakeLookupKernel(values, dtype, rows, dim, batch, shape, out);
+  k.fn(k.args, begin, end);
+}
+
+void RunLookupRangeAt(const kernels::RowAddress* at, DType dtype, int64_t dim, const Batch& batch,
+                      const OutputShape& shape, float* out, int64_t begin, int64_t end) {
+  const LookupKernel k = MakeLookupKernel(nullptr, dtype, 0, dim, batch, shape, out, at);
   k.fn(k.args, begin, end);
 }
 }  // namespace internal

@@ -1743,6 +1743,7 @@ struct MappedCheckpoint::Mapped {
   void* base = nullptr;
   size_t length = 0;
   const char* payload = nullptr;
+  uint64_t row_bytes = 0;  // RowBytes(file.dtype, file.cols)
   std::unique_ptr<std::atomic<uint8_t>[]> state;  // per block: 0 unchecked, 1 good, 2 corrupt
   size_t blocks = 0;
   mutable std::atomic<size_t> good_blocks{0};  // blocks found good (each counted once)
@@ -1800,14 +1801,21 @@ struct MappedCheckpoint::MappedTable {
   };
   std::vector<Band> bands;
   bool all_rowwise8 = false;  ///< every file uint8_rowwise (so whole rows: one band)
+  bool one_dtype = false;     ///< every file of one dtype (the lookup kernels read each band in place)
 
   bool single() const { return files.size() == 1; }
 
-  // The file of `band` that holds row `id`.
-  const Mapped& FileOf(const Band& band, int64_t id) const {
-    const size_t i = size_t(std::upper_bound(band.row_starts.begin(), band.row_starts.end(), id) -
-                            band.row_starts.begin()) - 1;
-    return *band.files[i];
+  // The file of `band` that holds row `id` (0 <= id < rows). A binary search without branches (each step a
+  // conditional move): random ids made std::upper_bound's branches mispredict at nearly every step, about
+  // as long as the row's copy.
+  static const Mapped& FileOf(const Band& band, int64_t id) {
+    const int64_t* first = band.row_starts.data();  // row_starts[0] == 0: the files tile the rows
+    for (size_t n = band.row_starts.size(); n > 1;) {
+      const size_t half = n / 2;
+      first = first[half] <= id ? first + half : first;
+      n -= half;
+    }
+    return *band.files[size_t(first - band.row_starts.data())];
   }
 };
 
@@ -1815,7 +1823,7 @@ namespace {
 // Where row `row` of a mapped file is stored.
 template <typename M>
 const char* MappedRow(const M& m, int64_t row) {
-  return m.payload + uint64_t(row - m.file.row_start) * RowBytes(m.file.dtype, m.file.cols);
+  return m.payload + uint64_t(row - m.file.row_start) * m.row_bytes;
 }
 
 // Asks for row `row` of a mapped file to be brought into the cache (a gather's next rows: random reads of a
@@ -1823,8 +1831,7 @@ const char* MappedRow(const M& m, int64_t row) {
 template <typename M>
 void PrefetchMappedRow(const M& m, int64_t row) {
   const char* p = MappedRow(m, row);
-  const uint64_t bytes = RowBytes(m.file.dtype, m.file.cols);
-  for (uint64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  for (uint64_t off = 0; off < m.row_bytes; off += 64) __builtin_prefetch(p + off);
 }
 
 // Row `row` of a mapped file as float32 (its `cols` values; uint8_rowwise dequantized).
@@ -1878,6 +1885,19 @@ const Batch& WithoutPadding(const Batch& batch, int64_t padding, int64_t rows, B
                                 weights)
              : WithoutPaddingOf(batch, static_cast<const int64_t*>(batch.ids), padding, rows, unpadded, ids, offsets,
                                 weights);
+}
+
+// The calling thread's buffer of `n` items (for a lookup of table `name`): kept across calls.
+template <typename T>
+T* FitScratch(internal::Scratch<T>& scratch, int64_t n, const std::string& name) {
+  scratch.Fit(size_t(n));
+  try {
+    scratch.v.resize(size_t(n));
+  } catch (const std::bad_alloc&) {
+    scratch.Release();
+    internal::ThrowOutOfMemory(size_t(n) * sizeof(T), "table '" + name + "': a lookup of " + std::to_string(n) + " ids");
+  }
+  return scratch.v.data();
 }
 
 // Verifies (once) the checksum blocks that hold row `row` of a mapped file.
@@ -1937,6 +1957,7 @@ MappedCheckpoint::MappedCheckpoint(const std::string& given, Verify verify) {
 #endif
       m->base = p;
       m->payload = static_cast<const char*>(p) + kDataOffset;
+      m->row_bytes = RowBytes(m->file.dtype, m->file.cols);
       m->blocks = m->file.crc32c.size();
       m->state.reset(new std::atomic<uint8_t>[m->blocks]);
       for (size_t b = 0; b < m->blocks; ++b) m->state[b].store(verify == Verify::kNone ? 1 : 0);
@@ -1959,6 +1980,8 @@ MappedCheckpoint::MappedCheckpoint(const std::string& given, Verify verify) {
                 [](const Mapped* a, const Mapped* b) { return a->file.row_start < b->file.row_start; });
       for (const Mapped* m : band.files) band.row_starts.push_back(m->file.row_start);
     }
+    table->one_dtype = std::all_of(table->files.begin(), table->files.end(),
+                                   [&](const auto& m) { return m->file.dtype == table->files[0]->file.dtype; });
     table->all_rowwise8 = std::all_of(table->files.begin(), table->files.end(),
                                       [](const auto& m) { return m->file.dtype == DType::kUInt8Rowwise; });
     tables_.push_back(std::move(table));
@@ -2042,39 +2065,66 @@ void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShap
     internal::RunLookup(m.payload, m.file.dtype, t.rows, t.dim, copy, shape, out);
     return;
   }
-  // Several files (row blocks, column bands): the batch in chunks of whole bags (of ids, unpooled) of about
-  // kChunkIds ids, over the pool's threads. Each chunk's rows are gathered from the files that hold their
-  // columns (float32, exact; uint8_rowwise rows as stored: whole rows, one band) into the thread's scratch,
-  // which stays in cache, and the chunk's output is written by the kernel of a single file, over the same
-  // rows in the same order: the single-file result, bit for bit, whatever the thread count. (One gather of
-  // the whole batch before one lookup wrote and read again memory of the batch's size: 4-12x one file's time.)
-  const bool rowwise8 = mt.all_rowwise8;
-  const DType gathered_dtype = rowwise8 ? DType::kUInt8Rowwise : DType::kFloat32;
-  const uint64_t row_bytes = rowwise8 ? RowBytes(DType::kUInt8Rowwise, t.dim) : uint64_t(t.dim) * sizeof(float);
-  // The ids read once, before the bands: one row gathered from each band of one id, even while a caller's
-  // thread rewrites the ids (read once per band, a row could take its bands from two ids).
-  std::vector<int64_t> ids(size_t(batch.nnz));
-  for (int64_t k = 0; k < batch.nnz; ++k) ids[size_t(k)] = id_at(k);
+  // Several files (row blocks, column bands). The ids read once, before the bands: one row taken from each
+  // band of one id, even while a caller's thread rewrites the ids (read once per band, a row could take its
+  // bands from two ids).
+  // (Both buffers are the calling thread's, kept across calls: new ones each call took page faults, 15% of a
+  // lookup's time.)
+  static thread_local internal::Scratch<int64_t> id_scratch;
+  static thread_local internal::Scratch<kernels::RowAddress> at_scratch;
+  const int64_t* ids = FitScratch(id_scratch, batch.nnz, t.name);
+  int64_t* read_ids = id_scratch.v.data();
+  for (int64_t k = 0; k < batch.nnz; ++k) read_ids[k] = id_at(k);
   // Lazily opened: every block the batch reads checked before any output is written (a corrupt one throws
   // with `out` untouched), unless every block of every file has been checked already.
   if (lazy_ && !std::all_of(mt.files.begin(), mt.files.end(), [](const auto& f) { return f->AllVerified(); })) {
     ParallelFor(batch.nnz, 4096, [&](int64_t a, int64_t b) {
       for (const auto& band : mt.bands)
-        for (int64_t k = a; k < b; ++k) TouchRow(mt.FileOf(band, ids[size_t(k)]), ids[size_t(k)]);
+        for (int64_t k = a; k < b; ++k) TouchRow(mt.FileOf(band, ids[k]), ids[k]);
     });
   }
-  std::vector<int64_t> positions(size_t(batch.nnz));  // each id's row in its chunk's scratch
-  Batch gathered = batch;
-  gathered.id_type = IdType::kInt64;
-  gathered.ids = positions.data();
   const bool over_ids = internal::LookupOverIds(shape);
   const int64_t n = over_ids ? batch.nnz : batch.num_bags;
   const auto start = [&](int64_t c) { return over_ids ? c : batch.offsets[c]; };    // unit c's first id
   const auto end = [&](int64_t c) { return over_ids ? c + 1 : batch.offsets[c + 1]; };  // and past its last
+  const int64_t per_unit = over_ids || batch.num_bags == 0 ? 1 : std::max<int64_t>(1, batch.nnz / batch.num_bags);
+  const int64_t grain = std::max<int64_t>(1, 2048 / per_unit);
+  const bool pooled = shape.combiner != Combiner::kNone;
+  if (mt.one_dtype && (pooled || mt.bands.size() == 1)) {
+    // The kernels read the rows where they are mapped, given each id's row by its address in the file that
+    // holds it (kernels::RowAddress), one band of columns at a time: each output column adds its rows in id
+    // order from zero whatever the band, so the single-file result, bit for bit, whatever the thread count.
+    // As fast as one file's lookups: a gather of the rows into a scratch before pooling them (below) took
+    // 1.8-4x their time, its copies waiting for memory the pooling would have overlapped.
+    const DType dtype = mt.files[0]->file.dtype;
+    kernels::RowAddress* at = FitScratch(at_scratch, batch.nnz, t.name);
+    OutputShape band_shape = shape;  // pooled: rows of the whole output, written a band's columns at a time
+    if (pooled && band_shape.out_stride == 0) band_shape.out_stride = t.dim;
+    ParallelFor(n, grain, [&](int64_t a, int64_t b) {
+      for (const auto& band : mt.bands) {
+        for (int64_t k = start(a); k < end(b - 1); ++k)
+          at[k].p = MappedRow(mt.FileOf(band, ids[k]), ids[k]);
+        internal::RunLookupRangeAt(at, dtype, band.cols, batch, band_shape, out + band.col_start, a, b);
+      }
+    });
+    return;
+  }
+  // Else (a sequence from column bands, or files of different dtypes), the batch in chunks of whole bags (of
+  // ids, unpooled) of about kChunkIds ids, over the pool's threads. Each chunk's rows are gathered from the
+  // files that hold their columns (float32, exact; uint8_rowwise rows as stored: whole rows, one band) into
+  // the thread's scratch, which stays in cache, and the chunk's output is written by the kernel of a single
+  // file, over the same rows in the same order: the single-file result, bit for bit, whatever the thread
+  // count.
+  const bool rowwise8 = mt.all_rowwise8;
+  const DType gathered_dtype = rowwise8 ? DType::kUInt8Rowwise : DType::kFloat32;
+  const uint64_t row_bytes = rowwise8 ? RowBytes(DType::kUInt8Rowwise, t.dim) : uint64_t(t.dim) * sizeof(float);
+  std::vector<int64_t> positions(size_t(batch.nnz));  // each id's row in its chunk's scratch
+  Batch gathered = batch;
+  gathered.id_type = IdType::kInt64;
+  gathered.ids = positions.data();
   constexpr int64_t kChunkIds = 512;  // 256 KiB of scratch at dim 128 (float32)
   constexpr int64_t kAhead = 8;       // rows prefetched ahead of the copy
-  const int64_t per_unit = over_ids || batch.num_bags == 0 ? 1 : std::max<int64_t>(1, batch.nnz / batch.num_bags);
-  ParallelFor(n, std::max<int64_t>(1, 2048 / per_unit), [&](int64_t a, int64_t b) {
+  ParallelFor(n, grain, [&](int64_t a, int64_t b) {
     std::vector<float> scratch;
     for (int64_t c0 = a, c1; c0 < b; c0 = c1) {
       for (c1 = c0 + 1; c1 < b && end(c1) - start(c0) <= kChunkIds;) ++c1;
@@ -2084,8 +2134,8 @@ void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShap
       for (int64_t k = k0; k < k1; ++k) positions[size_t(k)] = k - k0;
       for (const auto& band : mt.bands) {
         for (int64_t k = k0; k < k1; ++k) {
-          if (k + kAhead < k1) PrefetchMappedRow(mt.FileOf(band, ids[size_t(k + kAhead)]), ids[size_t(k + kAhead)]);
-          const int64_t id = ids[size_t(k)];
+          if (k + kAhead < k1) PrefetchMappedRow(mt.FileOf(band, ids[k + kAhead]), ids[k + kAhead]);
+          const int64_t id = ids[k];
           const Mapped& m = mt.FileOf(band, id);
           char* dst = rows + uint64_t(k - k0) * row_bytes;
           if (rowwise8)

@@ -390,6 +390,91 @@ EMBEDCORE_TEST(Rowwise8StridedOutputsAndOutsideIds) {
   }
 }
 
+namespace {
+// Band [c0, c0 + cols) of every row of `t` (uint8_rowwise: whole rows), each row copied to a place of its own
+// (rows of no common base, as the files of a sharded checkpoint map them), and the batch's ids as those rows'
+// addresses (kernels::RowAddress).
+struct ScatteredBand {
+  std::vector<std::vector<uint8_t>> rows;
+  std::vector<kernels::RowAddress> at;
+};
+
+ScatteredBand Scatter(const RawTable& t, const RandomBatch& b, int64_t c0, int64_t cols) {
+  const size_t es = t.dtype == DType::kUInt8Rowwise ? 1 : DTypeSize(t.dtype);
+  const size_t stored = t.dtype == DType::kUInt8Rowwise ? size_t(t.dim + 8) : size_t(t.dim) * es;
+  const size_t band = t.dtype == DType::kUInt8Rowwise ? stored : size_t(cols) * es;
+  ScatteredBand s;
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const uint8_t* row = &t.bytes[size_t(r) * stored] + size_t(c0) * es;
+    s.rows.emplace_back(row, row + band);
+  }
+  for (int64_t k = 0; k < b.nnz(); ++k) s.at.push_back({s.rows[size_t(b.ids64[k])].data()});
+  return s;
+}
+}  // namespace
+
+// Rows given by their addresses (a checkpoint served from several files) give the id kernels' bits: pooled,
+// flat and padded rows of every dtype and of uint8_rowwise, and pooled bags a band of columns at a time into
+// the whole output (out_stride), whatever the split of the columns.
+EMBEDCORE_TEST(RowAddressLookupsEqualIdLookups) {
+  std::mt19937 rng(35);
+  for (int64_t dim : kDims) {
+    const RandomBatch b = MakeBatch(23, 9, 29, rng);
+    std::vector<RawTable> tables;
+    for (DType dt : kDTypes) tables.push_back(MakeTable(dt, 29, dim, rng));
+    tables.push_back(MakeRowwise8Table(29, dim, rng));
+    for (const RawTable& t : tables) {
+      const bool q8 = t.dtype == DType::kUInt8Rowwise;
+      for (const kernels::KernelSet* set : KernelSets()) {
+        const kernels::BagsFn* pooled = q8 ? set->rowwise8.pooled : set->dtype[int(t.dtype)].pooled;
+        const kernels::BagsFn* padded = q8 ? set->rowwise8.padded : set->dtype[int(t.dtype)].padded;
+        const kernels::RowsFn* rows = q8 ? set->rowwise8.rows : set->dtype[int(t.dtype)].rows;
+        const std::string what = std::string(set->name) + " " + DName(t.dtype) + " dim " + std::to_string(dim);
+        const ScatteredBand whole = Scatter(t, b, 0, dim);
+        for (bool weighted : {false, true}) {
+          for (ops::CombinerKind c : {ops::CombinerKind::kSum, ops::CombinerKind::kMean, ops::CombinerKind::kSqrtn}) {
+            std::vector<float> want(size_t(b.bags() * dim)), got(want.size(), -7.0f);
+            pooled[1](Args(t, b, 1, weighted, c, 0, want.data()), 0, b.bags());
+            auto a = Args(t, b, 1, weighted, c, 0, got.data());
+            a.ids = whole.at.data();
+            a.table = nullptr;
+            pooled[kernels::kRowAddresses](a, 0, b.bags() / 2);
+            pooled[kernels::kRowAddresses](a, b.bags() / 2, b.bags());
+            CompareBits(got, want, what + " pooled by address " + std::to_string(int(c)));
+            // Bands of columns (a column-wise save), each pooled into its columns of the whole output.
+            for (int64_t split : {int64_t(1), dim / 2, dim - 1}) {
+              if (q8 || split <= 0 || split >= dim) continue;  // (8-bit rows are stored whole: one band)
+              std::vector<float> banded(want.size(), -7.0f);
+              for (const auto& [c0, cols] : {std::pair<int64_t, int64_t>{0, split}, {split, dim - split}}) {
+                const ScatteredBand band = Scatter(t, b, c0, cols);
+                auto ab = Args(t, b, 1, weighted, c, 0, banded.data() + c0);
+                ab.ids = band.at.data();
+                ab.table = nullptr;
+                ab.dim = cols;
+                ab.out_stride = dim;
+                pooled[kernels::kRowAddresses](ab, 0, b.bags());
+              }
+              CompareBits(banded, want, what + " pooled by address in bands split at " + std::to_string(split));
+            }
+          }
+          std::vector<float> want(size_t(b.nnz() * dim)), got(want.size(), -7.0f);
+          rows[1](Args(t, b, 1, weighted, ops::CombinerKind::kNone, 0, want.data()), 0, b.nnz());
+          auto a = Args(t, b, 1, weighted, ops::CombinerKind::kNone, 0, got.data());
+          a.ids = whole.at.data();
+          rows[kernels::kRowAddresses](a, 0, b.nnz());
+          CompareBits(got, want, what + " rows by address");
+          std::vector<float> want_padded(size_t(b.bags() * 4 * dim), -7.0f), got_padded(want_padded.size(), -7.0f);
+          padded[1](Args(t, b, 1, weighted, ops::CombinerKind::kNone, 4, want_padded.data()), 0, b.bags());
+          auto ap = Args(t, b, 1, weighted, ops::CombinerKind::kNone, 4, got_padded.data());
+          ap.ids = whole.at.data();
+          padded[kernels::kRowAddresses](ap, 0, b.bags());
+          CompareBits(got_padded, want_padded, what + " padded by address");
+        }
+      }
+    }
+  }
+}
+
 EMBEDCORE_TEST(IdsOutsideTheTableReadRowZero) {
   // The kernels take each row's address through SafeRow: an id that left
   // [0, rows) after validation (a caller's thread rewrote it) reads row 0,

@@ -172,3 +172,36 @@ def test_a_row_of_several_bands_is_of_one_id_while_the_ids_are_rewritten(tmp_pat
     finally:
         stop.set()
         flipper.join()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("plan", ["row_wise", "column_wise"])
+def test_a_table_in_many_files_looks_up_the_one_files_bits(tmp_path, rng, restore_threads, dtype, plan):
+    """A table saved in many files is looked up where each file maps its rows
+    (each id's row by its address), a band of columns at a time for pooled
+    bags: the bits of the same table in one file for every combiner, with
+    and without weights, flat and padded sequences, at a width of whole
+    vectors and a tail (133 columns; bands of 45 and 44), bags empty, of one
+    id and longer than a thread's share, on one thread and on several."""
+    rows, dim = 3000, 133
+    table = ec.Table(name="t", rows=rows, dim=dim, dtype=dtype, combiner="sum",
+                     initializer=ec.initializers.Uniform(-1, 1, seed=2))
+    ec.save(tmp_path / "one", table, include_optimizer=False)
+    reshard(tmp_path / "one", tmp_path / "many", 3, plan, max_file_bytes=64 << 10)
+    (files,) = [t["values"] for t in json.loads(ec.checkpoint.read_info(tmp_path / "many").manifest_json)["tables"]]
+    assert len(files) > 9 and len({f.get("col_start", 0) for f in files}) == (3 if plan == "column_wise" else 1)
+    one = ec.serving.open(tmp_path / "one").tables["t"]
+    many = ec.serving.open(tmp_path / "many").tables["t"]
+    lengths = rng.integers(0, 40, 700)
+    lengths[:3] = [0, 1, 5000]
+    offsets = np.r_[0, np.cumsum(lengths)]
+    ids = rng.integers(0, rows, offsets[-1])
+    weights = rng.uniform(-1, 2, ids.size).astype(np.float32)
+    for threads in (1, 3):
+        ec.set_num_threads(threads)
+        for combiner in ("sum", "mean", "sqrtn", None):
+            for w in (None, weights):
+                np.testing.assert_array_equal(many.lookup(ids, offsets, w, combiner=combiner),
+                                              one.lookup(ids, offsets, w, combiner=combiner))
+        np.testing.assert_array_equal(many.lookup(ids, offsets, weights, combiner=None, max_sequence_length=7),
+                                      one.lookup(ids, offsets, weights, combiner=None, max_sequence_length=7))
