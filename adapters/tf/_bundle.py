@@ -145,6 +145,8 @@ class Bundle:
         (a C-contiguous ``[count, cols]`` float32 array: a table's own rows,
         read without a copy) or a new array; returns it."""
         rows, cols = self.plain(key)
+        if not (0 <= start and 0 <= count and start + count <= rows):  # (never bytes of another tensor)
+            raise ValueError(f"{key}: rows [{start}, {start + count}) are not rows of its {rows}")
         if out is None:
             out = np.empty((count, cols), np.float32)
         elif out.shape != (count, cols) or out.dtype != np.float32 or not out.flags.c_contiguous:

@@ -422,6 +422,11 @@ def check_stacked(s: StackedTable, shape: Tuple[int, int], dest_shape: Tuple[int
     if tuple(dest_shape) != (s.rows, s.dim):
         raise ValueError(f"table '{s.name}' is {s.rows} x {s.dim} in the checkpoint, but "
                          f"{dest_shape[0]} x {dest_shape[1]} here")
+    # (A negative offset or size is no row of any shard: it read rows before the table's, or before the variable's
+    # bytes in the data file, or counted from the variable's end, and restored them without an error.)
+    for field, v in (("sparse_core_shard_row_offset", s.offset), ("unsharded_padded_shape[0]", s.padded_rows)):
+        if v < 0:
+            raise ValueError(f"the SparseCore layout of table '{s.name}' has {field} {v}: it must be >= 0")
     if s.dim > width or s.offset + s.size_in_shard > total // cores or s.size_in_shard * cores < s.rows:
         raise ValueError(f"the SparseCore layout of table '{s.name}' does not fit its stacked variable {[total, width]}")
 

@@ -52,6 +52,9 @@ def test_rows_equal_tensorflows(sharded):
         b.verify(_key(k))
         for start, count in ((0, want.shape[0]), (0, 1), (want.shape[0] // 3, want.shape[0] // 2)):
             np.testing.assert_array_equal(b.read_rows(_key(k), start, count), want[start:start + count])
+        for start, count in ((-1, 1), (0, want.shape[0] + 1), (want.shape[0], 1), (2, -1)):  # never another's bytes
+            with pytest.raises(ValueError, match=rf"rows \[{start}, {start + count}\) are not rows of its"):
+                b.read_rows(_key(k), start, count)
     for k in ("f64", "ints", "vector"):
         assert b.plain(_key(k)) is None
     # Through TFCheckpoint: every variable read as TensorFlow reads it, the sliced one by RestoreV2.

@@ -175,6 +175,30 @@ def test_stacked_slots_or_values_that_cannot_be_restored_are_refused(tmp_path, r
             {k: v for k, v in before.items() if k[1] == array}
 
 
+@pytest.mark.parametrize("offset", [-1, -16])
+def test_a_layout_with_a_negative_row_offset_is_refused(tmp_path, rng, offset):
+    """A SparseCore layout whose sparse_core_shard_row_offset is negative is
+    no row of any shard: refused naming the table and the field, with
+    nothing written, through tf.train.Checkpoint and through the reader. It
+    restored rows from before the table's (the reader, -1: every row wrong,
+    and `embedcore convert` made a checkpoint of them that verified), or
+    counted from the variable's end (tf.train.Checkpoint, -16), without an
+    error."""
+    shapes = {"sa": (37, 5), "sb": (100, 8)}
+    path, _, _ = _sparsecore_checkpoint(str(tmp_path / "ckpt"), rng, shapes,
+                                        bad_layout=("sa", "sparse_core_shard_row_offset", offset))
+    config = {n: E.FeatureConfig(E.TableConfig(vocabulary_size=r, dim=d, name=n)) for n, (r, d) in shapes.items()}
+    for restore in ("checkpoint", "reader"):
+        ours = EmbeddingForServing(config)
+        before = {k: v.tobytes() for k, v in _state(ours).items()}
+        with pytest.raises(ValueError, match=f"table 'sa' has sparse_core_shard_row_offset {offset}: it must be >= 0"):
+            if restore == "checkpoint":
+                tf.train.Checkpoint(embedding=ours).restore(path)
+            else:
+                load_tf_checkpoint(path, ours)
+        assert {k: v.tobytes() for k, v in _state(ours).items()} == before
+
+
 def test_a_stacked_table_of_another_shape_changes_no_table_of_its_stack(tmp_path, rng):
     """Every table of a stacked variable is checked against its model's
     shape before any is written (its finite values were written table by
@@ -289,10 +313,12 @@ def test_table_sliced_over_hosts(tmp_path, rng):
     assert ours.variables["big"]["parameters"].numpy().tobytes() == before
 
 
-def _sparsecore_checkpoint(path, rng, shapes, bad_accumulator=None, bad_value=None):
+def _sparsecore_checkpoint(path, rng, shapes, bad_accumulator=None, bad_value=None, bad_layout=None):
     """A checkpoint as TPUEmbeddingV2 (SparseCore) writes it: layouts made by
     TensorFlow's SparseCoreLayoutStacker, tables stacked, rotated and padded
-    by TensorFlow's own resharding code, plus accumulators stacked alike."""
+    by TensorFlow's own resharding code, plus accumulators stacked alike.
+    `bad_layout`: (table, field, value) written into that table's layout
+    after the stacking."""
     from tensorflow.python.tpu import _pywrap_sparse_core_layout as sc_layout
     from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter as adapter
 
@@ -316,10 +342,14 @@ def _sparsecore_checkpoint(path, rng, shapes, bad_accumulator=None, bad_value=No
     def stack(tables):
         return adapter._shard_from_cpu_to_sc([tf.constant(tables[l.table_name]) for l in ordered], spec, ordered)
 
+    stacked_values, stacked_accumulators = stack(values), stack(accumulators)
+    if bad_layout is not None:
+        (layout,) = [l for l in layouts.tables if l.table_name == bad_layout[0]]
+        setattr(layout, bad_layout[1], bad_layout[2])
     written = AutoTrackable()
     written._track_trackable(tf.Variable(layouts.SerializeToString()), name="_sparse_core_table_layouts")
-    written._track_trackable(tf.Variable(stack(values)), name=stacked_name)
-    written._track_trackable(tf.Variable(stack(accumulators)), name=stacked_name + "/accumulators")
+    written._track_trackable(tf.Variable(stacked_values), name=stacked_name)
+    written._track_trackable(tf.Variable(stacked_accumulators), name=stacked_name + "/accumulators")
     saved = tf.train.Checkpoint(embedding=written).save(path)
     assert len({l.stacked_table_name for l in layouts.tables}) == 1
     assert len(shapes) == 1 or any(l.sparse_core_shard_rotation for l in layouts.tables)
