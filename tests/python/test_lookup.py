@@ -369,6 +369,27 @@ def test_sparse_sequence_places_ids_at_their_columns():
     np.testing.assert_allclose(out, expected, rtol=1e-6)
 
 
+def test_sparse_sequence_of_many_empty_bags_takes_memory_of_its_output():
+    """A sparse sequence lookup of few ids in very many bags needs its output
+    and the bags' offsets, not more: each entry's bag was made from two
+    arrays of the bags (np.arange, np.diff), 2x the output at its peak (3x
+    in RSS); an
+    OS that overcommits could kill the process instead of MemoryError."""
+    import tracemalloc
+
+    bags = 1 << 22
+    table = ec.Table(name="t", rows=10, dim=1, initializer=ec.initializers.Constant(1.0))
+    sp = ec.Sparse(np.array([[0, 5], [bags - 1, 1]], np.int64), np.array([1, 2]), [bags, 7])  # position 5 dropped
+    tracemalloc.start()
+    try:
+        out = table.lookup(sp, combiner=None, max_sequence_length=2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out.shape == (bags, 2, 1) and out.sum() == 1.0 and out[bags - 1, 1, 0] == 1.0
+    assert peak < 1.5 * out.nbytes, (peak, out.nbytes)  # (2x before)
+
+
 def test_sparse_sequence_adds_many_ids_at_one_position_in_input_order():
     """Up to five ids at one position, shuffled: they add up in their input
     order (a stable sort by position), as a loop over the entries would."""
