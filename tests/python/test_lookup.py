@@ -373,8 +373,8 @@ def test_sparse_sequence_of_many_empty_bags_takes_memory_of_its_output():
     """A sparse sequence lookup of few ids in very many bags needs its output
     and the bags' offsets, not more: each entry's bag was made from two
     arrays of the bags (np.arange, np.diff), 2x the output at its peak (3x
-    in RSS); an
-    OS that overcommits could kill the process instead of MemoryError."""
+    in RSS); an OS that overcommits could kill the process instead of
+    raising MemoryError."""
     import tracemalloc
 
     bags = 1 << 22
