@@ -4,7 +4,8 @@
 //   R::Load(row, dst, dim), R::Store(row, src, dim)
 //   R::Pool<NV>(out, table, rows, dim, c0, ids, k0, k1, weights, pf_end, row_bytes)
 //       out[c] = sum over k in [k0, k1) of w_k * float(row(ids[k])[c0 + c]),
-//       each row's address through SafeRow(ids[k], rows),
+//       each row's address RowAt(table, ids, k, rows, dim) (through
+//       SafeRow; or, for RowAddress ids, the address given),
 //       for the NV * R::kLanes columns from c0 (NV from 1 to
 //       R::kVectors), accumulated in registers; when pf_end > 0 it also
 //       prefetches the row of ids[k + kPrefetchIds<T>] (< pf_end)
