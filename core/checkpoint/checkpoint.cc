@@ -1887,19 +1887,6 @@ const Batch& WithoutPadding(const Batch& batch, int64_t padding, int64_t rows, B
                                 weights);
 }
 
-// The calling thread's buffer of `n` items (for a lookup of table `name`): kept across calls.
-template <typename T>
-T* FitScratch(internal::Scratch<T>& scratch, int64_t n, const std::string& name) {
-  scratch.Fit(size_t(n));
-  try {
-    scratch.v.resize(size_t(n));
-  } catch (const std::bad_alloc&) {
-    scratch.Release();
-    internal::ThrowOutOfMemory(size_t(n) * sizeof(T), "table '" + name + "': a lookup of " + std::to_string(n) + " ids");
-  }
-  return scratch.v.data();
-}
-
 // Verifies (once) the checksum blocks that hold row `row` of a mapped file.
 template <typename M>
 void TouchRow(const M& m, int64_t row) {
@@ -2065,46 +2052,78 @@ void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShap
     internal::RunLookup(m.payload, m.file.dtype, t.rows, t.dim, copy, shape, out);
     return;
   }
-  // Several files (row blocks, column bands). The ids read once, before the bands: one row taken from each
+  // Several files (row blocks, column bands). Each id is read once, before the bands: one row taken from each
   // band of one id, even while a caller's thread rewrites the ids (read once per band, a row could take its
   // bands from two ids).
-  // (Both buffers are the calling thread's, kept across calls: new ones each call took page faults, 15% of a
-  // lookup's time.)
-  static thread_local internal::Scratch<int64_t> id_scratch;
-  static thread_local internal::Scratch<kernels::RowAddress> at_scratch;
-  const int64_t* ids = FitScratch(id_scratch, batch.nnz, t.name);
-  int64_t* read_ids = id_scratch.v.data();
-  for (int64_t k = 0; k < batch.nnz; ++k) read_ids[k] = id_at(k);
+  const bool over_ids = internal::LookupOverIds(shape);
+  const bool pooled = shape.combiner != Combiner::kNone;
+  const bool in_place = mt.one_dtype && (pooled || mt.bands.size() == 1);
+  const bool touch = lazy_ && !std::all_of(mt.files.begin(), mt.files.end(), [](const auto& f) { return f->AllVerified(); });
+  // The whole batch's ids, for a lazy open's checks (the rows looked up must be the ones checked) and for the
+  // gather below; else each of the pool's tasks reads its own ids, into buffers of its size. (Buffers of the
+  // batch's size each call took page faults, 15% of a lookup's time; kept across calls by each thread that
+  // looked up, they held up to 128 MiB a server thread for good.)
+  std::vector<int64_t> all_ids;
+  if (touch || !in_place) {
+    try {
+      all_ids.resize(size_t(batch.nnz));
+    } catch (const std::bad_alloc&) {
+      internal::ThrowOutOfMemory(size_t(batch.nnz) * sizeof(int64_t),
+                                 "table '" + t.name + "': a lookup of " + std::to_string(batch.nnz) + " ids");
+    }
+    for (int64_t k = 0; k < batch.nnz; ++k) all_ids[size_t(k)] = id_at(k);
+  }
   // Lazily opened: every block the batch reads checked before any output is written (a corrupt one throws
   // with `out` untouched), unless every block of every file has been checked already.
-  if (lazy_ && !std::all_of(mt.files.begin(), mt.files.end(), [](const auto& f) { return f->AllVerified(); })) {
+  if (touch) {
     ParallelFor(batch.nnz, 4096, [&](int64_t a, int64_t b) {
       for (const auto& band : mt.bands)
-        for (int64_t k = a; k < b; ++k) TouchRow(mt.FileOf(band, ids[k]), ids[k]);
+        for (int64_t k = a; k < b; ++k) TouchRow(mt.FileOf(band, all_ids[size_t(k)]), all_ids[size_t(k)]);
     });
   }
-  const bool over_ids = internal::LookupOverIds(shape);
   const int64_t n = over_ids ? batch.nnz : batch.num_bags;
   const auto start = [&](int64_t c) { return over_ids ? c : batch.offsets[c]; };    // unit c's first id
   const auto end = [&](int64_t c) { return over_ids ? c + 1 : batch.offsets[c + 1]; };  // and past its last
   const int64_t per_unit = over_ids || batch.num_bags == 0 ? 1 : std::max<int64_t>(1, batch.nnz / batch.num_bags);
   const int64_t grain = std::max<int64_t>(1, 2048 / per_unit);
-  const bool pooled = shape.combiner != Combiner::kNone;
-  if (mt.one_dtype && (pooled || mt.bands.size() == 1)) {
+  if (in_place) {
     // The kernels read the rows where they are mapped, given each id's row by its address in the file that
     // holds it (kernels::RowAddress), one band of columns at a time: each output column adds its rows in id
     // order from zero whatever the band, so the single-file result, bit for bit, whatever the thread count.
-    // As fast as one file's lookups: a gather of the rows into a scratch before pooling them (below) took
-    // 1.8-4x their time, its copies waiting for memory the pooling would have overlapped.
+    // About one file's speed: a gather of the rows into a scratch before pooling them (below) took 1.8-4x
+    // its time, its copies waiting for memory that the pooling overlaps with its additions. Each task
+    // looks up its units (bags, or ids of a flat sequence) in chunks of whole bags, each as a batch of its
+    // own: its ids, their addresses and its bags' offsets from 0, in the task's buffers of a chunk's size.
     const DType dtype = mt.files[0]->file.dtype;
-    kernels::RowAddress* at = FitScratch(at_scratch, batch.nnz, t.name);
     OutputShape band_shape = shape;  // pooled: rows of the whole output, written a band's columns at a time
     if (pooled && band_shape.out_stride == 0) band_shape.out_stride = t.dim;
+    const int64_t out_per_unit =
+        over_ids ? t.dim : pooled ? band_shape.out_stride : shape.max_sequence_length * t.dim;
+    constexpr int64_t kChunkIds = 2048;  // a chunk's buffers: 16 KiB each (a longer bag: its own chunk)
     ParallelFor(n, grain, [&](int64_t a, int64_t b) {
-      for (const auto& band : mt.bands) {
-        for (int64_t k = start(a); k < end(b - 1); ++k)
-          at[k].p = MappedRow(mt.FileOf(band, ids[k]), ids[k]);
-        internal::RunLookupRangeAt(at, dtype, band.cols, batch, band_shape, out + band.col_start, a, b);
+      std::vector<int64_t> ids, offsets;
+      std::vector<kernels::RowAddress> at;
+      for (int64_t c0 = a, c1; c0 < b; c0 = c1) {
+        for (c1 = c0 + 1; c1 < b && end(c1) - start(c0) <= kChunkIds;) ++c1;
+        const int64_t k0 = start(c0), m = end(c1 - 1) - k0;
+        ids.resize(size_t(m));
+        at.resize(size_t(m));
+        for (int64_t j = 0; j < m; ++j) ids[size_t(j)] = all_ids.empty() ? id_at(k0 + j) : all_ids[size_t(k0 + j)];
+        Batch part = batch;
+        part.nnz = m;
+        part.weights = batch.weights ? batch.weights + k0 : nullptr;
+        if (!over_ids) {
+          offsets.resize(size_t(c1 - c0) + 1);
+          for (int64_t i = 0; i <= c1 - c0; ++i) offsets[size_t(i)] = batch.offsets[c0 + i] - k0;
+          part.offsets = offsets.data();
+          part.num_bags = c1 - c0;
+        }
+        for (const auto& band : mt.bands) {
+          for (int64_t j = 0; j < m; ++j)
+            at[size_t(j)].p = MappedRow(mt.FileOf(band, ids[size_t(j)]), ids[size_t(j)]);
+          internal::RunLookupRangeAt(at.data(), dtype, band.cols, part, band_shape,
+                                     out + c0 * out_per_unit + band.col_start, 0, c1 - c0);
+        }
       }
     });
     return;
@@ -2134,8 +2153,8 @@ void MappedCheckpoint::Lookup(size_t table, const Batch& given, const OutputShap
       for (int64_t k = k0; k < k1; ++k) positions[size_t(k)] = k - k0;
       for (const auto& band : mt.bands) {
         for (int64_t k = k0; k < k1; ++k) {
-          if (k + kAhead < k1) PrefetchMappedRow(mt.FileOf(band, ids[k + kAhead]), ids[k + kAhead]);
-          const int64_t id = ids[k];
+          if (k + kAhead < k1) PrefetchMappedRow(mt.FileOf(band, all_ids[size_t(k + kAhead)]), all_ids[size_t(k + kAhead)]);
+          const int64_t id = all_ids[size_t(k)];
           const Mapped& m = mt.FileOf(band, id);
           char* dst = rows + uint64_t(k - k0) * row_bytes;
           if (rowwise8)

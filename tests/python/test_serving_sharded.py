@@ -205,3 +205,48 @@ def test_a_table_in_many_files_looks_up_the_one_files_bits(tmp_path, rng, restor
                                               one.lookup(ids, offsets, w, combiner=combiner))
         np.testing.assert_array_equal(many.lookup(ids, offsets, weights, combiner=None, max_sequence_length=7),
                                       one.lookup(ids, offsets, weights, combiner=None, max_sequence_length=7))
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the process's memory from /proc")
+def test_threads_that_looked_up_many_files_keep_no_memory_of_their_batches(tmp_path, rng):
+    """A lookup of a table in several files works in buffers of a chunk of
+    its bags: a server thread that looked up a large batch keeps nothing
+    while it waits for the next. Buffers of the batch's size kept by each
+    thread (for the next lookup) held 256 MiB here: 4 threads, 2 buffers of
+    4M ids."""
+    table = ec.Table(name="t", rows=1000, dim=4, initializer=ec.initializers.Uniform(-1, 1, seed=1))
+    ec.save(tmp_path / "one", table, include_optimizer=False)
+    reshard(tmp_path / "one", tmp_path / "many", 2, "row_wise", max_file_bytes=4 << 10)
+    served = ec.serving.open(tmp_path / "many", verify="eager").tables["t"]
+    ids = rng.integers(0, 1000, 1 << 22)
+    offsets = np.arange(0, ids.size + 1, 32)
+    want = served.lookup(ids, offsets)  # (the output's memory, once)
+    np.testing.assert_array_equal(want, table.lookup(ids, offsets))
+    done, release, errors = threading.Barrier(5), threading.Event(), []
+
+    def server():
+        try:
+            np.testing.assert_array_equal(served.lookup(ids, offsets), want)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        done.wait()
+        release.wait()  # alive, as a server's thread between requests
+
+    before = _rss_bytes()
+    threads = [threading.Thread(target=server) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        done.wait()
+        grown = _rss_bytes() - before
+    finally:
+        release.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[0]
+    assert grown < (64 << 20), f"the process grew by {grown >> 20} MiB"
