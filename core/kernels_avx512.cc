@@ -41,6 +41,9 @@ struct Avx512 {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
+  static float ToFloat(float x) { return x; }
+  static float ToFloat(ops::F16 x) { return _cvtsh_ss(x.bits); }  // exact; a NaN made quiet, as ops::HalfToFloat
+  static float ToFloat(ops::BF16 x) { return ops::ToFloat(x); }   // (a shift)
   static Reg LoadU8(const uint8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }

@@ -12,6 +12,7 @@ struct ScalarRows {
   // compiler may keep in registers.
   static constexpr int kLanes = 4;
   static constexpr int kVectors = 4;
+  static float ToFloat(T x) { return ops::ToFloat(x); }
   template <int NV, typename I>
   static void Pool(float* out, const T* table, int64_t rows, int64_t dim, int64_t c0, const I* ids, int64_t k0,
                    int64_t k1, const float* weights, int64_t pf_end, int64_t row_bytes) {

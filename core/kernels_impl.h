@@ -2,6 +2,7 @@
 //   R::Axpy(acc, row, w, dim)   acc[d] += w * float(row[d])
 //   R::Scale(out, row, w, dim)  out[d]  = w * float(row[d])
 //   R::Load(row, dst, dim), R::Store(row, src, dim)
+//   R::ToFloat(x)               one stored element as float32 (ops::ToFloat's value)
 //   R::Pool<NV>(out, table, rows, dim, c0, ids, k0, k1, weights, pf_end, row_bytes)
 //       out[c] = sum over k in [k0, k1) of w_k * float(row(ids[k])[c0 + c]),
 //       each row's address RowAt(table, ids, k, rows, dim) (through
@@ -62,7 +63,7 @@ inline void PoolNarrowBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf
     if (k + kPrefetchIds<T> < pf_end) PrefetchRow(AheadAt(table, ids, k + kPrefetchIds<T>, dim), row_bytes);
     const T* row = RowAt(table, ids, k, rows, dim);
     const float w = a.weights ? a.weights[k] : 1.0f;
-    for (int64_t d = 0; d < dim; ++d) s[d] += w * ops::ToFloat(row[d]);
+    for (int64_t d = 0; d < dim; ++d) s[d] += w * R::ToFloat(row[d]);
   }
   for (int64_t d = 0; d < dim; ++d) acc[d] = s[d];
 }
@@ -120,7 +121,7 @@ void PooledBagsOfVectors(const LookupArgs& a, int64_t b0, int64_t b1, int64_t st
       for (int64_t k = k0; k < k1; ++k) {
         const T* row = RowAt(table, ids, k, a.rows, dim) + full;
         const float w = a.weights ? a.weights[k] : 1.0f;
-        for (int64_t d = 0; d < tail; ++d) s[d] += w * ops::ToFloat(row[d]);
+        for (int64_t d = 0; d < tail; ++d) s[d] += w * R::ToFloat(row[d]);
       }
       for (int64_t d = 0; d < tail; ++d) acc[full + d] = s[d];
     }

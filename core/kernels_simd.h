@@ -6,6 +6,7 @@
 //   Load(const T*), Store(T*, r) for T in float, F16, BF16: kLanes stored
 //       elements as floats, and back (round to nearest, ties to even)
 //   LoadU8(const uint8_t*): kLanes bytes as floats (uint8_rowwise codes)
+//   ToFloat(x) for x of float, F16, BF16: one stored element as a float
 // Included by kernels_avx2.cc and kernels_avx512.cc after their target
 // pragma, inside an anonymous namespace, so each ISA gets its own code.
 
@@ -72,17 +73,21 @@ struct SimdRows {
     for (int j = 0; j < NV; ++j) V::StoreF(out + kLanes * j, acc[j]);
   }
 
+  // One element (a row narrower than a vector, a row's tail): ops::ToFloat's value, float16 by F16C (the
+  // portable conversion's branches cost a narrow float16 table 4x a float32 one's time).
+  static float ToFloat(T x) { return V::ToFloat(x); }
+
   static void Axpy(float* acc, const T* row, float w, int64_t dim) {
     const Reg wv = V::Set1(w);
     int64_t d = 0;
     for (; d + kLanes <= dim; d += kLanes) V::StoreF(acc + d, V::Add(V::LoadF(acc + d), V::Mul(wv, V::Load(row + d))));
-    for (; d < dim; ++d) acc[d] += w * ops::ToFloat(row[d]);
+    for (; d < dim; ++d) acc[d] += w * V::ToFloat(row[d]);
   }
   static void Scale(float* out, const T* row, float w, int64_t dim) {
     const Reg wv = V::Set1(w);
     int64_t d = 0;
     for (; d + kLanes <= dim; d += kLanes) V::StoreF(out + d, V::Mul(wv, V::Load(row + d)));
-    for (; d < dim; ++d) out[d] = w * ops::ToFloat(row[d]);
+    for (; d < dim; ++d) out[d] = w * V::ToFloat(row[d]);
   }
   // w[d] = w[d] - lr * (c * g[d]) (ops::SgdInOrderElement); float32 rows only.
   static void SubScaled(float* w, const float* g, float c, float lr, int64_t dim) {
@@ -124,7 +129,7 @@ struct SimdRows {
   static void Load(const T* row, float* dst, int64_t dim) {
     int64_t d = 0;
     for (; d + kLanes <= dim; d += kLanes) V::StoreF(dst + d, V::Load(row + d));
-    for (; d < dim; ++d) dst[d] = ops::ToFloat(row[d]);
+    for (; d < dim; ++d) dst[d] = V::ToFloat(row[d]);
   }
   static void Store(T* row, const float* src, int64_t dim) {
     int64_t d = 0;
