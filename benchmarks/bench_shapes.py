@@ -1,7 +1,8 @@
 """Pooled lookups of shapes W1 does not cover, against the anchors in one run:
 narrow tables (dim 1, 4, 8, 16: less than one vector, as the first-order
-"wide" terms of CTR models; 32 and 64, and float16 tables: rows of 64 to
-256 bytes, where how far ahead rows are prefetched matters most), one id
+"wide" terms of CTR models; 32 and 64, and float16 tables: rows of 16 to
+256 bytes, where how far ahead rows are prefetched matters most, and, at
+dims 8 and 20, where elements are converted one at a time), one id
 per bag, and bags given in COO form out of row-major order (a shuffled
 ``tf.SparseTensor``).
 
@@ -43,7 +44,7 @@ def _cases(ec, rng):
     """(name, dim, ids, offsets, COO input or None)."""
     for dim in (1, 4, 8, 16, 32, 64):
         yield f"dim{dim}", dim, C.uniform_ids(C.BATCH * C.BAG), C.offsets(), None
-    for dim in (64, 128):
+    for dim in (8, 20, 64, 128):
         yield f"f16_dim{dim}", dim, C.uniform_ids(C.BATCH * C.BAG), C.offsets(), None
     yield "one_id_bags", 8, C.uniform_ids(1_000_000), np.arange(1_000_001, dtype=np.int64), None
     lengths = rng.integers(1, 21, C.BATCH)
