@@ -148,6 +148,23 @@ def test_slots_outside_the_optimizers_domain_are_refused(tmp_path, rng, table, s
         tf.train.Checkpoint(embedding=EmbeddingForServing(_slotted_config(), None)).restore(path)
 
 
+def _restores_refused(path, config, message, optimizer=None):
+    """Restores `path` into a new EmbeddingForServing through tf.train.Checkpoint
+    and through the reader: each raises ValueError matching `message`.
+    Returns each way's (state before, state after)."""
+    states = []
+    for restore in ("checkpoint", "reader"):
+        ours = EmbeddingForServing(config, optimizer)
+        before = {k: v.tobytes() for k, v in _state(ours).items()}
+        with pytest.raises(ValueError, match=message):
+            if restore == "checkpoint":
+                tf.train.Checkpoint(embedding=ours).restore(path)
+            else:
+                load_tf_checkpoint(path, ours)
+        states.append((before, {k: v.tobytes() for k, v in _state(ours).items()}))
+    return states
+
+
 @pytest.mark.parametrize("array", ["accumulators", "parameters"])
 def test_stacked_slots_or_values_that_cannot_be_restored_are_refused(tmp_path, rng, array):
     """A SparseCore-stacked table's accumulator outside the optimizer's
@@ -163,16 +180,8 @@ def test_stacked_slots_or_values_that_cannot_be_restored_are_refused(tmp_path, r
         message = r"table 'sb':? values\[99, 7\] = nan is not finite"
     path, _, _ = _sparsecore_checkpoint(str(tmp_path / "ckpt"), rng, shapes, **bad)
     config = {n: E.FeatureConfig(E.TableConfig(vocabulary_size=r, dim=d, name=n)) for n, (r, d) in shapes.items()}
-    for restore in ("checkpoint", "reader"):
-        ours = EmbeddingForServing(config, E.Adagrad(0.1))
-        before = {k: v.tobytes() for k, v in _state(ours).items()}
-        with pytest.raises(ValueError, match=message):
-            if restore == "checkpoint":
-                tf.train.Checkpoint(embedding=ours).restore(path)
-            else:
-                load_tf_checkpoint(path, ours)
-        assert {k: v.tobytes() for k, v in _state(ours).items() if k[1] == array} == \
-            {k: v for k, v in before.items() if k[1] == array}
+    for before, after in _restores_refused(path, config, message, E.Adagrad(0.1)):
+        assert {k: v for k, v in after.items() if k[1] == array} == {k: v for k, v in before.items() if k[1] == array}
 
 
 @pytest.mark.parametrize("offset", [-1, -16])
@@ -188,15 +197,9 @@ def test_a_layout_with_a_negative_row_offset_is_refused(tmp_path, rng, offset):
     path, _, _ = _sparsecore_checkpoint(str(tmp_path / "ckpt"), rng, shapes,
                                         bad_layout=("sa", "sparse_core_shard_row_offset", offset))
     config = {n: E.FeatureConfig(E.TableConfig(vocabulary_size=r, dim=d, name=n)) for n, (r, d) in shapes.items()}
-    for restore in ("checkpoint", "reader"):
-        ours = EmbeddingForServing(config)
-        before = {k: v.tobytes() for k, v in _state(ours).items()}
-        with pytest.raises(ValueError, match=f"table 'sa' has sparse_core_shard_row_offset {offset}: it must be >= 0"):
-            if restore == "checkpoint":
-                tf.train.Checkpoint(embedding=ours).restore(path)
-            else:
-                load_tf_checkpoint(path, ours)
-        assert {k: v.tobytes() for k, v in _state(ours).items()} == before
+    message = f"table 'sa' has sparse_core_shard_row_offset {offset}: it must be >= 0"
+    for before, after in _restores_refused(path, config, message):
+        assert after == before
 
 
 def test_a_stacked_table_of_another_shape_changes_no_table_of_its_stack(tmp_path, rng):
@@ -208,15 +211,9 @@ def test_a_stacked_table_of_another_shape_changes_no_table_of_its_stack(tmp_path
     path, _, _ = _sparsecore_checkpoint(str(tmp_path / "ckpt"), rng, shapes)
     here = {**shapes, "sc": (25, 3)}
     config = {n: E.FeatureConfig(E.TableConfig(vocabulary_size=r, dim=d, name=n)) for n, (r, d) in here.items()}
-    for restore in ("checkpoint", "reader"):
-        ours = EmbeddingForServing(config)
-        before = {k: v.tobytes() for k, v in _state(ours).items()}
-        with pytest.raises(ValueError, match=r"table 'sc' is \[?20,? x? ?3\]? in the checkpoint, but \[?25,? x? ?3"):
-            if restore == "checkpoint":
-                tf.train.Checkpoint(embedding=ours).restore(path)
-            else:
-                load_tf_checkpoint(path, ours)
-        assert {k: v.tobytes() for k, v in _state(ours).items()} == before
+    message = r"table 'sc' is \[?20,? x? ?3\]? in the checkpoint, but \[?25,? x? ?3"
+    for before, after in _restores_refused(path, config, message):
+        assert after == before
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
