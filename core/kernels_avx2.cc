@@ -37,6 +37,7 @@ struct Avx2 {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
+  static constexpr bool kMaskedLoads = false;  // (no masked 16-bit loads before AVX-512BW)
   static float ToFloat(float x) { return x; }
   static float ToFloat(ops::F16 x) { return _cvtsh_ss(x.bits); }  // exact; a NaN made quiet, as ops::HalfToFloat
   static float ToFloat(ops::BF16 x) { return ops::ToFloat(x); }   // (a shift)

@@ -1,5 +1,6 @@
-// The AVX-512 build of the row kernels (AVX-512F, with F16C for the 16-bit
-// types), called only after a CPUID check: the AVX2 code with twice the
+// The AVX-512 build of the row kernels (AVX-512F, BW and VL, with F16C for
+// the 16-bit types; BW and VL for masked 16-bit loads of narrow rows),
+// called only after a CPUID check: the AVX2 code with twice the
 // vector width, so rows that are already in cache (hot ids) are added twice
 // as fast. It computes the same float32 operations in the same order as the
 // other sets (no FMA contraction; the 8-bit rows use explicit FMAs, as all
@@ -12,10 +13,10 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #if defined(__clang__)  // (clang ignores the GCC pragmas: the same target as an attribute of each function)
-#pragma clang attribute push(__attribute__((target("avx512f,avx2,f16c,fma,prfchw"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c,fma,prfchw"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx2,f16c,fma,prfchw")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,f16c,fma,prfchw")
 #endif
 
 namespace embedcore::kernels {
@@ -41,6 +42,15 @@ struct Avx512 {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
+  static constexpr bool kMaskedLoads = true;
+  static __mmask16 MaskOf(int64_t n) { return __mmask16((1u << n) - 1u); }  // (0 <= n < 16)
+  static Reg LoadMasked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+  static Reg LoadMasked(const ops::F16* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+  static Reg LoadMasked(const ops::BF16* p, __mmask16 m) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static void StoreMaskedF(float* p, Reg v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
   static float ToFloat(float x) { return x; }
   static float ToFloat(ops::F16 x) { return _cvtsh_ss(x.bits); }  // exact; a NaN made quiet, as ops::HalfToFloat
   static float ToFloat(ops::BF16 x) { return ops::ToFloat(x); }   // (a shift)

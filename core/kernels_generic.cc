@@ -13,6 +13,11 @@ struct ScalarRows {
   static constexpr int kLanes = 4;
   static constexpr int kVectors = 4;
   static float ToFloat(T x) { return ops::ToFloat(x); }
+  template <typename I>
+  static bool PoolMasked(float*, const T*, int64_t, int64_t, int64_t, int64_t, const I*, int64_t, int64_t,
+                         const float*, int64_t, int64_t) {
+    return false;  // (no masked loads: the scalar loops)
+  }
   template <int NV, typename I>
   static void Pool(float* out, const T* table, int64_t rows, int64_t dim, int64_t c0, const I* ids, int64_t k0,
                    int64_t k1, const float* weights, int64_t pf_end, int64_t row_bytes) {

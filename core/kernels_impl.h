@@ -3,6 +3,11 @@
 //   R::Scale(out, row, w, dim)  out[d]  = w * float(row[d])
 //   R::Load(row, dst, dim), R::Store(row, src, dim)
 //   R::ToFloat(x)               one stored element as float32 (ops::ToFloat's value)
+//   R::PoolMasked(out, table, rows, dim, c0, n, ids, k0, k1, weights, pf_end, row_bytes)
+//       where it can (false where not): Pool's sums for the n < R::kLanes
+//       columns from c0 (a row narrower than a vector, a row's columns past
+//       its last vector), each column 0 + w_k0 x_k0 + ... in id order, as
+//       the scalar loops below add it
 //   R::Pool<NV>(out, table, rows, dim, c0, ids, k0, k1, weights, pf_end, row_bytes)
 //       out[c] = sum over k in [k0, k1) of w_k * float(row(ids[k])[c0 + c]),
 //       each row's address RowAt(table, ids, k, rows, dim) (through
@@ -58,6 +63,7 @@ inline void PoolNarrowBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf
   const int64_t dim = a.dim, rows = a.rows;
   const int64_t row_bytes = dim * int64_t(sizeof(T));
   const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
+  if (R::PoolMasked(acc, table, rows, dim, 0, dim, ids, k0, k1, a.weights, pf_end, row_bytes)) return;
   float s[kMax] = {};
   for (int64_t k = k0; k < k1; ++k) {
     if (k + kPrefetchIds<T> < pf_end) PrefetchRow(AheadAt(table, ids, k + kPrefetchIds<T>, dim), row_bytes);
@@ -89,7 +95,9 @@ inline void PoolBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) 
     for (; full + kBlock <= dim; full += kBlock, pf_end = 0)
       R::template Pool<R::kVectors>(acc + full, table, a.rows, dim, full, ids, k0, k1, a.weights, pf_end, row_bytes);
     PoolSmallerBlocks<R, R::kVectors / 2, T, I>(a, table, ids, k0, k1, acc, full, pf_end);
-    if (full < dim) {  // the columns past the last vector (a block ran first: the rows are in cache)
+    // The columns past the last vector (a block ran first: the rows are in cache).
+    if (full < dim && !R::PoolMasked(acc + full, table, a.rows, dim, full, dim - full, ids, k0, k1, a.weights, 0,
+                                     row_bytes)) {
       for (int64_t d = full; d < dim; ++d) acc[d] = 0.0f;
       for (int64_t k = k0; k < k1; ++k)
         R::Axpy(acc + full, RowAt(table, ids, k, a.rows, dim) + full, a.weights ? a.weights[k] : 1.0f,
@@ -116,7 +124,8 @@ void PooledBagsOfVectors(const LookupArgs& a, int64_t b0, int64_t b1, int64_t st
     float* acc = a.out + b * stride;
     const int64_t k0 = a.offsets[b], k1 = a.offsets[b + 1];
     R::template Pool<NV>(acc, table, a.rows, dim, 0, ids, k0, k1, a.weights, k_end, row_bytes);
-    if (tail > 0) {  // (the rows are in cache: Pool fetched them)
+    // (The rows are in cache: Pool fetched them.)
+    if (tail > 0 && !R::PoolMasked(acc + full, table, a.rows, dim, full, tail, ids, k0, k1, a.weights, 0, row_bytes)) {
       float s[R::kLanes] = {};
       for (int64_t k = k0; k < k1; ++k) {
         const T* row = RowAt(table, ids, k, a.rows, dim) + full;

@@ -1379,7 +1379,8 @@ const KernelSet& ActiveKernels() {
         __builtin_cpu_supports("avx2") && CpuHasF16c() && __builtin_cpu_supports("fma");
     const bool want_avx2 = cap == "avx2";
     // The CPU first: building a kernel set runs code compiled for its instructions (SIGILL on a CPU without).
-    if (!generic && !want_avx2 && avx2 && __builtin_cpu_supports("avx512f") && Avx512Kernels() != nullptr)
+    if (!generic && !want_avx2 && avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && Avx512Kernels() != nullptr)
       return Avx512Kernels();
     if (!generic && avx2 && Avx2Kernels() != nullptr) return Avx2Kernels();
 #endif

@@ -35,7 +35,8 @@ bool CpuHasAvx2() {
 
 bool CpuHasAvx512() {
 #if defined(__x86_64__) && defined(__GNUC__)
-  return CpuHasAvx2() && __builtin_cpu_supports("avx512f");
+  return CpuHasAvx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
 #else
   return false;
 #endif
