@@ -70,8 +70,9 @@ class _Entry:
         self.features = features
         self.sync = sync  # a weakref.WeakMethod called before each fused step (the module's _sync_in_backward)
         self.anchors = anchors  # the data pointers of the anchors a lookup of this table may pass
-        # The table's optimizer's learning_rate when the group last took it (adopt_optimizer_rate).
-        self.rate_seen = table.optimizer.learning_rate if group is not None else None
+        # How many times the table's optimizer's learning_rate had been set when the group last took it
+        # (adopt_optimizer_rate).
+        self.rate_seen = table.optimizer._rate_sets if group is not None else None
 
 
 _REGISTRY: Dict[int, _Entry] = {}
@@ -410,11 +411,12 @@ def adopt_optimizer_rate(entry: _Entry) -> None:
     group = entry.group
     if group is None:
         return
-    rate = entry.table.optimizer.learning_rate
-    seen = entry.rate_seen
-    if rate is seen or (not callable(rate) and not callable(seen) and rate == seen):
+    optimizer = entry.table.optimizer
+    sets = optimizer._rate_sets
+    if sets == entry.rate_seen:
         return
-    entry.rate_seen = rate
+    entry.rate_seen = sets  # (set again to the value it had: taken too, over a scheduler's since)
+    rate = optimizer.learning_rate
     if not callable(rate):
         group["lr"] = rate
 

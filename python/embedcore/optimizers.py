@@ -24,6 +24,7 @@ step).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable, Union
 
 import numpy as np
@@ -81,6 +82,11 @@ def _number(owner: str, name: str, value, *, minimum=None, strict=False, normal=
     if minimum is not None and strict and v == minimum:
         raise ValueError(f"{owner}: {name} must be {op} {minimum}, got {value!r}{why}")
     return v
+
+
+# How many times each optimizer's learning_rate has been set (Optimizer._rate_sets): not an attribute, which
+# vars() would show (a checkpoint's optimizer config, repr).
+_RATE_SETS: "weakref.WeakKeyDictionary[Optimizer, int]" = weakref.WeakKeyDictionary()
 
 
 class Optimizer:
@@ -141,6 +147,15 @@ class Optimizer:
                                  "it copied when it was made, and a checkpoint records it): make a new "
                                  f"{type(self).__name__} (learning_rate alone may change, read at every step)")
         super().__setattr__(name, value)
+        if name == "learning_rate":
+            _RATE_SETS[self] = _RATE_SETS.get(self, 0) + 1
+
+    @property
+    def _rate_sets(self) -> int:
+        """How many times learning_rate has been set (made, then set again):
+        a fused PyTorch table's group takes the rate set since it last
+        looked, also a value it had before (adapters/torch/_ops.py)."""
+        return _RATE_SETS.get(self, 0)
 
     def learning_rate_at(self, step: int) -> float:
         """The learning rate of the update that follows `step` earlier ones."""

@@ -517,8 +517,9 @@ def test_a_rate_set_on_the_engine_s_optimizer_is_the_fused_steps(rng):
     """``optimizer.learning_rate = x`` after the module was made (a number,
     also in place of a schedule) is the rate of the next fused steps, as for
     an ``ec.Table``, and the group shows it; a scheduler's later rate on the
-    group wins until the optimizer's is set again. The steps kept the
-    group's old rate while ``Table.learning_rate()`` reported the new one."""
+    group wins until the optimizer's is set again, also to a value it had.
+    The steps kept the group's old rate while ``Table.learning_rate()``
+    reported the new one."""
     opt = ec.optimizers.SGD(0.1)
     bag = et.EmbeddingBag(4, 2, mode="sum", optimizer=opt, initializer=ec.initializers.Zeros())
     zero = torch.tensor([0])
@@ -534,6 +535,10 @@ def test_a_rate_set_on_the_engine_s_optimizer_is_the_fused_steps(rng):
     assert step(1) == [0.5, 0.5]
     opt.learning_rate = 0.25
     assert step(2) == [0.25, 0.25] and bag.table.learning_rate() == 0.25
+    bag.fused_optimizer.param_groups[0]["lr"] = 0.125  # (a scheduler's again)
+    assert step(3) == [0.125, 0.125]
+    opt.learning_rate = 0.25  # set again to the value it had: the steps' rate again
+    assert step(0) == [0.25, 0.25] and bag.fused_optimizer.param_groups[0]["lr"] == 0.25
 
     opt3 = ec.optimizers.SGD(lambda s: 0.5 / (1 + s))
     bag3 = et.EmbeddingBag(4, 2, mode="sum", optimizer=opt3, initializer=ec.initializers.Zeros())
