@@ -52,9 +52,10 @@ inline void PoolSmallerBlocks(const LookupArgs& a, const T* table, const I* ids,
   }
 }
 
-// A bag of a table narrower than one vector: the sums in a local array, the
-// prefetch in the same loop (the same additions, in the same order, as the
-// vector path's column tail, so the same bits).
+// A bag of a table narrower than one vector: R::PoolMasked where it can
+// (16-bit rows, AVX-512), else the sums in a local array; the prefetch in
+// the same loop (the same additions, in the same order, as the vector
+// path's column tail, so the same bits).
 template <typename R, typename T, typename I>
 inline void PoolNarrowBag(const LookupArgs& a, int64_t b, float* acc, int64_t pf_end) {
   constexpr int64_t kMax = R::kLanes;

@@ -84,9 +84,10 @@ def _number(owner: str, name: str, value, *, minimum=None, strict=False, normal=
     return v
 
 
-# How many times each optimizer's learning_rate has been set (Optimizer._rate_sets): not an attribute, which
-# vars() would show (a checkpoint's optimizer config, repr).
-_RATE_SETS: "weakref.WeakKeyDictionary[Optimizer, int]" = weakref.WeakKeyDictionary()
+# How many times each optimizer's learning_rate has been set (Optimizer._rate_sets), by the optimizer's id
+# until it is collected: not an attribute, which vars() would show (a checkpoint's optimizer config, repr),
+# and not by the optimizer's hash, which a subclass may define by value, or not at all.
+_RATE_SETS: dict = {}
 
 
 class Optimizer:
@@ -148,14 +149,17 @@ class Optimizer:
                                  f"{type(self).__name__} (learning_rate alone may change, read at every step)")
         super().__setattr__(name, value)
         if name == "learning_rate":
-            _RATE_SETS[self] = _RATE_SETS.get(self, 0) + 1
+            key = id(self)
+            if key not in _RATE_SETS:
+                weakref.finalize(self, _RATE_SETS.pop, key, None)
+            _RATE_SETS[key] = _RATE_SETS.get(key, 0) + 1
 
     @property
     def _rate_sets(self) -> int:
         """How many times learning_rate has been set (made, then set again):
         a fused PyTorch table's group takes the rate set since it last
         looked, also a value it had before (adapters/torch/_ops.py)."""
-        return _RATE_SETS.get(self, 0)
+        return _RATE_SETS.get(id(self), 0)
 
     def learning_rate_at(self, step: int) -> float:
         """The learning rate of the update that follows `step` earlier ones."""

@@ -513,6 +513,37 @@ def test_a_collection_s_tables_all_step_when_one_schedule_ends(rng):
         assert all(np.array_equal(t.values(), v) for t, v in zip(tables, values))
 
 
+class _SGDByValue(ec.optimizers.SGD):
+    """A user's optimizer equal to and hashed as another of the same rate."""
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other.learning_rate == self.learning_rate
+
+    def __hash__(self):
+        return hash((type(self), self.learning_rate))
+
+
+class _SGDUnhashable(ec.optimizers.SGD):
+    __hash__ = None  # (as a dataclass with eq=True)
+
+    def __eq__(self, other):
+        return other is self
+
+
+@pytest.mark.parametrize("kind", [_SGDByValue, _SGDUnhashable])
+def test_a_rate_set_on_a_user_s_optimizer_subclass_is_the_fused_steps(kind):
+    """Rate assignments are counted per optimizer object, not by its hash: an
+    optimizer subclass hashed by value had each assignment counted under
+    another key (its new rate never taken), and one without a hash could
+    not be made."""
+    opt = kind(0.1)
+    bag = et.EmbeddingBag(4, 2, mode="sum", optimizer=opt, initializer=ec.initializers.Zeros())
+    opt.learning_rate = 1.0
+    bag(torch.tensor([0]), torch.tensor([0])).sum().backward()
+    assert bag.weight.detach()[0].tolist() == [-1.0, -1.0]
+    assert bag.fused_optimizer.param_groups[0]["lr"] == 1.0
+
+
 def test_a_rate_set_on_the_engine_s_optimizer_is_the_fused_steps(rng):
     """``optimizer.learning_rate = x`` after the module was made (a number,
     also in place of a schedule) is the rate of the next fused steps, as for
