@@ -12,6 +12,9 @@
 #include <string>
 #include <vector>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "embedcore/embedcore.h"
 #include "kernels.h"
 #include "ops/combiners.h"
@@ -474,6 +477,42 @@ EMBEDCORE_TEST(RowAddressLookupsEqualIdLookups) {
       }
     }
   }
+}
+
+// A table whose last row ends where its memory ends, an inaccessible page after it: every kernel set reads
+// no byte past a row (the AVX-512 set's masked loads of 16-bit rows narrower than a vector, and of a row's
+// last columns, load only the row's elements), and gives the generic set's bits.
+EMBEDCORE_TEST(RowsEndingAtAnInaccessiblePageAreReadWithinThemselves) {
+  const size_t page = size_t(::sysconf(_SC_PAGESIZE));
+  void* map = ::mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  EMBEDCORE_EXPECT(map != MAP_FAILED);
+  if (map == MAP_FAILED) return;
+  const bool guarded = ::mprotect(static_cast<char*>(map) + page, page, PROT_NONE) == 0;
+  EMBEDCORE_EXPECT(guarded);
+  if (!guarded) return;
+  std::mt19937 rng(12);
+  for (DType dt : {DType::kFloat16, DType::kBFloat16}) {
+    for (int64_t dim : {int64_t(2), int64_t(3), int64_t(8), int64_t(15), int64_t(17), int64_t(20), int64_t(40),
+                        int64_t(150)}) {
+      const RawTable t = MakeTable(dt, 5, dim, rng);
+      char* end = static_cast<char*>(map) + page;  // the table's last byte is the page's
+      char* at = end - t.bytes.size();
+      std::memcpy(at, t.bytes.data(), t.bytes.size());
+      const RandomBatch b = MakeBatch(6, 5, t.rows, rng);
+      std::vector<float> want(size_t(b.bags() * dim));
+      auto a = Args(t, b, 1, true, ops::CombinerKind::kSum, 0, want.data());
+      kernels::GenericKernels().dtype[int(dt)].pooled[1](a, 0, b.bags());
+      a.table = at;
+      for (const kernels::KernelSet* set : KernelSets()) {
+        std::vector<float> got(want.size(), -7.0f);
+        a.out = got.data();
+        set->dtype[int(dt)].pooled[1](a, 0, b.bags());
+        CompareBits(got, want, std::string(set->name) + " " + DName(dt) + " dim " + std::to_string(dim) +
+                                   " at the end of its memory");
+      }
+    }
+  }
+  ::munmap(map, 2 * page);
 }
 
 EMBEDCORE_TEST(IdsOutsideTheTableReadRowZero) {
