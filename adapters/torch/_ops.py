@@ -212,9 +212,9 @@ def _check_offsets(off: np.ndarray, n: int, where: str, appended: bool) -> None:
         raise ValueError(f"{where}[{k}] = {int(off[k])} is greater than the number of ids ({n})")
     if off[0] != 0:
         raise ValueError(f"{where}[0] must be 0 (the first bag starts at the first id), got {int(off[0])}")
-    d = np.diff(off)
-    if (d < 0).any():
-        k = int(np.argmax(d < 0))
+    down = off[1:] < off[:-1]  # (not np.diff: a difference past int64's range wraps, and read as no decrease)
+    if down.any():
+        k = int(np.argmax(down))
         name = where.rpartition(": ")[2]  # (without the owner's prefix, said once)
         raise ValueError(f"{where} must be non-decreasing: {name}[{k}] = {int(off[k])} > "
                          f"{name}[{k + 1}] = {int(off[k + 1])}")

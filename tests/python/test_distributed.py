@@ -13,6 +13,7 @@ blocking the suite.
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -991,6 +992,29 @@ def test_a_sequence_output_too_big_to_address_is_refused_as_unsharded(length):
     assert "would not fit in memory: its size overflows" in str(unsharded.value)
     results = _run(2, _catching(lambda world: ec.Embedding(feats, world=world)({"f": ids})))
     assert all(type(r) is ValueError and str(r) == str(unsharded.value) for r in results), results
+
+
+@pytest.mark.parametrize("plan", KINDS)
+def test_offsets_that_fall_by_more_than_int64_holds_are_refused_on_their_rank(plan):
+    """Offsets falling from 2**62 to -2**63 (a decrease np.diff wrapped to a
+    rise) are refused by the rank that was given them, naming the feature,
+    as the unsharded table refuses them; the others raise RankFailedError.
+    A row-wise plan crashed the process (np.repeat over lengths whose total
+    wrapped), a table-wise one raised from the owner about lengths never
+    given."""
+    feats = {"a": ec.FeatureConfig(ec.TableConfig(name="t", rows=10, dim=4))}
+    wrapped = np.array([0, 2**62, -2**63, -2**62, 0, 1], np.int64)
+    message = rf"offsets must be non-decreasing: offsets\[1\] = {2**62} > offsets\[2\] = {-2**63}"
+    with pytest.raises(ValueError, match=message):
+        ec.Embedding(feats)({"a": ec.Ragged(np.array([1]), wrapped)})
+
+    def fn(world):
+        x = ec.Ragged(np.array([1]), wrapped) if world.rank == 0 else ec.Ragged(np.array([1]), np.array([0, 1]))
+        return ec.Embedding(feats, world=world, sharding=plan)({"a": x})
+
+    results = _run(2, _catching(fn))
+    assert type(results[0]) is ValueError and re.search(r"features\['a'\]: " + message, str(results[0])), results
+    assert isinstance(results[1], ed.RankFailedError) and "rank 0 of 2" in str(results[1]), results
 
 
 @pytest.mark.parametrize("plan", KINDS)

@@ -102,6 +102,13 @@ def test_bags_must_cover_every_value_as_torchrec():
     ecol = et.EmbeddingCollection([et.EmbeddingConfig(10, 2, name="a", feature_names=["f"])])
     with pytest.raises(ValueError, match=r"features\['f'\] offsets must be non-decreasing"):
         ecol({"f": (torch.tensor([1, 2]), torch.tensor([0, 2, 1, 2]))})
+    # A decrease by more than int64 holds (from 2**62 to -2**63), which np.diff wrapped to a rise: offsets
+    # accepted, bags of no sense (the sharded collections crashed on them).
+    wrapped = torch.tensor([0, 2**62, -2**63, -2**62, 0, 1])
+    for module, key in ((ebc, "f3"), (ecol, "f")):
+        with pytest.raises(ValueError, match=rf"features\['{key}'\] offsets must be non-decreasing: .*\[1\] = "
+                                             rf"{2**62} > .*\[2\] = {-2**63}"):
+            module({"f1": ok, "f2": ok, key: (torch.tensor([1]), wrapped)} if key == "f3" else {key: (torch.tensor([1]), wrapped)})
     with pytest.raises(ValueError, match="end at 1, but there are 2 values"):
         ecol({"f": {"values": torch.tensor([1, 2]), "lengths": torch.tensor([1])}})
     assert ecol({"f": {"values": torch.tensor([1, 2]), "lengths": torch.tensor([0, 2])}})["f"].shape == (2, 2)

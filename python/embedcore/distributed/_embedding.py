@@ -348,9 +348,9 @@ class ShardedEmbedding(Embedding):
             off = b.offsets
             if off.size < 1 or off[0] != 0:
                 raise ValueError(f"{where}: offsets[0] must be 0, got {off[0] if off.size else 'no offsets'}")
-            steps = np.diff(off)
-            if steps.size and steps.min() < 0:
-                i = int(np.flatnonzero(steps < 0)[0])
+            down = off[1:] < off[:-1]  # (not np.diff: a difference past int64's range wraps to a rise)
+            if down.any():
+                i = int(np.argmax(down))
                 raise ValueError(f"{where}: offsets must be non-decreasing: offsets[{i}] = {off[i]} > "
                                  f"offsets[{i + 1}] = {off[i + 1]}")
             if off[-1] != ids.size:
