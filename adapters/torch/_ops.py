@@ -74,6 +74,14 @@ class _Entry:
         # (adopt_optimizer_rate).
         self.rate_seen = table.optimizer._rate_sets if group is not None else None
 
+    def group_rate(self) -> float:
+        """The rate of the group's next fused step, for ``Table.learning_rate()``
+        (a rate set on the table's optimizer since taken first; the rate set
+        on an in-backward optimizer shows from the next lookup on, as in the
+        group)."""
+        adopt_optimizer_rate(self)
+        return fused_rate(self.table, self.group)
+
 
 _REGISTRY: Dict[int, _Entry] = {}
 _HANDLE_BITS = random.SystemRandom()

@@ -421,9 +421,16 @@ class Table(LookupMixin):
                 length if combiner is None and length is not None else 0, g)
 
     def learning_rate(self) -> float:
-        """The learning rate the next update will use."""
+        """The learning rate the next update will use. (A table a PyTorch
+        module trains fused, at a number: its param group's "lr", which a
+        torch scheduler may have set, and which the module's steps use.)"""
         if self._optimizer is None:
             raise ValueError(f"table '{self._name}' has no optimizer: give its TableConfig or the Embedding one")
+        if not callable(self._optimizer.learning_rate):
+            held = self.__dict__.get("_optimizer_held_by")
+            group_rate = getattr(held[0](), "group_rate", None) if held is not None else None
+            if group_rate is not None:
+                return group_rate()
         return self._optimizer.learning_rate_at(self.step)
 
     def apply_gradients(self, ids, offsets=None, grads=None, *, weights=None, combiner=_DEFAULT,

@@ -171,6 +171,7 @@ def test_learning_rate_from_param_groups_and_scheduler(rng):
         s1.step()
         s2.step()
     assert abs(fo.param_groups[0]["lr"] - 0.5 * 0.1**3) < 1e-12
+    assert fused.table.learning_rate() == fo.param_groups[0]["lr"]  # (the next step's, not the optimizer's 0.5)
     assert max_diff(fused.weight, ref.weight) <= 1e-5
 
 
@@ -563,6 +564,7 @@ def test_a_rate_set_on_the_engine_s_optimizer_is_the_fused_steps(rng):
     opt.learning_rate = 1.0
     assert step(0) == [1.0, 1.0] and bag.fused_optimizer.param_groups[0]["lr"] == 1.0
     bag.fused_optimizer.param_groups[0]["lr"] = 0.5  # (a scheduler's)
+    assert bag.table.learning_rate() == 0.5  # (the rate the next step uses: it said 1.0)
     assert step(1) == [0.5, 0.5]
     opt.learning_rate = 0.25
     assert step(2) == [0.25, 0.25] and bag.table.learning_rate() == 0.25
