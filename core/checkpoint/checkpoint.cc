@@ -635,9 +635,17 @@ void CheckDataHeader(const File& file, const FileEntry& f) {
   file.ReadAt(&h, sizeof(h), 0);
   const std::string problem = HeaderProblem(h, checkpoint::FileKind::kData);
   if (!problem.empty()) throw CheckpointError(file.path() + ": " + problem);
-  if (h.dtype != uint8_t(f.dtype) || h.rows != f.rows || h.cols != f.cols || h.payload_offset != kDataOffset ||
-      h.payload_bytes != checkpoint::PayloadBytes(f) || h.aux != f.block_bytes)
-    throw CheckpointError(file.path() + ": header does not match the manifest (dtype, shape or size)");
+  const auto differ = [&](const char* field, auto header, auto manifest) {  // (both of one type)
+    if (header != manifest)
+      throw CheckpointError(file.path() + ": header " + field + " = " + std::to_string(header) +
+                            ", but the manifest says " + std::to_string(manifest));
+  };
+  differ("dtype", int(h.dtype), int(f.dtype));
+  differ("rows", int64_t(h.rows), int64_t(f.rows));
+  differ("cols", int64_t(h.cols), int64_t(f.cols));
+  differ("payload_offset", uint64_t(h.payload_offset), uint64_t(kDataOffset));
+  differ("payload_bytes", uint64_t(h.payload_bytes), uint64_t(checkpoint::PayloadBytes(f)));
+  differ("block_bytes", uint64_t(h.aux), uint64_t(f.block_bytes));
   std::vector<char> pad(kDataOffset - sizeof(h));
   file.ReadAt(pad.data(), pad.size(), sizeof(h));
   for (char c : pad)

@@ -4,6 +4,7 @@
 #include <dirent.h>
 
 #include <algorithm>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -198,16 +199,25 @@ void CheckCoverage(const Reader& r, std::vector<FileEntry>& files, int64_t rows,
   int64_t next_col = 0;
   for (size_t i = 0; i < files.size();) {
     const int64_t c0 = files[i].col_start, cols = files[i].cols;
-    if (c0 != next_col)
-      r.Fail(where, "does not cover columns [" + std::to_string(next_col) + ", " + std::to_string(c0) + ") exactly once");
+    if (c0 > next_col)
+      r.Fail(where, "covers no columns [" + std::to_string(next_col) + ", " + std::to_string(c0) + "): no file starts "
+                    "at column " + std::to_string(next_col));
+    if (c0 < next_col)
+      r.Fail(where, "covers columns [" + std::to_string(c0) + ", " + std::to_string(next_col) + ") twice: file '" +
+                        files[i].path + "' starts at column " + std::to_string(c0) + ", inside the band before it");
     int64_t next = 0;
     for (; i < files.size() && files[i].col_start == c0; ++i) {
       const FileEntry& f = files[i];
       if (f.cols != cols)
         r.Fail(where, "holds files of different widths starting at column " + std::to_string(c0));
-      if (f.row_start != next)
-        r.Fail(where, "does not cover rows [" + std::to_string(next) + ", " + std::to_string(f.row_start) +
-                          ") of columns [" + std::to_string(c0) + ", " + std::to_string(c0 + cols) + ") exactly once");
+      const std::string band = " of columns [" + std::to_string(c0) + ", " + std::to_string(c0 + cols) + ")";
+      if (f.row_start > next)
+        r.Fail(where, "covers no rows [" + std::to_string(next) + ", " + std::to_string(f.row_start) + ")" + band +
+                          ": no file starts at row " + std::to_string(next));
+      if (f.row_start < next)
+        r.Fail(where, "covers rows [" + std::to_string(f.row_start) + ", " + std::to_string(next) + ")" + band +
+                          " twice: file '" + f.path + "' starts at row " + std::to_string(f.row_start) +
+                          ", inside the file before it");
       next = f.row_start + f.rows;
     }
     if (next != rows) r.Fail(where, "covers rows [0, " + std::to_string(next) + ") of " + std::to_string(rows));
@@ -545,6 +555,23 @@ CheckpointInfo ParseManifest(const std::string& file, const std::string& text) {
     if (auto it = config.find("padding_idx"); it != config.end() && !it->is_null())
       t.padding_idx = r.IntValue(*it, where + ".config.padding_idx", 0, t.rows - 1);
     info.tables.push_back(std::move(t));
+  }
+  // Each data file holds one piece of one array (its header names no rows): a file named twice served and
+  // loaded one piece's rows as another's, and verified.
+  std::map<std::string, std::string> named;  // path -> the array that names it
+  for (size_t i = 0; i < info.tables.size(); ++i) {
+    const TableEntry& t = info.tables[i];
+    const std::string where = "tables[" + std::to_string(i) + "]";
+    auto claim = [&](const std::vector<FileEntry>& files, const std::string& array) {
+      for (const FileEntry& f : files) {
+        const auto [it, fresh] = named.emplace(f.path, array);
+        if (!fresh)
+          r.Fail(array, "names file '" + f.path + "', which " + (it->second == array ? "it" : it->second) +
+                            " names too: each file holds one piece of one array");
+      }
+    };
+    claim(t.values, where + ".values");
+    for (size_t s = 0; s < t.slots.size(); ++s) claim(t.slots[s], where + ".slots." + t.slot_names[s]);
   }
   const Json& metadata = r.Get(m, "metadata", "manifest");
   if (!metadata.is_object()) r.Fail("manifest.metadata", "must be an object");

@@ -365,11 +365,11 @@ EMBEDCORE_TEST(ParseManifestChecksTheTilingOfColumnBands) {
   };
   const std::vector<Case> cases = {
       {"overlapping bands", [](std::vector<FileEntry>& v) { v[2].col_start = v[3].col_start = 3, v[2].cols = v[3].cols = 7; },
-       "does not cover columns"},
+       "covers columns [3, 4) twice: file '"},
       {"a band that starts inside the last", [](std::vector<FileEntry>& v) { v[2].col_start = v[3].col_start = 2; },
-       "does not cover columns"},
+       "covers columns [2, 4) twice"},
       {"a gap between bands", [](std::vector<FileEntry>& v) { v[2].col_start = v[3].col_start = 5, v[2].cols = v[3].cols = 5; },
-       "does not cover columns [4, 5)"},
+       "covers no columns [4, 5): no file starts at column 4"},
       {"a missing last band", [](std::vector<FileEntry>& v) { v.resize(2); }, "covers columns [0, 4) of 10"},
       {"bands short of dim", [](std::vector<FileEntry>& v) { v[2].cols = v[3].cols = 5; }, "covers columns [0, 9) of 10"},
       {"different widths in one band", [](std::vector<FileEntry>& v) { v[3].cols = 5; }, "different widths"},
@@ -377,11 +377,13 @@ EMBEDCORE_TEST(ParseManifestChecksTheTilingOfColumnBands) {
       {"col_start > dim", [](std::vector<FileEntry>& v) { v[3].col_start = 12, v[3].cols = 1; }, "col_start = 12 is outside"},
       {"cols past dim", [](std::vector<FileEntry>& v) { v[2].cols = v[3].cols = 7; }, "cols = 7 is outside [1, 6]"},
       {"a row gap in a band", [](std::vector<FileEntry>& v) { v[1].row_start = 21, v[1].rows = 29; },
-       "does not cover rows [20, 21) of columns [0, 4)"},
+       "covers no rows [20, 21) of columns [0, 4): no file starts at row 20"},
       {"overlapping rows in a band", [](std::vector<FileEntry>& v) { v[3].row_start = 30, v[3].rows = 20; },
-       "does not cover rows [35, 30) of columns [4, 10)"},
+       "covers rows [30, 35) of columns [4, 10) twice: file '"},
       {"a band short of the rows", [](std::vector<FileEntry>& v) { v[3].rows = 14; }, "covers rows [0, 49) of 50"},
-      {"a file twice", [](std::vector<FileEntry>& v) { v.push_back(v[0]); }, "does not cover rows"},
+      {"a file twice", [](std::vector<FileEntry>& v) { v.push_back(v[0]); }, "covers rows [0, 20) of columns [0, 4) twice"},
+      // One file named for two row ranges (the tiling holds): one range's rows served and loaded as the other's.
+      {"one file for two row ranges", [](std::vector<FileEntry>& v) { v[1].path = v[0].path; }, "which it names too"},
   };
   for (const Case& c : cases) {
     for (int array = 0; array < 2; ++array) {  // the values, then the slot
@@ -412,6 +414,13 @@ EMBEDCORE_TEST(ParseManifestChecksTheTilingOfColumnBands) {
         EMBEDCORE_EXPECT(ReadFile(path + "/MANIFEST") == manifest);
       }
     }
+  }
+  // A values file named as a slot's too (each file holds one piece of one array).
+  {
+    CheckpointInfo forged = good;
+    forged.tables[0].slots[0][0].path = forged.tables[0].values[0].path;
+    EMBEDCORE_EXPECT_THROWS(ck::ParseManifest("M", ck::BuildManifest(forged)), CheckpointError,
+                            "which tables[0].values names too");
   }
   // A commit naming a file that is not there is refused too.
   CheckpointInfo missing = good;

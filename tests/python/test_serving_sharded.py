@@ -13,7 +13,7 @@ import pytest
 
 import embedcore as ec
 from embedcore.distributed import reshard, run_local
-from test_checkpoint_forge import DATA_OFFSET, flip_byte
+from test_checkpoint_forge import DATA_OFFSET, flip_byte, read_manifest, write_manifest
 
 
 def _config():
@@ -250,3 +250,26 @@ def test_threads_that_looked_up_many_files_keep_no_memory_of_their_batches(tmp_p
             t.join()
     assert not errors, errors[0]
     assert grown < (64 << 20), f"the process grew by {grown >> 20} MiB"
+
+
+def test_a_manifest_naming_one_file_for_two_row_ranges_is_refused(tmp_path):
+    """A data file's header names no rows, so a manifest that names one file
+    for two row ranges (the tiling holds, every checksum matches) is refused
+    by serving, loading and verify, naming the file: rows 20-29 were served
+    and loaded as rows 10-19, and verify said OK."""
+    table = ec.Table(name="t", rows=40, dim=4, initializer=ec.initializers.Uniform(-1, 1, seed=1))
+    ec.save(tmp_path / "one", table, include_optimizer=False)
+    reshard(tmp_path / "one", tmp_path / "c", 4, "row_wise", max_file_bytes=0)
+    m = read_manifest(tmp_path / "c")
+    files = sorted(m["tables"][0]["values"], key=lambda f: f["row_start"])
+    assert [f["row_start"] for f in files] == [0, 10, 20, 30]
+    files[2]["path"], files[2]["crc32c"] = files[1]["path"], files[1]["crc32c"]
+    write_manifest(tmp_path / "c", m)
+    message = f"tables\\[0\\].values names file '{files[1]['path']}', which it names too"
+    with pytest.raises(ec.CheckpointError, match=message):
+        ec.serving.open(tmp_path / "c")
+    with pytest.raises(ec.CheckpointError, match=message):
+        ec.load(tmp_path / "c", into=ec.Table(name="t", rows=40, dim=4))
+    from embedcore import cli
+
+    assert cli.main(["verify", str(tmp_path / "c")]) != 0
