@@ -201,7 +201,7 @@ int main(int argc, char** argv) {
 
     for (int64_t batch = 1; batch <= 512; batch *= 2) {
       std::atomic<bool> stop(false);
-      std::atomic<int> failed(0);
+      std::atomic<int> failed(0), ready(0);
       std::vector<std::vector<double>> latencies(static_cast<size_t>(threads));
       std::vector<std::thread> pool;
       for (int t = 0; t < threads; ++t) {
@@ -210,17 +210,22 @@ int main(int argc, char** argv) {
           Request requests[8];
           try {
             for (Request& r : requests) MakeRequest(inputs, ckpt, batch, rng, r);
-            for (size_t n = 0; !stop.load(std::memory_order_relaxed); ++n) {
+            ready.fetch_add(1);
+            // Every thread serves at least one request, however short the window
+            // and however late the scheduler ran it.
+            for (size_t n = 0; n == 0 || !stop.load(std::memory_order_relaxed); ++n) {
               const auto t0 = Clock::now();
               Serve(inputs, ckpt, requests[n % 8]);
               latencies[size_t(t)].push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
             }
           } catch (const ecs::Error& e) {
             std::fprintf(stderr, "serving thread %d: %s\n", t, e.what());
-            failed = 1;
+            failed.fetch_add(1);
           }
         });
       }
+      // The window opens once every thread has built its requests, so it times serving only.
+      while (ready.load() + failed.load() < threads) std::this_thread::yield();
       int reloads = 0;
       const auto start = Clock::now();
       const auto end = start + std::chrono::duration<double>(seconds);
