@@ -38,6 +38,7 @@ struct Avx2 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
   static constexpr bool kMaskedLoads = false;  // (no masked 16-bit loads before AVX-512BW)
+  static constexpr bool kHalfSteps = false;
   static float ToFloat(float x) { return x; }
   static float ToFloat(ops::F16 x) { return _cvtsh_ss(x.bits); }  // exact; a NaN made quiet, as ops::HalfToFloat
   static float ToFloat(ops::BF16 x) { return ops::ToFloat(x); }   // (a shift)

@@ -58,19 +58,47 @@ struct Avx512 {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   static void Store(float* p, Reg v) { _mm512_storeu_ps(p, v); }
-  static void Store(ops::F16* p, Reg v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  static void Store(ops::F16* p, Reg v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), Narrow<ops::F16>(v)); }
+  static void Store(ops::BF16* p, Reg v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), Narrow<ops::BF16>(v)); }
+  // Eight elements at once (the tails of rows that the optimizers widen to float32 and narrow back): a
+  // float16 Adam step of 8 columns 5.4 -> 3.8 ms (as the AVX2 set's), where element by element it was 1.4x.
+  // Not masked 16-lane loads: the row was just written by the update's 8-lane stores, which do not
+  // forward to a wider load (those were no faster).
+  static constexpr bool kHalfSteps = true;
+  static void LoadHalf(const float* p, float* dst) { _mm256_storeu_ps(dst, _mm256_loadu_ps(p)); }
+  static void LoadHalf(const ops::F16* p, float* dst) {
+    _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  static void Store(ops::BF16* p, Reg v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    // NaN stays NaN (quiet), as ops::FloatToBFloat16 does.
-    const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-    const __mmask16 nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f800000));
-    const __m512i qnan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    r = _mm512_mask_blend_epi32(nan, r, qnan);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  static void LoadHalf(const ops::BF16* p, float* dst) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+  static void StoreHalf(float* p, const float* src) { _mm256_storeu_ps(p, _mm256_loadu_ps(src)); }
+  static void StoreHalf(ops::F16* p, const float* src) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(_mm256_loadu_ps(src), _MM_FROUND_TO_NEAREST_INT));
+  }
+  static void StoreHalf(ops::BF16* p, const float* src) {
+    const __m256i v = _mm256_castps_si256(_mm256_loadu_ps(src));  // zero-extended to 16 lanes: the same bits
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(Narrow<ops::BF16>(
+                                                        _mm512_castsi512_ps(_mm512_zextsi256_si512(v)))));
+  }
+
+  // Sixteen floats as sixteen 16-bit elements of T, rounded to nearest, ties to even.
+  template <typename T>
+  static __m256i Narrow(Reg v) {
+    if constexpr (std::is_same_v<T, ops::F16>) {
+      return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    } else {
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+      // NaN stays NaN (quiet), as ops::FloatToBFloat16 does.
+      const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+      const __mmask16 nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f800000));
+      const __m512i qnan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+      r = _mm512_mask_blend_epi32(nan, r, qnan);
+      return _mm512_cvtepi32_epi16(r);
+    }
   }
 };
 
