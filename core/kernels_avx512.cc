@@ -11,6 +11,12 @@
 #include "ops/half.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#if !defined(__clang__) && __GNUC__ < 13
+// GCC 12's AVX-512 intrinsics pass a self-initialized "undefined" register: hundreds of false
+// -Wmaybe-uninitialized warnings (https://gcc.gnu.org/bugzilla/show_bug.cgi?id=105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 #include <immintrin.h>
 #if defined(__clang__)  // (clang ignores the GCC pragmas: the same target as an attribute of each function)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c,fma,prfchw"))), apply_to = function)

@@ -36,7 +36,7 @@ struct ScalarRows {
                         const int64_t* offsets, int64_t p0, int64_t p1, const float* weights, int64_t pf_end,
                         int64_t row_bytes) {
     constexpr int64_t kCols = int64_t(NV) * kLanes;
-    float acc[kCols], s[kCols];
+    float acc[kCols] = {}, s[kCols];  // (acc is set from the first bag; zeroed so that no compiler doubts it)
     for (int64_t p = p0; p < p1; ++p) {
       Pool<NV>(s, table, rows, dim, c0, ids, offsets[p], offsets[p + 1], weights, pf_end, row_bytes);
       for (int64_t d = 0; d < kCols; ++d) acc[d] = p == p0 ? s[d] : acc[d] + s[d];

@@ -56,6 +56,8 @@ struct SimdRows {
                         const int64_t* offsets, int64_t p0, int64_t p1, const float* weights, int64_t pf_end,
                         int64_t row_bytes) {
     Reg acc[NV], s[NV];
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) acc[j] = V::Zero();  // (set from the first bag; zeroed so that no compiler doubts it)
     for (int64_t p = p0; p < p1; ++p) {
 #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) s[j] = V::Zero();
