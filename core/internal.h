@@ -58,7 +58,10 @@ void ZeroAllocated(void* p, size_t bytes);
 /// call has needed half of for kScratchIdle is given back by the next call
 /// (Fit), so that one outsized batch does not hold its memory for the life
 /// of the thread, while a large table stepped every iteration (among any
-/// number of smaller ones stepped on the same thread) keeps its buffer.
+/// number of smaller ones stepped on the same thread) keeps its buffer. A
+/// call that needed it counts until its end (Done): a step longer than
+/// kScratchIdle gave its buffers back at the next one, and faulted them in
+/// again every step.
 constexpr size_t kKeptScratchBytes = size_t(64) << 20;
 constexpr std::chrono::seconds kScratchIdle{2};
 
@@ -80,15 +83,23 @@ struct Scratch {
   std::vector<T> v;
   std::chrono::steady_clock::time_point needed_at{};
 
+  bool needed = false;  // by the call since Fit, until Done
+
   /// Before `v` is resized for a call of `n` items.
   void Fit(size_t n) {
     const auto now = std::chrono::steady_clock::now();
-    if (ScratchHolds() > 0 || v.capacity() * sizeof(T) <= kKeptScratchBytes || v.capacity() / 2 <= n) {
+    needed = ScratchHolds() > 0 || v.capacity() * sizeof(T) <= kKeptScratchBytes || v.capacity() / 2 <= n;
+    if (needed) {
       needed_at = now;
     } else if (now - needed_at > kScratchIdle) {
       Release();
       needed_at = now;
     }
+  }
+  /// At the end of the call that Fit was for (or of any call: one that did not Fit changes nothing).
+  void Done() {
+    if (needed) needed_at = std::chrono::steady_clock::now();
+    needed = false;
   }
   /// After a call that could not allocate what it needed.
   void Release() { std::vector<T>().swap(v); }

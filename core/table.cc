@@ -1145,6 +1145,20 @@ internal::Scratch<uint8_t>& TouchedRows() {
   return touched;
 }
 
+// Ends a step's use of this thread's step buffers (internal::Scratch::Done), however the step ends.
+struct StepBuffersInUse {
+  StepBuffersInUse() = default;
+  StepBuffersInUse(const StepBuffersInUse&) = delete;
+  StepBuffersInUse& operator=(const StepBuffersInUse&) = delete;
+  ~StepBuffersInUse() {
+    InOrderScratch().Done();
+    SortKeys().Done();
+    internal::RadixScratch<Occurrence>().Done();
+    GroupStarts().Done();
+    TouchedRows().Done();
+  }
+};
+
 OccurrenceGroups GroupOccurrences(const std::vector<GradientPart>& parts, const TableSpec& spec) {
   internal::Scratch<Occurrence>& keys = SortKeys();
   internal::Scratch<int64_t>& group_start = GroupStarts();
@@ -1238,6 +1252,7 @@ void Table::ApplyGradients(const std::vector<GradientPart>& given, float learnin
 void Table::StepChecked(const std::vector<GradientPart>& parts, float learning_rate, int64_t optimizer_version) {
   auto check_version = [&] { CheckOptimizerVersion(spec_, optimizer_version, optimizer_version_); };
   const auto& k = kernels::ActiveKernels().dtype[int(spec_.dtype)];
+  const StepBuffersInUse in_use;
   {  // The optimizer is read under the lock: SetOptimizer may replace it meanwhile.
     std::unique_lock<std::shared_mutex> lock(mutex_);
     check_version();

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -200,6 +201,27 @@ EMBEDCORE_TEST(CheckedBytes) {
                       size_t(std::numeric_limits<int64_t>::max()));
   EMBEDCORE_EXPECT_THROWS(internal::CheckedBytes(std::numeric_limits<int64_t>::max(), 1, 2, "x"), InvalidArgument,
                           "overflows");
+}
+
+EMBEDCORE_TEST(StepBuffersNeededByALongStepAreKeptForTheNext) {
+  // internal::Scratch: a call that needed a buffer past kKeptScratchBytes counts as needing it until its end
+  // (Done). A step that ran longer than kScratchIdle gave its buffers back at the next step, and faulted them
+  // in again every step.
+  internal::Scratch<uint8_t> s;
+  const size_t big = 2 * internal::kKeptScratchBytes;
+  const auto past_idle = internal::kScratchIdle + std::chrono::milliseconds(300);
+  s.Fit(big);
+  s.v.reserve(big);  // (untouched pages: no memory is used)
+  std::this_thread::sleep_for(past_idle);  // the step runs that long
+  s.Done();
+  s.Fit(big / 4);  // a smaller call right after it: the buffer stays
+  s.Done();
+  EMBEDCORE_EXPECT(s.v.capacity() >= big);
+  // A buffer that no call has needed half of for kScratchIdle is given back by the next call.
+  std::this_thread::sleep_for(past_idle);
+  s.Fit(big / 4);
+  s.Done();
+  EMBEDCORE_EXPECT_EQ(s.v.capacity(), size_t(0));
 }
 
 EMBEDCORE_TEST(TableValueBytes) {
