@@ -45,6 +45,8 @@ float StoredToFloat(DType dt, const void* base, int64_t i) {
       return ops::HalfToFloat(static_cast<const uint16_t*>(base)[i]);
     case DType::kBFloat16:
       return ops::BFloat16ToFloat(static_cast<const uint16_t*>(base)[i]);
+    case DType::kUInt8Rowwise:  // (no trainable table stores it)
+      break;
   }
   return 0.0f;
 }
@@ -57,6 +59,8 @@ float RoundToStorage(DType dt, float v) {
       return ops::HalfToFloat(ops::FloatToHalf(v));
     case DType::kBFloat16:
       return ops::BFloat16ToFloat(ops::FloatToBFloat16(v));
+    case DType::kUInt8Rowwise:  // (no trainable table stores it)
+      break;
   }
   return v;
 }
@@ -303,7 +307,7 @@ void FunctorStep(const TableSpec& spec, int64_t step_before, const std::map<int6
       each(ops::SgdRule{lr});
       break;
     case OptimizerSpec::Kind::kAdagrad:
-      each(ops::AdagradRule{lr});
+      each(ops::AdagradRule{lr, o.adagrad_epsilon});
       break;
     case OptimizerSpec::Kind::kRowwiseAdagrad: {
       // The row's clipped gradient squared and summed in column order, then each element.
@@ -580,7 +584,7 @@ EMBEDCORE_TEST(ConstructorValidation) {
          o.clip_gradient_max = INFINITY;
        },
        "clipvalue min must be finite (within float32's range), got -inf"},
-      {K::kAdagrad, [](OptimizerSpec& o) { o.initial_accumulator_value = 1e-46f; }, "got 0"},
+      {K::kAdagrad, [](OptimizerSpec& o) { o.initial_accumulator_value = static_cast<float>(1e-46); }, "got 0"},
   };
   for (const Bad& b : bad) {
     TableSpec spec = MakeSpec(4, 4, DType::kFloat32, b.kind);
