@@ -186,18 +186,24 @@ def _convert(args) -> int:
         return 1
     if args.source_format == "tf":
         # Before TensorFlow is imported: its start-up logging (oneDNN, CPU features) is not this command's
-        # output. setdefault: a user's own setting wins. The oneDNN notice is logged whatever the level
-        # unless oneDNN's custom operations are off, which changes nothing here (a conversion restores
-        # tensors, it computes nothing).
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+        # output. A user's own setting wins. The oneDNN notice is logged whatever the level unless oneDNN's
+        # custom operations are off, which changes nothing here (a conversion restores tensors, it computes
+        # nothing). The environment is given back as it was when the command ends: main() may be called
+        # from a program whose later subprocesses should not inherit these.
+        quiet = {k: v for k, v in (("TF_CPP_MIN_LOG_LEVEL", "2"), ("TF_ENABLE_ONEDNN_OPTS", "0"))
+                 if k not in os.environ}
+        os.environ.update(quiet)
         try:
-            from embedcore.adapters.tf import convert_tf_checkpoint
-        except ImportError as e:
-            print(f"embedcore convert: --from tf needs TensorFlow: {e}", file=sys.stderr)
-            return 1
-        names = convert_tf_checkpoint(args.src, args.dst, prefix=args.prefix, include_optimizer=not args.no_optimizer,
-                                      combiner=args.combiner)
+            try:
+                from embedcore.adapters.tf import convert_tf_checkpoint
+            except ImportError as e:
+                print(f"embedcore convert: --from tf needs TensorFlow: {e}", file=sys.stderr)
+                return 1
+            names = convert_tf_checkpoint(args.src, args.dst, prefix=args.prefix,
+                                          include_optimizer=not args.no_optimizer, combiner=args.combiner)
+        finally:
+            for k in quiet:
+                os.environ.pop(k, None)
         print(f"converted {len(names)} TensorFlow table(s) ({', '.join(names)}) into {args.dst}, combiner "
               f"{args.combiner or 'mean'}")
         return 0

@@ -596,6 +596,25 @@ def test_convert_tf_prints_no_tensorflow_start_up_logging(tmp_path):
     assert r.stderr.count("\n") == 1 and "cannot read this TensorFlow checkpoint" in r.stderr, r.stderr
 
 
+def test_convert_tf_leaves_the_environment_as_it_was(tmp_path, monkeypatch, capsys):
+    """main() quiets TensorFlow's start-up logging for the command only: a
+    program that calls it keeps its environment, and so do its later
+    subprocesses (it was left with TF_CPP_MIN_LOG_LEVEL=2 and
+    TF_ENABLE_ONEDNN_OPTS=0 for good)."""
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+    prefix, _ = _tf_checkpoint(tmp_path / "tf")
+    before = dict(os.environ)
+    assert embedcore.cli.main(["convert", "--from", "tf", prefix, str(tmp_path / "out")]) == 0
+    assert dict(os.environ) == before
+    assert embedcore.cli.main(["convert", "--from", "tf", str(tmp_path / "absent"), str(tmp_path / "out2")]) == 1
+    assert dict(os.environ) == before
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")  # a user's own setting is used, and kept
+    assert embedcore.cli.main(["convert", "--from", "tf", prefix, str(tmp_path / "out3")]) == 0
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "1" and "TF_ENABLE_ONEDNN_OPTS" not in os.environ
+    capsys.readouterr()
+
+
 def test_inspect_takes_the_directory_lock_while_saves_replace_the_checkpoint(tmp_path, capsys):
     """inspect read the manifest's files without the shared lock that verify
     takes: a save's commit removing the old generation between the MANIFEST
