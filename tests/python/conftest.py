@@ -26,9 +26,11 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def restore_threads():
-    """Restores the engine's thread count after a test that changes it."""
+    """Restores the engine's thread count after every test, so that a test
+    that changes it leaves the tests after it (on its xdist worker) the
+    count they were written for."""
     before = ec.get_num_threads()
     yield before
     ec.set_num_threads(before)

@@ -14,6 +14,8 @@ import sys
 import numpy as np
 import pytest
 
+import embedcore as ec
+
 FUZZ = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "fuzz")
 sys.path.insert(0, FUZZ)
 import fuzz_checkpoint  # noqa: E402
@@ -30,7 +32,10 @@ SPECIAL_BYTES = b'\x00\xff\x7f"{}[],:-9e.\\'
 
 @pytest.fixture(scope="module", autouse=True)
 def fuzz_setup(tmp_path_factory):
-    fuzz_checkpoint.setup(str(tmp_path_factory.mktemp("fuzz")))
+    threads = ec.get_num_threads()
+    fuzz_checkpoint.setup(str(tmp_path_factory.mktemp("fuzz")))  # (one engine thread, as the fuzzer runs)
+    yield
+    ec.set_num_threads(threads)
 
 
 def corpus():
