@@ -657,10 +657,10 @@ for _ in range(2):
 time.sleep(0.05)
 """,
     "a hook registered before the import holds the GIL while daemon threads are in lookups": r"""
-import atexit, sys, time
-# How long sum() over a range holds the GIL here (one C call: no switch), scaled to about 0.7 s.
-start = time.perf_counter(); sum(range(10**6)); n = int(10**6 * 0.7 / (time.perf_counter() - start))
-atexit.register(sum, range(n))  # runs after embedcore's own atexit hook, holding the GIL throughout
+import atexit, ctypes
+# usleep through ctypes.PyDLL, which keeps the GIL: held for 0.7 s of wall time, however loaded the machine
+# (a loop of sum() sized by timing it at start-up held it past 2 s when load came later).
+atexit.register(ctypes.PyDLL(None).usleep, 700_000)  # runs after embedcore's own atexit hook
 atexit.register(print, "joined", flush=True)  # (runs first: the exit's last Python output)
 """ + _DAEMON_LOOKUPS,
     "children forked during lookups exit through the interpreter": _DAEMON_LOOKUPS + r"""
