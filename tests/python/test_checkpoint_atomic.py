@@ -214,7 +214,6 @@ def test_a_save_killed_at_any_moment_leaves_a_loadable_checkpoint(path):
     assert sorted(os.listdir(path)) == ["MANIFEST", f"t00000.accumulators.g{gen:012d}.ecd",
                                         f"t00000.values.g{gen:012d}.ecd"], names
     print(f"{KILLS} kills in {elapsed:.0f} s; (delay, saves started, saves done, k loaded): {outcomes}")
-    assert elapsed < 120, f"{KILLS} kills took {elapsed:.0f} s"
 
 
 FULL_DISK_CHILD = r"""

@@ -42,20 +42,28 @@ def _torchrun():
     return exe
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int = 1) -> list:
+    """n distinct ports free now (another process may still take one before
+    it is used: the runs below try once more on "address already in use")."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
-def _run_workers(*args) -> str:
-    """Runs the worker on 2 ranks; returns its output, failing the test with
-    it when torchrun fails or times out."""
+def _run_torchrun(script, *args) -> str:
+    """Runs `script` on 2 ranks under torchrun; returns its output, failing
+    the test with it when torchrun fails or times out."""
     exe = _torchrun()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    what = " ".join([os.path.basename(str(script)), *args])
     for attempt in range(2):
-        cmd = [exe, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-               WORKER, *args]
+        cmd = [exe, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_ports()[0]),
+               str(script), *args]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True)
         try:
@@ -63,12 +71,17 @@ def _run_workers(*args) -> str:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: the session this test started
             out, _ = proc.communicate()
-            pytest.fail(f"torchrun {' '.join(args)} timed out after {TIMEOUT_S} s:\n{out[-6000:]}")
+            pytest.fail(f"torchrun {what} timed out after {TIMEOUT_S} s:\n{out[-6000:]}")
         if proc.returncode != 0 and "address already in use" in out.lower() and attempt == 0:
             continue  # the free port was taken in between: once more on another
         break
-    assert proc.returncode == 0, f"torchrun {' '.join(args)} failed ({proc.returncode}):\n{out[-8000:]}"
+    assert proc.returncode == 0, f"torchrun {what} failed ({proc.returncode}):\n{out[-8000:]}"
     return out
+
+
+def _run_workers(*args) -> str:
+    """Runs the worker on 2 ranks (see _run_torchrun)."""
+    return _run_torchrun(WORKER, *args)
 
 
 def _passed(out: str, part: str) -> None:
@@ -658,19 +671,7 @@ def test_two_towers_each_with_its_own_init_called_in_different_orders_raise_a_mi
     CollectiveMismatchError instead of serving each other's rows."""
     script = tmp_path / "two_towers.py"
     script.write_text(TWO_TOWERS)
-    exe = _torchrun()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [exe, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           str(script)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"two towers timed out:\n{out[-6000:]}")
-    assert proc.returncode == 0, out[-6000:]
+    out = _run_torchrun(script)
     assert "NO ERROR" not in out, out[-6000:]
     for r in (0, 1):
         assert (f"MISMATCH rank {r}: the ranks are in different collective calls (rank 0 in 'lookup: requests of "
@@ -694,8 +695,11 @@ def test_init_destroys_at_exit_only_the_group_it_started(tmp_path):
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
         print("second group started", flush=True)
     """)
-    r = subprocess.run([sys.executable, "-c", script, str(_free_port()), str(_free_port())], capture_output=True,
-                       text=True, timeout=TIMEOUT_S)
+    for attempt in range(2):
+        r = subprocess.run([sys.executable, "-c", script, *map(str, _free_ports(2))], capture_output=True, text=True,
+                           timeout=TIMEOUT_S)
+        if "address already in use" not in r.stderr.lower():
+            break  # (else a port was taken in between: once more on others)
     assert "second group started" in r.stdout, r.stdout + r.stderr
     assert "AT EXIT initialised True" in r.stdout, r.stdout + r.stderr  # (torch's own teardown ends it later)
 
