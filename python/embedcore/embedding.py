@@ -46,7 +46,9 @@ class FeatureLookup:
         self._last = [b.owned() for b in batches] if self._trains else None
         return _nest.pack_like(self._feature_config, features, outputs)  # (the caller's types, as TensorFlow's)
 
-    embedding_lookup = lookup
+    def embedding_lookup(self, features, weights=None):
+        """``lookup``, by TensorFlow's name for it (``TPUEmbedding.embedding_lookup``)."""
+        return self.lookup(features, weights)  # (a subclass's own lookup, with its checks)
 
 
 class Embedding(FeatureLookup):

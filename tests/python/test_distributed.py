@@ -275,12 +275,17 @@ def _lookup_and_compare(W, plan, config, feats, optimizer=None):
         emb = ec.Embedding(config, optimizer, world=world, sharding=sharding)
         xs, ws = _rank_inputs(feats, world.rank)
         out = emb(xs, ws)
+        again = emb.embedding_lookup(xs, ws)  # (TensorFlow's name: the same lookup)
+        for name in out:
+            np.testing.assert_array_equal(again[name], out[name])
         return out, emb.plan, _shard_state(emb)
 
     results = _run(W, fn)
     unsharded = ec.Embedding(config, optimizer)
     xs, ws = _global_inputs(feats)
     expected = unsharded(xs, ws)
+    for name, again in unsharded.embedding_lookup(xs, ws).items():
+        np.testing.assert_array_equal(again, expected[name])
     plan = results[0][1]
     for r, (out, p, _) in enumerate(results):
         assert p.describe() == plan.describe(), "every rank must build the same plan"

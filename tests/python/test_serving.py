@@ -69,8 +69,9 @@ def test_open_arguments_and_table_checkpoints(tmp_path):
         ec.serving.open(tmp_path / "c", verify=None)  # (was: checksums off, unsaid)
     served = ec.serving.open(tmp_path / "c")
     assert list(served.tables) == ["t"] and served.feature_config is None
-    with pytest.raises(ValueError, match="tables, not features"):
-        served.lookup({"f": np.array([1])})
+    for call in (served.lookup, served.embedding_lookup, served):  # (embedding_lookup: was an AttributeError)
+        with pytest.raises(ValueError, match="tables, not features; use .tables\\[name\\].lookup"):
+            call({"f": np.array([1])})
     assert "ServedCheckpoint" in repr(served)
 
 

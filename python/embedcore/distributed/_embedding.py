@@ -330,8 +330,6 @@ class ShardedEmbedding(Embedding):
         self._fwd = (routes, shapes, served)
         return _nest.pack_like(self._feature_config, features, outputs)
 
-    embedding_lookup = lookup
-
     def _route(self, features, weights):
         """Validates this rank's features and splits them into routes."""
         flat_inputs = _nest.flatten_up_to(self._feature_config, features, "features")
