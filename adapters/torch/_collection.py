@@ -650,6 +650,7 @@ class EmbeddingBagCollection(_PooledInterface, _Collection):
                 s.rows, s.dim, mode=s.pooling, sparse=sparse, include_last_offset=True, device=device,
                 dtype=s.dtype, optimizer=s.optimizer if s.optimizer is not None else optimizer,
                 initializer=s.initializer, name=s.name, _init_fn=s.init_fn)
+            self.embedding_bags[s.name]._name_features(s.features)
         self._dims = [s.dim for s, names in zip(self._specs, self._names) for _ in names]
         self._link_tables()
 
@@ -719,6 +720,7 @@ class EmbeddingCollection(_SequenceInterface, _Collection):
                 s.rows, s.dim, sparse=sparse, device=device, dtype=s.dtype,
                 optimizer=s.optimizer if s.optimizer is not None else optimizer, initializer=s.initializer,
                 name=s.name, _init_fn=s.init_fn)
+            self.embeddings[s.name]._name_features(s.features)
         self._link_tables()
 
     def _children_list(self):

@@ -490,12 +490,19 @@ class _TableModule(_AdapterModule):
         holders = (self, self._anchor, self._frozen_anchor) if fused else (self, self.weight)
         sync = weakref.WeakMethod(self._sync_in_backward) if ib is not None else None
         self._handle = _ops.register(table, group, holders, sync=sync,
-                                     anchors=(self._anchor,) if fused else (self.weight,))
+                                     anchors=(self._anchor,) if fused else (self.weight,),
+                                     features=getattr(self, "_features", None))
         self._handle_t = _ops.handle_tensor(self._handle)  # (what the op takes: see handle_tensor)
         self._group = group
         if fused:  # its group and slot views are of this optimizer: Table.set_optimizer refuses to replace it
             # while the registration lives (this module, or a graph of its lookups whose backward steps it)
             table._hold_optimizer(_ops._entry(self._handle), f"a PyTorch {type(self).__name__}")
+
+    def _name_features(self, features) -> None:
+        """The features a collection reads this table for (segment k: ``features[k]``), which an id out of
+        range names; eagerly the collection names them itself, but a compiled collection's error is the op's."""
+        self._features = list(features)
+        _ops._entry(self._handle).features = self._features
 
     def _sync_in_backward(self, check: bool = True) -> None:
         """Before a fused step of a table fused from apply_optimizer_in_backward

@@ -59,8 +59,9 @@ WHOLE = -1  # a segment's bag count meaning "every id of its source, unpooled" (
 # ------------------------------------------------------------------ registry
 class _Entry:
     """A registered table and, when it trains fused, its parameter group (whose
-    "lr" a learning-rate scheduler may change); a served table's the names of
-    its features, which its errors name (segment k reads ``features[k]``)."""
+    "lr" a learning-rate scheduler may change); a collection's table's the
+    names of its features, which its errors name (segment k reads
+    ``features[k]``; in a compiled collection the op's error is the only one)."""
 
     __slots__ = ("table", "group", "features", "sync", "anchors", "rate_seen", "__weakref__")
 
@@ -670,7 +671,8 @@ def lookup_impl(anchor: Tensor, handle: Tensor, dim: int, ids: List[Tensor], off
                            "holds the table of the module it was made from, not its weight); run the module, or a "
                            "program made from the module that holds the weights")
     table = entry.table
-    outs = _lookup_outputs(table, dim, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset)
+    outs = _lookup_outputs(table, dim, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset,
+                           entry.features)
     if with_step:
         outs.append(torch.tensor(table.step, dtype=torch.int64))
     return outs
@@ -704,6 +706,8 @@ def _lookup_outputs(table, dim: int, ids: List[Tensor], offsets: List[Tensor], w
     name = _COMBINER_NAMES[combiner]
     outs = []
     parts = _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, combiner != SEQUENCE)
+    if features is not None and len(features) != len(parts):
+        features = None  # not a collection's call (one segment a feature): a table module called on its own
     for k, p in enumerate(parts):
         rows = int(p.ids.shape[0]) if combiner == SEQUENCE else p.num_bags
         if rows:  # the engine's own output buffer, wrapped without a copy

@@ -144,6 +144,32 @@ def test_collection_input_errors_compiled_as_eager():
         assert _error(torch.compile(module, backend="aot_eager", fullgraph=True), kjt) == expected
 
 
+def test_collection_id_out_of_range_compiled_names_the_feature_as_eager():
+    """An id out of range in a compiled collection raises eager's IndexError,
+    naming the table and the feature (it named only the table, and the
+    position "of ids" for a KJT's values); a table module called on its own
+    names no feature, compiled or not."""
+    torchrec = pytest.importorskip("torchrec")
+    ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 4, name="t1", feature_names=["f1", "g1"]),
+                                     et.EmbeddingBagConfig(10, 4, name="t2", feature_names=["f2"])])
+    ecol = et.EmbeddingCollection([et.EmbeddingConfig(10, 4, name="t1", feature_names=["f1", "g1"]),
+                                   et.EmbeddingConfig(10, 4, name="t2", feature_names=["f2"])])
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["f1", "g1", "f2"], values=torch.tensor([1, 2, 3, 20, 3]),
+                                                       lengths=torch.tensor([2, 2, 1]))
+    features = {"f1": torch.tensor([[1, 2]]), "g1": torch.tensor([[3, 20]]), "f2": torch.tensor([[3]])}
+    for module in (ebc, ecol):
+        compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+        for given, where in ((kjt, "position 3 of the KeyedJaggedTensor's values"),
+                             (features, "position 1 of features['g1']'s ids")):
+            expected = _error(module, given)
+            assert expected == (IndexError, f"table 't1', feature 'g1': id 20 at {where} is out of range [0, 10)")
+            assert _error(compiled, given) == expected
+    alone = ebc.embedding_bags["t1"]
+    for f in (alone, torch.compile(alone, backend="aot_eager", fullgraph=True)):
+        assert _error(f, torch.tensor([1, 20]), torch.tensor([0, 2])) == (
+            IndexError, "table 't1': id 20 at position 1 of ids is out of range [0, 10)")
+
+
 def test_torchrec_kjt_compiled(rng):
     torchrec = pytest.importorskip("torchrec")
     cfgs = [torchrec.EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name="t1", feature_names=["f1", "f2"]),
