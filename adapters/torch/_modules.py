@@ -500,7 +500,8 @@ class _TableModule(_AdapterModule):
 
     def _name_features(self, features) -> None:
         """The features a collection reads this table for (segment k: ``features[k]``), which an id out of
-        range names; eagerly the collection names them itself, but a compiled collection's error is the op's."""
+        range names where there are several; eagerly the collection names them itself, but a compiled
+        collection's error is the op's."""
         self._features = list(features)
         _ops._entry(self._handle).features = self._features
 

@@ -706,8 +706,10 @@ def _lookup_outputs(table, dim: int, ids: List[Tensor], offsets: List[Tensor], w
     name = _COMBINER_NAMES[combiner]
     outs = []
     parts = _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, combiner != SEQUENCE)
-    if features is not None and len(features) != len(parts):
-        features = None  # not a collection's call (one segment a feature): a table module called on its own
+    if features is not None and (len(features) < 2 or len(features) != len(parts)):
+        # A collection's call gives each of the table's features a segment; one segment of a table of one feature
+        # may as well be its module called on its own, and the table's name says the feature anyway.
+        features = None
     for k, p in enumerate(parts):
         rows = int(p.ids.shape[0]) if combiner == SEQUENCE else p.num_bags
         if rows:  # the engine's own output buffer, wrapped without a copy

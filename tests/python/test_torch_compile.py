@@ -146,9 +146,11 @@ def test_collection_input_errors_compiled_as_eager():
 
 def test_collection_id_out_of_range_compiled_names_the_feature_as_eager():
     """An id out of range in a compiled collection raises eager's IndexError,
-    naming the table and the feature (it named only the table, and the
-    position "of ids" for a KJT's values); a table module called on its own
-    names no feature, compiled or not."""
+    naming the table and the feature of a table that several features read
+    (it named only the table, and the position "of ids" for a KJT's values);
+    a table module called on its own names no feature, compiled or not (the
+    op cannot tell it from a collection's call of a table of one feature:
+    such a table's error names the table only, whose feature it is)."""
     torchrec = pytest.importorskip("torchrec")
     ebc = et.EmbeddingBagCollection([et.EmbeddingBagConfig(10, 4, name="t1", feature_names=["f1", "g1"]),
                                      et.EmbeddingBagConfig(10, 4, name="t2", feature_names=["f2"])])
@@ -164,10 +166,14 @@ def test_collection_id_out_of_range_compiled_names_the_feature_as_eager():
             expected = _error(module, given)
             assert expected == (IndexError, f"table 't1', feature 'g1': id 20 at {where} is out of range [0, 10)")
             assert _error(compiled, given) == expected
-    alone = ebc.embedding_bags["t1"]
-    for f in (alone, torch.compile(alone, backend="aot_eager", fullgraph=True)):
-        assert _error(f, torch.tensor([1, 20]), torch.tensor([0, 2])) == (
-            IndexError, "table 't1': id 20 at position 1 of ids is out of range [0, 10)")
+    for name in ("t1", "t2"):
+        alone = ebc.embedding_bags[name]
+        for f in (alone, torch.compile(alone, backend="aot_eager", fullgraph=True)):
+            assert _error(f, torch.tensor([1, 20]), torch.tensor([0, 2])) == (
+                IndexError, f"table '{name}': id 20 at position 1 of ids is out of range [0, 10)")
+    bad_t2 = {"f1": torch.tensor([[1, 2]]), "g1": torch.tensor([[3, 4]]), "f2": torch.tensor([[20]])}
+    assert _error(torch.compile(ebc, backend="aot_eager", fullgraph=True), bad_t2) == (
+        IndexError, "table 't2': id 20 at position 0 of ids is out of range [0, 10)")
 
 
 def test_torchrec_kjt_compiled(rng):
