@@ -185,25 +185,13 @@ def _convert(args) -> int:
               file=sys.stderr)
         return 1
     if args.source_format == "tf":
-        # Before TensorFlow is imported: its start-up logging (oneDNN, CPU features) is not this command's
-        # output. A user's own setting wins. The oneDNN notice is logged whatever the level unless oneDNN's
-        # custom operations are off, which changes nothing here (a conversion restores tensors, it computes
-        # nothing). The environment is given back as it was when the command ends: main() may be called
-        # from a program whose later subprocesses should not inherit these.
-        quiet = {k: v for k, v in (("TF_CPP_MIN_LOG_LEVEL", "2"), ("TF_ENABLE_ONEDNN_OPTS", "0"))
-                 if k not in os.environ}
-        os.environ.update(quiet)
         try:
-            try:
-                from embedcore.adapters.tf import convert_tf_checkpoint
-            except ImportError as e:
-                print(f"embedcore convert: --from tf needs TensorFlow: {e}", file=sys.stderr)
-                return 1
-            names = convert_tf_checkpoint(args.src, args.dst, prefix=args.prefix,
-                                          include_optimizer=not args.no_optimizer, combiner=args.combiner)
-        finally:
-            for k in quiet:
-                os.environ.pop(k, None)
+            from embedcore.adapters.tf import convert_tf_checkpoint
+        except ImportError as e:
+            print(f"embedcore convert: --from tf needs TensorFlow: {e}", file=sys.stderr)
+            return 1
+        names = convert_tf_checkpoint(args.src, args.dst, prefix=args.prefix, include_optimizer=not args.no_optimizer,
+                                      combiner=args.combiner)
         print(f"converted {len(names)} TensorFlow table(s) ({', '.join(names)}) into {args.dst}, combiner "
               f"{args.combiner or 'mean'}")
         return 0
@@ -470,6 +458,13 @@ def run_as_program() -> int:
     on Ctrl-C, after its one line, the end Python gives an uncaught
     KeyboardInterrupt (by SIGINT, which a parent shell or make sees) without
     the traceback."""
+    # The command's own process: TensorFlow's start-up logging (oneDNN, CPU features), should `convert --from
+    # tf` import it, is not this command's output. A user's own setting wins. The oneDNN notice is logged
+    # whatever the level unless oneDNN's custom operations are off, which changes nothing here (a conversion
+    # restores tensors, it computes nothing). Not in main(): TensorFlow keeps these for the process, and a
+    # program that calls main() keeps its own.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     try:
         return main()
     except KeyboardInterrupt:

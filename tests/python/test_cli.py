@@ -597,10 +597,11 @@ def test_convert_tf_prints_no_tensorflow_start_up_logging(tmp_path):
 
 
 def test_convert_tf_leaves_the_environment_as_it_was(tmp_path, monkeypatch, capsys):
-    """main() quiets TensorFlow's start-up logging for the command only: a
-    program that calls it keeps its environment, and so do its later
-    subprocesses (it was left with TF_CPP_MIN_LOG_LEVEL=2 and
-    TF_ENABLE_ONEDNN_OPTS=0 for good)."""
+    """Only the `embedcore` command's own process quiets TensorFlow's
+    start-up logging: a program that calls main() keeps its environment, and
+    so its TensorFlow's settings (read once a process) and its later
+    subprocesses' (it was left with TF_CPP_MIN_LOG_LEVEL=2 and
+    TF_ENABLE_ONEDNN_OPTS=0, oneDNN's operations off, for good)."""
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
     prefix, _ = _tf_checkpoint(tmp_path / "tf")
