@@ -703,24 +703,31 @@ EMBEDCORE_TEST(LoadStoreAgreeAcrossSets) {
                             std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
   for (float f : specials) src.push_back(f);
   while (src.size() % 16 != 11) src.push_back(0.5f);
-  // Tails after the last full vector of 8 (AVX2) or 16 (AVX-512) lanes: 3, and 8 + 3 or 3 (its half-width step).
+  // Tails after the last full vector of 8 (AVX2) or 16 (AVX-512) lanes: 3, and 8 + 3 or 3 (its half-width step);
+  // the arrays rotated so that the specials, which end 11 before the end, pass through each tail.
+  const std::vector<float> original = src;
   for (const int64_t n : {int64_t(src.size()), int64_t(src.size()) - 8}) {
-    for (const kernels::KernelSet* set : KernelSets()) {
-      for (DType dt : kDTypes) {
-        std::vector<uint8_t> stored(size_t(n) * DTypeSize(dt));
-        set->dtype[int(dt)].store(stored.data(), src.data(), n);
-        std::vector<float> loaded(static_cast<size_t>(n));
-        set->dtype[int(dt)].load(stored.data(), loaded.data(), n);
-        int64_t bad = 0;
-        for (int64_t i = 0; i < n; ++i) {
-          float want = src[size_t(i)];
-          if (dt == DType::kFloat16) want = ops::HalfToFloat(ops::FloatToHalf(want));
-          if (dt == DType::kBFloat16) want = ops::BFloat16ToFloat(ops::FloatToBFloat16(want));
-          if (Bits(loaded[size_t(i)]) != Bits(want) && ++bad <= 3)
-            embedcore_test::Fail(__FILE__, __LINE__,
-                                 std::string(set->name) + " " + DName(dt) + " store/load of " +
-                                     embedcore_test::Show(src[size_t(i)]) + " gave " +
-                                     embedcore_test::Show(loaded[size_t(i)]) + ", want " + embedcore_test::Show(want));
+    for (const size_t rotation : {0, 11, 17}) {
+      src = original;
+      std::rotate(src.rbegin(), src.rbegin() + std::ptrdiff_t(rotation), src.rend());  // (to the right)
+      for (const kernels::KernelSet* set : KernelSets()) {
+        for (DType dt : kDTypes) {
+          std::vector<uint8_t> stored(size_t(n) * DTypeSize(dt));
+          set->dtype[int(dt)].store(stored.data(), src.data(), n);
+          std::vector<float> loaded(static_cast<size_t>(n));
+          set->dtype[int(dt)].load(stored.data(), loaded.data(), n);
+          int64_t bad = 0;
+          for (int64_t i = 0; i < n; ++i) {
+            float want = src[size_t(i)];
+            if (dt == DType::kFloat16) want = ops::HalfToFloat(ops::FloatToHalf(want));
+            if (dt == DType::kBFloat16) want = ops::BFloat16ToFloat(ops::FloatToBFloat16(want));
+            if (Bits(loaded[size_t(i)]) != Bits(want) && ++bad <= 3)
+              embedcore_test::Fail(__FILE__, __LINE__,
+                                   std::string(set->name) + " " + DName(dt) + " store/load of " +
+                                       embedcore_test::Show(src[size_t(i)]) + " gave " +
+                                       embedcore_test::Show(loaded[size_t(i)]) + ", want " +
+                                       embedcore_test::Show(want));
+          }
         }
       }
     }

@@ -271,30 +271,37 @@ def test_hot_reload_from_threads(lib, tmp_path):
     results = {"a": 0, "b": 0, "bad": 0}
     lock = threading.Lock()
 
-    started = threading.Barrier(5)  # the reloads begin once every reader has looked up once
+    # The reloads begin once every reader has looked up once (a reader that fails first breaks the barrier).
+    started = threading.Barrier(5, timeout=120)
 
     def reader(k):
         i = k
-        while i == k or not stop.is_set():
-            ids, offsets, weights = batches[i % 4]
-            status, got = h.lookup(table, ids, offsets, weights)
-            key = "bad" if status != OK else ("a" if got.tobytes() == expected[i % 4][0] else
-                                              "b" if got.tobytes() == expected[i % 4][1] else "bad")
-            with lock:
-                results[key] += 1
-            if i == k:
-                started.wait()
-            i += 1
+        try:
+            while i == k or not stop.is_set():
+                ids, offsets, weights = batches[i % 4]
+                status, got = h.lookup(table, ids, offsets, weights)
+                key = "bad" if status != OK else ("a" if got.tobytes() == expected[i % 4][0] else
+                                                  "b" if got.tobytes() == expected[i % 4][1] else "bad")
+                with lock:
+                    results[key] += 1
+                if i == k:
+                    started.wait()
+                i += 1
+        except BaseException:
+            started.abort()
+            raise
 
     threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
-    started.wait()
-    for i in range(40):
-        assert lib.embedcore_reload(h.h, str(b if i % 2 == 0 else a).encode(), None) == OK
-    stop.set()
-    for t in threads:
-        t.join()
+    try:
+        started.wait()
+        for i in range(40):
+            assert lib.embedcore_reload(h.h, str(b if i % 2 == 0 else a).encode(), None) == OK
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
     assert results["bad"] == 0, results
     h.close()
 
