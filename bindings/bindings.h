@@ -39,7 +39,9 @@ namespace nb = nanobind;
 /// may be joining this thread), takes the GIL back. The bound is long
 /// because a thread blocked on the GIL when finalization starts is ended
 /// there, and atexit hooks registered before embedcore's (which run after
-/// it) may hold the GIL a while (100 ms was too short on a busy machine).
+/// it) may hold the GIL a while (100 ms was too short on a busy machine); a
+/// thread that is ended there all the same (a hook held the GIL longer) is
+/// parked rather than aborting the process (RestoreOrPark).
 /// The exiting thread itself (a __del__ in the last collection) takes the
 /// GIL back as usual.
 class ReleaseGil {
@@ -53,7 +55,7 @@ class ReleaseGil {
         std::this_thread::sleep_for(std::chrono::milliseconds(Finalizing() ? 1000 : 1));
       restoring().fetch_add(1);
     }
-    PyEval_RestoreThread(state_);
+    RestoreOrPark(state_);
     restoring().fetch_sub(1);
   }
   ReleaseGil(const ReleaseGil&) = delete;
@@ -81,6 +83,24 @@ class ReleaseGil {
 
  private:
   static constexpr int kExitWaitMs = 2000;  // (in 1 ms sleeps: a little longer)
+
+  /// PyEval_RestoreThread, from a function that may be unwound: if Python
+  /// ends the thread in it (it was blocked on the GIL when finalization
+  /// started: an atexit hook held the GIL past the wait above), pthread_exit's
+  /// unwinding runs `parked`'s destructor before it reaches the noexcept
+  /// ~ReleaseGil, which would call std::terminate and abort the exit; the
+  /// destructor keeps the thread asleep instead, until the process exits
+  /// (as Python 3.14 itself does with such threads).
+  static void RestoreOrPark(PyThreadState* state) {
+    struct Parked {
+      bool restored = false;
+      ~Parked() {
+        while (!restored) std::this_thread::sleep_for(std::chrono::seconds(1));
+      }
+    } parked;
+    PyEval_RestoreThread(state);
+    parked.restored = true;
+  }
   static std::atomic<int>& restoring() {
     static std::atomic<int> n{0};
     return n;

@@ -663,6 +663,11 @@ import atexit, ctypes
 atexit.register(ctypes.PyDLL(None).usleep, 700_000)  # runs after embedcore's own atexit hook
 atexit.register(print, "joined", flush=True)  # (runs first: the exit's last Python output)
 """ + _DAEMON_LOOKUPS,
+    "a hook registered before the import holds the GIL past the threads' 2 s wait": r"""
+import atexit, ctypes
+atexit.register(ctypes.PyDLL(None).usleep, 3_000_000)  # the threads block on the GIL as finalization starts
+atexit.register(print, "joined", flush=True)
+""" + _DAEMON_LOOKUPS,
     "children forked during lookups exit through the interpreter": _DAEMON_LOOKUPS + r"""
 import os, sys
 codes = []
@@ -683,9 +688,12 @@ def test_exits_with_threads_in_lookups_end(tmp_path, case):
     GIL back); one that holds the GIL for 0.7 s while threads come back from
     lookups (a thread blocked on the GIL when finalization starts is ended
     there: the process aborted, "terminate called without an active
-    exception", when they waited only 100 ms); and forked children that
-    exit normally (the parent's threads counted as taking the GIL back are
-    forgotten in the child; they hung for ever)."""
+    exception", when they waited only 100 ms); one that holds it for 3 s,
+    past that wait (the threads are blocked on the GIL when finalization
+    starts: Python's ending them aborted the process until they were parked
+    instead); and forked children that exit normally (the parent's threads
+    counted as taking the GIL back are forgotten in the child; they hung for
+    ever)."""
     script = tmp_path / "exit.py"
     script.write_text(_AT_EXIT[case])
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
