@@ -671,8 +671,11 @@ def lookup_impl(anchor: Tensor, handle: Tensor, dim: int, ids: List[Tensor], off
                            "holds the table of the module it was made from, not its weight); run the module, or a "
                            "program made from the module that holds the weights")
     table = entry.table
+    # A training table's features only where several read it: one segment of a table of one feature may as well
+    # be its module called on its own (the table's name says the feature anyway).
+    features = entry.features if entry.features is not None and len(entry.features) > 1 else None
     outs = _lookup_outputs(table, dim, ids, offsets, weights, segments, combiner, padding_idx, include_last_offset,
-                           entry.features)
+                           features)
     if with_step:
         outs.append(torch.tensor(table.step, dtype=torch.int64))
     return outs
@@ -706,10 +709,8 @@ def _lookup_outputs(table, dim: int, ids: List[Tensor], offsets: List[Tensor], w
     name = _COMBINER_NAMES[combiner]
     outs = []
     parts = _parts(ids, offsets, weights, segments, padding_idx, include_last_offset, combiner != SEQUENCE)
-    if features is not None and (len(features) < 2 or len(features) != len(parts)):
-        # A collection's call gives each of the table's features a segment; one segment of a table of one feature
-        # may as well be its module called on its own, and the table's name says the feature anyway.
-        features = None
+    if features is not None and len(features) != len(parts):
+        features = None  # not a collection's call, which gives each of the table's features a segment
     for k, p in enumerate(parts):
         rows = int(p.ids.shape[0]) if combiner == SEQUENCE else p.num_bags
         if rows:  # the engine's own output buffer, wrapped without a copy
