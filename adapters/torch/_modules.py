@@ -449,11 +449,21 @@ class _TableModule(_AdapterModule):
             values = values.view(torch.bfloat16)  # carried as its uint16 bits
         return values
 
-    def _attach(self, table: ec.Table, requires_grad: bool) -> None:
+    def _attach(self, table: ec.Table, requires_grad: bool, weight: Optional[nn.Parameter] = None) -> None:
+        """The module's weight becomes a view of `table`'s values: a new
+        Parameter, or `weight` itself with its values copied into the table
+        (a copied module's: the Parameter that an optimizer copied in the same
+        deepcopy or pickle holds)."""
         self._table = table
         self._record_padding()
         values = self._engine_values()
-        self.weight = nn.Parameter(values, requires_grad=requires_grad)
+        if weight is None:
+            weight = nn.Parameter(values, requires_grad=requires_grad)
+        else:
+            with torch.no_grad():
+                values.copy_(weight)
+            weight.data = values
+        self.weight = weight
         self._values_ptr = values.data_ptr()
         self._training_state()
 
@@ -834,9 +844,14 @@ class _TableModule(_AdapterModule):
         # The table's own initializer, though the values are copied over it: reset_parameters() and a
         # checkpoint's config need it.
         table = ec.Table(config, device=None if device == "cpu" else device)
-        self._attach(table, requires_grad=old.requires_grad)
-        with torch.no_grad():
-            self.weight.copy_(old)
+        # A deep copy's (or an unpickled) Parameter stays the weight: a torch optimizer copied with the module (one
+        # deepcopy or pickle of both) holds it in its param_groups and state; a new one left that optimizer
+        # stepping an orphan. copy.copy's is the original's own weight, a view of the original's table: not that.
+        shared = old.data_ptr() == self.__dict__.get("_values_ptr")
+        self._attach(table, requires_grad=old.requires_grad, weight=None if shared else old)
+        if shared:
+            with torch.no_grad():
+                self.weight.copy_(old)
         with torch.no_grad():
             for k, v in slots.items():
                 if device == "cpu":

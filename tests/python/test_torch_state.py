@@ -460,6 +460,32 @@ def test_copies_are_independent_tables(rng, how):
     assert a.table.step == 3 and b.table.step == 3 and not torch.equal(a.weight, before)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_model_copied_with_its_torch_optimizer_trains_as_nn(rng, how, sparse):
+    """copy.deepcopy((model, optimizer)) or a pickle of both, mid-training:
+    the copied optimizer holds the copy's weight and steps the copy's table,
+    as with nn.EmbeddingBag (it held an orphan copy of the weight, and the
+    copied model stopped learning, silently)."""
+    copy_of = {"deepcopy": copy.deepcopy, "pickle": lambda x: pickle.loads(pickle.dumps(x))}[how]
+    w0 = torch.as_tensor(uniform_weights(rng, ROWS, DIM))
+    batches = [bags(rng, ROWS, 8)[:2] for _ in range(3)]
+    weights = []
+    for cls in (torch.nn.EmbeddingBag, et.EmbeddingBag):
+        m = cls.from_pretrained(w0.clone(), freeze=False, mode="sum", sparse=sparse)
+        opt = (torch.optim.SparseAdam if sparse else torch.optim.Adam)(m.parameters(), lr=0.1)
+        for k, (ids, offsets) in enumerate(batches):
+            if k == 1:
+                m, opt = copy_of((m, opt))
+                assert opt.param_groups[0]["params"][0] is m.weight
+            opt.zero_grad()
+            m(ids, offsets[:-1]).pow(2).sum().backward()
+            opt.step()
+        weights.append(m.weight.detach().clone())
+    assert max_diff(weights[0], weights[1]) <= 1e-6
+    assert max_diff(weights[1], w0) > 0.1
+
+
 @pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
 def test_copies_of_a_fused_optimizer_keep_their_tables(rng, how):
     """A copy of ``fused_optimizer`` had no tables (torch.optim.Optimizer's
