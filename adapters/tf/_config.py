@@ -118,9 +118,14 @@ _schedule = TfLearningRate
 
 # ------------------------------------------------------------------ initializers
 def _seeded(init) -> bool:
-    """Whether a Keras / TensorFlow initializer has a seed: an int, or a
-    ``keras.random.SeedGenerator`` (whose values it reproduces too)."""
-    return getattr(init, "seed", None) is not None
+    """Whether a Keras / TensorFlow initializer was given a seed: an int, or
+    a ``keras.random.SeedGenerator`` (whose values it reproduces too). Keras
+    3 keeps the seed it was given in ``_init_seed``: its ``seed`` is a
+    random one when none was given, which its config does not keep (so a
+    rebuilt layer would start elsewhere)."""
+    given = vars(init).get("_init_seed", getattr(init, "seed", None)) if hasattr(init, "__dict__") else \
+        getattr(init, "seed", None)
+    return given is not None
 
 
 def initializer_from_tf(init, name: str, dim: int) -> Tuple[Optional[ec.initializers.Initializer], Optional[Callable]]:
@@ -183,15 +188,21 @@ class TableSpec:
                              self.initializer or ec.initializers.Zeros(), self.optimizer, self.combiner)
         table = ec.Table(cfg)
         if self.init_fn is not None:
-            # Eagerly, also when the table is first built inside a traced function (a subclassed Keras model's
-            # first model.fit step, a first call inside tf.function): there the initializer's output would be a
-            # symbolic tensor, which has no values to copy into the table.
-            with tf.init_scope(), contextlib.ExitStack() as scope:
-                if not tf.executing_eagerly():  # a TF1-style graph (tf.Graph().as_default()): no eager outside it
-                    scope.enter_context(context.eager_mode())
-                value = self.init_fn((self.rows, self.dim), dtype=tf.float32)
-            table.assign(np.asarray(value.numpy() if hasattr(value, "numpy") else value, dtype=np.float32))
+            table.assign(self._initial_values())
+            table._reset_with = self._initial_values  # (reset_values: the callable's values again, not zeros)
         return table
+
+    def _initial_values(self) -> np.ndarray:
+        """The values of `init_fn` for the whole table. Eagerly, also when
+        the table is first built inside a traced function (a subclassed
+        Keras model's first model.fit step, a first call inside
+        tf.function): there the initializer's output would be a symbolic
+        tensor, which has no values to copy into the table."""
+        with tf.init_scope(), contextlib.ExitStack() as scope:
+            if not tf.executing_eagerly():  # a TF1-style graph (tf.Graph().as_default()): no eager outside it
+                scope.enter_context(context.eager_mode())
+            value = self.init_fn((self.rows, self.dim), dtype=tf.float32)
+        return np.asarray(value.numpy() if hasattr(value, "numpy") else value, dtype=np.float32)
 
     def __repr__(self) -> str:
         return f"TableSpec({self.name!r}, {self.rows}x{self.dim}, combiner={self.combiner!r})"

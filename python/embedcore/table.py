@@ -678,7 +678,14 @@ class Table(LookupMixin):
         its block of the whole table). The slots and step stay as they are.
         A ``Zeros`` table's memory is handed back (it takes memory again only
         as rows are written, as when it was made). One native call, under the table's lock: lookups see the old values
-        or the new ones, and an interrupt (Ctrl-C) comes before or after it."""
+        or the new ones, and an interrupt (Ctrl-C) comes before or after it.
+        A table that the TensorFlow adapter filled from a Keras / TensorFlow
+        initializer it calls gets that initializer's values again (the same
+        values for an int seed)."""
+        again = self.__dict__.get("_reset_with")
+        if again is not None:
+            self.assign(again())
+            return
         self._native.reset_values()
 
     def assign_slot(self, name: str, values, start_row: int = 0) -> None:

@@ -433,6 +433,20 @@ def test_initializers_of_the_one_table_form():
     layer = Embedding(50, 4, initializer=tf_init, table_name="u")
     layer.build()
     np.testing.assert_array_equal(layer._embedcore_tables()[0].values(), tf_init((50, 4)).numpy())
+    table = layer._embedcore_tables()[0]  # reset_values: the initializer's values again (was: zeros)
+    table.assign(np.ones((50, 4), np.float32))
+    table.reset_values()
+    np.testing.assert_array_equal(table.values(), tf_init((50, 4)).numpy())
+    # Unseeded (Keras 3 gives it a random seed of its own, which its config drops): drawn by the engine, seeded
+    # by the table's name, so a layer rebuilt from its config starts from the same values.
+    unseeded = keras.initializers.RandomUniform(-0.05, 0.05)
+    layer = Embedding(50, 4, initializer=unseeded, table_name="w")
+    layer.build()
+    drawn = layer._embedcore_tables()[0].values()
+    assert np.abs(drawn).max() <= 0.05 and drawn.std() > 0.01
+    rebuilt = Embedding.from_config(layer.get_config())
+    rebuilt.build()
+    np.testing.assert_array_equal(rebuilt._embedcore_tables()[0].values(), drawn)
     # Seeded with a keras.random.SeedGenerator (was: a TypeError from int(seed)): TensorFlow's own values,
     # as TPUEmbeddingForServing gives them.
     from embedcore.adapters.tf import EmbeddingForServing
@@ -455,8 +469,9 @@ def test_initializers_of_the_one_table_form():
                                        E.Adam(0.05), ec.optimizers.RowWiseAdagrad(0.3)],
                          ids=["ec-adagrad", "tf-adam", "ec-rowwise-adagrad"])
 @pytest.mark.parametrize("initializer", [None, ec.initializers.Uniform(-0.1, 0.1, seed=5),
-                                         keras.initializers.RandomNormal(0.0, 0.3, seed=4)],
-                         ids=["default", "ec-uniform", "keras-normal"])
+                                         keras.initializers.RandomNormal(0.0, 0.3, seed=4),
+                                         keras.initializers.RandomUniform(-0.05, 0.05)],
+                         ids=["default", "ec-uniform", "keras-normal", "keras-unseeded"])
 def test_config_round_trip_keeps_optimizer_and_initializer(rng, optimizer, initializer):
     # from_config(get_config()) / clone_model build a layer with the same table values that trains as the
     # original does (was: no optimizer, so the clone's table silently never trained).
@@ -540,7 +555,8 @@ def test_first_build_inside_a_traced_function(rng, name):
     called)."""
     rows, dim = 100, 8
     init = _initializers()[name]
-    eager = Embedding(rows, dim, initializer=init, table_name="eager")
+    # One table name throughout: an unseeded uniform is drawn by the engine, seeded by the table's name.
+    eager = Embedding(rows, dim, initializer=init, table_name="t")
     eager.build()
     expected = eager._embedcore_tables()[0].values().copy()
     # TensorFlow's own build of a table with this initializer, where TensorFlow's config takes it
@@ -551,7 +567,7 @@ def test_first_build_inside_a_traced_function(rng, name):
         np.testing.assert_array_equal(expected, next(iter(theirs.embedding_tables.values())).numpy())
 
     # first call inside tf.function: both forms of the layer
-    for layer in (Embedding(rows, dim, initializer=init, optimizer=E.SGD(0.1), table_name="traced"),
+    for layer in (Embedding(rows, dim, initializer=init, optimizer=E.SGD(0.1), table_name="t"),
                   Embedding(feature_config={"f": E.FeatureConfig(E.TableConfig(rows, dim, initializer=init,
                                                                                name="t"))}, optimizer=E.SGD(0.1))):
         ids = tf.constant([[1, 2]])
@@ -564,7 +580,7 @@ def test_first_build_inside_a_traced_function(rng, name):
     class Model(keras.Model):
         def __init__(self):
             super().__init__()
-            self.emb = Embedding(rows, dim, optimizer=E.SGD(0.1), initializer=init, table_name="fit")
+            self.emb = Embedding(rows, dim, optimizer=E.SGD(0.1), initializer=init, table_name="t")
             self.head = keras.layers.Dense(1)
 
         def call(self, ids):
