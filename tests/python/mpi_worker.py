@@ -666,9 +666,10 @@ def mode_abort_in_save(world, model: "Model", directory: str) -> None:
     print(f"UNREACHABLE rank {world.rank}: the save ended", flush=True)
 
 
-def mode_rank0_save(world, model: "Model", directory: str) -> None:
+def mode_rank0_save(world, model: "Model", directory: str, finalize: bool = False) -> None:
     """Only rank 0 saves (a collective call); the other ranks end the program
-    normally. Their exit meets rank 0's save, which raises
+    normally (with `finalize`, calling MPI.Finalize() first, as mpi4py
+    programs often do). Their exit meets rank 0's save, which raises
     CollectiveMismatchError (aborting the job) instead of waiting for them
     forever."""
     emb = model.sharded(world, cross_optimizer(), "row_wise")
@@ -677,6 +678,11 @@ def mode_rank0_save(world, model: "Model", directory: str) -> None:
         print("UNREACHABLE rank 0: the save returned", flush=True)
     else:
         print(f"rank {world.rank}: ending the program", flush=True)
+        if finalize:
+            from mpi4py import MPI
+
+            MPI.Finalize()
+            print(f"UNREACHABLE rank {world.rank}: MPI.Finalize() returned", flush=True)
         sys.exit(0)
 
 
@@ -765,6 +771,7 @@ def main(argv=None) -> int:
                                                    "rank0_save", "abort_in_save", "towers"])
     ap.add_argument("--dir", help="a directory every rank sees (save / restore; train makes one when absent)")
     ap.add_argument("--no-abort", action="store_true", help="init('mpi', abort_on_error=False)")
+    ap.add_argument("--finalize", action="store_true", help="rank0_save: the other ranks call MPI.Finalize()")
     args = ap.parse_args(argv)
     if any(m in ("save", "restore", "rank0_save", "abort_in_save") for m in args.modes) and not args.dir:
         ap.error("save, restore, rank0_save and abort_in_save need --dir")
@@ -788,7 +795,7 @@ def main(argv=None) -> int:
         elif mode == "towers":
             mode_towers(world, chk)
         elif mode == "rank0_save":
-            mode_rank0_save(world, model, args.dir)
+            mode_rank0_save(world, model, args.dir, args.finalize)
         elif mode == "abort_in_save":
             mode_abort_in_save(world, model, args.dir)
         elif mode == "save":

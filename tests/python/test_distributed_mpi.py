@@ -207,13 +207,16 @@ def test_uncaught_error_aborts_the_job():
     assert seconds < 60, f"the abort took {seconds:.0f} s"
 
 
-@pytest.mark.parametrize("extra", [(), ("--no-abort",)], ids=["default", "abort_on_error_false"])
+@pytest.mark.parametrize("extra", [(), ("--no-abort",), ("--finalize",)],
+                         ids=["default", "abort_on_error_false", "mpi_finalize_called"])
 def test_a_rank_ending_while_another_saves_aborts_the_job(tmp_path, extra):
     """Only rank 0 saves (a collective call) while rank 1 ends normally: at
     exit the ranks meet once more, so rank 0's save raises
     CollectiveMismatchError naming rank 1's exit and the job ends, instead of
     rank 0 waiting for rank 1 forever; with abort_on_error=False too (it
-    keeps MPI's default for uncaught exceptions only)."""
+    keeps MPI's default for uncaught exceptions only); and when rank 1 calls
+    MPI.Finalize() itself, the meeting is in it (it waited there for ever,
+    before any exit handler ran)."""
     rc, out, seconds = worker(2, "rank0_save", directory=str(tmp_path), extra=extra)
     assert rc != 0, out
     # Rank 0's save or rank 1's exit meeting reports it (whichever aborts the job first; the other may be cut).

@@ -407,6 +407,8 @@ EXIT_STEP = "exit: the program ended"
 
 
 _exit_check = []  # the MPIComm of COMM_WORLD whose ranks meet at exit, once registered
+_exit_met = []  # [True] once this rank has met the others (at MPI_Finalize or at exit)
+_finalize_keyval = []  # the MPI attribute key whose deletion at MPI_Finalize runs the meeting
 
 
 def _agree_at_exit(comm: "MPIComm") -> None:
@@ -416,9 +418,11 @@ def _agree_at_exit(comm: "MPIComm") -> None:
     (which aborts the job) instead of waiting for them forever. A rank that
     meets such a call here aborts the job too, naming it. A rank that ends
     early waits here for the others (polling, as in any MPI collective).
-    Nothing to do once MPI is finalized."""
-    if comm._MPI.Is_finalized():
+    Nothing to do once MPI is finalized, or once met (a program that calls
+    ``MPI.Finalize()`` itself meets there, and not again at exit)."""
+    if comm._MPI.Is_finalized() or _exit_met:
         return
+    _exit_met.append(True)
     try:
         agree(comm, None, step=EXIT_STEP)
     except CollectiveMismatchError as e:
@@ -435,6 +439,13 @@ def _check_at_exit(comm: "MPIComm") -> None:
     if not _exit_check and comm._comm == comm._MPI.COMM_WORLD:
         _exit_check.append(comm)
         atexit.register(_agree_at_exit, comm)  # after mpi4py's MPI_Finalize hook, so it runs before it
+        # A program that calls MPI.Finalize() itself (common mpi4py boilerplate) would wait there for a
+        # rank still in a collective call, before any exit handler runs. MPI_Finalize first frees
+        # MPI_COMM_SELF's attributes, while MPI is still whole: the deletion of this one meets the others.
+        MPI = comm._MPI
+        key = MPI.Comm.Create_keyval(delete_fn=lambda _comm, _key, _value: _agree_at_exit(comm))
+        MPI.COMM_SELF.Set_attr(key, None)
+        _finalize_keyval.append(key)
 
 
 def init(backend: str = "mpi", **kwargs) -> Comm:
@@ -446,8 +457,9 @@ def init(backend: str = "mpi", **kwargs) -> Comm:
     A rank still in a collective call (a save) when another ends aborts the
     job too, whatever ``abort_on_error``: at exit (normal, or after an
     uncaught exception: exit handlers still run), the ranks of
-    ``MPI.COMM_WORLD`` meet once more, so none waits forever for one that has
-    gone (not for a ``comm=`` of your own, which may be freed before exit).
+    ``MPI.COMM_WORLD`` meet once more (in ``MPI.Finalize()`` when the program
+    calls it), so none waits forever for one that has gone (not for a
+    ``comm=`` of your own, which may be freed before exit).
     ``"nccl"``: GPU ranks (the CUDA build with NCCL): ``init("nccl",
     bootstrap=comm | store=torch_store | file=path, rank=, size=, device=)``;
     NCCL's unique id goes from rank 0 to the others over the bootstrap
