@@ -1544,14 +1544,24 @@ def test_a_mismatch_names_the_field_given_not_another_table_s_shards_it_moved():
             "differ:")[1].split(";")[0], str(e)
 
 
-@pytest.mark.parametrize("case", ["dim", "learning rate", "max_sequence_length", "plan", "initializer", "dtype",
-                                  "combiner"])
+def _decay(step):
+    return 0.05 / (1 + step)
+
+
+def _warmup(step):
+    return 0.05 * min(1, step / 100)
+
+
+@pytest.mark.parametrize("case", ["dim", "learning rate", "schedule", "schedules", "max_sequence_length", "plan",
+                                  "initializer", "dtype", "combiner"])
 def test_a_construction_mismatch_names_the_table_the_field_and_both_values(case):
     """Every rank holds every rank's description of the embedding, so the
     ValueError says where they first differ: the table (or feature), the
     field, and both ranks' values. An initializer (here its seed), a dtype
     or a combiner that differs is refused too: each rank would otherwise
-    start its shards from its own values, or pool its bags its own way."""
+    start its shards from its own values, or pool its bags its own way. A
+    learning-rate schedule is named (the rank that passed one was said to
+    have a rate of None)."""
     def fn(world):
         odd = world.rank == 1
         table = ec.TableConfig("user", 100, 32 if odd and case == "dim" else 16,
@@ -1560,13 +1570,16 @@ def test_a_construction_mismatch_names_the_table_the_field_and_both_values(case)
                                initializer=init.Uniform(-1, 1, seed=8 if odd and case == "initializer" else 7))
         other = ec.TableConfig("item", 50, 4)
         seq = 7 if odd and case == "max_sequence_length" else 5
-        lr = 0.5 if odd and case == "learning rate" else 0.05
+        lr = {"learning rate": 0.5 if odd else 0.05, "schedule": _decay if odd else 0.05,
+              "schedules": _decay if odd else _warmup}.get(case, 0.05)
         sharding = {"user": "column_wise" if odd and case == "plan" else "row_wise"}
         return ec.Embedding({"u": ec.FeatureConfig(table), "h": ec.FeatureConfig(other, max_sequence_length=seq)},
                             opt.Adagrad(lr), world=world, sharding=sharding)
 
     want = {"dim": ("table 'user' dim", "32", "16"),
             "learning rate": ("optimizer learning_rate: rank", "0.5", "0.05"),
+            "schedule": ("optimizer learning_rate: rank", "has the schedule '_decay'", "has 0.05"),
+            "schedules": ("optimizer learning_rate: rank", "has the schedule '_decay'", "has the schedule '_warmup'"),
             "max_sequence_length": ("feature 'h' max_sequence_length", "7", "5"),
             "plan": ("table 'user' sharding", "column_wise", "row_wise"),
             "initializer": ("table 'user' initializer", "seed=8", "seed=7"),

@@ -64,6 +64,13 @@ def _whole_bags(ts: TableSharding) -> bool:
 _DERIVED = frozenset({"sharding"})
 
 
+def _rate(optimizer: dict) -> str:
+    """An optimizer description's learning rate, as an error shows it: the
+    constant, or the schedule's name (its description's rate is None)."""
+    schedule = optimizer.get("learning_rate_schedule")
+    return f"the schedule {schedule!r}" if schedule is not None else repr(optimizer.get("learning_rate"))
+
+
 def _first_difference(r: int, theirs: tuple, m: int, mine: tuple) -> str:
     """Where rank `r`'s construction description first differs from rank
     `m`'s: the table or feature, the field, and both ranks' values; fields
@@ -76,10 +83,13 @@ def _first_difference(r: int, theirs: tuple, m: int, mine: tuple) -> str:
                 if not diffs:
                     continue
                 field, u, v = diffs[0]
+                which = repr(dict(y)["name"]) if field != "name" else f"#{i}"
                 if isinstance(u, dict) and isinstance(v, dict):  # an optimizer: its class, or its first other field
                     key = next(k for k in list(v) + list(u) if u.get(k) != v.get(k))
+                    if key in ("learning_rate", "learning_rate_schedule"):  # a schedule is described by its name
+                        return (f"{kind} {which} {field} learning_rate: rank {r} has {_rate(u)}, rank {m} has "
+                                f"{_rate(v)}")
                     field, u, v = f"{field} {key}", u.get(key), v.get(key)
-                which = repr(dict(y)["name"]) if field != "name" else f"#{i}"
                 return f"{kind} {which} {field}: rank {r} has {u!r}, rank {m} has {v!r}"
             if len(a) != len(b):
                 return (f"rank {r} has {len(a)} {kind}s {[dict(x)['name'] for x in a]}, rank {m} has {len(b)} "
