@@ -504,6 +504,8 @@ class _TableModule(_AdapterModule):
                                      features=getattr(self, "_features", None))
         self._handle_t = _ops.handle_tensor(self._handle)  # (what the op takes: see handle_tensor)
         self._group = group
+        if fused and self.weight.requires_grad:
+            self._refuse_weight_gradients(self.weight)
         if fused:  # its group and slot views are of this optimizer: Table.set_optimizer refuses to replace it
             # while the registration lives (this module, or a graph of its lookups whose backward steps it)
             table._hold_optimizer(_ops._entry(self._handle), f"a PyTorch {type(self).__name__}")
@@ -602,7 +604,6 @@ class _TableModule(_AdapterModule):
                 return True
             if _optim.stepped(weight):
                 return False
-            owner = type(self).__name__
             found = _optim.engine_optimizer(weight, self._owner())
             if found is None:
                 return False
@@ -614,19 +615,39 @@ class _TableModule(_AdapterModule):
                 self._lr_decay = lr_decay  # (the group made below keeps it)
                 self._from_in_backward = True  # before the group appears: another thread's lookup may see it
                 self._training_state()  # the old registration stays for graphs made before (released with them)
-            message = (f"{owner}: table '{self._table.name}' trains fused with the engine's "
-                       f"{type(optimizer).__name__} (from apply_optimizer_in_backward), which steps on its lookups' "
-                       "gradients; its weight got a gradient of its own (weight tying, or a penalty on the weight), "
-                       "which neither that optimizer nor PyTorch's would apply. Keep the weight out of other terms "
-                       "of the loss, or train it unfused (pass sparse=False and no apply_optimizer_in_backward)")
-
-            def refuse(grad):
-                if grad is not None:  # (compiled autograd may call the hook without one)
-                    raise RuntimeError(message)
-
-            if weight.requires_grad:  # (a frozen weight gets no gradient, and takes no hook)
-                weight.register_hook(refuse)
             return True
+
+    def _refuse_weight_gradients(self, weight: Tensor) -> None:
+        """A fused table's weight gets no gradient from its lookups (theirs
+        goes to the anchor, and the engine's optimizer steps on it); one it
+        gets otherwise (weight tying, a penalty on the weight) neither that
+        optimizer nor a dense one that leaves the weight out (docs/torch.md's
+        recipe) would apply, so backward raises instead. Once per weight (a
+        copied weight has no hooks); called by each trainable fused lookup,
+        so a weight unfrozen later, or a copy's, has it too."""
+        hooks = weight._backward_hooks
+        if hooks and any(getattr(h, "_embedcore_refuses", False) for h in hooks.values()):
+            return
+        owner = weakref.ref(self)
+
+        def refuse(grad):
+            if grad is None:  # (compiled autograd may call the hook without one)
+                return
+            module = owner()
+            if module is None:
+                return
+            table = module._table
+            how, unfused = (("from apply_optimizer_in_backward", "sparse=False and no apply_optimizer_in_backward")
+                            if module.__dict__.get("_from_in_backward") else ("optimizer=", "no optimizer="))
+            raise RuntimeError(
+                f"{type(module).__name__}: table '{table.name}' trains fused with the engine's "
+                f"{type(table.optimizer).__name__} ({how}), which steps on its lookups' gradients; its weight got a "
+                "gradient of its own (weight tying, or a penalty on the weight), which neither that optimizer nor "
+                f"PyTorch's would apply. Keep the weight out of other terms of the loss, or train it unfused (pass "
+                f"{unfused}, and give the weight to a PyTorch optimizer)")
+
+        refuse._embedcore_refuses = True
+        weight.register_hook(refuse)
 
     # ------------------------------------------------------------ lookup
     @property
@@ -679,6 +700,7 @@ class _TableModule(_AdapterModule):
         if not (weight.requires_grad and torch.is_grad_enabled()):
             return self._frozen_anchor, _ops.FUSED
         if not compiling:
+            self._refuse_weight_gradients(weight)
             # A rate the update cannot use raises now, before any backward: with dict inputs each table has its
             # own backward, and the others would step before this one's raised. (Not traced: a compiled graph
             # would guard on the rate's value, and recompile whenever a scheduler changed it; its backward

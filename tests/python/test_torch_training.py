@@ -1156,6 +1156,38 @@ def test_apply_optimizer_in_backward_refuses_a_gradient_of_the_weight_itself(rng
         ((m(ids, offsets) ** 2).sum() + (m.weight ** 2).sum()).backward()
 
 
+@pytest.mark.parametrize("how", ["as made", "unfrozen later", "deep-copied", "pickled"])
+def test_optimizer_refuses_a_gradient_of_the_weight_itself(rng, how):
+    """With optimizer= too (as with apply_optimizer_in_backward, above): a
+    gradient of the fused weight itself (a tied output projection, a penalty)
+    raises in backward. It was kept in weight.grad and never applied (the
+    docs' dense optimizer leaves the weight out) while the lookups' rows
+    stepped. A copy's weight, or one unfrozen after it was made, refuses too;
+    a frozen one gets no gradient."""
+    import copy
+    import pickle
+
+    w = uniform_weights(rng, ROWS, DIM)
+    m = et.EmbeddingBag.from_pretrained(w, freeze=how == "unfrozen later", mode="sum", include_last_offset=True,
+                                        optimizer=ec.optimizers.SGD(0.1))
+    ids, offsets, _ = bags(rng, ROWS, 4)
+    if how == "unfrozen later":
+        assert not m(ids, offsets).requires_grad  # frozen: no hook
+        m.weight.requires_grad_(True)
+    elif how == "deep-copied":
+        m = copy.deepcopy(m)
+    elif how == "pickled":
+        m = pickle.loads(pickle.dumps(m))
+    before = m.table.to_numpy().copy()
+    with pytest.raises(RuntimeError, match=r"trains fused with the engine's SGD \(optimizer=\).*weight got a "
+                                           r"gradient of its own"):
+        out = m(ids, offsets)
+        (torch.nn.functional.linear(out, m.weight).sum() + (m.weight ** 2).sum()).backward()
+    # The lookups alone still train it.
+    (m(ids, offsets) * torch.randn(4, DIM)).sum().backward()
+    assert m.weight.grad is None and not np.array_equal(m.table.to_numpy(), before)
+
+
 def test_apply_optimizer_in_backward_with_lr_decay_pickles(rng):
     import pickle
 
