@@ -98,6 +98,21 @@ EMBEDCORE_TEST(ErrorsAreTypedExceptions) {
                                       3),
                           ecs::InvalidArgument, "out holds 3 floats");
   EMBEDCORE_EXPECT_THROWS(ckpt.reload(dir.Sub("missing")), ecs::CheckpointError, "embedcore_reload");
+  // An output no machine can hold (2 bags of L rows: 2^60 floats) is an Error too, not the std::bad_alloc that a
+  // server's catch of ecs::Error would miss (std::terminate); the vector is unchanged. (Not under AddressSanitizer,
+  // whose operator new never throws: it reports the failed allocation and ends the process.)
+#if !defined(__SANITIZE_ADDRESS__)
+  {
+    const int64_t dim = ckpt.table(0).dim, L = (int64_t(1) << 59) / dim;
+    std::vector<float> out(5, 7.0f);
+    const std::vector<int64_t> ids = {0, 1}, offsets = {0, 1, 2};
+    EMBEDCORE_EXPECT_THROWS(ckpt.lookup(0, ecs::Batch(ids, offsets), out, ecs::Combiner::kNone, L), ecs::OutOfMemory,
+                            "Checkpoint::lookup: its output of ");
+    EMBEDCORE_EXPECT_EQ(out.size(), size_t(5));
+    EMBEDCORE_EXPECT_THROWS(ckpt.lookup(0, ecs::Batch(ids, offsets), ecs::Combiner::kNone, L), ecs::OutOfMemory,
+                            "floats cannot be allocated");
+  }
+#endif
 
   // A failed lookup into a vector leaves it as it was, size and values (it was resized first: a server reusing
   // its buffer then held zeros of the size of a request that failed).

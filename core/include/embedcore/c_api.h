@@ -111,7 +111,8 @@ enum embedcore_dtype {
 /** Integer type of a batch's ids. */
 enum embedcore_id_type { EMBEDCORE_ID_INT32 = 0, EMBEDCORE_ID_INT64 = 1 };
 
-/** How the rows of a bag become one output row. */
+/** How the rows of a bag become one output row (w_i = 1 without weights;
+    zeros for an empty bag, and for MEAN / SQRTN where the divisor is 0). */
 enum embedcore_combiner {
   /** The table's combiner, as saved in its config (Python's default). */
   EMBEDCORE_COMBINER_DEFAULT = -1,

@@ -14,13 +14,15 @@
 //
 // Every failure throws embedcore::serving::Error (a std::runtime_error), or a
 // subclass named after the status: InvalidArgument, OutOfRange,
-// CheckpointError, IoError. Thread safety is the C API's: a Checkpoint may be
+// CheckpointError, IoError, OutOfMemory (also when the vector a lookup
+// returns cannot be allocated). Thread safety is the C API's: a Checkpoint may be
 // used by any number of threads at once (lookups and reload()), and is
 // destroyed (closed) when none uses it any more.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -61,6 +63,11 @@ class IoError : public Error {
  public:
   using Error::Error;
 };
+/// EMBEDCORE_OUT_OF_MEMORY, and a lookup's output vector that cannot be allocated.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
 
 /// Throws the exception of `status` with the calling thread's last error.
 inline void Check(int status) {
@@ -75,6 +82,8 @@ inline void Check(int status) {
       throw CheckpointError(status, message);
     case EMBEDCORE_IO_ERROR:
       throw IoError(status, message);
+    case EMBEDCORE_OUT_OF_MEMORY:
+      throw OutOfMemory(status, message);
     default:
       throw Error(status, message);
   }
@@ -340,7 +349,8 @@ class Checkpoint {
               int64_t max_sequence_length = 0) const {
     const size_t n = size_t(lookup_size(table, batch, combiner, max_sequence_length));
     const size_t before = out.size();
-    if (n > before) out.resize(n);  // (grown only: a shrink would drop values the error must leave)
+    // (Grown only: a shrink would drop values the error must leave.)
+    if (n > before) Resize(out, n, "Checkpoint::lookup");
     try {
       lookup(table, batch, out.data(), int64_t(n), combiner, max_sequence_length);
     } catch (...) {
@@ -361,12 +371,26 @@ class Checkpoint {
     Check(embedcore_lookup_feature(Handle(), feature, batch.c_batch(), out, out_len));
   }
   std::vector<float> lookup_feature(int64_t feature, const Batch& batch) const {
-    std::vector<float> out(size_t(feature_lookup_size(feature, batch)));
+    std::vector<float> out;
+    Resize(out, size_t(feature_lookup_size(feature, batch)), "Checkpoint::lookup_feature");
     lookup_feature(feature, batch, out.data(), int64_t(out.size()));
     return out;
   }
 
  private:
+  // `out` resized to the `n` floats of `what`'s output; a size the process
+  // cannot allocate (or that no vector can hold) throws OutOfMemory, as every
+  // failure throws an Error, and leaves `out` as it was.
+  static void Resize(std::vector<float>& out, size_t n, const char* what) {
+    try {
+      out.resize(n);
+      return;
+    } catch (const std::bad_alloc&) {
+    } catch (const std::length_error&) {
+    }
+    throw OutOfMemory(EMBEDCORE_OUT_OF_MEMORY, std::string(what) + ": its output of " + std::to_string(n) +
+                                                     " floats cannot be allocated");
+  }
   // `s` as the C string the call takes; a NUL character in it (which would
   // end the C string there: another path, another name) is refused.
   static const char* CString(const std::string& s, const char* what) {
