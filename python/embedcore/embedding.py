@@ -19,6 +19,23 @@ class FeatureLookup:
     of a served checkpoint. Subclasses set ``_feature_config``, ``_features``,
     ``_feature_names`` and implement ``_table(feature)``."""
 
+    def _wheres(self, kind: str) -> List[str]:
+        """Each feature's input (`kind`: "features", "grads") as errors name
+        it: by its path in the structure the caller passes
+        (``features['user/clicks']``), and by its name too where that differs
+        (a FeatureConfig's ``name=``: ``features['slot_a'] (feature
+        'clicks')``); a lone top-level feature by its name."""
+        cached = self.__dict__.get("_wheres_of")
+        if cached is None or cached[0] is not self._feature_config:
+            paths = [path for path, _ in _nest.flatten_with_paths(self._feature_config)]
+            cached = (self._feature_config, {})
+            for path, name in zip(paths, self._feature_names):
+                for k in ("features", "grads"):
+                    cached[1].setdefault(k, []).append(f"{k}[{(path or name)!r}]" +
+                                                       (f" (feature {name!r})" if path and path != name else ""))
+            self.__dict__["_wheres_of"] = cached
+        return cached[1][kind]
+
     def _combiner(self, f: FeatureConfig) -> Optional[str]:
         return None if f.max_sequence_length > 0 else f.table.combiner
 
@@ -32,15 +49,15 @@ class FeatureLookup:
         if getattr(self, "_device", -1) >= 0:
             return _nest.pack_like(self._feature_config, features, self._cuda_lookup(flat_inputs, flat_weights))
         batches: List[Batch] = []
-        for name, x, w in zip(self._feature_names, flat_inputs, flat_weights):
-            batches.append(make_batch(x, None, w, where=f"features[{name!r}]"))
+        for where, x, w in zip(self._wheres("features"), flat_inputs, flat_weights):
+            batches.append(make_batch(x, None, w, where=where))
         outputs = []
-        for name, f, b in zip(self._feature_names, self._features, batches):
+        for where, f, b in zip(self._wheres("features"), self._features, batches):
             # The engine's errors (a bad id, bad offsets) name the feature: features may share a table.
             try:
                 outputs.append(self._table(f)._lookup_batch(b, self._combiner(f), f.max_sequence_length))
             except (IndexError, ValueError) as e:
-                raise in_callers_terms(e, b, f"features[{name!r}]") from None
+                raise in_callers_terms(e, b, where) from None
         # Kept for apply_gradients, as copies: the caller may reuse its id buffers before the step.
         # A lookup that cannot train keeps nothing (a served request's ids are freed with it).
         self._last = [b.owned() for b in batches] if self._trains else None
@@ -55,7 +72,11 @@ class Embedding(FeatureLookup):
     """Tables and the features that read them.
 
     feature_config: a nested dict / list / tuple of ``FeatureConfig``; several
-        features may share a ``TableConfig``.
+        features may share a ``TableConfig``. A feature's name (a checkpoint
+        records it, and the C API finds features by it) is its FeatureConfig's
+        ``name``, else its path in the structure (``"user/clicks"``); the
+        paths where two features would share a name. Errors name a feature's
+        input by its path (``features['slot_a'] (feature 'clicks')``).
     optimizer: the optimizer of every table whose config has none.
 
     ``emb(features, weights=None)`` looks up every feature (the same nested
@@ -112,7 +133,13 @@ class Embedding(FeatureLookup):
                                 f"got {f!r}")
         self._feature_config = feature_config
         self._features: List[FeatureConfig] = [f for _, f in flat]
-        self._feature_names = [f.name or path or f"feature_{i}" for i, (path, f) in enumerate(flat)]
+        # A feature's name (the checkpoint's, which the C API finds features by): its FeatureConfig's name, else its
+        # path in the structure; the paths alone where two features would share a name (one FeatureConfig at two
+        # places, or a name= equal to another feature's name or path), as the TensorFlow adapter's layer names them.
+        names = [f.name or path or f"feature_{i}" for i, (path, f) in enumerate(flat)]
+        if len(set(names)) < len(names):
+            names = [path or f"feature_{i}" for i, (path, _) in enumerate(flat)]
+        self._feature_names = names
         for name in self._feature_names:  # a name from the structure's keys, as a FeatureConfig's name is checked
             _check_utf8(f"Embedding: feature {name!r}", name)
         self._optimizer = optimizer
@@ -141,16 +168,15 @@ class Embedding(FeatureLookup):
     def _cuda_lookup(self, flat_inputs, flat_weights):
         """Every feature's lookup on the GPU (CUDA tensors in and out)."""
         outputs, parts, trains = [], [], self._trains
-        for name, f, x, w in zip(self._feature_names, self._features, flat_inputs, flat_weights):
+        for where, f, x, w in zip(self._wheres("features"), self._features, flat_inputs, flat_weights):
             table = self._tables[f.table]
-            ids, offsets, weights, ref, _ = _device.cuda_batch(table._device, x, None, w,
-                                                               where=f"features[{name!r}]")
+            ids, offsets, weights, ref, _ = _device.cuda_batch(table._device, x, None, w, where=where)
             combiner = self._combiner(f)
             length = 0 if combiner is not None else f.max_sequence_length
             try:  # normalised once: flat ids with offsets (no width, as a second cuda_batch would find)
                 outputs.append(table._cuda_lookup_batch((ids, offsets, weights, ref, None), combiner, length))
             except (IndexError, ValueError) as e:
-                raise in_callers_terms(e, where=f"features[{name!r}]") from None
+                raise in_callers_terms(e, where=where) from None
             if trains:  # copies, as the host lookups keep: the caller may refill its id buffers before the step
                 parts.append((_device.owned(ids), _device.owned(offsets), _device.owned(weights), combiner, length))
         self._last = parts if trains else None
@@ -189,7 +215,7 @@ class Embedding(FeatureLookup):
         if self._device >= 0:
             cuda_parts: Dict[TableConfig, list] = {}
             for name, f, (ids, offsets, weights, combiner, length), g in zip(
-                    self._feature_names, self._features, self._last, flat_grads):
+                    self._wheres("grads"), self._features, self._last, flat_grads):
                 table = self._table(f)
                 if table.optimizer is None:
                     raise ValueError(f"Embedding.apply_gradients: table '{table.name}' has no optimizer")
@@ -203,14 +229,14 @@ class Embedding(FeatureLookup):
             return
         parts: Dict[TableConfig, list] = {}
         names: Dict[TableConfig, list] = {}
-        for name, f, b, g in zip(self._feature_names, self._features, self._last, flat_grads):
+        for where, f, b, g in zip(self._wheres("grads"), self._features, self._last, flat_grads):
             table = self._table(f)
             if table.optimizer is None:
                 raise ValueError(f"Embedding.apply_gradients: table '{table.name}' has no optimizer "
                                  "(give its TableConfig or the Embedding one)")
-            part = table._gradient_part(b, self._combiner(f), f.max_sequence_length, g, where=f"grads[{name!r}]")
+            part = table._gradient_part(b, self._combiner(f), f.max_sequence_length, g, where=where)
             parts.setdefault(f.table, []).append(part)
-            names.setdefault(f.table, []).append(f"grads[{name!r}]")
+            names.setdefault(f.table, []).append(where)
         # Every check above, then every table's (apply_gradients_many), before any table changes.
         apply_gradients_many([(self._tables[cfg], table_parts, names[cfg]) for cfg, table_parts in parts.items()])
 

@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -342,8 +343,39 @@ def test_a_feature_config_s_own_name_names_its_feature(tmp_path, rng):
     want, got = emb(feats), served(feats)
     for k in feats:
         np.testing.assert_array_equal(got[k], want[k])
-    with pytest.raises(IndexError, match=r"features\['clicks'\]: table 't': id 99"):
+    with pytest.raises(IndexError, match=r"features\['slot_a'\] \(feature 'clicks'\): table 't': id 99"):
         emb({"slot_a": np.array([[99]]), "slot_b": np.array([[0]])})
+    with pytest.raises(ValueError, match=r"grads\['slot_a'\] \(feature 'clicks'\)"):
+        emb.apply_gradients({"slot_a": np.zeros((1, 3)), "slot_b": np.zeros((1, 2))})
+
+
+@pytest.mark.parametrize("case", ["a name= equal to another's key", "one FeatureConfig at two places",
+                                  "two alike name= values"])
+def test_features_that_would_share_a_name_are_named_by_their_paths(tmp_path, rng, case):
+    """Names are unique in a checkpoint, which the C API finds features by:
+    where two features would share one, each is named by its path (as the
+    TensorFlow adapter's layer names them). The second was unreachable by
+    name, and a bad id in it was reported under the other's input."""
+    user, item = (ec.TableConfig(n, 10, 2, initializer=ec.initializers.Uniform(-1, 1, seed=i))
+                  for i, n in enumerate(["user", "item"]))
+    shared = ec.FeatureConfig(user, name="clicks")
+    config = {"a name= equal to another's key": {"clicks": ec.FeatureConfig(user),
+                                                  "views": ec.FeatureConfig(item, name="clicks")},
+              "one FeatureConfig at two places": {"clicks": shared, "views": {"x": shared}},
+              "two alike name= values": {"clicks": ec.FeatureConfig(user, name="f"),
+                                         "views": ec.FeatureConfig(item, name="f")}}[case]
+    emb = ec.Embedding(config, ec.optimizers.SGD(0.1))
+    paths = ["clicks", "views/x" if case == "one FeatureConfig at two places" else "views"]
+    ec.save(tmp_path / "e", emb)
+    assert [f["name"] for f in read_manifest(tmp_path / "e")["metadata"]["features"]] == paths
+    bad = {"clicks": np.array([1]), "views": np.array([99])}
+    if case == "one FeatureConfig at two places":
+        bad["views"] = {"x": bad["views"]}
+    with pytest.raises(IndexError, match=re.escape(f"features['{paths[1]}']:")):
+        emb(bad)
+    served = ec.serving.open(tmp_path / "e")
+    with pytest.raises(IndexError, match=re.escape(f"features['{paths[1]}']:")):
+        served(bad)
 
 
 def test_a_feature_config_with_int_keys_serves_with_them(tmp_path, rng):

@@ -346,8 +346,8 @@ class ShardedEmbedding(Embedding):
         flat_weights = ([None] * len(flat_inputs) if weights is None
                         else _nest.flatten_up_to(self._feature_config, weights, "weights"))
         routes, shapes, batches = [], [], []
-        for fi, (name, f, x, w) in enumerate(zip(self._feature_names, self._features, flat_inputs, flat_weights)):
-            where = f"features[{name!r}]"
+        for fi, (where, f, x, w) in enumerate(zip(self._wheres("features"), self._features, flat_inputs,
+                                                   flat_weights)):
             b = make_batch(x, None, w, where=where)
             eff = self._effective[f.table]
             ids = b.ids
@@ -522,10 +522,10 @@ class ShardedEmbedding(Embedding):
                 rates[key] = table.learning_rate() if optimizer is None else optimizer.learning_rate_at(table.step)
             flat = _nest.flatten_up_to(self._feature_config, grads, "grads")
             parts: List[list] = [[] for _ in range(comm.size)]
-            for name, fr, shape, g in zip(self._feature_names, routes, shapes, flat):
-                g = as_float32(g, f"grads[{name!r}]")
+            for where, fr, shape, g in zip(self._wheres("grads"), routes, shapes, flat):
+                g = as_float32(g, where)
                 if g.shape != shape:
-                    raise ValueError(f"grads[{name!r}] must have shape {shape} (the lookup's output), got {g.shape}")
+                    raise ValueError(f"{where} must have shape {shape} (the lookup's output), got {g.shape}")
                 g2 = g.reshape(-1, shape[-1])
                 for r in fr:
                     s = r.shard
