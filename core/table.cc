@@ -651,9 +651,10 @@ void Table::AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src)
   const OptimizerSpec::SlotBound bound = spec_.optimizer.SlotLowerBound(i);
   for (int64_t k = 0; k < n * cols; ++k)
     if (!std::isfinite(src[k]) || !bound.Admits(src[k]))
-      throw InvalidArgument("table '" + spec_.name + "': slot " + spec_.optimizer.SlotNames()[i] + " value " +
-                            internal::FormatFloat(src[k]) + " at flat index " + std::to_string(k) + " is not " +
-                            (std::isfinite(src[k]) ? bound.Describe() : std::string("finite")));
+      throw InvalidArgument("table '" + spec_.name + "': slot " + spec_.optimizer.SlotNames()[i] + " values[" +
+                            std::to_string(k / cols) + ", " + std::to_string(k % cols) + "] = " +
+                            internal::FormatFloat(src[k]) + " (table row " + std::to_string(start_row + k / cols) +
+                            ") is not " + (std::isfinite(src[k]) ? bound.Describe() : std::string("finite")));
   float* dst = slots_[i].get() + start_row * cols;
   if (spec_.device >= 0)
     cuda_impl::CopyToDevice(dst, src, size_t(n) * cols * sizeof(float), spec_.device);

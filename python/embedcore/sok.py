@@ -360,12 +360,31 @@ def to_tables(variables: Dict[str, SokVariable], rows: Union[None, int, Dict[str
         _scatter(keys, v.values[order], table.dim, lambda block, r0: table.assign(block, r0),
                  lambda r0, r1: np.zeros((r1 - r0, table.dim), np.float32), progress)
         for ours, sok_slot in slots.items():
+            _check_slot_domain(table, ours, v, sok_slot)
             slot = table.slots()[ours]  # untouched rows keep their initial value
             _scatter(keys, v.slots[sok_slot][order], table.dim,
                      lambda block, r0, ours=ours: table.assign_slot(ours, block, r0),
                      lambda r0, r1, slot=slot: np.array(slot[r0:r1]), progress)
         tables.append(table)
     return tables
+
+
+def _check_slot_domain(table, ours: str, v: SokVariable, sok_slot: str) -> None:
+    """CheckpointError naming the dump file, the key, the column and the
+    value where SOK slot `sok_slot` holds a value the table's optimizer
+    refuses in its slot `ours` (an accumulator below 0, say): the engine's
+    own check would name a row of an internal block."""
+    from .table import slot_problem
+
+    values = v.slots[sok_slot]
+    if not values.size:
+        return
+    i, c = np.unravel_index(int(np.argmin(values)), values.shape)
+    problem = slot_problem(table, ours, float(values[i, c]))
+    if problem is not None:
+        path = v.slot_files.get(sok_slot, f"SOK variable {v.name!r} slot {sok_slot!r}")
+        raise CheckpointError(f"{path}: key {int(v.keys[i])} (column {int(c)}): slot {ours} of "
+                              f"{type(table.optimizer).__name__} {problem}")
 
 
 def table_bytes(tables) -> int:

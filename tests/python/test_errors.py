@@ -1033,9 +1033,10 @@ def test_slot_values_an_optimizer_cannot_use_are_refused(trained):
     """Slots must be finite, and those the optimizer takes the square root of
     (Adagrad's accumulators, Adam's velocities) non-negative."""
     s = snapshot(trained)
-    with pytest.raises(ValueError, match=r"slot velocities value -1 at flat index 1 is not >= 0 \(the step divides"):
+    with pytest.raises(ValueError,
+                       match=r"slot velocities values\[0, 1\] = -1 \(table row 0\) is not >= 0 \(the step divides"):
         trained.assign_slot("velocities", np.array([[0.0, -1.0, 0.0, 0.0]], np.float32))
-    with pytest.raises(ValueError, match="slot momenta value nan at flat index 2 is not finite"):
+    with pytest.raises(ValueError, match=r"slot momenta values\[0, 2\] = nan \(table row 0\) is not finite"):
         trained.assign_slot("momenta", np.array([[0.0, 1.0, np.nan, 0.0]], np.float32))
     assert_unchanged(trained, s)
     trained.assign_slot("momenta", np.array([[0.0, -1.0, 0.5, 0.0]], np.float32))  # momenta may be negative
@@ -1068,8 +1069,8 @@ def test_accumulators_of_0_are_refused_where_the_step_would_divide_0_by_0(tmp_pa
     bad = np.full((2, cols), 0.5, np.float32)
     bad[1, cols - 1] = refused
     text = "%.9g" % np.float32(refused)  # as the engine prints a float32
-    with pytest.raises(ValueError, match=f"table 't': slot {slot} value {text} at flat index {2 * cols - 1} is "
-                                         f"not {re.escape(bound)} \\({why}"):
+    with pytest.raises(ValueError, match=f"table 't': slot {slot} values\\[1, {cols - 1}\\] = {text} \\(table row 1\\) "
+                                         f"is not {re.escape(bound)} \\({why}"):
         t.assign_slot(slot, bad)
     assert_unchanged(t, s)
 

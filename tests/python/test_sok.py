@@ -180,6 +180,30 @@ def test_values_a_checkpoint_cannot_hold_are_refused_naming_the_key_and_file(tmp
     assert not os.path.lexists(tmp_path / "out")
 
 
+@pytest.mark.parametrize("optimizer, slot, ours, bad", [("Adam", "v", "velocities", -1.0),
+                                                      ("Adagrad", "accumulator", "accumulators", -0.5)])
+def test_slot_values_the_optimizer_refuses_are_refused_naming_the_key_and_file(tmp_path, optimizer, slot, ours, bad):
+    """A slot value outside the optimizer's domain (a negative velocity or
+    accumulator, whose square root the step takes) is refused as a
+    CheckpointError naming the dump file, the key and the column, as a value
+    that is not finite is (it was a ValueError naming an index into an
+    internal block of rows); nothing is written."""
+    keys = np.array([1000, 1005, 1003])
+    os.makedirs(tmp_path / "sok")
+    write_v2_file(tmp_path / "sok" / "emb-key", "", KEY, "", keys, "int64")
+    write_v2_file(tmp_path / "sok" / "emb-weight", "", VALUES, "", np.ones((3, 2)), "float32")
+    state = np.ones((3, 2))
+    state[1, 1] = bad
+    slots = {"m": np.zeros((3, 2)), "v": state} if optimizer == "Adam" else {slot: state}
+    for name, values in slots.items():
+        write_v2_file(tmp_path / "sok" / f"emb-{optimizer}-{name}", "", STATE, name, values, "float32")
+    with pytest.raises(ec.CheckpointError) as e:
+        ec.sok.convert(tmp_path / "sok", tmp_path / "out")
+    assert (f"{tmp_path / 'sok' / f'emb-{optimizer}-{slot}'}: key 1005 (column 1): slot {ours} of {optimizer} must "
+            f"be >= 0 (the step divides by its square root), got {bad}") in str(e.value), str(e.value)
+    assert not os.path.lexists(tmp_path / "out")
+
+
 def test_v2_adam_slots(tmp_path, rng):
     keys, values = random_rows(rng, 128, 40, 8)
     m = rng.standard_normal((40, 8)).astype(np.float32)
