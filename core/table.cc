@@ -289,13 +289,37 @@ void CheckDevice(const TableSpec& spec) {
 }  // namespace
 
 namespace {
-// Row-wise Adagrad's accumulator belongs to the whole row: no column shard can hold it.
+// `v` as the table's dtype stores it (rounded to float16 / bfloat16).
+float Stored(const TableSpec& spec, float v) {
+  const auto& k = kernels::ActiveKernels().dtype[int(spec.dtype)];
+  char stored[4];
+  float back;
+  k.store(stored, &v, 1);
+  k.load(stored, &back, 1);
+  return back;
+}
+
+const char* LargestFinite(DType dtype) {
+  return dtype == DType::kFloat16 ? "65504" : dtype == DType::kBFloat16 ? "3.38953139e+38" : "3.40282347e+38";
+}
+
+// Row-wise Adagrad's accumulator belongs to the whole row: no column shard can hold it. A weight clip bound that
+// rounds to infinity in the table's dtype on the side it binds (float16 clip_weight_min=1e5) would write infinity
+// into every weight it clips: refused, as an initializer whose values would round to infinity.
 void CheckOptimizerFits(const TableSpec& spec, const OptimizerSpec& o) {
   if (o.kind == OptimizerSpec::Kind::kRowwiseAdagrad && spec.dim != spec.full_dim)
     throw InvalidArgument("table '" + spec.name + "': row-wise Adagrad keeps one accumulator per whole row, so its "
                           "table cannot be a column shard (columns [" + std::to_string(spec.shard_col_start) + ", " +
                           std::to_string(spec.shard_col_start + spec.dim) + ") of " + std::to_string(spec.full_dim) +
                           "); shard it by rows or whole tables");
+  const bool min_inf = o.has_clip_weight_min && std::isinf(Stored(spec, o.clip_weight_min)) && o.clip_weight_min > 0;
+  const bool max_inf = o.has_clip_weight_max && std::isinf(Stored(spec, o.clip_weight_max)) && o.clip_weight_max < 0;
+  if (min_inf || max_inf)
+    throw InvalidArgument("table '" + spec.name + "': " + (min_inf ? "clip_weight_min " : "clip_weight_max ") +
+                          internal::FormatFloat(min_inf ? o.clip_weight_min : o.clip_weight_max) +
+                          " rounds to infinity in its dtype " + DTypeName(spec.dtype) + " (largest finite value " +
+                          LargestFinite(spec.dtype) + "), so every weight it clips would be infinite; a table holds "
+                          "finite values only: choose a bound within the dtype's range or a wider dtype");
 }
 }  // namespace
 
@@ -308,13 +332,7 @@ void CheckInitializerFits(const TableSpec& spec) {
   using Kind = InitializerSpec::Kind;
   const InitializerSpec& init = spec.initializer;
   const double bound = internal::InitialBound(init, spec.full_dim);
-  const float as_float = float(bound);
-  const auto& k = kernels::ActiveKernels().dtype[int(spec.dtype)];
-  char stored[4];
-  float back;
-  k.store(stored, &as_float, 1);
-  k.load(stored, &back, 1);
-  if (std::isfinite(back)) return;
+  if (std::isfinite(Stored(spec, float(bound)))) return;
   const double stddev = init.b > 0 ? init.b : 1.0 / std::sqrt(double(spec.full_dim));
   std::string name, how;
   switch (init.kind) {
@@ -340,11 +358,9 @@ void CheckInitializerFits(const TableSpec& spec) {
                 : "|mean| + 2 stddev";
       break;
   }
-  const char* largest = spec.dtype == DType::kFloat16 ? "65504" : spec.dtype == DType::kBFloat16 ? "3.38953139e+38"
-                                                                                                  : "3.40282347e+38";
   throw InvalidArgument("table '" + spec.name + "': initializer " + name + " gives values up to " +
                         internal::FormatFloat(bound) + " in magnitude (" + how + "), which round to infinity in its "
-                        "dtype " + DTypeName(spec.dtype) + " (largest finite value " + largest +
+                        "dtype " + DTypeName(spec.dtype) + " (largest finite value " + LargestFinite(spec.dtype) +
                         "); a table holds finite values only: choose a smaller initializer or a wider dtype");
 }
 }  // namespace

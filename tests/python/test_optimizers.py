@@ -304,6 +304,35 @@ def test_weight_clipping_bounds():
     assert v.min() == np.float32(-0.25) and v.max() == np.float32(0.5)
 
 
+@pytest.mark.parametrize("dtype, bounds, refused", [
+    ("float16", dict(clip_weight_min=1e5), "clip_weight_min 100000 rounds to infinity in its dtype float16 "
+                                           r"\(largest finite value 65504\)"),
+    ("float16", dict(clip_weight_max=-7e4), "clip_weight_max -70000 rounds to infinity in its dtype float16"),
+    ("bfloat16", dict(clip_weight_min=3.4e38), "clip_weight_min 3.39999995e\\+38 rounds to infinity in its dtype "
+                                                "bfloat16"),
+    ("float16", dict(clip_weight_min=-1e6, clip_weight_max=1e6), None),  # bounds that never bind: taken
+])
+def test_weight_clip_bounds_that_round_to_infinity_are_refused(dtype, bounds, refused):
+    """A float16 / bfloat16 table refuses a weight clip bound that rounds to
+    infinity on the side it binds (every weight it clipped became infinite,
+    silently, until a save refused the table), at construction and in
+    set_optimizer (the table unchanged), as an initializer whose values would
+    round to infinity is."""
+    opt = ec.optimizers.SGD(0.1, **bounds)
+    if refused is None:
+        table = make_table(4, 2, dtype=dtype, optimizer=opt)
+        table.apply_gradients(np.array([1]), None, np.ones((1, 2), np.float32))
+        assert np.isfinite(table.to_numpy()).all()
+        return
+    with pytest.raises(ValueError, match=f"table 't': {refused}.* a table holds finite values only"):
+        make_table(4, 2, dtype=dtype, optimizer=opt, name="t")
+    table = make_table(4, 2, dtype=dtype, optimizer=ec.optimizers.Adagrad(0.1), name="t")
+    before = table.to_numpy().copy()
+    with pytest.raises(ValueError, match=f"table 't': {refused}"):
+        table.set_optimizer(opt)
+    assert isinstance(table.optimizer, ec.optimizers.Adagrad) and np.array_equal(table.to_numpy(), before)
+
+
 def test_zero_clipvalue_freezes_sgd():
     table = make_table(10, 3, optimizer=ec.optimizers.SGD(learning_rate=1.0, clipvalue=0.0))
     before = table.to_numpy()
