@@ -294,6 +294,7 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
     if hasattr(obj, "_sharded_save"):  # collective: every rank writes its own shards
         return obj._sharded_save(path, include_optimizer, values_dtype)
     path = native_path(path)
+    include_optimizer = _check_flag(include_optimizer, "include_optimizer", "save")
     _check_values_dtype(values_dtype)
     tables = _tables_of(obj)
     _check_table_count(len(tables), "save")
@@ -309,6 +310,14 @@ def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] 
 
 
 VALUES_DTYPES = ("float32", "float16", "bfloat16", "uint8_rowwise")
+
+
+def _check_flag(value, name: str, where: str) -> bool:
+    """`value` as a bool, when it is one (NumPy's too); TypeError otherwise:
+    include_optimizer="no" is true, and would do the opposite of its word."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{where}: {name} must be a bool, got {value!r}")
 
 
 def _check_values_dtype(values_dtype) -> None:
@@ -456,6 +465,7 @@ def load(path, into, include_optimizer: bool = True) -> None:
     if hasattr(into, "_sharded_load"):  # collective: every rank reads only the blocks it owns
         return into._sharded_load(path, include_optimizer)
     path = resolved_path(native_path(path))
+    include_optimizer = _check_flag(include_optimizer, "include_optimizer", "load")
     with _locked(path):  # no save's commit removes these files meanwhile
         _load(path, into, include_optimizer)
 

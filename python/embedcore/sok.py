@@ -442,6 +442,9 @@ def convert(src, dst, dim: Optional[int] = None, key_dtype: Optional[str] = None
     `progress(nbytes)`, when given, is called with the
     bytes of the dump's arrays as they go into the tables, then once with the
     tables' bytes (values and slots) when they are saved."""
+    from .checkpoint import _check_flag
+
+    include_optimizer = _check_flag(include_optimizer, "include_optimizer", "sok.convert")
     check_destination(dst, "dst")
     variables = read_dump(src, dim=dim, key_dtype=key_dtype)
     tables = to_tables(variables, rows=rows, include_optimizer=include_optimizer, progress=progress, names=names)

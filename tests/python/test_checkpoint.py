@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 
 import numpy as np
 import pytest
@@ -318,6 +319,49 @@ def test_load_with_include_optimizer_false_takes_values_only(tmp_path, rng):
     assert dst.values().tobytes() == src.values().tobytes()
     assert dst.step == before["step"] == 0
     assert dst.slots()["accumulators"].tobytes() == before["slots"]["accumulators"].tobytes()
+
+
+@pytest.mark.parametrize("flag", ["False", "no", [], 1, None])
+def test_include_optimizer_must_be_a_bool(tmp_path, rng, flag):
+    """include_optimizer="False" was true: the save wrote the slots and the
+    load took them, the opposite of its word. Anything but a bool (NumPy's
+    too) is a TypeError naming the value, before anything is written or
+    loaded; sharded saves and loads refuse it on every rank."""
+    src = make_table(optimizer="adagrad")
+    train(src, rng, 2)
+    ec.save(tmp_path / "c", src)
+    before = sorted(os.listdir(tmp_path / "c"))
+    dst = make_table(optimizer="adagrad", seed=4)
+    state = snapshot(dst)
+    calls = [("save", lambda: ec.save(tmp_path / "c", src, include_optimizer=flag)),
+             ("load", lambda: ec.load(tmp_path / "c", into=dst, include_optimizer=flag)),
+             ("load", lambda: ec.Saver().restore_from_file(dst, str(tmp_path / "c"), include_optimizer=flag))]
+    for where, call in calls:
+        with pytest.raises(TypeError, match=f"{where}: include_optimizer must be a bool, got {re.escape(repr(flag))}"):
+            call()
+    assert sorted(os.listdir(tmp_path / "c")) == before
+    assert_same_state(dst, state)
+    with pytest.raises(TypeError, match="sok.convert: include_optimizer must be a bool"):
+        ec.sok.convert(tmp_path / "no-dump", tmp_path / "out", include_optimizer=flag)
+    ec.load(tmp_path / "c", into=dst, include_optimizer=np.bool_(False))  # NumPy's bool is one
+    assert dst.step == 0
+
+    def sharded(world):
+        t = ec.TableConfig("t", 64, 8, optimizer=ec.optimizers.Adagrad(0.1))
+        emb = ec.Embedding({"f": ec.FeatureConfig(t)}, world=world, sharding="row_wise")
+        errors = []
+        for call in (lambda: ec.save(tmp_path / "s", emb, include_optimizer=flag),
+                     lambda: ec.load(tmp_path / "c", into=emb, include_optimizer=flag)):
+            try:
+                call()
+            except TypeError as e:
+                errors.append(str(e))
+        return errors
+
+    for errors in ec.distributed.run_local(2, sharded):
+        assert [e.split(":")[0] for e in errors] == ["save", "load"], errors
+        assert all(f"include_optimizer must be a bool, got {flag!r}" in e for e in errors), errors
+    assert not os.path.lexists(tmp_path / "s")
 
 
 def test_values_only_loads_into_a_table_of_another_optimizer(tmp_path, rng):

@@ -19,9 +19,9 @@ import zlib
 from typing import List, Optional
 
 from .. import _embedcore
-from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_padding, _check_values_dtype, _copy_block, _locked,
-                          _metadata, _quantized_tables, _remove_if_created_and_empty, _scratch_dtype, _slot_counts,
-                          _table_config_json, absolute_path, native_path, resolved_path)
+from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_flag, _check_padding, _check_values_dtype,
+                          _copy_block, _locked, _metadata, _quantized_tables, _remove_if_created_and_empty,
+                          _scratch_dtype, _slot_counts, _table_config_json, absolute_path, native_path, resolved_path)
 from ._comm import RankFailedError, agree
 from ._plan import make_plan
 
@@ -65,6 +65,7 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
     error, generation, order = None, None, None
     created = comm.rank == 0 and not os.path.lexists(path)  # removed again if this save fails (when empty)
     try:  # on every rank (the plan is every rank's): each raises the ValueError, not RankFailedError
+        _check_flag(include_optimizer, "include_optimizer", "save")
         _check_values_dtype(values_dtype)
         if not keep:  # (a dump counts the tables it keeps too: rank 0, which reads them, checks)
             from ..checkpoint import _check_table_count
@@ -218,6 +219,7 @@ def _load_sharded(path: str, emb, include_optimizer: bool) -> None:
 def _load_sharded_with(path: str, emb, include_optimizer: bool, comm, files) -> None:
     error, plan, read = None, [], None
     try:
+        _check_flag(include_optimizer, "include_optimizer", "load")
         info = _embedcore.read_info(path, bool(include_optimizer))
         read = (path, zlib.crc32(info.manifest_json.encode()))
         names = list(info.table_names)
