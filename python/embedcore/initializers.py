@@ -11,6 +11,7 @@ table had seed 0, the same rows).
 from __future__ import annotations
 
 import math
+import numbers
 
 from . import _embedcore
 
@@ -32,8 +33,11 @@ def _finite(name: str, value) -> float:
 
 
 def _seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    """An int in [0, 2**64) (NumPy's integers too, as the other int
+    arguments: a seed drawn by ``rng.integers``)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"initializer seed must be an int, got {seed!r}")
+    seed = int(seed)
     if not 0 <= seed < 2**64:
         raise ValueError(f"initializer seed must be in [0, 2**64), got {seed}")
     return seed

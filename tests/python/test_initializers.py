@@ -118,6 +118,21 @@ def test_seeds(make):
     assert len(np.unique(a)) > 0.99 * a.size
 
 
+@pytest.mark.parametrize("seed", [np.int64(850), np.int32(7), np.uint64(2**64 - 1), np.uint8(3)])
+def test_numpy_integer_seeds_are_taken_as_their_int(seed):
+    """A seed drawn by NumPy (rng.integers) is taken, as every other int
+    argument takes NumPy's integers ("must be an int, got 850" before), and
+    gives the values of the same Python int; a bool or a float is not a
+    seed."""
+    i = init.Uniform(-1, 1, seed=seed)
+    assert type(i.seed) is int and i.seed == int(seed)
+    assert _values(i, rows=10, dim=4).tobytes() == _values(init.Uniform(-1, 1, seed=int(seed)), rows=10,
+                                                            dim=4).tobytes()
+    for bad in (True, np.bool_(True), 3.0, np.float64(3)):
+        with pytest.raises(TypeError, match=f"initializer seed must be an int, got {bad!r}"):
+            init.Normal(seed=bad)
+
+
 def test_large_seed():
     a = _values(init.Uniform(seed=2**64 - 1), rows=10, dim=4)
     b = _values(init.Uniform(seed=2**63), rows=10, dim=4)
