@@ -152,7 +152,7 @@ class TFCheckpoint:
             if key in self.shapes:
                 try:
                     raw = self._reader.get_tensor(key)
-                except (tf.errors.OpError, ValueError) as e:
+                except (tf.errors.OpError, ValueError, IndexError) as e:  # IndexError: a data file cut short
                     raise self._error(f"cannot read {key}", e) from None
                 raw = raw.item() if isinstance(raw, np.ndarray) else raw
                 if raw:
@@ -267,7 +267,7 @@ class TFCheckpoint:
                              "int64 scalar")
         try:
             value = int(self._reader.get_tensor(key))
-        except (tf.errors.OpError, ValueError) as e:
+        except (tf.errors.OpError, ValueError, IndexError) as e:  # IndexError: a data file cut short
             raise self._error(f"cannot read {key}", e) from None
         if not 0 <= value <= _MAX_STEP:
             raise ValueError(f"{self.path}: {key} is {value}, not a step in [0, 2**62]")

@@ -148,6 +148,7 @@ def _dcp_state(path: str) -> dict:
     import warnings
 
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException, not an Exception)
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
@@ -165,9 +166,20 @@ def _dcp_state(path: str) -> dict:
             warnings.simplefilter("ignore")
             try:
                 dcp.load(tensors, checkpoint_id=path)
-            except Exception as e:  # noqa: BLE001
-                raise ValueError(f"{path}: cannot read its tables: {type(e).__name__}: {e}") from None
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - a data file missing, cut short, damaged
+                raise ValueError(f"{path}: cannot read its tables: {_cause(e)}") from None
     return state
+
+
+def _cause(e: BaseException) -> str:
+    """`e` in one line: DCP's CheckpointException wraps each rank's error,
+    with its traceback, in its message; the first rank's error is the cause."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) and first and isinstance(first[0], BaseException) else e
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
 def convert_state_dict(src, dst, prefix: Optional[str] = None, combiner: str = "sum") -> List[str]:

@@ -638,6 +638,33 @@ def test_damaged_data_file_changes_no_table(tmp_path, rng, damage):
         np.testing.assert_array_equal(after[k], v, err_msg=f"{k} changed")
 
 
+@pytest.mark.parametrize("kept", [0.25, 0.5, 0.75])
+def test_an_adapter_checkpoint_cut_short_is_a_value_error(tmp_path, kept):
+    """The adapter's own checkpoint (with its tables' steps) whose data file
+    is cut short: TensorFlow's reader raises IndexError ("Read less bytes
+    than requested") for the step, which went through as an IndexError (and
+    a traceback from `embedcore convert`); it is the documented one-line
+    ValueError naming the tensor and the file, and nothing changes."""
+    import glob
+
+    emb = EmbeddingForServing(_two_table_config(), tf.tpu.experimental.embedding.Adagrad(0.1))
+    emb.build()
+    path = tf.train.Checkpoint(embedding=emb).save(str(tmp_path / "tf" / "ckpt"))
+    (data,) = glob.glob(path + ".data-*")
+    with open(data, "r+b") as f:
+        f.truncate(int(os.path.getsize(data) * kept))
+    before = _state(emb)
+    with pytest.raises(ValueError, match="cannot read this TensorFlow checkpoint") as info:
+        load_tf_checkpoint(path, emb)
+    assert data in str(info.value)
+    after = _state(emb)
+    for k, v in before.items():
+        np.testing.assert_array_equal(after[k], v, err_msg=f"{k} changed")
+    with pytest.raises(ValueError, match="cannot read this TensorFlow checkpoint"):
+        convert_tf_checkpoint(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_convert_tables_names(slotted_checkpoint, tmp_path):
     path, written = slotted_checkpoint
     # A str is one table name, not its characters.

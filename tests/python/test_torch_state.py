@@ -841,6 +841,47 @@ def test_convert_state_dict_serves_torchrec_collections(tmp_path, rng, saved_by)
     np.testing.assert_allclose(got[long], want["f1"].numpy()[long] / lengths[long, None], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
+def test_convert_state_dict_of_a_damaged_dcp_directory_is_a_value_error(tmp_path, damage):
+    """A torch.distributed.checkpoint whose data file is missing, cut short
+    or damaged: DCP raises CheckpointException, a BaseException, which went
+    past the adapter (and `embedcore convert` printed a traceback); it is
+    the documented ValueError, in one line naming the cause, and nothing is
+    written."""
+    import glob
+    import subprocess
+    import sys
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    torchrec = pytest.importorskip("torchrec")
+    src = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_torchrec_model(torchrec).state_dict(), checkpoint_id=src)
+    (data,) = glob.glob(str(src / "*.distcp"))
+    if damage == "missing":
+        os.remove(data)
+    else:
+        with open(data, "r+b") as f:
+            if damage == "truncated":
+                f.truncate(os.path.getsize(data) // 2)
+            else:
+                f.seek(200)
+                byte = f.read(1)
+                f.seek(200)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ValueError, match=f"{src}: cannot read its tables: ") as info:
+        et.convert_state_dict(src, tmp_path / "out")
+    assert "\n" not in str(info.value) and "CheckpointException" not in str(info.value), str(info.value)
+    assert not (tmp_path / "out").exists()
+    done = subprocess.run([sys.executable, "-m", "embedcore", "convert", "--from", "torch", str(src),
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "cannot read its tables" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_convert_state_dict_of_a_bare_collection_with_prefix_empty(tmp_path):
     """prefix="" is the model itself: a bare TorchRec collection's state dict
     (keys embedding_bags.<table>.weight, no module path) converts, its tables
