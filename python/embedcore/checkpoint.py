@@ -24,7 +24,7 @@ from . import optimizers as _opt
 from ._inputs import as_float32
 from .config import FeatureConfig, TableConfig, _check_utf8
 from .embedding import Embedding
-from .table import Table
+from .table import Table, check_storable
 
 __all__ = ["CheckpointError", "save", "load", "Saver", "FORMAT_VERSION"]
 
@@ -168,6 +168,72 @@ def _initializer_from_json(init_d) -> _init.Initializer:
     return init_cls(**args)
 
 
+# ------------------------------------------------------------------ load_embedding_values
+def _stacked_values(arrays, rows: int, dim: int, name: str):
+    """load_embedding_values' arrays (one, or a list / tuple) as float32
+    ``[n_i, dim]`` arrays whose rows add up to `rows`, and their stack."""
+    parts: Sequence = arrays if isinstance(arrays, (list, tuple)) else [arrays]
+    if not parts:
+        raise ValueError("load_embedding_values: no arrays given")
+    values = []
+    for i, a in enumerate(parts):
+        v = as_float32(a, f"arrays[{i}]")
+        if v.ndim != 2 or v.shape[1] != dim:
+            raise ValueError(f"load_embedding_values: arrays[{i}] must have shape [n, {dim}], got {v.shape}")
+        values.append(v)
+    total = sum(v.shape[0] for v in values)
+    if total != rows:
+        raise ValueError(f"load_embedding_values: the arrays hold {total} rows, table '{name}' has {rows}")
+    return values, values[0] if len(values) == 1 else np.concatenate(values, axis=0)
+
+
+def _in_arrays(e: ValueError, values: list, row_start: int, col_start: int) -> ValueError:
+    """`e`, a refusal of ``values[r, c]`` of a block at (`row_start`,
+    `col_start`) of the stack, naming the value in the caller's arrays."""
+    m = re.search(r"values\[(\d+), (\d+)\]", str(e))
+    if m is None:
+        return e
+    row, col, i = int(m.group(1)) + row_start, int(m.group(2)) + col_start, 0
+    while row >= values[i].shape[0]:
+        row -= values[i].shape[0]
+        i += 1
+    where = f"arrays[{i}][{row}, {col}]" if len(values) > 1 else f"values[{row}, {col}]"
+    return ValueError(f"{str(e)[:m.start()]}{where}{str(e)[m.end():]}")
+
+
+def _load_shard_values(emb, arrays) -> str:
+    """load_embedding_values into this rank's shards of a sharded Embedding's
+    one table: each takes its block of the whole table's values; a refusal
+    leaves every shard as it was."""
+    if len(emb._configs) != 1:
+        names = [emb._effective[c].name for c in emb._configs]
+        raise TypeError(f"load_embedding_values takes one table; this sharded Embedding holds {len(names)} "
+                        f"({', '.join(map(repr, names[:5]))}{', ...' if len(names) > 5 else ''}): give each table "
+                        "an Embedding of its own, or load the values with ec.load")
+    sharding = emb._sharding_of(0)
+    values, stacked = _stacked_values(arrays, sharding.rows, sharding.dim, sharding.name)
+    try:  # the whole table on every rank: each raises what any rank's shard would
+        check_storable(sharding.name, emb._effective[emb._configs[0]].dtype, stacked, stacked)
+    except ValueError as e:
+        raise _in_arrays(e, values, 0, 0) from None
+    shards = emb.local_shards.get(sharding.name, [])
+    before = [t.to_numpy() for _, t in shards]  # (float32: exact for every table dtype)
+    done = 0
+    try:
+        for shard, t in shards:
+            block = stacked[shard.row_start:shard.row_start + shard.rows, shard.col_start:shard.col_start + shard.cols]
+            try:
+                t.assign(np.ascontiguousarray(block), 0)
+            except ValueError as e:
+                raise _in_arrays(e, values, shard.row_start, shard.col_start) from None
+            done += 1
+    except BaseException:
+        for (_, t), old in zip(shards[:done], before):  # the stored values back, bit for bit
+            t.assign(old, 0)
+        raise
+    return "OK"
+
+
 # ------------------------------------------------------------------ save / load
 def _tables_of(obj) -> List[Table]:
     if isinstance(obj, Table):
@@ -179,6 +245,10 @@ def _tables_of(obj) -> List[Table]:
     if isinstance(obj, (list, tuple)) and not obj:
         raise ValueError(f"expected an embedcore Table, a list of Tables, an Embedding or an adapter module holding "
                          f"tables, got an empty {type(obj).__name__}: no tables")
+    if (isinstance(obj, (list, tuple)) and obj and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], Table)
+                                                        for p in obj)):
+        raise TypeError("got a list of (placement, Table) pairs: a sharded Embedding's embedding_tables[config], "
+                        "this rank's shards of a table; pass the sharded Embedding itself")
     tables = getattr(obj, "_embedcore_tables", None)  # framework adapters expose their tables
     if callable(tables):
         return list(tables())
@@ -746,38 +816,24 @@ class Saver:
     def load_embedding_values(self, embedding_variable, tensors) -> str:
         """Fills the table `embedding_variable` with `tensors` (one ``[n,
         dim]`` array or tensor, or a list of them) stacked along rows; their
-        rows must add up to the table's."""
+        rows must add up to the table's. `embedding_variable` is a Table, or
+        an Embedding (an adapter's layer) of one table; a sharded
+        Embedding of one table takes the whole table's values on every rank,
+        as SOK's model-parallel variables do, and each rank fills its own
+        shards (no communication). Values only: slots and step stay."""
         table, arrays = embedding_variable, tensors
-        if isinstance(table, Embedding):
-            raise TypeError("load_embedding_values takes one Table, not an Embedding")
+        if isinstance(table, Embedding) and hasattr(table, "local_shards"):  # sharded: this rank's blocks
+            return _load_shard_values(table, arrays)
         if not isinstance(table, Table):
             tables = _tables_of(table)
             if len(tables) != 1:
-                raise TypeError("load_embedding_values takes one table")
+                raise TypeError(f"load_embedding_values takes one table; {type(table).__name__} holds {len(tables)} "
+                                f"({', '.join(repr(t.name) for t in tables[:5])}{', ...' if len(tables) > 5 else ''}): "
+                                "pass one of them (an Embedding's embedding_tables[config])")
             table = tables[0]
-        parts: Sequence = arrays if isinstance(arrays, (list, tuple)) else [arrays]
-        if not parts:
-            raise ValueError("load_embedding_values: no arrays given")
-        values = []
-        for i, a in enumerate(parts):
-            v = as_float32(a, f"arrays[{i}]")
-            if v.ndim != 2 or v.shape[1] != table.dim:
-                raise ValueError(f"load_embedding_values: arrays[{i}] must have shape [n, {table.dim}], got {v.shape}")
-            values.append(v)
-        total = sum(v.shape[0] for v in values)
-        if total != table.rows:
-            raise ValueError(f"load_embedding_values: the arrays hold {total} rows, table '{table.name}' has "
-                             f"{table.rows}")
-        stacked = values[0] if len(values) == 1 else np.concatenate(values, axis=0)
+        values, stacked = _stacked_values(arrays, table.rows, table.dim, table.name)
         try:
             table.assign(stacked, 0)
-        except ValueError as e:  # a value's row of the stack, as the caller's arrays[i][row, col]
-            m = re.search(r"values\[(\d+), (\d+)\]", str(e))
-            if m is None or len(values) == 1:
-                raise
-            row, i = int(m.group(1)), 0
-            while row >= values[i].shape[0]:
-                row -= values[i].shape[0]
-                i += 1
-            raise ValueError(f"{str(e)[:m.start()]}arrays[{i}][{row}, {m.group(2)}]{str(e)[m.end():]}") from None
+        except ValueError as e:
+            raise _in_arrays(e, values, 0, 0) from None
         return "OK"

@@ -658,18 +658,7 @@ class Table(LookupMixin):
         if v.ndim != 2 or v.shape[1] != self.dim:
             raise ValueError(f"table '{self._name}': values must have shape [n, {self.dim}], got {v.shape}")
         start_row = self._assigned_rows(start_row, len(v), "rows")
-        finite = np.isfinite(v)
-        if not finite.all():
-            r, c = (int(x) for x in np.argwhere(~finite)[0])
-            given = "" if isinstance(values, np.ndarray) and values.dtype == np.float32 else " (as float32)"
-            raise ValueError(f"table '{self._name}': values[{r}, {c}] = {v[r, c]}{given} is not finite")
-        limit = _ROUNDS_TO_INF.get(self.dtype)
-        if limit is not None:
-            over = np.abs(v) >= limit
-            if over.any():
-                r, c = (int(x) for x in np.argwhere(over)[0])
-                raise ValueError(f"table '{self._name}': values[{r}, {c}] = {v[r, c]} is beyond the range of its "
-                                 f"storage dtype {self.dtype} (it would round to infinity)")
+        check_storable(self._name, self.dtype, v, values)
         self._native.assign_values(start_row, v)
 
     def reset_values(self) -> None:
@@ -815,6 +804,24 @@ def _row_index(table: str, name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"table '{table}': {name} must be an int, got {value!r}")
     return int(value)
+
+
+def check_storable(name: str, dtype: str, v: np.ndarray, given) -> None:
+    """ValueError naming the first of the float32 values `v` (`given`, as
+    the caller passed them) that table `name` of `dtype` cannot hold: not
+    finite, or rounding to infinity in its storage dtype."""
+    finite = np.isfinite(v)
+    if not finite.all():
+        r, c = (int(x) for x in np.argwhere(~finite)[0])
+        as_given = "" if isinstance(given, np.ndarray) and given.dtype == np.float32 else " (as float32)"
+        raise ValueError(f"table '{name}': values[{r}, {c}] = {v[r, c]}{as_given} is not finite")
+    limit = _ROUNDS_TO_INF.get(dtype)
+    if limit is not None:
+        over = np.abs(v) >= limit
+        if over.any():
+            r, c = (int(x) for x in np.argwhere(over)[0])
+            raise ValueError(f"table '{name}': values[{r}, {c}] = {v[r, c]} is beyond the range of its storage dtype "
+                             f"{dtype} (it would round to infinity)")
 
 
 def slot_problem(table: "Table", name: str, smallest: float) -> Optional[str]:

@@ -866,8 +866,50 @@ def test_saver_load_embedding_values(rng):
     with pytest.raises(ValueError, match=r"table '.+': arrays\[1\]\[2, 1\] = nan is not finite"):
         saver.load_embedding_values(t, nan)
     assert_same_state(t, before, "after load_embedding_values of a NaN")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="load_embedding_values takes one table; Embedding holds 2"):
         saver.load_embedding_values(make_embedding(), [one])
+    single = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig("one", 10, 4))})  # an Embedding of one table
+    assert saver.load_embedding_values(single, one) == "OK"
+    np.testing.assert_array_equal(single.embedding_tables[single.feature_config["f"].table].to_numpy(),
+                                  one.astype(np.float32))
+
+
+@pytest.mark.parametrize("plan", ["row_wise", "column_wise", "table_wise"])
+def test_saver_load_embedding_values_into_a_sharded_embedding(rng, plan):
+    """As SOK's model-parallel variables: every rank passes the whole
+    table's values and fills its own shards (it was refused, "takes one
+    Table, not an Embedding"). A value the table cannot hold is named in the
+    caller's arrays, and every shard stays as it was; an Embedding of two
+    tables is refused, naming them."""
+    full = rng.standard_normal((10, 6)).astype(np.float32)
+    bad = [full[:4].copy(), full[4:].copy()]
+    bad[1][5, 4] = np.nan  # the whole table's row 9, column 4: on the last shard of every plan
+
+    def fn(world):
+        t = ec.TableConfig("t", 10, 6, optimizer=ec.optimizers.Adagrad(0.1))
+        emb = ec.Embedding({"f": ec.FeatureConfig(t)}, world=world, sharding=plan)
+        saver = ec.Saver()
+        assert saver.load_embedding_values(emb, [full[:3], full[3:]]) == "OK"
+        got = [(s, t.to_numpy()) for s, t in emb.local_shards.get("t", [])]
+        for s, values in got:
+            np.testing.assert_array_equal(values, full[s.row_start:s.row_start + s.rows,
+                                                       s.col_start:s.col_start + s.cols])
+        ec.Saver().load_embedding_values(emb, full * 2)
+        before = [t.to_numpy() for _, t in emb.local_shards.get("t", [])]
+        with pytest.raises(ValueError, match=r"arrays\[1\]\[5, 4\] = nan is not finite"):
+            saver.load_embedding_values(emb, bad)
+        assert all(np.array_equal(t.to_numpy(), b) for (_, t), b in zip(emb.local_shards.get("t", []), before))
+        if emb.embedding_tables[t]:  # (table-wise, one rank holds none)
+            with pytest.raises(TypeError, match="pass the sharded Embedding itself"):
+                saver.load_embedding_values(emb.embedding_tables[t], full)
+        u = ec.TableConfig("u", 4, 6)
+        two = ec.Embedding({"f": ec.FeatureConfig(t), "g": ec.FeatureConfig(u)}, world=world, sharding=plan)
+        with pytest.raises(TypeError, match="takes one table; this sharded Embedding holds 2 \\('t', 'u'\\)"):
+            saver.load_embedding_values(two, full)
+        return [s for s, _ in got]
+
+    shards = [s for rank in ec.distributed.run_local(2, fn) for s in rank]
+    assert sum(s.rows * s.cols for s in shards) == full.size  # every block of the table, once
 
 
 # ------------------------------------------------------------------ loads that do not fit
