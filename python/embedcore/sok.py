@@ -55,6 +55,7 @@ class SokVariable:
     optimizer: Optional[str] = None
     slots: Dict[str, np.ndarray] = field(default_factory=dict)
     slot_files: Dict[str, str] = field(default_factory=dict)  # slot name -> the file it came from
+    key_file: str = ""  # the file the keys came from
 
 
 def _header_text(field: bytes) -> str:
@@ -96,6 +97,10 @@ def _keys_as_rows(keys: np.ndarray, where: str) -> np.ndarray:
 
 def read_dump(src, dim: Optional[int] = None, key_dtype: Optional[str] = None) -> Dict[str, SokVariable]:
     """Reads every SOK variable dumped in the directory `src` (v1 and v2)."""
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, (int, np.integer))):
+        raise TypeError(f"dim must be an int, got {dim!r}")
+    if dim is not None and dim < 1:
+        raise ValueError(f"dim must be >= 1, got {dim}")
     src = native_path(src, "src")
     if not os.path.isdir(src):
         raise CheckpointError(f"{src}: not a directory of SOK dump files")
@@ -185,7 +190,7 @@ def _read_v1(src: str, var: str, dim: Optional[int], key_dtype: Optional[str]) -
     kd, d = candidates[0]
     keys = np.fromfile(kpath, dtype="<i8" if kd == "int64" else "<u4")
     values = np.fromfile(vpath, dtype="<f4").reshape(len(keys), d) if len(keys) else np.zeros((0, d), np.float32)
-    return SokVariable(var, _keys_as_rows(keys, kpath), _finite_float32(values, vpath, keys))
+    return SokVariable(var, _keys_as_rows(keys, kpath), _finite_float32(values, vpath, keys), key_file=kpath)
 
 
 def _finite_float32(rows: np.ndarray, path: str, keys: np.ndarray) -> np.ndarray:
@@ -235,7 +240,7 @@ def _read_v2_var(src: str, var: str, names, variables, dim: Optional[int] = None
     if dim is not None and d != dim:
         raise CheckpointError(f"{wpath}: rows of {d} values ({w.size} values for {n} keys), but dim={dim} was given")
     values = _finite_float32(w.reshape(n, d), wpath, keys)
-    var_obj = SokVariable(var, _keys_as_rows(keys, kpath), values)
+    var_obj = SokVariable(var, _keys_as_rows(keys, kpath), values, key_file=kpath)
     for n2 in names:
         if _slot_owner(n2, variables) != var:
             continue
@@ -329,7 +334,9 @@ def to_tables(variables: Dict[str, SokVariable], rows: Union[None, int, Dict[str
     table_names = {name: name if new is None else new
                    for name, new in _per_variable(names, variables, "names").items()}
     for name, new in table_names.items():
-        if not isinstance(new, str) or not new:
+        if not isinstance(new, str):
+            raise TypeError(f"names: the table name for SOK variable {name!r} must be a non-empty str, got {new!r}")
+        if not new:
             raise ValueError(f"names: the table name for SOK variable {name!r} must be a non-empty str, got {new!r}")
     clash = sorted({n for n in table_names.values() if list(table_names.values()).count(n) > 1})
     if clash:
@@ -337,7 +344,9 @@ def to_tables(variables: Dict[str, SokVariable], rows: Union[None, int, Dict[str
     tables = []
     for name, v in variables.items():
         rows = row_counts[name]
-        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 1):
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, (int, np.integer))):
+            raise TypeError(f"rows for SOK variable {name!r} must be a positive int, got {rows!r}")
+        if rows is not None and rows < 1:
             raise ValueError(f"rows for SOK variable {name!r} must be a positive int, got {rows!r}")
         dim = v.values.shape[1]
         if rows is None and v.keys.size:
@@ -354,7 +363,10 @@ def to_tables(variables: Dict[str, SokVariable], rows: Union[None, int, Dict[str
         order = np.argsort(v.keys, kind="stable")
         keys = v.keys[order]
         if keys.size > 1 and (keys[1:] == keys[:-1]).any():
-            raise CheckpointError(f"SOK variable {name!r}: duplicate keys")
+            key = keys[int(np.argmax(keys[1:] == keys[:-1]))]
+            at = np.flatnonzero(v.keys == key)[:2].tolist()
+            raise CheckpointError(f"{v.key_file or f'SOK variable {name!r}'}: key {int(key)} is dumped twice (at "
+                                  f"positions {at[0]} and {at[1]}); a key is one row")
         optimizer, slots = _optimizer_of(name, v) if v.slots and include_optimizer else (None, {})
         table = Table(TableConfig(table_names[name], n_rows, dim, "float32", Zeros(), optimizer, "sum"))
         _scatter(keys, v.values[order], table.dim, lambda block, r0: table.assign(block, r0),

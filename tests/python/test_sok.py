@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -204,6 +205,24 @@ def test_slot_values_the_optimizer_refuses_are_refused_naming_the_key_and_file(t
     assert not os.path.lexists(tmp_path / "out")
 
 
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(dim="4"), TypeError, "dim must be an int, got '4'"),
+    (dict(dim=0), ValueError, "dim must be >= 1, got 0"),
+    (dict(rows="9"), TypeError, "rows for SOK variable 'emb' must be a positive int, got '9'"),
+    (dict(rows=0), ValueError, "rows for SOK variable 'emb' must be a positive int, got 0"),
+    (dict(names={"emb": 5}), TypeError, "the table name for SOK variable 'emb' must be a non-empty str, got 5"),
+])
+def test_convert_arguments_of_the_wrong_type_or_value(tmp_path, kw, error, match):
+    """A wrong type is a TypeError, a wrong value a ValueError, each naming
+    it (dim="4" was said not to fit dim 4, and rows="9" was a ValueError),
+    and nothing is written."""
+    keys = np.array([0, 7, 3], np.int64)
+    write_v1(tmp_path / "sok", "emb", keys, np.ones((3, 4), np.float32))
+    with pytest.raises(error, match=re.escape(match)):
+        ec.sok.convert(tmp_path / "sok", tmp_path / "out", key_dtype="int64", **kw)
+    assert not os.path.lexists(tmp_path / "out")
+
+
 def test_v2_adam_slots(tmp_path, rng):
     keys, values = random_rows(rng, 128, 40, 8)
     m = rng.standard_normal((40, 8)).astype(np.float32)
@@ -334,7 +353,8 @@ BAD_V2 = [
     ("weights not a whole number of rows", _append("bad-weight", b"\0" * 4), "rows"),
     ("float keys", _replace("bad-key", "bad", KEY, "float32", np.arange(6)), "integers"),
     ("negative key", _replace("bad-key", "bad", KEY, "int64", [0, 1, 2, -3, 4, 5]), "negative"),
-    ("duplicate keys", _replace("bad-key", "bad", KEY, "int64", [0, 1, 2, 2, 4, 5]), "duplicate"),
+    ("duplicate keys", _replace("bad-key", "bad", KEY, "int64", [0, 1, 2, 4, 2, 5]),
+     "bad-key: key 2 is dumped twice (at positions 2 and 4)"),
     ("uint64 key past int64", _replace("bad-key", "bad", KEY, "uint64", [0, 1, 2, 3, 4, 2**63 + 5]), "fit"),
     ("weight file missing", lambda src: os.unlink(os.path.join(src, "bad-weight")), "bad-weight"),
     ("slot of another size", _replace("bad-Adam-m", "bad", STATE, "float32", np.zeros(5)), "bad-Adam-m"),
