@@ -3,6 +3,7 @@ features, shaped like TensorFlow's ``TPUEmbedding``."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Dict, List, Optional
 
 from . import _device, _embedcore, _nest
@@ -24,10 +25,12 @@ class FeatureLookup:
         it: by its path in the structure the caller passes
         (``features['user/clicks']``), and by its name too where that differs
         (a FeatureConfig's ``name=``: ``features['slot_a'] (feature
-        'clicks')``); a lone top-level feature by its name."""
+        'clicks')``); a lone top-level feature, and the features of a
+        top-level list or tuple (positions, not keys), by their names."""
         cached = self.__dict__.get("_wheres_of")
         if cached is None or cached[0] is not self._feature_config:
-            paths = [path for path, _ in _nest.flatten_with_paths(self._feature_config)]
+            keyed = isinstance(self._feature_config, Mapping)
+            paths = [path if keyed else "" for path, _ in _nest.flatten_with_paths(self._feature_config)]
             cached = (self._feature_config, {})
             for path, name in zip(paths, self._feature_names):
                 for k in ("features", "grads"):
@@ -76,7 +79,8 @@ class Embedding(FeatureLookup):
         records it, and the C API finds features by it) is its FeatureConfig's
         ``name``, else its path in the structure (``"user/clicks"``); the
         paths where two features would share a name. Errors name a feature's
-        input by its path (``features['slot_a'] (feature 'clicks')``).
+        input by its path in a dict (``features['slot_a'] (feature
+        'clicks')``), by its name in a top-level list.
     optimizer: the optimizer of every table whose config has none.
 
     ``emb(features, weights=None)`` looks up every feature (the same nested
