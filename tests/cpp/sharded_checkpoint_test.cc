@@ -339,6 +339,24 @@ EMBEDCORE_TEST(FloatSixteenShardFilesIntoAFloat32Table) {
   EMBEDCORE_EXPECT(RawValues(h) == RawValues(half));
 }
 
+EMBEDCORE_TEST(AColumnBlockOfAFileCutShortAfterItsChecksIsACheckpointError) {
+  // A block of some of a file's columns is read with pread: a file that another process truncates in place after
+  // the manifest's size check (and any verification) was read through a mapping, and the copy ended the process
+  // with SIGBUS. (Whole rows were read with pread already.)
+  TempDir dir;
+  const std::string path = dir.Sub("ckpt");
+  Table whole(Spec("w", kRows, kDim, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 5));
+  SaveBlocks(path, whole, kBlocks);
+  const CheckpointInfo info = ReadCheckpointInfo(path);
+  for (const FileEntry& f : info.tables[0].values)
+    EMBEDCORE_EXPECT_EQ(::truncate((path + "/" + f.path).c_str(), 4096), 0);  // the header alone
+  for (const Block& r : std::vector<Block>{{0, kRows, 3, 2}, {5, 10, 1, 2}, {40, 10, 5, 4}}) {
+    Table blk(Spec("w", r.rows, r.cols, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 7));
+    EMBEDCORE_EXPECT_THROWS(LoadTableBlock(info, info.tables[0], blk, r.row_start, r.col_start, false, false),
+                            CheckpointError, "truncated");
+  }
+}
+
 // ------------------------------------------------------------ manifest tiling rules
 EMBEDCORE_TEST(ParseManifestChecksTheTilingOfColumnBands) {
   TempDir dir;
