@@ -1120,7 +1120,10 @@ void CheckFilesPresent(const std::string& path, const CheckpointInfo& info, bool
   auto check = [&](const FileEntry& f) {
     const std::string p = JoinPath(path, f.path);
     struct stat fs;
-    if (::stat(p.c_str(), &fs) != 0) throw CheckpointError(p + ": missing file");
+    if (::stat(p.c_str(), &fs) != 0) {
+      if (errno == ENOENT || errno == ENOTDIR) throw CheckpointError(p + ": missing file");
+      throw IoError(p + ": stat failed: " + checkpoint::ErrnoText(errno), errno);  // permissions, a loop, I/O
+    }
     if (!S_ISREG(fs.st_mode)) throw CheckpointError(p + ": not a regular file");
     if (uint64_t(fs.st_size) != f.bytes)
       throw CheckpointError(p + ": size " + std::to_string(fs.st_size) + " bytes, the manifest says " +

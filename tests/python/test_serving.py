@@ -98,6 +98,26 @@ def test_serving_and_a_values_only_load_need_no_slot_files(tmp_path, rng):
         ec.checkpoint.read_info(tmp_path / "c")  # what `embedcore verify` and `inspect` read
 
 
+def test_a_data_file_that_cannot_be_looked_at_is_the_oserror_of_its_stat(tmp_path):
+    """A values file that exists but cannot be stat'ed (a symlink loop here;
+    permissions, an I/O error) raises the OSError of that call, with its
+    errno, as docs/format.md says (it was CheckpointError "missing file"):
+    opening for serving, loading, and the C API (EMBEDCORE_IO_ERROR, in
+    test_c_api)."""
+    import errno
+
+    t = make_table(seed=1)
+    ec.save(tmp_path / "c", t)
+    (values,) = [f for f in os.listdir(tmp_path / "c") if ".values." in f]
+    os.remove(tmp_path / "c" / values)
+    os.symlink(values, tmp_path / "c" / values)  # a link to itself: ELOOP
+    for call in (lambda: ec.serving.open(tmp_path / "c"), lambda: ec.load(tmp_path / "c", make_table(seed=2)),
+                 lambda: ec.checkpoint.read_info(tmp_path / "c")):
+        with pytest.raises(OSError, match=f"{values}: stat failed: ") as info:
+            call()
+        assert info.value.errno == errno.ELOOP and not isinstance(info.value, ec.CheckpointError), repr(info.value)
+
+
 def test_a_lazy_open_reads_no_values(tmp_path):
     t = make_table(rows=100_000, dim=32)  # 12.8 MB of values in 4 blocks
     ec.save(tmp_path / "c", t)
