@@ -72,6 +72,48 @@ class ReleaseGil {
     PyEval_RestoreThread(state);
   }
 
+  /// The interrupt check of native waits (embedcore::SetInterruptCheck),
+  /// called without the GIL from inside a ReleaseGil scope: takes the GIL
+  /// back (as the destructor does, counted, so an exit waits for it; not
+  /// once the exit has begun) and runs Python's signal handlers (on the main
+  /// thread). True when one raised (Ctrl-C: KeyboardInterrupt): its error is
+  /// kept for this thread, and RaiseInterrupted sets it once the wait has
+  /// thrown embedcore::Interrupted back to the bindings.
+  static bool CheckSignals() {
+    restoring().fetch_add(1);
+    if (exiting().load() || Finalizing()) {
+      restoring().fetch_sub(1);
+      return false;
+    }
+    const PyGILState_STATE gil = PyGILState_Ensure();
+    bool raised = false;
+    if (PyErr_CheckSignals() != 0) {
+      PyObject *type, *value, *trace;
+      PyErr_Fetch(&type, &value, &trace);
+      PyErr_NormalizeException(&type, &value, &trace);
+      Py_XDECREF(type);
+      Py_XDECREF(trace);
+      Py_XDECREF(pending());
+      pending() = value;
+      raised = true;
+    }
+    PyGILState_Release(gil);
+    restoring().fetch_sub(1);
+    return raised;
+  }
+  /// With the GIL: sets the error CheckSignals kept for this thread
+  /// (KeyboardInterrupt, with `message` as a note), or KeyboardInterrupt.
+  static void RaiseInterrupted(const char* message) {
+    PyObject* error = pending();
+    pending() = nullptr;
+    if (error == nullptr) {
+      PyErr_SetString(PyExc_KeyboardInterrupt, message);
+      return;
+    }
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error)), error);
+    Py_DECREF(error);
+  }
+
   /// In a forked child (os.register_at_fork): the threads counted in the
   /// parent do not exist here, and the exit, if one was under way, is not
   /// this process's.
@@ -100,6 +142,10 @@ class ReleaseGil {
     } parked;
     PyEval_RestoreThread(state);
     parked.restored = true;
+  }
+  static PyObject*& pending() {  // this thread's error from CheckSignals, until RaiseInterrupted sets it
+    thread_local PyObject* error = nullptr;
+    return error;
   }
   static std::atomic<int>& restoring() {
     static std::atomic<int> n{0};

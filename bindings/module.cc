@@ -23,9 +23,13 @@ NB_MODULE(_embedcore, m) {
   nb::exception<embedcore::NotCompiled>(m, "NotCompiledError", PyExc_RuntimeError);
   nb::exception<embedcore::CheckpointError>(m, "CheckpointError", PyExc_ValueError);
   nb::exception<embedcore::OptimizerChanged>(m, "OptimizerChanged", PyExc_RuntimeError);
+  // Ctrl-C while a checkpoint's lock is awaited raises KeyboardInterrupt then, not after the wait.
+  embedcore::SetInterruptCheck(&embedcore::bindings::ReleaseGil::CheckSignals);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
+    } catch (const embedcore::Interrupted& e) {
+      embedcore::bindings::ReleaseGil::RaiseInterrupted(e.what());
     } catch (const embedcore::TypeMismatch& e) {
       PyErr_SetString(PyExc_TypeError, e.what());
     } catch (const embedcore::IoError& e) {

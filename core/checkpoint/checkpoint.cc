@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <atomic>
 #include <cmath>
@@ -1189,6 +1190,15 @@ void MakeCheckpointDirectory(const std::string& path) {
 }
 }  // namespace
 
+namespace {
+std::atomic<InterruptCheck>& InterruptCheckHook() {
+  static std::atomic<InterruptCheck> check{nullptr};
+  return check;
+}
+}  // namespace
+
+void SetInterruptCheck(InterruptCheck check) noexcept { InterruptCheckHook().store(check); }
+
 CheckpointLock::CheckpointLock(const std::string& path, bool exclusive) {
   int fd;
   do {
@@ -1209,10 +1219,27 @@ CheckpointLock::CheckpointLock(const std::string& path, bool exclusive) {
                            : ""),
                   err);
   }
+  // Without an interrupt check, one blocking flock. With one, the lock is
+  // tried, and while another holds it the check runs between tries (1 ms,
+  // growing to 20 ms), so Ctrl-C stops the wait, however long the other
+  // holds it (a forked child that outlives its parent holds it until it
+  // exits).
+  const int op = exclusive ? LOCK_EX : LOCK_SH;
   int rc;
-  do {
-    rc = ::flock(fd, exclusive ? LOCK_EX : LOCK_SH);
-  } while (rc != 0 && errno == EINTR);
+  for (int wait_ms = 1;; wait_ms = std::min(wait_ms * 2, 20)) {
+    const InterruptCheck check = InterruptCheckHook().load();
+    rc = ::flock(fd, check != nullptr ? op | LOCK_NB : op);
+    if (rc == 0 || (errno != EINTR && errno != EWOULDBLOCK)) break;
+    if (check != nullptr && errno == EWOULDBLOCK) {
+      if (check()) {
+        ::close(fd);
+        throw Interrupted(path + ": interrupted while waiting for the checkpoint's lock (" +
+                          (exclusive ? "a commit waits for loads and readers" : "a read waits for a commit") +
+                          "); nothing changed");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(wait_ms));
+    }
+  }
   if (rc != 0) {  // no flock on this filesystem (ENOLCK, EOPNOTSUPP, EBADF on NFS): no lock
     ::close(fd);
     return;

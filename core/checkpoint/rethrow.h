@@ -13,6 +13,8 @@ namespace embedcore::checkpoint {
 [[noreturn]] inline void RethrowWithNote(const std::string& note) {
   try {
     throw;
+  } catch (const Interrupted&) {
+    throw;  // (the host raises its own error: KeyboardInterrupt)
   } catch (const IoError& e) {
     throw IoError(e.what() + note, e.error_number());
   } catch (const CheckpointError& e) {

@@ -181,6 +181,58 @@ def test_a_commit_waits_for_a_reader(tmp_path):
     assert same(state(u), state(make_table(seed=2)))
 
 
+_WAIT_THEN_CTRL_C = r"""
+import sys, time, numpy as np, embedcore as ec
+path, call = sys.argv[1], sys.argv[2]
+t = ec.Table(name="t", rows=10, dim=2, initializer=ec.initializers.Constant(2.0))
+print("calling", flush=True)
+start = time.monotonic()
+try:
+    if call == "save":
+        ec.save(path, t)
+    elif call == "load":
+        ec.load(path, into=t)
+    else:
+        ec.serving.open(path)
+    print("returned", flush=True)
+except KeyboardInterrupt:
+    print(f"KeyboardInterrupt after {time.monotonic() - start:.1f} s", flush=True)
+"""
+
+
+@pytest.mark.parametrize("call, held", [("save", "shared"), ("load", "exclusive"), ("serving.open", "exclusive")])
+def test_ctrl_c_stops_a_wait_for_the_checkpoints_lock(tmp_path, call, held):
+    """A save whose commit waits for a reader (a long load, `embedcore
+    verify`, or a forked child that outlives its parent: the wait has no
+    bound), and a load or an open for serving waiting for a commit, stop at
+    Ctrl-C with KeyboardInterrupt, nothing changed. The wait ignored Ctrl-C
+    until the lock was released (and a save then raised KeyboardInterrupt
+    after it had committed)."""
+    import fcntl
+    import signal
+
+    path = tmp_path / "ckpt"
+    ec.save(path, make_table(seed=1))
+    first = named_by_manifest(path)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if held == "shared" else fcntl.LOCK_EX)
+        script = tmp_path / "wait.py"
+        script.write_text(_WAIT_THEN_CTRL_C)
+        child = subprocess.Popen([sys.executable, str(script), str(path), call], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "calling"
+        time.sleep(1.0)  # (in its wait: the lock is held until the end of the test)
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=60)
+        assert out.startswith("KeyboardInterrupt after "), out
+    finally:
+        os.close(fd)
+    assert named_by_manifest(path) == first and our_files(path) == first  # the save left nothing behind
+    u = make_table(seed=9)
+    ec.load(path, into=u)
+    assert same(state(u), state(make_table(seed=1)))
+
+
 def test_a_commit_keeps_the_files_of_a_save_in_progress(tmp_path):
     """Two claims get two generations; a commit removes no file of a
     generation whose claim is held, and does remove those of a claim that was

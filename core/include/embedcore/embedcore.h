@@ -76,6 +76,12 @@ class NotCompiled : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+/// A wait that the host's interrupt check stopped (SetInterruptCheck): a
+/// CheckpointLock waiting for another's lock when Ctrl-C came.
+class Interrupted : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 /// A step's learning rate was read for an optimizer that Table::SetOptimizer
 /// has replaced since (the step named the optimizer_version it read the
 /// rate under): nothing changed; read the rate again and step.
@@ -710,7 +716,17 @@ void VerifyCheckpoint(const CheckpointInfo& info, bool check_finite);
 /// commit. Blocks until granted. Takes no lock when `path` is not a directory
 /// (the call that follows reports that) or the filesystem has no flock (some
 /// network filesystems); throws IoError (its errno) when the directory is
-/// there but cannot be opened (EACCES, EIO, EMFILE, ...). Not reentrant.
+/// there but cannot be opened (EACCES, EIO, EMFILE, ...), Interrupted when
+/// the interrupt check (SetInterruptCheck) stops its wait. Not reentrant.
+/// Called every few milliseconds while a CheckpointLock waits for a lock
+/// another holds (a save's commit waiting for a load, a load for a commit):
+/// true stops the wait, which throws Interrupted, nothing changed. The Python
+/// bindings set one that runs Python's signal handlers (Ctrl-C raises
+/// KeyboardInterrupt, not after the wait). nullptr, the default: the wait
+/// lasts until the lock is granted.
+using InterruptCheck = bool (*)();
+void SetInterruptCheck(InterruptCheck check) noexcept;
+
 class CheckpointLock {
  public:
   CheckpointLock(const std::string& path, bool exclusive);
