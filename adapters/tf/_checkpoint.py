@@ -614,6 +614,9 @@ def restore_tables(ckpt: TFCheckpoint, tables: Sequence[ec.Table], prefix: Optio
     the tensor and the files, with every table unchanged: the restore is
     all or nothing, at the cost of reading the values twice). Returns the
     prefix."""
+    from embedcore.checkpoint import _check_flag
+
+    include_optimizer = _check_flag(include_optimizer, "include_optimizer", "restore_tables")
     names = [t.name for t in tables]
     prefix = ckpt.find_prefix(names, prefix)
     plan = []
@@ -668,13 +671,14 @@ def load_tf_checkpoint(path, into, prefix: Optional[str] = None, include_optimiz
     (``embedcore.distributed``) is refused (``TypeError``): convert the
     checkpoint (``convert_tf_checkpoint``) and ``embedcore.load`` it on every
     rank, which reads each rank's shards."""
-    from embedcore.checkpoint import _tables_of
+    from embedcore.checkpoint import _check_flag, _tables_of
 
     if hasattr(into, "_sharded_save"):  # a rank holds shards, not tables: the collective load reads its part
         raise TypeError("load_tf_checkpoint: into is a sharded Embedding (embedcore.distributed), whose ranks hold "
                         "shards, not whole tables: convert the checkpoint with convert_tf_checkpoint(path, dst, "
                         "feature_config=...) and embedcore.load(dst, into) on every rank")
     # (_embedcore_tables() builds the adapter's objects; a Keras layer's _maybe_build is Keras's, with arguments.)
+    include_optimizer = _check_flag(include_optimizer, "include_optimizer", "load_tf_checkpoint")
     return restore_tables(TFCheckpoint(path), _tables_of(into), prefix, include_optimizer)
 
 
@@ -714,6 +718,9 @@ def convert_tf_checkpoint(src, dst, prefix: Optional[str] = None, feature_config
         `feature_config`, each table's combiner comes from the config.
 
     Returns the converted table names."""
+    from embedcore.checkpoint import _check_flag
+
+    include_optimizer = _check_flag(include_optimizer, "include_optimizer", "convert_tf_checkpoint")
     if combiner is not None and combiner not in ("sum", "mean", "sqrtn"):
         raise ValueError(f"combiner must be 'sum', 'mean' or 'sqrtn', not {combiner!r}")
     if combiner is not None and feature_config is not None:

@@ -246,8 +246,8 @@ def _tables_of(obj) -> List[Table]:
         raise ValueError(f"expected an embedcore Table, a list of Tables, an Embedding or an adapter module holding "
                          f"tables, got an empty {type(obj).__name__}: no tables")
     if (isinstance(obj, (list, tuple)) and obj and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], Table)
-                                                        for p in obj)):
-        raise TypeError("got a list of (placement, Table) pairs: a sharded Embedding's embedding_tables[config], "
+                                                        and type(p[0]).__name__ == "Shard" for p in obj)):
+        raise TypeError("got a list of (Shard, Table) pairs: a sharded Embedding's embedding_tables[config], "
                         "this rank's shards of a table; pass the sharded Embedding itself")
     tables = getattr(obj, "_embedcore_tables", None)  # framework adapters expose their tables
     if callable(tables):
@@ -383,10 +383,18 @@ VALUES_DTYPES = ("float32", "float16", "bfloat16", "uint8_rowwise")
 
 
 def _check_flag(value, name: str, where: str) -> bool:
-    """`value` as a bool, when it is one (NumPy's too); TypeError otherwise:
+    """`value` as a bool, when it is one: Python's, NumPy's, or a 0-d bool
+    array or tensor (NumPy, TensorFlow, PyTorch); TypeError otherwise:
     include_optimizer="no" is true, and would do the opposite of its word."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
+    if type(value).__module__.split(".")[0] in ("numpy", "tensorflow", "torch") and hasattr(value, "dtype"):
+        try:
+            array = np.asarray(value)
+        except Exception:  # noqa: BLE001 - a symbolic tensor, say: not a value
+            array = None
+        if array is not None and array.dtype == np.bool_ and array.shape == ():
+            return bool(array)
     raise TypeError(f"{where}: {name} must be a bool, got {value!r}")
 
 

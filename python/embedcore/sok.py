@@ -325,10 +325,12 @@ def to_tables(variables: Dict[str, SokVariable], rows: Union[None, int, Dict[str
 
     `progress(nbytes)`, when given, is called as each block of values or
     slots (up to 64 MiB) is written into a table."""
+    from .checkpoint import _check_flag
     from .config import TableConfig
     from .initializers import Zeros
     from .table import Table
 
+    include_optimizer = _check_flag(include_optimizer, "include_optimizer", "sok.to_tables")
     row_counts = _per_variable(rows, variables, "rows")
     # None: the SOK name; an empty name is refused below, not taken as None.
     table_names = {name: name if new is None else new

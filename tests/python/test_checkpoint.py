@@ -343,8 +343,22 @@ def test_include_optimizer_must_be_a_bool(tmp_path, rng, flag):
     assert_same_state(dst, state)
     with pytest.raises(TypeError, match="sok.convert: include_optimizer must be a bool"):
         ec.sok.convert(tmp_path / "no-dump", tmp_path / "out", include_optimizer=flag)
-    ec.load(tmp_path / "c", into=dst, include_optimizer=np.bool_(False))  # NumPy's bool is one
-    assert dst.step == 0
+    with pytest.raises(TypeError, match="reshard: include_optimizer must be a bool"):
+        ec.distributed.reshard(tmp_path / "c", tmp_path / "r", 2, include_optimizer=flag)
+    assert not os.path.lexists(tmp_path / "r")
+    variables = {"v": ec.sok.SokVariable("v", np.arange(3), np.ones((3, 8), np.float32))}
+    with pytest.raises(TypeError, match="sok.to_tables: include_optimizer must be a bool"):
+        ec.sok.to_tables(variables, include_optimizer=flag)
+    import torch
+
+    # Bools are taken in every form: NumPy's, 0-d bool arrays and tensors (include_optimizer=tf.constant(False)
+    # in the TF adapter's Saver, say).
+    for no in (np.bool_(False), np.array(False), torch.tensor(False)):
+        ec.load(tmp_path / "c", into=dst, include_optimizer=no)
+        assert dst.step == 0
+    for bad in (np.array([False]), np.array(0), torch.tensor(0)):
+        with pytest.raises(TypeError, match="load: include_optimizer must be a bool"):
+            ec.load(tmp_path / "c", into=dst, include_optimizer=bad)
 
     def sharded(world):
         t = ec.TableConfig("t", 64, 8, optimizer=ec.optimizers.Adagrad(0.1))
@@ -902,6 +916,10 @@ def test_saver_load_embedding_values_into_a_sharded_embedding(rng, plan):
         if emb.embedding_tables[t]:  # (table-wise, one rank holds none)
             with pytest.raises(TypeError, match="pass the sharded Embedding itself"):
                 saver.load_embedding_values(emb.embedding_tables[t], full)
+        # An unsharded Embedding's (TableConfig, Table) items are not taken for shards.
+        items = list(ec.Embedding({"f": ec.FeatureConfig(t)}).embedding_tables.items())
+        with pytest.raises(TypeError, match="expected an embedcore Table, a list of Tables"):
+            ec.save("/nonexistent/never", items)
         u = ec.TableConfig("u", 4, 6)
         two = ec.Embedding({"f": ec.FeatureConfig(t), "g": ec.FeatureConfig(u)}, world=world, sharding=plan)
         with pytest.raises(TypeError, match="takes one table; this sharded Embedding holds 2 \\('t', 'u'\\)"):

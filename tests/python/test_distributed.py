@@ -1544,6 +1544,33 @@ def test_a_mismatch_names_the_field_given_not_another_table_s_shards_it_moved():
             "differ:")[1].split(";")[0], str(e)
 
 
+def test_a_child_forked_from_a_rank_skips_the_exit_meeting(monkeypatch):
+    """The exit meeting (an all-gather over MPI.COMM_WORLD) is the rank's
+    process's: a child forked from a rank that ends with sys.exit() joined
+    it as if it were a rank, and the job waited for it for ever."""
+    from embedcore.distributed import _comm
+
+    class FakeMPI:
+        @staticmethod
+        def Is_finalized():
+            return False
+
+    class FakeComm:
+        _MPI = FakeMPI
+
+    met = []
+    monkeypatch.setattr(_comm, "agree", lambda *args, **kw: met.append(args))
+    monkeypatch.setattr(_comm, "_exit_met", [])
+    comm = FakeComm()
+    monkeypatch.setattr(_comm, "_exit_check", [comm, os.getpid() + 1])  # registered by another process
+    _comm._agree_at_exit(comm)
+    assert met == [] and _comm._exit_met == []
+    monkeypatch.setattr(_comm, "_exit_check", [comm, os.getpid()])  # the rank itself meets, once
+    _comm._agree_at_exit(comm)
+    _comm._agree_at_exit(comm)
+    assert len(met) == 1
+
+
 def _decay(step):
     return 0.05 / (1 + step)
 

@@ -665,6 +665,24 @@ def test_an_adapter_checkpoint_cut_short_is_a_value_error(tmp_path, kept):
     assert not (tmp_path / "out").exists()
 
 
+def test_include_optimizer_must_be_a_bool(slotted_checkpoint, tmp_path):
+    """As ec.save / ec.load: include_optimizer="False" was true (the slots
+    restored, or a conversion told to pass include_optimizer=False); a 0-d
+    bool tensor is a bool."""
+    path, _ = slotted_checkpoint
+    with pytest.raises(TypeError, match="convert_tf_checkpoint: include_optimizer must be a bool, got 'False'"):
+        convert_tf_checkpoint(path, tmp_path / "out", prefix="model/embedding", include_optimizer="False")
+    assert not (tmp_path / "out").exists()
+    names = convert_tf_checkpoint(path, tmp_path / "out", prefix="model/embedding",
+                                  include_optimizer=tf.constant(False))
+    served = ec.serving.open(tmp_path / "out")
+    tables = [ec.Table(name=n, rows=served.tables[n].rows, dim=served.tables[n].dim,
+                       optimizer=ec.optimizers.Adagrad(0.1)) for n in names]
+    with pytest.raises(TypeError, match="load_tf_checkpoint: include_optimizer must be a bool, got 'False'"):
+        load_tf_checkpoint(path, tables, prefix="model/embedding", include_optimizer="False")
+    assert all(t.step == 0 for t in tables)
+
+
 def test_convert_tables_names(slotted_checkpoint, tmp_path):
     path, written = slotted_checkpoint
     # A str is one table name, not its characters.

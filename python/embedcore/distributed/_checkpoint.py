@@ -287,6 +287,7 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
     takes the values of a table whose optimizer this version does not know,
     which a reshard with its optimizer state refuses. Returns the plan's
     description."""
+    include_optimizer = _check_flag(include_optimizer, "include_optimizer", "reshard")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"reshard: world_size must be an int in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
     if isinstance(max_file_bytes, bool) or not isinstance(max_file_bytes, int) or max_file_bytes < 0:

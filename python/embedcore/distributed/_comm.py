@@ -6,6 +6,7 @@ call an established collective library."""
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 from abc import ABC, abstractmethod
@@ -406,7 +407,7 @@ def _abort_on_uncaught(comm) -> None:
 EXIT_STEP = "exit: the program ended"
 
 
-_exit_check = []  # the MPIComm of COMM_WORLD whose ranks meet at exit, once registered
+_exit_check = []  # [the MPIComm of COMM_WORLD whose ranks meet at exit, the rank's pid], once registered
 _exit_met = []  # [True] once this rank has met the others (at MPI_Finalize or at exit)
 _finalize_keyval = []  # the MPI attribute key whose deletion at MPI_Finalize runs the meeting
 
@@ -420,7 +421,7 @@ def _agree_at_exit(comm: "MPIComm") -> None:
     early waits here for the others (polling, as in any MPI collective).
     Nothing to do once MPI is finalized, or once met (a program that calls
     ``MPI.Finalize()`` itself meets there, and not again at exit)."""
-    if comm._MPI.Is_finalized() or _exit_met:
+    if comm._MPI.Is_finalized() or _exit_met or os.getpid() != _exit_check[1]:  # (a forked child is no rank)
         return
     _exit_met.append(True)
     try:
@@ -437,7 +438,7 @@ def _check_at_exit(comm: "MPIComm") -> None:
     differently on different ranks. (Other communicators may be freed, or
     wrapped in different orders on different ranks, so they get none.)"""
     if not _exit_check and comm._comm == comm._MPI.COMM_WORLD:
-        _exit_check.append(comm)
+        _exit_check.extend((comm, os.getpid()))  # the rank's process: a child forked from it does not meet
         atexit.register(_agree_at_exit, comm)  # after mpi4py's MPI_Finalize hook, so it runs before it
         # A program that calls MPI.Finalize() itself (common mpi4py boilerplate) would wait there for a
         # rank still in a collective call, before any exit handler runs. MPI_Finalize first frees
