@@ -138,6 +138,14 @@ std::vector<TableEntry> SaveBlocks(const std::string& path, const Table& whole, 
   return parts;
 }
 
+// A float32 Adagrad table of kRows x kDim saved as the shard files of kBlocks
+// into `path`: the checkpoint's info.
+CheckpointInfo SaveAdagradBlocks(const std::string& path) {
+  Table whole(Spec("w", kRows, kDim, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 5));
+  SaveBlocks(path, whole, kBlocks);
+  return ReadCheckpointInfo(path);
+}
+
 void FixSize(FileEntry& f) {
   const uint64_t payload = uint64_t(f.rows) * uint64_t(f.cols) * DTypeSize(f.dtype);
   f.bytes = ck::kDataOffset + payload;
@@ -345,9 +353,7 @@ EMBEDCORE_TEST(AColumnBlockOfAFileCutShortAfterItsChecksIsACheckpointError) {
   // with SIGBUS. (Whole rows were read with pread already.)
   TempDir dir;
   const std::string path = dir.Sub("ckpt");
-  Table whole(Spec("w", kRows, kDim, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 5));
-  SaveBlocks(path, whole, kBlocks);
-  const CheckpointInfo info = ReadCheckpointInfo(path);
+  const CheckpointInfo info = SaveAdagradBlocks(path);
   for (const FileEntry& f : info.tables[0].values)
     EMBEDCORE_EXPECT_EQ(::truncate((path + "/" + f.path).c_str(), 4096), 0);  // the header alone
   for (const Block& r : std::vector<Block>{{0, kRows, 3, 2}, {5, 10, 1, 2}, {40, 10, 5, 4}}) {
@@ -361,9 +367,7 @@ EMBEDCORE_TEST(AColumnBlockOfAFileCutShortAfterItsChecksIsACheckpointError) {
 EMBEDCORE_TEST(ParseManifestChecksTheTilingOfColumnBands) {
   TempDir dir;
   const std::string path = dir.Sub("ckpt");
-  Table whole(Spec("w", kRows, kDim, DType::kFloat32, OptimizerSpec::Kind::kAdagrad, 5));
-  SaveBlocks(path, whole, kBlocks);
-  const CheckpointInfo good = ReadCheckpointInfo(path);
+  const CheckpointInfo good = SaveAdagradBlocks(path);
   EMBEDCORE_EXPECT_NO_THROW(ck::ParseManifest("M", ck::BuildManifest(good)));
 
   // Files in any order tile the same table.
