@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <limits>
 #include <atomic>
 #include <cmath>
@@ -1219,25 +1218,24 @@ CheckpointLock::CheckpointLock(const std::string& path, bool exclusive) {
                            : ""),
                   err);
   }
-  // Without an interrupt check, one blocking flock. With one, the lock is
-  // tried, and while another holds it the check runs between tries (1 ms,
-  // growing to 20 ms), so Ctrl-C stops the wait, however long the other
-  // holds it (a forked child that outlives its parent holds it until it
-  // exits).
-  const int op = exclusive ? LOCK_EX : LOCK_SH;
+  // A blocking flock (the kernel wakes it when the lock is released: a
+  // commit is not starved by back-to-back loads, as a wait that polled was).
+  // A signal interrupts it (EINTR: Python installs its handlers without
+  // SA_RESTART, and the kernel delivers a process's signal to its main
+  // thread first): the interrupt check, when one is set, then runs the
+  // host's handlers, and Ctrl-C stops the wait however long another holds
+  // the lock (a forked child that outlives its parent holds it until it
+  // exits). Any other signal, or none set: the wait goes on.
   int rc;
-  for (int wait_ms = 1;; wait_ms = std::min(wait_ms * 2, 20)) {
+  for (;;) {
+    rc = ::flock(fd, exclusive ? LOCK_EX : LOCK_SH);
+    if (rc == 0 || errno != EINTR) break;
     const InterruptCheck check = InterruptCheckHook().load();
-    rc = ::flock(fd, check != nullptr ? op | LOCK_NB : op);
-    if (rc == 0 || (errno != EINTR && errno != EWOULDBLOCK)) break;
-    if (check != nullptr && errno == EWOULDBLOCK) {
-      if (check()) {
-        ::close(fd);
-        throw Interrupted(path + ": interrupted while waiting for the checkpoint's lock (" +
-                          (exclusive ? "a commit waits for loads and readers" : "a read waits for a commit") +
-                          "); nothing changed");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(wait_ms));
+    if (check != nullptr && check()) {
+      ::close(fd);
+      throw Interrupted(path + ": interrupted while waiting for the checkpoint's lock (" +
+                        (exclusive ? "a commit waits for loads and readers" : "a read waits for a commit") +
+                        "); nothing changed");
     }
   }
   if (rc != 0) {  // no flock on this filesystem (ENOLCK, EOPNOTSUPP, EBADF on NFS): no lock

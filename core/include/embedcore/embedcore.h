@@ -718,7 +718,7 @@ void VerifyCheckpoint(const CheckpointInfo& info, bool check_finite);
 /// network filesystems); throws IoError (its errno) when the directory is
 /// there but cannot be opened (EACCES, EIO, EMFILE, ...), Interrupted when
 /// the interrupt check (SetInterruptCheck) stops its wait. Not reentrant.
-/// Called every few milliseconds while a CheckpointLock waits for a lock
+/// Called when a signal interrupts a CheckpointLock's wait for a lock
 /// another holds (a save's commit waiting for a load, a load for a commit):
 /// true stops the wait, which throws Interrupted, nothing changed. The Python
 /// bindings set one that runs Python's signal handlers (Ctrl-C raises
