@@ -92,6 +92,9 @@ class Saver:
         state; ``include_optimizer=False`` restores the values alone (as SOK
         1.x does), into a table of any optimizer."""
         target, filepath = _target(embedding_variable), _filepath(filepath)
+        if isinstance(include_optimizer, (tf.Tensor, tf.Variable)):  # (a tf.function's argument: its value then)
+            return _run(lambda path, flag: ec.Saver().restore_from_file(target, _text(path), include_optimizer=flag),
+                        [filepath, include_optimizer], "embedcore_restore")
         return _run(lambda path: ec.Saver().restore_from_file(target, _text(path), include_optimizer=include_optimizer),
                     [filepath], "embedcore_restore")
 

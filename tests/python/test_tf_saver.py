@@ -107,6 +107,23 @@ def test_restore_values_only_and_dumps_sharing_a_directory(tmp_path, rng):
     np.testing.assert_array_equal(adam._embedcore_tables()[0].values(), layer._embedcore_tables()[0].values())
 
 
+def test_include_optimizer_as_a_tensor(tmp_path):
+    """include_optimizer may be a bool tensor: eagerly, and a tf.function's
+    argument, read when the function runs (its symbolic tensor reached the
+    type check, which refused it); a string is refused, naming it."""
+    path = str(tmp_path / "c")
+    ec.save(path, ec.Table(name="t", rows=4, dim=2, optimizer=ec.optimizers.Adam(0.1)))
+    table = ec.Table(name="t", rows=4, dim=2, optimizer=ec.optimizers.Adagrad(0.1))  # other slots: values only
+    saver = Saver()
+    assert saver.restore_from_file(table, path, include_optimizer=tf.constant(False)).numpy() == b"OK"
+    restore = tf.function(lambda flag: saver.restore_from_file(table, path, include_optimizer=flag))
+    assert restore(tf.constant(False)).numpy() == b"OK"
+    with pytest.raises(tf.errors.InvalidArgumentError, match="include_optimizer=False"):
+        restore(tf.constant(True))  # (Adagrad's slots are not Adam's: the slots were asked for)
+    with pytest.raises(TypeError, match="include_optimizer must be a bool, got 'no'"):
+        saver.restore_from_file(table, path, include_optimizer="no")
+
+
 def test_file_error_in_a_graph_is_invalid_argument(tmp_path):
     # A failed file operation raises OSError eagerly and, like every other error, InvalidArgumentError inside
     # tf.function, naming the file (was: UnknownError).
