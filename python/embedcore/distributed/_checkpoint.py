@@ -185,6 +185,9 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
             # Rank 0's own commit failed (it alone commits): it removes every rank's files of the save,
             # unless the manifest's rename happened and a later step failed (then that is the checkpoint).
             _embedcore.remove_generation(path, generation)
+        except BaseException:  # Ctrl-C while the commit waited for the directory's lock: the same, then raised
+            _embedcore.remove_generation(path, generation)
+            raise
     agree(comm, error, step=emb.step_name("save: commit"))
 
 
