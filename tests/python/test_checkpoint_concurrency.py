@@ -182,7 +182,9 @@ def test_a_commit_waits_for_a_reader(tmp_path):
 
 
 _WAIT_THEN_CTRL_C = r"""
-import sys, time, numpy as np, embedcore as ec
+import signal, sys, time, numpy as np, embedcore as ec
+# Python's own SIGINT handler, as in a terminal (a background job, as under CI, starts with SIGINT ignored).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 path, call = sys.argv[1], sys.argv[2]
 t = ec.Table(name="t", rows=10, dim=2, initializer=ec.initializers.Constant(2.0))
 print("calling", flush=True)
