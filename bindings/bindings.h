@@ -101,8 +101,9 @@ class ReleaseGil {
     restoring().fetch_sub(1);
     return raised;
   }
-  /// With the GIL: sets the error CheckSignals kept for this thread
-  /// (KeyboardInterrupt, with `message` as a note), or KeyboardInterrupt.
+  /// With the GIL: sets the error CheckSignals kept for this thread (what
+  /// the signal handler raised: KeyboardInterrupt for Ctrl-C), or, if none
+  /// was kept, KeyboardInterrupt(`message`).
   static void RaiseInterrupted(const char* message) {
     PyObject* error = pending();
     pending() = nullptr;

@@ -1015,8 +1015,8 @@ void ReadDataBlock(const std::string& dir, const FileEntry& f, void* dst, DType 
   // A column range of each row: pieces of rows read with pread into a
   // buffer that stays in L2 (from the first row's first column to the last
   // row's last column), their columns copied. Not through a mapping (which
-  // read only the pages holding those columns, and was 1.2x faster on page-
-  // cached files): a file another process truncates in place during the copy
+  // read only the pages holding those columns, and was 1.15x faster on
+  // page-cached files): a file another process truncates in place during the copy
   // (after its verification) ended the process with SIGBUS; a short read is a
   // CheckpointError naming the file.
   const int64_t width = c1 - c0;
