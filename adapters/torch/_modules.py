@@ -106,11 +106,22 @@ def refuse_fx_proxy(module: nn.Module, *inputs) -> None:
                         "is_leaf_module returns True for it); torch.compile and torch.export trace it as it is")
 
 
+def _check_strided(t: Tensor, where: str) -> None:
+    """A sparse or nested tensor is refused by name; the engine reads a dense
+    (torch.strided) one. A nested jagged tensor's parts are what it takes."""
+    if t.is_nested:
+        raise TypeError(f"{where} is a nested tensor: pass dense ones (a jagged tensor's .values() and .offsets() "
+                        "are)")
+    if t.layout != torch.strided:
+        raise TypeError(f"{where} is a {t.layout} tensor: pass a dense (torch.strided) one (.to_dense())")
+
+
 def check_ids(t, where: str) -> None:
     """Type, dtype and device checks of an id (or offset) tensor: metadata
     only, so they trace under ``torch.compile``."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
+    _check_strided(t, where)
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{where} must be an int32 or int64 tensor, got {t.dtype}")
     if not (t.is_cpu or t.is_cuda):
@@ -136,6 +147,7 @@ def _pretrained_dtype(owner: str, embeddings: Tensor, kwargs: dict):
 def check_weights(w, ids: Tensor, where: str) -> None:
     if not isinstance(w, Tensor):
         raise TypeError(f"{where} must be a torch.Tensor, got {type(w).__name__}")
+    _check_strided(w, where)
     if w.dtype != torch.float32:
         raise TypeError(f"{where} must be float32 (the engine weighs and pools in float32, whatever the table's "
                         f"dtype), got {w.dtype}")

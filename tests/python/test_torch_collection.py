@@ -72,6 +72,11 @@ def test_collection_errors():
         ebc([ok])
     with pytest.raises(IndexError):
         ebc({"f1": ok, "f2": ok, "f3": (torch.tensor([30]), torch.tensor([0, 1]))})
+    # Sparse and nested tensors are refused by name (they failed inside torch, naming no feature).
+    with pytest.raises(TypeError, match=r"features\['f3'\] values is a torch.sparse_coo tensor"):
+        ebc({"f1": ok, "f2": ok, "f3": (ok[0].to_sparse(), ok[1])})
+    with pytest.raises(TypeError, match=r"features\['f3'\] is a nested tensor: .*\.values\(\) and \.offsets\(\)"):
+        ebc({"f1": ok, "f2": ok, "f3": torch.nested.nested_tensor([ok[0]], layout=torch.jagged)})
     with pytest.raises(ValueError, match="duplicate"):
         et.EmbeddingBagCollection(_configs() + _configs()[:1])
     with pytest.raises(ValueError, match="pooling"):

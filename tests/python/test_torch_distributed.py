@@ -171,7 +171,7 @@ def test_sharded_collection_is_chosen_by_world():
         et.EmbeddingBagCollection(_tables(), world="not a comm")
 
 
-@pytest.mark.parametrize("bad", ["int16 ids", "missing feature"])
+@pytest.mark.parametrize("bad", ["int16 ids", "sparse ids", "missing feature"])
 def test_sharded_bad_input_on_one_rank_reaches_every_rank(bad):
     """An input that one rank refuses before any collective (its type, a
     missing feature) still reaches the others, as RankFailedError, instead
@@ -183,6 +183,8 @@ def test_sharded_bad_input_on_one_rank_reaches_every_rank(bad):
         if world.rank == 1:
             if bad == "int16 ids":
                 feats["a"] = feats["a"].to(torch.int16)
+            elif bad == "sparse ids":
+                feats["a"] = feats["a"].to_sparse()
             else:
                 del feats["b"]
         try:
@@ -194,7 +196,7 @@ def test_sharded_bad_input_on_one_rank_reaches_every_rank(bad):
         sum(o.sum() for o in out.values()).backward()
         return first
 
-    assert run_local(2, fn) == ["RankFailedError", "TypeError" if bad == "int16 ids" else "KeyError"]
+    assert run_local(2, fn) == ["RankFailedError", "KeyError" if bad == "missing feature" else "TypeError"]
 
 
 def test_sharded_inference_only_matches_unsharded():

@@ -321,6 +321,11 @@ def _errors(m):
         (ValueError, lambda: m(ids, torch.tensor([[0, 2]]))),
         (TypeError, lambda: m([1, 2], torch.tensor([0]))),
         (NotImplementedError, lambda: m(torch.tensor([1, 2], device="meta"), torch.tensor([0]))),
+        # Sparse and nested tensors, by name (they failed inside torch: "can't convert Sparse layout", "view()").
+        (TypeError, lambda: m(ids.to_sparse(), torch.tensor([0, 2]))),
+        (TypeError, lambda: m(ids, torch.tensor([0, 2]).to_sparse())),
+        (TypeError, lambda: m(ids, torch.tensor([0, 2]), torch.ones(4).to_sparse())),
+        (TypeError, lambda: m(torch.nested.nested_tensor([ids[:3], ids[3:]], layout=torch.jagged))),
     ]
 
 
