@@ -947,8 +947,9 @@ def test_reshard_refuses_more_pieces_than_file_names_hold_before_writing(tmp_pat
     ec.save(src, table)
     cpu0 = time.process_time()  # (CPU time, which the machine's load does not stretch)
     with pytest.raises(ValueError, match=r"table 't' would be written in 100001 pieces, over 99999: raise "
-                                         r"max_file_bytes"):
+                                         r"max_file_bytes") as raised:
         ec.distributed.reshard(src, dst, world, "row_wise", max_file_bytes=max_file_bytes)
+    assert ("lower world_size" in str(raised.value)) == (world > 1), "advice that cannot be followed (world_size 1)"
     assert time.process_time() - cpu0 < 10, "refused only after writing"
     assert not dst.exists()
     if world == 1:

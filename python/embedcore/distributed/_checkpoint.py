@@ -333,9 +333,9 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
             for t in manifest["tables"]:
                 count = sum(-(-s.rows // _rows_per_piece(t, s, max_file_bytes)) for s in layout[t["name"]].shards)
                 if count > _MAX_PIECES:
+                    fewer = f" or lower world_size ({world_size})" if world_size > 1 else ""
                     raise ValueError(f"reshard: table '{t['name']}' would be written in {count} pieces, over "
-                                     f"{_MAX_PIECES}: raise max_file_bytes ({max_file_bytes}; --max-file-mb) or "
-                                     f"lower world_size ({world_size})")
+                                     f"{_MAX_PIECES}: raise max_file_bytes ({max_file_bytes}; --max-file-mb){fewer}")
             if claim is None:
                 claim = _embedcore.GenerationClaim(dst)
             with _removed_on_failure(dst, claim.generation):
