@@ -240,30 +240,13 @@ void BindCheckpoint(nb::module_& m) {
           if (index >= info.tables.size()) throw OutOfRange("no table " + std::to_string(index) + " in the checkpoint");
           if (table == nullptr) throw InvalidArgument("load_tables: None given as a table");
         }
+        std::vector<BlockLoad> blocks;
+        for (const auto& [index, table, row_start, col_start] : items)
+          blocks.push_back({&info.tables[index], table, row_start, col_start});
         // One call, without the GIL throughout: an interrupt (Ctrl-C) cannot stop it between two tables.
         ReleaseGil release;
-        if (files != nullptr) files->CheckUnchanged();  // before any table changes
-        std::vector<std::string> loaded;  // the tables loaded before one that failed, each once
-        for (const auto& [index, table, row_start, col_start] : items) {
-          try {
-            if (row_start < 0) {
-              CheckLoadable(info, info.tables[index], *table, load_optimizer);
-              LoadTableBlock(info, info.tables[index], *table, 0, 0, load_optimizer, false, true, files);
-            } else {
-              LoadTableBlock(info, info.tables[index], *table, row_start, col_start, load_optimizer, false, true,
-                             files);
-            }
-          } catch (...) {
-            std::string names;  // the first 10
-            for (size_t i = 0; i < loaded.size() && i < 10; ++i) names += (i ? ", '" : "'") + loaded[i] + "'";
-            if (loaded.size() > 10) names += " and " + std::to_string(loaded.size() - 10) + " more";
-            checkpoint::RethrowWithNote(
-                (loaded.empty() ? std::string() : "; this load had loaded " + names + " before it: load them all again") +
-                again);
-          }
-          if (std::find(loaded.begin(), loaded.end(), table->spec().name) == loaded.end())
-            loaded.push_back(table->spec().name);
-        }
+        std::optional<LoadFiles> local;  // (without `files`: the copies open their own)
+        LoadTableBlocks(info, blocks, load_optimizer, files != nullptr ? *files : local.emplace(), again);
       },
       "info"_a, "items"_a, "load_optimizer"_a, "files"_a.none() = nb::none(), "again"_a = "",
       "Loads, already verified, each (index, table, row_start, col_start) of `items`: the whole table `index` "

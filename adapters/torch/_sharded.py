@@ -29,7 +29,7 @@ from torch import Tensor
 import embedcore as ec
 from embedcore.checkpoint import _optimizer_json
 from embedcore.distributed import Comm
-from embedcore.distributed._comm import agree
+from embedcore.distributed._comm import agree, collective, one_thread
 
 from ._collection import (EmbeddingBagCollection, EmbeddingCollection, _csr, _embedding_names, _is_kjt,
                           _jagged_module, _kjt_parts, _sequence_ids, _specs, _uniform_of)
@@ -120,7 +120,8 @@ class _ShardedLookup(torch.autograd.Function):
                                    "from its last forward pass only, so call backward() after each forward (on "
                                    "every rank). No table was changed")
         # Autograd gives zeros for outputs that did not reach the loss.
-        module._embedding.apply_gradients([_ops._np(g.contiguous()) for g in grads])
+        with one_thread(module._world, "backward"):
+            module._embedding.apply_gradients([_ops._np(g.contiguous()) for g in grads])
         return torch.zeros(1), None, None, None
 
 
@@ -168,6 +169,10 @@ class _Sharded:
                             f"embedcore.adapters.torch.distributed.init()), got {world!r}")
         if optimizer is not None and not isinstance(optimizer, ec.optimizers.Optimizer):
             raise TypeError(f"{self._owner}: optimizer must be an embedcore.optimizers optimizer, got {optimizer!r}")
+        with one_thread(world, f"{self._owner}()"):
+            self._build_over(specs, optimizer, shard_device, world, sharding)
+
+    def _build_over(self, specs, optimizer, shard_device, world, sharding) -> None:
         # Every rank must build the same tables; the initial values are rank 0's (whose default
         # seeds come from its PyTorch generator), so a rank's generator state does not matter.
         error = None
@@ -297,6 +302,7 @@ class _Sharded:
 
     # A collective step of host work: torch.compile runs it eagerly (a graph break), as it does any opaque call.
     @torch.compiler.disable
+    @collective("forward")
     def forward(self, features):
         self._kjt_starts = {}  # (a KeyedJaggedTensor's are noted by _parse; None outside forward)
         try:

@@ -1640,6 +1640,17 @@ void CheckBlockLoadable(const CheckpointInfo& info, const TableEntry& entry, con
   if (entry.slot_names != spec.optimizer.SlotNames()) throw CheckpointError(SlotMismatch(where, entry, spec));
   CheckRowwiseBlock(where, entry, spec, col_start);
 }
+
+// A whole-table load's shape check: `entry` is `spec`'s shape.
+void CheckShape(const CheckpointInfo& info, const TableEntry& entry, const TableSpec& spec) {
+  if (entry.rows != spec.rows || entry.dim != spec.dim)
+    throw CheckpointError(info.path + ": table '" + entry.name + "' is " + std::to_string(entry.rows) + " x " +
+                          std::to_string(entry.dim) + ", the target table '" + spec.name + "' is " +
+                          std::to_string(spec.rows) + " x " + std::to_string(spec.dim));
+}
+
+void CopyBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,
+               int64_t col_start, bool load_optimizer, LoadFiles& files);
 }  // namespace
 
 void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Table& table, bool load_optimizer) {
@@ -1648,11 +1659,7 @@ void CheckLoadable(const CheckpointInfo& info, const TableEntry& entry, const Ta
     std::shared_lock<std::shared_mutex> lock(table.mutex());
     return table.spec();
   }();
-  const std::string where = info.path + ": table '" + entry.name + "'";
-  if (entry.rows != spec.rows || entry.dim != spec.dim)
-    throw CheckpointError(where + " is " + std::to_string(entry.rows) + " x " + std::to_string(entry.dim) +
-                          ", the target table '" + spec.name + "' is " + std::to_string(spec.rows) + " x " +
-                          std::to_string(spec.dim));
+  CheckShape(info, entry, spec);
   CheckBlockLoadable(info, entry, spec, 0, 0, load_optimizer);  // (the whole table: the block and its columns fit)
 }
 
@@ -1711,9 +1718,57 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
     if (local) local->CheckUnchanged();  // (a caller's set: its caller checks it once, before any table changes)
   }
   std::unique_lock<std::shared_mutex> lock(table.mutex());
-  const TableSpec& spec = table.spec();
   // (Again after a verification: Table::SetOptimizer may have run since.)
-  CheckBlockLoadable(info, entry, spec, row_start, col_start, load_optimizer);
+  CheckBlockLoadable(info, entry, table.spec(), row_start, col_start, load_optimizer);
+  CopyBlock(info, entry, table, row_start, col_start, load_optimizer, *files);
+}
+
+void LoadTableBlocks(const CheckpointInfo& info, const std::vector<BlockLoad>& blocks, bool load_optimizer,
+                     LoadFiles& files, const std::string& again) {
+  // Every target locked for the whole load, in address order (as ForkHandlers::Prepare locks them all), and
+  // every check made under the locks before the first copy: a Table::SetOptimizer between the caller's checks
+  // and here refuses the load before any table changes, and no lookup sees some tables loaded and not others.
+  std::vector<Table*> targets;
+  for (const BlockLoad& b : blocks) targets.push_back(b.table);
+  std::sort(targets.begin(), targets.end());
+  targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
+  std::vector<std::unique_lock<std::shared_mutex>> locks;
+  locks.reserve(targets.size());
+  for (Table* t : targets) locks.emplace_back(t->mutex());
+  files.CheckUnchanged();
+  for (const BlockLoad& b : blocks) {
+    if (b.row_start < 0) {
+      CheckShape(info, *b.entry, b.table->spec());
+      CheckBlockLoadable(info, *b.entry, b.table->spec(), 0, 0, load_optimizer);
+    } else {
+      CheckBlockLoadable(info, *b.entry, b.table->spec(), b.row_start, b.col_start, load_optimizer);
+    }
+  }
+  std::vector<std::string> loaded;  // the tables loaded before one that failed, each once
+  for (const BlockLoad& b : blocks) {
+    try {
+      CopyBlock(info, *b.entry, *b.table, std::max<int64_t>(b.row_start, 0), std::max<int64_t>(b.col_start, 0),
+                load_optimizer, files);
+    } catch (...) {
+      std::string names;  // the first 10
+      for (size_t i = 0; i < loaded.size() && i < 10; ++i) names += (i ? ", '" : "'") + loaded[i] + "'";
+      if (loaded.size() > 10) names += " and " + std::to_string(loaded.size() - 10) + " more";
+      checkpoint::RethrowWithNote(
+          (loaded.empty() ? std::string() : "; this load had loaded " + names + " before it: load them all again") +
+          again);
+    }
+    const std::string& name = b.table->spec().name;
+    if (std::find(loaded.begin(), loaded.end(), name) == loaded.end()) loaded.push_back(name);
+  }
+}
+
+namespace {
+// The copy of a block load, verified before: the caller holds the table's lock (unique) and has checked that
+// the block fits it.
+void CopyBlock(const CheckpointInfo& info, const TableEntry& entry, Table& table, int64_t row_start,
+               int64_t col_start, bool load_optimizer, LoadFiles& files_ref) {
+  LoadFiles* files = &files_ref;
+  const TableSpec& spec = table.spec();
   const bool slots = load_optimizer && entry.has_optimizer;
   // Reads the block of `files` into `dst` ([rows, cols] of `dtype`, from column
   // first_col); a device table's block goes through a bounded host buffer.
@@ -1748,6 +1803,7 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
         " are part the checkpoint's, part what it held before): load it again");
   }
 }
+}  // namespace
 
 void LoadTable(const CheckpointInfo& info, const TableEntry& entry, Table& table, bool load_optimizer, bool verify) {
   CheckLoadable(info, entry, table, load_optimizer);

@@ -513,7 +513,11 @@ def load(path, into, include_optimizer: bool = True) -> None:
     loads, a file is opened again, and one changed since its verification
     fails the load before any table changes). The tables
     change in one native call, so an interrupt (Ctrl-C) stops the load
-    before any table changes or takes effect once all have.
+    before any table changes or takes effect once all have. That call
+    holds every target table's lock and checks each again before the
+    first copy: another thread's ``set_optimizer`` since the checks refuses
+    the load with no table changed, and another thread's lookups see the
+    tables all as they were or all loaded.
 
     Only an error of the copy itself (an I/O error of a disk failing
     between the verification and the copy; the tables are not staged in

@@ -137,6 +137,47 @@ print("saved")
 """
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_an_optimizer_changed_during_a_load_refuses_it_before_any_table_changes(tmp_path, monkeypatch, sharded):
+    """Another thread's set_optimizer on table 'b' after ec.load checked it,
+    before the copy: the load raises CheckpointError naming 'b', and table
+    'a', which comes first, keeps its values (it used to be loaded before the
+    copy checked 'b' again)."""
+    def make(value, world=None):
+        tables = [ec.TableConfig(n, rows, 4, initializer=ec.initializers.Constant(value)) for n, rows in (("a", 6),
+                                                                                                      ("b", 5))]
+        kw = {} if world is None else {"world": world, "sharding": "row_wise"}
+        return ec.Embedding({t.name: ec.FeatureConfig(t) for t in tables}, ec.optimizers.SGD(0.1), **kw)
+
+    ec.save(tmp_path / "ck", make(1.0))
+    native = ec.checkpoint._embedcore
+    real = native.load_tables
+
+    def changing_b_first(info, items, *args, **kwargs):
+        for _, table, _, _ in items:  # (the engine's table: as set_optimizer from another thread leaves it)
+            if table.name == "b":
+                table.set_optimizer(ec.optimizers.Adagrad(0.1)._native())
+        return real(info, items, *args, **kwargs)
+
+    monkeypatch.setattr(native, "load_tables", changing_b_first)
+
+    def load(emb):
+        with pytest.raises(ec.CheckpointError, match=r"table 'b' was saved with optimizer slots none, the target "
+                                                     r"table's optimizer has slots \[accumulators\]"):
+            ec.load(tmp_path / "ck", into=emb)
+        if sharded:
+            tables = [t for shards in emb.local_shards.values() for _, t in shards]
+        else:
+            tables = list(emb.embedding_tables.values())
+        return [float(t.to_numpy().min()) for t in tables] + [float(t.to_numpy().max()) for t in tables]
+
+    if sharded:
+        for seen in ec.distributed.run_local(2, lambda world: load(make(2.0, world))):
+            assert seen == [2.0] * len(seen)
+    else:
+        assert load(make(2.0)) == [2.0] * 4
+
+
 def test_two_processes_saving_into_one_directory(tmp_path):
     """Two processes (the lock is the file system's, not the process's)."""
     path = tmp_path / "ckpt"

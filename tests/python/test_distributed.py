@@ -1413,6 +1413,48 @@ def test_two_embeddings_called_in_different_orders_raise_a_named_mismatch():
                 "embedding 1 (tables item)'") in msg, msg
 
 
+def test_a_rank_s_second_thread_in_a_collective_call_is_refused_by_name():
+    """Two threads of one rank looking up at once: the second raises
+    RuntimeError naming both calls, before any exchange, and the first
+    completes with the right rows. (The threads' exchanges used to pair with
+    the other rank's in any order: AttributeError, an unpacking ValueError,
+    a mismatch naming the wrong places.) Rank 1 looks up only once the
+    refusal has happened, so the first thread is inside its call then."""
+    config = {"f": ec.FeatureConfig(ec.TableConfig("t", 100, 2, initializer=ec.initializers.Uniform(-1, 1, seed=3)))}
+    refused = threading.Event()
+
+    def fn(world):
+        emb = ec.Embedding(config, opt.SGD(0.1), world=world, sharding="row_wise")
+        if world.rank == 1:
+            assert refused.wait(60), "no call was refused"
+            return [emb({"f": np.array([[7]])})["f"]]
+        results = {}
+
+        def call(name, ids):
+            try:
+                results[name] = emb({"f": ids})["f"]
+            except RuntimeError as e:
+                results[name] = e
+                refused.set()
+
+        threads = [threading.Thread(target=call, args=(n, np.array([[i]]))) for n, i in (("a", 5), ("b", 90))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return [results["a"], results["b"]]
+
+    (a, b), (other,) = _run(2, fn)
+    errors = [x for x in (a, b) if isinstance(x, Exception)]
+    assert len(errors) == 1, (a, b)
+    assert re.fullmatch(r"lookup: rank 0 is already in a collective call \(lookup\) on another thread; a rank makes "
+                        r"its collective calls one at a time.*", str(errors[0])), errors[0]
+    values = ec.Table(config["f"].table).to_numpy()
+    done = a if b is errors[0] else b
+    np.testing.assert_array_equal(done, values[[5 if b is errors[0] else 90]])
+    np.testing.assert_array_equal(other, values[[7]])
+
+
 def test_ranks_with_other_optimizer_hyper_parameters_are_refused():
     """Every rank's optimizer must be the same, hyper-parameters included
     (each shard's owner applies its own): another learning rate on one rank

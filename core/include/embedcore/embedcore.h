@@ -825,6 +825,26 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
                     int64_t col_start, bool load_optimizer, bool verify = true, bool slot_domain = true,
                     LoadFiles* files = nullptr);
 
+/// One block of a LoadTableBlocks: `entry` into `table`, the whole table
+/// where row_start < 0 (its shape must be the entry's), else the block
+/// [row_start, row_start + rows) x [col_start, col_start + dim) of `entry`.
+struct BlockLoad {
+  const TableEntry* entry;
+  Table* table;
+  int64_t row_start;
+  int64_t col_start;
+};
+
+/// Loads `blocks`, verified before (VerifyTableBlock through `files`), as
+/// one: every target table is locked for the whole call and every check is
+/// made again under the locks before the first copy, so a Table::SetOptimizer
+/// since the verification refuses the load with no table changed, and a
+/// lookup from another thread sees the tables all before or all after it.
+/// An error of a copy (a failing disk) names the tables loaded before it,
+/// then `again`.
+void LoadTableBlocks(const CheckpointInfo& info, const std::vector<BlockLoad>& blocks, bool load_optimizer,
+                     LoadFiles& files, const std::string& again = "");
+
 /// The checks and checksum verification of LoadTableBlock (the dtype range
 /// check included), without loading:
 /// a sharded load verifies every rank's blocks before any rank changes.

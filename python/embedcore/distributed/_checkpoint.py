@@ -22,7 +22,7 @@ from .. import _embedcore
 from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_flag, _check_padding, _check_values_dtype,
                           _copy_block, _locked, _metadata, _quantized_tables, _remove_if_created_and_empty,
                           _scratch_dtype, _slot_counts, _table_config_json, absolute_path, native_path, resolved_path)
-from ._comm import RankFailedError, agree
+from ._comm import RankFailedError, agree, one_thread
 from ._plan import make_plan
 
 __all__ = ["save_sharded", "load_sharded", "reshard"]
@@ -55,7 +55,7 @@ def save_sharded(path, emb, include_optimizer: bool = True, values_dtype: Option
     module built on `emb`, whose features are its own: ``{"kind": "table"}``)."""
     path = native_path(path)
     # Rank 0 claims the generation and holds the claim to the end of its commit (every rank's files are of it).
-    with contextlib.ExitStack() as held:
+    with one_thread(emb.world, "save"), contextlib.ExitStack() as held:
         _save_sharded(path, emb, include_optimizer, values_dtype, keep, held, metadata)
 
 
@@ -206,7 +206,7 @@ def _removed_on_failure(path: str, generation: int):
 
 def load_sharded(path, emb, include_optimizer: bool = True) -> None:
     path = resolved_path(native_path(path))
-    with _locked(path):  # no save's commit removes these files meanwhile
+    with one_thread(emb.world, "load"), _locked(path):  # no save's commit removes these files meanwhile
         _load_sharded(path, emb, include_optimizer)
 
 

@@ -6,6 +6,8 @@ call an established collective library."""
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import os
 import sys
 import threading
@@ -125,6 +127,52 @@ def agree(comm: Comm, error: Optional[BaseException], payload: Any = None, *, st
         r, m = failed[0]
         raise RankFailedError(f"rank {r} of {comm.size} failed: {m}")
     return [p for _, _, p in results]
+
+
+_inside_lock = threading.Lock()
+_inside: dict = {}  # id of a communicator's numbering holder -> [thread, depth, call]: the thread in a collective call
+
+
+@contextlib.contextmanager
+def one_thread(comm: Comm, what: str):
+    """A rank makes its collective calls one at a time: a call that another
+    thread of the same rank makes while one is under way raises
+    ``RuntimeError`` at once, before any exchange, naming both calls. (Two
+    threads' exchanges would otherwise pair with the other ranks' in any
+    order, and fail far from the cause or read another call's data.) The
+    same thread may nest calls (a forward's lookup). Keyed on what the
+    communicator's objects share (``Comm._embedding_numbering``): two
+    ``init("mpi")`` objects are one communicator."""
+    key = id(comm._embedding_numbering())
+    me = threading.get_ident()
+    with _inside_lock:
+        entry = _inside.get(key)
+        if entry is not None and entry[0] != me:
+            raise RuntimeError(f"{what}: rank {comm.rank} is already in a collective call ({entry[2]}) on another "
+                               "thread; a rank makes its collective calls one at a time, in the same order as the "
+                               "other ranks (make them from one thread, or hold a lock around each)")
+        if entry is None:
+            entry = _inside[key] = [me, 0, what]
+        entry[1] += 1
+    try:
+        yield
+    finally:
+        with _inside_lock:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _inside[key]
+
+
+def collective(what: str):
+    """Decorates a method of an object whose ``_world`` is its ``Comm``: the
+    method is a collective call (``one_thread``)."""
+    def decorate(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            with one_thread(self._world, what):
+                return method(self, *args, **kwargs)
+        return call
+    return decorate
 
 
 # ---------------------------------------------------------------------- local

@@ -35,7 +35,7 @@ from .._inputs import Batch, Ragged, as_float32, make_batch
 from ..config import TableConfig
 from ..embedding import Embedding
 from ..table import _COMBINER_CODE, Table
-from ._comm import Comm, agree
+from ._comm import Comm, agree, collective
 from ._plan import Shard, ShardingPlan, TableSharding, make_plan
 
 __all__ = ["ShardedEmbedding"]
@@ -163,6 +163,7 @@ class ShardedEmbedding(Embedding):
             named[k] = v
         return named
 
+    @collective("Embedding()")
     def _build_tables(self) -> None:
         self._configs: List[TableConfig] = list(self._effective)
         self._table_index = {cfg: i for i, cfg in enumerate(self._configs)}
@@ -260,6 +261,7 @@ class ShardedEmbedding(Embedding):
         raise TypeError("a sharded Embedding has no whole tables on one rank")
 
     # ------------------------------------------------------------ forward
+    @collective("lookup")
     def lookup(self, features, weights=None):
         comm = self._world
         error, counts = None, None
@@ -498,6 +500,7 @@ class ShardedEmbedding(Embedding):
         return np.concatenate(results) if results else np.zeros(0, np.float32)
 
     # ------------------------------------------------------------ backward
+    @collective("apply_gradients")
     def apply_gradients(self, grads) -> None:
         """One optimizer step per table from the gradients of this rank's last
         outputs; collective, like the lookup."""
