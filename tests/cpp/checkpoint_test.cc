@@ -42,6 +42,12 @@ std::vector<uint8_t> RawValues(const Table& t) {
   return std::vector<uint8_t>(p, p + t.value_bytes());
 }
 
+std::vector<float> Values(const Table& t) {
+  std::vector<float> out(size_t(t.rows() * t.dim()));
+  t.ReadValues(0, t.rows(), out.data());
+  return out;
+}
+
 std::vector<float> SlotCopy(const Table& t, size_t i) {
   return std::vector<float>(t.slot(i), t.slot(i) + t.rows() * t.slot_dim());
 }
@@ -180,6 +186,39 @@ EMBEDCORE_TEST(ASaveOfMemoryRewrittenMeanwhileVerifies) {
   }
   stop = true;
   writer.join();
+}
+
+EMBEDCORE_TEST(LoadTableBlocksChecksEveryTableBeforeTheFirstCopy) {
+  // Table "b" given an optimizer (SetOptimizer) after the caller checked it: LoadTableBlocks refuses the load
+  // before it copies "a", which comes first; checked again, a load of both loads both.
+  TempDir dir;
+  const std::string path = dir.Sub("ckpt");
+  Table a(Spec("a", 40, 3, DType::kFloat32, OptimizerSpec::Kind::kSGD, 1));
+  Table b(Spec("b", 30, 2, DType::kFloat32, OptimizerSpec::Kind::kSGD, 2));
+  SaveCheckpoint(path, {{&a, "{}"}, {&b, "{}"}}, SaveOptions{});
+  const CheckpointInfo info = ReadCheckpointInfo(path);
+  Table a2(Spec("a", 40, 3, DType::kFloat32, OptimizerSpec::Kind::kSGD, 3));
+  Table b2(Spec("b", 30, 2, DType::kFloat32, OptimizerSpec::Kind::kSGD, 4));
+  CheckLoadable(info, info.tables[0], a2, true);
+  CheckLoadable(info, info.tables[1], b2, true);
+  OptimizerSpec adagrad;
+  adagrad.kind = OptimizerSpec::Kind::kAdagrad;
+  b2.SetOptimizer(adagrad);
+  const std::vector<float> before = Values(a2);
+  LoadFiles files;
+  EMBEDCORE_EXPECT_THROWS(LoadTableBlocks(info, {{&info.tables[0], &a2, -1, 0}, {&info.tables[1], &b2, -1, 0}}, true,
+                                          files),
+                          CheckpointError, "table 'b' was saved with optimizer slots none");
+  EMBEDCORE_EXPECT(Values(a2) == before);
+  // Values only: both load, whole tables (row_start -1) and a block alike.
+  Table b3(Spec("b", 10, 2, DType::kFloat32, OptimizerSpec::Kind::kSGD, 5));
+  LoadTableBlocks(info, {{&info.tables[0], &a2, -1, 0}, {&info.tables[1], &b3, 20, 0}}, false, files);
+  EMBEDCORE_EXPECT(Values(a2) == Values(a));
+  const std::vector<float> all_b = Values(b);
+  EMBEDCORE_EXPECT(Values(b3) == std::vector<float>(all_b.begin() + 40, all_b.end()));  // rows [20, 30), 2 wide
+  // A whole-table load checks the shape.
+  EMBEDCORE_EXPECT_THROWS(LoadTableBlocks(info, {{&info.tables[1], &b3, -1, 0}}, false, files), CheckpointError,
+                          "is 30 x 2, the target table 'b' is 10 x 2");
 }
 
 EMBEDCORE_TEST(ValuesOnlyExportAndCast) {
