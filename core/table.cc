@@ -224,19 +224,20 @@ namespace {
 template <typename I>
 void CheckIds(const I* ids, int64_t nnz, int64_t rows, const std::string& table) {
   const int chunks = NumChunks(nnz, 1 << 16);
-  std::vector<int64_t> first_bad(std::max(chunks, 1), -1);
+  // Per chunk, the first bad position and the id read there (not read again: another thread may be rewriting
+  // the ids, and the message must name what the check saw).
+  std::vector<std::pair<int64_t, int64_t>> first_bad(std::max(chunks, 1), {-1, 0});
   ParallelChunks(nnz, chunks, [&](int c, int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t id = int64_t(ids[k]);
       if (id < 0 || id >= rows) {
-        first_bad[c] = k;
+        first_bad[c] = {k, id};
         return;
       }
     }
   });
-  for (int64_t k : first_bad) {
+  for (const auto& [k, id] : first_bad) {
     if (k < 0) continue;
-    const int64_t id = int64_t(ids[k]);
     throw OutOfRange("table '" + table + "': id " + std::to_string(id) + " at position " + std::to_string(k) +
                      " of ids is out of range [0, " + std::to_string(rows) + ")");
   }

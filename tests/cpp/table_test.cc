@@ -668,6 +668,34 @@ EMBEDCORE_TEST(InitializersBeyondTheDtypeAreRefused) {
   EMBEDCORE_EXPECT_THROWS(Table{shard}, InvalidArgument, "Normal(mean=65519.2, stddev=0.1 = 1/sqrt(dim))");
 }
 
+EMBEDCORE_TEST(AnOutOfRangeIdIsNamedAsTheCheckReadIt) {
+  // Another thread flips one id between out of range and in range while batches are checked: each refusal
+  // names the out-of-range value the check read (it read the id again for the message, which could then be
+  // in range: "id 1 ... is out of range [0, 1000)").
+  const int64_t rows = 1000, n = int64_t(1) << 18, at = n - 1;
+  std::vector<int64_t> ids(size_t(n), 1), offsets = {0, n};
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    while (!stop.load(std::memory_order_relaxed)) {
+      __atomic_store_n(&ids[size_t(at)], rows + 7, __ATOMIC_RELAXED);
+      __atomic_store_n(&ids[size_t(at)], int64_t(1), __ATOMIC_RELAXED);
+    }
+  });
+  int refused = 0;
+  for (int i = 0; i < 400; ++i) {
+    try {
+      ValidateBatch(embedcore_test::MakeBatch(ids, offsets), rows, "t");
+    } catch (const OutOfRange& e) {
+      ++refused;
+      EMBEDCORE_EXPECT_EQ(std::string(e.what()), "table 't': id 1007 at position " + std::to_string(at) +
+                                                     " of ids is out of range [0, 1000)");
+    }
+  }
+  stop = true;
+  writer.join();
+  EMBEDCORE_EXPECT(refused > 0);  // (the writer ran during the checks)
+}
+
 EMBEDCORE_TEST(OutputRows) {
   HostBatch hb;
   hb.AddBag({1, 2, 3});
