@@ -28,7 +28,7 @@ from embedcore.table import apply_gradients_many
 
 from . import _export
 from ._config import TfLearningRate
-from ._lookup import Backward, lookup as _lookup, unpack_bwd
+from ._lookup import Backward, TableRef, lookup as _lookup, unpack_bwd
 from ._serving import EmbeddingForServing
 
 __all__ = ["Embedding"]
@@ -383,17 +383,21 @@ def _apply(emb: EmbeddingForServing, backward, dys) -> list:
     if not items:
         return []
     rates = _learning_rates(tables, list(dict.fromkeys(f.table.name for f, _, _ in items)))
+    # What the callback holds: no graph tensors, and the tables weakly (TableRef: a graph keeps its callbacks).
+    names = [f.table.name for f, _, _ in items]
+    refs = {name: TableRef(tables[name]) for name in names}
+    schedules_of = [schedules for _, schedules in rates]
 
     def run(*arrays):
         parts: Dict[str, list] = {}
-        for i, (f, _, _) in enumerate(items):
+        for i, name in enumerate(names):
             b = unpack_bwd(arrays[6 * i: 6 * i + 5])
-            parts.setdefault(f.table.name, []).append((b, arrays[6 * i + 5]))
+            parts.setdefault(name, []).append((b, arrays[6 * i + 5]))
         with contextlib.ExitStack() as given:
-            for (_, schedules), value in zip(rates, arrays[6 * len(items):]):
+            for schedules, value in zip(schedules_of, arrays[6 * len(names):]):
                 for schedule in schedules:
                     given.enter_context(schedule.given(float(value)))
-            apply_numpy(tables, parts)
+            apply_numpy({name: ref() for name, ref in refs.items()}, parts)
         return np.zeros((), np.float32)
 
     tensors = []

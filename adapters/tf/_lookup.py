@@ -19,6 +19,7 @@ in its order, with its exception types and messages.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, Optional, Sequence
 
 import numpy as np
@@ -385,6 +386,29 @@ def _call(fn, tensors: Sequence, need_bwd: bool, label: str):
     return res[0], (res[1:] if need_bwd else None)
 
 
+class TableRef:
+    """A table as a graph's callback holds it: weakly. TensorFlow keeps the
+    callable of every ``tf.numpy_function`` as long as the outermost graph,
+    which for a ``tf.function`` (a Keras ``fit``) is the process's own: a
+    callback holding its table would keep the table (values and slots)
+    after the layer and model are gone. Called, the table; once it is
+    gone, ``ValueError`` (the graph's ``InvalidArgumentError``), as the
+    native kernels' handle does (``_native.handle_of``)."""
+
+    __slots__ = ("_ref", "_name")
+
+    def __init__(self, table):
+        self._ref = weakref.ref(table)
+        self._name = table.name
+
+    def __call__(self):
+        table = self._ref()
+        if table is None:
+            raise ValueError(f"table '{self._name}' no longer exists (its layer or model was deleted): a graph that "
+                             "looks it up cannot run")
+        return table
+
+
 def _op_name(label: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in label)[:64] or "feature"
 
@@ -504,7 +528,8 @@ def _check_int_ids(ids: tf.Tensor, where: str) -> None:
 
 def _dense(f: Feature, table, ids: tf.Tensor, need_bwd: bool):
     _check_int_ids(ids, f.label)
-    out, bwd = _call(lambda a: dense_numpy(table, a, need_bwd), [ids], need_bwd, f.label)
+    ref = TableRef(table)
+    out, bwd = _call(lambda a: dense_numpy(ref(), a, need_bwd), [ids], need_bwd, f.label)
     out.set_shape(ids.shape.concatenate([table.dim]))
     return out, bwd
 
@@ -536,8 +561,10 @@ def _sparse(f: Feature, table, sp: tf.SparseTensor, weights: Optional[tf.SparseT
                                  f"the float32 table '{table.name}' (feature {f.label})")
         wvalues = weights.values if weights.values.dtype == tf.float32 else tf.cast(weights.values, tf.float32)
 
+    ref = TableRef(table)
+
     def fn(indices, ids, dense_shape, w):
-        return sparse_numpy(f, table, indices, ids, dense_shape, w, safe, sequence, need_bwd)
+        return sparse_numpy(f, ref(), indices, ids, dense_shape, w, safe, sequence, need_bwd)
 
     op = None
     if safe and not sequence and rank == 2 and weights is None and not need_bwd and not tf.executing_eagerly():
@@ -553,8 +580,8 @@ def _sparse(f: Feature, table, sp: tf.SparseTensor, weights: Optional[tf.SparseT
     out, bwd = _call(fn, [sp.indices, sp.values, sp.dense_shape, wvalues], need_bwd, f.label)
     if wvalues is not None and not sequence:
         def weights_grad(indices, ids, dense_shape, w, dy):
-            _, b = sparse_numpy(f, table, indices, ids, dense_shape, w, safe, False, True)
-            return weights_gradient(table, f.table.combiner, EIGEN4, b, dy, w.shape[0])
+            _, b = sparse_numpy(f, ref(), indices, ids, dense_shape, w, safe, False, True)
+            return weights_gradient(ref(), f.table.combiner, EIGEN4, b, dy, w.shape[0])
 
         out = _with_weights_gradient(out, WeightsGradient(wvalues, [sp.indices, sp.values, sp.dense_shape],
                                                           weights_grad, table.dim, f.label), trained)
@@ -604,8 +631,10 @@ def _ragged(f: Feature, table, rt: tf.RaggedTensor, weights: Optional[tf.RaggedT
                                  "RaggedTensor.with_row_splits_dtype() to convert them to compatible dtypes.")
             wsplits = tf.cast(wsplits, rt.row_splits.dtype)
 
+    ref = TableRef(table)
+
     def fn(values, splits, wv, ws):
-        return ragged_numpy(f, table, values, splits, wv, ws, need_bwd)
+        return ragged_numpy(f, ref(), values, splits, wv, ws, need_bwd)
 
     op = None
     if (f.output_shape is None and f.max_sequence_length == 0 and wvalues is None and not need_bwd
@@ -621,8 +650,8 @@ def _ragged(f: Feature, table, rt: tf.RaggedTensor, weights: Optional[tf.RaggedT
     out, bwd = _call(fn, [rt.values, rt.row_splits, wvalues, wsplits], need_bwd, f.label)
     if wvalues is not None:
         def weights_grad(values, splits, ws, w, dy):
-            _, b = ragged_numpy(f, table, values, splits, w, ws, True)
-            return weights_gradient(table, f.table.combiner, SEQUENTIAL, b, dy, w.shape[0])
+            _, b = ragged_numpy(f, ref(), values, splits, w, ws, True)
+            return weights_gradient(ref(), f.table.combiner, SEQUENTIAL, b, dy, w.shape[0])
 
         out = _with_weights_gradient(out, WeightsGradient(wvalues, [rt.values, rt.row_splits, wsplits],
                                                           weights_grad, table.dim, f.label), trained)

@@ -29,7 +29,7 @@ from embedcore import _embedcore
 
 from . import _ops
 from ._modules import (_MODES, Embedding, EmbeddingBag, _AdapterModule, _TableModule, _table_device, _torch_seed,
-                       check_ids, check_weights, refuse_fx_proxy)
+                       _check_strided, check_ids, check_weights, refuse_fx_proxy)
 
 __all__ = ["EmbeddingBagConfig", "EmbeddingConfig", "EmbeddingBagCollection", "EmbeddingCollection"]
 
@@ -304,6 +304,7 @@ def _jagged_offsets(x, where: str) -> Tensor:
     lengths = x.lengths_or_none() if x.offsets_or_none() is None else None
     if not isinstance(lengths, Tensor):
         return x.offsets()
+    _check_strided(lengths, f"{where} lengths")
     if lengths.dtype not in (torch.int32, torch.int64, torch.int8, torch.int16, torch.uint8):
         raise TypeError(f"{where} lengths must be an int32 or int64 tensor (or int8, int16, uint8), got "
                         f"{lengths.dtype}")
@@ -350,6 +351,8 @@ def _kjt_parts(kjt, features: Sequence[str], owner: str):
         raise ValueError(f"{owner}: the KeyedJaggedTensor's values must be 1-D (one id per value), got shape "
                          f"{tuple(values.shape)}")
     given_lengths = kjt.lengths_or_none() if kjt.offsets_or_none() is not None else None  # beside its offsets
+    if isinstance(given_lengths, Tensor):
+        _check_strided(given_lengths, "KeyedJaggedTensor lengths")
     offsets = _jagged_offsets(kjt, "KeyedJaggedTensor")
     check_ids(offsets, "KeyedJaggedTensor offsets")
     stride = kjt.stride()

@@ -134,6 +134,8 @@ def _pretrained_dtype(owner: str, embeddings: Tensor, kwargs: dict):
     (as a PyTorch weight that trains) other than float64, which no table
     holds."""
     dtype = kwargs.pop("dtype", None)
+    if isinstance(embeddings, Tensor):
+        _check_strided(embeddings, f"{owner}.from_pretrained: embeddings")
     if dtype is None and not embeddings.is_floating_point():
         raise TypeError(f"{owner}.from_pretrained: embeddings must be a floating-point tensor, got {embeddings.dtype} "
                         "(or pass dtype=, the table's, to convert them)")

@@ -1725,9 +1725,10 @@ void LoadTableBlock(const CheckpointInfo& info, const TableEntry& entry, Table& 
 
 void LoadTableBlocks(const CheckpointInfo& info, const std::vector<BlockLoad>& blocks, bool load_optimizer,
                      LoadFiles& files, const std::string& again) {
-  // Every target locked for the whole load, in address order (as ForkHandlers::Prepare locks them all), and
-  // every check made under the locks before the first copy: a Table::SetOptimizer between the caller's checks
-  // and here refuses the load before any table changes, and no lookup sees some tables loaded and not others.
+  // Every target locked, in address order (as ForkHandlers::Prepare locks them all), and every check made
+  // under the locks before the first copy: a Table::SetOptimizer between the caller's checks and here refuses
+  // the load before any table changes. Each table is held until its last block is copied (none can change
+  // optimizer before), then let go: a lookup of it waits for its own copy only.
   std::vector<Table*> targets;
   for (const BlockLoad& b : blocks) targets.push_back(b.table);
   std::sort(targets.begin(), targets.end());
@@ -1735,30 +1736,44 @@ void LoadTableBlocks(const CheckpointInfo& info, const std::vector<BlockLoad>& b
   std::vector<std::unique_lock<std::shared_mutex>> locks;
   locks.reserve(targets.size());
   for (Table* t : targets) locks.emplace_back(t->mutex());
-  files.CheckUnchanged();
-  for (const BlockLoad& b : blocks) {
-    if (b.row_start < 0) {
-      CheckShape(info, *b.entry, b.table->spec());
-      CheckBlockLoadable(info, *b.entry, b.table->spec(), 0, 0, load_optimizer);
-    } else {
-      CheckBlockLoadable(info, *b.entry, b.table->spec(), b.row_start, b.col_start, load_optimizer);
-    }
-  }
+  auto lock_of = [&](const Table* t) -> std::unique_lock<std::shared_mutex>& {
+    return locks[size_t(std::lower_bound(targets.begin(), targets.end(), t) - targets.begin())];
+  };
   std::vector<std::string> loaded;  // the tables loaded before one that failed, each once
-  for (const BlockLoad& b : blocks) {
+  auto rethrow = [&] {
+    std::string names;  // the first 10
+    for (size_t i = 0; i < loaded.size() && i < 10; ++i) names += (i ? ", '" : "'") + loaded[i] + "'";
+    if (loaded.size() > 10) names += " and " + std::to_string(loaded.size() - 10) + " more";
+    checkpoint::RethrowWithNote(
+        (loaded.empty() ? std::string() : "; this load had loaded " + names + " before it: load them all again") +
+        again);
+  };
+  try {  // (a refusal here changes no table of this call; `again` says what it means for the others of a load)
+    files.CheckUnchanged();
+    for (const BlockLoad& b : blocks) {
+      if (b.row_start < 0) {
+        CheckShape(info, *b.entry, b.table->spec());
+        CheckBlockLoadable(info, *b.entry, b.table->spec(), 0, 0, load_optimizer);
+      } else {
+        CheckBlockLoadable(info, *b.entry, b.table->spec(), b.row_start, b.col_start, load_optimizer);
+      }
+    }
+  } catch (...) {
+    rethrow();
+  }
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const BlockLoad& b = blocks[i];
     try {
       CopyBlock(info, *b.entry, *b.table, std::max<int64_t>(b.row_start, 0), std::max<int64_t>(b.col_start, 0),
                 load_optimizer, files);
     } catch (...) {
-      std::string names;  // the first 10
-      for (size_t i = 0; i < loaded.size() && i < 10; ++i) names += (i ? ", '" : "'") + loaded[i] + "'";
-      if (loaded.size() > 10) names += " and " + std::to_string(loaded.size() - 10) + " more";
-      checkpoint::RethrowWithNote(
-          (loaded.empty() ? std::string() : "; this load had loaded " + names + " before it: load them all again") +
-          again);
+      rethrow();
     }
     const std::string& name = b.table->spec().name;
     if (std::find(loaded.begin(), loaded.end(), name) == loaded.end()) loaded.push_back(name);
+    const bool last = std::none_of(blocks.begin() + long(i) + 1, blocks.end(),
+                                   [&](const BlockLoad& later) { return later.table == b.table; });
+    if (last) lock_of(b.table).unlock();
   }
 }
 

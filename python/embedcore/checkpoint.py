@@ -514,10 +514,10 @@ def load(path, into, include_optimizer: bool = True) -> None:
     fails the load before any table changes). The tables
     change in one native call, so an interrupt (Ctrl-C) stops the load
     before any table changes or takes effect once all have. That call
-    holds every target table's lock and checks each again before the
-    first copy: another thread's ``set_optimizer`` since the checks refuses
-    the load with no table changed, and another thread's lookups see the
-    tables all as they were or all loaded.
+    locks every target table and checks each again before the first copy:
+    another thread's ``set_optimizer`` since the checks refuses the load
+    with no table changed. (Another thread's lookup of one table sees it as
+    it was or loaded; one of several tables may see some loaded.)
 
     Only an error of the copy itself (an I/O error of a disk failing
     between the verification and the copy; the tables are not staged in

@@ -874,6 +874,14 @@ def test_kjt_with_narrow_int_lengths_as_torchrec(rng, torchrec, tmp_path, dtype)
         with pytest.raises(TypeError, match=r"KeyedJaggedTensor lengths must be an int32 or int64 tensor .*got "
                                             r"torch.float32"):
             m(bad)
+    # Sparse lengths, alone or beside offsets, by name (torch's "Could not run 'aten::cumsum' ... 'SparseCPU'").
+    sparse = torchrec.KeyedJaggedTensor(keys=wide.keys(), values=wide.values(), lengths=wide.lengths().to_sparse())
+    beside = torchrec.KeyedJaggedTensor(keys=wide.keys(), values=wide.values(), offsets=wide.offsets(),
+                                        lengths=wide.lengths().to_sparse())
+    for m in modules["bags"][1] + modules["seq"][1]:
+        for kjt in (sparse, beside):
+            with pytest.raises(TypeError, match=r"KeyedJaggedTensor lengths is a torch.sparse_coo tensor"):
+                m(kjt)
 
 
 def test_kjt_with_values_not_1d_is_refused_naming_the_shape(torchrec, tmp_path):

@@ -471,6 +471,8 @@ def test_from_pretrained_takes_float_tensors_as_torch(cls):
         getattr(torch.nn, cls.__name__).from_pretrained(torch.arange(18).reshape(6, 3), freeze=False)
     with pytest.raises(TypeError, match="embeddings must be a floating-point tensor, got torch.int64"):
         cls.from_pretrained(torch.arange(18).reshape(6, 3))
+    with pytest.raises(TypeError, match=rf"{cls.__name__}.from_pretrained: embeddings is a torch.sparse_coo tensor"):
+        cls.from_pretrained(torch.from_numpy(w).float().to_sparse())
     m = cls.from_pretrained(torch.from_numpy(w), dtype=torch.float32)
     assert m.weight.dtype == torch.float32
     np.testing.assert_array_equal(m.weight.detach().numpy(), w.astype(np.float32))

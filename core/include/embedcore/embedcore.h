@@ -836,12 +836,12 @@ struct BlockLoad {
 };
 
 /// Loads `blocks`, verified before (VerifyTableBlock through `files`), as
-/// one: every target table is locked for the whole call and every check is
-/// made again under the locks before the first copy, so a Table::SetOptimizer
-/// since the verification refuses the load with no table changed, and a
-/// lookup from another thread sees the tables all before or all after it.
-/// An error of a copy (a failing disk) names the tables loaded before it,
-/// then `again`.
+/// one: every target table is locked and every check made again under the
+/// locks before the first copy, so a Table::SetOptimizer since the
+/// verification refuses the load with no table of this call changed. Each
+/// table is let go once its blocks are copied. An error names the tables
+/// loaded before it, then `again` (what it means for the other ranks of a
+/// sharded load).
 void LoadTableBlocks(const CheckpointInfo& info, const std::vector<BlockLoad>& blocks, bool load_optimizer,
                      LoadFiles& files, const std::string& again = "");
 

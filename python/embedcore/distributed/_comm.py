@@ -129,8 +129,7 @@ def agree(comm: Comm, error: Optional[BaseException], payload: Any = None, *, st
     return [p for _, _, p in results]
 
 
-_inside_lock = threading.Lock()
-_inside: dict = {}  # id of a communicator's numbering holder -> [thread, depth, call]: the thread in a collective call
+_inside: dict = {}  # id of a communicator's numbering holder -> (thread, call): the thread in a collective call
 
 
 @contextlib.contextmanager
@@ -142,25 +141,21 @@ def one_thread(comm: Comm, what: str):
     order, and fail far from the cause or read another call's data.) The
     same thread may nest calls (a forward's lookup). Keyed on what the
     communicator's objects share (``Comm._embedding_numbering``): two
-    ``init("mpi")`` objects are one communicator."""
+    ``init("mpi")`` objects are one communicator. Single dict operations
+    (atomic under the GIL) mark the call, so that an exception raised
+    between two bytecodes (a KeyboardInterrupt) leaves no mark behind."""
     key = id(comm._embedding_numbering())
-    me = threading.get_ident()
-    with _inside_lock:
-        entry = _inside.get(key)
-        if entry is not None and entry[0] != me:
-            raise RuntimeError(f"{what}: rank {comm.rank} is already in a collective call ({entry[2]}) on another "
+    mine = (threading.get_ident(), what)  # (this object: the mark of this call, when outermost)
+    try:
+        owner = _inside.setdefault(key, mine)
+        if owner[0] != mine[0]:
+            raise RuntimeError(f"{what}: rank {comm.rank} is already in a collective call ({owner[1]}) on another "
                                "thread; a rank makes its collective calls one at a time, in the same order as the "
                                "other ranks (make them from one thread, or hold a lock around each)")
-        if entry is None:
-            entry = _inside[key] = [me, 0, what]
-        entry[1] += 1
-    try:
         yield
     finally:
-        with _inside_lock:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del _inside[key]
+        if _inside.get(key) is mine:  # (no other thread replaces it meanwhile: setdefault keeps it)
+            del _inside[key]
 
 
 def collective(what: str):
