@@ -608,12 +608,13 @@ void BindTable(nb::module_& m) {
         const size_t off_shape[1] = {size_t(bags) + 1}, pos_shape[1] = {size_t(nnz)};
         return std::make_tuple(nb::ndarray<nb::numpy, int64_t>(o, 1, off_shape, own_o),
                                nb::ndarray<nb::numpy, int64_t>(p, 1, pos_shape, own_p), check.first_bad,
-                               check.row_major, check.dense_positions);
+                               check.row_major, check.dense_positions,
+                               std::make_pair(check.bad_bag, check.bad_position));
       },
       "indices"_a.noconvert(), "bags"_a, "width"_a,
       "COO bags [nnz, 2] (bag, position) -> (CSR offsets [bags + 1], positions [nnz], index of the first entry "
       "outside [0, bags) x [0, width) or -1, whether the entries are in row-major order, whether each bag's "
-      "positions are 0, 1, 2, ...).");
+      "positions are 0, 1, 2, ..., and that entry (bag, position) as the check read it).");
   m.def(
       "coo_row_major_order",
       [](const nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>& indices, int64_t bags, int64_t width,

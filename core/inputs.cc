@@ -23,6 +23,8 @@ CooCheck CsrFromCooT(const I* indices, int64_t nnz, int64_t bags, int64_t width,
     const int64_t bag = int64_t(indices[2 * k]), pos = int64_t(indices[2 * k + 1]);
     if (uint64_t(bag) >= uint64_t(bags) || uint64_t(pos) >= uint64_t(width)) {
       check.first_bad = k;
+      check.bad_bag = bag;
+      check.bad_position = pos;
       return check;
     }
     if (k == 0 || bag != prev_bag) {

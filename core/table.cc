@@ -666,6 +666,10 @@ void Table::AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src)
   if (i >= slots_.size()) throw OutOfRange("table '" + spec_.name + "' has no slot " + std::to_string(i));
   const int64_t cols = slot_dim();
   const OptimizerSpec::SlotBound bound = spec_.optimizer.SlotLowerBound(i);
+  // Checked and written from one copy: the caller's memory (a view the GIL does not guard) may change during
+  // the call, and a value written must be one the check saw. (It may also be the slot's own rows, shifted.)
+  const std::vector<float> staged(src, src + n * cols);
+  src = staged.data();
   for (int64_t k = 0; k < n * cols; ++k)
     if (!std::isfinite(src[k]) || !bound.Admits(src[k]))
       throw InvalidArgument("table '" + spec_.name + "': slot " + spec_.optimizer.SlotNames()[i] + " values[" +
@@ -676,7 +680,7 @@ void Table::AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src)
   if (spec_.device >= 0)
     cuda_impl::CopyToDevice(dst, src, size_t(n) * cols * sizeof(float), spec_.device);
   else
-    std::memmove(dst, src, size_t(n) * cols * sizeof(float));  // the source may be the slot's own rows, shifted
+    std::memcpy(dst, src, size_t(n) * cols * sizeof(float));
 }
 
 void Table::ReadValues(int64_t start_row, int64_t n, float* dst) const {

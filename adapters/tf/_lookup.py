@@ -189,8 +189,8 @@ def _clean_rank2_offsets(indices, ids, dense_shape) -> Optional[np.ndarray]:
     _check_dense_shape(dense_shape)  # as the general path checks it first
     if ids.size and int(ids.min()) < 0:
         return None
-    offsets, _, first_bad, row_major, _ = _embedcore.csr_from_coo(np.ascontiguousarray(indices),
-                                                                  int(dense_shape[0]), 1 << 62)
+    offsets, _, first_bad, row_major, _, _ = _embedcore.csr_from_coo(np.ascontiguousarray(indices),
+                                                                     int(dense_shape[0]), 1 << 62)
     return offsets if first_bad < 0 and row_major else None
 
 

@@ -300,10 +300,10 @@ def _sparse_parts(sp: Sparse, where: str):
 def _csr_of_coo(indices: np.ndarray, shape: np.ndarray, where: str):
     """(offsets, positions, row_major, dense_positions) of COO entries,
     checked against the dense shape in one native pass."""
-    offsets, positions, bad, row_major, dense = _embedcore.csr_from_coo(np.ascontiguousarray(indices),
-                                                                        int(shape[0]), int(shape[1]))
-    if bad >= 0:
-        raise ValueError(f"{where}.indices[{bad}] = {indices[bad].tolist()} is outside dense_shape {shape.tolist()}")
+    offsets, positions, bad, row_major, dense, entry = _embedcore.csr_from_coo(np.ascontiguousarray(indices),
+                                                                               int(shape[0]), int(shape[1]))
+    if bad >= 0:  # (the entry as the check read it: the caller's array may be changing)
+        raise ValueError(f"{where}.indices[{bad}] = {list(entry)} is outside dense_shape {shape.tolist()}")
     return offsets, positions, row_major, dense
 
 

@@ -92,6 +92,10 @@ EMBEDCORE_TEST(OrderAndBoundsAreReported) {
   EMBEDCORE_EXPECT(!Run<int64_t>({{1, 0}, {0, 0}, {1, 1}}, 2, 2, offsets, positions).dense_positions);  // unsorted
   // The first entry outside [0, bags) x [0, width), whichever coordinate.
   EMBEDCORE_EXPECT_EQ(Run<int64_t>({{0, 0}, {2, 0}, {5, 5}}, 2, 2, offsets, positions).first_bad, 1);
+  {  // The entry as the check read it, for the message (the caller's array may be changing).
+    const CooCheck bad = Run<int32_t>({{0, 0}, {1, -7}}, 2, 2, offsets, positions);
+    EMBEDCORE_EXPECT(bad.first_bad == 1 && bad.bad_bag == 1 && bad.bad_position == -7);
+  }
   EMBEDCORE_EXPECT_EQ(Run<int64_t>({{0, 0}, {1, 2}}, 2, 2, offsets, positions).first_bad, 1);
   EMBEDCORE_EXPECT_EQ(Run<int32_t>({{-1, 0}}, 2, 2, offsets, positions).first_bad, 0);
   EMBEDCORE_EXPECT_EQ(Run<int64_t>({{0, -1}}, 2, 2, offsets, positions).first_bad, 0);

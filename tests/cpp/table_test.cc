@@ -1104,6 +1104,39 @@ EMBEDCORE_TEST(AssignSlotKeepsSlotsInTheOptimizersDomain) {
   EMBEDCORE_EXPECT(!OptimizerSpec{}.SlotLowerBound(0).bounded);  // SGD has no slots
 }
 
+// Another thread flips one source value between good and NaN during AssignSlots: an accepted call writes
+// only values its check saw (it checked the caller's memory, then copied from it again), a refused one none.
+EMBEDCORE_TEST(AssignSlotWritesTheValuesItChecked) {
+  Table t(MakeSpec(4096, 64, DType::kFloat32, OptimizerSpec::Kind::kAdagrad));
+  const int64_t n = 4096 * 64;
+  std::vector<float> src(size_t(n), 0.5f);
+  float* flip = &src[0];  // (checked first, copied first: the whole check between the two reads)
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {  // each value held ~20 us, a fraction of a call's check
+    auto hold = [] {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(20);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+    };
+    while (!stop.load(std::memory_order_relaxed)) {
+      __atomic_store_n(reinterpret_cast<uint32_t*>(flip), 0x7fc00000u, __ATOMIC_RELAXED);  // NaN
+      hold();
+      __atomic_store_n(reinterpret_cast<uint32_t*>(flip), 0x3f000000u, __ATOMIC_RELAXED);  // 0.5
+      hold();
+    }
+  });
+  for (int i = 0; i < 300; ++i) {
+    try {
+      t.AssignSlot(0, 0, 4096, src.data());
+    } catch (const InvalidArgument&) {  // (it saw the NaN)
+    }
+    EMBEDCORE_EXPECT(!std::isnan(t.slot(0)[0]));
+  }
+  stop = true;
+  writer.join();
+  // (Here about 1 call in 3 was accepted, as the scheduler ran the writer; before the fix, a NaN got in.)
+}
+
 // A source that is the table's own rows, shifted, assigns them as they were before the call (NumPy's
 // `a[2:7] = a[0:5]`), with rows enough for several parallel chunks.
 EMBEDCORE_TEST(AssignFromTheTablesOwnShiftedRows) {

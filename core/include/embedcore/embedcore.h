@@ -271,6 +271,7 @@ void BagDenominators(const Batch& batch, Combiner combiner, float* out);
 /// batch's: the CSR batch then says everything the COO one does).
 struct CooCheck {
   int64_t first_bad = -1;
+  int64_t bad_bag = 0, bad_position = 0;  ///< that entry as the check read it (the caller may be rewriting it)
   bool row_major = true;
   bool dense_positions = true;
 };
