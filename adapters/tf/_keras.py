@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Dict, List, Optional
 
 import keras
@@ -315,6 +316,9 @@ def _trainable_lookup(emb: EmbeddingForServing, inputs, weights, anchor, refusal
     flat = tf.nest.flatten(outputs)
     a = tf.convert_to_tensor(anchor)
     n = len(flat)
+    # The embedding, weakly: in a graph, tf.custom_gradient registers `grad` in TensorFlow's gradient registry,
+    # which keeps it for the life of the process (the tables would stay after their model was gone).
+    emb_ref = weakref.ref(emb)
 
     @tf.custom_gradient
     def attach(a_value, *args):
@@ -326,8 +330,12 @@ def _trainable_lookup(emb: EmbeddingForServing, inputs, weights, anchor, refusal
             # The per-id weights' gradients first, from the rows the forward read: the update changes them.
             wgrads = [None if dys[wg.output] is None else wg.gradient(dys[wg.output], w)
                       for wg, w in zip(weighted, ws)]
+            owner = emb_ref()
+            if owner is None:
+                raise ValueError("the embedcore layer of this lookup no longer exists: its gradient cannot update "
+                                 "its tables")
             with tf.control_dependencies([g for g in wgrads if g is not None] if not tf.executing_eagerly() else []):
-                update = _apply(emb, backward, dys)
+                update = _apply(owner, backward, dys)
             if not update:  # eager: the update ran
                 return [tf.zeros_like(a_value)] + [None] * len(outs) + wgrads
             # In a graph, the anchor's gradient (0) is the update's own output: a control dependency alone

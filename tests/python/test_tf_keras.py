@@ -69,6 +69,46 @@ def test_fit_step_equals_reference(rng, optimizer, reference):
     np.testing.assert_array_equal(table.values(), before)
 
 
+def test_a_dropped_model_frees_its_tables_after_fit_and_traced_lookups():
+    """A model trained with fit (a tf.function with the engine's update in
+    the gradient) and layers looked up in tf.function with weighted sparse
+    and ragged inputs: once dropped, their tables are freed. TensorFlow keeps
+    every tf.numpy_function callable and graph custom gradient for the life
+    of the process, and those held the tables (values and slots), a whole
+    model's worth per model built."""
+    import gc
+    import weakref
+
+    import keras
+    from embedcore.adapters.tf import EmbeddingForServing
+
+    refs = []
+
+    def fit():
+        layer = Embedding(100, 4, optimizer=ec.optimizers.Adagrad(0.05), combiner="mean")
+        ids = keras.Input(shape=(4,), dtype="int64")
+        model = keras.Model(ids, keras.layers.Dense(1)(layer(ids)))
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(np.arange(64).reshape(16, 4), np.ones((16, 1), np.float32), epochs=1, verbose=0)
+        refs.extend(weakref.ref(h.table) for h in layer.embedding_tables.values())
+
+    def traced(kind):
+        t = tf.tpu.experimental.embedding.TableConfig(vocabulary_size=100, dim=4, combiner="mean", name="t")
+        emb = EmbeddingForServing({"f": tf.tpu.experimental.embedding.FeatureConfig(t)}, None)
+        if kind == "sparse":
+            x, w = tf.sparse.from_dense(tf.constant([[1, 2]], tf.int64)), tf.sparse.from_dense(tf.constant([[.5, 2.]]))
+        else:
+            x, w = tf.ragged.constant([[1, 2], [3]], tf.int64), tf.ragged.constant([[0.5, 2.0], [1.0]])
+        tf.function(lambda x, w: emb(x, weights=w))({"f": x}, {"f": w})
+        refs.append(weakref.ref(emb.embedding_tables[t].table))
+
+    fit()
+    traced("sparse")
+    traced("ragged")
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 3
+
+
 @pytest.mark.parametrize("keras_optimizer", ["adam", "sgd", "rmsprop", "adagrad"])
 def test_fit_with_a_dense_head_trains_the_table(rng, keras_optimizer):
     """Embedding -> Flatten -> Dense(1) under model.fit with each Keras
