@@ -925,6 +925,37 @@ def test_training_gives_the_weights_gradient_of_the_rows_it_read(rng, traced):
     assert np.array_equal(got.numpy(), want.numpy()) and np.abs(want.numpy()).max() > 0
 
 
+def test_a_tf_function_traced_before_its_tape_gives_the_weights_gradient_or_says_why_not(rng):
+    """A tf.function first called outside a GradientTape (a warm-up), then
+    under one that watches the per-id weights: its trace is reused, and the
+    weights' gradient was None (silently: the weighting never trained). The
+    serving lookup now gives TensorFlow's; a training lookup, whose gradient
+    must come before its update, raises InvalidArgumentError saying how to
+    trace it (the backward's table update runs: TensorFlow runs a graph's
+    stateful ops whatever fails, and an update that waited for this
+    gradient would cost every weighted training step a second lookup)."""
+    table = E.TableConfig(vocabulary_size=10, dim=3, combiner="sum", name="t")
+    layer = Embedding(feature_config={"f": E.FeatureConfig(table)}, optimizer=E.SGD(0.1))
+    layer.build()
+    ids = tf.ragged.constant([[1, 2, 3], [4], [5, 5]], dtype=tf.int64)
+    v = tf.Variable(np.linspace(0.5, 2, 10).astype(np.float32))
+
+    def grads(body):
+        fn = tf.function(lambda: body({"f": ids}, {"f": ids.with_values(tf.gather(v, ids.values))})["f"])
+        fn()  # the warm-up, outside the tape: the trace
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(fn())
+        return tf.convert_to_tensor(tape.gradient(loss, v))
+
+    rows = layer.embedding.embedding_tables[table].numpy().copy()
+    want = np.zeros(10, np.float32)
+    for i in [1, 2, 3, 4, 5, 5]:
+        want[i] += rows[i].sum()
+    np.testing.assert_allclose(grads(layer.embedding).numpy(), want, rtol=1e-6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="traced without a GradientTape watching them"):
+        grads(lambda f, w: layer(f, w, training=True))
+
+
 def test_data_weights_get_no_gradient_work(rng, monkeypatch):
     """Weights that no tape watches (a dataset's, the common case) get no
     gradient computation: it would cost a second lookup of every bag each
