@@ -321,6 +321,22 @@ def _features_metadata(feature_config, features, too_deep: str = "raise") -> dic
     return meta
 
 
+def raise_interrupt_after_commit(error: BaseException, path: str, generation: int) -> None:
+    """A KeyboardInterrupt (Ctrl-C) that came once a save's commit had made
+    its `generation` the checkpoint at `path` (Python runs the handler as
+    the native commit returns): raised again saying that the save took
+    effect. Returns for anything else."""
+    if not isinstance(error, KeyboardInterrupt):
+        return
+    try:
+        committed = _embedcore.read_info(path).generation == generation
+    except Exception:  # noqa: BLE001 - no readable manifest: not this save's
+        committed = False
+    if committed:
+        raise KeyboardInterrupt(f"{path}: interrupted after the save committed: it holds the new checkpoint (step "
+                                "and values of this save)").with_traceback(error.__traceback__) from None
+
+
 def save(path, obj, include_optimizer: bool = True, values_dtype: Optional[str] = None) -> None:
     """Saves a Table or an Embedding into the directory `path`.
 
@@ -695,10 +711,11 @@ class Saver:
                 entries += kept
             entries = [e for _, e in sorted(entries, key=lambda pair: pair[0])]
             _embedcore.commit_checkpoint(path, _manifest(generation, entries, metadata))
-        except BaseException:
+        except BaseException as e:
             _embedcore.remove_generation(path, generation)  # not once the manifest's rename made it the checkpoint
             claim.release()
             _remove_if_created_and_empty(path, created)
+            raise_interrupt_after_commit(e, path, generation)
             raise
         finally:
             claim.release()

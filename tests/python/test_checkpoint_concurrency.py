@@ -180,6 +180,44 @@ def test_an_optimizer_changed_during_a_load_refuses_it_before_any_table_changes(
         assert load(make(2.0)) == [2.0] * 4
 
 
+@pytest.mark.parametrize("call", ["save", "reshard"])
+def test_a_ctrl_c_after_the_commit_says_the_save_took_effect(tmp_path, monkeypatch, call):
+    """Ctrl-C handled as the native commit returns (Python runs its handler
+    then): the KeyboardInterrupt says that the directory holds the new
+    checkpoint (it was bare, as if nothing had changed); one before the
+    commit stays a plain KeyboardInterrupt, the old checkpoint kept."""
+    t = ec.Table(name="t", rows=8, dim=2, initializer=ec.initializers.Constant(1.0))
+    ec.save(tmp_path / "src", t)
+    t.assign(np.full((8, 2), 2.0, np.float32))
+    native = ec.checkpoint._embedcore
+    real = native.commit_checkpoint
+
+    def interrupted(after):
+        def commit(*args):
+            if after:
+                real(*args)
+            raise KeyboardInterrupt
+        return commit
+
+    def run(dst):
+        if call == "save":
+            ec.save(dst, t)
+        else:
+            ec.distributed.reshard(tmp_path / "src", dst, 2, "row_wise")
+
+    dst = tmp_path / "dst"
+    ec.save(dst, ec.Table(name="t", rows=8, dim=2, initializer=ec.initializers.Zeros()))  # the old checkpoint
+    monkeypatch.setattr(native, "commit_checkpoint", interrupted(False))
+    with pytest.raises(KeyboardInterrupt) as raised:
+        run(dst)
+    assert str(raised.value) == "" and ec.serving.open(dst).tables["t"].values().max() == 0.0
+    monkeypatch.setattr(native, "commit_checkpoint", interrupted(True))
+    with pytest.raises(KeyboardInterrupt, match=r"interrupted after the save committed: it holds the new checkpoint"):
+        run(dst)
+    served = ec.serving.open(dst).tables["t"].lookup(np.arange(8), combiner=None)
+    assert served.min() == served.max() == (2.0 if call == "save" else 1.0)
+
+
 def test_two_processes_saving_into_one_directory(tmp_path):
     """Two processes (the lock is the file system's, not the process's)."""
     path = tmp_path / "ckpt"

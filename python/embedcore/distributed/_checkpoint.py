@@ -21,7 +21,8 @@ from typing import List, Optional
 from .. import _embedcore
 from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_flag, _check_padding, _check_values_dtype,
                           _copy_block, _locked, _metadata, _quantized_tables, _remove_if_created_and_empty,
-                          _scratch_dtype, _slot_counts, _table_config_json, absolute_path, native_path, resolved_path)
+                          _scratch_dtype, _slot_counts, _table_config_json, absolute_path, native_path,
+                          raise_interrupt_after_commit, resolved_path)
 from ._comm import RankFailedError, agree, one_thread
 from ._plan import make_plan
 
@@ -185,8 +186,9 @@ def _save_sharded(path: str, emb, include_optimizer: bool, values_dtype: Optiona
             # Rank 0's own commit failed (it alone commits): it removes every rank's files of the save,
             # unless the manifest's rename happened and a later step failed (then that is the checkpoint).
             _embedcore.remove_generation(path, generation)
-        except BaseException:  # Ctrl-C while the commit waited for the directory's lock: the same, then raised
+        except BaseException as e:  # Ctrl-C while the commit waited for the directory's lock: the same, then raised
             _embedcore.remove_generation(path, generation)
+            raise_interrupt_after_commit(e, path, generation)
             raise
     agree(comm, error, step=emb.step_name("save: commit"))
 
@@ -199,8 +201,9 @@ def _removed_on_failure(path: str, generation: int):
     save that failed on a full disk frees what it wrote."""
     try:
         yield
-    except BaseException:
+    except BaseException as e:
         _embedcore.remove_generation(path, generation)
+        raise_interrupt_after_commit(e, path, generation)
         raise
 
 
