@@ -204,10 +204,12 @@ class Table(LookupMixin):
                  **kwargs):
         if config is None:
             config = TableConfig(**kwargs)
+        elif not isinstance(config, TableConfig):
+            hint = (f"; give the name by keyword: Table(name={config!r}, ...)" if isinstance(config, str) else
+                    " (or keyword arguments: Table(name=..., rows=..., dim=...))")
+            raise TypeError(f"Table: the positional argument is a TableConfig, got {config!r}{hint}")
         elif kwargs:
             raise TypeError(f"Table: pass a TableConfig or keyword arguments, not both (got {sorted(kwargs)})")
-        elif not isinstance(config, TableConfig):
-            raise TypeError(f"Table: config must be a TableConfig, got {config!r}")
         self._config = config
         self._name = config.name if config.name is not None else "table"
         optimizer = config.optimizer

@@ -654,6 +654,10 @@ def test_table_arguments():
         ec.Table(ec.TableConfig(name="t", rows=3, dim=2), rows=3)
     with pytest.raises(TypeError):
         ec.Table("t")
+    # A name given first, as TableConfig takes it: said so (it was "not both", naming no TableConfig given).
+    with pytest.raises(TypeError, match=r"the positional argument is a TableConfig, got 'a'; give the name by "
+                                        r"keyword: Table\(name='a', \.\.\.\)"):
+        ec.Table("a", rows=4, dim=2)
 
 
 def test_lookup_arguments(trained):
