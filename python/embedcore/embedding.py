@@ -143,6 +143,12 @@ class Embedding(FeatureLookup):
         names = [f.name or path or f"feature_{i}" for i, (path, f) in enumerate(flat)]
         if len(set(names)) < len(names):
             names = [path or f"feature_{i}" for i, (path, _) in enumerate(flat)]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:  # ('a/b' is both the key "a/b" and the key "b" under "a")
+                raise ValueError(f"Embedding: two features have the path {twice[0]!r} (a key with '/' in it names "
+                                 "the same path as nested keys), and their names are not unique either: rename a "
+                                 "key, or give the features unique FeatureConfig names, so that each name (the "
+                                 "checkpoint's, which serving and the C API find features by) is one feature")
         self._feature_names = names
         for name in self._feature_names:  # a name from the structure's keys, as a FeatureConfig's name is checked
             _check_utf8(f"Embedding: feature {name!r}", name)

@@ -342,6 +342,18 @@ def test_a_feature_name_that_is_not_a_str_is_refused(name):
         ec.FeatureConfig(t, name=name)
 
 
+def test_features_whose_paths_are_the_same_are_refused_unless_named():
+    """The key 'a/b' and the key 'b' under 'a' make one path: two features
+    were saved under one name, and the C API's find_feature reached only
+    the first. Refused naming the path; unique FeatureConfig names do."""
+    t1, t2 = ec.TableConfig("t1", rows=4, dim=2), ec.TableConfig("t2", rows=4, dim=2)
+    with pytest.raises(ValueError, match=r"two features have the path 'a/b' \(a key with '/' in it names the same "
+                                         r"path as nested keys\)"):
+        ec.Embedding({"a/b": ec.FeatureConfig(t1), "a": {"b": ec.FeatureConfig(t2)}})
+    emb = ec.Embedding({"a/b": ec.FeatureConfig(t1), "a": {"b": ec.FeatureConfig(t2, name="ab2")}})
+    assert sorted(emb._feature_names) == ["a/b", "ab2"]
+
+
 def test_max_sequence_length_must_fit_int64():
     t = ec.TableConfig("t", rows=10, dim=2)
     with pytest.raises(ValueError, match=r"max_sequence_length must be < 2\*\*63, got 9223372036854775808"):
