@@ -98,6 +98,16 @@ EMBEDCORE_TEST(ErrorsAreTypedExceptions) {
                                       3),
                           ecs::InvalidArgument, "out holds 3 floats");
   EMBEDCORE_EXPECT_THROWS(ckpt.reload(dir.Sub("missing")), ecs::CheckpointError, "embedcore_reload");
+  {  // A wrong nnz (2 ids, offsets ending at 2): refused as the lookup refuses it, before an output sized by it
+     // (2^40 rows of [nnz, dim]: OutOfMemory) is allocated.
+    const std::vector<int64_t> ids = {0, 1}, offsets = {0, 2};
+    const ecs::Batch wrong(ids.data(), int64_t(1) << 40, offsets.data(), 1);
+    EMBEDCORE_EXPECT_THROWS(ckpt.lookup(0, wrong, ecs::Combiner::kNone), ecs::InvalidArgument,
+                            "Checkpoint::lookup: offsets must end at the number of ids, 1099511627776, got "
+                            "offsets[1] = 2");
+    EMBEDCORE_EXPECT_THROWS(ckpt.lookup_feature(0, wrong), ecs::InvalidArgument,
+                            "Checkpoint::lookup_feature: offsets must end at the number of ids");
+  }
   // An output no machine can hold (2 bags of L rows: 2^60 floats) is an Error too, not the std::bad_alloc that a
   // server's catch of ecs::Error would miss (std::terminate); the vector is unchanged. (Not under AddressSanitizer,
   // whose operator new never throws: it reports the failed allocation and ends the process.)

@@ -348,6 +348,7 @@ class Checkpoint {
   void lookup(int64_t table, const Batch& batch, std::vector<float>& out, Combiner combiner = Combiner::kDefault,
               int64_t max_sequence_length = 0) const {
     const size_t n = size_t(lookup_size(table, batch, combiner, max_sequence_length));
+    CheckOffsetsEnd(batch, "Checkpoint::lookup");
     const size_t before = out.size();
     // (Grown only: a shrink would drop values the error must leave.)
     if (n > before) Resize(out, n, "Checkpoint::lookup");
@@ -372,12 +373,25 @@ class Checkpoint {
   }
   std::vector<float> lookup_feature(int64_t feature, const Batch& batch) const {
     std::vector<float> out;
-    Resize(out, size_t(feature_lookup_size(feature, batch)), "Checkpoint::lookup_feature");
+    const size_t n = size_t(feature_lookup_size(feature, batch));
+    CheckOffsetsEnd(batch, "Checkpoint::lookup_feature");
+    Resize(out, n, "Checkpoint::lookup_feature");
     lookup_feature(feature, batch, out.data(), int64_t(out.size()));
     return out;
   }
 
  private:
+  // The output's size comes from the batch's counts: offsets that do not end at nnz (a wrong nnz) are refused
+  // before the output is allocated, as the lookup refuses them (a wrong nnz could ask for gigabytes first).
+  static void CheckOffsetsEnd(const Batch& batch, const char* what) {
+    const embedcore_batch* b = batch.c_batch();
+    if (b->offsets == nullptr) return;  // (the lookup says so)
+    const int64_t end = b->offsets[b->num_bags];
+    if (end != b->nnz)
+      throw InvalidArgument(EMBEDCORE_INVALID_ARGUMENT, std::string(what) + ": offsets must end at the number of "
+                            "ids, " + std::to_string(b->nnz) + ", got offsets[" + std::to_string(b->num_bags) +
+                            "] = " + std::to_string(end));
+  }
   // `out` resized to the `n` floats of `what`'s output; a size the process
   // cannot allocate (or that no vector can hold) throws OutOfMemory, as every
   // failure throws an Error, and leaves `out` as it was.
