@@ -181,7 +181,8 @@ def lookup(owner, features, weights):
         if isinstance(inp, tf.RaggedTensor) and shim.output_shape.rank is not None and inp.shape.rank == 2:
             outputs.append(_ragged_with_output_shape(var, inp, w, shim))
         else:
-            outputs.append(cpu_embedding_lookup(inp, w, {shim.table: var}, shim))
+            # (keyed by the feature's path, which TensorFlow's errors name: it named "" for a bare tensor)
+            outputs.append(cpu_embedding_lookup({path: inp}, {path: w}, {shim.table: var}, {path: shim})[path])
     return tf.nest.pack_sequence_as(features, outputs)
 
 

@@ -123,6 +123,27 @@ def test_export_refuses_a_partly_known_output_shape_for_ragged_input():
             tf.function(lambda x: serving({"f": x}))(rt)
 
 
+def test_export_errors_name_the_feature_as_the_engine_path():
+    """The lowered lookup's errors (TensorFlow's) name the feature by its
+    path, as the engine path's do (they named "": "Feature  is a sequence
+    feature but a dense tensor was passed")."""
+    t = E.TableConfig(vocabulary_size=20, dim=2, name="t")
+    emb = EmbeddingForServing({"hist": E.FeatureConfig(t, max_sequence_length=3), "item": E.FeatureConfig(t)})
+    emb.build()
+    dense = tf.constant([[1, 2]], tf.int64)
+    for lowered in (False, True):
+        def call(x, w=None):
+            if not lowered:
+                return emb(x, weights=w)
+            with export_mode():
+                return tf.function(lambda x, w: emb(x, weights=w))(x, w)
+
+        with pytest.raises(ValueError, match="Feature hist is a sequence feature but a dense tensor was passed"):
+            call({"hist": dense})
+        with pytest.raises(ValueError, match="Weight specified for item, but input is dense"):
+            call({"item": dense}, {"item": tf.constant([[1.0, 1.0]])})
+
+
 HANDLE_LOAD = """
 import json, sys
 import numpy as np
