@@ -3,6 +3,7 @@ engine tables."""
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -13,7 +14,7 @@ import embedcore as ec
 
 from . import _checkpoint, _export
 from ._config import Feature, TableSpec, features_of
-from ._lookup import lookup as _lookup
+from ._lookup import TableRef, lookup as _lookup
 
 __all__ = ["EmbeddingForServing", "TableHandle"]
 
@@ -89,7 +90,8 @@ class TableHandle:
             return self._export_variable().read_value()
         if tf.executing_eagerly():
             return tf.constant(np.asarray(self.numpy(), np.float32))
-        out = tf.numpy_function(lambda: np.array(self.numpy(), np.float32), [], tf.float32, stateful=True,
+        get = self._held_weakly()
+        out = tf.numpy_function(lambda: np.array(get().numpy(), np.float32), [], tf.float32, stateful=True,
                                 name=f"read_{self.table.name}")
         out.set_shape(self._shape)
         return out
@@ -128,13 +130,24 @@ class TableHandle:
             if not value.shape.is_compatible_with(self._shape):
                 raise ValueError(f"cannot assign a value of shape {value.shape.as_list()} to '{self.name}' of shape "
                                  f"{self._shape}")
+            get = self._held_weakly()
+
             def write(v):
-                self._assign_numpy(v)
+                get()._assign_numpy(v)
                 return []
 
             tf.numpy_function(write, [value], [], stateful=True, name=f"assign_{self.table.name}")
             return
         self._assign_numpy(value.numpy() if hasattr(value, "numpy") else np.asarray(value))
+
+    def _held_weakly(self):
+        """What a graph's callback holds of this handle: a callable giving
+        its equivalent when the graph runs, the table and owner held weakly
+        (TensorFlow keeps a tf.function's callbacks for the life of the
+        process: ``TableRef``)."""
+        table, slot = TableRef(self.table), self.slot
+        owner = None if self._owner is None else weakref.ref(self._owner)
+        return lambda: TableHandle(table(), slot, None if owner is None else owner())
 
     def _assign_numpy(self, v) -> None:
         if list(v.shape) != self._shape:

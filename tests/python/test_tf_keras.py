@@ -102,11 +102,26 @@ def test_a_dropped_model_frees_its_tables_after_fit_and_traced_lookups():
         tf.function(lambda x, w: emb(x, weights=w))({"f": x}, {"f": w})
         refs.append(weakref.ref(emb.embedding_tables[t].table))
 
+    def handle():  # a table's handle read and assigned in a tf.function
+        t = tf.tpu.experimental.embedding.TableConfig(vocabulary_size=100, dim=4, name="t")
+        emb = EmbeddingForServing({"f": tf.tpu.experimental.embedding.FeatureConfig(t)}, None)
+        emb.build()
+        h = emb.embedding_tables[t]
+
+        @tf.function
+        def rewrite():
+            h.assign(tf.ones([100, 4]))
+            return h.read_value()
+
+        assert float(tf.reduce_sum(rewrite())) == 400.0
+        refs.append(weakref.ref(h.table))
+
     fit()
     traced("sparse")
     traced("ragged")
+    handle()
     gc.collect()
-    assert [r() is None for r in refs] == [True] * 3
+    assert [r() is None for r in refs] == [True] * 4
 
 
 @pytest.mark.parametrize("keras_optimizer", ["adam", "sgd", "rmsprop", "adagrad"])
