@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 import embedcore as ec
 from embedcore import _embedcore
+from embedcore.embedding import check_sharding_without_world
 
 from . import _ops
 from ._modules import (_MODES, Embedding, EmbeddingBag, _AdapterModule, _TableModule, _table_device, _torch_seed,
@@ -640,6 +641,7 @@ class EmbeddingBagCollection(_PooledInterface, _Collection):
                  is_weighted: bool = False, device=None, sparse: bool = True, *, world=None, sharding="auto"):
         if world is not None:
             raise TypeError(f"{type(self).__name__}: world= shards EmbeddingBagCollection itself, not a subclass")
+        check_sharding_without_world(sharding, "EmbeddingBagCollection")
         super().__init__()
         owner = "EmbeddingBagCollection"
         _check_optimizer_argument(optimizer, owner, "is_weighted")
@@ -709,6 +711,7 @@ class EmbeddingCollection(_SequenceInterface, _Collection):
                  use_gather_select: bool = False, use_gather_select_per_sharding: Optional[Dict[str, bool]] = None):
         if world is not None:
             raise TypeError(f"{type(self).__name__}: world= shards EmbeddingCollection itself, not a subclass")
+        check_sharding_without_world(sharding, "EmbeddingCollection")
         super().__init__()
         # TorchRec's, for its sharded lookups: recorded, not read (one engine call gives the rows either way).
         self._use_gather_select = (bool(use_gather_select), use_gather_select_per_sharding)

@@ -75,7 +75,7 @@ class TableConfig:
             raise ValueError(f"{owner}: dtype must be one of {DTYPES}, got {dtype!r}" +
                              (" (an export format of checkpoints: save(..., values_dtype='uint8_rowwise'), not a "
                               "table dtype)" if dtype == "uint8_rowwise" else ""))
-        self.dtype = dtype
+        self.dtype = DTYPES[DTYPES.index(dtype)]  # its name (np.dtype("float16") equals "float16" too)
         if initializer is not None and not isinstance(initializer, _init.Initializer):
             raise TypeError(f"{owner}: initializer must be an embedcore.initializers.Initializer, got {initializer!r}")
         # The default: TensorFlow's, seeded by the table's name (a seed of 0 for every table gave tables of one

@@ -71,6 +71,15 @@ class FeatureLookup:
         return self.lookup(features, weights)  # (a subclass's own lookup, with its checks)
 
 
+def check_sharding_without_world(sharding, owner: str) -> None:
+    """A ``sharding=`` other than the default given without ``world=``
+    shards nothing: TypeError (it was taken and ignored, a misspelt plan
+    too)."""
+    if not (isinstance(sharding, str) and sharding == "auto"):
+        raise TypeError(f"{owner}: sharding={sharding!r} applies over ranks: pass world= too (an "
+                        "embedcore.distributed Comm), or leave sharding out")
+
+
 class Embedding(FeatureLookup):
     """Tables and the features that read them.
 
@@ -125,6 +134,7 @@ class Embedding(FeatureLookup):
                  device=None):
         if world is not None:
             raise TypeError("Embedding: world= makes a sharded embedding (embedcore.distributed)")
+        check_sharding_without_world(sharding, "Embedding")
         self._device = _device.parse_device(device, "Embedding")
         if optimizer is not None and not isinstance(optimizer, _opt.Optimizer):
             raise TypeError(f"Embedding: optimizer must be an embedcore.optimizers.Optimizer, got {optimizer!r}")

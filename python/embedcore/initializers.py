@@ -70,6 +70,9 @@ class Initializer:
 class Zeros(Initializer):
     """Every value 0."""
 
+    def __init__(self):  # (no arguments: Zeros(0.5) or Zeros(seed=3) was taken and ignored)
+        pass
+
     def _native(self):
         spec = _embedcore.InitializerSpec()
         spec.kind = _Kind.Zeros

@@ -49,6 +49,14 @@ _OPTIONS = frozenset({
     "l2_regularization_strength", "beta", "multiply_linear_by_learning_rate"})
 
 
+def _flag(owner: str, field: str, value) -> bool:
+    """`value` as a bool when it is one (Python's or NumPy's); TypeError
+    otherwise: ``lazy_adam="False"`` is true, the opposite of its word."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{owner}: {field} must be a bool, got {value!r}")
+
+
 def _number(owner: str, name: str, value, *, minimum=None, strict=False, normal=False, why="") -> float:
     """``value`` as a float that float32 holds, at least ``minimum`` (above it
     with ``strict``; then also not 0 as a float32). With ``normal``, not a
@@ -120,7 +128,8 @@ class Optimizer:
             raise ValueError(f"{name}: clip_weight_min ({clip_weight_min}) > clip_weight_max ({clip_weight_max})")
         self.weight_decay_factor = (None if weight_decay_factor is None
                                     else _number(name, "weight_decay_factor", weight_decay_factor, minimum=0))
-        self.multiply_weight_decay_factor_by_learning_rate = bool(multiply_weight_decay_factor_by_learning_rate)
+        self.multiply_weight_decay_factor_by_learning_rate = _flag(name, "multiply_weight_decay_factor_by_learning_rate",
+                                                                   multiply_weight_decay_factor_by_learning_rate)
         if clipvalue is None:
             self.clipvalue = None
         elif isinstance(clipvalue, (tuple, list)):
@@ -312,15 +321,15 @@ class Adam(Optimizer):
                 raise ValueError(f"Adam: {n} must be in [0, 1), got {v!r}")
             if np.float32(v) >= 1:  # the engine keeps it as a float32
                 raise ValueError(f"Adam: {n} must be in [0, 1), got {v!r}, which is 1 as a float32")
-        self.lazy_adam = bool(lazy_adam)
-        self.sum_inside_sqrt = bool(sum_inside_sqrt)
+        self.lazy_adam = _flag("Adam", "lazy_adam", lazy_adam)
+        self.sum_inside_sqrt = _flag("Adam", "sum_inside_sqrt", sum_inside_sqrt)
         # An element of zero gradient is 0 / sqrt(0 + eps**2), or 0 / (0 + eps): NaN if that is 0.
         self.epsilon = _number("Adam", "epsilon", epsilon, minimum=0, strict=True, normal=not self.sum_inside_sqrt)
         if self.sum_inside_sqrt and self.epsilon < _ADAM_MIN_EPSILON:
             raise ValueError(f"Adam: epsilon must be >= 2**-63 ({_ADAM_MIN_EPSILON:.8g}) with sum_inside_sqrt=True "
                              f"(epsilon**2 must be a normal float32: not 0, even where subnormals are flushed to "
                              f"zero), got {epsilon!r}")
-        self.bias_correction = bool(bias_correction)
+        self.bias_correction = _flag("Adam", "bias_correction", bias_correction)
 
     def _native(self):
         spec = super()._native()
@@ -357,7 +366,8 @@ class FTRL(Optimizer):
         self.beta = _number("FTRL", "beta", beta, minimum=0)
         self.initial_accumulator_value = _number("FTRL", "initial_accumulator_value",
                                                  initial_accumulator_value, minimum=0, strict=True, normal=True)
-        self.multiply_linear_by_learning_rate = bool(multiply_linear_by_learning_rate)
+        self.multiply_linear_by_learning_rate = _flag("FTRL", "multiply_linear_by_learning_rate",
+                                                       multiply_linear_by_learning_rate)
         if not callable(self.learning_rate):
             self._check_learning_rate(self.learning_rate, f"learning_rate {learning_rate!r}")
 

@@ -965,6 +965,38 @@ def test_optimizer_hyper_parameters_of_wrong_type(make):
         make()
 
 
+@pytest.mark.parametrize("make,field", [
+    (lambda v: opt.Adam(0.1, lazy_adam=v), "lazy_adam"), (lambda v: opt.Adam(0.1, sum_inside_sqrt=v), "sum_inside_sqrt"),
+    (lambda v: opt.Adam(0.1, bias_correction=v), "bias_correction"),
+    (lambda v: opt.SGD(0.1, multiply_weight_decay_factor_by_learning_rate=v),
+     "multiply_weight_decay_factor_by_learning_rate"),
+    (lambda v: opt.FTRL(0.1, multiply_linear_by_learning_rate=v), "multiply_linear_by_learning_rate")])
+def test_optimizer_flags_must_be_bools(make, field):
+    """"False" was true (bool("False")), the opposite of its word; an array
+    raised NumPy's "truth value ... is ambiguous"."""
+    for bad in ("False", 1, np.array([True, False]), None):
+        with pytest.raises(TypeError, match=rf"{field} must be a bool, got "):
+            make(bad)
+    assert getattr(make(np.bool_(False)), field) is False and getattr(make(True), field) is True
+
+
+def test_config_values_taken_as_their_names_or_refused():
+    """Zeros() takes no arguments (Zeros(0.5) was taken and ignored);
+    TableConfig's dtype may be a NumPy dtype (it equals the name), kept as
+    the name (it was kept as the dtype, which the engine then refused);
+    sharding= without world= shards nothing (a misspelt plan was ignored)."""
+    with pytest.raises(TypeError):
+        ec.initializers.Zeros(0.5)
+    with pytest.raises(TypeError):
+        ec.initializers.Zeros(seed=3)
+    config = ec.TableConfig("t", rows=4, dim=2, dtype=np.dtype("float16"))
+    assert config.dtype == "float16" and type(config.dtype) is str and ec.Table(config).dtype == "float16"
+    feature = {"f": ec.FeatureConfig(ec.TableConfig("t", rows=4, dim=2))}
+    for bad in ("rowwise", "row_wise", {"t": "row_wise"}):
+        with pytest.raises(TypeError, match=r"Embedding: sharding=.* applies over ranks: pass world= too"):
+            ec.Embedding(feature, sharding=bad)
+
+
 # ----------------------------------------------------------------- memory shared with outputs or the table
 def test_out_sharing_memory_with_an_input_is_refused(trained):
     """A lookup writing over its own ids, offsets or weights would read what

@@ -61,6 +61,8 @@ def test_pooling_and_config_options(rng):
 
 def test_collection_errors():
     ebc = et.EmbeddingBagCollection(_configs())
+    with pytest.raises(TypeError, match=r"EmbeddingBagCollection: sharding='row_wise' applies over ranks"):
+        et.EmbeddingBagCollection(_configs(), sharding="row_wise")  # (no world=: it was ignored)
     ok = (torch.tensor([1]), torch.tensor([0, 1]))
     with pytest.raises(KeyError, match="f3"):
         ebc({"f1": ok, "f2": ok})
