@@ -16,11 +16,13 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -109,6 +111,14 @@ class _DefaultInit(functools.partial):
     from PyTorch's generator), as they drew configs without one before."""
 
 
+def _config_int(value, where: str) -> int:
+    """A config's size as an int: Python's or NumPy's integers (not bool);
+    TypeError otherwise (10.7 became 10, True 1)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where} must be an int, got {value!r}")
+    return int(value)
+
+
 class _Spec:
     """A table config, ours or TorchRec's, normalised. Without `build` (a
     served table: its checkpoint has the values and their dtype), the dtype
@@ -123,9 +133,13 @@ class _Spec:
             raise ValueError(f"{owner}: every table needs a name, got {cfg!r}")
         self.config = cfg  # as given: what embedding_bag_configs() / embedding_configs() return, as TorchRec's
         self.name = cfg.name
-        self.rows = int(cfg.num_embeddings)
-        self.dim = int(cfg.embedding_dim)
-        self.features = list(getattr(cfg, "feature_names", None) or [cfg.name])
+        self.rows = _config_int(cfg.num_embeddings, f"{owner}: table '{cfg.name}' num_embeddings")
+        self.dim = _config_int(cfg.embedding_dim, f"{owner}: table '{cfg.name}' embedding_dim")
+        names = getattr(cfg, "feature_names", None)
+        if isinstance(names, str):  # (list("user") is four features, u, s, e, r)
+            raise TypeError(f"{owner}: table '{cfg.name}' feature_names must be a list of names, got {names!r} "
+                            f"(feature_names=[{names!r}])")
+        self.features = list(names or [cfg.name])
         if not getattr(cfg, "feature_names", None):
             try:  # as TorchRec's collections do: the config then names the feature its output is keyed by
                 cfg.feature_names = [cfg.name]

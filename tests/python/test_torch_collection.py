@@ -63,6 +63,15 @@ def test_collection_errors():
     ebc = et.EmbeddingBagCollection(_configs())
     with pytest.raises(TypeError, match=r"EmbeddingBagCollection: sharding='row_wise' applies over ranks"):
         et.EmbeddingBagCollection(_configs(), sharding="row_wise")  # (no world=: it was ignored)
+    # Sizes that are not ints (10.7 was a 10-row table, True a 1-row one), and a str of feature names (four).
+    for kw, match in ((dict(num_embeddings=10.7), "num_embeddings must be an int, got 10.7"),
+                      (dict(num_embeddings=True), "num_embeddings must be an int, got True"),
+                      (dict(embedding_dim=4.0), "embedding_dim must be an int, got 4.0"),
+                      (dict(feature_names="user"), r"feature_names must be a list of names, got 'user'")):
+        cfg = dict(num_embeddings=10, embedding_dim=4, name="t", feature_names=["f"])
+        cfg.update(kw)
+        with pytest.raises(TypeError, match=match):
+            et.EmbeddingBagCollection([et.EmbeddingBagConfig(**cfg)])
     ok = (torch.tensor([1]), torch.tensor([0, 1]))
     with pytest.raises(KeyError, match="f3"):
         ebc({"f1": ok, "f2": ok})
