@@ -277,6 +277,11 @@ def _reshard(args) -> int:
     plan = _plan_arg(args.plan)
     if args.max_file_mb < 0:
         raise ValueError(f"--max-file-mb must be >= 0, got {args.max_file_mb}")
+    if (os.path.lexists(os.path.join(args.dst, "MANIFEST")) and not args.overwrite
+            and not (os.path.isdir(args.src) and os.path.samefile(args.src, args.dst))):
+        print(f"embedcore reshard: {args.dst} already holds a checkpoint; pass --overwrite to replace it (a reshard "
+              "in place, DST the same directory as SRC, needs none)", file=sys.stderr)
+        return 1
     print(_summarized(reshard(args.src, args.dst, args.world, plan, max_file_bytes=args.max_file_mb << 20,
                               include_optimizer=not args.no_optimizer)))
     print(f"wrote {args.dst}")
@@ -403,6 +408,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "0: one file per shard)")
     p.add_argument("--no-optimizer", action="store_true",
                    help="write the values only (also takes a table whose optimizer this version does not know)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the checkpoint DST holds when DST is not SRC (without it, such a DST is refused)")
 
     args = parser.parse_args(argv)
     who = f"embedcore {args.command}" if args.command else "embedcore"

@@ -842,6 +842,22 @@ def test_reshard_summary_of_a_huge_world_is_short(tmp_path, capsys):
     assert "row_wise -> r0:rows[0:20], r1:rows[20:40]" in out and "bytes per rank (values + slots): 160, 160" in out
 
 
+def test_reshard_into_another_checkpoint_needs_overwrite(tmp_path, capsys):
+    """As convert and demo --checkpoint: a DST holding a checkpoint (not
+    SRC) is refused without --overwrite, and left as it was (it was
+    replaced without a word); in place (DST is SRC) needs none."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    ec.save(src, ec.Table(name="a", rows=8, dim=2))
+    ec.save(dst, ec.Table(name="precious", rows=4, dim=2))
+    before = (dst / "MANIFEST").read_bytes()
+    assert embedcore.cli.main(["reshard", str(src), str(dst), "--world", "2"]) == 1
+    assert "already holds a checkpoint; pass --overwrite to replace it" in capsys.readouterr().err
+    assert (dst / "MANIFEST").read_bytes() == before
+    assert embedcore.cli.main(["reshard", str(src), str(dst), "--world", "2", "--overwrite"]) == 0
+    assert list(ec.serving.open(dst).tables) == ["a"]
+    assert embedcore.cli.main(["reshard", str(dst), str(dst), "--world", "1"]) == 0
+
+
 def test_inspect_holds_no_lock_while_its_output_waits_for_a_reader(tmp_path):
     """inspect reads the manifest under the directory's shared lock and
     prints after releasing it: output that a pager has not read yet (a full
