@@ -685,6 +685,28 @@ def test_explicit_plans_any_sizes(W):
     assert plan["b"].kind in KINDS and plan["e"].kind in KINDS
 
 
+@pytest.mark.parametrize("tables,world,error,match", [
+    ([("a", 10, 4)], 0, ValueError, "world_size must be >= 1, got 0"),
+    ([("a", 10, 4)], "2", TypeError, "world_size must be an int, got '2'"),
+    ([("a", 10, 0)], 2, ValueError, "table 'a' dim must be >= 1, got 0"),
+    ([("a", -10, 4)], 2, ValueError, "table 'a' rows must be >= 1, got -10"),
+    ([("a", 10, 4, "float64")], 2, ValueError, "table 'a' dtype must be one of"),
+    ([("a", 10, 4), ("a", 5, 4)], 2, ValueError, "two tables are named 'a'"),
+    ([("a",)], 2, TypeError, r"tables\[0\] must be \(name, rows, dim"),
+])
+def test_make_plan_refuses_bad_arguments_by_name(tables, world, error, match):
+    """make_plan is public: a (name, rows, dim) table (its dtype padded with
+    0: KeyError), world_size 0 (ZeroDivisionError), negative rows (taken),
+    two tables of one name (merged) were not refused by name."""
+    with pytest.raises(error, match=match):
+        ed.make_plan(tables, world, "column_wise" if len(tables[0]) > 2 and tables[0][2] == 0 else "auto")
+
+
+def test_make_plan_takes_a_table_of_name_rows_and_dim():
+    plan = ed.make_plan([("a", 10, 4)], 2, "row_wise")
+    assert [(s.rank, s.row_start, s.rows) for s in plan["a"].shards] == [(0, 0, 5), (1, 5, 5)]
+
+
 @pytest.mark.parametrize("W", [1, 3])
 def test_invalid_plan_names_raise_value_error_naming_the_table(W):
     t1, t2 = ec.TableConfig("users", 10, 2), ec.TableConfig("items", 10, 2)

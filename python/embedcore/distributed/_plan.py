@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import numbers
 from typing import Dict, List, NamedTuple, Sequence, Tuple, Union
 
 import numpy as np
@@ -95,10 +96,43 @@ def _shard_bytes(s: Shard, bytes_of: Tuple[int, int]) -> int:
     return s.rows * (s.cols * per_element + per_row)
 
 
+def _table_tuple(t, i: int) -> tuple:
+    """(name, rows, dim, dtype, num_slots, num_row_slots) of make_plan's
+    table `i`, checked; dtype float32 and no slots where left out."""
+    if not isinstance(t, (tuple, list)) or not 3 <= len(t) <= 6:
+        raise TypeError(f"make_plan: tables[{i}] must be (name, rows, dim[, dtype, num_slots, num_row_slots]), "
+                        f"got {t!r}")
+    name, rows, dim, dtype, slots, row_slots = tuple(t) + ("float32", 0, 0)[len(t) - 3:]
+    if not isinstance(name, str):
+        raise TypeError(f"make_plan: tables[{i}] name must be a str, got {name!r}")
+    for field, value, least in (("rows", rows, 1), ("dim", dim, 1), ("num_slots", slots, 0),
+                                ("num_row_slots", row_slots, 0)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"make_plan: table {name!r} {field} must be an int, got {value!r}")
+        if value < least:
+            raise ValueError(f"make_plan: table {name!r} {field} must be >= {least}, got {value}")
+    if dtype not in _ELEMENT_BYTES:
+        raise ValueError(f"make_plan: table {name!r} dtype must be one of {sorted(_ELEMENT_BYTES)}, got {dtype!r}")
+    return name, int(rows), int(dim), dtype, int(slots), int(row_slots)
+
+
 def make_plan(tables: Sequence[tuple], world_size: int, sharding) -> ShardingPlan:
     """tables: (name, rows, dim, dtype, num_slots, num_row_slots) in order
-    (slots of [rows, dim], slots of [rows, 1]); sharding: a kind or "auto"
-    for every table, or a dict from table name to one."""
+    (slots of [rows, dim], slots of [rows, 1]; dtype "float32" and no
+    slots when left out); sharding: a kind or "auto" for every table, or a
+    dict from table name to one. Bad arguments raise TypeError or
+    ValueError naming them."""
+    if isinstance(world_size, (bool, np.bool_)) or not isinstance(world_size, numbers.Integral):
+        raise TypeError(f"make_plan: world_size must be an int, got {world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"make_plan: world_size must be >= 1, got {world_size}")
+    world_size = int(world_size)
+    tables = [_table_tuple(t, i) for i, t in enumerate(tables)]
+    seen = set()
+    for name, *_ in tables:
+        if name in seen:
+            raise ValueError(f"make_plan: two tables are named {name!r}")
+        seen.add(name)
     if isinstance(sharding, str) or sharding is None:
         kinds = {name: "auto" if sharding is None else sharding for name, *_ in tables}
     elif isinstance(sharding, dict):
@@ -114,7 +148,6 @@ def make_plan(tables: Sequence[tuple], world_size: int, sharding) -> ShardingPla
         if kind not in KINDS + ("auto",):
             raise ValueError(f"sharding of table '{name}' must be one of {KINDS + ('auto',)}, got {kind!r}")
 
-    tables = [tuple(t) + (0,) * (6 - len(t)) for t in tables]  # num_row_slots defaults to 0
     for name, rows, dim, dtype, slots, row_slots in tables:
         if row_slots and kinds[name] == "column_wise":
             raise ValueError(f"sharding of table '{name}': column_wise splits its columns, but its optimizer keeps "
