@@ -403,7 +403,9 @@ class _TableModule(_AdapterModule):
         uses by default); the module passes its mode to every lookup."""
         table_device = _table_device(device)
         for what, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"{type(self).__name__}: {what} must be an int, got {v!r}")
+            if v < 1:
                 raise ValueError(f"{type(self).__name__}: {what} must be a positive int, got {v!r}")
         if optimizer is not None and not isinstance(optimizer, ec.optimizers.Optimizer):
             raise TypeError(f"{type(self).__name__}: optimizer must be an embedcore.optimizers optimizer (SGD, "

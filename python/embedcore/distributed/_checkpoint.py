@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
 import os
 import zlib
 from typing import List, Optional
+
+import numpy as np
 
 from .. import _embedcore
 from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_flag, _check_padding, _check_values_dtype,
@@ -294,9 +297,13 @@ def reshard(src, dst, world_size: int, plan="auto", max_file_bytes: int = 64 << 
     which a reshard with its optimizer state refuses. Returns the plan's
     description."""
     include_optimizer = _check_flag(include_optimizer, "include_optimizer", "reshard")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
+    for what, value in (("world_size", world_size), ("max_file_bytes", max_file_bytes)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"reshard: {what} must be an int, got {value!r}")
+    world_size, max_file_bytes = int(world_size), int(max_file_bytes)
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"reshard: world_size must be an int in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
-    if isinstance(max_file_bytes, bool) or not isinstance(max_file_bytes, int) or max_file_bytes < 0:
+    if max_file_bytes < 0:
         raise ValueError(f"reshard: max_file_bytes must be an int >= 0, got {max_file_bytes!r}")
     src, dst = native_path(src, "src"), native_path(dst, "dst")
     # Resolved once, as load, verify and serving do: every read opens the files of one directory even while a

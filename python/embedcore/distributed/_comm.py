@@ -294,7 +294,9 @@ def run_local(size: int, fn: Callable[[Comm], Any]) -> list:
     calling thread), it stops every rank at its next collective call
     (``RankFailedError`` there) and waits for them before it raises: no rank
     goes on training or saving after it returned."""
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+    if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)):
+        raise TypeError(f"run_local: size must be an int, got {size!r}")
+    if size < 1:
         raise ValueError(f"run_local: size must be an int >= 1, got {size!r}")
     if not callable(fn):
         raise TypeError(f"run_local: fn must be callable, got {fn!r}")
