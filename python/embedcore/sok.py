@@ -310,6 +310,24 @@ def _per_variable(arg, variables, what: str) -> dict:
     return {name: arg.get(name) for name in variables}
 
 
+def _check_variable(name, v) -> None:
+    """A SokVariable as to_tables reads it (one made by hand too): int keys
+    [n], >= 0; float values [n, dim]."""
+    if not isinstance(v, SokVariable):
+        raise TypeError(f"sok.to_tables: variables[{name!r}] must be a SokVariable, got {type(v).__name__}")
+    keys, values = np.asarray(v.keys), np.asarray(v.values)
+    if keys.ndim != 1 or keys.dtype.kind not in "iu":
+        raise TypeError(f"SOK variable {name!r}: keys must be a 1-D integer array, got {keys.dtype} of shape "
+                        f"{keys.shape}")
+    if values.ndim != 2 or values.dtype.kind != "f":
+        raise TypeError(f"SOK variable {name!r}: values must be a 2-D float array [keys, dim], got {values.dtype} "
+                        f"of shape {values.shape}")
+    if values.shape[0] != keys.shape[0]:
+        raise ValueError(f"SOK variable {name!r}: {keys.shape[0]} keys and {values.shape[0]} rows of values")
+    if keys.size and keys.min() < 0:
+        raise ValueError(f"SOK variable {name!r}: negative key {int(keys.min())} (a key is a row)")
+
+
 def to_tables(variables: Dict[str, SokVariable], rows: Union[None, int, Dict[str, int]] = None,
               include_optimizer: bool = True, progress=None, names: Optional[Dict[str, str]] = None):
     """Builds one embedcore Table per variable, row k holding key k's values,
@@ -331,6 +349,11 @@ def to_tables(variables: Dict[str, SokVariable], rows: Union[None, int, Dict[str
     from .table import Table
 
     include_optimizer = _check_flag(include_optimizer, "include_optimizer", "sok.to_tables")
+    if not isinstance(variables, dict):
+        raise TypeError(f"sok.to_tables: variables must be a dict of SokVariable by name (read_dump's), got "
+                        f"{type(variables).__name__}")
+    for name, v in variables.items():
+        _check_variable(name, v)
     row_counts = _per_variable(rows, variables, "rows")
     # None: the SOK name; an empty name is refused below, not taken as None.
     table_names = {name: name if new is None else new

@@ -632,6 +632,24 @@ def test_rows_and_names_per_table(tmp_path, rng, capsys):
 
 
 # ------------------------------------------------------------------ values-only conversions
+def test_to_tables_checks_a_hand_made_variable():
+    """to_tables is public: a SokVariable made by hand with a negative key
+    ("rows must be >= 1, got 0"), more keys than values (NumPy's
+    IndexError), 1-D values ("tuple index out of range") or a list of
+    variables ("unhashable type") is refused naming the variable."""
+    V = ec.sok.SokVariable
+    for v, error, match in [
+            (V("emb", np.array([-1, 3]), np.ones((2, 2), np.float32)), ValueError, "negative key -1"),
+            (V("emb", np.array([1, 2]), np.ones((1, 2), np.float32)), ValueError, "2 keys and 1 rows of values"),
+            (V("emb", np.array([1]), np.ones(2, np.float32)), TypeError, "values must be a 2-D float array"),
+            (V("emb", np.array([1.5]), np.ones((1, 2), np.float32)), TypeError, "keys must be a 1-D integer"),
+    ]:
+        with pytest.raises(error, match=rf"SOK variable 'emb': {match}"):
+            ec.sok.to_tables({"emb": v})
+    with pytest.raises(TypeError, match="variables must be a dict of SokVariable"):
+        ec.sok.to_tables([V("emb", np.array([1]), np.ones((1, 2), np.float32))])
+
+
 def test_conversions_without_slots_are_values_only(tmp_path, rng):
     """A dump without slot files (SGD), or converted without them, loads into
     a table of any optimizer, which keeps its own slots."""
