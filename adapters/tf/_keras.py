@@ -328,14 +328,13 @@ def _trainable_lookup(emb: EmbeddingForServing, inputs, weights, anchor, refusal
             if refusal is not None:
                 raise NotImplementedError(refusal)
             # The per-id weights' gradients first, from the rows the forward read: the update changes them.
-            wgrads = [None if dys[wg.output] is None else wg.refused_gradient(w) if wg.untraced
-                      else wg.gradient(dys[wg.output], w) for wg, w in zip(weighted, ws)]
-            ordered = [g for g, wg in zip(wgrads, weighted) if g is not None and not wg.untraced]
+            wgrads = [None if dys[wg.output] is None else wg.gradient(dys[wg.output], w)
+                      for wg, w in zip(weighted, ws)]
             owner = emb_ref()
             if owner is None:
                 raise ValueError("the embedcore layer of this lookup no longer exists: its gradient cannot update "
                                  "its tables")
-            with tf.control_dependencies(ordered if not tf.executing_eagerly() else []):
+            with tf.control_dependencies([g for g in wgrads if g is not None] if not tf.executing_eagerly() else []):
                 update = _apply(owner, backward, dys)
             if not update:  # eager: the update ran
                 return [tf.zeros_like(a_value)] + [None] * len(outs) + wgrads

@@ -420,29 +420,11 @@ class WeightsGradient:
     ``tf.numpy_function``), `dy` the output's gradient. `output`: the
     output's position among the lookup's flattened outputs."""
 
-    __slots__ = ("output", "w", "tensors", "grad_fn", "dim", "label", "untraced")
+    __slots__ = ("output", "w", "tensors", "grad_fn", "dim", "label")
 
     def __init__(self, w, tensors, grad_fn, dim: int, label: str):
         self.output = -1
         self.w, self.tensors, self.grad_fn, self.dim, self.label = w, list(tensors), grad_fn, dim, label
-        self.untraced = False  # a training lookup's weights that no tape watched when its graph was traced
-
-    def refused_gradient(self, w: tf.Tensor) -> tf.Tensor:
-        """For `untraced` weights: a tensor that raises InvalidArgumentError
-        when computed (only when the weights' gradient is asked for: unused,
-        the graph prunes it), saying why there is none."""
-        message = ((f"feature {self.label}: " if self.label else "") +
-                   "the gradient of the per-id weights of a training lookup is traced with the tf.function, and "
-                   "this one was traced without a GradientTape watching them (a first call outside the tape): call "
-                   "it under the tape first (or make a new tf.function)")
-
-        def refuse(_):
-            raise ValueError(message)
-
-        # (stateless: a tf.function runs every stateful op, and this one only when its output is used)
-        g = tf.numpy_function(refuse, [w], tf.float32, stateful=False,
-                              name=f"embedcore_weights_grad_{_op_name(self.label)}")
-        return tf.cast(tf.reshape(g, tf.shape(w)), w.dtype)
 
     def gradient(self, dy: tf.Tensor, w: Optional[tf.Tensor] = None) -> tf.Tensor:
         w = self.w if w is None else w
@@ -462,19 +444,10 @@ def _with_weights_gradient(out: tf.Tensor, wg: WeightsGradient, trained: Optiona
     from the rows as this lookup read them. Only where a gradient tape
     watches the weights (a trainable weighting): weights that are data (a
     dataset's, the common case) cost nothing (their gradient would cost a
-    second lookup of the bags every training step).
-
-    In a graph that is decided when it is traced, and a ``tf.function``
-    traced without a tape on the weights (a first call outside the tape)
-    is reused under one: a lookup's gradient is then attached anyway (it
-    costs nothing unless asked for), and a training lookup's, which would
-    have to run before the update, is an error when asked for
-    (``refused_gradient``), instead of None."""
-    watched = record.should_record_backprop([wg.w])
-    if not watched and tf.executing_eagerly():
+    second lookup of the bags every training step)."""
+    if not record.should_record_backprop([wg.w]):
         return out
     if trained is not None:
-        wg.untraced = not watched  # (its backward gives an error for this gradient: refused_gradient)
         trained.append(wg)
         return out
 

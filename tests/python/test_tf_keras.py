@@ -940,35 +940,25 @@ def test_training_gives_the_weights_gradient_of_the_rows_it_read(rng, traced):
     assert np.array_equal(got.numpy(), want.numpy()) and np.abs(want.numpy()).max() > 0
 
 
-def test_a_tf_function_traced_before_its_tape_gives_the_weights_gradient_or_says_why_not(rng):
-    """A tf.function first called outside a GradientTape (a warm-up), then
-    under one that watches the per-id weights: its trace is reused, and the
-    weights' gradient was None (silently: the weighting never trained). The
-    serving lookup now gives TensorFlow's; a training lookup, whose gradient
-    must come before its update, raises InvalidArgumentError saying how to
-    trace it (the backward's table update runs: TensorFlow runs a graph's
-    stateful ops whatever fails, and an update that waited for this
-    gradient would cost every weighted training step a second lookup)."""
-    table = E.TableConfig(vocabulary_size=10, dim=3, combiner="sum", name="t")
-    layer = Embedding(feature_config={"f": E.FeatureConfig(table)}, optimizer=E.SGD(0.1))
-    layer.build()
-    ids = tf.ragged.constant([[1, 2, 3], [4], [5, 5]], dtype=tf.int64)
-    v = tf.Variable(np.linspace(0.5, 2, 10).astype(np.float32))
-
-    def grads(body):
-        fn = tf.function(lambda: body({"f": ids}, {"f": ids.with_values(tf.gather(v, ids.values))})["f"])
-        fn()  # the warm-up, outside the tape: the trace
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(fn())
-        return tf.convert_to_tensor(tape.gradient(loss, v))
-
-    rows = layer.embedding.embedding_tables[table].numpy().copy()
-    want = np.zeros(10, np.float32)
-    for i in [1, 2, 3, 4, 5, 5]:
-        want[i] += rows[i].sum()
-    np.testing.assert_allclose(grads(layer.embedding).numpy(), want, rtol=1e-6)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="traced without a GradientTape watching them"):
-        grads(lambda f, w: layer(f, w, training=True))
+def test_data_weights_in_a_tf_function_called_under_an_outer_tape_train():
+    """The custom loop "tape outside, the model's call in a tf.function"
+    with per-id weights that are data: TensorFlow's backward of the
+    function asks for every float input's gradient; the step trains the
+    table and the other variables (an attempt to refuse an untraced
+    weights' gradient failed here)."""
+    ids = tf.ragged.constant([[1, 2, 3], [4, 5]], dtype=tf.int64)
+    w = tf.ragged.constant([[0.5, 1.0, 2.0], [1.0, 3.0]], dtype=tf.float32)
+    v = tf.Variable(2.0)
+    layer = Embedding(10, 4, optimizer=ec.optimizers.SGD(0.1), combiner="sum", table_name="t")
+    forward = tf.function(lambda x, ww: layer(x, weights=ww, training=True))
+    with tf.GradientTape() as tape:
+        out = forward(ids, w)
+        loss = tf.reduce_sum(out * v)
+    table = layer._embedcore_tables()[0]
+    before = table.to_numpy().copy()
+    g = tape.gradient(loss, v)
+    np.testing.assert_allclose(g.numpy(), float(tf.reduce_sum(out)), rtol=1e-6)
+    assert not np.array_equal(table.to_numpy(), before)  # the backward's update ran
 
 
 def test_data_weights_get_no_gradient_work(rng, monkeypatch):
