@@ -50,11 +50,12 @@ _OPTIONS = frozenset({
 
 
 def _flag(owner: str, field: str, value) -> bool:
-    """`value` as a bool when it is one (Python's or NumPy's); TypeError
-    otherwise: ``lazy_adam="False"`` is true, the opposite of its word."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise TypeError(f"{owner}: {field} must be a bool, got {value!r}")
+    """`value` as a bool when it is one (as ``include_optimizer`` is taken:
+    Python's, NumPy's, a 0-d bool array or tensor); TypeError otherwise:
+    ``lazy_adam="False"`` is true, the opposite of its word."""
+    from .checkpoint import _check_flag
+
+    return _check_flag(value, field, owner)
 
 
 def _number(owner: str, name: str, value, *, minimum=None, strict=False, normal=False, why="") -> float:

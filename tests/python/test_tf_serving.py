@@ -666,6 +666,16 @@ def test_an_optimizer_the_engine_cannot_follow_makes_a_table_without_one(optimiz
     assert serving({"f": tf.constant([1, 2])})["f"].shape == (2, 2)
 
 
+def test_tf_optimizer_flags_given_as_ints_convert_as_tensorflow_takes_them():
+    """TensorFlow's optimizers take truthy flags (lazy_adam=1): converted as
+    TensorFlow reads them (embedcore's own optimizers take bools only)."""
+    from embedcore.adapters.tf import optimizer_from_tf
+
+    adam = optimizer_from_tf(E.Adam(0.1, lazy_adam=0, sum_inside_sqrt=1))
+    assert adam.lazy_adam is False and adam.sum_inside_sqrt is True
+    assert optimizer_from_tf(E.FTRL(0.1, multiply_linear_by_learning_rate=1)).multiply_linear_by_learning_rate is True
+
+
 def test_built_and_looked_up_inside_a_tf1_style_graph():
     """Built inside tf.Graph().as_default() (TF1-style code, where
     tf.init_scope is not eager), a table's TensorFlow initializer gives its
