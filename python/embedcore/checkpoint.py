@@ -325,7 +325,8 @@ def raise_interrupt_after_commit(error: BaseException, path: str, generation: in
     """A KeyboardInterrupt (Ctrl-C) that came once a save's commit had made
     its `generation` the checkpoint at `path` (Python runs the handler as
     the native commit returns): raised again saying that the save took
-    effect. Returns for anything else."""
+    effect. Returns for anything else. Called while the save holds its
+    claim on `generation` (no other save can commit that number)."""
     if not isinstance(error, KeyboardInterrupt):
         return
     try:
@@ -713,9 +714,11 @@ class Saver:
             _embedcore.commit_checkpoint(path, _manifest(generation, entries, metadata))
         except BaseException as e:
             _embedcore.remove_generation(path, generation)  # not once the manifest's rename made it the checkpoint
-            claim.release()
-            _remove_if_created_and_empty(path, created)
-            raise_interrupt_after_commit(e, path, generation)
+            try:  # (while the claim is held: once released, another save may commit this generation number)
+                raise_interrupt_after_commit(e, path, generation)
+            finally:
+                claim.release()
+                _remove_if_created_and_empty(path, created)
             raise
         finally:
             claim.release()

@@ -218,6 +218,33 @@ def test_a_ctrl_c_after_the_commit_says_the_save_took_effect(tmp_path, monkeypat
     assert served.min() == served.max() == (2.0 if call == "save" else 1.0)
 
 
+def test_a_ctrl_c_before_the_commit_makes_no_claim_when_another_save_commits_next(tmp_path, monkeypatch):
+    """A save interrupted before its commit lets its generation go; another
+    save may then commit that generation number: the interrupted one's
+    KeyboardInterrupt stays bare (it said "it holds the new checkpoint" when
+    it looked after letting go)."""
+    path = tmp_path / "ck"
+    ec.save(path, ec.Table(name="old", rows=4, dim=2))
+    native = ec.checkpoint._embedcore
+    real_write, real_cleanup = native.write_shard_files, ec.checkpoint._remove_if_created_and_empty
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def another_save_next(*args, **kwargs):  # (runs once this save let its claim go)
+        monkeypatch.setattr(native, "write_shard_files", real_write)
+        monkeypatch.setattr(ec.checkpoint, "_remove_if_created_and_empty", real_cleanup)
+        ec.save(path, ec.Table(name="other", rows=4, dim=2))
+        return real_cleanup(*args, **kwargs)
+
+    monkeypatch.setattr(native, "write_shard_files", interrupted)
+    monkeypatch.setattr(ec.checkpoint, "_remove_if_created_and_empty", another_save_next)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        ec.save(path, ec.Table(name="mine", rows=4, dim=2))
+    assert str(raised.value) == ""
+    assert list(ec.serving.open(path).tables) == ["other"]
+
+
 def test_two_processes_saving_into_one_directory(tmp_path):
     """Two processes (the lock is the file system's, not the process's)."""
     path = tmp_path / "ckpt"
