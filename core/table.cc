@@ -665,22 +665,44 @@ void Table::AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src)
   std::unique_lock<std::shared_mutex> lock(mutex_);  // (set_optimizer may be giving the table its slots)
   if (i >= slots_.size()) throw OutOfRange("table '" + spec_.name + "' has no slot " + std::to_string(i));
   const int64_t cols = slot_dim();
+  const int64_t total = n * cols;
   const OptimizerSpec::SlotBound bound = spec_.optimizer.SlotLowerBound(i);
-  // Checked and written from one copy: the caller's memory (a view the GIL does not guard) may change during
-  // the call, and a value written must be one the check saw. (It may also be the slot's own rows, shifted.)
-  const std::vector<float> staged(src, src + n * cols);
-  src = staged.data();
-  for (int64_t k = 0; k < n * cols; ++k)
-    if (!std::isfinite(src[k]) || !bound.Admits(src[k]))
-      throw InvalidArgument("table '" + spec_.name + "': slot " + spec_.optimizer.SlotNames()[i] + " values[" +
-                            std::to_string(k / cols) + ", " + std::to_string(k % cols) + "] = " +
-                            internal::FormatFloat(src[k]) + " (table row " + std::to_string(start_row + k / cols) +
-                            ") is not " + (std::isfinite(src[k]) ? bound.Describe() : std::string("finite")));
+  const std::string slot_name = spec_.optimizer.SlotNames()[i];
+  auto admitted = [&](float v) { return std::isfinite(v) && bound.Admits(v); };
+  // Every value checked where it is: a refusal names it and changes nothing.
+  for (int64_t k = 0; k < total; ++k)
+    if (!admitted(src[k]))
+      throw InvalidArgument("table '" + spec_.name + "': slot " + slot_name + " values[" + std::to_string(k / cols) +
+                            ", " + std::to_string(k % cols) + "] = " + internal::FormatFloat(src[k]) +
+                            " (table row " + std::to_string(start_row + k / cols) + ") is not " +
+                            (std::isfinite(src[k]) ? bound.Describe() : std::string("finite")));
   float* dst = slots_[i].get() + start_row * cols;
-  if (spec_.device >= 0)
-    cuda_impl::CopyToDevice(dst, src, size_t(n) * cols * sizeof(float), spec_.device);
-  else
-    std::memcpy(dst, src, size_t(n) * cols * sizeof(float));
+  // A source that is the slot's own rows, shifted, is copied first (every row gets the source as it was).
+  std::vector<float> copy;
+  if (spec_.device < 0 && internal::Overlaps(src, size_t(total) * sizeof(float), dst, size_t(total) * sizeof(float))) {
+    copy.assign(src, src + total);
+    src = copy.data();
+  }
+  // Then copied through a small block that is checked again: the caller's memory (a view the GIL does not
+  // guard) may change during the call, and no value that the check did not see reaches the slot. One that
+  // changed is refused there, the rows before it written (each a value that passed).
+  constexpr int64_t kBlock = 1 << 14;
+  std::vector<float> block(size_t(std::min(total, kBlock)));
+  for (int64_t k0 = 0; k0 < total; k0 += kBlock) {
+    const int64_t m = std::min(kBlock, total - k0);
+    std::memcpy(block.data(), src + k0, size_t(m) * sizeof(float));
+    for (int64_t k = 0; k < m; ++k)
+      if (!admitted(block[size_t(k)]))
+        throw InvalidArgument("table '" + spec_.name + "': slot " + slot_name + " values changed while assign_slot "
+                              "read them (another thread wrote them): values[" + std::to_string((k0 + k) / cols) +
+                              ", " + std::to_string((k0 + k) % cols) + "] is " +
+                              internal::FormatFloat(block[size_t(k)]) + " now; the values before it are assigned, "
+                              "the rest not: assign again");
+    if (spec_.device >= 0)
+      cuda_impl::CopyToDevice(dst + k0, block.data(), size_t(m) * sizeof(float), spec_.device);
+    else
+      std::memcpy(dst + k0, block.data(), size_t(m) * sizeof(float));
+  }
 }
 
 void Table::ReadValues(int64_t start_row, int64_t n, float* dst) const {

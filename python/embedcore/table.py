@@ -687,7 +687,10 @@ class Table(LookupMixin):
         optimizer's domain (README, Errors: accumulators and velocities at
         least 0; accumulators above 0 where the step would divide by them:
         Adagrad and row-wise Adagrad with ``epsilon=0``, FTRL), else
-        ``ValueError`` naming the first offender, with the slot unchanged."""
+        ``ValueError`` naming the first offender, with the slot unchanged.
+        (Values that another thread rewrites during the call are checked
+        again as they are copied: one that became bad is refused there,
+        the rows before it assigned, and no bad value reaches the slot.)"""
         names = self.slot_names
         if name not in names:
             raise ValueError(f"table '{self._name}' has no slot {name!r}; its slots are {list(names)}")

@@ -1104,8 +1104,8 @@ EMBEDCORE_TEST(AssignSlotKeepsSlotsInTheOptimizersDomain) {
   EMBEDCORE_EXPECT(!OptimizerSpec{}.SlotLowerBound(0).bounded);  // SGD has no slots
 }
 
-// Another thread flips one source value between good and NaN during AssignSlots: an accepted call writes
-// only values its check saw (it checked the caller's memory, then copied from it again), a refused one none.
+// Another thread flips one source value between good and NaN during AssignSlots: no NaN reaches the slot
+// (it checked the caller's memory, then copied from it again); a call that saw the NaN is refused.
 EMBEDCORE_TEST(AssignSlotWritesTheValuesItChecked) {
   Table t(MakeSpec(4096, 64, DType::kFloat32, OptimizerSpec::Kind::kAdagrad));
   const int64_t n = 4096 * 64;
