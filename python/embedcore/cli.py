@@ -277,8 +277,9 @@ def _reshard(args) -> int:
     plan = _plan_arg(args.plan)
     if args.max_file_mb < 0:
         raise ValueError(f"--max-file-mb must be >= 0, got {args.max_file_mb}")
-    if (os.path.lexists(os.path.join(args.dst, "MANIFEST")) and not args.overwrite
-            and not (os.path.isdir(args.src) and os.path.samefile(args.src, args.dst))):
+    # (A SRC that is not there: reshard says so, not this.)
+    if (os.path.lexists(os.path.join(args.dst, "MANIFEST")) and not args.overwrite and os.path.isdir(args.src)
+            and not os.path.samefile(args.src, args.dst)):
         print(f"embedcore reshard: {args.dst} already holds a checkpoint; pass --overwrite to replace it (a reshard "
               "in place, DST the same directory as SRC, needs none)", file=sys.stderr)
         return 1

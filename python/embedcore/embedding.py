@@ -75,7 +75,7 @@ def check_sharding_without_world(sharding, owner: str) -> None:
     """A ``sharding=`` other than the default given without ``world=``
     shards nothing: TypeError (it was taken and ignored, a misspelt plan
     too)."""
-    if not (isinstance(sharding, str) and sharding == "auto"):
+    if not (sharding is None or (isinstance(sharding, str) and sharding == "auto")):  # (None: make_plan's auto)
         raise TypeError(f"{owner}: sharding={sharding!r} applies over ranks: pass world= too (an "
                         "embedcore.distributed Comm), or leave sharding out")
 

@@ -856,6 +856,10 @@ def test_reshard_into_another_checkpoint_needs_overwrite(tmp_path, capsys):
     assert embedcore.cli.main(["reshard", str(src), str(dst), "--world", "2", "--overwrite"]) == 0
     assert list(ec.serving.open(dst).tables) == ["a"]
     assert embedcore.cli.main(["reshard", str(dst), str(dst), "--world", "1"]) == 0
+    capsys.readouterr()
+    assert embedcore.cli.main(["reshard", str(tmp_path / "missing"), str(dst), "--world", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "missing" in err and "--overwrite" not in err  # (the missing SRC, not DST's checkpoint)
 
 
 def test_inspect_holds_no_lock_while_its_output_waits_for_a_reader(tmp_path):

@@ -995,6 +995,7 @@ def test_config_values_taken_as_their_names_or_refused():
     for bad in ("rowwise", "row_wise", {"t": "row_wise"}):
         with pytest.raises(TypeError, match=r"Embedding: sharding=.* applies over ranks: pass world= too"):
             ec.Embedding(feature, sharding=bad)
+    ec.Embedding(feature, sharding=None)  # (make_plan's "auto" too)
 
 
 # ----------------------------------------------------------------- memory shared with outputs or the table
