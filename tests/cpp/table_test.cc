@@ -1162,6 +1162,12 @@ EMBEDCORE_TEST(AssignFromTheTablesOwnShiftedRows) {
         EMBEDCORE_EXPECT_BITS_EQ(t.slot(0)[(r - 1) * 3 + c], slot_before[size_t(r * 3 + c)]);
       }
   }
+  // A slot's rows one down, over several of AssignSlot's copy blocks (16K floats): each row gets its row above
+  // as it was before the call.
+  Table t(MakeSpec(20000, 3, DType::kFloat32, OptimizerSpec::Kind::kAdagrad));
+  for (int64_t i = 0; i < 20000 * 3; ++i) t.slot(0)[i] = float(i) + 1.0f;
+  t.AssignSlot(0, 1, 19999, t.slot(0));
+  for (int64_t i = 3; i < 20000 * 3; ++i) EMBEDCORE_EXPECT_BITS_EQ(t.slot(0)[i], float(i - 3) + 1.0f);
 }
 
 EMBEDCORE_TEST(RowwiseAdagradSlotIsOneColumn) {
