@@ -691,17 +691,20 @@ void Table::AssignSlot(size_t i, int64_t start_row, int64_t n, const float* src)
   for (int64_t k0 = 0; k0 < total; k0 += kBlock) {
     const int64_t m = std::min(kBlock, total - k0);
     std::memcpy(block.data(), src + k0, size_t(m) * sizeof(float));
-    for (int64_t k = 0; k < m; ++k)
-      if (!admitted(block[size_t(k)]))
-        throw InvalidArgument("table '" + spec_.name + "': slot " + slot_name + " values changed while assign_slot "
-                              "read them (another thread wrote them): values[" + std::to_string((k0 + k) / cols) +
-                              ", " + std::to_string((k0 + k) % cols) + "] is " +
-                              internal::FormatFloat(block[size_t(k)]) + " now; the values before it are assigned, "
-                              "the rest not: assign again");
+    int64_t good = 0;  // the block's values up to the first that changed into a refused one
+    while (good < m && admitted(block[size_t(good)])) ++good;
     if (spec_.device >= 0)
-      cuda_impl::CopyToDevice(dst + k0, block.data(), size_t(m) * sizeof(float), spec_.device);
+      cuda_impl::CopyToDevice(dst + k0, block.data(), size_t(good) * sizeof(float), spec_.device);
     else
-      std::memcpy(dst + k0, block.data(), size_t(m) * sizeof(float));
+      std::memcpy(dst + k0, block.data(), size_t(good) * sizeof(float));
+    if (good < m) {
+      const int64_t k = k0 + good;
+      throw InvalidArgument("table '" + spec_.name + "': slot " + slot_name + " values changed while assign_slot "
+                            "read them (another thread wrote them): values[" + std::to_string(k / cols) + ", " +
+                            std::to_string(k % cols) + "] (table row " + std::to_string(start_row + k / cols) +
+                            ") is " + internal::FormatFloat(block[size_t(good)]) + " now; the values before it "
+                            "are assigned, the rest not: assign again");
+    }
   }
 }
 

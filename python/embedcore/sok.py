@@ -315,7 +315,11 @@ def _check_variable(name, v) -> None:
     [n], >= 0; float values [n, dim]."""
     if not isinstance(v, SokVariable):
         raise TypeError(f"sok.to_tables: variables[{name!r}] must be a SokVariable, got {type(v).__name__}")
-    keys, values = np.asarray(v.keys), np.asarray(v.values)
+    for field in ("keys", "values"):
+        if not isinstance(getattr(v, field), np.ndarray):
+            raise TypeError(f"SOK variable {name!r}: {field} must be a NumPy array, got "
+                            f"{type(getattr(v, field)).__name__}")
+    keys, values = v.keys, v.values
     if keys.ndim != 1 or keys.dtype.kind not in "iu":
         raise TypeError(f"SOK variable {name!r}: keys must be a 1-D integer array, got {keys.dtype} of shape "
                         f"{keys.shape}")
@@ -326,6 +330,14 @@ def _check_variable(name, v) -> None:
         raise ValueError(f"SOK variable {name!r}: {keys.shape[0]} keys and {values.shape[0]} rows of values")
     if keys.size and keys.min() < 0:
         raise ValueError(f"SOK variable {name!r}: negative key {int(keys.min())} (a key is a row)")
+    if not isinstance(v.slots, dict):
+        raise TypeError(f"SOK variable {name!r}: slots must be a dict of arrays by name, got {type(v.slots).__name__}")
+    for slot, array in v.slots.items():  # (as its values: a row per key, dim columns)
+        if not isinstance(array, np.ndarray) or array.dtype.kind != "f" or array.shape != values.shape:
+            got = (f"{array.dtype} of shape {array.shape}" if isinstance(array, np.ndarray)
+                   else type(array).__name__)
+            raise ValueError(f"SOK variable {name!r}: slot {slot!r} must be a float array of the values' shape "
+                             f"{values.shape}, got {got}")
 
 
 def to_tables(variables: Dict[str, SokVariable], rows: Union[None, int, Dict[str, int]] = None,

@@ -686,7 +686,10 @@ def test_explicit_plans_any_sizes(W):
 
 
 @pytest.mark.parametrize("tables,world,error,match", [
-    ([("a", 10, 4)], 0, ValueError, "world_size must be >= 1, got 0"),
+    ([("a", 10, 4)], 0, ValueError, r"world_size must be in \[1, 1048576\], got 0"),
+    ([("a", 10, 4)], 2**21, ValueError, r"world_size must be in \[1, 1048576\], got 2097152"),  # (minutes, GBs)
+    ([("a", 10, 4, ["float32"])], 2, ValueError, "table 'a' dtype must be one of"),
+    (None, 2, TypeError, "tables must be a list of"),
     ([("a", 10, 4)], "2", TypeError, "world_size must be an int, got '2'"),
     ([("a", 10, 0)], 2, ValueError, "table 'a' dim must be >= 1, got 0"),
     ([("a", -10, 4)], 2, ValueError, "table 'a' rows must be >= 1, got -10"),
@@ -699,7 +702,7 @@ def test_make_plan_refuses_bad_arguments_by_name(tables, world, error, match):
     0: KeyError), world_size 0 (ZeroDivisionError), negative rows (taken),
     two tables of one name (merged) were not refused by name."""
     with pytest.raises(error, match=match):
-        ed.make_plan(tables, world, "column_wise" if len(tables[0]) > 2 and tables[0][2] == 0 else "auto")
+        ed.make_plan(tables, world, "column_wise" if tables and len(tables[0]) > 2 and tables[0][2] == 0 else "auto")
 
 
 def test_make_plan_takes_a_table_of_name_rows_and_dim():

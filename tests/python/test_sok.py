@@ -643,6 +643,10 @@ def test_to_tables_checks_a_hand_made_variable():
             (V("emb", np.array([1, 2]), np.ones((1, 2), np.float32)), ValueError, "2 keys and 1 rows of values"),
             (V("emb", np.array([1]), np.ones(2, np.float32)), TypeError, "values must be a 2-D float array"),
             (V("emb", np.array([1.5]), np.ones((1, 2), np.float32)), TypeError, "keys must be a 1-D integer"),
+            (V("emb", [1], np.ones((1, 2), np.float32)), TypeError, "keys must be a NumPy array, got list"),
+            (V("emb", np.array([1, 2]), np.ones((2, 2), np.float32), "Adagrad", {"accumulator": np.ones((1, 2))}),
+             ValueError, r"slot 'accumulator' must be a float array of the values' shape \(2, 2\), got float64 of "
+                         r"shape \(1, 2\)"),
     ]:
         with pytest.raises(error, match=rf"SOK variable 'emb': {match}"):
             ec.sok.to_tables({"emb": v})

@@ -27,11 +27,9 @@ from ..checkpoint import (FORMAT_VERSION, CheckpointError, _check_flag, _check_p
                           _scratch_dtype, _slot_counts, _table_config_json, absolute_path, native_path,
                           raise_interrupt_after_commit, resolved_path)
 from ._comm import RankFailedError, agree, one_thread
-from ._plan import make_plan
+from ._plan import MAX_WORLD_SIZE, make_plan  # (reshard's bound on world_size is the plan's)
 
 __all__ = ["save_sharded", "load_sharded", "reshard"]
-
-MAX_WORLD_SIZE = 1 << 20  # reshard's plan holds a few numbers per rank
 
 
 def _manifest(generation: int, tables: List[dict], metadata: dict) -> str:

@@ -23,6 +23,7 @@ __all__ = ["Shard", "TableSharding", "ShardingPlan", "KINDS"]
 
 KINDS = ("table_wise", "row_wise", "column_wise")
 _ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MAX_WORLD_SIZE = 1 << 20  # a plan holds a few numbers per rank
 
 
 class Shard(NamedTuple):
@@ -111,7 +112,7 @@ def _table_tuple(t, i: int) -> tuple:
             raise TypeError(f"make_plan: table {name!r} {field} must be an int, got {value!r}")
         if value < least:
             raise ValueError(f"make_plan: table {name!r} {field} must be >= {least}, got {value}")
-    if dtype not in _ELEMENT_BYTES:
+    if not isinstance(dtype, str) or dtype not in _ELEMENT_BYTES:
         raise ValueError(f"make_plan: table {name!r} dtype must be one of {sorted(_ELEMENT_BYTES)}, got {dtype!r}")
     return name, int(rows), int(dim), dtype, int(slots), int(row_slots)
 
@@ -124,9 +125,12 @@ def make_plan(tables: Sequence[tuple], world_size: int, sharding) -> ShardingPla
     ValueError naming them."""
     if isinstance(world_size, (bool, np.bool_)) or not isinstance(world_size, numbers.Integral):
         raise TypeError(f"make_plan: world_size must be an int, got {world_size!r}")
-    if world_size < 1:
-        raise ValueError(f"make_plan: world_size must be >= 1, got {world_size}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"make_plan: world_size must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
     world_size = int(world_size)
+    if not isinstance(tables, (list, tuple)):
+        raise TypeError(f"make_plan: tables must be a list of (name, rows, dim, ...) tuples, got "
+                        f"{type(tables).__name__}")
     tables = [_table_tuple(t, i) for i, t in enumerate(tables)]
     seen = set()
     for name, *_ in tables:
