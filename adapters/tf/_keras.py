@@ -79,6 +79,9 @@ def apply_numpy(tables: Dict[str, ec.Table], parts_by_table: Dict[str, list]) ->
         apply_gradients_many(steps)
 
 
+# Registered (as "embedcore>Embedding"), so that Keras finds the class by the name its configs record:
+# copy.copy of the layer (which Keras makes from its config) and load_model without custom_objects.
+@keras.saving.register_keras_serializable(package="embedcore")
 class Embedding(keras.layers.Layer):
     """A Keras embedding layer over engine tables.
 

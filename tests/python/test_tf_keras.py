@@ -555,6 +555,26 @@ def test_config_round_trip_keeps_optimizer_and_initializer(rng, optimizer, initi
         np.testing.assert_array_equal(t.values(), originals[0].values())
 
 
+def test_a_saved_model_loads_without_custom_objects_and_the_layer_copies(tmp_path):
+    """The layer is registered with Keras ("embedcore>Embedding"): load_model
+    finds it without custom_objects (it raised "Could not locate class
+    'Embedding'"), and so does copy.copy, which Keras makes from the config
+    (a new table with the same initial values); custom_objects still work."""
+    import copy
+
+    layer = Embedding(10, 4, optimizer=ec.optimizers.SGD(0.1), table_name="t")
+    ids = keras.Input(shape=(2,), dtype="int64")
+    model = keras.Model(ids, keras.layers.Dense(1)(layer(ids)))
+    model.save(tmp_path / "m.keras")
+    for loaded in (keras.models.load_model(tmp_path / "m.keras"),
+                   keras.models.load_model(tmp_path / "m.keras", custom_objects={"Embedding": Embedding})):
+        assert type(loaded.layers[1]) is Embedding and loaded.layers[1].get_config()["table_name"] == "t"
+    twin = copy.copy(layer)
+    assert type(twin) is Embedding and twin._embedcore_tables()[0] is not layer._embedcore_tables()[0]
+    np.testing.assert_array_equal(twin._embedcore_tables()[0].values(), layer._embedcore_tables()[0].values())
+    assert twin(tf.constant([[1, 2]])).shape == (1, 2, 4)
+
+
 def test_config_of_unserializable_optimizer_or_initializer_is_refused():
     layer = Embedding(10, 4, optimizer=ec.optimizers.SGD(lambda step: 0.1 / (1 + step)), table_name="t")
     with pytest.raises(ValueError, match="schedule"):
