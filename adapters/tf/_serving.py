@@ -376,3 +376,14 @@ class EmbeddingForServing(_AutoTrackable):
 
     def __repr__(self) -> str:
         return f"EmbeddingForServing(tables={[s.name for s in self._specs]}, features={list(self._features)})"
+
+    def __copy__(self) -> "EmbeddingForServing":
+        """A shallow copy: the same tables (as before ``__reduce_ex__`` below)."""
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("EmbeddingForServing cannot be pickled or deep-copied: "
+                        "its tables live in the engine; keep them with tf.train.Checkpoint or the Saver, and build "
+                        "a new one (a Keras Embedding(input_dim, output_dim) layer copies through its config)")

@@ -561,6 +561,7 @@ def test_a_saved_model_loads_without_custom_objects_and_the_layer_copies(tmp_pat
     'Embedding'"), and so does copy.copy, which Keras makes from the config
     (a new table with the same initial values); custom_objects still work."""
     import copy
+    import pickle
 
     layer = Embedding(10, 4, optimizer=ec.optimizers.SGD(0.1), table_name="t")
     ids = keras.Input(shape=(2,), dtype="int64")
@@ -569,6 +570,12 @@ def test_a_saved_model_loads_without_custom_objects_and_the_layer_copies(tmp_pat
     for loaded in (keras.models.load_model(tmp_path / "m.keras"),
                    keras.models.load_model(tmp_path / "m.keras", custom_objects={"Embedding": Embedding})):
         assert type(loaded.layers[1]) is Embedding and loaded.layers[1].get_config()["table_name"] == "t"
+    # An EmbeddingForServing's tables are not Keras state: a deep copy or pickle is refused by name (it failed
+    # on "cannot pickle '_thread.RLock'"); a shallow copy shares them.
+    for refused in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="EmbeddingForServing cannot be pickled or deep-copied"):
+            refused(layer.embedding)
+    assert copy.copy(layer.embedding)._embedcore_tables()[0] is layer._embedcore_tables()[0]
     twin = copy.copy(layer)
     assert type(twin) is Embedding and twin._embedcore_tables()[0] is not layer._embedcore_tables()[0]
     np.testing.assert_array_equal(twin._embedcore_tables()[0].values(), layer._embedcore_tables()[0].values())
