@@ -215,11 +215,19 @@ class Embedding(FeatureLookup):
 
     @property
     def feature_config(self):
+        """The feature config as given (a FeatureConfig, or a nested structure of them)."""
         return self._feature_config
 
     @property
     def optimizer(self) -> Optional[_opt.Optimizer]:
+        """The optimizer given for tables without their own (None: none)."""
         return self._optimizer
+
+    def __repr__(self) -> str:
+        tables = [cfg.name for cfg in self._effective.values()]
+        extra = getattr(self, "_repr_extra", lambda: "")()
+        return (f"{type(self).__name__}(features={self._feature_names}, tables={tables}, "
+                f"optimizer={self._optimizer!r}{extra})")
 
     def _table(self, f: FeatureConfig) -> Table:
         return self._tables[f.table]

@@ -354,6 +354,16 @@ def test_features_whose_paths_are_the_same_are_refused_unless_named():
     assert sorted(emb._feature_names) == ["a/b", "ab2"]
 
 
+def test_repr_names_features_tables_and_optimizer():
+    """It was object.__repr__ ("<... object at 0x...>")."""
+    fc = {"u": ec.FeatureConfig(ec.TableConfig("user", rows=4, dim=2)),
+          "h": ec.FeatureConfig(ec.TableConfig("item", rows=8, dim=2), max_sequence_length=2)}
+    assert repr(ec.Embedding(fc)) == "Embedding(features=['h', 'u'], tables=['item', 'user'], optimizer=None)"
+    sharded = ec.distributed.run_local(2, lambda w: repr(ec.Embedding(fc, world=w, sharding="row_wise")))
+    assert sharded[1].startswith("ShardedEmbedding(features=['h', 'u'], tables=['item', 'user'], optimizer=None, "
+                                 "world=<LocalComm backend='local' rank=1 size=2>")
+
+
 def test_max_sequence_length_must_fit_int64():
     t = ec.TableConfig("t", rows=10, dim=2)
     with pytest.raises(ValueError, match=r"max_sequence_length must be < 2\*\*63, got 9223372036854775808"):

@@ -254,6 +254,9 @@ class ShardedEmbedding(Embedding):
         by_name = self.local_shards
         return {cfg: by_name.get(self._effective[cfg].name, []) for cfg in self._configs}
 
+    def _repr_extra(self) -> str:
+        return f", world={self._world!r}"
+
     def _sharding_of(self, ti: int) -> TableSharding:
         return self._plan[self._effective[self._configs[ti]].name]
 
