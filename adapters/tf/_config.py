@@ -64,8 +64,9 @@ def optimizer_from_tf(opt) -> Optional[ec.optimizers.Optimizer]:
     if type(opt) is _TF.Adagrad:
         return ec.optimizers.Adagrad(initial_accumulator_value=opt.initial_accumulator_value, **common)
     if type(opt) is _TF.Adam:
-        return ec.optimizers.Adam(beta_1=opt.beta_1, beta_2=opt.beta_2, epsilon=opt.epsilon, lazy_adam=bool(opt.lazy_adam),
-                                  sum_inside_sqrt=bool(opt.sum_inside_sqrt), bias_correction=False, **common)
+        return ec.optimizers.Adam(beta_1=opt.beta_1, beta_2=opt.beta_2, epsilon=opt.epsilon,
+                                  lazy_adam=bool(opt.lazy_adam), sum_inside_sqrt=bool(opt.sum_inside_sqrt),
+                                  bias_correction=False, **common)
     if type(opt) is _TF.FTRL:
         return ec.optimizers.FTRL(learning_rate_power=opt.learning_rate_power,
                                   l1_regularization_strength=opt.l1_regularization_strength,

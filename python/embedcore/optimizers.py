@@ -129,8 +129,8 @@ class Optimizer:
             raise ValueError(f"{name}: clip_weight_min ({clip_weight_min}) > clip_weight_max ({clip_weight_max})")
         self.weight_decay_factor = (None if weight_decay_factor is None
                                     else _number(name, "weight_decay_factor", weight_decay_factor, minimum=0))
-        self.multiply_weight_decay_factor_by_learning_rate = _flag(name, "multiply_weight_decay_factor_by_learning_rate",
-                                                                   multiply_weight_decay_factor_by_learning_rate)
+        self.multiply_weight_decay_factor_by_learning_rate = _flag(
+            name, "multiply_weight_decay_factor_by_learning_rate", multiply_weight_decay_factor_by_learning_rate)
         if clipvalue is None:
             self.clipvalue = None
         elif isinstance(clipvalue, (tuple, list)):

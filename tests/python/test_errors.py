@@ -966,7 +966,8 @@ def test_optimizer_hyper_parameters_of_wrong_type(make):
 
 
 @pytest.mark.parametrize("make,field", [
-    (lambda v: opt.Adam(0.1, lazy_adam=v), "lazy_adam"), (lambda v: opt.Adam(0.1, sum_inside_sqrt=v), "sum_inside_sqrt"),
+    (lambda v: opt.Adam(0.1, lazy_adam=v), "lazy_adam"),
+    (lambda v: opt.Adam(0.1, sum_inside_sqrt=v), "sum_inside_sqrt"),
     (lambda v: opt.Adam(0.1, bias_correction=v), "bias_correction"),
     (lambda v: opt.SGD(0.1, multiply_weight_decay_factor_by_learning_rate=v),
      "multiply_weight_decay_factor_by_learning_rate"),
