@@ -310,6 +310,35 @@ def test_gpu_checkpoints_are_the_cpu_format(tmp_path, dtype):
         np.testing.assert_array_equal(torch.from_dlpack(back.slots()[name]).cpu().numpy(), s)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opt", ["adam", "rowwise_adagrad", "ftrl"])
+def test_assign_slot_over_several_blocks_then_a_step_equal_the_cpu_engine(device, opt):
+    # 2,000 x 13 floats: the checked copy goes through two 16K-float blocks (one, for row-wise Adagrad's
+    # [n, 1] accumulators); a bad value in the second block is refused before anything is written.
+    rng = np.random.default_rng(17)
+    ref = _table("cpu", optimizer=_optimizers()[opt], rows=2100)
+    dev = _table(device, optimizer=_optimizers()[opt], rows=2100)
+    for name in ref.slot_names:
+        cols = 1 if opt == "rowwise_adagrad" else 13
+        values = rng.uniform(0.5, 2.0, (2000, cols)).astype(np.float32)
+        bad = values.copy()
+        bad[-1, -1] = np.nan
+        before = _host(dev.slots()[name]).copy()
+        with pytest.raises(ValueError, match=rf"slot {name} values\[1999, {cols - 1}\] = nan \(table row 2049\)"):
+            dev.assign_slot(name, bad, start_row=50)
+        np.testing.assert_array_equal(_host(dev.slots()[name]), before)
+        ref.assign_slot(name, values, start_row=50)
+        dev.assign_slot(name, values, start_row=50)
+        np.testing.assert_array_equal(_host(dev.slots()[name]), _host(ref.slots()[name]), err_msg=name)
+    ids, offsets, _ = _bags(rng, ref.rows)
+    g = rng.standard_normal((len(offsets) - 1, 13)).astype(np.float32)
+    ref.apply_gradients(ids, offsets, g)
+    dev.apply_gradients(_to(device, ids), _to(device, offsets), _to(device, g))
+    np.testing.assert_array_equal(dev.to_numpy(), ref.to_numpy())
+    for name, slot in ref.slots().items():
+        np.testing.assert_array_equal(_host(dev.slots()[name]), slot, err_msg=name)
+
+
 @needs_gpu
 def test_embedding_on_gpu_equals_cpu():
     import torch
