@@ -36,6 +36,21 @@ inline void CheckBatchCounts(int64_t nnz, int64_t num_bags, const char* prefix =
 }
 inline void CheckBatchCounts(const Batch& batch) { CheckBatchCounts(batch.nnz, batch.num_bags); }
 
+/// InvalidArgument naming the first of a batch's offsets[0 .. num_bags] (in
+/// host memory) that breaks its rules: start at 0, never decrease, end at nnz.
+inline void CheckOffsets(const int64_t* off, int64_t num_bags, int64_t nnz) {
+  if (off[0] != 0) throw InvalidArgument("offsets[0] must be 0, got " + std::to_string(off[0]));
+  for (int64_t b = 0; b < num_bags; ++b) {
+    if (off[b + 1] < off[b])
+      throw InvalidArgument("offsets must be non-decreasing: offsets[" + std::to_string(b) + "] = " +
+                            std::to_string(off[b]) + " > offsets[" + std::to_string(b + 1) +
+                            "] = " + std::to_string(off[b + 1]));
+  }
+  if (off[num_bags] != nnz)
+    throw InvalidArgument("offsets must end at the number of ids, " + std::to_string(nnz) + ", got offsets[" +
+                          std::to_string(num_bags) + "] = " + std::to_string(off[num_bags]));
+}
+
 /// InvalidArgument for a negative max_sequence_length (a gradient part's, whatever its combiner).
 inline void CheckMaxSequenceLength(int64_t max_sequence_length) {
   if (max_sequence_length < 0)

@@ -250,17 +250,7 @@ void ValidateBatch(const Batch& batch, int64_t rows, const std::string& table) {
   internal::CheckBatchCounts(batch);  // before off[batch.num_bags] is read
   if (batch.nnz > 0 && batch.ids == nullptr) throw InvalidArgument("ids: null pointer");
   if (batch.offsets == nullptr) throw InvalidArgument("offsets: null pointer");
-  const int64_t* off = batch.offsets;
-  if (off[0] != 0) throw InvalidArgument("offsets[0] must be 0, got " + std::to_string(off[0]));
-  for (int64_t b = 0; b < batch.num_bags; ++b) {
-    if (off[b + 1] < off[b])
-      throw InvalidArgument("offsets must be non-decreasing: offsets[" + std::to_string(b) + "] = " +
-                            std::to_string(off[b]) + " > offsets[" + std::to_string(b + 1) +
-                            "] = " + std::to_string(off[b + 1]));
-  }
-  if (off[batch.num_bags] != batch.nnz)
-    throw InvalidArgument("offsets must end at the number of ids, " + std::to_string(batch.nnz) + ", got offsets[" +
-                          std::to_string(batch.num_bags) + "] = " + std::to_string(off[batch.num_bags]));
+  internal::CheckOffsets(batch.offsets, batch.num_bags, batch.nnz);
   if (batch.id_type == IdType::kInt32) {
     CheckIds(static_cast<const int32_t*>(batch.ids), batch.nnz, rows, table);
   } else {

@@ -63,13 +63,14 @@ class Scratch {
   bool pooled_ = true;
 };
 
-/// What the device check of a batch found: the first bad id's position
-/// (or -1) and whether the offsets are malformed.
-struct BatchProblem {
-  int64_t bad_position = -1;
-  int64_t bad_id = 0;
-  int bad_offsets = 0;
-};
+/// Throws InvalidArgument for a batch's bad pointers or negative lengths.
+void CheckBatchPointers(const Batch& batch);
+
+/// Throws what a device check of a batch found, as the CPU engine's
+/// ValidateBatch does: InvalidArgument for malformed offsets, else OutOfRange
+/// naming the id at `bad_position` (read back from the device; ~0: none).
+void ThrowBatchProblem(const Batch& batch, int64_t rows, const std::string& table, bool bad_offsets,
+                       unsigned long long bad_position);
 
 /// Checks a device batch against `rows` on `stream` and throws, after the
 /// kernel, OutOfRange / InvalidArgument as the CPU engine's ValidateBatch does.

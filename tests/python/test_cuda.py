@@ -2,6 +2,8 @@
 engine as the reference. The CUDA cases need the CUDA build (EMBEDCORE_CUDA=ON)
 and a GPU, with PyTorch built for CUDA; elsewhere they are skipped, saying
 which is missing. The error paths of builds without a GPU run everywhere."""
+import re
+
 import numpy as np
 import pytest
 
@@ -95,6 +97,48 @@ def test_lookup_equals_cpu_engine(device, dtype, combiner, weighted, id_dtype):
                                max_sequence_length=length))
         # The same order of additions and no FMA on either side: the same bits.
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dim", [1, 8, 24, 64, 128, 300])  # one column or 16-byte packs; under, at, over a warp
+@pytest.mark.parametrize("combiner", ["sum", "sqrtn"])
+def test_pooled_lookup_of_every_width_equals_cpu_engine(device, dtype, dim, combiner):
+    rng = np.random.default_rng(dim)
+    ref, dev = _table("cpu", dtype, dim=dim, rows=500), _table(device, dtype, dim=dim, rows=500)
+    ids, offsets, w = _bags(rng, ref.rows, bags=70, max_len=40, weighted=True)  # bags over one batch of loads
+    want = ref.lookup(ids, offsets, weights=w, combiner=combiner)
+    got = _host(dev.lookup(_to(device, ids), _to(device, offsets), weights=_to(device, w), combiner=combiner))
+    np.testing.assert_array_equal(got, want)
+    # An output that is not 16-byte aligned (a view one float in) takes the one-column kernel: the same bits.
+    if device == "cuda":
+        import torch
+
+        base = torch.empty(want.size + 1, device="cuda")
+        out = base[1:].view(want.shape)
+        dev.lookup(_to(device, ids), _to(device, offsets), weights=_to(device, w), combiner=combiner, out=out)
+        np.testing.assert_array_equal(_host(out), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("combiner", ["sum", None])
+@pytest.mark.parametrize("ids, offsets", [
+    ([1, 12, 3, -1], [0, 2, 4]),  # two bad ids: the first is named
+    ([1, 2, 3, 4], [0, 3, 2, 4]),  # offsets decrease
+    ([1, 2, 3, 4], [1, 2, 4]),  # do not start at 0
+    ([1, 2, 3, 4], [0, 2, 3]),  # end before the ids
+    ([1, 2, 3, 4], [0, 7, 4]),  # past the ids, then back
+    ([1, 2, 3, 4], [0, -2, 4]),
+    ([1, 2], [0]),  # no bags, ids left over
+])
+def test_device_batch_errors_name_what_the_cpu_engine_names(device, combiner, ids, offsets):
+    ref = ec.Table(name="t", rows=10, dim=8)
+    dev = ec.Table(name="t", rows=10, dim=8, device=None if device == "cpu" else device)
+    ids, offsets = np.array(ids, np.int64), np.array(offsets, np.int64)
+    with pytest.raises((IndexError, ValueError)) as want:
+        ref.lookup(ids, offsets, combiner=combiner)
+    with pytest.raises(want.type, match="^" + re.escape(str(want.value)) + "$"):
+        dev.lookup(_to(device, ids), _to(device, offsets), combiner=combiner)
 
 
 @pytest.mark.parametrize("device", DEVICES)
