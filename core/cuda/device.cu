@@ -33,7 +33,7 @@ std::atomic<bool> pools_work{true};
 
 // Scratch comes from a memory pool of embedcore's own on each device, which keeps the memory freed into it
 // (release threshold: all of it), as PyTorch's caching allocator does. The device's default pool gives its
-// free memory back at every synchronisation, and the next call maps it again: on an H200 that took 60 to
+// free memory back at every synchronisation, and the next call maps it again: on an H200 that took 70 to
 // 160 us of each lookup's 350 (W1g). nullptr where no pool could be made: the default pool then.
 cudaMemPool_t ScratchPool(int device) {
   static std::mutex mutex;
