@@ -194,7 +194,7 @@ EMBEDCORE_TEST(UpdateElementOrder) {
   kc.clip_gradient = true;
   kc.clip_gradient_min = -1.0f;
   kc.clip_gradient_max = 1.0f;
-  const ops::AdagradRule adagrad{0.1f};
+  const ops::AdagradRule adagrad{0.1f, 0.0f};
   float acc = 0.5f;
   w = 0.0f;
   ops::UpdateElement(adagrad, kc, w, 5.0f, &acc, nullptr);
