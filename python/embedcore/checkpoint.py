@@ -126,8 +126,9 @@ def config_from_json(d: dict, any_initializer: bool = False) -> TableConfig:
     """A TableConfig rebuilt from a checkpoint's table config (no optimizer
     when the learning rate was a schedule: that callable is not stored).
     A malformed config raises CheckpointError. With ``any_initializer``
-    (serving, which never fills a row), an initializer class this version
-    does not know (a newer writer's) gives TableConfig's default."""
+    (serving, which never fills a row), an initializer that this version
+    cannot rebuild (a newer writer's class or arguments) gives
+    TableConfig's default."""
     try:
         return _config_from_json(d, any_initializer)
     except CheckpointError:
@@ -143,7 +144,13 @@ def _config_from_json(d: dict, any_initializer: bool = False) -> TableConfig:
     cls = getattr(_init, init_d["class"], None) if isinstance(init_d, dict) and isinstance(init_d.get("class"), str) \
         else _init.Initializer  # (not a class name: _initializer_from_json names what is wrong)
     newer = not (isinstance(cls, type) and issubclass(cls, _init.Initializer))  # a class this version lacks
-    initializer = None if any_initializer and newer else _initializer_from_json(init_d)
+    if any_initializer:  # serving: a class, or arguments, of a newer writer (or none usable) give the default
+        try:
+            initializer = None if newer else _initializer_from_json(init_d)
+        except (CheckpointError, TypeError, ValueError):
+            initializer = None
+    else:
+        initializer = _initializer_from_json(init_d)
     optimizer = None
     opt_d = d.get("optimizer")
     if opt_d is not None and opt_d.get("learning_rate") is not None:
@@ -304,8 +311,9 @@ def _features_metadata(feature_config, features, too_deep: str = "raise") -> dic
     if _depth(structure) > _MAX_STRUCTURE_DEPTH:
         if too_deep == "tables":
             return {"kind": "table"}
-        raise ValueError(f"save: the feature config nests too deeply to record ({_depth(structure) // 2} levels; "
-                         f"at most {_MAX_STRUCTURE_DEPTH // 2})")
+        # (n levels of lists and dicts take 2n + 1 levels of JSON)
+        raise ValueError(f"save: the feature config nests too deeply to record ({(_depth(structure) - 1) // 2} "
+                         f"levels of lists and dicts; at most {(_MAX_STRUCTURE_DEPTH - 1) // 2})")
     # Dicts with int keys: recorded as items, which readers before it ignore (they serve the features as a
     # list); left out, as before, where the items would nest too deeply for the manifest.
     structure_items = _structure_json(feature_config, items=True) if structure is None else None

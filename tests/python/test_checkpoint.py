@@ -1256,6 +1256,22 @@ def test_a_deeply_nested_feature_config_saves_only_what_loads(tmp_path):
     np.testing.assert_array_equal(out, list(emb.embedding_tables.values())[0].lookup(np.array([1, 2, 3])))
 
 
+@pytest.mark.parametrize("levels", [11, 12])
+def test_a_feature_config_nests_at_most_11_levels_and_the_refusal_says_so(tmp_path, levels):
+    table = ec.TableConfig("t", 10, 4, initializer=ec.initializers.Uniform(-1, 1, seed=1))
+    config = ec.FeatureConfig(table, name="f")
+    for i in range(levels):
+        config = {"k": config} if i % 2 else [config]
+    emb = ec.Embedding(config, optimizer=ec.optimizers.SGD(0.1))
+    if levels == 12:
+        with pytest.raises(ValueError, match=r"nests too deeply to record \(12 levels of lists and dicts; at most 11\)"):
+            ec.save(tmp_path / "deep", emb)
+        assert not (tmp_path / "deep").exists()
+        return
+    ec.save(tmp_path / "deep", emb)
+    assert ec.serving.open(tmp_path / "deep").feature_config is not None
+
+
 def _directory_state(path):
     return {name: (path / name).read_bytes() for name in checkpoint_files(path)}
 

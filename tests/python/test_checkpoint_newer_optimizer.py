@@ -176,7 +176,12 @@ def test_an_unknown_optimizers_entry_is_still_checked(ckpt, label, forge, match)
         ec.load(ckpt, into=emb, include_optimizer=False)
 
 
-def test_an_initializer_this_reader_does_not_know(tmp_path):
+@pytest.mark.parametrize("config_initializer", [
+    {"class": "Orthogonal", "gain": 2.0},  # a class this version lacks
+    {"class": "Uniform", "minval": -1.0, "maxval": 1.0, "seed": 3, "dist_scale": 2.0},  # an argument it lacks
+    7,  # nothing it can use
+], ids=["class", "argument", "not-an-object"])
+def test_an_initializer_this_reader_does_not_know(tmp_path, config_initializer):
     """A newer writer's initializer (a kind and arguments this version does
     not know, in the manifest and in the table's config) is only how the
     table was first filled: the checkpoint serves, verifies and loads, values
@@ -188,7 +193,7 @@ def test_an_initializer_this_reader_does_not_know(tmp_path):
     ec.save(path, t)
     m = read_manifest(path)
     m["tables"][0]["initializer"] = {"kind": "orthogonal", "gain": 2.0, "seed": 7}
-    m["tables"][0]["config"]["initializer"] = {"class": "Orthogonal", "gain": 2.0}
+    m["tables"][0]["config"]["initializer"] = config_initializer
     write_manifest(path, m)
 
     srv = ec.serving.open(path)
@@ -206,7 +211,7 @@ def test_an_initializer_this_reader_does_not_know(tmp_path):
     dist.reshard(path, tmp_path / "out", world_size=2)
     out = read_manifest(tmp_path / "out")
     assert out["tables"][0]["initializer"] == {"kind": "orthogonal", "gain": 2.0, "seed": 7}
-    assert out["tables"][0]["config"]["initializer"] == {"class": "Orthogonal", "gain": 2.0}
+    assert out["tables"][0]["config"]["initializer"] == config_initializer
     everything = np.arange(ROWS)  # one bag a row
     np.testing.assert_array_equal(ec.serving.open(tmp_path / "out").tables["t"].lookup(everything, np.arange(ROWS + 1)),
                                   t.to_numpy())

@@ -956,7 +956,7 @@ def test_checkpoints_of_the_layer_record_no_feature_they_would_serve_otherwise(t
 
 
 def test_a_layer_nested_too_deeply_to_record_saves_its_tables(tmp_path):
-    """A feature config nested past what the manifest records (12 levels):
+    """A feature config nested past what the manifest records (over 11 levels):
     the layer's checkpoint holds its tables alone, as before features were
     recorded (an embedcore.Embedding's save refuses it instead)."""
     config = E.FeatureConfig(E.TableConfig(vocabulary_size=5, dim=2, name="t"))
