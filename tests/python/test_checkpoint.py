@@ -1264,7 +1264,7 @@ def test_a_feature_config_nests_at_most_11_levels_and_the_refusal_says_so(tmp_pa
         config = {"k": config} if i % 2 else [config]
     emb = ec.Embedding(config, optimizer=ec.optimizers.SGD(0.1))
     if levels == 12:
-        with pytest.raises(ValueError, match=r"nests too deeply to record \(12 levels of lists and dicts; at most 11\)"):
+        with pytest.raises(ValueError, match=r"too deeply to record \(12 levels of lists and dicts; at most 11\)"):
             ec.save(tmp_path / "deep", emb)
         assert not (tmp_path / "deep").exists()
         return
