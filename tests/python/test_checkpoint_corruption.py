@@ -339,6 +339,20 @@ def test_newer_major_version_with_another_header_layout(ckpt, pristine, target, 
     assert "newer" in assert_serving_fails(ckpt, name)
 
 
+@pytest.mark.parametrize("which", ["MANIFEST", "values"])
+def test_a_sealed_header_of_another_size_is_refused(ckpt, pristine, target, which):
+    """header_bytes is 64 (docs/format.md): a header that says otherwise, its
+    checksum re-sealed so that the check is reached, is refused by name."""
+    name = pristine["files"][which]
+    raw = (ckpt / name).read_bytes()
+    h = unpack_header(raw)
+    h["header_bytes"] = 128
+    (ckpt / name).write_bytes(pack_header(h) + raw[HEADER_BYTES:])
+    assert_load_fails(ckpt, target, name, match="unexpected header size 128")
+    assert_serving_fails(ckpt, name)
+    assert ec.cli.main(["verify", str(ckpt)]) != 0
+
+
 def test_version_zero_is_refused(ckpt, target):
     m = read_manifest(ckpt)
     m["format_version"] = [0, 9]
